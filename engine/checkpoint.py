@@ -1,0 +1,164 @@
+"""Checkpoints with ``torch.distributed.checkpoint`` (DCP), published atomically.
+
+A save writes every rank's shards into ``checkpoints/.partial-step-<N>/``; when all ranks are
+done (DCP writes its ``.metadata`` last), rank 0 renames the folder to ``step-<N>``. A rename is
+atomic, so a checkpoint is either complete under its final name or not there at all: a run
+killed mid-save leaves only a ``.partial-`` folder, which is never loaded. Old checkpoints are
+renamed to ``.trash-`` before they are deleted, for the same reason.
+
+What is saved is a dict of ``Stateful`` objects, so this module does not need to know what
+they are: model and optimizer (:class:`ModelOptimizerState`), scheduler, train state, data
+position and the RNG state of every rank (:class:`RNGState`). DCP reshards on load, so a
+checkpoint written by N processes loads into M.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.stateful import Stateful
+
+from engine import run_dir as rd
+
+
+class ModelOptimizerState(Stateful):
+    """Model and optimizer state as DCP wants it: sharded tensors with fully qualified names."""
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer):
+        self.model = model
+        self.optimizer = optimizer
+
+    def state_dict(self) -> dict[str, Any]:
+        model_state, optim_state = get_state_dict(self.model, self.optimizer)
+        return {"model": model_state, "optim": optim_state}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        set_state_dict(
+            self.model,
+            self.optimizer,
+            model_state_dict=state_dict["model"],
+            optim_state_dict=state_dict["optim"],
+        )
+
+
+class RNGState(Stateful):
+    """The RNG state of every rank (torch CPU and CUDA, Python's ``random``).
+
+    Each rank's state is gathered so that the saved object is the same on every rank. On load
+    with the same world size each rank gets its own state back; with another world size (a
+    resharded resume) the ranks are reseeded from the seed and the step, with a warning.
+    """
+
+    def __init__(self, seed: int, step_fn):
+        self.seed = seed
+        self.step_fn = step_fn
+
+    @staticmethod
+    def _local() -> dict[str, Any]:
+        state = {"torch": torch.get_rng_state(), "python": random.getstate()}
+        if torch.cuda.is_available():
+            state["cuda"] = torch.cuda.get_rng_state()
+        return state
+
+    def state_dict(self) -> dict[str, Any]:
+        local = self._local()
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            gathered: list[Any] = [None] * dist.get_world_size()
+            dist.all_gather_object(gathered, local)
+        else:
+            gathered = [local]
+        return {"per_rank": gathered}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        per_rank = state_dict["per_rank"]
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        if len(per_rank) == world:
+            state = per_rank[rank]
+            torch.set_rng_state(state["torch"])
+            random.setstate(state["python"])
+            if "cuda" in state and torch.cuda.is_available():
+                torch.cuda.set_rng_state(state["cuda"])
+        else:
+            seed = self.seed + 1_000_003 * self.step_fn() + rank
+            torch.manual_seed(seed)
+            random.seed(seed)
+            if rank == 0:
+                warnings.warn(
+                    f"checkpoint has RNG states for {len(per_rank)} ranks, this run has {world}: "
+                    "ranks were reseeded from (seed, step, rank)",
+                    stacklevel=2,
+                )
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class Checkpointer:
+    def __init__(self, checkpoints_dir: Path, keep_last: int, is_main: bool):
+        self.root = Path(checkpoints_dir)
+        self.keep_last = keep_last
+        self.is_main = is_main
+
+    def save(self, step: int, states: dict[str, Any]) -> Path:
+        final = self.root / rd.checkpoint_dir_name(step)
+        partial = self.root / (rd.PARTIAL_PREFIX + final.name)
+        if self.is_main:
+            self.root.mkdir(parents=True, exist_ok=True)
+            if partial.exists():  # left by an earlier attempt that was interrupted
+                shutil.rmtree(partial)
+        _barrier()
+        try:
+            dcp.save(states, checkpoint_id=str(partial))
+            _barrier()
+            if self.is_main:
+                if final.exists():  # a re-save of the same step: replace it safely
+                    self._trash(final)
+                os.rename(partial, final)
+                _fsync_dir(self.root)
+                self._prune()
+        except BaseException:
+            if self.is_main:
+                shutil.rmtree(partial, ignore_errors=True)
+            raise
+        _barrier()
+        return final
+
+    def _trash(self, path: Path) -> None:
+        trash = path.with_name(rd.TRASH_PREFIX + path.name)
+        shutil.rmtree(trash, ignore_errors=True)
+        os.rename(path, trash)
+        shutil.rmtree(trash, ignore_errors=True)
+
+    def _prune(self) -> None:
+        run_dir = self.root.parent
+        complete = rd.list_checkpoints(run_dir)
+        for _, path in complete[: max(0, len(complete) - self.keep_last)]:
+            self._trash(path)
+
+
+def load_checkpoint(path: Path, states: dict[str, Any]) -> None:
+    """Load a complete checkpoint into ``states`` (DCP reshards to this run's world size)."""
+    path = Path(path)
+    if rd.checkpoint_step(path) is None or not (path / rd.DCP_METADATA).is_file():
+        raise FileNotFoundError(f"{path} is not a complete checkpoint (step-<N> with {rd.DCP_METADATA})")
+    dcp.load(states, checkpoint_id=str(path))
+
+
+def _barrier() -> None:
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()

@@ -1,0 +1,223 @@
+"""Configuration: pydantic models, layered as code defaults → ``config.yaml`` → ``--set`` overrides.
+
+A recipe subclasses :class:`EngineConfig` to add its own sections (``model``, richer ``data``)
+and keeps every default in code. Every model forbids unknown keys, so a typo stops the launch
+with a message that names the key and the valid choices, before anything is written.
+"""
+
+from __future__ import annotations
+
+import difflib
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot be used; the message says which key and what is allowed."""
+
+
+class Section(BaseModel):
+    """Base of every config section: unknown keys are errors, and assignments are validated."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class TrainConfig(Section):
+    max_steps: int = Field(200, ge=1, description="Optimizer steps to train for.")
+    seed: int = Field(0, ge=0, description="Seed for weights, data order and every RNG.")
+    log_every: int = Field(10, ge=1, description="Log a metrics record every N steps.")
+    grad_accum: int = Field(1, ge=1, description="Micro-batches per optimizer step.")
+    max_grad_norm: float | None = Field(
+        1.0, gt=0, description="Clip the global gradient norm to this; null disables clipping."
+    )
+    eval_every: int = Field(0, ge=0, description="Evaluate every N steps; 0 never.")
+    eval_batches: int = Field(4, ge=1, description="Batches per evaluation.")
+
+
+class OptimConfig(Section):
+    lr: float = Field(1e-3, gt=0, description="Peak learning rate.")
+    weight_decay: float = Field(0.1, ge=0, description="Decoupled weight decay (AdamW).")
+    beta1: float = Field(0.9, ge=0, lt=1)
+    beta2: float = Field(0.95, ge=0, lt=1)
+    eps: float = Field(1e-8, gt=0)
+    warmup_steps: int = Field(20, ge=0, description="Linear warm-up steps.")
+    min_lr_ratio: float = Field(
+        0.1, ge=0, le=1, description="Cosine decay floor as a fraction of the peak lr."
+    )
+
+
+class DataConfig(Section):
+    batch_size: int = Field(
+        8, ge=1, description="Global sequences per optimizer step, split over ranks and micro-batches."
+    )
+    seq_len: int = Field(256, ge=2, description="Tokens per sequence.")
+
+
+class CheckpointConfig(Section):
+    every: int = Field(100, ge=0, description="Save a checkpoint every N steps; 0 only at the end.")
+    keep_last: int = Field(2, ge=1, description="Complete checkpoints to keep.")
+    at_end: bool = Field(True, description="Save a checkpoint when training finishes.")
+
+
+DType = Literal["float32", "bfloat16", "float16"]
+
+
+class ParallelConfig(Section):
+    tp: int = Field(1, ge=1, description="Tensor-parallel degree; data parallel gets the rest.")
+    param_dtype: DType = Field(
+        "float32", description="Dtype FSDP2 computes in (MixedPrecisionPolicy.param_dtype)."
+    )
+    reduce_dtype: DType = Field(
+        "float32", description="Dtype of gradient reduce-scatter (MixedPrecisionPolicy.reduce_dtype)."
+    )
+    fsdp_on_one_process: bool = Field(
+        False,
+        description="Apply fully_shard also when there is a single data-parallel rank "
+        "(it is skipped by default there: it only adds copies).",
+    )
+
+
+class MetricsConfig(Section):
+    tensorboard: bool = Field(True, description="Also write TensorBoard events when it is installed.")
+    peak_tflops: float | None = Field(
+        None, gt=0, description="Peak TFLOP/s of one device for MFU; known GPUs are looked up."
+    )
+
+
+class EngineConfig(Section):
+    """The sections every recipe has. Recipes subclass this and add their own."""
+
+    train: TrainConfig = TrainConfig()
+    optim: OptimConfig = OptimConfig()
+    data: DataConfig = DataConfig()
+    checkpoint: CheckpointConfig = CheckpointConfig()
+    parallel: ParallelConfig = ParallelConfig()
+    metrics: MetricsConfig = MetricsConfig()
+
+
+# ---------------------------------------------------------------------------------------------
+# Layering
+# ---------------------------------------------------------------------------------------------
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """``"train.max_steps=50"`` → ``(["train", "max_steps"], 50)``.
+
+    The value is read as YAML (so ``null``, ``true``, ``[1, 2]`` work); pydantic then coerces it
+    to the field's type, so ``1e-3`` becomes a float even though YAML reads it as a string.
+    """
+    key, sep, raw_value = text.partition("=")
+    key = key.strip()
+    if not sep or not key:
+        raise ConfigError(f"--set expects key=value with a dotted key, got {text!r}")
+    parts = key.split(".")
+    if any(not p for p in parts):
+        raise ConfigError(f"--set key {key!r} has an empty part")
+    try:
+        value = yaml.safe_load(raw_value) if raw_value.strip() else ""
+    except yaml.YAMLError:
+        value = raw_value
+    return parts, value
+
+
+def _set_dotted(tree: dict[str, Any], parts: list[str], value: Any) -> None:
+    node = tree
+    for part in parts[:-1]:
+        child = node.get(part)
+        if not isinstance(child, dict):
+            child = {}
+            node[part] = child
+        node = child
+    node[parts[-1]] = value
+
+
+def _merge(base: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:
+    merged = dict(base)
+    for key, value in update.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = _merge(merged[key], value)
+        else:
+            merged[key] = value
+    return merged
+
+
+def load_yaml(path: Path) -> dict[str, Any]:
+    try:
+        data = yaml.safe_load(Path(path).read_text())
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: not valid YAML: {e}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a mapping of sections at the top level")
+    return data
+
+
+def build_config(
+    config_class: type[EngineConfig],
+    yaml_path: Path | None = None,
+    overrides: list[str] | tuple[str, ...] = (),
+) -> EngineConfig:
+    """Code defaults, then the YAML file (if it exists), then ``--set`` overrides, validated once."""
+    layered: dict[str, Any] = {}
+    if yaml_path is not None and Path(yaml_path).is_file():
+        layered = load_yaml(yaml_path)
+    override_tree: dict[str, Any] = {}
+    for text in overrides:
+        parts, value = parse_override(text)
+        _set_dotted(override_tree, parts, value)
+    layered = _merge(layered, override_tree)
+    try:
+        return config_class.model_validate(layered)
+    except ValidationError as e:
+        raise ConfigError(explain_validation_error(config_class, e)) from None
+
+
+def _field_names(model_class: type[BaseModel], loc: tuple[Any, ...]) -> list[str]:
+    """The valid keys at ``loc`` (the parent of the offending key)."""
+    current: Any = model_class
+    for part in loc:
+        field = getattr(current, "model_fields", {}).get(part)
+        if field is None:
+            return []
+        current = field.annotation
+    return sorted(getattr(current, "model_fields", {}))
+
+
+def explain_validation_error(model_class: type[BaseModel], error: ValidationError) -> str:
+    lines = []
+    for item in error.errors():
+        loc = tuple(str(p) for p in item["loc"])
+        key = ".".join(loc)
+        if item["type"] == "extra_forbidden":
+            parent = loc[:-1]
+            valid = _field_names(model_class, parent)
+            where = f" in '{'.'.join(parent)}'" if parent else ""
+            hint = difflib.get_close_matches(loc[-1], valid, n=1)
+            suggestion = f" (did you mean '{'.'.join(parent + (hint[0],))}'?)" if hint else ""
+            lines.append(
+                f"unknown config key '{key}'{suggestion}; valid keys{where}: {', '.join(valid)}"
+            )
+        elif item["type"] in ("model_type", "model_attributes_type", "dict_type"):
+            valid = _field_names(model_class, loc)
+            lines.append(f"config key '{key}' is a section; set one of its keys: {', '.join(valid)}")
+        else:
+            value = item.get("input")
+            lines.append(f"bad value for config key '{key}': {value!r}: {item['msg']}")
+    return "; ".join(lines)
+
+
+def config_keys(config: BaseModel, prefix: str = "") -> dict[str, Any]:
+    """Flatten a config into dotted keys → values (for printing and for run.json summaries)."""
+    flat: dict[str, Any] = {}
+    for name in type(config).model_fields:
+        value = getattr(config, name)
+        key = f"{prefix}{name}"
+        if isinstance(value, BaseModel):
+            flat.update(config_keys(value, key + "."))
+        else:
+            flat[key] = value
+    return flat

@@ -1,0 +1,115 @@
+"""Process group, device and the device mesh.
+
+One process per device. ``torchrun`` sets ``RANK``/``WORLD_SIZE``/``LOCAL_RANK``; a plain
+``python -m engine.launch`` is a world of one. The backend is NCCL on GPUs and gloo on CPUs.
+The mesh has two dimensions, ``("dp", "tp")``: tensor parallelism inside groups of ``tp``
+neighbouring ranks, data parallelism (FSDP2) across them.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    mesh: DeviceMesh | None
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def dp_size(self) -> int:
+        return self.mesh["dp"].size() if self.mesh is not None else 1
+
+    @property
+    def dp_rank(self) -> int:
+        return self.mesh["dp"].get_local_rank() if self.mesh is not None else 0
+
+    @property
+    def tp_size(self) -> int:
+        return self.mesh["tp"].size() if self.mesh is not None else 1
+
+
+def world_size_from_env() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def pick_device(local_rank: int) -> torch.device:
+    if torch.cuda.is_available():
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
+
+
+def set_cpu_threads(local_world_size: int) -> None:
+    """Split the CPU cores between the processes on this machine (unless OMP_NUM_THREADS says)."""
+    if "OMP_NUM_THREADS" in os.environ:
+        return
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    torch.set_num_threads(max(1, (cores or 1) // max(1, local_world_size)))
+
+
+def init_distributed(tp: int) -> DistInfo:
+    """Start the process group (always, also for a world of one) and build the mesh."""
+    rank = int(os.environ.get("RANK", "0"))
+    world_size = world_size_from_env()
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", str(world_size)))
+    set_cpu_threads(local_world_size)
+    device = pick_device(local_rank)
+    if world_size % tp != 0:
+        raise ValueError(f"parallel.tp={tp} does not divide the world size {world_size}")
+
+    if not dist.is_initialized():
+        if "MASTER_ADDR" not in os.environ:  # a world of one started without torchrun
+            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+            os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        dist.init_process_group(
+            backend=backend,
+            rank=rank,
+            world_size=world_size,
+            timeout=datetime.timedelta(minutes=10),
+            device_id=device if device.type == "cuda" else None,
+        )
+    mesh = init_device_mesh(device.type, (world_size // tp, tp), mesh_dim_names=("dp", "tp"))
+    return DistInfo(rank, world_size, local_rank, device, mesh)
+
+
+def shutdown_distributed() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def dp_all_reduce_sum(value: torch.Tensor, info: DistInfo) -> torch.Tensor:
+    """Sum over the data-parallel ranks (tensor-parallel ranks hold the same value: no double count)."""
+    if info.dp_size > 1:
+        dist.all_reduce(value, op=dist.ReduceOp.SUM, group=info.mesh["dp"].get_group())
+    return value
+
+
+def all_reduce_max(value: float, info: DistInfo) -> float:
+    tensor = torch.tensor([value], dtype=torch.float64, device=info.device)
+    if info.world_size > 1:
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return float(tensor.item())

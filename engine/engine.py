@@ -1,0 +1,421 @@
+"""The ``Engine`` base class: a visible lifecycle and the training loop.
+
+A recipe subclasses ``Engine`` and overrides the ``prepare_*`` methods and ``compute_loss``;
+the engine owns everything that is the same for every experiment:
+
+    run()
+      before_train()   seed, prepare_model/optimizer/scheduler/data, resume from a checkpoint
+      do_train()       the loop: gradient accumulation, clipping, LR schedule, metrics,
+                       periodic evaluation and checkpoints
+      after_train()    final checkpoint, close the metric backends
+
+Losses are normalised by the number of supervised tokens in the *global* batch, so a run on N
+data-parallel ranks computes the same gradients as one process with the same global batch.
+"""
+
+from __future__ import annotations
+
+import math
+import resource
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar, Iterator
+
+import torch
+from torch import nn
+from torch.distributed.checkpoint.stateful import Stateful
+
+from engine import run_dir as rd
+from engine.checkpoint import Checkpointer, ModelOptimizerState, RNGState, load_checkpoint
+from engine.config import ConfigError, EngineConfig
+from engine.distributed import DistInfo, all_reduce_max, dp_all_reduce_sum
+from engine.flops import non_embedding_params, peak_flops
+from engine.fsdp import DTYPES
+from engine.grad_clip import clip_grad_norm
+from engine.metrics import MetricBackend, MetricLogger
+from engine.metrics.console import ConsoleBackend
+from engine.metrics.jsonl import JsonlBackend
+from engine.metrics.tensorboard import TensorBoardBackend, tensorboard_available
+
+IGNORE_INDEX = -100
+
+Batch = dict[str, torch.Tensor]
+
+
+@dataclass
+class TrainState(Stateful):
+    """Progress that a checkpoint carries besides model, optimizer, scheduler and data."""
+
+    step: int = 0
+    tokens_seen: int = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"step": self.step, "tokens_seen": self.tokens_seen}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.step = int(state_dict["step"])
+        self.tokens_seen = int(state_dict["tokens_seen"])
+
+
+@dataclass
+class StepContext:
+    """What one optimizer step produced; handed to hooks such as ``before_optimizer_step``."""
+
+    step: int  # the step being taken (1-based: the first step is 1)
+    num_tokens: int  # supervised tokens in the global batch
+    num_positions: int  # token positions processed in the global batch (padding included)
+    loss: torch.Tensor  # global mean loss of the step (a 0-d tensor, not yet synchronised)
+    grad_norm: torch.Tensor | None = None  # total gradient norm, after backward
+    timings: dict[str, float] = field(default_factory=dict)
+
+
+class Engine:
+    """Base class of every recipe. Override the ``prepare_*`` methods and ``compute_loss``."""
+
+    config_class: ClassVar[type[EngineConfig]] = EngineConfig
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        dist_info: DistInfo,
+        run_dir: Path | None = None,
+        resume_from: Path | None = None,
+    ):
+        self.config = config
+        self.dist = dist_info
+        self.device = dist_info.device
+        self.run_dir = Path(run_dir) if run_dir is not None else None
+        self.resume_from = Path(resume_from) if resume_from is not None else None
+        self.state = TrainState()
+        self.model: nn.Module
+        self.optimizer: torch.optim.Optimizer
+        self.scheduler: torch.optim.lr_scheduler.LRScheduler
+        self.train_batches: Iterator[Batch]
+        self.eval_batches: list[Batch] | None = None
+        self.logger = MetricLogger([])
+        self.checkpointer: Checkpointer | None = None
+
+    # ----------------------------------------------------------------------------------------
+    # What a recipe overrides
+    # ----------------------------------------------------------------------------------------
+
+    def prepare_model(self) -> nn.Module:
+        """Build the model, apply parallelism (``engine.fsdp.apply_fsdp`` last) and return it."""
+        raise NotImplementedError("a recipe must define prepare_model()")
+
+    def prepare_data(self) -> Iterator[Batch]:
+        """This rank's training micro-batches: an endless, ``Stateful`` iterator of dicts.
+
+        Each micro-batch holds ``micro_batch_size`` sequences; ``state_dict()`` must capture
+        the data position so that a resumed run continues with the very next batch.
+        """
+        raise NotImplementedError("a recipe must define prepare_data()")
+
+    def prepare_eval_data(self) -> list[Batch] | None:
+        """This rank's fixed evaluation batches, or None for no evaluation."""
+        return None
+
+    def prepare_optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
+        optim = self.config.optim
+        return torch.optim.AdamW(
+            model.parameters(),
+            lr=optim.lr,
+            betas=(optim.beta1, optim.beta2),
+            eps=optim.eps,
+            weight_decay=optim.weight_decay,
+        )
+
+    def prepare_scheduler(
+        self, optimizer: torch.optim.Optimizer
+    ) -> torch.optim.lr_scheduler.LRScheduler:
+        """Linear warm-up, then cosine decay to ``optim.min_lr_ratio`` of the peak."""
+        warmup = self.config.optim.warmup_steps
+        total = self.config.train.max_steps
+        floor = self.config.optim.min_lr_ratio
+
+        def lr_factor(step: int) -> float:
+            if step < warmup:
+                return (step + 1) / (warmup + 1)
+            progress = min(1.0, (step - warmup) / max(1, total - warmup))
+            return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+
+        return torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)
+
+    def compute_loss(self, batch: Batch) -> torch.Tensor:
+        """The *sum* of per-token losses of a micro-batch (the engine normalises it)."""
+        raise NotImplementedError("a recipe must define compute_loss()")
+
+    def count_tokens(self, batch: Batch) -> int:
+        """Supervised tokens in a micro-batch: labels that are not ``IGNORE_INDEX``."""
+        return int((batch["labels"] != IGNORE_INDEX).sum())
+
+    def flops_per_token(self) -> float | None:
+        """Training FLOPs per token, for MFU. Recipes with attention should add its term."""
+        return 6.0 * non_embedding_params(self.model)  # DTensor.numel() is the global size
+
+    def before_optimizer_step(self, ctx: StepContext) -> bool:
+        """Called after backward and clipping; return False to skip this optimizer step."""
+        return True
+
+    @classmethod
+    def validate_config(cls, config: EngineConfig, world_size: int) -> None:
+        """Checks that need the world size; raise ``ConfigError`` with the key to change."""
+        tp = config.parallel.tp
+        if world_size % tp:
+            raise ConfigError(
+                f"parallel.tp={tp} does not divide the number of processes ({world_size})"
+            )
+        dp = world_size // tp
+        per_step = dp * config.train.grad_accum
+        if config.data.batch_size % per_step:
+            raise ConfigError(
+                f"data.batch_size={config.data.batch_size} must be a multiple of "
+                f"data-parallel ranks × train.grad_accum = {dp} × {config.train.grad_accum}"
+            )
+
+    # ----------------------------------------------------------------------------------------
+    # Derived values
+    # ----------------------------------------------------------------------------------------
+
+    @property
+    def micro_batch_size(self) -> int:
+        """Sequences per micro-batch on this rank."""
+        return self.config.data.batch_size // (self.dist.dp_size * self.config.train.grad_accum)
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        return DTYPES[self.config.parallel.param_dtype]
+
+    # ----------------------------------------------------------------------------------------
+    # Lifecycle
+    # ----------------------------------------------------------------------------------------
+
+    def run(self) -> None:
+        self.before_train()
+        try:
+            self.do_train()
+            self.after_train()
+        finally:
+            self.logger.close()
+
+    def before_train(self) -> None:
+        torch.manual_seed(self.config.train.seed)
+        self.model = self.prepare_model()
+        if self.config.parallel.tp > 1 and not _has_dtensor_params(self.model):
+            raise ConfigError(
+                f"parallel.tp={self.config.parallel.tp} but prepare_model() applied no tensor "
+                "parallelism; apply the tensor-parallel skill to the recipe, or set parallel.tp=1"
+            )
+        self.optimizer = self.prepare_optimizer(self.model)
+        self.scheduler = self.prepare_scheduler(self.optimizer)
+        self.train_batches = self.prepare_data()
+        self.eval_batches = self.prepare_eval_data()
+        self._flops_per_token = self.flops_per_token()
+        self._peak_flops = peak_flops(
+            self.device, self.compute_dtype, self.config.metrics.peak_tflops
+        )
+
+        if self.run_dir is not None:
+            self.checkpointer = Checkpointer(
+                self.run_dir / rd.CHECKPOINTS_DIRNAME,
+                keep_last=self.config.checkpoint.keep_last,
+                is_main=self.dist.is_main,
+            )
+        if self.resume_from is not None:
+            self.load_checkpoint(self.resume_from)
+        self.logger = MetricLogger(self.make_metric_backends())
+
+    def make_metric_backends(self) -> list[MetricBackend]:
+        if not self.dist.is_main:
+            return []
+        backends: list[MetricBackend] = [ConsoleBackend(self.config.train.max_steps)]
+        if self.run_dir is not None:
+            backends.append(JsonlBackend(self.run_dir / rd.METRICS_JSONL))
+            if self.config.metrics.tensorboard and tensorboard_available():
+                backends.append(TensorBoardBackend(self.run_dir / "tensorboard"))
+        return backends
+
+    def do_train(self) -> None:
+        cfg = self.config
+        self.model.train()
+        window_start = time.perf_counter()
+        window_tokens = window_positions = window_steps = 0
+        while self.state.step < cfg.train.max_steps:
+            ctx = self.train_step()
+            window_tokens += ctx.num_tokens
+            window_positions += ctx.num_positions
+            window_steps += 1
+            step = self.state.step
+
+            if step % cfg.train.log_every == 0 or step == cfg.train.max_steps:
+                self._synchronize()
+                elapsed = time.perf_counter() - window_start
+                self.log_step(ctx, elapsed, window_tokens, window_positions, window_steps)
+                window_start = time.perf_counter()
+                window_tokens = window_positions = window_steps = 0
+
+            if cfg.train.eval_every and step % cfg.train.eval_every == 0 and self.eval_batches:
+                self.logger.log({"step": step, "eval_loss": self.evaluate()})
+
+            if cfg.checkpoint.every and step % cfg.checkpoint.every == 0:
+                self.save_checkpoint()
+                window_start = time.perf_counter()  # checkpoint time is not training time
+
+    def after_train(self) -> None:
+        if self.config.checkpoint.at_end and self.checkpointer is not None:
+            final = rd.checkpoint_dir_name(self.state.step)
+            if not (self.checkpointer.root / final).exists():
+                self.save_checkpoint()
+
+    # ----------------------------------------------------------------------------------------
+    # One step
+    # ----------------------------------------------------------------------------------------
+
+    def train_step(self) -> StepContext:
+        timings: dict[str, float] = {}
+        start = time.perf_counter()
+        micro_batches = [
+            self.to_device(next(self.train_batches)) for _ in range(self.config.train.grad_accum)
+        ]
+        counts = torch.tensor(
+            [
+                sum(self.count_tokens(mb) for mb in micro_batches),
+                sum(mb["input_ids"].numel() for mb in micro_batches),
+            ],
+            dtype=torch.int64,
+            device=self.device,
+        )
+        num_tokens, num_positions = (int(x) for x in dp_all_reduce_sum(counts, self.dist))
+        timings["data_s"] = time.perf_counter() - start
+
+        start = time.perf_counter()
+        # Gradients of sum(loss)/global_tokens. FSDP2 averages gradients over the dp ranks, so
+        # each rank scales by dp_size to turn that average back into a sum.
+        scale = self.dist.dp_size / max(1, num_tokens)
+        loss_sum = torch.zeros((), device=self.device, dtype=torch.float32)
+        for micro_batch in micro_batches:
+            micro_loss = self.compute_loss(micro_batch)
+            (micro_loss * scale).backward()
+            loss_sum += micro_loss.detach().float()
+        loss = dp_all_reduce_sum(loss_sum, self.dist) / max(1, num_tokens)
+        timings["fwd_bwd_s"] = time.perf_counter() - start
+
+        start = time.perf_counter()
+        ctx = StepContext(
+            step=self.state.step + 1,
+            num_tokens=num_tokens,
+            num_positions=num_positions,
+            loss=loss,
+            timings=timings,
+        )
+        ctx.grad_norm = clip_grad_norm(self.model.parameters(), self.config.train.max_grad_norm)
+        if self.before_optimizer_step(ctx):
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
+        self.state.step += 1
+        self.state.tokens_seen += num_tokens
+        timings["optim_s"] = time.perf_counter() - start
+        return ctx
+
+    def to_device(self, batch: Batch) -> Batch:
+        if self.device.type == "cpu":
+            return batch
+        return {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        self.model.eval()
+        totals = torch.zeros(2, dtype=torch.float64, device=self.device)
+        for batch in self.eval_batches or []:
+            batch = self.to_device(batch)
+            totals[0] += self.compute_loss(batch).double()
+            totals[1] += self.count_tokens(batch)
+        dp_all_reduce_sum(totals, self.dist)
+        self.model.train()
+        return float(totals[0] / totals[1].clamp(min=1))
+
+    # ----------------------------------------------------------------------------------------
+    # Metrics
+    # ----------------------------------------------------------------------------------------
+
+    def log_step(
+        self, ctx: StepContext, elapsed: float, tokens: int, positions: int, steps: int
+    ) -> None:
+        step_time = elapsed / max(1, steps)
+        record: dict[str, Any] = {
+            "step": self.state.step,
+            "loss": float(ctx.loss),
+            "lr": self.scheduler.get_last_lr()[0],
+            "grad_norm": float(ctx.grad_norm) if ctx.grad_norm is not None else None,
+            "tokens_per_s": tokens / elapsed if elapsed > 0 else 0.0,
+            "step_time_s": step_time,
+            "peak_mem_mb": all_reduce_max(_peak_memory_mb(self.device), self.dist),
+            **{k: round(v, 6) for k, v in ctx.timings.items()},
+            "tokens_seen": self.state.tokens_seen,
+            "padding_frac": 1.0 - ctx.num_tokens / max(1, ctx.num_positions),
+            "eta_s": step_time * (self.config.train.max_steps - self.state.step),
+        }
+        if self._flops_per_token and self._peak_flops and elapsed > 0:
+            achieved = self._flops_per_token * positions / elapsed
+            record["mfu"] = achieved / (self._peak_flops * self.dist.world_size)
+        self.logger.log(record)
+
+    def _synchronize(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    # ----------------------------------------------------------------------------------------
+    # Checkpoints
+    # ----------------------------------------------------------------------------------------
+
+    def checkpoint_states(self) -> dict[str, Any]:
+        """Everything a checkpoint holds; each value is ``Stateful``."""
+        return {
+            "model_optim": ModelOptimizerState(self.model, self.optimizer),
+            "scheduler": _SchedulerState(self.scheduler),
+            "train": self.state,
+            "data": self.train_batches,
+            "rng": RNGState(self.config.train.seed, lambda: self.state.step),
+        }
+
+    def save_checkpoint(self) -> Path | None:
+        if self.checkpointer is None:
+            return None
+        return self.checkpointer.save(self.state.step, self.checkpoint_states())
+
+    def load_checkpoint(self, path: Path) -> None:
+        load_checkpoint(path, self.checkpoint_states())
+        if self.dist.is_main:
+            print(f"resumed from {path} at step {self.state.step}", flush=True)
+
+
+class _SchedulerState(Stateful):
+    """An LR scheduler's state without its lambdas (they are code, rebuilt by the recipe)."""
+
+    def __init__(self, scheduler: torch.optim.lr_scheduler.LRScheduler):
+        self.scheduler = scheduler
+
+    def state_dict(self) -> dict[str, Any]:
+        state = self.scheduler.state_dict()
+        state.pop("lr_lambdas", None)
+        return state
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        state = dict(self.scheduler.state_dict())
+        state.update(state_dict)
+        self.scheduler.load_state_dict(state)
+
+
+def _has_dtensor_params(model: nn.Module) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return any(isinstance(p, DTensor) and "tp" in (p.device_mesh.mesh_dim_names or ()) for p in model.parameters())
+
+
+def _peak_memory_mb(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    # Linux reports ru_maxrss in KiB: the process's peak resident memory.
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024

@@ -1,0 +1,52 @@
+"""FSDP2: ``fully_shard`` each transformer block, then the root.
+
+Sharding per block lets FSDP2 all-gather one block's parameters while the previous block
+computes, and frees them after; the root call picks up what is left (embeddings, final norm,
+output head). Call this last, after tensor parallelism, activation checkpointing and
+``torch.compile`` have been applied to the blocks: FSDP2 must see the final modules.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+from engine.config import ParallelConfig
+from engine.distributed import DistInfo
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def transformer_blocks(model: nn.Module) -> list[nn.Module]:
+    """The repeated blocks of a model: the children of its largest ``nn.ModuleList``.
+
+    Works for Hugging Face decoders (``model.model.layers``), nanoGPT (``transformer.h``) and
+    most hand-written transformers without naming the block class.
+    """
+    lists = [m for m in model.modules() if isinstance(m, nn.ModuleList) and len(m) > 0]
+    if not lists:
+        return []
+    return list(max(lists, key=lambda m: sum(p.numel() for p in m.parameters())))
+
+
+def apply_fsdp(model: nn.Module, dist_info: DistInfo, parallel: ParallelConfig) -> nn.Module:
+    """Shard ``model`` over the data-parallel mesh dimension, with the configured precision.
+
+    With a single data-parallel rank and full precision, sharding only adds copies, so the model
+    is returned as it is unless ``parallel.fsdp_on_one_process`` asks for it.
+    """
+    mixed = parallel.param_dtype != "float32" or parallel.reduce_dtype != "float32"
+    if dist_info.dp_size == 1 and not mixed and not parallel.fsdp_on_one_process:
+        return model
+    mp_policy = MixedPrecisionPolicy(
+        param_dtype=DTYPES[parallel.param_dtype], reduce_dtype=DTYPES[parallel.reduce_dtype]
+    )
+    dp_mesh = dist_info.mesh["dp"]
+    blocks = transformer_blocks(model)
+    for index, block in enumerate(blocks):
+        # The last block's parameters are needed again at once by backward: keep them gathered.
+        reshard = index < len(blocks) - 1
+        fully_shard(block, mesh=dp_mesh, mp_policy=mp_policy, reshard_after_forward=reshard)
+    fully_shard(model, mesh=dp_mesh, mp_policy=mp_policy)
+    return model

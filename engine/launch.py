@@ -1,0 +1,200 @@
+"""Entry point: ``python -m engine.launch RECIPE_DIR [--set key=value ...]``.
+
+The same command runs under ``torchrun --nproc-per-node N -m engine.launch ...``. It loads the
+recipe (``RECIPE_DIR/recipe.py``, which defines one ``Engine`` subclass), builds its config
+(code defaults → ``RECIPE_DIR/config.yaml`` → ``--set``), validates it, and only then creates
+or opens the run directory and trains. A config error exits with status 2 before anything
+is written.
+
+``--check`` validates without training and prints one JSON line (``{"ok": ..., "config": ...}``
+or ``{"ok": false, "error": ...}``): the CLI and the MCP server use it to refuse a bad launch
+before they create a run directory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import sys
+import traceback
+from pathlib import Path
+
+EXIT_OK, EXIT_FAILED, EXIT_CONFIG = 0, 1, 2
+
+
+class RecipeError(ValueError):
+    """The recipe folder cannot be loaded."""
+
+
+def load_recipe_class(recipe_dir: Path):
+    """Import ``RECIPE_DIR/recipe.py`` and return the one ``Engine`` subclass it defines."""
+    from engine.engine import Engine
+
+    recipe_file = Path(recipe_dir) / "recipe.py"
+    if not recipe_file.is_file():
+        raise RecipeError(f"{recipe_dir} is not a recipe folder: it has no recipe.py")
+    module_name = f"trainwright_recipe_{abs(hash(str(recipe_file.resolve())))}"
+    spec = importlib.util.spec_from_file_location(module_name, recipe_file)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[module_name] = module
+    # The recipe folder is importable, so a recipe can keep helpers in sibling files.
+    sys.path.insert(0, str(Path(recipe_dir).resolve()))
+    spec.loader.exec_module(module)
+    classes = [
+        obj
+        for obj in vars(module).values()
+        if isinstance(obj, type)
+        and issubclass(obj, Engine)
+        and obj is not Engine
+        and obj.__module__ == module_name
+    ]
+    if len(classes) != 1:
+        names = ", ".join(c.__name__ for c in classes) or "none"
+        raise RecipeError(f"{recipe_file} must define exactly one Engine subclass (found: {names})")
+    return classes[0]
+
+
+def resolve_config(recipe_class, recipe_dir: Path, overrides, config_json: Path | None):
+    from engine.config import build_config, load_yaml
+
+    if config_json is not None:
+        # A resumed run starts from the exact config of the run it continues.
+        data = json.loads(Path(config_json).read_text())
+        base = data.get("config", data)
+        return build_config(recipe_class.config_class, None, _flatten_to_overrides(base) + list(overrides))
+    yaml_path = Path(recipe_dir) / "config.yaml"
+    if yaml_path.is_file():
+        load_yaml(yaml_path)  # fail early with the file's name on bad YAML
+    return build_config(recipe_class.config_class, yaml_path, overrides)
+
+
+def _flatten_to_overrides(tree: dict, prefix: str = "") -> list[str]:
+    items = []
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            items.extend(_flatten_to_overrides(value, f"{prefix}{key}."))
+        else:
+            items.append(f"{prefix}{key}={json.dumps(value)}")
+    return items
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m engine.launch",
+        description="Train a trainwright recipe (also under torchrun --nproc-per-node N).",
+    )
+    parser.add_argument("recipe_dir", type=Path, help="recipe folder with a recipe.py")
+    parser.add_argument(
+        "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+        help="override a config value with a dotted key, e.g. --set train.max_steps=50",
+    )
+    parser.add_argument("--run-dir", type=Path, help="use this existing run directory")
+    parser.add_argument("--resume-from", type=Path, help="checkpoint folder (step-<N>) to resume")
+    parser.add_argument("--config-json", type=Path, help="start from this resolved config (JSON)")
+    parser.add_argument("--check", action="store_true", help="validate only; print one JSON line")
+    parser.add_argument("--nproc", type=int, help="with --check: the number of processes to check for")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    from engine.config import ConfigError
+
+    world_size = args.nproc if args.check and args.nproc else int(os.environ.get("WORLD_SIZE", "1"))
+    try:
+        recipe_class = load_recipe_class(args.recipe_dir)
+        config = resolve_config(recipe_class, args.recipe_dir, args.overrides, args.config_json)
+        recipe_class.validate_config(config, world_size)
+        if args.resume_from is not None:
+            from engine import run_dir as rd
+
+            if rd.checkpoint_step(args.resume_from) is None or not (args.resume_from / rd.DCP_METADATA).is_file():
+                raise ConfigError(f"--resume-from {args.resume_from} is not a complete checkpoint")
+    except (ConfigError, RecipeError) as e:
+        if args.check:
+            print(json.dumps({"ok": False, "error": str(e)}))
+        elif int(os.environ.get("RANK", "0")) == 0:
+            print(f"error: {e}", file=sys.stderr)
+        return EXIT_CONFIG
+    if args.check:
+        print(json.dumps({"ok": True, "config": config.model_dump(mode="json")}))
+        return EXIT_OK
+    return train(recipe_class, config, args)
+
+
+def train(recipe_class, config, args: argparse.Namespace) -> int:
+    import torch.distributed as dist
+
+    from engine import run_dir as rd
+    from engine.distributed import init_distributed, shutdown_distributed
+
+    dist_info = init_distributed(config.parallel.tp)
+    run_dir = _open_run_dir(args, recipe_class, dist_info)
+    if dist_info.is_main:
+        rd.update_run(
+            run_dir,
+            config=config.model_dump(mode="json"),
+            world_size=dist_info.world_size,
+            status=rd.RUNNING,
+            started_at=rd.utc_now(),
+            engine_pid=os.getpid(),
+        )
+        print(f"run {run_dir.name}: {dist_info.world_size} process(es) on {dist_info.device.type}", flush=True)
+    engine = recipe_class(config, dist_info, run_dir=run_dir, resume_from=args.resume_from)
+    try:
+        engine.run()
+    except BaseException as e:
+        if dist_info.is_main:
+            traceback.print_exc()
+            rd.update_run(run_dir, status=rd.FAILED, error=f"{type(e).__name__}: {e}"[:2000], ended_at=rd.utc_now())
+        if isinstance(e, KeyboardInterrupt):
+            return 130
+        from engine.config import ConfigError
+
+        return EXIT_CONFIG if isinstance(e, ConfigError) else EXIT_FAILED
+    finally:
+        if dist.is_initialized():
+            shutdown_distributed()
+    if dist_info.is_main:
+        rd.update_run(run_dir, status=rd.COMPLETED, ended_at=rd.utc_now(), final_step=engine.state.step)
+    return EXIT_OK
+
+
+def _open_run_dir(args: argparse.Namespace, recipe_class, dist_info) -> Path:
+    """The run directory given by ``--run-dir``, or a new ``runs/<id>`` in the current directory."""
+    import torch.distributed as dist
+
+    from engine import run_dir as rd
+
+    if args.run_dir is not None:
+        return args.run_dir
+    holder = [None]
+    if dist_info.is_main:
+        recipe_dir = args.recipe_dir.resolve()
+        run_id = rd.new_run_id(recipe_dir.name)
+        path = Path.cwd() / rd.RUNS_DIRNAME / run_id
+        rd.create_run(
+            path,
+            {
+                "id": run_id,
+                "recipe": str(args.recipe_dir),
+                "overrides": args.overrides,
+                "nproc": dist_info.world_size,
+                "status": rd.STARTING,
+                "created_at": rd.utc_now(),
+                "resumed_from": None,
+                "git_commit": None,
+                "pid": os.getpid(),  # no supervisor: the engine's own rank 0 stands for the run
+            },
+        )
+        holder[0] = str(path)
+    if dist_info.world_size > 1:
+        dist.broadcast_object_list(holder, src=0)
+    return Path(holder[0])
+
+
+if __name__ == "__main__":
+    sys.exit(main())
