@@ -42,7 +42,13 @@ def load_recipe_class(recipe_dir: Path):
     sys.modules[module_name] = module
     # The recipe folder is importable, so a recipe can keep helpers in sibling files.
     sys.path.insert(0, str(Path(recipe_dir).resolve()))
-    spec.loader.exec_module(module)
+    try:
+        spec.loader.exec_module(module)
+    except Exception as e:
+        where = ""
+        if isinstance(e, SyntaxError):
+            where = f" (line {e.lineno})"
+        raise RecipeError(f"{recipe_file} cannot be imported{where}: {type(e).__name__}: {e}") from e
     classes = [
         obj
         for obj in vars(module).values()

@@ -81,8 +81,11 @@ class ByteTokenizer:
     pad_token_id = 257
     vocab_size = 258
 
-    def encode(self, text: str) -> list[int]:
-        return list(text.encode("utf-8", errors="replace"))
+    def encode(self, text: str) -> torch.Tensor:
+        data = bytearray(text.encode("utf-8", errors="replace"))
+        if not data:
+            return torch.zeros(0, dtype=torch.int64)
+        return torch.frombuffer(data, dtype=torch.uint8).to(torch.int64)
 
     def decode(self, ids: list[int]) -> str:
         return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
@@ -98,8 +101,8 @@ class PretrainedTokenizer:
         self.pad_token_id = pad if pad is not None else self.eos_token_id
         self.vocab_size = len(self.tokenizer)
 
-    def encode(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text, add_special_tokens=False)
+    def encode(self, text: str) -> torch.Tensor:
+        return torch.tensor(self.tokenizer.encode(text, add_special_tokens=False), dtype=torch.int64)
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids)
@@ -174,7 +177,7 @@ def tokenize_documents(texts: list[str], tokenizer, seq_len: int) -> list[torch.
     """
     pieces = []
     for text in texts:
-        ids = torch.tensor(tokenizer.encode(text) + [tokenizer.eos_token_id], dtype=torch.int64)
+        ids = torch.cat([tokenizer.encode(text), torch.tensor([tokenizer.eos_token_id])])
         for start in range(0, len(ids) - 1, seq_len):
             pieces.append(ids[start : start + seq_len + 1])
     return pieces

@@ -1,0 +1,36 @@
+# Two commands on a fresh machine: `make demo` and `make test`. Both create .venv if it is
+# missing and install what they need. Choose another torch with e.g. TORCH="torch==2.9.1",
+# or TORCH= to keep whatever torch the environment has.
+PYTHON ?= python3
+VENV ?= .venv
+TORCH ?= torch==2.13.0
+PYTEST_ARGS ?=
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: install demo test test-fast bench clean
+
+$(STAMP): pyproject.toml
+	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	@if [ -n "$(TORCH)" ]; then $(BIN)/python -m pip install --quiet "$(TORCH)"; fi
+	$(BIN)/python -m pip install --quiet -e ".[dev]"
+	@touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/python examples/demo.py
+
+test: $(STAMP)
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+# The quick part of the suite: no torchrun launches, no runs longer than a few seconds.
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -m "not multiprocess and not slow" $(PYTEST_ARGS)
+
+bench: $(STAMP)
+	$(BIN)/python bench/throughput.py
+
+clean:
+	rm -rf $(VENV) demo-workspace .pytest_cache .hypothesis

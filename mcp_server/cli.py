@@ -1,0 +1,331 @@
+"""The ``trainwright`` command line: the CLI twin of every MCP tool, for people and CI agents.
+
+Every command takes ``--workspace DIR`` (default: the current directory) and ``--json`` (one
+JSON object on stdout, the same object the MCP tool returns). Exit codes:
+
+    0  success            2  bad input or refused (the message says what to change)
+    1  the run failed     3  not found (unknown run, recipe, checkpoint, skill)
+  130  stopped or interrupted
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+from pydantic import BaseModel
+
+EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_NOT_FOUND, EXIT_STOPPED = 0, 1, 2, 3, 130
+
+EPILOG = """exit codes: 0 success, 1 the run failed, 2 bad input or refused, 3 not found,
+130 stopped or interrupted. Every command accepts --workspace DIR and --json."""
+
+
+class CommandError(Exception):
+    def __init__(self, message: str, code: int):
+        super().__init__(message)
+        self.code = code
+
+
+def _workspace(args: argparse.Namespace):
+    from sandbox.workspace import Workspace
+
+    return Workspace.open(args.workspace)
+
+
+def _emit(args: argparse.Namespace, result: BaseModel, text: Callable[[Any], str]) -> None:
+    if args.json:
+        print(result.model_dump_json())
+    else:
+        print(text(result))
+
+
+# ---------------------------------------------------------------------------------------------
+# Runs
+# ---------------------------------------------------------------------------------------------
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from mcp_server.operations import runs
+
+    ws = _workspace(args)
+    result = runs.launch_run(ws, args.recipe, nproc=args.nproc, overrides=args.overrides)
+    return _after_launch(args, ws, result)
+
+
+def cmd_resume(args: argparse.Namespace) -> int:
+    from mcp_server.operations import runs
+
+    ws = _workspace(args)
+    result = runs.resume_checkpoint(
+        ws, args.run_id, step=args.step, nproc=args.nproc, overrides=args.overrides
+    )
+    return _after_launch(args, ws, result)
+
+
+def _after_launch(args, ws, result) -> int:
+    """Detached: print the handle. Foreground: stream the console, then print the outcome."""
+    if args.detach:
+        _emit(args, result, lambda r: f"started run {r.run_id} ({r.run_dir}); "
+              f"`trainwright status {r.run_id}` shows how it goes")
+        return EXIT_OK
+    if not args.json:
+        print(f"run {result.run_id} → {result.run_dir}", flush=True)
+    code = _follow_run(ws, result.run_id, echo=not args.json)
+    if args.json:
+        from mcp_server.operations import runs
+
+        final = result.model_copy(update={"status": runs.get_run(ws, result.run_id).status})
+        print(final.model_dump_json())
+    return code
+
+
+def _follow_run(ws, run_id: str, echo: bool) -> int:
+    """Print the run's console output until it ends; Ctrl-C stops the run."""
+    from engine import run_dir as rd
+    from mcp_server.operations import runs
+
+    run_dir = ws.run_dir(run_id)
+    console = run_dir / rd.CONSOLE_LOG
+    offset = 0
+    stopping = False
+    while True:
+        try:
+            if console.is_file():
+                with open(console, "rb") as f:
+                    f.seek(offset)
+                    chunk = f.read()
+                    offset += len(chunk)
+                if chunk and echo:
+                    sys.stdout.write(chunk.decode("utf-8", errors="replace"))
+                    sys.stdout.flush()
+            record = rd.read_run(run_dir)
+            status = rd.effective_status(record)
+            if status in rd.FINAL_STATUSES and not rd.pid_alive(record.get("pid")):
+                if console.is_file() and console.stat().st_size > offset:
+                    continue  # print the rest first
+                break
+            time.sleep(0.3)
+        except KeyboardInterrupt:
+            if stopping:
+                raise
+            stopping = True
+            print("\nstopping the run (Ctrl-C again to leave it running in the background)…", file=sys.stderr)
+            runs.stop_run(ws, run_id)
+    info = runs.get_run(ws, run_id)
+    return {rd.COMPLETED: EXIT_OK, rd.STOPPED: EXIT_STOPPED}.get(info.status, EXIT_FAILED)
+
+
+def cmd_runs(args: argparse.Namespace) -> int:
+    from mcp_server.operations import runs
+
+    result = runs.list_runs(_workspace(args), limit=args.limit)
+
+    def text(r) -> str:
+        if not r.runs:
+            return "no runs yet; `trainwright run RECIPE` starts one"
+        lines = [f"{'run id':<40} {'status':<10} {'step':>11} {'loss':>8}  recipe"]
+        for s in r.runs:
+            step = f"{s.step or 0}/{s.max_steps or '?'}"
+            loss = f"{s.loss:.4f}" if isinstance(s.loss, float) else "-"
+            lines.append(f"{s.run_id:<40} {s.status:<10} {step:>11} {loss:>8}  {s.recipe}")
+        return "\n".join(lines)
+
+    _emit(args, result, text)
+    return EXIT_OK
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from mcp_server.operations import runs
+
+    result = runs.get_run(_workspace(args), args.run_id)
+
+    def text(r) -> str:
+        lines = [f"run {r.run_id}: {r.status}", f"  recipe     {r.recipe} (commit {(r.git_commit or '-')[:10]})"]
+        lines.append(f"  processes  {r.world_size or r.nproc}")
+        if r.step is not None:
+            lines.append(f"  step       {r.step}/{r.max_steps}")
+        if r.latest:
+            latest = r.latest
+            lines.append(
+                f"  latest     loss {latest.get('loss', float('nan')):.4f}, "
+                f"{latest.get('tokens_per_s', 0):,.0f} tokens/s"
+            )
+        if r.eta_s is not None:
+            lines.append(f"  eta        {r.eta_s:.0f} s")
+        if r.resumed_from:
+            lines.append(f"  resumed    from {r.resumed_from.run_id} step {r.resumed_from.step}")
+        if r.checkpoints:
+            lines.append(f"  checkpoints steps {', '.join(str(c.step) for c in r.checkpoints)}")
+        if r.error:
+            lines.append(f"  error      {r.error}")
+        for warning in r.warnings:
+            lines.append(f"  warning    {warning}")
+        if r.console_tail:
+            lines.append("  console.log (end):")
+            lines.extend("    " + line for line in r.console_tail.splitlines()[-20:])
+        return "\n".join(lines)
+
+    _emit(args, result, text)
+    return EXIT_OK
+
+
+def _format_record(record: dict[str, Any]) -> str:
+    keys = ("loss", "eval_loss", "lr", "grad_norm", "tokens_per_s", "step_time_s")
+    parts = [f"step {record.get('step')}"]
+    for key in keys:
+        value = record.get(key)
+        if isinstance(value, float):
+            parts.append(f"{key} {value:.4g}")
+    return " | ".join(parts)
+
+
+def cmd_tail(args: argparse.Namespace) -> int:
+    from engine import run_dir as rd
+    from mcp_server.operations import runs
+
+    ws = _workspace(args)
+    result = runs.tail_metrics(ws, args.run_id, n=args.n)
+    if args.json and not args.follow:
+        print(result.model_dump_json())
+        return EXIT_OK
+    last_step = None
+    for record in result.records:
+        print(json.dumps(record) if args.json else _format_record(record), flush=True)
+        last_step = record.get("step", last_step)
+    while args.follow:
+        time.sleep(1.0)
+        more = runs.tail_metrics(ws, args.run_id, n=runs.MAX_TAIL_RECORDS, after_step=last_step)
+        for record in more.records:
+            print(json.dumps(record) if args.json else _format_record(record), flush=True)
+            last_step = record.get("step", last_step)
+        if more.status in rd.FINAL_STATUSES:
+            break
+    return EXIT_OK
+
+
+def cmd_stop(args: argparse.Namespace) -> int:
+    from mcp_server.operations import runs
+
+    result = runs.stop_run(_workspace(args), args.run_id)
+    _emit(args, result, lambda r: f"run {r.run_id}: {r.status}")
+    return EXIT_OK
+
+
+def cmd_checkpoints(args: argparse.Namespace) -> int:
+    from mcp_server.operations import runs
+
+    result = runs.list_checkpoints(_workspace(args), args.run_id)
+    _emit(
+        args,
+        result,
+        lambda r: "\n".join(f"step {c.step:>8}  {c.path}" for c in r.checkpoints)
+        or f"run {r.run_id} has no complete checkpoint yet",
+    )
+    return EXIT_OK
+
+
+# ---------------------------------------------------------------------------------------------
+# Parser
+# ---------------------------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument(
+        "--workspace", default=".", metavar="DIR",
+        help="the workspace folder (default: the current directory)",
+    )
+    common.add_argument("--json", action="store_true", help="print one JSON object")
+
+    parser = argparse.ArgumentParser(
+        prog="trainwright",
+        description="Train models with skills as reviewable commits, real FSDP2 runs and "
+        "resumable checkpoints. Every command is the twin of an MCP tool.",
+        epilog=EPILOG,
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def add(name: str, func, help: str, **kwargs) -> argparse.ArgumentParser:
+        p = sub.add_parser(name, parents=[common], help=help, description=help, epilog=EPILOG, **kwargs)
+        p.set_defaults(func=func)
+        return p
+
+    def launch_options(p: argparse.ArgumentParser, nproc_default) -> None:
+        p.add_argument("--nproc", type=int, default=nproc_default, help="processes (FSDP2 ranks)")
+        p.add_argument(
+            "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+            help="override a config value, e.g. --set train.max_steps=50 (repeatable)",
+        )
+        p.add_argument("--detach", action="store_true", help="start it and return at once")
+
+    p = add("run", cmd_run, "launch a training run of a recipe folder (launch_run)")
+    p.add_argument("recipe", help="recipe folder (with recipe.py), relative to the workspace")
+    launch_options(p, 1)
+
+    p = add("resume", cmd_resume, "continue a run from its checkpoint as a new run (resume_checkpoint)")
+    p.add_argument("run_id")
+    p.add_argument("--step", type=int, help="checkpoint step (default: the latest complete one)")
+    launch_options(p, None)
+
+    p = add("runs", cmd_runs, "list runs, newest first (list_runs)")
+    p.add_argument("--limit", type=int, default=50)
+
+    p = add("status", cmd_status, "status, latest metrics and checkpoints of a run (get_run)")
+    p.add_argument("run_id")
+
+    p = add("tail", cmd_tail, "the latest metrics records of a run (tail_metrics)")
+    p.add_argument("run_id")
+    p.add_argument("-n", type=int, default=20, help="records to show (at most 200)")
+    p.add_argument("--follow", action="store_true", help="keep printing new records until the run ends")
+
+    p = add("stop", cmd_stop, "stop a run and all its processes (stop_run)")
+    p.add_argument("run_id")
+
+    p = add("checkpoints", cmd_checkpoints, "complete checkpoints of a run (list_checkpoints)")
+    p.add_argument("run_id")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except CommandError as e:
+        return _fail(args, str(e), e.code)
+    except KeyboardInterrupt:
+        return EXIT_STOPPED
+    except Exception as e:  # noqa: BLE001 — map known input errors to exit codes, re-raise bugs
+        code = error_exit_code(e)
+        if code is None:
+            raise
+        return _fail(args, str(e), code)
+
+
+def error_exit_code(error: Exception) -> int | None:
+    from sandbox.paths import PathRefused
+    from sandbox.runs import LaunchRefused
+    from sandbox.workspace import NotFound
+
+    if isinstance(error, NotFound):
+        return EXIT_NOT_FOUND
+    if isinstance(error, (PathRefused, LaunchRefused, ValueError)):
+        return EXIT_BAD_INPUT
+    return None
+
+
+def _fail(args: argparse.Namespace, message: str, code: int) -> int:
+    if getattr(args, "json", False):
+        print(json.dumps({"error": message, "exit_code": code}))
+    else:
+        print(f"error: {message}", file=sys.stderr)
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,131 @@
+"""The supervisor of one run: ``python -m sandbox.supervise RUN_DIR``.
+
+Started in a session of its own by :func:`sandbox.runs.start_run`, it outlives whoever started
+it. It spawns the engine command recorded in ``run.json`` in a new process group (so that
+``torchrun`` and all its workers can be ended together), with resource limits, writes the
+engine's output to ``console.log`` (its own stdout), enforces the wall-time limit, and when
+the engine exits records the outcome: ``completed``, ``failed`` (with the exit code and the
+engine's error) or ``stopped``. Whatever the outcome, no process of the run is left behind.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from engine import run_dir as rd
+from sandbox.runs import group_alive, kill_group
+
+
+def _apply_limits(limits: dict) -> None:
+    """Runs in the child between fork and exec."""
+    if limits.get("max_open_files"):
+        n = int(limits["max_open_files"])
+        resource.setrlimit(resource.RLIMIT_NOFILE, (n, n))
+    if limits.get("max_processes"):
+        n = int(limits["max_processes"])
+        resource.setrlimit(resource.RLIMIT_NPROC, (n, n))
+    if limits.get("max_memory_bytes"):
+        n = int(limits["max_memory_bytes"])
+        resource.setrlimit(resource.RLIMIT_AS, (n, n))
+
+
+class Supervisor:
+    def __init__(self, run_dir: Path):
+        self.run_dir = Path(run_dir)
+        self.record = rd.read_run(self.run_dir)
+        self.limits = self.record.get("limits") or {}
+        self.stop_reason: str | None = None
+        self.child: subprocess.Popen | None = None
+
+    def request_stop(self, reason: str) -> None:
+        if self.stop_reason is None:
+            self.stop_reason = reason
+            if self.child is not None:
+                kill_group(self.child.pid, signal.SIGTERM)
+
+    def run(self) -> int:
+        signal.signal(signal.SIGTERM, lambda *_: self.request_stop("stopped by request"))
+        signal.signal(signal.SIGINT, lambda *_: self.request_stop("interrupted"))
+        limits = self.limits
+        self.child = subprocess.Popen(
+            self.record["command"],
+            cwd=self.record.get("workspace") or None,
+            stdin=subprocess.DEVNULL,
+            stdout=sys.stdout,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            preexec_fn=lambda: _apply_limits(limits),
+        )
+        rd.update_run(
+            self.run_dir, pid=os.getpid(), child_pgid=self.child.pid, status=rd.RUNNING,
+            supervisor_started_at=rd.utc_now(),
+        )
+        if self.stop_reason is not None:  # a stop that arrived before the child existed
+            kill_group(self.child.pid, signal.SIGTERM)
+
+        wall = limits.get("wall_time_s")
+        grace = float(limits.get("stop_grace_s") or 10.0)
+        started = time.monotonic()
+        term_sent_at: float | None = None
+        while True:
+            try:
+                code = self.child.wait(timeout=0.5)
+                break
+            except subprocess.TimeoutExpired:
+                pass
+            now = time.monotonic()
+            if wall and now - started > float(wall) and self.stop_reason is None:
+                print(f"[trainwright] wall-time limit of {wall} s reached: stopping the run", flush=True)
+                self.request_stop(f"wall-time limit of {wall} s reached")
+            if self.stop_reason is not None:
+                term_sent_at = term_sent_at or now
+                if now - term_sent_at > grace:
+                    kill_group(self.child.pid, signal.SIGKILL)
+        # The engine is gone; make sure none of its workers linger.
+        if group_alive(self.child.pid):
+            kill_group(self.child.pid, signal.SIGTERM)
+            time.sleep(min(grace, 2.0))
+            kill_group(self.child.pid, signal.SIGKILL)
+        return self.finish(code)
+
+    def finish(self, code: int) -> int:
+        record = rd.read_run(self.run_dir)
+        fields = {"exit_code": code, "ended_at": rd.utc_now()}
+        if self.stop_reason is not None or record.get("stop_requested"):
+            fields.update(status=rd.STOPPED, reason=self.stop_reason or "stopped by request")
+        elif code == 0:
+            fields["status"] = rd.COMPLETED
+        else:
+            fields["status"] = rd.FAILED
+            if not record.get("error"):
+                fields["error"] = _describe_exit(code)
+        record = rd.update_run(self.run_dir, **fields)
+        print(f"[trainwright] run {record['id']} {record['status']} (exit code {code})", flush=True)
+        return code
+
+
+def _describe_exit(code: int) -> str:
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"the engine exited with status {code}; see console.log"
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 1:
+        print("usage: python -m sandbox.supervise RUN_DIR", file=sys.stderr)
+        return 2
+    return Supervisor(Path(argv[0])).run()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

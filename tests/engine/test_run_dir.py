@@ -1,0 +1,106 @@
+"""The run directory format: metrics tails, complete checkpoints, run.json updates, status."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from engine import run_dir as rd
+
+
+def write_metrics(path, steps):
+    with open(path, "w") as f:
+        for step in steps:
+            f.write(json.dumps({"step": step, "loss": 1.0 / step}) + "\n")
+
+
+@pytest.mark.parametrize("block_size", [7, 64, 65536])
+def test_tail_returns_the_last_n_records_in_order(tmp_path, block_size):
+    path = tmp_path / "metrics.jsonl"
+    write_metrics(path, range(1, 101))
+    records, truncated = rd.read_metrics_tail(path, 5, block_size=block_size)
+    assert [r["step"] for r in records] == [96, 97, 98, 99, 100]
+    assert truncated is True
+
+
+@pytest.mark.parametrize("block_size", [7, 65536])
+def test_tail_after_step_returns_only_newer_records(tmp_path, block_size):
+    path = tmp_path / "metrics.jsonl"
+    write_metrics(path, range(1, 101))
+    records, truncated = rd.read_metrics_tail(path, 50, after_step=97, block_size=block_size)
+    assert [r["step"] for r in records] == [98, 99, 100]
+    assert truncated is False
+    records, truncated = rd.read_metrics_tail(path, 2, after_step=90, block_size=block_size)
+    assert [r["step"] for r in records] == [99, 100]
+    assert truncated is True
+
+
+def test_tail_of_a_short_file_is_the_whole_file_untruncated(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    write_metrics(path, [1, 2, 3])
+    records, truncated = rd.read_metrics_tail(path, 20, block_size=5)
+    assert [r["step"] for r in records] == [1, 2, 3]
+    assert truncated is False
+
+
+def test_tail_skips_a_line_that_is_still_being_written(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    write_metrics(path, [1, 2])
+    with open(path, "a") as f:
+        f.write('{"step": 3, "lo')
+    records, _ = rd.read_metrics_tail(path, 10)
+    assert [r["step"] for r in records] == [1, 2]
+
+
+def test_tail_of_a_missing_file_is_empty(tmp_path):
+    assert rd.read_metrics_tail(tmp_path / "none.jsonl", 5) == ([], False)
+
+
+def test_only_published_checkpoints_with_metadata_count(tmp_path):
+    checkpoints = tmp_path / "checkpoints"
+    for name, complete in [
+        ("step-00000010", True),
+        ("step-00000020", True),
+        (".partial-step-00000030", True),  # fully written but never published
+        ("step-00000040", False),  # published name without DCP metadata
+        ("step-50", True),  # not the checkpoint name format
+    ]:
+        (checkpoints / name).mkdir(parents=True)
+        if complete:
+            (checkpoints / name / rd.DCP_METADATA).write_bytes(b"x")
+    assert [s for s, _ in rd.list_checkpoints(tmp_path)] == [10, 20]
+    assert rd.latest_checkpoint(tmp_path)[0] == 20
+
+
+def test_update_run_merges_fields(tmp_path):
+    run = tmp_path / "run"
+    rd.create_run(run, {"id": "r1", "status": rd.STARTING})
+    rd.update_run(run, status=rd.RUNNING, pid=123)
+    assert rd.read_run(run) == {"id": "r1", "status": rd.RUNNING, "pid": 123}
+    with pytest.raises(FileExistsError):
+        rd.create_run(run, {"id": "r1"})
+
+
+def test_a_live_status_whose_process_is_gone_reads_as_failed():
+    finished = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead_pid = int(finished.stdout)
+    assert rd.effective_status({"status": rd.RUNNING, "pid": dead_pid}) == rd.FAILED
+    assert rd.effective_status({"status": rd.COMPLETED, "pid": dead_pid}) == rd.COMPLETED
+    import os
+
+    assert rd.effective_status({"status": rd.RUNNING, "pid": os.getpid()}) == rd.RUNNING
+
+
+def test_run_ids_are_plain_names_that_sort_by_time():
+    first = rd.new_run_id("my recipe/../x")
+    assert rd.RUN_ID_PATTERN.match(first)
+    assert "/" not in first and ".." not in first
+
+
+def test_importing_the_run_dir_format_does_not_import_torch():
+    code = "import sys, engine.run_dir; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"

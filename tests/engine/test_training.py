@@ -1,0 +1,118 @@
+"""The engine really trains, on one process and on two, and resumes bit for bit after a kill.
+
+One uninterrupted single-process run is the reference; every other run in this file is
+compared with it step by step.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+
+import pytest
+
+from engine import run_dir as rd
+from tests.support import (
+    TINY,
+    copy_template,
+    kill_group,
+    losses,
+    run_engine,
+    start_engine,
+    wait_for,
+)
+
+STEPS = 16
+SCHEDULE = (*TINY, f"train.max_steps={STEPS}", "checkpoint.every=4", "checkpoint.keep_last=10")
+
+
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory):
+    root = tmp_path_factory.mktemp("engine")
+    return root, copy_template(root)
+
+
+@pytest.fixture(scope="module")
+def reference(workspace):
+    root, recipe = workspace
+    return run_engine(root, recipe, *SCHEDULE)
+
+
+def test_a_run_writes_the_run_directory_of_the_contract(reference):
+    record = rd.read_run(reference)
+    assert record["status"] == rd.COMPLETED
+    assert record["world_size"] == 1
+    assert record["config"]["train"]["max_steps"] == STEPS
+    assert [s for s, _ in rd.list_checkpoints(reference)] == [4, 8, 12, 16]
+    first = rd.read_all_metrics(reference / rd.METRICS_JSONL)[0]
+    for key in ("step", "loss", "lr", "grad_norm", "tokens_per_s", "step_time_s", "peak_mem_mb",
+                "data_s", "fwd_bwd_s", "optim_s"):
+        assert key in first, key
+
+
+def test_loss_falls(reference):
+    curve = losses(reference)
+    assert sorted(curve) == list(range(1, STEPS + 1))
+    start = sum(curve[s] for s in (1, 2, 3)) / 3
+    end = sum(curve[s] for s in (STEPS - 2, STEPS - 1, STEPS)) / 3
+    assert end < 0.8 * start, (start, end)
+
+
+def test_keep_last_prunes_old_checkpoints(workspace):
+    root, recipe = workspace
+    run = run_engine(root, recipe, *TINY, "train.max_steps=6", "checkpoint.every=2", "checkpoint.keep_last=2")
+    assert [s for s, _ in rd.list_checkpoints(run)] == [4, 6]
+    leftovers = [p.name for p in (run / rd.CHECKPOINTS_DIRNAME).iterdir() if p.name.startswith(".")]
+    assert leftovers == []
+
+
+def test_sigkill_at_a_random_step_then_resume_is_bit_identical(workspace, reference):
+    root, recipe = workspace
+    kill_after = random.Random(os.getpid()).randint(5, STEPS - 2)
+    process, run = start_engine(root, recipe, *SCHEDULE)
+    wait_for(lambda: max(losses(run), default=0) >= kill_after, timeout=300)
+    kill_group(process)
+
+    step, checkpoint = rd.latest_checkpoint(run)
+    assert step <= kill_after, "the resume point is a checkpoint written before the kill"
+    resumed = run_engine(root, recipe, *SCHEDULE, resume_from=checkpoint)
+
+    expected = {s: v for s, v in losses(reference).items() if s > step}
+    assert losses(resumed) == expected, f"killed after step {kill_after}, resumed from {step}"
+
+
+def test_a_kill_during_a_checkpoint_save_leaves_it_ignored_and_resume_is_bit_identical(workspace, reference):
+    root, recipe = workspace
+    # The default model: its checkpoint (~36 MB) takes long enough to be caught mid-save.
+    schedule = (*SCHEDULE, "model.hidden_size=256", "model.intermediate_size=688", "model.num_layers=4",
+                "train.max_steps=10")
+    process, run = start_engine(root, recipe, *schedule)
+    partial = run / rd.CHECKPOINTS_DIRNAME / (rd.PARTIAL_PREFIX + rd.checkpoint_dir_name(8))
+    wait_for(partial.exists, timeout=300, interval=0.001)
+    os.killpg(process.pid, signal.SIGKILL)
+    process.wait()
+
+    assert partial.exists(), "the kill landed while step 8 was being saved"
+    assert [s for s, _ in rd.list_checkpoints(run)] == [4], "the half-written checkpoint is not listed"
+    uninterrupted = run_engine(root, recipe, *schedule)
+    resumed = run_engine(root, recipe, *schedule, resume_from=rd.latest_checkpoint(run)[1])
+    assert losses(resumed) == {s: v for s, v in losses(uninterrupted).items() if s > 4}
+
+
+@pytest.mark.multiprocess
+def test_two_processes_match_one_and_their_checkpoint_resumes_on_one(workspace, reference):
+    root, recipe = workspace
+    two = run_engine(root, recipe, *SCHEDULE, nproc=2)
+    assert rd.read_run(two)["world_size"] == 2
+    one_curve, two_curve = losses(reference), losses(two)
+    assert sorted(two_curve) == sorted(one_curve)
+    for step in one_curve:
+        assert abs(two_curve[step] - one_curve[step]) <= 1e-4 * abs(one_curve[step]), step
+
+    checkpoint = dict(rd.list_checkpoints(two))[8]
+    resharded = run_engine(root, recipe, *SCHEDULE, resume_from=checkpoint)
+    resumed_curve = losses(resharded)
+    assert sorted(resumed_curve) == list(range(9, STEPS + 1))
+    for step, value in resumed_curve.items():
+        assert abs(value - one_curve[step]) <= 1e-4 * abs(one_curve[step]), step
