@@ -230,6 +230,113 @@ def cmd_checkpoints(args: argparse.Namespace) -> int:
 
 
 # ---------------------------------------------------------------------------------------------
+# Server, skills, recipes, review
+# ---------------------------------------------------------------------------------------------
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from mcp_server.server import serve
+
+    serve(args.workspace, http_port=args.http, read_only=args.read_only)
+    return EXIT_OK
+
+
+def cmd_skills_list(args: argparse.Namespace) -> int:
+    from mcp_server.operations import skills
+
+    result = skills.list_skills()
+    _emit(args, result, lambda r: "\n".join(
+        f"{s.name:<24} {s.version:<7} {'GPU ' if s.requires_gpu else ''}{s.description.split('. ')[0]}"
+        for s in r.skills))
+    return EXIT_OK
+
+
+def cmd_skills_show(args: argparse.Namespace) -> int:
+    from mcp_server.operations import skills
+
+    result = skills.get_skill(args.name)
+    _emit(args, result, lambda r: r.skill_md)
+    return EXIT_OK
+
+
+def cmd_templates(args: argparse.Namespace) -> int:
+    from mcp_server.operations import recipes
+
+    result = recipes.list_templates()
+    _emit(args, result, lambda r: "\n".join(f"{t.name:<16} {t.description}" for t in r.templates))
+    return EXIT_OK
+
+
+def _key_values(items: list[str], what: str) -> dict[str, Any]:
+    """``["a.b=1", "c=[x]"]`` → ``{"a.b": 1, "c": ["x"]}`` (values read as YAML)."""
+    import yaml
+
+    parsed: dict[str, Any] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise CommandError(f"{what} expects key=value, got {item!r}", EXIT_BAD_INPUT)
+        try:
+            parsed[key] = yaml.safe_load(value) if value.strip() else ""
+        except yaml.YAMLError:
+            parsed[key] = value
+    return parsed
+
+
+def cmd_scaffold(args: argparse.Namespace) -> int:
+    from mcp_server.operations import recipes
+
+    result = recipes.scaffold_recipe(
+        _workspace(args), args.template, args.name, _key_values(args.config, "--config"), args.skill
+    )
+    _emit(args, result, lambda r: "\n".join(
+        [f"created {r.path} (commit {r.commit[:10]})"]
+        + [f"applied {s.skill}" + (f" (commit {s.commit[:10]})" if s.commit else " (already there)") for s in r.skills]))
+    return EXIT_OK
+
+
+def cmd_apply(args: argparse.Namespace) -> int:
+    from mcp_server.operations import skills
+
+    result = skills.apply_skill(
+        _workspace(args), args.skill, args.recipe, _key_values(args.param, "--param"), dry_run=args.dry_run
+    )
+
+    def text(r) -> str:
+        if r.already_applied:
+            return f"{r.skill} is already applied to {r.recipe}: nothing to do"
+        head = "would change" if r.dry_run else "changed"
+        commit = f" (commit {r.commit[:10]})" if r.commit else ""
+        return f"{r.diff}\n{r.skill}@{r.version} {head} {r.recipe}{commit}"
+
+    _emit(args, result, text)
+    return EXIT_OK
+
+
+def cmd_review(args: argparse.Namespace) -> int:
+    from mcp_server.operations import review
+
+    result = review.review(_workspace(args), args.base)
+    _emit(args, result, review.format_review)
+    return EXIT_OK
+
+
+def cmd_plot(args: argparse.Namespace) -> int:
+    from engine import run_dir as rd
+    from mcp_server.plot import loss_curve_png
+
+    ws = _workspace(args)
+    run_dir = ws.run_dir(args.run_id)
+    output = Path(args.output or f"{args.run_id}-loss.png")
+    output.write_bytes(loss_curve_png(rd.read_all_metrics(run_dir / rd.METRICS_JSONL), f"run {args.run_id}"))
+    if args.json:
+        print(json.dumps({"run_id": args.run_id, "path": str(output)}))
+    else:
+        print(f"wrote {output}")
+    return EXIT_OK
+
+
+# ---------------------------------------------------------------------------------------------
 # Parser
 # ---------------------------------------------------------------------------------------------
 
@@ -262,6 +369,41 @@ def build_parser() -> argparse.ArgumentParser:
             help="override a config value, e.g. --set train.max_steps=50 (repeatable)",
         )
         p.add_argument("--detach", action="store_true", help="start it and return at once")
+
+    p = add("serve", cmd_serve, "serve the MCP tools (stdio by default)")
+    p.add_argument("--http", type=int, metavar="PORT", help="serve streamable HTTP on 127.0.0.1:PORT")
+    p.add_argument("--read-only", action="store_true", help="serve only tools that change nothing")
+
+    skills_parser = sub.add_parser("skills", help="list or show skills (list_skills, get_skill)")
+    skills_sub = skills_parser.add_subparsers(dest="skills_command", required=True, metavar="ACTION")
+    p = skills_sub.add_parser("list", parents=[common], help="list the skills", epilog=EPILOG)
+    p.set_defaults(func=cmd_skills_list)
+    p = skills_sub.add_parser("show", parents=[common], help="print a skill's SKILL.md", epilog=EPILOG)
+    p.add_argument("name")
+    p.set_defaults(func=cmd_skills_show)
+
+    add("templates", cmd_templates, "list recipe templates (list_templates)")
+
+    p = add("scaffold", cmd_scaffold, "create recipes/NAME from a template, as a commit (scaffold_recipe)")
+    p.add_argument("template")
+    p.add_argument("name")
+    p.add_argument("--config", action="append", default=[], metavar="KEY=VALUE",
+                   help="config value written to config.yaml, e.g. --config train.max_steps=500")
+    p.add_argument("--skill", action="append", default=[], metavar="SKILL",
+                   help="apply this skill after scaffolding, as its own commit (repeatable)")
+
+    p = add("apply", cmd_apply, "apply a skill to a recipe folder or script, as one commit (apply_skill)")
+    p.add_argument("skill")
+    p.add_argument("recipe", help="recipe folder or .py script, relative to the workspace")
+    p.add_argument("--param", action="append", default=[], metavar="KEY=VALUE", help="skill parameter")
+    p.add_argument("--dry-run", action="store_true", help="print the diff; change nothing")
+
+    p = add("review", cmd_review, "each agent commit since BASE: skill, diff stat, runs and outcomes")
+    p.add_argument("base", nargs="?", help="a commit or ref (default: the whole history)")
+
+    p = add("plot", cmd_plot, "write a PNG of a run's loss curve")
+    p.add_argument("run_id")
+    p.add_argument("-o", "--output", help="output file (default: RUN_ID-loss.png)")
 
     p = add("run", cmd_run, "launch a training run of a recipe folder (launch_run)")
     p.add_argument("recipe", help="recipe folder (with recipe.py), relative to the workspace")
@@ -312,7 +454,11 @@ def error_exit_code(error: Exception) -> int | None:
     from sandbox.runs import LaunchRefused
     from sandbox.workspace import NotFound
 
-    if isinstance(error, NotFound):
+    from skills import UnknownSkill
+
+    if isinstance(error, (NotFound, UnknownSkill)):
+        return EXIT_NOT_FOUND
+    if isinstance(error, LookupError):
         return EXIT_NOT_FOUND
     if isinstance(error, (PathRefused, LaunchRefused, ValueError)):
         return EXIT_BAD_INPUT

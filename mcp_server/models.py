@@ -76,3 +76,92 @@ class MetricsTail(BaseModel):
     status: str
     records: list[dict[str, Any]]
     truncated: bool = Field(description="True when more records matched than were returned.")
+
+
+# ---------------------------------------------------------------------------------------------
+# Skills and recipes
+# ---------------------------------------------------------------------------------------------
+
+
+class SkillSummary(BaseModel):
+    name: str
+    description: str
+    version: str
+    requires_gpu: bool
+
+
+class SkillList(BaseModel):
+    skills: list[SkillSummary]
+
+
+class SkillDetail(SkillSummary):
+    skill_md: str = Field(description="The SKILL.md text: what it does, parameters, validation, by hand.")
+    params_schema: dict[str, Any] = Field(description="JSON schema of the skill's parameters.")
+    truncated: bool = Field(False, description="True when skill_md was cut to fit.")
+
+
+class ApplySkillResult(BaseModel):
+    skill: str
+    version: str
+    recipe: str = Field(description="The file the skill changed (or would change), relative to the workspace.")
+    changed: bool
+    already_applied: bool = Field(description="The pattern was already there: nothing to do, not an error.")
+    dry_run: bool
+    params: dict[str, Any] = Field(description="The parameters used, with defaults filled in.")
+    diff: str = Field(description="Unified diff, relative to the repository root (git apply accepts it).")
+    diff_truncated: bool = False
+    commit: str | None = Field(None, description="The commit that holds the change (none for dry runs).")
+    message: str = ""
+
+
+class TemplateInfo(BaseModel):
+    name: str
+    description: str
+
+
+class TemplateList(BaseModel):
+    templates: list[TemplateInfo]
+
+
+class AppliedSkill(BaseModel):
+    skill: str
+    changed: bool
+    commit: str | None
+
+
+class ScaffoldResult(BaseModel):
+    path: str = Field(description="The new recipe folder, relative to the workspace.")
+    commit: str = Field(description="The commit that added the recipe.")
+    config: dict[str, Any] = Field(description="The config values written to config.yaml.")
+    skills: list[AppliedSkill] = Field(description="Skills applied after scaffolding, each its own commit.")
+
+
+# ---------------------------------------------------------------------------------------------
+# Review
+# ---------------------------------------------------------------------------------------------
+
+
+class ReviewRun(BaseModel):
+    run_id: str
+    status: str
+    step: int | None = None
+    loss: float | None = None
+    tokens_per_s: float | None = None
+
+
+class ReviewCommit(BaseModel):
+    sha: str
+    subject: str
+    tool: str
+    skill: str | None = None
+    params: str | None = None
+    files_changed: int
+    insertions: int
+    deletions: int
+    runs: list[ReviewRun]
+    note: str | None = None
+
+
+class ReviewResult(BaseModel):
+    base: str | None
+    commits: list[ReviewCommit]

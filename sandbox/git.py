@@ -1,11 +1,17 @@
 """Git operations on the workspace: the record humans review.
 
-Every change an agent makes is one commit with trailers that say what produced it; every run
-is tied to the commit it was launched from, and a note on that commit records its outcome.
+Every change an agent makes is one commit of exactly the files it changed, with trailers that
+say which tool produced it (``Trainwright-Tool``) and with what (``Skill-Applied``,
+``Skill-Params``, ``Scaffolded-From``). Every run records the commit it was launched from,
+and when it ends a note under ``refs/notes/trainwright`` on that commit records its outcome,
+so ``git log --notes=trainwright`` shows what each agent commit produced.
 """
 
 from __future__ import annotations
 
+import os
+import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import git
@@ -13,13 +19,43 @@ import git
 NOTES_REF = "trainwright"
 AGENT_NAME = "trainwright"
 AGENT_EMAIL = "trainwright@localhost"
+TOOL_TRAILER = "Trainwright-Tool"
+WORKSPACE_GITIGNORE = "runs/\n.trainwright/\n__pycache__/\n"
+
+
+class GitRefused(ValueError):
+    """A git precondition does not hold (uncommitted changes, not a repository)."""
+
+
+def _identity_env() -> dict[str, str]:
+    """Commits are authored by trainwright; the committer falls back to it when git has none."""
+    env = {"GIT_AUTHOR_NAME": AGENT_NAME, "GIT_AUTHOR_EMAIL": AGENT_EMAIL}
+    for key, value in (("GIT_COMMITTER_NAME", AGENT_NAME), ("GIT_COMMITTER_EMAIL", AGENT_EMAIL)):
+        env[key] = os.environ.get(key, value)
+    return env
 
 
 def open_repo(root: Path) -> git.Repo | None:
+    """The repository whose work tree contains ``root`` (it may be a parent folder)."""
     try:
-        return git.Repo(root, search_parent_directories=False)
+        return git.Repo(root, search_parent_directories=True)
     except (git.InvalidGitRepositoryError, git.NoSuchPathError):
         return None
+
+
+def ensure_repo(root: Path) -> git.Repo:
+    """Open the workspace's repository, or initialise one with a first commit."""
+    repo = open_repo(root)
+    if repo is not None:
+        return repo
+    repo = git.Repo.init(root)
+    gitignore = Path(root) / ".gitignore"
+    if not gitignore.exists():
+        gitignore.write_text(WORKSPACE_GITIGNORE)
+    with repo.git.custom_environment(**_identity_env()):
+        repo.git.add("--", ".gitignore")
+        repo.git.commit("-q", "-m", "trainwright: initialise workspace\n", "--", ".gitignore")
+    return repo
 
 
 def head_commit(root: Path) -> str | None:
@@ -30,3 +66,98 @@ def head_commit(root: Path) -> str | None:
         return repo.head.commit.hexsha
     except ValueError:  # no commits yet
         return None
+
+
+def _rel(repo: git.Repo, path: Path) -> str:
+    return Path(path).resolve().relative_to(Path(repo.working_tree_dir).resolve()).as_posix()
+
+
+def uncommitted(repo: git.Repo, path: Path) -> list[str]:
+    """Files under ``path`` that differ from HEAD or are untracked (ignored files excepted)."""
+    out = repo.git.status("--porcelain", "--untracked-files=all", "--", _rel(repo, path))
+    return [line[3:] for line in out.splitlines() if line.strip()]
+
+
+def require_clean(repo: git.Repo, path: Path, what: str) -> None:
+    dirty = uncommitted(repo, path)
+    if dirty:
+        shown = ", ".join(dirty[:5]) + (f" and {len(dirty) - 5} more" if len(dirty) > 5 else "")
+        raise GitRefused(
+            f"{what} has uncommitted changes ({shown}); commit or discard them first, "
+            "so that the review diff shows exactly this change"
+        )
+
+
+def commit_paths(repo: git.Repo, paths: list[Path], message: str, trailers: list[tuple[str, str]]) -> str:
+    """Commit exactly ``paths`` (whatever else is staged stays staged); return the new sha."""
+    rel = [_rel(repo, p) for p in paths]
+    args = ["-q", "-m", message.rstrip("\n") + "\n"]
+    for key, value in trailers:
+        args += ["--trailer", f"{key}: {value}"]
+    with repo.git.custom_environment(**_identity_env()):
+        repo.git.add("-A", "--", *rel)
+        repo.git.commit(*args, "--only", "--", *rel)
+    return repo.head.commit.hexsha
+
+
+def add_note(root: Path, sha: str, text: str, attempts: int = 5) -> bool:
+    """Append ``text`` to the trainwright note of commit ``sha``; False when it cannot."""
+    repo = open_repo(root)
+    if repo is None:
+        return False
+    for attempt in range(attempts):
+        try:
+            with repo.git.custom_environment(**_identity_env()):
+                repo.git.notes(f"--ref={NOTES_REF}", "append", "-m", text, sha)
+            return True
+        except git.GitCommandError as e:
+            if "lock" not in str(e).lower() or attempt == attempts - 1:
+                return False
+            time.sleep(0.2 * (attempt + 1))  # another run's note is being written
+    return False
+
+
+def note(repo: git.Repo, sha: str) -> str | None:
+    try:
+        return repo.git.notes(f"--ref={NOTES_REF}", "show", sha)
+    except git.GitCommandError:
+        return None
+
+
+@dataclass
+class AgentCommit:
+    sha: str
+    subject: str
+    trailers: dict[str, str]
+    files_changed: int
+    insertions: int
+    deletions: int
+    note: str | None
+
+
+def agent_commits(repo: git.Repo, base: str | None, limit: int = 200) -> list[AgentCommit]:
+    """Commits since ``base`` (exclusive; all when None) made through trainwright's tools."""
+    rev = f"{base}..HEAD" if base else "HEAD"
+    try:
+        commits = list(repo.iter_commits(rev, max_count=limit))
+    except (git.GitCommandError, ValueError) as e:
+        raise GitRefused(f"cannot read the history from {base or 'the start'}: {e}") from None
+    found = []
+    for commit in commits:
+        trailers = dict(commit.trailers_dict) if hasattr(commit, "trailers_dict") else {}
+        flat = {k: v[-1] if isinstance(v, list) else v for k, v in trailers.items()}
+        if TOOL_TRAILER not in flat:
+            continue
+        stats = commit.stats.total
+        found.append(
+            AgentCommit(
+                sha=commit.hexsha,
+                subject=commit.summary if isinstance(commit.summary, str) else commit.summary.decode(),
+                trailers=flat,
+                files_changed=stats.get("files", 0),
+                insertions=stats.get("insertions", 0),
+                deletions=stats.get("deletions", 0),
+                note=note(repo, commit.hexsha),
+            )
+        )
+    return found

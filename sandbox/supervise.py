@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 from engine import run_dir as rd
+from sandbox.git import add_note
 from sandbox.runs import group_alive, kill_group
 
 
@@ -107,7 +108,33 @@ class Supervisor:
                 fields["error"] = _describe_exit(code)
         record = rd.update_run(self.run_dir, **fields)
         print(f"[trainwright] run {record['id']} {record['status']} (exit code {code})", flush=True)
+        self.write_git_note(record)
         return code
+
+    def write_git_note(self, record: dict) -> None:
+        """Record the outcome on the commit the run was launched from."""
+        if not record.get("git_commit") or not record.get("workspace"):
+            return
+        latest, _ = rd.read_metrics_tail(self.run_dir / rd.METRICS_JSONL, 1)
+        add_note(Path(record["workspace"]), record["git_commit"], run_note(record, latest[-1] if latest else None))
+
+
+def run_note(record: dict, latest: dict | None) -> str:
+    parts = [f"run {record['id']}: {record['status']}"]
+    if latest:
+        max_steps = ((record.get("config") or {}).get("train") or {}).get("max_steps", "?")
+        parts.append(f"step {latest.get('step')}/{max_steps}")
+        if isinstance(latest.get("loss"), (int, float)):
+            parts.append(f"loss {latest['loss']:.4f}")
+        if isinstance(latest.get("tokens_per_s"), (int, float)):
+            parts.append(f"{latest['tokens_per_s']:,.0f} tokens/s")
+    parts.append(f"recipe {record.get('recipe')}, {record.get('world_size') or record.get('nproc')} process(es)")
+    if record.get("resumed_from"):
+        source = record["resumed_from"]
+        parts.append(f"resumed from {source['run_id']} step {source['step']}")
+    if record.get("error") and record["status"] != rd.COMPLETED:
+        parts.append(f"error: {str(record['error'])[:200]}")
+    return "; ".join(parts)
 
 
 def _describe_exit(code: int) -> str:

@@ -65,6 +65,20 @@ class Workspace:
             raise NotFound(f"recipe {value!r} is not a recipe folder (a folder with a recipe.py)")
         return path
 
+    def recipe_or_script(self, value: object) -> Path:
+        """A recipe folder, or a single Python training script, inside the workspace."""
+        try:
+            path = confine(self.root, value, "recipe")
+        except PathRefused:
+            if isinstance(value, str) and "/" not in value and (self.recipes_dir / value).exists():
+                return self.recipe(value)
+            raise
+        if path.is_dir():
+            return self.recipe(value)
+        if path.suffix != ".py" or not path.is_file():
+            raise NotFound(f"recipe {value!r} is neither a recipe folder nor a .py script")
+        return path
+
     def label(self, path: Path) -> str:
         """A path as shown to users and recorded in run.json: relative to the workspace."""
         return Path(path).resolve().relative_to(self.root).as_posix() or "."

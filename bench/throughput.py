@@ -1,0 +1,201 @@
+"""Training throughput: the engine against a hand-written PyTorch loop and the HF ``Trainer``.
+
+All three train the template's default model (Llama-style, hidden 256, 4 layers, byte-level
+vocabulary) on the same batches (the template's data pipeline: CPython stdlib sources,
+sequence length 256, batch 8), fp32, AdamW with the same hyper-parameters, gradient clipping
+at 1.0, one process. Each peer runs in a fresh subprocess with the same thread count, in
+interleaved rounds; the first ``--warmup`` steps of each run are not timed.
+
+    python bench/throughput.py [--steps 60] [--warmup 10] [--rounds 2]
+
+Prints supervised tokens/s of each peer (median over rounds) and the ratios. Goal: the
+engine at ≥ 0.97× the hand-written loop and faster than ``Trainer``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+TEMPLATE = REPO / "recipes_template" / "causal_lm"
+PEERS = ("engine", "hand", "trainer")
+
+
+def load_template():
+    spec = importlib.util.spec_from_file_location("causal_lm_recipe", TEMPLATE / "recipe.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def batches_and_model(steps: int):
+    """The template's model and first ``steps`` batches, built exactly as the engine does."""
+    import torch
+
+    recipe = load_template()
+    config = recipe.CausalLMConfig()
+    tokenizer = recipe.ByteTokenizer()
+    documents = recipe.load_documents(config.data)
+    train = [text for name, text in documents if not recipe.is_eval_document(name, config.data.eval_fraction)]
+    pieces = recipe.tokenize_documents(train, tokenizer, config.data.seq_len)
+    stream = recipe.BatchStream(pieces, config.data.seq_len, tokenizer.pad_token_id, seed=config.train.seed,
+                                micro_batch=config.data.batch_size, dp_rank=0, dp_size=1)
+    batches = [next(stream) for _ in range(steps)]
+    torch.manual_seed(config.train.seed)
+    model = recipe.build_model(config.model, tokenizer.vocab_size, config.data.seq_len)
+    return config, model, batches
+
+
+def tokens(batch) -> int:
+    return int((batch["labels"] != -100).sum())
+
+
+# ---------------------------------------------------------------------------------------------
+# Peers (each runs in its own subprocess and prints one JSON line)
+# ---------------------------------------------------------------------------------------------
+
+
+def run_engine(steps: int, warmup: int) -> dict:
+    from engine import run_dir as rd
+
+    with tempfile.TemporaryDirectory() as tmp:
+        sets = [f"train.max_steps={steps}", f"train.log_every={warmup}", "checkpoint.every=0",
+                "checkpoint.at_end=false", "metrics.tensorboard=false", "train.eval_every=0"]
+        command = [sys.executable, "-m", "engine.launch", str(TEMPLATE)]
+        for item in sets:
+            command += ["--set", item]
+        subprocess.run(command, cwd=tmp, check=True, capture_output=True)
+        (run,) = (Path(tmp) / rd.RUNS_DIRNAME).iterdir()
+        records = rd.read_all_metrics(run / rd.METRICS_JSONL)
+    timed = [r for r in records if r["step"] > warmup]
+    seconds = sum(r["step_time_s"] * warmup for r in timed)
+    total_tokens = sum(r["tokens_per_s"] * r["step_time_s"] * warmup for r in timed)
+    return {"tokens_per_s": total_tokens / seconds, "final_loss": records[-1]["loss"]}
+
+
+def run_hand(steps: int, warmup: int) -> dict:
+    import math
+
+    import torch
+    import torch.nn.functional as F
+
+    config, model, batches = batches_and_model(steps)
+    optim = config.optim
+    optimizer = torch.optim.AdamW(model.parameters(), lr=optim.lr, betas=(optim.beta1, optim.beta2),
+                                  eps=optim.eps, weight_decay=optim.weight_decay)
+
+    def lr_factor(step: int) -> float:
+        if step < optim.warmup_steps:
+            return (step + 1) / (optim.warmup_steps + 1)
+        progress = min(1.0, (step - optim.warmup_steps) / max(1, steps - optim.warmup_steps))
+        return optim.min_lr_ratio + (1 - optim.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)
+    model.train()
+    timed_tokens, start = 0, None
+    for step, batch in enumerate(batches, 1):
+        if step == warmup + 1:
+            start = time.perf_counter()
+        n = tokens(batch)
+        logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False).logits
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), batch["labels"].flatten(), ignore_index=-100,
+                               reduction="sum") / n
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        scheduler.step()
+        if step > warmup:
+            timed_tokens += n
+    final_loss = float(loss)
+    return {"tokens_per_s": timed_tokens / (time.perf_counter() - start), "final_loss": final_loss}
+
+
+def run_trainer(steps: int, warmup: int) -> dict:
+    import torch
+    import torch.nn.functional as F
+    from transformers import Trainer, TrainerCallback, TrainingArguments
+
+    config, model, batches = batches_and_model(steps)
+    rows = [{k: v[i] for k, v in batch.items()} for batch in batches for i in range(len(batch["input_ids"]))]
+    step_times: list[float] = []
+
+    class Timer(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            step_times.append(time.perf_counter())
+
+    class SameLossTrainer(Trainer):
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            labels = inputs.pop("labels")
+            logits = model(**inputs, use_cache=False).logits
+            return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=-100)
+
+    optim = config.optim
+    with tempfile.TemporaryDirectory() as tmp:
+        args = TrainingArguments(
+            output_dir=tmp, max_steps=steps, per_device_train_batch_size=config.data.batch_size,
+            learning_rate=optim.lr, weight_decay=optim.weight_decay, adam_beta1=optim.beta1,
+            adam_beta2=optim.beta2, adam_epsilon=optim.eps, warmup_steps=optim.warmup_steps,
+            lr_scheduler_type="cosine_with_min_lr", lr_scheduler_kwargs={"min_lr_rate": optim.min_lr_ratio},
+            max_grad_norm=1.0, logging_steps=warmup, save_strategy="no", report_to=[],
+            dataloader_num_workers=0, use_cpu=True, seed=config.train.seed, disable_tqdm=True,
+            train_sampling_strategy="sequential",  # the same batches in the same order as the others
+        )
+        trainer = SameLossTrainer(model=model, args=args, train_dataset=rows, callbacks=[Timer()],
+                                  data_collator=lambda items: {k: torch.stack([x[k] for x in items]) for k in items[0]})
+        trainer.train()
+    timed = sum(tokens(b) for b in batches[warmup:])
+    return {"tokens_per_s": timed / (step_times[-1] - step_times[warmup - 1]),
+            "final_loss": trainer.state.log_history[-2].get("loss") if len(trainer.state.log_history) > 1 else None}
+
+
+def measure(peer: str, steps: int, warmup: int) -> dict:
+    out = subprocess.run(
+        [sys.executable, __file__, "--worker", peer, "--steps", str(steps), "--warmup", str(warmup)],
+        capture_output=True, text=True, cwd=REPO,
+    )
+    if out.returncode != 0:
+        raise SystemExit(f"{peer} failed:\n{out.stderr[-3000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--warmup", type=int, default=10)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--worker", choices=PEERS, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.steps % args.warmup:
+        parser.error("--steps must be a multiple of --warmup (the engine logs every --warmup steps)")
+    if args.worker:
+        runner = {"engine": run_engine, "hand": run_hand, "trainer": run_trainer}[args.worker]
+        print(json.dumps(runner(args.steps, args.warmup)))
+        return
+
+    results: dict[str, list[float]] = {peer: [] for peer in PEERS}
+    for round_index in range(args.rounds):
+        for peer in PEERS:
+            result = measure(peer, args.steps, args.warmup)
+            results[peer].append(result["tokens_per_s"])
+            print(f"round {round_index + 1}: {peer:<8} {result['tokens_per_s']:>9,.0f} tokens/s "
+                  f"(final loss {result['final_loss']})", flush=True)
+    median = {peer: statistics.median(values) for peer, values in results.items()}
+    print(f"\n{'peer':<10}{'tokens/s (median)':>20}")
+    for peer in PEERS:
+        print(f"{peer:<10}{median[peer]:>20,.0f}")
+    print(f"\nengine / hand-written loop: {median['engine'] / median['hand']:.3f}  (goal ≥ 0.97)")
+    print(f"engine / HF Trainer:        {median['engine'] / median['trainer']:.3f}  (goal > 1)")
+
+
+if __name__ == "__main__":
+    main()

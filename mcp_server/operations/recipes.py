@@ -1,0 +1,196 @@
+"""Recipe operations: list templates, scaffold a recipe from one (one commit, then one per skill)."""
+
+from __future__ import annotations
+
+import ast
+import json
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+import recipes_template
+import skills as skill_library
+from mcp_server.models import AppliedSkill, ScaffoldResult, TemplateInfo, TemplateList
+from mcp_server.operations import skills as skill_ops
+from mcp_server.operations.runs import override_strings
+from sandbox import git as sandbox_git
+from sandbox.paths import PathRefused, check_name, confine
+from sandbox.runs import check_launch
+from sandbox.workspace import Workspace
+
+TEMPLATES_ROOT = Path(recipes_template.__file__).resolve().parent
+SCAFFOLD_TOOL = "scaffold_recipe"
+MAX_CONFIG_KEYS = 64
+
+
+def _templates() -> dict[str, Path]:
+    return {
+        p.name: p for p in sorted(TEMPLATES_ROOT.iterdir())
+        if p.is_dir() and (p / "recipe.py").is_file()
+    }
+
+
+def _description(template_dir: Path) -> str:
+    """The first paragraph of the template recipe's module docstring."""
+    tree = ast.parse((template_dir / "recipe.py").read_text())
+    doc = ast.get_docstring(tree) or ""
+    return doc.split("\n\n")[0].replace("\n", " ").strip()
+
+
+def list_templates() -> TemplateList:
+    return TemplateList(
+        templates=[TemplateInfo(name=name, description=_description(path)) for name, path in _templates().items()]
+    )
+
+
+def template_dir(name: str) -> Path:
+    check_name(name, "template")
+    templates = _templates()
+    if name not in templates:
+        raise LookupError(f"unknown template {name!r}; templates: {', '.join(templates)}")
+    return templates[name]
+
+
+def flatten_config(config: dict[str, Any] | None, prefix: str = "") -> dict[str, Any]:
+    """``{"train": {"max_steps": 5}}`` or ``{"train.max_steps": 5}`` → ``{"train.max_steps": 5}``."""
+    if config is None:
+        return {}
+    if not isinstance(config, dict):
+        raise ValueError("config must be a mapping of dotted config keys to values")
+    flat: dict[str, Any] = {}
+    for key, value in config.items():
+        if not isinstance(key, str) or not key:
+            raise ValueError(f"config key {key!r} must be a non-empty string")
+        if isinstance(value, dict) and value:
+            flat.update(flatten_config(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    if len(flat) > MAX_CONFIG_KEYS:
+        raise ValueError(f"at most {MAX_CONFIG_KEYS} config keys")
+    return flat
+
+
+def confine_config_paths(ws: Workspace, flat: dict[str, Any]) -> None:
+    """Config values that name files (keys ending in path/paths) must lie inside the workspace."""
+    for key, value in flat.items():
+        leaf = key.rsplit(".", 1)[-1]
+        if not (leaf.endswith("path") or leaf.endswith("paths")) or value is None:
+            continue
+        for item in value if isinstance(value, list) else [value]:
+            try:
+                confine(ws.root, item, f"config {key}", must_exist=False)
+            except PathRefused as e:
+                raise PathRefused(f"{e} (config values that name files must be inside the workspace)") from None
+
+
+def _nest(flat: dict[str, Any]) -> dict[str, Any]:
+    tree: dict[str, Any] = {}
+    for key, value in flat.items():
+        node = tree
+        *parents, leaf = key.split(".")
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = value
+    return tree
+
+
+def _merge(base: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:
+    merged = dict(base)
+    for key, value in update.items():
+        merged[key] = _merge(merged[key], value) if isinstance(value, dict) and isinstance(merged.get(key), dict) else value
+    return merged
+
+
+def write_config(recipe_dir: Path, flat: dict[str, Any]) -> None:
+    path = recipe_dir / "config.yaml"
+    existing = yaml.safe_load(path.read_text()) if path.is_file() else None
+    merged = _merge(existing or {}, _nest(flat))
+    header = "# Values here override the defaults in recipe.py; `--set key=value` overrides both.\n"
+    path.write_text(header + yaml.safe_dump(merged, sort_keys=False))
+
+
+def _skill_specs(skills: list[Any] | None) -> list[tuple[str, dict[str, Any]]]:
+    """``["freeze", {"name": "lora", "params": {...}}]`` → ``[("freeze", {}), ("lora", {...})]``."""
+    specs = []
+    for item in skills or []:
+        if isinstance(item, str):
+            name, params = item, {}
+        elif isinstance(item, dict) and isinstance(item.get("name"), str):
+            name, params = item["name"], item.get("params") or {}
+            if not isinstance(params, dict):
+                raise ValueError(f"params of skill {name!r} must be a mapping")
+        else:
+            raise ValueError("skills must be skill names or {name, params} objects")
+        check_name(name, "skill")
+        skill_library.get_skill(name)  # unknown skill → error before anything is written
+        specs.append((name, params))
+    return specs
+
+
+def scaffold_recipe(
+    ws: Workspace,
+    template: str,
+    name: str,
+    config: dict[str, Any] | None = None,
+    skills: list[Any] | None = None,
+) -> ScaffoldResult:
+    """Copy a template to ``recipes/<name>/``, write ``config``, commit; then apply each skill.
+
+    Everything is checked first — the name, the config (by the engine itself), that each
+    skill exists and applies — on a scratch copy, so a bad request writes nothing.
+    """
+    source = template_dir(template)
+    check_name(name, "recipe name")
+    if "." in name:
+        raise PathRefused(f"recipe name {name!r} must not contain '.'")
+    destination = ws.recipes_dir / name
+    if destination.exists():
+        raise ValueError(f"recipes/{name} already exists; choose another name")
+    flat = flatten_config(config)
+    confine_config_paths(ws, flat)
+    specs = _skill_specs(skills)
+    check_launch(ws.root, source, 1, override_strings(flat))
+
+    with tempfile.TemporaryDirectory(prefix="trainwright-scaffold-") as scratch:
+        trial = Path(scratch) / name
+        shutil.copytree(source, trial, ignore=shutil.ignore_patterns("__pycache__"))
+        write_config(trial, flat)
+        for skill, params in specs:
+            try:
+                skill_library.apply_skill(skill, trial, params)
+            except skill_library.SkillError as e:
+                raise ValueError(f"skill {skill} cannot be applied to this recipe: {e}") from None
+
+    repo = sandbox_git.ensure_repo(ws.root)
+    ws.recipes_dir.mkdir(exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=ws.recipes_dir))
+    try:
+        shutil.copytree(source, staging, dirs_exist_ok=True, ignore=shutil.ignore_patterns("__pycache__"))
+        write_config(staging, flat)
+        staging.rename(destination)  # the recipe appears whole, or not at all
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    sha = sandbox_git.commit_paths(
+        repo,
+        [destination],
+        f"recipe({name}): scaffold from template {template}",
+        [
+            (sandbox_git.TOOL_TRAILER, SCAFFOLD_TOOL),
+            ("Scaffolded-From", template),
+            ("Recipe-Config", json.dumps(flat, sort_keys=True, separators=(",", ":"))),
+        ],
+    )
+    applied = []
+    for skill, params in specs:
+        result = skill_ops.apply_skill(ws, skill, ws.label(destination), params)
+        applied.append(AppliedSkill(skill=skill, changed=result.changed, commit=result.commit))
+    return ScaffoldResult(
+        path=ws.label(destination),
+        commit=sha,
+        config=flat,
+        skills=applied,
+    )

@@ -1,0 +1,71 @@
+"""``trainwright review [BASE]``: what the agent changed since BASE, and what each change produced."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+from engine import run_dir as rd
+from mcp_server.models import ReviewCommit, ReviewResult, ReviewRun
+from sandbox import git as sandbox_git
+from sandbox.workspace import Workspace
+
+
+def _runs_by_commit(ws: Workspace) -> dict[str, list[ReviewRun]]:
+    by_commit: dict[str, list[ReviewRun]] = defaultdict(list)
+    for run_id in ws.run_ids():
+        try:
+            record = rd.read_run(ws.runs_dir / run_id)
+        except (OSError, ValueError):
+            continue
+        if not record.get("git_commit"):
+            continue
+        latest, _ = rd.read_metrics_tail(ws.runs_dir / run_id / rd.METRICS_JSONL, 1)
+        last = latest[-1] if latest else {}
+        by_commit[record["git_commit"]].append(
+            ReviewRun(run_id=run_id, status=rd.effective_status(record), step=last.get("step"),
+                      loss=last.get("loss"), tokens_per_s=last.get("tokens_per_s"))
+        )
+    return by_commit
+
+
+def review(ws: Workspace, base: str | None = None) -> ReviewResult:
+    repo = sandbox_git.open_repo(ws.root)
+    if repo is None:
+        raise sandbox_git.GitRefused("the workspace is not a git repository: there is nothing to review")
+    runs = _runs_by_commit(ws)
+    commits = []
+    for commit in sandbox_git.agent_commits(repo, base):
+        trailers = commit.trailers
+        commits.append(
+            ReviewCommit(
+                sha=commit.sha,
+                subject=commit.subject,
+                tool=trailers.get(sandbox_git.TOOL_TRAILER, ""),
+                skill=trailers.get("Skill-Applied") or trailers.get("Scaffolded-From"),
+                params=trailers.get("Skill-Params") or trailers.get("Recipe-Config"),
+                files_changed=commit.files_changed,
+                insertions=commit.insertions,
+                deletions=commit.deletions,
+                runs=sorted(runs.get(commit.sha, []), key=lambda r: r.run_id),
+                note=commit.note,
+            )
+        )
+    return ReviewResult(base=base, commits=commits)
+
+
+def format_review(result: ReviewResult) -> str:
+    if not result.commits:
+        return f"no agent commits since {result.base or 'the start'}"
+    lines = []
+    for c in result.commits:
+        lines.append(f"{c.sha[:10]} {c.subject}")
+        if c.skill:
+            lines.append(f"    {('skill ' if c.tool == 'apply_skill' else 'from ')}{c.skill}  params {c.params}")
+        lines.append(f"    {c.files_changed} file(s), +{c.insertions} -{c.deletions}")
+        for r in c.runs:
+            loss = f"loss {r.loss:.4f}" if isinstance(r.loss, float) else "no metrics"
+            speed = f", {r.tokens_per_s:,.0f} tokens/s" if isinstance(r.tokens_per_s, float) else ""
+            lines.append(f"    run {r.run_id}: {r.status} at step {r.step}, {loss}{speed}")
+        if not c.runs:
+            lines.append("    no runs launched from this commit")
+    return "\n".join(lines)

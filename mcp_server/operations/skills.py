@@ -1,0 +1,91 @@
+"""Skill operations: list, show, apply (as one reviewable commit)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import skills as skill_library
+from mcp_server.limits import MAX_DIFF_CHARS, MAX_DOC_CHARS, bounded
+from mcp_server.models import ApplySkillResult, SkillDetail, SkillList, SkillSummary
+from sandbox import git as sandbox_git
+from sandbox.paths import check_name
+from sandbox.workspace import Workspace
+
+APPLY_TOOL = "apply_skill"
+
+
+def _summary(info) -> SkillSummary:
+    return SkillSummary(
+        name=info.name, description=info.description, version=info.version, requires_gpu=info.requires_gpu
+    )
+
+
+def list_skills() -> SkillList:
+    return SkillList(skills=[_summary(info) for info in skill_library.list_skills()])
+
+
+def get_skill(name: str) -> SkillDetail:
+    check_name(name, "skill")
+    info = skill_library.get_skill(name)
+    text, truncated = bounded(info.skill_md, MAX_DOC_CHARS)
+    return SkillDetail(**_summary(info).model_dump(), skill_md=text, params_schema=info.params_schema,
+                       truncated=truncated)
+
+
+def apply_skill(
+    ws: Workspace,
+    skill: str,
+    recipe: str,
+    params: dict[str, Any] | None = None,
+    dry_run: bool = False,
+    commit: bool = True,
+) -> ApplySkillResult:
+    """Apply ``skill`` to a recipe folder or script; unless a dry run, commit the change alone.
+
+    Refuses when the recipe has uncommitted changes, so the commit (and its review diff) holds
+    exactly the skill's change. Without a git repository (``commit=False`` or none found) the
+    file is changed and no commit is made.
+    """
+    check_name(skill, "skill")
+    info = skill_library.get_skill(skill)
+    if params is not None and not isinstance(params, dict):
+        raise ValueError("params must be a mapping of parameter names to values")
+    recipe_path = ws.recipe_or_script(recipe)
+    repo = sandbox_git.open_repo(ws.root) if commit else None
+    if repo is not None and not dry_run:
+        sandbox_git.require_clean(repo, recipe_path, f"recipe {ws.label(recipe_path)}")
+    diff_root = Path(repo.working_tree_dir) if repo is not None else ws.root
+    result = skill_library.apply_skill(skill, recipe_path, params or {}, dry_run=dry_run, diff_root=diff_root)
+    target = Path(result.target)
+    sha = None
+    message = result.message
+    if result.changed and not dry_run and repo is not None:
+        label = ws.label(recipe_path)
+        sha = sandbox_git.commit_paths(
+            repo,
+            [target],
+            f"skill({info.name}): apply to {label}",
+            [
+                (sandbox_git.TOOL_TRAILER, APPLY_TOOL),
+                ("Skill-Applied", f"{info.name}@{info.version}"),
+                ("Skill-Params", json.dumps(result.params, sort_keys=True, separators=(",", ":"))),
+            ],
+        )
+    elif result.changed and not dry_run:
+        message = (message + " " if message else "") + "(no git repository: the change was not committed)"
+    diff, diff_truncated = bounded(result.diff, MAX_DIFF_CHARS)
+    return ApplySkillResult(
+        skill=info.name,
+        version=info.version,
+        recipe=ws.label(target),
+        changed=result.changed,
+        already_applied=result.already_applied,
+        dry_run=dry_run,
+        params=result.params,
+        diff=diff,
+        diff_truncated=diff_truncated,
+        commit=sha,
+        message=message,
+    )
