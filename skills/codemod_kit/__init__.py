@@ -1,0 +1,29 @@
+"""What the skills' codemods have in common: the parsed recipe and its index, anchors, the
+order of model stages, edits and imports, helper definitions, and outcomes.
+
+A codemod (``skills/<name>/codemod.py``) defines ``Params`` (a ``SkillParams`` model) and
+``apply(recipe, params) -> Edits | AlreadyApplied``; it raises ``SkillRefused`` when it cannot
+apply. ``skills.apply.apply_skill`` does the rest: validation, parsing the result, the diff and
+the atomic write.
+"""
+
+from skills.codemod_kit import anchors, stages, templates
+from skills.codemod_kit.definitions import ensure_transformer_blocks, insert_definitions
+from skills.codemod_kit.edits import Edits
+from skills.codemod_kit.outcome import AlreadyApplied, SkillParams
+from skills.codemod_kit.recipe import Recipe, dotted_name
+from skills.codemod_kit.trainable import only_trainable_parameters
+
+__all__ = [
+    "AlreadyApplied",
+    "Edits",
+    "Recipe",
+    "SkillParams",
+    "anchors",
+    "dotted_name",
+    "ensure_transformer_blocks",
+    "insert_definitions",
+    "only_trainable_parameters",
+    "stages",
+    "templates",
+]

@@ -1,0 +1,299 @@
+"""A parsed recipe and an index of what codemods look for in it.
+
+One visitor pass records every node's parent and collects calls, assignments, definitions and
+imports. Names are qualified through the file's imports (``nn.Linear`` → ``torch.nn.Linear`` after
+``import torch.nn as nn``), which is what anchors are matched on: not text, and without libcst's
+full scope analysis, which costs more than a whole skill application may take.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import libcst as cst
+from libcst.metadata import MetadataWrapper, PositionProvider
+
+from skills.errors import SkillRefused
+
+Suite = cst.Module | cst.IndentedBlock
+
+
+@dataclass
+class _Index:
+    parents: dict[cst.CSTNode, cst.CSTNode] = field(default_factory=dict)
+    calls: list[cst.Call] = field(default_factory=list)
+    assigns: list[cst.Assign] = field(default_factory=list)
+    functions: list[cst.FunctionDef] = field(default_factory=list)
+    classes: list[cst.ClassDef] = field(default_factory=list)
+    withs: list[cst.With] = field(default_factory=list)
+    ifs: list[cst.If] = field(default_factory=list)
+    imports: dict[str, str] = field(default_factory=dict)  # local name → qualified name
+
+
+class _Indexer(cst.CSTVisitor):
+    def __init__(self, index: _Index):
+        self.index = index
+        self.stack: list[cst.CSTNode] = []
+
+    def on_visit(self, node: cst.CSTNode) -> bool:
+        if self.stack:
+            self.index.parents[node] = self.stack[-1]
+        self.stack.append(node)
+        if isinstance(node, cst.Call):
+            self.index.calls.append(node)
+        elif isinstance(node, cst.Assign):
+            self.index.assigns.append(node)
+        elif isinstance(node, cst.FunctionDef):
+            self.index.functions.append(node)
+        elif isinstance(node, cst.ClassDef):
+            self.index.classes.append(node)
+        elif isinstance(node, cst.With):
+            self.index.withs.append(node)
+        elif isinstance(node, cst.If):
+            self.index.ifs.append(node)
+        elif isinstance(node, cst.Import):
+            for alias in node.names:
+                dotted = dotted_name(alias.name)
+                if alias.asname is not None:
+                    self.index.imports[alias.asname.name.value] = dotted  # type: ignore[union-attr]
+                else:
+                    head = dotted.split(".")[0]
+                    self.index.imports[head] = head
+            return False
+        elif isinstance(node, cst.ImportFrom):
+            if node.relative or node.module is None or isinstance(node.names, cst.ImportStar):
+                return False
+            base = dotted_name(node.module)
+            for alias in node.names:
+                name = dotted_name(alias.name)
+                local = alias.asname.name.value if alias.asname else name  # type: ignore[union-attr]
+                self.index.imports[local] = f"{base}.{name}"
+            return False
+        return True
+
+    def on_leave(self, original_node: cst.CSTNode) -> None:
+        self.stack.pop()
+
+
+def dotted_name(node: cst.BaseExpression | cst.Attribute | cst.Name) -> str:
+    """``a.b.c`` for a Name/Attribute chain; "" for anything else."""
+    if isinstance(node, cst.Name):
+        return node.value
+    if isinstance(node, cst.Attribute):
+        head = dotted_name(node.value)
+        return f"{head}.{node.attr.value}" if head else ""
+    return ""
+
+
+class Recipe:
+    """The recipe file a codemod works on: its tree, an index, and helpers to query them."""
+
+    def __init__(self, path: Path, source: str):
+        self.path = Path(path)
+        self.source = source
+        try:
+            self.module = cst.parse_module(source)
+        except cst.ParserSyntaxError as e:
+            raise SkillRefused(
+                f"{self.path.name} does not parse (line {e.raw_line}: {e.message}); fix it first"
+            ) from None
+        self._index = _Index()
+        self.module.visit(_Indexer(self._index))
+        self._positions = None
+
+    # --- basic queries -------------------------------------------------------------------------
+
+    @property
+    def name(self) -> str:
+        return self.path.name
+
+    def parent(self, node: cst.CSTNode) -> cst.CSTNode | None:
+        return self._index.parents.get(node)
+
+    def ancestors(self, node: cst.CSTNode):
+        parent = self._index.parents.get(node)
+        while parent is not None:
+            yield parent
+            parent = self._index.parents.get(parent)
+
+    def is_inside(self, node: cst.CSTNode, container: cst.CSTNode) -> bool:
+        return node is container or any(a is container for a in self.ancestors(node))
+
+    def enclosing(self, node: cst.CSTNode, kind: type | tuple[type, ...]):
+        for ancestor in self.ancestors(node):
+            if isinstance(ancestor, kind):
+                return ancestor
+        return None
+
+    def enclosing_function(self, node: cst.CSTNode) -> cst.FunctionDef | None:
+        return self.enclosing(node, cst.FunctionDef)
+
+    def enclosing_class(self, node: cst.CSTNode) -> cst.ClassDef | None:
+        return self.enclosing(node, cst.ClassDef)
+
+    def statement_of(self, node: cst.CSTNode) -> cst.BaseStatement:
+        """The statement (simple line or compound) that directly holds ``node`` in a suite."""
+        current = node
+        for ancestor in self.ancestors(node):
+            if isinstance(ancestor, (cst.Module, cst.IndentedBlock)) and isinstance(current, cst.BaseStatement):
+                return current
+            current = ancestor
+        raise SkillRefused(f"{self.name}: {self.code(node)!r} is not inside a statement block")
+
+    def suite_of(self, statement: cst.BaseStatement) -> Suite:
+        parent = self.parent(statement)
+        if not isinstance(parent, (cst.Module, cst.IndentedBlock)):
+            raise SkillRefused(f"{self.name}: line {self.line(statement)} is not in an indented block")
+        return parent
+
+    def top_level_statement(self, node: cst.CSTNode) -> cst.BaseStatement:
+        current = node
+        for ancestor in self.ancestors(node):
+            if isinstance(ancestor, cst.Module):
+                return current  # type: ignore[return-value]
+            current = ancestor
+        return current  # type: ignore[return-value]
+
+    def code(self, node: cst.CSTNode) -> str:
+        return self.module.code_for_node(node).strip()
+
+    def short(self, node: cst.CSTNode, limit: int = 60) -> str:
+        text = " ".join(self.code(node).split())
+        return text if len(text) <= limit else text[: limit - 3] + "..."
+
+    def line(self, node: cst.CSTNode) -> int:
+        """1-based line of ``node`` (computed on demand: positions are only needed for messages)."""
+        if self._positions is None:
+            self._positions = MetadataWrapper(self.module, unsafe_skip_copy=True).resolve(PositionProvider)
+        position = self._positions.get(node)
+        return position.start.line if position is not None else 0
+
+    def where(self, node: cst.CSTNode) -> str:
+        return f"{self.name}:{self.line(node)}"
+
+    # --- names ---------------------------------------------------------------------------------
+
+    @property
+    def imports(self) -> dict[str, str]:
+        return self._index.imports
+
+    def qualify(self, node: cst.BaseExpression) -> str:
+        """The qualified name of a Name/Attribute chain through the file's imports ("" if none)."""
+        dotted = dotted_name(node)
+        if not dotted:
+            return ""
+        head, _, rest = dotted.partition(".")
+        base = self._index.imports.get(head, head)
+        return f"{base}.{rest}" if rest else base
+
+    def call_name(self, call: cst.Call) -> str:
+        return self.qualify(call.func)
+
+    def calls(self) -> list[cst.Call]:
+        return self._index.calls
+
+    def calls_to(self, *qualified: str, within: cst.CSTNode | None = None) -> list[cst.Call]:
+        """Calls whose qualified name equals one of ``qualified`` or ends with ``.<one of them>``
+        when that one starts with a dot (``".fully_shard"`` matches any module's fully_shard)."""
+        found = []
+        for call in self._index.calls:
+            name = self.call_name(call)
+            if not name:
+                continue
+            if any(name == q or (q.startswith(".") and name.endswith(q)) for q in qualified):
+                if within is None or self.is_inside(call, within):
+                    found.append(call)
+        return found
+
+    def method_calls(self, method: str, within: cst.CSTNode | None = None) -> list[cst.Call]:
+        """Calls of the form ``<anything>.method(...)``."""
+        return [
+            c
+            for c in self._index.calls
+            if isinstance(c.func, cst.Attribute)
+            and c.func.attr.value == method
+            and (within is None or self.is_inside(c, within))
+        ]
+
+    def assigns(self) -> list[cst.Assign]:
+        return self._index.assigns
+
+    def withs(self) -> list[cst.With]:
+        return self._index.withs
+
+    def ifs(self) -> list[cst.If]:
+        return self._index.ifs
+
+    # --- definitions ---------------------------------------------------------------------------
+
+    def top_level_functions(self) -> dict[str, cst.FunctionDef]:
+        return {f.name.value: f for f in self.module.body if isinstance(f, cst.FunctionDef)}
+
+    def top_level_classes(self) -> dict[str, cst.ClassDef]:
+        return {c.name.value: c for c in self.module.body if isinstance(c, cst.ClassDef)}
+
+    def defines(self, name: str) -> bool:
+        """Is ``name`` bound at module level (a def, a class, an import or an assignment)?"""
+        if name in self._index.imports:
+            return True
+        for statement in self.module.body:
+            if isinstance(statement, (cst.FunctionDef, cst.ClassDef)) and statement.name.value == name:
+                return True
+            if isinstance(statement, cst.SimpleStatementLine):
+                for small in statement.body:
+                    if isinstance(small, cst.Assign) and any(
+                        isinstance(t.target, cst.Name) and t.target.value == name for t in small.targets
+                    ):
+                        return True
+        return False
+
+    def methods(self, cls: cst.ClassDef) -> dict[str, cst.FunctionDef]:
+        body = cls.body.body if isinstance(cls.body, cst.IndentedBlock) else ()
+        return {f.name.value: f for f in body if isinstance(f, cst.FunctionDef)}
+
+    def base_names(self, cls: cst.ClassDef) -> list[str]:
+        return [self.qualify(base.value) for base in cls.bases]
+
+    def subclasses(self, *qualified: str) -> list[cst.ClassDef]:
+        """Classes in the file that derive (directly or through classes of the file) from one of
+        ``qualified`` (matched like ``calls_to``)."""
+        local = {c.name.value: c for c in self._index.classes}
+        memo: dict[str, bool] = {}
+
+        def derives(cls: cst.ClassDef, seen: frozenset[str]) -> bool:
+            if cls.name.value in memo:
+                return memo[cls.name.value]
+            result = False
+            for base in cls.bases:
+                name = self.qualify(base.value)
+                if any(name == q or (q.startswith(".") and name.endswith(q)) for q in qualified):
+                    result = True
+                elif name in local and name not in seen:
+                    result = derives(local[name], seen | {name})
+                if result:
+                    break
+            memo[cls.name.value] = result
+            return result
+
+        return [c for c in self._index.classes if derives(c, frozenset({c.name.value}))]
+
+    def references(self, name: str, within: cst.CSTNode | None = None) -> bool:
+        """Is the bare name ``name`` used (as a Name node) anywhere, or inside ``within``?"""
+        root = within if within is not None else self.module
+        finder = _NameFinder(name)
+        root.visit(finder)
+        return finder.found
+
+
+class _NameFinder(cst.CSTVisitor):
+    def __init__(self, name: str):
+        self.name = name
+        self.found = False
+
+    def on_visit(self, node: cst.CSTNode) -> bool:
+        if self.found:
+            return False
+        if isinstance(node, cst.Name) and node.value == self.name:
+            self.found = True
+        return True

@@ -1,0 +1,110 @@
+"""freeze: stop training part of the model (embeddings, the first blocks, or parameters by name).
+
+Anchors: the model construction (the ``freeze_parameters(...)`` call goes after LoRA and tensor
+parallelism, which create new parameters, and before activation checkpointing, which renames
+them) and every ``torch.optim`` constructor (handed only trainable parameters).
+"""
+
+from __future__ import annotations
+
+import libcst as cst
+from pydantic import Field, model_validator
+
+from skills.codemod_kit import (
+    AlreadyApplied,
+    Edits,
+    Recipe,
+    SkillParams,
+    anchors,
+    ensure_transformer_blocks,
+    insert_definitions,
+    only_trainable_parameters,
+    stages,
+    templates,
+)
+from skills.codemod_kit.recipe import dotted_name
+
+SKILL = "freeze"
+
+
+class Params(SkillParams):
+    embeddings: bool = Field(True, description="Freeze every nn.Embedding (token and position embeddings).")
+    first_blocks: int = Field(0, ge=0, description="Freeze the first N transformer blocks.")
+    patterns: list[str] = Field(
+        default_factory=list,
+        description="fnmatch patterns of parameter names to freeze, as model.named_parameters() "
+        "gives them (e.g. 'lm_head.*', '*.norm.weight').",
+    )
+
+    @model_validator(mode="after")
+    def _freezes_something(self) -> "Params":
+        if not self.embeddings and not self.first_blocks and not self.patterns:
+            raise ValueError("nothing to freeze: set embeddings, first_blocks or patterns")
+        return self
+
+
+HELPER = '''
+def freeze_parameters(
+    model: torch.nn.Module, embeddings: bool = True, first_blocks: int = 0, patterns: list[str] = ()
+) -> int:
+    """Freeze part of a model: with ``requires_grad=False`` no gradient is computed or stored for
+    a parameter, and the optimizer, which is handed only trainable parameters, never changes it.
+    Freezes every ``nn.Embedding`` (with ``embeddings``), the first ``first_blocks`` transformer
+    blocks, and the parameters whose names match one of the fnmatch ``patterns``. Returns the
+    number of frozen values. (Written by the freeze skill.)
+    """
+    chosen: dict[int, torch.nn.Parameter] = {}
+    if embeddings:
+        for module in model.modules():
+            if isinstance(module, torch.nn.Embedding):
+                chosen.update((id(p), p) for p in module.parameters())
+    for block in transformer_blocks(model)[:first_blocks]:
+        chosen.update((id(p), p) for p in block.parameters())
+    for name, parameter in model.named_parameters():
+        if any(fnmatch.fnmatchcase(name, pattern) for pattern in patterns):
+            chosen[id(parameter)] = parameter
+    if not chosen:
+        raise ValueError(
+            f"freeze_parameters: nothing matched (embeddings={embeddings}, "
+            f"first_blocks={first_blocks}, patterns={list(patterns)})"
+        )
+    for parameter in chosen.values():
+        parameter.requires_grad_(False)
+    return sum(p.numel() for p in chosen.values())
+'''
+
+
+def _hand_written_freeze(recipe: Recipe):
+    for call in recipe.method_calls("requires_grad_"):
+        if call.args and isinstance(call.args[0].value, cst.Name) and call.args[0].value.value == "False":
+            return call
+    for assign in recipe.assigns():
+        for target in assign.targets:
+            if (
+                dotted_name(target.target).endswith(".requires_grad")
+                and recipe.code(assign.value) == "False"
+            ):
+                return assign
+    found = recipe.calls_to("freeze_parameters")
+    return found[0] if found else None
+
+
+def apply(recipe: Recipe, params: Params) -> Edits | AlreadyApplied:
+    existing = _hand_written_freeze(recipe)
+    if existing is not None:
+        return AlreadyApplied(f"parameters are frozen at {recipe.where(existing)}")
+    model = anchors.find_model(recipe, SKILL)
+    edits = Edits(recipe)
+    only_trainable_parameters(recipe, edits, SKILL)
+    ensure_transformer_blocks(recipe, edits, model.statement)
+    insert_definitions(recipe, edits, HELPER, model.statement)
+    edits.add_import("fnmatch")
+    edits.add_import("torch")
+    call = templates.statement(
+        recipe.module,
+        f"freeze_parameters({{model}}, embeddings={params.embeddings}, "
+        f"first_blocks={params.first_blocks}, patterns={templates.literal(params.patterns)})",
+        model=model.target,
+    )
+    stages.insert_stage(recipe, edits, model, stages.FREEZE, [call])
+    return edits
