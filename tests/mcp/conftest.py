@@ -1,0 +1,191 @@
+"""Fixtures for the end-to-end MCP tests: a real SDK client, in memory or over stdio.
+
+Tests talk to the server through :class:`ToolSession`, a synchronous face on ``mcp.Client``
+(the client runs in an event loop of its own thread, so each test body reads top to bottom).
+Modules that take the ``client`` fixture run twice: once against ``build_server`` in memory and
+once against ``trainwright serve`` spawned over stdio.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import math
+import shutil
+import subprocess
+import sys
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Iterator
+
+import pytest
+import yaml
+from anyio.from_thread import start_blocking_portal
+from mcp import Client, StdioServerParameters
+
+from tests.support import TINY
+
+TRANSPORTS = ("memory", "stdio")
+FINAL_STATUSES = ("completed", "failed", "stopped")
+
+# A run of the tiny model that checkpoints twice: 6 steps, checkpoints at 3 and 6.
+SHORT_RUN = {"train.max_steps": 6, "checkpoint.every": 3}
+# Long enough that it is still running whenever a test looks; tests stop it.
+ENDLESS_RUN = {"train.max_steps": 100_000, "checkpoint.every": 100_000}
+
+
+def tiny_config(**extra: Any) -> dict[str, Any]:
+    """tests.support.TINY as typed config values (``{"model.hidden_size": 64, ...}``)."""
+    config = {key: yaml.safe_load(value) for key, value in (item.split("=", 1) for item in TINY)}
+    config.update(extra)
+    return config
+
+
+def trainwright_command() -> list[str]:
+    """``trainwright`` as installed next to this Python (the console script), or its module."""
+    script = Path(sys.executable).with_name("trainwright")
+    return [str(script)] if script.is_file() else [sys.executable, "-m", "mcp_server.cli"]
+
+
+def stdio_parameters(workspace: Path, *serve_args: str) -> StdioServerParameters:
+    command, *args = trainwright_command()
+    return StdioServerParameters(
+        command=command, args=[*args, "serve", "--workspace", str(workspace), *serve_args], cwd=str(workspace)
+    )
+
+
+class ToolError(AssertionError):
+    """A tool call that was expected to succeed came back as a tool error."""
+
+
+class ToolSession:
+    """Blocking calls on a connected ``mcp.Client``."""
+
+    def __init__(self, portal, client: Client, transport: str):
+        self.portal = portal
+        self.client = client
+        self.transport = transport
+
+    def call(self, tool: str, **arguments: Any):
+        return self.portal.call(self.client.call_tool, tool, arguments)
+
+    def ok(self, tool: str, **arguments: Any) -> dict[str, Any]:
+        """The structured result of a call that must succeed."""
+        result = self.call(tool, **arguments)
+        if result.is_error:
+            raise ToolError(f"{tool}({arguments}) failed: {result.content[0].text}")
+        assert result.structured_content is not None, f"{tool} returned no structuredContent"
+        # The text content carries the same object, for clients that ignore structuredContent.
+        assert json.loads(result.content[0].text) == result.structured_content
+        return result.structured_content
+
+    def error(self, tool: str, **arguments: Any) -> str:
+        """The message of a call that must fail as a tool error (not a protocol error)."""
+        result = self.call(tool, **arguments)
+        assert result.is_error, f"{tool}({arguments}) succeeded: {result.structured_content}"
+        return result.content[0].text
+
+    def tools(self) -> dict[str, Any]:
+        listing = self.portal.call(self.client.list_tools)
+        return {tool.name: tool for tool in listing.tools}
+
+    def resources(self) -> list[str]:
+        listing = self.portal.call(self.client.list_resources)
+        return [str(resource.uri) for resource in listing.resources]
+
+    def resource_templates(self) -> list[str]:
+        listing = self.portal.call(self.client.list_resource_templates)
+        return [template.uri_template for template in listing.resource_templates]
+
+    def read_text(self, uri: str) -> str:
+        (contents,) = self.portal.call(self.client.read_resource, uri).contents
+        return contents.text
+
+    def read_bytes(self, uri: str) -> tuple[bytes, str]:
+        (contents,) = self.portal.call(self.client.read_resource, uri).contents
+        return base64.b64decode(contents.blob), contents.mime_type
+
+    def read_error(self, uri: str) -> str:
+        from mcp.shared.exceptions import MCPError
+
+        with pytest.raises(MCPError) as caught:
+            self.portal.call(self.client.read_resource, uri)
+        return str(caught.value)
+
+    # -- runs ----------------------------------------------------------------------------------
+
+    def wait_for_run(self, run_id: str, timeout: float = 300) -> dict[str, Any]:
+        """get_run, polled until the run has ended and its supervisor has recorded the exit code.
+
+        The engine records ``completed`` itself a moment before its processes exit; the
+        supervisor then records the exit code and writes the git note.
+        """
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            info = self.ok("get_run", run_id=run_id)
+            if info["status"] in FINAL_STATUSES and info["exit_code"] is not None:
+                return info
+            time.sleep(0.3)
+        raise AssertionError(f"run {run_id} did not end within {timeout} s: {info['status']}")
+
+    def wait_for_step(self, run_id: str, step: int = 1, timeout: float = 180) -> dict[str, Any]:
+        """tail_metrics, polled until the run has logged ``step``; returns the latest record."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            tail = self.ok("tail_metrics", run_id=run_id, n=1)
+            if tail["records"] and tail["records"][-1]["step"] >= step:
+                return tail["records"][-1]
+            if tail["status"] in FINAL_STATUSES:
+                raise AssertionError(f"run {run_id} ended ({tail['status']}) before step {step}")
+            time.sleep(0.3)
+        raise AssertionError(f"run {run_id} did not reach step {step} within {timeout} s")
+
+
+@contextmanager
+def connect(transport: str, workspace: Path, *serve_args: str) -> Iterator[ToolSession]:
+    """A connected client: in memory (``build_server``) or over stdio (``trainwright serve``)."""
+    if transport == "memory":
+        from mcp_server.server import build_server
+
+        client = Client(build_server(workspace, read_only="--read-only" in serve_args))
+    elif transport == "stdio":
+        client = Client(stdio_parameters(workspace, *serve_args))
+    else:
+        raise ValueError(f"unknown transport {transport!r}")
+    with start_blocking_portal() as portal:
+        with portal.wrap_async_context_manager(client) as connected:
+            yield ToolSession(portal, connected, transport)
+
+
+def git(workspace: Path, *args: str) -> str:
+    """A git command in the workspace; its stdout, stripped."""
+    result = subprocess.run(["git", *args], cwd=workspace, capture_output=True, text=True, check=True)
+    return result.stdout.strip()
+
+
+def head(workspace: Path) -> str:
+    return git(workspace, "rev-parse", "HEAD")
+
+
+def is_finite_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and math.isfinite(value)
+
+
+@pytest.fixture(scope="module", params=TRANSPORTS)
+def transport(request) -> str:
+    if request.param == "stdio" and shutil.which(trainwright_command()[0]) is None:
+        pytest.skip("the trainwright command is not installed")
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def workspace(transport, tmp_path_factory) -> Path:
+    """A fresh, empty folder: the server makes it a git repository."""
+    return tmp_path_factory.mktemp(f"workspace-{transport}")
+
+
+@pytest.fixture(scope="module")
+def client(transport, workspace) -> Iterator[ToolSession]:
+    with connect(transport, workspace) as session:
+        yield session
