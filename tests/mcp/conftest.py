@@ -11,6 +11,7 @@ from __future__ import annotations
 import base64
 import json
 import math
+import os
 import shutil
 import subprocess
 import sys
@@ -49,9 +50,16 @@ def trainwright_command() -> list[str]:
 
 
 def stdio_parameters(workspace: Path, *serve_args: str) -> StdioServerParameters:
+    """``trainwright serve --workspace WORKSPACE ...`` as an MCP host would start it.
+
+    The SDK gives the server a minimal environment; PYTHONPATH is passed on so that a checkout
+    on PYTHONPATH is what the server (and the runs it starts) import.
+    """
     command, *args = trainwright_command()
+    env = {"PYTHONPATH": os.environ["PYTHONPATH"]} if os.environ.get("PYTHONPATH") else None
     return StdioServerParameters(
-        command=command, args=[*args, "serve", "--workspace", str(workspace), *serve_args], cwd=str(workspace)
+        command=command, args=[*args, "serve", "--workspace", str(workspace), *serve_args],
+        cwd=str(workspace), env=env,
     )
 
 
