@@ -105,7 +105,7 @@ def build_server(workspace: Path | str, read_only: bool = False) -> MCPServer:
     mcp = MCPServer("trainwright", instructions=INSTRUCTIONS, log_level="WARNING")
 
     def tool(annotations: ToolAnnotations):
-        if read_only and not annotations.readOnlyHint:
+        if read_only and not annotations.read_only_hint:
             return lambda fn: fn  # --read-only: tools that change something are not served
 
         def register(fn):
