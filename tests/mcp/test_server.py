@@ -1,0 +1,150 @@
+"""`trainwright serve`: the tool list, --read-only, --http, the default workspace, no torch."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+from anyio.from_thread import start_blocking_portal
+from mcp import Client, StdioServerParameters
+
+from tests.mcp.conftest import ToolSession, closing_cleanly, connect, git, trainwright_command
+
+TOOLS = {
+    "list_skills", "get_skill", "apply_skill", "list_templates", "scaffold_recipe", "launch_run",
+    "list_runs", "get_run", "tail_metrics", "stop_run", "list_checkpoints", "resume_checkpoint",
+}
+READ_ONLY_TOOLS = {"list_skills", "get_skill", "list_templates", "list_runs", "get_run", "tail_metrics",
+                   "list_checkpoints"}
+
+
+def test_every_tool_is_listed_with_annotations_and_an_output_schema(client):
+    tools = client.tools()
+    assert set(tools) == TOOLS
+    for name, tool in tools.items():
+        hints = tool.annotations
+        assert hints.read_only_hint is (name in READ_ONLY_TOOLS), name
+        assert hints.destructive_hint is (name == "stop_run"), name
+        assert hints.open_world_hint is False, name
+        assert tool.output_schema["type"] == "object", name
+        assert tool.description and "\n    " not in tool.description, name
+    assert tools["apply_skill"].annotations.idempotent_hint is True
+    assert tools["launch_run"].annotations.idempotent_hint is False
+    assert set(tools["apply_skill"].input_schema["properties"]) == {"skill", "recipe", "params", "dry_run"}
+    assert tools["apply_skill"].input_schema["required"] == ["skill", "recipe"]
+
+
+def test_read_only_serves_only_the_tools_that_change_nothing(transport, tmp_path):
+    with connect(transport, tmp_path, "--read-only") as read_only:
+        assert set(read_only.tools()) == READ_ONLY_TOOLS
+        message = read_only.error("apply_skill", skill="loss-guard", recipe="recipes/lm")
+        assert "unknown tool" in message.lower() and "apply_skill" in message
+        assert read_only.ok("list_runs") == {"runs": [], "truncated": False}
+    assert not (tmp_path / ".git").exists()
+
+
+def test_serve_takes_the_current_directory_and_makes_it_a_git_repository(tmp_path):
+    command, *args = trainwright_command()
+    parameters = StdioServerParameters(command=command, args=[*args, "serve"], cwd=str(tmp_path))
+    with start_blocking_portal() as portal, closing_cleanly(portal.wrap_async_context_manager(Client(parameters))) as c:
+        session = ToolSession(portal, c, "stdio")
+        assert session.ok("list_templates")["templates"]
+    assert git(tmp_path, "log", "--format=%an %s") == "trainwright trainwright: initialise workspace"
+    assert "runs/" in (tmp_path / ".gitignore").read_text().splitlines()
+
+
+def test_a_workspace_that_an_enclosing_repository_ignores_gets_its_own(tmp_path):
+    subprocess.run(["git", "init", "-q", str(tmp_path)], check=True)
+    (tmp_path / ".gitignore").write_text("/demo-workspace/\n")
+    workspace = tmp_path / "demo-workspace"
+    workspace.mkdir()
+    with connect("memory", workspace) as client:
+        client.ok("scaffold_recipe", template="causal_lm", name="lm", config={"train.max_steps": 2})
+    assert git(workspace, "rev-parse", "--show-toplevel") == str(workspace.resolve())
+    assert git(workspace, "log", "--format=%s") == (
+        "recipe(lm): scaffold from template causal_lm\ntrainwright: initialise workspace"
+    )
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def _listening_addresses(port: int) -> list[str]:
+    """The IPv4 addresses a socket listens on at ``port`` (Linux: /proc/net/tcp)."""
+    try:
+        lines = open("/proc/net/tcp").read().splitlines()[1:]
+    except OSError:
+        return []
+    found = []
+    for line in lines:
+        local, state = line.split()[1], line.split()[3]
+        address, port_hex = local.split(":")
+        if state == "0A" and int(port_hex, 16) == port:  # 0A: LISTEN
+            found.append(socket.inet_ntoa(bytes.fromhex(address)[::-1]))
+    return found
+
+
+def test_http_serves_streamable_http_on_localhost(tmp_path):
+    port = _free_port()
+    server = subprocess.Popen(
+        [*trainwright_command(), "serve", "--http", str(port), "--workspace", str(tmp_path)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                assert server.poll() is None, f"the server exited: {server.stderr.read()}"
+                assert time.monotonic() < deadline, "the server did not listen within 60 s"
+                time.sleep(0.1)
+        assert _listening_addresses(port) in ([], ["127.0.0.1"])  # [] where /proc/net/tcp is absent
+        with start_blocking_portal() as portal:
+            with closing_cleanly(portal.wrap_async_context_manager(Client(f"http://127.0.0.1:{port}/mcp"))) as c:
+                session = ToolSession(portal, c, "http")
+                assert set(session.tools()) == TOOLS
+                assert "no run 'x' in this workspace" in session.error("get_run", run_id="x")
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+
+
+NO_TORCH_PROBE = """
+import json, sys, anyio
+from mcp import Client
+from mcp_server.server import build_server
+
+async def main():
+    async with Client(build_server(sys.argv[1])) as client:
+        await client.list_tools()
+        for name, arguments in [("list_skills", {}), ("get_skill", {"name": "gradient-checkpointing"}),
+                                ("list_templates", {}), ("list_runs", {})]:
+            assert not (await client.call_tool(name, arguments)).is_error, name
+
+anyio.run(main)
+print(json.dumps(sorted(m for m in sys.modules if m.split(".")[0] in ("torch", "transformers"))))
+"""
+
+
+def test_the_server_answers_without_importing_torch(tmp_path):
+    result = subprocess.run(
+        [sys.executable, "-c", NO_TORCH_PROBE, str(tmp_path)], capture_output=True, text=True, timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout.splitlines()[-1]) == []
+
+
+@pytest.mark.parametrize("module", ["mcp_server.server", "mcp_server.cli", "mcp_server.operations.runs"])
+def test_importing_the_server_modules_does_not_import_torch(module):
+    probe = f"import sys, {module}; print('torch' in sys.modules, 'transformers' in sys.modules)"
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
+    assert result.stdout.split() == ["False", "False"], result.stderr
