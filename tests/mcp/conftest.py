@@ -190,6 +190,15 @@ def head(workspace: Path) -> str:
     return git(workspace, "rev-parse", "HEAD")
 
 
+def process_group_alive(pgid: int) -> bool:
+    """Whether any process of the group (a run's engine: torchrun and its workers) is left."""
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
 def is_finite_number(value: object) -> bool:
     return isinstance(value, (int, float)) and math.isfinite(value)
 

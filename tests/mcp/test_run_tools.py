@@ -15,7 +15,9 @@ import time
 import pytest
 
 from engine import run_dir as rd
-from tests.mcp.conftest import ENDLESS_RUN, SHORT_RUN, git, head, is_finite_number, tiny_config
+from tests.mcp.conftest import (
+    ENDLESS_RUN, SHORT_RUN, git, head, is_finite_number, process_group_alive, tiny_config,
+)
 from tests.support import wait_for
 
 pytestmark = pytest.mark.slow
@@ -163,7 +165,7 @@ def test_stop_run_ends_a_running_run_and_all_its_processes(client, workspace, re
     stopped = client.ok("stop_run", run_id=run["run_id"])
 
     assert stopped["status"] == "stopped" and stopped["error"] == "stopped by request"
-    assert not rd.pid_alive(record["pid"]) and not rd.pid_alive(record["child_pgid"])
+    assert not rd.pid_alive(record["pid"]) and not process_group_alive(record["child_pgid"])
     assert client.ok("stop_run", run_id=run["run_id"])["status"] == "stopped"  # idempotent
     assert client.ok("tail_metrics", run_id=run["run_id"])["status"] == "stopped"
 
