@@ -1,0 +1,130 @@
+"""What a workspace's owner allows its runs: the ``runs:`` section of ``.trainwright/config.yaml``.
+
+The file belongs to the person who starts the server, not to the agent: no tool reads a recipe
+from ``.trainwright/`` or writes into it, so an agent cannot raise its own limits. Every field
+is optional; a missing file means the defaults below. ``launch_run`` and
+``resume_checkpoint`` read the file at each launch, so an edit applies to the next run, and
+the limits a run got are recorded in its ``run.json`` (``limits``) and shown by ``get_run``.
+
+    runs:
+      wall_time_s: 86400          # stop a run after this long, recorded as stopped (null: none)
+      max_open_files: 4096        # RLIMIT_NOFILE of every process of a run
+      max_processes: null         # RLIMIT_NPROC (per user; the kernel ignores it for root)
+      max_memory: null            # RLIMIT_AS per process: bytes or "16GiB" (CPU runs only:
+                                  #   CUDA reserves far more address space than it uses)
+      stop_grace_s: 10            # after SIGTERM, SIGKILL the run's processes this much later
+      network: isolated           # isolated: a network namespace with only loopback (torchrun
+                                  #   --standalone works), where the platform allows; shared
+      threads_per_process: null   # OMP_NUM_THREADS of a run (default: CPU cores / processes)
+      pass_env: [WANDB_API_KEY]   # server variables a run gets although they look like secrets
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+CONFIG_FILENAME = "config.yaml"
+NETWORK_MODES = ("isolated", "shared")
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "B": 1, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12,
+          "KI": 2**10, "MI": 2**20, "GI": 2**30, "TI": 2**40}
+
+
+class ConfigRefused(ValueError):
+    """``.trainwright/config.yaml`` is not valid; the message names the key and what is allowed."""
+
+
+@dataclass(frozen=True)
+class RunLimits:
+    """Limits and containment the supervisor applies to every process of a run."""
+
+    wall_time_s: float | None = None  # stop the run after this long
+    max_open_files: int | None = 4096  # RLIMIT_NOFILE
+    max_processes: int | None = None  # RLIMIT_NPROC (ignored for root by the kernel)
+    max_memory_bytes: int | None = None  # RLIMIT_AS per process; CUDA needs a lot of address space
+    stop_grace_s: float = 10.0  # SIGTERM, then SIGKILL after this long
+    network: str = "isolated"  # "isolated" (loopback only, where possible) or "shared"
+    threads_per_process: int | None = None  # OMP_NUM_THREADS; None: CPU cores / processes
+    pass_env: tuple[str, ...] = ()  # server variables passed although they look like secrets
+
+
+_KEYS = {f.name for f in fields(RunLimits)} - {"max_memory_bytes"} | {"max_memory"}
+
+
+def parse_size(value: object, key: str) -> int | None:
+    """``17179869184``, ``"16GiB"``, ``"500M"`` → bytes."""
+    if value is None:
+        return None
+    if isinstance(value, int) and not isinstance(value, bool):
+        size = value
+    elif isinstance(value, str) and (match := _SIZE.match(value)):
+        unit = (match.group(2) or "").upper().rstrip("B")
+        size = int(float(match.group(1)) * _UNITS[unit])
+    else:
+        raise ConfigRefused(f"runs.{key} must be a number of bytes or a size like '16GiB', got {value!r}")
+    if size <= 0:
+        raise ConfigRefused(f"runs.{key} must be positive, got {value!r}")
+    return size
+
+
+def _positive(value: object, key: str, kind: type) -> Any:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and not isinstance(value, int)):
+        raise ConfigRefused(f"runs.{key} must be a positive {kind.__name__} or null, got {value!r}")
+    if value <= 0:
+        raise ConfigRefused(f"runs.{key} must be positive, got {value!r}")
+    return kind(value)
+
+
+def limits_from_mapping(section: object) -> RunLimits:
+    """The ``runs:`` section of the config file → :class:`RunLimits`."""
+    if section is None:
+        return RunLimits()
+    if not isinstance(section, dict):
+        raise ConfigRefused("runs: must be a mapping of settings")
+    unknown = sorted(str(k) for k in section if k not in _KEYS)
+    if unknown:
+        raise ConfigRefused(f"unknown setting runs.{unknown[0]}; valid: {', '.join(sorted(_KEYS))}")
+    defaults = RunLimits()
+    network = section.get("network", defaults.network)
+    if network not in NETWORK_MODES:
+        raise ConfigRefused(f"runs.network must be one of {', '.join(NETWORK_MODES)}, got {network!r}")
+    pass_env = section.get("pass_env") or []
+    if isinstance(pass_env, str):
+        pass_env = [n.strip() for n in pass_env.split(",")]
+    if not isinstance(pass_env, list) or not all(isinstance(n, str) and n for n in pass_env):
+        raise ConfigRefused("runs.pass_env must be a list of environment variable names")
+    grace = _positive(section.get("stop_grace_s", defaults.stop_grace_s), "stop_grace_s", float)
+    return RunLimits(
+        wall_time_s=_positive(section.get("wall_time_s", defaults.wall_time_s), "wall_time_s", float),
+        max_open_files=_positive(section.get("max_open_files", defaults.max_open_files), "max_open_files", int),
+        max_processes=_positive(section.get("max_processes", defaults.max_processes), "max_processes", int),
+        max_memory_bytes=parse_size(section.get("max_memory"), "max_memory"),
+        stop_grace_s=grace if grace is not None else defaults.stop_grace_s,
+        network=network,
+        threads_per_process=_positive(section.get("threads_per_process"), "threads_per_process", int),
+        pass_env=tuple(pass_env),
+    )
+
+
+def load_run_limits(state_dir: Path) -> RunLimits:
+    """The run limits of a workspace, from ``<state_dir>/config.yaml`` (defaults without it)."""
+    path = Path(state_dir) / CONFIG_FILENAME
+    if not path.is_file():
+        return RunLimits()
+    import yaml  # only when there is a file: the server's start stays light
+
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except (OSError, yaml.YAMLError) as e:
+        raise ConfigRefused(f"{path} cannot be read: {e}") from None
+    if not isinstance(data, dict):
+        raise ConfigRefused(f"{path} must be a mapping with a runs: section")
+    try:
+        return limits_from_mapping(data.get("runs"))
+    except ConfigRefused as e:
+        raise ConfigRefused(f"{path}: {e}") from None
