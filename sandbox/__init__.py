@@ -1,11 +1,15 @@
 """The workspace an agent acts on, and the guard rails around it.
 
 - ``paths``        path confinement: every path or name a tool takes is checked here
-- ``workspace``    the workspace: its root, recipes, runs
+- ``workspace``    the workspace: its root, recipes, runs, change lock, run limits
+- ``config``       ``.trainwright/config.yaml``: the limits and containment of runs
 - ``git``          commits with trailers, notes on commits, dirty checks
-- ``environment``  the allow-listed environment a run gets (no secrets)
+- ``environment``  the allow-listed environment a run gets (no secrets), its thread count
+- ``network``      a network namespace with only loopback, where the platform allows
+- ``processes``    every process of a run, found and ended together
 - ``runs``         check, spawn and stop runs
 - ``supervise``    the per-run supervisor process (``python -m sandbox.supervise RUN_DIR``)
+- ``audit``        the audit log of every tool call
 
-Standard library and GitPython only: the MCP server imports this package.
+Standard library, GitPython and PyYAML only: the MCP server imports this package.
 """

@@ -3,7 +3,12 @@
 A server started by an agent host often holds API tokens and cloud credentials. A run gets
 only the variables it needs to find Python, its devices and its caches; anything named like a
 secret is dropped even when a broad pattern would admit it, unless the user lists it by its
-exact name in ``TRAINWRIGHT_PASS_ENV`` (comma-separated).
+exact name — in ``runs.pass_env`` of ``.trainwright/config.yaml`` or in the server's
+``TRAINWRIGHT_PASS_ENV`` (comma-separated).
+
+Every run also gets ``OMP_NUM_THREADS`` set explicitly (from the server's environment, the
+config, or CPU cores / processes), and the value is recorded in ``run.json``, so a resumed run
+computes with the same thread count: on CPU that is what makes a resume bit-identical.
 """
 
 from __future__ import annotations
@@ -11,7 +16,7 @@ from __future__ import annotations
 import fnmatch
 import os
 import re
-from typing import Mapping
+from typing import Iterable, Mapping
 
 ALLOWED = (
     "PATH", "HOME", "USER", "LOGNAME", "SHELL", "LANG", "LC_*", "TZ", "TERM", "TMPDIR",
@@ -25,21 +30,34 @@ ALLOWED = (
 
 _SECRET = re.compile(
     r"(TOKEN|SECRET|PASSW(OR)?D|PASSPHRASE|API_?KEY|ACCESS_?KEY|PRIVATE_?KEY|CREDENTIAL|AUTH|"
-    r"SESSION_?KEY|COOKIE|^AWS_|^AZURE_|^GCP_|^GOOGLE_|^GH_|^GITHUB_|^OPENAI_|^ANTHROPIC_|^HF_TOKEN)",
+    r"SESSION_?KEY|COOKIE|SIGNING|WEBHOOK|DSN$|(^|_)KEY$|(^|_)PASS$|_PAT$|CONNECTION_STRING|"
+    r"^AWS_|^AZURE_|^GCP_|^GCLOUD_|^GOOGLE_|^GH_|^GITHUB_|^GITLAB_|^OPENAI_|^ANTHROPIC_|^HF_TOKEN|"
+    r"^KUBECONFIG$|^DATABASE_URL$)",
     re.IGNORECASE,
 )
 
 PASS_ENV_VARIABLE = "TRAINWRIGHT_PASS_ENV"
+THREADS_VARIABLE = "OMP_NUM_THREADS"
 
 
 def looks_secret(name: str) -> bool:
     return bool(_SECRET.search(name))
 
 
-def run_environment(source: Mapping[str, str] | None = None, extra: Mapping[str, str] | None = None) -> dict[str, str]:
+def passed_names(source: Mapping[str, str], pass_env: Iterable[str] = ()) -> set[str]:
+    """Names the user lets through: ``TRAINWRIGHT_PASS_ENV`` plus ``runs.pass_env``."""
+    names = {n.strip() for n in source.get(PASS_ENV_VARIABLE, "").split(",") if n.strip()}
+    return names | {n for n in pass_env if n}
+
+
+def run_environment(
+    source: Mapping[str, str] | None = None,
+    extra: Mapping[str, str] | None = None,
+    pass_env: Iterable[str] = (),
+) -> dict[str, str]:
     """The environment for a run, built from ``source`` (default: this process's)."""
     source = dict(os.environ if source is None else source)
-    passed = {n.strip() for n in source.get(PASS_ENV_VARIABLE, "").split(",") if n.strip()}
+    passed = passed_names(source, pass_env)
     env = {}
     for name, value in source.items():
         if name in passed:
@@ -51,10 +69,32 @@ def run_environment(source: Mapping[str, str] | None = None, extra: Mapping[str,
     return env
 
 
+def threads_per_process(nproc: int, configured: int | None = None, source: Mapping[str, str] | None = None) -> int:
+    """The thread count a run's processes compute with (see the module docstring)."""
+    if configured:
+        return int(configured)
+    source = os.environ if source is None else source
+    value = source.get(THREADS_VARIABLE, "")
+    if value.isdigit() and int(value) > 0:
+        return int(value)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, cores // max(1, nproc))
+
+
+# Well-known credential formats, redacted wherever they appear (GitHub, OpenAI/Anthropic,
+# Hugging Face, AWS access key ids, Slack, JWTs).
+_CREDENTIAL = re.compile(
+    r"\b(gh[pousr]_[A-Za-z0-9]{20,}|github_pat_[A-Za-z0-9_]{20,}|sk-[A-Za-z0-9_-]{20,}|"
+    r"hf_[A-Za-z0-9]{20,}|AKIA[0-9A-Z]{16}|xox[abprs]-[A-Za-z0-9-]{10,}|"
+    r"eyJ[A-Za-z0-9_-]{10,}\.[A-Za-z0-9_-]{10,}\.[A-Za-z0-9_-]{10,})"
+)
+
+
 def redact(text: str, source: Mapping[str, str] | None = None) -> str:
-    """Replace the values of secret-looking variables in ``text`` with ``***``."""
+    """``text`` with the values of secret-looking variables, and credential-shaped strings,
+    replaced by ``***``."""
     source = os.environ if source is None else source
     for name, value in source.items():
         if looks_secret(name) and len(value) >= 6 and value in text:
             text = text.replace(value, "***")
-    return text
+    return _CREDENTIAL.sub("***", text)

@@ -6,10 +6,12 @@ A run is started in three moves, so that a bad request leaves nothing behind:
    config and the world size) and raises :class:`LaunchRefused` with the engine's message;
 2. ``start_run`` creates ``runs/<id>/run.json`` and spawns ``python -m sandbox.supervise`` in
    its own session, which starts the engine (``torchrun`` when ``nproc > 1``) in a process
-   group of its own, writes its output to ``console.log`` and records the outcome;
+   group of its own, with the limits of :class:`~sandbox.config.RunLimits`, writes its output
+   to ``console.log`` and records the outcome;
 3. the caller gets the run id at once: nothing waits for the run.
 
-``stop_run`` asks the supervisor to end the run's whole process group and record ``stopped``.
+``stop_run`` asks the supervisor to end every process of the run and record ``stopped``; when
+the supervisor is gone it ends them itself (see :mod:`sandbox.processes`).
 """
 
 from __future__ import annotations
@@ -20,29 +22,23 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 from engine import run_dir as rd
-from sandbox.environment import run_environment
+from sandbox.config import RunLimits
+from sandbox.environment import THREADS_VARIABLE, run_environment, threads_per_process
+from sandbox.processes import RUN_ID_VARIABLE, end_processes, marked
+
+__all__ = ["LaunchRefused", "RunLimits", "check_launch", "engine_command", "start_run", "stop_run"]
 
 CHECK_TIMEOUT_S = 180
+MAX_CHECK_ERROR_CHARS = 2000
 
 
 class LaunchRefused(ValueError):
     """The engine refused the launch (bad config, bad recipe); nothing was written."""
-
-
-@dataclass(frozen=True)
-class RunLimits:
-    """Limits the supervisor enforces on a run's process group."""
-
-    wall_time_s: float | None = None  # stop the run after this long
-    max_open_files: int | None = 4096
-    max_processes: int | None = None  # RLIMIT_NPROC (ignored for root by the kernel)
-    max_memory_bytes: int | None = None  # RLIMIT_AS per process; CUDA needs a lot of address space
-    stop_grace_s: float = 10.0  # SIGTERM, then SIGKILL after this long
 
 
 def engine_command(
@@ -54,8 +50,10 @@ def engine_command(
     config_json: Path | None = None,
 ) -> list[str]:
     if nproc > 1:
+        # One node: the rendezvous and the workers talk over loopback, which is also all that
+        # an isolated run has.
         command = [
-            sys.executable, "-m", "torch.distributed.run", "--standalone",
+            sys.executable, "-m", "torch.distributed.run", "--standalone", "--local-addr", "127.0.0.1",
             "--nproc-per-node", str(nproc), "-m", "engine.launch",
         ]
     else:
@@ -65,8 +63,8 @@ def engine_command(
         command += ["--resume-from", str(resume_from)]
     if config_json is not None:
         command += ["--config-json", str(config_json)]
-    for override in overrides:
-        command += ["--set", override]
+    # "--set=KEY=VALUE" in one word: a value that starts with "-" is not read as an option.
+    command += [f"--set={override}" for override in overrides]
     return command
 
 
@@ -76,17 +74,25 @@ def check_launch(
     nproc: int,
     overrides: list[str],
     config_json: Path | None = None,
+    limits: RunLimits = RunLimits(),
 ) -> dict[str, Any]:
-    """Validate a launch with the engine itself; return the resolved config."""
+    """Validate a launch with the engine itself; return the resolved config.
+
+    The check imports the recipe, so it runs as a run would: allow-listed environment and,
+    where possible, no network.
+    """
     command = [sys.executable, "-m", "engine.launch", str(recipe_dir), "--check", "--nproc", str(nproc)]
     if config_json is not None:
         command += ["--config-json", str(config_json)]
-    for override in overrides:
-        command += ["--set", override]
+    command += [f"--set={override}" for override in overrides]
+    if limits.network == "isolated":
+        command = [sys.executable, "-m", "sandbox.network", "--", *command]
+    # A check writes nothing, not even the recipe's bytecode cache.
+    env = run_environment(extra={THREADS_VARIABLE: "1", "PYTHONDONTWRITEBYTECODE": "1"})
     try:
         result = subprocess.run(
-            command, cwd=workspace, env=run_environment(), capture_output=True, text=True,
-            timeout=CHECK_TIMEOUT_S,
+            command, cwd=workspace, env=env, capture_output=True, text=True, errors="replace",
+            timeout=CHECK_TIMEOUT_S, stdin=subprocess.DEVNULL, start_new_session=True,
         )
     except subprocess.TimeoutExpired:
         raise LaunchRefused(f"checking the recipe took over {CHECK_TIMEOUT_S} s") from None
@@ -97,10 +103,23 @@ def check_launch(
             continue
         if isinstance(verdict, dict) and "ok" in verdict:
             if not verdict["ok"]:
-                raise LaunchRefused(verdict["error"])
+                raise LaunchRefused(str(verdict["error"])[:MAX_CHECK_ERROR_CHARS])
             return verdict["config"]
     last = (result.stderr.strip().splitlines() or ["no output"])[-1]
-    raise LaunchRefused(f"the engine could not check the recipe: {last}")
+    raise LaunchRefused(f"the engine could not check the recipe: {last[:MAX_CHECK_ERROR_CHARS]}")
+
+
+def _create_run_dir(runs_root: Path, recipe_label: str, record: dict[str, Any]) -> tuple[str, Path]:
+    """A new run directory with a fresh id (ids made in the same second may collide: retry)."""
+    for _ in range(20):
+        run_id = rd.new_run_id(Path(recipe_label).name)
+        run_dir = Path(runs_root) / run_id
+        try:
+            rd.create_run(run_dir, {**record, "id": run_id})
+            return run_id, run_dir
+        except FileExistsError:
+            continue
+    raise RuntimeError("could not find a free run id")
 
 
 def start_run(
@@ -115,13 +134,15 @@ def start_run(
     config_json: Path | None = None,
     limits: RunLimits = RunLimits(),
     extra_record: dict[str, Any] | None = None,
+    threads: int | None = None,
 ) -> dict[str, Any]:
-    """Create the run directory and spawn its supervisor; return the first run record."""
-    run_id = rd.new_run_id(Path(recipe_label).name)
-    run_dir = Path(runs_root) / run_id
+    """Create the run directory and spawn its supervisor; return the first run record.
+
+    ``threads`` pins the run's thread count (a resume passes the original run's).
+    """
     resume_path = Path(resumed_from["path"]) if resumed_from else None
+    threads = threads or threads_per_process(nproc, limits.threads_per_process)
     record = {
-        "id": run_id,
         "recipe": recipe_label,
         "git_commit": git_commit,
         "overrides": list(overrides),
@@ -132,16 +153,24 @@ def start_run(
         "resumed_from": resumed_from,
         "pid": None,
         "limits": asdict(limits),
-        "command": engine_command(recipe_dir, run_dir, nproc, overrides, resume_path, config_json),
+        "threads_per_process": threads,
         "workspace": str(workspace),
         **(extra_record or {}),
     }
-    rd.create_run(run_dir, record)
+    runs_root = Path(runs_root)
+    runs_root.mkdir(parents=True, exist_ok=True)
+    run_id, run_dir = _create_run_dir(runs_root, recipe_label, record)
+    rd.update_run(
+        run_dir, command=engine_command(recipe_dir, run_dir, nproc, overrides, resume_path, config_json)
+    )
+    env = run_environment(
+        extra={THREADS_VARIABLE: str(threads), RUN_ID_VARIABLE: run_id}, pass_env=limits.pass_env
+    )
     with open(run_dir / rd.CONSOLE_LOG, "ab") as console:
         process = subprocess.Popen(
             [sys.executable, "-m", "sandbox.supervise", str(run_dir)],
             cwd=workspace,
-            env=run_environment(),
+            env=env,
             stdin=subprocess.DEVNULL,
             stdout=console,
             stderr=subprocess.STDOUT,
@@ -150,26 +179,42 @@ def start_run(
     return rd.update_run(run_dir, pid=process.pid)
 
 
-def stop_run(run_dir: Path, timeout_s: float = 30.0) -> dict[str, Any]:
-    """End a run's whole process group and record ``stopped``. Returns the final record."""
+def stop_run(run_dir: Path, timeout_s: float | None = None) -> dict[str, Any]:
+    """End every process of a run and record ``stopped``. Returns the final record."""
     record = rd.read_run(run_dir)
     if record.get("status") in rd.FINAL_STATUSES:
         return record
     rd.update_run(run_dir, stop_requested=True)
+    grace = float((record.get("limits") or {}).get("stop_grace_s") or 10.0)
+    timeout_s = grace + 20.0 if timeout_s is None else timeout_s
     supervisor = record.get("pid")
     if rd.pid_alive(supervisor):
         os.kill(supervisor, signal.SIGTERM)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             record = rd.read_run(run_dir)
-            if record.get("status") in rd.FINAL_STATUSES and not rd.pid_alive(supervisor):
+            supervisor_alive = rd.pid_alive(supervisor)
+            if record.get("status") in rd.FINAL_STATUSES and not supervisor_alive:
                 return record
+            if not supervisor_alive:
+                break  # it died before it could record the outcome
             time.sleep(0.1)
-    # No supervisor (it crashed or was killed): end the engine's group ourselves.
+    # No supervisor (it crashed or was killed), or it did not finish: end the run's processes
+    # ourselves, all of them, wherever they are in the process tree.
     kill_group(record.get("child_pgid"), signal.SIGKILL)
-    return rd.update_run(
-        run_dir, status=rd.STOPPED, ended_at=rd.utc_now(), reason="stopped by request"
-    )
+    end_processes(run_processes(record), grace_s=min(grace, 5.0))
+    record = rd.read_run(run_dir)
+    if record.get("status") in rd.FINAL_STATUSES:
+        return record
+    return rd.update_run(run_dir, status=rd.STOPPED, ended_at=rd.utc_now(), reason="stopped by request")
+
+
+def run_processes(record: dict[str, Any]) -> set[int]:
+    """The live processes of a run: those marked with its id, and its supervisor."""
+    pids = marked(record["id"]) if record.get("id") else set()
+    if rd.pid_alive(record.get("pid")):
+        pids.add(record["pid"])
+    return pids
 
 
 def kill_group(pgid: int | None, sig: int) -> bool:

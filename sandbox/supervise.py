@@ -1,11 +1,13 @@
 """The supervisor of one run: ``python -m sandbox.supervise RUN_DIR``.
 
 Started in a session of its own by :func:`sandbox.runs.start_run`, it outlives whoever started
-it. It spawns the engine command recorded in ``run.json`` in a new process group (so that
-``torchrun`` and all its workers can be ended together), with resource limits, writes the
-engine's output to ``console.log`` (its own stdout), enforces the wall-time limit, and when
-the engine exits records the outcome: ``completed``, ``failed`` (with the exit code and the
-engine's error) or ``stopped``. Whatever the outcome, no process of the run is left behind.
+it. It moves itself into a network namespace with only loopback (where the platform allows and
+``limits.network`` is ``isolated``), becomes a child subreaper, and spawns the engine command
+recorded in ``run.json`` in a new process group with the resource limits of ``limits``. It
+writes the engine's output to ``console.log`` (its own stdout), enforces the wall-time limit,
+and when the engine exits records the outcome: ``completed``, ``failed`` (with the exit code
+and the engine's error) or ``stopped``. Whatever the outcome, no process of the run is left
+behind: every descendant and every process marked with the run's id is ended.
 """
 
 from __future__ import annotations
@@ -20,20 +22,28 @@ from pathlib import Path
 
 from engine import run_dir as rd
 from sandbox.git import add_note
+from sandbox.network import LOOPBACK_ENV, isolate_network
+from sandbox.processes import become_subreaper, descendants, end_processes, marked
 from sandbox.runs import group_alive, kill_group
 
 
+def _set_limit(which: int, value: int) -> None:
+    try:
+        resource.setrlimit(which, (value, value))
+    except (ValueError, OSError):  # above the hard limit and not root: the most we may
+        _, hard = resource.getrlimit(which)
+        if hard != resource.RLIM_INFINITY:
+            resource.setrlimit(which, (min(value, hard), hard))
+
+
 def _apply_limits(limits: dict) -> None:
-    """Runs in the child between fork and exec."""
+    """Runs in the child between fork and exec (the supervisor has a single thread)."""
     if limits.get("max_open_files"):
-        n = int(limits["max_open_files"])
-        resource.setrlimit(resource.RLIMIT_NOFILE, (n, n))
+        _set_limit(resource.RLIMIT_NOFILE, int(limits["max_open_files"]))
     if limits.get("max_processes"):
-        n = int(limits["max_processes"])
-        resource.setrlimit(resource.RLIMIT_NPROC, (n, n))
+        _set_limit(resource.RLIMIT_NPROC, int(limits["max_processes"]))
     if limits.get("max_memory_bytes"):
-        n = int(limits["max_memory_bytes"])
-        resource.setrlimit(resource.RLIMIT_AS, (n, n))
+        _set_limit(resource.RLIMIT_AS, int(limits["max_memory_bytes"]))
 
 
 class Supervisor:
@@ -50,22 +60,40 @@ class Supervisor:
             if self.child is not None:
                 kill_group(self.child.pid, signal.SIGTERM)
 
+    def contain(self) -> dict:
+        """Network namespace and subreaper; returns what was achieved, for run.json."""
+        become_subreaper()
+        if self.limits.get("network", "isolated") == "isolated":
+            isolated, note = isolate_network()
+        else:
+            isolated, note = False, "runs.network is 'shared' in .trainwright/config.yaml"
+        if isolated:
+            for key, value in LOOPBACK_ENV.items():
+                os.environ.setdefault(key, value)
+        return {"network_isolated": isolated, "network_note": note}
+
     def run(self) -> int:
         signal.signal(signal.SIGTERM, lambda *_: self.request_stop("stopped by request"))
         signal.signal(signal.SIGINT, lambda *_: self.request_stop("interrupted"))
+        containment = self.contain()
         limits = self.limits
-        self.child = subprocess.Popen(
-            self.record["command"],
-            cwd=self.record.get("workspace") or None,
-            stdin=subprocess.DEVNULL,
-            stdout=sys.stdout,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-            preexec_fn=lambda: _apply_limits(limits),
-        )
+        try:
+            self.child = subprocess.Popen(
+                self.record["command"],
+                cwd=self.record.get("workspace") or None,
+                stdin=subprocess.DEVNULL,
+                stdout=sys.stdout,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                preexec_fn=lambda: _apply_limits(limits),
+            )
+        except (OSError, subprocess.SubprocessError) as e:
+            rd.update_run(self.run_dir, pid=os.getpid(), **containment, status=rd.FAILED,
+                          error=f"the engine could not be started: {e}", ended_at=rd.utc_now())
+            return 1
         rd.update_run(
             self.run_dir, pid=os.getpid(), child_pgid=self.child.pid, status=rd.RUNNING,
-            supervisor_started_at=rd.utc_now(),
+            supervisor_started_at=rd.utc_now(), **containment,
         )
         if self.stop_reason is not None:  # a stop that arrived before the child existed
             kill_group(self.child.pid, signal.SIGTERM)
@@ -88,12 +116,28 @@ class Supervisor:
                 term_sent_at = term_sent_at or now
                 if now - term_sent_at > grace:
                     kill_group(self.child.pid, signal.SIGKILL)
-        # The engine is gone; make sure none of its workers linger.
-        if group_alive(self.child.pid):
-            kill_group(self.child.pid, signal.SIGTERM)
-            time.sleep(min(grace, 2.0))
-            kill_group(self.child.pid, signal.SIGKILL)
+                    end_processes(self.leftovers(), grace_s=0)
+        self.end_leftovers(grace)
         return self.finish(code)
+
+    def leftovers(self) -> set[int]:
+        """Processes of the run still alive: descendants (we are their subreaper) and marked ones."""
+        pids = descendants(os.getpid())
+        run_id = self.record.get("id")
+        if run_id:
+            pids |= marked(run_id)
+        pids.discard(os.getpid())
+        return pids
+
+    def end_leftovers(self, grace: float) -> None:
+        """The engine is gone; make sure none of its workers or helpers linger."""
+        if self.child is not None and group_alive(self.child.pid):
+            kill_group(self.child.pid, signal.SIGTERM)
+        left = self.leftovers()
+        if left:
+            stuck = end_processes(left, grace_s=min(grace, 2.0))
+            if stuck:
+                print(f"[trainwright] processes {sorted(stuck)} did not end", flush=True)
 
     def finish(self, code: int) -> int:
         record = rd.read_run(self.run_dir)

@@ -1,0 +1,128 @@
+"""The processes of a run, found however they were started, and ended together.
+
+A run's processes are not always one process group: ``torchrun`` starts each worker in a
+session of its own, and a recipe may start helpers that detach. Two marks find them all:
+
+- every process of a run inherits ``TRAINWRIGHT_RUN_ID=<id>`` in its environment (a process
+  would have to clear its environment on purpose to lose it);
+- the supervisor is a child subreaper (``PR_SET_CHILD_SUBREAPER``), so a process that detaches
+  is re-parented to the supervisor and stays its descendant.
+
+:func:`end_processes` sends SIGTERM, waits, then SIGKILL to whatever is left.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Iterable
+
+RUN_ID_VARIABLE = "TRAINWRIGHT_RUN_ID"
+PR_SET_CHILD_SUBREAPER = 36
+_PROC = Path("/proc")
+
+
+def become_subreaper() -> bool:
+    """Orphaned descendants of this process are re-parented to it (Linux); False elsewhere."""
+    if not sys.platform.startswith("linux"):
+        return False
+    libc = ctypes.CDLL(None, use_errno=True)
+    return libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
+
+
+def _stat(pid: int) -> tuple[int, str] | None:
+    """``(parent pid, state)`` of a process, or None when it is gone."""
+    try:
+        text = (_PROC / str(pid) / "stat").read_text()
+    except OSError:
+        return None
+    fields = text.rsplit(")", 1)[1].split()
+    return int(fields[1]), fields[0]
+
+
+def _all_pids() -> list[int]:
+    try:
+        return [int(p.name) for p in _PROC.iterdir() if p.name.isdigit()]
+    except OSError:
+        return []
+
+
+def descendants(pid: int) -> set[int]:
+    """Every live process below ``pid`` in the process tree."""
+    children: dict[int, list[int]] = {}
+    for other in _all_pids():
+        stat = _stat(other)
+        if stat is not None:
+            children.setdefault(stat[0], []).append(other)
+    found: set[int] = set()
+    stack = [pid]
+    while stack:
+        for child in children.get(stack.pop(), []):
+            if child not in found:
+                found.add(child)
+                stack.append(child)
+    return found
+
+
+def marked(run_id: str) -> set[int]:
+    """Live processes whose environment carries ``TRAINWRIGHT_RUN_ID=<run_id>``."""
+    needle = f"{RUN_ID_VARIABLE}={run_id}".encode()
+    found = set()
+    for pid in _all_pids():
+        if pid == os.getpid():
+            continue
+        try:
+            environ = (_PROC / str(pid) / "environ").read_bytes()
+        except OSError:
+            continue
+        if needle in environ.split(b"\0"):
+            found.add(pid)
+    return found
+
+
+def alive(pid: int) -> bool:
+    """Running (a zombie only waits to be collected: it counts as gone)."""
+    stat = _stat(pid)
+    if stat is None:
+        if not sys.platform.startswith("linux"):
+            try:
+                os.kill(pid, 0)
+                return True
+            except OSError:
+                return False
+        return False
+    return stat[1] != "Z"
+
+
+def _reap(pids: Iterable[int]) -> None:
+    """Collect the exit status of those of ``pids`` that are our children."""
+    for pid in pids:
+        try:
+            os.waitpid(pid, os.WNOHANG)
+        except ChildProcessError:
+            pass
+
+
+def end_processes(pids: Iterable[int], grace_s: float = 5.0) -> set[int]:
+    """SIGTERM ``pids``, wait up to ``grace_s``, SIGKILL the rest; return those still alive."""
+    pids = {p for p in pids if p != os.getpid() and alive(p)}
+    for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
+        for pid in pids:
+            try:
+                os.kill(pid, sig)
+            except (ProcessLookupError, PermissionError):
+                pass
+        deadline = time.monotonic() + wait_s
+        while True:
+            _reap(pids)
+            pids = {p for p in pids if alive(p)}
+            if not pids or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        if not pids:
+            break
+    return pids
