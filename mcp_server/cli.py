@@ -321,6 +321,31 @@ def cmd_review(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_audit(args: argparse.Namespace) -> int:
+    """The latest entries of ``.trainwright/audit.jsonl``: every tool call, oldest first."""
+    from sandbox.audit import AuditLog
+
+    if args.n < 1:
+        raise CommandError("-n must be at least 1", EXIT_BAD_INPUT)
+    entries = AuditLog(_workspace(args).state_dir).tail(args.n)
+    if args.json:
+        print(json.dumps({"entries": entries}))
+        return EXIT_OK
+    if not entries:
+        print("no tool calls recorded yet (.trainwright/audit.jsonl is empty)")
+    for entry in entries:
+        arguments = json.dumps(entry.get("arguments", {}), separators=(",", ":"))
+        outcome = entry.get("outcome", "?")
+        line = f"{entry.get('time', '?')}  {entry.get('tool', '?'):<18} {outcome:<5} {arguments[:100]}"
+        produced = entry.get("commit", "")[:10] or entry.get("run_id", "")
+        if produced:
+            line += f"  → {produced}"
+        print(line)
+        if entry.get("error"):
+            print(f"    {str(entry['error']).splitlines()[0][:200]}")
+    return EXIT_OK
+
+
 def cmd_plot(args: argparse.Namespace) -> int:
     from engine import run_dir as rd
     from mcp_server.plot import loss_curve_png
@@ -400,6 +425,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = add("review", cmd_review, "each agent commit since BASE: skill, diff stat, runs and outcomes")
     p.add_argument("base", nargs="?", help="a commit or ref (default: the whole history)")
+
+    p = add("audit", cmd_audit, "the latest tool calls from .trainwright/audit.jsonl, oldest first")
+    p.add_argument("-n", type=int, default=20, help="entries to show (default 20)")
 
     p = add("plot", cmd_plot, "write a PNG of a run's loss curve")
     p.add_argument("run_id")

@@ -28,7 +28,8 @@ class CheckpointInfo(BaseModel):
 
 class CheckpointList(BaseModel):
     run_id: str
-    checkpoints: list[CheckpointInfo]
+    checkpoints: list[CheckpointInfo] = Field(description="Oldest first (the newest 100 at most).")
+    truncated: bool = Field(False, description="True when older checkpoints were left out.")
 
 
 class RunSummary(BaseModel):
@@ -64,11 +65,22 @@ class RunInfo(BaseModel):
     max_steps: int | None = None
     eta_s: float | None = Field(None, description="Estimated seconds left, from the latest record.")
     latest: dict[str, Any] | None = Field(None, description="The latest metrics record.")
-    checkpoints: list[CheckpointInfo] = []
+    checkpoints: list[CheckpointInfo] = Field(
+        [], description="The newest complete checkpoints (at most 20; list_checkpoints has all)."
+    )
     console_tail: str | None = Field(
         None, description="The last lines of console.log when the run failed (bounded)."
     )
     warnings: list[str] = []
+    network_isolated: bool | None = Field(
+        None,
+        description="True: the run has no network (its own namespace, loopback only). False: it "
+        "shares the host's network (see network_note). None: not known yet.",
+    )
+    network_note: str | None = Field(None, description="How the run's network was set up, or why it could not be isolated.")
+    limits: dict[str, Any] | None = Field(
+        None, description="The limits the run was started with (.trainwright/config.yaml, runs: section)."
+    )
 
 
 class MetricsTail(BaseModel):

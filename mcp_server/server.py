@@ -2,14 +2,18 @@
 
 Each tool is a thin, typed function whose docstring is what the agent reads; the work is done
 by ``mcp_server.operations``. Every call goes through :meth:`Tools.call`, which turns input
-errors into tool errors with an actionable message and appends the call to the audit log.
-This module never imports torch: runs are separate processes.
+errors into tool errors with an actionable message (cut to a bounded length), refuses a result
+too large for an agent's context, and appends the call to the audit log. Calls that the SDK
+rejects before they reach a tool (unknown tool, arguments that fail the schema, arguments too
+large) are audited by :class:`AuditedServer`. This module never imports torch: runs are
+separate processes.
 """
 
 from __future__ import annotations
 
 import inspect
 import json
+import logging
 from pathlib import Path
 from typing import Annotated, Any, Callable
 
@@ -22,6 +26,7 @@ from pydantic import Field
 
 import skills as skill_library
 from engine import run_dir as rd
+from mcp_server.limits import MAX_ARGUMENTS_CHARS, MAX_ERROR_CHARS, MAX_RESULT_CHARS, bounded, json_chars
 from mcp_server.models import (
     ApplySkillResult,
     CheckpointList,
@@ -38,6 +43,7 @@ from mcp_server.operations import recipes as recipe_ops
 from mcp_server.operations import runs as run_ops
 from mcp_server.operations import skills as skill_ops
 from sandbox.audit import AuditLog
+from sandbox.environment import redact
 from sandbox import git as sandbox_git
 from sandbox.git import GitRefused, ensure_repo
 from sandbox.paths import PathRefused
@@ -63,6 +69,13 @@ DESTRUCTIVE = ToolAnnotations(readOnlyHint=False, destructiveHint=True, idempote
 
 INPUT_ERRORS = (ValueError, LookupError, PathRefused, LaunchRefused, GitRefused, NotFound, TypeError)
 
+logger = logging.getLogger(__name__)
+
+
+class AuditedToolError(ToolError):
+    """A tool error that :meth:`Tools.call` has already written to the audit log."""
+
+
 RunId = Annotated[str, Field(description="A run id from launch_run or list_runs.")]
 RecipePath = Annotated[
     str, Field(description="Recipe folder (with recipe.py) or .py script, relative to the workspace.")
@@ -77,18 +90,18 @@ class Tools:
         self.audit = AuditLog(workspace.state_dir)
 
     async def call(self, tool: str, arguments: dict[str, Any], work: Callable[[], Any]) -> Any:
-        """Run ``work`` in a worker thread; map input errors to tool errors; audit the call."""
+        """Run ``work`` in a worker thread; map errors to tool errors; audit the call."""
         try:
             result = await anyio.to_thread.run_sync(work)
-        except skill_library.SkillError as e:
-            self.audit.record(tool, arguments, "error", error=str(e))
-            raise ToolError(str(e)) from None
-        except INPUT_ERRORS as e:
-            self.audit.record(tool, arguments, "error", error=str(e))
-            raise ToolError(str(e)) from None
-        except Exception as e:
-            self.audit.record(tool, arguments, "error", error=f"internal error: {type(e).__name__}: {e}")
-            raise
+        except (skill_library.SkillError, *INPUT_ERRORS) as e:
+            self.refuse(tool, arguments, str(e))
+        except Exception as e:  # a bug: the agent still gets a message, the log the traceback
+            logger.exception("tool %s failed", tool)
+            self.refuse(tool, arguments, f"internal error (a trainwright bug): {type(e).__name__}: {e}")
+        size = json_chars(result.model_dump(mode="json")) if hasattr(result, "model_dump") else 0
+        if size > MAX_RESULT_CHARS:
+            self.refuse(tool, arguments, f"the result is too large ({size:,} characters, at most "
+                        f"{MAX_RESULT_CHARS:,}); ask for less (a smaller n or limit)")
         self.audit.record(
             tool, arguments, "ok",
             commit=getattr(result, "commit", None),
@@ -96,13 +109,45 @@ class Tools:
         )
         return result
 
+    def refuse(self, tool: str, arguments: dict[str, Any], message: str) -> None:
+        """Audit the failed call and raise its tool error (the message redacted and bounded)."""
+        message = bounded(redact(message), MAX_ERROR_CHARS)[0]
+        self.audit.record(tool, arguments, "error", error=message)
+        raise AuditedToolError(message) from None
+
+
+class AuditedServer(MCPServer):
+    """The MCP server, with every call audited, also those refused before a tool runs."""
+
+    tools: Tools
+
+    async def call_tool(self, name: str, arguments: dict[str, Any], context: Context | None = None):
+        size = json_chars(arguments)
+        if size > MAX_ARGUMENTS_CHARS:
+            message = f"the arguments are too large ({size:,} characters, at most {MAX_ARGUMENTS_CHARS:,})"
+            self.tools.audit.record(str(name)[:100], {"size": size}, "error", error=message)
+            raise ToolError(message)
+        if self._tool_manager.get_tool(name) is None:
+            shown = name if len(name) <= 80 else name[:80] + "…"
+            message = f"unknown tool {shown!r}; tools: {', '.join(sorted(t.name for t in await self.list_tools()))}"
+            self.tools.audit.record(str(name)[:100], arguments, "error", error=message)
+            raise ToolError(message)
+        try:
+            return await super().call_tool(name, arguments, context)
+        except ToolError as e:
+            if not isinstance(e.__cause__, AuditedToolError):  # unknown tool, schema validation
+                self.tools.audit.record(str(name)[:100], arguments, "error", error=str(e))
+            raise
+
 
 def build_server(workspace: Path | str, read_only: bool = False) -> MCPServer:
     ws = Workspace.open(workspace)
     if not read_only:
         ensure_workspace_repo(ws.root)
+        ws.prepare_state()
     tools = Tools(ws)
-    mcp = MCPServer("trainwright", instructions=INSTRUCTIONS, log_level="WARNING")
+    mcp = AuditedServer("trainwright", instructions=INSTRUCTIONS, log_level="WARNING")
+    mcp.tools = tools
 
     def tool(annotations: ToolAnnotations):
         if read_only and not annotations.read_only_hint:

@@ -63,6 +63,33 @@ class AuditLog:
         finally:
             os.close(fd)
 
+    def tail(self, n: int, block_size: int = 64 * 1024) -> list[dict[str, Any]]:
+        """The last ``n`` entries, oldest first; reads from the end, so a long log costs nothing."""
+        if n <= 0 or not self.path.is_file():
+            return []
+        lines: list[bytes] = []
+        with open(self.path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            position, leftover = f.tell(), b""
+            while position > 0 and len(lines) <= n:
+                size = min(block_size, position)
+                position -= size
+                f.seek(position)
+                parts = (f.read(size) + leftover).split(b"\n")
+                leftover = parts.pop(0) if position > 0 else b""
+                lines = parts + lines
+            if leftover:
+                lines = [leftover] + lines
+        found = []
+        for line in lines:
+            try:
+                entry = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(entry, dict):
+                found.append(entry)
+        return found[-n:]
+
     def entries(self) -> Iterator[dict[str, Any]]:
         if not self.path.is_file():
             return

@@ -17,13 +17,14 @@ from mcp_server.models import AppliedSkill, ScaffoldResult, TemplateInfo, Templa
 from mcp_server.operations import skills as skill_ops
 from mcp_server.operations.runs import override_strings
 from sandbox import git as sandbox_git
-from sandbox.paths import PathRefused, check_name, confine
+from sandbox.paths import PathRefused, check_name, confine, confine_config_paths
 from sandbox.runs import check_launch
-from sandbox.workspace import Workspace
+from sandbox.workspace import RECIPES_DIRNAME, Workspace
 
 TEMPLATES_ROOT = Path(recipes_template.__file__).resolve().parent
 SCAFFOLD_TOOL = "scaffold_recipe"
 MAX_CONFIG_KEYS = 64
+MAX_CONFIG_DEPTH = 8
 
 
 def _templates() -> dict[str, Path]:
@@ -60,6 +61,8 @@ def flatten_config(config: dict[str, Any] | None, prefix: str = "") -> dict[str,
         return {}
     if not isinstance(config, dict):
         raise ValueError("config must be a mapping of dotted config keys to values")
+    if prefix.count(".") >= MAX_CONFIG_DEPTH:
+        raise ValueError(f"config is nested deeper than {MAX_CONFIG_DEPTH} levels")
     flat: dict[str, Any] = {}
     for key, value in config.items():
         if not isinstance(key, str) or not key:
@@ -71,19 +74,6 @@ def flatten_config(config: dict[str, Any] | None, prefix: str = "") -> dict[str,
     if len(flat) > MAX_CONFIG_KEYS:
         raise ValueError(f"at most {MAX_CONFIG_KEYS} config keys")
     return flat
-
-
-def confine_config_paths(ws: Workspace, flat: dict[str, Any]) -> None:
-    """Config values that name files (keys ending in path/paths) must lie inside the workspace."""
-    for key, value in flat.items():
-        leaf = key.rsplit(".", 1)[-1]
-        if not (leaf.endswith("path") or leaf.endswith("paths")) or value is None:
-            continue
-        for item in value if isinstance(value, list) else [value]:
-            try:
-                confine(ws.root, item, f"config {key}", must_exist=False)
-            except PathRefused as e:
-                raise PathRefused(f"{e} (config values that name files must be inside the workspace)") from None
 
 
 def _nest(flat: dict[str, Any]) -> dict[str, Any]:
@@ -146,13 +136,14 @@ def scaffold_recipe(
     check_name(name, "recipe name")
     if "." in name:
         raise PathRefused(f"recipe name {name!r} must not contain '.'")
+    confine(ws.root, f"{RECIPES_DIRNAME}/{name}", "recipe", must_exist=False)  # recipes/ may be a link
     destination = ws.recipes_dir / name
     if destination.exists():
         raise ValueError(f"recipes/{name} already exists; choose another name")
     flat = flatten_config(config)
-    confine_config_paths(ws, flat)
+    confine_config_paths(ws.root, flat)
     specs = _skill_specs(skills)
-    check_launch(ws.root, source, 1, override_strings(flat))
+    check_launch(ws.root, source, 1, override_strings(flat), limits=ws.run_limits())
 
     with tempfile.TemporaryDirectory(prefix="trainwright-scaffold-") as scratch:
         trial = Path(scratch) / name
@@ -164,8 +155,20 @@ def scaffold_recipe(
             except skill_library.SkillError as e:
                 raise ValueError(f"skill {skill} cannot be applied to this recipe: {e}") from None
 
+    with ws.changing():
+        return _scaffold_locked(ws, source, template, name, flat, specs)
+
+
+def _scaffold_locked(ws: Workspace, source: Path, template: str, name: str, flat: dict[str, Any],
+                     specs: list[tuple[str, dict[str, Any]]]) -> ScaffoldResult:
+    destination = ws.recipes_dir / name
+    if destination.exists():
+        raise ValueError(f"recipes/{name} already exists; choose another name")
     repo = sandbox_git.ensure_repo(ws.root)
     ws.recipes_dir.mkdir(exist_ok=True)
+    for leftover in ws.recipes_dir.glob(f".{name}-*"):  # a scaffold killed before its rename
+        if leftover.is_dir() and not leftover.is_symlink():
+            shutil.rmtree(leftover, ignore_errors=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=ws.recipes_dir))
     try:
         shutil.copytree(source, staging, dirs_exist_ok=True, ignore=shutil.ignore_patterns("__pycache__"))
@@ -186,7 +189,7 @@ def scaffold_recipe(
     )
     applied = []
     for skill, params in specs:
-        result = skill_ops.apply_skill(ws, skill, ws.label(destination), params)
+        result = skill_ops.apply_skill_unlocked(ws, skill, ws.label(destination), params)
         applied.append(AppliedSkill(skill=skill, changed=result.changed, commit=result.commit))
     return ScaffoldResult(
         path=ws.label(destination),

@@ -11,7 +11,10 @@ import os
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 from engine import run_dir as rd
+from mcp_server.limits import MAX_RESULT_CHARS, bounded, json_chars
 from mcp_server.models import (
     CheckpointInfo,
     CheckpointList,
@@ -24,6 +27,7 @@ from mcp_server.models import (
 )
 from sandbox import runs as sandbox_runs
 from sandbox.git import head_commit
+from sandbox.paths import confine_config_paths
 from sandbox.workspace import NotFound, Workspace
 
 MAX_NPROC = max(8, os.cpu_count() or 1)
@@ -32,6 +36,10 @@ MAX_LIST_RUNS = 100
 CONSOLE_TAIL_BYTES = 4000
 MAX_OVERRIDES = 64
 MAX_OVERRIDE_CHARS = 512
+MAX_LISTED_CHECKPOINTS = 100
+MAX_RUN_INFO_CHECKPOINTS = 20
+MAX_ERROR_CHARS = 2000
+MAX_RECORD_CHARS = 4000
 
 
 def _check_nproc(nproc: object) -> int:
@@ -66,17 +74,38 @@ def override_strings(overrides: dict[str, Any] | list[str] | None) -> list[str]:
     return items
 
 
+def override_values(items: list[str]) -> dict[str, Any]:
+    """``["data.paths=[a, b]"]`` → ``{"data.paths": ["a", "b"]}`` (values read as YAML, as the engine does)."""
+    values: dict[str, Any] = {}
+    for item in items:
+        key, _, raw = item.partition("=")
+        try:
+            values[key.strip()] = yaml.safe_load(raw) if raw.strip() else ""
+        except yaml.YAMLError:
+            values[key.strip()] = raw
+    return values
+
+
+def _checked_overrides(ws: Workspace, overrides: dict[str, Any] | list[str] | None) -> list[str]:
+    """Override strings, with every value that names a file confined to the workspace."""
+    items = override_strings(overrides)
+    confine_config_paths(ws.root, override_values(items))
+    return items
+
+
 def launch_run(
     ws: Workspace,
     recipe: str,
     nproc: int = 1,
     overrides: dict[str, Any] | list[str] | None = None,
-    limits: sandbox_runs.RunLimits = sandbox_runs.RunLimits(),
+    limits: sandbox_runs.RunLimits | None = None,
 ) -> LaunchRunResult:
+    """Check, then start a run; ``limits`` default to the workspace's ``.trainwright/config.yaml``."""
     recipe_dir = ws.recipe(recipe)
     nproc = _check_nproc(nproc)
-    items = override_strings(overrides)
-    sandbox_runs.check_launch(ws.root, recipe_dir, nproc, items)
+    items = _checked_overrides(ws, overrides)
+    limits = ws.run_limits() if limits is None else limits
+    sandbox_runs.check_launch(ws.root, recipe_dir, nproc, items, limits=limits)
     record = sandbox_runs.start_run(
         ws.root, ws.runs_dir, recipe_dir, ws.label(recipe_dir), nproc, items,
         git_commit=head_commit(ws.root), limits=limits,
@@ -92,9 +121,13 @@ def resume_checkpoint(
     step: int | None = None,
     nproc: int | None = None,
     overrides: dict[str, Any] | list[str] | None = None,
-    limits: sandbox_runs.RunLimits = sandbox_runs.RunLimits(),
+    limits: sandbox_runs.RunLimits | None = None,
 ) -> LaunchRunResult:
-    """A new run that continues ``run_id`` from its checkpoint at ``step`` (default: latest)."""
+    """A new run that continues ``run_id`` from its checkpoint at ``step`` (default: latest).
+
+    With as many processes as the original, the new run computes with the original's thread
+    count, so on CPU its losses continue the original's bit for bit.
+    """
     source_dir = ws.run_dir(run_id)
     source = rd.read_run(source_dir)
     checkpoints = rd.list_checkpoints(source_dir)
@@ -116,9 +149,11 @@ def resume_checkpoint(
         raise NotFound(f"run {run_id} recorded no config, so it cannot be resumed")
     recipe_dir = ws.recipe(source["recipe"])
     nproc = _check_nproc(source.get("nproc", 1) if nproc is None else nproc)
-    items = override_strings(overrides)
+    items = _checked_overrides(ws, overrides)
+    limits = ws.run_limits() if limits is None else limits
     config_json = source_dir / rd.RUN_JSON
-    sandbox_runs.check_launch(ws.root, recipe_dir, nproc, items, config_json=config_json)
+    sandbox_runs.check_launch(ws.root, recipe_dir, nproc, items, config_json=config_json, limits=limits)
+    same_shape = nproc == source.get("nproc") and not limits.threads_per_process
     resumed_from = ResumedFrom(run_id=source["id"], step=chosen_step, path=ws.label(checkpoint))
     record = sandbox_runs.start_run(
         ws.root, ws.runs_dir, recipe_dir, ws.label(recipe_dir), nproc, items,
@@ -126,6 +161,7 @@ def resume_checkpoint(
         resumed_from={**resumed_from.model_dump(), "path": str(checkpoint)},
         config_json=config_json,
         limits=limits,
+        threads=source.get("threads_per_process") if same_shape else None,
     )
     return LaunchRunResult(
         run_id=record["id"], status=record["status"],
@@ -155,6 +191,8 @@ def get_run(ws: Workspace, run_id: str) -> RunInfo:
     error = record.get("error") or record.get("reason")
     if status == rd.FAILED and record.get("status") != rd.FAILED:
         error = error or "the run's supervisor is gone without recording an outcome (killed?)"
+    if error is not None:
+        error = bounded(str(error), MAX_ERROR_CHARS)[0]
     console_tail = None
     if status == rd.FAILED:
         console_tail = _tail_text(run_dir / rd.CONSOLE_LOG, CONSOLE_TAIL_BYTES)
@@ -175,11 +213,34 @@ def get_run(ws: Workspace, run_id: str) -> RunInfo:
         step=latest.get("step") if latest else None,
         max_steps=_max_steps(record),
         eta_s=latest.get("eta_s") if latest and status == rd.RUNNING else None,
-        latest=latest,
-        checkpoints=[CheckpointInfo(step=s, path=ws.label(p)) for s, p in rd.list_checkpoints(run_dir)],
+        latest=_bounded_record(latest) if latest else None,
+        checkpoints=[
+            CheckpointInfo(step=s, path=ws.label(p))
+            for s, p in rd.list_checkpoints(run_dir)[-MAX_RUN_INFO_CHECKPOINTS:]
+        ],
         console_tail=console_tail,
-        warnings=list(record.get("warnings") or []),
+        warnings=[bounded(str(w), 500)[0] for w in list(record.get("warnings") or [])[:20]],
+        network_isolated=record.get("network_isolated"),
+        network_note=record.get("network_note"),
+        limits=record.get("limits"),
     )
+
+
+def _bounded_record(record: dict[str, Any]) -> dict[str, Any]:
+    """A metrics record as returned to an agent: a recipe may log large values; those are cut."""
+    if json_chars(record) <= MAX_RECORD_CHARS:
+        return record
+    kept: dict[str, Any] = {}
+    for key, value in record.items():
+        if isinstance(value, (int, float, bool)) or value is None:
+            kept[str(key)[:100]] = value
+        else:
+            kept[str(key)[:100]] = bounded(json.dumps(value, default=str), 200)[0]
+        if json_chars(kept) > MAX_RECORD_CHARS:
+            kept.pop(str(key)[:100])
+            kept["truncated"] = True
+            break
+    return kept
 
 
 def _tail_text(path: Path, max_bytes: int) -> str | None:
@@ -212,7 +273,7 @@ def list_runs(ws: Workspace, limit: int = 50) -> RunList:
             RunSummary(
                 run_id=run_id,
                 status=rd.effective_status(record),
-                recipe=record.get("recipe", ""),
+                recipe=str(record.get("recipe", ""))[:300],
                 created_at=record.get("created_at"),
                 step=latest[-1].get("step") if latest else None,
                 max_steps=_max_steps(record),
@@ -229,8 +290,19 @@ def tail_metrics(ws: Workspace, run_id: str, n: int = 20, after_step: int | None
         raise ValueError(f"after_step must be an integer or null, got {after_step!r}")
     run_dir = ws.run_dir(run_id)
     records, truncated = rd.read_metrics_tail(run_dir / rd.METRICS_JSONL, n, after_step)
+    # Keep the newest records that fit the result budget (an agent's client rejects more).
+    kept: list[dict[str, Any]] = []
+    budget = MAX_RESULT_CHARS // 2
+    for record in reversed(records):
+        record = _bounded_record(record)
+        budget -= json_chars(record) + 2
+        if budget < 0:
+            truncated = True
+            break
+        kept.append(record)
+    kept.reverse()
     return MetricsTail(
-        run_id=run_id, status=rd.effective_status(rd.read_run(run_dir)), records=records, truncated=truncated
+        run_id=run_id, status=rd.effective_status(rd.read_run(run_dir)), records=kept, truncated=truncated
     )
 
 
@@ -241,7 +313,9 @@ def stop_run(ws: Workspace, run_id: str) -> RunInfo:
 
 def list_checkpoints(ws: Workspace, run_id: str) -> CheckpointList:
     run_dir = ws.run_dir(run_id)
+    checkpoints = rd.list_checkpoints(run_dir)
     return CheckpointList(
         run_id=run_id,
-        checkpoints=[CheckpointInfo(step=s, path=ws.label(p)) for s, p in rd.list_checkpoints(run_dir)],
+        checkpoints=[CheckpointInfo(step=s, path=ws.label(p)) for s, p in checkpoints[-MAX_LISTED_CHECKPOINTS:]],
+        truncated=len(checkpoints) > MAX_LISTED_CHECKPOINTS,
     )

@@ -46,13 +46,48 @@ def apply_skill(
 
     Refuses when the recipe has uncommitted changes, so the commit (and its review diff) holds
     exactly the skill's change. Without a git repository (``commit=False`` or none found) the
-    file is changed and no commit is made.
+    file is changed and no commit is made. The file is replaced atomically, under the
+    workspace's change lock: a server killed mid-call leaves the recipe as before or as after.
     """
+    check_name(skill, "skill")
+    skill_library.get_skill(skill)
+    if params is not None and not isinstance(params, dict):
+        raise ValueError("params must be a mapping of parameter names to values")
+    ws.recipe_or_script(recipe)  # refuse a bad path before waiting for the lock
+    if dry_run:
+        return apply_skill_unlocked(ws, skill, recipe, params, dry_run, commit)
+    with ws.changing():
+        return apply_skill_unlocked(ws, skill, recipe, params, dry_run, commit)
+
+
+def remove_interrupted_writes(target: Path) -> list[Path]:
+    """Temporary files that an atomic write of ``target`` left when its process was killed.
+
+    Only call this under the workspace's change lock: then no write is in progress.
+    """
+    leftovers = sorted(target.parent.glob(f".{target.name}.*.tmp"))
+    for path in leftovers:
+        path.unlink(missing_ok=True)
+    return leftovers
+
+
+def apply_skill_unlocked(
+    ws: Workspace,
+    skill: str,
+    recipe: str,
+    params: dict[str, Any] | None = None,
+    dry_run: bool = False,
+    commit: bool = True,
+) -> ApplySkillResult:
+    """:func:`apply_skill` for a caller that holds the change lock (or makes a dry run)."""
     check_name(skill, "skill")
     info = skill_library.get_skill(skill)
     if params is not None and not isinstance(params, dict):
         raise ValueError("params must be a mapping of parameter names to values")
     recipe_path = ws.recipe_or_script(recipe)
+    if not dry_run:
+        target = recipe_path / "recipe.py" if recipe_path.is_dir() else recipe_path
+        remove_interrupted_writes(target)
     repo = sandbox_git.open_repo(ws.root) if commit else None
     if repo is not None and not dry_run:
         sandbox_git.require_clean(repo, recipe_path, f"recipe {ws.label(recipe_path)}")

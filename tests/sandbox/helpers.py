@@ -1,0 +1,154 @@
+"""Helpers of the sandbox suites: a workspace with a committed recipe, fake and real runs, a hash
+of everything on disk, a live in-memory MCP client, and the processes of a run."""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import shutil
+import stat
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+from anyio.from_thread import start_blocking_portal
+from mcp import Client
+
+from engine import run_dir as rd
+from sandbox import git as sandbox_git
+from sandbox import processes
+from tests.support import TEMPLATE, TINY, wait_for
+
+AUDIT = Path(".trainwright") / "audit.jsonl"
+
+
+def make_workspace(root: Path, config_yaml: str | None = "runs:\n  threads_per_process: 1\n") -> Path:
+    """A workspace that is a git repository with ``recipes/lm`` (the template) committed."""
+    root.mkdir(parents=True, exist_ok=True)
+    recipe = root / "recipes" / "lm"
+    shutil.copytree(TEMPLATE, recipe, ignore=shutil.ignore_patterns("__pycache__"))
+    repo = sandbox_git.ensure_repo(root)
+    sandbox_git.commit_paths(repo, [recipe], "add recipe lm", [])
+    if config_yaml is not None:
+        (root / ".trainwright").mkdir(exist_ok=True)
+        (root / ".trainwright" / "config.yaml").write_text(config_yaml)
+    return root
+
+
+def fake_run(workspace: Path, run_id: str, status: str = rd.COMPLETED, steps: int = 4,
+             checkpoints: tuple[int, ...] = (2, 4), **fields: Any) -> Path:
+    """A run directory as the engine leaves it, without training (for tests that only read)."""
+    run_dir = workspace / rd.RUNS_DIRNAME / run_id
+    rd.create_run(run_dir, {
+        "id": run_id, "recipe": "recipes/lm", "status": status, "nproc": 1, "world_size": 1,
+        "created_at": rd.utc_now(), "resumed_from": None, "git_commit": None, "pid": None,
+        "config": {"train": {"max_steps": steps}}, **fields,
+    })
+    with open(run_dir / rd.METRICS_JSONL, "w") as f:
+        for step in range(1, steps + 1):
+            f.write(json.dumps({"step": step, "loss": 5.0 - 0.1 * step}) + "\n")
+    for step in checkpoints:
+        checkpoint = run_dir / rd.CHECKPOINTS_DIRNAME / rd.checkpoint_dir_name(step)
+        checkpoint.mkdir(parents=True)
+        (checkpoint / rd.DCP_METADATA).write_bytes(b"")
+    (run_dir / rd.CONSOLE_LOG).write_text("step 1\n")
+    return run_dir
+
+
+def tree_hash(*roots: Path, exclude: tuple[Path, ...] = (AUDIT,)) -> str:
+    """One hash of every file, folder and link under ``roots`` (contents, modes and link targets)."""
+    digest = hashlib.sha256()
+    for root in roots:
+        root = Path(root)
+        excluded = {root / e for e in exclude}
+        for folder, dirs, files in os.walk(root, followlinks=False):
+            dirs.sort()
+            for name in sorted(dirs + files):
+                path = Path(folder) / name
+                if path in excluded:
+                    continue
+                info = path.lstat()
+                digest.update(f"{path.relative_to(root)}\0{stat.S_IFMT(info.st_mode)}\0{info.st_mode & 0o777}\0".encode())
+                if stat.S_ISLNK(info.st_mode):
+                    digest.update(os.readlink(path).encode())
+                elif stat.S_ISREG(info.st_mode):
+                    digest.update(path.read_bytes())
+    return digest.hexdigest()
+
+
+class LiveClient:
+    """A real MCP SDK client on an in-memory server, callable from synchronous tests."""
+
+    def __init__(self, portal, client):
+        self.portal = portal
+        self.client = client
+
+    def call(self, tool: str, arguments: dict[str, Any] | None = None):
+        return self.portal.call(self.client.call_tool, tool, arguments or {})
+
+    def list_tools(self):
+        return self.portal.call(self.client.list_tools).tools
+
+    def read_resource(self, uri: str):
+        return self.portal.call(self.client.read_resource, uri)
+
+
+@contextlib.contextmanager
+def live_client(server) -> Iterator[LiveClient]:
+    with start_blocking_portal() as portal:
+        with portal.wrap_async_context_manager(Client(server)) as client:
+            yield LiveClient(portal, client)
+
+
+def error_text(result) -> str:
+    return "".join(getattr(part, "text", "") for part in result.content)
+
+
+# ---------------------------------------------------------------------------------------------
+# Real runs
+# ---------------------------------------------------------------------------------------------
+
+
+def run_overrides(*items: str) -> list[str]:
+    return [*TINY, *items]
+
+
+def wait_final(run_dir: Path, timeout: float = 300) -> dict[str, Any]:
+    """Wait until the run's supervisor has recorded an outcome and exited."""
+    def done():
+        record = rd.read_run(run_dir)
+        return record if record.get("status") in rd.FINAL_STATUSES and not rd.pid_alive(record.get("pid")) else None
+    return wait_for(done, timeout=timeout, interval=0.1)
+
+
+def wait_step(run_dir: Path, step: int, timeout: float = 300) -> None:
+    def reached():
+        latest, _ = rd.read_metrics_tail(run_dir / rd.METRICS_JSONL, 1)
+        if latest and latest[-1].get("step", 0) >= step:
+            return True
+        record = rd.read_run(run_dir)
+        if record.get("status") in rd.FINAL_STATUSES:
+            raise AssertionError(f"the run ended ({record.get('status')}) before step {step}: {record.get('error')}")
+        return False
+    wait_for(reached, timeout=timeout, interval=0.02)
+
+
+def run_pids(run_dir: Path) -> set[int]:
+    """Every live process of a run: the supervisor, its descendants, and those marked with its id."""
+    record = rd.read_run(run_dir)
+    pids = processes.marked(record["id"])
+    if record.get("pid") and processes.alive(record["pid"]):
+        pids |= {record["pid"]} | processes.descendants(record["pid"])
+    return {p for p in pids if processes.alive(p)}
+
+
+def wait_gone(pids: set[int], timeout: float = 30) -> set[int]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        left = {p for p in pids if processes.alive(p)}
+        if not left:
+            return set()
+        time.sleep(0.1)
+    return {p for p in pids if processes.alive(p)}
