@@ -102,8 +102,12 @@ def _returns(function: cst.FunctionDef) -> list[cst.Return]:
 
 
 def model_candidates(recipe: Recipe) -> list[ModelAnchor]:
+    """Assignments that build a model, leaving out sub-modules built inside model classes."""
     found = []
+    module_classes = set(recipe.subclasses(*NN_MODULE, *HF_PRETRAINED))
     for assign in recipe.assigns():
+        if recipe.enclosing_class(assign) in module_classes:
+            continue
         if len(assign.targets) != 1:
             continue
         target = assign.targets[0].target

@@ -42,3 +42,22 @@ def fit_call(recipe: Recipe, original: cst.Call, updated: cst.Call) -> cst.Call:
     if "\n" in code or column_of(recipe, original) + len(code) + 1 <= MAX_LINE:
         return updated
     return one_argument_per_line(updated)
+
+
+def with_keyword(call: cst.Call, name: str, value: cst.BaseExpression) -> cst.Call:
+    """``f(a, b)`` → ``f(a, b, name=value)``, following the call's layout (one argument per
+    line with a trailing comma stays that way)."""
+    new = cst.Arg(
+        keyword=cst.Name(name),
+        value=value,
+        equal=cst.AssignEqual(whitespace_before=cst.SimpleWhitespace(""), whitespace_after=cst.SimpleWhitespace("")),
+    )
+    if not call.args:
+        return call.with_changes(args=[new])
+    *rest, last = call.args
+    if isinstance(last.comma, cst.Comma):  # a trailing comma: the new argument takes the same
+        return call.with_changes(args=[*rest, last, new.with_changes(comma=last.comma)])
+    comma = next((a.comma for a in rest if isinstance(a.comma, cst.Comma)), None)
+    if comma is None or not isinstance(comma.whitespace_after, cst.SimpleWhitespace):
+        comma = cst.Comma(whitespace_after=cst.SimpleWhitespace(" "))
+    return call.with_changes(args=[*rest, last.with_changes(comma=comma), new])

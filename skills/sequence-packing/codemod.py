@@ -22,6 +22,7 @@ from pydantic import Field
 
 from skills.codemod_kit import AlreadyApplied, Edits, Recipe, SkillParams, anchors, insert_definitions, templates
 from skills.codemod_kit.anchors import keyword, positional
+from skills.codemod_kit.layout import with_keyword
 from skills.codemod_kit.recipe import dotted_name
 from skills.errors import SkillRefused
 
@@ -211,32 +212,33 @@ def apply(recipe: Recipe, params: Params) -> Edits | AlreadyApplied:
 
 def _pass_position_ids(recipe: Recipe, edits: Edits, call: cst.Call) -> None:
     """``model(input_ids=b["input_ids"], attention_mask=b["attention_mask"])`` →
-    ``model(input_ids=b["input_ids"], position_ids=b["position_ids"])``."""
+    ``model(input_ids=b["input_ids"], position_ids=b["position_ids"], use_cache=False)``.
+
+    transformers builds the per-document mask from position ids only when there is no
+    attention mask and no KV cache (a forward without ``use_cache=False`` creates one)."""
     mask = keyword(call, "attention_mask")
-    has_positions = keyword(call, "position_ids") is not None
-    if mask is None and has_positions:
-        return
-    source = keyword(call, "input_ids") or positional(call, 0)
-    if source is None or not _is_key_lookup(source.value):
-        raise SkillRefused(
-            f"{SKILL}: the forward call at {recipe.where(call)} must pass position_ids (and no "
-            "attention_mask); the codemod cannot tell where the batch's tensors are"
+    positions_arg = keyword(call, "position_ids")
+    cache = keyword(call, "use_cache")
+    if positions_arg is None or mask is not None:
+        source = keyword(call, "input_ids") or positional(call, 0)
+        if source is None or not _is_key_lookup(source.value):
+            raise SkillRefused(
+                f"{SKILL}: the forward call at {recipe.where(call)} must pass position_ids (and no "
+                "attention_mask); the codemod cannot tell where the batch's tensors are"
+            )
+        positions = source.value.with_changes(  # type: ignore[union-attr]
+            slice=[cst.SubscriptElement(cst.Index(cst.SimpleString('"position_ids"')))]
         )
-    positions = source.value.with_changes(  # type: ignore[union-attr]
-        slice=[cst.SubscriptElement(cst.Index(cst.SimpleString('"position_ids"')))]
-    )
-    if mask is not None and not has_positions:
-        edits.replace(mask, mask.with_changes(keyword=cst.Name("position_ids"), value=positions))
-    elif mask is not None:
-        edits.replace(call, lambda updated: _without_keyword(updated, "attention_mask"))
-    else:
-        edits.replace(
-            call,
-            lambda updated: updated.with_changes(
-                args=[*updated.args[:-1], updated.args[-1].with_changes(comma=cst.Comma(whitespace_after=cst.SimpleWhitespace(" "))),
-                      cst.Arg(keyword=cst.Name("position_ids"), value=positions, equal=cst.AssignEqual(cst.SimpleWhitespace(""), cst.SimpleWhitespace("")))]
-            ),
-        )
+        if mask is not None and positions_arg is None:
+            edits.replace(mask, mask.with_changes(keyword=cst.Name("position_ids"), value=positions))
+        elif mask is not None:
+            edits.replace(call, lambda updated: _without_keyword(updated, "attention_mask"))
+        else:
+            edits.replace(call, lambda updated: with_keyword(updated, "position_ids", positions))
+    if cache is None:
+        edits.replace(call, lambda updated: with_keyword(updated, "use_cache", cst.Name("False")))
+    elif not (isinstance(cache.value, cst.Name) and cache.value.value == "False"):
+        edits.replace(cache, cache.with_changes(value=cst.Name("False")))
 
 
 def _without_keyword(call: cst.Call, name: str) -> cst.Call:

@@ -1,0 +1,90 @@
+"""Before/after: what each skill writes into each recipe style.
+
+The exact expected change of every (skill, recipe style) pair is a unified diff in
+``tests/skills/expected/<skill>--<style>.diff``: read them to see what a skill does. To
+regenerate them after an intended change: ``TRAINWRIGHT_UPDATE_EXPECTED=1 pytest tests/skills``.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+from tests.skills.skill_helpers import EXPECTED, STYLES, copy_recipe, target_file
+
+from skills import apply_skill
+from skills.errors import SkillRefused
+
+APPLIES_TO = {
+    "gradient-checkpointing": STYLES,
+    "tensor-parallel": ("template", "hf_trainer_style"),
+    "freeze": STYLES,
+    "sequence-packing": ("template", "hf_trainer_style"),
+    "loss-guard": STYLES,
+    "mixed-precision": STYLES,
+    "torch-compile": STYLES,
+    "lora": STYLES,
+}
+# (skill, style) → what the refusal must say.
+REFUSES = {
+    ("tensor-parallel", "nanogpt_style"): "the model is built by GPT(...) (nanogpt_style.py:122), a module defined in the file",
+    ("sequence-packing", "nanogpt_style"): "looked for an Engine.prepare_data",
+}
+APPLYING = [(skill, style) for skill, styles in APPLIES_TO.items() for style in styles]
+
+
+def assert_matches_expected(name: str, actual: str) -> None:
+    path = EXPECTED / f"{name}.diff"
+    if os.environ.get("TRAINWRIGHT_UPDATE_EXPECTED"):
+        path.parent.mkdir(exist_ok=True)
+        path.write_text(actual)
+    assert path.is_file(), f"no expected diff {path}; run with TRAINWRIGHT_UPDATE_EXPECTED=1"
+    assert actual == path.read_text(), f"the change differs from {path}"
+
+
+@pytest.mark.parametrize("skill,style", APPLYING, ids=[f"{s}--{t}" for s, t in APPLYING])
+def test_skill_writes_the_expected_change(skill: str, style: str, tmp_path: Path):
+    recipe = copy_recipe(style, tmp_path)
+
+    result = apply_skill(skill, recipe, diff_root=tmp_path)
+
+    assert result.changed and not result.already_applied
+    assert result.target == str(target_file(recipe))
+    assert_matches_expected(f"{skill}--{style}", result.diff)
+
+
+@pytest.mark.parametrize("skill,style", APPLYING, ids=[f"{s}--{t}" for s, t in APPLYING])
+def test_applying_twice_changes_nothing_the_second_time(skill: str, style: str, tmp_path: Path):
+    recipe = copy_recipe(style, tmp_path)
+    apply_skill(skill, recipe)
+    after_first = target_file(recipe).read_text()
+
+    second = apply_skill(skill, recipe)
+
+    assert (second.changed, second.already_applied, second.diff) == (False, True, "")
+    assert "already applied" in second.message
+    assert target_file(recipe).read_text() == after_first
+
+
+@pytest.mark.parametrize("skill,style", list(REFUSES), ids=[f"{s}--{t}" for s, t in REFUSES])
+def test_skill_refuses_a_style_it_cannot_serve(skill: str, style: str, tmp_path: Path):
+    recipe = copy_recipe(style, tmp_path)
+    before = target_file(recipe).read_text()
+
+    with pytest.raises(SkillRefused) as refusal:
+        apply_skill(skill, recipe)
+
+    assert REFUSES[(skill, style)] in str(refusal.value)
+    assert "\n" not in str(refusal.value)
+    assert target_file(recipe).read_text() == before
+
+
+def test_every_skill_and_style_pair_is_covered():
+    from skills import list_skills
+
+    names = {s.name for s in list_skills()}
+    assert set(APPLIES_TO) == names
+    for skill in names:
+        covered = set(APPLIES_TO[skill]) | {style for (s, style) in REFUSES if s == skill}
+        assert covered == set(STYLES), skill
