@@ -75,7 +75,7 @@ def _model_kind(recipe: Recipe, call: cst.Call, depth: int = 0) -> ModelKind | N
     functions = recipe.top_level_functions()
     if name in functions and depth == 0:
         kinds = set()
-        for ret in _returns(functions[name]):
+        for ret in recipe.returns_of(functions[name]):
             if ret.value is not None:
                 inner = unwrap_chain(ret.value)
                 if isinstance(inner, cst.Call):
@@ -85,20 +85,6 @@ def _model_kind(recipe: Recipe, call: cst.Call, depth: int = 0) -> ModelKind | N
         if kinds:
             return "hf" if kinds == {"hf"} else "custom"
     return None
-
-
-def _returns(function: cst.FunctionDef) -> list[cst.Return]:
-    found: list[cst.Return] = []
-
-    class Finder(cst.CSTVisitor):
-        def visit_FunctionDef(self, node: cst.FunctionDef) -> bool:
-            return node is function
-
-        def visit_Return(self, node: cst.Return) -> None:
-            found.append(node)
-
-    function.visit(Finder())
-    return found
 
 
 def model_candidates(recipe: Recipe) -> list[ModelAnchor]:

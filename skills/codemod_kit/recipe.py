@@ -8,6 +8,7 @@ full scope analysis, which costs more than a whole skill application may take.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -28,52 +29,103 @@ class _Index:
     classes: list[cst.ClassDef] = field(default_factory=list)
     withs: list[cst.With] = field(default_factory=list)
     ifs: list[cst.If] = field(default_factory=list)
+    returns: list[cst.Return] = field(default_factory=list)
     imports: dict[str, str] = field(default_factory=dict)  # local name → qualified name
 
 
-class _Indexer(cst.CSTVisitor):
-    def __init__(self, index: _Index):
-        self.index = index
-        self.stack: list[cst.CSTNode] = []
+# Formatting nodes hold no code that anchors care about; skipping them halves the walk.
+_SKIP = (
+    cst.BaseParenthesizableWhitespace,
+    cst.TrailingWhitespace,
+    cst.EmptyLine,
+    cst.Newline,
+    cst.Comma,
+    cst.LeftParen,
+    cst.RightParen,
+    cst.Colon,
+    cst.Dot,
+    cst.AssignEqual,
+    cst.Semicolon,
+)
+_FIELDS: dict[type, tuple[str, ...] | None] = {}  # node class → its field names; None: skip it
+_NOT_NODES: set[type] = set()
 
-    def on_visit(self, node: cst.CSTNode) -> bool:
-        if self.stack:
-            self.index.parents[node] = self.stack[-1]
-        self.stack.append(node)
-        if isinstance(node, cst.Call):
-            self.index.calls.append(node)
-        elif isinstance(node, cst.Assign):
-            self.index.assigns.append(node)
-        elif isinstance(node, cst.FunctionDef):
-            self.index.functions.append(node)
-        elif isinstance(node, cst.ClassDef):
-            self.index.classes.append(node)
-        elif isinstance(node, cst.With):
-            self.index.withs.append(node)
-        elif isinstance(node, cst.If):
-            self.index.ifs.append(node)
-        elif isinstance(node, cst.Import):
-            for alias in node.names:
-                dotted = dotted_name(alias.name)
-                if alias.asname is not None:
-                    self.index.imports[alias.asname.name.value] = dotted  # type: ignore[union-attr]
-                else:
-                    head = dotted.split(".")[0]
-                    self.index.imports[head] = head
-            return False
-        elif isinstance(node, cst.ImportFrom):
-            if node.relative or node.module is None or isinstance(node.names, cst.ImportStar):
-                return False
-            base = dotted_name(node.module)
-            for alias in node.names:
-                name = dotted_name(alias.name)
-                local = alias.asname.name.value if alias.asname else name  # type: ignore[union-attr]
-                self.index.imports[local] = f"{base}.{name}"
-            return False
+
+def _fields(cls: type) -> tuple[str, ...] | None:
+    try:
+        return _FIELDS[cls]
+    except KeyError:
+        fields = None if issubclass(cls, _SKIP) else tuple(f.name for f in dataclasses.fields(cls))
+        _FIELDS[cls] = fields
+        return fields
+
+
+def _is_node(cls: type) -> bool:
+    if cls in _FIELDS:
         return True
+    if cls in _NOT_NODES:
+        return False
+    if issubclass(cls, cst.CSTNode):
+        return True
+    _NOT_NODES.add(cls)
+    return False
 
-    def on_leave(self, original_node: cst.CSTNode) -> None:
-        self.stack.pop()
+
+def _index(module: cst.Module) -> _Index:
+    """One pass over the tree, reading the nodes' fields directly (libcst's visitors rebuild
+    every node they pass, which costs more than a whole skill application may take). Nodes are
+    recorded in pre-order, so statements come in source order."""
+    index = _Index()
+    parents = index.parents
+    collect = {
+        cst.Call: index.calls,
+        cst.Assign: index.assigns,
+        cst.FunctionDef: index.functions,
+        cst.ClassDef: index.classes,
+        cst.With: index.withs,
+        cst.If: index.ifs,
+        cst.Return: index.returns,
+    }
+    stack: list[cst.CSTNode] = [module]
+    while stack:
+        node = stack.pop()
+        cls = type(node)
+        bucket = collect.get(cls)
+        if bucket is not None:
+            bucket.append(node)
+        elif cls is cst.Import or cls is cst.ImportFrom:
+            _record_import(node, index.imports)  # type: ignore[arg-type]
+        children: list[cst.CSTNode] = []
+        for name in _fields(cls) or ():
+            value = getattr(node, name)
+            if isinstance(value, (list, tuple)):
+                for item in value:
+                    item_cls = type(item)
+                    if _is_node(item_cls) and _fields(item_cls) is not None:
+                        children.append(item)
+            elif _is_node(type(value)) and _fields(type(value)) is not None:
+                children.append(value)
+        for child in children:
+            parents[child] = node
+        stack.extend(reversed(children))
+    return index
+
+
+def _record_import(node: cst.Import | cst.ImportFrom, imports: dict[str, str]) -> None:
+    if isinstance(node, cst.Import):
+        for alias in node.names:
+            dotted = dotted_name(alias.name)
+            if alias.asname is not None:
+                imports[alias.asname.name.value] = dotted  # type: ignore[union-attr]
+            else:
+                head = dotted.split(".")[0]
+                imports[head] = head
+    elif not node.relative and node.module is not None and not isinstance(node.names, cst.ImportStar):
+        base = dotted_name(node.module)
+        for alias in node.names:
+            name = dotted_name(alias.name)
+            local = alias.asname.name.value if alias.asname else name  # type: ignore[union-attr]
+            imports[local] = f"{base}.{name}"
 
 
 def dotted_name(node: cst.BaseExpression | cst.Attribute | cst.Name) -> str:
@@ -98,8 +150,7 @@ class Recipe:
             raise SkillRefused(
                 f"{self.path.name} does not parse (line {e.raw_line}: {e.message}); fix it first"
             ) from None
-        self._index = _Index()
-        self.module.visit(_Indexer(self._index))
+        self._index = _index(self.module)
         self._positions = None
 
     # --- basic queries -------------------------------------------------------------------------
@@ -224,6 +275,10 @@ class Recipe:
 
     def ifs(self) -> list[cst.If]:
         return self._index.ifs
+
+    def returns_of(self, function: cst.FunctionDef) -> list[cst.Return]:
+        """The ``return`` statements of ``function`` itself (not of functions nested in it)."""
+        return [r for r in self._index.returns if self.enclosing_function(r) is function]
 
     # --- definitions ---------------------------------------------------------------------------
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import re
 import textwrap
+from functools import lru_cache
 from typing import Any
 
 import libcst as cst
@@ -47,9 +48,17 @@ def statements(module: cst.Module, code: str, blank_lines_before: int = 0) -> li
     return body
 
 
+@lru_cache(maxsize=64)
+def _parse_definitions(code: str, indent: str, newline: str, config: cst.PartialParserConfig) -> cst.Module:
+    # Parsed trees are immutable, so one parse serves every application with the same style.
+    return cst.parse_module(code, config=config)
+
+
 def definitions(module: cst.Module, code: str) -> list[cst.BaseStatement]:
     """Top-level functions/classes, each preceded by two blank lines."""
-    parsed = cst.parse_module(_in_file_style(code, module), config=module.config_for_parsing)
+    parsed = _parse_definitions(
+        _in_file_style(code, module), module.default_indent, module.default_newline, module.config_for_parsing
+    )
     out = []
     for node in parsed.body:
         comments = [line for line in node.leading_lines if line.comment is not None]
