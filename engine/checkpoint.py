@@ -10,6 +10,10 @@ What is saved is a dict of ``Stateful`` objects, so this module does not need to
 they are: model and optimizer (:class:`ModelOptimizerState`), scheduler, train state, data
 position and the RNG state of every rank (:class:`RNGState`). DCP reshards on load, so a
 checkpoint written by N processes loads into M.
+
+A save that fails (no space left, no permission) raises :class:`CheckpointSaveError` with one
+line that names the cause; the partial folder is removed and the previous checkpoint is left
+as it was, so the run fails with a clear reason and can be resumed from that one.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.checkpoint.stateful import Stateful
 
@@ -100,6 +105,52 @@ class RNGState(Stateful):
                 )
 
 
+class CheckpointSaveError(RuntimeError):
+    """A checkpoint could not be written; the previous complete checkpoint is untouched."""
+
+
+def _root_cause(error: BaseException) -> BaseException:
+    """The error behind DCP's wrapper (it gathers each rank's exception and traceback)."""
+    seen = set()
+    while id(error) not in seen:
+        seen.add(id(error))
+        if isinstance(error, CheckpointException) and error.failures:
+            error = next(iter(error.failures.values()))[0]
+        elif isinstance(error, OSError) or error.__cause__ is None:
+            return error
+        else:
+            error = error.__cause__
+    return error
+
+
+LOW_SPACE_BYTES = 1 << 20
+
+
+def _free_bytes(path: Path) -> int | None:
+    try:
+        info = os.statvfs(path)
+    except OSError:
+        return None
+    return info.f_bavail * info.f_frsize
+
+
+def _describe_save_failure(step: int, error: BaseException, previous: int | None, free: int | None) -> str:
+    """One line for run.json: what failed, in words a user acts on, and what is left."""
+    cause = _root_cause(error)
+    if isinstance(cause, OSError) and cause.errno is not None:
+        what = f"{cause.strerror or os.strerror(cause.errno)} (errno {cause.errno})"
+    else:
+        what = f"{type(cause).__name__}: {cause}".splitlines()[0]
+        if free is not None and free < LOW_SPACE_BYTES:
+            # torch's zip writer reports a full disk as a position mismatch, not as ENOSPC.
+            what = f"No space left on device ({free:,} bytes free where checkpoints are written; {what})"
+    kept = (
+        f"the previous checkpoint, step {previous}, is untouched and can be resumed"
+        if previous is not None else "there is no earlier checkpoint"
+    )
+    return f"could not write the checkpoint of step {step}: {what[:300]}; {kept}"
+
+
 def _fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -131,10 +182,16 @@ class Checkpointer:
                 os.rename(partial, final)
                 _fsync_dir(self.root)
                 self._prune()
-        except BaseException:
+        except BaseException as e:
+            free = _free_bytes(self.root)  # before the partial folder is removed
             if self.is_main:
                 shutil.rmtree(partial, ignore_errors=True)
-            raise
+            if isinstance(e, (KeyboardInterrupt, SystemExit)):
+                raise
+            previous = rd.latest_checkpoint(self.root.parent)
+            raise CheckpointSaveError(
+                _describe_save_failure(step, e, previous[0] if previous else None, free)
+            ) from e
         _barrier()
         return final
 

@@ -152,3 +152,35 @@ def wait_gone(pids: set[int], timeout: float = 30) -> set[int]:
             return set()
         time.sleep(0.1)
     return {p for p in pids if processes.alive(p)}
+
+
+def derived_recipe(workspace: Path, name: str, body: str) -> Path:
+    """``recipes/<name>``: the template's recipe as ``base_recipe.py`` and a ``recipe.py`` whose one
+    Engine subclass (defined in ``body``) changes what a test needs; committed."""
+    recipe = workspace / "recipes" / name
+    recipe.mkdir(parents=True)
+    shutil.copy(TEMPLATE / "recipe.py", recipe / "base_recipe.py")
+    shutil.copy(TEMPLATE / "config.yaml", recipe / "config.yaml")
+    (recipe / "recipe.py").write_text(f'"""A test recipe: {name}."""\n\nfrom base_recipe import CausalLM\n\n{body}')
+    repo = sandbox_git.open_repo(workspace)
+    sandbox_git.commit_paths(repo, [recipe], f"add recipe {name}", [])
+    return recipe
+
+
+def supervise(run_dir: Path, command: list[str], limits: dict[str, Any] | None = None,
+              run_id: str = "20260101-000000-sup-0000", env: dict[str, str] | None = None, timeout: float = 60):
+    """Run ``python -m sandbox.supervise`` on a run whose command is ``command`` (no engine, no torch)."""
+    import subprocess
+    import sys
+
+    from sandbox.environment import run_environment
+
+    rd.create_run(run_dir, {"id": run_id, "status": rd.STARTING, "command": command, "limits": limits or {},
+                            "workspace": str(run_dir.parent), "recipe": "none", "git_commit": None})
+    with open(run_dir / rd.CONSOLE_LOG, "ab") as console:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "sandbox.supervise", str(run_dir)],
+            env=run_environment(extra={processes.RUN_ID_VARIABLE: run_id, **(env or {})}),
+            stdout=console, stderr=subprocess.STDOUT, start_new_session=True,
+        )
+    return process
