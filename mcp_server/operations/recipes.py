@@ -143,8 +143,9 @@ def scaffold_recipe(
     flat = flatten_config(config)
     confine_config_paths(ws.root, flat)
     specs = _skill_specs(skills)
-    check_launch(ws.root, source, 1, override_strings(flat), limits=ws.run_limits())
+    items = override_strings(flat)
 
+    # The skills first (fast, on a scratch copy), then the engine's check (a torch import).
     with tempfile.TemporaryDirectory(prefix="trainwright-scaffold-") as scratch:
         trial = Path(scratch) / name
         shutil.copytree(source, trial, ignore=shutil.ignore_patterns("__pycache__"))
@@ -154,6 +155,7 @@ def scaffold_recipe(
                 skill_library.apply_skill(skill, trial, params)
             except skill_library.SkillError as e:
                 raise ValueError(f"skill {skill} cannot be applied to this recipe: {e}") from None
+    check_launch(ws.root, source, 1, items, limits=ws.run_limits())
 
     with ws.changing():
         return _scaffold_locked(ws, source, template, name, flat, specs)

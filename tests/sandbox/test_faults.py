@@ -178,7 +178,6 @@ print(apply_skill(Workspace.open(sys.argv[1]), "gradient-checkpointing", "recipe
 """
 
 
-@pytest.mark.slow
 def test_a_server_killed_during_apply_skill_leaves_the_recipe_as_before_or_as_after(ws):
     target = ws.root / "recipes" / "lm" / "recipe.py"
     before = target.read_bytes()
