@@ -66,7 +66,9 @@ def documents(tmp_path: Path) -> Path:
     return write_documents(tmp_path / "docs.jsonl", 400, 5, 60)
 
 
-def launch(recipe: Path, cwd: Path, *settings: str, nproc: int = 1, timeout: float = 600) -> subprocess.CompletedProcess:
+def launch(
+    recipe: Path, cwd: Path, *settings: str, nproc: int = 1, timeout: float = 600, threads: int | None = None
+) -> subprocess.CompletedProcess:
     """``python -m engine.launch RECIPE --set ...`` (or under torchrun) with ``cwd`` as the
     workspace: the run lands in ``cwd/runs/<id>/``."""
     sets = [a for s in settings for a in ("--set", s)]
@@ -76,6 +78,8 @@ def launch(recipe: Path, cwd: Path, *settings: str, nproc: int = 1, timeout: flo
         command = [PYTHON, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
                    "-m", "engine.launch", str(recipe), *sets]
     env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    if threads is not None:  # fewer threads: timings suffer less from other work on the machine
+        env["OMP_NUM_THREADS"] = str(threads)
     return subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
 
 
@@ -108,10 +112,10 @@ def on_documents(path: Path) -> tuple[str, str]:
     return ("data.source=files", f"data.paths=[{path}]")
 
 
-def train(recipe: Path, cwd: Path, *settings: str, nproc: int = 1) -> list[dict]:
+def train(recipe: Path, cwd: Path, *settings: str, nproc: int = 1, threads: int | None = None) -> list[dict]:
     """Launch, require success, return the logged step records."""
     cwd.mkdir(parents=True, exist_ok=True)
-    result = launch(recipe, cwd, *SMALL_RUN, *settings, nproc=nproc)
+    result = launch(recipe, cwd, *SMALL_RUN, *settings, nproc=nproc, threads=threads)
     assert result.returncode == 0, f"run failed ({result.returncode}):\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
     return run_metrics(cwd)
 

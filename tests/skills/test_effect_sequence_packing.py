@@ -33,8 +33,8 @@ ROWS = ("data.seq_len=256", "data.batch_size=8", "train.max_steps=8")
 def test_packing_removes_padding_and_raises_useful_tokens_per_second(tmp_path: Path, capsys):
     documents = write_documents(tmp_path / "docs.jsonl", 600, 4, 45)  # ≈ 20-250 bytes each
     data = on_documents(documents)
-    padded = train(template_with([], tmp_path / "padded"), tmp_path / "run-padded", *ROWS, *data)
-    packed = train(template_with(["sequence-packing"], tmp_path / "packed"), tmp_path / "run-packed", *ROWS, *data)
+    padded = train(template_with([], tmp_path / "padded"), tmp_path / "run-padded", *ROWS, *data, threads=1)
+    packed = train(template_with(["sequence-packing"], tmp_path / "packed"), tmp_path / "run-packed", *ROWS, *data, threads=1)
 
     def padding(records):
         return statistics.mean(r["padding_frac"] for r in records)
