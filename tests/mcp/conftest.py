@@ -75,12 +75,18 @@ class ToolSession:
         self.client = client
         self.transport = transport
 
-    def call(self, tool: str, **arguments: Any):
-        return self.portal.call(self.client.call_tool, tool, arguments)
+    def call(self, tool: str, progress: list | None = None, **arguments: Any):
+        """``tools/call``; progress notifications, if ``progress`` is a list, are appended to it."""
 
-    def ok(self, tool: str, **arguments: Any) -> dict[str, Any]:
+        async def on_progress(value: float, total: float | None, message: str | None) -> None:
+            progress.append((value, total, message))
+
+        callback = on_progress if progress is not None else None
+        return self.portal.call(lambda: self.client.call_tool(tool, arguments, progress_callback=callback))
+
+    def ok(self, tool: str, progress: list | None = None, **arguments: Any) -> dict[str, Any]:
         """The structured result of a call that must succeed."""
-        result = self.call(tool, **arguments)
+        result = self.call(tool, progress, **arguments)
         if result.is_error:
             raise ToolError(f"{tool}({arguments}) failed: {result.content[0].text}")
         assert result.structured_content is not None, f"{tool} returned no structuredContent"

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import json
+import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -58,6 +61,19 @@ def test_the_smoke_script_applies_the_skill_runs_and_passes_on_a_finite_loss(wor
     assert "completed at step 4, loss " in result.stdout
     assert "ok: final loss " in result.stdout and "is finite" in result.stdout
     assert "with `gradient-checkpointing`: step 4, loss " in summary.read_text()
+
+
+def test_review_lists_the_skill_commit_with_the_smoke_run_it_produced(workspace, first_smoke):
+    run_id = re.search(r"^run (\S+): completed", first_smoke[0].stdout, re.MULTILINE).group(1)
+    result = subprocess.run([*trainwright_command(), "review", "--workspace", str(workspace), "--json"],
+                            capture_output=True, text=True, timeout=120, check=True)
+    skill_commit, scaffold_commit = json.loads(result.stdout)["commits"][:2]
+    assert skill_commit["subject"] == "skill(gradient-checkpointing): apply to recipes/lm"
+    assert skill_commit["tool"] == "apply_skill" and skill_commit["skill"].startswith("gradient-checkpointing@")
+    (run,) = [r for r in skill_commit["runs"] if r["run_id"] == run_id]
+    assert run["status"] == "completed" and run["step"] == 4 and math.isfinite(run["loss"])
+    assert f"run {run_id}: completed; step 4/4; loss " in skill_commit["note"]
+    assert scaffold_commit["subject"] == "recipe(lm): scaffold from template causal_lm"
 
 
 def test_the_smoke_script_fails_the_job_when_the_loss_is_not_finite(workspace, first_smoke):

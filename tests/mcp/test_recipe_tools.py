@@ -17,9 +17,10 @@ def test_list_templates_describes_the_causal_lm_template(client):
 
 def test_scaffold_recipe_commits_the_recipe_then_one_commit_per_skill(client, workspace):
     config = tiny_config(**{"train.max_steps": 12})
+    progress = []
 
     result = client.ok(
-        "scaffold_recipe", template="causal_lm", name="scaffolded", config=config,
+        "scaffold_recipe", progress, template="causal_lm", name="scaffolded", config=config,
         skills=["gradient-checkpointing"],
     )
 
@@ -37,6 +38,8 @@ def test_scaffold_recipe_commits_the_recipe_then_one_commit_per_skill(client, wo
     written = yaml.safe_load((workspace / "recipes/scaffolded/config.yaml").read_text())
     assert written["train"]["max_steps"] == 12 and written["model"]["hidden_size"] == 64
     assert git(workspace, "status", "--porcelain", "--", "recipes") == ""
+    # It takes seconds (the engine checks the config): the client hears how it goes.
+    assert progress == [(0, 2, "checking the config and skills"), (2, 2, "scaffolded")]
 
 
 @pytest.mark.parametrize(
