@@ -27,8 +27,6 @@ class _Index:
     assigns: list[cst.Assign] = field(default_factory=list)
     functions: list[cst.FunctionDef] = field(default_factory=list)
     classes: list[cst.ClassDef] = field(default_factory=list)
-    withs: list[cst.With] = field(default_factory=list)
-    ifs: list[cst.If] = field(default_factory=list)
     returns: list[cst.Return] = field(default_factory=list)
     imports: dict[str, str] = field(default_factory=dict)  # local name → qualified name
 
@@ -82,8 +80,6 @@ def _index(module: cst.Module) -> _Index:
         cst.Assign: index.assigns,
         cst.FunctionDef: index.functions,
         cst.ClassDef: index.classes,
-        cst.With: index.withs,
-        cst.If: index.ifs,
         cst.Return: index.returns,
     }
     stack: list[cst.CSTNode] = [module]
@@ -269,12 +265,6 @@ class Recipe:
 
     def assigns(self) -> list[cst.Assign]:
         return self._index.assigns
-
-    def withs(self) -> list[cst.With]:
-        return self._index.withs
-
-    def ifs(self) -> list[cst.If]:
-        return self._index.ifs
 
     def returns_of(self, function: cst.FunctionDef) -> list[cst.Return]:
         """The ``return`` statements of ``function`` itself (not of functions nested in it)."""

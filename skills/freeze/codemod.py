@@ -74,7 +74,11 @@ def freeze_parameters(
 '''
 
 
-def _hand_written_freeze(recipe: Recipe):
+def _existing_freeze(recipe: Recipe):
+    """The skill's call, or hand-written ``p.requires_grad_(False)`` / ``p.requires_grad = False``."""
+    found = recipe.calls_to("freeze_parameters")
+    if found:
+        return found[0]
     for call in recipe.method_calls("requires_grad_"):
         if call.args and isinstance(call.args[0].value, cst.Name) and call.args[0].value.value == "False":
             return call
@@ -85,12 +89,11 @@ def _hand_written_freeze(recipe: Recipe):
                 and recipe.code(assign.value) == "False"
             ):
                 return assign
-    found = recipe.calls_to("freeze_parameters")
-    return found[0] if found else None
+    return None
 
 
 def apply(recipe: Recipe, params: Params) -> Edits | AlreadyApplied:
-    existing = _hand_written_freeze(recipe)
+    existing = _existing_freeze(recipe)
     if existing is not None:
         return AlreadyApplied(f"parameters are frozen at {recipe.where(existing)}")
     model = anchors.find_model(recipe, SKILL)
