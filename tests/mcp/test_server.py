@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import socket
 import subprocess
 import sys
@@ -13,6 +14,7 @@ from anyio.from_thread import start_blocking_portal
 from mcp import Client, StdioServerParameters
 
 from tests.mcp.conftest import ToolSession, closing_cleanly, connect, git, trainwright_command
+from tests.support import TEMPLATE
 
 TOOLS = {
     "list_skills", "get_skill", "apply_skill", "list_templates", "scaffold_recipe", "launch_run",
@@ -36,6 +38,23 @@ def test_every_tool_is_listed_with_annotations_and_an_output_schema(client):
     assert tools["launch_run"].annotations.idempotent_hint is False
     assert set(tools["apply_skill"].input_schema["properties"]) == {"skill", "recipe", "params", "dry_run"}
     assert tools["apply_skill"].input_schema["required"] == ["skill", "recipe"]
+
+
+def test_a_slow_call_does_not_hold_up_the_others(client, workspace):
+    """launch_run waits seconds for the engine to check the config; meanwhile the server answers."""
+    (workspace / "recipes").mkdir(exist_ok=True)
+    if not (workspace / "recipes" / "slow").exists():
+        shutil.copytree(TEMPLATE, workspace / "recipes" / "slow", ignore=shutil.ignore_patterns("__pycache__"))
+    slow = client.portal.start_task_soon(
+        client.client.call_tool, "launch_run", {"recipe": "recipes/slow", "overrides": {"train.max_stpes": 1}}
+    )
+    started = time.monotonic()
+    assert len(client.tools()) == len(TOOLS)
+    assert client.ok("list_runs")["runs"] == []
+    answered_in = time.monotonic() - started
+    assert not slow.done(), "the engine's check finished first: nothing was measured"
+    assert answered_in < 2.0
+    assert "unknown config key 'train.max_stpes'" in slow.result(timeout=300).content[0].text
 
 
 def test_read_only_serves_only_the_tools_that_change_nothing(transport, tmp_path):
