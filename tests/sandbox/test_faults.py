@@ -169,7 +169,7 @@ APPLY = """
 import os, sys, time
 real_fsync = os.fsync
 def slow_fsync(fd):  # widen the window between the temporary file and its rename
-    time.sleep(0.3)
+    time.sleep(float(sys.argv[2]))
     real_fsync(fd)
 os.fsync = slow_fsync
 from mcp_server.operations.skills import apply_skill
@@ -189,7 +189,7 @@ def test_a_server_killed_during_apply_skill_leaves_the_recipe_as_before_or_as_af
     seen = set()
     interrupted_writes = 0
     for attempt in range(10):
-        process = subprocess.Popen([sys.executable, "-c", APPLY, str(ws.root)], cwd=ws.root,
+        process = subprocess.Popen([sys.executable, "-c", APPLY, str(ws.root), "2"], cwd=ws.root,
                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         if attempt % 2 == 0:  # while the new file is being written
             wait_for(lambda: list(target.parent.glob(".recipe.py.*.tmp")) or process.poll() is not None,
@@ -208,7 +208,7 @@ def test_a_server_killed_during_apply_skill_leaves_the_recipe_as_before_or_as_af
         subprocess.run(["git", "checkout", "-q", "--", str(target)], cwd=ws.root, check=True)
     assert "before" in seen and interrupted_writes >= 3, (seen, interrupted_writes)
     # Whatever was left (a temporary file of an interrupted write) does not block the next change.
-    out = subprocess.run([sys.executable, "-c", APPLY, str(ws.root)], cwd=ws.root, capture_output=True, text=True)
+    out = subprocess.run([sys.executable, "-c", APPLY, str(ws.root), "0"], cwd=ws.root, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     assert list(target.parent.glob(".recipe.py.*.tmp")) == []
     status = subprocess.run(["git", "status", "--porcelain"], cwd=ws.root, capture_output=True, text=True).stdout
