@@ -139,6 +139,9 @@ def train(recipe_class, config, args: argparse.Namespace) -> int:
 
     dist_info = init_distributed(config.parallel.tp)
     run_dir = _open_run_dir(args, recipe_class, dist_info)
+    # Under a supervisor (which passes --run-dir) the final status is the supervisor's to record,
+    # once every process has exited; the engine only records what it knows: error, last step.
+    supervised = args.run_dir is not None
     if dist_info.is_main:
         rd.update_run(
             run_dir,
@@ -155,7 +158,8 @@ def train(recipe_class, config, args: argparse.Namespace) -> int:
     except BaseException as e:
         if dist_info.is_main:
             traceback.print_exc()
-            rd.update_run(run_dir, status=rd.FAILED, error=f"{type(e).__name__}: {e}"[:2000], ended_at=rd.utc_now())
+            outcome = {} if supervised else {"status": rd.FAILED, "ended_at": rd.utc_now()}
+            rd.update_run(run_dir, error=f"{type(e).__name__}: {e}"[:2000], **outcome)
         if isinstance(e, KeyboardInterrupt):
             return 130
         from engine.config import ConfigError
@@ -165,7 +169,8 @@ def train(recipe_class, config, args: argparse.Namespace) -> int:
         if dist.is_initialized():
             shutdown_distributed()
     if dist_info.is_main:
-        rd.update_run(run_dir, status=rd.COMPLETED, ended_at=rd.utc_now(), final_step=engine.state.step)
+        outcome = {} if supervised else {"status": rd.COMPLETED, "ended_at": rd.utc_now()}
+        rd.update_run(run_dir, final_step=engine.state.step, **outcome)
     return EXIT_OK
 
 

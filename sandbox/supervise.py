@@ -168,8 +168,11 @@ def run_note(record: dict, latest: dict | None) -> str:
     if latest:
         max_steps = ((record.get("config") or {}).get("train") or {}).get("max_steps", "?")
         parts.append(f"step {latest.get('step')}/{max_steps}")
-        if isinstance(latest.get("loss"), (int, float)):
-            parts.append(f"loss {latest['loss']:.4f}")
+        loss = latest.get("loss")
+        if isinstance(loss, (int, float)):
+            parts.append(f"loss {loss:.4f}")
+        elif isinstance(loss, str):  # metrics.jsonl writes non-finite losses as "nan" / "inf"
+            parts.append(f"loss {loss} (not finite)")
         if isinstance(latest.get("tokens_per_s"), (int, float)):
             parts.append(f"{latest['tokens_per_s']:,.0f} tokens/s")
     parts.append(f"recipe {record.get('recipe')}, {record.get('world_size') or record.get('nproc')} process(es)")
