@@ -18,7 +18,6 @@ from pathlib import Path
 from typing import Annotated, Any, Callable
 
 import anyio
-import git
 from mcp.server.mcpserver import Context, MCPServer
 from mcp.server.mcpserver.exceptions import ResourceError, ToolError
 from mcp_types import ToolAnnotations
@@ -44,7 +43,6 @@ from mcp_server.operations import runs as run_ops
 from mcp_server.operations import skills as skill_ops
 from sandbox.audit import AuditLog
 from sandbox.environment import redact
-from sandbox import git as sandbox_git
 from sandbox.git import GitRefused, ensure_repo
 from sandbox.paths import PathRefused
 from sandbox.runs import LaunchRefused
@@ -143,7 +141,7 @@ class AuditedServer(MCPServer):
 def build_server(workspace: Path | str, read_only: bool = False) -> MCPServer:
     ws = Workspace.open(workspace)
     if not read_only:
-        ensure_workspace_repo(ws.root)
+        ensure_repo(ws.root)
         ws.prepare_state()
     tools = Tools(ws)
     mcp = AuditedServer("trainwright", instructions=INSTRUCTIONS, log_level="WARNING")
@@ -335,23 +333,6 @@ def build_server(workspace: Path | str, read_only: bool = False) -> MCPServer:
         return loss_curve_png(records, f"run {run_id}")
 
     return mcp
-
-
-def ensure_workspace_repo(root: Path) -> None:
-    """Make sure the workspace is in a git repository that can hold its commits.
-
-    An enclosing repository that tracks the workspace is used as it is (recipes in a project's
-    subfolder). One that ignores it (``demo-workspace/`` in a clone of trainwright) cannot take
-    its commits, so the workspace gets a repository of its own.
-    """
-    enclosing = sandbox_git.open_repo(root)
-    if enclosing is not None and Path(enclosing.working_tree_dir).resolve() != root and enclosing.ignored(str(root)):
-        repo = git.Repo.init(root)
-        gitignore = root / ".gitignore"
-        if not gitignore.exists():
-            gitignore.write_text(sandbox_git.WORKSPACE_GITIGNORE)
-        sandbox_git.commit_paths(repo, [gitignore], "trainwright: initialise workspace", [])
-    ensure_repo(root)
 
 
 def _add_skill_resource(mcp: MCPServer, name: str, description: str) -> None:

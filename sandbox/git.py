@@ -36,15 +36,22 @@ def _identity_env() -> dict[str, str]:
 
 
 def open_repo(root: Path) -> git.Repo | None:
-    """The repository whose work tree contains ``root`` (it may be a parent folder)."""
+    """The repository that can hold the workspace's commits: its own, or an enclosing one.
+
+    An enclosing repository that ignores the workspace (``demo-workspace/`` inside a clone of
+    trainwright) cannot take its commits, so it does not count.
+    """
     try:
-        return git.Repo(root, search_parent_directories=True)
+        repo = git.Repo(root, search_parent_directories=True)
     except (git.InvalidGitRepositoryError, git.NoSuchPathError):
         return None
+    if Path(repo.working_tree_dir).resolve() != Path(root).resolve() and repo.ignored(str(root)):
+        return None
+    return repo
 
 
 def ensure_repo(root: Path) -> git.Repo:
-    """Open the workspace's repository, or initialise one with a first commit."""
+    """Open the workspace's repository, or initialise one of its own with a first commit."""
     repo = open_repo(root)
     if repo is not None:
         return repo
