@@ -88,7 +88,7 @@ def mutate(source: str, operation: str, number: int, workdir: Path) -> str:
     return module.visit(_Statements(number % max(1, counter.seen), operation)).code
 
 
-@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     base=st.sampled_from(sorted(SOURCES)),
     mutations=st.lists(st.tuples(st.sampled_from(OPERATIONS), st.integers(0, 100_000)), max_size=4),
