@@ -250,7 +250,12 @@ def _grad_norm(recipe: Recipe, edits: Edits, step_statement: cst.SimpleStatement
             return recipe.code(target)
         if isinstance(statement, cst.SimpleStatementLine) and len(statement.body) == 1:
             captured = templates.statement(recipe.module, "grad_norm = {clip}", clip=clip)
-            edits.replace(statement, captured.with_changes(leading_lines=statement.leading_lines))
+            edits.replace(
+                statement,
+                captured.with_changes(
+                    leading_lines=statement.leading_lines, trailing_whitespace=statement.trailing_whitespace
+                ),
+            )
             return "grad_norm"
     norm = templates.statement(
         recipe.module,

@@ -129,3 +129,31 @@ def test_errors_leave_the_file_untouched(tmp_path: Path):
     with pytest.raises(SkillRefused):
         apply_skill("tensor-parallel", script)
     assert script.read_bytes() == before and script.stat().st_mtime_ns == stamp
+
+
+def test_comments_around_edited_statements_are_kept(tmp_path: Path):
+    script = copy_recipe("nanogpt_style", tmp_path)
+    text = script.read_text()
+    text = text.replace(
+        "    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)\n",
+        "    # clip\n    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)  # keep norms sane\n",
+    )
+    text = text.replace("    optimizer.step()\n", "    # update\n    optimizer.step()  # the step\n")
+    text = text.replace("    logits, loss = model(x, y)\n", "    # forward\n    logits, loss = model(x, y)  # with the loss\n")
+    script.write_text(text)
+
+    apply_skill("loss-guard", script)
+    apply_skill("mixed-precision", script)
+
+    assert (
+        "    # forward\n"
+        "    with torch.autocast(device_type=x.device.type, dtype=torch.bfloat16):\n"
+        "        logits, loss = model(x, y)  # with the loss\n"
+    ) in script.read_text()
+    assert (
+        "    # clip\n"
+        "    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)  # keep norms sane\n"
+        "    # update\n"
+        "    if loss_guard.check(loss, grad_norm):\n"
+        "        optimizer.step()  # the step\n"
+    ) in script.read_text()
