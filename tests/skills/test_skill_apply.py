@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 from pathlib import Path
 
 import pytest
 
 from skills import ApplyResult, RecipeNotFound, SkillError, SkillRefused, apply_skill
-from tests.skills.skill_helpers import FIXTURES, copy_recipe, target_file
+from tests.skills.skill_helpers import FIXTURES, copy_recipe
 
 
 def git_apply(diff: str, root: Path, *options: str) -> subprocess.CompletedProcess:
