@@ -95,6 +95,7 @@ class Engine:
         self.eval_batches: list[Batch] | None = None
         self.logger = MetricLogger([])
         self.checkpointer: Checkpointer | None = None
+        self._warned: set[str] = set()
 
     # ----------------------------------------------------------------------------------------
     # What a recipe overrides
@@ -157,6 +158,18 @@ class Engine:
     def before_optimizer_step(self, ctx: StepContext) -> bool:
         """Called after backward and clipping; return False to skip this optimizer step."""
         return True
+
+    def warn(self, message: str) -> None:
+        """Tell the user once: a line in the console log and an entry in run.json's ``warnings``
+        (``get_run`` shows them). For things the run works around, such as a GPU-only feature
+        asked for on a CPU."""
+        if message in self._warned:
+            return
+        self._warned.add(message)
+        if self.dist.is_main:
+            print(f"warning: {message}", flush=True)
+            if self.run_dir is not None:
+                rd.append_to_run_list(self.run_dir, "warnings", message)
 
     @classmethod
     def validate_config(cls, config: EngineConfig, world_size: int) -> None:

@@ -143,6 +143,16 @@ def update_run(run_dir: Path, **fields: Any) -> dict[str, Any]:
     return record
 
 
+def append_to_run_list(run_dir: Path, key: str, value: Any) -> dict[str, Any]:
+    """Append ``value`` to the list ``key`` of run.json (e.g. ``warnings``), under the lock."""
+    run_dir = Path(run_dir)
+    with _locked(run_dir):
+        record = read_run(run_dir)
+        record[key] = [*(record.get(key) or []), value]
+        write_json_atomic(run_dir / RUN_JSON, record)
+    return record
+
+
 # ---------------------------------------------------------------------------------------------
 # metrics.jsonl
 # ---------------------------------------------------------------------------------------------

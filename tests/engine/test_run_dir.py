@@ -104,3 +104,11 @@ def test_importing_the_run_dir_format_does_not_import_torch():
     code = "import sys, engine.run_dir; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_appending_to_a_run_list_keeps_earlier_entries(tmp_path):
+    run = tmp_path / "run"
+    rd.create_run(run, {"id": "r1"})
+    rd.append_to_run_list(run, "warnings", "first")
+    rd.append_to_run_list(run, "warnings", "second")
+    assert rd.read_run(run)["warnings"] == ["first", "second"]
