@@ -308,7 +308,7 @@ def build_server(workspace: Path | str, read_only: bool = False) -> MCPServer:
     # Resources
     # ---------------------------------------------------------------------------------------
 
-    for info in skill_library.list_skills():
+    for info in skill_library.list_skill_cards():
         _add_skill_resource(mcp, info.name, info.description)
 
     @mcp.resource("run://{run_id}/metrics", mime_type="application/json",

@@ -7,19 +7,35 @@ Each skill is a folder ``skills/<name>/`` with a ``SKILL.md`` (Agent Skills form
     apply_skill("gradient-checkpointing", Path("recipes/my_lm"), dry_run=True).diff
 """
 
-from skills.apply import ApplyResult, apply_skill
+from typing import TYPE_CHECKING, Any
+
 from skills.errors import InvalidParams, RecipeNotFound, SkillError, SkillRefused, UnknownSkill
-from skills.registry import SkillInfo, get_skill, list_skills
+from skills.registry import SkillCard, SkillInfo, get_skill, list_skill_cards, list_skills
+
+if TYPE_CHECKING:
+    from skills.apply import ApplyResult, apply_skill
 
 __all__ = [
     "ApplyResult",
     "InvalidParams",
     "RecipeNotFound",
+    "SkillCard",
     "SkillError",
     "SkillInfo",
     "SkillRefused",
     "UnknownSkill",
     "apply_skill",
     "get_skill",
+    "list_skill_cards",
     "list_skills",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    # ``skills.apply`` imports libcst (~0.15 s); the MCP server imports this package at start and
+    # needs libcst only when a skill is applied, so it is imported on first use.
+    if name in ("ApplyResult", "apply_skill"):
+        from skills import apply
+
+        return getattr(apply, name)
+    raise AttributeError(f"module 'skills' has no attribute {name!r}")

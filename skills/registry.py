@@ -28,14 +28,19 @@ MAX_NAME_LENGTH = 64
 MAX_DESCRIPTION_LENGTH = 1024
 
 
-class SkillInfo(BaseModel):
-    """What an agent needs to choose a skill and call it."""
+class SkillCard(BaseModel):
+    """What an agent needs to choose a skill: read from SKILL.md alone (no codemod is loaded)."""
 
     name: str
     description: str
     version: str
     requires_gpu: bool
     path: str  # the skill's folder
+
+
+class SkillInfo(SkillCard):
+    """A skill with everything needed to call it."""
+
     skill_md: str  # the full text of SKILL.md
     params_schema: dict[str, Any]  # JSON schema of the codemod's parameters
 
@@ -93,13 +98,18 @@ class _Skill:
             self._codemod = _load_codemod(self.folder)
         return self._codemod
 
-    def info(self) -> SkillInfo:
-        return SkillInfo(
+    def card(self) -> SkillCard:
+        return SkillCard(
             name=self.name,
             description=self.description,
             version=self.version,
             requires_gpu=self.requires_gpu,
             path=str(self.folder),
+        )
+
+    def info(self) -> SkillInfo:
+        return SkillInfo(
+            **self.card().model_dump(),
             skill_md=self.skill_md,
             params_schema=self.codemod.Params.model_json_schema(),
         )
@@ -144,8 +154,14 @@ def skill(name: str) -> _Skill:
 
 
 def list_skills() -> list[SkillInfo]:
-    """Every skill, sorted by name."""
+    """Every skill, sorted by name (this loads every codemod, for the parameter schemas)."""
     return [s.info() for _, s in sorted(_discover().items())]
+
+
+def list_skill_cards() -> list[SkillCard]:
+    """Every skill's name, description, version and GPU need, sorted by name, from the SKILL.md
+    files alone: what a listing needs, without loading libcst or any codemod."""
+    return [s.card() for _, s in sorted(_discover().items())]
 
 
 def get_skill(name: str) -> SkillInfo:

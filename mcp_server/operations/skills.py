@@ -23,7 +23,7 @@ def _summary(info) -> SkillSummary:
 
 
 def list_skills() -> SkillList:
-    return SkillList(skills=[_summary(info) for info in skill_library.list_skills()])
+    return SkillList(skills=[_summary(card) for card in skill_library.list_skill_cards()])
 
 
 def get_skill(name: str) -> SkillDetail:
