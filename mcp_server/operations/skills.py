@@ -49,15 +49,32 @@ def apply_skill(
     file is changed and no commit is made. The file is replaced atomically, under the
     workspace's change lock: a server killed mid-call leaves the recipe as before or as after.
     """
+    info, recipe_path = _checked(ws, skill, recipe, params)  # refuse bad input before the lock
+    if dry_run:
+        return _apply(ws, info, recipe_path, params, dry_run, commit)
+    with ws.changing():
+        return _apply(ws, info, recipe_path, params, dry_run, commit)
+
+
+def apply_skill_unlocked(
+    ws: Workspace,
+    skill: str,
+    recipe: str,
+    params: dict[str, Any] | None = None,
+    dry_run: bool = False,
+    commit: bool = True,
+) -> ApplySkillResult:
+    """:func:`apply_skill` for a caller that holds the change lock (or makes a dry run)."""
+    info, recipe_path = _checked(ws, skill, recipe, params)
+    return _apply(ws, info, recipe_path, params, dry_run, commit)
+
+
+def _checked(ws: Workspace, skill: str, recipe: str, params: dict[str, Any] | None):
     check_name(skill, "skill")
-    skill_library.get_skill(skill)
+    info = skill_library.get_skill(skill)
     if params is not None and not isinstance(params, dict):
         raise ValueError("params must be a mapping of parameter names to values")
-    ws.recipe_or_script(recipe)  # refuse a bad path before waiting for the lock
-    if dry_run:
-        return apply_skill_unlocked(ws, skill, recipe, params, dry_run, commit)
-    with ws.changing():
-        return apply_skill_unlocked(ws, skill, recipe, params, dry_run, commit)
+    return info, ws.recipe_or_script(recipe)
 
 
 def remove_interrupted_writes(target: Path) -> list[Path]:
@@ -71,20 +88,8 @@ def remove_interrupted_writes(target: Path) -> list[Path]:
     return leftovers
 
 
-def apply_skill_unlocked(
-    ws: Workspace,
-    skill: str,
-    recipe: str,
-    params: dict[str, Any] | None = None,
-    dry_run: bool = False,
-    commit: bool = True,
-) -> ApplySkillResult:
-    """:func:`apply_skill` for a caller that holds the change lock (or makes a dry run)."""
-    check_name(skill, "skill")
-    info = skill_library.get_skill(skill)
-    if params is not None and not isinstance(params, dict):
-        raise ValueError("params must be a mapping of parameter names to values")
-    recipe_path = ws.recipe_or_script(recipe)
+def _apply(ws: Workspace, info, recipe_path: Path, params, dry_run: bool, commit: bool) -> ApplySkillResult:
+    skill = info.name
     if not dry_run:
         target = recipe_path / "recipe.py" if recipe_path.is_dir() else recipe_path
         remove_interrupted_writes(target)
