@@ -3,7 +3,8 @@
 - the model: the assignment that builds it (a ``transformers`` model class, a function of the
   file that returns one, or an ``nn.Module`` subclass defined in the file);
 - the recipe class: a subclass of ``engine.Engine`` (its ``prepare_*`` methods are anchors too);
-- optimizers: ``torch.optim.*`` constructors and their ``.step()`` calls;
+- optimizers: ``torch.optim.*`` constructors (and the optimizer classes skills write) and their
+  ``.step()`` calls;
 - forward calls: calls of the model object;
 - the device mesh: ``init_device_mesh(..., mesh_dim_names=(...))``.
 """
@@ -157,7 +158,10 @@ def find_model(recipe: Recipe, skill: str) -> ModelAnchor:
 
 def _passed_to_optimizer(recipe: Recipe, target_code: str) -> bool:
     for call in optimizer_constructors(recipe):
-        if call.args and f"{target_code}.parameters" in recipe.code(call.args[0].value):
+        if not call.args:
+            continue
+        first = recipe.code(call.args[0].value)
+        if f"{target_code}.parameters" in first or first == target_code:
             return True
     return False
 
@@ -167,7 +171,13 @@ def _passed_to_optimizer(recipe: Recipe, target_code: str) -> bool:
 # ---------------------------------------------------------------------------------------------
 
 
+# Optimizer classes that skills write into a recipe. They take the model (not its parameters)
+# and keep only the trainable parameters themselves.
+SKILL_OPTIMIZERS = ("MuonWithAdamW",)
+
+
 def optimizer_constructors(recipe: Recipe) -> list[cst.Call]:
+    """``torch.optim.*`` constructors, and constructors of the optimizer classes skills write."""
     found = []
     for call in recipe.calls():
         name = recipe.call_name(call)
@@ -175,6 +185,8 @@ def optimizer_constructors(recipe: Recipe) -> list[cst.Call]:
             last = name.rsplit(".", 1)[-1]
             if last[:1].isupper():
                 found.append(call)
+        elif name in SKILL_OPTIMIZERS:
+            found.append(call)
     return found
 
 
@@ -186,7 +198,7 @@ def assignment_target(recipe: Recipe, value: cst.CSTNode) -> cst.BaseExpression 
 
 
 def optimizer_step_calls(recipe: Recipe) -> list[tuple[cst.Call, str]]:
-    """``<optimizer>.step()`` calls whose receiver was assigned from a ``torch.optim`` constructor."""
+    """``<optimizer>.step()`` calls whose receiver was assigned from an optimizer constructor."""
     names = set()
     for call in optimizer_constructors(recipe):
         target = assignment_target(recipe, call)

@@ -233,9 +233,15 @@ def _insert_import(body: list[cst.BaseStatement], new: cst.BaseStatement) -> Non
             body[index] = first.with_changes(leading_lines=[cst.EmptyLine(indent=False)])
         body.insert(index, new)
         return
-    for index, other in imports:
+    for position, (index, other) in enumerate(imports):
         if other > key:
             following = body[index]
+            previous = imports[position - 1] if position > 0 else None
+            if other[0] != key[0] and previous is not None and previous[0] == index - 1 and previous[1][0] == key[0]:
+                # The last of its own section, right before the next section: no blank line
+                # above it, and the next section keeps the one above it.
+                body.insert(index, new.with_changes(leading_lines=[]))
+                return
             new = new.with_changes(leading_lines=following.leading_lines)
             separator = [] if other[0] == key[0] else [cst.EmptyLine(indent=False)]
             body[index] = following.with_changes(leading_lines=separator)

@@ -1,12 +1,13 @@
 """The order of the model-preparation stages, and where a new stage goes.
 
-Wrappers must see the modules they expect: tensor parallelism shards the plain ``nn.Linear``
-layers, activation checkpointing wraps the (sharded) blocks, ``torch.compile`` compiles the
-wrapped blocks, and FSDP2 shards last. So a recipe's model statements are kept in this order,
+Wrappers must see the modules they expect: kernel swaps (Liger's fused modules, FlashAttention)
+patch the plain Hugging Face model before anything wraps it, tensor parallelism shards the plain
+``nn.Linear`` layers, activation checkpointing wraps the (sharded) blocks, ``torch.compile``
+compiles the wrapped blocks, and FSDP2 shards last. So a recipe's model statements are kept in this order,
 whatever order the skills were applied in::
 
-    build → .to(device) → LoRA → tensor parallel → freeze → activation checkpointing
-          → torch.compile → FSDP2 / DDP → optimizer → training loop
+    build → .to(device) → Liger kernels → FlashAttention → LoRA → tensor parallel → freeze
+          → activation checkpointing → torch.compile → FSDP2 / DDP → optimizer → training loop
 
 The statements after the model construction (in the same block) are classified by the calls
 they contain; a new stage is inserted before the first statement of a later stage.
@@ -23,6 +24,8 @@ from skills.codemod_kit.edits import Edits
 from skills.codemod_kit.recipe import Recipe, dotted_name
 
 PLACE = 5
+KERNELS = 6
+ATTENTION = 7
 LORA = 8
 TENSOR_PARALLEL = 10
 FREEZE = 12
@@ -36,6 +39,9 @@ RETURN = 1000
 # Calls (qualified names; a leading dot matches any module) → the stage they belong to. The
 # helper names are the functions that the skills write.
 STAGE_OF_CALL: dict[str, int] = {
+    "apply_liger_kernels": KERNELS,
+    "use_flash_attention": ATTENTION,
+    "._apply_liger_kernel_to_instance": KERNELS,
     "apply_lora": LORA,
     "peft.get_peft_model": LORA,
     "peft.inject_adapter_in_model": LORA,
@@ -56,6 +62,7 @@ STAGE_OF_METHOD: dict[str, int] = {
     "to": PLACE,
     "cuda": PLACE,
     "to_empty": PLACE,
+    "set_attn_implementation": ATTENTION,
     "requires_grad_": FREEZE,
     "gradient_checkpointing_enable": ACTIVATION_CHECKPOINTING,
     "activation_checkpointing_enable": ACTIVATION_CHECKPOINTING,

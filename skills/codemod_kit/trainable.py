@@ -10,7 +10,7 @@ from __future__ import annotations
 import libcst as cst
 
 from skills.codemod_kit import templates
-from skills.codemod_kit.anchors import engine_class, keyword, optimizer_constructors, positional
+from skills.codemod_kit.anchors import SKILL_OPTIMIZERS, engine_class, keyword, optimizer_constructors, positional
 from skills.codemod_kit.edits import Edits
 from skills.codemod_kit.layout import fit_call
 from skills.codemod_kit.recipe import Recipe
@@ -42,6 +42,8 @@ def only_trainable_parameters(recipe: Recipe, edits: Edits, skill: str) -> None:
             "none, so frozen parameters could not be kept out of it"
         )
     for call in constructors:
+        if recipe.call_name(call) in SKILL_OPTIMIZERS:
+            continue  # it takes the model and keeps only its trainable parameters itself
         arg = positional(call, 0) or keyword(call, "params")
         if arg is None:
             raise SkillRefused(f"{skill}: the optimizer at {recipe.where(call)} gets no parameters argument")
