@@ -10,7 +10,8 @@ Supports:
 - checkpoints every ``checkpoint.every`` steps, resumable on any number of processes
 - a tiny model built from a ``transformers`` config, or local weights (``model.pretrained_path``)
 - the CPython standard library as a corpus, or local .txt/.md/.py files and .jsonl documents
-  (``data.source=files``, ``data.paths=[...]``)
+  (``data.source=files``, ``data.paths=[...]``), or random tokens for throughput benchmarks
+  (``data.source=random``, ``data.vocab_size=...``)
 
 Skills (``trainwright skills list``) write more techniques into this file as reviewable code.
 """
@@ -55,8 +56,10 @@ class ModelConfig(Section):
 
 
 class CausalLMDataConfig(DataConfig):
-    source: Literal["stdlib", "files"] = Field(
-        "stdlib", description="stdlib: the CPython standard library sources; files: data.paths."
+    source: Literal["stdlib", "files", "random"] = Field(
+        "stdlib",
+        description="stdlib: the CPython standard library sources; files: data.paths; random: "
+        "documents of random tokens (data.vocab_size), for throughput benchmarks.",
     )
     paths: list[str] = Field(
         default_factory=list,
@@ -64,6 +67,8 @@ class CausalLMDataConfig(DataConfig):
     )
     text_field: str = Field("text", description="The key of the text in .jsonl records.")
     eval_fraction: float = Field(0.05, ge=0, lt=1, description="Documents held out for evaluation.")
+    vocab_size: int = Field(32000, ge=3, description="data.source=random: token ids are below this.")
+    random_documents: int = Field(10000, ge=1, description="data.source=random: how many documents.")
 
 
 class CausalLMConfig(EngineConfig):
@@ -108,6 +113,22 @@ class PretrainedTokenizer:
         return self.tokenizer.decode(ids)
 
 
+class RandomTokens:
+    """data.source=random: the documents are token ids already; end-of-document and padding are
+    the last two ids of the vocabulary."""
+
+    def __init__(self, vocab_size: int):
+        self.vocab_size = vocab_size
+        self.eos_token_id = vocab_size - 2
+        self.pad_token_id = vocab_size - 1
+
+    def encode(self, ids: torch.Tensor) -> torch.Tensor:
+        return ids
+
+    def decode(self, ids: list[int]) -> str:
+        return " ".join(str(i) for i in ids)
+
+
 # =============================================================================================
 # Data: documents → token pieces of at most seq_len + 1 tokens → padded batches
 # =============================================================================================
@@ -130,8 +151,11 @@ def stdlib_files() -> list[Path]:
     return sorted(files)
 
 
-def load_documents(cfg: CausalLMDataConfig) -> list[tuple[str, str]]:
-    """``(name, text)`` pairs. The name decides the train/eval split, so it must be stable."""
+def load_documents(cfg: CausalLMDataConfig) -> list[tuple[str, Any]]:
+    """``(name, text)`` pairs (token ids for data.source=random). The name decides the train/eval
+    split, so it must be stable."""
+    if cfg.source == "random":
+        return random_documents(cfg)
     if cfg.source == "stdlib":
         root = Path(sysconfig.get_paths()["stdlib"])
         return [(str(p.relative_to(root)), p.read_text(errors="replace")) for p in stdlib_files()]
@@ -150,6 +174,17 @@ def load_documents(cfg: CausalLMDataConfig) -> list[tuple[str, str]]:
     if not documents:
         raise ValueError(f"no documents found in data.paths={cfg.paths}")
     return documents
+
+
+def random_documents(cfg: CausalLMDataConfig) -> list[tuple[str, torch.Tensor]]:
+    """``(name, token ids)`` pairs: ``random_documents`` documents of uniformly random tokens,
+    16 to 2 × seq_len long (so rows are padded, or packed), always the same ones."""
+    generator = torch.Generator().manual_seed(0)
+    lengths = torch.randint(16, 2 * cfg.seq_len + 1, (cfg.random_documents,), generator=generator)
+    return [
+        (f"random-{i}", torch.randint(0, cfg.vocab_size - 2, (int(n),), generator=generator))
+        for i, n in enumerate(lengths)
+    ]
 
 
 def _expand_paths(paths: list[str]) -> list[Path]:
@@ -272,6 +307,8 @@ class CausalLM(Engine):
 
     @cached_property
     def tokenizer(self):
+        if self.config.data.source == "random":
+            return RandomTokens(self.config.data.vocab_size)
         path = self.config.model.pretrained_path
         return PretrainedTokenizer(path) if path else ByteTokenizer()
 
