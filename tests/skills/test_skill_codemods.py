@@ -25,6 +25,7 @@ APPLIES_TO = {
     "mixed-precision": STYLES,
     "torch-compile": STYLES,
     "lora": STYLES,
+    "muon": STYLES,
 }
 # (skill, style) → what the refusal must say.
 REFUSES = {

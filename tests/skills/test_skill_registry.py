@@ -19,10 +19,12 @@ SKILL_NAMES = [
     "lora",
     "loss-guard",
     "mixed-precision",
+    "muon",
     "sequence-packing",
     "tensor-parallel",
     "torch-compile",
 ]
+GPU_SKILLS: set[str] = set()  # skills that apply anywhere but only act on a CUDA GPU
 SECTIONS = ["Goal", "When to use", "What the codemod changes", "Parameters", "Validation", "Doing it by hand"]
 
 
@@ -51,7 +53,7 @@ def test_get_skill_describes_the_skill_and_its_parameters(name: str):
     info = get_skill(name)
 
     assert isinstance(info, SkillInfo)
-    assert info.name == name and info.version == "1.0.0" and info.requires_gpu is False
+    assert info.name == name and info.version == "1.0.0" and info.requires_gpu is (name in GPU_SKILLS)
     assert Path(info.path) == SKILLS_ROOT / name
     assert info.skill_md.startswith("---\nname: " + name)
     assert info.params_schema["type"] == "object"
