@@ -51,7 +51,7 @@ def test_an_unknown_skill_is_a_tool_error_that_lists_the_skills(client, recipe):
         client.error("apply_skill", skill="gradient-checkpoint", recipe=recipe),
     ):
         assert "no skill named 'gradient-checkpoint'" in message
-        assert f"valid skills: freeze, {SKILL}, " in message
+        assert f"valid skills: flash-attention, freeze, {SKILL}, " in message
     assert client.read_error("skill://gradient-checkpoint") == "Unknown resource: skill://gradient-checkpoint"
 
 

@@ -26,11 +26,15 @@ APPLIES_TO = {
     "torch-compile": STYLES,
     "lora": STYLES,
     "muon": STYLES,
+    "liger-kernel": ("template", "hf_trainer_style"),
+    "flash-attention": ("template", "hf_trainer_style"),
 }
 # (skill, style) → what the refusal must say.
 REFUSES = {
     ("tensor-parallel", "nanogpt_style"): "the model is built by GPT(...) (nanogpt_style.py:122), a module defined in the file",
     ("sequence-packing", "nanogpt_style"): "looked for an Engine.prepare_data",
+    ("liger-kernel", "nanogpt_style"): "the model is built by GPT(...) (nanogpt_style.py:122), a module defined in the file",
+    ("flash-attention", "nanogpt_style"): "the model is built by GPT(...) (nanogpt_style.py:122), a module defined in the file",
 }
 APPLYING = [(skill, style) for skill, styles in APPLIES_TO.items() for style in styles]
 

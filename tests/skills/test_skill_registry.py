@@ -14,8 +14,10 @@ from skills.registry import SKILLS_ROOT, parse_front_matter
 from tests.skills.skill_helpers import REPO
 
 SKILL_NAMES = [
+    "flash-attention",
     "freeze",
     "gradient-checkpointing",
+    "liger-kernel",
     "lora",
     "loss-guard",
     "mixed-precision",
@@ -24,7 +26,7 @@ SKILL_NAMES = [
     "tensor-parallel",
     "torch-compile",
 ]
-GPU_SKILLS: set[str] = set()  # skills that apply anywhere but only act on a CUDA GPU
+GPU_SKILLS = {"flash-attention", "liger-kernel"}  # they apply anywhere but only act on a CUDA GPU
 SECTIONS = ["Goal", "When to use", "What the codemod changes", "Parameters", "Validation", "Doing it by hand"]
 
 
@@ -67,7 +69,7 @@ def test_unknown_skill_names_the_valid_ones_and_the_closest():
         get_skill("gradient-checkpoint")
     message = str(error.value)
     assert "did you mean 'gradient-checkpointing'?" in message
-    assert "valid skills: freeze, gradient-checkpointing, lora" in message
+    assert "valid skills: flash-attention, freeze, gradient-checkpointing, liger-kernel, lora" in message
 
 
 def test_unknown_parameter_is_named_with_the_valid_ones(tmp_path: Path):

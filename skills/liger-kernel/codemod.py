@@ -1,0 +1,197 @@
+"""liger-kernel: Liger's Triton kernels for the Hugging Face model family of the recipe (fused
+RMSNorm, SwiGLU MLP, rotary embeddings) and its fused linear cross-entropy, guarded at run time.
+
+Anchors: the model construction (``apply_liger_kernels(model, ...)`` goes right after it, before
+any wrapper) and the loss. Where the model computes the loss itself (the forward gets
+``labels=``), Liger's forward computes it fused. In an engine recipe whose ``compute_loss`` sums a
+cross-entropy over ``.logits`` (the template), ``compute_loss`` gets a branch that asks the
+forward for the summed loss instead (``shift_labels=``, ``num_items_in_batch=1``).
+"""
+
+from __future__ import annotations
+
+import libcst as cst
+from pydantic import Field
+
+from skills.codemod_kit import AlreadyApplied, Edits, Recipe, SkillParams, anchors, insert_definitions, templates
+from skills.codemod_kit.anchors import keyword, positional
+from skills.codemod_kit.gpu_guard import add_class_attribute, in_engine, insert_kernel_stage, require_hf_model, warn_argument
+from skills.codemod_kit.layout import one_argument_per_line, with_keyword
+from skills.codemod_kit.recipe import dotted_name
+
+SKILL = "liger-kernel"
+CROSS_ENTROPY = ("torch.nn.functional.cross_entropy", ".F.cross_entropy")
+FLAG = "fused_linear_cross_entropy"
+
+
+class Params(SkillParams):
+    rope: bool = Field(True, description="Liger's rotary position embedding kernel.")
+    swiglu: bool = Field(True, description="Liger's fused SwiGLU MLP (for families with a SwiGLU MLP).")
+    rms_norm: bool = Field(True, description="Liger's fused RMSNorm.")
+    fused_linear_cross_entropy: bool = Field(
+        True,
+        description="Compute the loss from the last hidden states and the output head's weight chunk by "
+        "chunk, never materialising the logits (large vocabularies: much less memory). Needs a loss the "
+        "codemod can route through the model's forward (labels= passed to the model, or an engine "
+        "recipe that sums F.cross_entropy over .logits); otherwise it stays off, with a note.",
+    )
+
+
+HELPER = '''
+def apply_liger_kernels(
+    model: torch.nn.Module,
+    rope: bool = True,
+    swiglu: bool = True,
+    rms_norm: bool = True,
+    fused_linear_cross_entropy: bool = True,
+    warn: Callable[[str], None] | None = None,
+) -> bool:
+    """Liger's Triton kernels for the model's family (``model.config.model_type``: Llama,
+    Mistral, Qwen, Gemma, ...), patched into the model in place: fused RMSNorm, SwiGLU MLP and
+    rotary embeddings, and with ``fused_linear_cross_entropy`` a forward that, in training,
+    computes the loss from the last hidden states and the output head's weight chunk by chunk
+    without materialising the logits (it then takes ``labels=`` or ``shift_labels=`` and returns
+    ``.loss``). Call it on the plain model, before LoRA, tensor parallelism and FSDP2 wrap it.
+    Needs a CUDA GPU and the liger-kernel package; without them the model is left as it is and
+    ``warn`` says so once. Returns whether the fused loss is on. (Written by the liger-kernel skill.)
+    """
+    warn = warn or (lambda message: print(f"warning: {message}", flush=True))
+    unchanged = "training continues with the model's own modules"
+    if not torch.cuda.is_available():
+        warn(f"liger-kernel: no CUDA GPU, so Liger's Triton kernels are off; {unchanged}")
+        return False
+    if importlib.util.find_spec("liger_kernel") is None:
+        warn(f"liger-kernel: the liger_kernel package is not installed (pip install liger-kernel); {unchanged}")
+        return False
+    from liger_kernel.transformers import _apply_liger_kernel_to_instance
+    from liger_kernel.transformers.monkey_patch import MODEL_TYPE_TO_APPLY_LIGER_FN
+
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    if model_type not in MODEL_TYPE_TO_APPLY_LIGER_FN:
+        warn(f"liger-kernel: Liger has no kernels for model type {model_type!r}; {unchanged}")
+        return False
+    _apply_liger_kernel_to_instance(
+        model=model,
+        rope=rope,
+        swiglu=swiglu,
+        rms_norm=rms_norm,
+        cross_entropy=False,
+        fused_linear_cross_entropy=fused_linear_cross_entropy,
+    )
+    return fused_linear_cross_entropy
+'''
+
+ALREADY = ("apply_liger_kernels", "._apply_liger_kernel_to_instance", "._apply_liger_kernel")
+
+
+def _existing(recipe: Recipe) -> cst.Call | None:
+    calls = recipe.calls_to(*ALREADY)
+    if calls:
+        return calls[0]
+    return next((c for c in recipe.calls() if recipe.call_name(c).startswith("liger_kernel.")), None)
+
+
+def apply(recipe: Recipe, params: Params) -> Edits | AlreadyApplied:
+    existing = _existing(recipe)
+    if existing is not None:
+        return AlreadyApplied(f"Liger kernels at {recipe.where(existing)}")
+    model = anchors.find_model(recipe, SKILL)
+    require_hf_model(
+        recipe, SKILL, model,
+        "Liger patches Hugging Face model families (model.config.model_type), not hand-written modules",
+    )
+    edits = Edits(recipe)
+    fused = params.fused_linear_cross_entropy
+    forwards = anchors.forward_calls(recipe, model)
+    engine = anchors.engine_class(recipe)
+    routed_through_engine = False
+    if fused and not any(keyword(call, "labels") is not None for call in forwards):
+        loss = _engine_logits_loss(recipe, engine) if engine is not None and in_engine(recipe, model) else None
+        if loss is None:
+            fused = False
+            edits.notes.append(
+                "the loss is computed from the logits outside an engine recipe's compute_loss, so fused "
+                "linear cross-entropy stays off (norm, MLP and RoPE kernels only)"
+            )
+        else:
+            _route_loss_through_forward(recipe, edits, *loss)
+            add_class_attribute(recipe, edits, engine, f"{FLAG} = False  # Liger's fused loss: set by prepare_model")
+            routed_through_engine = True
+
+    arguments = (
+        f"{{model}}, rope={params.rope}, swiglu={params.swiglu}, rms_norm={params.rms_norm}, "
+        f"{FLAG}={fused}{warn_argument(recipe, model)}"
+    )
+    call = f"apply_liger_kernels({arguments})"
+    insert_kernel_stage(recipe, edits, model, f"self.{FLAG} = {call}" if routed_through_engine else call)
+    insert_definitions(recipe, edits, HELPER, model.statement)
+    edits.add_import("importlib.util")
+    edits.add_import("torch")
+    edits.add_import("typing", "Callable")
+    edits.notes.append("the kernels run on CUDA GPUs with liger-kernel installed; elsewhere the run warns and continues")
+    return edits
+
+
+def _engine_logits_loss(recipe: Recipe, engine: cst.ClassDef) -> tuple[cst.Call, cst.Call] | None:
+    """In ``compute_loss``: the forward call whose ``.logits`` is taken, and the summed
+    ``F.cross_entropy`` call of the loss."""
+    method = recipe.methods(engine).get("compute_loss")
+    if method is None:
+        return None
+    forward = next(
+        (
+            c for c in recipe.calls()
+            if recipe.is_inside(c, method)
+            and dotted_name(c.func) == "self.model"
+            and isinstance(recipe.parent(c), cst.Attribute)
+            and recipe.parent(c).attr.value == "logits"  # type: ignore[union-attr]
+        ),
+        None,
+    )
+    losses = [c for c in recipe.calls_to(*CROSS_ENTROPY, within=method)]
+    if forward is None or len(losses) != 1:
+        return None
+    reduction = keyword(losses[0], "reduction")
+    if reduction is None or recipe.code(reduction.value).strip("\"'") != "sum":
+        return None
+    if (positional(losses[0], 1) or keyword(losses[0], "target")) is None:
+        return None
+    return forward, losses[0]
+
+
+def _route_loss_through_forward(recipe: Recipe, edits: Edits, forward: cst.Call, loss: cst.Call) -> None:
+    """Before the statement that takes the logits: ``if self.fused_linear_cross_entropy: return
+    self.model(..., shift_labels=<labels>, num_items_in_batch=1).loss``. The labels are already the
+    next tokens (so ``shift_labels``); ``num_items_in_batch=1`` makes the fused loss a sum, which is
+    what the engine expects of compute_loss (it divides by the tokens of the global batch)."""
+    target = (positional(loss, 1) or keyword(loss, "target")).value  # type: ignore[union-attr]
+    arguments = [
+        a.with_changes(comma=cst.MaybeSentinel.DEFAULT, whitespace_after_arg=cst.SimpleWhitespace(""))
+        for a in forward.args
+    ]
+    extra = [("shift_labels", _without_flatten(target))]
+    ignore = keyword(loss, "ignore_index")
+    if ignore is not None:
+        extra.append(("ignore_index", ignore.value))
+    extra.append(("num_items_in_batch", cst.Integer("1")))
+    fused_forward = forward.with_changes(args=arguments, whitespace_before_args=cst.SimpleWhitespace(""))
+    for name, value in extra:
+        fused_forward = with_keyword(fused_forward, name, value)
+    branch = templates.statement(
+        recipe.module,
+        f"if self.{FLAG}:  # Liger: the summed loss, without the logits\n"
+        "    return {forward}.loss",
+        forward=one_argument_per_line(fused_forward),
+    )
+    edits.insert_before(recipe.statement_of(forward), [branch])
+
+
+def _without_flatten(expression: cst.BaseExpression) -> cst.BaseExpression:
+    """``batch["labels"].flatten()`` / ``.view(-1)`` / ``.reshape(-1)`` → ``batch["labels"]``."""
+    while (
+        isinstance(expression, cst.Call)
+        and isinstance(expression.func, cst.Attribute)
+        and expression.func.attr.value in {"flatten", "view", "reshape", "contiguous"}
+    ):
+        expression = expression.func.value
+    return expression
