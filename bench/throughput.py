@@ -2,8 +2,8 @@
 
 All three train the template's default model (Llama-style, hidden 256, 4 layers, byte-level
 vocabulary) on the same batches (the template's data pipeline: CPython stdlib sources,
-sequence length 256, batch 8), fp32, AdamW with the same hyper-parameters, gradient clipping
-at 1.0, one process. Each peer runs in a fresh subprocess with the same thread count, in
+sequence length 256, batch 8), fp32, fused AdamW with the same hyper-parameters (the
+Trainer's default optimizer is fused AdamW too), gradient clipping at 1.0, one process. Each peer runs in a fresh subprocess with the same thread count, in
 interleaved rounds; the first ``--warmup`` steps of each run are not timed.
 
     python bench/throughput.py [--steps 60] [--warmup 10] [--rounds 2]
@@ -91,7 +91,7 @@ def run_hand(steps: int, warmup: int) -> dict:
     config, model, batches = batches_and_model(steps)
     optim = config.optim
     optimizer = torch.optim.AdamW(model.parameters(), lr=optim.lr, betas=(optim.beta1, optim.beta2),
-                                  eps=optim.eps, weight_decay=optim.weight_decay)
+                                  eps=optim.eps, weight_decay=optim.weight_decay, fused=True)
 
     def lr_factor(step: int) -> float:
         if step < optim.warmup_steps:

@@ -125,6 +125,7 @@ class Engine:
             betas=(optim.beta1, optim.beta2),
             eps=optim.eps,
             weight_decay=optim.weight_decay,
+            fused=True,  # one kernel for the whole update (CPU and CUDA)
         )
 
     def prepare_scheduler(

@@ -326,6 +326,7 @@ class CausalLM(Engine):
             betas=(optim.beta1, optim.beta2),
             eps=optim.eps,
             weight_decay=optim.weight_decay,
+            fused=True,
         )
 
     @cached_property
