@@ -29,8 +29,12 @@ test: $(STAMP)
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -m "not multiprocess and not slow" $(PYTEST_ARGS)
 
+# CPU benchmarks, each printing ratios against a peer measured in the same run (~15 min).
+# bench/gpu.py and bench/muon_vs_adamw.py are run by hand (a GPU machine; ~8 min).
 bench: $(STAMP)
 	$(BIN)/python bench/throughput.py
+	$(BIN)/python bench/mcp_startup.py
+	$(BIN)/python bench/apply_skill.py
 
 clean:
 	rm -rf $(VENV) demo-workspace .pytest_cache .hypothesis
