@@ -107,8 +107,9 @@ def test_two_processes_match_one_and_their_checkpoint_resumes_on_one(workspace, 
     assert rd.read_run(two)["world_size"] == 2
     one_curve, two_curve = losses(reference), losses(two)
     assert sorted(two_curve) == sorted(one_curve)
-    for step in one_curve:
-        assert abs(two_curve[step] - one_curve[step]) <= 1e-4 * abs(one_curve[step]), step
+    relative = {s: abs(two_curve[s] - one_curve[s]) / abs(one_curve[s]) for s in one_curve}
+    print(f"\n2 vs 1 process: max relative loss difference {max(relative.values()):.1e} over {STEPS} steps")
+    assert max(relative.values()) <= 1e-4, relative
 
     checkpoint = dict(rd.list_checkpoints(two))[8]
     resharded = run_engine(root, recipe, *SCHEDULE, resume_from=checkpoint)
