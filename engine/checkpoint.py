@@ -55,6 +55,23 @@ class ModelOptimizerState(Stateful):
         )
 
 
+class SchedulerState(Stateful):
+    """An LR scheduler's state without its lambdas (they are code, rebuilt by the recipe)."""
+
+    def __init__(self, scheduler: torch.optim.lr_scheduler.LRScheduler):
+        self.scheduler = scheduler
+
+    def state_dict(self) -> dict[str, Any]:
+        state = self.scheduler.state_dict()
+        state.pop("lr_lambdas", None)
+        return state
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        state = dict(self.scheduler.state_dict())
+        state.update(state_dict)
+        self.scheduler.load_state_dict(state)
+
+
 class RNGState(Stateful):
     """The RNG state of every rank (torch CPU and CUDA, Python's ``random``).
 

@@ -27,7 +27,7 @@ from torch import nn
 from torch.distributed.checkpoint.stateful import Stateful
 
 from engine import run_dir as rd
-from engine.checkpoint import Checkpointer, ModelOptimizerState, RNGState, load_checkpoint
+from engine.checkpoint import Checkpointer, ModelOptimizerState, RNGState, SchedulerState, load_checkpoint
 from engine.config import ConfigError, EngineConfig
 from engine.distributed import DistInfo, all_reduce_max, dp_all_reduce_sum
 from engine.flops import non_embedding_params, peak_flops
@@ -388,7 +388,7 @@ class Engine:
         """Everything a checkpoint holds; each value is ``Stateful``."""
         return {
             "model_optim": ModelOptimizerState(self.model, self.optimizer),
-            "scheduler": _SchedulerState(self.scheduler),
+            "scheduler": SchedulerState(self.scheduler),
             "train": self.state,
             "data": self.train_batches,
             "rng": RNGState(self.config.train.seed, lambda: self.state.step),
@@ -403,23 +403,6 @@ class Engine:
         load_checkpoint(path, self.checkpoint_states())
         if self.dist.is_main:
             print(f"resumed from {path} at step {self.state.step}", flush=True)
-
-
-class _SchedulerState(Stateful):
-    """An LR scheduler's state without its lambdas (they are code, rebuilt by the recipe)."""
-
-    def __init__(self, scheduler: torch.optim.lr_scheduler.LRScheduler):
-        self.scheduler = scheduler
-
-    def state_dict(self) -> dict[str, Any]:
-        state = self.scheduler.state_dict()
-        state.pop("lr_lambdas", None)
-        return state
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        state = dict(self.scheduler.state_dict())
-        state.update(state_dict)
-        self.scheduler.load_state_dict(state)
 
 
 def _has_dtensor_params(model: nn.Module) -> bool:

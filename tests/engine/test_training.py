@@ -67,37 +67,49 @@ def test_keep_last_prunes_old_checkpoints(workspace):
     assert leftovers == []
 
 
-def test_sigkill_at_a_random_step_then_resume_is_bit_identical(workspace, reference):
+# The default model: its steps (~0.2 s) are slow enough to kill at a chosen step, and its
+# checkpoint (~36 MB) takes long enough to be caught mid-save.
+DEFAULT_SIZE = (*SCHEDULE, "model.hidden_size=256", "model.intermediate_size=688", "model.num_layers=4",
+                "train.max_steps=10", "checkpoint.every=2")
+
+
+@pytest.fixture(scope="module")
+def default_size_reference(workspace):
     root, recipe = workspace
-    kill_after = random.Random(os.getpid()).randint(5, STEPS - 2)
-    process, run = start_engine(root, recipe, *SCHEDULE)
-    wait_for(lambda: max(losses(run), default=0) >= kill_after, timeout=300)
+    return run_engine(root, recipe, *DEFAULT_SIZE)
+
+
+def test_sigkill_at_a_random_step_then_resume_is_bit_identical(workspace, default_size_reference):
+    root, recipe = workspace
+    kill_after = random.Random(os.getpid()).randint(3, 8)
+    process, run = start_engine(root, recipe, *DEFAULT_SIZE)
+    wait_for(lambda: max(losses(run), default=0) >= kill_after, timeout=300, interval=0.005)
     kill_group(process)
 
+    last_logged = max(losses(run))
+    assert last_logged < 10, "the kill landed before the run finished"
     step, checkpoint = rd.latest_checkpoint(run)
-    assert step <= kill_after, "the resume point is a checkpoint written before the kill"
-    resumed = run_engine(root, recipe, *SCHEDULE, resume_from=checkpoint)
+    assert step <= last_logged
+    resumed = run_engine(root, recipe, *DEFAULT_SIZE, resume_from=checkpoint)
 
-    expected = {s: v for s, v in losses(reference).items() if s > step}
-    assert losses(resumed) == expected, f"killed after step {kill_after}, resumed from {step}"
+    expected = {s: v for s, v in losses(default_size_reference).items() if s > step}
+    assert losses(resumed) == expected, f"killed after step {last_logged}, resumed from {step}"
 
 
-def test_a_kill_during_a_checkpoint_save_leaves_it_ignored_and_resume_is_bit_identical(workspace, reference):
+def test_a_kill_during_a_checkpoint_save_leaves_it_ignored_and_resume_is_bit_identical(
+    workspace, default_size_reference
+):
     root, recipe = workspace
-    # The default model: its checkpoint (~36 MB) takes long enough to be caught mid-save.
-    schedule = (*SCHEDULE, "model.hidden_size=256", "model.intermediate_size=688", "model.num_layers=4",
-                "train.max_steps=10")
-    process, run = start_engine(root, recipe, *schedule)
-    partial = run / rd.CHECKPOINTS_DIRNAME / (rd.PARTIAL_PREFIX + rd.checkpoint_dir_name(8))
+    process, run = start_engine(root, recipe, *DEFAULT_SIZE)
+    partial = run / rd.CHECKPOINTS_DIRNAME / (rd.PARTIAL_PREFIX + rd.checkpoint_dir_name(6))
     wait_for(partial.exists, timeout=300, interval=0.001)
     os.killpg(process.pid, signal.SIGKILL)
     process.wait()
 
-    assert partial.exists(), "the kill landed while step 8 was being saved"
-    assert [s for s, _ in rd.list_checkpoints(run)] == [4], "the half-written checkpoint is not listed"
-    uninterrupted = run_engine(root, recipe, *schedule)
-    resumed = run_engine(root, recipe, *schedule, resume_from=rd.latest_checkpoint(run)[1])
-    assert losses(resumed) == {s: v for s, v in losses(uninterrupted).items() if s > 4}
+    assert partial.exists(), "the kill landed while step 6 was being saved"
+    assert [s for s, _ in rd.list_checkpoints(run)] == [2, 4], "the half-written checkpoint is not listed"
+    resumed = run_engine(root, recipe, *DEFAULT_SIZE, resume_from=rd.latest_checkpoint(run)[1])
+    assert losses(resumed) == {s: v for s, v in losses(default_size_reference).items() if s > 4}
 
 
 @pytest.mark.multiprocess
