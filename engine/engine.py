@@ -31,7 +31,7 @@ from engine.checkpoint import Checkpointer, ModelOptimizerState, RNGState, Sched
 from engine.config import ConfigError, EngineConfig
 from engine.distributed import DistInfo, all_reduce_max, dp_all_reduce_sum
 from engine.flops import non_embedding_params, peak_flops
-from engine.fsdp import DTYPES
+from engine.fsdp import DTYPES, has_tensor_parallel_params
 from engine.grad_clip import clip_grad_norm
 from engine.metrics import MetricBackend, MetricLogger
 from engine.metrics.console import ConsoleBackend
@@ -216,7 +216,7 @@ class Engine:
     def before_train(self) -> None:
         torch.manual_seed(self.config.train.seed)
         self.model = self.prepare_model()
-        if self.config.parallel.tp > 1 and not _has_dtensor_params(self.model):
+        if self.config.parallel.tp > 1 and not has_tensor_parallel_params(self.model):
             raise ConfigError(
                 f"parallel.tp={self.config.parallel.tp} but prepare_model() applied no tensor "
                 "parallelism; apply the tensor-parallel skill to the recipe, or set parallel.tp=1"
@@ -403,12 +403,6 @@ class Engine:
         load_checkpoint(path, self.checkpoint_states())
         if self.dist.is_main:
             print(f"resumed from {path} at step {self.state.step}", flush=True)
-
-
-def _has_dtensor_params(model: nn.Module) -> bool:
-    from torch.distributed.tensor import DTensor
-
-    return any(isinstance(p, DTensor) and "tp" in (p.device_mesh.mesh_dim_names or ()) for p in model.parameters())
 
 
 def _peak_memory_mb(device: torch.device) -> float:

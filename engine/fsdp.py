@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
 
 from engine.config import ParallelConfig
 from engine.distributed import DistInfo
@@ -30,14 +31,28 @@ def transformer_blocks(model: nn.Module) -> list[nn.Module]:
     return list(max(lists, key=lambda m: sum(p.numel() for p in m.parameters())))
 
 
+def has_tensor_parallel_params(model: nn.Module) -> bool:
+    """Whether tensor parallelism turned some parameters into DTensors on a ``tp`` mesh."""
+    return any(
+        isinstance(p, DTensor) and "tp" in (p.device_mesh.mesh_dim_names or ()) for p in model.parameters()
+    )
+
+
 def apply_fsdp(model: nn.Module, dist_info: DistInfo, parallel: ParallelConfig) -> nn.Module:
     """Shard ``model`` over the data-parallel mesh dimension, with the configured precision.
 
     With a single data-parallel rank and full precision, sharding only adds copies, so the model
-    is returned as it is unless ``parallel.fsdp_on_one_process`` asks for it.
+    is returned as it is unless ``parallel.fsdp_on_one_process`` asks for it — or unless tensor
+    parallelism made some parameters DTensors: then sharding over the (size-one) ``dp``
+    dimension makes them all DTensors, which fused optimizers need (they refuse a mix).
     """
     mixed = parallel.param_dtype != "float32" or parallel.reduce_dtype != "float32"
-    if dist_info.dp_size == 1 and not mixed and not parallel.fsdp_on_one_process:
+    if (
+        dist_info.dp_size == 1
+        and not mixed
+        and not parallel.fsdp_on_one_process
+        and not has_tensor_parallel_params(model)
+    ):
         return model
     mp_policy = MixedPrecisionPolicy(
         param_dtype=DTYPES[parallel.param_dtype], reduce_dtype=DTYPES[parallel.reduce_dtype]

@@ -178,7 +178,7 @@ def test_a_run_whose_engine_is_killed_is_failed_with_the_console_tail(client, wo
     failed = client.wait_for_run(run["run_id"])
 
     assert failed["status"] == "failed" and failed["error"] == "killed by SIGKILL"
-    assert re.search(r"step +1/100000 \| loss ", failed["console_tail"])
+    assert re.search(r"step +\d+/100000 \| loss ", failed["console_tail"])  # the tail is bounded
     assert failed["console_tail"].rstrip().endswith(f"run {run['run_id']} failed (exit code -9)")
 
 
