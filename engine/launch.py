@@ -153,8 +153,10 @@ def train(recipe_class, config, args: argparse.Namespace) -> int:
         )
         print(f"run {run_dir.name}: {dist_info.world_size} process(es) on {dist_info.device.type}", flush=True)
     engine = recipe_class(config, dist_info, run_dir=run_dir, resume_from=args.resume_from)
+    finished = False
     try:
         engine.run()
+        finished = True
     except BaseException as e:
         if dist_info.is_main:
             traceback.print_exc()
@@ -167,7 +169,7 @@ def train(recipe_class, config, args: argparse.Namespace) -> int:
         return EXIT_CONFIG if isinstance(e, ConfigError) else EXIT_FAILED
     finally:
         if dist.is_initialized():
-            shutdown_distributed()
+            shutdown_distributed(synchronize=finished)
     if dist_info.is_main:
         outcome = {} if supervised else {"status": rd.COMPLETED, "ended_at": rd.utc_now()}
         rd.update_run(run_dir, final_step=engine.state.step, **outcome)
