@@ -162,15 +162,15 @@ def load_documents(cfg: CausalLMDataConfig) -> list[tuple[str, Any]]:
     if not cfg.paths:
         raise ValueError("data.source=files needs data.paths (files or folders)")
     documents = []
-    for path in _expand_paths(cfg.paths):
+    for path, name in _expand_paths(cfg.paths):
         if path.suffix == ".jsonl":
             with open(path) as f:
                 for line_number, line in enumerate(f, 1):
                     if line.strip():
                         record = json.loads(line)
-                        documents.append((f"{path}:{line_number}", str(record[cfg.text_field])))
+                        documents.append((f"{name}:{line_number}", str(record[cfg.text_field])))
         else:
-            documents.append((str(path), path.read_text(errors="replace")))
+            documents.append((name, path.read_text(errors="replace")))
     if not documents:
         raise ValueError(f"no documents found in data.paths={cfg.paths}")
     return documents
@@ -187,14 +187,17 @@ def random_documents(cfg: CausalLMDataConfig) -> list[tuple[str, torch.Tensor]]:
     ]
 
 
-def _expand_paths(paths: list[str]) -> list[Path]:
+def _expand_paths(paths: list[str]) -> list[tuple[Path, str]]:
+    """``(file, name)`` for each file; the name (relative to the folder given, or the file's own
+    name) keeps the train/eval split the same wherever the data is stored."""
     found = []
     for raw in paths:
         path = Path(raw).expanduser()
         if path.is_dir():
-            found.extend(sorted(p for p in path.rglob("*") if p.suffix in {".txt", ".md", ".py", ".jsonl"}))
+            files = sorted(p for p in path.rglob("*") if p.suffix in {".txt", ".md", ".py", ".jsonl"})
+            found.extend((p, p.relative_to(path).as_posix()) for p in files)
         elif path.is_file():
-            found.append(path)
+            found.append((path, path.name))
         else:
             raise FileNotFoundError(f"data.paths entry {raw!r} does not exist")
     return found

@@ -1,0 +1,64 @@
+"""The template's data loading: document names (which decide the train/eval split) do not
+depend on where the data is stored."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from recipes_template.causal_lm import recipe
+
+
+def write_corpus(root: Path) -> Path:
+    (root / "sub").mkdir(parents=True)
+    (root / "a.txt").write_text("first document")
+    (root / "sub" / "b.md").write_text("second document")
+    (root / "notes.bin").write_bytes(b"\0skipped: not a text suffix")
+    with open(root / "c.jsonl", "w") as f:
+        for i in range(3):
+            f.write(json.dumps({"text": f"record {i}"}) + "\n")
+        f.write("\n")  # blank lines are skipped
+    return root
+
+
+def documents(*paths: Path) -> list[tuple[str, str]]:
+    cfg = recipe.CausalLMDataConfig(source="files", paths=[str(p) for p in paths])
+    return recipe.load_documents(cfg)
+
+
+def test_names_are_relative_to_the_folder_given(tmp_path: Path):
+    corpus = write_corpus(tmp_path / "corpus")
+    assert documents(corpus) == [
+        ("a.txt", "first document"),
+        ("c.jsonl:1", "record 0"),
+        ("c.jsonl:2", "record 1"),
+        ("c.jsonl:3", "record 2"),
+        ("sub/b.md", "second document"),
+    ]
+    assert documents(corpus / "c.jsonl")[0] == ("c.jsonl:1", "record 0")
+
+
+def test_moving_the_data_keeps_the_train_eval_split(tmp_path: Path):
+    here = write_corpus(tmp_path / "here")
+    for i in range(200):
+        (here / f"doc{i}.txt").write_text(f"document {i}")
+    there = tmp_path / "elsewhere" / "deeper"
+    shutil.copytree(here, there)
+
+    def split(root: Path) -> list[bool]:
+        return [recipe.is_eval_document(name, 0.2) for name, _ in documents(root)]
+
+    assert documents(here) == documents(there)
+    assert split(here) == split(there)
+    assert 0 < sum(split(here)) < len(split(here))  # both sides of the split are used
+
+
+def test_missing_paths_are_named(tmp_path: Path):
+    with pytest.raises(FileNotFoundError, match="nowhere"):
+        documents(tmp_path / "nowhere")
+    with pytest.raises(ValueError, match="no documents"):
+        (tmp_path / "empty").mkdir()
+        documents(tmp_path / "empty")
