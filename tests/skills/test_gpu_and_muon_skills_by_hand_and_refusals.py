@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from skills import SkillRefused, apply_skill
+from skills import apply_skill
 from tests.skills.skill_helpers import copy_recipe, load_recipe_module, target_file
-from tests.skills.test_skill_hand_written_and_refusals import HF_MODEL, NANO_MODEL, edited, with_lines
+from tests.skills.test_skill_hand_written_and_refusals import HF_MODEL, NANO_MODEL, assert_refuses, edited, with_lines
 
 NANO_ADAMW = "optimizer = torch.optim.AdamW(model.parameters(), lr=learning_rate, weight_decay=0.1)\n"
 HF_ADAMW = "        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, weight_decay=0.0)\n"
@@ -98,15 +98,7 @@ REFUSALS = [
 
 @pytest.mark.parametrize("skill,style,replacements,message", REFUSALS)
 def test_skill_refuses_with_a_clear_reason(skill, style, replacements, message, tmp_path: Path):
-    recipe = edited(style, tmp_path, *replacements)
-    before = target_file(recipe).read_text()
-
-    with pytest.raises(SkillRefused) as refusal:
-        apply_skill(skill, recipe)
-
-    assert str(refusal.value).startswith(with_lines(message, recipe))
-    assert "\n" not in str(refusal.value)
-    assert target_file(recipe).read_text() == before
+    assert_refuses(skill, edited(style, tmp_path, *replacements), message)
 
 
 def test_muon_gives_an_engine_recipe_without_its_own_optimizer_a_prepare_optimizer(tmp_path: Path):

@@ -92,6 +92,19 @@ def with_lines(message: str, recipe: Path) -> str:
     return re.sub(r"\{([^{}]+)\}", lambda m: str(line_of(recipe, m.group(1))), message)
 
 
+def assert_refuses(skill: str, recipe: Path, message: str) -> None:
+    """``skill`` refuses ``recipe`` with one line that starts with ``message`` (line numbers
+    filled in by ``with_lines``) and leaves the file as it was."""
+    before = target_file(recipe).read_text()
+
+    with pytest.raises(SkillRefused) as refusal:
+        apply_skill(skill, recipe)
+
+    assert str(refusal.value).startswith(with_lines(message, recipe))
+    assert "\n" not in str(refusal.value)
+    assert target_file(recipe).read_text() == before
+
+
 @pytest.mark.parametrize("skill", sorted(HAND_WRITTEN))
 def test_hand_written_pattern_counts_as_applied(skill: str, tmp_path: Path):
     style, replacements, reason = HAND_WRITTEN[skill]
@@ -165,15 +178,7 @@ REFUSALS = [
 
 @pytest.mark.parametrize("skill,style,replacements,message", REFUSALS)
 def test_skill_refuses_with_a_clear_reason(skill, style, replacements, message, tmp_path: Path):
-    recipe = edited(style, tmp_path, *replacements)
-    before = target_file(recipe).read_text()
-
-    with pytest.raises(SkillRefused) as refusal:
-        apply_skill(skill, recipe)
-
-    assert str(refusal.value).startswith(with_lines(message, recipe))
-    assert "\n" not in str(refusal.value)
-    assert target_file(recipe).read_text() == before
+    assert_refuses(skill, edited(style, tmp_path, *replacements), message)
 
 
 def test_lora_and_tensor_parallel_refuse_each_other(tmp_path: Path):
