@@ -144,6 +144,7 @@ def main() -> None:
     args = parser.parse_args()
     trainer = Trainer(TrainConfig(steps=args.steps, tp=args.tp, seed=args.seed))
     trainer.train()
+    dist.barrier()  # every rank is done before any closes its gloo connections
     dist.destroy_process_group()
 
 
