@@ -89,13 +89,11 @@ def init_distributed(tp: int) -> DistInfo:
 
 
 def shutdown_distributed(synchronize: bool = True) -> None:
-    """Destroy the process group; with ``synchronize``, first wait for every rank to get here.
+    """Destroy the process group; with ``synchronize``, first wait for every rank to get here,
+    so that no rank tears down its connections while a peer is still on a collective.
 
-    Without the barrier, a rank that finishes first tears down its gloo connections while a
-    peer still works on its last collective, and the peer dies in C++ ("terminate called
-    without an active exception", SIGABRT) after a run that trained fine: 2 of 6 tensor-parallel
-    runs did so on 2 CPU cores. On an error path pass ``synchronize=False``: a peer that is stuck
-    elsewhere would never reach the barrier.
+    On an error path pass ``synchronize=False``: a peer that is stuck elsewhere would never
+    reach the barrier. (What else it takes to exit cleanly: ``launch.exit_without_finalizing``.)
     """
     if dist.is_initialized():
         if synchronize and dist.get_world_size() > 1:
