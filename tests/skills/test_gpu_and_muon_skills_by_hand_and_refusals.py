@@ -11,7 +11,13 @@ import pytest
 
 from skills import apply_skill
 from tests.skills.skill_helpers import copy_recipe, load_recipe_module, target_file
-from tests.skills.test_skill_hand_written_and_refusals import HF_MODEL, NANO_MODEL, assert_refuses, edited, with_lines
+from tests.skills.test_skill_hand_written_and_refusals import (
+    HF_MODEL,
+    NANO_MODEL,
+    assert_counts_as_applied,
+    assert_refuses,
+    edited,
+)
 
 NANO_ADAMW = "optimizer = torch.optim.AdamW(model.parameters(), lr=learning_rate, weight_decay=0.1)\n"
 HF_ADAMW = "        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, weight_decay=0.0)\n"
@@ -49,14 +55,7 @@ HAND_WRITTEN = [
 
 @pytest.mark.parametrize("skill,style,replacements,reason", HAND_WRITTEN)
 def test_hand_written_pattern_counts_as_applied(skill, style, replacements, reason, tmp_path: Path):
-    recipe = edited(style, tmp_path, *replacements)
-    before = target_file(recipe).read_text()
-
-    result = apply_skill(skill, recipe)
-
-    assert (result.changed, result.already_applied, result.diff) == (False, True, "")
-    assert with_lines(reason, recipe) in result.message
-    assert target_file(recipe).read_text() == before
+    assert_counts_as_applied(skill, edited(style, tmp_path, *replacements), reason)
 
 
 REFUSALS = [

@@ -92,6 +92,18 @@ def with_lines(message: str, recipe: Path) -> str:
     return re.sub(r"\{([^{}]+)\}", lambda m: str(line_of(recipe, m.group(1))), message)
 
 
+def assert_counts_as_applied(skill: str, recipe: Path, reason: str) -> None:
+    """``skill`` finds its pattern already in ``recipe``: no change, a message that names where
+    (``reason`` with line numbers filled in by ``with_lines``), the file as it was."""
+    before = target_file(recipe).read_text()
+
+    result = apply_skill(skill, recipe)
+
+    assert (result.changed, result.already_applied, result.diff) == (False, True, "")
+    assert with_lines(reason, recipe) in result.message
+    assert target_file(recipe).read_text() == before
+
+
 def assert_refuses(skill: str, recipe: Path, message: str) -> None:
     """``skill`` refuses ``recipe`` with one line that starts with ``message`` (line numbers
     filled in by ``with_lines``) and leaves the file as it was."""
@@ -108,14 +120,7 @@ def assert_refuses(skill: str, recipe: Path, message: str) -> None:
 @pytest.mark.parametrize("skill", sorted(HAND_WRITTEN))
 def test_hand_written_pattern_counts_as_applied(skill: str, tmp_path: Path):
     style, replacements, reason = HAND_WRITTEN[skill]
-    recipe = edited(style, tmp_path, *replacements)
-    before = target_file(recipe).read_text()
-
-    result = apply_skill(skill, recipe)
-
-    assert (result.changed, result.already_applied, result.diff) == (False, True, "")
-    assert with_lines(reason, recipe) in result.message
-    assert target_file(recipe).read_text() == before
+    assert_counts_as_applied(skill, edited(style, tmp_path, *replacements), reason)
 
 
 REFUSALS = [
