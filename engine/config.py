@@ -14,8 +14,10 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from engine.errors import BadInput
 
-class ConfigError(ValueError):
+
+class ConfigError(BadInput):
     """A configuration that cannot be used; the message says which key and what is allowed."""
 
 

@@ -22,10 +22,12 @@ import traceback
 from pathlib import Path
 from typing import NoReturn
 
+from engine.errors import BadInput
+
 EXIT_OK, EXIT_FAILED, EXIT_CONFIG = 0, 1, 2
 
 
-class RecipeError(ValueError):
+class RecipeError(BadInput):
     """The recipe folder cannot be loaded."""
 
 

@@ -4,8 +4,8 @@ Every command takes ``--workspace DIR`` (default: the current directory) and ``-
 JSON object on stdout, the same object the MCP tool returns). Exit codes:
 
     0  success            2  bad input or refused (the message says what to change)
-    1  the run failed     3  not found (unknown run, recipe, checkpoint, skill)
-  130  stopped or interrupted
+    1  the run failed     3  not found (unknown run, recipe, checkpoint, skill, template)
+   70  internal error   130  stopped or interrupted
 """
 
 from __future__ import annotations
@@ -19,16 +19,12 @@ from typing import Any, Callable
 
 from pydantic import BaseModel
 
-EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_NOT_FOUND, EXIT_STOPPED = 0, 1, 2, 3, 130
+from engine.errors import EXIT_OK, EXIT_STOPPED, BadInput
+from engine.errors import EXIT_RUN_FAILED as EXIT_FAILED
 
 EPILOG = """exit codes: 0 success, 1 the run failed, 2 bad input or refused, 3 not found,
-130 stopped or interrupted. Every command accepts --workspace DIR and --json."""
-
-
-class CommandError(Exception):
-    def __init__(self, message: str, code: int):
-        super().__init__(message)
-        self.code = code
+70 internal error (a bug), 130 stopped or interrupted. Every command accepts --workspace DIR
+and --json."""
 
 
 def _workspace(args: argparse.Namespace):
@@ -275,7 +271,7 @@ def _key_values(items: list[str], what: str) -> dict[str, Any]:
     for item in items:
         key, sep, value = item.partition("=")
         if not sep or not key:
-            raise CommandError(f"{what} expects key=value, got {item!r}", EXIT_BAD_INPUT)
+            raise BadInput(f"{what} expects key=value, got {item!r}")
         try:
             parsed[key] = yaml.safe_load(value) if value.strip() else ""
         except yaml.YAMLError:
@@ -326,7 +322,7 @@ def cmd_audit(args: argparse.Namespace) -> int:
     from sandbox.audit import AuditLog
 
     if args.n < 1:
-        raise CommandError("-n must be at least 1", EXIT_BAD_INPUT)
+        raise BadInput("-n must be at least 1")
     entries = AuditLog(_workspace(args).state_dir).tail(args.n)
     if args.json:
         print(json.dumps({"entries": entries}))
@@ -462,35 +458,21 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from engine.errors import EXIT_INTERNAL, TrainwrightError
+
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
         return args.func(args)
-    except CommandError as e:
-        return _fail(args, str(e), e.code)
     except KeyboardInterrupt:
         return EXIT_STOPPED
-    except Exception as e:  # noqa: BLE001 — map known input errors to exit codes, re-raise bugs
-        code = error_exit_code(e)
-        if code is None:
-            raise
-        return _fail(args, str(e), code)
+    except TrainwrightError as e:
+        return _fail(args, str(e), e.exit_code)
+    except Exception as e:  # a bug: say so, with the traceback, and never call it bad input
+        import traceback
 
-
-def error_exit_code(error: Exception) -> int | None:
-    from sandbox.paths import PathRefused
-    from sandbox.runs import LaunchRefused
-    from sandbox.workspace import NotFound
-
-    from skills import UnknownSkill
-
-    if isinstance(error, (NotFound, UnknownSkill)):
-        return EXIT_NOT_FOUND
-    if isinstance(error, LookupError):
-        return EXIT_NOT_FOUND
-    if isinstance(error, (PathRefused, LaunchRefused, ValueError)):
-        return EXIT_BAD_INPUT
-    return None
+        traceback.print_exc()
+        return _fail(args, f"internal error (a trainwright bug): {type(e).__name__}: {e}", EXIT_INTERNAL)
 
 
 def _fail(args: argparse.Namespace, message: str, code: int) -> int:

@@ -25,6 +25,7 @@ from pydantic import Field
 
 import skills as skill_library
 from engine import run_dir as rd
+from engine.errors import TrainwrightError
 from mcp_server.limits import MAX_ARGUMENTS_CHARS, MAX_ERROR_CHARS, MAX_RESULT_CHARS, bounded, json_chars
 from mcp_server.models import (
     ApplySkillResult,
@@ -43,10 +44,8 @@ from mcp_server.operations import runs as run_ops
 from mcp_server.operations import skills as skill_ops
 from sandbox.audit import AuditLog
 from sandbox.environment import redact
-from sandbox.git import GitRefused, ensure_repo
-from sandbox.paths import PathRefused
-from sandbox.runs import LaunchRefused
-from sandbox.workspace import NotFound, Workspace
+from sandbox.git import ensure_repo
+from sandbox.workspace import Workspace
 
 INSTRUCTIONS = """\
 trainwright trains models in this workspace. A typical session:
@@ -64,8 +63,6 @@ READ_ONLY = ToolAnnotations(readOnlyHint=True, destructiveHint=False, idempotent
 ADDITIVE = ToolAnnotations(readOnlyHint=False, destructiveHint=False, idempotentHint=False, openWorldHint=False)
 IDEMPOTENT_CHANGE = ToolAnnotations(readOnlyHint=False, destructiveHint=False, idempotentHint=True, openWorldHint=False)
 DESTRUCTIVE = ToolAnnotations(readOnlyHint=False, destructiveHint=True, idempotentHint=True, openWorldHint=False)
-
-INPUT_ERRORS = (ValueError, LookupError, PathRefused, LaunchRefused, GitRefused, NotFound, TypeError)
 
 logger = logging.getLogger(__name__)
 
@@ -91,11 +88,12 @@ class Tools:
         """Run ``work`` in a worker thread; map errors to tool errors; audit the call."""
         try:
             result = await anyio.to_thread.run_sync(work)
-        except (skill_library.SkillError, *INPUT_ERRORS) as e:
-            self.refuse(tool, arguments, str(e))
+        except TrainwrightError as e:
+            self.refuse(tool, arguments, f"{e.kind}: {e}")
         except Exception as e:  # a bug: the agent still gets a message, the log the traceback
             logger.exception("tool %s failed", tool)
-            self.refuse(tool, arguments, f"internal error (a trainwright bug): {type(e).__name__}: {e}")
+            self.refuse(tool, arguments, f"internal: a trainwright bug ({type(e).__name__}: {e}); "
+                        "the server log has the traceback")
         size = json_chars(result.model_dump(mode="json")) if hasattr(result, "model_dump") else 0
         if size > MAX_RESULT_CHARS:
             self.refuse(tool, arguments, f"the result is too large ({size:,} characters, at most "
@@ -344,8 +342,8 @@ def _add_skill_resource(mcp: MCPServer, name: str, description: str) -> None:
 def _resource(work: Callable[[], Any]) -> Any:
     try:
         return work()
-    except INPUT_ERRORS as e:
-        raise ResourceError(str(e)) from None
+    except TrainwrightError as e:
+        raise ResourceError(f"{e.kind}: {e}") from None
 
 
 def tool_schemas(server: MCPServer) -> list[dict[str, Any]]:

@@ -26,6 +26,8 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
+from engine.errors import BadInput
+
 CONFIG_FILENAME = "config.yaml"
 NETWORK_MODES = ("isolated", "shared")
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
@@ -33,7 +35,7 @@ _UNITS = {"": 1, "B": 1, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12,
           "KI": 2**10, "MI": 2**20, "GI": 2**30, "TI": 2**40}
 
 
-class ConfigRefused(ValueError):
+class ConfigRefused(BadInput):
     """``.trainwright/config.yaml`` is not valid; the message names the key and what is allowed."""
 
 

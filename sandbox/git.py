@@ -16,6 +16,8 @@ from pathlib import Path
 
 import git
 
+from engine.errors import BadInput
+
 NOTES_REF = "trainwright"
 AGENT_NAME = "trainwright"
 AGENT_EMAIL = "trainwright@localhost"
@@ -23,7 +25,7 @@ TOOL_TRAILER = "Trainwright-Tool"
 WORKSPACE_GITIGNORE = "runs/\n.trainwright/\n__pycache__/\n"
 
 
-class GitRefused(ValueError):
+class GitRefused(BadInput):
     """A git precondition does not hold (uncommitted changes, not a repository)."""
 
 

@@ -14,6 +14,8 @@ import re
 from pathlib import Path
 from typing import Any, Mapping
 
+from engine.errors import BadInput
+
 MAX_PATH_CHARS = 1024
 MAX_NAME_CHARS = 128
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
@@ -23,7 +25,7 @@ _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 RESERVED_DIRS = (".git", ".trainwright", "runs")
 
 
-class PathRefused(ValueError):
+class PathRefused(BadInput):
     """A path or name that may not be used; the message says why and what is allowed."""
 
 

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from engine import run_dir as rd
+from engine.errors import BadInput
 from sandbox.config import RunLimits
 from sandbox.environment import THREADS_VARIABLE, run_environment, threads_per_process
 from sandbox.processes import RUN_ID_VARIABLE, end_processes, marked
@@ -37,7 +38,7 @@ CHECK_TIMEOUT_S = 180
 MAX_CHECK_ERROR_CHARS = 2000
 
 
-class LaunchRefused(ValueError):
+class LaunchRefused(BadInput):
     """The engine refused the launch (bad config, bad recipe); nothing was written."""
 
 

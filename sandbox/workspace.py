@@ -20,16 +20,13 @@ from pathlib import Path
 from typing import Iterator
 
 from engine import run_dir as rd
+from engine.errors import NotFound
 from sandbox.config import RunLimits, load_run_limits
 from sandbox.paths import PathRefused, check_name, confine, refuse_reserved
 
 RECIPES_DIRNAME = "recipes"
 STATE_DIRNAME = ".trainwright"
 CHANGE_LOCK = "changes.lock"
-
-
-class NotFound(LookupError):
-    """A recipe, run or checkpoint that does not exist; the message says how to list them."""
 
 
 @dataclass(frozen=True)
@@ -78,15 +75,17 @@ class Workspace:
 
     def _confine_recipe(self, value: object) -> Path:
         """``value`` as a path in the workspace; a bare name (``my_lm``) also finds ``recipes/my_lm``."""
-        try:
-            path = confine(self.root, value, "recipe")
-        except PathRefused:
+        path = confine(self.root, value, "recipe", must_exist=False)
+        if not path.exists():
             try:
                 name = check_name(value, "recipe")
             except PathRefused:
                 name = None
             if name is None or not (self.recipes_dir / name).exists():
-                raise
+                raise NotFound(
+                    f"no recipe {value!r} in the workspace; list_recipes shows the recipes, "
+                    "scaffold_recipe makes one"
+                )
             path = confine(self.root, f"{RECIPES_DIRNAME}/{name}", "recipe")
         return refuse_reserved(self.root, path, "recipe")
 

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+from engine.errors import BadInput
 
-class SkillError(ValueError):
+
+class SkillError(BadInput):
     """Base of every error that ``apply_skill`` and friends raise on bad input; nothing was written."""
 
 
 class UnknownSkill(SkillError):
     """No skill has that name; the message lists the valid names."""
+
+    kind = "not_found"
 
 
 class InvalidParams(SkillError):
@@ -21,3 +25,5 @@ class SkillRefused(SkillError):
 
 class RecipeNotFound(SkillRefused):
     """The recipe path is neither a recipe folder (with a ``recipe.py``) nor a ``.py`` file."""
+
+    kind = "not_found"

@@ -12,6 +12,7 @@ from typing import Any
 import yaml
 
 import recipes_template
+from engine.errors import BadInput, NotFound
 import skills as skill_library
 from mcp_server.models import AppliedSkill, ScaffoldResult, TemplateInfo, TemplateList
 from mcp_server.operations import skills as skill_ops
@@ -51,7 +52,7 @@ def template_dir(name: str) -> Path:
     check_name(name, "template")
     templates = _templates()
     if name not in templates:
-        raise LookupError(f"unknown template {name!r}; templates: {', '.join(templates)}")
+        raise NotFound(f"unknown template {name!r}; templates: {', '.join(templates)}")
     return templates[name]
 
 
@@ -60,19 +61,19 @@ def flatten_config(config: dict[str, Any] | None, prefix: str = "") -> dict[str,
     if config is None:
         return {}
     if not isinstance(config, dict):
-        raise ValueError("config must be a mapping of dotted config keys to values")
+        raise BadInput("config must be a mapping of dotted config keys to values")
     if prefix.count(".") >= MAX_CONFIG_DEPTH:
-        raise ValueError(f"config is nested deeper than {MAX_CONFIG_DEPTH} levels")
+        raise BadInput(f"config is nested deeper than {MAX_CONFIG_DEPTH} levels")
     flat: dict[str, Any] = {}
     for key, value in config.items():
         if not isinstance(key, str) or not key:
-            raise ValueError(f"config key {key!r} must be a non-empty string")
+            raise BadInput(f"config key {key!r} must be a non-empty string")
         if isinstance(value, dict) and value:
             flat.update(flatten_config(value, f"{prefix}{key}."))
         else:
             flat[f"{prefix}{key}"] = value
     if len(flat) > MAX_CONFIG_KEYS:
-        raise ValueError(f"at most {MAX_CONFIG_KEYS} config keys")
+        raise BadInput(f"at most {MAX_CONFIG_KEYS} config keys")
     return flat
 
 
@@ -111,9 +112,9 @@ def _skill_specs(skills: list[Any] | None) -> list[tuple[str, dict[str, Any]]]:
         elif isinstance(item, dict) and isinstance(item.get("name"), str):
             name, params = item["name"], item.get("params") or {}
             if not isinstance(params, dict):
-                raise ValueError(f"params of skill {name!r} must be a mapping")
+                raise BadInput(f"params of skill {name!r} must be a mapping")
         else:
-            raise ValueError("skills must be skill names or {name, params} objects")
+            raise BadInput("skills must be skill names or {name, params} objects")
         check_name(name, "skill")
         skill_library.get_skill(name)  # unknown skill → error before anything is written
         specs.append((name, params))
@@ -139,7 +140,7 @@ def scaffold_recipe(
     confine(ws.root, f"{RECIPES_DIRNAME}/{name}", "recipe", must_exist=False)  # recipes/ may be a link
     destination = ws.recipes_dir / name
     if destination.exists():
-        raise ValueError(f"recipes/{name} already exists; choose another name")
+        raise BadInput(f"recipes/{name} already exists; choose another name")
     flat = flatten_config(config)
     confine_config_paths(ws.root, flat)
     specs = _skill_specs(skills)
@@ -154,7 +155,7 @@ def scaffold_recipe(
             try:
                 skill_library.apply_skill(skill, trial, params)
             except skill_library.SkillError as e:
-                raise ValueError(f"skill {skill} cannot be applied to this recipe: {e}") from None
+                raise BadInput(f"skill {skill} cannot be applied to this recipe: {e}") from None
     check_launch(ws.root, source, 1, items, limits=ws.run_limits())
 
     with ws.changing():
@@ -165,7 +166,7 @@ def _scaffold_locked(ws: Workspace, source: Path, template: str, name: str, flat
                      specs: list[tuple[str, dict[str, Any]]]) -> ScaffoldResult:
     destination = ws.recipes_dir / name
     if destination.exists():
-        raise ValueError(f"recipes/{name} already exists; choose another name")
+        raise BadInput(f"recipes/{name} already exists; choose another name")
     repo = sandbox_git.ensure_repo(ws.root)
     ws.recipes_dir.mkdir(exist_ok=True)
     for leftover in ws.recipes_dir.glob(f".{name}-*"):  # a scaffold killed before its rename

@@ -14,6 +14,7 @@ from typing import Any
 import yaml
 
 from engine import run_dir as rd
+from engine.errors import BadInput
 from mcp_server.limits import MAX_RESULT_CHARS, bounded, json_chars
 from mcp_server.models import (
     CheckpointInfo,
@@ -44,9 +45,9 @@ MAX_RECORD_CHARS = 4000
 
 def _check_nproc(nproc: object) -> int:
     if isinstance(nproc, bool) or not isinstance(nproc, int):
-        raise ValueError(f"nproc must be an integer, got {nproc!r}")
+        raise BadInput(f"nproc must be an integer, got {nproc!r}")
     if not 1 <= nproc <= MAX_NPROC:
-        raise ValueError(f"nproc must be between 1 and {MAX_NPROC}, got {nproc}")
+        raise BadInput(f"nproc must be between 1 and {MAX_NPROC}, got {nproc}")
     return nproc
 
 
@@ -58,19 +59,19 @@ def override_strings(overrides: dict[str, Any] | list[str] | None) -> list[str]:
         items = []
         for key, value in overrides.items():
             if not isinstance(key, str) or not key or "=" in key or "\x00" in key:
-                raise ValueError(f"override key {key!r} must be a dotted config key like 'train.max_steps'")
+                raise BadInput(f"override key {key!r} must be a dotted config key like 'train.max_steps'")
             items.append(f"{key}={json.dumps(value)}")
     elif isinstance(overrides, list) and all(isinstance(x, str) for x in overrides):
         items = list(overrides)
     else:
-        raise ValueError("overrides must be a mapping of dotted config keys to values")
+        raise BadInput("overrides must be a mapping of dotted config keys to values")
     if len(items) > MAX_OVERRIDES:
-        raise ValueError(f"at most {MAX_OVERRIDES} overrides")
+        raise BadInput(f"at most {MAX_OVERRIDES} overrides")
     for item in items:
         if "\x00" in item or len(item) > MAX_OVERRIDE_CHARS:
-            raise ValueError(f"override {item[:60]!r}... is too long or contains a NUL byte")
+            raise BadInput(f"override {item[:60]!r}... is too long or contains a NUL byte")
         if "=" not in item:
-            raise ValueError(f"override {item!r} must be key=value")
+            raise BadInput(f"override {item!r} must be key=value")
     return items
 
 
@@ -137,7 +138,7 @@ def resume_checkpoint(
         chosen_step, checkpoint = checkpoints[-1]
     else:
         if isinstance(step, bool) or not isinstance(step, int):
-            raise ValueError(f"step must be an integer, got {step!r}")
+            raise BadInput(f"step must be an integer, got {step!r}")
         by_step = dict(checkpoints)
         if step not in by_step:
             raise NotFound(
@@ -259,7 +260,7 @@ def _tail_text(path: Path, max_bytes: int) -> str | None:
 
 def list_runs(ws: Workspace, limit: int = 50) -> RunList:
     if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= MAX_LIST_RUNS:
-        raise ValueError(f"limit must be an integer between 1 and {MAX_LIST_RUNS}")
+        raise BadInput(f"limit must be an integer between 1 and {MAX_LIST_RUNS}")
     run_ids = ws.run_ids()
     summaries = []
     for run_id in run_ids[:limit]:
@@ -285,9 +286,9 @@ def list_runs(ws: Workspace, limit: int = 50) -> RunList:
 
 def tail_metrics(ws: Workspace, run_id: str, n: int = 20, after_step: int | None = None) -> MetricsTail:
     if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_TAIL_RECORDS:
-        raise ValueError(f"n must be an integer between 1 and {MAX_TAIL_RECORDS}")
+        raise BadInput(f"n must be an integer between 1 and {MAX_TAIL_RECORDS}")
     if after_step is not None and (isinstance(after_step, bool) or not isinstance(after_step, int)):
-        raise ValueError(f"after_step must be an integer or null, got {after_step!r}")
+        raise BadInput(f"after_step must be an integer or null, got {after_step!r}")
     run_dir = ws.run_dir(run_id)
     records, truncated = rd.read_metrics_tail(run_dir / rd.METRICS_JSONL, n, after_step)
     # Keep the newest records that fit the result budget (an agent's client rejects more).

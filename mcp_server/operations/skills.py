@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 import skills as skill_library
+from engine.errors import BadInput
 from mcp_server.limits import MAX_DIFF_CHARS, MAX_DOC_CHARS, bounded
 from mcp_server.models import ApplySkillResult, SkillDetail, SkillList, SkillSummary
 from sandbox import git as sandbox_git
@@ -73,7 +74,7 @@ def _checked(ws: Workspace, skill: str, recipe: str, params: dict[str, Any] | No
     check_name(skill, "skill")
     info = skill_library.get_skill(skill)
     if params is not None and not isinstance(params, dict):
-        raise ValueError("params must be a mapping of parameter names to values")
+        raise BadInput("params must be a mapping of parameter names to values")
     return info, ws.recipe_or_script(recipe)
 
 

@@ -50,7 +50,7 @@ def test_a_bad_set_fails_naming_the_key_and_leaves_no_run_directory(workspace, o
 
 def test_an_unknown_recipe_is_not_found(workspace):
     code, out = trainwright(workspace, "run", "recipes/nope", check=False)
-    assert code == 2 and "does not exist in the workspace" in out["error"]
+    assert code == 3 and "no recipe 'recipes/nope' in the workspace" in out["error"]
 
 
 def test_run_then_resume_from_a_checkpoint_records_resumed_from(workspace):

@@ -210,7 +210,7 @@ def test_bad_run_arguments_are_tool_errors_that_say_what_to_change(client, finis
     "arguments, expected",
     [
         ({"overrides": {"train.max_stpes": 3}}, "unknown config key 'train.max_stpes' (did you mean 'train.max_steps'?)"),
-        ({"recipe": "recipes/nope"}, "recipe 'recipes/nope' does not exist in the workspace"),
+        ({"recipe": "recipes/nope"}, "not_found: no recipe 'recipes/nope' in the workspace"),
         ({"recipe": ".."}, "recipe '..' resolves outside the workspace"),
         ({"nproc": 0}, "nproc must be between 1 and"),
         ({"nproc": "two"}, "nproc\n  Input should be a valid integer"),

@@ -110,7 +110,7 @@ def test_apply_skill_refuses_a_recipe_with_uncommitted_changes(client, workspace
     [
         ({"params": {"every": "often"}}, "bad value for 'every' ('often')"),
         ({"params": {"evry": 2}}, "unknown param 'evry'; valid params: every"),
-        ({"recipe": "recipes/nope"}, "recipe 'recipes/nope' does not exist in the workspace"),
+        ({"recipe": "recipes/nope"}, "not_found: no recipe 'recipes/nope' in the workspace"),
         ({"recipe": "/etc"}, "resolves outside the workspace"),
         ({"skill": "../lora"}, "skill '../lora' is not a plain name"),
         ({"dry_run": "perhaps"}, "dry_run\n  Input should be a valid boolean"),

@@ -1,0 +1,67 @@
+"""The one error family of trainwright: every refusal a user or an agent can act on.
+
+Each kind maps to one CLI exit code and one MCP error, in one table (README, "Errors and exit
+codes"). Anything raised that is *not* a :class:`TrainwrightError` is a bug: the MCP binding
+logs its traceback and reports it as an internal error, and the CLI exits with
+``EXIT_INTERNAL``; it is never passed off as bad input.
+
+=============  =========  ============================================================
+kind           exit code  meaning
+=============  =========  ============================================================
+``bad_input``  2          the request cannot be done as given; the message says what to change
+``not_found``  3          an unknown run, recipe, checkpoint, skill or template
+``internal``   70         a trainwright bug (the message says so; the log has the traceback)
+=============  =========  ============================================================
+
+A run's outcome has its own codes (1 failed, 130 stopped): they describe a run, not an error.
+
+This module is torch-free and stdlib-only: the server, the sandbox, the skills and the engine
+all import it.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar, Literal
+
+ErrorKind = Literal["bad_input", "not_found", "internal"]
+
+EXIT_OK = 0
+EXIT_RUN_FAILED = 1
+EXIT_BAD_INPUT = 2
+EXIT_NOT_FOUND = 3
+EXIT_INTERNAL = 70
+EXIT_STOPPED = 130
+
+EXIT_CODES: dict[str, int] = {"bad_input": EXIT_BAD_INPUT, "not_found": EXIT_NOT_FOUND, "internal": EXIT_INTERNAL}
+
+
+class TrainwrightError(Exception):
+    """Base of every error whose message is meant for the caller."""
+
+    kind: ClassVar[ErrorKind] = "bad_input"
+
+    @property
+    def exit_code(self) -> int:
+        return EXIT_CODES[self.kind]
+
+
+class BadInput(TrainwrightError, ValueError):
+    """The request cannot be done as given; the message says what to change."""
+
+    kind: ClassVar[ErrorKind] = "bad_input"
+
+
+class NotFound(TrainwrightError, LookupError):
+    """A run, recipe, checkpoint, skill or template that does not exist; the message says how
+    to list what does."""
+
+    kind: ClassVar[ErrorKind] = "not_found"
+
+
+def error_kind(error: BaseException) -> ErrorKind:
+    """The kind of any exception: ours say it; everything else is a bug."""
+    return error.kind if isinstance(error, TrainwrightError) else "internal"
+
+
+def exit_code_for(error: BaseException) -> int:
+    return EXIT_CODES[error_kind(error)]
