@@ -8,8 +8,9 @@ with a message that names the key and the valid choices, before anything is writ
 from __future__ import annotations
 
 import difflib
+import json
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, Mapping, Sequence
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -105,45 +106,111 @@ class EngineConfig(Section):
 # ---------------------------------------------------------------------------------------------
 
 
-def parse_override(text: str) -> tuple[list[str], Any]:
-    """``"train.max_steps=50"`` → ``(["train", "max_steps"], 50)``.
+MAX_OVERRIDES = 64
+MAX_OVERRIDE_CHARS = 512
+MAX_CONFIG_DEPTH = 8
+
+Overrides = Mapping[str, Any] | Sequence[str] | None
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """``"train.max_steps=50"`` → ``("train.max_steps", 50)``.
 
     The value is read as YAML (so ``null``, ``true``, ``[1, 2]`` work); pydantic then coerces it
     to the field's type, so ``1e-3`` becomes a float even though YAML reads it as a string.
     """
+    if not isinstance(text, str):
+        raise ConfigError(f"an override must be a 'key=value' string, got {type(text).__name__}")
     key, sep, raw_value = text.partition("=")
-    key = key.strip()
-    if not sep or not key:
-        raise ConfigError(f"--set expects key=value with a dotted key, got {text!r}")
-    parts = key.split(".")
-    if any(not p for p in parts):
-        raise ConfigError(f"--set key {key!r} has an empty part")
+    if not sep or not key.strip():
+        raise ConfigError(f"an override must be key=value with a dotted key, got {text[:80]!r}")
     try:
         value = yaml.safe_load(raw_value) if raw_value.strip() else ""
     except yaml.YAMLError:
         value = raw_value
-    return parts, value
+    return _checked_key(key.strip()), value
 
 
-def _set_dotted(tree: dict[str, Any], parts: list[str], value: Any) -> None:
-    node = tree
-    for part in parts[:-1]:
-        child = node.get(part)
-        if not isinstance(child, dict):
-            child = {}
-            node[part] = child
-        node = child
-    node[parts[-1]] = value
+def _checked_key(key: object) -> str:
+    if not isinstance(key, str) or not key:
+        raise ConfigError(f"config key {key!r} must be a non-empty dotted string like 'train.max_steps'")
+    if "=" in key or "\x00" in key or len(key) > 200 or any(not part for part in key.split(".")):
+        raise ConfigError(f"config key {key[:80]!r} must be a dotted key like 'train.max_steps'")
+    return key
 
 
-def _merge(base: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:
+def flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """``{"train": {"max_steps": 5}}`` → ``{"train.max_steps": 5}`` (dotted keys pass through)."""
+    if prefix.count(".") >= MAX_CONFIG_DEPTH:
+        raise ConfigError(f"config is nested deeper than {MAX_CONFIG_DEPTH} levels")
+    flat: dict[str, Any] = {}
+    for key, value in tree.items():
+        key = _checked_key(key)
+        if isinstance(value, Mapping) and value:
+            flat.update(flatten(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+def nest(flat: Mapping[str, Any]) -> dict[str, Any]:
+    """``{"train.max_steps": 5}`` → ``{"train": {"max_steps": 5}}``."""
+    tree: dict[str, Any] = {}
+    for key, value in flat.items():
+        *parents, leaf = key.split(".")
+        node = tree
+        for part in parents:
+            child = node.get(part)
+            if not isinstance(child, dict):
+                child = node[part] = {}
+            node = child
+        node[leaf] = value
+    return tree
+
+
+def deep_merge(base: Mapping[str, Any], update: Mapping[str, Any]) -> dict[str, Any]:
+    """``update`` over ``base``; sections merge key by key, everything else is replaced."""
     merged = dict(base)
     for key, value in update.items():
-        if isinstance(value, dict) and isinstance(merged.get(key), dict):
-            merged[key] = _merge(merged[key], value)
+        if isinstance(value, Mapping) and isinstance(merged.get(key), Mapping):
+            merged[key] = deep_merge(merged[key], value)
         else:
             merged[key] = value
     return merged
+
+
+def overrides_to_dict(overrides: Overrides) -> dict[str, Any]:
+    """The one reader of overrides, whatever their form, into flat dotted keys → values.
+
+    ``{"train.max_steps": 50}``, ``{"train": {"max_steps": 50}}`` and ``["train.max_steps=50"]``
+    all give ``{"train.max_steps": 50}``. The CLI (``--set``, ``--config``), the MCP tools and
+    the engine's ``--set`` go through here.
+    """
+    if overrides is None:
+        return {}
+    if isinstance(overrides, Mapping):
+        flat = flatten(overrides)
+    elif isinstance(overrides, Sequence) and not isinstance(overrides, (str, bytes)):
+        flat = {}
+        for item in overrides:
+            if isinstance(item, str) and len(item) > MAX_OVERRIDE_CHARS:
+                raise ConfigError(f"override {item[:60]!r}… is longer than {MAX_OVERRIDE_CHARS} characters")
+            key, value = parse_override(item)
+            flat[key] = value
+    else:
+        raise ConfigError("overrides must be a mapping of dotted config keys to values, or 'key=value' strings")
+    if len(flat) > MAX_OVERRIDES:
+        raise ConfigError(f"at most {MAX_OVERRIDES} config overrides")
+    for key, value in flat.items():
+        if len(json.dumps(value, default=str)) > MAX_OVERRIDE_CHARS:
+            raise ConfigError(f"the value of {key} is longer than {MAX_OVERRIDE_CHARS} characters")
+    return flat
+
+
+def override_args(flat: Mapping[str, Any]) -> list[str]:
+    """Flat overrides → ``key=value`` strings for ``engine.launch --set`` (values as JSON,
+    which YAML reads back unchanged)."""
+    return [f"{key}={json.dumps(value)}" for key, value in flat.items()]
 
 
 def load_yaml(path: Path) -> dict[str, Any]:
@@ -161,21 +228,35 @@ def load_yaml(path: Path) -> dict[str, Any]:
 def build_config(
     config_class: type[EngineConfig],
     yaml_path: Path | None = None,
-    overrides: list[str] | tuple[str, ...] = (),
+    overrides: Overrides = (),
+    base: Mapping[str, Any] | None = None,
 ) -> EngineConfig:
-    """Code defaults, then the YAML file (if it exists), then ``--set`` overrides, validated once."""
-    layered: dict[str, Any] = {}
+    """Code defaults, then ``base`` (a resumed run's config) or the YAML file (if it exists),
+    then overrides, validated once."""
+    layered: dict[str, Any] = dict(base or {})
     if yaml_path is not None and Path(yaml_path).is_file():
-        layered = load_yaml(yaml_path)
-    override_tree: dict[str, Any] = {}
-    for text in overrides:
-        parts, value = parse_override(text)
-        _set_dotted(override_tree, parts, value)
-    layered = _merge(layered, override_tree)
+        layered = deep_merge(layered, load_yaml(yaml_path))
+    layered = deep_merge(layered, nest(overrides_to_dict(overrides)))
     try:
         return config_class.model_validate(layered)
     except ValidationError as e:
         raise ConfigError(explain_validation_error(config_class, e)) from None
+
+
+def config_changes(config: EngineConfig) -> dict[str, Any]:
+    """Every dotted key whose value differs from the recipe's code default."""
+    try:
+        defaults = config_keys(type(config)())
+    except ValidationError:  # a config class with required keys has no full default
+        defaults = {}
+    return {
+        key: value for key, value in config_keys(config, json_mode=True).items()
+        if key not in defaults or _jsonable(defaults[key]) != value
+    }
+
+
+def _jsonable(value: Any) -> Any:
+    return json.loads(json.dumps(value, default=str))
 
 
 def _field_names(model_class: type[BaseModel], loc: tuple[Any, ...]) -> list[str]:
@@ -212,14 +293,14 @@ def explain_validation_error(model_class: type[BaseModel], error: ValidationErro
     return "; ".join(lines)
 
 
-def config_keys(config: BaseModel, prefix: str = "") -> dict[str, Any]:
+def config_keys(config: BaseModel, prefix: str = "", json_mode: bool = False) -> dict[str, Any]:
     """Flatten a config into dotted keys → values (for printing and for run.json summaries)."""
     flat: dict[str, Any] = {}
     for name in type(config).model_fields:
         value = getattr(config, name)
         key = f"{prefix}{name}"
         if isinstance(value, BaseModel):
-            flat.update(config_keys(value, key + "."))
+            flat.update(config_keys(value, key + ".", json_mode))
         else:
-            flat[key] = value
+            flat[key] = _jsonable(value) if json_mode else value
     return flat

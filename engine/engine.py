@@ -170,7 +170,15 @@ class Engine:
         if self.dist.is_main:
             print(f"warning: {message}", flush=True)
             if self.run_dir is not None:
-                rd.append_to_run_list(self.run_dir, "warnings", message)
+                rd.append_warning(self.run_dir, message)
+
+    @classmethod
+    def summarize_data(cls, config: EngineConfig) -> rd.DataSummary | None:
+        """What a run of this config trains on — source, documents, tokens, train/eval split —
+        counted before the run starts: ``launch_run`` returns it and run.json keeps it, so an
+        agent sees the data it asked for. Raise ``ConfigError`` (or let ``OSError`` through)
+        for data that cannot be read; the launch is then refused."""
+        return None
 
     @classmethod
     def validate_config(cls, config: EngineConfig, world_size: int) -> None:
@@ -358,23 +366,23 @@ class Engine:
         self, ctx: StepContext, elapsed: float, tokens: int, positions: int, steps: int
     ) -> None:
         step_time = elapsed / max(1, steps)
-        record: dict[str, Any] = {
-            "step": self.state.step,
-            "loss": float(ctx.loss),
-            "lr": self.scheduler.get_last_lr()[0],
-            "grad_norm": float(ctx.grad_norm) if ctx.grad_norm is not None else None,
-            "tokens_per_s": tokens / elapsed if elapsed > 0 else 0.0,
-            "step_time_s": step_time,
-            "peak_mem_mb": all_reduce_max(_peak_memory_mb(self.device), self.dist),
+        record = rd.MetricRecord(
+            step=self.state.step,
+            loss=float(ctx.loss),
+            lr=self.scheduler.get_last_lr()[0],
+            grad_norm=float(ctx.grad_norm) if ctx.grad_norm is not None else None,
+            tokens_per_s=tokens / elapsed if elapsed > 0 else 0.0,
+            step_time_s=step_time,
+            peak_mem_mb=all_reduce_max(_peak_memory_mb(self.device), self.dist),
             **{k: round(v, 6) for k, v in ctx.timings.items()},
-            "tokens_seen": self.state.tokens_seen,
-            "padding_frac": 1.0 - ctx.num_tokens / max(1, ctx.num_positions),
-            "eta_s": step_time * (self.config.train.max_steps - self.state.step),
-        }
+            tokens_seen=self.state.tokens_seen,
+            padding_frac=1.0 - ctx.num_tokens / max(1, ctx.num_positions),
+            eta_s=step_time * (self.config.train.max_steps - self.state.step),
+        )
         if self._flops_per_token and self._peak_flops and elapsed > 0:
             achieved = self._flops_per_token * positions / elapsed
-            record["mfu"] = achieved / (self._peak_flops * self.dist.world_size)
-        self.logger.log(record)
+            record.mfu = achieved / (self._peak_flops * self.dist.world_size)
+        self.logger.log(record.model_dump(exclude_none=True))
 
     def _synchronize(self) -> None:
         if self.device.type == "cuda":

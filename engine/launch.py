@@ -71,23 +71,14 @@ def resolve_config(recipe_class, recipe_dir: Path, overrides, config_json: Path 
 
     if config_json is not None:
         # A resumed run starts from the exact config of the run it continues.
-        data = json.loads(Path(config_json).read_text())
-        base = data.get("config", data)
-        return build_config(recipe_class.config_class, None, _flatten_to_overrides(base) + list(overrides))
+        from engine import run_dir as rd
+
+        base = rd.RunRecord.model_validate_json(Path(config_json).read_bytes()).config or {}
+        return build_config(recipe_class.config_class, None, overrides, base=base)
     yaml_path = Path(recipe_dir) / "config.yaml"
     if yaml_path.is_file():
         load_yaml(yaml_path)  # fail early with the file's name on bad YAML
     return build_config(recipe_class.config_class, yaml_path, overrides)
-
-
-def _flatten_to_overrides(tree: dict, prefix: str = "") -> list[str]:
-    items = []
-    for key, value in tree.items():
-        if isinstance(value, dict):
-            items.extend(_flatten_to_overrides(value, f"{prefix}{key}."))
-        else:
-            items.append(f"{prefix}{key}={json.dumps(value)}")
-    return items
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -111,6 +102,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     from engine.config import ConfigError
+    from engine.errors import TrainwrightError
 
     world_size = args.nproc if args.check and args.nproc else int(os.environ.get("WORLD_SIZE", "1"))
     try:
@@ -122,14 +114,25 @@ def main(argv: list[str] | None = None) -> int:
 
             if rd.checkpoint_step(args.resume_from) is None or not (args.resume_from / rd.DCP_METADATA).is_file():
                 raise ConfigError(f"--resume-from {args.resume_from} is not a complete checkpoint")
-    except (ConfigError, RecipeError) as e:
+        data = recipe_class.summarize_data(config) if args.check else None
+    except (TrainwrightError, OSError) as e:
+        # OSError: data the config names that cannot be read (a missing file, a folder).
+        message = str(e) if isinstance(e, TrainwrightError) else f"cannot read the data: {e}"
         if args.check:
-            print(json.dumps({"ok": False, "error": str(e)}))
+            print(json.dumps({"ok": False, "error": message}))
         elif int(os.environ.get("RANK", "0")) == 0:
-            print(f"error: {e}", file=sys.stderr)
+            print(f"error: {message}", file=sys.stderr)
         return EXIT_CONFIG
     if args.check:
-        print(json.dumps({"ok": True, "config": config.model_dump(mode="json")}))
+        from engine.config import config_changes
+
+        verdict = {
+            "ok": True,
+            "config": config.model_dump(mode="json"),
+            "config_changes": config_changes(config),
+            "data": data.model_dump(mode="json") if data is not None else None,
+        }
+        print(json.dumps(verdict))
         return EXIT_OK
     return train(recipe_class, config, args)
 
@@ -146,15 +149,27 @@ def train(recipe_class, config, args: argparse.Namespace) -> int:
     # once every process has exited; the engine only records what it knows: error, last step.
     supervised = args.run_dir is not None
     if dist_info.is_main:
-        rd.update_run(
+        from engine.config import config_changes
+
+        record = rd.update_run(
             run_dir,
             config=config.model_dump(mode="json"),
+            config_changes=config_changes(config),
             world_size=dist_info.world_size,
             status=rd.RUNNING,
             started_at=rd.utc_now(),
             engine_pid=os.getpid(),
         )
+        if record.data is None:  # started without a launcher that counted it
+            summary = recipe_class.summarize_data(config)
+            if summary is not None:
+                record = rd.update_run(run_dir, data=summary)
         print(f"run {run_dir.name}: {dist_info.world_size} process(es) on {dist_info.device.type}", flush=True)
+        if record.data is not None:
+            print(record.data.describe(), flush=True)
+        if record.config_changes:
+            shown = ", ".join(f"{k}={json.dumps(v)}" for k, v in list(record.config_changes.items())[:30])
+            print(f"config (differs from the recipe's defaults): {shown}", flush=True)
     engine = recipe_class(config, dist_info, run_dir=run_dir, resume_from=args.resume_from)
     finished = False
     try:
@@ -194,22 +209,25 @@ def _open_run_dir(args: argparse.Namespace, recipe_class, dist_info) -> Path:
         path = Path.cwd() / rd.RUNS_DIRNAME / run_id
         rd.create_run(
             path,
-            {
-                "id": run_id,
-                "recipe": str(args.recipe_dir),
-                "overrides": args.overrides,
-                "nproc": dist_info.world_size,
-                "status": rd.STARTING,
-                "created_at": rd.utc_now(),
-                "resumed_from": None,
-                "git_commit": None,
-                "pid": os.getpid(),  # no supervisor: the engine's own rank 0 stands for the run
-            },
+            rd.RunRecord(
+                id=run_id,
+                recipe=str(args.recipe_dir),
+                overrides=dict(_split_override(item) for item in args.overrides),
+                nproc=dist_info.world_size,
+                created_at=rd.utc_now(),
+                pid=os.getpid(),  # no supervisor: the engine's own rank 0 stands for the run
+            ),
         )
         holder[0] = str(path)
     if dist_info.world_size > 1:
         dist.broadcast_object_list(holder, src=0)
     return Path(holder[0])
+
+
+def _split_override(item: str) -> tuple[str, object]:
+    from engine.config import parse_override
+
+    return parse_override(item)
 
 
 def exit_without_finalizing(code: int) -> NoReturn:

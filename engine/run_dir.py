@@ -2,17 +2,21 @@
 
 ```
 runs/<run_id>/
-  run.json                     id, recipe, git commit, config, world size, status, pid, exit code,
-                               times, resumed_from
-  metrics.jsonl                one JSON object per logged step
+  run.json                     one RunRecord (below): what ran, with what, how it went
+  recipe/                      the snapshot of the recipe code that ran (uncommitted.patch beside
+                               its files when the recipe had uncommitted changes)
+  metrics.jsonl                one MetricRecord (JSON) per logged step
   console.log                  everything the run printed
   checkpoints/step-<NNNNNNNN>/ complete checkpoints only; saves in progress live in
                                checkpoints/.partial-step-<NNNNNNNN>/ until they are published
 ```
 
 The filesystem is the source of truth, so runs outlive the process that started them. This
-module is the single definition of that format. It is deliberately torch-free (stdlib only):
-the MCP server imports it to read runs without paying for a torch import.
+module is the single definition of that format: ``RunRecord`` and ``MetricRecord`` are the
+only definitions of run.json and of a metrics line, and run.json is read and written only
+through :func:`read_run`, :func:`create_run`, :func:`update_run` and
+:func:`append_to_run_list`. It is torch-free (stdlib and pydantic): the MCP server imports it
+to read runs without paying for a torch import.
 """
 
 from __future__ import annotations
@@ -25,7 +29,9 @@ import os
 import re
 import secrets
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 RUNS_DIRNAME = "runs"
 RUN_JSON = "run.json"
@@ -43,8 +49,13 @@ DCP_METADATA = ".metadata"
 # Run statuses. "starting" and "running" are live; the others are final.
 STARTING, RUNNING, COMPLETED, FAILED, STOPPED = "starting", "running", "completed", "failed", "stopped"
 FINAL_STATUSES = frozenset({COMPLETED, FAILED, STOPPED})
+RunStatus = Literal["starting", "running", "completed", "failed", "stopped"]
+SNAPSHOT_DIRNAME = "recipe"
+UNCOMMITTED_PATCH = "uncommitted.patch"
 
 RUN_ID_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
+MAX_RUN_JSON_BYTES = 16 * 2**20
+MAX_WARNINGS, MAX_WARNING_CHARS = 100, 2000
 
 
 def utc_now() -> str:
@@ -97,6 +108,114 @@ def latest_checkpoint(run_dir: Path) -> tuple[int, Path] | None:
 # ---------------------------------------------------------------------------------------------
 
 
+class ResumedFrom(BaseModel):
+    """The checkpoint a run continues."""
+
+    run_id: str = Field(description="The run whose checkpoint this run continues.")
+    step: int = Field(description="The checkpoint's step.")
+    path: str = Field(description="The checkpoint folder.")
+
+
+class DataSummary(BaseModel):
+    """What a run trains on, counted before it starts (``Engine.summarize_data``)."""
+
+    source: str = Field(description="Where the documents come from (files, stdlib, random, ...).")
+    paths: list[str] = Field([], description="The data paths given (at most 20 shown).")
+    files: int | None = Field(None, description="Files read, where the source is files.")
+    documents: int = Field(description="Documents in all.")
+    tokens: int = Field(description="Tokens in all documents, end-of-document tokens included.")
+    train_documents: int
+    eval_documents: int
+    train_tokens: int
+    eval_tokens: int
+    tokenizer: str | None = Field(None, description="The tokenizer that counted the tokens.")
+
+    def describe(self) -> str:
+        """One line, for the console, notes and reviews."""
+        where = f" from {', '.join(self.paths[:3])}" if self.paths else ""
+        files = f"{self.files:,} files, " if self.files is not None else ""
+        return (
+            f"data: {self.source}{where}: {files}{self.documents:,} documents, {self.tokens:,} tokens "
+            f"(train {self.train_documents:,} documents / {self.train_tokens:,} tokens, "
+            f"eval {self.eval_documents:,} / {self.eval_tokens:,})"
+        )
+
+
+IsolationLevel = Literal["full", "partial", "none"]
+
+
+class RunRecord(BaseModel):
+    """run.json: everything known about one run. Each writer updates only its own fields:
+    the launcher creates it, the supervisor records processes and the outcome, rank 0 of the
+    engine records the resolved config, its start, errors and warnings."""
+
+    model_config = ConfigDict(extra="ignore", validate_assignment=True)
+
+    id: str = Field(description="The run id: <UTC time>-<recipe>-<random>.")
+    recipe: str = Field("", description="The recipe as launched, relative to the workspace.")
+    snapshot: str | None = Field(None, description="The folder of the code that ran (runs/<id>/recipe).")
+    code_from: Literal["recipe", "checkpoint", "head"] = Field(
+        "recipe",
+        description="recipe: the recipe folder at launch; checkpoint: the code of the run resumed "
+        "from; head: the recipe folder at resume time.",
+    )
+    git_commit: str | None = Field(None, description="HEAD when the code was taken (None outside git).")
+    recipe_dirty: bool | None = Field(
+        None, description="The recipe had uncommitted changes (the run used them; see uncommitted.patch)."
+    )
+    dirty_files: list[str] = Field([], description="Uncommitted files of the recipe (at most 20).")
+    overrides: dict[str, Any] = Field({}, description="Config overrides given at launch, dotted keys.")
+    config: dict[str, Any] | None = Field(None, description="The resolved config (defaults <- config.yaml <- overrides).")
+    config_changes: dict[str, Any] = Field({}, description="Every key whose value differs from the code default.")
+    data: DataSummary | None = Field(None, description="What the run trains on, counted before it started.")
+    nproc: int = Field(1, description="Processes asked for.")
+    world_size: int | None = Field(None, description="Processes that ran.")
+    threads_per_process: int | None = Field(None, description="OMP_NUM_THREADS of every process.")
+    status: RunStatus = STARTING
+    stop_requested: bool = False
+    reason: str | None = Field(None, description="Why the run stopped, when it was stopped.")
+    error: str | None = Field(None, description="Why the run failed.")
+    exit_code: int | None = None
+    final_step: int | None = None
+    pid: int | None = Field(None, description="The supervisor (or the engine's rank 0 without one).")
+    engine_pid: int | None = None
+    child_pgid: int | None = None
+    created_at: str | None = None
+    supervisor_started_at: str | None = None
+    started_at: str | None = None
+    ended_at: str | None = None
+    resumed_from: ResumedFrom | None = None
+    limits: dict[str, Any] = Field({}, description="The limits the run was started with.")
+    workspace: str | None = None
+    command: list[str] = []
+    network_isolated: bool | None = None
+    network_note: str | None = None
+    isolation: IsolationLevel | None = Field(None, description="The sandbox actually in force.")
+    isolation_note: str | None = Field(None, description="What the isolation level is missing, if anything.")
+    warnings: list[str] = []
+
+    @field_validator("overrides", mode="before")
+    @classmethod
+    def _overrides_as_mapping(cls, value: Any) -> Any:
+        # Runs recorded before overrides were a mapping kept "key=value" strings.
+        if isinstance(value, list):
+            return dict(str(item).partition("=")[::2] for item in value)
+        return value
+
+    @property
+    def max_steps(self) -> int | None:
+        steps = ((self.config or {}).get("train") or {}).get("max_steps")
+        return steps if isinstance(steps, int) else None
+
+    def effective_status(self) -> RunStatus:
+        """The run's true status: a live status whose supervising process is gone is ``failed``."""
+        if self.status in FINAL_STATUSES:
+            return self.status
+        if self.pid and not pid_alive(self.pid):
+            return FAILED
+        return self.status
+
+
 @contextlib.contextmanager
 def _locked(run_dir: Path) -> Iterator[None]:
     lock_path = Path(run_dir) / ".run.json.lock"
@@ -119,43 +238,82 @@ def write_json_atomic(path: Path, data: Any) -> None:
     os.replace(tmp, path)
 
 
-def read_run(run_dir: Path) -> dict[str, Any]:
-    with open(Path(run_dir) / RUN_JSON) as f:
-        return json.load(f)
+def _write_record(run_dir: Path, record: RunRecord) -> None:
+    write_json_atomic(Path(run_dir) / RUN_JSON, record.model_dump(mode="json"))
 
 
-def create_run(run_dir: Path, record: dict[str, Any]) -> None:
+def read_run(run_dir: Path) -> RunRecord:
+    """The run's record. Raises OSError when it cannot be read and ValueError when it is not a
+    RunRecord (pydantic's ValidationError is a ValueError)."""
+    with open(Path(run_dir) / RUN_JSON, "rb") as f:
+        data = f.read(MAX_RUN_JSON_BYTES + 1)
+    if len(data) > MAX_RUN_JSON_BYTES:
+        raise ValueError(f"{RUN_JSON} is larger than {MAX_RUN_JSON_BYTES} bytes")
+    return RunRecord.model_validate_json(data)
+
+
+def create_run(run_dir: Path, record: RunRecord) -> None:
     """Create the run directory and its first run.json. Fails if the run already exists."""
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=False)
     (run_dir / CHECKPOINTS_DIRNAME).mkdir()
     with _locked(run_dir):
-        write_json_atomic(run_dir / RUN_JSON, record)
+        _write_record(run_dir, record)
 
 
-def update_run(run_dir: Path, **fields: Any) -> dict[str, Any]:
-    """Merge ``fields`` into run.json and return the new record."""
+def update_run(run_dir: Path, **fields: Any) -> RunRecord:
+    """Set ``fields`` of run.json (validated against RunRecord) and return the new record."""
+    unknown = set(fields) - set(RunRecord.model_fields)
+    if unknown:
+        raise TypeError(f"RunRecord has no field {sorted(unknown)[0]!r}")
     run_dir = Path(run_dir)
     with _locked(run_dir):
         record = read_run(run_dir)
-        record.update(fields)
-        write_json_atomic(run_dir / RUN_JSON, record)
+        record = RunRecord.model_validate({**record.model_dump(), **fields})
+        _write_record(run_dir, record)
     return record
 
 
-def append_to_run_list(run_dir: Path, key: str, value: Any) -> dict[str, Any]:
-    """Append ``value`` to the list ``key`` of run.json (e.g. ``warnings``), under the lock."""
+def append_warning(run_dir: Path, message: str) -> RunRecord:
+    """Add ``message`` to the run's warnings (once), under the lock."""
     run_dir = Path(run_dir)
     with _locked(run_dir):
         record = read_run(run_dir)
-        record[key] = [*(record.get(key) or []), value]
-        write_json_atomic(run_dir / RUN_JSON, record)
+        message = message[:MAX_WARNING_CHARS]
+        if message not in record.warnings and len(record.warnings) < MAX_WARNINGS:
+            record.warnings = [*record.warnings, message]
+            _write_record(run_dir, record)
     return record
 
 
 # ---------------------------------------------------------------------------------------------
 # metrics.jsonl
 # ---------------------------------------------------------------------------------------------
+
+
+class MetricRecord(BaseModel):
+    """One line of metrics.jsonl. Rates and ``step_time_s`` are averaged over the logging window
+    (the steps since the previous record); the phase timings are those of its last step. A
+    recipe may log more keys; they are kept as they are. Non-finite floats are written as the
+    strings "nan", "inf", "-inf" (JSON has no NaN)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    step: int = Field(description="Optimizer steps taken when the record was logged.")
+    loss: float | str | None = Field(None, description="Mean training loss per supervised token of the step.")
+    eval_loss: float | str | None = Field(None, description="Mean loss on the evaluation batches.")
+    lr: float | None = Field(None, description="Learning rate after the step.")
+    grad_norm: float | str | None = Field(None, description="Total gradient norm before clipping.")
+    tokens_per_s: float | None = Field(None, description="Supervised tokens per second, window average.")
+    step_time_s: float | None = Field(None, description="Seconds per step, window average.")
+    data_s: float | None = Field(None, description="Last step: seconds to get the batch.")
+    fwd_bwd_s: float | None = Field(None, description="Last step: seconds of forward and backward.")
+    optim_s: float | None = Field(None, description="Last step: seconds of clipping and the optimizer.")
+    peak_mem_mb: float | None = Field(None, description="Peak memory of the busiest process (RSS on CPU).")
+    tokens_seen: int | None = Field(None, description="Supervised tokens trained on so far.")
+    padding_frac: float | None = Field(None, description="Share of the last step's positions that were padding.")
+    eta_s: float | None = Field(None, description="Seconds left at the window's pace.")
+    mfu: float | None = Field(None, description="Model FLOPs utilisation (where the peak is known).")
 
 
 def read_metrics_tail(
@@ -245,11 +403,5 @@ def pid_alive(pid: int | None) -> bool:
         return True
 
 
-def effective_status(record: dict[str, Any]) -> str:
-    """The run's true status: a live status whose supervising process is gone is ``failed``."""
-    status = record.get("status", STARTING)
-    if status in FINAL_STATUSES:
-        return status
-    if record.get("pid") and not pid_alive(record["pid"]):
-        return FAILED
-    return status
+def effective_status(record: RunRecord) -> RunStatus:
+    return record.effective_status()

@@ -58,7 +58,7 @@ def cmd_resume(args: argparse.Namespace) -> int:
 
     ws = _workspace(args)
     result = runs.resume_checkpoint(
-        ws, args.run_id, step=args.step, nproc=args.nproc, overrides=args.overrides
+        ws, args.run_id, step=args.step, nproc=args.nproc, overrides=args.overrides, code=args.code
     )
     return _after_launch(args, ws, result)
 
@@ -66,11 +66,10 @@ def cmd_resume(args: argparse.Namespace) -> int:
 def _after_launch(args, ws, result) -> int:
     """Detached: print the handle. Foreground: stream the console, then print the outcome."""
     if args.detach:
-        _emit(args, result, lambda r: f"started run {r.run_id} ({r.run_dir}); "
-              f"`trainwright status {r.run_id}` shows how it goes")
+        _emit(args, result, lambda r: _launch_text(r) + f"\n`trainwright status {r.run_id}` shows how it goes")
         return EXIT_OK
     if not args.json:
-        print(f"run {result.run_id} → {result.run_dir}", flush=True)
+        print(_launch_text(result), flush=True)
     code = _follow_run(ws, result.run_id, echo=not args.json)
     if args.json:
         from mcp_server.operations import runs
@@ -78,6 +77,16 @@ def _after_launch(args, ws, result) -> int:
         final = result.model_copy(update={"status": runs.get_run(ws, result.run_id).status})
         print(final.model_dump_json())
     return code
+
+
+def _launch_text(r) -> str:
+    lines = [f"started run {r.run_id} → {r.run_dir}", f"  code   {r.code}"]
+    if r.data:
+        lines.append(f"  {r.data.describe()}")
+    if r.config_changes:
+        lines.append("  config " + ", ".join(f"{k}={json.dumps(v)}" for k, v in r.config_changes.items()))
+    lines.extend(f"  warning {w}" for w in r.warnings)
+    return "\n".join(lines)
 
 
 def _follow_run(ws, run_id: str, echo: bool) -> int:
@@ -100,8 +109,7 @@ def _follow_run(ws, run_id: str, echo: bool) -> int:
                     sys.stdout.write(chunk.decode("utf-8", errors="replace"))
                     sys.stdout.flush()
             record = rd.read_run(run_dir)
-            status = rd.effective_status(record)
-            if status in rd.FINAL_STATUSES and not rd.pid_alive(record.get("pid")):
+            if record.effective_status() in rd.FINAL_STATUSES and not rd.pid_alive(record.pid):
                 if console.is_file() and console.stat().st_size > offset:
                     continue  # print the rest first
                 break
@@ -141,22 +149,22 @@ def cmd_status(args: argparse.Namespace) -> int:
     result = runs.get_run(_workspace(args), args.run_id)
 
     def text(r) -> str:
-        lines = [f"run {r.run_id}: {r.status}", f"  recipe     {r.recipe} (commit {(r.git_commit or '-')[:10]})"]
+        lines = [f"run {r.run_id}: {r.status}", f"  recipe     {r.recipe}", f"  code       {r.code}"]
         lines.append(f"  processes  {r.world_size or r.nproc}")
+        if r.data:
+            lines.append(f"  {r.data.describe()}")
+        if r.config_changes:
+            lines.append("  config     " + ", ".join(f"{k}={json.dumps(v)}" for k, v in r.config_changes.items()))
         if r.step is not None:
-            lines.append(f"  step       {r.step}/{r.max_steps}")
+            lines.append(f"  step       {r.step}/{r.max_steps if r.max_steps is not None else '?'}")
         if r.latest:
-            latest = r.latest
-            lines.append(
-                f"  latest     loss {latest.get('loss', float('nan')):.4f}, "
-                f"{latest.get('tokens_per_s', 0):,.0f} tokens/s"
-            )
+            lines.append(f"  latest     {_format_record(r.latest)}")
         if r.eta_s is not None:
             lines.append(f"  eta        {r.eta_s:.0f} s")
-        if r.resumed_from:
-            lines.append(f"  resumed    from {r.resumed_from.run_id} step {r.resumed_from.step}")
         if r.checkpoints:
             lines.append(f"  checkpoints steps {', '.join(str(c.step) for c in r.checkpoints)}")
+        if r.network_note:
+            lines.append(f"  network    {r.network_note}")
         if r.error:
             lines.append(f"  error      {r.error}")
         for warning in r.warnings:
@@ -263,27 +271,18 @@ def cmd_templates(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _key_values(items: list[str], what: str) -> dict[str, Any]:
-    """``["a.b=1", "c=[x]"]`` → ``{"a.b": 1, "c": ["x"]}`` (values read as YAML)."""
-    import yaml
+def _key_values(items: list[str]) -> dict[str, Any]:
+    """``["a.b=1", "c=[x]"]`` → ``{"a.b": 1, "c": ["x"]}``: the engine's one override reader."""
+    from engine.config import overrides_to_dict
 
-    parsed: dict[str, Any] = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise BadInput(f"{what} expects key=value, got {item!r}")
-        try:
-            parsed[key] = yaml.safe_load(value) if value.strip() else ""
-        except yaml.YAMLError:
-            parsed[key] = value
-    return parsed
+    return overrides_to_dict(items)
 
 
 def cmd_scaffold(args: argparse.Namespace) -> int:
     from mcp_server.operations import recipes
 
     result = recipes.scaffold_recipe(
-        _workspace(args), args.template, args.name, _key_values(args.config, "--config"), args.skill
+        _workspace(args), args.template, args.name, _key_values(args.config), args.skill
     )
     _emit(args, result, lambda r: "\n".join(
         [f"created {r.path} (commit {r.commit[:10]})"]
@@ -295,7 +294,7 @@ def cmd_apply(args: argparse.Namespace) -> int:
     from mcp_server.operations import skills
 
     result = skills.apply_skill(
-        _workspace(args), args.skill, args.recipe, _key_values(args.param, "--param"), dry_run=args.dry_run
+        _workspace(args), args.skill, args.recipe, _key_values(args.param), dry_run=args.dry_run
     )
 
     def text(r) -> str:
@@ -436,6 +435,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = add("resume", cmd_resume, "continue a run from its checkpoint as a new run (resume_checkpoint)")
     p.add_argument("run_id")
     p.add_argument("--step", type=int, help="checkpoint step (default: the latest complete one)")
+    p.add_argument(
+        "--code", choices=("checkpoint", "head"), default="checkpoint",
+        help="checkpoint: the code the run ran (default); head: the recipe as it is now",
+    )
     launch_options(p, None)
 
     p = add("runs", cmd_runs, "list runs, newest first (list_runs)")

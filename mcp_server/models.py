@@ -7,18 +7,18 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-
-class ResumedFrom(BaseModel):
-    run_id: str
-    step: int
-    path: str = Field(description="The checkpoint folder, relative to the workspace.")
+from engine.run_dir import DataSummary, ResumedFrom, RunStatus
 
 
 class LaunchRunResult(BaseModel):
     run_id: str
-    status: str = Field(description="starting | running | completed | failed | stopped")
+    status: RunStatus
     run_dir: str = Field(description="The run directory, relative to the workspace.")
+    code: str = Field(description="The code the run executes: commit, uncommitted changes, resume source.")
+    config_changes: dict[str, Any] = Field(description="Config keys that differ from the recipe's code defaults.")
+    data: DataSummary | None = Field(description="What the run trains on, counted before it started.")
     resumed_from: ResumedFrom | None = None
+    warnings: list[str] = []
 
 
 class CheckpointInfo(BaseModel):
@@ -49,10 +49,13 @@ class RunList(BaseModel):
 
 class RunInfo(BaseModel):
     run_id: str
-    status: str = Field(description="starting | running | completed | failed | stopped")
+    status: RunStatus
     recipe: str
     run_dir: str
+    code: str = Field(description="The code that ran: commit, uncommitted changes, resume source.")
     git_commit: str | None = None
+    recipe_dirty: bool | None = Field(None, description="The recipe had uncommitted changes; the run used them.")
+    snapshot: str | None = Field(None, description="Folder of the code that ran.")
     nproc: int | None = None
     world_size: int | None = None
     created_at: str | None = None
@@ -61,26 +64,19 @@ class RunInfo(BaseModel):
     exit_code: int | None = None
     error: str | None = Field(None, description="Why the run failed or stopped, when it did.")
     resumed_from: ResumedFrom | None = None
+    overrides: dict[str, Any] = {}
+    config_changes: dict[str, Any] = Field({}, description="Config keys that differ from the code defaults.")
+    data: DataSummary | None = None
     step: int | None = None
     max_steps: int | None = None
-    eta_s: float | None = Field(None, description="Estimated seconds left, from the latest record.")
+    eta_s: float | None = Field(None, description="Seconds left, from the latest record.")
     latest: dict[str, Any] | None = Field(None, description="The latest metrics record.")
-    checkpoints: list[CheckpointInfo] = Field(
-        [], description="The newest complete checkpoints (at most 20; list_checkpoints has all)."
-    )
-    console_tail: str | None = Field(
-        None, description="The last lines of console.log when the run failed (bounded)."
-    )
+    checkpoints: list[CheckpointInfo] = Field([], description="The newest complete checkpoints (at most 10).")
+    console_tail: str | None = Field(None, description="The end of console.log when the run failed.")
     warnings: list[str] = []
-    network_isolated: bool | None = Field(
-        None,
-        description="True: the run has no network (its own namespace, loopback only). False: it "
-        "shares the host's network (see network_note). None: not known yet.",
-    )
-    network_note: str | None = Field(None, description="How the run's network was set up, or why it could not be isolated.")
-    limits: dict[str, Any] | None = Field(
-        None, description="The limits the run was started with (.trainwright/config.yaml, runs: section)."
-    )
+    network_isolated: bool | None = Field(None, description="True: loopback only; False: the host's network.")
+    network_note: str | None = None
+    limits: dict[str, Any] | None = None
 
 
 class MetricsTail(BaseModel):
@@ -159,6 +155,9 @@ class ReviewRun(BaseModel):
     step: int | None = None
     loss: float | None = None
     tokens_per_s: float | None = None
+    code: str = Field("", description="The code the run executed.")
+    overrides: dict[str, Any] = {}
+    data: str | None = Field(None, description="What the run trained on.")
 
 
 class ReviewCommit(BaseModel):

@@ -15,7 +15,7 @@ import inspect
 import json
 import logging
 from pathlib import Path
-from typing import Annotated, Any, Callable
+from typing import Annotated, Any, Callable, Literal
 
 import anyio
 from mcp.server.mcpserver import Context, MCPServer
@@ -142,7 +142,7 @@ def build_server(workspace: Path | str, read_only: bool = False) -> MCPServer:
         ensure_repo(ws.root)
         ws.prepare_state()
     tools = Tools(ws)
-    mcp = AuditedServer("trainwright", instructions=INSTRUCTIONS, log_level="WARNING")
+    mcp = AuditedServer("trainwright", instructions=INSTRUCTIONS, version=package_version(), log_level="WARNING")
     mcp.tools = tools
 
     def tool(annotations: ToolAnnotations):
@@ -232,16 +232,18 @@ def build_server(workspace: Path | str, read_only: bool = False) -> MCPServer:
     @tool(ADDITIVE)
     async def launch_run(
         recipe: RecipePath,
-        nproc: Annotated[int, Field(description="Processes (FSDP2 data-parallel ranks).")] = 1,
+        nproc: Annotated[int, Field(strict=True, description="Processes (FSDP2 data-parallel ranks).")] = 1,
         overrides: Annotated[
             dict[str, Any] | None,
             Field(description='Config overrides, dotted keys: {"train.max_steps": 100}.'),
         ] = None,
         ctx: Context | None = None,
     ) -> LaunchRunResult:
-        """Start a training run of a recipe and return its run_id at once (the engine checks the
-        config first: a bad key fails here, with nothing written). The run continues in the
-        background and outlives this server; watch it with get_run and tail_metrics."""
+        """Start a training run of a recipe and return its run_id at once, with the config keys
+        that differ from the defaults and a summary of the data it trains on. The engine checks
+        the config and data first: a bad key or a missing data path fails here, with nothing
+        written. The run executes a snapshot of the recipe (uncommitted changes included, and
+        said so); it outlives this server; watch it with get_run and tail_metrics."""
         if ctx is not None:
             await ctx.report_progress(0, 2, "checking the recipe and config")
         args = {"recipe": recipe, "nproc": nproc, "overrides": overrides}
@@ -292,14 +294,19 @@ def build_server(workspace: Path | str, read_only: bool = False) -> MCPServer:
     @tool(ADDITIVE)
     async def resume_checkpoint(
         run_id: RunId,
-        step: Annotated[int | None, Field(description="Checkpoint step; default: the latest complete one.")] = None,
-        nproc: Annotated[int | None, Field(description="Processes; default: as the original run.")] = None,
+        step: Annotated[int | None, Field(strict=True, description="Checkpoint step; default: the latest.")] = None,
+        nproc: Annotated[int | None, Field(strict=True, description="Processes; default: as the original run.")] = None,
+        code: Annotated[
+            Literal["checkpoint", "head"],
+            Field(description="checkpoint: the code the run ran; head: the recipe as it is now (e.g. after apply_skill)."),
+        ] = "checkpoint",
     ) -> LaunchRunResult:
-        """Continue a run from one of its checkpoints as a new run (same recipe and config);
-        returns the new run_id at once, with resumed_from."""
-        args = {"run_id": run_id, "step": step, "nproc": nproc}
+        """Continue a run from one of its checkpoints as a new run (same config); returns the
+        new run_id at once, with resumed_from and the code it runs."""
+        args = {"run_id": run_id, "step": step, "nproc": nproc, "code": code}
         return await tools.call(
-            "resume_checkpoint", args, lambda: run_ops.resume_checkpoint(tools.ws, run_id, step, nproc)
+            "resume_checkpoint", args,
+            lambda: run_ops.resume_checkpoint(tools.ws, run_id, step, nproc, code=code),
         )
 
     # ---------------------------------------------------------------------------------------
@@ -331,6 +338,16 @@ def build_server(workspace: Path | str, read_only: bool = False) -> MCPServer:
         return loss_curve_png(records, f"run {run_id}")
 
     return mcp
+
+
+def package_version() -> str:
+    """The installed trainwright's version (serverInfo.version)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("trainwright")
+    except PackageNotFoundError:
+        return "0+unknown"
 
 
 def _add_skill_resource(mcp: MCPServer, name: str, description: str) -> None:

@@ -87,6 +87,25 @@ def uncommitted(repo: git.Repo, path: Path) -> list[str]:
     return [line[3:] for line in out.splitlines() if line.strip()]
 
 
+def diff_against_head(repo: git.Repo, path: Path, dirty: list[str] | None = None) -> str:
+    """The uncommitted changes under ``path`` as one patch: tracked files against HEAD, and
+    each untracked file as a new file."""
+    rel = _rel(repo, path)
+    parts = []
+    try:
+        parts.append(repo.git.diff("HEAD", "--binary", "--", rel))
+    except git.GitCommandError:  # no commit yet: everything is new
+        pass
+    tracked = set(repo.git.ls_files("--", rel).splitlines())
+    root = Path(repo.working_tree_dir)
+    for name in dirty if dirty is not None else uncommitted(repo, path):
+        if name not in tracked and (root / name).is_file():
+            parts.append(repo.git.execute(
+                ["git", "diff", "--no-index", "--binary", "--", "/dev/null", name], with_exceptions=False
+            ))
+    return "\n".join(part for part in parts if part) + "\n" if any(parts) else ""
+
+
 def require_clean(repo: git.Repo, path: Path, what: str) -> None:
     dirty = uncommitted(repo, path)
     if dirty:

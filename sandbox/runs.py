@@ -27,10 +27,12 @@ from pathlib import Path
 from typing import Any
 
 from engine import run_dir as rd
+from engine.config import override_args
 from engine.errors import BadInput
 from sandbox.config import RunLimits
 from sandbox.environment import THREADS_VARIABLE, run_environment, threads_per_process
 from sandbox.processes import RUN_ID_VARIABLE, end_processes, marked
+from sandbox.provenance import CodeOrigin, write_snapshot
 
 __all__ = ["LaunchRefused", "RunLimits", "check_launch", "engine_command", "start_run", "stop_run"]
 
@@ -77,7 +79,8 @@ def check_launch(
     config_json: Path | None = None,
     limits: RunLimits = RunLimits(),
 ) -> dict[str, Any]:
-    """Validate a launch with the engine itself; return the resolved config.
+    """Validate a launch with the engine itself; return its verdict: the resolved ``config``,
+    ``config_changes`` (keys that differ from the code defaults) and the ``data`` summary.
 
     The check imports the recipe, so it runs as a run would: allow-listed environment and,
     where possible, no network.
@@ -105,18 +108,18 @@ def check_launch(
         if isinstance(verdict, dict) and "ok" in verdict:
             if not verdict["ok"]:
                 raise LaunchRefused(str(verdict["error"])[:MAX_CHECK_ERROR_CHARS])
-            return verdict["config"]
+            return verdict
     last = (result.stderr.strip().splitlines() or ["no output"])[-1]
     raise LaunchRefused(f"the engine could not check the recipe: {last[:MAX_CHECK_ERROR_CHARS]}")
 
 
-def _create_run_dir(runs_root: Path, recipe_label: str, record: dict[str, Any]) -> tuple[str, Path]:
+def _create_run_dir(runs_root: Path, recipe_label: str, record: rd.RunRecord) -> tuple[str, Path]:
     """A new run directory with a fresh id (ids made in the same second may collide: retry)."""
     for _ in range(20):
         run_id = rd.new_run_id(Path(recipe_label).name)
         run_dir = Path(runs_root) / run_id
         try:
-            rd.create_run(run_dir, {**record, "id": run_id})
+            rd.create_run(run_dir, record.model_copy(update={"id": run_id}))
             return run_id, run_dir
         except FileExistsError:
             continue
@@ -126,46 +129,65 @@ def _create_run_dir(runs_root: Path, recipe_label: str, record: dict[str, Any]) 
 def start_run(
     workspace: Path,
     runs_root: Path,
-    recipe_dir: Path,
+    code_dir: Path,
     recipe_label: str,
     nproc: int,
-    overrides: list[str],
-    git_commit: str | None,
-    resumed_from: dict[str, Any] | None = None,
+    overrides: dict[str, Any],
+    verdict: dict[str, Any],
+    origin: CodeOrigin,
+    code_from: str = "recipe",
+    resumed_from: rd.ResumedFrom | None = None,
     config_json: Path | None = None,
     limits: RunLimits = RunLimits(),
-    extra_record: dict[str, Any] | None = None,
     threads: int | None = None,
-) -> dict[str, Any]:
-    """Create the run directory and spawn its supervisor; return the first run record.
+) -> rd.RunRecord:
+    """Create the run directory with a snapshot of ``code_dir`` and spawn its supervisor;
+    return the first run record.
 
-    ``threads`` pins the run's thread count (a resume passes the original run's).
+    ``verdict`` is :func:`check_launch`'s; ``threads`` pins the run's thread count (a resume
+    passes the original run's).
     """
-    resume_path = Path(resumed_from["path"]) if resumed_from else None
     threads = threads or threads_per_process(nproc, limits.threads_per_process)
-    record = {
-        "recipe": recipe_label,
-        "git_commit": git_commit,
-        "overrides": list(overrides),
-        "nproc": nproc,
-        "world_size": nproc,
-        "status": rd.STARTING,
-        "created_at": rd.utc_now(),
-        "resumed_from": resumed_from,
-        "pid": None,
-        "limits": asdict(limits),
-        "threads_per_process": threads,
-        "workspace": str(workspace),
-        **(extra_record or {}),
-    }
+    warnings = []
+    if origin.recipe_dirty:
+        warnings.append(
+            f"the recipe had uncommitted changes ({', '.join(origin.dirty_files[:5])}); the run uses "
+            f"them, and {rd.SNAPSHOT_DIRNAME}/{rd.UNCOMMITTED_PATCH} in its run directory holds the "
+            f"diff against {(origin.git_commit or '')[:10]}"
+        )
+    record = rd.RunRecord(
+        id="pending",
+        recipe=recipe_label,
+        code_from=code_from,
+        git_commit=origin.git_commit,
+        recipe_dirty=origin.recipe_dirty,
+        dirty_files=origin.dirty_files,
+        overrides=overrides,
+        config=verdict.get("config"),
+        config_changes=verdict.get("config_changes") or {},
+        data=verdict.get("data"),
+        nproc=nproc,
+        world_size=nproc,
+        created_at=rd.utc_now(),
+        resumed_from=resumed_from,
+        limits=asdict(limits),
+        threads_per_process=threads,
+        workspace=str(workspace),
+        warnings=warnings,
+    )
     runs_root = Path(runs_root)
     runs_root.mkdir(parents=True, exist_ok=True)
     run_id, run_dir = _create_run_dir(runs_root, recipe_label, record)
+    snapshot = write_snapshot(code_dir, run_dir, origin if code_from != "checkpoint" else None)
+    resume_path = Path(resumed_from.path) if resumed_from else None
     rd.update_run(
-        run_dir, command=engine_command(recipe_dir, run_dir, nproc, overrides, resume_path, config_json)
+        run_dir,
+        snapshot=snapshot.relative_to(workspace).as_posix() if snapshot.is_relative_to(workspace) else str(snapshot),
+        command=engine_command(snapshot, run_dir, nproc, override_args(overrides), resume_path, config_json),
     )
     env = run_environment(
-        extra={THREADS_VARIABLE: str(threads), RUN_ID_VARIABLE: run_id}, pass_env=limits.pass_env
+        extra={THREADS_VARIABLE: str(threads), RUN_ID_VARIABLE: run_id, "PYTHONDONTWRITEBYTECODE": "1"},
+        pass_env=limits.pass_env,
     )
     with open(run_dir / rd.CONSOLE_LOG, "ab") as console:
         process = subprocess.Popen(
@@ -180,41 +202,41 @@ def start_run(
     return rd.update_run(run_dir, pid=process.pid)
 
 
-def stop_run(run_dir: Path, timeout_s: float | None = None) -> dict[str, Any]:
+def stop_run(run_dir: Path, timeout_s: float | None = None) -> rd.RunRecord:
     """End every process of a run and record ``stopped``. Returns the final record."""
     record = rd.read_run(run_dir)
-    if record.get("status") in rd.FINAL_STATUSES:
+    if record.status in rd.FINAL_STATUSES:
         return record
     rd.update_run(run_dir, stop_requested=True)
-    grace = float((record.get("limits") or {}).get("stop_grace_s") or 10.0)
+    grace = float(record.limits.get("stop_grace_s") or 10.0)
     timeout_s = grace + 20.0 if timeout_s is None else timeout_s
-    supervisor = record.get("pid")
+    supervisor = record.pid
     if rd.pid_alive(supervisor):
         os.kill(supervisor, signal.SIGTERM)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             record = rd.read_run(run_dir)
             supervisor_alive = rd.pid_alive(supervisor)
-            if record.get("status") in rd.FINAL_STATUSES and not supervisor_alive:
+            if record.status in rd.FINAL_STATUSES and not supervisor_alive:
                 return record
             if not supervisor_alive:
                 break  # it died before it could record the outcome
             time.sleep(0.1)
     # No supervisor (it crashed or was killed), or it did not finish: end the run's processes
     # ourselves, all of them, wherever they are in the process tree.
-    kill_group(record.get("child_pgid"), signal.SIGKILL)
+    kill_group(record.child_pgid, signal.SIGKILL)
     end_processes(run_processes(record), grace_s=min(grace, 5.0))
     record = rd.read_run(run_dir)
-    if record.get("status") in rd.FINAL_STATUSES:
+    if record.status in rd.FINAL_STATUSES:
         return record
     return rd.update_run(run_dir, status=rd.STOPPED, ended_at=rd.utc_now(), reason="stopped by request")
 
 
-def run_processes(record: dict[str, Any]) -> set[int]:
+def run_processes(record: rd.RunRecord) -> set[int]:
     """The live processes of a run: those marked with its id, and its supervisor."""
-    pids = marked(record["id"]) if record.get("id") else set()
-    if rd.pid_alive(record.get("pid")):
-        pids.add(record["pid"])
+    pids = marked(record.id) if record.id else set()
+    if record.pid and rd.pid_alive(record.pid):
+        pids.add(record.pid)
     return pids
 
 

@@ -12,6 +12,7 @@ behind: every descendant and every process marked with the run's id is ended.
 
 from __future__ import annotations
 
+import json
 import os
 import resource
 import signal
@@ -24,6 +25,7 @@ from engine import run_dir as rd
 from sandbox.git import add_note
 from sandbox.network import LOOPBACK_ENV, isolate_network
 from sandbox.processes import become_subreaper, descendants, end_processes, marked
+from sandbox.provenance import code_description
 from sandbox.runs import group_alive, kill_group
 
 
@@ -50,7 +52,7 @@ class Supervisor:
     def __init__(self, run_dir: Path):
         self.run_dir = Path(run_dir)
         self.record = rd.read_run(self.run_dir)
-        self.limits = self.record.get("limits") or {}
+        self.limits = self.record.limits
         self.stop_reason: str | None = None
         self.child: subprocess.Popen | None = None
 
@@ -76,11 +78,12 @@ class Supervisor:
         signal.signal(signal.SIGTERM, lambda *_: self.request_stop("stopped by request"))
         signal.signal(signal.SIGINT, lambda *_: self.request_stop("interrupted"))
         containment = self.contain()
+        print(f"[trainwright] run {self.record.id}: {code_description(self.record)}", flush=True)
         limits = self.limits
         try:
             self.child = subprocess.Popen(
-                self.record["command"],
-                cwd=self.record.get("workspace") or None,
+                self.record.command,
+                cwd=self.record.workspace or None,
                 stdin=subprocess.DEVNULL,
                 stdout=sys.stdout,
                 stderr=subprocess.STDOUT,
@@ -123,9 +126,8 @@ class Supervisor:
     def leftovers(self) -> set[int]:
         """Processes of the run still alive: descendants (we are their subreaper) and marked ones."""
         pids = descendants(os.getpid())
-        run_id = self.record.get("id")
-        if run_id:
-            pids |= marked(run_id)
+        if self.record.id:
+            pids |= marked(self.record.id)
         pids.discard(os.getpid())
         return pids
 
@@ -142,32 +144,32 @@ class Supervisor:
     def finish(self, code: int) -> int:
         record = rd.read_run(self.run_dir)
         fields = {"exit_code": code, "ended_at": rd.utc_now()}
-        if self.stop_reason is not None or record.get("stop_requested"):
+        if self.stop_reason is not None or record.stop_requested:
             fields.update(status=rd.STOPPED, reason=self.stop_reason or "stopped by request")
         elif code == 0:
             fields["status"] = rd.COMPLETED
         else:
             fields["status"] = rd.FAILED
-            if not record.get("error"):
+            if not record.error:
                 fields["error"] = _describe_exit(code)
         record = rd.update_run(self.run_dir, **fields)
-        print(f"[trainwright] run {record['id']} {record['status']} (exit code {code})", flush=True)
+        print(f"[trainwright] run {record.id} {record.status} (exit code {code})", flush=True)
         self.write_git_note(record)
         return code
 
-    def write_git_note(self, record: dict) -> None:
-        """Record the outcome on the commit the run was launched from."""
-        if not record.get("git_commit") or not record.get("workspace"):
+    def write_git_note(self, record: rd.RunRecord) -> None:
+        """Record the outcome on the commit whose code the run executed."""
+        if not record.git_commit or not record.workspace:
             return
         latest, _ = rd.read_metrics_tail(self.run_dir / rd.METRICS_JSONL, 1)
-        add_note(Path(record["workspace"]), record["git_commit"], run_note(record, latest[-1] if latest else None))
+        add_note(Path(record.workspace), record.git_commit, run_note(record, latest[-1] if latest else None))
 
 
-def run_note(record: dict, latest: dict | None) -> str:
-    parts = [f"run {record['id']}: {record['status']}"]
+def run_note(record: rd.RunRecord, latest: dict | None) -> str:
+    """One line per run on its commit: outcome, code, config, data."""
+    parts = [f"run {record.id}: {record.status}"]
     if latest:
-        max_steps = ((record.get("config") or {}).get("train") or {}).get("max_steps", "?")
-        parts.append(f"step {latest.get('step')}/{max_steps}")
+        parts.append(f"step {latest.get('step')}/{record.max_steps or '?'}")
         loss = latest.get("loss")
         if isinstance(loss, (int, float)):
             parts.append(f"loss {loss:.4f}")
@@ -175,12 +177,15 @@ def run_note(record: dict, latest: dict | None) -> str:
             parts.append(f"loss {loss} (not finite)")
         if isinstance(latest.get("tokens_per_s"), (int, float)):
             parts.append(f"{latest['tokens_per_s']:,.0f} tokens/s")
-    parts.append(f"recipe {record.get('recipe')}, {record.get('world_size') or record.get('nproc')} process(es)")
-    if record.get("resumed_from"):
-        source = record["resumed_from"]
-        parts.append(f"resumed from {source['run_id']} step {source['step']}")
-    if record.get("error") and record["status"] != rd.COMPLETED:
-        parts.append(f"error: {str(record['error'])[:200]}")
+    parts.append(f"recipe {record.recipe}, {record.world_size or record.nproc} process(es)")
+    parts.append(code_description(record))
+    if record.overrides:
+        parts.append("overrides " + ", ".join(f"{k}={json.dumps(v)}" for k, v in list(record.overrides.items())[:10]))
+    if record.data is not None:
+        data = record.data
+        parts.append(f"data {data.source}: {data.documents:,} documents, {data.tokens:,} tokens")
+    if record.error and record.status != rd.COMPLETED:
+        parts.append(f"error: {record.error[:200]}")
     return "; ".join(parts)
 
 

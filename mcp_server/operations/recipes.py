@@ -12,11 +12,11 @@ from typing import Any
 import yaml
 
 import recipes_template
+from engine.config import deep_merge, nest, override_args, overrides_to_dict
 from engine.errors import BadInput, NotFound
 import skills as skill_library
 from mcp_server.models import AppliedSkill, ScaffoldResult, TemplateInfo, TemplateList
 from mcp_server.operations import skills as skill_ops
-from mcp_server.operations.runs import override_strings
 from sandbox import git as sandbox_git
 from sandbox.paths import PathRefused, check_name, confine, confine_config_paths
 from sandbox.runs import check_launch
@@ -24,8 +24,6 @@ from sandbox.workspace import RECIPES_DIRNAME, Workspace
 
 TEMPLATES_ROOT = Path(recipes_template.__file__).resolve().parent
 SCAFFOLD_TOOL = "scaffold_recipe"
-MAX_CONFIG_KEYS = 64
-MAX_CONFIG_DEPTH = 8
 
 
 def _templates() -> dict[str, Path]:
@@ -56,49 +54,10 @@ def template_dir(name: str) -> Path:
     return templates[name]
 
 
-def flatten_config(config: dict[str, Any] | None, prefix: str = "") -> dict[str, Any]:
-    """``{"train": {"max_steps": 5}}`` or ``{"train.max_steps": 5}`` → ``{"train.max_steps": 5}``."""
-    if config is None:
-        return {}
-    if not isinstance(config, dict):
-        raise BadInput("config must be a mapping of dotted config keys to values")
-    if prefix.count(".") >= MAX_CONFIG_DEPTH:
-        raise BadInput(f"config is nested deeper than {MAX_CONFIG_DEPTH} levels")
-    flat: dict[str, Any] = {}
-    for key, value in config.items():
-        if not isinstance(key, str) or not key:
-            raise BadInput(f"config key {key!r} must be a non-empty string")
-        if isinstance(value, dict) and value:
-            flat.update(flatten_config(value, f"{prefix}{key}."))
-        else:
-            flat[f"{prefix}{key}"] = value
-    if len(flat) > MAX_CONFIG_KEYS:
-        raise BadInput(f"at most {MAX_CONFIG_KEYS} config keys")
-    return flat
-
-
-def _nest(flat: dict[str, Any]) -> dict[str, Any]:
-    tree: dict[str, Any] = {}
-    for key, value in flat.items():
-        node = tree
-        *parents, leaf = key.split(".")
-        for part in parents:
-            node = node.setdefault(part, {})
-        node[leaf] = value
-    return tree
-
-
-def _merge(base: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:
-    merged = dict(base)
-    for key, value in update.items():
-        merged[key] = _merge(merged[key], value) if isinstance(value, dict) and isinstance(merged.get(key), dict) else value
-    return merged
-
-
 def write_config(recipe_dir: Path, flat: dict[str, Any]) -> None:
     path = recipe_dir / "config.yaml"
     existing = yaml.safe_load(path.read_text()) if path.is_file() else None
-    merged = _merge(existing or {}, _nest(flat))
+    merged = deep_merge(existing or {}, nest(flat))
     header = "# Values here override the defaults in recipe.py; `--set key=value` overrides both.\n"
     path.write_text(header + yaml.safe_dump(merged, sort_keys=False))
 
@@ -141,10 +100,12 @@ def scaffold_recipe(
     destination = ws.recipes_dir / name
     if destination.exists():
         raise BadInput(f"recipes/{name} already exists; choose another name")
-    flat = flatten_config(config)
+    if config is not None and not isinstance(config, dict):
+        raise BadInput('config must be a mapping of dotted config keys to values, e.g. {"train.max_steps": 500}')
+    flat = overrides_to_dict(config)
     confine_config_paths(ws.root, flat)
     specs = _skill_specs(skills)
-    items = override_strings(flat)
+    items = override_args(flat)
 
     # The skills first (fast, on a scratch copy), then the engine's check (a torch import).
     with tempfile.TemporaryDirectory(prefix="trainwright-scaffold-") as scratch:

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import json
 from collections import defaultdict
 
 from engine import run_dir as rd
 from mcp_server.models import ReviewCommit, ReviewResult, ReviewRun
 from sandbox import git as sandbox_git
+from sandbox.provenance import code_description
 from sandbox.workspace import Workspace
 
 
@@ -17,13 +19,15 @@ def _runs_by_commit(ws: Workspace) -> dict[str, list[ReviewRun]]:
             record = rd.read_run(ws.runs_dir / run_id)
         except (OSError, ValueError):
             continue
-        if not record.get("git_commit"):
+        if not record.git_commit:
             continue
         latest, _ = rd.read_metrics_tail(ws.runs_dir / run_id / rd.METRICS_JSONL, 1)
         last = latest[-1] if latest else {}
-        by_commit[record["git_commit"]].append(
-            ReviewRun(run_id=run_id, status=rd.effective_status(record), step=last.get("step"),
-                      loss=last.get("loss"), tokens_per_s=last.get("tokens_per_s"))
+        by_commit[record.git_commit].append(
+            ReviewRun(run_id=run_id, status=record.effective_status(), step=last.get("step"),
+                      loss=last.get("loss"), tokens_per_s=last.get("tokens_per_s"),
+                      code=code_description(record), overrides=record.overrides,
+                      data=record.data.describe() if record.data else None)
         )
     return by_commit
 
@@ -66,6 +70,11 @@ def format_review(result: ReviewResult) -> str:
             loss = f"loss {r.loss:.4f}" if isinstance(r.loss, float) else "no metrics"
             speed = f", {r.tokens_per_s:,.0f} tokens/s" if isinstance(r.tokens_per_s, float) else ""
             lines.append(f"    run {r.run_id}: {r.status} at step {r.step}, {loss}{speed}")
+            lines.append(f"      {r.code}")
+            if r.overrides:
+                lines.append("      overrides " + ", ".join(f"{k}={json.dumps(v)}" for k, v in r.overrides.items()))
+            if r.data:
+                lines.append(f"      {r.data}")
         if not c.runs:
             lines.append("    no runs launched from this commit")
     return "\n".join(lines)

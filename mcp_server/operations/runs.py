@@ -11,34 +11,30 @@ import os
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from engine import run_dir as rd
-from engine.errors import BadInput
+from engine.config import Overrides, override_args, overrides_to_dict
+from engine.errors import BadInput, NotFound
 from mcp_server.limits import MAX_RESULT_CHARS, bounded, json_chars
 from mcp_server.models import (
     CheckpointInfo,
     CheckpointList,
     LaunchRunResult,
     MetricsTail,
-    ResumedFrom,
     RunInfo,
     RunList,
     RunSummary,
 )
 from sandbox import runs as sandbox_runs
-from sandbox.git import head_commit
+from sandbox.provenance import CodeOrigin, code_description, recipe_origin
 from sandbox.paths import confine_config_paths
-from sandbox.workspace import NotFound, Workspace
+from sandbox.workspace import Workspace
 
 MAX_NPROC = max(8, os.cpu_count() or 1)
 MAX_TAIL_RECORDS = 200
 MAX_LIST_RUNS = 100
 CONSOLE_TAIL_BYTES = 4000
-MAX_OVERRIDES = 64
-MAX_OVERRIDE_CHARS = 512
 MAX_LISTED_CHECKPOINTS = 100
-MAX_RUN_INFO_CHECKPOINTS = 20
+MAX_RUN_INFO_CHECKPOINTS = 10
 MAX_ERROR_CHARS = 2000
 MAX_RECORD_CHARS = 4000
 
@@ -51,69 +47,43 @@ def _check_nproc(nproc: object) -> int:
     return nproc
 
 
-def override_strings(overrides: dict[str, Any] | list[str] | None) -> list[str]:
-    """``{"train.max_steps": 50}`` or ``["train.max_steps=50"]`` → ``["train.max_steps=50"]``."""
-    if overrides is None:
-        return []
-    if isinstance(overrides, dict):
-        items = []
-        for key, value in overrides.items():
-            if not isinstance(key, str) or not key or "=" in key or "\x00" in key:
-                raise BadInput(f"override key {key!r} must be a dotted config key like 'train.max_steps'")
-            items.append(f"{key}={json.dumps(value)}")
-    elif isinstance(overrides, list) and all(isinstance(x, str) for x in overrides):
-        items = list(overrides)
-    else:
-        raise BadInput("overrides must be a mapping of dotted config keys to values")
-    if len(items) > MAX_OVERRIDES:
-        raise BadInput(f"at most {MAX_OVERRIDES} overrides")
-    for item in items:
-        if "\x00" in item or len(item) > MAX_OVERRIDE_CHARS:
-            raise BadInput(f"override {item[:60]!r}... is too long or contains a NUL byte")
-        if "=" not in item:
-            raise BadInput(f"override {item!r} must be key=value")
-    return items
-
-
-def override_values(items: list[str]) -> dict[str, Any]:
-    """``["data.paths=[a, b]"]`` → ``{"data.paths": ["a", "b"]}`` (values read as YAML, as the engine does)."""
-    values: dict[str, Any] = {}
-    for item in items:
-        key, _, raw = item.partition("=")
-        try:
-            values[key.strip()] = yaml.safe_load(raw) if raw.strip() else ""
-        except yaml.YAMLError:
-            values[key.strip()] = raw
-    return values
-
-
-def _checked_overrides(ws: Workspace, overrides: dict[str, Any] | list[str] | None) -> list[str]:
-    """Override strings, with every value that names a file confined to the workspace."""
-    items = override_strings(overrides)
-    confine_config_paths(ws.root, override_values(items))
-    return items
+def _checked_overrides(ws: Workspace, overrides: Overrides) -> dict[str, Any]:
+    """Flat overrides, with every value that names a file confined to the workspace."""
+    flat = overrides_to_dict(overrides)
+    confine_config_paths(ws.root, flat)
+    return flat
 
 
 def launch_run(
     ws: Workspace,
     recipe: str,
     nproc: int = 1,
-    overrides: dict[str, Any] | list[str] | None = None,
+    overrides: Overrides = None,
     limits: sandbox_runs.RunLimits | None = None,
 ) -> LaunchRunResult:
-    """Check, then start a run; ``limits`` default to the workspace's ``.trainwright/config.yaml``."""
+    """Check, then start a run of a snapshot of the recipe as it is now (uncommitted changes
+    included, and said so); ``limits`` default to the workspace's settings."""
     recipe_dir = ws.recipe(recipe)
     nproc = _check_nproc(nproc)
-    items = _checked_overrides(ws, overrides)
+    flat = _checked_overrides(ws, overrides)
     limits = ws.run_limits() if limits is None else limits
-    sandbox_runs.check_launch(ws.root, recipe_dir, nproc, items, limits=limits)
+    verdict = sandbox_runs.check_launch(ws.root, recipe_dir, nproc, override_args(flat), limits=limits)
     record = sandbox_runs.start_run(
-        ws.root, ws.runs_dir, recipe_dir, ws.label(recipe_dir), nproc, items,
-        git_commit=head_commit(ws.root), limits=limits,
+        ws.root, ws.runs_dir, recipe_dir, ws.label(recipe_dir), nproc, flat, verdict,
+        origin=recipe_origin(ws.root, recipe_dir), limits=limits,
     )
+    return _launch_result(ws, record)
+
+
+def _launch_result(ws: Workspace, record: rd.RunRecord) -> LaunchRunResult:
     return LaunchRunResult(
-        run_id=record["id"], status=record["status"], run_dir=ws.label(ws.runs_dir / record["id"])
+        run_id=record.id, status=record.status, run_dir=ws.label(ws.runs_dir / record.id),
+        code=code_description(record), config_changes=record.config_changes, data=record.data,
+        resumed_from=_resumed_from(ws, record), warnings=record.warnings,
     )
+
+
+CODE_CHOICES = ("checkpoint", "head")
 
 
 def resume_checkpoint(
@@ -121,14 +91,19 @@ def resume_checkpoint(
     run_id: str,
     step: int | None = None,
     nproc: int | None = None,
-    overrides: dict[str, Any] | list[str] | None = None,
+    overrides: Overrides = None,
     limits: sandbox_runs.RunLimits | None = None,
+    code: str = "checkpoint",
 ) -> LaunchRunResult:
     """A new run that continues ``run_id`` from its checkpoint at ``step`` (default: latest).
 
-    With as many processes as the original, the new run computes with the original's thread
-    count, so on CPU its losses continue the original's bit for bit.
+    ``code="checkpoint"`` runs the code the original run ran (its snapshot); ``code="head"``
+    the recipe as it is now (e.g. after a skill was applied). With as many processes as the
+    original, the new run computes with the original's thread count, so on CPU its losses
+    continue the original's bit for bit.
     """
+    if code not in CODE_CHOICES:
+        raise BadInput(f"code must be one of {', '.join(CODE_CHOICES)}, got {code!r}")
     source_dir = ws.run_dir(run_id)
     source = rd.read_run(source_dir)
     checkpoints = rd.list_checkpoints(source_dir)
@@ -146,51 +121,52 @@ def resume_checkpoint(
                 f"available steps: {', '.join(str(s) for s, _ in checkpoints)}"
             )
         chosen_step, checkpoint = step, by_step[step]
-    if not source.get("config"):
+    if not source.config:
         raise NotFound(f"run {run_id} recorded no config, so it cannot be resumed")
-    recipe_dir = ws.recipe(source["recipe"])
-    nproc = _check_nproc(source.get("nproc", 1) if nproc is None else nproc)
-    items = _checked_overrides(ws, overrides)
+    if code == "checkpoint":
+        code_dir = source_dir / rd.SNAPSHOT_DIRNAME
+        if not (code_dir / "recipe.py").is_file():
+            raise BadInput(f"run {run_id} kept no snapshot of its code; resume it with code='head'")
+        origin = CodeOrigin(source.git_commit, source.recipe_dirty, source.dirty_files)
+    else:
+        code_dir = ws.recipe(source.recipe)
+        origin = recipe_origin(ws.root, code_dir)
+    nproc = _check_nproc(source.nproc if nproc is None else nproc)
+    flat = _checked_overrides(ws, overrides)
     limits = ws.run_limits() if limits is None else limits
     config_json = source_dir / rd.RUN_JSON
-    sandbox_runs.check_launch(ws.root, recipe_dir, nproc, items, config_json=config_json, limits=limits)
-    same_shape = nproc == source.get("nproc") and not limits.threads_per_process
-    resumed_from = ResumedFrom(run_id=source["id"], step=chosen_step, path=ws.label(checkpoint))
+    verdict = sandbox_runs.check_launch(
+        ws.root, code_dir, nproc, override_args(flat), config_json=config_json, limits=limits
+    )
+    same_shape = nproc == source.nproc and not limits.threads_per_process
     record = sandbox_runs.start_run(
-        ws.root, ws.runs_dir, recipe_dir, ws.label(recipe_dir), nproc, items,
-        git_commit=head_commit(ws.root),
-        resumed_from={**resumed_from.model_dump(), "path": str(checkpoint)},
+        ws.root, ws.runs_dir, code_dir, source.recipe, nproc, flat, verdict,
+        origin=origin, code_from=code,
+        resumed_from=rd.ResumedFrom(run_id=source.id, step=chosen_step, path=str(checkpoint)),
         config_json=config_json,
         limits=limits,
-        threads=source.get("threads_per_process") if same_shape else None,
+        threads=source.threads_per_process if same_shape else None,
     )
-    return LaunchRunResult(
-        run_id=record["id"], status=record["status"],
-        run_dir=ws.label(ws.runs_dir / record["id"]), resumed_from=resumed_from,
-    )
+    return _launch_result(ws, record)
 
 
-def _resumed_from(ws: Workspace, record: dict[str, Any]) -> ResumedFrom | None:
-    source = record.get("resumed_from")
-    if not source:
+def _resumed_from(ws: Workspace, record: rd.RunRecord) -> rd.ResumedFrom | None:
+    source = record.resumed_from
+    if source is None:
         return None
-    path = Path(source["path"])
+    path = Path(source.path)
     label = ws.label(path) if path.is_absolute() and ws.root in path.parents else str(path)
-    return ResumedFrom(run_id=source["run_id"], step=source["step"], path=label)
-
-
-def _max_steps(record: dict[str, Any]) -> int | None:
-    return ((record.get("config") or {}).get("train") or {}).get("max_steps")
+    return source.model_copy(update={"path": label})
 
 
 def get_run(ws: Workspace, run_id: str) -> RunInfo:
     run_dir = ws.run_dir(run_id)
     record = rd.read_run(run_dir)
-    status = rd.effective_status(record)
+    status = record.effective_status()
     latest_records, _ = rd.read_metrics_tail(run_dir / rd.METRICS_JSONL, 1)
     latest = latest_records[-1] if latest_records else None
-    error = record.get("error") or record.get("reason")
-    if status == rd.FAILED and record.get("status") != rd.FAILED:
+    error = record.error or record.reason
+    if status == rd.FAILED and record.status != rd.FAILED:
         error = error or "the run's supervisor is gone without recording an outcome (killed?)"
     if error is not None:
         error = bounded(str(error), MAX_ERROR_CHARS)[0]
@@ -198,21 +174,27 @@ def get_run(ws: Workspace, run_id: str) -> RunInfo:
     if status == rd.FAILED:
         console_tail = _tail_text(run_dir / rd.CONSOLE_LOG, CONSOLE_TAIL_BYTES)
     return RunInfo(
-        run_id=record["id"],
+        run_id=record.id,
         status=status,
-        recipe=record.get("recipe", ""),
+        recipe=record.recipe,
         run_dir=ws.label(run_dir),
-        git_commit=record.get("git_commit"),
-        nproc=record.get("nproc"),
-        world_size=record.get("world_size"),
-        created_at=record.get("created_at"),
-        started_at=record.get("started_at"),
-        ended_at=record.get("ended_at"),
-        exit_code=record.get("exit_code"),
+        code=code_description(record),
+        git_commit=record.git_commit,
+        recipe_dirty=record.recipe_dirty,
+        snapshot=record.snapshot,
+        nproc=record.nproc,
+        world_size=record.world_size,
+        created_at=record.created_at,
+        started_at=record.started_at,
+        ended_at=record.ended_at,
+        exit_code=record.exit_code,
         error=error,
         resumed_from=_resumed_from(ws, record),
+        overrides=record.overrides,
+        config_changes=record.config_changes,
+        data=record.data,
         step=latest.get("step") if latest else None,
-        max_steps=_max_steps(record),
+        max_steps=record.max_steps,
         eta_s=latest.get("eta_s") if latest and status == rd.RUNNING else None,
         latest=_bounded_record(latest) if latest else None,
         checkpoints=[
@@ -220,10 +202,10 @@ def get_run(ws: Workspace, run_id: str) -> RunInfo:
             for s, p in rd.list_checkpoints(run_dir)[-MAX_RUN_INFO_CHECKPOINTS:]
         ],
         console_tail=console_tail,
-        warnings=[bounded(str(w), 500)[0] for w in list(record.get("warnings") or [])[:20]],
-        network_isolated=record.get("network_isolated"),
-        network_note=record.get("network_note"),
-        limits=record.get("limits"),
+        warnings=[bounded(str(w), 500)[0] for w in record.warnings[:20]],
+        network_isolated=record.network_isolated,
+        network_note=record.network_note,
+        limits=record.limits or None,
     )
 
 
@@ -273,11 +255,11 @@ def list_runs(ws: Workspace, limit: int = 50) -> RunList:
         summaries.append(
             RunSummary(
                 run_id=run_id,
-                status=rd.effective_status(record),
-                recipe=str(record.get("recipe", ""))[:300],
-                created_at=record.get("created_at"),
+                status=record.effective_status(),
+                recipe=record.recipe[:300],
+                created_at=record.created_at,
                 step=latest[-1].get("step") if latest else None,
-                max_steps=_max_steps(record),
+                max_steps=record.max_steps,
                 loss=latest[-1].get("loss") if latest else None,
             )
         )
@@ -303,7 +285,7 @@ def tail_metrics(ws: Workspace, run_id: str, n: int = 20, after_step: int | None
         kept.append(record)
     kept.reverse()
     return MetricsTail(
-        run_id=run_id, status=rd.effective_status(rd.read_run(run_dir)), records=kept, truncated=truncated
+        run_id=run_id, status=rd.read_run(run_dir).effective_status(), records=kept, truncated=truncated
     )
 
 

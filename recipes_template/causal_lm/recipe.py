@@ -27,12 +27,13 @@ from typing import Any, Iterator, Literal
 
 import torch
 import torch.nn.functional as F
-from pydantic import Field
+from pydantic import Field, model_validator
 from torch.distributed.checkpoint.stateful import Stateful
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-from engine.config import DataConfig, EngineConfig, Section
+from engine.config import ConfigError, DataConfig, EngineConfig, Section
 from engine.engine import IGNORE_INDEX, Engine
+from engine.run_dir import DataSummary
 from engine.flops import non_embedding_params, transformer_flops_per_token
 from engine.fsdp import apply_fsdp
 
@@ -56,10 +57,11 @@ class ModelConfig(Section):
 
 
 class CausalLMDataConfig(DataConfig):
-    source: Literal["stdlib", "files", "random"] = Field(
-        "stdlib",
-        description="stdlib: the CPython standard library sources; files: data.paths; random: "
-        "documents of random tokens (data.vocab_size), for throughput benchmarks.",
+    source: Literal["stdlib", "files", "random"] | None = Field(
+        None,
+        description="files: data.paths (the default when data.paths is set); stdlib: the CPython "
+        "standard library sources (the default otherwise); random: documents of random tokens "
+        "(data.vocab_size), for throughput benchmarks.",
     )
     paths: list[str] = Field(
         default_factory=list,
@@ -69,6 +71,21 @@ class CausalLMDataConfig(DataConfig):
     eval_fraction: float = Field(0.05, ge=0, lt=1, description="Documents held out for evaluation.")
     vocab_size: int = Field(32000, ge=3, description="data.source=random: token ids are below this.")
     random_documents: int = Field(10000, ge=1, description="data.source=random: how many documents.")
+
+
+    @model_validator(mode="after")
+    def _source_matches_paths(self) -> "CausalLMDataConfig":
+        # No combination of keys may train on other data than asked for.
+        if self.source is None:
+            object.__setattr__(self, "source", "files" if self.paths else "stdlib")
+        elif self.paths and self.source != "files":
+            raise ValueError(
+                f"data.paths is set but data.source={self.source} would ignore it; "
+                "drop data.source (or set it to files) to train on data.paths"
+            )
+        elif self.source == "files" and not self.paths:
+            raise ValueError("data.source=files needs data.paths (files or folders, relative to the workspace)")
+        return self
 
 
 class CausalLMConfig(EngineConfig):
@@ -159,8 +176,6 @@ def load_documents(cfg: CausalLMDataConfig) -> list[tuple[str, Any]]:
     if cfg.source == "stdlib":
         root = Path(sysconfig.get_paths()["stdlib"])
         return [(str(p.relative_to(root)), p.read_text(errors="replace")) for p in stdlib_files()]
-    if not cfg.paths:
-        raise ValueError("data.source=files needs data.paths (files or folders)")
     documents = []
     for path, name in _expand_paths(cfg.paths):
         if path.suffix == ".jsonl":
@@ -172,7 +187,7 @@ def load_documents(cfg: CausalLMDataConfig) -> list[tuple[str, Any]]:
         else:
             documents.append((name, path.read_text(errors="replace")))
     if not documents:
-        raise ValueError(f"no documents found in data.paths={cfg.paths}")
+        raise ConfigError(f"no documents in data.paths={cfg.paths} (.txt, .md, .py files, .jsonl lines)")
     return documents
 
 
@@ -199,8 +214,20 @@ def _expand_paths(paths: list[str]) -> list[tuple[Path, str]]:
         elif path.is_file():
             found.append((path, path.name))
         else:
-            raise FileNotFoundError(f"data.paths entry {raw!r} does not exist")
+            raise ConfigError(f"data.paths entry {raw!r} does not exist (relative paths start at the workspace)")
     return found
+
+
+def _refuse_unused_data_folder() -> None:
+    """A data/ folder beside this recipe, while the run would train on the standard library by
+    default, is almost surely data meant for the run: say so rather than ignore it."""
+    folder = Path(__file__).resolve().parent / "data"
+    if folder.is_dir() and any(p.is_file() for p in folder.rglob("*")):
+        raise ConfigError(
+            f"the recipe has a data/ folder, but data.paths is not set, so the run would train on the "
+            "CPython standard library; set data.paths to the files to train on (relative to the "
+            "workspace), or data.source=stdlib to train on the standard library anyway"
+        )
 
 
 def is_eval_document(name: str, eval_fraction: float) -> bool:
@@ -330,6 +357,39 @@ class CausalLM(Engine):
             eps=optim.eps,
             weight_decay=optim.weight_decay,
             fused=True,
+        )
+
+    @classmethod
+    def summarize_data(cls, config: CausalLMConfig) -> DataSummary:
+        cfg = config.data
+        if cfg.source == "stdlib" and "source" not in cfg.model_fields_set:
+            _refuse_unused_data_folder()
+        path = config.model.pretrained_path
+        tokenizer = PretrainedTokenizer(path) if path and cfg.source != "random" else None
+        counts = {True: [0, 0], False: [0, 0]}  # held out? -> [documents, tokens]
+        names = set()
+        for name, text in load_documents(cfg):
+            if cfg.source == "random":
+                tokens = len(text) + 1
+            elif tokenizer is not None:
+                tokens = len(tokenizer.encode(text)) + 1
+            else:
+                tokens = len(text.encode("utf-8", errors="replace")) + 1  # ByteTokenizer: a token a byte
+            counted = counts[is_eval_document(name, cfg.eval_fraction)]
+            counted[0] += 1
+            counted[1] += tokens
+            names.add(name.split(":", 1)[0])
+        return DataSummary(
+            source=cfg.source,
+            paths=cfg.paths[:20],
+            files=len(names) if cfg.source != "random" else None,
+            documents=counts[False][0] + counts[True][0],
+            tokens=counts[False][1] + counts[True][1],
+            train_documents=counts[False][0],
+            train_tokens=counts[False][1],
+            eval_documents=counts[True][0],
+            eval_tokens=counts[True][1],
+            tokenizer="random ids" if cfg.source == "random" else (f"from {path}" if path else "bytes"),
         )
 
     @cached_property

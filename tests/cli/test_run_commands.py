@@ -67,8 +67,8 @@ def test_run_then_resume_from_a_checkpoint_records_resumed_from(workspace):
     assert resumed["resumed_from"]["run_id"] == run["run_id"]
     assert resumed["resumed_from"]["step"] == 3
     record = rd.read_run(workspace / resumed["run_dir"])
-    assert record["resumed_from"]["run_id"] == run["run_id"]
-    assert record["status"] == rd.COMPLETED
+    assert record.resumed_from.run_id == run["run_id"]
+    assert record.status == rd.COMPLETED
 
     _, tail = trainwright(workspace, "tail", resumed["run_id"], "-n", "10")
     assert [r["step"] for r in tail["records"]] == [4, 5, 6]
@@ -91,5 +91,5 @@ def test_a_detached_run_can_be_stopped_and_leaves_no_process(workspace):
     record = rd.read_run(run_dir)
     _, stopped = trainwright(workspace, "stop", run["run_id"])
     assert stopped["status"] == "stopped"
-    for pid in (record["pid"], record["child_pgid"]):
+    for pid in (record.pid, record.child_pgid):
         assert not rd.pid_alive(pid)

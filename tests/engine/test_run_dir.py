@@ -77,21 +77,31 @@ def test_only_published_checkpoints_with_metadata_count(tmp_path):
 
 def test_update_run_merges_fields(tmp_path):
     run = tmp_path / "run"
-    rd.create_run(run, {"id": "r1", "status": rd.STARTING})
+    rd.create_run(run, rd.RunRecord(id="r1"))
     rd.update_run(run, status=rd.RUNNING, pid=123)
-    assert rd.read_run(run) == {"id": "r1", "status": rd.RUNNING, "pid": 123}
+    assert rd.read_run(run) == rd.RunRecord(id="r1", status=rd.RUNNING, pid=123)
     with pytest.raises(FileExistsError):
-        rd.create_run(run, {"id": "r1"})
+        rd.create_run(run, rd.RunRecord(id="r1"))
+
+
+def test_run_json_is_read_and_written_only_as_a_run_record(tmp_path):
+    run = tmp_path / "run"
+    rd.create_run(run, rd.RunRecord(id="r1"))
+    with pytest.raises(TypeError, match="RunRecord has no field 'stauts'"):
+        rd.update_run(run, stauts=rd.RUNNING)
+    with pytest.raises(ValueError, match="status"):
+        rd.update_run(run, status="finished")
+    assert rd.read_run(run).status == rd.STARTING  # a refused update changes nothing
 
 
 def test_a_live_status_whose_process_is_gone_reads_as_failed():
     finished = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     dead_pid = int(finished.stdout)
-    assert rd.effective_status({"status": rd.RUNNING, "pid": dead_pid}) == rd.FAILED
-    assert rd.effective_status({"status": rd.COMPLETED, "pid": dead_pid}) == rd.COMPLETED
+    assert rd.RunRecord(id="r", status=rd.RUNNING, pid=dead_pid).effective_status() == rd.FAILED
+    assert rd.RunRecord(id="r", status=rd.COMPLETED, pid=dead_pid).effective_status() == rd.COMPLETED
     import os
 
-    assert rd.effective_status({"status": rd.RUNNING, "pid": os.getpid()}) == rd.RUNNING
+    assert rd.RunRecord(id="r", status=rd.RUNNING, pid=os.getpid()).effective_status() == rd.RUNNING
 
 
 def test_run_ids_are_plain_names_that_sort_by_time():
@@ -106,9 +116,9 @@ def test_importing_the_run_dir_format_does_not_import_torch():
     assert out.stdout.strip() == "False"
 
 
-def test_appending_to_a_run_list_keeps_earlier_entries(tmp_path):
+def test_warnings_are_kept_in_order_and_once(tmp_path):
     run = tmp_path / "run"
-    rd.create_run(run, {"id": "r1"})
-    rd.append_to_run_list(run, "warnings", "first")
-    rd.append_to_run_list(run, "warnings", "second")
-    assert rd.read_run(run)["warnings"] == ["first", "second"]
+    rd.create_run(run, rd.RunRecord(id="r1"))
+    for message in ("first", "second", "first"):
+        rd.append_warning(run, message)
+    assert rd.read_run(run).warnings == ["first", "second"]

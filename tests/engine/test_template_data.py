@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from engine.config import ConfigError, build_config
 from recipes_template.causal_lm import recipe
 
 
@@ -57,8 +58,45 @@ def test_moving_the_data_keeps_the_train_eval_split(tmp_path: Path):
 
 
 def test_missing_paths_are_named(tmp_path: Path):
-    with pytest.raises(FileNotFoundError, match="nowhere"):
+    with pytest.raises(ConfigError, match="data.paths entry '.*nowhere' does not exist"):
         documents(tmp_path / "nowhere")
     with pytest.raises(ValueError, match="no documents"):
         (tmp_path / "empty").mkdir()
         documents(tmp_path / "empty")
+
+
+# ---------------------------------------------------------------------------------------------
+# Which data: no combination of keys trains on other data than asked for
+# ---------------------------------------------------------------------------------------------
+
+
+def data_config(*overrides: str) -> recipe.CausalLMDataConfig:
+    return build_config(recipe.CausalLMConfig, None, list(overrides)).data
+
+
+def test_data_paths_alone_mean_files():
+    assert data_config('data.paths=["corpus"]').source == "files"
+    assert data_config().source == "stdlib"
+    assert data_config("data.source=random").source == "random"
+
+
+@pytest.mark.parametrize("source", ["stdlib", "random"])
+def test_data_paths_with_another_source_are_refused(source):
+    with pytest.raises(ConfigError, match=f"data.paths is set but data.source={source} would ignore it"):
+        data_config('data.paths=["corpus"]', f"data.source={source}")
+
+
+def test_files_without_paths_are_refused():
+    with pytest.raises(ConfigError, match="data.source=files needs data.paths"):
+        data_config("data.source=files")
+
+
+def test_the_data_summary_counts_what_the_run_will_read(tmp_path: Path, monkeypatch):
+    corpus = write_corpus(tmp_path / "corpus")
+    monkeypatch.chdir(tmp_path)
+    config = build_config(recipe.CausalLMConfig, None, ['data.paths=["corpus"]', "data.eval_fraction=0"])
+    summary = recipe.CausalLM.summarize_data(config)
+    texts = ["first document", "record 0", "record 1", "record 2", "second document"]
+    assert (summary.source, summary.paths, summary.files, summary.documents) == ("files", ["corpus"], 3, 5)
+    assert summary.tokens == sum(len(text) + 1 for text in texts)  # bytes + end of document
+    assert (summary.train_documents, summary.eval_documents, summary.eval_tokens) == (5, 0, 0)

@@ -41,9 +41,9 @@ def reference(workspace):
 
 def test_a_run_writes_the_run_directory_of_the_contract(reference):
     record = rd.read_run(reference)
-    assert record["status"] == rd.COMPLETED
-    assert record["world_size"] == 1
-    assert record["config"]["train"]["max_steps"] == STEPS
+    assert record.status == rd.COMPLETED
+    assert record.world_size == 1
+    assert record.config["train"]["max_steps"] == STEPS
     assert [s for s, _ in rd.list_checkpoints(reference)] == [4, 8, 12, 16]
     first = rd.read_all_metrics(reference / rd.METRICS_JSONL)[0]
     for key in ("step", "loss", "lr", "grad_norm", "tokens_per_s", "step_time_s", "peak_mem_mb",
@@ -116,7 +116,7 @@ def test_a_kill_during_a_checkpoint_save_leaves_it_ignored_and_resume_is_bit_ide
 def test_two_processes_match_one_and_their_checkpoint_resumes_on_one(workspace, reference):
     root, recipe = workspace
     two = run_engine(root, recipe, *SCHEDULE, nproc=2)
-    assert rd.read_run(two)["world_size"] == 2
+    assert rd.read_run(two).world_size == 2
     one_curve, two_curve = losses(reference), losses(two)
     assert sorted(two_curve) == sorted(one_curve)
     relative = {s: abs(two_curve[s] - one_curve[s]) / abs(one_curve[s]) for s in one_curve}

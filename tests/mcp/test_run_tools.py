@@ -165,7 +165,7 @@ def test_stop_run_ends_a_running_run_and_all_its_processes(client, workspace, re
     stopped = client.ok("stop_run", run_id=run["run_id"])
 
     assert stopped["status"] == "stopped" and stopped["error"] == "stopped by request"
-    assert not rd.pid_alive(record["pid"]) and not process_group_alive(record["child_pgid"])
+    assert not rd.pid_alive(record.pid) and not process_group_alive(record.child_pgid)
     assert client.ok("stop_run", run_id=run["run_id"])["status"] == "stopped"  # idempotent
     assert client.ok("tail_metrics", run_id=run["run_id"])["status"] == "stopped"
 
@@ -173,7 +173,7 @@ def test_stop_run_ends_a_running_run_and_all_its_processes(client, workspace, re
 def test_a_run_whose_engine_is_killed_is_failed_with_the_console_tail(client, workspace, recipe):
     run = client.ok("launch_run", recipe=recipe, overrides=ENDLESS_RUN)
     client.wait_for_step(run["run_id"], 1)
-    os.killpg(rd.read_run(workspace / run["run_dir"])["child_pgid"], signal.SIGKILL)  # the OOM killer, say
+    os.killpg(rd.read_run(workspace / run["run_dir"]).child_pgid, signal.SIGKILL)  # the OOM killer, say
 
     failed = client.wait_for_run(run["run_id"])
 

@@ -47,7 +47,7 @@ def test_a_restarted_server_sees_the_true_status_of_runs_that_went_on_without_it
 
     # No server now. The short run ends; the endless one goes on.
     short_dir, endless_dir = tmp_path / short["run_dir"], tmp_path / endless["run_dir"]
-    wait_for(lambda: rd.read_run(short_dir).get("exit_code") is not None, timeout=300, interval=0.3)
+    wait_for(lambda: rd.read_run(short_dir).exit_code is not None, timeout=300, interval=0.3)
     wait_for(lambda: rd.read_metrics_tail(endless_dir / rd.METRICS_JSONL, 1)[0][-1]["step"] > step_seen,
              timeout=120, interval=0.3)
 
@@ -65,7 +65,7 @@ def test_a_restarted_server_sees_the_true_status_of_runs_that_went_on_without_it
         record = rd.read_run(endless_dir)
         stopped = second.ok("stop_run", run_id=endless["run_id"])
         assert stopped["status"] == "stopped"
-        assert not rd.pid_alive(record["pid"]) and not process_group_alive(record["child_pgid"])
+        assert not rd.pid_alive(record.pid) and not process_group_alive(record.child_pgid)
 
     notes = git(tmp_path, "log", "--notes=trainwright", "-1", "--format=%N")
     assert f"run {short['run_id']}: completed; step 8/8" in notes

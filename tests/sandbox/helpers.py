@@ -41,11 +41,11 @@ def fake_run(workspace: Path, run_id: str, status: str = rd.COMPLETED, steps: in
              checkpoints: tuple[int, ...] = (2, 4), **fields: Any) -> Path:
     """A run directory as the engine leaves it, without training (for tests that only read)."""
     run_dir = workspace / rd.RUNS_DIRNAME / run_id
-    rd.create_run(run_dir, {
+    rd.create_run(run_dir, rd.RunRecord.model_validate({
         "id": run_id, "recipe": "recipes/lm", "status": status, "nproc": 1, "world_size": 1,
         "created_at": rd.utc_now(), "resumed_from": None, "git_commit": None, "pid": None,
         "config": {"train": {"max_steps": steps}}, **fields,
-    })
+    }))
     with open(run_dir / rd.METRICS_JSONL, "w") as f:
         for step in range(1, steps + 1):
             f.write(json.dumps({"step": step, "loss": 5.0 - 0.1 * step}) + "\n")
@@ -115,11 +115,11 @@ def run_overrides(*items: str) -> list[str]:
     return [*TINY, *items]
 
 
-def wait_final(run_dir: Path, timeout: float = 300) -> dict[str, Any]:
+def wait_final(run_dir: Path, timeout: float = 300) -> rd.RunRecord:
     """Wait until the run's supervisor has recorded an outcome and exited."""
     def done():
         record = rd.read_run(run_dir)
-        return record if record.get("status") in rd.FINAL_STATUSES and not rd.pid_alive(record.get("pid")) else None
+        return record if record.status in rd.FINAL_STATUSES and not rd.pid_alive(record.pid) else None
     return wait_for(done, timeout=timeout, interval=0.1)
 
 
@@ -129,8 +129,8 @@ def wait_step(run_dir: Path, step: int, timeout: float = 300) -> None:
         if latest and latest[-1].get("step", 0) >= step:
             return True
         record = rd.read_run(run_dir)
-        if record.get("status") in rd.FINAL_STATUSES:
-            raise AssertionError(f"the run ended ({record.get('status')}) before step {step}: {record.get('error')}")
+        if record.status in rd.FINAL_STATUSES:
+            raise AssertionError(f"the run ended ({record.status}) before step {step}: {record.error}")
         return False
     wait_for(reached, timeout=timeout, interval=0.02)
 
@@ -138,9 +138,9 @@ def wait_step(run_dir: Path, step: int, timeout: float = 300) -> None:
 def run_pids(run_dir: Path) -> set[int]:
     """Every live process of a run: the supervisor, its descendants, and those marked with its id."""
     record = rd.read_run(run_dir)
-    pids = processes.marked(record["id"])
-    if record.get("pid") and processes.alive(record["pid"]):
-        pids |= {record["pid"]} | processes.descendants(record["pid"])
+    pids = processes.marked(record.id)
+    if record.pid and processes.alive(record.pid):
+        pids |= {record.pid} | processes.descendants(record.pid)
     return {p for p in pids if processes.alive(p)}
 
 
@@ -175,8 +175,8 @@ def supervise(run_dir: Path, command: list[str], limits: dict[str, Any] | None =
 
     from sandbox.environment import run_environment
 
-    rd.create_run(run_dir, {"id": run_id, "status": rd.STARTING, "command": command, "limits": limits or {},
-                            "workspace": str(run_dir.parent), "recipe": "none", "git_commit": None})
+    rd.create_run(run_dir, rd.RunRecord(id=run_id, command=command, limits=limits or {},
+                                        workspace=str(run_dir.parent), recipe="none"))
     with open(run_dir / rd.CONSOLE_LOG, "ab") as console:
         process = subprocess.Popen(
             [sys.executable, "-m", "sandbox.supervise", str(run_dir)],

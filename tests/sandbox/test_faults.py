@@ -47,8 +47,8 @@ def partial_steps(run_dir: Path) -> list[int]:
 
 
 def kill_engine(run_dir: Path) -> None:
-    record = wait_for(lambda: (r := rd.read_run(run_dir)).get("child_pgid") and r, timeout=60)
-    os.killpg(record["child_pgid"], signal.SIGKILL)
+    record = wait_for(lambda: (r := rd.read_run(run_dir)).child_pgid and r, timeout=60)
+    os.killpg(record.child_pgid, signal.SIGKILL)
 
 
 @pytest.mark.slow
@@ -73,15 +73,15 @@ def test_sigkill_at_ten_random_points_resumes_bit_identical_every_time(ws):
             time.sleep(rng.uniform(0, 0.05))
             kill_engine(run_dir)
         record = wait_final(run_dir)
-        assert record["status"] == rd.FAILED and "SIGKILL" in record["error"], record
+        assert record.status == rd.FAILED and "SIGKILL" in record.error, record
         segments.append((run_dir, start, kill))
         checkpoint = rd.latest_checkpoint(run_dir)
         assert checkpoint is not None and checkpoint[0] > start, f"kill {kill} made no progress {seed_note}"
         resumed = run_ops.resume_checkpoint(ws, run_dir.name)
         assert resumed.resumed_from.step == checkpoint[0]
         run_dir, start = ws.runs_dir / resumed.run_id, checkpoint[0]
-    assert wait_final(run_dir)["status"] == rd.COMPLETED
-    assert wait_final(reference)["status"] == rd.COMPLETED
+    assert wait_final(run_dir).status == rd.COMPLETED
+    assert wait_final(reference).status == rd.COMPLETED
     segments.append((run_dir, start, KILLS))
 
     expected = losses(reference)
@@ -141,14 +141,14 @@ def test_a_full_disk_during_a_save_fails_the_run_clearly_and_keeps_the_previous_
     mounted = False
     if how == "tmpfs":
         # Room for one checkpoint (1.7 MB), not two: the save at step 4 fills the disk.
-        mounted = rd.read_run(run_dir).get("started_at") is None and _mount_tmpfs(checkpoints, "2600k")
+        mounted = rd.read_run(run_dir).started_at is None and _mount_tmpfs(checkpoints, "2600k")
         if not mounted:
             run_ops.stop_run(ws, launched.run_id)
             pytest.skip("cannot mount a tmpfs here (needs root); the injected case covers this")
     try:
         record = wait_final(run_dir)
         info = run_ops.get_run(ws, launched.run_id)
-        assert record["status"] == rd.FAILED and info.status == rd.FAILED
+        assert record.status == rd.FAILED and info.status == rd.FAILED
         assert info.error.startswith("CheckpointSaveError: could not write the checkpoint of step 4: No space left on device"), info.error
         assert "the previous checkpoint, step 2, is untouched" in info.error
         assert [c.step for c in info.checkpoints] == [2]
@@ -156,7 +156,7 @@ def test_a_full_disk_during_a_save_fails_the_run_clearly_and_keeps_the_previous_
 
         resumed = run_ops.resume_checkpoint(ws, launched.run_id, step=2)
         resumed_dir = ws.runs_dir / resumed.run_id
-        assert wait_final(resumed_dir)["status"] == rd.COMPLETED, rd.read_run(resumed_dir).get("error")
+        assert wait_final(resumed_dir).status == rd.COMPLETED, rd.read_run(resumed_dir).error
         before, after = losses(run_dir), losses(resumed_dir)
         assert sorted(after) == list(range(3, 11))
         assert {s: after[s] for s in before if s > 2} == {s: v for s, v in before.items() if s > 2}

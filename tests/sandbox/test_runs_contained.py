@@ -56,10 +56,10 @@ def test_a_secret_never_reaches_a_run_its_logs_or_the_audit(workspace, monkeypat
         run_dir = workspace / "runs" / run_id
         wait_step(run_dir, 2)
         record = rd.read_run(run_dir)
-        engine = environ(record["engine_pid"])
-        supervisor = environ(record["pid"])
-        limits = open(f"/proc/{record['engine_pid']}/limits").read()
-        run_network = os.readlink(f"/proc/{record['engine_pid']}/ns/net")
+        engine = environ(record.engine_pid)
+        supervisor = environ(record.pid)
+        limits = open(f"/proc/{record.engine_pid}/limits").read()
+        run_network = os.readlink(f"/proc/{record.engine_pid}/ns/net")
         info = client.call("get_run", {"run_id": run_id}).structured_content
         stopped = client.call("stop_run", {"run_id": run_id}).structured_content
 
@@ -67,7 +67,7 @@ def test_a_secret_never_reaches_a_run_its_logs_or_the_audit(workspace, monkeypat
         assert not any(SECRET in value for value in env.values())
         assert {"TW_TEST_SERVICE_API_TOKEN", "AWS_SECRET_ACCESS_KEY", "DATABASE_URL"}.isdisjoint(env)
         assert env["TW_TEST_PASSED_TOKEN"] == PASSED, "a name listed in runs.pass_env gets through"
-        assert env["OMP_NUM_THREADS"] == "1" == str(record["threads_per_process"])
+        assert env["OMP_NUM_THREADS"] == "1" == str(record.threads_per_process)
         assert env["TRAINWRIGHT_RUN_ID"] == run_id
     assert "Max open files            777" in limits
     assert info["limits"]["max_open_files"] == 777 and info["network_isolated"] in (True, False)
@@ -128,8 +128,8 @@ def test_four_runs_launched_at_once_complete_with_distinct_ids_and_no_crosstalk(
     assert len(set(run_ids)) == 4
     curves = [losses(workspace / "runs" / run_id) for run_id in run_ids]
     for run_id, record, curve, seed in zip(run_ids, records, curves, seeds):
-        assert record["status"] == rd.COMPLETED, record.get("error")
-        assert record["config"]["train"]["seed"] == seed
+        assert record.status == rd.COMPLETED, record.error
+        assert record.config["train"]["seed"] == seed
         assert sorted(curve) == [1, 2, 3, 4, 5], f"{run_id} holds another run's records"
         console = (workspace / "runs" / run_id / rd.CONSOLE_LOG).read_text()
         assert f"run {run_id}" in console and not any(other in console for other in run_ids if other != run_id)

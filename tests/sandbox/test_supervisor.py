@@ -48,23 +48,23 @@ def test_a_run_gets_its_own_network_process_group_and_limits(tmp_path):
               {"network": "isolated", "max_open_files": 321, "max_memory_bytes": 8 * 2**30}).wait(60)
     record = wait_final(run_dir)
     seen = probe(run_dir)
-    assert record["status"] == rd.COMPLETED and record["exit_code"] == 0
-    assert seen["pgid"] == seen["pid"] == seen["sid"] == record["child_pgid"], "a session and group of its own"
+    assert record.status == rd.COMPLETED and record.exit_code == 0
+    assert seen["pgid"] == seen["pid"] == seen["sid"] == record.child_pgid, "a session and group of its own"
     assert seen["nofile"] == 321 and seen["address_space"] == 8 * 2**30
     assert "TRAINWRIGHT_RUN_ID" in seen["env"]
     if isolation_possible():
-        assert record["network_isolated"] is True and "loopback only" in record["network_note"]
+        assert record.network_isolated is True and "loopback only" in record.network_note
         assert seen["net"] != os.readlink("/proc/self/ns/net")
         assert {"GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"} <= set(seen["env"])
     else:
-        assert record["network_isolated"] is False and "unavailable" in record["network_note"]
+        assert record.network_isolated is False and "unavailable" in record.network_note
 
 
 def test_network_shared_by_configuration_is_recorded_as_off(tmp_path):
     run_dir = tmp_path / "run"
     supervise(run_dir, [sys.executable, "-c", PROBE], {"network": "shared"}).wait(60)
     record = wait_final(run_dir)
-    assert record["network_isolated"] is False and "'shared'" in record["network_note"]
+    assert record.network_isolated is False and "'shared'" in record.network_note
     assert probe(run_dir)["net"] == os.readlink("/proc/self/ns/net")
 
 
@@ -90,7 +90,7 @@ def test_in_an_isolated_run_only_loopback_answers(tmp_path):
     )
     run_dir = tmp_path / "run"
     supervise(run_dir, [sys.executable, "-c", code], {"network": "isolated"}).wait(60)
-    assert wait_final(run_dir)["status"] == rd.COMPLETED
+    assert wait_final(run_dir).status == rd.COMPLETED
     assert "UNREACHABLE" in (run_dir / rd.CONSOLE_LOG).read_text()
 
 
@@ -110,7 +110,7 @@ def test_processes_that_detach_do_not_outlive_a_run_that_ends(tmp_path):
     marked = processes.marked("20260101-000000-sup-0000")
     assert len(marked) >= 3, marked  # the child, the sleep, the double-forked daemon
     supervisor.wait(60)
-    assert wait_final(run_dir)["status"] == rd.COMPLETED
+    assert wait_final(run_dir).status == rd.COMPLETED
     assert wait_gone(marked, timeout=5) == set()
 
 
@@ -118,10 +118,10 @@ def test_stop_ends_every_process_and_records_stopped(tmp_path):
     run_dir = tmp_path / "run"
     supervise(run_dir, [sys.executable, "-c", DETACHING, "600"], {"stop_grace_s": 1})
     wait_for(lambda: "STARTED" in (run_dir / rd.CONSOLE_LOG).read_text(), timeout=30)
-    marked = processes.marked("20260101-000000-sup-0000") | {rd.read_run(run_dir)["pid"]}
+    marked = processes.marked("20260101-000000-sup-0000") | {rd.read_run(run_dir).pid}
     started = time.monotonic()
     record = stop_run(run_dir)
-    assert record["status"] == rd.STOPPED and record["reason"] == "stopped by request"
+    assert record.status == rd.STOPPED and record.reason == "stopped by request"
     assert wait_gone(marked, timeout=5) == set()
     assert time.monotonic() - started < 15
 
@@ -134,7 +134,7 @@ def test_stop_when_the_supervisor_is_gone_still_ends_the_run(tmp_path):
     os.kill(supervisor.pid, signal.SIGKILL)
     supervisor.wait()
     record = stop_run(run_dir)
-    assert record["status"] == rd.STOPPED
+    assert record.status == rd.STOPPED
     assert wait_gone(marked, timeout=10) == set()
 
 
@@ -143,7 +143,7 @@ def test_the_wall_time_limit_stops_the_run_and_says_so(tmp_path):
     supervise(run_dir, [sys.executable, "-c", "import time; time.sleep(600)"],
               {"wall_time_s": 1, "stop_grace_s": 1}).wait(60)
     record = wait_final(run_dir)
-    assert record["status"] == rd.STOPPED and record["reason"] == "wall-time limit of 1 s reached"
+    assert record.status == rd.STOPPED and record.reason == "wall-time limit of 1 s reached"
 
 
 def test_a_child_that_ignores_sigterm_is_killed_after_the_grace(tmp_path):
@@ -152,7 +152,7 @@ def test_a_child_that_ignores_sigterm_is_killed_after_the_grace(tmp_path):
     supervise(run_dir, [sys.executable, "-c", code], {"stop_grace_s": 1})
     wait_for(lambda: "STARTED" in (run_dir / rd.CONSOLE_LOG).read_text(), timeout=30)
     started = time.monotonic()
-    assert stop_run(run_dir)["status"] == rd.STOPPED
+    assert stop_run(run_dir).status == rd.STOPPED
     assert time.monotonic() - started < 10
 
 
@@ -160,11 +160,11 @@ def test_a_failing_command_is_recorded_as_failed_with_its_exit_code(tmp_path):
     run_dir = tmp_path / "run"
     supervise(run_dir, [sys.executable, "-c", "raise SystemExit(3)"]).wait(60)
     record = wait_final(run_dir)
-    assert record["status"] == rd.FAILED and record["exit_code"] == 3 and "status 3" in record["error"]
+    assert record.status == rd.FAILED and record.exit_code == 3 and "status 3" in record.error
 
 
 def test_a_command_that_cannot_start_is_recorded_as_failed(tmp_path):
     run_dir = tmp_path / "run"
     supervise(run_dir, ["/nonexistent/python"]).wait(60)
     record = wait_final(run_dir)
-    assert record["status"] == rd.FAILED and "could not be started" in record["error"]
+    assert record.status == rd.FAILED and "could not be started" in record.error

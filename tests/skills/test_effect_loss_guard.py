@@ -50,7 +50,7 @@ def test_a_nan_step_is_skipped_with_parameters_unchanged_and_training_goes_on(tm
     for name, weight in before["model"].items():
         assert torch.equal(skipped["model"][name], weight), f"{name} changed on the skipped step"
     assert any(not torch.equal(after["model"][n], w) for n, w in before["model"].items())
-    assert rd.read_run(run_dir(tmp_path / "run"))["status"] == rd.COMPLETED
+    assert rd.read_run(run_dir(tmp_path / "run")).status == rd.COMPLETED
 
 
 def test_bad_steps_in_a_row_stop_the_run(tmp_path: Path, documents: Path):
@@ -63,8 +63,8 @@ def test_bad_steps_in_a_row_stop_the_run(tmp_path: Path, documents: Path):
     assert result.returncode != 0
     assert "loss-guard: skipped an optimizer step: loss is nan (2 in a row)" in result.stdout
     record = rd.read_run(run_dir(tmp_path / "run"))
-    assert record["status"] == rd.FAILED
-    assert "loss-guard: 3 bad steps in a row (last: loss is nan); stopping" in record["error"]
+    assert record.status == rd.FAILED
+    assert "loss-guard: 3 bad steps in a row (last: loss is nan); stopping" in record.error
     assert [r["step"] for r in run_metrics(tmp_path / "run")] == [1, 2, 3]
 
 

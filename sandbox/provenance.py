@@ -1,0 +1,116 @@
+"""What ran: the snapshot of a recipe's code that a run executes, and where that code came from.
+
+A run never executes the recipe folder itself. Its code is copied into ``runs/<id>/recipe/``
+when it is launched, and the engine imports it from there, so
+
+- what ran is on disk beside its metrics, whatever happens to the recipe afterwards;
+- a resume runs the code of the checkpoint it continues (``code="checkpoint"``, the default),
+  or the recipe as it is now (``code="head"``), and says which;
+- nothing a run does can leave bytecode, caches or outputs in the recipe folder.
+
+The run records the commit the code was taken at and whether the recipe had uncommitted
+changes; those changes are saved as ``uncommitted.patch`` beside the snapshot's files.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from engine import run_dir as rd
+from engine.errors import BadInput
+from sandbox import git as sandbox_git
+
+# The snapshot holds code and configuration. Data belongs in data.paths (read from the
+# workspace); large files are not copied, so a recipe folder that keeps data is not duplicated
+# into every run.
+MAX_SNAPSHOT_FILE_BYTES = 2 * 2**20
+MAX_SNAPSHOT_BYTES = 32 * 2**20
+MAX_SNAPSHOT_FILES = 2000
+MAX_DIRTY_SHOWN = 20
+_SKIPPED_DIRS = {"__pycache__", ".git", ".ipynb_checkpoints", ".mypy_cache", ".pytest_cache", ".ruff_cache"}
+
+
+@dataclass
+class CodeOrigin:
+    """Where a run's code comes from, as recorded in its RunRecord."""
+
+    git_commit: str | None
+    recipe_dirty: bool | None  # None: the workspace is not a git repository
+    dirty_files: list[str] = field(default_factory=list)
+    patch: str = ""
+
+    @property
+    def description(self) -> str:
+        if self.git_commit is None:
+            return "not in a git repository"
+        text = f"commit {self.git_commit[:10]}"
+        if self.recipe_dirty:
+            text += f" + uncommitted changes ({', '.join(self.dirty_files[:5])})"
+        return text
+
+
+def recipe_origin(workspace: Path, recipe_dir: Path) -> CodeOrigin:
+    """HEAD and the recipe's uncommitted changes, now."""
+    repo = sandbox_git.open_repo(workspace)
+    if repo is None:
+        return CodeOrigin(git_commit=None, recipe_dirty=None)
+    commit = sandbox_git.head_commit(workspace)
+    dirty = sandbox_git.uncommitted(repo, recipe_dir)
+    patch = sandbox_git.diff_against_head(repo, recipe_dir, dirty) if dirty else ""
+    return CodeOrigin(git_commit=commit, recipe_dirty=bool(dirty), dirty_files=dirty[:MAX_DIRTY_SHOWN], patch=patch)
+
+
+def snapshot_files(source: Path) -> list[Path]:
+    """The files of ``source`` a snapshot holds (relative paths): code and configuration, not
+    caches, links or large files."""
+    chosen: list[Path] = []
+    total = 0
+    for folder, dirs, files in os.walk(source):
+        dirs[:] = sorted(d for d in dirs if d not in _SKIPPED_DIRS and not os.path.islink(os.path.join(folder, d)))
+        for name in sorted(files):
+            path = Path(folder) / name
+            if path.is_symlink() or not path.is_file() or name.endswith((".pyc", ".pyo")):
+                continue
+            size = path.stat().st_size
+            if size > MAX_SNAPSHOT_FILE_BYTES:
+                continue
+            total += size
+            chosen.append(path.relative_to(source))
+            if total > MAX_SNAPSHOT_BYTES or len(chosen) > MAX_SNAPSHOT_FILES:
+                raise BadInput(
+                    f"the recipe folder holds more than {MAX_SNAPSHOT_FILES} files or "
+                    f"{MAX_SNAPSHOT_BYTES // 2**20} MiB of small files; keep data outside it (data.paths)"
+                )
+    return chosen
+
+
+def write_snapshot(source: Path, run_dir: Path, origin: CodeOrigin | None = None) -> Path:
+    """Copy ``source`` (a recipe folder, or another run's snapshot) to ``run_dir/recipe``."""
+    destination = Path(run_dir) / rd.SNAPSHOT_DIRNAME
+    destination.mkdir()
+    for relative in snapshot_files(source):
+        target = destination / relative
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(source / relative, target)
+    if origin is not None and origin.patch:
+        (destination / rd.UNCOMMITTED_PATCH).write_text(origin.patch)
+    return destination
+
+
+def code_description(record: rd.RunRecord) -> str:
+    """Which code ran, in words: for notes, reviews and the console."""
+    if record.resumed_from is not None:
+        source = record.resumed_from
+        text = f"resumed from {source.run_id} step {source.step} with " + (
+            "that run's code" if record.code_from == "checkpoint" else "the recipe as at resume time"
+        )
+    else:
+        text = "code"
+    if record.git_commit:
+        text += f" at commit {record.git_commit[:10]}"
+    if record.recipe_dirty:
+        text += " + uncommitted changes (runs/" + record.id + "/recipe/uncommitted.patch)"
+    return text
