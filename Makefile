@@ -8,7 +8,7 @@ PYTEST_ARGS ?=
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test test-fast bench clean
+.PHONY: install demo test test-fast lint bench clean
 
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -22,8 +22,13 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/python examples/demo.py
 
-test: $(STAMP)
+test: $(STAMP) lint
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+# ruff (pyflakes, pycodestyle) over the tree; mypy over the contracts between the layers.
+lint: $(STAMP)
+	$(BIN)/python -m ruff check .
+	$(BIN)/python -m mypy
 
 # The quick part of the suite: no torchrun launches, no runs longer than a few seconds.
 test-fast: $(STAMP)

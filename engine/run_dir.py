@@ -47,9 +47,13 @@ TRASH_PREFIX = ".trash-"
 DCP_METADATA = ".metadata"
 
 # Run statuses. "starting" and "running" are live; the others are final.
-STARTING, RUNNING, COMPLETED, FAILED, STOPPED = "starting", "running", "completed", "failed", "stopped"
-FINAL_STATUSES = frozenset({COMPLETED, FAILED, STOPPED})
 RunStatus = Literal["starting", "running", "completed", "failed", "stopped"]
+STARTING: RunStatus = "starting"
+RUNNING: RunStatus = "running"
+COMPLETED: RunStatus = "completed"
+FAILED: RunStatus = "failed"
+STOPPED: RunStatus = "stopped"
+FINAL_STATUSES: frozenset[str] = frozenset({COMPLETED, FAILED, STOPPED})
 SNAPSHOT_DIRNAME = "recipe"
 UNCOMMITTED_PATCH = "uncommitted.patch"
 

@@ -37,6 +37,12 @@ def _identity_env() -> dict[str, str]:
     return env
 
 
+def worktree(repo: git.Repo) -> Path:
+    """The repository's working tree (trainwright never opens a bare repository)."""
+    assert repo.working_tree_dir is not None, "a bare repository"
+    return Path(repo.working_tree_dir).resolve()
+
+
 def open_repo(root: Path) -> git.Repo | None:
     """The repository that can hold the workspace's commits: its own, or an enclosing one.
 
@@ -47,7 +53,7 @@ def open_repo(root: Path) -> git.Repo | None:
         repo = git.Repo(root, search_parent_directories=True)
     except (git.InvalidGitRepositoryError, git.NoSuchPathError):
         return None
-    if Path(repo.working_tree_dir).resolve() != Path(root).resolve() and repo.ignored(str(root)):
+    if worktree(repo) != Path(root).resolve() and repo.ignored(str(root)):
         return None
     return repo
 
@@ -78,7 +84,7 @@ def head_commit(root: Path) -> str | None:
 
 
 def _rel(repo: git.Repo, path: Path) -> str:
-    return Path(path).resolve().relative_to(Path(repo.working_tree_dir).resolve()).as_posix()
+    return Path(path).resolve().relative_to(worktree(repo)).as_posix()
 
 
 def uncommitted(repo: git.Repo, path: Path) -> list[str]:
@@ -97,7 +103,7 @@ def diff_against_head(repo: git.Repo, path: Path, dirty: list[str] | None = None
     except git.GitCommandError:  # no commit yet: everything is new
         pass
     tracked = set(repo.git.ls_files("--", rel).splitlines())
-    root = Path(repo.working_tree_dir)
+    root = worktree(repo)
     for name in dirty if dirty is not None else uncommitted(repo, path):
         if name not in tracked and (root / name).is_file():
             parts.append(repo.git.execute(

@@ -112,5 +112,6 @@ def code_description(record: rd.RunRecord) -> str:
     if record.git_commit:
         text += f" at commit {record.git_commit[:10]}"
     if record.recipe_dirty:
-        text += " + uncommitted changes (runs/" + record.id + "/recipe/uncommitted.patch)"
+        files = ", ".join(record.dirty_files[:5]) or "the recipe"
+        text += f" + uncommitted changes ({files}; the diff: runs/{record.id}/recipe/{rd.UNCOMMITTED_PATCH})"
     return text

@@ -211,7 +211,7 @@ def stop_run(run_dir: Path, timeout_s: float | None = None) -> rd.RunRecord:
     grace = float(record.limits.get("stop_grace_s") or 10.0)
     timeout_s = grace + 20.0 if timeout_s is None else timeout_s
     supervisor = record.pid
-    if rd.pid_alive(supervisor):
+    if supervisor and rd.pid_alive(supervisor):
         os.kill(supervisor, signal.SIGTERM)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:

@@ -66,6 +66,7 @@ def _skill_specs(skills: list[Any] | None) -> list[tuple[str, dict[str, Any]]]:
     """``["freeze", {"name": "lora", "params": {...}}]`` → ``[("freeze", {}), ("lora", {...})]``."""
     specs = []
     for item in skills or []:
+        params: dict[str, Any]
         if isinstance(item, str):
             name, params = item, {}
         elif isinstance(item, dict) and isinstance(item.get("name"), str):

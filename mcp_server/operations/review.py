@@ -69,7 +69,8 @@ def format_review(result: ReviewResult) -> str:
         for r in c.runs:
             loss = f"loss {r.loss:.4f}" if isinstance(r.loss, float) else "no metrics"
             speed = f", {r.tokens_per_s:,.0f} tokens/s" if isinstance(r.tokens_per_s, float) else ""
-            lines.append(f"    run {r.run_id}: {r.status} at step {r.step}, {loss}{speed}")
+            at = f" at step {r.step}" if r.step is not None else ", no step logged"
+            lines.append(f"    run {r.run_id}: {r.status}{at}, {loss}{speed}")
             lines.append(f"      {r.code}")
             if r.overrides:
                 lines.append("      overrides " + ", ".join(f"{k}={json.dumps(v)}" for k, v in r.overrides.items()))

@@ -97,7 +97,7 @@ def _apply(ws: Workspace, info, recipe_path: Path, params, dry_run: bool, commit
     repo = sandbox_git.open_repo(ws.root) if commit else None
     if repo is not None and not dry_run:
         sandbox_git.require_clean(repo, recipe_path, f"recipe {ws.label(recipe_path)}")
-    diff_root = Path(repo.working_tree_dir) if repo is not None else ws.root
+    diff_root = sandbox_git.worktree(repo) if repo is not None else ws.root
     result = skill_library.apply_skill(skill, recipe_path, params or {}, dry_run=dry_run, diff_root=diff_root)
     target = Path(result.target)
     sha = None

@@ -224,7 +224,7 @@ def _refuse_unused_data_folder() -> None:
     folder = Path(__file__).resolve().parent / "data"
     if folder.is_dir() and any(p.is_file() for p in folder.rglob("*")):
         raise ConfigError(
-            f"the recipe has a data/ folder, but data.paths is not set, so the run would train on the "
+            "the recipe has a data/ folder, but data.paths is not set, so the run would train on the "
             "CPython standard library; set data.paths to the files to train on (relative to the "
             "workspace), or data.source=stdlib to train on the standard library anyway"
         )

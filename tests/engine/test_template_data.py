@@ -92,7 +92,7 @@ def test_files_without_paths_are_refused():
 
 
 def test_the_data_summary_counts_what_the_run_will_read(tmp_path: Path, monkeypatch):
-    corpus = write_corpus(tmp_path / "corpus")
+    write_corpus(tmp_path / "corpus")
     monkeypatch.chdir(tmp_path)
     config = build_config(recipe.CausalLMConfig, None, ['data.paths=["corpus"]', "data.eval_fraction=0"])
     summary = recipe.CausalLM.summarize_data(config)

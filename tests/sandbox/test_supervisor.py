@@ -31,7 +31,7 @@ print("PROBE " + json.dumps({
 
 
 def probe(run_dir):
-    line = next(l for l in (run_dir / rd.CONSOLE_LOG).read_text().splitlines() if l.startswith("PROBE "))
+    line = next(x for x in (run_dir / rd.CONSOLE_LOG).read_text().splitlines() if x.startswith("PROBE "))
     return json.loads(line[len("PROBE "):])
 
 

@@ -13,7 +13,6 @@ from skills import apply_skill
 from tests.skills.skill_helpers import copy_recipe, load_recipe_module, target_file
 from tests.skills.test_skill_hand_written_and_refusals import (
     HF_MODEL,
-    NANO_MODEL,
     assert_counts_as_applied,
     assert_refuses,
     edited,
