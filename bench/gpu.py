@@ -88,7 +88,7 @@ def summarize(run: Path, warmup: int) -> dict:
         "peak_mem_mb": max(r["peak_mem_mb"] for r in records),
         "padding_frac": statistics.mean(r["padding_frac"] for r in timed),
         "final_loss": records[-1]["loss"],
-        "warnings": rd.read_run(run).get("warnings", []),
+        "warnings": rd.read_run(run).warnings,
     }
 
 

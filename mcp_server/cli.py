@@ -442,7 +442,7 @@ def build_parser() -> argparse.ArgumentParser:
     launch_options(p, None)
 
     p = add("runs", cmd_runs, "list runs, newest first (list_runs)")
-    p.add_argument("--limit", type=int, default=50)
+    p.add_argument("--limit", type=int, default=20, help="at most this many runs, newest first (1-100)")
 
     p = add("status", cmd_status, "status, latest metrics and checkpoints of a run (get_run)")
     p.add_argument("run_id")

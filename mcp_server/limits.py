@@ -1,9 +1,11 @@
 """Bounds on what a tool takes and returns: agents' clients reject very large results (Claude
 Code at about 25k tokens), so every text that can grow is cut, and the result says that it was.
 
-``MAX_RESULT_CHARS`` is the budget of one tool result as JSON; the tools keep well inside it
-(diffs and documents are cut at ``MAX_DIFF_CHARS``, metrics at half the budget), and
-:meth:`mcp_server.server.Tools.call` refuses, rather than sends, anything larger.
+``AGENT_BUDGET_CHARS`` (8 KB) is what a tool result stays under with its default arguments:
+diffs and documents are cut at ``MAX_DIFF_CHARS`` / ``MAX_DOC_CHARS``, metrics tails, run
+details and lists keep the newest that fit, and each says when it cut. Asking for more (a
+larger ``n`` or ``limit``) is allowed up to ``MAX_RESULT_CHARS``; :meth:`mcp_server.server.Tools.call`
+refuses, rather than sends, anything larger.
 """
 
 from __future__ import annotations
@@ -11,9 +13,10 @@ from __future__ import annotations
 import json
 from typing import Any
 
-MAX_DIFF_CHARS = 40_000
-MAX_DOC_CHARS = 40_000
-MAX_RESULT_CHARS = 60_000  # ≈ 15–20k tokens of JSON
+AGENT_BUDGET_CHARS = 8_000  # a default result, as JSON: ≈ 2k tokens
+MAX_DIFF_CHARS = 5_000
+MAX_DOC_CHARS = 6_500
+MAX_RESULT_CHARS = 60_000  # ≈ 15–20k tokens of JSON, when the caller asks for more
 MAX_ERROR_CHARS = 2_000  # an error message (it may echo the caller's input)
 MAX_ARGUMENTS_CHARS = 100_000  # the arguments of one tool call, as JSON
 
@@ -28,3 +31,17 @@ def bounded(text: str, limit: int) -> tuple[str, bool]:
 def json_chars(value: Any) -> int:
     """The length of ``value`` as compact JSON (what a client receives, near enough)."""
     return len(json.dumps(value, separators=(",", ":"), default=str))
+
+
+def bounded_mapping(values: dict[str, Any], limit: int) -> dict[str, Any]:
+    """The first entries of ``values`` that fit in ``limit`` characters of JSON; when some are
+    left out, a last entry ``"…"`` says how many."""
+    if json_chars(values) <= limit:
+        return values
+    kept: dict[str, Any] = {}
+    for key, value in values.items():
+        if json_chars({**kept, key: value}) > limit - 40:
+            break
+        kept[key] = value
+    kept["…"] = f"{len(values) - len(kept)} more not shown"
+    return kept

@@ -254,7 +254,7 @@ def build_server(workspace: Path | str, read_only: bool = False) -> MCPServer:
 
     @tool(READ_ONLY)
     async def list_runs(
-        limit: Annotated[int, Field(description="At most this many runs, newest first (1-100).")] = 50,
+        limit: Annotated[int, Field(description="At most this many runs, newest first (1-100).")] = 20,
     ) -> RunList:
         """List the workspace's runs, newest first, with status, latest step and loss."""
         return await tools.call("list_runs", {"limit": limit}, lambda: run_ops.list_runs(tools.ws, limit))

@@ -14,7 +14,7 @@ from typing import Any
 from engine import run_dir as rd
 from engine.config import Overrides, override_args, overrides_to_dict
 from engine.errors import BadInput, NotFound
-from mcp_server.limits import MAX_RESULT_CHARS, bounded, json_chars
+from mcp_server.limits import AGENT_BUDGET_CHARS, bounded, bounded_mapping, json_chars
 from mcp_server.models import (
     CheckpointInfo,
     CheckpointList,
@@ -32,11 +32,13 @@ from sandbox.workspace import Workspace
 MAX_NPROC = max(8, os.cpu_count() or 1)
 MAX_TAIL_RECORDS = 200
 MAX_LIST_RUNS = 100
-CONSOLE_TAIL_BYTES = 4000
-MAX_LISTED_CHECKPOINTS = 100
+CONSOLE_TAIL_BYTES = 1500
+MAX_LISTED_CHECKPOINTS = 50
 MAX_RUN_INFO_CHECKPOINTS = 10
-MAX_ERROR_CHARS = 2000
-MAX_RECORD_CHARS = 4000
+MAX_ERROR_CHARS = 1000
+MAX_RECORD_CHARS = 1500
+MAX_SHOWN_WARNINGS, MAX_WARNING_CHARS = 5, 300
+MAX_CONFIG_CHARS = 1200
 
 
 def _check_nproc(nproc: object) -> int:
@@ -78,8 +80,8 @@ def launch_run(
 def _launch_result(ws: Workspace, record: rd.RunRecord) -> LaunchRunResult:
     return LaunchRunResult(
         run_id=record.id, status=record.status, run_dir=ws.label(ws.runs_dir / record.id),
-        code=code_description(record), config_changes=record.config_changes, data=record.data,
-        resumed_from=_resumed_from(ws, record), warnings=record.warnings,
+        code=code_description(record), config_changes=bounded_mapping(record.config_changes, MAX_CONFIG_CHARS),
+        data=record.data, resumed_from=_resumed_from(ws, record), warnings=_shown_warnings(record.warnings),
     )
 
 
@@ -190,8 +192,8 @@ def get_run(ws: Workspace, run_id: str) -> RunInfo:
         exit_code=record.exit_code,
         error=error,
         resumed_from=_resumed_from(ws, record),
-        overrides=record.overrides,
-        config_changes=record.config_changes,
+        overrides=bounded_mapping(record.overrides, MAX_CONFIG_CHARS),
+        config_changes=bounded_mapping(record.config_changes, MAX_CONFIG_CHARS),
         data=record.data,
         step=latest.get("step") if latest else None,
         max_steps=record.max_steps,
@@ -202,11 +204,18 @@ def get_run(ws: Workspace, run_id: str) -> RunInfo:
             for s, p in rd.list_checkpoints(run_dir)[-MAX_RUN_INFO_CHECKPOINTS:]
         ],
         console_tail=console_tail,
-        warnings=[bounded(str(w), 500)[0] for w in record.warnings[:20]],
+        warnings=_shown_warnings(record.warnings),
         network_isolated=record.network_isolated,
         network_note=record.network_note,
         limits=record.limits or None,
     )
+
+
+def _shown_warnings(warnings: list[str]) -> list[str]:
+    shown = [bounded(w, MAX_WARNING_CHARS)[0] for w in warnings[:MAX_SHOWN_WARNINGS]]
+    if len(warnings) > MAX_SHOWN_WARNINGS:
+        shown.append(f"… and {len(warnings) - MAX_SHOWN_WARNINGS} more warnings (runs/<id>/run.json)")
+    return shown
 
 
 def _bounded_record(record: dict[str, Any]) -> dict[str, Any]:
@@ -240,7 +249,7 @@ def _tail_text(path: Path, max_bytes: int) -> str | None:
     return text
 
 
-def list_runs(ws: Workspace, limit: int = 50) -> RunList:
+def list_runs(ws: Workspace, limit: int = 20) -> RunList:
     if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= MAX_LIST_RUNS:
         raise BadInput(f"limit must be an integer between 1 and {MAX_LIST_RUNS}")
     run_ids = ws.run_ids()
@@ -275,7 +284,7 @@ def tail_metrics(ws: Workspace, run_id: str, n: int = 20, after_step: int | None
     records, truncated = rd.read_metrics_tail(run_dir / rd.METRICS_JSONL, n, after_step)
     # Keep the newest records that fit the result budget (an agent's client rejects more).
     kept: list[dict[str, Any]] = []
-    budget = MAX_RESULT_CHARS // 2
+    budget = AGENT_BUDGET_CHARS - 1000
     for record in reversed(records):
         record = _bounded_record(record)
         budget -= json_chars(record) + 2

@@ -12,7 +12,7 @@ import json
 import pytest
 
 from engine import run_dir as rd
-from mcp_server.limits import MAX_RESULT_CHARS
+from mcp_server.limits import AGENT_BUDGET_CHARS, MAX_RESULT_CHARS
 from mcp_server.server import build_server
 from tests.sandbox.helpers import fake_run, live_client, make_workspace
 
@@ -49,11 +49,12 @@ def test_list_runs_is_bounded_and_says_it_cut(client):
 
 def test_get_run_cuts_the_error_warnings_checkpoints_and_console(client):
     out = result_of(client, "get_run", {"run_id": BIG})
-    assert len(out["error"]) < 2100 and "[cut:" in out["error"]
-    assert len(out["warnings"]) == 20 and all(len(w) < 600 for w in out["warnings"])
+    assert len(out["error"]) < 1100 and "[cut:" in out["error"]
+    assert len(out["warnings"]) == 6 and all(len(w) < 400 for w in out["warnings"])
+    assert out["warnings"][-1].startswith("… and 995 more warnings")
     assert [c["step"] for c in out["checkpoints"]] == list(range(291, 301))
-    assert len(out["console_tail"]) <= 4001
-    assert out["latest"]["step"] == 500 and len(json.dumps(out["latest"])) < 5000
+    assert len(out["console_tail"]) <= 1501
+    assert out["latest"]["step"] == 500 and len(json.dumps(out["latest"])) < 2000
 
 
 def test_tail_metrics_keeps_the_newest_records_that_fit(client):
@@ -64,9 +65,9 @@ def test_tail_metrics_keeps_the_newest_records_that_fit(client):
     assert steps == list(range(steps[0], 501))
 
 
-def test_list_checkpoints_keeps_the_newest_hundred(client):
+def test_list_checkpoints_keeps_the_newest_fifty(client):
     out = result_of(client, "list_checkpoints", {"run_id": BIG})
-    assert out["truncated"] is True and [c["step"] for c in out["checkpoints"]] == list(range(201, 301))
+    assert out["truncated"] is True and [c["step"] for c in out["checkpoints"]] == list(range(251, 301))
 
 
 def test_stop_run_on_a_finished_run_is_bounded_too(client):
@@ -85,3 +86,18 @@ def test_the_other_tools_are_bounded(client, tool, arguments):
 def test_the_run_log_resource_is_bounded(client):
     contents = client.read_resource(f"run://{BIG}/log").contents
     assert len(contents[0].text) <= 20_001
+
+
+@pytest.mark.parametrize("tool, arguments", [
+    ("list_runs", {}), ("get_run", {"run_id": BIG}), ("tail_metrics", {"run_id": BIG}),
+    ("list_checkpoints", {"run_id": BIG}), ("list_skills", {}), ("list_templates", {}),
+    *[("get_skill", {"name": name}) for name in ("muon", "lora", "sequence-packing", "flash-attention")],
+    *[("apply_skill", {"skill": name, "recipe": "recipes/lm", "dry_run": True})
+      for name in ("muon", "sequence-packing", "loss-guard", "tensor-parallel")],
+])
+def test_default_results_stay_inside_an_agents_budget(client, tool, arguments):
+    """With default arguments, even on this workspace, a result is under 8 KB of JSON."""
+    result = client.call(tool, arguments)
+    assert not result.is_error, result.content
+    size = len(json.dumps(result.structured_content, separators=(",", ":")))
+    assert size <= AGENT_BUDGET_CHARS, f"{tool} returned {size:,} characters"
