@@ -31,7 +31,7 @@ from sandbox.config import RunLimits
 from sandbox.environment import THREADS_VARIABLE, run_environment, threads_per_process
 from sandbox.processes import RUN_ID_VARIABLE, end_processes, marked
 
-__all__ = ["LaunchRefused", "RunLimits", "check_launch", "engine_command", "start_run", "stop_run"]
+__all__ = ["LaunchRefused", "RunLimits", "check_launch", "check_verdict", "engine_command", "start_run", "stop_run"]
 
 CHECK_TIMEOUT_S = 180
 MAX_CHECK_ERROR_CHARS = 2000
@@ -76,7 +76,20 @@ def check_launch(
     config_json: Path | None = None,
     limits: RunLimits = RunLimits(),
 ) -> dict[str, Any]:
-    """Validate a launch with the engine itself; return the resolved config.
+    """Validate a launch with the engine itself; return the resolved config."""
+    return check_verdict(workspace, recipe_dir, nproc, overrides, config_json, limits)["config"]
+
+
+def check_verdict(
+    workspace: Path,
+    recipe_dir: Path,
+    nproc: int,
+    overrides: list[str],
+    config_json: Path | None = None,
+    limits: RunLimits = RunLimits(),
+) -> dict[str, Any]:
+    """Validate a launch with the engine itself; return its verdict: ``{"ok": true, "config":
+    ..., "fields": [...]}`` (see engine/launch.py).
 
     The check imports the recipe, so it runs as a run would: allow-listed environment and,
     where possible, no network.
@@ -104,7 +117,7 @@ def check_launch(
         if isinstance(verdict, dict) and "ok" in verdict:
             if not verdict["ok"]:
                 raise LaunchRefused(str(verdict["error"])[:MAX_CHECK_ERROR_CHARS])
-            return verdict["config"]
+            return verdict
     last = (result.stderr.strip().splitlines() or ["no output"])[-1]
     raise LaunchRefused(f"the engine could not check the recipe: {last[:MAX_CHECK_ERROR_CHARS]}")
 
