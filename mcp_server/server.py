@@ -31,22 +31,21 @@ from mcp_server.models import (
     CheckpointList,
     LaunchRunResult,
     MetricsTail,
+    RecipeDescription,
+    RecipeList,
     RunInfo,
     RunList,
     ScaffoldResult,
     SkillDetail,
-    RecipeDescription,
-    RecipeList,
     SkillList,
     StopRunResult,
     TemplateList,
     WaitRunResult,
 )
-from mcp_server.operations import recipe_info
+from mcp_server.operations import recipe_info, waiting
 from mcp_server.operations import recipes as recipe_ops
 from mcp_server.operations import runs as run_ops
 from mcp_server.operations import skills as skill_ops
-from mcp_server.operations import waiting
 from sandbox.audit import AuditLog
 from sandbox.environment import redact
 from sandbox.git import GitRefused, ensure_repo
@@ -291,7 +290,9 @@ def build_server(workspace: Path | str, read_only: bool = False) -> MCPServer:
     @tool(READ_ONLY)
     async def wait_run(
         run_id: RunId,
-        until_step: Annotated[int | None, Field(description="Return once this step is logged; null: at the end.")] = None,
+        until_step: Annotated[
+            int | None, Field(description="Return once this step is logged; null: at the end.")
+        ] = None,
         timeout_s: Annotated[
             float, Field(description=f"At most {waiting.MAX_WAIT_S}; call again to wait longer.")
         ] = waiting.DEFAULT_WAIT_S,

@@ -71,7 +71,8 @@ def segment_records(segment: Segment, need: int, after_step: int | None = None) 
         kept = [r for r in records if _step(r) is not None
                 and (segment.until_step is None or _step(r) <= segment.until_step)]
         if len(kept) >= need or not truncated or wanted >= MAX_RECORDS_READ:
-            return kept[max(len(kept) - need, 0):] if need else [], len(kept) > need or (truncated and len(kept) >= need)
+            more = len(kept) > need or (truncated and len(kept) >= need)
+            return (kept[max(len(kept) - need, 0):] if need else []), more
         wanted = min(wanted * 4, MAX_RECORDS_READ)
 
 

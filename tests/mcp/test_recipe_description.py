@@ -50,7 +50,7 @@ def test_describe_recipe_lists_every_config_key_its_template_and_skills(client, 
     "recipe_arg, expected",
     [
         ("recipes/nope", "recipe 'recipes/nope' does not exist in the workspace"),
-        ("runs", "recipe 'runs' is inside runs/"),
+        (".git", "recipe '.git' is inside .git/"),
     ],
 )
 def test_describing_something_that_is_not_a_recipe_is_a_tool_error(client, recipe, recipe_arg, expected):
