@@ -314,7 +314,9 @@ def build_server(workspace: Path | str, read_only: bool = False) -> MCPServer:
     @tool(READ_ONLY)
     async def tail_metrics(
         run_id: RunId,
-        n: Annotated[int, Field(description="At most this many records (1-200).")] = 20,
+        n: Annotated[
+            int, Field(description="At most this many records (1-200).")
+        ] = run_ops.DEFAULT_TAIL_RECORDS,
         after_step: Annotated[
             int | None, Field(description="Only records after this step (the last step you saw).")
         ] = None,

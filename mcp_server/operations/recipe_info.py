@@ -14,14 +14,14 @@ from collections import Counter
 from pathlib import Path
 
 from engine import run_dir as rd
-from mcp_server.limits import json_chars
+from mcp_server.limits import text_bytes
 from mcp_server.models import ConfigField, RecipeDescription, RecipeList, RecipeSkill, RecipeSummary
 from sandbox import git as sandbox_git
 from sandbox.paths import RESERVED_DIRS
 from sandbox.runs import check_verdict
 from sandbox.workspace import Workspace
 
-MAX_DESCRIBE_CHARS = 7_500  # the result as JSON: under 8 KB with room for the envelope
+MAX_DESCRIBE_BYTES = 7_800  # the result as an agent reads it: under 8 KB
 DESCRIPTION_LIMITS = (160, 80, 40, 0)  # characters kept per description, tried in turn
 MAX_SKILLS_SHOWN = 50
 MAX_RECIPES = 100
@@ -63,15 +63,15 @@ def describe_recipe(ws: Workspace, recipe: str) -> RecipeDescription:
 
 def _fit(described: RecipeDescription) -> RecipeDescription:
     """Cut descriptions (then, if need be, the last fields) until the result fits the budget."""
-    if json_chars(described.model_dump(mode="json")) <= MAX_DESCRIBE_CHARS:
+    if text_bytes(described.model_dump(mode="json")) <= MAX_DESCRIBE_BYTES:
         return described
     fields = described.fields
     for limit in DESCRIPTION_LIMITS:
         fields = [f.model_copy(update={"description": _cut(f.description, limit)}) for f in described.fields]
         candidate = described.model_copy(update={"fields": fields, "cut": True})
-        if json_chars(candidate.model_dump(mode="json")) <= MAX_DESCRIBE_CHARS:
+        if text_bytes(candidate.model_dump(mode="json")) <= MAX_DESCRIBE_BYTES:
             return candidate
-    while fields and json_chars(candidate.model_dump(mode="json")) > MAX_DESCRIBE_CHARS:
+    while fields and text_bytes(candidate.model_dump(mode="json")) > MAX_DESCRIBE_BYTES:
         fields = fields[:-1]
         candidate = candidate.model_copy(update={"fields": fields})
     return candidate

@@ -35,6 +35,7 @@ from sandbox.workspace import NotFound, Workspace
 
 MAX_NPROC = max(8, os.cpu_count() or 1)
 MAX_TAIL_RECORDS = 200
+DEFAULT_TAIL_RECORDS = 10  # ≈ 4 KB as an agent reads it: a default result stays under 8 KB
 MAX_LIST_RUNS = 100
 CONSOLE_TAIL_BYTES = 4000
 MAX_OVERRIDES = 64
@@ -287,7 +288,8 @@ def list_runs(ws: Workspace, limit: int = 50) -> RunList:
 
 
 def tail_metrics(
-    ws: Workspace, run_id: str, n: int = 20, after_step: int | None = None, follow_resumes: bool = False
+    ws: Workspace, run_id: str, n: int = DEFAULT_TAIL_RECORDS, after_step: int | None = None,
+    follow_resumes: bool = False,
 ) -> MetricsTail:
     """The latest ``n`` records (after ``after_step``); with ``follow_resumes``, of the run's
     whole history: the runs it was resumed from, each up to the step the next one took over."""

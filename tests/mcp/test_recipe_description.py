@@ -7,8 +7,9 @@ import shutil
 
 import pytest
 
+from mcp_server.limits import text_bytes
 from mcp_server.models import ConfigField, RecipeDescription
-from mcp_server.operations.recipe_info import MAX_DESCRIBE_CHARS, _fit
+from mcp_server.operations.recipe_info import MAX_DESCRIBE_BYTES, _fit
 from tests.mcp.conftest import git, head
 from tests.support import TEMPLATE
 
@@ -41,7 +42,7 @@ def test_describe_recipe_lists_every_config_key_its_template_and_skills(client, 
     assert skill["skill"].startswith("loss-guard") and skill["commit"] == head(workspace)
     assert json.loads(skill["params"])["max_bad_steps"] == 5
     assert result["last_commit"] == head(workspace) and result["cut"] is False
-    assert len(json.dumps(result, separators=(",", ":"))) < 8_000
+    assert text_bytes(result) < 8 * 1024  # as the agent reads it
     # Describing a recipe leaves nothing behind (no bytecode, no run).
     assert git(workspace, "status", "--porcelain", "--ignored") == status_before
 
@@ -99,7 +100,7 @@ def test_long_descriptions_are_cut_to_keep_the_result_small_and_say_so():
     fitted = _fit(described)
 
     assert fitted.cut is True
-    assert len(fitted.model_dump_json()) <= MAX_DESCRIBE_CHARS
+    assert text_bytes(fitted.model_dump(mode="json")) <= MAX_DESCRIBE_BYTES < 8 * 1024
     assert [f.key for f in fitted.fields] == [f.key for f in fields]  # every key stays
     assert all(f.description.endswith("…") or f.description == "" for f in fitted.fields)
     assert _fit(RecipeDescription(recipe="r", skills=[], fields=fields[:2], cut=False)).cut is False

@@ -16,6 +16,7 @@ import time
 import pytest
 
 from engine import run_dir as rd
+from mcp_server.limits import text_bytes
 from tests.mcp.conftest import (
     ENDLESS_RUN, SHORT_RUN, git, head, is_finite_number, process_group_alive, tiny_config,
 )
@@ -178,6 +179,9 @@ def test_wait_run_returns_at_the_asked_step_with_progress_while_the_server_answe
     assert steps == sorted(steps) and steps[-1] == waited["step"]
     assert progress[-1][1] == 100_000
     assert re.fullmatch(rf"step {waited['step']}/100000, loss \d+\.\d{{4}}", progress[-1][2])
+
+    default_tail = client.ok("tail_metrics", run_id=run["run_id"])  # what an agent gets by default
+    assert len(default_tail["records"]) == 10 and text_bytes(default_tail) < 8 * 1024
 
     timed_out = client.ok("wait_run", run_id=run["run_id"], until_step=10**9, timeout_s=1)
     assert timed_out["reason"] == "timeout" and timed_out["status"] == "running"
