@@ -68,8 +68,8 @@ resume → wait.
 Runs outlive this server; list_runs shows them all. Errors say what to change.
 """
 
-# destructiveHint and idempotentHint mean something only for tools that change something.
-READ_ONLY = ToolAnnotations(readOnlyHint=True, openWorldHint=False)
+# idempotentHint means something only for tools that change something (and false is its default).
+READ_ONLY = ToolAnnotations(readOnlyHint=True, destructiveHint=False, openWorldHint=False)
 ADDITIVE = ToolAnnotations(readOnlyHint=False, destructiveHint=False, openWorldHint=False)
 IDEMPOTENT_CHANGE = ToolAnnotations(readOnlyHint=False, destructiveHint=False, idempotentHint=True, openWorldHint=False)
 DESTRUCTIVE = ToolAnnotations(readOnlyHint=False, destructiveHint=True, idempotentHint=True, openWorldHint=False)
