@@ -40,6 +40,7 @@ bench: $(STAMP)
 	$(BIN)/python bench/throughput.py
 	$(BIN)/python bench/mcp_startup.py
 	$(BIN)/python bench/apply_skill.py
+	$(BIN)/python bench/agent_budget.py
 
 clean:
 	rm -rf $(VENV) demo-workspace .pytest_cache .hypothesis

@@ -10,7 +10,8 @@ from __future__ import annotations
 import difflib
 import json
 from pathlib import Path
-from typing import Any, Literal, Mapping, Sequence
+from types import UnionType
+from typing import Any, Literal, Mapping, Sequence, Union, get_args, get_origin
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -304,3 +305,65 @@ def config_keys(config: BaseModel, prefix: str = "", json_mode: bool = False) ->
         else:
             flat[key] = _jsonable(value) if json_mode else value
     return flat
+
+
+# ---------------------------------------------------------------------------------------------
+# Describing a config: what ``describe_recipe`` shows an agent
+# ---------------------------------------------------------------------------------------------
+
+
+def type_text(annotation: Any) -> str:
+    """A field's type as a reader writes it: ``int``, ``float | None``, ``list[str]``,
+    ``Literal['stdlib', 'files']``."""
+    if isinstance(annotation, type) and not get_args(annotation):
+        return "None" if annotation is type(None) else annotation.__name__
+    origin, args = get_origin(annotation), get_args(annotation)
+    if origin is Literal:
+        return f"Literal[{', '.join(repr(a) for a in args)}]"
+    if origin in (Union, UnionType):
+        return " | ".join(type_text(a) for a in args)
+    if origin is not None and args:
+        name = getattr(origin, "__name__", str(origin))
+        return f"{name}[{', '.join(type_text(a) for a in args)}]"
+    return str(annotation).replace("typing.", "")
+
+
+def describe_fields(config: BaseModel, defaults: BaseModel | None = None, prefix: str = "") -> list[dict[str, Any]]:
+    """Every leaf key of a config: ``{key, type, default, value, description}``, in field order.
+
+    ``value`` is what ``config`` holds (code defaults ← config.yaml ← overrides); ``default`` is
+    the code default, taken from ``type(config)()`` so that a recipe whose section instance
+    changes a default (``data: MyData = MyData(seq_len=512)``) shows the one that applies.
+    """
+    if defaults is None:
+        try:
+            defaults = type(config)()
+        except ValidationError:  # a key without a code default
+            defaults = None
+    described: list[dict[str, Any]] = []
+    for name, field in type(config).model_fields.items():
+        key = f"{prefix}{name}"
+        value = getattr(config, name)
+        default = getattr(defaults, name) if defaults is not None else field.get_default(call_default_factory=True)
+        if isinstance(value, BaseModel):
+            nested_defaults = default if isinstance(default, type(value)) else None
+            described.extend(describe_fields(value, nested_defaults, key + "."))
+            continue
+        described.append({
+            "key": key,
+            "type": type_text(field.annotation),
+            "default": _as_json(field, default),
+            "value": _as_json(field, value),
+            "description": field.description or "",
+        })
+    return described
+
+
+def _as_json(field: Any, value: Any) -> Any:
+    """``value`` as JSON, the way ``model_dump(mode="json")`` would write it."""
+    from pydantic import TypeAdapter
+
+    try:
+        return TypeAdapter(field.annotation).dump_python(value, mode="json")
+    except Exception:  # noqa: BLE001 — a recipe's exotic type: show its text
+        return str(value)

@@ -13,7 +13,8 @@ kind           exit code  meaning
 ``internal``   70         a trainwright bug (the message says so; the log has the traceback)
 =============  =========  ============================================================
 
-A run's outcome has its own codes (1 failed, 130 stopped): they describe a run, not an error.
+A run's outcome has its own codes (1 failed, 130 stopped; 124 when ``wait`` timed out): they
+describe a run, not an error.
 
 This module is torch-free and stdlib-only: the server, the sandbox, the skills and the engine
 all import it.
@@ -30,6 +31,7 @@ EXIT_RUN_FAILED = 1
 EXIT_BAD_INPUT = 2
 EXIT_NOT_FOUND = 3
 EXIT_INTERNAL = 70
+EXIT_TIMEOUT = 124  # `trainwright wait`: the timeout passed before the run got there
 EXIT_STOPPED = 130
 
 EXIT_CODES: dict[str, int] = {"bad_input": EXIT_BAD_INPUT, "not_found": EXIT_NOT_FOUND, "internal": EXIT_INTERNAL}

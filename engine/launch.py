@@ -6,9 +6,10 @@ recipe (``RECIPE_DIR/recipe.py``, which defines one ``Engine`` subclass), builds
 or opens the run directory and trains. A config error exits with status 2 before anything
 is written.
 
-``--check`` validates without training and prints one JSON line (``{"ok": ..., "config": ...}``
-or ``{"ok": false, "error": ...}``): the CLI and the MCP server use it to refuse a bad launch
-before they create a run directory.
+``--check`` validates without training and prints one JSON line (``{"ok": true, "config": ...,
+"fields": [...]}`` or ``{"ok": false, "error": ...}``): the CLI and the MCP server use it to
+refuse a bad launch before they create a run directory, and to describe a recipe's config keys
+(``fields``: key, type, default, value, description; see ``engine.config.describe_fields``).
 """
 
 from __future__ import annotations
@@ -124,12 +125,13 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: {message}", file=sys.stderr)
         return EXIT_CONFIG
     if args.check:
-        from engine.config import config_changes
+        from engine.config import config_changes, describe_fields
 
         verdict = {
             "ok": True,
             "config": config.model_dump(mode="json"),
             "config_changes": config_changes(config),
+            "fields": describe_fields(config),
             "data": data.model_dump(mode="json") if data is not None else None,
         }
         print(json.dumps(verdict))

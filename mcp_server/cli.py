@@ -5,7 +5,8 @@ JSON object on stdout, the same object the MCP tool returns). Exit codes:
 
     0  success            2  bad input or refused (the message says what to change)
     1  the run failed     3  not found (unknown run, recipe, checkpoint, skill, template)
-   70  internal error   130  stopped or interrupted
+   70  internal error   124  wait: the timeout passed first
+  130  stopped or interrupted
 """
 
 from __future__ import annotations
@@ -19,12 +20,12 @@ from typing import Any, Callable
 
 from pydantic import BaseModel
 
-from engine.errors import EXIT_OK, EXIT_STOPPED, BadInput
+from engine.errors import EXIT_OK, EXIT_STOPPED, EXIT_TIMEOUT, BadInput
 from engine.errors import EXIT_RUN_FAILED as EXIT_FAILED
 
 EPILOG = """exit codes: 0 success, 1 the run failed, 2 bad input or refused, 3 not found,
-70 internal error (a bug), 130 stopped or interrupted. Every command accepts --workspace DIR
-and --json."""
+70 internal error (a bug), 124 (wait) the timeout passed first, 130 stopped or interrupted.
+Every command accepts --workspace DIR and --json."""
 
 
 def _workspace(args: argparse.Namespace):
@@ -193,7 +194,10 @@ def cmd_tail(args: argparse.Namespace) -> int:
     from mcp_server.operations import runs
 
     ws = _workspace(args)
-    result = runs.tail_metrics(ws, args.run_id, n=args.n)
+    result = runs.tail_metrics(ws, args.run_id, n=args.n, follow_resumes=args.follow_resumes)
+    if not args.json:
+        for point in result.resumes:
+            print(f"(steps after {point.step}: run {point.run_id})", flush=True)
     if args.json and not args.follow:
         print(result.model_dump_json())
         return EXIT_OK
@@ -209,6 +213,38 @@ def cmd_tail(args: argparse.Namespace) -> int:
             last_step = record.get("step", last_step)
         if more.status in rd.FINAL_STATUSES:
             break
+    return EXIT_OK
+
+
+def cmd_wait(args: argparse.Namespace) -> int:
+    """Wait for a step or the end of a run; each new step is a line on stderr (unless --json)."""
+    import anyio
+
+    from engine import run_dir as rd
+    from mcp_server.operations import waiting
+
+    ws = _workspace(args)
+
+    async def progress(now: waiting.Observation) -> None:
+        if not args.json:
+            print(now.progress_message(), file=sys.stderr, flush=True)
+
+    timeout = waiting.DEFAULT_WAIT_S if args.timeout is None else args.timeout
+    result = anyio.run(lambda: waiting.wait_run(ws, args.run_id, args.until_step, timeout, progress))
+
+    def text(r) -> str:
+        where = f"step {r.step if r.step is not None else '-'}/{r.max_steps or '?'}"
+        line = {"reached_step": f"run {r.run_id} reached {where} ({r.status})",
+                "ended": f"run {r.run_id} ended: {r.status} at {where}",
+                "timeout": f"run {r.run_id} still {r.status} at {where} after {r.waited_s:.0f} s"}[r.reason]
+        return line + (f"\n  error      {r.error}" if r.error else "")
+
+    _emit(args, result, text)
+    if result.reason == "timeout":
+        return EXIT_TIMEOUT
+    if result.reason == "ended":
+        outcomes: dict[str, int] = {rd.COMPLETED: EXIT_OK, rd.STOPPED: EXIT_STOPPED}
+        return outcomes.get(result.status, EXIT_FAILED)
     return EXIT_OK
 
 
@@ -290,6 +326,49 @@ def cmd_scaffold(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_recipes(args: argparse.Namespace) -> int:
+    from mcp_server.operations import recipe_info
+
+    result = recipe_info.list_recipes(_workspace(args))
+
+    def text(r) -> str:
+        if not r.recipes:
+            return "no recipes yet; `trainwright scaffold TEMPLATE NAME` creates one"
+        lines = [f"{'recipe':<32} {'template':<12} {'skills':>6} {'runs':>5}  last commit"]
+        for x in r.recipes:
+            last = f"{x.last_commit[:10]} {x.last_change}" if x.last_commit else "(not committed)"
+            lines.append(f"{x.path:<32} {x.template or '-':<12} {x.skills:>6} {x.runs:>5}  {last[:80]}")
+        if r.truncated:
+            lines.append("(more recipes were left out)")
+        return "\n".join(lines)
+
+    _emit(args, result, text)
+    return EXIT_OK
+
+
+def cmd_describe(args: argparse.Namespace) -> int:
+    from mcp_server.operations import recipe_info
+
+    result = recipe_info.describe_recipe(_workspace(args), args.recipe)
+
+    def shown(value: Any) -> str:
+        return json.dumps(value) if not isinstance(value, str) else value
+
+    def text(r) -> str:
+        lines = [f"recipe {r.recipe}" + (f" (from template {r.template})" if r.template else "")]
+        for skill in r.skills:
+            lines.append(f"  skill  {skill.skill} {skill.params or ''} (commit {skill.commit[:10]})")
+        lines.append(f"{'key':<32} {'type':<24} {'value':<16} default  description")
+        for f in r.fields:
+            value = shown(f.value) + (" *" if f.value != f.default else "")
+            lines.append(f"{f.key:<32} {f.type[:24]:<24} {value[:16]:<16} {shown(f.default)[:8]:<8} {f.description}")
+        lines.append("* differs from the code default" + ("; descriptions were cut to fit" if r.cut else ""))
+        return "\n".join(lines)
+
+    _emit(args, result, text)
+    return EXIT_OK
+
+
 def cmd_apply(args: argparse.Namespace) -> int:
     from mcp_server.operations import skills
 
@@ -342,13 +421,11 @@ def cmd_audit(args: argparse.Namespace) -> int:
 
 
 def cmd_plot(args: argparse.Namespace) -> int:
-    from engine import run_dir as rd
-    from mcp_server.plot import loss_curve_png
+    from mcp_server.plot import history_png
 
     ws = _workspace(args)
-    run_dir = ws.run_dir(args.run_id)
     output = Path(args.output or f"{args.run_id}-loss.png")
-    output.write_bytes(loss_curve_png(rd.read_all_metrics(run_dir / rd.METRICS_JSONL), f"run {args.run_id}"))
+    output.write_bytes(history_png(ws, args.run_id))
     if args.json:
         print(json.dumps({"run_id": args.run_id, "path": str(output)}))
     else:
@@ -412,6 +489,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--skill", action="append", default=[], metavar="SKILL",
                    help="apply this skill after scaffolding, as its own commit (repeatable)")
 
+    add("recipes", cmd_recipes, "list the workspace's recipes: template, last commit, skills, runs (list_recipes)")
+
+    p = add("describe", cmd_describe, "every config key of a recipe, its template and skills (describe_recipe)")
+    p.add_argument("recipe", help="recipe folder, relative to the workspace, or its name")
+
     p = add("apply", cmd_apply, "apply a skill to a recipe folder or script, as one commit (apply_skill)")
     p.add_argument("skill")
     p.add_argument("recipe", help="recipe folder or .py script, relative to the workspace")
@@ -424,7 +506,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = add("audit", cmd_audit, "the latest tool calls from .trainwright/audit.jsonl, oldest first")
     p.add_argument("-n", type=int, default=20, help="entries to show (default 20)")
 
-    p = add("plot", cmd_plot, "write a PNG of a run's loss curve")
+    p = add("plot", cmd_plot, "write a PNG of a run's loss curve, across resumes (each one marked)")
     p.add_argument("run_id")
     p.add_argument("-o", "--output", help="output file (default: RUN_ID-loss.png)")
 
@@ -451,6 +533,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("run_id")
     p.add_argument("-n", type=int, default=20, help="records to show (at most 200)")
     p.add_argument("--follow", action="store_true", help="keep printing new records until the run ends")
+    p.add_argument("--follow-resumes", action="store_true",
+                   help="the history across resumes: the runs it was resumed from, up to each resume step")
+
+    p = add("wait", cmd_wait, "wait until a run reaches a step or ends (wait_run); exit 124 on timeout")
+    p.add_argument("run_id")
+    p.add_argument("--until-step", type=int, metavar="N", help="return once step N is logged (default: the end)")
+    p.add_argument("--timeout", type=float, metavar="S",
+                   help="give up after S seconds (default 60, at most 600)")
 
     p = add("stop", cmd_stop, "stop a run and all its processes (stop_run)")
     p.add_argument("run_id")

@@ -28,6 +28,12 @@ def bounded(text: str, limit: int) -> tuple[str, bool]:
     return text[:limit] + f"\n… [cut: {len(text) - limit} more characters]\n", True
 
 
+def text_bytes(value: Any) -> int:
+    """The size of ``value`` as an agent reads it: the MCP SDK writes a result's text content
+    as JSON indented by 2 (structuredContent carries the same object again)."""
+    return len(json.dumps(value, indent=2, ensure_ascii=False, default=str).encode())
+
+
 def json_chars(value: Any) -> int:
     """The length of ``value`` as compact JSON (what a client receives, near enough)."""
     return len(json.dumps(value, separators=(",", ":"), default=str))

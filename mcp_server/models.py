@@ -3,11 +3,16 @@ structured content, and the CLI prints the same objects with ``--json``."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
 from engine.run_dir import DataSummary, ResumedFrom, RunStatus
+
+
+class ResumePoint(BaseModel):
+    run_id: str
+    step: int = Field(description="It continues after this step.")
 
 
 class LaunchRunResult(BaseModel):
@@ -79,11 +84,20 @@ class RunInfo(BaseModel):
     limits: dict[str, Any] | None = None
 
 
+class StopRunResult(BaseModel):
+    run_id: str
+    status: str
+    step: int | None = None
+    error: str | None = None
+    checkpoints: list[int] = Field([], description="Steps resume_checkpoint can continue from.")
+
+
 class MetricsTail(BaseModel):
     run_id: str
     status: str
     records: list[dict[str, Any]]
-    truncated: bool = Field(description="True when more records matched than were returned.")
+    truncated: bool = Field(description="More records matched than were returned.")
+    resumes: list[ResumePoint] = Field([], description="With follow_resumes: where each run took over.")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -176,3 +190,51 @@ class ReviewCommit(BaseModel):
 class ReviewResult(BaseModel):
     base: str | None
     commits: list[ReviewCommit]
+
+
+class ConfigField(BaseModel):
+    key: str
+    type: str
+    default: Any = None
+    value: Any = Field(None, description="Code default ← config.yaml.")
+    description: str = ""
+
+
+class RecipeSkill(BaseModel):
+    skill: str
+    params: str | None = Field(None, description="JSON.")
+    commit: str
+
+
+class RecipeDescription(BaseModel):
+    recipe: str
+    template: str | None = Field(None, description="The template it was scaffolded from.")
+    last_commit: str | None = None
+    skills: list[RecipeSkill] = Field(description="Applied, oldest first.")
+    fields: list[ConfigField]
+    cut: bool = Field(False, description="Descriptions or fields were cut to fit.")
+
+
+class RecipeSummary(BaseModel):
+    path: str
+    template: str | None = None
+    last_commit: str | None = None
+    last_change: str | None = Field(None, description="Subject of the last commit.")
+    skills: int = Field(description="Skills applied.")
+    runs: int
+
+
+class RecipeList(BaseModel):
+    recipes: list[RecipeSummary]
+    truncated: bool = False
+
+
+class WaitRunResult(BaseModel):
+    run_id: str
+    reason: Literal["reached_step", "ended", "timeout"]
+    status: str
+    step: int | None = None
+    max_steps: int | None = None
+    waited_s: float
+    latest: dict[str, Any] | None = Field(None, description="The latest metrics record.")
+    error: str | None = None

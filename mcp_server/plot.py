@@ -3,38 +3,67 @@
 from __future__ import annotations
 
 import io
-from typing import Any
+from typing import Any, Sequence
 
 
-def loss_curve_png(records: list[dict[str, Any]], title: str) -> bytes:
-    """Training loss per step, evaluation loss as points, learning rate on a second axis."""
+def loss_curve_figure(records: list[dict[str, Any]], title: str, resumes: Sequence[tuple[int, str]] = ()):
+    """Training loss per step, evaluation loss as points, learning rate on a second axis, and a
+    vertical line at each ``(step, run_id)`` where a resumed run took over. Steps are integers."""
     import matplotlib
 
     matplotlib.use("Agg")
     from matplotlib import pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
-    train = [(r["step"], r["loss"]) for r in records if isinstance(r.get("loss"), (int, float))]
-    evals = [(r["step"], r["eval_loss"]) for r in records if isinstance(r.get("eval_loss"), (int, float))]
-    lrs = [(r["step"], r["lr"]) for r in records if isinstance(r.get("lr"), (int, float))]
+    def series(key: str) -> list[tuple[Any, Any]]:
+        return [(r["step"], r[key]) for r in records
+                if isinstance(r.get(key), (int, float)) and isinstance(r.get("step"), (int, float))]
 
+    train, evals, lrs = series("loss"), series("eval_loss"), series("lr")
     figure, axis = plt.subplots(figsize=(7, 4), dpi=100)
+    handles = []
     if train:
-        axis.plot(*zip(*train), label="train loss", color="tab:blue", linewidth=1.5)
+        handles += axis.plot(*zip(*train), label="train loss", color="tab:blue", linewidth=1.5)
     if evals:
-        axis.plot(*zip(*evals), "o", label="eval loss", color="tab:orange")
+        handles += axis.plot(*zip(*evals), "o", label="eval loss", color="tab:orange")
+    for step, run_id in resumes:
+        axis.axvline(step, color="tab:red", linestyle="--", linewidth=1, alpha=0.7)
+        axis.annotate(f"resumed: {run_id}", xy=(step, 1), xycoords=("data", "axes fraction"),
+                      xytext=(3, -3), textcoords="offset points", rotation=90, va="top", ha="left",
+                      fontsize=7, color="tab:red")
     axis.set_xlabel("step")
     axis.set_ylabel("loss")
+    axis.xaxis.set_major_locator(MaxNLocator(integer=True))
     axis.grid(alpha=0.3)
+    legend_axis = axis
     if lrs:
-        lr_axis = axis.twinx()
-        lr_axis.plot(*zip(*lrs), color="tab:gray", linewidth=0.8, alpha=0.6, label="lr")
+        lr_axis = legend_axis = axis.twinx()
+        handles += lr_axis.plot(*zip(*lrs), color="tab:gray", linewidth=0.8, alpha=0.6, label="learning rate")
         lr_axis.set_ylabel("learning rate", color="tab:gray")
     if not train:
         axis.text(0.5, 0.5, "no metrics yet", ha="center", va="center", transform=axis.transAxes)
     axis.set_title(title, fontsize=10)
-    axis.legend(loc="upper right")
+    if handles:
+        legend_axis.legend(handles=handles, loc="upper right")  # on the top axis: drawn last
     figure.tight_layout()
+    return figure
+
+
+def loss_curve_png(records: list[dict[str, Any]], title: str, resumes: Sequence[tuple[int, str]] = ()) -> bytes:
+    figure = loss_curve_figure(records, title, resumes)
+    from matplotlib import pyplot as plt
+
     buffer = io.BytesIO()
     figure.savefig(buffer, format="png")
     plt.close(figure)
     return buffer.getvalue()
+
+
+def history_png(ws, run_id: str) -> bytes:
+    """The loss curve of a run's whole history across resumes, each resume marked."""
+    from mcp_server.operations.history import chain_records
+
+    records, chain = chain_records(ws, run_id)
+    resumes = [(s.after_step, s.run_id) for s in chain if s.after_step is not None]
+    title = f"run {run_id}" + (f" (resumed {len(resumes)}×, from {chain[0].run_id})" if resumes else "")
+    return loss_curve_png(records, title, resumes)

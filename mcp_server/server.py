@@ -32,13 +32,18 @@ from mcp_server.models import (
     CheckpointList,
     LaunchRunResult,
     MetricsTail,
+    RecipeDescription,
+    RecipeList,
     RunInfo,
     RunList,
     ScaffoldResult,
     SkillDetail,
     SkillList,
+    StopRunResult,
     TemplateList,
+    WaitRunResult,
 )
+from mcp_server.operations import recipe_info, waiting
 from mcp_server.operations import recipes as recipe_ops
 from mcp_server.operations import runs as run_ops
 from mcp_server.operations import skills as skill_ops
@@ -48,19 +53,23 @@ from sandbox.git import ensure_repo
 from sandbox.workspace import Workspace
 
 INSTRUCTIONS = """\
-trainwright trains models in this workspace. A typical session:
-1. list_templates, then scaffold_recipe(template, name, config, skills) creates recipes/<name>/
-   as a commit (config: dotted keys such as {"train.max_steps": 500, "data.paths": [...]}).
-2. list_skills / get_skill explain proven training patterns; apply_skill(skill, recipe) writes
-   one into the recipe's code as one reviewable commit (dry_run=true shows the diff first).
-3. launch_run(recipe, nproc, overrides) starts a run and returns its run_id at once; poll
-   get_run / tail_metrics(after_step=...) to watch it; stop_run ends it.
-4. list_checkpoints / resume_checkpoint(run_id, step) continue a run as a new run.
+trainwright trains models in this workspace. The loop: scaffold → apply → launch → wait → stop →
+resume → wait.
+1. scaffold_recipe(template, name, config, skills) creates recipes/<name>/ as a commit (config:
+   dotted keys, {"train.max_steps": 500, "data.paths": [...]}); list_templates names templates,
+   describe_recipe lists every config key, list_recipes the recipes.
+2. apply_skill(skill, recipe) writes a training pattern (list_skills, get_skill) into the
+   recipe's code as one reviewable commit; dry_run=true shows the diff first.
+3. launch_run(recipe, nproc, overrides) returns a run_id at once; wait_run(run_id, until_step)
+   returns at that step or when the run ends; get_run and tail_metrics show it; stop_run ends it.
+4. resume_checkpoint(run_id, step) continues a run as a new run (list_checkpoints has the steps);
+   tail_metrics(follow_resumes=true) shows the history across resumes.
 Runs outlive this server; list_runs shows them all. Errors say what to change.
 """
 
-READ_ONLY = ToolAnnotations(readOnlyHint=True, destructiveHint=False, idempotentHint=True, openWorldHint=False)
-ADDITIVE = ToolAnnotations(readOnlyHint=False, destructiveHint=False, idempotentHint=False, openWorldHint=False)
+# idempotentHint means something only for tools that change something (and false is its default).
+READ_ONLY = ToolAnnotations(readOnlyHint=True, destructiveHint=False, openWorldHint=False)
+ADDITIVE = ToolAnnotations(readOnlyHint=False, destructiveHint=False, openWorldHint=False)
 IDEMPOTENT_CHANGE = ToolAnnotations(readOnlyHint=False, destructiveHint=False, idempotentHint=True, openWorldHint=False)
 DESTRUCTIVE = ToolAnnotations(readOnlyHint=False, destructiveHint=True, idempotentHint=True, openWorldHint=False)
 
@@ -71,10 +80,8 @@ class AuditedToolError(ToolError):
     """A tool error that :meth:`Tools.call` has already written to the audit log."""
 
 
-RunId = Annotated[str, Field(description="A run id from launch_run or list_runs.")]
-RecipePath = Annotated[
-    str, Field(description="Recipe folder (with recipe.py) or .py script, relative to the workspace.")
-]
+RunId = Annotated[str, Field(description="From launch_run or list_runs.")]
+RecipePath = Annotated[str, Field(description="Recipe folder (recipes/<name>, or the name).")]
 
 
 class Tools:
@@ -85,9 +92,13 @@ class Tools:
         self.audit = AuditLog(workspace.state_dir)
 
     async def call(self, tool: str, arguments: dict[str, Any], work: Callable[[], Any]) -> Any:
-        """Run ``work`` in a worker thread; map errors to tool errors; audit the call."""
+        """Run ``work`` (in a worker thread; a coroutine function on the event loop); map errors
+        to tool errors; audit the call."""
         try:
-            result = await anyio.to_thread.run_sync(work)
+            if inspect.iscoroutinefunction(work):
+                result = await work()
+            else:
+                result = await anyio.to_thread.run_sync(work)
         except TrainwrightError as e:
             self.refuse(tool, arguments, f"{e.kind}: {e}")
         except Exception as e:  # a bug: the agent still gets a message, the log the traceback
@@ -161,28 +172,27 @@ def build_server(workspace: Path | str, read_only: bool = False) -> MCPServer:
 
     @tool(READ_ONLY)
     async def list_skills() -> SkillList:
-        """List the training skills (gradient checkpointing, tensor parallel, freezing, sequence
-        packing, loss guards, ...) that apply_skill can write into a recipe. Use get_skill for
-        one skill's full instructions and parameters."""
+        """The training skills apply_skill can write into a recipe (gradient checkpointing,
+        tensor parallel, freezing, sequence packing, loss guards, ...); get_skill explains one."""
         return await tools.call("list_skills", {}, skill_ops.list_skills)
 
     @tool(READ_ONLY)
     async def get_skill(name: Annotated[str, Field(description="A skill name from list_skills.")]) -> SkillDetail:
-        """Read one skill: its SKILL.md (goal, when to use it, what the codemod changes, how to
-        validate the result) and the JSON schema of its parameters."""
+        """One skill's SKILL.md (goal, when to use it, what it changes, how to validate it) and
+        the JSON schema of its parameters."""
         return await tools.call("get_skill", {"name": name}, lambda: skill_ops.get_skill(name))
 
     @tool(IDEMPOTENT_CHANGE)
     async def apply_skill(
         skill: Annotated[str, Field(description="A skill name from list_skills.")],
-        recipe: RecipePath,
+        recipe: Annotated[str, Field(description="Recipe folder (recipes/<name>, or the name) or .py script.")],
         params: Annotated[dict[str, Any] | None, Field(description="Skill parameters (see get_skill).")] = None,
         dry_run: Annotated[bool, Field(description="Only return the diff; change nothing.")] = False,
     ) -> ApplySkillResult:
-        """Write a skill's pattern into a recipe's code as one git commit (message
-        `skill(<name>): apply to <recipe>`, trailers Skill-Applied and Skill-Params). Returns the
-        diff and the commit. Applying again changes nothing (changed=false). Refuses when the
-        recipe has uncommitted changes, or when the skill cannot find where it belongs."""
+        """Write a skill's pattern into a recipe's code as one git commit (trailers
+        Skill-Applied, Skill-Params); returns the diff and the commit. Applying again changes
+        nothing (changed=false). Refused when the recipe has uncommitted changes or the skill
+        finds no place to go."""
         args = {"skill": skill, "recipe": recipe, "params": params, "dry_run": dry_run}
         return await tools.call(
             "apply_skill", args, lambda: skill_ops.apply_skill(tools.ws, skill, recipe, params, dry_run)
@@ -211,10 +221,9 @@ def build_server(workspace: Path | str, read_only: bool = False) -> MCPServer:
         ] = None,
         ctx: Context | None = None,
     ) -> ScaffoldResult:
-        """Create recipes/<name>/ from a template with the given config, as one commit, then
-        apply each listed skill as its own commit. A bad config key, an unknown skill or a skill
-        that cannot apply fails before anything is written. Takes a few seconds (the engine
-        checks the config)."""
+        """Create recipes/<name>/ from a template with this config as one commit, then apply
+        each skill as its own commit. A bad config key or skill fails before anything is
+        written. Takes seconds (the engine checks the config)."""
         if ctx is not None:
             await ctx.report_progress(0, 2, "checking the config and skills")
         args = {"template": template, "name": name, "config": config, "skills": skills}
@@ -224,6 +233,19 @@ def build_server(workspace: Path | str, read_only: bool = False) -> MCPServer:
         if ctx is not None:
             await ctx.report_progress(2, 2, "scaffolded")
         return result
+
+    @tool(READ_ONLY)
+    async def describe_recipe(recipe: RecipePath) -> RecipeDescription:
+        """Every config key of a recipe: type, code default, value (config.yaml), description;
+        the template it came from and the skills applied. Takes seconds (the engine reads it)."""
+        return await tools.call(
+            "describe_recipe", {"recipe": recipe}, lambda: recipe_info.describe_recipe(tools.ws, recipe)
+        )
+
+    @tool(READ_ONLY)
+    async def list_recipes() -> RecipeList:
+        """The workspace's recipe folders: template, last commit, skills applied, runs."""
+        return await tools.call("list_recipes", {}, lambda: recipe_info.list_recipes(tools.ws))
 
     # ---------------------------------------------------------------------------------------
     # Runs
@@ -239,11 +261,11 @@ def build_server(workspace: Path | str, read_only: bool = False) -> MCPServer:
         ] = None,
         ctx: Context | None = None,
     ) -> LaunchRunResult:
-        """Start a training run of a recipe and return its run_id at once, with the config keys
-        that differ from the defaults and a summary of the data it trains on. The engine checks
-        the config and data first: a bad key or a missing data path fails here, with nothing
-        written. The run executes a snapshot of the recipe (uncommitted changes included, and
-        said so); it outlives this server; watch it with get_run and tail_metrics."""
+        """Start a run of a recipe and return its run_id at once, with the config keys that
+        differ from the defaults and a summary of the data it trains on. The engine checks config
+        and data first: a bad key or a missing data path fails here, nothing written. The run
+        executes a snapshot of the recipe (uncommitted changes included, and said so) and
+        outlives this server; follow it with wait_run, get_run, tail_metrics."""
         if ctx is not None:
             await ctx.report_progress(0, 2, "checking the recipe and config")
         args = {"recipe": recipe, "nproc": nproc, "overrides": overrides}
@@ -261,27 +283,58 @@ def build_server(workspace: Path | str, read_only: bool = False) -> MCPServer:
 
     @tool(READ_ONLY)
     async def get_run(run_id: RunId) -> RunInfo:
-        """A run's status (running, completed, failed, stopped), latest metrics, ETA,
-        checkpoints, and the end of its console log when it failed."""
+        """A run's status, latest metrics, ETA, checkpoints, and the end of its console log
+        when it failed."""
         return await tools.call("get_run", {"run_id": run_id}, lambda: run_ops.get_run(tools.ws, run_id))
+
+    @tool(READ_ONLY)
+    async def wait_run(
+        run_id: RunId,
+        until_step: Annotated[
+            int | None, Field(description="Return once this step is logged; null: at the end.")
+        ] = None,
+        timeout_s: Annotated[
+            float, Field(description=f"At most {waiting.MAX_WAIT_S}; call again to wait longer.")
+        ] = waiting.DEFAULT_WAIT_S,
+        ctx: Context | None = None,
+    ) -> WaitRunResult:
+        """Wait until a run logs until_step, ends, or timeout_s passes (reason: reached_step,
+        ended, timeout), with progress notifications (step of max_steps, loss) meanwhile."""
+
+        async def progress(now: waiting.Observation) -> None:
+            if ctx is not None:
+                await ctx.report_progress(now.step or 0, now.max_steps, now.progress_message())
+
+        async def work() -> WaitRunResult:
+            return await waiting.wait_run(tools.ws, run_id, until_step, timeout_s, progress)
+
+        args = {"run_id": run_id, "until_step": until_step, "timeout_s": timeout_s}
+        return await tools.call("wait_run", args, work)
 
     @tool(READ_ONLY)
     async def tail_metrics(
         run_id: RunId,
-        n: Annotated[int, Field(description="At most this many records (1-200).")] = 20,
+        n: Annotated[
+            int, Field(description="At most this many records (1-200).")
+        ] = run_ops.DEFAULT_TAIL_RECORDS,
         after_step: Annotated[
-            int | None, Field(description="Only records after this step: pass the last step you saw to poll.")
+            int | None, Field(description="Only records after this step (the last step you saw).")
         ] = None,
+        follow_resumes: Annotated[
+            bool, Field(description="Also the runs it was resumed from, each up to its resume step.")
+        ] = False,
     ) -> MetricsTail:
         """The latest metrics records of a run (loss, lr, grad_norm, tokens_per_s, step time,
-        memory, MFU). truncated=true means more records matched than n."""
-        args = {"run_id": run_id, "n": n, "after_step": after_step}
-        return await tools.call("tail_metrics", args, lambda: run_ops.tail_metrics(tools.ws, run_id, n, after_step))
+        memory, MFU); truncated=true: more matched than n."""
+        args = {"run_id": run_id, "n": n, "after_step": after_step, "follow_resumes": follow_resumes}
+        return await tools.call(
+            "tail_metrics", args, lambda: run_ops.tail_metrics(tools.ws, run_id, n, after_step, follow_resumes)
+        )
 
     @tool(DESTRUCTIVE)
-    async def stop_run(run_id: RunId) -> RunInfo:
-        """Stop a run: all its processes end and it is recorded as stopped. Its complete
-        checkpoints stay, so it can be resumed."""
+    async def stop_run(run_id: RunId) -> StopRunResult:
+        """Stop a run: all its processes end, it is recorded as stopped; its checkpoints stay
+        for resume_checkpoint."""
         return await tools.call("stop_run", {"run_id": run_id}, lambda: run_ops.stop_run(tools.ws, run_id))
 
     @tool(READ_ONLY)
@@ -301,8 +354,8 @@ def build_server(workspace: Path | str, read_only: bool = False) -> MCPServer:
             Field(description="checkpoint: the code the run ran; head: the recipe as it is now (e.g. after apply_skill)."),
         ] = "checkpoint",
     ) -> LaunchRunResult:
-        """Continue a run from one of its checkpoints as a new run (same config); returns the
-        new run_id at once, with resumed_from and the code it runs."""
+        """Continue a run from a checkpoint as a new run (same config); returns the new run_id at
+        once, with resumed_from and the code it runs."""
         args = {"run_id": run_id, "step": step, "nproc": nproc, "code": code}
         return await tools.call(
             "resume_checkpoint", args,
@@ -317,9 +370,9 @@ def build_server(workspace: Path | str, read_only: bool = False) -> MCPServer:
         _add_skill_resource(mcp, info.name, info.description)
 
     @mcp.resource("run://{run_id}/metrics", mime_type="application/json",
-                  description="The latest metrics records of a run (at most 200), as JSON.")
+                  description="The latest metrics records (at most 200) of a run's history across resumes, as JSON.")
     def run_metrics(run_id: str) -> str:
-        tail = _resource(lambda: run_ops.tail_metrics(tools.ws, run_id, run_ops.MAX_TAIL_RECORDS))
+        tail = _resource(lambda: run_ops.tail_metrics(tools.ws, run_id, run_ops.MAX_TAIL_RECORDS, follow_resumes=True))
         return tail.model_dump_json()
 
     @mcp.resource("run://{run_id}/log", mime_type="text/plain",
@@ -329,14 +382,15 @@ def build_server(workspace: Path | str, read_only: bool = False) -> MCPServer:
         return run_ops._tail_text(run_dir / rd.CONSOLE_LOG, 20_000) or ""
 
     @mcp.resource("run://{run_id}/loss.png", mime_type="image/png",
-                  description="A picture of the run's loss curve (and learning rate).")
+                  description="The loss curve (and learning rate) of a run's history, each resume marked.")
     def run_loss_png(run_id: str) -> bytes:
-        from mcp_server.plot import loss_curve_png
+        from mcp_server.plot import history_png
 
-        run_dir = _resource(lambda: tools.ws.run_dir(run_id))
-        records = rd.read_all_metrics(run_dir / rd.METRICS_JSONL)
-        return loss_curve_png(records, f"run {run_id}")
+        return _resource(lambda: history_png(tools.ws, run_id))
 
+    for registered in mcp._tool_manager.list_tools():
+        _compact_schema(registered.parameters)
+        _compact_schema(registered.fn_metadata.output_schema, output=True)
     return mcp
 
 
@@ -348,6 +402,35 @@ def package_version() -> str:
         return version("trainwright")
     except PackageNotFoundError:
         return "0+unknown"
+
+
+def _compact_schema(schema: Any, output: bool = False, names: bool = False) -> None:
+    """Make a tool's JSON schema smaller without changing what it accepts: every tool's schemas
+    are sent to the agent in each session.
+
+    Drops the ``title`` pydantic gives every schema (the key's name again, in Title Case). In
+    output schemas (which describe what the server sends: every key, always) it also drops
+    defaults and writes ``anyOf: [{type: T}, {type: null}]`` as ``type: [T, "null"]``.
+    ``names`` marks a mapping of property names, which are kept as they are.
+    """
+    if isinstance(schema, dict):
+        if not names:
+            if isinstance(schema.get("title"), str):
+                del schema["title"]
+            if output:
+                schema.pop("default", None)
+                if schema.get("additionalProperties") is True:
+                    del schema["additionalProperties"]
+                options = schema.get("anyOf")
+                if (isinstance(options, list) and len(options) == 2 and {"type": "null"} in options
+                        and all(set(o) == {"type"} and isinstance(o["type"], str) for o in options)):
+                    del schema["anyOf"]
+                    schema["type"] = [o["type"] for o in options if o != {"type": "null"}] + ["null"]
+        for key, value in schema.items():
+            _compact_schema(value, output, names=not names and key in ("properties", "$defs"))
+    elif isinstance(schema, list):
+        for item in schema:
+            _compact_schema(item, output)
 
 
 def _add_skill_resource(mcp: MCPServer, name: str, description: str) -> None:

@@ -195,3 +195,34 @@ def agent_commits(repo: git.Repo, base: str | None, limit: int = 200) -> list[Ag
             )
         )
     return found
+
+
+@dataclass
+class PathCommit:
+    sha: str
+    subject: str
+    committed_at: str
+    trailers: list[tuple[str, str]]
+
+
+def path_commits(repo: git.Repo, path: Path, limit: int = 200) -> list[PathCommit]:
+    """The newest ``limit`` commits that touch ``path``, newest first, with their trailers
+    (one ``git log``; a trailer that occurs twice is listed twice)."""
+    fields = "%H%x1f%s%x1f%cI%x1f%(trailers:only,unfold)%x1e"
+    try:
+        out = repo.git.log(f"--max-count={limit}", f"--format={fields}", "--", _rel(repo, path))
+    except git.GitCommandError:  # no commits yet
+        return []
+    found = []
+    for entry in out.split("\x1e"):
+        parts = entry.strip("\n").split("\x1f")
+        if len(parts) != 4:
+            continue
+        sha, subject, committed_at, trailer_text = parts
+        trailers = []
+        for line in trailer_text.splitlines():
+            key, sep, value = line.partition(":")
+            if sep:
+                trailers.append((key.strip(), value.strip()))
+        found.append(PathCommit(sha=sha, subject=subject, committed_at=committed_at, trailers=trailers))
+    return found

@@ -20,10 +20,13 @@ from mcp_server.models import (
     CheckpointList,
     LaunchRunResult,
     MetricsTail,
+    ResumePoint,
     RunInfo,
     RunList,
     RunSummary,
+    StopRunResult,
 )
+from mcp_server.operations import history
 from sandbox import runs as sandbox_runs
 from sandbox.provenance import CodeOrigin, code_description, recipe_origin
 from sandbox.paths import confine_config_paths
@@ -31,6 +34,7 @@ from sandbox.workspace import Workspace
 
 MAX_NPROC = max(8, os.cpu_count() or 1)
 MAX_TAIL_RECORDS = 200
+DEFAULT_TAIL_RECORDS = 10  # ≈ 4 KB as an agent reads it: a default result stays under 8 KB
 MAX_LIST_RUNS = 100
 CONSOLE_TAIL_BYTES = 1500
 MAX_LISTED_CHECKPOINTS = 50
@@ -275,13 +279,23 @@ def list_runs(ws: Workspace, limit: int = 20) -> RunList:
     return RunList(runs=summaries, truncated=len(run_ids) > limit)
 
 
-def tail_metrics(ws: Workspace, run_id: str, n: int = 20, after_step: int | None = None) -> MetricsTail:
+def tail_metrics(
+    ws: Workspace, run_id: str, n: int = DEFAULT_TAIL_RECORDS, after_step: int | None = None,
+    follow_resumes: bool = False,
+) -> MetricsTail:
+    """The latest ``n`` records (after ``after_step``); with ``follow_resumes``, of the run's
+    whole history: the runs it was resumed from, each up to the step the next one took over."""
     if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_TAIL_RECORDS:
         raise BadInput(f"n must be an integer between 1 and {MAX_TAIL_RECORDS}")
     if after_step is not None and (isinstance(after_step, bool) or not isinstance(after_step, int)):
         raise BadInput(f"after_step must be an integer or null, got {after_step!r}")
     run_dir = ws.run_dir(run_id)
-    records, truncated = rd.read_metrics_tail(run_dir / rd.METRICS_JSONL, n, after_step)
+    resumes: list[ResumePoint] = []
+    if follow_resumes:
+        records, truncated, chain = history.chain_tail(ws, run_id, n, after_step)
+        resumes = [ResumePoint(run_id=s.run_id, step=s.after_step) for s in chain if s.after_step is not None]
+    else:
+        records, truncated = rd.read_metrics_tail(run_dir / rd.METRICS_JSONL, n, after_step)
     # Keep the newest records that fit the result budget (an agent's client rejects more).
     kept: list[dict[str, Any]] = []
     budget = AGENT_BUDGET_CHARS - 1000
@@ -294,13 +308,19 @@ def tail_metrics(ws: Workspace, run_id: str, n: int = 20, after_step: int | None
         kept.append(record)
     kept.reverse()
     return MetricsTail(
-        run_id=run_id, status=rd.read_run(run_dir).effective_status(), records=kept, truncated=truncated
+        run_id=run_id, status=rd.read_run(run_dir).effective_status(), records=kept, truncated=truncated,
+        resumes=resumes,
     )
 
 
-def stop_run(ws: Workspace, run_id: str) -> RunInfo:
+def stop_run(ws: Workspace, run_id: str) -> StopRunResult:
+    """Stop the run; the result is small (get_run has the rest)."""
     sandbox_runs.stop_run(ws.run_dir(run_id))
-    return get_run(ws, run_id)
+    info = get_run(ws, run_id)
+    return StopRunResult(
+        run_id=info.run_id, status=info.status, step=info.step, error=info.error,
+        checkpoints=[c.step for c in info.checkpoints],
+    )
 
 
 def list_checkpoints(ws: Workspace, run_id: str) -> CheckpointList:

@@ -45,6 +45,11 @@ CASES = [
     (["review", "no-such-base"], EXIT_BAD_INPUT, "cannot read the history"),
     (["audit", "-n", "0"], EXIT_BAD_INPUT, "-n must be at least 1"),
     (["plot", NO_RUN], EXIT_NOT_FOUND, "no run"),
+    (["wait", NO_RUN], EXIT_NOT_FOUND, "no run"),
+    (["wait", NO_RUN, "--timeout", "0"], EXIT_BAD_INPUT, "timeout_s must be"),
+    (["describe", "recipes/nope"], EXIT_NOT_FOUND, "no recipe"),
+    (["describe", "../outside"], EXIT_BAD_INPUT, "outside the workspace"),
+    (["recipes", "--workspace", "/nonexistent/folder"], EXIT_NOT_FOUND, "is not a folder"),
 ]
 
 

@@ -1,11 +1,12 @@
-"""launch_run, list_runs, get_run, tail_metrics, stop_run, list_checkpoints, resume_checkpoint
-and the run:// resources, through a real MCP client (in memory and over stdio).
+"""launch_run, list_runs, get_run, wait_run, tail_metrics, stop_run, list_checkpoints,
+resume_checkpoint and the run:// resources, through a real MCP client (in memory and over stdio).
 
 Runs use the tiny model (tests.support.TINY) on one process: a few seconds each.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -15,6 +16,7 @@ import time
 import pytest
 
 from engine import run_dir as rd
+from mcp_server.limits import text_bytes
 from tests.mcp.conftest import (
     ENDLESS_RUN, SHORT_RUN, git, head, is_finite_number, process_group_alive, tiny_config,
 )
@@ -125,6 +127,79 @@ def test_resume_checkpoint_continues_as_a_new_run_with_the_same_losses(client, f
     assert [r["loss"] for r in continued] == [r["loss"] for r in original]
 
 
+def test_tail_metrics_can_follow_the_resume_chain(client, finished, resumed):
+    child = resumed["launch"]["run_id"]
+
+    history = client.ok("tail_metrics", run_id=child, follow_resumes=True)
+
+    # Steps 1-3 only exist in the parent's metrics: the history is the parent's up to the
+    # resume step, then the child's.
+    assert [r["step"] for r in history["records"]] == [1, 2, 3, 4, 5, 6]
+    assert history["resumes"] == [{"run_id": child, "step": 3}] and history["truncated"] is False
+    parent = client.ok("tail_metrics", run_id=finished["run_id"])["records"]
+    assert history["records"][:3] == parent[:3]
+    assert history["records"][3:] == client.ok("tail_metrics", run_id=child)["records"]
+
+    newest = client.ok("tail_metrics", run_id=child, n=4, follow_resumes=True)
+    assert [r["step"] for r in newest["records"]] == [3, 4, 5, 6] and newest["truncated"] is True
+    after = client.ok("tail_metrics", run_id=child, after_step=1, follow_resumes=True)
+    assert [r["step"] for r in after["records"]] == [2, 3, 4, 5, 6] and after["truncated"] is False
+    own = client.ok("tail_metrics", run_id=child)
+    assert [r["step"] for r in own["records"]] == [4, 5, 6] and own["resumes"] == []
+    # The resources show the history.
+    resource = json.loads(client.read_text(f"run://{child}/metrics"))
+    assert [r["step"] for r in resource["records"]] == [1, 2, 3, 4, 5, 6]
+    picture, _ = client.read_bytes(f"run://{child}/loss.png")
+    assert picture.startswith(b"\x89PNG\r\n\x1a\n")
+
+
+def test_wait_run_returns_at_the_asked_step_with_progress_while_the_server_answers(client, recipe):
+    run = client.ok("launch_run", recipe=recipe, overrides=ENDLESS_RUN)
+    progress = []
+
+    async def on_progress(value, total, message):
+        progress.append((value, total, message))
+
+    arguments = {"run_id": run["run_id"], "until_step": 40, "timeout_s": 300}
+    pending = client.portal.start_task_soon(
+        functools.partial(client.client.call_tool, "wait_run", arguments, progress_callback=on_progress)
+    )
+    started = time.monotonic()
+    assert client.ok("list_runs")["runs"]
+    assert time.monotonic() - started < 2.0
+    assert not pending.done(), "the run reached step 40 first: nothing was measured"
+
+    result = pending.result(timeout=300)
+    assert not result.is_error, result.content[0].text
+    waited = result.structured_content
+    assert waited["reason"] == "reached_step" and waited["status"] == "running"
+    assert waited["step"] >= 40 and waited["latest"]["step"] == waited["step"] and waited["max_steps"] == 100_000
+    assert progress, "no progress notification"
+    steps = [value for value, _, _ in progress]
+    assert steps == sorted(steps) and steps[-1] == waited["step"]
+    assert progress[-1][1] == 100_000
+    assert re.fullmatch(rf"step {waited['step']}/100000, loss \d+\.\d{{4}}", progress[-1][2])
+
+    default_tail = client.ok("tail_metrics", run_id=run["run_id"])  # what an agent gets by default
+    assert len(default_tail["records"]) == 10 and text_bytes(default_tail) < 8 * 1024
+
+    timed_out = client.ok("wait_run", run_id=run["run_id"], until_step=10**9, timeout_s=1)
+    assert timed_out["reason"] == "timeout" and timed_out["status"] == "running"
+    assert 1 <= timed_out["waited_s"] < 10 and timed_out["step"] > waited["step"]
+
+    client.ok("stop_run", run_id=run["run_id"])
+    ended = client.ok("wait_run", run_id=run["run_id"], until_step=10**9)
+    assert ended["reason"] == "ended" and ended["status"] == "stopped" and ended["error"] == "stopped by request"
+
+
+def test_wait_run_on_a_finished_run_returns_at_once(client, finished):
+    ended = client.ok("wait_run", run_id=finished["run_id"])
+    assert ended["reason"] == "ended" and ended["status"] == "completed" and ended["step"] == 6
+    assert ended["waited_s"] < 1 and ended["error"] is None
+    reached = client.ok("wait_run", run_id=finished["run_id"], until_step=3)
+    assert reached["reason"] == "reached_step" and reached["step"] == 6
+
+
 def test_a_finished_run_leaves_a_git_note_with_its_outcome(workspace, finished, resumed):
     run_id = finished["run_id"]
 
@@ -165,6 +240,8 @@ def test_stop_run_ends_a_running_run_and_all_its_processes(client, workspace, re
     stopped = client.ok("stop_run", run_id=run["run_id"])
 
     assert stopped["status"] == "stopped" and stopped["error"] == "stopped by request"
+    listed = client.ok("list_checkpoints", run_id=run["run_id"])["checkpoints"]
+    assert stopped["step"] >= 1 and stopped["checkpoints"] == [c["step"] for c in listed]
     assert not rd.pid_alive(record.pid) and not process_group_alive(record.child_pgid)
     assert client.ok("stop_run", run_id=run["run_id"])["status"] == "stopped"  # idempotent
     assert client.ok("tail_metrics", run_id=run["run_id"])["status"] == "stopped"
@@ -182,7 +259,9 @@ def test_a_run_whose_engine_is_killed_is_failed_with_the_console_tail(client, wo
     assert failed["console_tail"].rstrip().endswith(f"run {run['run_id']} failed (exit code -9)")
 
 
-@pytest.mark.parametrize("tool", ["get_run", "tail_metrics", "stop_run", "list_checkpoints", "resume_checkpoint"])
+@pytest.mark.parametrize(
+    "tool", ["get_run", "wait_run", "tail_metrics", "stop_run", "list_checkpoints", "resume_checkpoint"]
+)
 def test_an_unknown_run_is_a_tool_error_that_says_how_to_list_runs(client, tool):
     message = client.error(tool, run_id=NO_RUN)
     assert message == f"Error executing tool {tool}: no run '{NO_RUN}' in this workspace; list_runs shows the runs"
@@ -199,6 +278,9 @@ def test_an_unknown_run_is_a_tool_error_that_says_how_to_list_runs(client, tool)
         ("list_runs", {"limit": 0}, "limit must be an integer between 1 and 100"),
         ("resume_checkpoint", {"step": 5}, "no complete checkpoint at step 5; available steps: 3, 6"),
         ("resume_checkpoint", {"nproc": 0}, "nproc must be between 1 and"),
+        ("wait_run", {"timeout_s": 601}, "timeout_s must be a number of seconds above 0 and at most 600"),
+        ("wait_run", {"timeout_s": 0}, "timeout_s must be a number of seconds above 0 and at most 600"),
+        ("wait_run", {"until_step": -1}, "until_step must be a step number (0 or more) or null"),
     ],
 )
 def test_bad_run_arguments_are_tool_errors_that_say_what_to_change(client, finished, tool, arguments, expected):

@@ -17,11 +17,12 @@ from tests.mcp.conftest import ToolSession, closing_cleanly, connect, git, train
 from tests.support import TEMPLATE
 
 TOOLS = {
-    "list_skills", "get_skill", "apply_skill", "list_templates", "scaffold_recipe", "launch_run",
-    "list_runs", "get_run", "tail_metrics", "stop_run", "list_checkpoints", "resume_checkpoint",
+    "list_skills", "get_skill", "apply_skill", "list_templates", "scaffold_recipe", "describe_recipe",
+    "list_recipes", "launch_run", "list_runs", "get_run", "wait_run", "tail_metrics", "stop_run",
+    "list_checkpoints", "resume_checkpoint",
 }
-READ_ONLY_TOOLS = {"list_skills", "get_skill", "list_templates", "list_runs", "get_run", "tail_metrics",
-                   "list_checkpoints"}
+READ_ONLY_TOOLS = {"list_skills", "get_skill", "list_templates", "describe_recipe", "list_recipes", "list_runs",
+                   "get_run", "wait_run", "tail_metrics", "list_checkpoints"}
 
 
 def test_every_tool_is_listed_with_annotations_and_an_output_schema(client):
@@ -31,13 +32,33 @@ def test_every_tool_is_listed_with_annotations_and_an_output_schema(client):
         hints = tool.annotations
         assert hints.read_only_hint is (name in READ_ONLY_TOOLS), name
         assert hints.destructive_hint is (name == "stop_run"), name
+        if name in READ_ONLY_TOOLS:  # idempotentHint means something only for tools that change things
+            assert hints.idempotent_hint is None, name
         assert hints.open_world_hint is False, name
         assert tool.output_schema["type"] == "object", name
         assert tool.description and "\n    " not in tool.description, name
     assert tools["apply_skill"].annotations.idempotent_hint is True
-    assert tools["launch_run"].annotations.idempotent_hint is False
+    assert not tools["launch_run"].annotations.idempotent_hint  # absent: false
     assert set(tools["apply_skill"].input_schema["properties"]) == {"skill", "recipe", "params", "dry_run"}
     assert tools["apply_skill"].input_schema["required"] == ["skill", "recipe"]
+
+
+def test_the_tool_list_fits_the_agent_budget_and_keeps_every_description(client):
+    listing = client.portal.call(client.client.list_tools)
+    answer = listing.model_dump_json(by_alias=True, exclude_none=True)
+    assert len(answer.encode()) <= 20_000  # the whole tools/list answer, sent in every session
+    schemas = json.loads(answer)["tools"]
+
+    def titles(node, names=False):
+        if isinstance(node, dict):
+            here = [] if names or "title" not in node else [node["title"]]
+            return here + [t for k, v in node.items() for t in titles(v, not names and k in ("properties", "$defs"))]
+        return [t for item in node for t in titles(item)] if isinstance(node, list) else []
+
+    for tool in schemas:
+        assert titles(tool["inputSchema"]) == [] and titles(tool["outputSchema"]) == [], tool["name"]
+        for name, prop in tool["inputSchema"].get("properties", {}).items():
+            assert prop.get("description"), f"{tool['name']}.{name} has no description"
 
 
 def test_a_slow_call_does_not_hold_up_the_others(client, workspace):

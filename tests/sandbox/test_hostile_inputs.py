@@ -138,7 +138,10 @@ CASES += [("launch_run", {"recipe": "recipes/lm", "overrides": v}) for v in [
     {"train.max_stpes": 5}, {"train.max_steps": "$(touch pwned)"}, {"--help": 1},
 ]]
 CASES += [("list_runs", {"limit": v}) for v in BAD_COUNTS + [101, 10**6]]
-for tool in ("get_run", "stop_run", "list_checkpoints", "tail_metrics", "resume_checkpoint"):
+CASES += [("describe_recipe", {"recipe": v}) for v in BAD_PATHS + WRONG_TYPES]
+CASES += [("wait_run", {"run_id": RUN_ID, "timeout_s": v}) for v in [0, -1, 601, 10**30, "x", None, [], {}]]
+CASES += [("wait_run", {"run_id": RUN_ID, "until_step": v}) for v in [-1, -(2**63), "x", 1.5, [], {}]]
+for tool in ("get_run", "wait_run", "stop_run", "list_checkpoints", "tail_metrics", "resume_checkpoint"):
     CASES += [(tool, {"run_id": v}) for v in BAD_NAMES + WRONG_TYPES + [
         "20260101-000000-lm-link", "loop", f"{RUN_ID}/../{RUN_ID}", f"runs/{RUN_ID}", f"{RUN_ID}\n",
     ]]

@@ -12,8 +12,8 @@ from mcp_server.server import build_server
 from tests.sandbox.helpers import error_text, fake_run, live_client, make_workspace, tree_hash
 
 RUN_ID = "20260101-000000-lm-abcd"
-READ_ONLY_TOOLS = {"list_skills", "get_skill", "list_templates", "list_runs", "get_run", "tail_metrics",
-                   "list_checkpoints"}
+READ_ONLY_TOOLS = {"list_skills", "get_skill", "list_templates", "describe_recipe", "list_recipes", "list_runs",
+                   "get_run", "wait_run", "tail_metrics", "list_checkpoints"}
 CHANGING_CALLS = {
     "apply_skill": {"skill": "gradient-checkpointing", "recipe": "recipes/lm"},
     "scaffold_recipe": {"template": "causal_lm", "name": "fresh"},
@@ -51,6 +51,8 @@ def test_tools_that_change_something_are_not_served_and_nothing_changes(workspac
         for tool, arguments in {
             "list_skills": {}, "get_skill": {"name": "lora"}, "list_templates": {}, "list_runs": {},
             "get_run": {"run_id": RUN_ID}, "tail_metrics": {"run_id": RUN_ID}, "list_checkpoints": {"run_id": RUN_ID},
+            "describe_recipe": {"recipe": "recipes/lm"}, "list_recipes": {},
+            "wait_run": {"run_id": RUN_ID, "timeout_s": 1},
         }.items():
             result = client.call(tool, arguments)
             assert not result.is_error, (tool, error_text(result))

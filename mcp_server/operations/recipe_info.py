@@ -1,0 +1,142 @@
+"""What a recipe is: its config keys (``describe_recipe``) and the workspace's recipes
+(``list_recipes``).
+
+The config schema lives in the recipe's code, so only the engine can read it: the description
+comes from the engine's own launch check (``python -m engine.launch RECIPE --check``, run
+sandboxed like every check), never from an import here. The history — the template a recipe
+came from, the skills applied to it — comes from the trailers of the commits that touch it.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import Counter
+from pathlib import Path
+
+from engine import run_dir as rd
+from mcp_server.limits import text_bytes
+from mcp_server.models import ConfigField, RecipeDescription, RecipeList, RecipeSkill, RecipeSummary
+from sandbox import git as sandbox_git
+from sandbox.paths import RESERVED_DIRS
+from sandbox.runs import check_launch
+from sandbox.workspace import Workspace
+
+MAX_DESCRIBE_BYTES = 7_800  # the result as an agent reads it: under 8 KB
+DESCRIPTION_LIMITS = (160, 80, 40, 0)  # characters kept per description, tried in turn
+MAX_SKILLS_SHOWN = 50
+MAX_RECIPES = 100
+MAX_SEARCH_DEPTH = 4
+MAX_FOLDERS_SEARCHED = 5_000
+MAX_RUNS_COUNTED = 10_000
+SKIPPED_FOLDERS = frozenset({"__pycache__", "node_modules", "site-packages"})
+
+
+def _history(ws: Workspace, recipe_dir: Path) -> tuple[str | None, str | None, str | None, list[RecipeSkill]]:
+    """(template, last commit, its subject, skills applied oldest first) from the git history."""
+    repo = sandbox_git.open_repo(ws.root)
+    if repo is None:
+        return None, None, None, []
+    commits = sandbox_git.path_commits(repo, recipe_dir)
+    template, skills = None, []
+    for commit in reversed(commits):  # oldest first
+        trailers = dict(commit.trailers)
+        template = trailers.get("Scaffolded-From", template)
+        if "Skill-Applied" in trailers:
+            skills.append(RecipeSkill(skill=trailers["Skill-Applied"], params=trailers.get("Skill-Params"),
+                                      commit=commit.sha))
+    if not commits:
+        return template, None, None, skills
+    return template, commits[0].sha, commits[0].subject, skills
+
+
+def describe_recipe(ws: Workspace, recipe: str) -> RecipeDescription:
+    """Every config key of a recipe (from the engine's check), its template and skills."""
+    recipe_dir = ws.recipe(recipe)
+    verdict = check_launch(ws.root, recipe_dir, 1, [], limits=ws.run_limits())
+    template, last_commit, _, skills = _history(ws, recipe_dir)
+    described = RecipeDescription(
+        recipe=ws.label(recipe_dir), template=template, last_commit=last_commit,
+        skills=skills[-MAX_SKILLS_SHOWN:], fields=[ConfigField(**f) for f in verdict.get("fields", [])],
+        cut=len(skills) > MAX_SKILLS_SHOWN,
+    )
+    return _fit(described)
+
+
+def _fit(described: RecipeDescription) -> RecipeDescription:
+    """Cut descriptions (then, if need be, the last fields) until the result fits the budget."""
+    if text_bytes(described.model_dump(mode="json")) <= MAX_DESCRIBE_BYTES:
+        return described
+    fields = described.fields
+    for limit in DESCRIPTION_LIMITS:
+        fields = [f.model_copy(update={"description": _cut(f.description, limit)}) for f in described.fields]
+        candidate = described.model_copy(update={"fields": fields, "cut": True})
+        if text_bytes(candidate.model_dump(mode="json")) <= MAX_DESCRIBE_BYTES:
+            return candidate
+    while fields and text_bytes(candidate.model_dump(mode="json")) > MAX_DESCRIBE_BYTES:
+        fields = fields[:-1]
+        candidate = candidate.model_copy(update={"fields": fields})
+    return candidate
+
+
+def _cut(text: str, limit: int) -> str:
+    if len(text) <= limit:
+        return text
+    return text[: limit - 1] + "…" if limit else ""
+
+
+# ---------------------------------------------------------------------------------------------
+# list_recipes
+# ---------------------------------------------------------------------------------------------
+
+
+def find_recipes(ws: Workspace) -> tuple[list[Path], bool]:
+    """Recipe folders (with a recipe.py): ``recipes/*`` first, then any other folder of the
+    workspace outside runs/, .git/, .trainwright/ and hidden folders, a few levels deep."""
+    found: list[Path] = []
+    if ws.recipes_dir.is_dir() and not ws.recipes_dir.is_symlink():
+        found = sorted(p for p in ws.recipes_dir.iterdir()
+                       if p.is_dir() and not p.is_symlink() and (p / "recipe.py").is_file())
+    seen = set(found)
+    searched = 0
+    for folder, subfolders, files in os.walk(ws.root):
+        here = Path(folder)
+        depth = len(here.relative_to(ws.root).parts)
+        subfolders[:] = sorted(
+            name for name in subfolders
+            if not name.startswith(".") and name not in SKIPPED_FOLDERS
+            and not (depth == 0 and name in RESERVED_DIRS)
+            and not (here / name).is_symlink() and depth < MAX_SEARCH_DEPTH
+        )
+        searched += 1
+        if "recipe.py" in files and here != ws.root:
+            if here not in seen:
+                found.append(here)
+                seen.add(here)
+            subfolders[:] = []  # a recipe's own subfolders are its helpers
+        if searched >= MAX_FOLDERS_SEARCHED or len(found) > MAX_RECIPES:
+            break
+    return found[:MAX_RECIPES], len(found) > MAX_RECIPES or searched >= MAX_FOLDERS_SEARCHED
+
+
+def _runs_per_recipe(ws: Workspace) -> Counter:
+    counts: Counter = Counter()
+    for run_id in ws.run_ids()[:MAX_RUNS_COUNTED]:
+        try:
+            counts[rd.read_run(ws.runs_dir / run_id).recipe] += 1
+        except (OSError, ValueError):
+            continue
+    return counts
+
+
+def list_recipes(ws: Workspace) -> RecipeList:
+    folders, truncated = find_recipes(ws)
+    runs = _runs_per_recipe(ws)
+    summaries = []
+    for folder in folders:
+        template, last_commit, last_change, skills = _history(ws, folder)
+        label = ws.label(folder)
+        summaries.append(RecipeSummary(
+            path=label, template=template, last_commit=last_commit, last_change=last_change,
+            skills=len(skills), runs=runs[label],
+        ))
+    return RecipeList(recipes=summaries, truncated=truncated)

@@ -1,0 +1,102 @@
+"""``wait_run``: wait, without blocking anything else, until a run reaches a step or ends.
+
+One definition for the MCP tool (progress notifications) and the CLI (lines on stderr). The
+wait sleeps with anyio between short reads of run.json and the end of metrics.jsonl, so the
+server keeps answering other calls meanwhile; it is bounded by ``MAX_WAIT_S``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Awaitable, Callable
+
+import anyio
+
+from engine import run_dir as rd
+from mcp_server.models import WaitRunResult
+from engine.errors import BadInput
+from mcp_server.operations.runs import _bounded_record
+from sandbox.workspace import Workspace
+
+DEFAULT_WAIT_S = 60
+MAX_WAIT_S = 600
+POLL_S = 0.5
+
+
+@dataclass(frozen=True)
+class Observation:
+    status: str
+    ended: bool
+    step: int | None
+    max_steps: int | None
+    latest: dict[str, Any] | None
+    error: str | None
+
+    def progress_message(self) -> str:
+        message = f"step {self.step if self.step is not None else 0}/{self.max_steps or '?'}"
+        loss = (self.latest or {}).get("loss")
+        if isinstance(loss, (int, float)):
+            message += f", loss {loss:.4f}"
+        return message if not self.ended else f"{message} ({self.status})"
+
+
+def observe(ws: Workspace, run_id: str) -> Observation:
+    """The run as it is now. It has ended once its status is final and its supervisor has
+    recorded the exit code (or is gone)."""
+    run_dir = ws.run_dir(run_id)
+    record = rd.read_run(run_dir)
+    status = record.effective_status()
+    ended = status in rd.FINAL_STATUSES and (record.exit_code is not None or not rd.pid_alive(record.pid))
+    latest_records, _ = rd.read_metrics_tail(run_dir / rd.METRICS_JSONL, 1)
+    latest = latest_records[-1] if latest_records else None
+    step = latest.get("step") if latest else None
+    error = record.error or record.reason
+    return Observation(
+        status=status, ended=ended, step=step if isinstance(step, int) else None,
+        max_steps=record.max_steps, latest=latest,
+        error=str(error)[:2000] if error and status != rd.COMPLETED else None,
+    )
+
+
+def check_wait_arguments(until_step: object, timeout_s: object) -> None:
+    if until_step is not None and (isinstance(until_step, bool) or not isinstance(until_step, int) or until_step < 0):
+        raise BadInput(f"until_step must be a step number (0 or more) or null, got {until_step!r}")
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not 0 < timeout_s <= MAX_WAIT_S:
+        raise BadInput(f"timeout_s must be a number of seconds above 0 and at most {MAX_WAIT_S}, "
+                         f"got {timeout_s!r}; call wait_run again to wait longer")
+
+
+async def wait_run(
+    ws: Workspace,
+    run_id: str,
+    until_step: int | None = None,
+    timeout_s: float = DEFAULT_WAIT_S,
+    on_progress: Callable[[Observation], Awaitable[None]] | None = None,
+    poll_s: float = POLL_S,
+) -> WaitRunResult:
+    """Return when the run has logged ``until_step`` (reached_step), has ended (ended), or
+    ``timeout_s`` has passed (timeout); ``on_progress`` hears of each new step on the way."""
+    check_wait_arguments(until_step, timeout_s)
+    ws.run_dir(run_id)  # an unknown run fails at once
+    started = anyio.current_time()
+    reported: int | None = -1
+    while True:
+        now = await anyio.to_thread.run_sync(observe, ws, run_id)
+        if on_progress is not None and now.step != reported:
+            reported = now.step
+            await on_progress(now)
+        waited = anyio.current_time() - started
+        if until_step is not None and now.step is not None and now.step >= until_step:
+            reason = "reached_step"
+        elif now.ended:
+            reason = "ended"
+        elif waited >= timeout_s:
+            reason = "timeout"
+        else:
+            await anyio.sleep(min(poll_s, timeout_s - waited))
+            continue
+        return WaitRunResult(
+            run_id=run_id, reason=reason, status=now.status, step=now.step, max_steps=now.max_steps,
+            waited_s=round(waited, 2), latest=_bounded_record(now.latest) if now.latest else None,
+            error=now.error,
+        )

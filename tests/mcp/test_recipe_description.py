@@ -1,0 +1,106 @@
+"""describe_recipe and list_recipes through a real MCP client (in memory and over stdio)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from mcp_server.limits import text_bytes
+from mcp_server.models import ConfigField, RecipeDescription
+from mcp_server.operations.recipe_info import MAX_DESCRIBE_BYTES, _fit
+from tests.mcp.conftest import git, head
+from tests.support import TEMPLATE
+
+
+@pytest.fixture(scope="module")
+def recipe(client) -> dict:
+    return client.ok(
+        "scaffold_recipe", template="causal_lm", name="described",
+        config={"train.max_steps": 7, "data.seq_len": 64}, skills=["loss-guard"],
+    )
+
+
+def test_describe_recipe_lists_every_config_key_its_template_and_skills(client, workspace, recipe):
+    status_before = git(workspace, "status", "--porcelain", "--ignored")
+
+    result = client.ok("describe_recipe", recipe="described")
+
+    assert result["recipe"] == "recipes/described" and result["template"] == "causal_lm"
+    fields = {f["key"]: f for f in result["fields"]}
+    assert fields["train.max_steps"] == {
+        "key": "train.max_steps", "type": "int", "default": 200, "value": 7,
+        "description": "Optimizer steps to train for.",
+    }
+    assert fields["data.seq_len"]["default"] == 256 and fields["data.seq_len"]["value"] == 64
+    assert fields["checkpoint.every"]["value"] == 50  # from the template's config.yaml
+    assert fields["data.source"]["type"] == "Literal['stdlib', 'files', 'random'] | None"
+    assert "files: data.paths" in fields["data.source"]["description"]
+    assert fields["model.pretrained_path"]["type"] == "str | None"
+    (skill,) = result["skills"]
+    assert skill["skill"].startswith("loss-guard") and skill["commit"] == head(workspace)
+    assert json.loads(skill["params"])["max_bad_steps"] == 5
+    assert result["last_commit"] == head(workspace) and result["cut"] is False
+    assert text_bytes(result) < 8 * 1024  # as the agent reads it
+    # Describing a recipe leaves nothing behind (no bytecode, no run).
+    assert git(workspace, "status", "--porcelain", "--ignored") == status_before
+
+
+@pytest.mark.parametrize(
+    "recipe_arg, expected",
+    [
+        ("recipes/nope", "not_found: no recipe 'recipes/nope' in the workspace"),
+        (".git", "recipe '.git' is inside .git/"),
+    ],
+)
+def test_describing_something_that_is_not_a_recipe_is_a_tool_error(client, recipe, recipe_arg, expected):
+    assert expected in client.error("describe_recipe", recipe=recipe_arg)
+
+
+def test_describing_a_recipe_whose_config_is_broken_names_the_key(client, workspace, recipe):
+    broken = workspace / "recipes" / "broken"
+    if not broken.exists():
+        shutil.copytree(TEMPLATE, broken, ignore=shutil.ignore_patterns("__pycache__"))
+        (broken / "config.yaml").write_text("train:\n  max_stpes: 3\n")
+    message = client.error("describe_recipe", recipe="recipes/broken")
+    assert "unknown config key 'train.max_stpes' (did you mean 'train.max_steps'?)" in message
+
+
+def test_list_recipes_finds_recipe_folders_with_their_history(client, workspace, recipe):
+    mine = workspace / "experiments" / "mine"
+    if not mine.exists():
+        shutil.copytree(TEMPLATE, mine, ignore=shutil.ignore_patterns("__pycache__"))
+    for not_a_recipe in ("runs/20990101-000000-x-0000", ".hidden/x", "recipes/empty"):
+        (workspace / not_a_recipe).mkdir(parents=True, exist_ok=True)
+    (workspace / "runs/20990101-000000-x-0000/recipe.py").write_text("")
+    (workspace / ".hidden/x/recipe.py").write_text("")
+
+    result = client.ok("list_recipes")
+
+    by_path = {r["path"]: r for r in result["recipes"]}
+    assert set(by_path) == {"recipes/described", "recipes/broken", "experiments/mine"}
+    assert list(by_path)[-1] == "experiments/mine"  # recipes/* first
+    assert by_path["recipes/described"] == {
+        "path": "recipes/described", "template": "causal_lm", "last_commit": head(workspace),
+        "last_change": "skill(loss-guard): apply to recipes/described", "skills": 1, "runs": 0,
+    }
+    assert by_path["experiments/mine"] == {
+        "path": "experiments/mine", "template": None, "last_commit": None, "last_change": None,
+        "skills": 0, "runs": 0,
+    }
+    assert result["truncated"] is False
+
+
+def test_long_descriptions_are_cut_to_keep_the_result_small_and_say_so():
+    fields = [ConfigField(key=f"section.key_{i}", type="int", default=i, value=i, description="word " * 200)
+              for i in range(40)]
+    described = RecipeDescription(recipe="recipes/big", skills=[], fields=fields)
+
+    fitted = _fit(described)
+
+    assert fitted.cut is True
+    assert text_bytes(fitted.model_dump(mode="json")) <= MAX_DESCRIBE_BYTES < 8 * 1024
+    assert [f.key for f in fitted.fields] == [f.key for f in fields]  # every key stays
+    assert all(f.description.endswith("…") or f.description == "" for f in fitted.fields)
+    assert _fit(RecipeDescription(recipe="r", skills=[], fields=fields[:2], cut=False)).cut is False
