@@ -95,19 +95,20 @@ def _follow_run(ws, run_id: str, echo: bool) -> int:
     stopping = False
     while True:
         try:
+            record = rd.read_run(run_dir)
+            ended = rd.effective_status(record) in rd.FINAL_STATUSES and not rd.pid_alive(record.get("pid"))
+            chunk = b""
             if console.is_file():
                 with open(console, "rb") as f:
                     f.seek(offset)
                     chunk = f.read()
-                    offset += len(chunk)
-                if chunk and echo:
-                    sys.stdout.write(chunk.decode("utf-8", errors="replace"))
-                    sys.stdout.flush()
-            record = rd.read_run(run_dir)
-            status = rd.effective_status(record)
-            if status in rd.FINAL_STATUSES and not rd.pid_alive(record.get("pid")):
-                if console.is_file() and console.stat().st_size > offset:
-                    continue  # print the rest first
+            if not ended:  # whole lines only, so that redaction sees every line whole
+                chunk = chunk[: chunk.rfind(b"\n") + 1]
+            offset += len(chunk)
+            if chunk and echo:
+                sys.stdout.write(chunk.decode("utf-8", errors="replace"))
+                sys.stdout.flush()
+            if ended:
                 break
             time.sleep(0.3)
         except KeyboardInterrupt:
@@ -461,9 +462,37 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+class RedactedStream:
+    """A text stream that redacts what passes through it (see sandbox.redact): the CLI prints
+    run output, errors and results, which may hold a server secret."""
+
+    def __init__(self, stream):
+        self._stream = stream
+
+    def write(self, text: str) -> int:
+        from sandbox.redact import redact
+
+        self._stream.write(redact(text))
+        return len(text)
+
+    def __getattr__(self, name: str):
+        return getattr(self._stream, name)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.func is cmd_serve:  # serve speaks MCP on stdout: its tools redact what they return
+        return _run(args)
+    streams = sys.stdout, sys.stderr
+    sys.stdout, sys.stderr = RedactedStream(sys.stdout), RedactedStream(sys.stderr)
+    try:
+        return _run(args)
+    finally:
+        sys.stdout, sys.stderr = streams
+
+
+def _run(args: argparse.Namespace) -> int:
     try:
         return args.func(args)
     except CommandError as e:

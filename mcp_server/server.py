@@ -42,7 +42,8 @@ from mcp_server.operations import recipes as recipe_ops
 from mcp_server.operations import runs as run_ops
 from mcp_server.operations import skills as skill_ops
 from sandbox.audit import AuditLog
-from sandbox.environment import redact
+from sandbox import redact as redaction
+from sandbox.redact import redact, redact_model
 from sandbox.git import GitRefused, ensure_repo
 from sandbox.paths import PathRefused
 from sandbox.runs import LaunchRefused
@@ -96,6 +97,8 @@ class Tools:
         except Exception as e:  # a bug: the agent still gets a message, the log the traceback
             logger.exception("tool %s failed", tool)
             self.refuse(tool, arguments, f"internal error (a trainwright bug): {type(e).__name__}: {e}")
+        if hasattr(result, "model_dump"):  # run output (console, metrics) may print a server secret
+            result = redact_model(result)
         size = json_chars(result.model_dump(mode="json")) if hasattr(result, "model_dump") else 0
         if size > MAX_RESULT_CHARS:
             self.refuse(tool, arguments, f"the result is too large ({size:,} characters, at most "
@@ -133,12 +136,15 @@ class AuditedServer(MCPServer):
         try:
             return await super().call_tool(name, arguments, context)
         except ToolError as e:
-            if not isinstance(e.__cause__, AuditedToolError):  # unknown tool, schema validation
-                self.tools.audit.record(str(name)[:100], arguments, "error", error=str(e))
-            raise
+            if isinstance(e.__cause__, AuditedToolError):
+                raise
+            message = redact(str(e))  # unknown tool, schema validation: they may echo the input
+            self.tools.audit.record(str(name)[:100], arguments, "error", error=message)
+            raise ToolError(message) from None
 
 
 def build_server(workspace: Path | str, read_only: bool = False) -> MCPServer:
+    redaction.reload()  # the values of this server's secrets, compiled once per start
     ws = Workspace.open(workspace)
     if not read_only:
         ensure_repo(ws.root)
@@ -315,13 +321,13 @@ def build_server(workspace: Path | str, read_only: bool = False) -> MCPServer:
                   description="The latest metrics records of a run (at most 200), as JSON.")
     def run_metrics(run_id: str) -> str:
         tail = _resource(lambda: run_ops.tail_metrics(tools.ws, run_id, run_ops.MAX_TAIL_RECORDS))
-        return tail.model_dump_json()
+        return redact_model(tail).model_dump_json()
 
     @mcp.resource("run://{run_id}/log", mime_type="text/plain",
                   description="The end of a run's console log (at most 20 kB).")
     def run_log(run_id: str) -> str:
         run_dir = _resource(lambda: tools.ws.run_dir(run_id))
-        return run_ops._tail_text(run_dir / rd.CONSOLE_LOG, 20_000) or ""
+        return redact(run_ops._tail_text(run_dir / rd.CONSOLE_LOG, 20_000) or "")
 
     @mcp.resource("run://{run_id}/loss.png", mime_type="image/png",
                   description="A picture of the run's loss curve (and learning rate).")
@@ -345,7 +351,7 @@ def _resource(work: Callable[[], Any]) -> Any:
     try:
         return work()
     except INPUT_ERRORS as e:
-        raise ResourceError(str(e)) from None
+        raise ResourceError(redact(str(e))) from None
 
 
 def tool_schemas(server: MCPServer) -> list[dict[str, Any]]:

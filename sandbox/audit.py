@@ -13,7 +13,8 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from engine import run_dir as rd
-from sandbox.environment import looks_secret, redact
+from sandbox.environment import looks_secret
+from sandbox.redact import redact
 
 AUDIT_FILENAME = "audit.jsonl"
 MAX_VALUE_CHARS = 500
