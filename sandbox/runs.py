@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from engine import run_dir as rd
+from engine.data_files import WORKSPACE_VARIABLE
 from sandbox.config import RunLimits
 from sandbox.environment import THREADS_VARIABLE, run_environment, threads_per_process
 from sandbox.processes import RUN_ID_VARIABLE, end_processes, marked
@@ -88,7 +89,9 @@ def check_launch(
     if limits.network == "isolated":
         command = [sys.executable, "-m", "sandbox.network", "--", *command]
     # A check writes nothing, not even the recipe's bytecode cache.
-    env = run_environment(extra={THREADS_VARIABLE: "1", "PYTHONDONTWRITEBYTECODE": "1"})
+    env = run_environment(
+        extra={THREADS_VARIABLE: "1", "PYTHONDONTWRITEBYTECODE": "1", WORKSPACE_VARIABLE: str(workspace)}
+    )
     try:
         result = subprocess.run(
             command, cwd=workspace, env=env, capture_output=True, text=True, errors="replace",
@@ -164,7 +167,8 @@ def start_run(
         run_dir, command=engine_command(recipe_dir, run_dir, nproc, overrides, resume_path, config_json)
     )
     env = run_environment(
-        extra={THREADS_VARIABLE: str(threads), RUN_ID_VARIABLE: run_id}, pass_env=limits.pass_env
+        extra={THREADS_VARIABLE: str(threads), RUN_ID_VARIABLE: run_id, WORKSPACE_VARIABLE: str(workspace)},
+        pass_env=limits.pass_env,
     )
     with open(run_dir / rd.CONSOLE_LOG, "ab") as console:
         process = subprocess.Popen(

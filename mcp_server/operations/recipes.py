@@ -17,7 +17,7 @@ from mcp_server.models import AppliedSkill, ScaffoldResult, TemplateInfo, Templa
 from mcp_server.operations import skills as skill_ops
 from mcp_server.operations.runs import override_strings
 from sandbox import git as sandbox_git
-from sandbox.paths import PathRefused, check_name, confine, confine_config_paths
+from sandbox.paths import PathRefused, check_name, confine, confine_config
 from sandbox.runs import check_launch
 from sandbox.workspace import RECIPES_DIRNAME, Workspace
 
@@ -141,7 +141,7 @@ def scaffold_recipe(
     if destination.exists():
         raise ValueError(f"recipes/{name} already exists; choose another name")
     flat = flatten_config(config)
-    confine_config_paths(ws.root, flat)
+    confine_config(ws.root, flat)
     specs = _skill_specs(skills)
     items = override_strings(flat)
 
@@ -155,7 +155,7 @@ def scaffold_recipe(
                 skill_library.apply_skill(skill, trial, params)
             except skill_library.SkillError as e:
                 raise ValueError(f"skill {skill} cannot be applied to this recipe: {e}") from None
-    check_launch(ws.root, source, 1, items, limits=ws.run_limits())
+    confine_config(ws.root, check_launch(ws.root, source, 1, items, limits=ws.run_limits()))
 
     with ws.changing():
         return _scaffold_locked(ws, source, template, name, flat, specs)

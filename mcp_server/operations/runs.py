@@ -27,7 +27,7 @@ from mcp_server.models import (
 )
 from sandbox import runs as sandbox_runs
 from sandbox.git import head_commit
-from sandbox.paths import confine_config_paths
+from sandbox.paths import confine_config
 from sandbox.workspace import NotFound, Workspace
 
 MAX_NPROC = max(8, os.cpu_count() or 1)
@@ -89,7 +89,7 @@ def override_values(items: list[str]) -> dict[str, Any]:
 def _checked_overrides(ws: Workspace, overrides: dict[str, Any] | list[str] | None) -> list[str]:
     """Override strings, with every value that names a file confined to the workspace."""
     items = override_strings(overrides)
-    confine_config_paths(ws.root, override_values(items))
+    confine_config(ws.root, override_values(items))  # fail fast; the merged config is checked too
     return items
 
 
@@ -105,7 +105,7 @@ def launch_run(
     nproc = _check_nproc(nproc)
     items = _checked_overrides(ws, overrides)
     limits = ws.run_limits() if limits is None else limits
-    sandbox_runs.check_launch(ws.root, recipe_dir, nproc, items, limits=limits)
+    confine_config(ws.root, sandbox_runs.check_launch(ws.root, recipe_dir, nproc, items, limits=limits))
     record = sandbox_runs.start_run(
         ws.root, ws.runs_dir, recipe_dir, ws.label(recipe_dir), nproc, items,
         git_commit=head_commit(ws.root), limits=limits,
@@ -152,7 +152,9 @@ def resume_checkpoint(
     items = _checked_overrides(ws, overrides)
     limits = ws.run_limits() if limits is None else limits
     config_json = source_dir / rd.RUN_JSON
-    sandbox_runs.check_launch(ws.root, recipe_dir, nproc, items, config_json=config_json, limits=limits)
+    confine_config(
+        ws.root, sandbox_runs.check_launch(ws.root, recipe_dir, nproc, items, config_json=config_json, limits=limits)
+    )
     same_shape = nproc == source.get("nproc") and not limits.threads_per_process
     resumed_from = ResumedFrom(run_id=source["id"], step=chosen_step, path=ws.label(checkpoint))
     record = sandbox_runs.start_run(

@@ -133,6 +133,14 @@ CASES += [("launch_run", {"recipe": "recipes/lm", "overrides": v}) for v in [
     {"data.paths": ["escape/train.py"]}, {"model.pretrained_path": "../outside/recipe"},
     {f"k{i}": i for i in range(100)}, "train.max_steps=5", ["train.max_steps=5"], 5,
 ]]
+# File values in any nesting, and "~", are confined (the engine would read the user's home).
+CASES += [("launch_run", {"recipe": "recipes/lm", "overrides": v}) for v in [
+    {"data": {"paths": ["/etc/passwd"]}}, {"data": {"paths": ["escape/train.py"]}}, {"data.paths": ["~"]},
+    {"data.paths": ["~/.ssh/id_rsa"]}, {"model": {"pretrained_path": "~root"}}, {"model.pretrained_path": "~"},
+]]
+CASES += [("scaffold_recipe", {"template": "causal_lm", "name": "fresh", "config": v}) for v in [
+    {"data.paths": ["~/.aws/credentials"]}, {"model": {"pretrained_path": "~"}},
+]]
 # These three reach the engine's config check (a subprocess that imports torch: slow, few).
 CASES += [("launch_run", {"recipe": "recipes/lm", "overrides": v}) for v in [
     {"train.max_stpes": 5}, {"train.max_steps": "$(touch pwned)"}, {"--help": 1},
