@@ -158,14 +158,25 @@ def append_to_run_list(run_dir: Path, key: str, value: Any) -> dict[str, Any]:
 # ---------------------------------------------------------------------------------------------
 
 
+# Run output is written by recipe code, so a reader survives any of it: a line longer than
+# MAX_METRICS_LINE_BYTES, one that is not JSON (or nested beyond the parser's depth) or a record
+# whose ``step`` is not an integer, or that nests deeper than MAX_METRICS_DEPTH, is skipped, and no reader looks further back than a bounded
+# window from the end of the file.
+MAX_METRICS_LINE_BYTES = 1 << 20
+MAX_METRICS_DEPTH = 8
+METRICS_WINDOW_BYTES = 16 << 20
+
+
 def read_metrics_tail(
-    path: Path, n: int, after_step: int | None = None, block_size: int = 64 * 1024
+    path: Path, n: int, after_step: int | None = None, block_size: int = 64 * 1024,
+    max_bytes: int = METRICS_WINDOW_BYTES,
 ) -> tuple[list[dict[str, Any]], bool]:
     """The last ``n`` records of a metrics file (with ``step > after_step`` when given).
 
     Reads backwards from the end in blocks, so the cost depends on ``n``, not on the length of
-    the file. Returns ``(records_oldest_first, truncated)`` where ``truncated`` says that more
-    matching records exist than were returned. A partially written last line is skipped.
+    the file (and never exceeds ``max_bytes``). Returns ``(records_oldest_first, truncated)``
+    where ``truncated`` says that more matching records exist than were returned (or that the
+    window ended first). A partially written last line, and any unusable line, is skipped.
     """
     path = Path(path)
     if not path.is_file() or n <= 0:
@@ -175,21 +186,33 @@ def read_metrics_tail(
     with open(path, "rb") as f:
         f.seek(0, os.SEEK_END)
         position = f.tell()
+        floor = max(0, position - max_bytes)
         leftover = b""
+        skipping = False  # inside a line too long to keep: drop bytes until its start
         done = False
-        while position > 0 and not done:
-            read_size = min(block_size, position)
+        while position > floor and not done:
+            read_size = min(block_size, position - floor)
             position -= read_size
             f.seek(position)
-            chunk = f.read(read_size) + leftover
+            block = f.read(read_size)
+            if skipping:
+                cut = block.rfind(b"\n")
+                if cut < 0:
+                    continue
+                block, skipping = block[: cut + 1], False
+                chunk = block
+            else:
+                chunk = block + leftover
             lines = chunk.split(b"\n")
             # The first piece may be the end of a line that starts in an earlier block.
-            leftover = lines.pop(0) if position > 0 else b""
+            leftover = lines.pop(0) if position > floor else b""
+            if len(leftover) > MAX_METRICS_LINE_BYTES:
+                leftover, skipping = b"", True
             for line in reversed(lines):
                 record = _parse_metrics_line(line)
                 if record is None:
                     continue
-                if after_step is not None and record.get("step", -1) <= after_step:
+                if after_step is not None and record["step"] <= after_step:
                     done = True
                     break
                 if len(records) == n:
@@ -197,9 +220,11 @@ def read_metrics_tail(
                     done = True
                     break
                 records.append(record)
-        if not done and leftover:
+        if not done and position > 0:
+            truncated = True  # the window ended before the file's start: older records may match
+        if not done and leftover and position == 0:
             record = _parse_metrics_line(leftover)
-            if record is not None and (after_step is None or record.get("step", -1) > after_step):
+            if record is not None and (after_step is None or record["step"] > after_step):
                 if len(records) == n:
                     truncated = True
                 else:
@@ -209,23 +234,58 @@ def read_metrics_tail(
 
 
 def _parse_metrics_line(line: bytes) -> dict[str, Any] | None:
+    """One metrics record, or None for a line that is not one (see MAX_METRICS_LINE_BYTES)."""
+    if len(line) > MAX_METRICS_LINE_BYTES:
+        return None
     line = line.strip()
     if not line:
         return None
     try:
         record = json.loads(line)
-    except ValueError:  # a line that is still being written
+    except (ValueError, RecursionError):  # a line still being written, or not a record
         return None
-    return record if isinstance(record, dict) else None
+    if not isinstance(record, dict) or not _shallow(record, MAX_METRICS_DEPTH):
+        return None
+    step = record.get("step")
+    return record if isinstance(step, int) and not isinstance(step, bool) else None
 
 
-def read_all_metrics(path: Path) -> list[dict[str, Any]]:
-    """Every record of a metrics file, in order (for tests, plots and reviews of short runs)."""
+def _shallow(value: Any, depth: int) -> bool:
+    """Whether ``value`` nests at most ``depth`` levels of lists and objects."""
+    level = [value]
+    for _ in range(depth + 1):
+        level = [v for item in level if isinstance(item, (dict, list))
+                 for v in (item.values() if isinstance(item, dict) else item)]
+        if not level:
+            return True
+    return False
+
+
+def read_all_metrics(path: Path, max_bytes: int = METRICS_WINDOW_BYTES) -> list[dict[str, Any]]:
+    """The records of a metrics file, in order, from at most its last ``max_bytes`` (for plots,
+    tests and reviews)."""
     path = Path(path)
     if not path.is_file():
         return []
     with open(path, "rb") as f:
-        return [r for r in (_parse_metrics_line(line) for line in f) if r is not None]
+        size = f.seek(0, os.SEEK_END)
+        start = max(0, size - max_bytes)
+        f.seek(max(0, start - 1))
+        if start > 0 and f.read(1) != b"\n":
+            f.readline(MAX_METRICS_LINE_BYTES + 1)  # the rest of a line that began before the window
+        records = []
+        while True:
+            line = f.readline(MAX_METRICS_LINE_BYTES + 1)
+            if not line:
+                break
+            if len(line) > MAX_METRICS_LINE_BYTES:  # too long: skip to its end in bounded reads
+                while line and not line.endswith(b"\n"):
+                    line = f.readline(MAX_METRICS_LINE_BYTES + 1)
+                continue
+            record = _parse_metrics_line(line)
+            if record is not None:
+                records.append(record)
+        return records
 
 
 def pid_alive(pid: int | None) -> bool:

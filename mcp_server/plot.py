@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import math
 from typing import Any
 
 
@@ -13,9 +14,7 @@ def loss_curve_png(records: list[dict[str, Any]], title: str) -> bytes:
     matplotlib.use("Agg")
     from matplotlib import pyplot as plt
 
-    train = [(r["step"], r["loss"]) for r in records if isinstance(r.get("loss"), (int, float))]
-    evals = [(r["step"], r["eval_loss"]) for r in records if isinstance(r.get("eval_loss"), (int, float))]
-    lrs = [(r["step"], r["lr"]) for r in records if isinstance(r.get("lr"), (int, float))]
+    train, evals, lrs = _series(records, "loss"), _series(records, "eval_loss"), _series(records, "lr")
 
     figure, axis = plt.subplots(figsize=(7, 4), dpi=100)
     if train:
@@ -32,9 +31,26 @@ def loss_curve_png(records: list[dict[str, Any]], title: str) -> bytes:
     if not train:
         axis.text(0.5, 0.5, "no metrics yet", ha="center", va="center", transform=axis.transAxes)
     axis.set_title(title, fontsize=10)
-    axis.legend(loc="upper right")
+    if train or evals:
+        axis.legend(loc="upper right")
     figure.tight_layout()
     buffer = io.BytesIO()
     figure.savefig(buffer, format="png")
     plt.close(figure)
     return buffer.getvalue()
+
+
+def _series(records: list[dict[str, Any]], key: str) -> list[tuple[int, float]]:
+    """``(step, value)`` for the records where ``key`` is a finite number (run output may hold anything)."""
+    points = []
+    for record in records:
+        value, step = record.get(key), record.get("step")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not isinstance(step, int):
+            continue
+        try:
+            value = float(value)
+        except OverflowError:
+            continue
+        if math.isfinite(value) and abs(step) < 2**53:
+            points.append((step, value))
+    return points

@@ -7,6 +7,7 @@ they see every run as it is, also runs started before this process.
 from __future__ import annotations
 
 import json
+import math
 import os
 from pathlib import Path
 from typing import Any
@@ -181,7 +182,8 @@ def _resumed_from(ws: Workspace, record: dict[str, Any]) -> ResumedFrom | None:
 
 
 def _max_steps(record: dict[str, Any]) -> int | None:
-    return ((record.get("config") or {}).get("train") or {}).get("max_steps")
+    value = ((record.get("config") or {}).get("train") or {}).get("max_steps")
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
 def get_run(ws: Workspace, run_id: str) -> RunInfo:
@@ -214,7 +216,7 @@ def get_run(ws: Workspace, run_id: str) -> RunInfo:
         resumed_from=_resumed_from(ws, record),
         step=latest.get("step") if latest else None,
         max_steps=_max_steps(record),
-        eta_s=latest.get("eta_s") if latest and status == rd.RUNNING else None,
+        eta_s=_number(latest.get("eta_s")) if latest and status == rd.RUNNING else None,
         latest=_bounded_record(latest) if latest else None,
         checkpoints=[
             CheckpointInfo(step=s, path=ws.label(p))
@@ -265,24 +267,43 @@ def list_runs(ws: Workspace, limit: int = 50) -> RunList:
     run_ids = ws.run_ids()
     summaries = []
     for run_id in run_ids[:limit]:
-        run_dir = ws.runs_dir / run_id
         try:
-            record = rd.read_run(run_dir)
+            summaries.append(_summary(ws, run_id))
         except (OSError, ValueError):
-            continue
-        latest, _ = rd.read_metrics_tail(run_dir / rd.METRICS_JSONL, 1)
-        summaries.append(
-            RunSummary(
-                run_id=run_id,
-                status=rd.effective_status(record),
-                recipe=str(record.get("recipe", ""))[:300],
-                created_at=record.get("created_at"),
-                step=latest[-1].get("step") if latest else None,
-                max_steps=_max_steps(record),
-                loss=latest[-1].get("loss") if latest else None,
-            )
-        )
+            continue  # a run.json being replaced, or not a run
+        except Exception:  # noqa: BLE001 — one run's bad files never hide the workspace's runs
+            summaries.append(RunSummary(run_id=run_id, status="unreadable", recipe=""))
     return RunList(runs=summaries, truncated=len(run_ids) > limit)
+
+
+def _summary(ws: Workspace, run_id: str) -> RunSummary:
+    run_dir = ws.runs_dir / run_id
+    record = rd.read_run(run_dir)
+    latest, _ = rd.read_metrics_tail(run_dir / rd.METRICS_JSONL, 1)
+    return RunSummary(
+        run_id=run_id,
+        status=str(rd.effective_status(record)),
+        recipe=str(record.get("recipe", ""))[:300],
+        created_at=_text_or_none(record.get("created_at")),
+        step=latest[-1]["step"] if latest else None,
+        max_steps=_max_steps(record),
+        loss=_number(latest[-1].get("loss")) if latest else None,
+    )
+
+
+def _number(value: Any) -> float | None:
+    """A finite number from run output, or None (a recipe may log anything)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    try:
+        value = float(value)
+    except OverflowError:
+        return None
+    return value if math.isfinite(value) else None
+
+
+def _text_or_none(value: Any) -> str | None:
+    return None if value is None else str(value)[:100]
 
 
 def tail_metrics(ws: Workspace, run_id: str, n: int = 20, after_step: int | None = None) -> MetricsTail:
