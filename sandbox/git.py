@@ -5,6 +5,11 @@ say which tool produced it (``Trainwright-Tool``) and with what (``Skill-Applied
 ``Skill-Params``, ``Scaffolded-From``). Every run records the commit it was launched from,
 and when it ends a note under ``refs/notes/trainwright`` on that commit records its outcome,
 so ``git log --notes=trainwright`` shows what each agent commit produced.
+
+Git runs with the workspace's own settings, which an agent can edit with its own tools. So
+every git command trainwright runs goes through :func:`_harden`: hooks off
+(``core.hooksPath`` pointed at nothing: ``.git/hooks/post-commit`` never runs),
+``core.fsmonitor`` off, and the values of the server's secrets blanked from git's environment.
 """
 
 from __future__ import annotations
@@ -16,11 +21,16 @@ from pathlib import Path
 
 import git
 
+from sandbox.environment import looks_secret
+from sandbox.redact import secret_values
+
 NOTES_REF = "trainwright"
 AGENT_NAME = "trainwright"
 AGENT_EMAIL = "trainwright@localhost"
 TOOL_TRAILER = "Trainwright-Tool"
 WORKSPACE_GITIGNORE = "runs/\n.trainwright/\n__pycache__/\n"
+# Settings given on every git command line (``git -c ...``): they win over the repository's.
+SAFE_CONFIG = ("core.hooksPath=/dev/null", "core.fsmonitor=false", "core.untrackedCache=false")
 
 
 class GitRefused(ValueError):
@@ -35,6 +45,19 @@ def _identity_env() -> dict[str, str]:
     return env
 
 
+def scrubbed_environment() -> dict[str, str]:
+    """Blank values for the server's secret variables (GitPython starts from ``os.environ``)."""
+    secrets = secret_values(os.environ)
+    return {name: "" for name, value in os.environ.items() if looks_secret(name) or value in secrets}
+
+
+def _harden(repo: git.Repo) -> git.Repo:
+    """Every later command of ``repo`` runs without hooks, fsmonitor or the server's secrets."""
+    repo.git.set_persistent_git_options(c=list(SAFE_CONFIG))
+    repo.git.update_environment(**scrubbed_environment())
+    return repo
+
+
 def open_repo(root: Path) -> git.Repo | None:
     """The repository that can hold the workspace's commits: its own, or an enclosing one.
 
@@ -45,6 +68,7 @@ def open_repo(root: Path) -> git.Repo | None:
         repo = git.Repo(root, search_parent_directories=True)
     except (git.InvalidGitRepositoryError, git.NoSuchPathError):
         return None
+    _harden(repo)
     if Path(repo.working_tree_dir).resolve() != Path(root).resolve() and repo.ignored(str(root)):
         return None
     return repo
@@ -55,7 +79,7 @@ def ensure_repo(root: Path) -> git.Repo:
     repo = open_repo(root)
     if repo is not None:
         return repo
-    repo = git.Repo.init(root)
+    repo = _harden(git.Repo.init(root))
     gitignore = Path(root) / ".gitignore"
     if not gitignore.exists():
         gitignore.write_text(WORKSPACE_GITIGNORE)
