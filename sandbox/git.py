@@ -119,15 +119,36 @@ def require_clean(repo: git.Repo, path: Path, what: str) -> None:
         )
 
 
+def require_not_ignored(repo: git.Repo, path: Path, what: str) -> None:
+    """Refuse a file git ignores: its change could not be committed, so it is not made."""
+    if repo.ignored(_rel(repo, path)):
+        raise GitRefused(
+            f"{what} is ignored by git (.gitignore), so a change to it cannot be committed for "
+            "review; move it out of the ignored folder or change .gitignore first"
+        )
+
+
 def commit_paths(repo: git.Repo, paths: list[Path], message: str, trailers: list[tuple[str, str]]) -> str:
-    """Commit exactly ``paths`` (whatever else is staged stays staged); return the new sha."""
+    """Commit exactly ``paths`` (whatever else is staged stays staged); return the new sha.
+
+    When git refuses, the paths are unstaged again and :class:`GitRefused` says why; the caller
+    puts its files back (see ``rollback`` in the operations).
+    """
     rel = [_rel(repo, p) for p in paths]
     args = ["-q", "-m", message.rstrip("\n") + "\n"]
     for key, value in trailers:
         args += ["--trailer", f"{key}: {value}"]
     with repo.git.custom_environment(**_identity_env()):
-        repo.git.add("-A", "--", *rel)
-        repo.git.commit(*args, "--only", "--", *rel)
+        try:
+            repo.git.add("-A", "--", *rel)
+            repo.git.commit(*args, "--only", "--", *rel)
+        except git.GitCommandError as e:
+            try:
+                repo.git.reset("-q", "--", *rel)
+            except git.GitCommandError:
+                pass  # no HEAD yet, or the index is locked: nothing was staged by us then
+            detail = (str(e.stderr or e).strip().splitlines() or ["unknown error"])[-1]
+            raise GitRefused(f"git could not commit the change ({detail[:300]}); nothing was committed") from None
     return repo.head.commit.hexsha
 
 

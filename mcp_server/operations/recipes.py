@@ -179,16 +179,20 @@ def _scaffold_locked(ws: Workspace, source: Path, template: str, name: str, flat
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
-    sha = sandbox_git.commit_paths(
-        repo,
-        [destination],
-        f"recipe({name}): scaffold from template {template}",
-        [
-            (sandbox_git.TOOL_TRAILER, SCAFFOLD_TOOL),
-            ("Scaffolded-From", template),
-            ("Recipe-Config", json.dumps(flat, sort_keys=True, separators=(",", ":"))),
-        ],
-    )
+    try:
+        sha = sandbox_git.commit_paths(
+            repo,
+            [destination],
+            f"recipe({name}): scaffold from template {template}",
+            [
+                (sandbox_git.TOOL_TRAILER, SCAFFOLD_TOOL),
+                ("Scaffolded-From", template),
+                ("Recipe-Config", json.dumps(flat, sort_keys=True, separators=(",", ":"))),
+            ],
+        )
+    except BaseException:
+        shutil.rmtree(destination, ignore_errors=True)  # an error means nothing changed
+        raise
     applied = []
     for skill, params in specs:
         result = skill_ops.apply_skill_unlocked(ws, skill, ws.label(destination), params)
