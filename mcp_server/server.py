@@ -86,7 +86,7 @@ class Tools:
 
     def __init__(self, workspace: Workspace):
         self.ws = workspace
-        self.audit = AuditLog(workspace.state_dir)
+        self.audit = AuditLog(workspace.state_dir, hold=True)
 
     async def call(self, tool: str, arguments: dict[str, Any], work: Callable[[], Any]) -> Any:
         """Run ``work`` in a worker thread; map errors to tool errors; audit the call."""

@@ -108,7 +108,7 @@ def launch_run(
     limits = ws.run_limits() if limits is None else limits
     confine_config(ws.root, sandbox_runs.check_launch(ws.root, recipe_dir, nproc, items, limits=limits))
     record = sandbox_runs.start_run(
-        ws.root, ws.runs_dir, recipe_dir, ws.label(recipe_dir), nproc, items,
+        ws.root, ws.real_dir(ws.runs_dir), recipe_dir, ws.label(recipe_dir), nproc, items,
         git_commit=head_commit(ws.root), limits=limits,
     )
     return LaunchRunResult(
@@ -159,7 +159,7 @@ def resume_checkpoint(
     same_shape = nproc == source.get("nproc") and not limits.threads_per_process
     resumed_from = ResumedFrom(run_id=source["id"], step=chosen_step, path=ws.label(checkpoint))
     record = sandbox_runs.start_run(
-        ws.root, ws.runs_dir, recipe_dir, ws.label(recipe_dir), nproc, items,
+        ws.root, ws.real_dir(ws.runs_dir), recipe_dir, ws.label(recipe_dir), nproc, items,
         git_commit=head_commit(ws.root),
         resumed_from={**resumed_from.model_dump(), "path": str(checkpoint)},
         config_json=config_json,
