@@ -238,7 +238,9 @@ def cmd_checkpoints(args: argparse.Namespace) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     from mcp_server.server import serve
 
-    serve(args.workspace, http_port=args.http, read_only=args.read_only)
+    if args.no_auth and args.http is None:
+        raise CommandError("--no-auth applies to --http only", EXIT_BAD_INPUT)
+    serve(args.workspace, http_port=args.http, read_only=args.read_only, auth=not args.no_auth)
     return EXIT_OK
 
 
@@ -397,7 +399,12 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--detach", action="store_true", help="start it and return at once")
 
     p = add("serve", cmd_serve, "serve the MCP tools (stdio by default)")
-    p.add_argument("--http", type=int, metavar="PORT", help="serve streamable HTTP on 127.0.0.1:PORT")
+    p.add_argument("--http", type=int, metavar="PORT",
+                   help="serve streamable HTTP on http://127.0.0.1:PORT/mcp; requests need the bearer token "
+                   "printed at start (also in $XDG_STATE_HOME/trainwright/http-token, default "
+                   "~/.local/state/trainwright/http-token)")
+    p.add_argument("--no-auth", action="store_true",
+                   help="with --http: accept requests without the token (any local user can then call the tools)")
     p.add_argument("--read-only", action="store_true", help="serve only tools that change nothing")
 
     skills_parser = sub.add_parser("skills", help="list or show skills (list_skills, get_skill)")

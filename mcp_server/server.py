@@ -364,9 +364,11 @@ def tool_schemas(server: MCPServer) -> list[dict[str, Any]]:
     return sorted(anyio.run(collect), key=lambda t: t["name"])
 
 
-def serve(workspace: Path | str, http_port: int | None = None, read_only: bool = False) -> None:
+def serve(workspace: Path | str, http_port: int | None = None, read_only: bool = False, auth: bool = True) -> None:
     server = build_server(workspace, read_only=read_only)
     if http_port is None:
         server.run("stdio")
     else:
-        server.run("streamable-http", host="127.0.0.1", port=http_port)
+        from mcp_server.http_auth import serve_http
+
+        serve_http(server, http_port, auth=auth)
