@@ -34,7 +34,7 @@ class CommandError(Exception):
 def _workspace(args: argparse.Namespace):
     from sandbox.workspace import Workspace
 
-    return Workspace.open(args.workspace)
+    return Workspace.open(args.workspace, getattr(args, "settings", None))
 
 
 def _emit(args: argparse.Namespace, result: BaseModel, text: Callable[[Any], str]) -> None:
@@ -240,7 +240,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     if args.no_auth and args.http is None:
         raise CommandError("--no-auth applies to --http only", EXIT_BAD_INPUT)
-    serve(args.workspace, http_port=args.http, read_only=args.read_only, auth=not args.no_auth)
+    serve(args.workspace, http_port=args.http, read_only=args.read_only, auth=not args.no_auth,
+          settings=args.settings)
     return EXIT_OK
 
 
@@ -397,6 +398,14 @@ def build_parser() -> argparse.ArgumentParser:
             help="override a config value, e.g. --set train.max_steps=50 (repeatable)",
         )
         p.add_argument("--detach", action="store_true", help="start it and return at once")
+        settings_option(p)
+
+    def settings_option(p: argparse.ArgumentParser) -> None:
+        p.add_argument(
+            "--config", dest="settings", metavar="FILE",
+            help="trusted settings (runs: limits); default $XDG_CONFIG_HOME/trainwright/config.yaml "
+            "(~/.config/trainwright/config.yaml). The workspace's .trainwright/config.yaml may only tighten them",
+        )
 
     p = add("serve", cmd_serve, "serve the MCP tools (stdio by default)")
     p.add_argument("--http", type=int, metavar="PORT",
@@ -406,6 +415,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-auth", action="store_true",
                    help="with --http: accept requests without the token (any local user can then call the tools)")
     p.add_argument("--read-only", action="store_true", help="serve only tools that change nothing")
+    settings_option(p)
 
     skills_parser = sub.add_parser("skills", help="list or show skills (list_skills, get_skill)")
     skills_sub = skills_parser.add_subparsers(dest="skills_command", required=True, metavar="ACTION")

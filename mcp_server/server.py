@@ -42,6 +42,7 @@ from mcp_server.operations import recipes as recipe_ops
 from mcp_server.operations import runs as run_ops
 from mcp_server.operations import skills as skill_ops
 from sandbox.audit import AuditLog
+from sandbox.config import trusted_limits
 from sandbox import redact as redaction
 from sandbox.redact import redact, redact_model
 from sandbox.git import GitRefused, ensure_repo
@@ -143,9 +144,11 @@ class AuditedServer(MCPServer):
             raise ToolError(message) from None
 
 
-def build_server(workspace: Path | str, read_only: bool = False) -> MCPServer:
+def build_server(workspace: Path | str, read_only: bool = False, settings: Path | str | None = None) -> MCPServer:
+    """The server of one workspace; ``settings``: the trusted settings file (``serve --config``)."""
     redaction.reload()  # the values of this server's secrets, compiled once per start
-    ws = Workspace.open(workspace)
+    ws = Workspace.open(workspace, settings)
+    trusted_limits(ws.settings)  # a missing or broken settings file stops the start
     if not read_only:
         ensure_repo(ws.root)
         ws.prepare_state()
@@ -364,8 +367,9 @@ def tool_schemas(server: MCPServer) -> list[dict[str, Any]]:
     return sorted(anyio.run(collect), key=lambda t: t["name"])
 
 
-def serve(workspace: Path | str, http_port: int | None = None, read_only: bool = False, auth: bool = True) -> None:
-    server = build_server(workspace, read_only=read_only)
+def serve(workspace: Path | str, http_port: int | None = None, read_only: bool = False, auth: bool = True,
+          settings: Path | str | None = None) -> None:
+    server = build_server(workspace, read_only=read_only, settings=settings)
     if http_port is None:
         server.run("stdio")
     else:

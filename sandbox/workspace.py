@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Iterator
 
 from engine import run_dir as rd
-from sandbox.config import RunLimits, load_run_limits
+from sandbox.config import RunLimits, effective_limits
 from sandbox.paths import PathRefused, check_name, confine, refuse_reserved
 
 RECIPES_DIRNAME = "recipes"
@@ -85,13 +85,14 @@ def open_state_file(dir_fd: int, name: str, flags: int, mode: int = 0o600) -> in
 @dataclass(frozen=True)
 class Workspace:
     root: Path
+    settings: Path | None = None  # the trusted settings file (serve --config); None: the user's default
 
     @classmethod
-    def open(cls, root: Path | str) -> "Workspace":
+    def open(cls, root: Path | str, settings: Path | str | None = None) -> "Workspace":
         path = Path(root).expanduser().resolve()
         if not path.is_dir():
             raise NotFound(f"workspace {root} is not a folder")
-        workspace = cls(path)
+        workspace = cls(path, Path(settings).expanduser().resolve() if settings is not None else None)
         workspace.check_state()
         return workspace
 
@@ -148,8 +149,14 @@ class Workspace:
         return path
 
     def run_limits(self) -> RunLimits:
-        """The limits for the next run, from ``.trainwright/config.yaml`` (see sandbox.config)."""
-        return load_run_limits(self.state_dir)
+        """The limits for the next run (see :func:`run_limits_and_warnings`)."""
+        return self.run_limits_and_warnings()[0]
+
+    def run_limits_and_warnings(self) -> tuple[RunLimits, list[str]]:
+        """The limits for the next run: the trusted settings, tightened by the workspace's
+        ``.trainwright/config.yaml``, and a warning for each setting there that was ignored
+        because it would loosen them (see sandbox.config)."""
+        return effective_limits(self.settings, self.state_dir)
 
     def _confine_recipe(self, value: object) -> Path:
         """``value`` as a path in the workspace; a bare name (``my_lm``) also finds ``recipes/my_lm``."""

@@ -105,11 +105,11 @@ def launch_run(
     recipe_dir = ws.recipe(recipe)
     nproc = _check_nproc(nproc)
     items = _checked_overrides(ws, overrides)
-    limits = ws.run_limits() if limits is None else limits
+    limits, warnings = ws.run_limits_and_warnings() if limits is None else (limits, [])
     confine_config(ws.root, sandbox_runs.check_launch(ws.root, recipe_dir, nproc, items, limits=limits))
     record = sandbox_runs.start_run(
         ws.root, ws.real_dir(ws.runs_dir), recipe_dir, ws.label(recipe_dir), nproc, items,
-        git_commit=head_commit(ws.root), limits=limits,
+        git_commit=head_commit(ws.root), limits=limits, extra_record={"warnings": warnings} if warnings else None,
     )
     return LaunchRunResult(
         run_id=record["id"], status=record["status"], run_dir=ws.label(ws.runs_dir / record["id"])
@@ -151,7 +151,7 @@ def resume_checkpoint(
     recipe_dir = ws.recipe(source["recipe"])
     nproc = _check_nproc(source.get("nproc", 1) if nproc is None else nproc)
     items = _checked_overrides(ws, overrides)
-    limits = ws.run_limits() if limits is None else limits
+    limits, warnings = ws.run_limits_and_warnings() if limits is None else (limits, [])
     config_json = source_dir / rd.RUN_JSON
     confine_config(
         ws.root, sandbox_runs.check_launch(ws.root, recipe_dir, nproc, items, config_json=config_json, limits=limits)
@@ -164,6 +164,7 @@ def resume_checkpoint(
         resumed_from={**resumed_from.model_dump(), "path": str(checkpoint)},
         config_json=config_json,
         limits=limits,
+        extra_record={"warnings": warnings} if warnings else None,
         threads=source.get("threads_per_process") if same_shape else None,
     )
     return LaunchRunResult(
