@@ -113,26 +113,28 @@ def latest_checkpoint(run_dir: Path) -> tuple[int, Path] | None:
 
 
 class ResumedFrom(BaseModel):
-    """The checkpoint a run continues."""
+    """The checkpoint a run continues: the run, its step, and the checkpoint folder."""
 
-    run_id: str = Field(description="The run whose checkpoint this run continues.")
-    step: int = Field(description="The checkpoint's step.")
-    path: str = Field(description="The checkpoint folder.")
+    run_id: str
+    step: int
+    path: str
 
 
 class DataSummary(BaseModel):
-    """What a run trains on, counted before it starts (``Engine.summarize_data``)."""
+    """What a run trains on, counted before it starts (Engine.summarize_data): the source and
+    paths given, files read, documents and tokens (end-of-document tokens included) in all and
+    per split, and the tokenizer that counted them."""
 
-    source: str = Field(description="Where the documents come from (files, stdlib, random, ...).")
-    paths: list[str] = Field([], description="The data paths given (at most 20 shown).")
-    files: int | None = Field(None, description="Files read, where the source is files.")
-    documents: int = Field(description="Documents in all.")
-    tokens: int = Field(description="Tokens in all documents, end-of-document tokens included.")
+    source: str
+    paths: list[str] = []
+    files: int | None = None
+    documents: int
+    tokens: int
     train_documents: int
     eval_documents: int
     train_tokens: int
     eval_tokens: int
-    tokenizer: str | None = Field(None, description="The tokenizer that counted the tokens.")
+    tokenizer: str | None = None
 
     def describe(self) -> str:
         """One line, for the console, notes and reviews."""
@@ -320,14 +322,25 @@ class MetricRecord(BaseModel):
     mfu: float | None = Field(None, description="Model FLOPs utilisation (where the peak is known).")
 
 
+# Run output is written by recipe code, so a reader survives any of it: a line longer than
+# MAX_METRICS_LINE_BYTES, one that is not JSON (or nested beyond the parser's depth) or a record
+# whose ``step`` is not an integer, or that nests deeper than MAX_METRICS_DEPTH, is skipped, and no reader looks further back than a bounded
+# window from the end of the file.
+MAX_METRICS_LINE_BYTES = 1 << 20
+MAX_METRICS_DEPTH = 8
+METRICS_WINDOW_BYTES = 16 << 20
+
+
 def read_metrics_tail(
-    path: Path, n: int, after_step: int | None = None, block_size: int = 64 * 1024
+    path: Path, n: int, after_step: int | None = None, block_size: int = 64 * 1024,
+    max_bytes: int = METRICS_WINDOW_BYTES,
 ) -> tuple[list[dict[str, Any]], bool]:
     """The last ``n`` records of a metrics file (with ``step > after_step`` when given).
 
     Reads backwards from the end in blocks, so the cost depends on ``n``, not on the length of
-    the file. Returns ``(records_oldest_first, truncated)`` where ``truncated`` says that more
-    matching records exist than were returned. A partially written last line is skipped.
+    the file (and never exceeds ``max_bytes``). Returns ``(records_oldest_first, truncated)``
+    where ``truncated`` says that more matching records exist than were returned (or that the
+    window ended first). A partially written last line, and any unusable line, is skipped.
     """
     path = Path(path)
     if not path.is_file() or n <= 0:
@@ -337,21 +350,33 @@ def read_metrics_tail(
     with open(path, "rb") as f:
         f.seek(0, os.SEEK_END)
         position = f.tell()
+        floor = max(0, position - max_bytes)
         leftover = b""
+        skipping = False  # inside a line too long to keep: drop bytes until its start
         done = False
-        while position > 0 and not done:
-            read_size = min(block_size, position)
+        while position > floor and not done:
+            read_size = min(block_size, position - floor)
             position -= read_size
             f.seek(position)
-            chunk = f.read(read_size) + leftover
+            block = f.read(read_size)
+            if skipping:
+                cut = block.rfind(b"\n")
+                if cut < 0:
+                    continue
+                block, skipping = block[: cut + 1], False
+                chunk = block
+            else:
+                chunk = block + leftover
             lines = chunk.split(b"\n")
             # The first piece may be the end of a line that starts in an earlier block.
-            leftover = lines.pop(0) if position > 0 else b""
+            leftover = lines.pop(0) if position > floor else b""
+            if len(leftover) > MAX_METRICS_LINE_BYTES:
+                leftover, skipping = b"", True
             for line in reversed(lines):
                 record = _parse_metrics_line(line)
                 if record is None:
                     continue
-                if after_step is not None and record.get("step", -1) <= after_step:
+                if after_step is not None and record["step"] <= after_step:
                     done = True
                     break
                 if len(records) == n:
@@ -359,9 +384,11 @@ def read_metrics_tail(
                     done = True
                     break
                 records.append(record)
-        if not done and leftover:
+        if not done and position > 0:
+            truncated = True  # the window ended before the file's start: older records may match
+        if not done and leftover and position == 0:
             record = _parse_metrics_line(leftover)
-            if record is not None and (after_step is None or record.get("step", -1) > after_step):
+            if record is not None and (after_step is None or record["step"] > after_step):
                 if len(records) == n:
                     truncated = True
                 else:
@@ -371,23 +398,58 @@ def read_metrics_tail(
 
 
 def _parse_metrics_line(line: bytes) -> dict[str, Any] | None:
+    """One metrics record, or None for a line that is not one (see MAX_METRICS_LINE_BYTES)."""
+    if len(line) > MAX_METRICS_LINE_BYTES:
+        return None
     line = line.strip()
     if not line:
         return None
     try:
         record = json.loads(line)
-    except ValueError:  # a line that is still being written
+    except (ValueError, RecursionError):  # a line still being written, or not a record
         return None
-    return record if isinstance(record, dict) else None
+    if not isinstance(record, dict) or not _shallow(record, MAX_METRICS_DEPTH):
+        return None
+    step = record.get("step")
+    return record if isinstance(step, int) and not isinstance(step, bool) else None
 
 
-def read_all_metrics(path: Path) -> list[dict[str, Any]]:
-    """Every record of a metrics file, in order (for tests, plots and reviews of short runs)."""
+def _shallow(value: Any, depth: int) -> bool:
+    """Whether ``value`` nests at most ``depth`` levels of lists and objects."""
+    level = [value]
+    for _ in range(depth + 1):
+        level = [v for item in level if isinstance(item, (dict, list))
+                 for v in (item.values() if isinstance(item, dict) else item)]
+        if not level:
+            return True
+    return False
+
+
+def read_all_metrics(path: Path, max_bytes: int = METRICS_WINDOW_BYTES) -> list[dict[str, Any]]:
+    """The records of a metrics file, in order, from at most its last ``max_bytes`` (for plots,
+    tests and reviews)."""
     path = Path(path)
     if not path.is_file():
         return []
     with open(path, "rb") as f:
-        return [r for r in (_parse_metrics_line(line) for line in f) if r is not None]
+        size = f.seek(0, os.SEEK_END)
+        start = max(0, size - max_bytes)
+        f.seek(max(0, start - 1))
+        if start > 0 and f.read(1) != b"\n":
+            f.readline(MAX_METRICS_LINE_BYTES + 1)  # the rest of a line that began before the window
+        records = []
+        while True:
+            line = f.readline(MAX_METRICS_LINE_BYTES + 1)
+            if not line:
+                break
+            if len(line) > MAX_METRICS_LINE_BYTES:  # too long: skip to its end in bounded reads
+                while line and not line.endswith(b"\n"):
+                    line = f.readline(MAX_METRICS_LINE_BYTES + 1)
+                continue
+            record = _parse_metrics_line(line)
+            if record is not None:
+                records.append(record)
+        return records
 
 
 def pid_alive(pid: int | None) -> bool:

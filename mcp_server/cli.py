@@ -20,7 +20,8 @@ from typing import Any, Callable
 
 from pydantic import BaseModel
 
-from engine.errors import EXIT_OK, EXIT_STOPPED, EXIT_TIMEOUT, BadInput
+from engine.run_dir import DataSummary
+from engine.errors import EXIT_INTERNAL, EXIT_OK, EXIT_STOPPED, EXIT_TIMEOUT, BadInput, TrainwrightError
 from engine.errors import EXIT_RUN_FAILED as EXIT_FAILED
 
 EPILOG = """exit codes: 0 success, 1 the run failed, 2 bad input or refused, 3 not found,
@@ -31,7 +32,7 @@ Every command accepts --workspace DIR and --json."""
 def _workspace(args: argparse.Namespace):
     from sandbox.workspace import Workspace
 
-    return Workspace.open(args.workspace)
+    return Workspace.open(args.workspace, getattr(args, "settings", None))
 
 
 def _emit(args: argparse.Namespace, result: BaseModel, text: Callable[[Any], str]) -> None:
@@ -83,7 +84,7 @@ def _after_launch(args, ws, result) -> int:
 def _launch_text(r) -> str:
     lines = [f"started run {r.run_id} → {r.run_dir}", f"  code   {r.code}"]
     if r.data:
-        lines.append(f"  {r.data.describe()}")
+        lines.append(f"  {DataSummary.model_validate(r.data).describe()}")
     if r.config_changes:
         lines.append("  config " + ", ".join(f"{k}={json.dumps(v)}" for k, v in r.config_changes.items()))
     lines.extend(f"  warning {w}" for w in r.warnings)
@@ -101,18 +102,20 @@ def _follow_run(ws, run_id: str, echo: bool) -> int:
     stopping = False
     while True:
         try:
+            record = rd.read_run(run_dir)
+            ended = record.effective_status() in rd.FINAL_STATUSES and not rd.pid_alive(record.pid)
+            chunk = b""
             if console.is_file():
                 with open(console, "rb") as f:
                     f.seek(offset)
                     chunk = f.read()
-                    offset += len(chunk)
-                if chunk and echo:
-                    sys.stdout.write(chunk.decode("utf-8", errors="replace"))
-                    sys.stdout.flush()
-            record = rd.read_run(run_dir)
-            if record.effective_status() in rd.FINAL_STATUSES and not rd.pid_alive(record.pid):
-                if console.is_file() and console.stat().st_size > offset:
-                    continue  # print the rest first
+            if not ended:  # whole lines only, so that redaction sees every line whole
+                chunk = chunk[: chunk.rfind(b"\n") + 1]
+            offset += len(chunk)
+            if chunk and echo:
+                sys.stdout.write(chunk.decode("utf-8", errors="replace"))
+                sys.stdout.flush()
+            if ended:
                 break
             time.sleep(0.3)
         except KeyboardInterrupt:
@@ -153,7 +156,7 @@ def cmd_status(args: argparse.Namespace) -> int:
         lines = [f"run {r.run_id}: {r.status}", f"  recipe     {r.recipe}", f"  code       {r.code}"]
         lines.append(f"  processes  {r.world_size or r.nproc}")
         if r.data:
-            lines.append(f"  {r.data.describe()}")
+            lines.append(f"  {DataSummary.model_validate(r.data).describe()}")
         if r.config_changes:
             lines.append("  config     " + ", ".join(f"{k}={json.dumps(v)}" for k, v in r.config_changes.items()))
         if r.step is not None:
@@ -277,7 +280,10 @@ def cmd_checkpoints(args: argparse.Namespace) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     from mcp_server.server import serve
 
-    serve(args.workspace, http_port=args.http, read_only=args.read_only)
+    if args.no_auth and args.http is None:
+        raise BadInput("--no-auth applies to --http only")
+    serve(args.workspace, http_port=args.http, read_only=args.read_only, auth=not args.no_auth,
+          settings=args.settings)
     return EXIT_OK
 
 
@@ -466,10 +472,24 @@ def build_parser() -> argparse.ArgumentParser:
             help="override a config value, e.g. --set train.max_steps=50 (repeatable)",
         )
         p.add_argument("--detach", action="store_true", help="start it and return at once")
+        settings_option(p)
+
+    def settings_option(p: argparse.ArgumentParser) -> None:
+        p.add_argument(
+            "--config", dest="settings", metavar="FILE",
+            help="trusted settings (runs: limits); default $XDG_CONFIG_HOME/trainwright/config.yaml "
+            "(~/.config/trainwright/config.yaml). The workspace's .trainwright/config.yaml may only tighten them",
+        )
 
     p = add("serve", cmd_serve, "serve the MCP tools (stdio by default)")
-    p.add_argument("--http", type=int, metavar="PORT", help="serve streamable HTTP on 127.0.0.1:PORT")
+    p.add_argument("--http", type=int, metavar="PORT",
+                   help="serve streamable HTTP on http://127.0.0.1:PORT/mcp; requests need the bearer token "
+                   "printed at start (also in $XDG_STATE_HOME/trainwright/http-token, default "
+                   "~/.local/state/trainwright/http-token)")
+    p.add_argument("--no-auth", action="store_true",
+                   help="with --http: accept requests without the token (any local user can then call the tools)")
     p.add_argument("--read-only", action="store_true", help="serve only tools that change nothing")
+    settings_option(p)
 
     skills_parser = sub.add_parser("skills", help="list or show skills (list_skills, get_skill)")
     skills_sub = skills_parser.add_subparsers(dest="skills_command", required=True, metavar="ACTION")
@@ -550,11 +570,37 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
-    from engine.errors import EXIT_INTERNAL, TrainwrightError
+class RedactedStream:
+    """A text stream that redacts what passes through it (see sandbox.redact): the CLI prints
+    run output, errors and results, which may hold a server secret."""
 
+    def __init__(self, stream):
+        self._stream = stream
+
+    def write(self, text: str) -> int:
+        from sandbox.redact import redact
+
+        self._stream.write(redact(text))
+        return len(text)
+
+    def __getattr__(self, name: str):
+        return getattr(self._stream, name)
+
+
+def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.func is cmd_serve:  # serve speaks MCP on stdout: its tools redact what they return
+        return _run(args)
+    streams = sys.stdout, sys.stderr
+    sys.stdout, sys.stderr = RedactedStream(sys.stdout), RedactedStream(sys.stderr)
+    try:
+        return _run(args)
+    finally:
+        sys.stdout, sys.stderr = streams
+
+
+def _run(args: argparse.Namespace) -> int:
     try:
         return args.func(args)
     except KeyboardInterrupt:

@@ -7,7 +7,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
-from engine.run_dir import DataSummary, ResumedFrom, RunStatus
+from engine.run_dir import ResumedFrom, RunStatus
 
 
 class ResumePoint(BaseModel):
@@ -16,12 +16,16 @@ class ResumePoint(BaseModel):
 
 
 class LaunchRunResult(BaseModel):
+    """code: the code that runs (commit, uncommitted changes, resume source); config_changes:
+    keys that differ from the code defaults; data: what it trains on (source, paths, files,
+    documents, tokens, train/eval split), counted before it started."""
+
     run_id: str
     status: RunStatus
-    run_dir: str = Field(description="The run directory, relative to the workspace.")
-    code: str = Field(description="The code the run executes: commit, uncommitted changes, resume source.")
-    config_changes: dict[str, Any] = Field(description="Config keys that differ from the recipe's code defaults.")
-    data: DataSummary | None = Field(description="What the run trains on, counted before it started.")
+    run_dir: str
+    code: str
+    config_changes: dict[str, Any]
+    data: dict[str, Any] | None
     resumed_from: ResumedFrom | None = None
     warnings: list[str] = []
 
@@ -53,33 +57,36 @@ class RunList(BaseModel):
 
 
 class RunInfo(BaseModel):
+    """What ran (code, config_changes, data as in launch_run) and how it goes (latest metrics
+    record, eta_s, newest checkpoints, console_tail when it failed)."""
+
     run_id: str
     status: RunStatus
     recipe: str
     run_dir: str
-    code: str = Field(description="The code that ran: commit, uncommitted changes, resume source.")
+    code: str
     git_commit: str | None = None
-    recipe_dirty: bool | None = Field(None, description="The recipe had uncommitted changes; the run used them.")
-    snapshot: str | None = Field(None, description="Folder of the code that ran.")
+    recipe_dirty: bool | None = None
+    snapshot: str | None = None
     nproc: int | None = None
     world_size: int | None = None
     created_at: str | None = None
     started_at: str | None = None
     ended_at: str | None = None
     exit_code: int | None = None
-    error: str | None = Field(None, description="Why the run failed or stopped, when it did.")
+    error: str | None = None
     resumed_from: ResumedFrom | None = None
     overrides: dict[str, Any] = {}
-    config_changes: dict[str, Any] = Field({}, description="Config keys that differ from the code defaults.")
-    data: DataSummary | None = None
+    config_changes: dict[str, Any] = {}
+    data: dict[str, Any] | None = None
     step: int | None = None
     max_steps: int | None = None
-    eta_s: float | None = Field(None, description="Seconds left, from the latest record.")
-    latest: dict[str, Any] | None = Field(None, description="The latest metrics record.")
-    checkpoints: list[CheckpointInfo] = Field([], description="The newest complete checkpoints (at most 10).")
-    console_tail: str | None = Field(None, description="The end of console.log when the run failed.")
+    eta_s: float | None = None
+    latest: dict[str, Any] | None = None
+    checkpoints: list[CheckpointInfo] = []
+    console_tail: str | None = None
     warnings: list[str] = []
-    network_isolated: bool | None = Field(None, description="True: loopback only; False: the host's network.")
+    network_isolated: bool | None = None
     network_note: str | None = None
     limits: dict[str, Any] | None = None
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import math
 from typing import Any, Sequence
 
 
@@ -14,12 +15,7 @@ def loss_curve_figure(records: list[dict[str, Any]], title: str, resumes: Sequen
     matplotlib.use("Agg")
     from matplotlib import pyplot as plt
     from matplotlib.ticker import MaxNLocator
-
-    def series(key: str) -> list[tuple[Any, Any]]:
-        return [(r["step"], r[key]) for r in records
-                if isinstance(r.get(key), (int, float)) and isinstance(r.get("step"), (int, float))]
-
-    train, evals, lrs = series("loss"), series("eval_loss"), series("lr")
+    train, evals, lrs = _series(records, "loss"), _series(records, "eval_loss"), _series(records, "lr")
     figure, axis = plt.subplots(figsize=(7, 4), dpi=100)
     handles = []
     if train:
@@ -67,3 +63,19 @@ def history_png(ws, run_id: str) -> bytes:
     resumes = [(s.after_step, s.run_id) for s in chain if s.after_step is not None]
     title = f"run {run_id}" + (f" (resumed {len(resumes)}×, from {chain[0].run_id})" if resumes else "")
     return loss_curve_png(records, title, resumes)
+
+
+def _series(records: list[dict[str, Any]], key: str) -> list[tuple[int, float]]:
+    """``(step, value)`` for the records where ``key`` is a finite number (run output may hold anything)."""
+    points = []
+    for record in records:
+        value, step = record.get(key), record.get("step")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not isinstance(step, int):
+            continue
+        try:
+            value = float(value)
+        except OverflowError:
+            continue
+        if math.isfinite(value) and abs(step) < 2**53:
+            points.append((step, value))
+    return points

@@ -48,8 +48,10 @@ from mcp_server.operations import recipes as recipe_ops
 from mcp_server.operations import runs as run_ops
 from mcp_server.operations import skills as skill_ops
 from sandbox.audit import AuditLog
-from sandbox.environment import redact
+from sandbox import redact as redaction
+from sandbox.config import trusted_limits
 from sandbox.git import ensure_repo
+from sandbox.redact import redact, redact_model
 from sandbox.workspace import Workspace
 
 INSTRUCTIONS = """\
@@ -89,7 +91,7 @@ class Tools:
 
     def __init__(self, workspace: Workspace):
         self.ws = workspace
-        self.audit = AuditLog(workspace.state_dir)
+        self.audit = AuditLog(workspace.state_dir, hold=True)
 
     async def call(self, tool: str, arguments: dict[str, Any], work: Callable[[], Any]) -> Any:
         """Run ``work`` (in a worker thread; a coroutine function on the event loop); map errors
@@ -105,6 +107,8 @@ class Tools:
             logger.exception("tool %s failed", tool)
             self.refuse(tool, arguments, f"internal: a trainwright bug ({type(e).__name__}: {e}); "
                         "the server log has the traceback")
+        if hasattr(result, "model_dump"):  # run output (console, metrics) may print a server secret
+            result = redact_model(result)
         size = json_chars(result.model_dump(mode="json")) if hasattr(result, "model_dump") else 0
         if size > MAX_RESULT_CHARS:
             self.refuse(tool, arguments, f"the result is too large ({size:,} characters, at most "
@@ -142,13 +146,18 @@ class AuditedServer(MCPServer):
         try:
             return await super().call_tool(name, arguments, context)
         except ToolError as e:
-            if not isinstance(e.__cause__, AuditedToolError):  # unknown tool, schema validation
-                self.tools.audit.record(str(name)[:100], arguments, "error", error=str(e))
-            raise
+            if isinstance(e.__cause__, AuditedToolError):
+                raise
+            message = redact(str(e))  # unknown tool, schema validation: they may echo the input
+            self.tools.audit.record(str(name)[:100], arguments, "error", error=message)
+            raise ToolError(message) from None
 
 
-def build_server(workspace: Path | str, read_only: bool = False) -> MCPServer:
-    ws = Workspace.open(workspace)
+def build_server(workspace: Path | str, read_only: bool = False, settings: Path | str | None = None) -> MCPServer:
+    """The server of one workspace; ``settings``: the trusted settings file (``serve --config``)."""
+    redaction.reload()  # the values of this server's secrets, compiled once per start
+    ws = Workspace.open(workspace, settings)
+    trusted_limits(ws.settings)  # a missing or broken settings file stops the start
     if not read_only:
         ensure_repo(ws.root)
         ws.prepare_state()
@@ -373,13 +382,13 @@ def build_server(workspace: Path | str, read_only: bool = False) -> MCPServer:
                   description="The latest metrics records (at most 200) of a run's history across resumes, as JSON.")
     def run_metrics(run_id: str) -> str:
         tail = _resource(lambda: run_ops.tail_metrics(tools.ws, run_id, run_ops.MAX_TAIL_RECORDS, follow_resumes=True))
-        return tail.model_dump_json()
+        return redact_model(tail).model_dump_json()
 
     @mcp.resource("run://{run_id}/log", mime_type="text/plain",
                   description="The end of a run's console log (at most 20 kB).")
     def run_log(run_id: str) -> str:
         run_dir = _resource(lambda: tools.ws.run_dir(run_id))
-        return run_ops._tail_text(run_dir / rd.CONSOLE_LOG, 20_000) or ""
+        return redact(run_ops._tail_text(run_dir / rd.CONSOLE_LOG, 20_000) or "")
 
     @mcp.resource("run://{run_id}/loss.png", mime_type="image/png",
                   description="The loss curve (and learning rate) of a run's history, each resume marked.")
@@ -443,7 +452,7 @@ def _resource(work: Callable[[], Any]) -> Any:
     try:
         return work()
     except TrainwrightError as e:
-        raise ResourceError(f"{e.kind}: {e}") from None
+        raise ResourceError(redact(f"{e.kind}: {e}")) from None
 
 
 def tool_schemas(server: MCPServer) -> list[dict[str, Any]]:
@@ -456,9 +465,12 @@ def tool_schemas(server: MCPServer) -> list[dict[str, Any]]:
     return sorted(anyio.run(collect), key=lambda t: t["name"])
 
 
-def serve(workspace: Path | str, http_port: int | None = None, read_only: bool = False) -> None:
-    server = build_server(workspace, read_only=read_only)
+def serve(workspace: Path | str, http_port: int | None = None, read_only: bool = False, auth: bool = True,
+          settings: Path | str | None = None) -> None:
+    server = build_server(workspace, read_only=read_only, settings=settings)
     if http_port is None:
         server.run("stdio")
     else:
-        server.run("streamable-http", host="127.0.0.1", port=http_port)
+        from mcp_server.http_auth import serve_http
+
+        serve_http(server, http_port, auth=auth)

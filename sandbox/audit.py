@@ -7,13 +7,17 @@ written with a single ``O_APPEND`` write, so concurrent calls never interleave w
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 from pathlib import Path
 from typing import Any, Iterator
 
 from engine import run_dir as rd
-from sandbox.environment import looks_secret, redact
+from sandbox.environment import looks_secret
+from sandbox.redact import redact
+from sandbox.paths import PathRefused
+from sandbox.workspace import open_real_dir, open_state_file
 
 AUDIT_FILENAME = "audit.jsonl"
 MAX_VALUE_CHARS = 500
@@ -38,8 +42,16 @@ def _clean(value: Any, depth: int = 0) -> Any:
 
 
 class AuditLog:
-    def __init__(self, state_dir: Path):
+    """The audit log of a workspace. A writer (``hold=True``, the server) opens ``.trainwright/``
+    once (at start, or at its first entry when the folder does not exist yet), refusing a link
+    there, and writes through that descriptor from then on, so swapping the folder (or the file)
+    for a link never redirects a write."""
+
+    def __init__(self, state_dir: Path, hold: bool = False):
         self.path = Path(state_dir) / AUDIT_FILENAME
+        self._dir_fd: int | None = None
+        if hold and os.path.lexists(self.path.parent):
+            self._dir_fd = open_real_dir(self.path.parent)
 
     def record(self, tool: str, arguments: dict[str, Any], outcome: str, *, error: str | None = None,
                commit: str | None = None, run_id: str | None = None) -> None:
@@ -56,8 +68,9 @@ class AuditLog:
         if run_id:
             entry["run_id"] = run_id
         line = (json.dumps(entry, separators=(",", ":"), default=str) + "\n").encode()
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+        if self._dir_fd is None:
+            self._dir_fd = open_real_dir(self.path.parent, create=True)
+        fd = open_state_file(self._dir_fd, AUDIT_FILENAME, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
         try:
             os.write(fd, line)
         finally:
@@ -68,7 +81,7 @@ class AuditLog:
         if n <= 0 or not self.path.is_file():
             return []
         lines: list[bytes] = []
-        with open(self.path, "rb") as f:
+        with self._read() as f:
             f.seek(0, os.SEEK_END)
             position, leftover = f.tell(), b""
             while position > 0 and len(lines) <= n:
@@ -90,10 +103,19 @@ class AuditLog:
                 found.append(entry)
         return found[-n:]
 
+    def _read(self):
+        try:
+            fd = os.open(self.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        except OSError as e:
+            if e.errno == errno.ELOOP:
+                raise PathRefused(f"{self.path} is a symbolic link, not the workspace's audit log") from None
+            raise
+        return os.fdopen(fd, "rb")
+
     def entries(self) -> Iterator[dict[str, Any]]:
         if not self.path.is_file():
             return
-        with open(self.path) as f:
+        with self._read() as f:
             for line in f:
                 try:
                     yield json.loads(line)

@@ -1,13 +1,17 @@
-"""What a workspace's owner allows its runs: the ``runs:`` section of ``.trainwright/config.yaml``.
+"""What runs may do: the ``runs:`` limits, set by the person who starts the server.
 
-The file belongs to the person who starts the server, not to the agent: no tool reads a recipe
-from ``.trainwright/`` or writes into it, so an agent cannot raise its own limits. Every field
-is optional; a missing file means the defaults below. ``launch_run`` and
-``resume_checkpoint`` read the file at each launch, so an edit applies to the next run, and
-the limits a run got are recorded in its ``run.json`` (``limits``) and shown by ``get_run``.
+The trusted settings live outside the workspace, where an agent's own editing tools do not
+reach: ``trainwright serve --config FILE`` (also ``run`` and ``resume``), by default
+``$XDG_CONFIG_HOME/trainwright/config.yaml`` (``~/.config/trainwright/config.yaml``). The
+workspace's ``.trainwright/config.yaml`` may only *tighten* them (:func:`tighten`): lower
+numbers, ``network: isolated`` where the server allows ``shared``, a subset of ``pass_env``.
+A setting there that would loosen a limit is ignored, and the run records a warning that says
+so (``get_run`` shows it). Both files are read at each launch, so an edit applies to the next
+run, and the limits a run got are recorded in its ``run.json`` (``limits``). Every field is
+optional; a missing file means the defaults below, which are these:
 
     runs:
-      wall_time_s: 86400          # stop a run after this long, recorded as stopped (null: none)
+      wall_time_s: null           # stop a run after this long, recorded as stopped (null: none)
       max_open_files: 4096        # RLIMIT_NOFILE of every process of a run
       max_processes: null         # RLIMIT_NPROC (per user; the kernel ignores it for root)
       max_memory: null            # RLIMIT_AS per process: bytes or "16GiB" (CPU runs only:
@@ -16,15 +20,17 @@ the limits a run got are recorded in its ``run.json`` (``limits``) and shown by 
       network: isolated           # isolated: a network namespace with only loopback (torchrun
                                   #   --standalone works), where the platform allows; shared
       threads_per_process: null   # OMP_NUM_THREADS of a run (default: CPU cores / processes)
-      pass_env: [WANDB_API_KEY]   # server variables a run gets although they look like secrets
+      pass_env: []                # server variables a run gets although they look like secrets
 """
 
 from __future__ import annotations
 
+import os
 import re
-from dataclasses import dataclass, fields
+import stat
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
 from engine.errors import BadInput
 
@@ -113,20 +119,104 @@ def limits_from_mapping(section: object) -> RunLimits:
     )
 
 
-def load_run_limits(state_dir: Path) -> RunLimits:
-    """The run limits of a workspace, from ``<state_dir>/config.yaml`` (defaults without it)."""
-    path = Path(state_dir) / CONFIG_FILENAME
-    if not path.is_file():
-        return RunLimits()
+def user_config_path(environ: Mapping[str, str] | None = None) -> Path:
+    """The trusted settings file by default: ``$XDG_CONFIG_HOME/trainwright/config.yaml``."""
+    source: Mapping[str, str] = os.environ if environ is None else environ
+    base = source.get("XDG_CONFIG_HOME") or str(Path.home() / ".config")
+    return Path(base) / "trainwright" / CONFIG_FILENAME
+
+
+def _read_section(path: Path) -> dict[str, Any] | None:
+    """The ``runs:`` section of a settings file (None without the file); links are not followed."""
     import yaml  # only when there is a file: the server's start stays light
 
     try:
-        data = yaml.safe_load(path.read_text()) or {}
-    except (OSError, yaml.YAMLError) as e:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        raise ConfigRefused(f"{path} cannot be read ({os.strerror(e.errno or 0)}; a link is not followed)") from None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise ConfigRefused(f"{path} is not a regular file")
+        with os.fdopen(fd, encoding="utf-8", closefd=False) as f:
+            data = yaml.safe_load(f.read()) or {}
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
         raise ConfigRefused(f"{path} cannot be read: {e}") from None
+    finally:
+        os.close(fd)
     if not isinstance(data, dict):
         raise ConfigRefused(f"{path} must be a mapping with a runs: section")
+    section = data.get("runs")
+    if section is not None and not isinstance(section, dict):
+        raise ConfigRefused(f"{path}: runs: must be a mapping of settings")
+    return section or {}
+
+
+def load_limits_file(path: Path) -> RunLimits:
+    """The limits of one settings file (the defaults without it)."""
     try:
-        return limits_from_mapping(data.get("runs"))
+        return limits_from_mapping(_read_section(Path(path)))
     except ConfigRefused as e:
-        raise ConfigRefused(f"{path}: {e}") from None
+        raise ConfigRefused(e if str(e).startswith(str(path)) else f"{path}: {e}") from None
+
+
+def load_run_limits(state_dir: Path) -> RunLimits:
+    """The limits of a workspace's own ``<state_dir>/config.yaml`` alone (defaults without it)."""
+    return load_limits_file(Path(state_dir) / CONFIG_FILENAME)
+
+
+def tighten(trusted: RunLimits, wanted: RunLimits, given: set[str], source: str = "the workspace") -> tuple[RunLimits, list[str]]:
+    """``trusted`` with each setting of ``wanted`` named in ``given`` that tightens it; a setting
+    that would loosen it is ignored, with a warning."""
+    changes: dict[str, Any] = {}
+    warnings: list[str] = []
+    for field in fields(RunLimits):
+        name = field.name
+        key = "max_memory" if name == "max_memory_bytes" else name
+        if key not in given:
+            continue
+        limit, value = getattr(trusted, name), getattr(wanted, name)
+        if name == "network":
+            ok = NETWORK_MODES.index(value) <= NETWORK_MODES.index(limit)
+        elif name == "pass_env":
+            ok = set(value) <= set(limit)
+            if not ok:
+                changes[name] = tuple(n for n in value if n in limit)
+        elif isinstance(limit, (int, float)) or isinstance(value, (int, float)):
+            ok = value is not None and (limit is None or value <= limit)  # None: no limit
+        else:
+            ok = value == limit
+        if ok:
+            changes[name] = value
+        else:
+            warnings.append(
+                f"runs.{key} = {_shown(value)} in {source} would loosen the server's setting "
+                f"{_shown(limit)}: ignored (only the person who starts the server can raise it, "
+                "in the file given to `trainwright serve --config`)"
+            )
+    return replace(trusted, **changes), warnings
+
+
+def _shown(value: Any) -> str:
+    return "null" if value is None else repr(list(value)) if isinstance(value, tuple) else repr(value)
+
+
+def trusted_limits(path: Path | None) -> RunLimits:
+    """The trusted settings: ``path`` (which must exist), or the user's default file if any."""
+    if path is not None and not Path(path).is_file():
+        raise ConfigRefused(f"the settings file {path} does not exist (given with --config)")
+    return load_limits_file(user_config_path() if path is None else Path(path))
+
+
+def effective_limits(trusted_file: Path | None, state_dir: Path) -> tuple[RunLimits, list[str]]:
+    """The limits for the next run: the trusted file's (default :func:`user_config_path`),
+    tightened by the workspace's ``.trainwright/config.yaml``; and the warnings for the run."""
+    trusted = trusted_limits(trusted_file)
+    path = Path(state_dir) / CONFIG_FILENAME
+    try:
+        section = _read_section(path)
+        wanted = limits_from_mapping(section)
+    except ConfigRefused as e:
+        raise ConfigRefused(e if str(e).startswith(str(path)) else f"{path}: {e}") from None
+    return tighten(trusted, wanted, set(section or {}), source=".trainwright/config.yaml")

@@ -29,7 +29,7 @@ ALLOWED = (
 )
 
 _SECRET = re.compile(
-    r"(TOKEN|SECRET|PASSW(OR)?D|PASSPHRASE|API_?KEY|ACCESS_?KEY|PRIVATE_?KEY|CREDENTIAL|AUTH|"
+    r"(TOKEN|SECRET|PASSW(OR)?D|_PWD$|^SK_|(^|_)SK$|STRIPE|PASSPHRASE|API_?KEY|ACCESS_?KEY|PRIVATE_?KEY|CREDENTIAL|AUTH|"
     r"SESSION_?KEY|COOKIE|SIGNING|WEBHOOK|DSN$|(^|_)KEY$|(^|_)PASS$|_PAT$|CONNECTION_STRING|"
     r"^AWS_|^AZURE_|^GCP_|^GCLOUD_|^GOOGLE_|^GH_|^GITHUB_|^GITLAB_|^OPENAI_|^ANTHROPIC_|^HF_TOKEN|"
     r"^KUBECONFIG$|^DATABASE_URL$)",
@@ -79,22 +79,3 @@ def threads_per_process(nproc: int, configured: int | None = None, source: Mappi
         return int(value)
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     return max(1, cores // max(1, nproc))
-
-
-# Well-known credential formats, redacted wherever they appear (GitHub, OpenAI/Anthropic,
-# Hugging Face, AWS access key ids, Slack, JWTs).
-_CREDENTIAL = re.compile(
-    r"\b(gh[pousr]_[A-Za-z0-9]{20,}|github_pat_[A-Za-z0-9_]{20,}|sk-[A-Za-z0-9_-]{20,}|"
-    r"hf_[A-Za-z0-9]{20,}|AKIA[0-9A-Z]{16}|xox[abprs]-[A-Za-z0-9-]{10,}|"
-    r"eyJ[A-Za-z0-9_-]{10,}\.[A-Za-z0-9_-]{10,}\.[A-Za-z0-9_-]{10,})"
-)
-
-
-def redact(text: str, source: Mapping[str, str] | None = None) -> str:
-    """``text`` with the values of secret-looking variables, and credential-shaped strings,
-    replaced by ``***``."""
-    source = os.environ if source is None else source
-    for name, value in source.items():
-        if looks_secret(name) and len(value) >= 6 and value in text:
-            text = text.replace(value, "***")
-    return _CREDENTIAL.sub("***", text)

@@ -5,6 +5,11 @@ say which tool produced it (``Trainwright-Tool``) and with what (``Skill-Applied
 ``Skill-Params``, ``Scaffolded-From``). Every run records the commit it was launched from,
 and when it ends a note under ``refs/notes/trainwright`` on that commit records its outcome,
 so ``git log --notes=trainwright`` shows what each agent commit produced.
+
+Git runs with the workspace's own settings, which an agent can edit with its own tools. So
+every git command trainwright runs goes through :func:`_harden`: hooks off
+(``core.hooksPath`` pointed at nothing: ``.git/hooks/post-commit`` never runs),
+``core.fsmonitor`` off, and the values of the server's secrets blanked from git's environment.
 """
 
 from __future__ import annotations
@@ -17,12 +22,16 @@ from pathlib import Path
 import git
 
 from engine.errors import BadInput
+from sandbox.environment import looks_secret
+from sandbox.redact import secret_values
 
 NOTES_REF = "trainwright"
 AGENT_NAME = "trainwright"
 AGENT_EMAIL = "trainwright@localhost"
 TOOL_TRAILER = "Trainwright-Tool"
 WORKSPACE_GITIGNORE = "runs/\n.trainwright/\n__pycache__/\n"
+# Settings given on every git command line (``git -c ...``): they win over the repository's.
+SAFE_CONFIG = ("core.hooksPath=/dev/null", "core.fsmonitor=false", "core.untrackedCache=false")
 
 
 class GitRefused(BadInput):
@@ -43,6 +52,19 @@ def worktree(repo: git.Repo) -> Path:
     return Path(repo.working_tree_dir).resolve()
 
 
+def scrubbed_environment() -> dict[str, str]:
+    """Blank values for the server's secret variables (GitPython starts from ``os.environ``)."""
+    secrets = secret_values(os.environ)
+    return {name: "" for name, value in os.environ.items() if looks_secret(name) or value in secrets}
+
+
+def _harden(repo: git.Repo) -> git.Repo:
+    """Every later command of ``repo`` runs without hooks, fsmonitor or the server's secrets."""
+    repo.git.set_persistent_git_options(c=list(SAFE_CONFIG))
+    repo.git.update_environment(**scrubbed_environment())
+    return repo
+
+
 def open_repo(root: Path) -> git.Repo | None:
     """The repository that can hold the workspace's commits: its own, or an enclosing one.
 
@@ -53,6 +75,7 @@ def open_repo(root: Path) -> git.Repo | None:
         repo = git.Repo(root, search_parent_directories=True)
     except (git.InvalidGitRepositoryError, git.NoSuchPathError):
         return None
+    _harden(repo)
     if worktree(repo) != Path(root).resolve() and repo.ignored(str(root)):
         return None
     return repo
@@ -63,7 +86,7 @@ def ensure_repo(root: Path) -> git.Repo:
     repo = open_repo(root)
     if repo is not None:
         return repo
-    repo = git.Repo.init(root)
+    repo = _harden(git.Repo.init(root))
     gitignore = Path(root) / ".gitignore"
     if not gitignore.exists():
         gitignore.write_text(WORKSPACE_GITIGNORE)
@@ -122,15 +145,36 @@ def require_clean(repo: git.Repo, path: Path, what: str) -> None:
         )
 
 
+def require_not_ignored(repo: git.Repo, path: Path, what: str) -> None:
+    """Refuse a file git ignores: its change could not be committed, so it is not made."""
+    if repo.ignored(_rel(repo, path)):
+        raise GitRefused(
+            f"{what} is ignored by git (.gitignore), so a change to it cannot be committed for "
+            "review; move it out of the ignored folder or change .gitignore first"
+        )
+
+
 def commit_paths(repo: git.Repo, paths: list[Path], message: str, trailers: list[tuple[str, str]]) -> str:
-    """Commit exactly ``paths`` (whatever else is staged stays staged); return the new sha."""
+    """Commit exactly ``paths`` (whatever else is staged stays staged); return the new sha.
+
+    When git refuses, the paths are unstaged again and :class:`GitRefused` says why; the caller
+    puts its files back (see ``rollback`` in the operations).
+    """
     rel = [_rel(repo, p) for p in paths]
     args = ["-q", "-m", message.rstrip("\n") + "\n"]
     for key, value in trailers:
         args += ["--trailer", f"{key}: {value}"]
     with repo.git.custom_environment(**_identity_env()):
-        repo.git.add("-A", "--", *rel)
-        repo.git.commit(*args, "--only", "--", *rel)
+        try:
+            repo.git.add("-A", "--", *rel)
+            repo.git.commit(*args, "--only", "--", *rel)
+        except git.GitCommandError as e:
+            try:
+                repo.git.reset("-q", "--", *rel)
+            except git.GitCommandError:
+                pass  # no HEAD yet, or the index is locked: nothing was staged by us then
+            detail = (str(e.stderr or e).strip().splitlines() or ["unknown error"])[-1]
+            raise GitRefused(f"git could not commit the change ({detail[:300]}); nothing was committed") from None
     return repo.head.commit.hexsha
 
 

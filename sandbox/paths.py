@@ -3,7 +3,7 @@
 Agents are untrusted callers: a path may carry ``..``, be absolute, contain a NUL byte or other
 control characters, or pass through a symlink that leads out of the workspace. Every tool
 resolves what it is given here — :func:`confine` for paths, :func:`check_name` for plain names
-(run ids, skill, template and recipe names), :func:`confine_config_paths` for config values
+(run ids, skill, template and recipe names), :func:`confine_config` for config values
 that name files — so there is exactly one place where that is decided.
 """
 
@@ -105,16 +105,43 @@ def is_path_key(key: str) -> bool:
     return leaf.endswith("path") or leaf.endswith("paths") or leaf.endswith("_dir") or leaf.endswith("_file")
 
 
-def confine_config_paths(root: Path, values: Mapping[str, Any]) -> None:
-    """Config values that name files (see :func:`is_path_key`) must lie inside the workspace."""
-    for key, value in values.items():
-        if not is_path_key(key) or value is None:
+def confine_config(root: Path, config: Mapping[str, Any]) -> None:
+    """Every config value that names files (see :func:`is_path_key`) must lie inside the workspace.
+
+    ``config`` is a config at any stage — the merged, resolved config of a run, a nested section
+    (``{"data": {"paths": [...]}}``), dotted keys (``{"data.paths": [...]}``) or a mix: the walk
+    goes through every mapping and list, whatever the nesting. ``~`` is refused (the engine
+    would read the user's home), as are links that lead out.
+    """
+    _confine_config_node(Path(root), config, "", 0)
+
+
+def _confine_config_node(root: Path, node: Any, key: str, depth: int) -> None:
+    if depth > 32:
+        raise PathRefused(f"config {key or 'value'} is nested too deeply")
+    if isinstance(node, Mapping):
+        for name, value in node.items():
+            _confine_config_node(root, value, f"{key}.{name}" if key else str(name), depth + 1)
+        return
+    if isinstance(node, (list, tuple)) and not is_path_key(key):
+        for item in node:
+            _confine_config_node(root, item, key, depth + 1)
+        return
+    if not key or not is_path_key(key) or node is None:
+        return
+    for item in node if isinstance(node, (list, tuple)) else [node]:
+        if isinstance(item, (Mapping, list, tuple)):
+            _confine_config_node(root, item, key, depth + 1)
             continue
-        for item in value if isinstance(value, (list, tuple)) else [value]:
-            try:
-                confine(root, item, f"config {key}", must_exist=False)
-            except PathRefused as e:
-                raise PathRefused(f"{e} (config values that name files must be inside the workspace)") from None
+        if isinstance(item, str) and item.lstrip().startswith("~"):
+            raise PathRefused(
+                f"config {key} {_shown(item)} starts with '~' (a home folder); "
+                "give a path inside the workspace, relative to it"
+            )
+        try:
+            confine(root, item, f"config {key}", must_exist=False)
+        except PathRefused as e:
+            raise PathRefused(f"{e} (config values that name files must be inside the workspace)") from None
 
 
 def relative_to_root(root: Path, path: Path) -> str:

@@ -29,6 +29,7 @@ from typing import Any
 from engine import run_dir as rd
 from engine.config import override_args
 from engine.errors import BadInput
+from engine.data_files import WORKSPACE_VARIABLE
 from sandbox.config import RunLimits
 from sandbox.environment import THREADS_VARIABLE, run_environment, threads_per_process
 from sandbox.processes import RUN_ID_VARIABLE, end_processes, marked
@@ -92,7 +93,9 @@ def check_launch(
     if limits.network == "isolated":
         command = [sys.executable, "-m", "sandbox.network", "--", *command]
     # A check writes nothing, not even the recipe's bytecode cache.
-    env = run_environment(extra={THREADS_VARIABLE: "1", "PYTHONDONTWRITEBYTECODE": "1"})
+    env = run_environment(
+        extra={THREADS_VARIABLE: "1", "PYTHONDONTWRITEBYTECODE": "1", WORKSPACE_VARIABLE: str(workspace)}
+    )
     try:
         result = subprocess.run(
             command, cwd=workspace, env=env, capture_output=True, text=True, errors="replace",
@@ -140,6 +143,7 @@ def start_run(
     config_json: Path | None = None,
     limits: RunLimits = RunLimits(),
     threads: int | None = None,
+    warnings: list[str] | None = None,
 ) -> rd.RunRecord:
     """Create the run directory with a snapshot of ``code_dir`` and spawn its supervisor;
     return the first run record.
@@ -148,7 +152,7 @@ def start_run(
     passes the original run's).
     """
     threads = threads or threads_per_process(nproc, limits.threads_per_process)
-    warnings = []
+    warnings = list(warnings or [])
     if origin.recipe_dirty:
         warnings.append(
             f"the recipe had uncommitted changes ({', '.join(origin.dirty_files[:5])}); the run uses "
@@ -186,7 +190,10 @@ def start_run(
         command=engine_command(snapshot, run_dir, nproc, override_args(overrides), resume_path, config_json),
     )
     env = run_environment(
-        extra={THREADS_VARIABLE: str(threads), RUN_ID_VARIABLE: run_id, "PYTHONDONTWRITEBYTECODE": "1"},
+        extra={
+            THREADS_VARIABLE: str(threads), RUN_ID_VARIABLE: run_id, WORKSPACE_VARIABLE: str(workspace),
+            "PYTHONDONTWRITEBYTECODE": "1",
+        },
         pass_env=limits.pass_env,
     )
     with open(run_dir / rd.CONSOLE_LOG, "ab") as console:

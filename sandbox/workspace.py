@@ -9,19 +9,27 @@
 
 No tool takes a recipe from ``.git/``, ``.trainwright/`` or ``runs/``: those hold state that
 only trainwright and git write.
+
+State cannot be redirected: ``.trainwright/``, ``runs/`` and ``recipes/`` must be real folders
+(a symlink in their place is refused when the workspace is opened, and again at each write),
+and state files are opened without following links, relative to a descriptor of their folder
+(:func:`open_real_dir`, :meth:`Workspace.open_state_file`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
+import os
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
 from engine import run_dir as rd
 from engine.errors import NotFound
-from sandbox.config import RunLimits, load_run_limits
+from sandbox.config import RunLimits, effective_limits
 from sandbox.paths import PathRefused, check_name, confine, refuse_reserved
 
 RECIPES_DIRNAME = "recipes"
@@ -29,16 +37,73 @@ STATE_DIRNAME = ".trainwright"
 CHANGE_LOCK = "changes.lock"
 
 
+STATE_FILES = ("audit.jsonl", CHANGE_LOCK, "config.yaml")
+
+
+def open_real_dir(path: Path, create: bool = False) -> int:
+    """A descriptor of the folder ``path``, refused when ``path`` is a symlink (or not a folder).
+
+    Writes made relative to the descriptor land in that folder even if ``path`` is swapped for
+    a link afterwards.
+    """
+    path = Path(path)
+    if create:
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(path)
+    try:
+        return os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    except OSError as e:
+        if e.errno in (errno.ELOOP, errno.ENOTDIR):
+            raise PathRefused(
+                f"{path.name}/ in the workspace is a symbolic link or not a folder; trainwright keeps "
+                f"its state, runs and recipes in real folders: replace {path} by a folder"
+            ) from None
+        raise
+
+
+def open_state_file(dir_fd: int, name: str, flags: int, mode: int = 0o600) -> int:
+    """Open ``name`` in the folder ``dir_fd`` without following a link in its place (and without
+    blocking on a FIFO put there): only a regular file is accepted."""
+    try:
+        fd = os.open(name, flags | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, mode, dir_fd=dir_fd)
+    except OSError as e:
+        if e.errno in (errno.ELOOP, errno.ENXIO):
+            raise PathRefused(
+                f".trainwright/{name} is a symbolic link or a special file; trainwright keeps its state "
+                "only in regular files: remove it"
+            ) from None
+        raise
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise PathRefused(f".trainwright/{name} is not a regular file; remove it")
+    return fd
+
+
 @dataclass(frozen=True)
 class Workspace:
     root: Path
+    settings: Path | None = None  # the trusted settings file (serve --config); None: the user's default
 
     @classmethod
-    def open(cls, root: Path | str) -> "Workspace":
+    def open(cls, root: Path | str, settings: Path | str | None = None) -> "Workspace":
         path = Path(root).expanduser().resolve()
         if not path.is_dir():
             raise NotFound(f"workspace {root} is not a folder")
-        return cls(path)
+        workspace = cls(path, Path(settings).expanduser().resolve() if settings is not None else None)
+        workspace.check_state()
+        return workspace
+
+    def check_state(self) -> None:
+        """Refuse a workspace whose state folders or files are links (see the module docstring)."""
+        for folder in (self.state_dir, self.runs_dir, self.recipes_dir):
+            if os.path.lexists(folder):
+                os.close(open_real_dir(folder))
+        for name in STATE_FILES:
+            if (self.state_dir / name).is_symlink():
+                raise PathRefused(
+                    f".trainwright/{name} is a symbolic link; trainwright writes its state only to "
+                    "real files: remove the link"
+                )
 
     @property
     def runs_dir(self) -> Path:
@@ -54,24 +119,41 @@ class Workspace:
 
     def prepare_state(self) -> None:
         """Create ``.trainwright/`` and its lock file (once, when a writable server starts)."""
-        self.state_dir.mkdir(exist_ok=True)
-        (self.state_dir / CHANGE_LOCK).touch(exist_ok=True)
+        dir_fd = open_real_dir(self.state_dir, create=True)
+        try:
+            os.close(open_state_file(dir_fd, CHANGE_LOCK, os.O_RDWR | os.O_CREAT))
+        finally:
+            os.close(dir_fd)
 
     @contextlib.contextmanager
     def changing(self) -> Iterator[None]:
         """Hold the workspace's change lock: one recipe change (write + commit) at a time,
         across threads and server processes, so two changes never interleave."""
-        self.prepare_state()
-        with open(self.state_dir / CHANGE_LOCK, "a") as lock:
+        dir_fd = open_real_dir(self.state_dir, create=True)
+        try:
+            lock = open_state_file(dir_fd, CHANGE_LOCK, os.O_RDWR | os.O_CREAT)
+        finally:
+            os.close(dir_fd)
+        try:
             fcntl.flock(lock, fcntl.LOCK_EX)
-            try:
-                yield
-            finally:
-                fcntl.flock(lock, fcntl.LOCK_UN)
+            yield
+        finally:
+            os.close(lock)  # closing releases the lock
+
+    def real_dir(self, path: Path) -> Path:
+        """``path`` (``runs/``, ``recipes/``), created if missing, refused if it is a link."""
+        os.close(open_real_dir(path, create=True))
+        return path
 
     def run_limits(self) -> RunLimits:
-        """The limits for the next run, from ``.trainwright/config.yaml`` (see sandbox.config)."""
-        return load_run_limits(self.state_dir)
+        """The limits for the next run (see :func:`run_limits_and_warnings`)."""
+        return self.run_limits_and_warnings()[0]
+
+    def run_limits_and_warnings(self) -> tuple[RunLimits, list[str]]:
+        """The limits for the next run: the trusted settings, tightened by the workspace's
+        ``.trainwright/config.yaml``, and a warning for each setting there that was ignored
+        because it would loosen them (see sandbox.config)."""
+        return effective_limits(self.settings, self.state_dir)
 
     def _confine_recipe(self, value: object) -> Path:
         """``value`` as a path in the workspace; a bare name (``my_lm``) also finds ``recipes/my_lm``."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ast
 import json
+import os
 import shutil
 import tempfile
 from pathlib import Path
@@ -18,9 +19,9 @@ import skills as skill_library
 from mcp_server.models import AppliedSkill, ScaffoldResult, TemplateInfo, TemplateList
 from mcp_server.operations import skills as skill_ops
 from sandbox import git as sandbox_git
-from sandbox.paths import PathRefused, check_name, confine, confine_config_paths
+from sandbox.paths import PathRefused, check_name, confine, confine_config
 from sandbox.runs import check_launch
-from sandbox.workspace import RECIPES_DIRNAME, Workspace
+from sandbox.workspace import RECIPES_DIRNAME, Workspace, open_real_dir
 
 TEMPLATES_ROOT = Path(recipes_template.__file__).resolve().parent
 SCAFFOLD_TOOL = "scaffold_recipe"
@@ -60,6 +61,34 @@ def write_config(recipe_dir: Path, flat: dict[str, Any]) -> None:
     merged = deep_merge(existing or {}, nest(flat))
     header = "# Values here override the defaults in recipe.py; `--set key=value` overrides both.\n"
     path.write_text(header + yaml.safe_dump(merged, sort_keys=False))
+
+
+def _write_recipe(recipes: Path, source: Path, name: str, flat: dict[str, Any]) -> None:
+    """Copy the template to ``recipes/<name>`` through a staging folder: the recipe appears whole,
+    or not at all."""
+    for leftover in recipes.glob(f".{name}-*"):  # a scaffold killed before its rename
+        if leftover.is_dir() and not leftover.is_symlink():
+            shutil.rmtree(leftover, ignore_errors=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=recipes))
+    try:
+        shutil.copytree(source, staging, dirs_exist_ok=True, ignore=shutil.ignore_patterns("__pycache__"))
+        write_config(staging, flat)
+        if os.path.lexists(recipes / name):
+            raise BadInput(f"recipes/{name} already exists; choose another name")
+        staging.rename(recipes / name)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+
+
+def _same_folder(path: Path, fd: int) -> bool:
+    """Whether ``path`` (not followed if a link) is still the folder open as ``fd``."""
+    try:
+        now = os.stat(path, follow_symlinks=False)
+    except FileNotFoundError:
+        return False
+    held = os.fstat(fd)
+    return (now.st_dev, now.st_ino) == (held.st_dev, held.st_ino)
 
 
 def _skill_specs(skills: list[Any] | None) -> list[tuple[str, dict[str, Any]]]:
@@ -104,7 +133,7 @@ def scaffold_recipe(
     if config is not None and not isinstance(config, dict):
         raise BadInput('config must be a mapping of dotted config keys to values, e.g. {"train.max_steps": 500}')
     flat = overrides_to_dict(config)
-    confine_config_paths(ws.root, flat)
+    confine_config(ws.root, flat)
     specs = _skill_specs(skills)
     items = override_args(flat)
 
@@ -118,7 +147,7 @@ def scaffold_recipe(
                 skill_library.apply_skill(skill, trial, params)
             except skill_library.SkillError as e:
                 raise BadInput(f"skill {skill} cannot be applied to this recipe: {e}") from None
-    check_launch(ws.root, source, 1, items, limits=ws.run_limits())
+    confine_config(ws.root, check_launch(ws.root, source, 1, items, limits=ws.run_limits())["config"])
 
     with ws.changing():
         return _scaffold_locked(ws, source, template, name, flat, specs)
@@ -130,28 +159,30 @@ def _scaffold_locked(ws: Workspace, source: Path, template: str, name: str, flat
     if destination.exists():
         raise BadInput(f"recipes/{name} already exists; choose another name")
     repo = sandbox_git.ensure_repo(ws.root)
-    ws.recipes_dir.mkdir(exist_ok=True)
-    for leftover in ws.recipes_dir.glob(f".{name}-*"):  # a scaffold killed before its rename
-        if leftover.is_dir() and not leftover.is_symlink():
-            shutil.rmtree(leftover, ignore_errors=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=ws.recipes_dir))
+    # Everything is written through a descriptor of the real recipes/ folder (a link there is
+    # refused), so a recipes/ swapped for a link meanwhile never receives the files.
+    recipes_fd = open_real_dir(ws.recipes_dir, create=True)
+    held = Path(f"/proc/self/fd/{recipes_fd}")
     try:
-        shutil.copytree(source, staging, dirs_exist_ok=True, ignore=shutil.ignore_patterns("__pycache__"))
-        write_config(staging, flat)
-        staging.rename(destination)  # the recipe appears whole, or not at all
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
-    sha = sandbox_git.commit_paths(
-        repo,
-        [destination],
-        f"recipe({name}): scaffold from template {template}",
-        [
-            (sandbox_git.TOOL_TRAILER, SCAFFOLD_TOOL),
-            ("Scaffolded-From", template),
-            ("Recipe-Config", json.dumps(flat, sort_keys=True, separators=(",", ":"))),
-        ],
-    )
+        _write_recipe(held, source, name, flat)
+        try:
+            if not _same_folder(ws.recipes_dir, recipes_fd):
+                raise PathRefused("recipes/ was replaced while the recipe was being written; nothing was committed")
+            sha = sandbox_git.commit_paths(
+                repo,
+                [destination],
+                f"recipe({name}): scaffold from template {template}",
+                [
+                    (sandbox_git.TOOL_TRAILER, SCAFFOLD_TOOL),
+                    ("Scaffolded-From", template),
+                    ("Recipe-Config", json.dumps(flat, sort_keys=True, separators=(",", ":"))),
+                ],
+            )
+        except BaseException:
+            shutil.rmtree(held / name, ignore_errors=True)  # an error means nothing changed
+            raise
+    finally:
+        os.close(recipes_fd)
     applied = []
     for skill, params in specs:
         result = skill_ops.apply_skill_unlocked(ws, skill, ws.label(destination), params)

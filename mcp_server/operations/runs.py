@@ -7,6 +7,7 @@ they see every run as it is, also runs started before this process.
 from __future__ import annotations
 
 import json
+import math
 import os
 from pathlib import Path
 from typing import Any
@@ -28,8 +29,8 @@ from mcp_server.models import (
 )
 from mcp_server.operations import history
 from sandbox import runs as sandbox_runs
+from sandbox.paths import confine_config
 from sandbox.provenance import CodeOrigin, code_description, recipe_origin
-from sandbox.paths import confine_config_paths
 from sandbox.workspace import Workspace
 
 MAX_NPROC = max(8, os.cpu_count() or 1)
@@ -54,9 +55,10 @@ def _check_nproc(nproc: object) -> int:
 
 
 def _checked_overrides(ws: Workspace, overrides: Overrides) -> dict[str, Any]:
-    """Flat overrides, with every value that names a file confined to the workspace."""
+    """Flat overrides, with every value that names a file confined to the workspace (the merged
+    config the engine resolves is confined again, whatever its nesting)."""
     flat = overrides_to_dict(overrides)
-    confine_config_paths(ws.root, flat)
+    confine_config(ws.root, flat)
     return flat
 
 
@@ -72,11 +74,12 @@ def launch_run(
     recipe_dir = ws.recipe(recipe)
     nproc = _check_nproc(nproc)
     flat = _checked_overrides(ws, overrides)
-    limits = ws.run_limits() if limits is None else limits
+    limits, warnings = ws.run_limits_and_warnings() if limits is None else (limits, [])
     verdict = sandbox_runs.check_launch(ws.root, recipe_dir, nproc, override_args(flat), limits=limits)
+    confine_config(ws.root, verdict["config"])
     record = sandbox_runs.start_run(
-        ws.root, ws.runs_dir, recipe_dir, ws.label(recipe_dir), nproc, flat, verdict,
-        origin=recipe_origin(ws.root, recipe_dir), limits=limits,
+        ws.root, ws.real_dir(ws.runs_dir), recipe_dir, ws.label(recipe_dir), nproc, flat, verdict,
+        origin=recipe_origin(ws.root, recipe_dir), limits=limits, warnings=warnings,
     )
     return _launch_result(ws, record)
 
@@ -85,7 +88,7 @@ def _launch_result(ws: Workspace, record: rd.RunRecord) -> LaunchRunResult:
     return LaunchRunResult(
         run_id=record.id, status=record.status, run_dir=ws.label(ws.runs_dir / record.id),
         code=code_description(record), config_changes=bounded_mapping(record.config_changes, MAX_CONFIG_CHARS),
-        data=record.data, resumed_from=_resumed_from(ws, record), warnings=_shown_warnings(record.warnings),
+        data=_data(record), resumed_from=_resumed_from(ws, record), warnings=_shown_warnings(record.warnings),
     )
 
 
@@ -139,18 +142,20 @@ def resume_checkpoint(
         origin = recipe_origin(ws.root, code_dir)
     nproc = _check_nproc(source.nproc if nproc is None else nproc)
     flat = _checked_overrides(ws, overrides)
-    limits = ws.run_limits() if limits is None else limits
+    limits, warnings = ws.run_limits_and_warnings() if limits is None else (limits, [])
     config_json = source_dir / rd.RUN_JSON
     verdict = sandbox_runs.check_launch(
         ws.root, code_dir, nproc, override_args(flat), config_json=config_json, limits=limits
     )
+    confine_config(ws.root, verdict["config"])
     same_shape = nproc == source.nproc and not limits.threads_per_process
     record = sandbox_runs.start_run(
-        ws.root, ws.runs_dir, code_dir, source.recipe, nproc, flat, verdict,
+        ws.root, ws.real_dir(ws.runs_dir), code_dir, source.recipe, nproc, flat, verdict,
         origin=origin, code_from=code,
         resumed_from=rd.ResumedFrom(run_id=source.id, step=chosen_step, path=str(checkpoint)),
         config_json=config_json,
         limits=limits,
+        warnings=warnings,
         threads=source.threads_per_process if same_shape else None,
     )
     return _launch_result(ws, record)
@@ -198,10 +203,10 @@ def get_run(ws: Workspace, run_id: str) -> RunInfo:
         resumed_from=_resumed_from(ws, record),
         overrides=bounded_mapping(record.overrides, MAX_CONFIG_CHARS),
         config_changes=bounded_mapping(record.config_changes, MAX_CONFIG_CHARS),
-        data=record.data,
+        data=_data(record),
         step=latest.get("step") if latest else None,
         max_steps=record.max_steps,
-        eta_s=latest.get("eta_s") if latest and status == rd.RUNNING else None,
+        eta_s=_number(latest.get("eta_s")) if latest and status == rd.RUNNING else None,
         latest=_bounded_record(latest) if latest else None,
         checkpoints=[
             CheckpointInfo(step=s, path=ws.label(p))
@@ -213,6 +218,10 @@ def get_run(ws: Workspace, run_id: str) -> RunInfo:
         network_note=record.network_note,
         limits=record.limits or None,
     )
+
+
+def _data(record: rd.RunRecord) -> dict[str, Any] | None:
+    return record.data.model_dump(mode="json") if record.data is not None else None
 
 
 def _shown_warnings(warnings: list[str]) -> list[str]:
@@ -259,24 +268,39 @@ def list_runs(ws: Workspace, limit: int = 20) -> RunList:
     run_ids = ws.run_ids()
     summaries = []
     for run_id in run_ids[:limit]:
-        run_dir = ws.runs_dir / run_id
         try:
-            record = rd.read_run(run_dir)
+            summaries.append(_summary(ws, run_id))
         except (OSError, ValueError):
-            continue
-        latest, _ = rd.read_metrics_tail(run_dir / rd.METRICS_JSONL, 1)
-        summaries.append(
-            RunSummary(
-                run_id=run_id,
-                status=record.effective_status(),
-                recipe=record.recipe[:300],
-                created_at=record.created_at,
-                step=latest[-1].get("step") if latest else None,
-                max_steps=record.max_steps,
-                loss=latest[-1].get("loss") if latest else None,
-            )
-        )
+            continue  # a run.json being replaced, or not a run
+        except Exception:  # noqa: BLE001 — one run's bad files never hide the workspace's runs
+            summaries.append(RunSummary(run_id=run_id, status="unreadable", recipe=""))
     return RunList(runs=summaries, truncated=len(run_ids) > limit)
+
+
+def _summary(ws: Workspace, run_id: str) -> RunSummary:
+    run_dir = ws.runs_dir / run_id
+    record = rd.read_run(run_dir)
+    latest, _ = rd.read_metrics_tail(run_dir / rd.METRICS_JSONL, 1)
+    return RunSummary(
+        run_id=run_id,
+        status=record.effective_status(),
+        recipe=record.recipe[:300],
+        created_at=record.created_at,
+        step=latest[-1]["step"] if latest else None,
+        max_steps=record.max_steps,
+        loss=_number(latest[-1].get("loss")) if latest else None,
+    )
+
+
+def _number(value: Any) -> float | None:
+    """A finite number from run output, or None (a recipe may log anything)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    try:
+        value = float(value)
+    except OverflowError:
+        return None
+    return value if math.isfinite(value) else None
 
 
 def tail_metrics(

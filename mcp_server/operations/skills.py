@@ -8,7 +8,7 @@ from typing import Any
 
 import skills as skill_library
 from engine.errors import BadInput
-from mcp_server.limits import MAX_DIFF_CHARS, MAX_DOC_CHARS, bounded
+from mcp_server.limits import MAX_DIFF_CHARS, MAX_DOC_CHARS, MAX_RESULT_CHARS, bounded, json_chars
 from mcp_server.models import ApplySkillResult, SkillDetail, SkillList, SkillSummary
 from sandbox import git as sandbox_git
 from sandbox.paths import check_name
@@ -90,37 +90,56 @@ def remove_interrupted_writes(target: Path) -> list[Path]:
 
 
 def _apply(ws: Workspace, info, recipe_path: Path, params, dry_run: bool, commit: bool) -> ApplySkillResult:
-    skill = info.name
+    """An error means nothing changed: everything that can refuse (git state, a git-ignored
+    target, a result too large to return) is checked on a dry run before the file is written,
+    and a commit that fails puts the file back."""
+    from skills.apply import resolve_target, write_atomically  # libcst: imported on first use
+
+    target = resolve_target(recipe_path)
     if not dry_run:
-        target = recipe_path / "recipe.py" if recipe_path.is_dir() else recipe_path
         remove_interrupted_writes(target)
     repo = sandbox_git.open_repo(ws.root) if commit else None
     if repo is not None and not dry_run:
         sandbox_git.require_clean(repo, recipe_path, f"recipe {ws.label(recipe_path)}")
+        sandbox_git.require_not_ignored(repo, target, f"recipe {ws.label(target)}")
     diff_root = sandbox_git.worktree(repo) if repo is not None else ws.root
-    result = skill_library.apply_skill(skill, recipe_path, params or {}, dry_run=dry_run, diff_root=diff_root)
-    target = Path(result.target)
-    sha = None
-    message = result.message
-    if result.changed and not dry_run and repo is not None:
-        label = ws.label(recipe_path)
+    trial = skill_library.apply_skill(info.name, recipe_path, params or {}, dry_run=True, diff_root=diff_root)
+    planned = _result(ws, info, trial, dry_run, sha="0" * 40 if trial.changed and repo is not None else None)
+    size = json_chars(planned.model_dump(mode="json"))
+    if size > MAX_RESULT_CHARS:
+        raise BadInput(f"the result would be too large ({size:,} characters, at most {MAX_RESULT_CHARS:,}): "
+                         "give shorter params; nothing was changed")
+    if dry_run or not trial.changed:
+        return _result(ws, info, trial, dry_run, sha=None)
+    original = target.read_bytes()
+    result = skill_library.apply_skill(info.name, recipe_path, params or {}, dry_run=False, diff_root=diff_root)
+    if repo is None:
+        result.message = (result.message + " " if result.message else "") + \
+            "(no git repository: the change was not committed)"
+        return _result(ws, info, result, dry_run, sha=None)
+    try:
         sha = sandbox_git.commit_paths(
             repo,
             [target],
-            f"skill({info.name}): apply to {label}",
+            f"skill({info.name}): apply to {ws.label(recipe_path)}",
             [
                 (sandbox_git.TOOL_TRAILER, APPLY_TOOL),
                 ("Skill-Applied", f"{info.name}@{info.version}"),
                 ("Skill-Params", json.dumps(result.params, sort_keys=True, separators=(",", ":"))),
             ],
         )
-    elif result.changed and not dry_run:
-        message = (message + " " if message else "") + "(no git repository: the change was not committed)"
+    except BaseException:
+        write_atomically(target, original.decode("utf-8"))  # the file as it was
+        raise
+    return _result(ws, info, result, dry_run, sha=sha)
+
+
+def _result(ws: Workspace, info, result, dry_run: bool, sha: str | None) -> ApplySkillResult:
     diff, diff_truncated = bounded(result.diff, MAX_DIFF_CHARS)
     return ApplySkillResult(
         skill=info.name,
         version=info.version,
-        recipe=ws.label(target),
+        recipe=ws.label(Path(result.target)),
         changed=result.changed,
         already_applied=result.already_applied,
         dry_run=dry_run,
@@ -128,5 +147,5 @@ def _apply(ws: Workspace, info, recipe_path: Path, params, dry_run: bool, commit
         diff=diff,
         diff_truncated=diff_truncated,
         commit=sha,
-        message=message,
+        message=result.message,
     )

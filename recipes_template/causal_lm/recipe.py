@@ -32,6 +32,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from engine.config import ConfigError, DataConfig, EngineConfig, Section
+from engine.data_files import confined_path, data_files
 from engine.engine import IGNORE_INDEX, Engine
 from engine.run_dir import DataSummary
 from engine.flops import non_embedding_params, transformer_flops_per_token
@@ -117,7 +118,7 @@ class PretrainedTokenizer:
     """The tokenizer that came with local weights, behind the same small interface."""
 
     def __init__(self, path: str):
-        self.tokenizer = AutoTokenizer.from_pretrained(path)
+        self.tokenizer = AutoTokenizer.from_pretrained(confined_path(path))
         self.eos_token_id = self.tokenizer.eos_token_id
         pad = self.tokenizer.pad_token_id
         self.pad_token_id = pad if pad is not None else self.eos_token_id
@@ -204,18 +205,9 @@ def random_documents(cfg: CausalLMDataConfig) -> list[tuple[str, torch.Tensor]]:
 
 def _expand_paths(paths: list[str]) -> list[tuple[Path, str]]:
     """``(file, name)`` for each file; the name (relative to the folder given, or the file's own
-    name) keeps the train/eval split the same wherever the data is stored."""
-    found = []
-    for raw in paths:
-        path = Path(raw).expanduser()
-        if path.is_dir():
-            files = sorted(p for p in path.rglob("*") if p.suffix in {".txt", ".md", ".py", ".jsonl"})
-            found.extend((p, p.relative_to(path).as_posix()) for p in files)
-        elif path.is_file():
-            found.append((path, path.name))
-        else:
-            raise ConfigError(f"data.paths entry {raw!r} does not exist (relative paths start at the workspace)")
-    return found
+    name) keeps the train/eval split the same wherever the data is stored. Files outside the
+    workspace (also through a link) are refused."""
+    return data_files(paths, suffixes={".txt", ".md", ".py", ".jsonl"})
 
 
 def _refuse_unused_data_folder() -> None:
@@ -308,7 +300,7 @@ class BatchStream(Stateful):
 def build_model(cfg: ModelConfig, vocab_size: int, seq_len: int) -> torch.nn.Module:
     if cfg.pretrained_path:
         return AutoModelForCausalLM.from_pretrained(
-            cfg.pretrained_path, attn_implementation=cfg.attn_implementation, dtype=torch.float32
+            confined_path(cfg.pretrained_path), attn_implementation=cfg.attn_implementation, dtype=torch.float32
         )
     config = LlamaConfig(
         vocab_size=vocab_size,

@@ -58,7 +58,7 @@ def test_moving_the_data_keeps_the_train_eval_split(tmp_path: Path):
 
 
 def test_missing_paths_are_named(tmp_path: Path):
-    with pytest.raises(ConfigError, match="data.paths entry '.*nowhere' does not exist"):
+    with pytest.raises(ConfigError, match="data path '.*nowhere' does not exist"):
         documents(tmp_path / "nowhere")
     with pytest.raises(ValueError, match="no documents"):
         (tmp_path / "empty").mkdir()

@@ -67,7 +67,7 @@ def test_nothing_falls_back_to_other_data(client, workspace):
     client.ok("scaffold_recipe", template="causal_lm", name="local", config=tiny_config())
     runs_before = sorted((workspace / "runs").iterdir())
     message = client.error("launch_run", recipe="recipes/local", overrides={"data.paths": ["nowhere"]})
-    assert "bad_input: data.paths entry 'nowhere' does not exist" in message
+    assert "bad_input: data path 'nowhere' does not exist" in message
     message = client.error("launch_run", recipe="recipes/local",
                            overrides={"data": {"paths": ["corpus"], "source": "stdlib"}})
     assert "data.paths is set but data.source=stdlib would ignore it" in message

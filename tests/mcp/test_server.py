@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import socket
 import subprocess
@@ -12,6 +13,8 @@ import time
 import pytest
 from anyio.from_thread import start_blocking_portal
 from mcp import Client, StdioServerParameters
+from mcp.client.streamable_http import streamable_http_client
+from mcp.shared._httpx_utils import create_mcp_http_client
 
 from tests.mcp.conftest import ToolSession, closing_cleanly, connect, git, trainwright_command
 from tests.support import TEMPLATE
@@ -133,9 +136,12 @@ def _listening_addresses(port: int) -> list[str]:
 
 def test_http_serves_streamable_http_on_localhost(tmp_path):
     port = _free_port()
+    workspace = tmp_path / "ws"
+    workspace.mkdir()
     server = subprocess.Popen(
-        [*trainwright_command(), "serve", "--http", str(port), "--workspace", str(tmp_path)],
+        [*trainwright_command(), "serve", "--http", str(port), "--workspace", str(workspace)],
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        env={**os.environ, "XDG_STATE_HOME": str(tmp_path / "state")},
     )
     try:
         deadline = time.monotonic() + 60
@@ -148,8 +154,12 @@ def test_http_serves_streamable_http_on_localhost(tmp_path):
                 assert time.monotonic() < deadline, "the server did not listen within 60 s"
                 time.sleep(0.1)
         assert _listening_addresses(port) in ([], ["127.0.0.1"])  # [] where /proc/net/tcp is absent
+        token = (tmp_path / "state" / "trainwright" / "http-token").read_text().strip()
+        transport = streamable_http_client(
+            f"http://127.0.0.1:{port}/mcp", http_client=create_mcp_http_client(headers={"Authorization": f"Bearer {token}"})
+        )
         with start_blocking_portal() as portal:
-            with closing_cleanly(portal.wrap_async_context_manager(Client(f"http://127.0.0.1:{port}/mcp"))) as c:
+            with closing_cleanly(portal.wrap_async_context_manager(Client(transport))) as c:
                 session = ToolSession(portal, c, "http")
                 assert set(session.tools()) == TOOLS
                 assert "no run 'x' in this workspace" in session.error("get_run", run_id="x")

@@ -20,10 +20,12 @@ from hypothesis import strategies as st
 from mcp.shared.exceptions import MCPError
 
 from mcp_server.server import build_server
+from sandbox import git as sandbox_git
 from tests.sandbox.helpers import AUDIT, error_text, fake_run, live_client, make_workspace, tree_hash
 from tests.support import TEMPLATE
 
 RUN_ID = "20260101-000000-lm-abcd"
+POISONED_RUN = "20260101-000000-lm-0150"
 SKILL = "gradient-checkpointing"
 HUGE = "x" * 100_000
 SHELL = ["lm; rm -rf /", "$(touch pwned)", "`touch pwned`", "lm && curl evil", "lm | sh", "lm > /tmp/x",
@@ -72,6 +74,13 @@ def ctx(tmp_path_factory):
     os.symlink(outside / "recipe", root / "recipes" / "evil")
     os.symlink(outside / "train.py", root / "recipes" / "evil.py")
     fake_run(root, RUN_ID)
+    poisoned = fake_run(root, POISONED_RUN)
+    with open(poisoned / "metrics.jsonl", "a") as f:
+        f.write('{"step": "abc"}\n{"step": 9, "x": ' + "[" * 100_000 + "]" * 100_000 + "}\n" + "z" * (2 << 20))
+    (root / ".gitignore").write_text((root / ".gitignore").read_text() + "ignored/\n")
+    sandbox_git.commit_paths(sandbox_git.open_repo(root), [root / ".gitignore"], "ignore ignored/", [])
+    (root / "ignored").mkdir()
+    shutil.copy(TEMPLATE / "recipe.py", root / "ignored" / "train.py")
     os.symlink(outside / "runs" / RUN_ID.replace("abcd", "0u75"), root / "runs" / "20260101-000000-lm-link")
     os.symlink("loop", root / "runs" / "loop")
     server = build_server(root)
@@ -133,6 +142,14 @@ CASES += [("launch_run", {"recipe": "recipes/lm", "overrides": v}) for v in [
     {"data.paths": ["escape/train.py"]}, {"model.pretrained_path": "../outside/recipe"},
     {f"k{i}": i for i in range(100)}, "train.max_steps=5", ["train.max_steps=5"], 5,
 ]]
+# File values in any nesting, and "~", are confined (the engine would read the user's home).
+CASES += [("launch_run", {"recipe": "recipes/lm", "overrides": v}) for v in [
+    {"data": {"paths": ["/etc/passwd"]}}, {"data": {"paths": ["escape/train.py"]}}, {"data.paths": ["~"]},
+    {"data.paths": ["~/.ssh/id_rsa"]}, {"model": {"pretrained_path": "~root"}}, {"model.pretrained_path": "~"},
+]]
+CASES += [("scaffold_recipe", {"template": "causal_lm", "name": "fresh", "config": v}) for v in [
+    {"data.paths": ["~/.aws/credentials"]}, {"model": {"pretrained_path": "~"}},
+]]
 # These three reach the engine's config check (a subprocess that imports torch: slow, few).
 CASES += [("launch_run", {"recipe": "recipes/lm", "overrides": v}) for v in [
     {"train.max_stpes": 5}, {"train.max_steps": "$(touch pwned)"}, {"--help": 1},
@@ -153,6 +170,10 @@ CASES += [(tool, {}) for tool in ("get_skill", "apply_skill", "scaffold_recipe",
                                   "stop_run", "tail_metrics", "list_checkpoints", "resume_checkpoint")]
 CASES += [(name, {}) for name in ("nope", "", "../get_run", "get_run; rm -rf /", "GET_RUN", "x" * 5000)]
 CASES += [("get_run", {"run_id": RUN_ID, "extra": HUGE, "more": [HUGE] * 3})]
+# A change whose result would be too large, or that git could not commit, is refused before
+# anything is written.
+CASES += [("apply_skill", {"skill": "freeze", "recipe": "recipes/lm", "params": {"patterns": ["a" * 90_000]}}),
+          ("apply_skill", {"skill": SKILL, "recipe": "ignored/train.py"})]
 
 
 @pytest.mark.parametrize("tool, arguments", CASES, ids=[f"{i:03d}-{t[:20]}" for i, (t, _) in enumerate(CASES)])
@@ -172,6 +193,15 @@ def test_a_refused_path_says_why(ctx):
     assert "longer than 128" in ctx.assert_refused("get_skill", {"name": "x" * 5000})
     assert "arguments are too large" in ctx.assert_refused("get_skill", {"name": HUGE})
     assert "unknown tool" in ctx.assert_refused("x" * 5000, {})
+
+
+def test_poisoned_run_output_is_read_and_changes_nothing(ctx):
+    for tool, arguments in (("list_runs", {}), ("get_run", {"run_id": POISONED_RUN}),
+                            ("tail_metrics", {"run_id": POISONED_RUN, "after_step": 1})):
+        result = ctx.client.call(tool, arguments)
+        assert not result.is_error, (tool, error_text(result)[:300])
+    assert ctx.client.read_resource(f"run://{POISONED_RUN}/loss.png").contents[0].blob
+    assert ctx.hash() == ctx.before
 
 
 @pytest.mark.parametrize("uri", [

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sandbox.paths import PathRefused, check_name, confine, confine_config_paths
+from sandbox.paths import PathRefused, check_name, confine, confine_config
 from sandbox.workspace import NotFound, Workspace
 from tests.support import copy_template
 
@@ -106,11 +106,11 @@ def test_check_name_accepts_only_names_without_separators_or_dots_in_front(text)
 
 
 def test_config_values_that_name_files_are_confined(root):
-    confine_config_paths(root, {"data.paths": ["recipes/lm/recipe.py"], "train.max_steps": "/etc"})
+    confine_config(root, {"data.paths": ["recipes/lm/recipe.py"], "train.max_steps": "/etc"})
     for values in ({"data.paths": ["/etc/passwd"]}, {"model.pretrained_path": "../outside"},
                    {"data.paths": ["ok", "out/secret"]}, {"tokenizer_dir": "/"}):
         with pytest.raises(PathRefused, match="must be inside the workspace"):
-            confine_config_paths(root, values)
+            confine_config(root, values)
 
 
 def test_a_recipe_is_never_taken_from_git_or_trainwright_state(root):
@@ -136,3 +136,23 @@ def test_run_ids_are_plain_names_and_linked_run_folders_are_not_listed(root, tmp
     with pytest.raises(PathRefused, match="not a plain name"):
         ws.run_dir("../r1")
     assert Path(root / "runs" / "r1" / "run.json").read_text() == "{}"
+
+
+@pytest.mark.parametrize("config", [
+    {"data": {"paths": ["/etc/passwd"]}},
+    {"data": {"paths": "../outside"}},
+    {"model": {"pretrained_path": "/root/.ssh"}},
+    {"data.paths": ["~/secret"]},
+    {"data": {"paths": ["~"]}},
+    {"model.pretrained_path": "~root/weights"},
+    {"a": {"b": {"c": {"tokenizer_dir": "/"}}}},
+    {"data": {"sources": [{"path": "/etc"}]}},
+])
+def test_file_values_are_confined_whatever_the_nesting_and_home_is_refused(root, config):
+    with pytest.raises(PathRefused, match="inside the workspace"):
+        confine_config(root, config)
+
+
+def test_a_merged_config_inside_the_workspace_passes(root):
+    confine_config(root, {"data": {"paths": ["recipes/lm"], "source": "files"}, "model": {"pretrained_path": None},
+                          "train": {"max_steps": 5}, "notes": ["/etc"]})

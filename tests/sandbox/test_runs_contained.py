@@ -30,9 +30,12 @@ def overrides(**extra):
 
 @pytest.fixture(scope="module")
 def workspace(tmp_path_factory):
-    return make_workspace(tmp_path_factory.mktemp("contained") / "ws", config_yaml=(
+    root = make_workspace(tmp_path_factory.mktemp("contained") / "ws", config_yaml=(
         "runs:\n  threads_per_process: 1\n  max_open_files: 777\n  stop_grace_s: 3\n  pass_env: [TW_TEST_PASSED_TOKEN]\n"
     ))
+    # pass_env in the workspace may only name what the trusted settings allow
+    (root.parent / "trusted.yaml").write_text("runs:\n  pass_env: [TW_TEST_PASSED_TOKEN]\n")
+    return root
 
 
 def launch(client, recipe="recipes/lm", **arguments):
@@ -51,7 +54,7 @@ def test_a_secret_never_reaches_a_run_its_logs_or_the_audit(workspace, monkeypat
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", SECRET + "-aws")
     monkeypatch.setenv("DATABASE_URL", f"postgres://u:{SECRET}@db/x")
     monkeypatch.setenv("TW_TEST_PASSED_TOKEN", PASSED)
-    with live_client(build_server(workspace)) as client:
+    with live_client(build_server(workspace, settings=workspace.parent / "trusted.yaml")) as client:
         run_id = launch(client, overrides=LONG)
         run_dir = workspace / "runs" / run_id
         wait_step(run_dir, 2)

@@ -1,0 +1,111 @@
+"""Data files a run may read: a list of files and folders expanded into files, confined to the
+workspace.
+
+The server checks the config's paths before a launch, but a recipe reads what is on disk when
+it runs, and a folder may hold a committed symlink that leads out of the workspace. So the
+engine confines again, on every file it opens: each file (after links are resolved) must lie
+under the allowed root, which the server passes to the run in ``TRAINWRIGHT_WORKSPACE``.
+Without that variable (a person running ``python -m engine.launch`` by hand) nothing is
+refused. Torch-free.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Iterable
+
+from engine.config import ConfigError
+
+WORKSPACE_VARIABLE = "TRAINWRIGHT_WORKSPACE"
+
+
+class DataPathRefused(ConfigError):
+    """A data path that leads outside the workspace; the message names it."""
+
+
+def allowed_root() -> Path | None:
+    """The folder a run may read data from (the workspace), or None when unconfined."""
+    value = os.environ.get(WORKSPACE_VARIABLE)
+    return Path(value).resolve() if value else None
+
+
+def _inside(path: Path, root: Path) -> bool:
+    return path == root or root in path.parents
+
+
+def data_files(paths: Iterable[str], suffixes: Iterable[str], root: Path | None = None) -> list[tuple[Path, str]]:
+    """``(file, name)`` for every file in ``paths`` (folders: their files with one of
+    ``suffixes``, links followed, in a fixed order). The name is relative to the folder given
+    (or the file's own name), so the train/eval split does not depend on where data is stored.
+
+    With a root (default: :func:`allowed_root`), a path that starts with ``~`` or that resolves
+    outside the root — through ``..``, an absolute path or a symlink anywhere on the way — is
+    refused with :class:`DataPathRefused`.
+    """
+    root = allowed_root() if root is None else Path(root).resolve()
+    suffixes = set(suffixes)
+    found: list[tuple[Path, str]] = []
+    for raw in paths:
+        raw = str(raw)
+        if root is not None and raw.startswith("~"):
+            raise DataPathRefused(f"data path {raw!r} starts with '~': give a path inside the workspace")
+        given = Path(raw) if root is not None else Path(raw).expanduser()
+        real = _confined(given, raw, root)
+        if real.is_dir():
+            found.extend(_folder_files(given, real, raw, root, suffixes))
+        elif real.is_file():
+            found.append((real, given.name))
+        else:
+            raise ConfigError(f"data path {raw!r} does not exist (relative paths start at the workspace)")
+    return found
+
+
+def _confined(path: Path, raw: str, root: Path | None) -> Path:
+    real = path.resolve()
+    if root is not None and not _inside(real, root):
+        raise DataPathRefused(
+            f"data path {raw!r} leads outside the workspace ({path} → {real}); "
+            "data must be inside the workspace, and links in it must stay inside"
+        )
+    return real
+
+
+def _folder_files(given: Path, real: Path, raw: str, root: Path | None, suffixes: set[str] | None):
+    files = []
+    seen = {real}
+    for folder, dirs, names in os.walk(given, followlinks=True):
+        folder = Path(folder)
+        dirs.sort()
+        for name in list(dirs):  # confine and de-loop the folders the walk goes into
+            target = _confined(folder / name, f"{raw}/{(folder / name).relative_to(given).as_posix()}", root)
+            if target in seen:
+                dirs.remove(name)
+            seen.add(target)
+        for name in names:
+            path = folder / name
+            if suffixes is not None and path.suffix not in suffixes:
+                continue
+            shown = f"{raw}/{path.relative_to(given).as_posix()}"
+            target = _confined(path, shown, root)
+            if target.is_file():
+                files.append((target, path.relative_to(given).as_posix()))
+    return sorted(files, key=lambda item: item[1])
+
+
+def confined_path(raw: str, root: Path | None = None) -> str:
+    """A local file or folder (model weights, a tokenizer) as a resolved path, after checking it
+    and, for a folder, every file in it, as :func:`data_files` does. A value that names nothing
+    on disk is returned as given (a hub id: a sandboxed run has no network to fetch it)."""
+    root = allowed_root() if root is None else Path(root).resolve()
+    if root is None:
+        return raw
+    if str(raw).startswith("~"):
+        raise DataPathRefused(f"path {raw!r} starts with '~': give a path inside the workspace")
+    given = Path(raw)
+    if not os.path.lexists(given):
+        return raw
+    real = _confined(given, str(raw), root)
+    if real.is_dir():
+        _folder_files(given, real, str(raw), root, suffixes=None)
+    return str(real)

@@ -1,0 +1,182 @@
+"""Secrets by value: every text trainwright hands back (tool results, errors, resources, the
+audit log, the CLI's output) passes :func:`redact`.
+
+Run code is arbitrary Python: whatever it can read, it can print, and its console log and
+metrics come back to the agent. So the redactor does not look at names alone. When the server
+starts it collects the *values* of its environment that are secret:
+
+- variables named like a secret (``looks_secret``: ``*_TOKEN``, ``*_PASSWORD``, ``MYSQL_PWD``,
+  ``STRIPE_SK``, ``AWS_*``, ...);
+- values that carry credentials whatever the name: URLs with ``user:password@``
+  (``REDIS_URL=redis://:pw@host``), known token formats, and long high-entropy strings;
+
+and compiles them, longest first, into one pattern. Values shorter than
+:data:`MIN_SECRET_CHARS` are not collected (they would match everywhere). Independently of the
+environment, credential-shaped strings (GitHub, OpenAI/Anthropic, Hugging Face, AWS, Slack,
+Stripe, GitLab, Google keys, JWTs) and the password part of URLs are replaced wherever they
+appear.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+from collections import Counter
+from typing import Any, Mapping
+
+from sandbox.environment import looks_secret
+
+MASK = "***"
+MIN_SECRET_CHARS = 8
+# A value this long, without spaces or path separators and with this much entropy per
+# character, is treated as a key whatever its variable is called.
+HIGH_ENTROPY_CHARS = 24
+HIGH_ENTROPY_BITS = 3.5
+
+# Each format as (literal prefix, pattern): a text is searched only for the prefixes it holds,
+# which keeps a 20 kB text at a few tens of microseconds. The word boundary before a token is
+# checked per match.
+CREDENTIAL_FORMATS = (
+    ("ghp_", r"ghp_[A-Za-z0-9]{20,}"), ("gho_", r"gho_[A-Za-z0-9]{20,}"), ("ghu_", r"ghu_[A-Za-z0-9]{20,}"),
+    ("ghs_", r"ghs_[A-Za-z0-9]{20,}"), ("ghr_", r"ghr_[A-Za-z0-9]{20,}"),
+    ("github_pat_", r"github_pat_[A-Za-z0-9_]{20,}"), ("sk-", r"sk-[A-Za-z0-9_-]{20,}"),
+    ("hf_", r"hf_[A-Za-z0-9]{20,}"), ("AKIA", r"AKIA[0-9A-Z]{16}"), ("ASIA", r"ASIA[0-9A-Z]{16}"),
+    ("xox", r"xox[abprs]-[A-Za-z0-9-]{10,}"), ("sk_live_", r"sk_live_[A-Za-z0-9]{10,}"),
+    ("sk_test_", r"sk_test_[A-Za-z0-9]{10,}"), ("rk_live_", r"rk_live_[A-Za-z0-9]{10,}"),
+    ("glpat-", r"glpat-[A-Za-z0-9_-]{20,}"), ("npm_", r"npm_[A-Za-z0-9]{30,}"),
+    ("AIza", r"AIza[0-9A-Za-z_-]{35}"), ("eyJ", r"eyJ[A-Za-z0-9_-]{10,}\.[A-Za-z0-9_-]{10,}\.[A-Za-z0-9_-]{10,}"),
+)
+_FORMATS = tuple((prefix, re.compile(pattern)) for prefix, pattern in CREDENTIAL_FORMATS)
+CREDENTIAL = re.compile("|".join(pattern for _, pattern in CREDENTIAL_FORMATS))
+
+
+def _credentials(text: str) -> str:
+    for prefix, pattern in _FORMATS:
+        if prefix in text:
+            text = pattern.sub(_credential, text)
+    return text
+
+
+def _has_credential(text: str) -> bool:
+    return any(prefix in text and pattern.search(text) for prefix, pattern in _FORMATS)
+
+
+# scheme://user:password@host → the password is replaced (the user and host stay readable).
+URL_CREDENTIALS = re.compile(r"(?P<head>://[^\s:/@]*:)(?P<password>[^\s/@]+)(?=@)")
+_WORD = re.compile(r"\w")
+
+
+def _entropy_bits(value: str) -> float:
+    counts = Counter(value)
+    return -sum(n / len(value) * math.log2(n / len(value)) for n in counts.values())
+
+
+def looks_high_entropy(value: str) -> bool:
+    """A long random-looking string: an API key or token, whatever its variable is called."""
+    return (
+        len(value) >= HIGH_ENTROPY_CHARS
+        and not any(c.isspace() for c in value)
+        and "/" not in value and os.pathsep not in value
+        and _entropy_bits(value) >= HIGH_ENTROPY_BITS
+    )
+
+
+def secret_values(environ: Mapping[str, str]) -> set[str]:
+    """The values of ``environ`` that must never be shown (see the module docstring)."""
+    found = set()
+    for name, value in environ.items():
+        if not isinstance(value, str) or len(value) < MIN_SECRET_CHARS:
+            continue
+        if looks_secret(name) or CREDENTIAL.search(value) or looks_high_entropy(value):
+            found.add(value)
+        for match in URL_CREDENTIALS.finditer(value):
+            found.add(value)
+            if len(match.group("password")) >= MIN_SECRET_CHARS:
+                found.add(match.group("password"))
+    return found
+
+
+def _credential(match: re.Match) -> str:
+    start = match.start()
+    return match.group(0) if start and _WORD.match(match.string, start - 1) else MASK
+
+
+def _alternation(values: set[str]) -> re.Pattern | None:
+    ordered = sorted(values, key=len, reverse=True)  # a value that contains another goes first
+    return re.compile("|".join(map(re.escape, ordered))) if ordered else None
+
+
+class Redactor:
+    """Replaces secret values and credential-shaped strings by ``***``; compiled once."""
+
+    def __init__(self, environ: Mapping[str, str] | None = None):
+        values = secret_values(os.environ if environ is None else environ)
+        self._values = _alternation(values)
+        # The same values as they appear inside JSON text (quotes, backslashes escaped).
+        self._values_in_json = _alternation(values | {json.dumps(v, ensure_ascii=False)[1:-1] for v in values})
+
+    def text(self, text: str) -> str:
+        if self._values is not None:
+            text = self._values.sub(MASK, text)
+        if "://" in text:
+            text = URL_CREDENTIALS.sub(lambda m: m.group("head") + MASK, text)
+        return _credentials(text)
+
+    def may_hold_secrets(self, json_text: str) -> bool:
+        """A fast check of a serialized result: False when there is certainly nothing to redact."""
+        return bool(
+            (self._values_in_json is not None and self._values_in_json.search(json_text))
+            or URL_CREDENTIALS.search(json_text) or _has_credential(json_text)
+        )
+
+    def value(self, value: Any, depth: int = 0) -> Any:
+        """``value`` with every string in it (keys included, any nesting) redacted."""
+        if isinstance(value, str):
+            return self.text(value)
+        if depth > 64:
+            return value
+        if isinstance(value, dict):
+            return {self.value(k, depth + 1): self.value(v, depth + 1) for k, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            return type(value)(self.value(v, depth + 1) for v in value)
+        return value
+
+
+_current: Redactor | None = None
+
+
+def current() -> Redactor:
+    """The process's redactor (built from its environment on first use)."""
+    global _current
+    if _current is None:
+        _current = Redactor()
+    return _current
+
+
+def reload(environ: Mapping[str, str] | None = None) -> Redactor:
+    """Rebuild the process's redactor, e.g. when a server starts (and in tests)."""
+    global _current
+    _current = Redactor(environ)
+    return _current
+
+
+def redact(text: str) -> str:
+    """``text`` with every secret value and credential-shaped string replaced by ``***``."""
+    return current().text(text)
+
+
+def redact_value(value: Any) -> Any:
+    return current().value(value)
+
+
+def redact_model(model: Any) -> Any:
+    """A pydantic result with every string inside it redacted (the same model class). Most
+    results hold no secret: one search over their JSON says so, and they are returned as they are."""
+    redactor = current()
+    if not redactor.may_hold_secrets(model.model_dump_json()):
+        return model
+    dumped = model.model_dump()
+    cleaned = redactor.value(dumped)
+    return model if cleaned == dumped else type(model).model_validate(cleaned)

@@ -1,0 +1,70 @@
+"""The engine re-confines every data file it opens to the workspace: through folders, links and
+``~``, nothing outside is read (torch-free)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from engine.data_files import DataPathRefused, confined_path, data_files
+
+SUFFIXES = {".txt", ".jsonl"}
+
+
+@pytest.fixture
+def layout(tmp_path):
+    root = tmp_path / "ws"
+    (root / "data" / "sub").mkdir(parents=True)
+    (root / "data" / "a.txt").write_text("a")
+    (root / "data" / "sub" / "b.txt").write_text("b")
+    (root / "data" / "skip.bin").write_text("x")
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "secret.txt").write_text("secret")
+    return root, outside
+
+
+def test_files_and_folders_expand_with_stable_names(layout):
+    root, _ = layout
+    os.symlink("sub", root / "data" / "again")  # a link that stays inside: followed, not repeated
+    found = data_files([str(root / "data"), str(root / "data" / "a.txt")], SUFFIXES, root=root)
+    assert [name for _, name in found] == ["a.txt", "again/b.txt", "a.txt"]
+    assert all(path.is_relative_to(root) for path, _ in found)
+
+
+@pytest.mark.parametrize("make", [
+    lambda root, out: os.symlink(out / "secret.txt", root / "data" / "leak.txt"),
+    lambda root, out: os.symlink(out, root / "data" / "sub" / "outdir"),
+])
+def test_a_link_in_a_data_folder_that_leads_out_is_refused(layout, make):
+    root, outside = layout
+    make(root, outside)
+    with pytest.raises(DataPathRefused, match="leads outside the workspace"):
+        data_files([str(root / "data")], SUFFIXES, root=root)
+
+
+@pytest.mark.parametrize("value", ["~/secret.txt", "~root", "{out}/secret.txt", "../outside/secret.txt"])
+def test_home_absolute_and_parent_paths_are_refused(layout, value, monkeypatch):
+    root, outside = layout
+    monkeypatch.chdir(root)
+    with pytest.raises(DataPathRefused):
+        data_files([value.format(out=outside)], SUFFIXES, root=root)
+    with pytest.raises(DataPathRefused):
+        confined_path(value.format(out=outside), root=root)
+
+
+def test_model_folders_are_confined_file_by_file(layout):
+    root, outside = layout
+    (root / "model").mkdir()
+    (root / "model" / "config.json").write_text("{}")
+    assert confined_path(str(root / "model"), root=root) == str(root / "model")
+    os.symlink(outside / "secret.txt", root / "model" / "weights.bin")
+    with pytest.raises(DataPathRefused, match="weights.bin"):
+        confined_path(str(root / "model"), root=root)
+
+
+def test_without_a_workspace_nothing_is_refused(layout, monkeypatch):
+    root, outside = layout
+    monkeypatch.delenv("TRAINWRIGHT_WORKSPACE", raising=False)
+    assert data_files([str(outside)], SUFFIXES) == [((outside / "secret.txt").resolve(), "secret.txt")]
