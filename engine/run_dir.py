@@ -139,12 +139,16 @@ class DataSummary(BaseModel):
     def describe(self) -> str:
         """One line, for the console, notes and reviews."""
         where = f" from {', '.join(self.paths[:3])}" if self.paths else ""
-        files = f"{self.files:,} files, " if self.files is not None else ""
+        files = f"{_count(self.files, 'file')}, " if self.files is not None else ""
         return (
-            f"data: {self.source}{where}: {files}{self.documents:,} documents, {self.tokens:,} tokens "
-            f"(train {self.train_documents:,} documents / {self.train_tokens:,} tokens, "
-            f"eval {self.eval_documents:,} / {self.eval_tokens:,})"
+            f"data: {self.source}{where}: {files}{_count(self.documents, 'document')}, "
+            f"{_count(self.tokens, 'token')} (train {self.train_documents:,} documents / "
+            f"{self.train_tokens:,} tokens, eval {self.eval_documents:,} / {self.eval_tokens:,})"
         )
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n:,} {noun}" + ("" if n == 1 else "s")
 
 
 IsolationLevel = Literal["full", "partial", "none"]

@@ -605,6 +605,11 @@ def _run(args: argparse.Namespace) -> int:
         return args.func(args)
     except KeyboardInterrupt:
         return EXIT_STOPPED
+    except BrokenPipeError:  # the reader went away (`trainwright describe ... | head`)
+        import os
+
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_OK
     except TrainwrightError as e:
         return _fail(args, str(e), e.exit_code)
     except Exception as e:  # a bug: say so, with the traceback, and never call it bad input
