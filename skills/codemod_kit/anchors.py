@@ -157,10 +157,11 @@ def find_model(recipe: Recipe, skill: str) -> ModelAnchor:
             )
         raise SkillRefused(f"{skill}: looked for {MODEL_LOOKED_FOR} in {recipe.name}; found none")
     if len(candidates) > 1:
-        places = ", ".join(recipe.where(c.statement) for c in candidates)
+        places = ", ".join(f"`{c.target_code}` at {recipe.where(c.statement)}" for c in candidates)
         raise SkillRefused(
             f"{skill}: found several model constructions ({places}) and cannot tell which one is "
-            "trained; apply the pattern by hand (SKILL.md: Doing it by hand)"
+            f"trained; name it with the skill's `target` where it has one (e.g. target=\"{candidates[0].target_code}\"), "
+            "or apply the pattern by hand (SKILL.md: Doing it by hand)"
         )
     return candidates[0]
 

@@ -209,8 +209,22 @@ def _range_count(recipe: Recipe, comp_for: cst.CompFor) -> tuple[int | None, str
         value = it.args[0].value
         if isinstance(value, cst.Integer):
             return int(value.value), value.value
-        return None, recipe.code(value)
+        default = _parameter_default(recipe, comp_for, value)
+        if default is not None:
+            return None, f"{default} (`{recipe.code(value)}`'s default)"
+        return None, f"`{recipe.code(value)}`"
     return None, "?"
+
+
+def _parameter_default(recipe: Recipe, node: cst.CSTNode, value: cst.BaseExpression) -> str | None:
+    """``depth`` → ``3`` when ``depth`` is a parameter of the enclosing function with default 3."""
+    function = recipe.enclosing_function(node)
+    if function is None or not isinstance(value, cst.Name):
+        return None
+    for param in function.params.params:
+        if param.name.value == value.value and isinstance(param.default, cst.Integer):
+            return param.default.value
+    return None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -252,17 +266,22 @@ def find_target_model(recipe: Recipe, skill: str, target: str | None) -> ModelAn
     )
 
 
-def resolve_target(recipe: Recipe, skill: str, found: ModelShape, target: str) -> Container:
-    """The module a target names, checked against the model's class when the file defines it."""
+def resolve_target(recipe: Recipe, skill: str, found: ModelShape, target: str | None) -> Container | None:
+    """The module a target names, checked against the model's class when the file defines it;
+    None when there is no target or it names the model itself (its blocks are searched)."""
+    if target is None:
+        return None
     dotted = parse_target(skill, target)
-    path = dotted[len(found.model.target_code) + 1 :] if dotted != found.model.target_code else ""
+    if dotted == found.model.target_code:
+        return None
+    path = dotted[len(found.model.target_code) + 1 :]
     if found.cls is None or found.hf:
         return Container(path or found.model.target_code, "module", None, "?", None)
     for container in found.containers:
         if container.path == path:
             return container
-    if path in found.attributes or not path:
-        return Container(path or found.model.target_code, "module", 1, "1", None)
+    if path in found.attributes:
+        return Container(path, "module", 1, "1", None)
     head = path.split(".")[0]
     if head in found.attributes:  # deeper than the codemod follows; checked at run time
         return Container(path, "module", None, "?", None)
@@ -279,6 +298,13 @@ def resolve_target(recipe: Recipe, skill: str, found: ModelShape, target: str) -
 
 def _listing(names: list[str]) -> str:
     return ", ".join(f"`{n}`" for n in names) if names else "none"
+
+
+def submodules(found: ModelShape) -> str:
+    """```model.embed`, `model.lstm`, `model.head``` for refusals that suggest a target."""
+    return _listing([f"{found.model.target_code}.{name}" for name in found.attributes]) if found.attributes else (
+        f"`{found.model.target_code}.<submodule>`"
+    )
 
 
 def require_blocks(recipe: Recipe, skill: str, found: ModelShape, instead: str) -> list[Container]:
@@ -299,7 +325,7 @@ def require_blocks(recipe: Recipe, skill: str, found: ModelShape, instead: str) 
 def describe_blocks(found: ModelShape, target: Container | None = None) -> str:
     """``4 blocks of model.layers`` / ``the decoder layers of LlamaForCausalLM (counted at run time)``."""
     model = found.model.target_code
-    if target is not None:
+    if target is not None and target.path:
         if target.kind == "module":
             return f"`{_join(model, target.path)}` as one block"
         return f"{_count(target)} of `{_join(model, target.path)}`"
@@ -316,7 +342,7 @@ def _count(container: Container) -> str:
     if container.count is not None:
         return f"{container.count} block{'s' if container.count != 1 else ''}"
     if container.count_text != "?":
-        return f"{container.count_text} blocks"
+        return f"{container.count_text} blocks"  # e.g. "`config.n_layer` blocks"
     return "the blocks (counted at run time)"
 
 

@@ -127,13 +127,12 @@ def apply(recipe: Recipe, params: Params) -> Edits | AlreadyApplied:
         acts.append("every nn.Embedding")
     target = None
     if params.first_blocks:
-        if params.target is not None:
-            target = reach.resolve_target(recipe, SKILL, found, params.target)
-        else:
+        target = reach.resolve_target(recipe, SKILL, found, params.target)
+        if target is None:
             reach.require_blocks(
                 recipe, SKILL, found,
-                "name the parameters with `patterns` (e.g. [\"features.0.*\"]), or give `target` naming "
-                "the module whose first children to freeze",
+                "name the parameters with `patterns` (e.g. [\"conv1.*\"]), or give `target` naming the module "
+                f"whose first children to freeze (one of {reach.submodules(found)})",
             )
         acts.append(f"the first {params.first_blocks} of {reach.describe_blocks(found, target)}")
     if params.patterns:
@@ -144,7 +143,7 @@ def apply(recipe: Recipe, params: Params) -> Edits | AlreadyApplied:
     insert_definitions(recipe, edits, HELPER, model.statement)
     edits.add_import("fnmatch")
     edits.add_import("torch")
-    extra = f", target={params.target}" if params.target is not None else ""
+    extra = f", target={params.target}" if target is not None else ""
     call = templates.statement(
         recipe.module,
         f"freeze_parameters({{model}}, embeddings={params.embeddings}, "

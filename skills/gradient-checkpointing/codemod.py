@@ -90,19 +90,12 @@ def apply(recipe: Recipe, params: Params) -> Edits | AlreadyApplied:
         return AlreadyApplied(f"activation checkpointing at {recipe.where(existing[0])}")
     model = reach.find_target_model(recipe, SKILL, params.target)
     found = reach.shape(recipe, model)
-    if params.target is not None:
-        target = reach.resolve_target(recipe, SKILL, found, params.target)
-        if target.path == model.target_code:
-            raise SkillRefused(
-                f"{SKILL}: target {params.target!r} is the whole model; name a submodule, e.g. "
-                f"`{model.target_code}.encoder`"
-            )
-    else:
-        target = None
+    target = reach.resolve_target(recipe, SKILL, found, params.target)
+    if target is None:
         reach.require_blocks(
             recipe, SKILL, found,
-            "give `target` naming a submodule to checkpoint (e.g. `target=\"{m}.encoder\"`), or leave "
-            "activation memory as it is: checkpointing helps deep stacks of blocks".replace("{m}", model.target_code),
+            f"give `target` naming the submodule to checkpoint as one block (one of {reach.submodules(found)}), "
+            "or leave activation memory as it is: checkpointing pays off on deep stacks of blocks",
         )
     edits = Edits(recipe)
     ensure_find_blocks(recipe, edits, model.statement)
@@ -113,7 +106,7 @@ def apply(recipe: Recipe, params: Params) -> Edits | AlreadyApplied:
     arguments = ["{model}"]
     if params.every != 1:
         arguments.append(f"every={params.every}")
-    if params.target is not None:
+    if target is not None:
         arguments.append(f"target={params.target}")
     call = templates.statement(
         recipe.module,

@@ -149,4 +149,7 @@ def _targets(recipe: Recipe, found: reach.ModelShape, params: Params) -> str:
             f"{SKILL}: the blocks of {found.name} ({reach.describe_blocks(found)}) hold no nn.Linear the "
             f"codemod can see; name the linear layers to adapt with target_modules (its linear layers: {seen})"
         )
-    return f"adapts {', '.join(names)} in {reach.describe_blocks(found)}"
+    inside = tuple(c.path + "." for c in found.containers)
+    outside = [p for p in found.linears if p.rsplit(".", 1)[-1] in names and not p.startswith(inside)]
+    more = f", and {len(outside)} linear layer(s) of those names outside them ({', '.join(outside)})" if outside else ""
+    return f"adapts {', '.join(names)} in {reach.describe_blocks(found)}{more}"

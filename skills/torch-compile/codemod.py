@@ -99,14 +99,14 @@ def apply(recipe: Recipe, params: Params) -> Edits | AlreadyApplied:
         edits.acts_on = f"compiles the whole model `{model.target_code}` ({model.builder})"
     else:
         found = reach.shape(recipe, model)
-        target = None
-        if params.target is not None:
-            target = reach.resolve_target(recipe, SKILL, found, params.target)
+        target = reach.resolve_target(recipe, SKILL, found, params.target)
+        if target is not None:
             options.append(f"target={params.target}")
         else:
             reach.require_blocks(
                 recipe, SKILL, found,
-                "use scope=\"model\" to compile the whole model, or give `target` naming a submodule",
+                "use scope=\"model\" to compile the whole model, or give `target` naming a submodule to "
+                f"compile (one of {reach.submodules(found)})",
             )
         ensure_find_blocks(recipe, edits, model.statement)
         insert_definitions(recipe, edits, HELPER, model.statement)
