@@ -141,7 +141,7 @@ def _wraps_model(recipe: Recipe, assign: cst.Assign, model: str) -> bool:
         return False
     for target in assign.targets:
         names = target.target.elements if isinstance(target.target, (cst.Tuple, cst.List)) else [target.target]
-        if any(dotted_name(getattr(n, "value", n)) == model for n in names):
+        if any(dotted_name(n.value if isinstance(n, cst.BaseElement) else n) == model for n in names):
             return True
     return False
 

@@ -175,7 +175,8 @@ REFUSALS = [
         "torch-compile", "nanogpt_style",
         [(NANO_MODEL, NANO_MODEL + "teacher = GPT(GPTConfig(block_size, 256, 1, 1, 32))\n"),
          ("torch.optim.AdamW(model.parameters(),", "torch.optim.AdamW([*model.parameters(), *teacher.parameters()],")],
-        "torch-compile: found several model constructions (nanogpt_style.py:{model = GPT}, nanogpt_style.py:{teacher = GPT})",
+        "torch-compile: found several model constructions (`model` at nanogpt_style.py:{model = GPT}, "
+        "`teacher` at nanogpt_style.py:{teacher = GPT})",
         id="two-models",
     ),
 ]
