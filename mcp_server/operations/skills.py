@@ -128,4 +128,5 @@ def _apply(ws: Workspace, info, recipe_path: Path, params, dry_run: bool, commit
         diff_truncated=diff_truncated,
         commit=sha,
         message=message,
+        acts_on=result.acts_on,
     )

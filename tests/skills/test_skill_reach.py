@@ -142,3 +142,15 @@ def test_find_blocks_names_where_the_blocks_are():
     where, blocks = helpers["find_blocks"](net, "test")
     assert where == "Module.stack" and len(blocks) == 3
     assert helpers["find_blocks"](net, "test", target=net.trunk) == ("Module.trunk", list(net.trunk))
+
+
+def test_trainwright_apply_prints_what_the_change_acts_on(tmp_path: Path, capsys):
+    from mcp_server.cli import main as cli_main
+
+    script(tmp_path, "model = Net()\noptimizer = torch.optim.SGD(model.parameters(), lr=0.1)\n")
+
+    assert cli_main(["apply", "gradient-checkpointing", "train.py", "--workspace", str(tmp_path), "--dry-run"]) == 0
+
+    out = capsys.readouterr().out
+    assert "+checkpoint_blocks(model)\n" in out
+    assert out.rstrip().endswith("acts on: wraps 4 blocks of `model.layers`")
