@@ -38,7 +38,7 @@ class Container:
     path: str  # attribute path from the model, e.g. "transformer.h"
     kind: str  # "ModuleList" / "Sequential" / "module" (a target that is one module)
     count: int | None  # number of blocks when the code says it
-    count_text: str  # "4", "config.n_layer", "?"
+    count_text: str  # "4", "`config.n_layer`", "3 (`depth`'s default)", "?"
     block_class: cst.ClassDef | None  # the local class of the blocks, when one
 
 
@@ -350,12 +350,12 @@ def _join(model: str, path: str) -> str:
     return model if path in ("", model) or path.startswith(model + ".") else f"{model}.{path}"
 
 
-def block_linears(recipe: Recipe, found: ModelShape) -> tuple[list[str], str]:
-    """The leaf names of the nn.Linear layers inside the blocks, and the containers they are in."""
+def block_linears(found: ModelShape) -> list[str]:
+    """The leaf names of the nn.Linear layers inside the blocks (``q_proj``, ``c_fc``)."""
     names: set[str] = set()
     for container in found.containers:
         prefix = container.path + "."
         for linear in found.linears:
             if linear.startswith(prefix):
                 names.add(linear.rsplit(".", 1)[-1])
-    return sorted(names), ""
+    return sorted(names)

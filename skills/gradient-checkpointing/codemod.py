@@ -9,21 +9,18 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from skills.codemod_kit import gpu_guard
 from skills.codemod_kit import (
     AlreadyApplied,
     Edits,
     Recipe,
     SkillParams,
-    anchors,
     ensure_find_blocks,
+    gpu_guard,
     insert_definitions,
     reach,
     stages,
     templates,
 )
-
-from skills.errors import SkillRefused
 
 SKILL = "gradient-checkpointing"
 WRAPPER_MODULE = "torch.distributed.algorithms._checkpoint.checkpoint_wrapper"

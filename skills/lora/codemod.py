@@ -16,7 +16,6 @@ from skills.codemod_kit import (
     SkillParams,
     anchors,
     ensure_find_blocks,
-    gpu_guard,
     insert_definitions,
     only_trainable_parameters,
     reach,
@@ -143,7 +142,7 @@ def _targets(recipe: Recipe, found: reach.ModelShape, params: Params) -> str:
         recipe, SKILL, found,
         f"name the linear layers to adapt with target_modules (its linear layers: {seen})",
     )
-    names, _ = reach.block_linears(recipe, found)
+    names = reach.block_linears(found)
     if not names:
         raise SkillRefused(
             f"{SKILL}: the blocks of {found.name} ({reach.describe_blocks(found)}) hold no nn.Linear the "
