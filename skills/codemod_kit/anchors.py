@@ -132,8 +132,9 @@ MODEL_LOOKED_FOR = (
 )
 
 
-def find_model(recipe: Recipe, skill: str) -> ModelAnchor:
-    """The one assignment that builds the trained model; refuses when there is none or several."""
+def find_model(recipe: Recipe, skill: str, several: str = "") -> ModelAnchor:
+    """The one assignment that builds the trained model; refuses when there is none or several
+    (``several``: what the refusal suggests then, e.g. a parameter that names the model)."""
     candidates = model_candidates(recipe)
     engine = engine_class(recipe)
     if engine is not None:
@@ -160,8 +161,7 @@ def find_model(recipe: Recipe, skill: str) -> ModelAnchor:
         places = ", ".join(f"`{c.target_code}` at {recipe.where(c.statement)}" for c in candidates)
         raise SkillRefused(
             f"{skill}: found several model constructions ({places}) and cannot tell which one is "
-            f"trained; name it with the skill's `target` where it has one (e.g. target=\"{candidates[0].target_code}\"), "
-            "or apply the pattern by hand (SKILL.md: Doing it by hand)"
+            f"trained; {several.format(model=candidates[0].target_code) or 'apply the pattern by hand (SKILL.md: Doing it by hand)'}"
         )
     return candidates[0]
 

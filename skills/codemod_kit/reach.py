@@ -250,14 +250,15 @@ def parse_target(skill: str, target: str) -> str:
 def find_target_model(recipe: Recipe, skill: str, target: str | None) -> ModelAnchor:
     """The model to change: the one the target's expression starts with, when a target is given
     (so a file that trains two models, a GAN, can be told which)."""
+    several = "name the one to change with `target` (e.g. target=\"{model}\")"
     if target is None:
-        return anchors.find_model(recipe, skill)
+        return anchors.find_model(recipe, skill, several)
     dotted = parse_target(skill, target)
     candidates = anchors.model_candidates(recipe)
     named = [c for c in candidates if dotted == c.target_code or dotted.startswith(c.target_code + ".")]
     if len(named) == 1:
         return named[0]
-    model = anchors.find_model(recipe, skill)
+    model = anchors.find_model(recipe, skill, several)
     if dotted == model.target_code or dotted.startswith(model.target_code + "."):
         return model
     raise SkillRefused(
