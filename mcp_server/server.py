@@ -183,8 +183,10 @@ def build_server(workspace: Path | str, read_only: bool = False) -> MCPServer:
     ) -> ApplySkillResult:
         """Write a skill's pattern into a recipe's code as one git commit (message
         `skill(<name>): apply to <recipe>`, trailers Skill-Applied and Skill-Params). Returns the
-        diff and the commit. Applying again changes nothing (changed=false). Refuses when the
-        recipe has uncommitted changes, or when the skill cannot find where it belongs."""
+        diff, the commit and acts_on: what the change acts on, read from the code. Applying again
+        changes nothing (changed=false). Refuses when the recipe has uncommitted changes, when the
+        skill cannot find where it belongs, or when its change would act on nothing (the message
+        says what would work, e.g. a `target` param)."""
         args = {"skill": skill, "recipe": recipe, "params": params, "dry_run": dry_run}
         return await tools.call(
             "apply_skill", args, lambda: skill_ops.apply_skill(tools.ws, skill, recipe, params, dry_run)
