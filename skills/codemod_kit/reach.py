@@ -40,6 +40,7 @@ class Container:
     count: int | None  # number of blocks when the code says it
     count_text: str  # "4", "`config.n_layer`", "3 (`depth`'s default)", "?"
     block_class: cst.ClassDef | None  # the local class of the blocks, when one
+    elements_known: bool = True  # False when the blocks are added elsewhere (append, *layers)
 
 
 @dataclass
@@ -159,7 +160,9 @@ def _walk_value(recipe: Recipe, value: cst.BaseExpression, path: str, found: Mod
             repeated = one_class and (comprehension or len(elements) >= 2)
         if repeated:
             block = _local_module_class(recipe, elements[0]) if one_class else None
-            found.containers.append(Container(path, name.rsplit(".", 1)[-1], count, count_text, block))
+            found.containers.append(
+                Container(path, name.rsplit(".", 1)[-1], count, count_text, block, elements_known=bool(elements))
+            )
         for index, element in enumerate(elements):
             _walk_value(recipe, element, f"{path}.<i>" if comprehension else f"{path}.{index}", found, depth + 1)
         return
@@ -200,6 +203,8 @@ def _elements(recipe: Recipe, call: cst.Call) -> tuple[list[cst.BaseExpression],
             return [inner.elt], count, text
         return [], None, "?"
     elements = [a.value for a in args if not a.star]
+    if not elements or any(a.star for a in args):  # ModuleList() filled by append, Sequential(*layers)
+        return elements, None, "?"
     return elements, len(elements), str(len(elements))
 
 

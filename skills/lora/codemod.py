@@ -143,6 +143,8 @@ def _targets(recipe: Recipe, found: reach.ModelShape, params: Params) -> str:
         f"name the linear layers to adapt with target_modules (its linear layers: {seen})",
     )
     names = reach.block_linears(found)
+    if not names and not all(c.elements_known for c in found.containers):
+        return f"adapts every nn.Linear in {reach.describe_blocks(found)} (named at run time)"
     if not names:
         raise SkillRefused(
             f"{SKILL}: the blocks of {found.name} ({reach.describe_blocks(found)}) hold no nn.Linear the "

@@ -154,3 +154,57 @@ def test_trainwright_apply_prints_what_the_change_acts_on(tmp_path: Path, capsys
     out = capsys.readouterr().out
     assert "+checkpoint_blocks(model)\n" in out
     assert out.rstrip().endswith("acts on: wraps 4 blocks of `model.layers`")
+
+
+APPENDED = '''
+import torch
+import torch.nn as nn
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return x + self.fc(x)
+
+
+class Net(nn.Module):
+    def __init__(self, depth=3):
+        super().__init__()
+        self.layers = nn.ModuleList()
+        for _ in range(depth):
+            self.layers.append(Block())
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+model = Net()
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+for step in range(2):
+    loss = model(torch.randn(2, 4)).pow(2).mean()
+    optimizer.zero_grad()
+    loss.backward()
+    optimizer.step()
+    print(f"step {step} loss {loss.item():.6f}")
+'''
+
+
+def test_blocks_appended_to_a_module_list_are_counted_at_run_time(tmp_path: Path):
+    from tests.skills.effect_probe import run_script
+
+    path = tmp_path / "appended.py"
+    path.write_text(APPENDED)
+
+    checkpointing = apply_skill("gradient-checkpointing", path)
+    lora = apply_skill("lora", path)
+    effects = run_script(path)
+
+    assert checkpointing.acts_on == "wraps the blocks (counted at run time) of `model.layers`"
+    assert lora.acts_on == "adapts every nn.Linear in the blocks (counted at run time) of `model.layers` (named at run time)"
+    assert effects.checkpointed == 3 and effects.lora_layers == 3 and effects.frozen_changed == []
+    assert "gradient-checkpointing: wrapped 3 of 3 blocks of Net.layers" in effects.printed
