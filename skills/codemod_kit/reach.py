@@ -110,7 +110,7 @@ def _hf_class(recipe: Recipe, call: cst.Call) -> str:
 
 
 def _attributes(recipe: Recipe, cls: cst.ClassDef) -> dict[str, cst.BaseExpression]:
-    """``self.<name> = <value>`` in the class's methods (``__init__`` first), first one wins."""
+    """``self.<name> = <value>`` in the class's methods, in source order (the first one wins)."""
     out: dict[str, cst.BaseExpression] = {}
     for assign in recipe.assigns():
         if recipe.enclosing_class(assign) is not cls or len(assign.targets) != 1:
