@@ -387,7 +387,8 @@ def cmd_apply(args: argparse.Namespace) -> int:
             return f"{r.skill} is already applied to {r.recipe}: nothing to do"
         head = "would change" if r.dry_run else "changed"
         commit = f" (commit {r.commit[:10]})" if r.commit else ""
-        return f"{r.diff}\n{r.skill}@{r.version} {head} {r.recipe}{commit}"
+        acts_on = f"\nacts on: {r.acts_on}" if r.acts_on else ""
+        return f"{r.diff}\n{r.skill}@{r.version} {head} {r.recipe}{commit}{acts_on}"
 
     _emit(args, result, text)
     return EXIT_OK

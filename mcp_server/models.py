@@ -141,6 +141,11 @@ class ApplySkillResult(BaseModel):
     diff_truncated: bool = False
     commit: str | None = Field(None, description="The commit that holds the change (none for dry runs).")
     message: str = ""
+    acts_on: str = Field(
+        "",
+        description="What the change acts on, read from the code (e.g. 'wraps 4 blocks of `model.layers`'); "
+        "the run's console repeats the count. Empty when nothing changed.",
+    )
 
 
 class TemplateInfo(BaseModel):

@@ -199,9 +199,10 @@ def build_server(workspace: Path | str, read_only: bool = False, settings: Path 
         dry_run: Annotated[bool, Field(description="Only return the diff; change nothing.")] = False,
     ) -> ApplySkillResult:
         """Write a skill's pattern into a recipe's code as one git commit (trailers
-        Skill-Applied, Skill-Params); returns the diff and the commit. Applying again changes
-        nothing (changed=false). Refused when the recipe has uncommitted changes or the skill
-        finds no place to go."""
+        Skill-Applied, Skill-Params); returns the diff, the commit and acts_on (what the change
+        acts on, read from the code). Applying again changes nothing (changed=false). Refused when
+        the recipe has uncommitted changes, the skill finds no place to go, or its change would
+        act on nothing (the message says what would work, e.g. a target param)."""
         args = {"skill": skill, "recipe": recipe, "params": params, "dry_run": dry_run}
         return await tools.call(
             "apply_skill", args, lambda: skill_ops.apply_skill(tools.ws, skill, recipe, params, dry_run)

@@ -27,6 +27,7 @@ class ApplyResult(BaseModel):
     diff: str  # unified diff, a/ b/ paths relative to diff_root ("" when nothing changed)
     params: dict[str, Any]  # validated, with defaults
     message: str
+    acts_on: str = ""  # what the change acts on ("wraps 4 blocks of `model.layers`"); "" when unchanged
 
 
 def resolve_target(recipe: Path) -> Path:
@@ -143,11 +144,11 @@ def apply_skill(
     diff = unified_diff(source, new_source, relative)
     if not dry_run:
         write_atomically(target, new_source)
-    notes = "".join(f"; {note}" for note in outcome.notes)
+    notes = "".join(f"; {note}" for note in ([outcome.acts_on] if outcome.acts_on else []) + outcome.notes)
     verb = "would change" if dry_run else "changed"
     added = sum(1 for line in diff.splitlines() if line.startswith("+") and not line.startswith("+++"))
     removed = sum(1 for line in diff.splitlines() if line.startswith("-") and not line.startswith("---"))
-    return ApplyResult(**result, changed=True, already_applied=False, diff=diff,
+    return ApplyResult(**result, changed=True, already_applied=False, diff=diff, acts_on=outcome.acts_on,
                        message=f"{name} {verb} {target.name} (+{added} -{removed} lines){notes}")
 
 

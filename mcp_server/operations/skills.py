@@ -148,4 +148,5 @@ def _result(ws: Workspace, info, result, dry_run: bool, sha: str | None) -> Appl
         diff_truncated=diff_truncated,
         commit=sha,
         message=result.message,
+        acts_on=result.acts_on,
     )

@@ -7,8 +7,8 @@ apply. ``skills.apply.apply_skill`` does the rest: validation, parsing the resul
 the atomic write.
 """
 
-from skills.codemod_kit import anchors, stages, templates
-from skills.codemod_kit.definitions import ensure_transformer_blocks, insert_definitions
+from skills.codemod_kit import anchors, gpu_guard, reach, stages, templates
+from skills.codemod_kit.definitions import ensure_find_blocks, insert_definitions
 from skills.codemod_kit.edits import Edits
 from skills.codemod_kit.outcome import AlreadyApplied, SkillParams
 from skills.codemod_kit.recipe import Recipe, dotted_name
@@ -21,9 +21,11 @@ __all__ = [
     "SkillParams",
     "anchors",
     "dotted_name",
-    "ensure_transformer_blocks",
+    "gpu_guard",
+    "ensure_find_blocks",
     "insert_definitions",
     "only_trainable_parameters",
+    "reach",
     "stages",
     "templates",
 ]

@@ -132,8 +132,9 @@ MODEL_LOOKED_FOR = (
 )
 
 
-def find_model(recipe: Recipe, skill: str) -> ModelAnchor:
-    """The one assignment that builds the trained model; refuses when there is none or several."""
+def find_model(recipe: Recipe, skill: str, several: str = "") -> ModelAnchor:
+    """The one assignment that builds the trained model; refuses when there is none or several
+    (``several``: what the refusal suggests then, e.g. a parameter that names the model)."""
     candidates = model_candidates(recipe)
     engine = engine_class(recipe)
     if engine is not None:
@@ -146,14 +147,37 @@ def find_model(recipe: Recipe, skill: str) -> ModelAnchor:
         if trained:
             candidates = trained
     if not candidates:
+        wrapped = _wrapped_construction(recipe)
+        if wrapped is not None:
+            wrapper, inner = wrapped
+            raise SkillRefused(
+                f"{skill}: the model is built inside a wrapper ({recipe.where(wrapper)}: "
+                f"`{recipe.short(wrapper)}`); a change to the model must land before wrappers such as "
+                f"DDP, FSDP or PrivacyEngine.make_private; build it on a line of its own "
+                f"(`model = {recipe.short(inner, 40)}`), wrap it on the next, then apply again"
+            )
         raise SkillRefused(f"{skill}: looked for {MODEL_LOOKED_FOR} in {recipe.name}; found none")
     if len(candidates) > 1:
-        places = ", ".join(recipe.where(c.statement) for c in candidates)
+        places = ", ".join(f"`{c.target_code}` at {recipe.where(c.statement)}" for c in candidates)
         raise SkillRefused(
             f"{skill}: found several model constructions ({places}) and cannot tell which one is "
-            "trained; apply the pattern by hand (SKILL.md: Doing it by hand)"
+            f"trained; {several.format(model=candidates[0].target_code) or 'apply the pattern by hand (SKILL.md: Doing it by hand)'}"
         )
     return candidates[0]
+
+
+def _wrapped_construction(recipe: Recipe) -> tuple[cst.Call, cst.Call] | None:
+    """``model = DDP(Net().to(device))``: a model construction passed straight to a wrapper."""
+    for assign in recipe.assigns():
+        value = unwrap_chain(assign.value)
+        if not isinstance(value, cst.Call):
+            continue
+        for arg in value.args:
+            inner = unwrap_chain(arg.value)
+            if isinstance(inner, cst.Call) and _model_kind(recipe, inner) is not None:
+                if recipe.enclosing_class(assign) not in set(recipe.subclasses(*NN_MODULE, *HF_PRETRAINED)):
+                    return value, inner
+    return None
 
 
 def _passed_to_optimizer(recipe: Recipe, target_code: str) -> bool:

@@ -8,17 +8,45 @@ from skills.codemod_kit import templates
 from skills.codemod_kit.edits import Edits
 from skills.codemod_kit.recipe import Recipe
 
-TRANSFORMER_BLOCKS = '''
-def transformer_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The repeated blocks of a model: the children of its largest ``nn.ModuleList``.
-
-    Finds Hugging Face decoder layers (``model.model.layers``) and nanoGPT blocks
-    (``transformer.h``) alike, without naming the block class.
+FIND_BLOCKS = '''
+def find_blocks(
+    model: torch.nn.Module, skill: str, target: torch.nn.Module | None = None, warn=None
+) -> tuple[str, list[torch.nn.Module]]:
+    """The repeated blocks of a model and where they are (``"LlamaForCausalLM.model.layers"``):
+    the children of ``target`` when it is an ``nn.ModuleList``/``nn.Sequential`` (``[target]``
+    for another module), else those of the model's largest ``nn.ModuleList`` or ``nn.Sequential``
+    of modules of one class: Hugging Face decoder layers, nanoGPT's ``transformer.h``, a U-Net's
+    down blocks. A model without blocks is an error (``warn`` instead, when given: the run goes
+    on without the change), never a change that quietly does nothing.
     """
-    lists = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList) and len(m) > 0]
-    if not lists:
-        return []
-    return list(max(lists, key=lambda m: sum(p.numel() for p in m.parameters())))
+    names = {id(m): n for n, m in model.named_modules()}
+
+    def place(module: torch.nn.Module) -> str:
+        name = names.get(id(module), "")
+        return f"{type(model).__name__}.{name}" if name else type(model).__name__
+
+    if target is not None:
+        if isinstance(target, (torch.nn.ModuleList, torch.nn.Sequential)):
+            return place(target), list(target)
+        return place(target), [target]
+    containers = [
+        m
+        for m in model.modules()
+        if (isinstance(m, torch.nn.ModuleList) and len(m) > 0)
+        or (isinstance(m, torch.nn.Sequential) and len(m) > 1 and len({type(c) for c in m}) == 1)
+    ]
+    if containers:
+        largest = max(containers, key=lambda m: sum(p.numel() for p in m.parameters()))
+        return place(largest), list(largest)
+    message = (
+        f"{skill}: {type(model).__name__} has no repeated blocks (an nn.ModuleList, or an "
+        "nn.Sequential of modules of one class), so the change does nothing; name the module to "
+        f"act on with the skill's target parameter"
+    )
+    if warn is None:
+        raise ValueError(message)
+    warn(message)
+    return "", []
 '''
 
 
@@ -45,16 +73,13 @@ def insert_definitions(
         edits.insert_before(top, new)
 
 
-def ensure_transformer_blocks(recipe: Recipe, edits: Edits, near: cst.CSTNode) -> None:
-    """Make ``transformer_blocks(model)`` available: the engine's, when the recipe already uses
-    the engine, else a copy in the file (shared by every skill that needs the blocks)."""
-    if recipe.defines("transformer_blocks") or _pending(edits, "transformer_blocks"):
+def ensure_find_blocks(recipe: Recipe, edits: Edits, near: cst.CSTNode) -> None:
+    """Make ``find_blocks(model, skill, target, warn)`` available: one copy in the file, shared
+    by every skill that acts on the blocks."""
+    if recipe.defines("find_blocks") or _pending(edits, "find_blocks"):
         return
     edits.add_import("torch")
-    if any(q.startswith("engine.") for q in recipe.imports.values()):
-        edits.add_import("engine.fsdp", "transformer_blocks")
-    else:
-        insert_definitions(recipe, edits, TRANSFORMER_BLOCKS, near)
+    insert_definitions(recipe, edits, FIND_BLOCKS, near)
 
 
 def _pending(edits: Edits, name: str) -> bool:

@@ -32,6 +32,7 @@ class Edits:
     after: dict[cst.CSTNode, list[cst.BaseStatement]] = field(default_factory=dict)
     imports: list[Import] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)  # sentences for the result's message
+    acts_on: str = ""  # what the change will act on ("wraps 4 blocks of `model.layers`")
 
     def __bool__(self) -> bool:
         return bool(self.replacements or self.before or self.after or self.imports)

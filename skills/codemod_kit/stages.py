@@ -7,7 +7,12 @@ compiles the wrapped blocks, and FSDP2 shards last. So a recipe's model statemen
 whatever order the skills were applied in::
 
     build → .to(device) → Liger kernels → FlashAttention → LoRA → tensor parallel → freeze
-          → activation checkpointing → torch.compile → FSDP2 / DDP → optimizer → training loop
+          → activation checkpointing → torch.compile → FSDP2 / DDP / any wrapper → optimizer
+          → training loop
+
+A wrapper is a call named in the tables below (fully_shard, FullyShardedDataParallel,
+DistributedDataParallel, PrivacyEngine.make_private) or any call that takes the model and is
+assigned back to it (``model = Wrapper(model)``, ``model, opt = accelerator.prepare(model, opt)``).
 
 The statements after the model construction (in the same block) are classified by the calls
 they contain; a new stage is inserted before the first statement of a later stage.
@@ -67,6 +72,8 @@ STAGE_OF_METHOD: dict[str, int] = {
     "gradient_checkpointing_enable": ACTIVATION_CHECKPOINTING,
     "activation_checkpointing_enable": ACTIVATION_CHECKPOINTING,
     "compile": COMPILE,
+    "make_private": SHARDING,
+    "make_private_with_epsilon": SHARDING,
     "backward": TRAINING,
 }
 
@@ -108,6 +115,14 @@ def stages_after(recipe: Recipe, model: ModelAnchor) -> list[tuple[cst.BaseState
                 break
             if ancestor is model.suite:
                 break
+    for assign in recipe.assigns():  # model = Wrapper(model), model, opt = accelerator.prepare(model, opt)
+        if _wraps_model(recipe, assign, model.target_code) and stage_of_call(recipe, assign.value, optimizers) is None:
+            for ancestor in recipe.ancestors(assign):
+                if ancestor in members:
+                    stage[ancestor] = max(stage.get(ancestor, SHARDING), SHARDING)
+                    break
+                if ancestor is model.suite:
+                    break
     result = []
     for statement in following:
         if isinstance(statement, cst.SimpleStatementLine) and any(isinstance(s, cst.Return) for s in statement.body):
@@ -115,6 +130,20 @@ def stages_after(recipe: Recipe, model: ModelAnchor) -> list[tuple[cst.BaseState
         else:
             result.append((statement, stage.get(statement)))
     return result
+
+
+def _wraps_model(recipe: Recipe, assign: cst.Assign, model: str) -> bool:
+    """An assignment that rebinds the model to a call that takes it: a wrapper whose stage the
+    tables do not know (accelerate, deepspeed, opacus, a wrapper class of the file). Changes to
+    the model go before it, like before fully_shard."""
+    value = assign.value
+    if not isinstance(value, cst.Call) or not any(dotted_name(a.value) == model for a in value.args):
+        return False
+    for target in assign.targets:
+        names = target.target.elements if isinstance(target.target, (cst.Tuple, cst.List)) else [target.target]
+        if any(dotted_name(n.value if isinstance(n, cst.BaseElement) else n) == model for n in names):
+            return True
+    return False
 
 
 def find_stage(recipe: Recipe, model: ModelAnchor, stages: Iterable[int]) -> cst.BaseStatement | None:

@@ -135,4 +135,5 @@ def apply(recipe: Recipe, params: Params) -> Edits | AlreadyApplied:
     edits.add_import("torch")
     edits.add_import("typing", "Callable")
     edits.notes.append("FlashAttention 2 runs on CUDA GPUs with flash-attn installed; elsewhere the run warns and continues")
+    edits.acts_on = f"switches the attention of `{model.target_code}` (a Hugging Face model) to flash_attention_2 on CUDA"
     return edits

@@ -15,14 +15,17 @@ from skills.codemod_kit import (
     Edits,
     Recipe,
     SkillParams,
-    anchors,
-    ensure_transformer_blocks,
+    ensure_find_blocks,
+    gpu_guard,
     insert_definitions,
     only_trainable_parameters,
+    reach,
     stages,
     templates,
 )
 from skills.codemod_kit.recipe import dotted_name
+
+from skills.errors import SkillRefused
 
 SKILL = "freeze"
 
@@ -35,6 +38,11 @@ class Params(SkillParams):
         description="fnmatch patterns of parameter names to freeze, as model.named_parameters() "
         "gives them (e.g. 'lm_head.*', '*.norm.weight').",
     )
+    target: str | None = Field(
+        None,
+        description="With first_blocks, the module whose first children are frozen, as an expression "
+        "on the model (e.g. 'model.encoder.layers'). Default: the model's repeated blocks.",
+    )
 
     @model_validator(mode="after")
     def _freezes_something(self) -> "Params":
@@ -45,20 +53,26 @@ class Params(SkillParams):
 
 HELPER = '''
 def freeze_parameters(
-    model: torch.nn.Module, embeddings: bool = True, first_blocks: int = 0, patterns: list[str] = ()
+    model: torch.nn.Module,
+    embeddings: bool = True,
+    first_blocks: int = 0,
+    patterns: list[str] = (),
+    target: torch.nn.Module | None = None,
+    warn=None,
 ) -> int:
     """Freeze part of a model: with ``requires_grad=False`` no gradient is computed or stored for
     a parameter, and the optimizer, which is handed only trainable parameters, never changes it.
     Freezes every ``nn.Embedding`` (with ``embeddings``), the first ``first_blocks`` transformer
-    blocks, and the parameters whose names match one of the fnmatch ``patterns``. Returns the
-    number of frozen values. (Written by the freeze skill.)
+    blocks (of ``target`` when given), and the parameters whose names match one of the fnmatch
+    ``patterns``. Returns the number of frozen values. (Written by the freeze skill.)
     """
     chosen: dict[int, torch.nn.Parameter] = {}
     if embeddings:
         for module in model.modules():
             if isinstance(module, torch.nn.Embedding):
                 chosen.update((id(p), p) for p in module.parameters())
-    for block in transformer_blocks(model)[:first_blocks]:
+    where, blocks = find_blocks(model, "freeze", target, warn) if first_blocks else ("", [])
+    for block in blocks[:first_blocks]:
         chosen.update((id(p), p) for p in block.parameters())
     for name, parameter in model.named_parameters():
         if any(fnmatch.fnmatchcase(name, pattern) for pattern in patterns):
@@ -70,7 +84,11 @@ def freeze_parameters(
         )
     for parameter in chosen.values():
         parameter.requires_grad_(False)
-    return sum(p.numel() for p in chosen.values())
+    frozen = sum(p.numel() for p in chosen.values())
+    total = sum(p.numel() for p in model.parameters())
+    blocks_part = f", the first {min(first_blocks, len(blocks))} of {len(blocks)} blocks of {where}" if blocks else ""
+    print(f"freeze: froze {frozen:,} of {total:,} parameter values ({len(chosen)} tensors{blocks_part})", flush=True)
+    return frozen
 '''
 
 
@@ -96,18 +114,47 @@ def apply(recipe: Recipe, params: Params) -> Edits | AlreadyApplied:
     existing = _existing_freeze(recipe)
     if existing is not None:
         return AlreadyApplied(f"parameters are frozen at {recipe.where(existing)}")
-    model = anchors.find_model(recipe, SKILL)
+    model = reach.find_target_model(recipe, SKILL, params.target)
+    found = reach.shape(recipe, model)
+    acts = []
+    if params.embeddings:
+        if found.cls is not None and not found.hf and not _builds_embeddings(recipe, found):
+            raise SkillRefused(
+                f"{SKILL}: embeddings=True, but {found.name} ({recipe.where(model.statement)}) builds no "
+                f"nn.Embedding; set embeddings=false and name what to freeze with first_blocks or patterns"
+            )
+        acts.append("every nn.Embedding")
+    target = None
+    if params.first_blocks:
+        target = reach.resolve_target(recipe, SKILL, found, params.target)
+        if target is None:
+            reach.require_blocks(
+                recipe, SKILL, found,
+                "name the parameters with `patterns` (e.g. [\"conv1.*\"]), or give `target` naming the module "
+                f"whose first children to freeze (one of {reach.submodules(found)})",
+            )
+        acts.append(f"the first {params.first_blocks} of {reach.describe_blocks(found, target)}")
+    if params.patterns:
+        acts.append(f"parameters matching {', '.join(params.patterns)} (checked at run time)")
     edits = Edits(recipe)
     only_trainable_parameters(recipe, edits, SKILL)
-    ensure_transformer_blocks(recipe, edits, model.statement)
+    ensure_find_blocks(recipe, edits, model.statement)
     insert_definitions(recipe, edits, HELPER, model.statement)
     edits.add_import("fnmatch")
     edits.add_import("torch")
+    extra = f", target={params.target}" if target is not None else ""
     call = templates.statement(
         recipe.module,
         f"freeze_parameters({{model}}, embeddings={params.embeddings}, "
-        f"first_blocks={params.first_blocks}, patterns={templates.literal(params.patterns)})",
+        f"first_blocks={params.first_blocks}, patterns={templates.literal(params.patterns)}{extra}"
+        f"{gpu_guard.warn_argument(recipe, model)})",
         model=model.target,
     )
     stages.insert_stage(recipe, edits, model, stages.FREEZE, [call])
+    edits.acts_on = "freezes " + "; ".join(acts)
     return edits
+
+
+def _builds_embeddings(recipe: Recipe, found: reach.ModelShape) -> bool:
+    """Does the model's class (or a class of the file) build an nn.Embedding?"""
+    return bool(recipe.calls_to("torch.nn.Embedding"))

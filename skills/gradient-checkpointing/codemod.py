@@ -14,9 +14,10 @@ from skills.codemod_kit import (
     Edits,
     Recipe,
     SkillParams,
-    anchors,
-    ensure_transformer_blocks,
+    ensure_find_blocks,
+    gpu_guard,
     insert_definitions,
+    reach,
     stages,
     templates,
 )
@@ -31,6 +32,13 @@ class Params(SkillParams):
         ge=1,
         description="Checkpoint every N-th block: 1 checkpoints all blocks (least memory); 2 "
         "checkpoints half of them (less recomputation, more memory).",
+    )
+    target: str | None = Field(
+        None,
+        description="The module to checkpoint, as an expression on the model (e.g. 'model.encoder', "
+        "'model.features'): the children of an nn.ModuleList/nn.Sequential, or the module itself as "
+        "one block. Default: the model's repeated blocks (its largest nn.ModuleList, or nn.Sequential "
+        "of modules of one class).",
     )
 
 
@@ -47,20 +55,27 @@ CHECKPOINT_CALLS = (
 CHECKPOINT_METHODS = ("gradient_checkpointing_enable", "activation_checkpointing_enable")
 
 HELPER = '''
-def checkpoint_blocks(model: torch.nn.Module, every: int = 1) -> None:
+def checkpoint_blocks(
+    model: torch.nn.Module, every: int = 1, target: torch.nn.Module | None = None, warn=None
+) -> int:
     """Activation checkpointing: keep only each block's input in the forward pass and recompute
     the block's activations during backward (one extra forward of compute for a peak activation
     memory of about one block instead of all of them). Non-reentrant checkpointing works with
     keyword arguments, FSDP2 and torch.compile. Call it after tensor parallelism and before
-    torch.compile and fully_shard, so that those see the wrapped blocks.
-    (Written by the gradient-checkpointing skill.)
+    torch.compile, fully_shard and other wrappers, so that those see the wrapped blocks.
+    Returns the number of wrapped blocks. (Written by the gradient-checkpointing skill.)
     """
-    chosen = {id(block) for index, block in enumerate(transformer_blocks(model)) if index % every == 0}
+    where, blocks = find_blocks(model, "gradient-checkpointing", target, warn)
+    chosen = {id(block) for index, block in enumerate(blocks) if index % every == 0}
+    if not chosen:
+        return 0
     apply_activation_checkpointing(
         model,
         checkpoint_wrapper_fn=lambda block: checkpoint_wrapper(block, checkpoint_impl=CheckpointImpl.NO_REENTRANT),
         check_fn=lambda module: id(module) in chosen,
     )
+    print(f"gradient-checkpointing: wrapped {len(chosen)} of {len(blocks)} blocks of {where}", flush=True)
+    return len(chosen)
 '''
 
 
@@ -70,14 +85,32 @@ def apply(recipe: Recipe, params: Params) -> Edits | AlreadyApplied:
     ]
     if existing:
         return AlreadyApplied(f"activation checkpointing at {recipe.where(existing[0])}")
-    model = anchors.find_model(recipe, SKILL)
+    model = reach.find_target_model(recipe, SKILL, params.target)
+    found = reach.shape(recipe, model)
+    target = reach.resolve_target(recipe, SKILL, found, params.target)
+    if target is None:
+        reach.require_blocks(
+            recipe, SKILL, found,
+            f"give `target` naming the submodule to checkpoint as one block (one of {reach.submodules(found)}), "
+            "or leave activation memory as it is: checkpointing pays off on deep stacks of blocks",
+        )
     edits = Edits(recipe)
-    ensure_transformer_blocks(recipe, edits, model.statement)
+    ensure_find_blocks(recipe, edits, model.statement)
     insert_definitions(recipe, edits, HELPER, model.statement)
     for name in ("CheckpointImpl", "apply_activation_checkpointing", "checkpoint_wrapper"):
         edits.add_import(WRAPPER_MODULE, name)
     edits.add_import("torch")
-    arguments = "{model}" if params.every == 1 else f"{{model}}, every={params.every}"
-    call = templates.statement(recipe.module, f"checkpoint_blocks({arguments})", model=model.target)
+    arguments = ["{model}"]
+    if params.every != 1:
+        arguments.append(f"every={params.every}")
+    if target is not None:
+        arguments.append(f"target={params.target}")
+    call = templates.statement(
+        recipe.module,
+        f"checkpoint_blocks({', '.join(arguments)}{gpu_guard.warn_argument(recipe, model)})",
+        model=model.target,
+    )
     stages.insert_stage(recipe, edits, model, stages.ACTIVATION_CHECKPOINTING, [call])
+    every = "" if params.every == 1 else f"every {params.every}th of "
+    edits.acts_on = f"wraps {every}{reach.describe_blocks(found, target)}"
     return edits

@@ -129,6 +129,10 @@ def apply(recipe: Recipe, params: Params) -> Edits | AlreadyApplied:
     edits.add_import("torch")
     edits.add_import("typing", "Callable")
     edits.notes.append("the kernels run on CUDA GPUs with liger-kernel installed; elsewhere the run warns and continues")
+    kernels = [name for name, on in (("RoPE", params.rope), ("SwiGLU", params.swiglu), ("RMSNorm", params.rms_norm)) if on]
+    if fused:
+        kernels.append("fused linear cross-entropy")
+    edits.acts_on = f"patches {', '.join(kernels) or 'no kernel'} in `{model.target_code}` (a Hugging Face model) on CUDA"
     return edits
 
 

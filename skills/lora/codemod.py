@@ -15,9 +15,10 @@ from skills.codemod_kit import (
     Recipe,
     SkillParams,
     anchors,
-    ensure_transformer_blocks,
+    ensure_find_blocks,
     insert_definitions,
     only_trainable_parameters,
+    reach,
     stages,
     templates,
 )
@@ -44,25 +45,41 @@ def apply_lora(
     alpha: float = 16,
     dropout: float = 0.0,
     target_modules: list[str] | None = None,
-) -> None:
+) -> int:
     """LoRA (Hu et al., 2021) with peft: freeze the model and learn a low-rank update
     ``(alpha / rank) * B @ A`` next to each targeted linear layer. ``B`` starts at zero, so
     training starts from the model as it is; only the adapters are trainable, which cuts
     gradient and optimizer memory to a small fraction. The adapters are injected in place: the
     model keeps its class and attributes. Without ``target_modules``, every ``nn.Linear`` inside
-    the transformer blocks is adapted. (Written by the lora skill.)
+    the model's repeated blocks is adapted. Returns the number of trainable (adapter) values.
+    (Written by the lora skill.)
     """
+    linears = sorted(name for name, module in model.named_modules() if isinstance(module, torch.nn.Linear))
     if target_modules is None:
+        where, blocks = find_blocks(model, "lora", warn=lambda message: None)
         target_modules = sorted(
             {
                 name.rsplit(".", 1)[-1]
-                for block in transformer_blocks(model)
+                for block in blocks
                 for name, module in block.named_modules()
                 if isinstance(module, torch.nn.Linear)
             }
         )
+    if not target_modules:
+        raise ValueError(
+            f"lora: no nn.Linear layer to adapt in {type(model).__name__}; its linear layers are "
+            f"{linears or 'none'}: name them with target_modules"
+        )
     config = LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=dropout, target_modules=target_modules)
     inject_adapter_in_model(config, model)
+    adapted = [name for name, module in model.named_modules() if hasattr(module, "lora_A")]
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    print(
+        f"lora: adapted {len(adapted)} linear layers ({', '.join(target_modules)}) of "
+        f"{type(model).__name__}; {trainable:,} trainable values",
+        flush=True,
+    )
+    return trainable
 '''
 
 TENSOR_PARALLEL_CALLS = (".parallelize_module", "apply_tensor_parallel")
@@ -80,9 +97,12 @@ def apply(recipe: Recipe, params: Params) -> Edits | AlreadyApplied:
             "LoRA with FSDP2 (parallel.tp=1)"
         )
     model = anchors.find_model(recipe, SKILL)
+    found = reach.shape(recipe, model)
+    acts_on = _targets(recipe, found, params)
     edits = Edits(recipe)
     only_trainable_parameters(recipe, edits, SKILL)
-    ensure_transformer_blocks(recipe, edits, model.statement)
+    if params.target_modules is None:
+        ensure_find_blocks(recipe, edits, model.statement)
     insert_definitions(recipe, edits, HELPER, model.statement)
     edits.add_import("torch")
     edits.add_import("peft", "LoraConfig")
@@ -95,5 +115,42 @@ def apply(recipe: Recipe, params: Params) -> Edits | AlreadyApplied:
         model=model.target,
     )
     stages.insert_stage(recipe, edits, model, stages.LORA, [call])
+    edits.acts_on = acts_on
     edits.notes.append("needs the peft package (pip install peft)")
     return edits
+
+
+def _targets(recipe: Recipe, found: reach.ModelShape, params: Params) -> str:
+    """What the adapters will be put on, or a refusal naming the linear layers the codemod saw."""
+    leaves = sorted({path.rsplit(".", 1)[-1] for path in found.linears})
+    seen = ", ".join(leaves) if leaves else "none"
+    if params.target_modules is not None:
+        if found.hf or found.cls is None:
+            return f"adapts {', '.join(params.target_modules)} (matched at run time)"
+        matched = [t for t in params.target_modules if any(p == t or p.endswith("." + t) for p in found.linears)]
+        missing = [t for t in params.target_modules if t not in matched]
+        if missing:
+            raise SkillRefused(
+                f"{SKILL}: target_modules {missing} name no nn.Linear layer of {found.name} "
+                f"({recipe.where(found.model.statement)}); its linear layers are: {seen}"
+            )
+        count = sum(1 for p in found.linears if any(p == t or p.endswith("." + t) for t in matched))
+        return f"adapts {', '.join(matched)} ({count} linear layer{'s' if count != 1 else ''} in the code)"
+    if found.hf:
+        return f"adapts every nn.Linear in the decoder layers of {found.name} (named at run time)"
+    reach.require_blocks(
+        recipe, SKILL, found,
+        f"name the linear layers to adapt with target_modules (its linear layers: {seen})",
+    )
+    names = reach.block_linears(found)
+    if not names and not all(c.elements_known for c in found.containers):
+        return f"adapts every nn.Linear in {reach.describe_blocks(found)} (named at run time)"
+    if not names:
+        raise SkillRefused(
+            f"{SKILL}: the blocks of {found.name} ({reach.describe_blocks(found)}) hold no nn.Linear the "
+            f"codemod can see; name the linear layers to adapt with target_modules (its linear layers: {seen})"
+        )
+    inside = tuple(c.path + "." for c in found.containers)
+    outside = [p for p in found.linears if p.rsplit(".", 1)[-1] in names and not p.startswith(inside)]
+    more = f", and {len(outside)} linear layer(s) of those names outside them ({', '.join(outside)})" if outside else ""
+    return f"adapts {', '.join(names)} in {reach.describe_blocks(found)}{more}"

@@ -137,6 +137,10 @@ def _apply_to_engine(recipe: Recipe, params: Params, engine: cst.ClassDef) -> Ed
     edits.add_import("math")
     edits.add_import("functools", "cached_property")
     edits.add_import("engine.engine", "StepContext")
+    edits.acts_on = (
+        f"guards every optimizer step of {engine.name.value} (before_optimizer_step: the loss from "
+        "compute_loss and the gradient norm)"
+    )
     return edits
 
 
@@ -175,6 +179,8 @@ def _apply_to_loop(recipe: Recipe, params: Params) -> Edits | AlreadyApplied:
             ),
         )
     edits.add_import("math")
+    places = ", ".join(f"`{receiver}.step()` at line {recipe.line(call)}" for call, receiver in steps)
+    edits.acts_on = f"guards {places} with the loss that `.backward()` was called on"
     return edits
 
 

@@ -73,6 +73,11 @@ def apply(recipe: Recipe, params: Params) -> Edits | AlreadyApplied:
         )
         edits.replace(statement, lambda updated, opener=opener: _wrap(opener, updated))
     edits.add_import("torch")
+    calls = ", ".join(f"`{recipe.short(call, 40)}`" for call in forwards)  # no line numbers: they cost a pass
+    edits.acts_on = (
+        f"runs {len(forwards)} forward call{'s' if len(forwards) != 1 else ''} of `{model.target_code}` "
+        f"({calls}) under {params.dtype} autocast"
+    )
     return edits
 
 

@@ -18,8 +18,9 @@ from skills.codemod_kit import (
     Recipe,
     SkillParams,
     anchors,
-    ensure_transformer_blocks,
+    ensure_find_blocks,
     insert_definitions,
+    reach,
     templates,
 )
 from skills.codemod_kit.anchors import keyword, positional
@@ -251,7 +252,10 @@ class MuonWithAdamW(torch.optim.Optimizer):
         nesterov: bool = True,
         ns_steps: int = 5,
     ):
-        matrices = {id(p) for block in transformer_blocks(model) for p in block.parameters() if p.ndim == 2}
+        where, blocks = find_blocks(model, "muon")
+        matrices = {id(p) for block in blocks for p in block.parameters() if p.ndim == 2}
+        if not matrices:
+            raise ValueError(f"muon: the blocks of {where} hold no 2-D weight matrix; keep AdamW")
         trainable = [p for p in model.parameters() if p.requires_grad]
         groups = [
             {"params": [p for p in trainable if id(p) in matrices], "algorithm": "muon"},
@@ -349,7 +353,14 @@ def apply(recipe: Recipe, params: Params) -> Edits | AlreadyApplied:
     existing = _existing(recipe)
     if existing is not None:
         return AlreadyApplied(f"Muon at {recipe.where(existing)}")
+    model = anchors.find_model(recipe, SKILL)
+    found = reach.shape(recipe, model)
+    reach.require_blocks(
+        recipe, SKILL, found,
+        "Muon steps the 2-D matrices of repeated blocks; keep the model's AdamW",
+    )
     edits = Edits(recipe)
+    edits.acts_on = f"Muon for the 2-D weight matrices of {reach.describe_blocks(found)}; AdamW for the rest"
     adam = [c for c in anchors.optimizer_constructors(recipe) if recipe.call_name(c) in ADAMW + ADAM]
     engine = anchors.engine_class(recipe)
     if not adam:
@@ -372,7 +383,7 @@ def apply(recipe: Recipe, params: Params) -> Edits | AlreadyApplied:
         _replace_constructor(recipe, edits, adam[0], params)
         anchor = adam[0]
     statement = recipe.top_level_statement(anchor)
-    ensure_transformer_blocks(recipe, edits, statement)
+    ensure_find_blocks(recipe, edits, statement)
     code = NEWTON_SCHULZ + (TRITON_KERNEL + NEWTON_SCHULZ_CHOICE if params.triton else NEWTON_SCHULZ_TORCH_ONLY)
     insert_definitions(recipe, edits, code + OPTIMIZER, statement)
     edits.add_import("math")

@@ -207,6 +207,10 @@ def apply(recipe: Recipe, params: Params) -> Edits | AlreadyApplied:
     )
     edits.replace(path.collate_reference, cst.Name("collate_packed"))
     edits.add_import("torch")
+    edits.acts_on = (
+        f"packs the pieces collated by {path.collate.name.value}() into rows of whole documents and passes "
+        f"position_ids to {len(forwards)} forward call{'s' if len(forwards) != 1 else ''} of `{model.target_code}`"
+    )
     return edits
 
 

@@ -18,8 +18,10 @@ from skills.codemod_kit import (
     Recipe,
     SkillParams,
     anchors,
-    ensure_transformer_blocks,
+    ensure_find_blocks,
+    gpu_guard,
     insert_definitions,
+    reach,
     stages,
     templates,
 )
@@ -55,7 +57,7 @@ class Params(SkillParams):
 
 
 HELPER = '''
-def apply_tensor_parallel(model: torch.nn.Module, tp_mesh: DeviceMesh) -> None:
+def apply_tensor_parallel(model: torch.nn.Module, tp_mesh: DeviceMesh, warn=None) -> int:
     """Tensor parallelism (Megatron-LM style) inside every transformer block, over ``tp_mesh``.
 
     Column-wise layers split their output features, so each rank computes a slice of the
@@ -64,18 +66,23 @@ def apply_tensor_parallel(model: torch.nn.Module, tp_mesh: DeviceMesh) -> None:
     and the output head stay replicated. Hugging Face attention reshapes with
     ``view(..., -1, head_dim)``, so each rank runs num_heads / tp heads without a config change;
     the head counts must divide by the tp size. Call it before activation checkpointing,
-    torch.compile and fully_shard. (Written by the tensor-parallel skill.)
+    torch.compile and fully_shard. Returns the number of sharded blocks. (Written by the
+    tensor-parallel skill.)
     """
     tp = tp_mesh.size()
     if tp == 1:
-        return
+        return 0
     config = model.config
     for name in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
         value = getattr(config, name, None)
         if value is not None and value % tp:
             raise ValueError(f"tensor parallel: {name}={value} does not divide by tp={tp}")
-    for block in transformer_blocks(model):
+    where, blocks = find_blocks(model, "tensor-parallel", warn=warn)
+    for block in blocks:
         parallelize_module(block, tp_mesh, PLAN)
+    if blocks:
+        print(f"tensor-parallel: sharded {len(blocks)} blocks of {where} over tp={tp}", flush=True)
+    return len(blocks)
 '''
 
 
@@ -83,9 +90,11 @@ def _helper(plan: dict[str, str]) -> str:
     styles = {"colwise": "ColwiseParallel()", "rowwise": "RowwiseParallel()"}
     entries = "".join(f"        {templates.literal(k)}: {styles[v]},\n" for k, v in plan.items())
     return HELPER.replace(
-        "    for block in transformer_blocks(model):\n        parallelize_module(block, tp_mesh, PLAN)\n",
-        "    plan = {\n" + entries + "    }\n"
-        "    for block in transformer_blocks(model):\n        parallelize_module(block, tp_mesh, plan)\n",
+        "    for block in blocks:\n        parallelize_module(block, tp_mesh, PLAN)\n",
+        "    for block in blocks:\n        parallelize_module(block, tp_mesh, plan)\n",
+    ).replace(
+        "    where, blocks = find_blocks(",
+        "    plan = {\n" + entries + "    }\n    where, blocks = find_blocks(",
     )
 
 
@@ -123,15 +132,25 @@ def apply(recipe: Recipe, params: Params) -> Edits | AlreadyApplied:
                 "meshes); clip per mesh as engine/grad_clip.py does, then apply again"
             )
     edits = Edits(recipe)
-    ensure_transformer_blocks(recipe, edits, model.statement)
+    ensure_find_blocks(recipe, edits, model.statement)
     insert_definitions(recipe, edits, _helper(params.plan), model.statement)
     edits.add_import("torch")
     edits.add_import("torch.distributed.device_mesh", "DeviceMesh")
     for name in sorted({"colwise": "ColwiseParallel", "rowwise": "RowwiseParallel"}[v] for v in params.plan.values()):
         edits.add_import("torch.distributed.tensor.parallel", name)
     edits.add_import("torch.distributed.tensor.parallel", "parallelize_module")
-    call = templates.statement(recipe.module, "apply_tensor_parallel({model}, {mesh})", model=model.target, mesh=mesh)
+    call = templates.statement(
+        recipe.module,
+        f"apply_tensor_parallel({{model}}, {{mesh}}{gpu_guard.warn_argument(recipe, model)})",
+        model=model.target,
+        mesh=mesh,
+    )
     stages.insert_stage(recipe, edits, model, stages.TENSOR_PARALLEL, [call])
+    found = reach.shape(recipe, model)
+    edits.acts_on = (
+        f"shards {', '.join(params.plan)} in {reach.describe_blocks(found)} over the tp mesh dimension "
+        "(when tp > 1)"
+    )
     if engine is not None:
         edits.notes.append("launch with torchrun and --set parallel.tp=N")
     return edits

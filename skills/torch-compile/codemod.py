@@ -14,12 +14,15 @@ from skills.codemod_kit import (
     Edits,
     Recipe,
     SkillParams,
-    anchors,
-    ensure_transformer_blocks,
+    ensure_find_blocks,
+    gpu_guard,
     insert_definitions,
+    reach,
     stages,
     templates,
 )
+
+from skills.errors import SkillRefused
 
 SKILL = "torch-compile"
 
@@ -35,20 +38,35 @@ class Params(SkillParams):
     )
     fullgraph: bool = Field(False, description="Fail on graph breaks instead of falling back to eager.")
     dynamic: bool | None = Field(None, description="Dynamic shapes: None lets torch decide.")
+    target: str | None = Field(
+        None,
+        description="With scope 'blocks', the module whose blocks to compile, as an expression on the "
+        "model (e.g. 'model.encoder'): the children of an nn.ModuleList/nn.Sequential, or the module "
+        "itself. Default: the model's repeated blocks.",
+    )
 
 
 HELPER = '''
 def compile_blocks(
-    model: torch.nn.Module, mode: str = "default", fullgraph: bool = False, dynamic: bool | None = None
-) -> None:
+    model: torch.nn.Module,
+    mode: str = "default",
+    fullgraph: bool = False,
+    dynamic: bool | None = None,
+    target: torch.nn.Module | None = None,
+    warn=None,
+) -> int:
     """Compile every transformer block with torch.compile, in place (``Module.compile``), so
     parameter names and checkpoints stay as they are. Identical blocks share one compiled graph,
     and FSDP2 still shards and overlaps block by block. The first steps are slow while the
-    graphs compile. Call it after activation checkpointing and before fully_shard.
-    (Written by the torch-compile skill.)
+    graphs compile. Call it after activation checkpointing and before fully_shard and other
+    wrappers. Returns the number of compiled blocks. (Written by the torch-compile skill.)
     """
-    for block in transformer_blocks(model):
+    where, blocks = find_blocks(model, "torch-compile", target, warn)
+    for block in blocks:
         block.compile(mode=mode, fullgraph=fullgraph, dynamic=dynamic)
+    if blocks:
+        print(f"torch-compile: compiled {len(blocks)} blocks of {where}", flush=True)
+    return len(blocks)
 '''
 
 def _existing(recipe: Recipe):
@@ -66,7 +84,9 @@ def apply(recipe: Recipe, params: Params) -> Edits | AlreadyApplied:
     existing = _existing(recipe)
     if existing is not None:
         return AlreadyApplied(f"torch.compile at {recipe.where(existing)}")
-    model = anchors.find_model(recipe, SKILL)
+    if params.target is not None and params.scope == "model":
+        raise SkillRefused(f"{SKILL}: target names blocks to compile; it needs scope='blocks', not 'model'")
+    model = reach.find_target_model(recipe, SKILL, params.target)
     edits = Edits(recipe)
     options = [f"mode={templates.literal(params.mode)}"]
     if params.fullgraph:
@@ -75,11 +95,27 @@ def apply(recipe: Recipe, params: Params) -> Edits | AlreadyApplied:
         options.append(f"dynamic={params.dynamic}")
     if params.scope == "model":
         call = templates.statement(recipe.module, f"{{model}}.compile({', '.join(options)})", model=model.target)
+        edits.acts_on = f"compiles the whole model `{model.target_code}` ({model.builder})"
     else:
-        ensure_transformer_blocks(recipe, edits, model.statement)
+        found = reach.shape(recipe, model)
+        target = reach.resolve_target(recipe, SKILL, found, params.target)
+        if target is not None:
+            options.append(f"target={params.target}")
+        else:
+            reach.require_blocks(
+                recipe, SKILL, found,
+                "use scope=\"model\" to compile the whole model, or give `target` naming a submodule to "
+                f"compile (one of {reach.submodules(found)})",
+            )
+        ensure_find_blocks(recipe, edits, model.statement)
         insert_definitions(recipe, edits, HELPER, model.statement)
         edits.add_import("torch")
-        call = templates.statement(recipe.module, f"compile_blocks({{model}}, {', '.join(options)})", model=model.target)
+        call = templates.statement(
+            recipe.module,
+            f"compile_blocks({{model}}, {', '.join(options)}{gpu_guard.warn_argument(recipe, model)})",
+            model=model.target,
+        )
+        edits.acts_on = f"compiles {reach.describe_blocks(found, target)}"
     stages.insert_stage(recipe, edits, model, stages.COMPILE, [call])
     edits.notes.append("the first steps include compilation (tens of seconds on CPU)")
     return edits

@@ -6,7 +6,15 @@ from pathlib import Path
 
 import torch
 
-from tests.skills.skill_helpers import final_checkpoint, initial_template_model, on_documents, template_with, train
+from tests.skills.skill_helpers import (
+    SMALL_RUN,
+    final_checkpoint,
+    initial_template_model,
+    launch,
+    on_documents,
+    run_metrics,
+    template_with,
+)
 
 SETTINGS = ("train.max_steps=4", "checkpoint.at_end=true", "optim.lr=1e-2", "optim.warmup_steps=0")
 
@@ -14,7 +22,13 @@ SETTINGS = ("train.max_steps=4", "checkpoint.at_end=true", "optim.lr=1e-2", "opt
 def test_lora_trains_only_the_adapters(tmp_path: Path, documents: Path, capsys):
     recipe = template_with(["lora"], tmp_path / "recipe", {"lora": {"rank": 4}})
 
-    records = train(recipe, tmp_path / "run", *SETTINGS, *on_documents(documents))
+    (tmp_path / "run").mkdir()
+    run = launch(recipe, tmp_path / "run", *SMALL_RUN, *SETTINGS, *on_documents(documents))
+    assert run.returncode == 0, run.stderr[-3000:]
+    records = run_metrics(tmp_path / "run")
+    # The helper says what it adapted: 7 linear layers in each of the 2 decoder layers.
+    assert "lora: adapted 14 linear layers (down_proj, gate_proj, k_proj, o_proj, q_proj, up_proj, v_proj) of " \
+        "LlamaForCausalLM; 36,992 trainable values" in run.stdout
 
     state = final_checkpoint(tmp_path / "run", tmp_path)["model_optim"]
     weights, optimizer = state["model"], state["optim"]

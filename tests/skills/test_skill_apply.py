@@ -22,9 +22,10 @@ def test_a_recipe_folder_targets_its_recipe_py(tmp_path: Path):
     assert isinstance(result, ApplyResult)
     assert result.target == str(recipe / "recipe.py")
     assert result.diff.startswith("--- a/recipe.py\n+++ b/recipe.py\n")  # relative to the target's folder
-    assert result.params == {"every": 1}
+    assert result.params == {"every": 1, "target": None}
     assert result.skill == "gradient-checkpointing" and result.version == "1.0.0"
-    assert result.message == "gradient-checkpointing changed recipe.py (+23 -1 lines)"
+    assert result.acts_on == "wraps the decoder layers of AutoModelForCausalLM or LlamaForCausalLM (counted at run time)"
+    assert result.message == f"gradient-checkpointing changed recipe.py (+69 -0 lines); {result.acts_on}"
 
 
 def test_a_single_script_is_a_target_too(tmp_path: Path):

@@ -40,10 +40,10 @@ def test_template_model_stages_land_in_the_same_order_whatever_the_application_o
     assert stages == [
         "model = build_model(self.config.model, self.tokenizer.vocab_size, self.config.data.seq_len)",
         "model = model.to(self.device)",
-        'apply_tensor_parallel(model, self.dist.mesh["tp"])',
-        "freeze_parameters(model, embeddings=True, first_blocks=0, patterns=[])",
-        "checkpoint_blocks(model)",
-        'compile_blocks(model, mode="default")',
+        'apply_tensor_parallel(model, self.dist.mesh["tp"], warn=self.warn)',
+        "freeze_parameters(model, embeddings=True, first_blocks=0, patterns=[], warn=self.warn)",
+        "checkpoint_blocks(model, warn=self.warn)",
+        'compile_blocks(model, mode="default", warn=self.warn)',
         "model = apply_fsdp(model, self.dist, self.config.parallel)",
         "return model",
     ]
@@ -133,4 +133,4 @@ def test_helpers_are_written_once_and_shared(tmp_path: Path):
     for skill in ("gradient-checkpointing", "freeze", "lora", "torch-compile"):
         apply_skill(skill, script)
     text = target_file(script).read_text()
-    assert len(re.findall(r"^def transformer_blocks\(", text, flags=re.MULTILINE)) == 1
+    assert len(re.findall(r"^def find_blocks\(", text, flags=re.MULTILINE)) == 1
