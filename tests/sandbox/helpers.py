@@ -144,6 +144,20 @@ def run_pids(run_dir: Path) -> set[int]:
     return {p for p in pids if processes.alive(p)}
 
 
+def host_pid(run_dir: Path, pid_in_run: int) -> int:
+    """The host's pid of the run's process that the run itself knows as ``pid_in_run`` (in a
+    sandbox with a PID namespace of its own, the two differ)."""
+    for pid in run_pids(run_dir):
+        try:
+            status = Path(f"/proc/{pid}/status").read_text()
+        except OSError:
+            continue
+        numbers = [int(n) for n in status.split("NSpid:")[1].split("\n")[0].split()]
+        if numbers[-1] == pid_in_run:
+            return pid
+    raise AssertionError(f"no process of the run is {pid_in_run} inside it")
+
+
 def wait_gone(pids: set[int], timeout: float = 30) -> set[int]:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

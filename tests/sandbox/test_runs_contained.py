@@ -15,7 +15,8 @@ from mcp_server.server import build_server
 from sandbox import git as sandbox_git
 from sandbox import processes
 from tests.sandbox.helpers import (
-    AUDIT, derived_recipe, error_text, live_client, make_workspace, run_pids, wait_final, wait_gone, wait_step,
+    AUDIT, derived_recipe, error_text, host_pid, live_client, make_workspace, run_pids, wait_final, wait_gone,
+    wait_step,
 )
 from tests.support import TINY, losses
 
@@ -56,10 +57,11 @@ def test_a_secret_never_reaches_a_run_its_logs_or_the_audit(workspace, monkeypat
         run_dir = workspace / "runs" / run_id
         wait_step(run_dir, 2)
         record = rd.read_run(run_dir)
-        engine = environ(record["engine_pid"])
+        engine_pid = host_pid(run_dir, record["engine_pid"])
+        engine = environ(engine_pid)
         supervisor = environ(record["pid"])
-        limits = open(f"/proc/{record['engine_pid']}/limits").read()
-        run_network = os.readlink(f"/proc/{record['engine_pid']}/ns/net")
+        limits = open(f"/proc/{engine_pid}/limits").read()
+        run_network = os.readlink(f"/proc/{engine_pid}/ns/net")
         info = client.call("get_run", {"run_id": run_id}).structured_content
         stopped = client.call("stop_run", {"run_id": run_id}).structured_content
 
