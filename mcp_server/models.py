@@ -78,6 +78,13 @@ class RunInfo(BaseModel):
         "shares the host's network (see network_note). None: not known yet.",
     )
     network_note: str | None = Field(None, description="How the run's network was set up, or why it could not be isolated.")
+    isolation: str | None = Field(
+        None,
+        description="full: a bubblewrap sandbox (own user, PID and network namespaces, no "
+        "capabilities, only the recipe, data, run directory and Python mounted). partial: some "
+        "of it (see isolation_note). none: only an allow-listed environment. None: not known yet.",
+    )
+    isolation_note: str | None = Field(None, description="What the run's isolation has, and what it is missing.")
     limits: dict[str, Any] | None = Field(
         None, description="The limits the run was started with (.trainwright/config.yaml, runs: section)."
     )

@@ -101,8 +101,7 @@ def check_launch(
     # A check writes nothing, not even the recipe's bytecode cache.
     env = run_environment(extra={THREADS_VARIABLE: "1", "PYTHONDONTWRITEBYTECODE": "1", RUN_ID_VARIABLE: mark})
     visible = [Path(workspace)] if read_only is None else [Path(p) for p in read_only]
-    if config_json is not None:
-        visible.append(Path(config_json))
+    visible += [Path(p) for p in (recipe_dir, config_json) if p is not None]
     wrapped = bwrap.wrap(command, visible, [], network=limits.network, cwd=workspace, environ=env)
     command = wrapped.command
     if wrapped.sandboxed and limits.network == "isolated":

@@ -105,6 +105,7 @@ def launch_run(
     nproc = _check_nproc(nproc)
     items = _checked_overrides(ws, overrides)
     limits = ws.run_limits() if limits is None else limits
+    sandbox_runs.check_capacity(ws.runs_dir, nproc, limits)  # before the check's cost; again at start
     sandbox_runs.check_launch(ws.root, recipe_dir, nproc, items, limits=limits)
     record = sandbox_runs.start_run(
         ws.root, ws.runs_dir, recipe_dir, ws.label(recipe_dir), nproc, items,
@@ -152,6 +153,7 @@ def resume_checkpoint(
     items = _checked_overrides(ws, overrides)
     limits = ws.run_limits() if limits is None else limits
     config_json = source_dir / rd.RUN_JSON
+    sandbox_runs.check_capacity(ws.runs_dir, nproc, limits)
     sandbox_runs.check_launch(ws.root, recipe_dir, nproc, items, config_json=config_json, limits=limits)
     same_shape = nproc == source.get("nproc") and not limits.threads_per_process
     resumed_from = ResumedFrom(run_id=source["id"], step=chosen_step, path=ws.label(checkpoint))
@@ -222,6 +224,8 @@ def get_run(ws: Workspace, run_id: str) -> RunInfo:
         warnings=[bounded(str(w), 500)[0] for w in list(record.get("warnings") or [])[:20]],
         network_isolated=record.get("network_isolated"),
         network_note=record.get("network_note"),
+        isolation=record.get("isolation"),
+        isolation_note=record.get("isolation_note"),
         limits=record.get("limits"),
     )
 

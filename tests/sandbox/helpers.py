@@ -182,15 +182,18 @@ def derived_recipe(workspace: Path, name: str, body: str) -> Path:
 
 
 def supervise(run_dir: Path, command: list[str], limits: dict[str, Any] | None = None,
-              run_id: str = "20260101-000000-sup-0000", env: dict[str, str] | None = None, timeout: float = 60):
-    """Run ``python -m sandbox.supervise`` on a run whose command is ``command`` (no engine, no torch)."""
+              run_id: str = "20260101-000000-sup-0000", env: dict[str, str] | None = None, timeout: float = 60,
+              sandbox: dict[str, Any] | None = None):
+    """Run ``python -m sandbox.supervise`` on a run whose command is ``command`` (no engine, no torch);
+    ``sandbox`` is run.json's ``sandbox`` section (default: the supervisor's own choice)."""
     import subprocess
     import sys
 
     from sandbox.environment import run_environment
 
     rd.create_run(run_dir, {"id": run_id, "status": rd.STARTING, "command": command, "limits": limits or {},
-                            "workspace": str(run_dir.parent), "recipe": "none", "git_commit": None})
+                            "workspace": str(run_dir.parent), "recipe": "none", "git_commit": None,
+                            **({"sandbox": sandbox} if sandbox is not None else {})})
     with open(run_dir / rd.CONSOLE_LOG, "ab") as console:
         process = subprocess.Popen(
             [sys.executable, "-m", "sandbox.supervise", str(run_dir)],
