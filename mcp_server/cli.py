@@ -147,6 +147,8 @@ def cmd_status(args: argparse.Namespace) -> int:
     def text(r) -> str:
         lines = [f"run {r.run_id}: {r.status}", f"  recipe     {r.recipe} (commit {(r.git_commit or '-')[:10]})"]
         lines.append(f"  processes  {r.world_size or r.nproc}")
+        if r.isolation:
+            lines.append(f"  isolation  {r.isolation} ({r.isolation_note})")
         if r.step is not None:
             lines.append(f"  step       {r.step}/{r.max_steps}")
         if r.latest:

@@ -1,0 +1,144 @@
+"""What the bubblewrap sandbox costs a run: start time and tokens/s, with and without it.
+
+Peers, measured in the same process, interleaved (the order alternates every round):
+
+- ``sandbox``: a run as launched by default (``isolation: full``);
+- ``no sandbox``: the same run with ``TRAINWRIGHT_BWRAP`` empty, i.e. the fallback (a network
+  namespace and the allow-listed environment: ``isolation: partial``).
+
+For each run: the launch check's time (``check_launch``, which imports the recipe in the same
+sandbox), the time from ``start_run`` to the engine's first console line and to the first
+metrics record, and the median tokens/s of the records after the first (warm-up). Every round
+is printed, then the medians and ratios. Goal: < 1 s more to start, ≥ 0.98x tokens/s.
+
+    python bench/sandbox_overhead.py [--rounds 5] [--steps 40] [--nproc 1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from engine import run_dir as rd  # noqa: E402
+from sandbox import bwrap, git as sandbox_git  # noqa: E402
+from sandbox import runs as sandbox_runs  # noqa: E402
+from sandbox.config import RunLimits  # noqa: E402
+
+TEMPLATE = REPO / "recipes_template" / "causal_lm"
+PEERS = ("sandbox", "no sandbox")
+START_GOAL_S, SPEED_GOAL = 1.0, 0.98
+
+
+def workspace(root: Path) -> Path:
+    recipe = root / "recipes" / "lm"
+    shutil.copytree(TEMPLATE, recipe, ignore=shutil.ignore_patterns("__pycache__"))
+    sandbox_git.commit_paths(sandbox_git.ensure_repo(root), [recipe], "add recipe lm", [])
+    return root
+
+
+def wait_for(predicate, timeout: float, interval: float = 0.01):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    raise TimeoutError("timed out")
+
+
+def first_metrics(run_dir: Path) -> bool:
+    path = run_dir / rd.METRICS_JSONL
+    return path.is_file() and path.stat().st_size > 0
+
+
+def engine_started(run_dir: Path, run_id: str) -> bool:
+    path = run_dir / rd.CONSOLE_LOG
+    return path.is_file() and f"run {run_id}:" in path.read_text(errors="replace")
+
+
+def one_run(root: Path, peer: str, overrides: list[str], nproc: int, threads: int) -> dict:
+    os.environ[bwrap.BWRAP_VARIABLE] = "" if peer == "no sandbox" else (bwrap.find_bwrap({}) or "")
+    limits = RunLimits(threads_per_process=threads)
+    recipe = root / "recipes" / "lm"
+    started = time.perf_counter()
+    sandbox_runs.check_launch(root, recipe, nproc, overrides, limits=limits)
+    check_s = time.perf_counter() - started
+    started = time.perf_counter()
+    record = sandbox_runs.start_run(root, root / "runs", recipe, "recipes/lm", nproc, overrides,
+                                    git_commit=None, limits=limits)
+    run_dir = root / "runs" / record["id"]
+    wait_for(lambda: engine_started(run_dir, record["id"]), 300)
+    first_line_s = time.perf_counter() - started
+    wait_for(lambda: first_metrics(run_dir), 300)
+    first_metrics_s = time.perf_counter() - started
+    final = wait_for(lambda: (r := rd.read_run(run_dir)).get("status") in rd.FINAL_STATUSES
+                     and not rd.pid_alive(r.get("pid")) and r, 900, 0.1)
+    if final["status"] != rd.COMPLETED:
+        raise SystemExit(f"{peer}: run {final['id']} {final['status']}: {final.get('error')}")
+    speeds = [m["tokens_per_s"] for m in rd.read_all_metrics(run_dir / rd.METRICS_JSONL)[1:]]
+    return {"peer": peer, "isolation": final.get("isolation"), "check_s": check_s, "first_line_s": first_line_s,
+            "first_metrics_s": first_metrics_s, "tokens_per_s": statistics.median(speeds)}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--log-every", type=int, default=5)
+    parser.add_argument("--nproc", type=int, default=1)
+    parser.add_argument("--json", action="store_true", help="print the results as one JSON object")
+    args = parser.parse_args()
+    reason = bwrap.probe(bwrap.find_bwrap())
+    if reason is not None:
+        print(f"bubblewrap cannot run here ({reason}): nothing to compare", file=sys.stderr)
+        return 2
+    threads = max(1, len(os.sched_getaffinity(0)) // args.nproc)
+    overrides = [f"train.max_steps={args.steps}", f"train.log_every={args.log_every}", "checkpoint.every=0"]
+    results: list[dict] = []
+    with tempfile.TemporaryDirectory(prefix="trainwright-bench-") as scratch:
+        root = workspace(Path(scratch) / "ws")
+        print(f"{args.rounds} rounds, {args.steps} steps, {args.nproc} process(es), {threads} thread(s) each")
+        print(f"{'round':>5} {'peer':<11} {'isolation':<9} {'check s':>8} {'1st line s':>10} "
+              f"{'1st metrics s':>13} {'tokens/s':>9}")
+        for round_ in range(args.rounds):
+            for peer in (PEERS if round_ % 2 == 0 else PEERS[::-1]):
+                result = one_run(root, peer, overrides, args.nproc, threads)
+                results.append({"round": round_ + 1, **result})
+                print(f"{round_ + 1:>5} {peer:<11} {result['isolation']:<9} {result['check_s']:>8.2f} "
+                      f"{result['first_line_s']:>10.2f} {result['first_metrics_s']:>13.2f} "
+                      f"{result['tokens_per_s']:>9,.0f}", flush=True)
+
+    def median(peer: str, key: str) -> float:
+        return statistics.median(r[key] for r in results if r["peer"] == peer)
+
+    summary = {}
+    for key in ("check_s", "first_line_s", "first_metrics_s", "tokens_per_s"):
+        with_, without = median("sandbox", key), median("no sandbox", key)
+        summary[key] = {"sandbox": with_, "no sandbox": without, "ratio": with_ / without,
+                        "difference": with_ - without}
+    print("\nmedians           sandbox  no sandbox   ratio   difference")
+    for key, row in summary.items():
+        print(f"{key:<15} {row['sandbox']:>9.2f} {row['no sandbox']:>11.2f} {row['ratio']:>7.3f}x "
+              f"{row['difference']:>+11.2f}")
+    start = summary["first_metrics_s"]["difference"] + summary["check_s"]["difference"]
+    speed = summary["tokens_per_s"]["ratio"]
+    print(f"\nstart (check + first metrics): {start:+.2f} s with the sandbox (goal < {START_GOAL_S:.0f} s): "
+          f"{'met' if start < START_GOAL_S else 'NOT met'}")
+    print(f"tokens/s: {speed:.3f}x with the sandbox (goal >= {SPEED_GOAL}x): {'met' if speed >= SPEED_GOAL else 'NOT met'}")
+    if args.json:
+        print(json.dumps({"rounds": results, "summary": summary}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
