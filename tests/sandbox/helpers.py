@@ -158,6 +158,19 @@ def host_pid(run_dir: Path, pid_in_run: int) -> int:
     raise AssertionError(f"no process of the run is {pid_in_run} inside it")
 
 
+def processes_with_argument(token: str) -> set[int]:
+    """Live processes whose command line contains ``token`` (test helpers get a unique one)."""
+    found = set()
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                if token.encode() in Path(f"/proc/{name}/cmdline").read_bytes():
+                    found.add(int(name))
+            except OSError:
+                pass
+    return found
+
+
 def wait_gone(pids: set[int], timeout: float = 30) -> set[int]:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

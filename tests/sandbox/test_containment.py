@@ -31,7 +31,8 @@ from sandbox import runs as sandbox_runs
 from sandbox.config import ConfigRefused, RunLimits, limits_from_mapping
 from sandbox.workspace import Workspace
 from tests.sandbox.helpers import (
-    derived_recipe, fake_run, live_client, make_workspace, supervise, tree_hash, wait_final,
+    derived_recipe, fake_run, live_client, make_workspace, processes_with_argument, supervise, tree_hash,
+    wait_final,
 )
 from tests.support import TINY
 
@@ -274,18 +275,6 @@ def check_ws(tmp_path, request, monkeypatch):
     return make_workspace(tmp_path / "ws")
 
 
-def helper_processes(token: str) -> set[int]:
-    found = set()
-    for name in os.listdir("/proc"):
-        if name.isdigit():
-            try:
-                if token.encode() in Path(f"/proc/{name}/cmdline").read_bytes():
-                    found.add(int(name))
-            except OSError:
-                pass
-    return found
-
-
 @pytest.mark.parametrize("check_ws", MODES, indirect=True)
 def test_the_check_gets_the_runs_memory_limit(check_ws):
     (check_ws / ".trainwright" / "config.yaml").write_text("runs:\n  threads_per_process: 1\n  max_memory: 6GiB\n")
@@ -314,9 +303,9 @@ def test_a_helper_forked_during_the_check_does_not_outlive_it(check_ws):
     config = sandbox_runs.check_launch(check_ws, check_ws / "recipes" / "forking", 1, list(TINY))
     assert config["model"]["hidden_size"] == 64
     deadline = time.monotonic() + 5
-    while helper_processes(token) and time.monotonic() < deadline:
+    while processes_with_argument(token) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert helper_processes(token) == set(), "a process started by the check outlived it"
+    assert processes_with_argument(token) == set(), "a process started by the check outlived it"
 
 
 @pytest.mark.parametrize("check_ws", MODES, indirect=True)
@@ -330,7 +319,7 @@ def test_a_helper_holding_stdout_does_not_make_the_check_wait(check_ws):
     started = time.monotonic()
     sandbox_runs.check_launch(check_ws, check_ws / "recipes" / "holding", 1, list(TINY))
     assert time.monotonic() - started < 40, "the check waited for a helper that held its output"
-    assert helper_processes(token) == set()
+    assert processes_with_argument(token) == set()
 
 
 # ---------------------------------------------------------------------------------------------
