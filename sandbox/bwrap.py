@@ -194,7 +194,8 @@ def wrap(
 ) -> Wrapped:
     """``command`` inside the sandbox, seeing only ``read_only`` and ``writable`` (and the
     system and Python environment); ``network`` is ``isolated`` or ``shared``. ``bwrap``
-    defaults to :func:`find_bwrap`; ``environ`` is the environment the command will get."""
+    defaults (None) to :func:`find_bwrap`, ``""`` disables the sandbox; ``environ`` is the
+    environment the command will get."""
     environ = os.environ if environ is None else environ
     bwrap = find_bwrap() if bwrap is None else bwrap
     reason = probe(bwrap, network)

@@ -73,7 +73,9 @@ class Supervisor:
         writable = mounts.get("writable", [str(self.run_dir)])
         wrapped = bwrap.wrap(
             self.record["command"], read_only, writable, network=network, cwd=workspace,
-            bwrap=mounts.get("bwrap", bwrap.find_bwrap()),
+            # Recorded by the server (None: the sandbox is disabled there); the run's own
+            # environment does not choose it.
+            bwrap=mounts.get("bwrap", bwrap.find_bwrap()) or "",
         )
         self.sandboxed = wrapped.sandboxed
         if wrapped.sandboxed:
