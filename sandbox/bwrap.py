@@ -113,7 +113,7 @@ def python_paths(environ: Mapping[str, str] | None = None) -> list[Path]:
     for name in ("CUDA_HOME", "CUDA_PATH"):
         if environ.get(name):
             paths.add(environ[name])
-    return [Path(os.path.abspath(p)) for p in paths if p and os.path.isabs(p) and p != "/"]
+    return [Path(os.path.abspath(p)) for p in paths if p and os.path.isabs(p) and p != "/" and os.path.isdir(p)]
 
 
 def gpu_devices() -> list[str]:
