@@ -11,7 +11,10 @@ sandbox), the time from ``start_run`` to the engine's first console line and to 
 metrics record, and the median tokens/s of the records after the first (warm-up). Every round
 is printed, then the medians and ratios. Goal: < 1 s more to start, ≥ 0.98x tokens/s.
 
-    python bench/sandbox_overhead.py [--rounds 5] [--steps 40] [--nproc 1]
+    python bench/sandbox_overhead.py [--rounds 5] [--steps 40] [--nproc 1] [--set KEY=VALUE ...]
+
+The template's model and data by default; ``--set`` overrides them (e.g. a smaller model on a
+loaded machine, so that each round takes seconds).
 """
 
 from __future__ import annotations
@@ -96,6 +99,8 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--log-every", type=int, default=5)
     parser.add_argument("--nproc", type=int, default=1)
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help="a config override for every run, e.g. --set model.hidden_size=128")
     parser.add_argument("--json", action="store_true", help="print the results as one JSON object")
     args = parser.parse_args()
     reason = bwrap.probe(bwrap.find_bwrap())
@@ -103,11 +108,13 @@ def main() -> int:
         print(f"bubblewrap cannot run here ({reason}): nothing to compare", file=sys.stderr)
         return 2
     threads = max(1, len(os.sched_getaffinity(0)) // args.nproc)
-    overrides = [f"train.max_steps={args.steps}", f"train.log_every={args.log_every}", "checkpoint.every=0"]
+    overrides = [f"train.max_steps={args.steps}", f"train.log_every={args.log_every}", "checkpoint.every=0",
+                 *args.overrides]
     results: list[dict] = []
     with tempfile.TemporaryDirectory(prefix="trainwright-bench-") as scratch:
         root = workspace(Path(scratch) / "ws")
-        print(f"{args.rounds} rounds, {args.steps} steps, {args.nproc} process(es), {threads} thread(s) each")
+        print(f"{args.rounds} rounds, {args.steps} steps, {args.nproc} process(es), {threads} thread(s) each, "
+              f"overrides: {' '.join(args.overrides) or 'none'}")
         print(f"{'round':>5} {'peer':<11} {'isolation':<9} {'check s':>8} {'1st line s':>10} "
               f"{'1st metrics s':>13} {'tokens/s':>9}")
         for round_ in range(args.rounds):

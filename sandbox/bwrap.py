@@ -71,8 +71,10 @@ def find_bwrap(environ: Mapping[str, str] | None = None) -> str | None:
 
 
 def _namespace_options(network: str) -> list[str]:
+    # The host's name does not resolve in the sandbox (its /etc/hosts may not list it, and there
+    # is no DNS); "localhost" does, so c10d and gloo find their own address.
     options = ["--unshare-all", "--unshare-user", "--disable-userns", "--cap-drop", "ALL",
-               "--die-with-parent", "--new-session"]
+               "--die-with-parent", "--new-session", "--hostname", "localhost"]
     if network == "shared":
         options.append("--share-net")
     return options
