@@ -251,6 +251,16 @@ def capacity_lock(runs_root: Path) -> Iterator[None]:
         os.close(fd)
 
 
+STARTING_GRACE_S = 60.0
+
+
+def _age_s(path: Path) -> float:
+    try:
+        return time.time() - path.stat().st_mtime
+    except OSError:
+        return float("inf")
+
+
 def running_runs(runs_root: Path) -> list[dict[str, Any]]:
     """The records of the runs of a workspace that are starting or running (supervisor alive)."""
     records = []
@@ -263,8 +273,11 @@ def running_runs(runs_root: Path) -> list[dict[str, Any]]:
             record = rd.read_run(Path(runs_root) / name)
         except (OSError, ValueError):
             continue
-        if isinstance(record, dict) and rd.effective_status(record) in (rd.STARTING, rd.RUNNING):
-            records.append(record)
+        if not isinstance(record, dict) or rd.effective_status(record) not in (rd.STARTING, rd.RUNNING):
+            continue
+        if not record.get("pid") and _age_s(Path(runs_root) / name / rd.RUN_JSON) > STARTING_GRACE_S:
+            continue  # never got a supervisor (the launcher died in between): not running
+        records.append(record)
     return records
 
 

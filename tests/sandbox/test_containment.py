@@ -348,6 +348,8 @@ def test_a_launch_over_the_cap_on_processes_is_refused(tmp_path):
     workspace = make_workspace(tmp_path / "ws", "runs:\n  max_total_processes: 4\n")
     fake_run(workspace, "20260101-000000-lm-wide", status=rd.RUNNING, pid=os.getpid(), nproc=3)
     fake_run(workspace, "20260101-000001-lm-dead", status=rd.RUNNING, pid=2**22 + 1, nproc=3)  # supervisor gone
+    stale = fake_run(workspace, "20260101-000002-lm-stale", status=rd.STARTING, pid=None, nproc=3)
+    os.utime(stale / rd.RUN_JSON, (time.time() - 3600, time.time() - 3600))  # never got a supervisor
     with pytest.raises(sandbox_runs.LaunchRefused, match=r"to 5 training processes and runs.max_total_processes is 4"):
         sandbox_runs.check_capacity(workspace / "runs", 2, Workspace.open(workspace).run_limits())
     sandbox_runs.check_capacity(workspace / "runs", 1, Workspace.open(workspace).run_limits())  # 4 fits
