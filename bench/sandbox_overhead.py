@@ -6,7 +6,9 @@ Peers, measured in the same process, interleaved (the order alternates every rou
 - ``no sandbox``: the same run with ``TRAINWRIGHT_BWRAP`` empty, i.e. the fallback (a network
   namespace and the allow-listed environment: ``isolation: partial``).
 
-For each run: the launch check's time (``check_launch``, which imports the recipe in the same
+First the sandbox's own cost, without training: spawning ``python -c pass`` through
+:func:`sandbox.bwrap.wrap` (which probes bubblewrap, then runs it) against spawning it plainly,
+interleaved, ``--spawns`` times each. Then, for each run: the launch check's time (``check_launch``, which imports the recipe in the same
 sandbox), the time from ``start_run`` to the engine's first console line and to the first
 metrics record, and the median tokens/s of the records after the first (warm-up). Every round
 is printed, then the medians and ratios. Goal: < 1 s more to start, ≥ 0.98x tokens/s.
@@ -93,12 +95,32 @@ def one_run(root: Path, peer: str, overrides: list[str], nproc: int, threads: in
             "first_metrics_s": first_metrics_s, "tokens_per_s": statistics.median(speeds)}
 
 
+def spawn_overhead(root: Path, spawns: int) -> dict[str, float]:
+    """Median seconds to run ``python -c pass`` plainly and through the sandbox (probe included)."""
+    import subprocess
+
+    times: dict[str, list[float]] = {"plain": [], "sandbox": []}
+    command = [sys.executable, "-S", "-c", "pass"]
+    for i in range(spawns):
+        for peer in (("plain", "sandbox") if i % 2 == 0 else ("sandbox", "plain")):
+            started = time.perf_counter()
+            if peer == "sandbox":
+                wrapped = bwrap.wrap(command, [root], [], cwd=root)
+                assert wrapped.sandboxed, wrapped.reason
+                subprocess.run(wrapped.command, check=True)
+            else:
+                subprocess.run(command, check=True, cwd=root)
+            times[peer].append(time.perf_counter() - started)
+    return {peer: statistics.median(values) for peer, values in times.items()}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--log-every", type=int, default=5)
     parser.add_argument("--nproc", type=int, default=1)
+    parser.add_argument("--spawns", type=int, default=20, help="spawns of python -c pass per peer")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="a config override for every run, e.g. --set model.hidden_size=128")
     parser.add_argument("--json", action="store_true", help="print the results as one JSON object")
@@ -113,6 +135,9 @@ def main() -> int:
     results: list[dict] = []
     with tempfile.TemporaryDirectory(prefix="trainwright-bench-") as scratch:
         root = workspace(Path(scratch) / "ws")
+        spawn = spawn_overhead(root, args.spawns)
+        print(f"python -c pass, median of {args.spawns}: plain {spawn['plain'] * 1000:.0f} ms, through the "
+              f"sandbox {spawn['sandbox'] * 1000:.0f} ms (+{(spawn['sandbox'] - spawn['plain']) * 1000:.0f} ms)\n")
         print(f"{args.rounds} rounds, {args.steps} steps, {args.nproc} process(es), {threads} thread(s) each, "
               f"overrides: {' '.join(args.overrides) or 'none'}")
         print(f"{'round':>5} {'peer':<11} {'isolation':<9} {'check s':>8} {'1st line s':>10} "
@@ -143,7 +168,7 @@ def main() -> int:
           f"{'met' if start < START_GOAL_S else 'NOT met'}")
     print(f"tokens/s: {speed:.3f}x with the sandbox (goal >= {SPEED_GOAL}x): {'met' if speed >= SPEED_GOAL else 'NOT met'}")
     if args.json:
-        print(json.dumps({"rounds": results, "summary": summary}))
+        print(json.dumps({"spawn": spawn, "rounds": results, "summary": summary}))
     return 0
 
 
