@@ -8,8 +8,8 @@ Peers, measured in the same process, interleaved (the order alternates every rou
 
 First the sandbox's own cost, without training: spawning ``python -c pass`` through
 :func:`sandbox.bwrap.wrap` (which probes bubblewrap, then runs it) against spawning it plainly,
-interleaved, ``--spawns`` times each. Then, for each run: the launch check's time (``check_launch``, which imports the recipe in the same
-sandbox), the time from ``start_run`` to the engine's first console line and to the first
+interleaved, ``--spawns`` times each. Then, for each run: the launch check's time
+(``check_launch``, which imports the recipe in the same sandbox), the time from ``start_run`` to the engine's first console line and to the first
 metrics record, and the median tokens/s of the records after the first (warm-up). Every round
 is printed, then the medians, and the median over rounds of the ratio and difference of the two
 peers of one round (they ran back to back). Goal: < 1 s more to start (the check plus the time
