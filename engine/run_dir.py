@@ -154,6 +154,16 @@ def _count(n: int, noun: str) -> str:
 IsolationLevel = Literal["full", "partial", "none"]
 
 
+class SandboxView(BaseModel):
+    """What a run's sandbox shows: read-only and writable folders, folders hidden inside them,
+    and the bubblewrap it ran under (None: no sandbox)."""
+
+    bwrap: str | None = None
+    read_only: list[str] = []
+    writable: list[str] = []
+    hidden: list[str] = []
+
+
 class RunRecord(BaseModel):
     """run.json: everything known about one run. Each writer updates only its own fields:
     the launcher creates it, the supervisor records processes and the outcome, rank 0 of the
@@ -164,6 +174,7 @@ class RunRecord(BaseModel):
     id: str = Field(description="The run id: <UTC time>-<recipe>-<random>.")
     recipe: str = Field("", description="The recipe as launched, relative to the workspace.")
     snapshot: str | None = Field(None, description="The folder of the code that ran (runs/<id>/recipe).")
+    snapshot_digest: str | None = Field(None, description="SHA-256 over the snapshot's files, taken at launch.")
     code_from: Literal["recipe", "checkpoint", "head"] = Field(
         "recipe",
         description="recipe: the recipe folder at launch; checkpoint: the code of the run resumed "
@@ -202,6 +213,7 @@ class RunRecord(BaseModel):
     network_note: str | None = None
     isolation: IsolationLevel | None = Field(None, description="The sandbox actually in force.")
     isolation_note: str | None = Field(None, description="What the isolation level is missing, if anything.")
+    sandbox: SandboxView | None = None
     warnings: list[str] = []
 
     @field_validator("overrides", mode="before")

@@ -159,6 +159,8 @@ def cmd_status(args: argparse.Namespace) -> int:
             lines.append(f"  {DataSummary.model_validate(r.data).describe()}")
         if r.config_changes:
             lines.append("  config     " + ", ".join(f"{k}={json.dumps(v)}" for k, v in r.config_changes.items()))
+        if r.isolation:
+            lines.append(f"  isolation  {r.isolation} ({r.isolation_note})")
         if r.step is not None:
             lines.append(f"  step       {r.step}/{r.max_steps if r.max_steps is not None else '?'}")
         if r.latest:

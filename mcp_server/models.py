@@ -88,6 +88,10 @@ class RunInfo(BaseModel):
     warnings: list[str] = []
     network_isolated: bool | None = None
     network_note: str | None = None
+    isolation: str | None = Field(
+        None, description="full: bubblewrap sandbox; partial or none: see isolation_note and SECURITY.md."
+    )
+    isolation_note: str | None = None
     limits: dict[str, Any] | None = None
 
 

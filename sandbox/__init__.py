@@ -5,7 +5,8 @@
 - ``config``       ``.trainwright/config.yaml``: the limits and containment of runs
 - ``git``          commits with trailers, notes on commits, dirty checks
 - ``environment``  the allow-listed environment a run gets (no secrets), its thread count
-- ``network``      a network namespace with only loopback, where the platform allows
+- ``bwrap``        the bubblewrap sandbox of every process that runs recipe code
+- ``network``      a network namespace with only loopback (the fallback without bubblewrap)
 - ``processes``    every process of a run, found and ended together
 - ``runs``         check, spawn and stop runs
 - ``supervise``    the per-run supervisor process (``python -m sandbox.supervise RUN_DIR``)

@@ -21,6 +21,8 @@ optional; a missing file means the defaults below, which are these:
                                   #   --standalone works), where the platform allows; shared
       threads_per_process: null   # OMP_NUM_THREADS of a run (default: CPU cores / processes)
       pass_env: []                # server variables a run gets although they look like secrets
+      max_concurrent_runs: null   # runs starting or running at once (default: 2 x CPU cores)
+      max_total_processes: null   # training processes of all those runs (default: 4 x CPU cores)
 """
 
 from __future__ import annotations
@@ -57,6 +59,8 @@ class RunLimits:
     network: str = "isolated"  # "isolated" (loopback only, where possible) or "shared"
     threads_per_process: int | None = None  # OMP_NUM_THREADS; None: CPU cores / processes
     pass_env: tuple[str, ...] = ()  # server variables passed although they look like secrets
+    max_concurrent_runs: int | None = None  # per workspace; None: 2 x CPU cores
+    max_total_processes: int | None = None  # per workspace, summed over running runs; None: 4 x CPU cores
 
 
 _KEYS = {f.name for f in fields(RunLimits)} - {"max_memory_bytes"} | {"max_memory"}
@@ -116,7 +120,19 @@ def limits_from_mapping(section: object) -> RunLimits:
         network=network,
         threads_per_process=_positive(section.get("threads_per_process"), "threads_per_process", int),
         pass_env=tuple(pass_env),
+        max_concurrent_runs=_positive(section.get("max_concurrent_runs"), "max_concurrent_runs", int),
+        max_total_processes=_positive(section.get("max_total_processes"), "max_total_processes", int),
     )
+
+
+def cpu_cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def capacity(limits: RunLimits) -> tuple[int, int]:
+    """``(concurrent runs, training processes)`` a workspace allows, defaults from the core count."""
+    cores = cpu_cores()
+    return (limits.max_concurrent_runs or 2 * cores, limits.max_total_processes or 4 * cores)
 
 
 def user_config_path(environ: Mapping[str, str] | None = None) -> Path:
@@ -183,6 +199,9 @@ def tighten(trusted: RunLimits, wanted: RunLimits, given: set[str], source: str 
             ok = set(value) <= set(limit)
             if not ok:
                 changes[name] = tuple(n for n in value if n in limit)
+        elif name in ("max_concurrent_runs", "max_total_processes"):
+            defaults = dict(zip(("max_concurrent_runs", "max_total_processes"), capacity(trusted)))
+            ok = value is not None and value <= defaults[name]  # None: the core-count default
         elif isinstance(limit, (int, float)) or isinstance(value, (int, float)):
             ok = value is not None and (limit is None or value <= limit)  # None: no limit
         else:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import resource
 import signal
 import sys
 import time
@@ -49,6 +50,11 @@ def _all_pids() -> list[int]:
         return [int(p.name) for p in _PROC.iterdir() if p.name.isdigit()]
     except OSError:
         return []
+
+
+def children(pid: int) -> set[int]:
+    """The live processes whose parent is ``pid``."""
+    return {other for other in _all_pids() if (stat := _stat(other)) is not None and stat[0] == pid}
 
 
 def descendants(pid: int) -> set[int]:
@@ -126,3 +132,25 @@ def end_processes(pids: Iterable[int], grace_s: float = 5.0) -> set[int]:
         if not pids:
             break
     return pids
+
+
+def _set_limit(which: int, value: int) -> None:
+    try:
+        resource.setrlimit(which, (value, value))
+    except (ValueError, OSError):  # above the hard limit and not root: the most we may
+        _, hard = resource.getrlimit(which)
+        if hard != resource.RLIM_INFINITY:
+            resource.setrlimit(which, (min(value, hard), hard))
+
+
+def apply_limits(limits: dict) -> None:
+    """The resource limits of ``limits`` (a run's ``RunLimits`` as a dict) on this process.
+
+    Runs in a child between fork and exec; it calls only ``setrlimit``, which takes no lock.
+    """
+    if limits.get("max_open_files"):
+        _set_limit(resource.RLIMIT_NOFILE, int(limits["max_open_files"]))
+    if limits.get("max_processes"):
+        _set_limit(resource.RLIMIT_NPROC, int(limits["max_processes"]))
+    if limits.get("max_memory_bytes"):
+        _set_limit(resource.RLIMIT_AS, int(limits["max_memory_bytes"]))

@@ -14,6 +14,7 @@ changes; those changes are saved as ``uncommitted.patch`` beside the snapshot's 
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
 from dataclasses import dataclass, field
@@ -85,6 +86,16 @@ def snapshot_files(source: Path) -> list[Path]:
                     f"{MAX_SNAPSHOT_BYTES // 2**20} MiB of small files; keep data outside it (data.paths)"
                 )
     return chosen
+
+
+def snapshot_digest(snapshot: Path) -> str:
+    """One SHA-256 over a snapshot's file names and contents: a resume with the checkpoint's
+    code checks that the snapshot is still what its run executed."""
+    digest = hashlib.sha256()
+    for relative in snapshot_files(snapshot):
+        digest.update(relative.as_posix().encode() + b"\0")
+        digest.update(hashlib.sha256((snapshot / relative).read_bytes()).digest())
+    return digest.hexdigest()
 
 
 def write_snapshot(source: Path, run_dir: Path, origin: CodeOrigin | None = None) -> Path:

@@ -3,7 +3,9 @@
 A run is started in three moves, so that a bad request leaves nothing behind:
 
 1. ``check_launch`` runs ``python -m engine.launch RECIPE --check`` (the engine validates the
-   config and the world size) and raises :class:`LaunchRefused` with the engine's message;
+   config and the world size) in the same sandbox and with the same limits as the run, and
+   raises :class:`LaunchRefused` with the engine's message; every process the check started
+   is ended when it ends;
 2. ``start_run`` creates ``runs/<id>/run.json`` and spawns ``python -m sandbox.supervise`` in
    its own session, which starts the engine (``torchrun`` when ``nproc > 1``) in a process
    group of its own, with the limits of :class:`~sandbox.config.RunLimits`, writes its output
@@ -16,26 +18,32 @@ the supervisor is gone it ends them itself (see :mod:`sandbox.processes`).
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import os
+import secrets
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from engine import run_dir as rd
 from engine.config import override_args
-from engine.errors import BadInput
 from engine.data_files import WORKSPACE_VARIABLE
-from sandbox.config import RunLimits
+from engine.errors import BadInput
+from sandbox import bwrap
+from sandbox.config import RunLimits, capacity
 from sandbox.environment import THREADS_VARIABLE, run_environment, threads_per_process
-from sandbox.processes import RUN_ID_VARIABLE, end_processes, marked
-from sandbox.provenance import CodeOrigin, write_snapshot
+from sandbox.network import LOOPBACK_ENV
+from sandbox.processes import RUN_ID_VARIABLE, apply_limits, descendants, end_processes, marked
+from sandbox.provenance import CodeOrigin, snapshot_digest, write_snapshot
 
-__all__ = ["LaunchRefused", "RunLimits", "check_launch", "engine_command", "start_run", "stop_run"]
+__all__ = ["LaunchRefused", "RunLimits", "check_capacity", "check_launch", "engine_command", "start_run", "stop_run"]
 
 CHECK_TIMEOUT_S = 180
 MAX_CHECK_ERROR_CHARS = 2000
@@ -79,31 +87,53 @@ def check_launch(
     overrides: list[str],
     config_json: Path | None = None,
     limits: RunLimits = RunLimits(),
+    read_only: list[Path] | None = None,
 ) -> dict[str, Any]:
     """Validate a launch with the engine itself; return its verdict: the resolved ``config``,
     ``config_changes`` (keys that differ from the code defaults) and the ``data`` summary.
 
-    The check imports the recipe, so it runs as a run would: allow-listed environment and,
-    where possible, no network.
+    The check imports the recipe, so it runs as the run will: in the sandbox (seeing
+    ``read_only``, default the workspace, and nothing writable), with the run's resource limits
+    and allow-listed environment, where possible without network, in a session of its own.
+    Its output goes to files, not pipes, so a helper that keeps them open cannot hold the
+    check; when its main process exits (or times out) every process it started is ended.
     """
     command = [sys.executable, "-m", "engine.launch", str(recipe_dir), "--check", "--nproc", str(nproc)]
     if config_json is not None:
         command += ["--config-json", str(config_json)]
     command += [f"--set={override}" for override in overrides]
-    if limits.network == "isolated":
-        command = [sys.executable, "-m", "sandbox.network", "--", *command]
+    mark = f"check-{secrets.token_hex(8)}"
     # A check writes nothing, not even the recipe's bytecode cache.
-    env = run_environment(
-        extra={THREADS_VARIABLE: "1", "PYTHONDONTWRITEBYTECODE": "1", WORKSPACE_VARIABLE: str(workspace)}
-    )
-    try:
-        result = subprocess.run(
-            command, cwd=workspace, env=env, capture_output=True, text=True, errors="replace",
-            timeout=CHECK_TIMEOUT_S, stdin=subprocess.DEVNULL, start_new_session=True,
-        )
-    except subprocess.TimeoutExpired:
-        raise LaunchRefused(f"checking the recipe took over {CHECK_TIMEOUT_S} s") from None
-    for line in reversed(result.stdout.strip().splitlines()):
+    env = run_environment(extra={
+        THREADS_VARIABLE: "1", "PYTHONDONTWRITEBYTECODE": "1", RUN_ID_VARIABLE: mark,
+        WORKSPACE_VARIABLE: str(workspace),
+    })
+    visible = [Path(workspace)] if read_only is None else [Path(p) for p in read_only]
+    visible += [Path(p) for p in (recipe_dir, config_json) if p is not None]
+    wrapped = bwrap.wrap(command, visible, [], network=limits.network, cwd=workspace, environ=env,
+                         hidden=hidden_state(workspace))
+    command = wrapped.command
+    if wrapped.sandboxed and limits.network == "isolated":
+        env.update(LOOPBACK_ENV)
+    elif not wrapped.sandboxed and limits.network == "isolated":
+        command = [sys.executable, "-m", "sandbox.network", "--", *command]
+    rlimits = asdict(limits)
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        try:
+            process = subprocess.Popen(
+                command, cwd=workspace, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=err,
+                start_new_session=True, preexec_fn=lambda: apply_limits(rlimits),
+            )
+        except OSError as e:
+            raise LaunchRefused(f"the engine could not be started to check the recipe: {e}") from None
+        try:
+            process.wait(timeout=CHECK_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            raise LaunchRefused(f"checking the recipe took over {CHECK_TIMEOUT_S} s") from None
+        finally:
+            _end_check(process, mark)
+        stdout, stderr = (_read(f) for f in (out, err))
+    for line in reversed(stdout.strip().splitlines()):
         try:
             verdict = json.loads(line)
         except ValueError:
@@ -112,8 +142,30 @@ def check_launch(
             if not verdict["ok"]:
                 raise LaunchRefused(str(verdict["error"])[:MAX_CHECK_ERROR_CHARS])
             return verdict
-    last = (result.stderr.strip().splitlines() or ["no output"])[-1]
+    last = (stderr.strip().splitlines() or ["no output"])[-1]
     raise LaunchRefused(f"the engine could not check the recipe: {last[:MAX_CHECK_ERROR_CHARS]}")
+
+
+MAX_CHECK_OUTPUT_BYTES = 4 * 2**20
+
+
+def _read(f) -> str:
+    """The last ``MAX_CHECK_OUTPUT_BYTES`` of a check's output file (a recipe may print a lot)."""
+    size = f.seek(0, os.SEEK_END)
+    f.seek(max(0, size - MAX_CHECK_OUTPUT_BYTES))
+    return f.read().decode("utf-8", errors="replace")
+
+
+def _end_check(process: subprocess.Popen, mark: str) -> None:
+    """End the check's process group (in the sandbox: bwrap, whose init takes every process of
+    the sandbox with it) and whatever else carries the check's mark or descends from it."""
+    left = descendants(process.pid) | marked(mark)
+    kill_group(process.pid, signal.SIGKILL)
+    try:
+        process.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        pass
+    end_processes(left | marked(mark), grace_s=0)
 
 
 def _create_run_dir(runs_root: Path, recipe_label: str, record: rd.RunRecord) -> tuple[str, Path]:
@@ -149,7 +201,11 @@ def start_run(
     return the first run record.
 
     ``verdict`` is :func:`check_launch`'s; ``threads`` pins the run's thread count (a resume
-    passes the original run's).
+    passes the original run's). The run's sandbox shows the workspace read-only without git's,
+    trainwright's and other runs' folders, its own run directory read-write, and its code
+    snapshot read-only; what it shows is recorded in ``run.json`` (``sandbox``). Refused with
+    :class:`LaunchRefused` when the workspace's caps on concurrent runs or processes would be
+    exceeded.
     """
     threads = threads or threads_per_process(nproc, limits.threads_per_process)
     warnings = list(warnings or [])
@@ -181,13 +237,21 @@ def start_run(
     )
     runs_root = Path(runs_root)
     runs_root.mkdir(parents=True, exist_ok=True)
-    run_id, run_dir = _create_run_dir(runs_root, recipe_label, record)
+    with capacity_lock(runs_root):  # two launches at once cannot both take the last place
+        check_capacity(runs_root, nproc, limits)
+        run_id, run_dir = _create_run_dir(runs_root, recipe_label, record)
     snapshot = write_snapshot(code_dir, run_dir, origin if code_from != "checkpoint" else None)
     resume_path = Path(resumed_from.path) if resumed_from else None
+    visible = [Path(workspace), snapshot] + [p for p in (resume_path, config_json) if p is not None]
     rd.update_run(
         run_dir,
         snapshot=snapshot.relative_to(workspace).as_posix() if snapshot.is_relative_to(workspace) else str(snapshot),
+        snapshot_digest=snapshot_digest(snapshot),
         command=engine_command(snapshot, run_dir, nproc, override_args(overrides), resume_path, config_json),
+        sandbox=rd.SandboxView(
+            bwrap=bwrap.find_bwrap(), read_only=[str(p) for p in visible], writable=[str(run_dir)],
+            hidden=[str(p) for p in hidden_state(workspace)],
+        ),
     )
     env = run_environment(
         extra={
@@ -207,6 +271,72 @@ def start_run(
             start_new_session=True,  # outlives the server; a server restart does not touch it
         )
     return rd.update_run(run_dir, pid=process.pid)
+
+
+@contextlib.contextmanager
+def capacity_lock(runs_root: Path) -> Iterator[None]:
+    """An exclusive lock on the runs folder, held while a launch counts and creates its run."""
+    fd = os.open(runs_root, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
+STARTING_GRACE_S = 60.0
+
+
+def _age_s(path: Path) -> float:
+    try:
+        return time.time() - path.stat().st_mtime
+    except OSError:
+        return float("inf")
+
+
+def running_runs(runs_root: Path) -> list[rd.RunRecord]:
+    """The records of the runs of a workspace that are starting or running (supervisor alive)."""
+    records = []
+    try:
+        names = sorted(os.listdir(runs_root))
+    except OSError:
+        return []
+    for name in names:
+        try:
+            record = rd.read_run(Path(runs_root) / name)
+        except (OSError, ValueError):
+            continue
+        if record.effective_status() not in (rd.STARTING, rd.RUNNING):
+            continue
+        if not record.pid and _age_s(Path(runs_root) / name / rd.RUN_JSON) > STARTING_GRACE_S:
+            continue  # never got a supervisor (the launcher died in between): not running
+        records.append(record)
+    return records
+
+
+def hidden_state(workspace: Path) -> list[Path]:
+    """Folders of the workspace a run never sees: git's, trainwright's and the runs'."""
+    return [Path(workspace) / name for name in (".git", ".trainwright", rd.RUNS_DIRNAME)]
+
+
+def check_capacity(runs_root: Path, nproc: int, limits: RunLimits) -> None:
+    """Refuse a launch of ``nproc`` processes that would exceed the workspace's caps
+    (``runs.max_concurrent_runs``, ``runs.max_total_processes``)."""
+    running = running_runs(runs_root)
+    max_runs, max_processes = capacity(limits)
+    busy = sum(r.nproc for r in running)
+    names = ", ".join(f"{r.id} ({r.nproc} process(es))" for r in running[:20])
+    if len(running) >= max_runs:
+        raise LaunchRefused(
+            f"{len(running)} runs are already running in this workspace and runs.max_concurrent_runs "
+            f"is {max_runs}: {names}; stop one (stop_run) or wait for one to end"
+        )
+    if busy + nproc > max_processes:
+        raise LaunchRefused(
+            f"this launch would bring the workspace to {busy + nproc} training processes and "
+            f"runs.max_total_processes is {max_processes}; running: {names or 'none'}; "
+            "stop a run (stop_run), wait, or launch with fewer processes"
+        )
 
 
 def stop_run(run_dir: Path, timeout_s: float | None = None) -> rd.RunRecord:

@@ -1,9 +1,13 @@
 """The supervisor of one run: ``python -m sandbox.supervise RUN_DIR``.
 
 Started in a session of its own by :func:`sandbox.runs.start_run`, it outlives whoever started
-it. It moves itself into a network namespace with only loopback (where the platform allows and
-``limits.network`` is ``isolated``), becomes a child subreaper, and spawns the engine command
-recorded in ``run.json`` in a new process group with the resource limits of ``limits``. It
+it. It becomes a child subreaper and spawns the engine command recorded in ``run.json`` inside
+the bubblewrap sandbox (:mod:`sandbox.bwrap`: its own user, PID and network namespaces, a mount
+view of the paths in ``run.json``'s ``sandbox``), in a new process group, with the resource
+limits of ``limits``. Where the sandbox cannot be made it falls back to moving itself into a
+network namespace with only loopback (:mod:`sandbox.network`, where the platform allows and
+``limits.network`` is ``isolated``); either way it records the level it got (``isolation``:
+``full``, ``partial`` or ``none``, with ``isolation_note``) and prints it on the console. It
 writes the engine's output to ``console.log`` (its own stdout), enforces the wall-time limit,
 and when the engine exits records the outcome: ``completed``, ``failed`` (with the exit code
 and the engine's error) or ``stopped``. Whatever the outcome, no process of the run is left
@@ -12,9 +16,10 @@ behind: every descendant and every process marked with the run's id is ended.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
-import resource
+import shutil
 import signal
 import subprocess
 import sys
@@ -22,30 +27,12 @@ import time
 from pathlib import Path
 
 from engine import run_dir as rd
+from sandbox import bwrap
 from sandbox.git import add_note
 from sandbox.network import LOOPBACK_ENV, isolate_network
-from sandbox.processes import become_subreaper, descendants, end_processes, marked
+from sandbox.processes import apply_limits, become_subreaper, children, descendants, end_processes, marked
 from sandbox.provenance import code_description
 from sandbox.runs import group_alive, kill_group
-
-
-def _set_limit(which: int, value: int) -> None:
-    try:
-        resource.setrlimit(which, (value, value))
-    except (ValueError, OSError):  # above the hard limit and not root: the most we may
-        _, hard = resource.getrlimit(which)
-        if hard != resource.RLIM_INFINITY:
-            resource.setrlimit(which, (min(value, hard), hard))
-
-
-def _apply_limits(limits: dict) -> None:
-    """Runs in the child between fork and exec (the supervisor has a single thread)."""
-    if limits.get("max_open_files"):
-        _set_limit(resource.RLIMIT_NOFILE, int(limits["max_open_files"]))
-    if limits.get("max_processes"):
-        _set_limit(resource.RLIMIT_NPROC, int(limits["max_processes"]))
-    if limits.get("max_memory_bytes"):
-        _set_limit(resource.RLIMIT_AS, int(limits["max_memory_bytes"]))
 
 
 class Supervisor:
@@ -55,40 +42,77 @@ class Supervisor:
         self.limits = self.record.limits
         self.stop_reason: str | None = None
         self.child: subprocess.Popen | None = None
+        self.sandboxed = False
+
+    def terminate(self) -> None:
+        """SIGTERM to the engine's process group.
+
+        In the sandbox the group to signal is the sandbox's own session (bwrap's init inside
+        ignores SIGTERM from outside; the engine gets it); SIGTERM to bwrap itself would kill
+        the whole sandbox at once, with no grace.
+        """
+        if self.child is None:
+            return
+        inner = children(self.child.pid) if self.sandboxed else set()
+        if inner:
+            for pid in inner:
+                kill_group(pid, signal.SIGTERM)
+        else:
+            kill_group(self.child.pid, signal.SIGTERM)
 
     def request_stop(self, reason: str) -> None:
         if self.stop_reason is None:
             self.stop_reason = reason
-            if self.child is not None:
-                kill_group(self.child.pid, signal.SIGTERM)
+            self.terminate()
 
-    def contain(self) -> dict:
-        """Network namespace and subreaper; returns what was achieved, for run.json."""
+    def contain(self) -> tuple[list[str], dict]:
+        """Subreaper and sandbox; returns the command to spawn and what was achieved, for run.json."""
         become_subreaper()
-        if self.limits.get("network", "isolated") == "isolated":
-            isolated, note = isolate_network()
+        network = self.limits.get("network", "isolated")
+        workspace = self.record.workspace
+        view = self.record.sandbox
+        if view is None:  # a record made without a launcher's view: the workspace, read-only
+            view = rd.SandboxView(bwrap=bwrap.find_bwrap(), read_only=[workspace] if workspace else [],
+                                  writable=[str(self.run_dir)])
+        wrapped = bwrap.wrap(
+            self.record.command, view.read_only, view.writable, network=network, cwd=workspace,
+            # Recorded by the server (None: the sandbox is disabled there); the run's own
+            # environment does not choose it.
+            bwrap=view.bwrap or "", hidden=view.hidden,
+        )
+        self.sandboxed = wrapped.sandboxed
+        if wrapped.sandboxed:
+            report = wrapped.report
         else:
-            isolated, note = False, "runs.network is 'shared' in .trainwright/config.yaml"
-        if isolated:
+            if network == "isolated":
+                isolated, note = isolate_network()
+            else:
+                isolated, note = False, "runs.network is 'shared' in .trainwright/config.yaml"
+            report = bwrap.fallback_report(wrapped.reason, isolated, note)
+        if report["network_isolated"]:
             for key, value in LOOPBACK_ENV.items():
                 os.environ.setdefault(key, value)
-        return {"network_isolated": isolated, "network_note": note}
+        print(f"[trainwright] isolation: {report['isolation']} ({report['isolation_note']})", flush=True)
+        return wrapped.command, report
 
     def run(self) -> int:
         signal.signal(signal.SIGTERM, lambda *_: self.request_stop("stopped by request"))
         signal.signal(signal.SIGINT, lambda *_: self.request_stop("interrupted"))
-        containment = self.contain()
+        command, containment = self.contain()
         print(f"[trainwright] run {self.record.id}: {code_description(self.record)}", flush=True)
         limits = self.limits
         try:
+            program = self.record.command[0]
+            if shutil.which(program) is None:  # inside the sandbox bwrap would only exit 1
+                raise FileNotFoundError(errno.ENOENT, "no such executable", program)
             self.child = subprocess.Popen(
-                self.record.command,
+                command,
                 cwd=self.record.workspace or None,
                 stdin=subprocess.DEVNULL,
                 stdout=sys.stdout,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
-                preexec_fn=lambda: _apply_limits(limits),
+                preexec_fn=lambda: apply_limits(limits),
             )
         except (OSError, subprocess.SubprocessError) as e:
             rd.update_run(self.run_dir, pid=os.getpid(), **containment, status=rd.FAILED,
@@ -99,7 +123,7 @@ class Supervisor:
             supervisor_started_at=rd.utc_now(), **containment,
         )
         if self.stop_reason is not None:  # a stop that arrived before the child existed
-            kill_group(self.child.pid, signal.SIGTERM)
+            self.terminate()
 
         wall = limits.get("wall_time_s")
         grace = float(limits.get("stop_grace_s") or 10.0)
@@ -134,6 +158,8 @@ class Supervisor:
     def end_leftovers(self, grace: float) -> None:
         """The engine is gone; make sure none of its workers or helpers linger."""
         if self.child is not None and group_alive(self.child.pid):
+            # In the sandbox, bwrap is gone once the engine's main process has exited, and its
+            # init (which the kernel then kills) takes every process of the sandbox with it.
             kill_group(self.child.pid, signal.SIGTERM)
         left = self.leftovers()
         if left:

@@ -30,7 +30,7 @@ from mcp_server.models import (
 from mcp_server.operations import history
 from sandbox import runs as sandbox_runs
 from sandbox.paths import confine_config
-from sandbox.provenance import CodeOrigin, code_description, recipe_origin
+from sandbox.provenance import CodeOrigin, code_description, recipe_origin, snapshot_digest
 from sandbox.workspace import Workspace
 
 MAX_NPROC = max(8, os.cpu_count() or 1)
@@ -75,6 +75,7 @@ def launch_run(
     nproc = _check_nproc(nproc)
     flat = _checked_overrides(ws, overrides)
     limits, warnings = ws.run_limits_and_warnings() if limits is None else (limits, [])
+    sandbox_runs.check_capacity(ws.runs_dir, nproc, limits)  # before the check's cost; again at start
     verdict = sandbox_runs.check_launch(ws.root, recipe_dir, nproc, override_args(flat), limits=limits)
     confine_config(ws.root, verdict["config"])
     record = sandbox_runs.start_run(
@@ -136,6 +137,11 @@ def resume_checkpoint(
         code_dir = source_dir / rd.SNAPSHOT_DIRNAME
         if not (code_dir / "recipe.py").is_file():
             raise BadInput(f"run {run_id} kept no snapshot of its code; resume it with code='head'")
+        if source.snapshot_digest and snapshot_digest(code_dir) != source.snapshot_digest:
+            raise BadInput(
+                f"runs/{run_id}/recipe/ was changed after the run executed it, so it is not the "
+                "checkpoint's code any more; resume with code='head' to run the recipe as it is now"
+            )
         origin = CodeOrigin(source.git_commit, source.recipe_dirty, source.dirty_files)
     else:
         code_dir = ws.recipe(source.recipe)
@@ -144,6 +150,7 @@ def resume_checkpoint(
     flat = _checked_overrides(ws, overrides)
     limits, warnings = ws.run_limits_and_warnings() if limits is None else (limits, [])
     config_json = source_dir / rd.RUN_JSON
+    sandbox_runs.check_capacity(ws.runs_dir, nproc, limits)
     verdict = sandbox_runs.check_launch(
         ws.root, code_dir, nproc, override_args(flat), config_json=config_json, limits=limits
     )
@@ -216,6 +223,8 @@ def get_run(ws: Workspace, run_id: str) -> RunInfo:
         warnings=_shown_warnings(record.warnings),
         network_isolated=record.network_isolated,
         network_note=record.network_note,
+        isolation=record.isolation,
+        isolation_note=record.isolation_note,
         limits=record.limits or None,
     )
 

@@ -144,6 +144,33 @@ def run_pids(run_dir: Path) -> set[int]:
     return {p for p in pids if processes.alive(p)}
 
 
+def host_pid(run_dir: Path, pid_in_run: int) -> int:
+    """The host's pid of the run's process that the run itself knows as ``pid_in_run`` (in a
+    sandbox with a PID namespace of its own, the two differ)."""
+    for pid in run_pids(run_dir):
+        try:
+            status = Path(f"/proc/{pid}/status").read_text()
+        except OSError:
+            continue
+        numbers = [int(n) for n in status.split("NSpid:")[1].split("\n")[0].split()]
+        if numbers[-1] == pid_in_run:
+            return pid
+    raise AssertionError(f"no process of the run is {pid_in_run} inside it")
+
+
+def processes_with_argument(token: str) -> set[int]:
+    """Live processes whose command line contains ``token`` (test helpers get a unique one)."""
+    found = set()
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                if token.encode() in Path(f"/proc/{name}/cmdline").read_bytes():
+                    found.add(int(name))
+            except OSError:
+                pass
+    return found
+
+
 def wait_gone(pids: set[int], timeout: float = 30) -> set[int]:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -168,15 +195,18 @@ def derived_recipe(workspace: Path, name: str, body: str) -> Path:
 
 
 def supervise(run_dir: Path, command: list[str], limits: dict[str, Any] | None = None,
-              run_id: str = "20260101-000000-sup-0000", env: dict[str, str] | None = None, timeout: float = 60):
-    """Run ``python -m sandbox.supervise`` on a run whose command is ``command`` (no engine, no torch)."""
+              run_id: str = "20260101-000000-sup-0000", env: dict[str, str] | None = None, timeout: float = 60,
+              sandbox: dict[str, Any] | None = None):
+    """Run ``python -m sandbox.supervise`` on a run whose command is ``command`` (no engine, no torch);
+    ``sandbox`` is run.json's ``sandbox`` section (default: the supervisor's own choice)."""
     import subprocess
     import sys
 
     from sandbox.environment import run_environment
 
     rd.create_run(run_dir, rd.RunRecord(id=run_id, command=command, limits=limits or {},
-                                        workspace=str(run_dir.parent), recipe="none"))
+                                        workspace=str(run_dir.parent), recipe="none",
+                                        sandbox=rd.SandboxView.model_validate(sandbox) if sandbox is not None else None))
     with open(run_dir / rd.CONSOLE_LOG, "ab") as console:
         process = subprocess.Popen(
             [sys.executable, "-m", "sandbox.supervise", str(run_dir)],

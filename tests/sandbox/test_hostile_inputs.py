@@ -11,7 +11,9 @@ config check, which writes nothing).
 from __future__ import annotations
 
 import os
+import secrets
 import shutil
+import time
 from pathlib import Path
 
 import pytest
@@ -21,7 +23,9 @@ from mcp.shared.exceptions import MCPError
 
 from mcp_server.server import build_server
 from sandbox import git as sandbox_git
-from tests.sandbox.helpers import AUDIT, error_text, fake_run, live_client, make_workspace, tree_hash
+from tests.sandbox.helpers import (
+    AUDIT, derived_recipe, error_text, fake_run, live_client, make_workspace, processes_with_argument, tree_hash,
+)
 from tests.support import TEMPLATE
 
 RUN_ID = "20260101-000000-lm-abcd"
@@ -30,6 +34,20 @@ SKILL = "gradient-checkpointing"
 HUGE = "x" * 100_000
 SHELL = ["lm; rm -rf /", "$(touch pwned)", "`touch pwned`", "lm && curl evil", "lm | sh", "lm > /tmp/x",
          "'; DROP TABLE runs; --"]
+HELPER = f"600.{secrets.randbelow(10**6):06d}"  # the argument of the sneaky recipe's helper
+SNEAKY = """
+import subprocess
+from pathlib import Path
+
+# Recipe code runs in the launch check: it tries to write, to leave a helper behind, then fails.
+for target in (Path.cwd() / "pwned", Path(__file__).parent / "pwned", Path(OUTSIDE) / "pwned"):
+    try:
+        target.write_text("written by recipe code during the launch check\\n")
+    except OSError:
+        pass
+subprocess.Popen(["sleep", HELPER], start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+raise ValueError("this recipe refuses to load")
+"""
 
 
 class Context:
@@ -83,6 +101,7 @@ def ctx(tmp_path_factory):
     shutil.copy(TEMPLATE / "recipe.py", root / "ignored" / "train.py")
     os.symlink(outside / "runs" / RUN_ID.replace("abcd", "0u75"), root / "runs" / "20260101-000000-lm-link")
     os.symlink("loop", root / "runs" / "loop")
+    derived_recipe(root, "sneaky", f"OUTSIDE, HELPER = {str(outside)!r}, {HELPER!r}\n" + SNEAKY)
     server = build_server(root)
     with live_client(server) as client:
         context = Context(root, outside, client)
@@ -183,6 +202,16 @@ def test_a_hostile_call_is_refused_with_a_message_and_changes_nothing(ctx, tool,
 
 def test_there_are_at_least_200_hand_written_cases():
     assert len(CASES) >= 200, len(CASES)
+
+
+def test_recipe_code_in_the_launch_check_changes_nothing_and_leaves_no_process(ctx):
+    message = ctx.assert_refused("launch_run", {"recipe": "recipes/sneaky"})
+    assert "refuses to load" in message
+    assert not (ctx.root / "recipes" / "sneaky" / "pwned").exists() and not (ctx.outside / "pwned").exists()
+    deadline = time.monotonic() + 5
+    while processes_with_argument(HELPER) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert processes_with_argument(HELPER) == set(), "a helper started by the check outlived it"
 
 
 def test_a_refused_path_says_why(ctx):

@@ -15,7 +15,8 @@ from mcp_server.server import build_server
 from sandbox import git as sandbox_git
 from sandbox import processes
 from tests.sandbox.helpers import (
-    AUDIT, derived_recipe, error_text, live_client, make_workspace, run_pids, wait_final, wait_gone, wait_step,
+    AUDIT, derived_recipe, error_text, host_pid, live_client, make_workspace, run_pids, wait_final, wait_gone,
+    wait_step,
 )
 from tests.support import TINY, losses
 
@@ -59,10 +60,11 @@ def test_a_secret_never_reaches_a_run_its_logs_or_the_audit(workspace, monkeypat
         run_dir = workspace / "runs" / run_id
         wait_step(run_dir, 2)
         record = rd.read_run(run_dir)
-        engine = environ(record.engine_pid)
+        engine_pid = host_pid(run_dir, record.engine_pid)
+        engine = environ(engine_pid)
         supervisor = environ(record.pid)
-        limits = open(f"/proc/{record.engine_pid}/limits").read()
-        run_network = os.readlink(f"/proc/{record.engine_pid}/ns/net")
+        limits = open(f"/proc/{engine_pid}/limits").read()
+        run_network = os.readlink(f"/proc/{engine_pid}/ns/net")
         info = client.call("get_run", {"run_id": run_id}).structured_content
         stopped = client.call("stop_run", {"run_id": run_id}).structured_content
 
@@ -138,5 +140,5 @@ def test_four_runs_launched_at_once_complete_with_distinct_ids_and_no_crosstalk(
         assert f"run {run_id}" in console and not any(other in console for other in run_ids if other != run_id)
     assert curves[0] == curves[1] and curves[2] == curves[3], "the same seed trains the same, bit for bit"
     assert curves[0] != curves[2]
-    note = sandbox_git.note(sandbox_git.open_repo(workspace), records[0]["git_commit"])
+    note = sandbox_git.note(sandbox_git.open_repo(workspace), records[0].git_commit)
     assert all(f"run {run_id}: completed" in note for run_id in run_ids), "every run's note was written"
