@@ -1,0 +1,54 @@
+"""A run executes only the code its record names: trainwright's own modules and the recipe's
+snapshot, never a module that happens to sit in the workspace.
+
+Runs and launch checks start with the workspace as their working directory; Python would put
+that folder first on ``sys.path`` for ``python -m ...``, so a ``sandbox/`` or ``engine/`` package
+written into the workspace would replace the supervisor or the engine, and a recipe could import
+workspace modules that are in no snapshot, no commit and no dirty flag.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from mcp_server.server import build_server
+from tests.sandbox.helpers import derived_recipe, error_text, live_client, make_workspace, wait_final
+from tests.support import TINY
+from engine import run_dir as rd
+
+SHADOW = """
+import pathlib
+pathlib.Path({marker!r}).write_text("workspace code ran instead of trainwright's")
+"""
+
+
+def _tiny(**extra):
+    import yaml
+
+    config = {k: yaml.safe_load(v) for k, v in (item.split("=", 1) for item in TINY)}
+    return {**config, **extra}
+
+
+def test_workspace_packages_do_not_replace_the_supervisor_or_the_engine(tmp_path):
+    root = make_workspace(tmp_path / "ws")
+    marker = tmp_path / "shadowed"
+    for package in ("sandbox", "engine"):
+        (root / package).mkdir()
+        (root / package / "__init__.py").write_text(SHADOW.format(marker=str(marker)))
+    with live_client(build_server(root)) as client:
+        result = client.call("launch_run", {"recipe": "recipes/lm", "overrides": _tiny(**{"train.max_steps": 2})})
+        assert not result.is_error, error_text(result)
+        run_id = result.structured_content["run_id"]
+        record = wait_final(root / "runs" / run_id, timeout=240)
+    assert not marker.exists(), "a package in the workspace ran in place of trainwright's"
+    assert record.status == rd.COMPLETED, record.error
+
+
+def test_a_recipe_cannot_import_uncommitted_workspace_code_outside_its_snapshot(tmp_path):
+    root = make_workspace(tmp_path / "ws")
+    derived_recipe(root, "uses_outside", "import outside_helper\n\n\nclass Outside(CausalLM):\n    pass\n")
+    (root / "outside_helper.py").write_text("VALUE = 1\n")  # never committed, never snapshotted
+    with live_client(build_server(root)) as client:
+        result = client.call("launch_run", {"recipe": "recipes/uses_outside", "overrides": _tiny()})
+    assert result.is_error, "the run would import code that no snapshot, commit or dirty flag records"
+    assert "outside_helper" in error_text(result)
