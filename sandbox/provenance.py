@@ -48,7 +48,7 @@ class CodeOrigin:
             return "not in a git repository"
         text = f"commit {self.git_commit[:10]}"
         if self.recipe_dirty:
-            text += f" + uncommitted changes ({', '.join(self.dirty_files[:5])})"
+            text += f" + uncommitted changes ({', '.join(_short(f) for f in self.dirty_files[:5])})"
         return text
 
 
@@ -112,6 +112,11 @@ def code_description(record: rd.RunRecord) -> str:
     if record.git_commit:
         text += f" at commit {record.git_commit[:10]}"
     if record.recipe_dirty:
-        files = ", ".join(record.dirty_files[:5]) or "the recipe"
+        files = ", ".join(_short(f) for f in record.dirty_files[:5]) or "the recipe"
         text += f" + uncommitted changes ({files}; the diff: runs/{record.id}/recipe/{rd.UNCOMMITTED_PATCH})"
     return text
+
+
+def _short(name: str, limit: int = 120) -> str:
+    """A file name as shown in one line (a recipe may nest folders deep)."""
+    return name if len(name) <= limit else "…" + name[-(limit - 1):]

@@ -15,7 +15,7 @@ from typing import Any
 from engine import run_dir as rd
 from engine.config import Overrides, override_args, overrides_to_dict
 from engine.errors import BadInput, NotFound
-from mcp_server.limits import AGENT_BUDGET_CHARS, bounded, bounded_mapping, json_chars
+from mcp_server.limits import AGENT_BUDGET_CHARS, bounded, bounded_mapping, cut_strings, json_chars
 from mcp_server.models import (
     CheckpointInfo,
     CheckpointList,
@@ -44,6 +44,10 @@ MAX_ERROR_CHARS = 1000
 MAX_RECORD_CHARS = 1500
 MAX_SHOWN_WARNINGS, MAX_WARNING_CHARS = 5, 300
 MAX_CONFIG_CHARS = 1200
+# run.json is written by the run as well as by trainwright, and data paths come from a recipe's
+# config.yaml: every other text of a run, as returned, is cut to this many characters.
+MAX_FIELD_CHARS = 300
+MAX_DATA_PATHS_SHOWN = 5
 
 
 def _check_nproc(nproc: object) -> int:
@@ -85,11 +89,21 @@ def launch_run(
 
 
 def _launch_result(ws: Workspace, record: rd.RunRecord) -> LaunchRunResult:
-    return LaunchRunResult(
+    return _bounded_fields(LaunchRunResult(
         run_id=record.id, status=record.status, run_dir=ws.label(ws.runs_dir / record.id),
         code=code_description(record), config_changes=bounded_mapping(record.config_changes, MAX_CONFIG_CHARS),
         data=_data(record), resumed_from=_resumed_from(ws, record), warnings=_shown_warnings(record.warnings),
-    )
+    ))
+
+
+_ALREADY_BOUNDED = frozenset({"error", "console_tail", "warnings", "overrides", "config_changes", "latest"})
+
+
+def _bounded_fields(result: Any) -> Any:
+    """``result`` (a pydantic model) with every text not bounded by its producer cut to
+    ``MAX_FIELD_CHARS``."""
+    dumped = result.model_dump(mode="json")
+    return type(result).model_validate(cut_strings(dumped, MAX_FIELD_CHARS, keep=_ALREADY_BOUNDED))
 
 
 CODE_CHOICES = ("checkpoint", "head")
@@ -184,7 +198,7 @@ def get_run(ws: Workspace, run_id: str) -> RunInfo:
     console_tail = None
     if status == rd.FAILED:
         console_tail = _tail_text(run_dir / rd.CONSOLE_LOG, CONSOLE_TAIL_BYTES)
-    return RunInfo(
+    return _bounded_fields(RunInfo(
         run_id=record.id,
         status=status,
         recipe=record.recipe,
@@ -217,11 +231,18 @@ def get_run(ws: Workspace, run_id: str) -> RunInfo:
         network_isolated=record.network_isolated,
         network_note=record.network_note,
         limits=record.limits or None,
-    )
+    ))
 
 
 def _data(record: rd.RunRecord) -> dict[str, Any] | None:
-    return record.data.model_dump(mode="json") if record.data is not None else None
+    """The data summary as returned: the first paths (run.json keeps all of them)."""
+    if record.data is None:
+        return None
+    data = record.data.model_dump(mode="json")
+    paths = data.get("paths") or []
+    if len(paths) > MAX_DATA_PATHS_SHOWN:
+        data["paths"] = paths[:MAX_DATA_PATHS_SHOWN] + [f"… {len(paths) - MAX_DATA_PATHS_SHOWN} more (run.json)"]
+    return data
 
 
 def _shown_warnings(warnings: list[str]) -> list[str]:
