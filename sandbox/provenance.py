@@ -29,6 +29,7 @@ from sandbox import git as sandbox_git
 MAX_SNAPSHOT_FILE_BYTES = 2 * 2**20
 MAX_SNAPSHOT_BYTES = 32 * 2**20
 MAX_SNAPSHOT_FILES = 2000
+MAX_SNAPSHOT_DEPTH = 32
 MAX_DIRTY_SHOWN = 20
 _SKIPPED_DIRS = {"__pycache__", ".git", ".ipynb_checkpoints", ".mypy_cache", ".pytest_cache", ".ruff_cache"}
 
@@ -70,6 +71,9 @@ def snapshot_files(source: Path) -> list[Path]:
     total = 0
     for folder, dirs, files in os.walk(source):
         dirs[:] = sorted(d for d in dirs if d not in _SKIPPED_DIRS and not os.path.islink(os.path.join(folder, d)))
+        if dirs and len(Path(folder).relative_to(source).parts) >= MAX_SNAPSHOT_DEPTH:
+            raise BadInput(f"the recipe folder nests folders deeper than {MAX_SNAPSHOT_DEPTH} levels; "
+                           "keep code in a shallow tree and data outside it (data.paths)")
         for name in sorted(files):
             path = Path(folder) / name
             if path.is_symlink() or not path.is_file() or name.endswith((".pyc", ".pyo")):
@@ -87,11 +91,14 @@ def snapshot_files(source: Path) -> list[Path]:
     return chosen
 
 
-def write_snapshot(source: Path, run_dir: Path, origin: CodeOrigin | None = None) -> Path:
-    """Copy ``source`` (a recipe folder, or another run's snapshot) to ``run_dir/recipe``."""
+def write_snapshot(
+    source: Path, run_dir: Path, origin: CodeOrigin | None = None, files: list[Path] | None = None
+) -> Path:
+    """Copy ``source`` (a recipe folder, or another run's snapshot) to ``run_dir/recipe``;
+    ``files``: :func:`snapshot_files` of ``source``, when the caller checked it first."""
     destination = Path(run_dir) / rd.SNAPSHOT_DIRNAME
     destination.mkdir()
-    for relative in snapshot_files(source):
+    for relative in snapshot_files(source) if files is None else files:
         target = destination / relative
         target.parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(source / relative, target)

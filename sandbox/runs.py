@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -33,7 +34,7 @@ from engine.data_files import WORKSPACE_VARIABLE
 from sandbox.config import RunLimits
 from sandbox.environment import THREADS_VARIABLE, run_environment, threads_per_process
 from sandbox.processes import RUN_ID_VARIABLE, end_processes, marked
-from sandbox.provenance import CodeOrigin, write_snapshot
+from sandbox.provenance import CodeOrigin, snapshot_files, write_snapshot
 
 __all__ = ["LaunchRefused", "RunLimits", "check_launch", "engine_command", "start_run", "stop_run"]
 
@@ -179,10 +180,15 @@ def start_run(
         workspace=str(workspace),
         warnings=warnings,
     )
+    files = snapshot_files(code_dir)  # a folder the snapshot cannot hold is refused before any write
     runs_root = Path(runs_root)
     runs_root.mkdir(parents=True, exist_ok=True)
     run_id, run_dir = _create_run_dir(runs_root, recipe_label, record)
-    snapshot = write_snapshot(code_dir, run_dir, origin if code_from != "checkpoint" else None)
+    try:
+        snapshot = write_snapshot(code_dir, run_dir, origin if code_from != "checkpoint" else None, files)
+    except BaseException:
+        shutil.rmtree(run_dir, ignore_errors=True)  # nothing started: leave nothing behind
+        raise
     resume_path = Path(resumed_from.path) if resumed_from else None
     rd.update_run(
         run_dir,
