@@ -160,6 +160,9 @@ class RunRecord(BaseModel):
     id: str = Field(description="The run id: <UTC time>-<recipe>-<random>.")
     recipe: str = Field("", description="The recipe as launched, relative to the workspace.")
     snapshot: str | None = Field(None, description="The folder of the code that ran (runs/<id>/recipe).")
+    snapshot_digest: str | None = Field(
+        None, description="sha256 of the snapshot's files as written at launch; a resume of its code checks it."
+    )
     code_from: Literal["recipe", "checkpoint", "head"] = Field(
         "recipe",
         description="recipe: the recipe folder at launch; checkpoint: the code of the run resumed "

@@ -14,6 +14,7 @@ changes; those changes are saved as ``uncommitted.patch`` beside the snapshot's 
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
 from dataclasses import dataclass, field
@@ -105,6 +106,25 @@ def write_snapshot(
     if origin is not None and origin.patch:
         (destination / rd.UNCOMMITTED_PATCH).write_text(origin.patch)
     return destination
+
+
+def snapshot_digest(folder: Path) -> str:
+    """sha256 over the names and contents of the files a snapshot of ``folder`` holds."""
+    digest = hashlib.sha256()
+    for relative in snapshot_files(folder):
+        digest.update(relative.as_posix().encode() + b"\0")
+        digest.update(hashlib.sha256((folder / relative).read_bytes()).digest())
+    return digest.hexdigest()
+
+
+def check_snapshot_unchanged(record: rd.RunRecord, folder: Path) -> None:
+    """Refuse to run ``record``'s snapshot as that run's code if it changed since it was written."""
+    if record.snapshot_digest and snapshot_digest(folder) != record.snapshot_digest:
+        raise BadInput(
+            f"the code snapshot of run {record.id} ({rd.SNAPSHOT_DIRNAME}/ in its run directory) was changed "
+            "after the run started, so it is not the code its checkpoints were trained with; resume with "
+            "code='head' to run the recipe as it is now"
+        )
 
 
 def code_description(record: rd.RunRecord) -> str:

@@ -34,7 +34,7 @@ from engine.data_files import WORKSPACE_VARIABLE
 from sandbox.config import RunLimits
 from sandbox.environment import THREADS_VARIABLE, run_environment, threads_per_process
 from sandbox.processes import RUN_ID_VARIABLE, end_processes, marked
-from sandbox.provenance import CodeOrigin, snapshot_files, write_snapshot
+from sandbox.provenance import CodeOrigin, snapshot_digest, snapshot_files, write_snapshot
 
 __all__ = ["LaunchRefused", "RunLimits", "check_launch", "engine_command", "start_run", "stop_run"]
 
@@ -145,12 +145,14 @@ def start_run(
     limits: RunLimits = RunLimits(),
     threads: int | None = None,
     warnings: list[str] | None = None,
+    expected_digest: str | None = None,
 ) -> rd.RunRecord:
     """Create the run directory with a snapshot of ``code_dir`` and spawn its supervisor;
     return the first run record.
 
     ``verdict`` is :func:`check_launch`'s; ``threads`` pins the run's thread count (a resume
-    passes the original run's).
+    passes the original run's); ``expected_digest``: the snapshot must hash to this (a resume
+    of a run's code), or nothing is started.
     """
     threads = threads or threads_per_process(nproc, limits.threads_per_process)
     warnings = list(warnings or [])
@@ -181,11 +183,19 @@ def start_run(
         warnings=warnings,
     )
     files = snapshot_files(code_dir)  # a folder the snapshot cannot hold is refused before any write
+    if code_from != "checkpoint" and Path(rd.UNCOMMITTED_PATCH) in files:
+        # Only a snapshot's own record of uncommitted changes may have that name: a recipe's file
+        # would read as a diff the run never had.
+        raise BadInput(f"{recipe_label}/{rd.UNCOMMITTED_PATCH}: a run's snapshot keeps the recipe's uncommitted "
+                       "changes under that name; rename the file")
     runs_root = Path(runs_root)
     runs_root.mkdir(parents=True, exist_ok=True)
     run_id, run_dir = _create_run_dir(runs_root, recipe_label, record)
     try:
         snapshot = write_snapshot(code_dir, run_dir, origin if code_from != "checkpoint" else None, files)
+        digest = snapshot_digest(snapshot)
+        if expected_digest is not None and digest != expected_digest:
+            raise BadInput(f"the code of {recipe_label} changed while the run was being created; try again")
     except BaseException:
         shutil.rmtree(run_dir, ignore_errors=True)  # nothing started: leave nothing behind
         raise
@@ -193,6 +203,7 @@ def start_run(
     rd.update_run(
         run_dir,
         snapshot=snapshot.relative_to(workspace).as_posix() if snapshot.is_relative_to(workspace) else str(snapshot),
+        snapshot_digest=digest,
         command=engine_command(snapshot, run_dir, nproc, override_args(overrides), resume_path, config_json),
     )
     env = run_environment(

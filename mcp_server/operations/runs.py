@@ -30,7 +30,7 @@ from mcp_server.models import (
 from mcp_server.operations import history
 from sandbox import runs as sandbox_runs
 from sandbox.paths import confine_config
-from sandbox.provenance import CodeOrigin, code_description, recipe_origin
+from sandbox.provenance import CodeOrigin, check_snapshot_unchanged, code_description, recipe_origin
 from sandbox.workspace import Workspace
 
 MAX_NPROC = max(8, os.cpu_count() or 1)
@@ -150,6 +150,7 @@ def resume_checkpoint(
         code_dir = source_dir / rd.SNAPSHOT_DIRNAME
         if not (code_dir / "recipe.py").is_file():
             raise BadInput(f"run {run_id} kept no snapshot of its code; resume it with code='head'")
+        check_snapshot_unchanged(source, code_dir)  # before the check imports it
         origin = CodeOrigin(source.git_commit, source.recipe_dirty, source.dirty_files)
     else:
         code_dir = ws.recipe(source.recipe)
@@ -171,6 +172,7 @@ def resume_checkpoint(
         limits=limits,
         warnings=warnings,
         threads=source.threads_per_process if same_shape else None,
+        expected_digest=source.snapshot_digest if code == "checkpoint" else None,
     )
     return _launch_result(ws, record)
 

@@ -52,3 +52,25 @@ def test_a_recipe_cannot_import_uncommitted_workspace_code_outside_its_snapshot(
         result = client.call("launch_run", {"recipe": "recipes/uses_outside", "overrides": _tiny()})
     assert result.is_error, "the run would import code that no snapshot, commit or dirty flag records"
     assert "outside_helper" in error_text(result)
+
+
+def test_resume_refuses_a_snapshot_edited_after_its_run(tmp_path):
+    """code="checkpoint" promises the code the checkpoint was trained with: a snapshot changed
+    since (by hand, by an agent's file tools) is refused, not run under the original's name."""
+    root = make_workspace(tmp_path / "ws")
+    marker = tmp_path / "edited-snapshot-ran"
+    with live_client(build_server(root)) as client:
+        launched = client.call("launch_run", {"recipe": "recipes/lm", "overrides": _tiny(
+            **{"train.max_steps": 2, "checkpoint.every": 2})})
+        assert not launched.is_error, error_text(launched)
+        run_id = launched.structured_content["run_id"]
+        assert wait_final(root / "runs" / run_id, timeout=240).status == rd.COMPLETED
+        snapshot = root / "runs" / run_id / "recipe" / "recipe.py"
+        snapshot.write_text(snapshot.read_text() + f"\nimport pathlib\npathlib.Path({str(marker)!r}).write_text('x')\n")
+        runs_before = sorted(p.name for p in (root / "runs").iterdir())
+        result = client.call("resume_checkpoint", {"run_id": run_id})
+        message = error_text(result)
+        assert result.is_error, f"an edited snapshot was resumed as {run_id}'s code: {message[:300]}"
+        assert "bad_input:" in message and "code='head'" in message, message
+        assert sorted(p.name for p in (root / "runs").iterdir()) == runs_before
+    assert not marker.exists()

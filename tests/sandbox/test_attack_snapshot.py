@@ -46,16 +46,36 @@ def test_a_recipe_folder_the_snapshot_refuses_leaves_no_run_behind(tmp_path, sha
         _deep(recipe, 1500)
     else:
         _many(recipe, 2100)
+    limit = sys.getrecursionlimit()
     sys.setrecursionlimit(10_000)  # this test's own walks (the hash, the clean-up) go 1,500 deep
+    try:
+        with live_client(build_server(root)) as client:
+            # git refreshes its index's stat cache when it looks for uncommitted changes; the empty
+            # runs/ folder is the server's state.
+            ignored = (AUDIT, Path(".git") / "index", Path("runs"))
+            before = tree_hash(root, exclude=ignored)
+            result = client.call("launch_run", {"recipe": "recipes/odd", "overrides": {"train.max_steps": 1}})
+            message = error_text(result)
+            assert result.is_error, message
+            assert "bad_input:" in message and "internal" not in message, message
+            assert tree_hash(root, exclude=ignored) == before, "a refused launch changed files"
+            assert not (root / "runs").exists() or not any((root / "runs").iterdir()), "a run directory was left"
+    finally:  # pytest's own clean-up of its temporary folders would not get 1,500 levels down
+        shutil.rmtree(root)
+        sys.setrecursionlimit(limit)
+
+
+def test_a_recipe_file_cannot_pose_as_the_record_of_uncommitted_changes(tmp_path):
+    """runs/<id>/recipe/uncommitted.patch is what a reviewer reads as the diff a run had: a
+    committed file of that name in a clean recipe would be copied there as a fake one."""
+    from sandbox import git as sandbox_git
+
+    root = make_workspace(tmp_path / "ws")
+    fake = root / "recipes" / "lm" / "uncommitted.patch"
+    fake.write_text("--- a/recipe.py\n+++ b/recipe.py\n@@ -1 +1 @@\n-harmless\n+harmless\n")
+    sandbox_git.commit_paths(sandbox_git.open_repo(root), [fake], "a file named like the record", [])
     with live_client(build_server(root)) as client:
-        # git refreshes its index's stat cache when it looks for uncommitted changes; the empty
-        # runs/ folder is the server's state.
-        ignored = (AUDIT, Path(".git") / "index", Path("runs"))
-        before = tree_hash(root, exclude=ignored)
-        result = client.call("launch_run", {"recipe": "recipes/odd", "overrides": {"train.max_steps": 1}})
-        message = error_text(result)
-        assert result.is_error, message
-        assert "bad_input:" in message and "internal" not in message, message
-        assert tree_hash(root, exclude=ignored) == before, "a refused launch changed files"
-        assert not (root / "runs").exists() or not any((root / "runs").iterdir()), "a run directory was left"
-    shutil.rmtree(root)
+        result = client.call("launch_run", {"recipe": "recipes/lm", "overrides": {"train.max_steps": 1}})
+    message = error_text(result)
+    assert result.is_error and "bad_input:" in message and "uncommitted.patch" in message, message
+    assert not (root / "runs").exists() or not any((root / "runs").iterdir())
