@@ -151,8 +151,8 @@ def start_run(
     return the first run record.
 
     ``verdict`` is :func:`check_launch`'s; ``threads`` pins the run's thread count (a resume
-    passes the original run's); ``expected_digest``: the snapshot must hash to this (a resume
-    of a run's code), or nothing is started.
+    passes the original run's); ``expected_digest``: :func:`~sandbox.provenance.snapshot_digest`
+    of ``code_dir`` when it was checked; a snapshot that differs starts nothing.
     """
     threads = threads or threads_per_process(nproc, limits.threads_per_process)
     warnings = list(warnings or [])
@@ -192,10 +192,15 @@ def start_run(
     runs_root.mkdir(parents=True, exist_ok=True)
     run_id, run_dir = _create_run_dir(runs_root, recipe_label, record)
     try:
-        snapshot = write_snapshot(code_dir, run_dir, origin if code_from != "checkpoint" else None, files)
+        snapshot = write_snapshot(code_dir, run_dir, None, files)
+        if expected_digest is not None and snapshot_digest(snapshot) != expected_digest:
+            raise BadInput(
+                f"the code of {recipe_label} changed after it was checked (the check's verdict, config and "
+                "data summary would not describe the run); launch again once it stops changing"
+            )
+        if code_from != "checkpoint" and origin.patch:
+            (snapshot / rd.UNCOMMITTED_PATCH).write_text(origin.patch)
         digest = snapshot_digest(snapshot)
-        if expected_digest is not None and digest != expected_digest:
-            raise BadInput(f"the code of {recipe_label} changed while the run was being created; try again")
     except BaseException:
         shutil.rmtree(run_dir, ignore_errors=True)  # nothing started: leave nothing behind
         raise

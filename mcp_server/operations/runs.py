@@ -30,7 +30,7 @@ from mcp_server.models import (
 from mcp_server.operations import history
 from sandbox import runs as sandbox_runs
 from sandbox.paths import confine_config
-from sandbox.provenance import CodeOrigin, check_snapshot_unchanged, code_description, recipe_origin
+from sandbox.provenance import CodeOrigin, check_snapshot_unchanged, code_description, recipe_origin, snapshot_digest
 from sandbox.workspace import Workspace
 
 MAX_NPROC = max(8, os.cpu_count() or 1)
@@ -79,11 +79,12 @@ def launch_run(
     nproc = _check_nproc(nproc)
     flat = _checked_overrides(ws, overrides)
     limits, warnings = ws.run_limits_and_warnings() if limits is None else (limits, [])
+    checked = snapshot_digest(recipe_dir)  # the check imports the recipe: it may change itself
     verdict = sandbox_runs.check_launch(ws.root, recipe_dir, nproc, override_args(flat), limits=limits)
     confine_config(ws.root, verdict["config"])
     record = sandbox_runs.start_run(
         ws.root, ws.real_dir(ws.runs_dir), recipe_dir, ws.label(recipe_dir), nproc, flat, verdict,
-        origin=recipe_origin(ws.root, recipe_dir), limits=limits, warnings=warnings,
+        origin=recipe_origin(ws.root, recipe_dir), limits=limits, warnings=warnings, expected_digest=checked,
     )
     return _launch_result(ws, record)
 
@@ -159,6 +160,7 @@ def resume_checkpoint(
     flat = _checked_overrides(ws, overrides)
     limits, warnings = ws.run_limits_and_warnings() if limits is None else (limits, [])
     config_json = source_dir / rd.RUN_JSON
+    checked = snapshot_digest(code_dir)
     verdict = sandbox_runs.check_launch(
         ws.root, code_dir, nproc, override_args(flat), config_json=config_json, limits=limits
     )
@@ -172,7 +174,7 @@ def resume_checkpoint(
         limits=limits,
         warnings=warnings,
         threads=source.threads_per_process if same_shape else None,
-        expected_digest=source.snapshot_digest if code == "checkpoint" else None,
+        expected_digest=checked,
     )
     return _launch_result(ws, record)
 

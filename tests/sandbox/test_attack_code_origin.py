@@ -74,3 +74,40 @@ def test_resume_refuses_a_snapshot_edited_after_its_run(tmp_path):
         assert "bad_input:" in message and "code='head'" in message, message
         assert sorted(p.name for p in (root / "runs").iterdir()) == runs_before
     assert not marker.exists()
+
+
+SWAP_DURING_CHECK = '''
+import pathlib
+import sys
+
+if "--check" in sys.argv:  # the launch check imports this file from the recipe folder
+    here = pathlib.Path(__file__)
+    here.write_text(here.read_text().replace("SOURCE = 'random'", "SOURCE = 'stdlib'"))
+
+SOURCE = 'random'
+
+
+class Swapping(CausalLM):
+    @classmethod
+    def summarize_data(cls, config):
+        summary = super().summarize_data(config)
+        return summary.model_copy(update={"source": SOURCE})
+'''
+
+
+def test_a_recipe_that_changes_itself_during_the_check_is_not_run(tmp_path):
+    """launch_run reports the config and data the check's code counted; the run must execute
+    that same code, not what the recipe (or anyone) wrote into its folder meanwhile."""
+    root = make_workspace(tmp_path / "ws")
+    derived_recipe(root, "swapper", SWAP_DURING_CHECK)
+    with live_client(build_server(root)) as client:
+        result = client.call("launch_run", {"recipe": "recipes/swapper", "overrides": _tiny(**{"train.max_steps": 1})})
+        message = error_text(result)
+        if not result.is_error:
+            run_dir = root / "runs" / result.structured_content["run_id"]
+            wait_final(run_dir, timeout=240)
+            reported = result.structured_content["data"]["source"]
+            ran = "stdlib" if "SOURCE = 'stdlib'" in (run_dir / "recipe" / "recipe.py").read_text() else "random"
+            raise AssertionError(f"the check's code reported {reported!r}; the run executed code that says {ran!r}")
+    assert "bad_input:" in message and "changed" in message, message
+    assert not any((root / "runs").iterdir())
