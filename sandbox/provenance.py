@@ -67,7 +67,8 @@ def recipe_origin(workspace: Path, recipe_dir: Path) -> CodeOrigin:
 
 def snapshot_files(source: Path) -> list[Path]:
     """The files of ``source`` a snapshot holds (relative paths): code and configuration, not
-    caches, links or large files."""
+    caches, links or large files. A Python file or ``config.yaml`` that is a link or too large
+    is refused: the run would not have it."""
     chosen: list[Path] = []
     total = 0
     for folder, dirs, files in os.walk(source):
@@ -77,6 +78,14 @@ def snapshot_files(source: Path) -> list[Path]:
                            "keep code in a shallow tree and data outside it (data.paths)")
         for name in sorted(files):
             path = Path(folder) / name
+            code = name.endswith(".py") or name == "config.yaml"
+            if code and (path.is_symlink() or (path.is_file() and path.stat().st_size > MAX_SNAPSHOT_FILE_BYTES)):
+                # The check would import it, the run would not find it (or find another module).
+                raise BadInput(
+                    f"{path.relative_to(source)} in the recipe is a link or larger than "
+                    f"{MAX_SNAPSHOT_FILE_BYTES // 2**20} MiB, so a run's snapshot cannot hold it; "
+                    "make it a real, smaller file in the recipe folder"
+                )
             if path.is_symlink() or not path.is_file() or name.endswith((".pyc", ".pyo")):
                 continue
             size = path.stat().st_size

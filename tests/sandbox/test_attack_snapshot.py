@@ -79,3 +79,27 @@ def test_a_recipe_file_cannot_pose_as_the_record_of_uncommitted_changes(tmp_path
     message = error_text(result)
     assert result.is_error and "bad_input:" in message and "uncommitted.patch" in message, message
     assert not (root / "runs").exists() or not any((root / "runs").iterdir())
+
+
+@pytest.mark.parametrize("shape", ["linked module", "huge module", "linked config"])
+def test_code_the_snapshot_would_leave_out_is_refused_at_launch(tmp_path, shape):
+    """The check imports the recipe folder, the run its snapshot: a module the snapshot skips (a
+    link, a file over its size cap) was there for the check and missing, or another, in the run."""
+    root = make_workspace(tmp_path / "ws")
+    recipe = root / "recipes" / "lm"
+    (root / "lib").mkdir()
+    (root / "lib" / "helper.py").write_text("VALUE = 1\n")
+    if shape == "linked module":
+        (recipe / "helper.py").symlink_to("../../lib/helper.py")
+    elif shape == "huge module":
+        (recipe / "helper.py").write_text("VALUE = 1\n" + "#" * (3 * 2**20) + "\n")
+    else:
+        (root / "lib" / "config.yaml").write_text((recipe / "config.yaml").read_text())
+        (recipe / "config.yaml").unlink()
+        (recipe / "config.yaml").symlink_to("../../lib/config.yaml")
+    with live_client(build_server(root)) as client:
+        result = client.call("launch_run", {"recipe": "recipes/lm", "overrides": {"train.max_steps": 1}})
+    message = error_text(result)
+    assert result.is_error and "bad_input:" in message, message
+    assert ("helper.py" if "module" in shape else "config.yaml") in message, message
+    assert not (root / "runs").exists() or not any((root / "runs").iterdir())
