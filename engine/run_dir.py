@@ -25,6 +25,7 @@ import contextlib
 import datetime as _dt
 import fcntl
 import json
+import math
 import os
 import re
 import secrets
@@ -332,6 +333,18 @@ class MetricRecord(BaseModel):
 MAX_METRICS_LINE_BYTES = 1 << 20
 MAX_METRICS_DEPTH = 8
 METRICS_WINDOW_BYTES = 16 << 20
+
+
+def finite_number(value: Any) -> float | None:
+    """A metrics value as a finite float, or None: a recipe may log anything, also integers too
+    large for a float (``10**400``), strings, booleans and non-finite values."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    try:
+        value = float(value)
+    except OverflowError:
+        return None
+    return value if math.isfinite(value) else None
 
 
 def read_metrics_tail(

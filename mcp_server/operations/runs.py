@@ -7,7 +7,6 @@ they see every run as it is, also runs started before this process.
 from __future__ import annotations
 
 import json
-import math
 import os
 from pathlib import Path
 from typing import Any
@@ -319,13 +318,7 @@ def _summary(ws: Workspace, run_id: str) -> RunSummary:
 
 def _number(value: Any) -> float | None:
     """A finite number from run output, or None (a recipe may log anything)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return None
-    try:
-        value = float(value)
-    except OverflowError:
-        return None
-    return value if math.isfinite(value) else None
+    return rd.finite_number(value)
 
 
 def tail_metrics(

@@ -9,7 +9,6 @@ workspace modules that are in no snapshot, no commit and no dirty flag.
 
 from __future__ import annotations
 
-from pathlib import Path
 
 from mcp_server.server import build_server
 from tests.sandbox.helpers import derived_recipe, error_text, live_client, make_workspace, wait_final
