@@ -61,6 +61,12 @@ def recipe_origin(workspace: Path, recipe_dir: Path) -> CodeOrigin:
         return CodeOrigin(git_commit=None, recipe_dirty=None)
     commit = sandbox_git.head_commit(workspace)
     dirty = sandbox_git.uncommitted(repo, recipe_dir)
+    # The snapshot copies what git ignores too (a .gitignore or .git/info/exclude rule): code and
+    # config among those run, and no commit holds them. (Ignored data is not code: not counted.)
+    copied = {(Path(recipe_dir) / f).resolve() for f in snapshot_files(recipe_dir)
+              if f.suffix == ".py" or f.name == "config.yaml"}
+    root = sandbox_git.worktree(repo)
+    dirty += [name for name in sandbox_git.ignored_files(repo, recipe_dir) if (root / name).resolve() in copied]
     patch = sandbox_git.diff_against_head(repo, recipe_dir, dirty) if dirty else ""
     return CodeOrigin(git_commit=commit, recipe_dirty=bool(dirty), dirty_files=dirty[:MAX_DIRTY_SHOWN], patch=patch)
 

@@ -110,3 +110,22 @@ def test_a_recipe_that_changes_itself_during_the_check_is_not_run(tmp_path):
             raise AssertionError(f"the check's code reported {reported!r}; the run executed code that says {ran!r}")
     assert "bad_input:" in message and "changed" in message, message
     assert not any((root / "runs").iterdir())
+
+
+def test_a_git_ignored_file_the_snapshot_holds_makes_the_recipe_dirty(tmp_path):
+    """The snapshot copies every file of the recipe folder, so one git ignores (here through
+    .git/info/exclude, which no commit shows) runs too: it must not run under "clean at commit"."""
+    root = make_workspace(tmp_path / "ws")
+    (root / ".git" / "info").mkdir(exist_ok=True)
+    with open(root / ".git" / "info" / "exclude", "a") as f:
+        f.write("recipes/lm/local_settings.py\n")
+    (root / "recipes" / "lm" / "local_settings.py").write_text("LR = 1.0\n")
+    with live_client(build_server(root)) as client:
+        result = client.call("launch_run", {"recipe": "recipes/lm", "overrides": _tiny(**{"train.max_steps": 1})})
+        assert not result.is_error, error_text(result)
+        run_dir = root / "runs" / result.structured_content["run_id"]
+        wait_final(run_dir, timeout=240)
+        info = client.call("get_run", {"run_id": run_dir.name}).structured_content
+    assert (run_dir / "recipe" / "local_settings.py").is_file()
+    assert info["recipe_dirty"] is True and "local_settings.py" in info["code"], info["code"]
+    assert "local_settings.py" in (run_dir / "recipe" / "uncommitted.patch").read_text()
