@@ -148,7 +148,9 @@ class AuditedServer(MCPServer):
         except ToolError as e:
             if isinstance(e.__cause__, AuditedToolError):
                 raise
-            message = "bad_input: " + redact(str(e))  # schema validation: it may echo the input
+            text = redact(str(e))  # schema validation: it may echo the input
+            prefix = f"Error executing tool {name}: "
+            message = prefix + "bad_input: " + (text[len(prefix):] if text.startswith(prefix) else text)
             self.tools.audit.record(str(name)[:100], arguments, "error", error=message)
             raise ToolError(message) from None
 

@@ -27,5 +27,6 @@ def test_every_refusal_names_its_kind(client, tool, arguments, kind):
     result = client.call(tool, arguments)
     message = error_text(result)
     assert result.is_error
-    text = message.split(": ", 1)[1] if message.startswith("Error executing tool") else message
+    prefix = f"Error executing tool {tool}: "
+    text = message[len(prefix):] if message.startswith(prefix) else message
     assert text.startswith(f"{kind}:"), message[:300]
