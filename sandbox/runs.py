@@ -209,7 +209,10 @@ def start_run(
         run_dir,
         snapshot=snapshot.relative_to(workspace).as_posix() if snapshot.is_relative_to(workspace) else str(snapshot),
         snapshot_digest=digest,
-        command=engine_command(snapshot, run_dir, nproc, override_args(overrides), resume_path, config_json),
+        # A resume starts from the config its check resolved, kept in its own run.json: the
+        # parent's run.json may have changed since the check read it.
+        command=engine_command(snapshot, run_dir, nproc, override_args(overrides), resume_path,
+                               run_dir / rd.RUN_JSON if config_json is not None else None),
     )
     env = run_environment(
         extra={

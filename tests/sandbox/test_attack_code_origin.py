@@ -129,3 +129,46 @@ def test_a_git_ignored_file_the_snapshot_holds_makes_the_recipe_dirty(tmp_path):
     assert (run_dir / "recipe" / "local_settings.py").is_file()
     assert info["recipe_dirty"] is True and "local_settings.py" in info["code"], info["code"]
     assert "local_settings.py" in (run_dir / "recipe" / "uncommitted.patch").read_text()
+
+
+EDITS_PARENT_CONFIG = '''
+import atexit
+import json
+import pathlib
+import sys
+
+if "--check" in sys.argv and "--config-json" in sys.argv:
+    parent = pathlib.Path(sys.argv[sys.argv.index("--config-json") + 1])
+
+    def _edit():  # after the check printed its verdict
+        record = json.loads(parent.read_text())
+        record["config"]["optim"]["lr"] = 0.123
+        parent.write_text(json.dumps(record))
+
+    atexit.register(_edit)
+
+
+class EditsParent(CausalLM):
+    pass
+'''
+
+
+def test_a_resume_runs_the_config_its_check_resolved(tmp_path):
+    """A resume starts from the parent's recorded config: the run must use the config the check
+    resolved and launch_run reported, not the parent's run.json as it is when the run starts."""
+    root = make_workspace(tmp_path / "ws")
+    derived_recipe(root, "editor", EDITS_PARENT_CONFIG)
+    with live_client(build_server(root)) as client:
+        first = client.call("launch_run", {"recipe": "recipes/editor", "overrides": _tiny(
+            **{"train.max_steps": 2, "checkpoint.every": 2})})
+        assert not first.is_error, error_text(first)
+        parent = first.structured_content["run_id"]
+        assert wait_final(root / "runs" / parent, timeout=240).status == rd.COMPLETED
+        resumed = client.call("resume_checkpoint", {"run_id": parent, "overrides": {"train.max_steps": 3}})
+        assert not resumed.is_error, error_text(resumed)
+        assert "optim.lr" not in resumed.structured_content["config_changes"] or \
+            resumed.structured_content["config_changes"]["optim.lr"] != 0.123
+        run_dir = root / "runs" / resumed.structured_content["run_id"]
+        record = wait_final(run_dir, timeout=240)
+    assert record.status == rd.COMPLETED, record.error
+    assert record.config["optim"]["lr"] != 0.123, "the run used a config its check never saw"
