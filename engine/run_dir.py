@@ -25,6 +25,7 @@ import contextlib
 import datetime as _dt
 import fcntl
 import json
+import math
 import os
 import re
 import secrets
@@ -174,7 +175,9 @@ class RunRecord(BaseModel):
     id: str = Field(description="The run id: <UTC time>-<recipe>-<random>.")
     recipe: str = Field("", description="The recipe as launched, relative to the workspace.")
     snapshot: str | None = Field(None, description="The folder of the code that ran (runs/<id>/recipe).")
-    snapshot_digest: str | None = Field(None, description="SHA-256 over the snapshot's files, taken at launch.")
+    snapshot_digest: str | None = Field(
+        None, description="sha256 of the snapshot's files as written at launch; a resume of its code checks it."
+    )
     code_from: Literal["recipe", "checkpoint", "head"] = Field(
         "recipe",
         description="recipe: the recipe folder at launch; checkpoint: the code of the run resumed "
@@ -345,6 +348,18 @@ class MetricRecord(BaseModel):
 MAX_METRICS_LINE_BYTES = 1 << 20
 MAX_METRICS_DEPTH = 8
 METRICS_WINDOW_BYTES = 16 << 20
+
+
+def finite_number(value: Any) -> float | None:
+    """A metrics value as a finite float, or None: a recipe may log anything, also integers too
+    large for a float (``10**400``), strings, booleans and non-finite values."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    try:
+        value = float(value)
+    except OverflowError:
+        return None
+    return value if math.isfinite(value) else None
 
 
 def read_metrics_tail(

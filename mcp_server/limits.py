@@ -51,3 +51,17 @@ def bounded_mapping(values: dict[str, Any], limit: int) -> dict[str, Any]:
         kept[key] = value
     kept["…"] = f"{len(values) - len(kept)} more not shown"
     return kept
+
+
+def cut_strings(value: Any, limit: int, keep: frozenset[str] = frozenset()) -> Any:
+    """``value`` with every string longer than ``limit`` cut (keys too), and every list to its
+    first 20 items, at any depth; the top-level keys in ``keep`` are left as they are (fields
+    their producer already bounded)."""
+    if isinstance(value, str):
+        return bounded(value, limit)[0]
+    if isinstance(value, list):
+        items = [cut_strings(v, limit) for v in value[:20]]
+        return items + [f"… {len(value) - 20} more"] if len(value) > 20 else items
+    if isinstance(value, dict):
+        return {bounded(str(k), limit)[0]: (v if k in keep else cut_strings(v, limit)) for k, v in value.items()}
+    return value

@@ -111,7 +111,7 @@ class Tools:
             result = redact_model(result)
         size = json_chars(result.model_dump(mode="json")) if hasattr(result, "model_dump") else 0
         if size > MAX_RESULT_CHARS:
-            self.refuse(tool, arguments, f"the result is too large ({size:,} characters, at most "
+            self.refuse(tool, arguments, f"bad_input: the result is too large ({size:,} characters, at most "
                         f"{MAX_RESULT_CHARS:,}); ask for less (a smaller n or limit)")
         self.audit.record(
             tool, arguments, "ok",
@@ -135,12 +135,12 @@ class AuditedServer(MCPServer):
     async def call_tool(self, name: str, arguments: dict[str, Any], context: Context | None = None):
         size = json_chars(arguments)
         if size > MAX_ARGUMENTS_CHARS:
-            message = f"the arguments are too large ({size:,} characters, at most {MAX_ARGUMENTS_CHARS:,})"
+            message = f"bad_input: the arguments are too large ({size:,} characters, at most {MAX_ARGUMENTS_CHARS:,})"
             self.tools.audit.record(str(name)[:100], {"size": size}, "error", error=message)
             raise ToolError(message)
         if self._tool_manager.get_tool(name) is None:
             shown = name if len(name) <= 80 else name[:80] + "…"
-            message = f"unknown tool {shown!r}; tools: {', '.join(sorted(t.name for t in await self.list_tools()))}"
+            message = f"not_found: unknown tool {shown!r}; tools: {', '.join(sorted(t.name for t in await self.list_tools()))}"
             self.tools.audit.record(str(name)[:100], arguments, "error", error=message)
             raise ToolError(message)
         try:
@@ -148,7 +148,9 @@ class AuditedServer(MCPServer):
         except ToolError as e:
             if isinstance(e.__cause__, AuditedToolError):
                 raise
-            message = redact(str(e))  # unknown tool, schema validation: they may echo the input
+            text = redact(str(e))  # schema validation: it may echo the input
+            prefix = f"Error executing tool {name}: "
+            message = prefix + "bad_input: " + (text[len(prefix):] if text.startswith(prefix) else text)
             self.tools.audit.record(str(name)[:100], arguments, "error", error=message)
             raise ToolError(message) from None
 

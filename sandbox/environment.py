@@ -9,6 +9,10 @@ exact name — in ``runs.pass_env`` of ``.trainwright/config.yaml`` or in the se
 Every run also gets ``OMP_NUM_THREADS`` set explicitly (from the server's environment, the
 config, or CPU cores / processes), and the value is recorded in ``run.json``, so a resumed run
 computes with the same thread count: on CPU that is what makes a resume bit-identical.
+
+``PYTHONSAFEPATH`` keeps the working directory (the workspace) off ``sys.path``: a run imports
+trainwright from its installation and the recipe from its snapshot, nothing else from the
+workspace.
 """
 
 from __future__ import annotations
@@ -65,6 +69,12 @@ def run_environment(
         elif any(fnmatch.fnmatchcase(name, pattern) for pattern in ALLOWED) and not looks_secret(name):
             env[name] = value
     env["PYTHONUNBUFFERED"] = "1"
+    # Runs and checks start in the workspace; Python would put that folder first on sys.path
+    # for ``python -m``, so a ``sandbox/`` or ``engine/`` package written there would run in
+    # place of trainwright's, and a recipe could import workspace code that no snapshot holds.
+    # The recipe's own folder is put on sys.path by the engine. (Python >= 3.11; torchrun's
+    # workers inherit it.)
+    env["PYTHONSAFEPATH"] = "1"
     env.update(extra or {})
     return env
 

@@ -116,6 +116,12 @@ def uncommitted(repo: git.Repo, path: Path) -> list[str]:
     return [line[3:] for line in out.splitlines() if line.strip()]
 
 
+def ignored_files(repo: git.Repo, path: Path) -> list[str]:
+    """Untracked files under ``path`` that git ignores (each file, not its folder)."""
+    out = repo.git.ls_files("--others", "--ignored", "--exclude-standard", "--", _rel(repo, path))
+    return [line for line in out.splitlines() if line.strip()]
+
+
 def diff_against_head(repo: git.Repo, path: Path, dirty: list[str] | None = None) -> str:
     """The uncommitted changes under ``path`` as one patch: tracked files against HEAD, and
     each untracked file as a new file."""

@@ -30,6 +30,7 @@ from sandbox import git as sandbox_git
 MAX_SNAPSHOT_FILE_BYTES = 2 * 2**20
 MAX_SNAPSHOT_BYTES = 32 * 2**20
 MAX_SNAPSHOT_FILES = 2000
+MAX_SNAPSHOT_DEPTH = 32
 MAX_DIRTY_SHOWN = 20
 _SKIPPED_DIRS = {"__pycache__", ".git", ".ipynb_checkpoints", ".mypy_cache", ".pytest_cache", ".ruff_cache"}
 
@@ -49,7 +50,7 @@ class CodeOrigin:
             return "not in a git repository"
         text = f"commit {self.git_commit[:10]}"
         if self.recipe_dirty:
-            text += f" + uncommitted changes ({', '.join(self.dirty_files[:5])})"
+            text += f" + uncommitted changes ({', '.join(_short(f) for f in self.dirty_files[:5])})"
         return text
 
 
@@ -60,19 +61,37 @@ def recipe_origin(workspace: Path, recipe_dir: Path) -> CodeOrigin:
         return CodeOrigin(git_commit=None, recipe_dirty=None)
     commit = sandbox_git.head_commit(workspace)
     dirty = sandbox_git.uncommitted(repo, recipe_dir)
+    # The snapshot copies what git ignores too (a .gitignore or .git/info/exclude rule): code and
+    # config among those run, and no commit holds them. (Ignored data is not code: not counted.)
+    copied = {(Path(recipe_dir) / f).resolve() for f in snapshot_files(recipe_dir)
+              if f.suffix == ".py" or f.name == "config.yaml"}
+    root = sandbox_git.worktree(repo)
+    dirty += [name for name in sandbox_git.ignored_files(repo, recipe_dir) if (root / name).resolve() in copied]
     patch = sandbox_git.diff_against_head(repo, recipe_dir, dirty) if dirty else ""
     return CodeOrigin(git_commit=commit, recipe_dirty=bool(dirty), dirty_files=dirty[:MAX_DIRTY_SHOWN], patch=patch)
 
 
 def snapshot_files(source: Path) -> list[Path]:
     """The files of ``source`` a snapshot holds (relative paths): code and configuration, not
-    caches, links or large files."""
+    caches, links or large files. A Python file or ``config.yaml`` that is a link or too large
+    is refused: the run would not have it."""
     chosen: list[Path] = []
     total = 0
     for folder, dirs, files in os.walk(source):
         dirs[:] = sorted(d for d in dirs if d not in _SKIPPED_DIRS and not os.path.islink(os.path.join(folder, d)))
+        if dirs and len(Path(folder).relative_to(source).parts) >= MAX_SNAPSHOT_DEPTH:
+            raise BadInput(f"the recipe folder nests folders deeper than {MAX_SNAPSHOT_DEPTH} levels; "
+                           "keep code in a shallow tree and data outside it (data.paths)")
         for name in sorted(files):
             path = Path(folder) / name
+            code = name.endswith(".py") or name == "config.yaml"
+            if code and (path.is_symlink() or (path.is_file() and path.stat().st_size > MAX_SNAPSHOT_FILE_BYTES)):
+                # The check would import it, the run would not find it (or find another module).
+                raise BadInput(
+                    f"{path.relative_to(source)} in the recipe is a link or larger than "
+                    f"{MAX_SNAPSHOT_FILE_BYTES // 2**20} MiB, so a run's snapshot cannot hold it; "
+                    "make it a real, smaller file in the recipe folder"
+                )
             if path.is_symlink() or not path.is_file() or name.endswith((".pyc", ".pyo")):
                 continue
             size = path.stat().st_size
@@ -88,27 +107,39 @@ def snapshot_files(source: Path) -> list[Path]:
     return chosen
 
 
-def snapshot_digest(snapshot: Path) -> str:
-    """One SHA-256 over a snapshot's file names and contents: a resume with the checkpoint's
-    code checks that the snapshot is still what its run executed."""
-    digest = hashlib.sha256()
-    for relative in snapshot_files(snapshot):
-        digest.update(relative.as_posix().encode() + b"\0")
-        digest.update(hashlib.sha256((snapshot / relative).read_bytes()).digest())
-    return digest.hexdigest()
-
-
-def write_snapshot(source: Path, run_dir: Path, origin: CodeOrigin | None = None) -> Path:
-    """Copy ``source`` (a recipe folder, or another run's snapshot) to ``run_dir/recipe``."""
+def write_snapshot(
+    source: Path, run_dir: Path, origin: CodeOrigin | None = None, files: list[Path] | None = None
+) -> Path:
+    """Copy ``source`` (a recipe folder, or another run's snapshot) to ``run_dir/recipe``;
+    ``files``: :func:`snapshot_files` of ``source``, when the caller checked it first."""
     destination = Path(run_dir) / rd.SNAPSHOT_DIRNAME
     destination.mkdir()
-    for relative in snapshot_files(source):
+    for relative in snapshot_files(source) if files is None else files:
         target = destination / relative
         target.parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(source / relative, target)
     if origin is not None and origin.patch:
         (destination / rd.UNCOMMITTED_PATCH).write_text(origin.patch)
     return destination
+
+
+def snapshot_digest(folder: Path) -> str:
+    """sha256 over the names and contents of the files a snapshot of ``folder`` holds."""
+    digest = hashlib.sha256()
+    for relative in snapshot_files(folder):
+        digest.update(relative.as_posix().encode() + b"\0")
+        digest.update(hashlib.sha256((folder / relative).read_bytes()).digest())
+    return digest.hexdigest()
+
+
+def check_snapshot_unchanged(record: rd.RunRecord, folder: Path) -> None:
+    """Refuse to run ``record``'s snapshot as that run's code if it changed since it was written."""
+    if record.snapshot_digest and snapshot_digest(folder) != record.snapshot_digest:
+        raise BadInput(
+            f"the code snapshot of run {record.id} ({rd.SNAPSHOT_DIRNAME}/ in its run directory) was changed "
+            "after the run started, so it is not the code its checkpoints were trained with; resume with "
+            "code='head' to run the recipe as it is now"
+        )
 
 
 def code_description(record: rd.RunRecord) -> str:
@@ -123,6 +154,11 @@ def code_description(record: rd.RunRecord) -> str:
     if record.git_commit:
         text += f" at commit {record.git_commit[:10]}"
     if record.recipe_dirty:
-        files = ", ".join(record.dirty_files[:5]) or "the recipe"
+        files = ", ".join(_short(f) for f in record.dirty_files[:5]) or "the recipe"
         text += f" + uncommitted changes ({files}; the diff: runs/{record.id}/recipe/{rd.UNCOMMITTED_PATCH})"
     return text
+
+
+def _short(name: str, limit: int = 120) -> str:
+    """A file name as shown in one line (a recipe may nest folders deep)."""
+    return name if len(name) <= limit else "…" + name[-(limit - 1):]

@@ -23,6 +23,7 @@ import fcntl
 import json
 import os
 import secrets
+import shutil
 import signal
 import subprocess
 import sys
@@ -41,7 +42,7 @@ from sandbox.config import RunLimits, capacity
 from sandbox.environment import THREADS_VARIABLE, run_environment, threads_per_process
 from sandbox.network import LOOPBACK_ENV
 from sandbox.processes import RUN_ID_VARIABLE, apply_limits, descendants, end_processes, marked
-from sandbox.provenance import CodeOrigin, snapshot_digest, write_snapshot
+from sandbox.provenance import CodeOrigin, snapshot_digest, snapshot_files, write_snapshot
 
 __all__ = ["LaunchRefused", "RunLimits", "check_capacity", "check_launch", "engine_command", "start_run", "stop_run"]
 
@@ -196,16 +197,18 @@ def start_run(
     limits: RunLimits = RunLimits(),
     threads: int | None = None,
     warnings: list[str] | None = None,
+    expected_digest: str | None = None,
 ) -> rd.RunRecord:
     """Create the run directory with a snapshot of ``code_dir`` and spawn its supervisor;
     return the first run record.
 
     ``verdict`` is :func:`check_launch`'s; ``threads`` pins the run's thread count (a resume
-    passes the original run's). The run's sandbox shows the workspace read-only without git's,
-    trainwright's and other runs' folders, its own run directory read-write, and its code
-    snapshot read-only; what it shows is recorded in ``run.json`` (``sandbox``). Refused with
-    :class:`LaunchRefused` when the workspace's caps on concurrent runs or processes would be
-    exceeded.
+    passes the original run's); ``expected_digest``: :func:`~sandbox.provenance.snapshot_digest`
+    of ``code_dir`` when it was checked; a snapshot that differs starts nothing. The run's
+    sandbox shows the workspace read-only without git's, trainwright's and other runs' folders,
+    its own run directory read-write, and its code snapshot read-only; what it shows is recorded
+    in ``run.json`` (``sandbox``). Refused with :class:`LaunchRefused` when the workspace's caps
+    on concurrent runs or processes would be exceeded.
     """
     threads = threads or threads_per_process(nproc, limits.threads_per_process)
     warnings = list(warnings or [])
@@ -235,19 +238,40 @@ def start_run(
         workspace=str(workspace),
         warnings=warnings,
     )
+    files = snapshot_files(code_dir)  # a folder the snapshot cannot hold is refused before any write
+    if code_from != "checkpoint" and Path(rd.UNCOMMITTED_PATCH) in files:
+        # Only a snapshot's own record of uncommitted changes may have that name: a recipe's file
+        # would read as a diff the run never had.
+        raise BadInput(f"{recipe_label}/{rd.UNCOMMITTED_PATCH}: a run's snapshot keeps the recipe's uncommitted "
+                       "changes under that name; rename the file")
     runs_root = Path(runs_root)
     runs_root.mkdir(parents=True, exist_ok=True)
     with capacity_lock(runs_root):  # two launches at once cannot both take the last place
         check_capacity(runs_root, nproc, limits)
         run_id, run_dir = _create_run_dir(runs_root, recipe_label, record)
-    snapshot = write_snapshot(code_dir, run_dir, origin if code_from != "checkpoint" else None)
+    try:
+        snapshot = write_snapshot(code_dir, run_dir, None, files)
+        if expected_digest is not None and snapshot_digest(snapshot) != expected_digest:
+            raise BadInput(
+                f"the code of {recipe_label} changed after it was checked (the check's verdict, config and "
+                "data summary would not describe the run); launch again once it stops changing"
+            )
+        if code_from != "checkpoint" and origin.patch:
+            (snapshot / rd.UNCOMMITTED_PATCH).write_text(origin.patch)
+        digest = snapshot_digest(snapshot)
+    except BaseException:
+        shutil.rmtree(run_dir, ignore_errors=True)  # nothing started: leave nothing behind
+        raise
     resume_path = Path(resumed_from.path) if resumed_from else None
     visible = [Path(workspace), snapshot] + [p for p in (resume_path, config_json) if p is not None]
     rd.update_run(
         run_dir,
         snapshot=snapshot.relative_to(workspace).as_posix() if snapshot.is_relative_to(workspace) else str(snapshot),
-        snapshot_digest=snapshot_digest(snapshot),
-        command=engine_command(snapshot, run_dir, nproc, override_args(overrides), resume_path, config_json),
+        snapshot_digest=digest,
+        # A resume starts from the config its check resolved, kept in its own run.json: the
+        # parent's run.json may have changed since the check read it.
+        command=engine_command(snapshot, run_dir, nproc, override_args(overrides), resume_path,
+                               run_dir / rd.RUN_JSON if config_json is not None else None),
         sandbox=rd.SandboxView(
             bwrap=bwrap.find_bwrap(), read_only=[str(p) for p in visible], writable=[str(run_dir)],
             hidden=[str(p) for p in hidden_state(workspace)],

@@ -197,12 +197,13 @@ def run_note(record: rd.RunRecord, latest: dict | None) -> str:
     if latest:
         parts.append(f"step {latest.get('step')}/{record.max_steps or '?'}")
         loss = latest.get("loss")
-        if isinstance(loss, (int, float)):
-            parts.append(f"loss {loss:.4f}")
+        if rd.finite_number(loss) is not None:
+            parts.append(f"loss {rd.finite_number(loss):.4f}")
         elif isinstance(loss, str):  # metrics.jsonl writes non-finite losses as "nan" / "inf"
-            parts.append(f"loss {loss} (not finite)")
-        if isinstance(latest.get("tokens_per_s"), (int, float)):
-            parts.append(f"{latest['tokens_per_s']:,.0f} tokens/s")
+            parts.append(f"loss {loss[:20]} (not finite)")
+        tokens_per_s = rd.finite_number(latest.get("tokens_per_s"))
+        if tokens_per_s is not None:
+            parts.append(f"{tokens_per_s:,.0f} tokens/s")
     parts.append(f"recipe {record.recipe}, {record.world_size or record.nproc} process(es)")
     parts.append(code_description(record))
     if record.overrides:

@@ -14,7 +14,7 @@ from collections import Counter
 from pathlib import Path
 
 from engine import run_dir as rd
-from mcp_server.limits import text_bytes
+from mcp_server.limits import AGENT_BUDGET_CHARS, bounded, json_chars, text_bytes
 from mcp_server.models import ConfigField, RecipeDescription, RecipeList, RecipeSkill, RecipeSummary
 from sandbox import git as sandbox_git
 from sandbox.paths import RESERVED_DIRS
@@ -25,6 +25,7 @@ MAX_DESCRIBE_BYTES = 7_800  # the result as an agent reads it: under 8 KB
 DESCRIPTION_LIMITS = (160, 80, 40, 0)  # characters kept per description, tried in turn
 MAX_SKILLS_SHOWN = 50
 MAX_RECIPES = 100
+MAX_SUMMARY_FIELD_CHARS = 200  # a folder name, a commit subject
 MAX_SEARCH_DEPTH = 4
 MAX_FOLDERS_SEARCHED = 5_000
 MAX_RUNS_COUNTED = 10_000
@@ -131,12 +132,22 @@ def _runs_per_recipe(ws: Workspace) -> Counter:
 def list_recipes(ws: Workspace) -> RecipeList:
     folders, truncated = find_recipes(ws)
     runs = _runs_per_recipe(ws)
-    summaries = []
+    summaries: list[RecipeSummary] = []
+    budget = AGENT_BUDGET_CHARS - 200
     for folder in folders:
         template, last_commit, last_change, skills = _history(ws, folder)
         label = ws.label(folder)
-        summaries.append(RecipeSummary(
-            path=label, template=template, last_commit=last_commit, last_change=last_change,
+        summary = RecipeSummary(
+            path=_short(label), template=_short(template), last_commit=last_commit, last_change=_short(last_change),
             skills=len(skills), runs=runs[label],
-        ))
+        )
+        budget -= json_chars(summary.model_dump(mode="json")) + 1
+        if budget < 0:  # the call takes no limit: keep the first recipes that fit
+            truncated = True
+            break
+        summaries.append(summary)
     return RecipeList(recipes=summaries, truncated=truncated)
+
+
+def _short(text: str | None) -> str | None:
+    return bounded(text, MAX_SUMMARY_FIELD_CHARS)[0] if text else text

@@ -7,7 +7,6 @@ they see every run as it is, also runs started before this process.
 from __future__ import annotations
 
 import json
-import math
 import os
 from pathlib import Path
 from typing import Any
@@ -15,7 +14,7 @@ from typing import Any
 from engine import run_dir as rd
 from engine.config import Overrides, override_args, overrides_to_dict
 from engine.errors import BadInput, NotFound
-from mcp_server.limits import AGENT_BUDGET_CHARS, bounded, bounded_mapping, json_chars
+from mcp_server.limits import AGENT_BUDGET_CHARS, bounded, bounded_mapping, cut_strings, json_chars
 from mcp_server.models import (
     CheckpointInfo,
     CheckpointList,
@@ -30,7 +29,7 @@ from mcp_server.models import (
 from mcp_server.operations import history
 from sandbox import runs as sandbox_runs
 from sandbox.paths import confine_config
-from sandbox.provenance import CodeOrigin, code_description, recipe_origin, snapshot_digest
+from sandbox.provenance import CodeOrigin, check_snapshot_unchanged, code_description, recipe_origin, snapshot_digest
 from sandbox.workspace import Workspace
 
 MAX_NPROC = max(8, os.cpu_count() or 1)
@@ -44,6 +43,10 @@ MAX_ERROR_CHARS = 1000
 MAX_RECORD_CHARS = 1500
 MAX_SHOWN_WARNINGS, MAX_WARNING_CHARS = 5, 300
 MAX_CONFIG_CHARS = 1200
+# run.json is written by the run as well as by trainwright, and data paths come from a recipe's
+# config.yaml: every other text of a run, as returned, is cut to this many characters.
+MAX_FIELD_CHARS = 300
+MAX_DATA_PATHS_SHOWN = 5
 
 
 def _check_nproc(nproc: object) -> int:
@@ -76,21 +79,32 @@ def launch_run(
     flat = _checked_overrides(ws, overrides)
     limits, warnings = ws.run_limits_and_warnings() if limits is None else (limits, [])
     sandbox_runs.check_capacity(ws.runs_dir, nproc, limits)  # before the check's cost; again at start
+    checked = snapshot_digest(recipe_dir)  # the check imports the recipe: it may change itself
     verdict = sandbox_runs.check_launch(ws.root, recipe_dir, nproc, override_args(flat), limits=limits)
     confine_config(ws.root, verdict["config"])
     record = sandbox_runs.start_run(
         ws.root, ws.real_dir(ws.runs_dir), recipe_dir, ws.label(recipe_dir), nproc, flat, verdict,
-        origin=recipe_origin(ws.root, recipe_dir), limits=limits, warnings=warnings,
+        origin=recipe_origin(ws.root, recipe_dir), limits=limits, warnings=warnings, expected_digest=checked,
     )
     return _launch_result(ws, record)
 
 
 def _launch_result(ws: Workspace, record: rd.RunRecord) -> LaunchRunResult:
-    return LaunchRunResult(
+    return _bounded_fields(LaunchRunResult(
         run_id=record.id, status=record.status, run_dir=ws.label(ws.runs_dir / record.id),
         code=code_description(record), config_changes=bounded_mapping(record.config_changes, MAX_CONFIG_CHARS),
         data=_data(record), resumed_from=_resumed_from(ws, record), warnings=_shown_warnings(record.warnings),
-    )
+    ))
+
+
+_ALREADY_BOUNDED = frozenset({"error", "console_tail", "warnings", "overrides", "config_changes", "latest"})
+
+
+def _bounded_fields(result: Any) -> Any:
+    """``result`` (a pydantic model) with every text not bounded by its producer cut to
+    ``MAX_FIELD_CHARS``."""
+    dumped = result.model_dump(mode="json")
+    return type(result).model_validate(cut_strings(dumped, MAX_FIELD_CHARS, keep=_ALREADY_BOUNDED))
 
 
 CODE_CHOICES = ("checkpoint", "head")
@@ -137,11 +151,7 @@ def resume_checkpoint(
         code_dir = source_dir / rd.SNAPSHOT_DIRNAME
         if not (code_dir / "recipe.py").is_file():
             raise BadInput(f"run {run_id} kept no snapshot of its code; resume it with code='head'")
-        if source.snapshot_digest and snapshot_digest(code_dir) != source.snapshot_digest:
-            raise BadInput(
-                f"runs/{run_id}/recipe/ was changed after the run executed it, so it is not the "
-                "checkpoint's code any more; resume with code='head' to run the recipe as it is now"
-            )
+        check_snapshot_unchanged(source, code_dir)  # before the check imports it
         origin = CodeOrigin(source.git_commit, source.recipe_dirty, source.dirty_files)
     else:
         code_dir = ws.recipe(source.recipe)
@@ -151,6 +161,7 @@ def resume_checkpoint(
     limits, warnings = ws.run_limits_and_warnings() if limits is None else (limits, [])
     config_json = source_dir / rd.RUN_JSON
     sandbox_runs.check_capacity(ws.runs_dir, nproc, limits)
+    checked = snapshot_digest(code_dir)
     verdict = sandbox_runs.check_launch(
         ws.root, code_dir, nproc, override_args(flat), config_json=config_json, limits=limits
     )
@@ -164,6 +175,7 @@ def resume_checkpoint(
         limits=limits,
         warnings=warnings,
         threads=source.threads_per_process if same_shape else None,
+        expected_digest=checked,
     )
     return _launch_result(ws, record)
 
@@ -191,7 +203,7 @@ def get_run(ws: Workspace, run_id: str) -> RunInfo:
     console_tail = None
     if status == rd.FAILED:
         console_tail = _tail_text(run_dir / rd.CONSOLE_LOG, CONSOLE_TAIL_BYTES)
-    return RunInfo(
+    return _bounded_fields(RunInfo(
         run_id=record.id,
         status=status,
         recipe=record.recipe,
@@ -226,11 +238,18 @@ def get_run(ws: Workspace, run_id: str) -> RunInfo:
         isolation=record.isolation,
         isolation_note=record.isolation_note,
         limits=record.limits or None,
-    )
+    ))
 
 
 def _data(record: rd.RunRecord) -> dict[str, Any] | None:
-    return record.data.model_dump(mode="json") if record.data is not None else None
+    """The data summary as returned: the first paths (run.json keeps all of them)."""
+    if record.data is None:
+        return None
+    data = record.data.model_dump(mode="json")
+    paths = data.get("paths") or []
+    if len(paths) > MAX_DATA_PATHS_SHOWN:
+        data["paths"] = paths[:MAX_DATA_PATHS_SHOWN] + [f"… {len(paths) - MAX_DATA_PATHS_SHOWN} more (run.json)"]
+    return data
 
 
 def _shown_warnings(warnings: list[str]) -> list[str]:
@@ -303,13 +322,7 @@ def _summary(ws: Workspace, run_id: str) -> RunSummary:
 
 def _number(value: Any) -> float | None:
     """A finite number from run output, or None (a recipe may log anything)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return None
-    try:
-        value = float(value)
-    except OverflowError:
-        return None
-    return value if math.isfinite(value) else None
+    return rd.finite_number(value)
 
 
 def tail_metrics(

@@ -34,8 +34,8 @@ class Observation:
 
     def progress_message(self) -> str:
         message = f"step {self.step if self.step is not None else 0}/{self.max_steps or '?'}"
-        loss = (self.latest or {}).get("loss")
-        if isinstance(loss, (int, float)):
+        loss = rd.finite_number((self.latest or {}).get("loss"))
+        if loss is not None:
             message += f", loss {loss:.4f}"
         return message if not self.ended else f"{message} ({self.status})"
 

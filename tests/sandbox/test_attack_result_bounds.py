@@ -1,0 +1,34 @@
+"""The fields of a run that recipe code or a recipe's files choose (data paths from its
+config.yaml, the names of its changed files, what the run writes into its own run.json) keep
+get_run and launch_run under an agent's budget."""
+
+from __future__ import annotations
+
+import json
+
+from engine import run_dir as rd
+from mcp_server.limits import AGENT_BUDGET_CHARS
+from mcp_server.server import build_server
+from tests.sandbox.helpers import fake_run, live_client, make_workspace
+
+LONG_PATH = "data/" + "./" * 1900 + "a.txt"  # a valid path of 3,810 characters
+DEEP_FILE = "recipes/lm/" + "d" * 200 + "/" + "/".join(["e" * 200] * 15) + "/x.py"
+
+
+def test_get_run_stays_in_budget_whatever_run_json_holds(tmp_path):
+    root = make_workspace(tmp_path / "ws")
+    data = {"source": "files", "paths": [LONG_PATH] * 20, "files": 1, "documents": 1, "tokens": 2,
+            "train_documents": 1, "eval_documents": 0, "train_tokens": 2, "eval_tokens": 0,
+            "tokenizer": "t" * 5000}
+    run_id = "20260101-000000-lm-long"
+    fake_run(root, run_id, git_commit="a" * 40, recipe_dirty=True, dirty_files=[DEEP_FILE] * 20, data=data,
+             recipe="r" * 20_000, snapshot="s" * 20_000, network_note="n" * 20_000)
+    with live_client(build_server(root)) as client:
+        result = client.call("get_run", {"run_id": run_id})
+        assert not result.is_error, result.content
+        size = len(json.dumps(result.structured_content))
+        assert size <= AGENT_BUDGET_CHARS, f"get_run returned {size} characters"
+        out = result.structured_content
+        assert out["data"]["documents"] == 1 and out["recipe_dirty"] is True
+        assert "…" in out["code"] or len(out["code"]) < 1000
+        assert rd.read_run(root / "runs" / run_id).data.paths == [LONG_PATH] * 20  # run.json keeps all
