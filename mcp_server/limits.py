@@ -15,7 +15,7 @@ from typing import Any
 
 AGENT_BUDGET_CHARS = 8_000  # a default result, as JSON: ≈ 2k tokens
 MAX_DIFF_CHARS = 5_000
-MAX_DOC_CHARS = 6_500
+MAX_DOC_CHARS = 6_000
 MAX_RESULT_CHARS = 60_000  # ≈ 15–20k tokens of JSON, when the caller asks for more
 MAX_ERROR_CHARS = 2_000  # an error message (it may echo the caller's input)
 MAX_ARGUMENTS_CHARS = 100_000  # the arguments of one tool call, as JSON

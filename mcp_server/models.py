@@ -130,7 +130,7 @@ class SkillList(BaseModel):
 class SkillDetail(SkillSummary):
     skill_md: str = Field(description="The SKILL.md text: what it does, parameters, validation, by hand.")
     params_schema: dict[str, Any] = Field(description="JSON schema of the skill's parameters.")
-    truncated: bool = Field(False, description="True when skill_md was cut to fit.")
+    truncated: bool = Field(False, description="skill_md was cut to fit; the resource skill://<name> has all of it.")
 
 
 class ApplySkillResult(BaseModel):

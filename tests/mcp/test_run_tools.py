@@ -227,7 +227,7 @@ def test_the_run_resources_give_metrics_log_and_a_loss_curve(client, finished):
     assert f"[trainwright] run {run_id} completed (exit code 0)" in client.read_text(f"run://{run_id}/log")
     picture, mime_type = client.read_bytes(f"run://{run_id}/loss.png")
     assert mime_type == "image/png" and picture.startswith(b"\x89PNG\r\n\x1a\n")
-    assert client.read_error(f"run://{NO_RUN}/log") == f"no run '{NO_RUN}' in this workspace; list_runs shows the runs"
+    assert client.read_error(f"run://{NO_RUN}/log") == f"not_found: no run '{NO_RUN}' in this workspace; list_runs shows the runs"
 
 
 def test_stop_run_ends_a_running_run_and_all_its_processes(client, workspace, recipe):
@@ -264,7 +264,7 @@ def test_a_run_whose_engine_is_killed_is_failed_with_the_console_tail(client, wo
 )
 def test_an_unknown_run_is_a_tool_error_that_says_how_to_list_runs(client, tool):
     message = client.error(tool, run_id=NO_RUN)
-    assert message == f"Error executing tool {tool}: no run '{NO_RUN}' in this workspace; list_runs shows the runs"
+    assert message == f"Error executing tool {tool}: not_found: no run '{NO_RUN}' in this workspace; list_runs shows the runs"
 
 
 @pytest.mark.parametrize(

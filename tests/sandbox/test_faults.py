@@ -33,7 +33,9 @@ KILLS = 10
 
 @pytest.fixture
 def ws(tmp_path, monkeypatch):
-    monkeypatch.setattr(sandbox_runs, "check_launch", lambda *args, **kwargs: {})
+    # These runs are the engine's own: skip the launch check (its verdict: nothing to confine or report).
+    verdict = {"ok": True, "config": {}, "config_changes": {}, "data": None}
+    monkeypatch.setattr(sandbox_runs, "check_launch", lambda *args, **kwargs: verdict)
     return Workspace.open(make_workspace(tmp_path / "ws"))
 
 

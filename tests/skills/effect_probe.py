@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import os
 import runpy
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -84,10 +85,13 @@ def run_script(path: Path) -> Effects:
     ]
     torch.nn.Module.compile = compile_eagerly
     out = io.StringIO()
+    environ = dict(os.environ)  # a script may set MASTER_PORT and the like: later tests must not inherit them
     try:
         with contextlib.redirect_stdout(out):
             effects.globals = runpy.run_path(str(path), run_name="__main__")
     finally:
+        os.environ.clear()
+        os.environ.update(environ)
         torch.nn.Module.compile = original_compile
         for handle in handles:
             handle.remove()
