@@ -121,6 +121,11 @@ async def demo(workspace: Path, kill: bool) -> None:
         first = await agent.call("launch_run", recipe=recipe["path"], nproc=NPROC)
         run_id = first["run_id"]
         say(f"    run {run_id}: {first['status']} ({NPROC} processes, FSDP2), returned at once")
+        say(f"    {first['code']}")
+        data = first["data"] or {}
+        if data:
+            say(f"    data: {data['source']}, {data['documents']:,} documents, {data['tokens']:,} tokens "
+                "(counted before the run started)")
         every = CONFIG["checkpoint.every"]
         # Stop after the first record past a checkpoint, so the resumed run retraces logged steps.
         last = await agent.tail(run_id, None, lambda step, status: (step or 0) > every)
