@@ -105,24 +105,23 @@ def stages_after(recipe: Recipe, model: ModelAnchor) -> list[tuple[cst.BaseState
     following = body[body.index(model.statement) + 1 :]
     members = set(following)
     stage: dict[cst.CSTNode, int] = {}
+
+    def mark(node: cst.CSTNode, node_stage: int) -> None:
+        """Raise the stage of the statement after the model that holds ``node``."""
+        for ancestor in recipe.ancestors(node):
+            if ancestor in members:
+                stage[ancestor] = max(stage.get(ancestor, node_stage), node_stage)
+                return
+            if ancestor is model.suite:
+                return
+
     for call in recipe.calls():
         call_stage = stage_of_call(recipe, call, optimizers)
-        if call_stage is None:
-            continue
-        for ancestor in recipe.ancestors(call):
-            if ancestor in members:
-                stage[ancestor] = max(stage.get(ancestor, call_stage), call_stage)
-                break
-            if ancestor is model.suite:
-                break
+        if call_stage is not None:
+            mark(call, call_stage)
     for assign in recipe.assigns():  # model = Wrapper(model), model, opt = accelerator.prepare(model, opt)
         if _wraps_model(recipe, assign, model.target_code) and stage_of_call(recipe, assign.value, optimizers) is None:
-            for ancestor in recipe.ancestors(assign):
-                if ancestor in members:
-                    stage[ancestor] = max(stage.get(ancestor, SHARDING), SHARDING)
-                    break
-                if ancestor is model.suite:
-                    break
+            mark(assign, SHARDING)
     result = []
     for statement in following:
         if isinstance(statement, cst.SimpleStatementLine) and any(isinstance(s, cst.Return) for s in statement.body):
