@@ -40,6 +40,9 @@ from engine import run_dir as rd  # noqa: E402
 from sandbox import bwrap, git as sandbox_git  # noqa: E402
 from sandbox import runs as sandbox_runs  # noqa: E402
 from sandbox.config import RunLimits  # noqa: E402
+from engine.config import overrides_to_dict  # noqa: E402
+from sandbox.provenance import CodeOrigin  # noqa: E402
+from tests.support import wait_for  # noqa: E402
 
 TEMPLATE = REPO / "recipes_template" / "causal_lm"
 PEERS = ("sandbox", "no sandbox")
@@ -51,16 +54,6 @@ def workspace(root: Path) -> Path:
     shutil.copytree(TEMPLATE, recipe, ignore=shutil.ignore_patterns("__pycache__"))
     sandbox_git.commit_paths(sandbox_git.ensure_repo(root), [recipe], "add recipe lm", [])
     return root
-
-
-def wait_for(predicate, timeout: float, interval: float = 0.01):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(interval)
-    raise TimeoutError("timed out")
 
 
 def first_metrics(run_dir: Path) -> bool:
@@ -78,22 +71,22 @@ def one_run(root: Path, peer: str, overrides: list[str], nproc: int, threads: in
     limits = RunLimits(threads_per_process=threads)
     recipe = root / "recipes" / "lm"
     started = time.perf_counter()
-    sandbox_runs.check_launch(root, recipe, nproc, overrides, limits=limits)
+    verdict = sandbox_runs.check_launch(root, recipe, nproc, overrides, limits=limits)
     check_s = time.perf_counter() - started
     started = time.perf_counter()
-    record = sandbox_runs.start_run(root, root / "runs", recipe, "recipes/lm", nproc, overrides,
-                                    git_commit=None, limits=limits)
-    run_dir = root / "runs" / record["id"]
-    wait_for(lambda: engine_started(run_dir, record["id"]), 300)
+    record = sandbox_runs.start_run(root, root / "runs", recipe, "recipes/lm", nproc, overrides_to_dict(overrides),
+                                    verdict, origin=CodeOrigin(git_commit=None, recipe_dirty=None), limits=limits)
+    run_dir = root / "runs" / record.id
+    wait_for(lambda: engine_started(run_dir, record.id), 300, 0.01)
     first_line_s = time.perf_counter() - started
-    wait_for(lambda: first_metrics(run_dir), 300)
+    wait_for(lambda: first_metrics(run_dir), 300, 0.01)
     first_metrics_s = time.perf_counter() - started
-    final = wait_for(lambda: (r := rd.read_run(run_dir)).get("status") in rd.FINAL_STATUSES
-                     and not rd.pid_alive(r.get("pid")) and r, 900, 0.1)
-    if final["status"] != rd.COMPLETED:
-        raise SystemExit(f"{peer}: run {final['id']} {final['status']}: {final.get('error')}")
+    final = wait_for(lambda: (r := rd.read_run(run_dir)).status in rd.FINAL_STATUSES
+                     and not rd.pid_alive(r.pid) and r, 900, 0.1)
+    if final.status != rd.COMPLETED:
+        raise SystemExit(f"{peer}: run {final.id} {final.status}: {final.error}")
     speeds = [m["tokens_per_s"] for m in rd.read_all_metrics(run_dir / rd.METRICS_JSONL)[1:]]
-    return {"peer": peer, "isolation": final.get("isolation"), "check_s": check_s, "first_line_s": first_line_s,
+    return {"peer": peer, "isolation": final.isolation, "check_s": check_s, "first_line_s": first_line_s,
             "first_metrics_s": first_metrics_s, "tokens_per_s": statistics.median(speeds)}
 
 
