@@ -340,3 +340,41 @@ def test_generated_wrong_types_are_refused(ctx, value, tool_and_key):
 @given(params=st.dictionaries(st.text(max_size=30).filter(lambda k: k != "every"), ANY_JSON, min_size=1, max_size=5))
 def test_generated_skill_params_are_refused(ctx, params):
     ctx.assert_refused("apply_skill", {"skill": SKILL, "recipe": "recipes/lm", "params": params})
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "resume_checkpoint binds the parent's checkpoint folder by its path, and bwrap follows a link "
+    "there on the host: a link the parent run left in its own run directory shows the resumed run "
+    "another run's checkpoint (runs/ is meant to be hidden), or, swapped in while the resume is "
+    "checked, any host folder"))
+def test_a_link_the_parent_run_left_among_its_checkpoints_is_not_resumed(tmp_path, monkeypatch):
+    from mcp_server.operations import runs as run_ops
+    from sandbox import runs as sandbox_runs
+    from sandbox.workspace import Workspace
+    from engine import run_dir as rd
+
+    root = make_workspace(tmp_path / "ws")
+    victim = fake_run(root, "20260101-000000-lm-vict")  # another run: hidden from every run's sandbox
+    parent = fake_run(root, "20260101-000000-lm-prnt", checkpoints=(4,))
+    # What the parent's recipe code can do: its run directory is writable in its sandbox.
+    link = parent / rd.CHECKPOINTS_DIRNAME / rd.checkpoint_dir_name(2)
+    os.symlink(victim / rd.CHECKPOINTS_DIRNAME / rd.checkpoint_dir_name(2), link)
+    bound = []
+
+    def check_launch(*args, **kwargs):
+        return {"ok": True, "config": {"train": {"max_steps": 4}}, "config_changes": {}, "data": None}
+
+    def start_run(*args, **kwargs):
+        bound.append(Path(kwargs["resumed_from"].path))
+        raise RuntimeError("not started")
+
+    monkeypatch.setattr(sandbox_runs, "check_launch", check_launch)
+    monkeypatch.setattr(sandbox_runs, "start_run", start_run)
+    try:
+        run_ops.resume_checkpoint(Workspace.open(root), parent.name, step=2, code="head")
+    except RuntimeError:
+        pass
+    except Exception:
+        return  # refused: nothing is bound
+    # Resumed: what its sandbox binds read-only must be the parent's own checkpoint, not a link out.
+    assert bound and bound[0].resolve().is_relative_to(parent.resolve()), bound
