@@ -201,6 +201,7 @@ def _open_run_dir(args: argparse.Namespace, recipe_class, dist_info) -> Path:
     import torch.distributed as dist
 
     from engine import run_dir as rd
+    from engine.config import overrides_to_dict
 
     if args.run_dir is not None:
         return args.run_dir
@@ -214,7 +215,7 @@ def _open_run_dir(args: argparse.Namespace, recipe_class, dist_info) -> Path:
             rd.RunRecord(
                 id=run_id,
                 recipe=str(args.recipe_dir),
-                overrides=dict(_split_override(item) for item in args.overrides),
+                overrides=overrides_to_dict(args.overrides),
                 nproc=dist_info.world_size,
                 created_at=rd.utc_now(),
                 pid=os.getpid(),  # no supervisor: the engine's own rank 0 stands for the run
@@ -224,12 +225,6 @@ def _open_run_dir(args: argparse.Namespace, recipe_class, dist_info) -> Path:
     if dist_info.world_size > 1:
         dist.broadcast_object_list(holder, src=0)
     return Path(holder[0])
-
-
-def _split_override(item: str) -> tuple[str, object]:
-    from engine.config import parse_override
-
-    return parse_override(item)
 
 
 def exit_without_finalizing(code: int) -> NoReturn:

@@ -251,14 +251,15 @@ def start_run(
         run_id, run_dir = _create_run_dir(runs_root, recipe_label, record)
     try:
         snapshot = write_snapshot(code_dir, run_dir, None, files)
-        if expected_digest is not None and snapshot_digest(snapshot) != expected_digest:
+        digest = snapshot_digest(snapshot)
+        if expected_digest is not None and digest != expected_digest:
             raise BadInput(
                 f"the code of {recipe_label} changed after it was checked (the check's verdict, config and "
                 "data summary would not describe the run); launch again once it stops changing"
             )
         if code_from != "checkpoint" and origin.patch:
             (snapshot / rd.UNCOMMITTED_PATCH).write_text(origin.patch)
-        digest = snapshot_digest(snapshot)
+            digest = snapshot_digest(snapshot)  # the recorded digest covers the patch too
     except BaseException:
         shutil.rmtree(run_dir, ignore_errors=True)  # nothing started: leave nothing behind
         raise
