@@ -96,7 +96,9 @@ def list_checkpoints(run_dir: Path) -> list[tuple[int, Path]]:
     found = []
     for entry in root.iterdir():
         step = checkpoint_step(entry)
-        if step is not None and (entry / DCP_METADATA).is_file():
+        # A link is not a checkpoint: run code writes this folder, and a link could lead a resume
+        # (whose sandbox binds the checkpoint by path) to another run's files or the host's.
+        if step is not None and not entry.is_symlink() and (entry / DCP_METADATA).is_file():
             found.append((step, entry))
     return sorted(found)
 

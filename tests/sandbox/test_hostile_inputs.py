@@ -342,11 +342,6 @@ def test_generated_skill_params_are_refused(ctx, params):
     ctx.assert_refused("apply_skill", {"skill": SKILL, "recipe": "recipes/lm", "params": params})
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "resume_checkpoint binds the parent's checkpoint folder by its path, and bwrap follows a link "
-    "there on the host: a link the parent run left in its own run directory shows the resumed run "
-    "another run's checkpoint (runs/ is meant to be hidden), or, swapped in while the resume is "
-    "checked, any host folder"))
 def test_a_link_the_parent_run_left_among_its_checkpoints_is_not_resumed(tmp_path, monkeypatch):
     from mcp_server.operations import runs as run_ops
     from sandbox import runs as sandbox_runs
