@@ -71,6 +71,10 @@ DType = Literal["float32", "bfloat16", "float16"]
 
 class ParallelConfig(Section):
     tp: int = Field(1, ge=1, description="Tensor-parallel degree; data parallel gets the rest.")
+    sp: int = Field(
+        1, ge=1, description="Sequence-parallel degree: each sequence split over sp ranks "
+        "(the sequence-parallel skill); data parallel gets world / (tp × sp)."
+    )
     param_dtype: DType = Field(
         "float32", description="Dtype FSDP2 computes in (MixedPrecisionPolicy.param_dtype)."
     )

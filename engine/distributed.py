@@ -2,8 +2,11 @@
 
 One process per device. ``torchrun`` sets ``RANK``/``WORLD_SIZE``/``LOCAL_RANK``; a plain
 ``python -m engine.launch`` is a world of one. The backend is NCCL on GPUs and gloo on CPUs.
-The mesh has two dimensions, ``("dp", "tp")``: tensor parallelism inside groups of ``tp``
-neighbouring ranks, data parallelism (FSDP2) across them.
+The mesh has three dimensions, ``("dp", "sp", "tp")``: tensor parallelism inside groups of
+``tp`` neighbouring ranks, sequence parallelism (each sequence split over ``sp`` ranks) across
+those, data parallelism across the rest. The ranks of one ``sp`` group read the same sequences
+and hold the same weights, so FSDP2 shards the weights, and sums the gradients, over ``dp`` and
+``sp`` together: ``DistInfo.fsdp_mesh``, the two flattened into one dimension ``"dp_sp"``.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ class DistInfo:
     local_rank: int
     device: torch.device
     mesh: DeviceMesh | None
+    fsdp_mesh: DeviceMesh | None = None  # "dp" and "sp" flattened: the ranks that hold different tokens
 
     @property
     def is_main(self) -> bool:
@@ -40,6 +44,19 @@ class DistInfo:
     @property
     def tp_size(self) -> int:
         return self.mesh["tp"].size() if self.mesh is not None else 1
+
+    @property
+    def sp_size(self) -> int:
+        return self.mesh["sp"].size() if self.mesh is not None else 1
+
+    @property
+    def sp_rank(self) -> int:
+        return self.mesh["sp"].get_local_rank() if self.mesh is not None else 0
+
+    @property
+    def fsdp_size(self) -> int:
+        """Ranks over which FSDP2 shards weights and averages gradients: dp × sp."""
+        return self.fsdp_mesh.size() if self.fsdp_mesh is not None else self.dp_size * self.sp_size
 
 
 def world_size_from_env() -> int:
@@ -61,7 +78,7 @@ def set_cpu_threads(local_world_size: int) -> None:
     torch.set_num_threads(max(1, (cores or 1) // max(1, local_world_size)))
 
 
-def init_distributed(tp: int) -> DistInfo:
+def init_distributed(tp: int, sp: int = 1) -> DistInfo:
     """Start the process group (always, also for a world of one) and build the mesh."""
     rank = int(os.environ.get("RANK", "0"))
     world_size = world_size_from_env()
@@ -69,8 +86,8 @@ def init_distributed(tp: int) -> DistInfo:
     local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", str(world_size)))
     set_cpu_threads(local_world_size)
     device = pick_device(local_rank)
-    if world_size % tp != 0:
-        raise ValueError(f"parallel.tp={tp} does not divide the world size {world_size}")
+    if world_size % (tp * sp) != 0:
+        raise ValueError(f"parallel.tp × parallel.sp = {tp} × {sp} does not divide the world size {world_size}")
 
     if not dist.is_initialized():
         if "MASTER_ADDR" not in os.environ:  # a world of one started without torchrun
@@ -84,8 +101,11 @@ def init_distributed(tp: int) -> DistInfo:
             timeout=datetime.timedelta(minutes=10),
             device_id=device if device.type == "cuda" else None,
         )
-    mesh = init_device_mesh(device.type, (world_size // tp, tp), mesh_dim_names=("dp", "tp"))
-    return DistInfo(rank, world_size, local_rank, device, mesh)
+    mesh = init_device_mesh(
+        device.type, (world_size // (tp * sp), sp, tp), mesh_dim_names=("dp", "sp", "tp")
+    )
+    fsdp_mesh = mesh["dp", "sp"]._flatten("dp_sp")
+    return DistInfo(rank, world_size, local_rank, device, mesh, fsdp_mesh)
 
 
 def shutdown_distributed(synchronize: bool = True) -> None:
@@ -110,9 +130,12 @@ def _free_port() -> int:
 
 
 def dp_all_reduce_sum(value: torch.Tensor, info: DistInfo) -> torch.Tensor:
-    """Sum over the data-parallel ranks (tensor-parallel ranks hold the same value: no double count)."""
-    if info.dp_size > 1:
-        dist.all_reduce(value, op=dist.ReduceOp.SUM, group=info.mesh["dp"].get_group())
+    """Sum over the ranks that hold different tokens: the data-parallel ranks and, within each,
+    the sequence-parallel ranks (each holds one part of the same sequences). Tensor-parallel
+    ranks hold the same value: no double count."""
+    if info.fsdp_size > 1:
+        group = info.fsdp_mesh.get_group() if info.fsdp_mesh is not None else None
+        dist.all_reduce(value, op=dist.ReduceOp.SUM, group=group)
     return value
 
 

@@ -33,6 +33,7 @@ from engine.distributed import DistInfo, all_reduce_max, dp_all_reduce_sum
 from engine.flops import non_embedding_params, peak_flops
 from engine.fsdp import DTYPES, has_tensor_parallel_params
 from engine.grad_clip import clip_grad_norm
+from engine.sequence_parallel import check_sequence_parallel_config, has_sequence_parallel_attention
 from engine.metrics import MetricBackend, MetricLogger
 from engine.metrics.console import ConsoleBackend
 from engine.metrics.jsonl import JsonlBackend
@@ -183,12 +184,14 @@ class Engine:
     @classmethod
     def validate_config(cls, config: EngineConfig, world_size: int) -> None:
         """Checks that need the world size; raise ``ConfigError`` with the key to change."""
-        tp = config.parallel.tp
+        tp, sp = config.parallel.tp, config.parallel.sp
         if world_size % tp:
             raise ConfigError(
                 f"parallel.tp={tp} does not divide the number of processes ({world_size})"
             )
-        dp = world_size // tp
+        if sp > 1:
+            check_sequence_parallel_config(config, world_size)
+        dp = world_size // (tp * sp)
         per_step = dp * config.train.grad_accum
         if config.data.batch_size % per_step:
             raise ConfigError(
@@ -228,6 +231,11 @@ class Engine:
             raise ConfigError(
                 f"parallel.tp={self.config.parallel.tp} but prepare_model() applied no tensor "
                 "parallelism; apply the tensor-parallel skill to the recipe, or set parallel.tp=1"
+            )
+        if self.config.parallel.sp > 1 and not has_sequence_parallel_attention(self.model):
+            raise ConfigError(
+                f"parallel.sp={self.config.parallel.sp} but prepare_model() applied no sequence "
+                "parallelism; apply the sequence-parallel skill to the recipe, or set parallel.sp=1"
             )
         self.optimizer = self.prepare_optimizer(self.model)
         self.scheduler = self.prepare_scheduler(self.optimizer)
@@ -312,9 +320,9 @@ class Engine:
         timings["data_s"] = time.perf_counter() - start
 
         start = time.perf_counter()
-        # Gradients of sum(loss)/global_tokens. FSDP2 averages gradients over the dp ranks, so
-        # each rank scales by dp_size to turn that average back into a sum.
-        scale = self.dist.dp_size / max(1, num_tokens)
+        # Gradients of sum(loss)/global_tokens. FSDP2 averages gradients over the dp (× sp)
+        # ranks, so each rank scales by their number to turn that average back into a sum.
+        scale = self.dist.fsdp_size / max(1, num_tokens)
         loss_sum = torch.zeros((), device=self.device, dtype=torch.float32)
         for micro_batch in micro_batches:
             micro_loss = self.compute_loss(micro_batch)

@@ -39,7 +39,9 @@ def has_tensor_parallel_params(model: nn.Module) -> bool:
 
 
 def apply_fsdp(model: nn.Module, dist_info: DistInfo, parallel: ParallelConfig) -> nn.Module:
-    """Shard ``model`` over the data-parallel mesh dimension, with the configured precision.
+    """Shard ``model`` over the data-parallel mesh dimensions, with the configured precision:
+    ``dp`` and ``sp`` together (sequence-parallel ranks hold the same weights and compute
+    gradients on different tokens, which FSDP2's reduce-scatter sums).
 
     With a single data-parallel rank and full precision, sharding only adds copies, so the model
     is returned as it is unless ``parallel.fsdp_on_one_process`` asks for it — or unless tensor
@@ -48,7 +50,7 @@ def apply_fsdp(model: nn.Module, dist_info: DistInfo, parallel: ParallelConfig) 
     """
     mixed = parallel.param_dtype != "float32" or parallel.reduce_dtype != "float32"
     if (
-        dist_info.dp_size == 1
+        dist_info.fsdp_size == 1
         and not mixed
         and not parallel.fsdp_on_one_process
         and not has_tensor_parallel_params(model)
@@ -57,7 +59,7 @@ def apply_fsdp(model: nn.Module, dist_info: DistInfo, parallel: ParallelConfig) 
     mp_policy = MixedPrecisionPolicy(
         param_dtype=DTYPES[parallel.param_dtype], reduce_dtype=DTYPES[parallel.reduce_dtype]
     )
-    dp_mesh = dist_info.mesh["dp"]
+    dp_mesh = dist_info.fsdp_mesh if dist_info.fsdp_mesh is not None else dist_info.mesh["dp"]
     blocks = transformer_blocks(model)
     for index, block in enumerate(blocks):
         # The last block's parameters are needed again at once by backward: keep them gathered.

@@ -145,7 +145,7 @@ def train(recipe_class, config, args: argparse.Namespace) -> int:
     from engine import run_dir as rd
     from engine.distributed import init_distributed, shutdown_distributed
 
-    dist_info = init_distributed(config.parallel.tp)
+    dist_info = init_distributed(config.parallel.tp, config.parallel.sp)
     run_dir = _open_run_dir(args, recipe_class, dist_info)
     # Under a supervisor (which passes --run-dir) the final status is the supervisor's to record,
     # once every process has exited; the engine only records what it knows: error, last step.
