@@ -181,6 +181,8 @@ def apply_sequence_parallel(model: nn.Module, sp_mesh: Any) -> int:
         setattr(module, STATE_ATTRIBUTE, state)
     config._attn_implementation = ATTENTION_NAME
     model.register_forward_pre_hook(_global_positions(sp_mesh), with_kwargs=True)
+    if dist.get_rank() == 0:
+        print(f"sequence-parallel: {len(attention)} attention modules of {type(model).__name__} over sp={size}", flush=True)
     return len(attention)
 
 

@@ -6,7 +6,7 @@ patch the plain Hugging Face model before anything wraps it, tensor parallelism 
 compiles the wrapped blocks, and FSDP2 shards last. So a recipe's model statements are kept in this order,
 whatever order the skills were applied in::
 
-    build → .to(device) → Liger kernels → FlashAttention → LoRA → tensor parallel → freeze
+    build → .to(device) → Liger kernels → FlashAttention → LoRA → tensor parallel → sequence parallel → freeze
           → activation checkpointing → torch.compile → FSDP2 / DDP / any wrapper → optimizer
           → training loop
 
@@ -33,6 +33,7 @@ KERNELS = 6
 ATTENTION = 7
 LORA = 8
 TENSOR_PARALLEL = 10
+SEQUENCE_PARALLEL = 11
 FREEZE = 12
 ACTIVATION_CHECKPOINTING = 20
 COMPILE = 30
@@ -52,6 +53,7 @@ STAGE_OF_CALL: dict[str, int] = {
     "peft.inject_adapter_in_model": LORA,
     "apply_tensor_parallel": TENSOR_PARALLEL,
     ".parallelize_module": TENSOR_PARALLEL,
+    "engine.sequence_parallel.apply_sequence_parallel": SEQUENCE_PARALLEL,
     "freeze_parameters": FREEZE,
     "checkpoint_blocks": ACTIVATION_CHECKPOINTING,
     ".checkpoint_wrapper": ACTIVATION_CHECKPOINTING,

@@ -37,7 +37,7 @@ def batch_of(lengths_per_row, seq_len, vocab, generator):
     return {"input_ids": input_ids, "labels": labels, "position_ids": positions}
 
 
-def case(name, sp_mesh, kv_heads, lengths_per_row, seq_len=64):
+def case(name, sp_mesh, kv_heads, lengths_per_row, seq_len=64, document_mask=True):
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=kv_heads, max_position_embeddings=seq_len,
@@ -45,10 +45,15 @@ def case(name, sp_mesh, kv_heads, lengths_per_row, seq_len=64):
     reference = LlamaForCausalLM(config)
     parallel = copy.deepcopy(reference)
     apply_sequence_parallel(parallel, sp_mesh)
+    if not document_mask:  # a control: packed rows attended as one sequence must not match
+        for module in parallel.modules():
+            if hasattr(module, "_sequence_parallel"):
+                module._sequence_parallel.document_mask = lambda positions: None
     batch = batch_of(lengths_per_row, seq_len, 97, torch.Generator().manual_seed(1))
 
     expected = loss_sum(reference, batch)
     expected.backward()
+    expected = expected.detach()
     got = loss_sum(parallel, shard_sequences(batch, sp_mesh))
     got.backward()
     total = got.detach().clone()
@@ -70,6 +75,7 @@ def main():
     case("causal", mesh["sp"], 2, [[64], [40]])
     case("packed", mesh["sp"], 2, [[10, 30, 20], [33, 31]])
     case("kv_heads_below_sp", mesh["sp"], 1, [[17, 40], [64]])
+    case("packed_without_document_mask", mesh["sp"], 2, [[10, 30, 20], [33, 31]], document_mask=False)
     dist.destroy_process_group()
 
 

@@ -21,6 +21,7 @@ APPLIES_TO = {
     "tensor-parallel": ("template", "hf_trainer_style"),
     "freeze": STYLES,
     "sequence-packing": ("template", "hf_trainer_style"),
+    "sequence-parallel": ("template",),
     "loss-guard": STYLES,
     "mixed-precision": STYLES,
     "torch-compile": STYLES,
@@ -33,6 +34,8 @@ APPLIES_TO = {
 REFUSES = {
     ("tensor-parallel", "nanogpt_style"): "the model is built by GPT(...) (nanogpt_style.py:122), a module defined in the file",
     ("sequence-packing", "nanogpt_style"): "looked for an Engine.prepare_data",
+    ("sequence-parallel", "nanogpt_style"): "looked for a trainwright Engine subclass in nanogpt_style.py; found none",
+    ("sequence-parallel", "hf_trainer_style"): "looked for a trainwright Engine subclass in hf_trainer_style.py; found none",
     ("liger-kernel", "nanogpt_style"): "the model is built by GPT(...) (nanogpt_style.py:122), a module defined in the file",
     ("flash-attention", "nanogpt_style"): "the model is built by GPT(...) (nanogpt_style.py:122), a module defined in the file",
 }

@@ -23,6 +23,7 @@ SKILL_NAMES = [
     "mixed-precision",
     "muon",
     "sequence-packing",
+    "sequence-parallel",
     "tensor-parallel",
     "torch-compile",
 ]
