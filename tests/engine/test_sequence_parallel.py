@@ -28,7 +28,7 @@ def test_two_sequence_parallel_ranks_give_the_loss_and_gradients_of_the_whole_se
         cwd=REPO, env=env, capture_output=True, text=True, timeout=300,
     )
     assert result.returncode == 0, result.stderr[-3000:]
-    cases = {c["case"]: c for c in map(json.loads, (l for l in result.stdout.splitlines() if l.startswith("{")))}
+    cases = {c["case"]: c for c in map(json.loads, (line for line in result.stdout.splitlines() if line.startswith("{")))}
     with capsys.disabled():
         for c in cases.values():
             print(f"\n[sequence-parallel] sp=2 vs whole sequence, {c['case']}: relative |loss diff| "
