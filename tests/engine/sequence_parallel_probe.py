@@ -14,8 +14,9 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from engine.sequence_parallel import apply_sequence_parallel, shard_sequences
 
 
-def loss_sum(model, batch):
-    logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False).logits
+def loss_sum(model, batch, positions=True):
+    extra = {"position_ids": batch["position_ids"]} if positions else {}
+    logits = model(input_ids=batch["input_ids"], use_cache=False, **extra).logits
     return torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), batch["labels"].flatten(),
                                              ignore_index=-100, reduction="sum")
 
@@ -36,7 +37,7 @@ def batch_of(lengths_per_row, seq_len, vocab, generator):
     return {"input_ids": input_ids, "labels": labels, "position_ids": positions}
 
 
-def case(name, sp_mesh, kv_heads, lengths_per_row, seq_len=64, document_mask=True):
+def case(name, sp_mesh, kv_heads, lengths_per_row, seq_len=64, document_mask=True, positions=True):
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=kv_heads, max_position_embeddings=seq_len,
@@ -50,10 +51,10 @@ def case(name, sp_mesh, kv_heads, lengths_per_row, seq_len=64, document_mask=Tru
                 module._sequence_parallel.document_mask = lambda positions: None
     batch = batch_of(lengths_per_row, seq_len, 97, torch.Generator().manual_seed(1))
 
-    expected = loss_sum(reference, batch)
+    expected = loss_sum(reference, batch, positions)
     expected.backward()
     expected = expected.detach()
-    got = loss_sum(parallel, shard_sequences(batch, sp_mesh))
+    got = loss_sum(parallel, shard_sequences(batch, sp_mesh), positions)
     got.backward()
     total = got.detach().clone()
     dist.all_reduce(total, group=sp_mesh.get_group())
@@ -67,6 +68,22 @@ def case(name, sp_mesh, kv_heads, lengths_per_row, seq_len=64, document_mask=Tru
                           "grad_diff": grad_diff}), flush=True)
 
 
+def refused_mask(sp_mesh):
+    """A padding mask cannot be split with the sequence: the forward refuses it."""
+    config = LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=2, attn_implementation="sdpa")
+    model = LlamaForCausalLM(config)
+    apply_sequence_parallel(model, sp_mesh)
+    ids = torch.zeros(1, 8, dtype=torch.int64)
+    try:
+        model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False)
+        message = None
+    except ValueError as error:
+        message = str(error)
+    if dist.get_rank() == 0:
+        print(json.dumps({"case": "attention_mask", "refusal": message}), flush=True)
+
+
 def main():
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
@@ -75,6 +92,8 @@ def main():
     case("packed", mesh["sp"], 2, [[10, 30, 20], [33, 31]])
     case("kv_heads_below_sp", mesh["sp"], 1, [[17, 40], [64]])
     case("packed_without_document_mask", mesh["sp"], 2, [[10, 30, 20], [33, 31]], document_mask=False)
+    case("without_position_ids", mesh["sp"], 2, [[64], [64]], positions=False)
+    refused_mask(mesh["sp"])
     dist.destroy_process_group()
 
 
