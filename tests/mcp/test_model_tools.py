@@ -8,7 +8,6 @@ nothing in the workspace.
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 
