@@ -7,7 +7,8 @@ else CPU, full precision, no tensor parallelism), loads the model of the checkpo
 
 - ``export --to DIR``: a Hugging Face folder (``engine.hf_export``);
 - ``sample --prompt TEXT ...``: greedy (``--temperature 0``) or sampled continuations, each at
-  most ``--max-new-tokens`` tokens;
+  most ``--max-new-tokens`` tokens (a tokenizer with a chat template: each prompt is a user
+  turn, rendered by the template with the generation prompt);
 - ``evaluate [--data PATH ...]``: the eval loss on the recipe's held-out batches (or on the
   documents of ``PATH``: ``data.paths`` with every document held out) and the recipe's
   ``task_metrics()``.
@@ -121,9 +122,16 @@ def sample(run_dir: Path, step: int, prompts: list[str], max_new_tokens: int = 6
     model = engine.hf_model()
     set_special_tokens(model, processing)
     torch.manual_seed(seed)
+    # A tokenizer with a chat template belongs to a chat model (SFT, DPO): each prompt is a user turn.
+    chat = bool(getattr(tokenizer, "chat_template", None))
     samples = []
     for prompt in prompts:
-        ids = tokenizer(prompt, add_special_tokens=False, return_tensors="pt")["input_ids"].to(engine.device)
+        if chat:
+            ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                                return_tensors="pt", return_dict=True)["input_ids"]
+        else:
+            ids = tokenizer(prompt, add_special_tokens=False, return_tensors="pt")["input_ids"]
+        ids = ids.to(engine.device)
         with torch.no_grad():
             output = model.generate(
                 ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
@@ -138,7 +146,7 @@ def sample(run_dir: Path, step: int, prompts: list[str], max_new_tokens: int = 6
             "new_tokens": len(new),
             "stopped": "eos" if ended else "max_new_tokens",
         })
-    return {"step": step, "temperature": temperature, "samples": samples}
+    return {"step": step, "temperature": temperature, "chat": chat, "samples": samples}
 
 
 def check_sample_request(prompts: Any, max_new_tokens: Any, temperature: Any) -> None:

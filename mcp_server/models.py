@@ -278,6 +278,7 @@ class Sample(BaseModel):
 class SampleResult(BaseModel):
     run_id: str
     step: int
+    chat: bool = Field(description="Prompts were user turns of the chat template.")
     samples: list[Sample]
 
 

@@ -126,7 +126,8 @@ def sample(
     arguments = [f"--prompt={prompt}" for prompt in prompts]
     arguments += ["--max-new-tokens", str(max_new_tokens), "--temperature", repr(float(temperature))]
     result = run_model_io(ws.root, run_dir, "sample", step, arguments, ws.run_limits(), SAMPLE_TIMEOUT_S)
-    return SampleResult(run_id=run_id, step=step, samples=_bounded_samples(result.get("samples") or []))
+    return SampleResult(run_id=run_id, step=step, chat=bool(result.get("chat")),
+                        samples=_bounded_samples(result.get("samples") or []))
 
 
 def _bounded_samples(samples: list[dict[str, Any]]) -> list[Sample]:

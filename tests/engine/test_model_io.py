@@ -181,7 +181,34 @@ def test_sample_is_greedy_and_bounded_and_evaluate_needs_held_out_data(runs):
     first = model_io.sample(runs[0], 4, ["the model ", "loss"], max_new_tokens=12)
     again = model_io.sample(runs[0], 4, ["the model "], max_new_tokens=12)
     assert first["samples"][0] == again["samples"][0] and all(1 <= s["new_tokens"] <= 12 for s in first["samples"])
+    assert first["chat"] is False
     with pytest.raises(model_io.BadInput, match="at most 8 prompts"):
         model_io.sample(runs[0], 4, ["a"] * 9)
     with pytest.raises(model_io.NotFound, match="no complete checkpoint at step 3"):
         model_io.evaluate(runs[0], 3)
+
+
+def test_sample_renders_prompts_as_user_turns_when_the_tokenizer_has_a_chat_template(runs, monkeypatch):
+    import engine.launch
+
+    template = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}{% if add_generation_prompt %}<bot>{% endif %}"
+    load = engine.launch.load_recipe_class
+
+    def with_chat_template(folder):
+        recipe_class = load(folder)
+        plain = recipe_class.hf_processing
+
+        def hf_processing(self):
+            tokenizer = plain(self)
+            tokenizer.chat_template = template
+            return tokenizer
+
+        recipe_class.hf_processing = hf_processing
+        return recipe_class
+
+    monkeypatch.setattr(engine.launch, "load_recipe_class", with_chat_template)
+    chat = model_io.sample(runs[0], 4, ["hi"], max_new_tokens=8)
+    monkeypatch.setattr(engine.launch, "load_recipe_class", load)
+    plain = model_io.sample(runs[0], 4, ["<user>hi<bot>"], max_new_tokens=8)
+    assert chat["chat"] is True and plain["chat"] is False
+    assert chat["samples"][0]["completion"] == plain["samples"][0]["completion"]  # the same tokens in

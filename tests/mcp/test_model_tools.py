@@ -13,17 +13,16 @@ import pytest
 
 from mcp_server.limits import AGENT_BUDGET_CHARS
 from tests.mcp.conftest import SHORT_RUN, connect, tiny_config
-from tests.sandbox.helpers import tree_hash
+from tests.sandbox.helpers import make_workspace, tree_hash
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
 def session(tmp_path_factory):
-    workspace = tmp_path_factory.mktemp("model-tools")
+    workspace = make_workspace(tmp_path_factory.mktemp("model-tools") / "ws")  # recipes/lm: the template
     with connect("memory", workspace) as client:
-        client.ok("scaffold_recipe", template="causal_lm", name="lm", config=tiny_config())
-        run_id = client.ok("launch_run", recipe="lm", overrides=SHORT_RUN)["run_id"]
+        run_id = client.ok("launch_run", recipe="lm", overrides=tiny_config(**SHORT_RUN))["run_id"]
         assert client.wait_for_run(run_id)["status"] == "completed"
         yield client, workspace, run_id
 
@@ -36,7 +35,8 @@ def test_sample_and_evaluate_answer_with_bounded_results(session):
     client, workspace, run_id = session
     progress: list = []
     result = client.ok("sample", progress, run_id=run_id, prompts=["def ", "import os\n"], max_new_tokens=24)
-    assert result["step"] == 6 and [s["prompt"] for s in result["samples"]] == ["def ", "import os\n"]
+    assert result["step"] == 6 and result["chat"] is False
+    assert [s["prompt"] for s in result["samples"]] == ["def ", "import os\n"]
     for item in result["samples"]:
         # The byte tokenizer: each new token is a byte, or the end of a document (which stops it).
         assert item["stopped"] in ("eos", "max_new_tokens") and 1 <= item["new_tokens"] <= 24
