@@ -386,6 +386,8 @@ class CausalLM(Engine):
             counted[0] += 1
             counted[1] += tokens
             names.add(name.split(":", 1)[0])
+        if not counts[False][0]:
+            raise ConfigError(f"no training documents: data.eval_fraction={cfg.eval_fraction} holds out all of them")
         return DataSummary(
             source=cfg.source,
             paths=cfg.paths[:20],
