@@ -98,6 +98,8 @@ def export(
     if layers and lora == "adapter":
         result["lora"] = "adapter"
         result["base_model"] = _save_adapter(model, out, final_dir, max_shard_size)
+        if processing is not None and (out / ADAPTER_BASE_DIRNAME).is_dir():
+            processing.save_pretrained(out / ADAPTER_BASE_DIRNAME)  # the base folder loads on its own too
     else:
         if layers:
             unload_lora(model, merge=True)
