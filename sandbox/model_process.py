@@ -20,19 +20,16 @@ import stat
 import subprocess
 import sys
 import tempfile
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 from engine import run_dir as rd
 from engine.data_files import WORKSPACE_VARIABLE
 from engine.errors import BadInput, NotFound
-from sandbox import bwrap
 from sandbox.config import RunLimits
 from sandbox.environment import THREADS_VARIABLE, run_environment, threads_per_process
-from sandbox.network import LOOPBACK_ENV
-from sandbox.processes import RUN_ID_VARIABLE, apply_limits
-from sandbox.runs import _end_check, _read, hidden_state
+from sandbox.processes import RUN_ID_VARIABLE
+from sandbox.runs import run_contained
 
 RESULT_NAME = "result.json"
 MAX_RESULT_BYTES = 1 << 20
@@ -73,14 +70,13 @@ def run_model_io(
             pass_env=limits.pass_env,
         )
         visible = [workspace, run_dir / rd.RUN_JSON, run_dir / rd.SNAPSHOT_DIRNAME, checkpoint]
-        wrapped = bwrap.wrap(command, visible, [out_dir, *(writable or [])], network=limits.network,
-                             cwd=workspace, environ=env, hidden=hidden_state(workspace))
-        command = wrapped.command
-        if wrapped.sandboxed and limits.network == "isolated":
-            env.update(LOOPBACK_ENV)
-        elif not wrapped.sandboxed and limits.network == "isolated":
-            command = [sys.executable, "-m", "sandbox.network", "--", *command]
-        stderr = _run(command, workspace, env, asdict(limits), mark, timeout_s, action)
+        try:
+            _, stderr = run_contained(command, workspace, visible, [out_dir, *(writable or [])], env, limits,
+                                      timeout_s, mark)
+        except OSError as e:
+            raise ModelProcessFailed(f"the engine could not be started for {action}: {e}") from None
+        except subprocess.TimeoutExpired:
+            raise ModelProcessFailed(f"{action} took over {timeout_s:.0f} s and was stopped") from None
         result = _read_result(result_file)
     finally:
         shutil.rmtree(out_dir, ignore_errors=True)
@@ -97,26 +93,6 @@ def run_model_io(
         raise ModelProcessFailed(f"the recipe's code failed during {action}: {error}")
     result.pop("ok")
     return result
-
-
-def _run(command: list[str], workspace: Path, env: dict, rlimits: dict, mark: str, timeout_s: float,
-         action: str) -> str:
-    """Run the command to its end (or ``timeout_s``); return the end of its stderr."""
-    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
-        try:
-            process = subprocess.Popen(
-                command, cwd=workspace, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=err,
-                start_new_session=True, preexec_fn=lambda: apply_limits(rlimits),
-            )
-        except OSError as e:
-            raise ModelProcessFailed(f"the engine could not be started for {action}: {e}") from None
-        try:
-            process.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            raise ModelProcessFailed(f"{action} took over {timeout_s:.0f} s and was stopped") from None
-        finally:
-            _end_check(process, mark)
-        return _read(err)
 
 
 def _read_result(path: Path) -> dict[str, Any] | None:
