@@ -84,8 +84,18 @@ def load_model_weights(model, checkpoint: Path) -> None:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
+    from engine.checkpoint import _root_cause
+
     state = get_model_state_dict(model)
-    dcp.load({"model_optim": {"model": state}}, checkpoint_id=str(checkpoint))
+    try:
+        dcp.load({"model_optim": {"model": state}}, checkpoint_id=str(checkpoint))
+    except BaseException as e:  # DCP's CheckpointException (a BaseException) wraps the cause
+        if isinstance(e, (KeyboardInterrupt, SystemExit)):
+            raise
+        cause = _root_cause(e)
+        what = f"{type(cause).__name__}: {cause}".splitlines()[0][:500]
+        raise BadInput(f"the model in checkpoint {checkpoint.name} of run {checkpoint.parent.parent.name} "
+                       f"cannot be loaded into the recipe's model ({what})") from e
     set_model_state_dict(model, state)
 
 
@@ -256,7 +266,9 @@ def main(argv: list[str] | None = None) -> int:
         kind = e.kind if isinstance(e, TrainwrightError) else "bad_input"
         message = str(e) if isinstance(e, TrainwrightError) else f"cannot read the data: {e}"
         result, code = {"ok": False, "kind": kind, "error": message[:2000]}, EXIT_BAD_INPUT
-    except Exception as e:  # recipe code failed: its traceback goes to stderr
+    except BaseException as e:  # recipe code failed (DCP's CheckpointException is a BaseException)
+        if isinstance(e, (KeyboardInterrupt, SystemExit)):
+            raise
         traceback.print_exc()
         result = {"ok": False, "kind": "failed", "error": f"{type(e).__name__}: {e}"[:2000]}
         code = EXIT_FAILED

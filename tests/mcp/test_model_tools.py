@@ -92,3 +92,20 @@ def test_bad_sample_requests_are_refused_before_anything_starts(session):
         "sample", run_id=run_id, prompts=["a"], max_new_tokens=513)
     assert "bad_input: prompt 0 is empty" in client.error("sample", run_id=run_id, prompts=[""])
     assert "not_found: no run" in client.error("sample", run_id="20990101-000000-lm-0000", prompts=["a"])
+
+
+def test_a_failed_export_leaves_nothing_behind(session):
+    """A run whose checkpoint cannot be loaded (its DCP metadata is empty): the recipe's code
+    fails in the sandbox, and neither the destination nor the folders made for it remain."""
+    import shutil
+
+    from engine import run_dir as rd
+    from tests.sandbox.helpers import fake_run
+
+    client, workspace, run_id = session
+    broken = fake_run(workspace, "20260101-000000-lm-brkn", config=rd.read_run(workspace / "runs" / run_id).config)
+    shutil.copytree(workspace / "runs" / run_id / rd.SNAPSHOT_DIRNAME, broken / rd.SNAPSHOT_DIRNAME)
+    before = tree_hash(workspace)
+    error = client.error("export_checkpoint", run_id=broken.name, to="exports/deep/broken")
+    assert f"bad_input: the model in checkpoint step-00000004 of run {broken.name} cannot be loaded" in error
+    assert tree_hash(workspace) == before and not (workspace / "exports" / "deep").exists()
