@@ -90,6 +90,11 @@ async def measure() -> dict[str, Any]:
             await call("wait_run (resumed, to the end)", "wait_run", run_id=resumed, timeout_s=600)
             await call("tail_metrics follow_resumes", "tail_metrics", run_id=resumed, follow_resumes=True)
             await call("get_run (resumed)", "get_run", run_id=resumed)
+            await call("sample (defaults)", "sample", run_id=resumed, prompts=["def ", "import "])
+            await call("sample (8 prompts x 512 tokens)", "sample", run_id=resumed, prompts=["x"] * 8,
+                       max_new_tokens=512, temperature=1.0)
+            await call("evaluate", "evaluate", run_id=resumed)
+            await call("export_checkpoint", "export_checkpoint", run_id=resumed, to="exports/lm")
     return {"tools_list_bytes": size(answer), "tools": len(per_tool), "per_tool_bytes": per_tool,
             "results": results}
 

@@ -161,6 +161,30 @@ class Engine:
         """Called after backward and clipping; return False to skip this optimizer step."""
         return True
 
+    def hf_model(self):
+        """The trained model as a Hugging Face ``PreTrainedModel`` (unwrapped), for ``export``,
+        ``sample`` and ``evaluate`` (``python -m engine.model_io``). The default: ``self.model``
+        when it is one; a recipe whose model is wrapped (a policy inside a DPO trainer, a
+        hand-written module) overrides this."""
+        from transformers import PreTrainedModel
+
+        model = getattr(self.model, "_orig_mod", self.model)  # a whole-model torch.compile
+        if isinstance(model, PreTrainedModel):
+            return model
+        raise ConfigError(
+            f"the recipe's model is a {type(model).__name__}, not a transformers PreTrainedModel; "
+            "define hf_model() in the recipe to return the Hugging Face model to export"
+        )
+
+    def hf_processing(self):
+        """The tokenizer or processor saved beside the model (``save_pretrained``), or None."""
+        return None
+
+    def task_metrics(self) -> dict[str, float]:
+        """The recipe's task metrics on held-out data (``evaluate`` reports them beside the
+        eval loss); each value a float. Called with the model in eval mode, under no_grad."""
+        return {}
+
     def warn(self, message: str) -> None:
         """Tell the user once: a line in the console log and an entry in run.json's ``warnings``
         (``get_run`` shows them). For things the run works around, such as a GPU-only feature

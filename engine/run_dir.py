@@ -116,7 +116,7 @@ def latest_checkpoint(run_dir: Path) -> tuple[int, Path] | None:
 
 
 class ResumedFrom(BaseModel):
-    """The checkpoint a run continues: the run, its step, and the checkpoint folder."""
+    """The checkpoint a run continues."""
 
     run_id: str
     step: int

@@ -275,6 +275,60 @@ def cmd_checkpoints(args: argparse.Namespace) -> int:
 
 
 # ---------------------------------------------------------------------------------------------
+# Models: export, sample, evaluate
+# ---------------------------------------------------------------------------------------------
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from mcp_server.operations import model_tools
+
+    if not args.json:
+        print(f"exporting run {args.run_id} in the sandbox…", file=sys.stderr, flush=True)
+    result = model_tools.export_checkpoint(_workspace(args), args.run_id, args.to, args.step, args.lora)
+
+    def text(r) -> str:
+        lines = [f"exported run {r.run_id} step {r.step} → {r.path} ({r.parameters:,} parameters"
+                 + (f", LoRA {r.lora}" if r.lora else "") + ")"]
+        lines += [f"  {size:>12,}  {name}" for name, size in r.files.items()]
+        return "\n".join(lines)
+
+    _emit(args, result, text)
+    return EXIT_OK
+
+
+def cmd_sample(args: argparse.Namespace) -> int:
+    from mcp_server.operations import model_tools
+
+    result = model_tools.sample(_workspace(args), args.run_id, args.prompts, args.step,
+                                args.max_new_tokens, args.temperature)
+
+    def text(r) -> str:
+        lines = []
+        for item in r.samples:
+            lines.append(f"--- {item.prompt!r} ({item.new_tokens} tokens, stopped at {item.stopped})")
+            lines.append(item.prompt + item.completion)
+        return "\n".join(lines)
+
+    _emit(args, result, text)
+    return EXIT_OK
+
+
+def cmd_evaluate(args: argparse.Namespace) -> int:
+    from mcp_server.operations import model_tools
+
+    result = model_tools.evaluate(_workspace(args), args.run_id, args.step, args.data)
+
+    def text(r) -> str:
+        loss = f"{r.eval_loss:.4f}" if r.eval_loss is not None else "not finite"
+        parts = [f"run {r.run_id} step {r.step}: eval_loss {loss} over {r.tokens:,} tokens"]
+        parts += [f"{key} {value:.4g}" for key, value in r.metrics.items()]
+        return " | ".join(parts)
+
+    _emit(args, result, text)
+    return EXIT_OK
+
+
+# ---------------------------------------------------------------------------------------------
 # Server, skills, recipes, review
 # ---------------------------------------------------------------------------------------------
 
@@ -570,6 +624,27 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = add("checkpoints", cmd_checkpoints, "complete checkpoints of a run (list_checkpoints)")
     p.add_argument("run_id")
+
+    p = add("export", cmd_export, "write a checkpoint as a Hugging Face model folder (export_checkpoint)")
+    p.add_argument("run_id")
+    p.add_argument("--to", required=True, metavar="DIR", help="a new or empty folder in the workspace")
+    p.add_argument("--step", type=int, help="checkpoint step (default: the latest complete one)")
+    p.add_argument("--lora", choices=("merged", "adapter"), default="merged",
+                   help="LoRA runs: adapters merged into the weights (default) or a peft adapter folder")
+
+    p = add("sample", cmd_sample, "continue prompts with a checkpoint's model (sample)")
+    p.add_argument("run_id")
+    p.add_argument("--prompt", dest="prompts", action="append", required=True, metavar="TEXT",
+                   help="text to continue (repeatable, at most 8)")
+    p.add_argument("--step", type=int, help="checkpoint step (default: the latest complete one)")
+    p.add_argument("--max-new-tokens", type=int, default=64, help="at most this many new tokens each (1-512)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 (default): greedy")
+
+    p = add("evaluate", cmd_evaluate, "eval loss and task metrics of a checkpoint (evaluate)")
+    p.add_argument("run_id")
+    p.add_argument("--step", type=int, help="checkpoint step (default: the latest complete one)")
+    p.add_argument("--data", action="append", metavar="PATH",
+                   help="evaluate on these files or folders (repeatable; default: the run's held-out split)")
     return parser
 
 

@@ -16,9 +16,7 @@ class ResumePoint(BaseModel):
 
 
 class LaunchRunResult(BaseModel):
-    """code: the code that runs (commit, uncommitted changes, resume source); config_changes:
-    keys that differ from the code defaults; data: what it trains on (source, paths, files,
-    documents, tokens, train/eval split), counted before it started."""
+    """config_changes: keys that differ from the code defaults; data: what it trains on."""
 
     run_id: str
     status: RunStatus
@@ -57,8 +55,7 @@ class RunList(BaseModel):
 
 
 class RunInfo(BaseModel):
-    """What ran (code, config_changes, data as in launch_run) and how it goes (latest metrics
-    record, eta_s, newest checkpoints, console_tail when it failed)."""
+    """What ran and how it goes; console_tail when it failed."""
 
     run_id: str
     status: RunStatus
@@ -130,13 +127,13 @@ class SkillList(BaseModel):
 class SkillDetail(SkillSummary):
     skill_md: str = Field(description="The SKILL.md text: what it does, parameters, validation, by hand.")
     params_schema: dict[str, Any] = Field(description="JSON schema of the skill's parameters.")
-    truncated: bool = Field(False, description="skill_md was cut to fit; the resource skill://<name> has all of it.")
+    truncated: bool = Field(False, description="Cut to fit; skill://<name> has all of it.")
 
 
 class ApplySkillResult(BaseModel):
     skill: str
     version: str
-    recipe: str = Field(description="The file the skill changed (or would change), relative to the workspace.")
+    recipe: str = Field(description="The file changed, relative to the workspace.")
     changed: bool
     already_applied: bool = Field(description="The pattern was already there: nothing to do, not an error.")
     dry_run: bool
@@ -147,8 +144,7 @@ class ApplySkillResult(BaseModel):
     message: str = ""
     acts_on: str = Field(
         "",
-        description="What the change acts on, read from the code (e.g. 'wraps 4 blocks of `model.layers`'); "
-        "the run's console repeats the count. Empty when nothing changed.",
+        description="What the change acts on (e.g. 'wraps 4 blocks of `model.layers`').",
     )
 
 
@@ -254,3 +250,42 @@ class WaitRunResult(BaseModel):
     waited_s: float
     latest: dict[str, Any] | None = Field(None, description="The latest metrics record.")
     error: str | None = None
+
+
+# ---------------------------------------------------------------------------------------------
+# Models out, and questions to them
+# ---------------------------------------------------------------------------------------------
+
+
+class ExportResult(BaseModel):
+    run_id: str
+    step: int
+    path: str
+    lora: str | None = None
+    tokenizer: str | None = None
+    parameters: int
+    files: dict[str, int] = Field(description="Name: bytes.")
+
+
+class Sample(BaseModel):
+    prompt: str
+    completion: str
+    new_tokens: int
+    stopped: str = Field(description="eos or max_new_tokens.")
+    cut: bool = False
+
+
+class SampleResult(BaseModel):
+    run_id: str
+    step: int
+    chat: bool = Field(description="Prompts were user turns of the chat template.")
+    samples: list[Sample]
+
+
+class EvaluateResult(BaseModel):
+    run_id: str
+    step: int
+    eval_loss: float | None
+    perplexity: float | None = None
+    tokens: int
+    metrics: dict[str, float]

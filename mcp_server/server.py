@@ -30,12 +30,15 @@ from mcp_server.limits import MAX_ARGUMENTS_CHARS, MAX_ERROR_CHARS, MAX_RESULT_C
 from mcp_server.models import (
     ApplySkillResult,
     CheckpointList,
+    EvaluateResult,
+    ExportResult,
     LaunchRunResult,
     MetricsTail,
     RecipeDescription,
     RecipeList,
     RunInfo,
     RunList,
+    SampleResult,
     ScaffoldResult,
     SkillDetail,
     SkillList,
@@ -43,6 +46,8 @@ from mcp_server.models import (
     TemplateList,
     WaitRunResult,
 )
+from engine.model_io import MAX_NEW_TOKENS, MAX_PROMPTS
+from mcp_server.operations import model_tools as model_ops
 from mcp_server.operations import recipe_info, waiting
 from mcp_server.operations import recipes as recipe_ops
 from mcp_server.operations import runs as run_ops
@@ -66,6 +71,7 @@ resume → wait.
    returns at that step or when the run ends; get_run and tail_metrics show it; stop_run ends it.
 4. resume_checkpoint(run_id, step) continues a run as a new run (list_checkpoints has the steps);
    tail_metrics(follow_resumes=true) shows the history across resumes.
+5. sample, evaluate and export_checkpoint (a Hugging Face folder) look at a checkpoint's model.
 Runs outlive this server; list_runs shows them all. Errors say what to change.
 """
 
@@ -84,6 +90,7 @@ class AuditedToolError(ToolError):
 
 RunId = Annotated[str, Field(description="From launch_run or list_runs.")]
 RecipePath = Annotated[str, Field(description="Recipe folder (recipes/<name>, or the name).")]
+Step = Annotated[int | None, Field(strict=True, description="Checkpoint step; default: the latest.")]
 
 
 class Tools:
@@ -183,14 +190,12 @@ def build_server(workspace: Path | str, read_only: bool = False, settings: Path 
 
     @tool(READ_ONLY)
     async def list_skills() -> SkillList:
-        """The training skills apply_skill can write into a recipe (gradient checkpointing,
-        tensor parallel, freezing, sequence packing, loss guards, ...); get_skill explains one."""
+        """The training skills apply_skill can write into a recipe; get_skill explains one."""
         return await tools.call("list_skills", {}, skill_ops.list_skills)
 
     @tool(READ_ONLY)
     async def get_skill(name: Annotated[str, Field(description="A skill name from list_skills.")]) -> SkillDetail:
-        """One skill's SKILL.md (goal, when to use it, what it changes, how to validate it) and
-        the JSON schema of its parameters."""
+        """One skill's SKILL.md and the JSON schema of its parameters."""
         return await tools.call("get_skill", {"name": name}, lambda: skill_ops.get_skill(name))
 
     @tool(IDEMPOTENT_CHANGE)
@@ -200,11 +205,9 @@ def build_server(workspace: Path | str, read_only: bool = False, settings: Path 
         params: Annotated[dict[str, Any] | None, Field(description="Skill parameters (see get_skill).")] = None,
         dry_run: Annotated[bool, Field(description="Only return the diff; change nothing.")] = False,
     ) -> ApplySkillResult:
-        """Write a skill's pattern into a recipe's code as one git commit (trailers
-        Skill-Applied, Skill-Params); returns the diff, the commit and acts_on (what the change
-        acts on, read from the code). Applying again changes nothing (changed=false). Refused when
-        the recipe has uncommitted changes, the skill finds no place to go, or its change would
-        act on nothing (the message says what would work, e.g. a target param)."""
+        """Write a skill's pattern into a recipe's code as one git commit; returns the diff, the
+        commit and acts_on (what the change acts on). Applying again changes nothing. A refusal
+        (uncommitted changes, no place to go, nothing to act on) says what would work."""
         args = {"skill": skill, "recipe": recipe, "params": params, "dry_run": dry_run}
         return await tools.call(
             "apply_skill", args, lambda: skill_ops.apply_skill(tools.ws, skill, recipe, params, dry_run)
@@ -233,9 +236,8 @@ def build_server(workspace: Path | str, read_only: bool = False, settings: Path 
         ] = None,
         ctx: Context | None = None,
     ) -> ScaffoldResult:
-        """Create recipes/<name>/ from a template with this config as one commit, then apply
-        each skill as its own commit. A bad config key or skill fails before anything is
-        written. Takes seconds (the engine checks the config)."""
+        """Create recipes/<name>/ from a template with this config as one commit, then each
+        skill as its own commit. A bad config key or skill fails before anything is written."""
         if ctx is not None:
             await ctx.report_progress(0, 2, "checking the config and skills")
         args = {"template": template, "name": name, "config": config, "skills": skills}
@@ -248,8 +250,8 @@ def build_server(workspace: Path | str, read_only: bool = False, settings: Path 
 
     @tool(READ_ONLY)
     async def describe_recipe(recipe: RecipePath) -> RecipeDescription:
-        """Every config key of a recipe: type, code default, value (config.yaml), description;
-        the template it came from and the skills applied. Takes seconds (the engine reads it)."""
+        """Every config key of a recipe (type, default, value, description), its template and
+        the skills applied."""
         return await tools.call(
             "describe_recipe", {"recipe": recipe}, lambda: recipe_info.describe_recipe(tools.ws, recipe)
         )
@@ -273,11 +275,10 @@ def build_server(workspace: Path | str, read_only: bool = False, settings: Path 
         ] = None,
         ctx: Context | None = None,
     ) -> LaunchRunResult:
-        """Start a run of a recipe and return its run_id at once, with the config keys that
-        differ from the defaults and a summary of the data it trains on. The engine checks config
-        and data first: a bad key or a missing data path fails here, nothing written. The run
-        executes a snapshot of the recipe (uncommitted changes included, and said so) and
-        outlives this server; follow it with wait_run, get_run, tail_metrics."""
+        """Start a run; returns its run_id at once, the config keys that differ from the
+        defaults and the data it trains on. Config and data are checked first (nothing written on
+        error). It runs a snapshot of the recipe and outlives this server: follow it with
+        wait_run, get_run, tail_metrics."""
         if ctx is not None:
             await ctx.report_progress(0, 2, "checking the recipe and config")
         args = {"recipe": recipe, "nproc": nproc, "overrides": overrides}
@@ -310,8 +311,8 @@ def build_server(workspace: Path | str, read_only: bool = False, settings: Path 
         ] = waiting.DEFAULT_WAIT_S,
         ctx: Context | None = None,
     ) -> WaitRunResult:
-        """Wait until a run logs until_step, ends, or timeout_s passes (reason: reached_step,
-        ended, timeout), with progress notifications (step of max_steps, loss) meanwhile."""
+        """Wait until a run logs until_step, ends, or timeout_s passes (reason says which),
+        with progress notifications."""
 
         async def progress(now: waiting.Observation) -> None:
             if ctx is not None:
@@ -336,8 +337,8 @@ def build_server(workspace: Path | str, read_only: bool = False, settings: Path 
             bool, Field(description="Also the runs it was resumed from, each up to its resume step.")
         ] = False,
     ) -> MetricsTail:
-        """The latest metrics records of a run (loss, lr, grad_norm, tokens_per_s, step time,
-        memory, MFU); truncated=true: more matched than n."""
+        """The latest metrics records of a run (loss, lr, grad_norm, tokens_per_s, ...);
+        truncated: more matched than n."""
         args = {"run_id": run_id, "n": n, "after_step": after_step, "follow_resumes": follow_resumes}
         return await tools.call(
             "tail_metrics", args, lambda: run_ops.tail_metrics(tools.ws, run_id, n, after_step, follow_resumes)
@@ -345,8 +346,7 @@ def build_server(workspace: Path | str, read_only: bool = False, settings: Path 
 
     @tool(DESTRUCTIVE)
     async def stop_run(run_id: RunId) -> StopRunResult:
-        """Stop a run: all its processes end, it is recorded as stopped; its checkpoints stay
-        for resume_checkpoint."""
+        """Stop a run and all its processes; its checkpoints stay for resume_checkpoint."""
         return await tools.call("stop_run", {"run_id": run_id}, lambda: run_ops.stop_run(tools.ws, run_id))
 
     @tool(READ_ONLY)
@@ -366,13 +366,64 @@ def build_server(workspace: Path | str, read_only: bool = False, settings: Path 
             Field(description="checkpoint: the code the run ran; head: the recipe as it is now (e.g. after apply_skill)."),
         ] = "checkpoint",
     ) -> LaunchRunResult:
-        """Continue a run from a checkpoint as a new run (same config); returns the new run_id at
-        once, with resumed_from and the code it runs."""
+        """Continue a run from a checkpoint as a new run (same config); returns its run_id at
+        once."""
         args = {"run_id": run_id, "step": step, "nproc": nproc, "code": code}
         return await tools.call(
             "resume_checkpoint", args,
             lambda: run_ops.resume_checkpoint(tools.ws, run_id, step, nproc, code=code),
         )
+
+    # ---------------------------------------------------------------------------------------
+    # Models: export, sample, evaluate (each loads the recipe in the run sandbox)
+    # ---------------------------------------------------------------------------------------
+
+    async def in_sandbox(ctx: Context | None, tool_name: str, args: dict[str, Any], work: Callable[[], Any]):
+        if ctx is not None:
+            await ctx.report_progress(0, 1, "loading the checkpoint in the sandbox")
+        result = await tools.call(tool_name, args, work)
+        if ctx is not None:
+            await ctx.report_progress(1, 1, "done")
+        return result
+
+    @tool(ADDITIVE)
+    async def export_checkpoint(
+        run_id: RunId,
+        to: Annotated[str, Field(description="A new or empty folder in the workspace.")],
+        step: Step = None,
+        lora: Annotated[Literal["merged", "adapter"], Field(description="LoRA runs: merged weights or a peft adapter.")] = "merged",
+        ctx: Context | None = None,
+    ) -> ExportResult:
+        """Write a checkpoint as a Hugging Face folder (weights, config, tokenizer)."""
+        args = {"run_id": run_id, "to": to, "step": step, "lora": lora}
+        return await in_sandbox(ctx, "export_checkpoint", args,
+                                lambda: model_ops.export_checkpoint(tools.ws, run_id, to, step, lora))
+
+    @tool(READ_ONLY)
+    async def sample(
+        run_id: RunId,
+        prompts: Annotated[list[str], Field(description=f"At most {MAX_PROMPTS} texts to continue.")],
+        step: Step = None,
+        max_new_tokens: Annotated[int, Field(strict=True, description=f"1-{MAX_NEW_TOKENS}.")] = 64,
+        temperature: Annotated[float, Field(description="0: greedy.")] = 0.0,
+        ctx: Context | None = None,
+    ) -> SampleResult:
+        """Continue prompts with a checkpoint's model."""
+        args = {"run_id": run_id, "prompts": prompts, "step": step, "max_new_tokens": max_new_tokens,
+                "temperature": temperature}
+        return await in_sandbox(ctx, "sample", args, lambda: model_ops.sample(
+            tools.ws, run_id, prompts, step, max_new_tokens, temperature))
+
+    @tool(READ_ONLY)
+    async def evaluate(
+        run_id: RunId,
+        step: Step = None,
+        data: Annotated[list[str] | None, Field(description="Files to evaluate on; default: the held-out split.")] = None,
+        ctx: Context | None = None,
+    ) -> EvaluateResult:
+        """A checkpoint's eval loss and the recipe's task metrics."""
+        args = {"run_id": run_id, "step": step, "data": data}
+        return await in_sandbox(ctx, "evaluate", args, lambda: model_ops.evaluate(tools.ws, run_id, step, data))
 
     # ---------------------------------------------------------------------------------------
     # Resources
@@ -420,9 +471,10 @@ def _compact_schema(schema: Any, output: bool = False, names: bool = False) -> N
     """Make a tool's JSON schema smaller without changing what it accepts: every tool's schemas
     are sent to the agent in each session.
 
-    Drops the ``title`` pydantic gives every schema (the key's name again, in Title Case). In
-    output schemas (which describe what the server sends: every key, always) it also drops
-    defaults and writes ``anyOf: [{type: T}, {type: null}]`` as ``type: [T, "null"]``.
+    Drops the ``title`` pydantic gives every schema (the key's name again, in Title Case) and
+    writes ``anyOf: [{type: T}, {type: null}]`` as ``type: [T, "null"]``. In output schemas
+    (which describe what the server sends: every key, always) it also drops ``required`` lists
+    and defaults.
     ``names`` marks a mapping of property names, which are kept as they are.
     """
     if isinstance(schema, dict):
@@ -431,13 +483,15 @@ def _compact_schema(schema: Any, output: bool = False, names: bool = False) -> N
                 del schema["title"]
             if output:
                 schema.pop("default", None)
+                if isinstance(schema.get("required"), list):  # the server sends every key, always
+                    del schema["required"]
                 if schema.get("additionalProperties") is True:
                     del schema["additionalProperties"]
-                options = schema.get("anyOf")
-                if (isinstance(options, list) and len(options) == 2 and {"type": "null"} in options
-                        and all(set(o) == {"type"} and isinstance(o["type"], str) for o in options)):
-                    del schema["anyOf"]
-                    schema["type"] = [o["type"] for o in options if o != {"type": "null"}] + ["null"]
+            options = schema.get("anyOf")
+            if (isinstance(options, list) and len(options) == 2 and {"type": "null"} in options
+                    and all(set(o) == {"type"} and isinstance(o["type"], str) for o in options)):
+                del schema["anyOf"]
+                schema["type"] = [o["type"] for o in options if o != {"type": "null"}] + ["null"]
         for key, value in schema.items():
             _compact_schema(value, output, names=not names and key in ("properties", "$defs"))
     elif isinstance(schema, list):

@@ -111,29 +111,12 @@ def check_launch(
     })
     visible = [Path(workspace)] if read_only is None else [Path(p) for p in read_only]
     visible += [Path(p) for p in (recipe_dir, config_json) if p is not None]
-    wrapped = bwrap.wrap(command, visible, [], network=limits.network, cwd=workspace, environ=env,
-                         hidden=hidden_state(workspace))
-    command = wrapped.command
-    if wrapped.sandboxed and limits.network == "isolated":
-        env.update(LOOPBACK_ENV)
-    elif not wrapped.sandboxed and limits.network == "isolated":
-        command = [sys.executable, "-m", "sandbox.network", "--", *command]
-    rlimits = asdict(limits)
-    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
-        try:
-            process = subprocess.Popen(
-                command, cwd=workspace, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=err,
-                start_new_session=True, preexec_fn=lambda: apply_limits(rlimits),
-            )
-        except OSError as e:
-            raise LaunchRefused(f"the engine could not be started to check the recipe: {e}") from None
-        try:
-            process.wait(timeout=CHECK_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            raise LaunchRefused(f"checking the recipe took over {CHECK_TIMEOUT_S} s") from None
-        finally:
-            _end_check(process, mark)
-        stdout, stderr = (_read(f) for f in (out, err))
+    try:
+        stdout, stderr = run_contained(command, workspace, visible, [], env, limits, CHECK_TIMEOUT_S, mark)
+    except OSError as e:
+        raise LaunchRefused(f"the engine could not be started to check the recipe: {e}") from None
+    except subprocess.TimeoutExpired:
+        raise LaunchRefused(f"checking the recipe took over {CHECK_TIMEOUT_S} s") from None
     for line in reversed(stdout.strip().splitlines()):
         try:
             verdict = json.loads(line)
@@ -145,6 +128,42 @@ def check_launch(
             return verdict
     last = (stderr.strip().splitlines() or ["no output"])[-1]
     raise LaunchRefused(f"the engine could not check the recipe: {last[:MAX_CHECK_ERROR_CHARS]}")
+
+
+def run_contained(
+    command: list[str],
+    workspace: Path,
+    read_only: list[Path],
+    writable: list[Path],
+    env: dict[str, str],
+    limits: RunLimits,
+    timeout_s: float,
+    mark: str,
+) -> tuple[str, str]:
+    """Run ``command`` as recipe code runs outside a run: in the sandbox seeing ``read_only`` and
+    ``writable`` (the workspace's state folders hidden), where possible without network, with
+    ``limits`` and the environment ``env`` (which carries ``mark``), in a session of its own;
+    when it exits (or ``timeout_s`` passes: ``subprocess.TimeoutExpired``) every process it
+    started is ended. Returns the ends of its stdout and stderr (written to files, not pipes, so
+    a helper that keeps them open cannot hold it)."""
+    wrapped = bwrap.wrap(command, read_only, writable, network=limits.network, cwd=workspace, environ=env,
+                         hidden=hidden_state(workspace))
+    command = wrapped.command
+    if wrapped.sandboxed and limits.network == "isolated":
+        env.update(LOOPBACK_ENV)
+    elif not wrapped.sandboxed and limits.network == "isolated":
+        command = [sys.executable, "-m", "sandbox.network", "--", *command]
+    rlimits = asdict(limits)
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        process = subprocess.Popen(
+            command, cwd=workspace, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=err,
+            start_new_session=True, preexec_fn=lambda: apply_limits(rlimits),
+        )
+        try:
+            process.wait(timeout=timeout_s)
+        finally:
+            _end_check(process, mark)
+        return _read(out), _read(err)
 
 
 MAX_CHECK_OUTPUT_BYTES = 4 * 2**20

@@ -9,6 +9,7 @@ Supports:
 - gradient accumulation and clipping, warm-up + cosine LR, periodic evaluation
 - checkpoints every ``checkpoint.every`` steps, resumable on any number of processes
 - a tiny model built from a ``transformers`` config, or local weights (``model.pretrained_path``)
+- export as a Hugging Face folder (``trainwright export``), the byte tokenizer included
 - the CPython standard library as a corpus, or local .txt/.md/.py files and .jsonl documents
   (``data.source=files``, ``data.paths=[...]``), or random tokens for throughput benchmarks
   (``data.source=random``, ``data.vocab_size=...``)
@@ -29,7 +30,9 @@ import torch
 import torch.nn.functional as F
 from pydantic import Field, model_validator
 from torch.distributed.checkpoint.stateful import Stateful
-from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 from engine.config import ConfigError, DataConfig, EngineConfig, Section
 from engine.data_files import confined_path, data_files
@@ -69,7 +72,9 @@ class CausalLMDataConfig(DataConfig):
         description=".txt/.md/.py files (one document each), .jsonl files (one per line), or folders.",
     )
     text_field: str = Field("text", description="The key of the text in .jsonl records.")
-    eval_fraction: float = Field(0.05, ge=0, lt=1, description="Documents held out for evaluation.")
+    eval_fraction: float = Field(
+        0.05, ge=0, le=1, description="Documents held out for evaluation (1: all, for `trainwright evaluate`)."
+    )
     vocab_size: int = Field(32000, ge=3, description="data.source=random: token ids are below this.")
     random_documents: int = Field(10000, ge=1, description="data.source=random: how many documents.")
 
@@ -112,6 +117,16 @@ class ByteTokenizer:
 
     def decode(self, ids: list[int]) -> str:
         return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
+
+    def to_hf(self) -> PreTrainedTokenizerFast:
+        """The same tokenizer as a ``tokenizers``-backed Hugging Face tokenizer (saved beside an
+        exported model; ``AutoTokenizer`` loads it): a byte-level BPE without merges, so id b is
+        byte b, and the end-of-document and padding tokens as ids 256 and 257."""
+        byte_char = bytes_to_unicode()  # the byte-level alphabet: a printable character per byte
+        backend = Tokenizer(models.BPE(vocab={byte_char[b]: b for b in range(256)}, merges=[]))
+        backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+        backend.decoder = decoders.ByteLevel()
+        return PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<|endoftext|>", pad_token="<|pad|>")
 
 
 class PretrainedTokenizer:
@@ -224,7 +239,7 @@ def _refuse_unused_data_folder() -> None:
 
 def is_eval_document(name: str, eval_fraction: float) -> bool:
     bucket = int(hashlib.sha1(name.encode()).hexdigest()[:8], 16) / 0xFFFFFFFF
-    return bucket < eval_fraction
+    return eval_fraction >= 1 or bucket < eval_fraction
 
 
 def tokenize_documents(texts: list[str], tokenizer, seq_len: int) -> list[torch.Tensor]:
@@ -371,6 +386,8 @@ class CausalLM(Engine):
             counted[0] += 1
             counted[1] += tokens
             names.add(name.split(":", 1)[0])
+        if not counts[False][0]:
+            raise ConfigError(f"no training documents: data.eval_fraction={cfg.eval_fraction} holds out all of them")
         return DataSummary(
             source=cfg.source,
             paths=cfg.paths[:20],
@@ -394,6 +411,8 @@ class CausalLM(Engine):
 
     def prepare_data(self) -> BatchStream:
         cfg = self.config.data
+        if not self.documents[0]:
+            raise ConfigError(f"no training documents: data.eval_fraction={cfg.eval_fraction} holds out all of them")
         pieces = tokenize_documents(self.documents[0], self.tokenizer, cfg.seq_len)
         return BatchStream(
             pieces,
@@ -427,6 +446,27 @@ class CausalLM(Engine):
             ignore_index=IGNORE_INDEX,
             reduction="sum",
         )
+
+    def hf_processing(self):
+        """The tokenizer an exported model is saved with: the pretrained one, or the bytes."""
+        if isinstance(self.tokenizer, PretrainedTokenizer):
+            return self.tokenizer.tokenizer
+        if isinstance(self.tokenizer, ByteTokenizer):
+            return self.tokenizer.to_hf()
+        return None  # data.source=random: ids without text
+
+    def task_metrics(self) -> dict[str, float]:
+        """Next-token accuracy on the evaluation batches (greedy: the most likely token)."""
+        correct = total = 0
+        for batch in self.eval_batches or []:
+            batch = self.to_device(batch)
+            logits = self.model(
+                input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False
+            ).logits
+            supervised = batch["labels"] != IGNORE_INDEX
+            correct += int((logits.argmax(-1) == batch["labels"])[supervised].sum())
+            total += int(supervised.sum())
+        return {"next_token_accuracy": correct / total} if total else {}
 
     def flops_per_token(self) -> float:
         cfg = self.model.config

@@ -181,6 +181,14 @@ for tool in ("get_run", "wait_run", "stop_run", "list_checkpoints", "tail_metric
     CASES += [(tool, {"run_id": v}) for v in BAD_NAMES + WRONG_TYPES + [
         "20260101-000000-lm-link", "loop", f"{RUN_ID}/../{RUN_ID}", f"runs/{RUN_ID}", f"{RUN_ID}\n",
     ]]
+for tool, more in (("export_checkpoint", {"to": "exports/x"}), ("sample", {"prompts": ["x"]}), ("evaluate", {})):
+    CASES += [(tool, {"run_id": v, **more}) for v in BAD_NAMES + WRONG_TYPES + [f"runs/{RUN_ID}"]]
+CASES += [("export_checkpoint", {"run_id": RUN_ID, "to": v}) for v in BAD_PATHS + WRONG_TYPES + ["recipes/lm", "."]]
+CASES += [("export_checkpoint", {"run_id": RUN_ID, "to": "exports/x", "lora": v}) for v in ["", "both", None, 1]]
+CASES += [("evaluate", {"run_id": RUN_ID, "data": [v]}) for v in BAD_PATHS]
+CASES += [("sample", {"run_id": RUN_ID, "prompts": v}) for v in [[], "x", [1], [None], ["x"] * 9, ["x\x00"], [HUGE]]]
+CASES += [("sample", {"run_id": RUN_ID, "prompts": ["x"], "max_new_tokens": v}) for v in BAD_COUNTS + [513]]
+CASES += [("sample", {"run_id": RUN_ID, "prompts": ["x"], "temperature": v}) for v in [-1, 6, "hot", 10**30]]
 CASES += [("tail_metrics", {"run_id": RUN_ID, "n": v}) for v in BAD_COUNTS + [201]]
 CASES += [("tail_metrics", {"run_id": RUN_ID, "after_step": v}) for v in ["x", 1.5, [], {}]]
 CASES += [("resume_checkpoint", {"run_id": RUN_ID, "step": v}) for v in [3, 0, -1, 10**18, 2**64, "x", 1.5, []]]

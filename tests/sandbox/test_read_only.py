@@ -13,13 +13,14 @@ from tests.sandbox.helpers import error_text, fake_run, live_client, make_worksp
 
 RUN_ID = "20260101-000000-lm-abcd"
 READ_ONLY_TOOLS = {"list_skills", "get_skill", "list_templates", "describe_recipe", "list_recipes", "list_runs",
-                   "get_run", "wait_run", "tail_metrics", "list_checkpoints"}
+                   "get_run", "wait_run", "tail_metrics", "list_checkpoints", "sample", "evaluate"}
 CHANGING_CALLS = {
     "apply_skill": {"skill": "gradient-checkpointing", "recipe": "recipes/lm"},
     "scaffold_recipe": {"template": "causal_lm", "name": "fresh"},
     "launch_run": {"recipe": "recipes/lm"},
     "stop_run": {"run_id": RUN_ID},
     "resume_checkpoint": {"run_id": RUN_ID},
+    "export_checkpoint": {"run_id": RUN_ID, "to": "exports/x"},
 }
 
 

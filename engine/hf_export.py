@@ -1,0 +1,136 @@
+"""A trained model as a Hugging Face folder: ``save_pretrained`` and the tokenizer, LoRA merged
+or as a peft adapter.
+
+The model comes from the recipe's ``Engine.hf_model()`` with the checkpoint's weights loaded
+(``engine.model_io``); the tokenizer or processor from ``Engine.hf_processing()``. The folder
+holds ``config.json``, ``generation_config.json``, the weights as safetensors (sharded, with
+``model.safetensors.index.json``, above ``max_shard_size``) and the tokenizer's files, so
+``AutoModelForCausalLM.from_pretrained`` and ``AutoTokenizer.from_pretrained`` load it, and a
+recipe starts from it with ``model.pretrained_path``.
+
+LoRA adapters (peft layers in the model, as the ``lora`` skill injects them) are either merged
+into the base weights (``lora="merged"``: a plain model folder) or saved as a peft adapter folder
+(``lora="adapter"``: ``adapter_config.json`` + ``adapter_model.safetensors``, loadable with
+``peft.AutoPeftModelForCausalLM.from_pretrained``); the base model it adapts is the folder the
+run started from (``name_or_path``) or, for a model trained from scratch, ``base/`` inside the
+export.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from engine.config import ConfigError
+
+LORA_CHOICES = ("merged", "adapter")
+ADAPTER_BASE_DIRNAME = "base"
+# The key prefix peft's own PeftModel.save_pretrained writes (its wrapper's attribute path).
+PEFT_KEY_PREFIX = "base_model.model."
+
+
+def lora_layers(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+    """The peft adapter layers of ``model`` (empty when peft was never imported)."""
+    if "peft" not in sys.modules:
+        return []
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    return [(name, module) for name, module in model.named_modules() if isinstance(module, BaseTunerLayer)]
+
+
+def unload_lora(model: torch.nn.Module, merge: bool) -> int:
+    """Replace every adapter layer by its base layer, first merging the adapter's update into
+    the base weight when ``merge``; returns how many layers were replaced."""
+    layers = lora_layers(model)
+    for name, layer in layers:
+        if merge:
+            layer.merge()
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, child, layer.get_base_layer())
+    if hasattr(model, "peft_config"):
+        del model.peft_config
+    return len(layers)
+
+
+def text_tokenizer(processing: Any) -> Any:
+    """The tokenizer of a processor (a multimodal recipe), or the tokenizer itself."""
+    return getattr(processing, "tokenizer", processing)
+
+
+def set_special_tokens(model: Any, processing: Any) -> None:
+    """The model's config and generation config take the tokenizer's end and padding ids, so
+    ``generate()`` stops where training ended documents."""
+    if processing is None:
+        return
+    tokenizer = text_tokenizer(processing)
+    for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        value = getattr(tokenizer, name, None)
+        setattr(model.config, name, value)
+        if getattr(model, "generation_config", None) is not None:
+            setattr(model.generation_config, name, value)
+
+
+def export(
+    model: Any,
+    processing: Any,
+    out: Path,
+    lora: str = "merged",
+    max_shard_size: str | int = "2GB",
+    final_dir: Path | None = None,
+) -> dict[str, Any]:
+    """Write ``model`` (with its adapters, if any, as ``lora`` says) and ``processing`` into the
+    empty folder ``out``; ``final_dir``: where ``out`` will be renamed to (an adapter's base is
+    referenced there). Returns what was written."""
+    if lora not in LORA_CHOICES:
+        raise ConfigError(f"lora must be one of {', '.join(LORA_CHOICES)}, got {lora!r}")
+    out = Path(out)
+    final_dir = Path(final_dir) if final_dir is not None else out
+    model = model.float() if model.dtype != torch.float32 else model
+    set_special_tokens(model, processing)
+    layers = lora_layers(model)
+    result: dict[str, Any] = {"lora": None, "lora_layers": len(layers)}
+    if layers and lora == "adapter":
+        result["lora"] = "adapter"
+        result["base_model"] = _save_adapter(model, out, final_dir, max_shard_size)
+        if processing is not None and (out / ADAPTER_BASE_DIRNAME).is_dir():
+            processing.save_pretrained(out / ADAPTER_BASE_DIRNAME)  # the base folder loads on its own too
+    else:
+        if layers:
+            unload_lora(model, merge=True)
+            result["lora"] = "merged"
+        model.save_pretrained(out, max_shard_size=max_shard_size)
+    if processing is not None:
+        processing.save_pretrained(out)
+    result["tokenizer"] = type(processing).__name__ if processing is not None else None
+    result["parameters"] = sum(p.numel() for p in model.parameters())
+    return result
+
+
+def _save_adapter(model: Any, out: Path, final_dir: Path, max_shard_size: str | int) -> str:
+    """A peft adapter folder in ``out``; returns the base model it names."""
+    from peft import get_peft_model_state_dict
+    from safetensors.torch import save_file
+
+    (adapter_name, config), *others = model.peft_config.items()
+    if others:
+        raise ConfigError(f"the model has {len(others) + 1} LoRA adapters; export one with lora='merged'")
+    state = {PEFT_KEY_PREFIX + key: value.detach().contiguous() for key, value in
+             get_peft_model_state_dict(model, adapter_name=adapter_name).items()}
+    base = model.name_or_path
+    if not (base and os.path.isdir(base)):
+        # Trained from scratch: the adapter is worth nothing without the weights it adapts.
+        unload_lora(model, merge=False)
+        model.save_pretrained(out / ADAPTER_BASE_DIRNAME, max_shard_size=max_shard_size)
+        base = str(final_dir / ADAPTER_BASE_DIRNAME)
+    config = copy.deepcopy(config)
+    config.base_model_name_or_path, config.task_type, config.inference_mode = base, "CAUSAL_LM", True
+    out.mkdir(parents=True, exist_ok=True)
+    config.save_pretrained(out)
+    save_file(state, out / "adapter_model.safetensors", metadata={"format": "pt"})
+    return base

@@ -1,0 +1,289 @@
+"""Models out, and questions to them: ``python -m engine.model_io export|sample|evaluate RUN_DIR``.
+
+Each command builds the recipe's engine from the run's code snapshot (``RUN_DIR/recipe``) and
+resolved config (``RUN_DIR/run.json``), as one process (world size 1, CUDA where there is one,
+else CPU, full precision, no tensor parallelism), loads the model of the checkpoint at
+``--step`` (DCP: written by any number of processes), and then:
+
+- ``export --to DIR``: a Hugging Face folder (``engine.hf_export``);
+- ``sample --prompt TEXT ...``: greedy (``--temperature 0``) or sampled continuations, each at
+  most ``--max-new-tokens`` tokens (a tokenizer with a chat template: each prompt is a user
+  turn, rendered by the template with the generation prompt);
+- ``evaluate [--data PATH ...]``: the eval loss on the recipe's held-out batches (or on the
+  documents of ``PATH``: ``data.paths`` with every document held out) and the recipe's
+  ``task_metrics()``.
+
+It runs recipe code, so trainwright starts it in the run sandbox (``sandbox.model_process``),
+where the only writable places are ``--to`` and the folder of ``--result``: the result is one
+JSON object written to ``--result`` (stdout without it), ``{"ok": true, ...}`` or
+``{"ok": false, "kind": "bad_input" | "not_found", "error": ...}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import traceback
+from pathlib import Path
+from typing import Any
+
+from engine import run_dir as rd
+from engine.errors import BadInput, NotFound, TrainwrightError
+
+EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT = 0, 1, 2
+MAX_PROMPTS = 8
+MAX_NEW_TOKENS = 512
+MAX_PROMPT_CHARS = 4000
+# One process computes what a run computed on many: the same weights in full precision.
+SINGLE_PROCESS = {
+    "parallel.tp": 1,
+    "parallel.param_dtype": "float32",
+    "parallel.reduce_dtype": "float32",
+    "parallel.fsdp_on_one_process": False,
+}
+
+
+def checkpoint_path(run_dir: Path, step: int) -> Path:
+    path = Path(run_dir) / rd.CHECKPOINTS_DIRNAME / rd.checkpoint_dir_name(step)
+    if not (path / rd.DCP_METADATA).is_file():
+        raise NotFound(f"run {Path(run_dir).name} has no complete checkpoint at step {step}")
+    return path
+
+
+def load_engine(run_dir: Path, step: int, overrides: dict[str, Any] | None = None, recipe: Path | None = None):
+    """The run's recipe engine (``recipe``: its code, default the run's snapshot), its model
+    built and loaded with the checkpoint of ``step``."""
+    import torch
+
+    from engine.config import build_config
+    from engine.distributed import DistInfo, pick_device
+    from engine.launch import load_recipe_class
+
+    run_dir = Path(run_dir)
+    record = rd.read_run(run_dir)
+    if not record.config:
+        raise NotFound(f"run {record.id} recorded no config, so its recipe cannot be rebuilt")
+    recipe_class = load_recipe_class(recipe or run_dir / rd.SNAPSHOT_DIRNAME)
+    config = build_config(recipe_class.config_class, None, {**SINGLE_PROCESS, **(overrides or {})},
+                          base=record.config)
+    device = pick_device(0)
+    engine = recipe_class(config, DistInfo(0, 1, 0, device, None))
+    torch.manual_seed(config.train.seed)
+    engine.model = engine.prepare_model()
+    load_model_weights(engine.model, checkpoint_path(run_dir, step))
+    engine.model.eval()
+    return engine
+
+
+def load_model_weights(model, checkpoint: Path) -> None:
+    """The model part of a checkpoint (``model_optim.model``, as ``Engine.checkpoint_states``
+    saves it) into ``model``; DCP reshards whatever world size wrote it."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
+    from engine.checkpoint import _root_cause
+
+    state = get_model_state_dict(model)
+    try:
+        dcp.load({"model_optim": {"model": state}}, checkpoint_id=str(checkpoint))
+    except BaseException as e:  # DCP's CheckpointException (a BaseException) wraps the cause
+        if isinstance(e, (KeyboardInterrupt, SystemExit)):
+            raise
+        cause = _root_cause(e)
+        what = f"{type(cause).__name__}: {cause}".splitlines()[0][:500]
+        raise BadInput(f"the model in checkpoint {checkpoint.name} of run {checkpoint.parent.parent.name} "
+                       f"cannot be loaded into the recipe's model ({what})") from e
+    set_model_state_dict(model, state)
+
+
+# ---------------------------------------------------------------------------------------------
+# The three commands
+# ---------------------------------------------------------------------------------------------
+
+
+def export(run_dir: Path, step: int, to: Path, lora: str = "merged", max_shard_size: str = "2GB",
+           final_dir: Path | None = None) -> dict[str, Any]:
+    from engine import hf_export
+
+    if lora not in hf_export.LORA_CHOICES:
+        raise BadInput(f"lora must be one of {', '.join(hf_export.LORA_CHOICES)}, got {lora!r}")
+    engine = load_engine(run_dir, step)
+    written = hf_export.export(engine.hf_model(), engine.hf_processing(), Path(to), lora=lora,
+                               max_shard_size=max_shard_size, final_dir=final_dir)
+    return {"step": step, **written}
+
+
+def sample(run_dir: Path, step: int, prompts: list[str], max_new_tokens: int = 64,
+           temperature: float = 0.0, seed: int = 0) -> dict[str, Any]:
+    import torch
+
+    from engine.hf_export import set_special_tokens, text_tokenizer
+
+    check_sample_request(prompts, max_new_tokens, temperature)
+    engine = load_engine(run_dir, step)
+    processing = engine.hf_processing()
+    if processing is None:
+        raise BadInput("the run's recipe has no tokenizer (hf_processing() returns None, e.g. data.source=random): "
+                       "there is no text to sample")
+    tokenizer = text_tokenizer(processing)
+    model = engine.hf_model()
+    set_special_tokens(model, processing)
+    torch.manual_seed(seed)
+    # A tokenizer with a chat template belongs to a chat model (SFT, DPO): each prompt is a user turn.
+    chat = bool(getattr(tokenizer, "chat_template", None))
+    samples = []
+    for prompt in prompts:
+        if chat:
+            ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                                return_tensors="pt", return_dict=True)["input_ids"]
+        else:
+            ids = tokenizer(prompt, add_special_tokens=False, return_tensors="pt")["input_ids"]
+        ids = ids.to(engine.device)
+        with torch.no_grad():
+            output = model.generate(
+                ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                do_sample=temperature > 0, temperature=temperature if temperature > 0 else None,
+                top_k=None, top_p=None, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+            )
+        new = output[0, ids.shape[1]:].tolist()
+        ended = tokenizer.eos_token_id is not None and tokenizer.eos_token_id in new
+        samples.append({
+            "prompt": prompt,
+            "completion": tokenizer.decode(new, skip_special_tokens=True),
+            "new_tokens": len(new),
+            "stopped": "eos" if ended else "max_new_tokens",
+        })
+    return {"step": step, "temperature": temperature, "chat": chat, "samples": samples}
+
+
+def check_sample_request(prompts: Any, max_new_tokens: Any, temperature: Any) -> None:
+    """The bounds of a sample request (the server checks them too, before starting anything)."""
+    if not isinstance(prompts, list) or not prompts or not all(isinstance(p, str) for p in prompts):
+        raise BadInput("prompts must be a non-empty list of strings")
+    if len(prompts) > MAX_PROMPTS:
+        raise BadInput(f"at most {MAX_PROMPTS} prompts at a time, got {len(prompts)}")
+    for index, prompt in enumerate(prompts):
+        if not prompt:
+            raise BadInput(f"prompt {index} is empty; give the text the model continues")
+        if "\x00" in prompt:
+            raise BadInput(f"prompt {index} contains a NUL character")
+        if len(prompt) > MAX_PROMPT_CHARS:
+            raise BadInput(f"prompt {index} has {len(prompt)} characters; at most {MAX_PROMPT_CHARS}")
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or not 1 <= max_new_tokens <= MAX_NEW_TOKENS:
+        raise BadInput(f"max_new_tokens must be an integer between 1 and {MAX_NEW_TOKENS}, got {max_new_tokens!r}")
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not 0 <= temperature <= 5:
+        raise BadInput(f"temperature must be a number between 0 (greedy) and 5, got {temperature!r}")
+
+
+def evaluation_overrides(config_fields: dict[str, Any], data: list[str] | None) -> dict[str, Any]:
+    """Config overrides that make a recipe evaluate: ``train.eval_every`` on (recipes build
+    their evaluation batches only then) and, with ``data``, those documents, all held out."""
+    overrides: dict[str, Any] = {"train.eval_every": max(1, int(config_fields["train"]["eval_every"]))}
+    if data:
+        data_section = config_fields.get("data", {})
+        missing = [key for key in ("paths", "eval_fraction") if key not in data_section]
+        if missing:
+            raise BadInput(f"the recipe's config has no data.{missing[0]}, so evaluate cannot be given data; "
+                           "evaluate without data uses the recipe's held-out split")
+        overrides.update({"data.paths": list(data), "data.eval_fraction": 1.0})
+        if "source" in data_section:
+            overrides["data.source"] = "files"
+    return overrides
+
+
+def evaluate(run_dir: Path, step: int, data: list[str] | None = None) -> dict[str, Any]:
+    import torch
+
+    record = rd.read_run(run_dir)
+    engine = load_engine(run_dir, step, evaluation_overrides(record.config or {}, data))
+    engine.eval_batches = engine.prepare_eval_data()
+    if not engine.eval_batches:
+        raise BadInput("the recipe has no evaluation data (prepare_eval_data() returned nothing: "
+                       "no documents held out?); pass data=[files] to evaluate on")
+    tokens = sum(engine.count_tokens(batch) for batch in engine.eval_batches)
+    loss = engine.evaluate()
+    engine.model.eval()
+    with torch.no_grad():
+        metrics = {str(k): float(v) for k, v in engine.task_metrics().items()}
+    return {
+        "step": step,
+        "eval_loss": loss,
+        "perplexity": math.exp(loss) if loss < 50 else None,
+        "batches": len(engine.eval_batches),
+        "tokens": tokens,
+        "data": list(data) if data else None,
+        "metrics": metrics,
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# Entry point
+# ---------------------------------------------------------------------------------------------
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m engine.model_io", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="action", required=True)
+
+    def command(name: str, help: str) -> argparse.ArgumentParser:
+        p = sub.add_parser(name, help=help)
+        p.add_argument("run_dir", type=Path, help="the run directory (runs/<id>)")
+        p.add_argument("--step", type=int, required=True, help="the checkpoint's step")
+        p.add_argument("--result", type=Path, help="write the result (one JSON object) here; default stdout")
+        return p
+
+    p = command("export", "write the checkpoint as a Hugging Face folder")
+    p.add_argument("--to", type=Path, required=True, help="an empty or new folder")
+    p.add_argument("--lora", choices=("merged", "adapter"), default="merged")
+    p.add_argument("--max-shard-size", default="2GB", help="safetensors shards above this (e.g. 500MB)")
+    p.add_argument("--final-dir", type=Path, help="where --to will be renamed to (an adapter's base is named there)")
+    p = command("sample", "continue prompts with the model")
+    p.add_argument("--prompt", dest="prompts", action="append", required=True)
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    p.add_argument("--seed", type=int, default=0)
+    p = command("evaluate", "eval loss and the recipe's task metrics")
+    p.add_argument("--data", action="append", help="evaluate on these files or folders (all held out)")
+    return parser.parse_args(argv)
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    if args.action == "export":
+        return export(args.run_dir, args.step, args.to, args.lora, args.max_shard_size, args.final_dir)
+    if args.action == "sample":
+        return sample(args.run_dir, args.step, args.prompts, args.max_new_tokens, args.temperature, args.seed)
+    return evaluate(args.run_dir, args.step, args.data)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        result, code = {"ok": True, **run(args)}, EXIT_OK
+    except (TrainwrightError, OSError) as e:
+        kind = e.kind if isinstance(e, TrainwrightError) else "bad_input"
+        message = str(e) if isinstance(e, TrainwrightError) else f"cannot read the data: {e}"
+        result, code = {"ok": False, "kind": kind, "error": message[:2000]}, EXIT_BAD_INPUT
+    except BaseException as e:  # recipe code failed (DCP's CheckpointException is a BaseException)
+        if isinstance(e, (KeyboardInterrupt, SystemExit)):
+            raise
+        traceback.print_exc()
+        result = {"ok": False, "kind": "failed", "error": f"{type(e).__name__}: {e}"[:2000]}
+        code = EXIT_FAILED
+    text = json.dumps(result, default=str)
+    if args.result is None:
+        print(text)
+    else:
+        temporary = args.result.with_name(args.result.name + ".tmp")
+        temporary.write_text(text)
+        os.replace(temporary, args.result)
+    return code
+
+
+if __name__ == "__main__":
+    sys.stdout.flush()
+    from engine.launch import exit_without_finalizing
+
+    exit_without_finalizing(main())

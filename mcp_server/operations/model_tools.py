@@ -1,0 +1,176 @@
+"""Model operations: export a checkpoint as a Hugging Face folder, sample from it, evaluate it.
+
+Each loads the run's recipe, so each runs ``python -m engine.model_io`` in the run sandbox
+(:mod:`sandbox.model_process`), never in this process; what comes back is a bounded result.
+An export is written into a staging folder beside its destination and renamed into place when
+complete: a failed or interrupted export leaves nothing at ``to``.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import shutil
+from pathlib import Path
+from typing import Any
+
+from engine import run_dir as rd
+from engine.errors import BadInput, NotFound
+from engine.model_io import check_sample_request
+from mcp_server.limits import AGENT_BUDGET_CHARS, json_chars
+from mcp_server.models import EvaluateResult, ExportResult, Sample, SampleResult
+from sandbox.model_process import run_model_io
+from sandbox.paths import RESERVED_DIRS, PathRefused, confine, refuse_reserved
+from sandbox.provenance import check_snapshot_unchanged
+from sandbox.workspace import Workspace
+
+EXPORT_TIMEOUT_S = 1800
+SAMPLE_TIMEOUT_S = 600
+EVALUATE_TIMEOUT_S = 1800
+LORA_CHOICES = ("merged", "adapter")
+MAX_LISTED_FILES = 40
+MAX_DATA_PATHS = 20
+MAX_METRICS = 40
+STAGING_MARK = ".partial-export-"
+
+
+def checkpoint_of(ws: Workspace, run_id: str, step: int | None) -> tuple[Path, int]:
+    """The run directory and the step of its complete checkpoint ``step`` (default: the latest),
+    with its code snapshot checked unchanged."""
+    run_dir = ws.run_dir(run_id)
+    record = rd.read_run(run_dir)
+    checkpoints = rd.list_checkpoints(run_dir)
+    if not checkpoints:
+        raise NotFound(f"run {run_id} has no complete checkpoint yet; list_checkpoints shows them as they come")
+    if step is None:
+        chosen = checkpoints[-1][0]
+    elif isinstance(step, bool) or not isinstance(step, int):
+        raise BadInput(f"step must be an integer, got {step!r}")
+    elif step not in dict(checkpoints):
+        raise NotFound(f"run {run_id} has no complete checkpoint at step {step}; "
+                       f"available steps: {', '.join(str(s) for s, _ in checkpoints[-20:])}")
+    else:
+        chosen = step
+    snapshot = run_dir / rd.SNAPSHOT_DIRNAME
+    if not (snapshot / "recipe.py").is_file():
+        raise BadInput(f"run {run_id} kept no snapshot of its code, so its model cannot be rebuilt")
+    check_snapshot_unchanged(record, snapshot)
+    return run_dir, chosen
+
+
+def export_checkpoint(
+    ws: Workspace, run_id: str, to: str, step: int | None = None, lora: str = "merged",
+    max_shard_size: str = "2GB",
+) -> ExportResult:
+    """Write a checkpoint as a Hugging Face folder at ``to`` (new, or an empty folder)."""
+    if lora not in LORA_CHOICES:
+        raise BadInput(f"lora must be one of {', '.join(LORA_CHOICES)}, got {lora!r}")
+    destination = confine(ws.root, to, "to", must_exist=False)
+    relative = destination.relative_to(ws.root)
+    if not relative.parts:
+        raise PathRefused("to is the workspace itself; give a new folder inside it, e.g. exports/my_model")
+    if relative.parts[0] in RESERVED_DIRS:
+        raise PathRefused(f"to {relative.as_posix()!r} is inside {relative.parts[0]}/, which holds trainwright's "
+                          "or git's own state; export elsewhere, e.g. exports/my_model")
+    if destination.exists() and (not destination.is_dir() or any(destination.iterdir())):
+        raise BadInput(f"to {ws.label(destination)!r} exists and is not an empty folder; "
+                       "give a new folder (nothing was changed)")
+    run_dir, step = checkpoint_of(ws, run_id, step)
+    parent = destination.parent
+    missing = [p for p in [parent, *parent.parents] if not p.exists()]
+    staging = parent / f".{destination.name[:80]}{STAGING_MARK}{secrets.token_hex(4)}"
+    try:
+        staging.mkdir(parents=True)
+        result = run_model_io(
+            ws.root, run_dir, "export", step,
+            ["--to", str(staging), "--lora", lora, "--max-shard-size", max_shard_size, "--final-dir", str(destination)],
+            ws.run_limits(), EXPORT_TIMEOUT_S, writable=[staging],
+        )
+        if destination.exists():
+            destination.rmdir()  # empty, as checked; the rename below needs it gone
+        os.rename(staging, destination)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        for folder in missing:  # parents this export created, innermost first
+            try:
+                folder.rmdir()
+            except OSError:
+                break
+        raise
+    files = _files(destination)
+    return ExportResult(
+        run_id=run_id, step=step, path=ws.label(destination), lora=result.get("lora"),
+        tokenizer=result.get("tokenizer"), parameters=int(result.get("parameters") or 0),
+        files=dict(files[:MAX_LISTED_FILES]),
+    )
+
+
+def _files(folder: Path) -> list[tuple[str, int]]:
+    """The files under ``folder`` (links not followed), with their sizes."""
+    found = []
+    for dirpath, _, names in os.walk(folder):
+        for name in sorted(names):
+            path = Path(dirpath) / name
+            info = path.lstat()
+            found.append((path.relative_to(folder).as_posix(), info.st_size))
+    return sorted(found)
+
+
+def sample(
+    ws: Workspace, run_id: str, prompts: list[str], step: int | None = None, max_new_tokens: int = 64,
+    temperature: float = 0.0,
+) -> SampleResult:
+    """Continue each prompt with the checkpoint's model (greedy when temperature is 0)."""
+    check_sample_request(prompts, max_new_tokens, temperature)
+    run_dir, step = checkpoint_of(ws, run_id, step)
+    arguments = [f"--prompt={prompt}" for prompt in prompts]
+    arguments += ["--max-new-tokens", str(max_new_tokens), "--temperature", repr(float(temperature))]
+    result = run_model_io(ws.root, run_dir, "sample", step, arguments, ws.run_limits(), SAMPLE_TIMEOUT_S)
+    return SampleResult(run_id=run_id, step=step, chat=bool(result.get("chat")),
+                        samples=_bounded_samples(result.get("samples") or []))
+
+
+def _bounded_samples(samples: list[dict[str, Any]]) -> list[Sample]:
+    """The samples, each prompt and completion cut to its share of the result budget."""
+    share = (AGENT_BUDGET_CHARS - 1200) // max(1, len(samples))
+    kept = []
+    for item in samples:
+        prompt, prompt_cut = _fit(str(item.get("prompt", "")), min(300, share // 4))
+        completion, completion_cut = _fit(str(item.get("completion", "")), share - json_chars(prompt) - 80)
+        kept.append(Sample(prompt=prompt, completion=completion, new_tokens=int(item.get("new_tokens") or 0),
+                           stopped=item.get("stopped", "max_new_tokens"), cut=prompt_cut or completion_cut))
+    return kept
+
+
+def _fit(text: str, budget: int) -> tuple[str, bool]:
+    """``text`` cut so that it takes at most ``budget`` characters as JSON (escapes count)."""
+    if json_chars(text) <= budget:
+        return text, False
+    low, high = 0, len(text)
+    while low < high:  # the longest prefix that fits
+        middle = (low + high + 1) // 2
+        if json_chars(text[:middle]) + 2 <= budget:
+            low = middle
+        else:
+            high = middle - 1
+    return text[:low] + "…", True
+
+
+def evaluate(ws: Workspace, run_id: str, step: int | None = None, data: list[str] | str | None = None) -> EvaluateResult:
+    """The eval loss of a checkpoint on the run's held-out data (or on ``data``: workspace files
+    or folders, all held out) and the recipe's task metrics."""
+    paths = [data] if isinstance(data, str) else data
+    if paths is not None:
+        if not isinstance(paths, list) or not paths or len(paths) > MAX_DATA_PATHS:
+            raise BadInput(f"data must be a path or a list of 1 to {MAX_DATA_PATHS} paths in the workspace")
+        resolved = [refuse_reserved(ws.root, confine(ws.root, path, "data"), "data") for path in paths]
+    run_dir, step = checkpoint_of(ws, run_id, step)
+    arguments = [f"--data={path}" for path in resolved] if paths else []
+    result = run_model_io(ws.root, run_dir, "evaluate", step, arguments, ws.run_limits(), EVALUATE_TIMEOUT_S)
+    metrics = {str(k)[:100]: float(v) for k, v in list((result.get("metrics") or {}).items())[:MAX_METRICS]
+               if rd.finite_number(v) is not None}
+    return EvaluateResult(
+        run_id=run_id, step=step, eval_loss=rd.finite_number(result.get("eval_loss")),
+        perplexity=rd.finite_number(result.get("perplexity")), tokens=int(result.get("tokens") or 0),
+        metrics=metrics,
+    )

@@ -1,0 +1,114 @@
+"""The sandboxed process that exports, samples or evaluates a run's checkpoint.
+
+``python -m engine.model_io`` imports the run's recipe (arbitrary code), so it runs as a run
+does: in the bubblewrap sandbox (:mod:`sandbox.bwrap`), with the run limits of the workspace,
+the allow-listed environment, without network where the settings say so, in a session of its
+own, and every process it started is ended when it ends. It sees the workspace read-only
+(without ``.git/``, ``.trainwright/`` and ``runs/``), the run's ``run.json``, code snapshot and
+one checkpoint read-only, and may write only into the folders the caller names (an export's
+staging folder) and a fresh result folder, from which the host reads one bounded JSON file
+without following links.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+import stat
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from engine import run_dir as rd
+from engine.data_files import WORKSPACE_VARIABLE
+from engine.errors import BadInput, NotFound
+from sandbox.config import RunLimits
+from sandbox.environment import THREADS_VARIABLE, run_environment, threads_per_process
+from sandbox.processes import RUN_ID_VARIABLE
+from sandbox.runs import run_contained
+
+RESULT_NAME = "result.json"
+MAX_RESULT_BYTES = 1 << 20
+MAX_STDERR_CHARS = 1500
+
+
+class ModelProcessFailed(BadInput):
+    """The recipe's code failed while its model was loaded or asked; the message has its error."""
+
+
+def run_model_io(
+    workspace: Path,
+    run_dir: Path,
+    action: str,
+    step: int,
+    arguments: list[str],
+    limits: RunLimits,
+    timeout_s: float,
+    writable: list[Path] | None = None,
+) -> dict[str, Any]:
+    """Run ``python -m engine.model_io ACTION RUN_DIR --step STEP ARGUMENTS`` in the sandbox and
+    return its result (``ok`` removed); its refusals are raised as :class:`BadInput` or
+    :class:`NotFound`, a failure of the recipe's code as :class:`ModelProcessFailed`."""
+    workspace, run_dir = Path(workspace), Path(run_dir)
+    checkpoint = run_dir / rd.CHECKPOINTS_DIRNAME / rd.checkpoint_dir_name(step)
+    out_dir = Path(tempfile.mkdtemp(prefix="trainwright-model-"))
+    try:
+        result_file = out_dir / RESULT_NAME
+        command = [sys.executable, "-m", "engine.model_io", action, str(run_dir), "--step", str(step),
+                   "--result", str(result_file), *arguments]
+        mark = f"model-{secrets.token_hex(8)}"
+        env = run_environment(
+            extra={
+                THREADS_VARIABLE: str(threads_per_process(1, limits.threads_per_process)),
+                RUN_ID_VARIABLE: mark, WORKSPACE_VARIABLE: str(workspace), "PYTHONDONTWRITEBYTECODE": "1",
+                "HF_HUB_OFFLINE": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1", "TRANSFORMERS_VERBOSITY": "error",
+            },
+            pass_env=limits.pass_env,
+        )
+        visible = [workspace, run_dir / rd.RUN_JSON, run_dir / rd.SNAPSHOT_DIRNAME, checkpoint]
+        try:
+            _, stderr = run_contained(command, workspace, visible, [out_dir, *(writable or [])], env, limits,
+                                      timeout_s, mark)
+        except OSError as e:
+            raise ModelProcessFailed(f"the engine could not be started for {action}: {e}") from None
+        except subprocess.TimeoutExpired:
+            raise ModelProcessFailed(f"{action} took over {timeout_s:.0f} s and was stopped") from None
+        result = _read_result(result_file)
+    finally:
+        shutil.rmtree(out_dir, ignore_errors=True)
+    if result is None:
+        last = "\n".join(stderr.strip().splitlines()[-8:])[-MAX_STDERR_CHARS:]
+        raise ModelProcessFailed(f"{action} ended without a result; its last output:\n{last or '(none)'}")
+    if not result.get("ok"):
+        error = str(result.get("error"))[:2000]
+        kind = result.get("kind")
+        if kind == "not_found":
+            raise NotFound(error)
+        if kind == "bad_input":
+            raise BadInput(error)
+        raise ModelProcessFailed(f"the recipe's code failed during {action}: {error}")
+    result.pop("ok")
+    return result
+
+
+def _read_result(path: Path) -> dict[str, Any] | None:
+    """The result file, opened without following a link, at most ``MAX_RESULT_BYTES``."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
+        return None
+    with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+            return None
+        data = f.read(MAX_RESULT_BYTES + 1)
+    if len(data) > MAX_RESULT_BYTES:
+        return {"ok": False, "kind": "failed", "error": f"its result is over {MAX_RESULT_BYTES} bytes"}
+    try:
+        result = json.loads(data)
+    except ValueError:
+        return None
+    return result if isinstance(result, dict) else None

@@ -1,0 +1,111 @@
+"""export_checkpoint, sample and evaluate through a real MCP client, on one short causal_lm run.
+
+Each tool loads the run's recipe in the run sandbox (``python -m engine.model_io``); what comes
+back is bounded, a bad request is refused before anything starts, and a refused export changes
+nothing in the workspace.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from mcp_server.limits import AGENT_BUDGET_CHARS
+from tests.mcp.conftest import SHORT_RUN, connect, tiny_config
+from tests.sandbox.helpers import make_workspace, tree_hash
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def session(tmp_path_factory):
+    workspace = make_workspace(tmp_path_factory.mktemp("model-tools") / "ws")  # recipes/lm: the template
+    with connect("memory", workspace) as client:
+        run_id = client.ok("launch_run", recipe="lm", overrides=tiny_config(**SHORT_RUN))["run_id"]
+        assert client.wait_for_run(run_id)["status"] == "completed"
+        yield client, workspace, run_id
+
+
+def text_size(result: dict) -> int:
+    return len(json.dumps(result, indent=2, ensure_ascii=False))
+
+
+def test_sample_and_evaluate_answer_with_bounded_results(session):
+    client, workspace, run_id = session
+    progress: list = []
+    result = client.ok("sample", progress, run_id=run_id, prompts=["def ", "import os\n"], max_new_tokens=24)
+    assert result["step"] == 6 and result["chat"] is False
+    assert [s["prompt"] for s in result["samples"]] == ["def ", "import os\n"]
+    for item in result["samples"]:
+        # The byte tokenizer: each new token is a byte, or the end of a document (which stops it).
+        assert item["stopped"] in ("eos", "max_new_tokens") and 1 <= item["new_tokens"] <= 24
+        assert item["completion"] and not item["cut"]
+    assert [p[:2] for p in progress] == [(0, 1), (1, 1)]
+    assert text_size(result) < 2000
+
+    (workspace / "eval").mkdir()
+    (workspace / "eval" / "a.txt").write_text("print('hello world')\n" * 20)
+    evaluated = client.ok("evaluate", run_id=run_id, step=3, data=["eval/a.txt"])
+    assert evaluated["step"] == 3 and 0 < evaluated["eval_loss"] < 6.0 and evaluated["tokens"] > 0
+    assert 0 <= evaluated["metrics"]["next_token_accuracy"] <= 1
+    assert text_size(evaluated) < 1000
+
+
+def test_sample_results_are_cut_to_the_agent_budget():
+    from mcp_server.operations.model_tools import _bounded_samples
+
+    raw = [{"prompt": "p" * 4000, "completion": "\x01é" * 2000, "new_tokens": 512, "stopped": "max_new_tokens"}] * 8
+    samples = [s.model_dump() for s in _bounded_samples(raw)]
+    assert text_size({"run_id": "x" * 40, "step": 1, "samples": samples}) < AGENT_BUDGET_CHARS
+    assert all(s["cut"] and s["completion"].startswith("\x01é") and s["completion"].endswith("…") for s in samples)
+    short = [{"prompt": "a", "completion": "b", "new_tokens": 1, "stopped": "eos"}]
+    assert [s.model_dump() for s in _bounded_samples(short)] == [
+        {"prompt": "a", "completion": "b", "new_tokens": 1, "stopped": "eos", "cut": False}]
+
+
+def test_export_writes_a_hugging_face_folder_and_refuses_a_folder_with_files(session):
+    client, workspace, run_id = session
+    result = client.ok("export_checkpoint", run_id=run_id, to="exports/lm")
+    folder = workspace / "exports" / "lm"
+    assert result["path"] == "exports/lm" and result["lora"] is None
+    assert {"config.json", "generation_config.json", "model.safetensors", "tokenizer.json"} <= set(result["files"])
+    assert sorted(p.name for p in folder.iterdir()) == sorted(result["files"])
+    assert json.loads((folder / "generation_config.json").read_text())["eos_token_id"] == 256
+    assert not [p for p in (workspace / "exports").iterdir() if p.name.startswith(".")]  # no staging left
+
+    before = tree_hash(workspace)
+    error = client.error("export_checkpoint", run_id=run_id, to="exports/lm")
+    assert "bad_input: to 'exports/lm' exists and is not an empty folder; give a new folder" in error
+    assert "bad_input: to 'runs/x' is inside runs/" in client.error("export_checkpoint", run_id=run_id, to="runs/x")
+    assert "outside the workspace" in client.error("export_checkpoint", run_id=run_id, to="../x")
+    assert f"not_found: run {run_id} has no complete checkpoint at step 4; available steps: 3, 6" in client.error(
+        "export_checkpoint", run_id=run_id, to="exports/x", step=4)
+    assert tree_hash(workspace) == before
+
+
+def test_bad_sample_requests_are_refused_before_anything_starts(session):
+    client, _, run_id = session
+    assert "bad_input: prompts must be" in client.error("sample", run_id=run_id, prompts=[])
+    assert "bad_input: at most 8 prompts" in client.error("sample", run_id=run_id, prompts=["a"] * 9)
+    assert "bad_input: max_new_tokens must be an integer between 1 and 512" in client.error(
+        "sample", run_id=run_id, prompts=["a"], max_new_tokens=513)
+    assert "bad_input: prompt 0 is empty" in client.error("sample", run_id=run_id, prompts=[""])
+    assert "not_found: no run" in client.error("sample", run_id="20990101-000000-lm-0000", prompts=["a"])
+
+
+def test_a_failed_export_leaves_nothing_behind(session):
+    """A run whose checkpoint cannot be loaded (its DCP metadata is empty): the recipe's code
+    fails in the sandbox, and neither the destination nor the folders made for it remain."""
+    import shutil
+
+    from engine import run_dir as rd
+    from tests.sandbox.helpers import fake_run
+
+    client, workspace, run_id = session
+    broken = fake_run(workspace, "20260101-000000-lm-brkn", config=rd.read_run(workspace / "runs" / run_id).config)
+    shutil.copytree(workspace / "runs" / run_id / rd.SNAPSHOT_DIRNAME, broken / rd.SNAPSHOT_DIRNAME)
+    before = tree_hash(workspace)
+    error = client.error("export_checkpoint", run_id=broken.name, to="exports/deep/broken")
+    assert f"bad_input: the model in checkpoint step-00000004 of run {broken.name} cannot be loaded" in error
+    assert tree_hash(workspace) == before and not (workspace / "exports" / "deep").exists()
