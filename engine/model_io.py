@@ -40,6 +40,7 @@ MAX_PROMPT_CHARS = 4000
 # One process computes what a run computed on many: the same weights in full precision.
 SINGLE_PROCESS = {
     "parallel.tp": 1,
+    "parallel.sp": 1,
     "parallel.param_dtype": "float32",
     "parallel.reduce_dtype": "float32",
     "parallel.fsdp_on_one_process": False,
