@@ -28,6 +28,9 @@ class LaunchRunResult(BaseModel):
     data: dict[str, Any] | None
     resumed_from: ResumedFrom | None = None
     warnings: list[str] = []
+    nodes: str | None = Field(None, description="Nodes, rendezvous, SLURM job.")
+    reason: str | None = None
+    slurm_script: str | None = Field(None, description="The sbatch script (target slurm).")
 
 
 class CheckpointInfo(BaseModel):
@@ -93,6 +96,7 @@ class RunInfo(BaseModel):
     )
     isolation_note: str | None = None
     limits: dict[str, Any] | None = None
+    nodes: str | None = Field(None, description="Nodes, rendezvous, SLURM job.")
 
 
 class StopRunResult(BaseModel):

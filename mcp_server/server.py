@@ -271,6 +271,14 @@ def build_server(workspace: Path | str, read_only: bool = False, settings: Path 
             dict[str, Any] | None,
             Field(description='Config overrides, dotted keys: {"train.max_steps": 100}.'),
         ] = None,
+        nnodes: Annotated[int, Field(strict=True, description="Nodes; nproc on each.")] = 1,
+        rdzv: Annotated[
+            dict[str, Any] | None, Field(description="c10d rendezvous (nnodes>1): endpoint host:port, id, node_rank.")
+        ] = None,
+        target: Annotated[Literal["local", "slurm"], Field(description="slurm: an sbatch job.")] = "local",
+        slurm: Annotated[
+            dict[str, Any] | None, Field(description="partition, time, gpus_per_node, rdzv_port.")
+        ] = None,
         ctx: Context | None = None,
     ) -> LaunchRunResult:
         """Start a run of a recipe and return its run_id at once, with the config keys that
@@ -280,8 +288,10 @@ def build_server(workspace: Path | str, read_only: bool = False, settings: Path 
         outlives this server; follow it with wait_run, get_run, tail_metrics."""
         if ctx is not None:
             await ctx.report_progress(0, 2, "checking the recipe and config")
-        args = {"recipe": recipe, "nproc": nproc, "overrides": overrides}
-        result = await tools.call("launch_run", args, lambda: run_ops.launch_run(tools.ws, recipe, nproc, overrides))
+        args = {"recipe": recipe, "nproc": nproc, "overrides": overrides, "nnodes": nnodes, "rdzv": rdzv,
+                "target": target, "slurm": slurm}
+        result = await tools.call("launch_run", args, lambda: run_ops.launch_run(
+            tools.ws, recipe, nproc, overrides, nnodes=nnodes, rdzv=rdzv, target=target, slurm=slurm))
         if ctx is not None:
             await ctx.report_progress(2, 2, f"started {result.run_id}")
         return result
