@@ -66,11 +66,9 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 def _job_text(r) -> str:
     lines = [f"run {r.run_id} → {r.run_dir}: {r.nodes}"]
-    if r.reason:
-        lines.append(f"  {r.reason}")
-    else:
-        lines.append(f"  `trainwright status {r.run_id}` follows the job (squeue/sacct); `trainwright stop` cancels it")
     lines.extend(f"  warning {w}" for w in r.warnings)
+    if r.status != "stopped":  # submitted
+        lines.append(f"  `trainwright status {r.run_id}` follows the job (squeue/sacct); `trainwright stop` cancels it")
     return "\n".join(lines)
 
 

@@ -17,8 +17,7 @@ class ResumePoint(BaseModel):
 
 class LaunchRunResult(BaseModel):
     """code: the code that runs (commit, uncommitted changes, resume source); config_changes:
-    keys that differ from the code defaults; data: what it trains on (source, paths, files,
-    documents, tokens, train/eval split), counted before it started."""
+    keys that differ from the code defaults; data: what it trains on, counted before it started."""
 
     run_id: str
     status: RunStatus
@@ -28,9 +27,8 @@ class LaunchRunResult(BaseModel):
     data: dict[str, Any] | None
     resumed_from: ResumedFrom | None = None
     warnings: list[str] = []
-    nodes: str | None = Field(None, description="Nodes, rendezvous, SLURM job.")
-    reason: str | None = None
-    slurm_script: str | None = Field(None, description="The sbatch script (target slurm).")
+    nodes: str | None = None
+    slurm_script: str | None = None
 
 
 class CheckpointInfo(BaseModel):
@@ -96,7 +94,7 @@ class RunInfo(BaseModel):
     )
     isolation_note: str | None = None
     limits: dict[str, Any] | None = None
-    nodes: str | None = Field(None, description="Nodes, rendezvous, SLURM job.")
+    nodes: str | None = None
 
 
 class StopRunResult(BaseModel):

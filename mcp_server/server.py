@@ -266,26 +266,21 @@ def build_server(workspace: Path | str, read_only: bool = False, settings: Path 
     @tool(ADDITIVE)
     async def launch_run(
         recipe: RecipePath,
-        nproc: Annotated[int, Field(strict=True, description="Processes (FSDP2 data-parallel ranks).")] = 1,
+        nproc: Annotated[int, Field(strict=True, description="Processes per node (FSDP2 ranks).")] = 1,
         overrides: Annotated[
             dict[str, Any] | None,
             Field(description='Config overrides, dotted keys: {"train.max_steps": 100}.'),
         ] = None,
-        nnodes: Annotated[int, Field(strict=True, description="Nodes; nproc on each.")] = 1,
-        rdzv: Annotated[
-            dict[str, Any] | None, Field(description="c10d rendezvous (nnodes>1): endpoint host:port, id, node_rank.")
-        ] = None,
-        target: Annotated[Literal["local", "slurm"], Field(description="slurm: an sbatch job.")] = "local",
-        slurm: Annotated[
-            dict[str, Any] | None, Field(description="partition, time, gpus_per_node, rdzv_port.")
-        ] = None,
+        nnodes: Annotated[int, Field(strict=True, description="Nodes.")] = 1,
+        rdzv: Annotated[dict[str, Any], Field(description="nnodes>1: endpoint host:port, id, node_rank.")] = {},
+        target: Annotated[Literal["local", "slurm"], Field(description="slurm: sbatch job.")] = "local",
+        slurm: Annotated[dict[str, Any], Field(description="slurm: partition, time, gpus_per_node.")] = {},
         ctx: Context | None = None,
     ) -> LaunchRunResult:
-        """Start a run of a recipe and return its run_id at once, with the config keys that
-        differ from the defaults and a summary of the data it trains on. The engine checks config
-        and data first: a bad key or a missing data path fails here, nothing written. The run
-        executes a snapshot of the recipe (uncommitted changes included, and said so) and
-        outlives this server; follow it with wait_run, get_run, tail_metrics."""
+        """Start a run of a recipe; returns its run_id at once, the config keys that differ
+        from the defaults and a summary of its data. Config and data are checked first (nothing
+        written on error). The run executes a snapshot of the recipe (uncommitted changes
+        included) and outlives this server; follow it with wait_run, get_run."""
         if ctx is not None:
             await ctx.report_progress(0, 2, "checking the recipe and config")
         args = {"recipe": recipe, "nproc": nproc, "overrides": overrides, "nnodes": nnodes, "rdzv": rdzv,

@@ -113,7 +113,9 @@ def job_script(record: rd.RunRecord, run_dir: Path, options: SlurmOptions, pytho
     if options.partition:
         header.append(f"#SBATCH --partition={options.partition}")
     header += [
-        f"#SBATCH --output={run_dir / rd.CONSOLE_LOG}",
+        # Relative to the job's working directory, the workspace it is submitted from (a
+        # directive cannot quote a path with spaces).
+        f"#SBATCH --output={rd.RUNS_DIRNAME}/{record.id}/{rd.CONSOLE_LOG}",
         "#SBATCH --open-mode=append",
     ]
     body = [
@@ -182,7 +184,7 @@ def query_state(job_id: str, env: Mapping[str, str]) -> tuple[str | None, str | 
         lines = [line for line in result.stdout.splitlines() if line.strip()]
         if result.returncode == 0 and lines:
             state, _, exit_code = lines[0].partition("|")
-            return state.split()[0].upper() if state.split() else "", exit_code.strip() or None, None
+            return state.strip(), exit_code.strip() or None, None  # e.g. "CANCELLED by 1000"
         notes.append("sacct: " + ((result.stderr.strip() or "no record of the job")[:200] if result.returncode == 0
                                   else (result.stderr.strip() or f"exit status {result.returncode}")[:200]))
     except (OSError, subprocess.TimeoutExpired) as e:

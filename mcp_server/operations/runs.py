@@ -160,8 +160,10 @@ def _launch_result(ws: Workspace, record: rd.RunRecord, slurm_script: str | None
     return _bounded_fields(LaunchRunResult(
         run_id=record.id, status=record.status, run_dir=ws.label(ws.runs_dir / record.id),
         code=code_description(record), config_changes=bounded_mapping(record.config_changes, MAX_CONFIG_CHARS),
-        data=_data(record), resumed_from=_resumed_from(ws, record), warnings=_shown_warnings(record.warnings),
-        nodes=_nodes(record), reason=record.reason,
+        data=_data(record), resumed_from=_resumed_from(ws, record),
+        # A job that was not submitted says why first.
+        warnings=_shown_warnings(([record.reason] if record.reason else []) + record.warnings),
+        nodes=_nodes(record),
         slurm_script=bounded(slurm_script, MAX_SCRIPT_CHARS)[0] if slurm_script is not None else None,
     ))
 
@@ -183,7 +185,7 @@ def _nodes(record: rd.RunRecord) -> str | None:
 
 
 _ALREADY_BOUNDED = frozenset({"error", "console_tail", "warnings", "overrides", "config_changes", "latest",
-                              "slurm_script", "reason", "nodes"})
+                              "slurm_script", "nodes"})
 MAX_SCRIPT_CHARS = 4000
 
 

@@ -137,7 +137,7 @@ def test_without_sbatch_the_script_is_written_and_returned_not_submitted(slurm):
         (bin_dir / "sbatch.off").rename(bin_dir / "sbatch")
     run_id = launched["run_id"]
     assert launched["status"] == "stopped"
-    assert launched["reason"] == (f"not submitted: sbatch is not on PATH; submit it on the cluster with "
+    assert launched["warnings"][0] == (f"not submitted: sbatch is not on PATH; submit it on the cluster with "
                                   f"`sbatch runs/{run_id}/job.sbatch`")
     assert launched["slurm_script"] == (workspace / "runs" / run_id / "job.sbatch").read_text()
     assert "#SBATCH --nodes=2" in launched["slurm_script"].splitlines()
