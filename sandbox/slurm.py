@@ -16,6 +16,7 @@ note instead of raising, so ``get_run`` always answers.
 
 from __future__ import annotations
 
+import datetime as _dt
 import os
 import re
 import shlex
@@ -198,12 +199,20 @@ def status_of(state: str) -> rd.RunStatus | None:
     return LIVE_STATES.get(word) or FINAL_STATES.get(word)
 
 
-def refresh(run_dir: Path, env: Mapping[str, str]) -> tuple[rd.RunRecord, str | None]:
+def refresh(run_dir: Path, env: Mapping[str, str], min_interval_s: float = 0.0) -> tuple[rd.RunRecord, str | None]:
     """Ask SLURM how a submitted run's job goes and record it; returns the record and a note
-    when SLURM could not say (the record is then left as it was)."""
+    when SLURM could not say (the record is then left as it was). Not again within
+    ``min_interval_s`` of the last question (a waiting loop must not flood the scheduler)."""
     record = rd.read_run(run_dir)
     if record.target != "slurm" or not record.slurm_job_id or record.status in rd.FINAL_STATUSES:
         return record, None
+    if min_interval_s and record.slurm_checked_at:
+        try:
+            last = _dt.datetime.fromisoformat(record.slurm_checked_at)
+            if (_dt.datetime.now(_dt.timezone.utc) - last).total_seconds() < min_interval_s:
+                return record, None
+        except ValueError:
+            pass
     state, exit_code, note = query_state(record.slurm_job_id, env)
     if state is None:
         return rd.update_run(run_dir, slurm_checked_at=rd.utc_now()), note

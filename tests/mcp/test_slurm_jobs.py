@@ -103,7 +103,7 @@ def slurm_run(workspace: Path, run_id: str, job_id: str) -> None:
              nnodes=2, rdzv_id=run_id, rdzv_endpoint="<first node>:29400")
 
 
-def test_job_states_map_to_run_statuses_an_unknown_one_is_a_warning_and_stop_run_cancels(slurm):
+def test_job_states_map_to_run_statuses_wait_run_follows_them_an_unknown_one_is_a_warning_and_stop_run_cancels(slurm):
     session, workspace, bin_dir, _ = slurm
     (bin_dir / "squeue.out").write_text("")
     for state, status, error in (
@@ -116,6 +116,11 @@ def test_job_states_map_to_run_statuses_an_unknown_one_is_a_warning_and_stop_run
         (bin_dir / "sacct.out").write_text(state + "\n")
         info = session.ok("get_run", run_id=f"job-{job_id}")
         assert (info["status"], info["error"]) == (status, error)
+
+    slurm_run(workspace, "job-81", "81")
+    (bin_dir / "sacct.out").write_text("COMPLETED|0:0\n")
+    waited = session.ok("wait_run", run_id="job-81", timeout_s=30)
+    assert (waited["reason"], waited["status"]) == ("ended", "completed")
 
     slurm_run(workspace, "job-80", "80")
     (bin_dir / "sacct.out").write_text("")
