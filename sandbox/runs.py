@@ -295,11 +295,10 @@ def start_run(
         run_dir,
         snapshot=snapshot.relative_to(workspace).as_posix() if snapshot.is_relative_to(workspace) else str(snapshot),
         snapshot_digest=digest,
-        # A resume starts from the config its check resolved, kept in its own run.json: the
-        # parent's run.json may have changed since the check read it.
+        # A resume (or a joining node) starts from the config its check resolved, kept in its own
+        # run.json: the run.json it came from may have changed since the check read it.
         command=engine_command(snapshot, engine_dir, nproc, override_args(overrides), resume_path,
-                               (config_json if joins is not None else run_dir / rd.RUN_JSON)
-                               if config_json is not None else None,
+                               run_dir / rd.RUN_JSON if config_json is not None else None,
                                nodes=nodes, rdzv_id=rdzv_id),
         rdzv_id=rdzv_id if nodes.multi else None,
         sandbox=rd.SandboxView(
