@@ -311,8 +311,10 @@ def start_run(
         return rd.read_run(run_dir)
     extra = {THREADS_VARIABLE: str(threads), RUN_ID_VARIABLE: run_id, WORKSPACE_VARIABLE: str(workspace),
              "PYTHONDONTWRITEBYTECODE": "1"}
-    if nodes.multi and nodes.local_endpoint:
-        extra.update(LOOPBACK_ENV)  # nodes on this machine: the collectives stay on loopback
+    if not nodes.multi or nodes.local_endpoint:
+        # Every process of the run is on this machine: the collectives stay on loopback (also
+        # with a shared network, where the host's name need not resolve).
+        extra.update(LOOPBACK_ENV)
     env = run_environment(
         extra=extra,
         pass_env=limits.pass_env,
