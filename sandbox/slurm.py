@@ -234,7 +234,7 @@ def refresh(run_dir: Path, env: Mapping[str, str], min_interval_s: float = 0.0) 
 
 def cancel(run_dir: Path, env: Mapping[str, str]) -> rd.RunRecord:
     """``scancel`` the run's job and record it stopped; :class:`BadInput` when scancel refuses."""
-    record = rd.read_run(run_dir)
+    record, _ = refresh(run_dir, env)  # a job that has ended is not cancelled
     if record.status in rd.FINAL_STATUSES:
         return record
     if record.slurm_job_id:
