@@ -122,6 +122,10 @@ def test_job_states_map_to_run_statuses_wait_run_follows_them_an_unknown_one_is_
     waited = session.ok("wait_run", run_id="job-81", timeout_s=30)
     assert (waited["reason"], waited["status"]) == ("ended", "completed")
 
+    slurm_run(workspace, "job-82", "82")  # ended before the stop: recorded as it ended, not cancelled
+    assert session.ok("stop_run", run_id="job-82")["status"] == "completed"
+    assert "scancel 82" not in (bin_dir / "calls.log").read_text().splitlines()
+
     slurm_run(workspace, "job-80", "80")
     (bin_dir / "sacct.out").write_text("")
     info = session.ok("get_run", run_id="job-80")
