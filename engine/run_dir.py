@@ -220,6 +220,18 @@ class RunRecord(BaseModel):
     isolation_note: str | None = Field(None, description="What the isolation level is missing, if anything.")
     sandbox: SandboxView | None = None
     warnings: list[str] = []
+    nnodes: int = Field(1, description="Nodes (machines) of the run; nproc processes on each.")
+    node_rank: int | None = Field(None, description="This node's place among nnodes (0 creates the run, others join it).")
+    rdzv_endpoint: str | None = Field(None, description="host:port of torchrun's c10d rendezvous (nnodes > 1).")
+    rdzv_id: str | None = Field(None, description="The rendezvous id every node of the run passes (default: node 0's run id).")
+    joins: str | None = Field(
+        None, description="The run (node 0's) whose directory this node's processes write into: checkpoints need one folder."
+    )
+    target: Literal["local", "slurm"] = Field("local", description="local: started here; slurm: an sbatch job.")
+    slurm_script: str | None = Field(None, description="The job script, relative to the run directory (target slurm).")
+    slurm_job_id: str | None = Field(None, description="The SLURM job id, once submitted.")
+    slurm_state: str | None = Field(None, description="The job's last state from squeue/sacct (PENDING, RUNNING, ...).")
+    slurm_checked_at: str | None = Field(None, description="When squeue/sacct were last asked.")
 
     @field_validator("overrides", mode="before")
     @classmethod

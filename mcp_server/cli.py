@@ -51,8 +51,25 @@ def cmd_run(args: argparse.Namespace) -> int:
     from mcp_server.operations import runs
 
     ws = _workspace(args)
-    result = runs.launch_run(ws, args.recipe, nproc=args.nproc, overrides=args.overrides)
+    rdzv = {key: value for key, value in (("endpoint", args.rdzv_endpoint), ("id", args.rdzv_id),
+                                          ("node_rank", args.node_rank)) if value is not None}
+    slurm = {key: value for key, value in (("partition", args.partition), ("time", args.time),
+                                           ("gpus_per_node", args.gpus_per_node), ("rdzv_port", args.rdzv_port))
+             if value is not None}
+    result = runs.launch_run(ws, args.recipe, nproc=args.nproc, overrides=args.overrides, nnodes=args.nnodes,
+                             rdzv=rdzv or None, target=args.target, slurm=slurm or None)
+    if args.target == "slurm":  # the job runs on the cluster: `status` follows it
+        _emit(args, result, _job_text)
+        return EXIT_OK
     return _after_launch(args, ws, result)
+
+
+def _job_text(r) -> str:
+    lines = [f"run {r.run_id} → {r.run_dir}: {r.nodes}"]
+    lines.extend(f"  warning {w}" for w in r.warnings)
+    if r.status != "stopped":  # submitted
+        lines.append(f"  `trainwright status {r.run_id}` follows the job (squeue/sacct); `trainwright stop` cancels it")
+    return "\n".join(lines)
 
 
 def cmd_resume(args: argparse.Namespace) -> int:
@@ -155,6 +172,8 @@ def cmd_status(args: argparse.Namespace) -> int:
     def text(r) -> str:
         lines = [f"run {r.run_id}: {r.status}", f"  recipe     {r.recipe}", f"  code       {r.code}"]
         lines.append(f"  processes  {r.world_size or r.nproc}")
+        if r.nodes:
+            lines.append(f"  nodes      {r.nodes}")
         if r.data:
             lines.append(f"  {DataSummary.model_validate(r.data).describe()}")
         if r.config_changes:
@@ -590,6 +609,21 @@ def build_parser() -> argparse.ArgumentParser:
     p = add("run", cmd_run, "launch a training run of a recipe folder (launch_run)")
     p.add_argument("recipe", help="recipe folder (with recipe.py), relative to the workspace")
     launch_options(p, 1)
+    nodes = p.add_argument_group("several nodes (docs/scaling.md)")
+    nodes.add_argument("--nnodes", type=int, default=1, help="nodes of the run; --nproc processes on each (default 1)")
+    nodes.add_argument("--rdzv-endpoint", metavar="HOST:PORT",
+                       help="c10d rendezvous on the first node, reachable from every node (nnodes > 1)")
+    nodes.add_argument("--rdzv-id", metavar="ID", help="rendezvous id (default: node 0's run id; required "
+                       "with --node-rank > 0: node 0's run id)")
+    nodes.add_argument("--node-rank", type=int, metavar="N", help="0 starts the run (default), others join it")
+    nodes.add_argument("--target", choices=("local", "slurm"), default="local",
+                       help="local: start here (default); slurm: write runs/<id>/job.sbatch and submit it with sbatch")
+    nodes.add_argument("--partition", help="with --target slurm: the partition")
+    nodes.add_argument("--time", help="with --target slurm: the time limit (default 01:00:00)")
+    nodes.add_argument("--gpus-per-node", type=int, metavar="N", help="with --target slurm: GPUs per node "
+                       "(default: --nproc)")
+    nodes.add_argument("--rdzv-port", type=int, metavar="PORT", help="with --target slurm: the rendezvous port "
+                       "on the job's first node (default 29400)")
 
     p = add("resume", cmd_resume, "continue a run from its checkpoint as a new run (resume_checkpoint)")
     p.add_argument("run_id")

@@ -26,6 +26,8 @@ class LaunchRunResult(BaseModel):
     data: dict[str, Any] | None
     resumed_from: ResumedFrom | None = None
     warnings: list[str] = []
+    nodes: str | None = None
+    slurm_script: str | None = None
 
 
 class CheckpointInfo(BaseModel):
@@ -90,6 +92,7 @@ class RunInfo(BaseModel):
     )
     isolation_note: str | None = None
     limits: dict[str, Any] | None = None
+    nodes: str | None = None
 
 
 class StopRunResult(BaseModel):

@@ -268,11 +268,15 @@ def build_server(workspace: Path | str, read_only: bool = False, settings: Path 
     @tool(ADDITIVE)
     async def launch_run(
         recipe: RecipePath,
-        nproc: Annotated[int, Field(strict=True, description="Processes (FSDP2 data-parallel ranks).")] = 1,
+        nproc: Annotated[int, Field(strict=True, description="Processes per node (FSDP2 ranks).")] = 1,
         overrides: Annotated[
             dict[str, Any] | None,
             Field(description='Config overrides, dotted keys: {"train.max_steps": 100}.'),
         ] = None,
+        nnodes: Annotated[int, Field(strict=True, description="Nodes.")] = 1,
+        rdzv: Annotated[dict[str, Any], Field(description="nnodes>1: endpoint host:port, id, node_rank.")] = {},
+        target: Annotated[Literal["local", "slurm"], Field(description="slurm: sbatch job.")] = "local",
+        slurm: Annotated[dict[str, Any], Field(description="slurm: partition, time, gpus_per_node.")] = {},
         ctx: Context | None = None,
     ) -> LaunchRunResult:
         """Start a run; returns its run_id at once, the config keys that differ from the
@@ -281,8 +285,10 @@ def build_server(workspace: Path | str, read_only: bool = False, settings: Path 
         wait_run, get_run, tail_metrics."""
         if ctx is not None:
             await ctx.report_progress(0, 2, "checking the recipe and config")
-        args = {"recipe": recipe, "nproc": nproc, "overrides": overrides}
-        result = await tools.call("launch_run", args, lambda: run_ops.launch_run(tools.ws, recipe, nproc, overrides))
+        args = {"recipe": recipe, "nproc": nproc, "overrides": overrides, "nnodes": nnodes, "rdzv": rdzv,
+                "target": target, "slurm": slurm}
+        result = await tools.call("launch_run", args, lambda: run_ops.launch_run(
+            tools.ws, recipe, nproc, overrides, nnodes=nnodes, rdzv=rdzv, target=target, slurm=slurm))
         if ctx is not None:
             await ctx.report_progress(2, 2, f"started {result.run_id}")
         return result

@@ -70,13 +70,19 @@ def find_bwrap(environ: Mapping[str, str] | None = None) -> str | None:
     return shutil.which("bwrap") or "/usr/bin/bwrap"
 
 
+SHARED_NETWORK_REASON = "runs.network is 'shared' in .trainwright/config.yaml"
+
+
 def _namespace_options(network: str) -> list[str]:
-    # The host's name does not resolve in the sandbox (its /etc/hosts may not list it, and there
-    # is no DNS); "localhost" does, so c10d and gloo find their own address.
     options = ["--unshare-all", "--unshare-user", "--disable-userns", "--cap-drop", "ALL",
-               "--die-with-parent", "--new-session", "--hostname", "localhost"]
+               "--die-with-parent", "--new-session"]
     if network == "shared":
+        # The host's name stays: the other nodes of a run reach this one by it.
         options.append("--share-net")
+    else:
+        # The host's name does not resolve in the sandbox (its /etc/hosts may not list it, and
+        # there is no DNS); "localhost" does, so c10d and gloo find their own address.
+        options += ["--hostname", "localhost"]
     return options
 
 
@@ -198,12 +204,13 @@ def wrap(
     bwrap: str | None = None,
     environ: Mapping[str, str] | None = None,
     hidden: Iterable[Path | str] = (),
+    network_reason: str = SHARED_NETWORK_REASON,
 ) -> Wrapped:
     """``command`` inside the sandbox, seeing only ``read_only`` and ``writable`` (and the
     system and Python environment), with the folders ``hidden`` (inside those) empty;
     ``network`` is ``isolated`` or ``shared``. ``bwrap`` defaults (None) to
     :func:`find_bwrap`, ``""`` disables the sandbox; ``environ`` is the environment the
-    command will get."""
+    command will get; ``network_reason`` says why a shared network is shared."""
     environ = os.environ if environ is None else environ
     bwrap = find_bwrap() if bwrap is None else bwrap
     reason = probe(bwrap, network)
@@ -229,13 +236,13 @@ def wrap(
         level = FULL
     else:
         level = PARTIAL
-        note += "; missing: network isolation (runs.network is 'shared' in .trainwright/config.yaml)"
+        note += f"; missing: network isolation ({network_reason})"
     report = {
         "isolation": level,
         "isolation_note": note,
         "network_isolated": network_isolated,
         "network_note": "own network namespace (bubblewrap): loopback only" if network_isolated
-        else "runs.network is 'shared' in .trainwright/config.yaml",
+        else network_reason,
     }
     return Wrapped([*options, "--", *command], sandboxed=True, report=report)
 

@@ -23,6 +23,10 @@ optional; a missing file means the defaults below, which are these:
       pass_env: []                # server variables a run gets although they look like secrets
       max_concurrent_runs: null   # runs starting or running at once (default: 2 x CPU cores)
       max_total_processes: null   # training processes of all those runs (default: 4 x CPU cores)
+      multi_node: false           # allow runs over several nodes (nnodes > 1), which need the
+                                  #   host's network (SECURITY.md)
+      slurm: false                # submit target=slurm jobs with sbatch (they run on the cluster,
+                                  #   outside this sandbox); otherwise the job script is returned
 """
 
 from __future__ import annotations
@@ -61,6 +65,8 @@ class RunLimits:
     pass_env: tuple[str, ...] = ()  # server variables passed although they look like secrets
     max_concurrent_runs: int | None = None  # per workspace; None: 2 x CPU cores
     max_total_processes: int | None = None  # per workspace, summed over running runs; None: 4 x CPU cores
+    multi_node: bool = False  # runs over several nodes (they need the host's network)
+    slurm: bool = False  # submit SLURM jobs (they run outside this sandbox)
 
 
 _KEYS = {f.name for f in fields(RunLimits)} - {"max_memory_bytes"} | {"max_memory"}
@@ -122,7 +128,15 @@ def limits_from_mapping(section: object) -> RunLimits:
         pass_env=tuple(pass_env),
         max_concurrent_runs=_positive(section.get("max_concurrent_runs"), "max_concurrent_runs", int),
         max_total_processes=_positive(section.get("max_total_processes"), "max_total_processes", int),
+        multi_node=_flag(section.get("multi_node", defaults.multi_node), "multi_node"),
+        slurm=_flag(section.get("slurm", defaults.slurm), "slurm"),
     )
+
+
+def _flag(value: object, key: str) -> bool:
+    if not isinstance(value, bool):
+        raise ConfigRefused(f"runs.{key} must be true or false, got {value!r}")
+    return value
 
 
 def cpu_cores() -> int:

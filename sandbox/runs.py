@@ -29,7 +29,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -41,6 +41,7 @@ from sandbox import bwrap
 from sandbox.config import RunLimits, capacity
 from sandbox.environment import THREADS_VARIABLE, run_environment, threads_per_process
 from sandbox.network import LOOPBACK_ENV
+from sandbox.nodes import Nodes, torchrun_args
 from sandbox.processes import RUN_ID_VARIABLE, apply_limits, descendants, end_processes, marked
 from sandbox.provenance import CodeOrigin, snapshot_digest, snapshot_files, write_snapshot
 
@@ -61,24 +62,29 @@ def engine_command(
     overrides: list[str],
     resume_from: Path | None = None,
     config_json: Path | None = None,
+    nodes: Nodes = Nodes(),
+    rdzv_id: str = "",
 ) -> list[str]:
-    if nproc > 1:
-        # One node: the rendezvous and the workers talk over loopback, which is also all that
-        # an isolated run has.
-        command = [
-            sys.executable, "-m", "torch.distributed.run", "--standalone", "--local-addr", "127.0.0.1",
-            "--nproc-per-node", str(nproc), "-m", "engine.launch",
-        ]
+    if nproc > 1 or nodes.multi:
+        command = [sys.executable, "-m", "torch.distributed.run", *torchrun_args(nodes, nproc, rdzv_id),
+                   "-m", "engine.launch"]
     else:
         command = [sys.executable, "-m", "engine.launch"]
-    command += [str(recipe_dir), "--run-dir", str(run_dir)]
+    return command + engine_args(recipe_dir, run_dir, overrides, resume_from, config_json)
+
+
+def engine_args(
+    recipe_dir: Path, run_dir: Path, overrides: list[str], resume_from: Path | None = None,
+    config_json: Path | None = None,
+) -> list[str]:
+    """What follows ``-m engine.launch`` in a run's command."""
+    args = [str(recipe_dir), "--run-dir", str(run_dir)]
     if resume_from is not None:
-        command += ["--resume-from", str(resume_from)]
+        args += ["--resume-from", str(resume_from)]
     if config_json is not None:
-        command += ["--config-json", str(config_json)]
+        args += ["--config-json", str(config_json)]
     # "--set=KEY=VALUE" in one word: a value that starts with "-" is not read as an option.
-    command += [f"--set={override}" for override in overrides]
-    return command
+    return args + [f"--set={override}" for override in overrides]
 
 
 def check_launch(
@@ -217,6 +223,9 @@ def start_run(
     threads: int | None = None,
     warnings: list[str] | None = None,
     expected_digest: str | None = None,
+    nodes: Nodes = Nodes(),
+    joins: Path | None = None,
+    target: str = "local",
 ) -> rd.RunRecord:
     """Create the run directory with a snapshot of ``code_dir`` and spawn its supervisor;
     return the first run record.
@@ -228,8 +237,16 @@ def start_run(
     its own run directory read-write, and its code snapshot read-only; what it shows is recorded
     in ``run.json`` (``sandbox``). Refused with :class:`LaunchRefused` when the workspace's caps
     on concurrent runs or processes would be exceeded.
+
+    ``nodes``: this machine's node of a run over several (:mod:`sandbox.nodes`); the run gets
+    the host's network, recorded as such. ``joins``: node 0's run directory, for a node with
+    ``node_rank`` > 0: its processes run node 0's snapshot (``code_dir``) and write there.
+    ``target="slurm"``: the run directory is made, nothing is started (:mod:`sandbox.slurm`
+    writes and submits the job).
     """
     threads = threads or threads_per_process(nproc, limits.threads_per_process)
+    if nodes.multi and target == "local":
+        limits = replace(limits, network="shared")  # the nodes must reach each other
     warnings = list(warnings or [])
     if origin.recipe_dirty:
         warnings.append(
@@ -249,7 +266,12 @@ def start_run(
         config_changes=verdict.get("config_changes") or {},
         data=verdict.get("data"),
         nproc=nproc,
-        world_size=nproc,
+        world_size=nproc * nodes.nnodes,
+        target=target,
+        nnodes=nodes.nnodes,
+        node_rank=nodes.node_rank if nodes.multi else None,
+        rdzv_endpoint=nodes.rdzv_endpoint,
+        joins=joins.name if joins is not None else None,
         created_at=rd.utc_now(),
         resumed_from=resumed_from,
         limits=asdict(limits),
@@ -257,8 +279,8 @@ def start_run(
         workspace=str(workspace),
         warnings=warnings,
     )
-    files = snapshot_files(code_dir)  # a folder the snapshot cannot hold is refused before any write
-    if code_from != "checkpoint" and Path(rd.UNCOMMITTED_PATCH) in files:
+    files = snapshot_files(code_dir) if joins is None else []  # refused before any write when it cannot be held
+    if joins is None and code_from != "checkpoint" and Path(rd.UNCOMMITTED_PATCH) in files:
         # Only a snapshot's own record of uncommitted changes may have that name: a recipe's file
         # would read as a diff the run never had.
         raise BadInput(f"{recipe_label}/{rd.UNCOMMITTED_PATCH}: a run's snapshot keeps the recipe's uncommitted "
@@ -266,17 +288,19 @@ def start_run(
     runs_root = Path(runs_root)
     runs_root.mkdir(parents=True, exist_ok=True)
     with capacity_lock(runs_root):  # two launches at once cannot both take the last place
-        check_capacity(runs_root, nproc, limits)
+        if target == "local":  # a SLURM job runs on the cluster's nodes
+            check_capacity(runs_root, nproc, limits)
         run_id, run_dir = _create_run_dir(runs_root, recipe_label, record)
     try:
-        snapshot = write_snapshot(code_dir, run_dir, None, files)
+        # A joining node runs node 0's snapshot as it is (checked by the caller).
+        snapshot = write_snapshot(code_dir, run_dir, None, files) if joins is None else Path(code_dir)
         digest = snapshot_digest(snapshot)
         if expected_digest is not None and digest != expected_digest:
             raise BadInput(
                 f"the code of {recipe_label} changed after it was checked (the check's verdict, config and "
                 "data summary would not describe the run); launch again once it stops changing"
             )
-        if code_from != "checkpoint" and origin.patch:
+        if joins is None and code_from != "checkpoint" and origin.patch:
             (snapshot / rd.UNCOMMITTED_PATCH).write_text(origin.patch)
             digest = snapshot_digest(snapshot)  # the recorded digest covers the patch too
     except BaseException:
@@ -284,24 +308,34 @@ def start_run(
         raise
     resume_path = Path(resumed_from.path) if resumed_from else None
     visible = [Path(workspace), snapshot] + [p for p in (resume_path, config_json) if p is not None]
+    engine_dir = joins if joins is not None else run_dir  # one folder for every node's checkpoint shards
+    rdzv_id = nodes.rdzv_id or run_id
     rd.update_run(
         run_dir,
         snapshot=snapshot.relative_to(workspace).as_posix() if snapshot.is_relative_to(workspace) else str(snapshot),
         snapshot_digest=digest,
-        # A resume starts from the config its check resolved, kept in its own run.json: the
-        # parent's run.json may have changed since the check read it.
-        command=engine_command(snapshot, run_dir, nproc, override_args(overrides), resume_path,
-                               run_dir / rd.RUN_JSON if config_json is not None else None),
+        # A resume (or a joining node) starts from the config its check resolved, kept in its own
+        # run.json: the run.json it came from may have changed since the check read it.
+        command=engine_command(snapshot, engine_dir, nproc, override_args(overrides), resume_path,
+                               run_dir / rd.RUN_JSON if config_json is not None else None,
+                               nodes=nodes, rdzv_id=rdzv_id),
+        rdzv_id=rdzv_id if nodes.multi else None,
         sandbox=rd.SandboxView(
-            bwrap=bwrap.find_bwrap(), read_only=[str(p) for p in visible], writable=[str(run_dir)],
+            bwrap=bwrap.find_bwrap(), read_only=[str(p) for p in visible],
+            writable=[str(p) for p in dict.fromkeys([run_dir, engine_dir])],
             hidden=[str(p) for p in hidden_state(workspace)],
         ),
     )
+    if target != "local":
+        return rd.read_run(run_dir)
+    extra = {THREADS_VARIABLE: str(threads), RUN_ID_VARIABLE: run_id, WORKSPACE_VARIABLE: str(workspace),
+             "PYTHONDONTWRITEBYTECODE": "1"}
+    if not nodes.multi or nodes.local_endpoint:
+        # Every process of the run is on this machine: the collectives stay on loopback (also
+        # with a shared network, where the host's name need not resolve).
+        extra.update(LOOPBACK_ENV)
     env = run_environment(
-        extra={
-            THREADS_VARIABLE: str(threads), RUN_ID_VARIABLE: run_id, WORKSPACE_VARIABLE: str(workspace),
-            "PYTHONDONTWRITEBYTECODE": "1",
-        },
+        extra=extra,
         pass_env=limits.pass_env,
     )
     with open(run_dir / rd.CONSOLE_LOG, "ab") as console:
@@ -350,8 +384,8 @@ def running_runs(runs_root: Path) -> list[rd.RunRecord]:
             record = rd.read_run(Path(runs_root) / name)
         except (OSError, ValueError):
             continue
-        if record.effective_status() not in (rd.STARTING, rd.RUNNING):
-            continue
+        if record.effective_status() not in (rd.STARTING, rd.RUNNING) or record.target != "local":
+            continue  # a SLURM job runs on the cluster's nodes
         if not record.pid and _age_s(Path(runs_root) / name / rd.RUN_JSON) > STARTING_GRACE_S:
             continue  # never got a supervisor (the launcher died in between): not running
         records.append(record)

@@ -74,11 +74,15 @@ class Supervisor:
         if view is None:  # a record made without a launcher's view: the workspace, read-only
             view = rd.SandboxView(bwrap=bwrap.find_bwrap(), read_only=[workspace] if workspace else [],
                                   writable=[str(self.run_dir)])
+        shared_because = bwrap.SHARED_NETWORK_REASON
+        if self.record.nnodes > 1:
+            shared_because = (f"a run over {self.record.nnodes} nodes uses the host's network for its rendezvous "
+                              f"({self.record.rdzv_endpoint}) and collectives")
         wrapped = bwrap.wrap(
             self.record.command, view.read_only, view.writable, network=network, cwd=workspace,
             # Recorded by the server (None: the sandbox is disabled there); the run's own
             # environment does not choose it.
-            bwrap=view.bwrap or "", hidden=view.hidden,
+            bwrap=view.bwrap or "", hidden=view.hidden, network_reason=shared_because,
         )
         self.sandboxed = wrapped.sandboxed
         if wrapped.sandboxed:
@@ -87,7 +91,7 @@ class Supervisor:
             if network == "isolated":
                 isolated, note = isolate_network()
             else:
-                isolated, note = False, "runs.network is 'shared' in .trainwright/config.yaml"
+                isolated, note = False, shared_because
             report = bwrap.fallback_report(wrapped.reason, isolated, note)
         if report["network_isolated"]:
             for key, value in LOOPBACK_ENV.items():
@@ -178,6 +182,12 @@ class Supervisor:
             fields["status"] = rd.FAILED
             if not record.error:
                 fields["error"] = _describe_exit(code)
+            if record.nnodes > 1:  # the usual cause is elsewhere: say where to look
+                fields["error"] = (
+                    f"node {record.node_rank} of a run over {record.nnodes} nodes failed; a run over several nodes "
+                    f"fails when any node fails or leaves (rendezvous {record.rdzv_id} at {record.rdzv_endpoint}): "
+                    f"{record.error or fields['error']}"
+                )[:2000]
         record = rd.update_run(self.run_dir, **fields)
         print(f"[trainwright] run {record.id} {record.status} (exit code {code})", flush=True)
         self.write_git_note(record)

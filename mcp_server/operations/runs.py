@@ -28,6 +28,9 @@ from mcp_server.models import (
 )
 from mcp_server.operations import history
 from sandbox import runs as sandbox_runs
+from sandbox import slurm as slurm_jobs
+from sandbox.environment import run_environment
+from sandbox.nodes import Nodes, check_allowed, check_nodes
 from sandbox.paths import confine_config
 from sandbox.provenance import CodeOrigin, check_snapshot_unchanged, code_description, recipe_origin, snapshot_digest
 from sandbox.workspace import Workspace
@@ -65,39 +68,125 @@ def _checked_overrides(ws: Workspace, overrides: Overrides) -> dict[str, Any]:
     return flat
 
 
+TARGETS = ("local", "slurm")
+
+
 def launch_run(
     ws: Workspace,
     recipe: str,
     nproc: int = 1,
     overrides: Overrides = None,
     limits: sandbox_runs.RunLimits | None = None,
+    nnodes: int = 1,
+    rdzv: dict[str, Any] | None = None,
+    target: str = "local",
+    slurm: dict[str, Any] | None = None,
 ) -> LaunchRunResult:
     """Check, then start a run of a snapshot of the recipe as it is now (uncommitted changes
-    included, and said so); ``limits`` default to the workspace's settings."""
+    included, and said so); ``limits`` default to the workspace's settings.
+
+    ``nnodes`` > 1 starts this machine's node of a run over several, meeting at ``rdzv``
+    (``endpoint``, ``id``, ``node_rank``; :mod:`sandbox.nodes`); ``target="slurm"`` makes the
+    run a SLURM job over ``nnodes`` nodes instead (``slurm``: partition, time, gpus_per_node,
+    rdzv_port; :mod:`sandbox.slurm`)."""
+    if target not in TARGETS:
+        raise BadInput(f"target must be one of {', '.join(TARGETS)}, got {target!r}")
+    if target == "slurm":
+        options = slurm_jobs.check_options(slurm)
+        rdzv = dict(rdzv or {})
+        if set(rdzv) - {"id"}:
+            raise BadInput("with target slurm the rendezvous is on the job's first node: leave rdzv endpoint and "
+                           "node_rank out (slurm rdzv_port sets its port)")
+        nodes = check_nodes(nnodes, {"endpoint": "localhost", **rdzv} if nnodes > 1 else rdzv)
+    else:
+        if slurm:
+            raise BadInput("slurm settings are for target slurm: pass target='slurm' too, or leave them out")
+        nodes = check_nodes(nnodes, rdzv)
     recipe_dir = ws.recipe(recipe)
     nproc = _check_nproc(nproc)
     flat = _checked_overrides(ws, overrides)
     limits, warnings = ws.run_limits_and_warnings() if limits is None else (limits, [])
-    sandbox_runs.check_capacity(ws.runs_dir, nproc, limits)  # before the check's cost; again at start
+    joins = None
+    config_json = None
+    origin = recipe_origin(ws.root, recipe_dir)
+    if target == "local":
+        check_allowed(nodes, limits)
+        if nodes.node_rank > 0:
+            joins, recipe_dir, config_json, origin = _joined_run(ws, nodes, ws.label(recipe_dir), flat)
+        sandbox_runs.check_capacity(ws.runs_dir, nproc, limits)  # before the check's cost; again at start
     checked = snapshot_digest(recipe_dir)  # the check imports the recipe: it may change itself
-    verdict = sandbox_runs.check_launch(ws.root, recipe_dir, nproc, override_args(flat), limits=limits)
+    verdict = sandbox_runs.check_launch(ws.root, recipe_dir, nproc * nodes.nnodes, override_args(flat),
+                                        config_json=config_json, limits=limits)
     confine_config(ws.root, verdict["config"])
+    label = ws.label(ws.recipe(recipe))
+    if target == "slurm":
+        record, script = slurm_jobs.start_job(
+            ws.root, ws.real_dir(ws.runs_dir), recipe_dir, label, nproc, flat, verdict, origin,
+            nodes.nnodes, nodes.rdzv_id, options, limits, warnings=warnings, expected_digest=checked,
+        )
+        return _launch_result(ws, record, slurm_script=script)
     record = sandbox_runs.start_run(
-        ws.root, ws.real_dir(ws.runs_dir), recipe_dir, ws.label(recipe_dir), nproc, flat, verdict,
-        origin=recipe_origin(ws.root, recipe_dir), limits=limits, warnings=warnings, expected_digest=checked,
+        ws.root, ws.real_dir(ws.runs_dir), recipe_dir, label, nproc, flat, verdict,
+        origin=origin, limits=limits, warnings=warnings, expected_digest=checked,
+        nodes=nodes, joins=joins, config_json=config_json,
     )
     return _launch_result(ws, record)
 
 
-def _launch_result(ws: Workspace, record: rd.RunRecord) -> LaunchRunResult:
+def _joined_run(ws: Workspace, nodes: Nodes, recipe_label: str, overrides: dict[str, Any]):
+    """For a node with node_rank > 0: node 0's run directory, its snapshot, config and code origin."""
+    run_dir = ws.run_dir(nodes.rdzv_id)
+    first = rd.read_run(run_dir)
+    mismatch = [
+        f"{name} {mine!r} (node 0: {theirs!r})"
+        for name, mine, theirs in (("nnodes", nodes.nnodes, first.nnodes), ("rdzv endpoint", nodes.rdzv_endpoint,
+                                   first.rdzv_endpoint), ("recipe", recipe_label, first.recipe))
+        if mine != theirs
+    ]
+    if first.node_rank != 0 or first.target != "local":
+        mismatch.append(f"run {first.id} is not node 0 of a run over several nodes")
+    if mismatch:
+        raise BadInput(f"node {nodes.node_rank} must join node 0's run as it was launched: {'; '.join(mismatch)}")
+    if overrides:
+        raise BadInput(f"a joining node runs with node 0's config ({first.id}): leave overrides out")
+    if first.effective_status() in rd.FINAL_STATUSES:
+        raise BadInput(f"run {first.id} has ended ({first.effective_status()}); launch a new run from node 0")
+    snapshot = run_dir / rd.SNAPSHOT_DIRNAME
+    check_snapshot_unchanged(first, snapshot)
+    return run_dir, snapshot, run_dir / rd.RUN_JSON, CodeOrigin(first.git_commit, first.recipe_dirty, first.dirty_files)
+
+
+def _launch_result(ws: Workspace, record: rd.RunRecord, slurm_script: str | None = None) -> LaunchRunResult:
     return _bounded_fields(LaunchRunResult(
         run_id=record.id, status=record.status, run_dir=ws.label(ws.runs_dir / record.id),
         code=code_description(record), config_changes=bounded_mapping(record.config_changes, MAX_CONFIG_CHARS),
-        data=_data(record), resumed_from=_resumed_from(ws, record), warnings=_shown_warnings(record.warnings),
+        data=_data(record), resumed_from=_resumed_from(ws, record),
+        # A job that was not submitted says why first.
+        warnings=_shown_warnings(([record.reason] if record.reason else []) + record.warnings),
+        nodes=_nodes(record),
+        slurm_script=bounded(slurm_script, MAX_SCRIPT_CHARS)[0] if slurm_script is not None else None,
     ))
 
 
-_ALREADY_BOUNDED = frozenset({"error", "console_tail", "warnings", "overrides", "config_changes", "latest"})
+def _nodes(record: rd.RunRecord) -> str | None:
+    """One line on where a run's processes are, for a run beyond this machine alone."""
+    if record.nnodes <= 1 and record.target == "local":
+        return None
+    where = f"{record.nnodes} node(s) x {record.nproc} process(es)"
+    if record.target == "slurm":
+        where += f", SLURM job {record.slurm_job_id or '(not submitted)'}"
+        if record.slurm_state:
+            where += f" {record.slurm_state}"
+    else:
+        where += f", this is node {record.node_rank}"
+        if record.joins:
+            where += f" (joins run {record.joins})"
+    return f"{where}; c10d rendezvous {record.rdzv_endpoint}, id {record.rdzv_id}"
+
+
+_ALREADY_BOUNDED = frozenset({"error", "console_tail", "warnings", "overrides", "config_changes", "latest",
+                              "slurm_script", "nodes"})
+MAX_SCRIPT_CHARS = 4000
 
 
 def _bounded_fields(result: Any) -> Any:
@@ -191,7 +280,8 @@ def _resumed_from(ws: Workspace, record: rd.RunRecord) -> rd.ResumedFrom | None:
 
 def get_run(ws: Workspace, run_id: str) -> RunInfo:
     run_dir = ws.run_dir(run_id)
-    record = rd.read_run(run_dir)
+    # A SLURM job: ask squeue/sacct (bounded; what they cannot say is a warning, not an error).
+    record, slurm_note = slurm_jobs.refresh(run_dir, run_environment())
     status = record.effective_status()
     latest_records, _ = rd.read_metrics_tail(run_dir / rd.METRICS_JSONL, 1)
     latest = latest_records[-1] if latest_records else None
@@ -232,12 +322,13 @@ def get_run(ws: Workspace, run_id: str) -> RunInfo:
             for s, p in rd.list_checkpoints(run_dir)[-MAX_RUN_INFO_CHECKPOINTS:]
         ],
         console_tail=console_tail,
-        warnings=_shown_warnings(record.warnings),
+        warnings=_shown_warnings(record.warnings + ([slurm_note] if slurm_note else [])),
         network_isolated=record.network_isolated,
         network_note=record.network_note,
         isolation=record.isolation,
         isolation_note=record.isolation_note,
         limits=record.limits or None,
+        nodes=_nodes(record),
     ))
 
 
@@ -360,8 +451,12 @@ def tail_metrics(
 
 
 def stop_run(ws: Workspace, run_id: str) -> StopRunResult:
-    """Stop the run; the result is small (get_run has the rest)."""
-    sandbox_runs.stop_run(ws.run_dir(run_id))
+    """Stop the run (a SLURM job: scancel); the result is small (get_run has the rest)."""
+    run_dir = ws.run_dir(run_id)
+    if rd.read_run(run_dir).target == "slurm":
+        slurm_jobs.cancel(run_dir, run_environment())
+    else:
+        sandbox_runs.stop_run(run_dir)
     info = get_run(ws, run_id)
     return StopRunResult(
         run_id=info.run_id, status=info.status, step=info.step, error=info.error,

@@ -16,11 +16,14 @@ from engine import run_dir as rd
 from mcp_server.models import WaitRunResult
 from engine.errors import BadInput
 from mcp_server.operations.runs import _bounded_record
+from sandbox import slurm as slurm_jobs
+from sandbox.environment import run_environment
 from sandbox.workspace import Workspace
 
 DEFAULT_WAIT_S = 60
 MAX_WAIT_S = 600
 POLL_S = 0.5
+SLURM_POLL_S = 15.0  # squeue/sacct at most this often while waiting on a SLURM job
 
 
 @dataclass(frozen=True)
@@ -44,7 +47,7 @@ def observe(ws: Workspace, run_id: str) -> Observation:
     """The run as it is now. It has ended once its status is final and its supervisor has
     recorded the exit code (or is gone)."""
     run_dir = ws.run_dir(run_id)
-    record = rd.read_run(run_dir)
+    record, _ = slurm_jobs.refresh(run_dir, run_environment(), min_interval_s=SLURM_POLL_S)  # other runs: as is
     status = record.effective_status()
     ended = status in rd.FINAL_STATUSES and (record.exit_code is not None or not rd.pid_alive(record.pid))
     latest_records, _ = rd.read_metrics_tail(run_dir / rd.METRICS_JSONL, 1)

@@ -1,0 +1,310 @@
+"""Runs as SLURM jobs: the ``sbatch`` script, submission, status through ``squeue``/``sacct``, ``scancel``.
+
+A run with ``target="slurm"`` gets a job script in its run directory (:data:`SCRIPT_NAME`): one
+task per node (``srun``), each a torchrun agent with ``nproc`` processes; the agents meet at a
+c10d rendezvous on the job's first node (``scontrol show hostnames "$SLURM_JOB_NODELIST"``).
+The script runs the run's code snapshot with this Python, in this workspace, and writes into
+the run directory, so the cluster's nodes must see them at the same paths (a shared
+filesystem, as on a cluster's login node). It is submitted with ``sbatch`` when ``sbatch`` is
+on PATH, with the run's allow-listed environment (:mod:`sandbox.environment`); otherwise it is
+returned for the user to submit. The job runs under the cluster's controls, not in
+trainwright's sandbox (SECURITY.md).
+
+Every call here is bounded (:data:`COMMAND_TIMEOUT_S`); status queries report their errors as a
+note instead of raising, so ``get_run`` always answers.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping
+
+from engine import run_dir as rd
+from engine.errors import BadInput
+from sandbox.config import RunLimits
+from sandbox.environment import run_environment
+from sandbox.nodes import DEFAULT_RDZV_PORT, Nodes
+from sandbox.provenance import CodeOrigin
+
+SCRIPT_NAME = "job.sbatch"
+COMMAND_TIMEOUT_S = 10.0
+SLURM_KEYS = ("partition", "time", "gpus_per_node", "rdzv_port")
+DEFAULT_TIME = "01:00:00"
+# SLURM's time formats: minutes, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS.
+_TIME = re.compile(r"^(\d+|\d+:\d{2}|\d+:\d{2}:\d{2}|\d+-\d+|\d+-\d+:\d{2}|\d+-\d+:\d{2}:\d{2})$")
+_PARTITION = re.compile(r"^[A-Za-z0-9_.-]{1,64}(,[A-Za-z0-9_.-]{1,64})*$")
+_JOB_ID = re.compile(r"^\d+(_\d+)?$")
+
+# squeue's and sacct's job states → run statuses.
+LIVE_STATES = {
+    "PENDING": rd.STARTING, "CONFIGURING": rd.STARTING, "REQUEUED": rd.STARTING, "REQUEUE_HOLD": rd.STARTING,
+    "REQUEUE_FED": rd.STARTING, "RESV_DEL_HOLD": rd.STARTING, "SUSPENDED": rd.RUNNING, "STOPPED": rd.RUNNING,
+    "RUNNING": rd.RUNNING, "COMPLETING": rd.RUNNING, "RESIZING": rd.RUNNING, "SIGNALING": rd.RUNNING,
+    "STAGE_OUT": rd.RUNNING,
+}
+FINAL_STATES = {
+    "COMPLETED": rd.COMPLETED, "CANCELLED": rd.STOPPED, "FAILED": rd.FAILED, "TIMEOUT": rd.FAILED,
+    "NODE_FAIL": rd.FAILED, "OUT_OF_MEMORY": rd.FAILED, "BOOT_FAIL": rd.FAILED, "DEADLINE": rd.FAILED,
+    "PREEMPTED": rd.FAILED, "REVOKED": rd.FAILED, "SPECIAL_EXIT": rd.FAILED,
+}
+
+
+@dataclass(frozen=True)
+class SlurmOptions:
+    """What the job asks the cluster for (beyond its nodes and processes)."""
+
+    partition: str | None = None
+    time: str = DEFAULT_TIME
+    gpus_per_node: int | None = None  # None: as many as processes per node
+    rdzv_port: int = DEFAULT_RDZV_PORT
+
+
+def check_options(options: Mapping[str, Any] | None) -> SlurmOptions:
+    """``slurm`` settings of a launch, or :class:`BadInput` naming the key to change."""
+    options = dict(options or {})
+    unknown = sorted(str(k) for k in options if k not in SLURM_KEYS)
+    if unknown:
+        raise BadInput(f"unknown slurm setting {unknown[0]!r}; valid: {', '.join(SLURM_KEYS)}")
+    partition = options.get("partition")
+    if partition is not None and (not isinstance(partition, str) or not _PARTITION.match(partition)):
+        raise BadInput(f"slurm partition must be a partition name (letters, digits, '_', '.', '-'), got {partition!r}")
+    time = options.get("time", DEFAULT_TIME)
+    if not isinstance(time, str) or not _TIME.match(time):
+        raise BadInput(f"slurm time must be a SLURM time limit such as '90', '04:00:00' or '1-12:00:00', got {time!r}")
+    gpus = options.get("gpus_per_node")
+    if gpus is not None and (isinstance(gpus, bool) or not isinstance(gpus, int) or not 0 <= gpus <= 64):
+        raise BadInput(f"slurm gpus_per_node must be an integer from 0 to 64, got {gpus!r}")
+    port = options.get("rdzv_port", DEFAULT_RDZV_PORT)
+    if isinstance(port, bool) or not isinstance(port, int) or not 1 <= port <= 65535:
+        raise BadInput(f"slurm rdzv_port must be an integer from 1 to 65535, got {port!r}")
+    return SlurmOptions(partition=partition, time=time, gpus_per_node=gpus, rdzv_port=port)
+
+
+def torchrun_line(python: str, nnodes: int, nproc: int, rdzv_id: str, engine_args: list[str], port: int) -> str:
+    """The job's srun/torchrun line; ``$head_node`` is the job's first node (set by the script)."""
+    words = [shlex.quote(python), "-m", "torch.distributed.run", "--nnodes", str(nnodes),
+             "--nproc-per-node", str(nproc), "--rdzv-backend", "c10d",
+             f'--rdzv-endpoint "${{head_node}}:{port}"', "--rdzv-id", shlex.quote(rdzv_id),
+             "-m", "engine.launch", *(shlex.quote(a) for a in engine_args)]
+    return "srun --kill-on-bad-exit=1 " + " ".join(words)
+
+
+def job_script(record: rd.RunRecord, run_dir: Path, options: SlurmOptions, python: str,
+               engine_args: list[str]) -> str:
+    """The sbatch script of a run (``engine_args``: what follows ``-m engine.launch``)."""
+    gpus = record.nproc if options.gpus_per_node is None else options.gpus_per_node
+    header = [
+        "#!/bin/bash",
+        f"# trainwright run {record.id}: {record.recipe}, {record.nnodes} node(s) x {record.nproc} process(es)",
+        f"#SBATCH --job-name={record.id[:64]}",
+        f"#SBATCH --nodes={record.nnodes}",
+        "#SBATCH --ntasks-per-node=1",
+    ]
+    if gpus:
+        header.append(f"#SBATCH --gpus-per-node={gpus}")
+    header.append(f"#SBATCH --time={options.time}")
+    if options.partition:
+        header.append(f"#SBATCH --partition={options.partition}")
+    header += [
+        # Relative to the job's working directory, the workspace it is submitted from (a
+        # directive cannot quote a path with spaces).
+        f"#SBATCH --output={rd.RUNS_DIRNAME}/{record.id}/{rd.CONSOLE_LOG}",
+        "#SBATCH --open-mode=append",
+    ]
+    body = [
+        "set -euo pipefail",
+        "# The rendezvous is on the job's first node.",
+        'mapfile -t nodes < <(scontrol show hostnames "$SLURM_JOB_NODELIST")',
+        'head_node="${nodes[0]}"',
+        f"export TRAINWRIGHT_RUN_ID={shlex.quote(record.id)}",
+        "export PYTHONSAFEPATH=1 PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1",
+        f"cd {shlex.quote(record.workspace or str(run_dir.parent.parent))}",
+        torchrun_line(python, record.nnodes, record.nproc, record.rdzv_id or record.id, engine_args,
+                      options.rdzv_port),
+    ]
+    return "\n".join(header + [""] + body) + "\n"
+
+
+def _environment(env: Mapping[str, str]) -> dict[str, str]:
+    """The run's environment, plus what SLURM's own commands read (their configuration)."""
+    merged = dict(env)
+    for name, value in os.environ.items():
+        if name.startswith(("SLURM_CONF", "SBATCH_", "SQUEUE_", "SACCT_")) and name not in merged:
+            merged[name] = value
+    return merged
+
+
+def _run(command: list[str], env: Mapping[str, str], cwd: Path | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(command, env=_environment(env), cwd=cwd, stdin=subprocess.DEVNULL,
+                          capture_output=True, text=True, errors="replace", timeout=COMMAND_TIMEOUT_S)
+
+
+def sbatch_available(env: Mapping[str, str]) -> str | None:
+    return shutil.which("sbatch", path=env.get("PATH"))
+
+
+def submit(script: Path, env: Mapping[str, str], cwd: Path) -> str:
+    """``sbatch --parsable SCRIPT`` → the job id; :class:`BadInput` with sbatch's message when refused."""
+    try:
+        result = _run(["sbatch", "--parsable", str(script)], env, cwd)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        raise BadInput(f"sbatch could not be run: {e}") from None
+    if result.returncode != 0:
+        last = (result.stderr.strip().splitlines() or [f"exit status {result.returncode}"])[-1]
+        raise BadInput(f"sbatch refused the job: {last[:500]}")
+    job_id = (result.stdout.strip().splitlines() or [""])[-1].split(";")[0].strip()
+    if not _JOB_ID.match(job_id):
+        raise BadInput(f"sbatch answered {result.stdout.strip()[:200]!r}, not a job id")
+    return job_id
+
+
+def query_state(job_id: str, env: Mapping[str, str]) -> tuple[str | None, str | None, str | None]:
+    """``(state, exit_code, note)`` of a job: squeue while it is queued or running, then sacct.
+
+    Never raises: when neither answers, state is None and the note says why."""
+    notes = []
+    try:
+        result = _run(["squeue", "-h", "-j", job_id, "-o", "%T"], env)
+        states = result.stdout.split()
+        if result.returncode == 0 and states:
+            return states[0].upper(), None, None
+        if result.returncode != 0:
+            notes.append(f"squeue: {(result.stderr.strip() or f'exit status {result.returncode}')[:200]}")
+    except (OSError, subprocess.TimeoutExpired) as e:
+        notes.append(f"squeue: {e}")
+    try:
+        result = _run(["sacct", "-n", "-X", "-P", "-j", job_id, "-o", "State,ExitCode"], env)
+        lines = [line for line in result.stdout.splitlines() if line.strip()]
+        if result.returncode == 0 and lines:
+            state, _, exit_code = lines[0].partition("|")
+            return state.strip(), exit_code.strip() or None, None  # e.g. "CANCELLED by 1000"
+        notes.append("sacct: " + ((result.stderr.strip() or "no record of the job")[:200] if result.returncode == 0
+                                  else (result.stderr.strip() or f"exit status {result.returncode}")[:200]))
+    except (OSError, subprocess.TimeoutExpired) as e:
+        notes.append(f"sacct: {e}")
+    return None, None, f"the state of SLURM job {job_id} is unknown ({'; '.join(notes)})"
+
+
+def status_of(state: str) -> rd.RunStatus | None:
+    """The run status of a SLURM job state (``CANCELLED by 0`` → stopped); None when unknown."""
+    word = state.split()[0].rstrip("+") if state.split() else ""
+    return LIVE_STATES.get(word) or FINAL_STATES.get(word)
+
+
+def refresh(run_dir: Path, env: Mapping[str, str], min_interval_s: float = 0.0) -> tuple[rd.RunRecord, str | None]:
+    """Ask SLURM how a submitted run's job goes and record it; returns the record and a note
+    when SLURM could not say (the record is then left as it was). Not again within
+    ``min_interval_s`` of the last question (a waiting loop must not flood the scheduler)."""
+    record = rd.read_run(run_dir)
+    if record.target != "slurm" or not record.slurm_job_id or record.status in rd.FINAL_STATUSES:
+        return record, None
+    if min_interval_s and record.slurm_checked_at:
+        try:
+            last = _dt.datetime.fromisoformat(record.slurm_checked_at)
+            if (_dt.datetime.now(_dt.timezone.utc) - last).total_seconds() < min_interval_s:
+                return record, None
+        except ValueError:
+            pass
+    state, exit_code, note = query_state(record.slurm_job_id, env)
+    if state is None:
+        return rd.update_run(run_dir, slurm_checked_at=rd.utc_now()), note
+    status = status_of(state)
+    fields: dict[str, Any] = {"slurm_state": state[:100], "slurm_checked_at": rd.utc_now()}
+    if status is None:
+        return rd.update_run(run_dir, **fields), f"SLURM job {record.slurm_job_id} is in state {state[:100]}, unknown here"
+    fields["status"] = status
+    if status == rd.RUNNING and not record.started_at:
+        fields["started_at"] = rd.utc_now()
+    if status in rd.FINAL_STATUSES:
+        fields["ended_at"] = rd.utc_now()
+        if status == rd.FAILED and not record.error:
+            fields["error"] = f"SLURM job {record.slurm_job_id} ended {state[:100]} (exit code {exit_code or '?'}); see console.log"
+        if status == rd.STOPPED and not record.reason:
+            fields["reason"] = f"SLURM job {record.slurm_job_id} {state[:100].lower()}"
+    return rd.update_run(run_dir, **fields), None
+
+
+def cancel(run_dir: Path, env: Mapping[str, str]) -> rd.RunRecord:
+    """``scancel`` the run's job and record it stopped; :class:`BadInput` when scancel refuses."""
+    record, _ = refresh(run_dir, env)  # a job that has ended is not cancelled
+    if record.status in rd.FINAL_STATUSES:
+        return record
+    if record.slurm_job_id:
+        try:
+            result = _run(["scancel", record.slurm_job_id], env)
+        except (OSError, subprocess.TimeoutExpired) as e:
+            raise BadInput(f"scancel could not be run ({e}); the job {record.slurm_job_id} may still run") from None
+        if result.returncode != 0:
+            last = (result.stderr.strip().splitlines() or [f"exit status {result.returncode}"])[-1]
+            raise BadInput(f"scancel {record.slurm_job_id} failed: {last[:300]}; the job may still run")
+    return rd.update_run(run_dir, status=rd.STOPPED, stop_requested=True, ended_at=rd.utc_now(),
+                         reason=f"cancelled (scancel {record.slurm_job_id})" if record.slurm_job_id else "stopped by request")
+
+
+def start_job(
+    workspace: Path,
+    runs_root: Path,
+    code_dir: Path,
+    recipe_label: str,
+    nproc: int,
+    overrides: dict[str, Any],
+    verdict: dict[str, Any],
+    origin: CodeOrigin,
+    nnodes: int,
+    rdzv_id: str | None,
+    options: SlurmOptions,
+    limits: RunLimits,
+    warnings: list[str] | None = None,
+    expected_digest: str | None = None,
+) -> tuple[rd.RunRecord, str]:
+    """A run as a SLURM job: its run directory and snapshot (:func:`~sandbox.runs.start_run`),
+    the job script in it, and the job submitted when ``sbatch`` is on PATH and the server's
+    settings allow it (``runs.slurm``); returns the record and the script. A job that sbatch
+    refuses leaves nothing behind."""
+    from engine.config import override_args
+    from sandbox.runs import engine_args, start_run
+
+    endpoint_shown = f"<first node>:{options.rdzv_port}"
+    record = start_run(
+        workspace, runs_root, code_dir, recipe_label, nproc, overrides, verdict, origin=origin, limits=limits,
+        warnings=warnings, expected_digest=expected_digest, target="slurm",
+        nodes=Nodes(nnodes=nnodes, rdzv_endpoint=endpoint_shown, rdzv_id=rdzv_id),
+    )
+    run_dir = Path(runs_root) / record.id
+    record = rd.update_run(run_dir, rdzv_id=rdzv_id or record.id, rdzv_endpoint=endpoint_shown)
+    snapshot = run_dir / rd.SNAPSHOT_DIRNAME
+    args = engine_args(snapshot, run_dir, override_args(overrides))
+    text = job_script(record, run_dir, options, sys.executable, args)
+    script = run_dir / SCRIPT_NAME
+    tmp = script.with_name(f".{SCRIPT_NAME}.tmp")
+    tmp.write_text(text)
+    tmp.chmod(0o755)
+    os.replace(tmp, script)
+    env = run_environment(pass_env=limits.pass_env)
+    fields: dict[str, Any] = {"slurm_script": SCRIPT_NAME, "command": ["sbatch", str(script)]}
+    why_not = None
+    if not limits.slurm:
+        why_not = ("the server's settings do not allow submitting jobs (runs.slurm: true in the file given to "
+                   "`trainwright serve --config`)")
+    elif sbatch_available(env) is None:
+        why_not = "sbatch is not on PATH"
+    if why_not is None:
+        try:
+            job_id = submit(script, env, Path(workspace))
+        except BadInput:
+            shutil.rmtree(run_dir, ignore_errors=True)
+            raise
+        fields.update(slurm_job_id=job_id, slurm_state="SUBMITTED", slurm_checked_at=rd.utc_now())
+    else:
+        label = f"{rd.RUNS_DIRNAME}/{record.id}/{SCRIPT_NAME}"
+        fields.update(status=rd.STOPPED, ended_at=rd.utc_now(),
+                      reason=f"not submitted: {why_not}; submit it on the cluster with `sbatch {label}`")
+    return rd.update_run(run_dir, **fields), text

@@ -1,0 +1,67 @@
+"""The node settings of a run over several machines: torchrun's exact options, the endpoints
+accepted, and who may allow the host network such a run needs."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+from engine.errors import BadInput
+from sandbox.config import RunLimits, tighten
+from sandbox.nodes import check_allowed, check_endpoint, check_nodes
+from sandbox.runs import engine_command
+
+RECIPE, RUN = Path("/ws/runs/r0/recipe"), Path("/ws/runs/r0")
+
+
+def test_one_node_is_torchrun_standalone_on_loopback():
+    assert engine_command(RECIPE, RUN, 2, ["train.max_steps=5"]) == [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--local-addr", "127.0.0.1",
+        "--nproc-per-node", "2", "-m", "engine.launch", str(RECIPE), "--run-dir", str(RUN), "--set=train.max_steps=5",
+    ]
+
+
+def test_nodes_meet_at_a_c10d_rendezvous_and_nodes_of_one_machine_get_their_own_loopback_address():
+    rendezvous = ["-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d"]
+    second = check_nodes(2, {"endpoint": "127.0.0.1:29500", "id": "r0", "node_rank": 1})
+    assert engine_command(RECIPE, RUN, 1, [], nodes=second, rdzv_id="r0") == [
+        sys.executable, *rendezvous, "--rdzv-endpoint", "127.0.0.1:29500", "--rdzv-id", "r0",
+        "--local-addr", "127.0.0.2", "-m", "engine.launch", str(RECIPE), "--run-dir", str(RUN),
+    ]
+    remote = check_nodes(2, {"endpoint": "node0.cluster"})
+    assert engine_command(RECIPE, RUN, 1, [], nodes=remote, rdzv_id="r0")[1:14] == [
+        *rendezvous, "--rdzv-endpoint", "node0.cluster:29400", "--rdzv-id", "r0", "-m",
+    ]  # machines of their own: each advertises its own host name
+
+
+@pytest.mark.parametrize("endpoint, expected", [
+    ("node0:29500", "node0:29500"), ("10.0.0.5", "10.0.0.5:29400"), ("[fe80::1]:7000", "[fe80::1]:7000"),
+    (" localhost:1 ", "localhost:1"),
+])
+def test_endpoints_are_host_and_port(endpoint, expected):
+    assert check_endpoint(endpoint) == expected
+
+
+@pytest.mark.parametrize("endpoint, words", [
+    ("", "must be 'host:port'"), ("node_0:1", "is not a host name"), ("node0:0", "between 1 and 65535"),
+    ("[nope]:1", "is not an IPv6 address"), ("a;rm -rf /:1", "is not a host name"), (29400, "must be 'host:port'"),
+])
+def test_bad_endpoints_are_refused(endpoint, words):
+    with pytest.raises(BadInput, match=".*" + words.replace("(", r"\(")):
+        check_endpoint(endpoint)
+
+
+def test_the_host_network_of_several_nodes_is_the_servers_choice_and_a_workspace_cannot_make_it():
+    nodes = check_nodes(2, {"endpoint": "node0:29400"})
+    with pytest.raises(BadInput, match="runs.multi_node: true"):
+        check_allowed(nodes, RunLimits())
+    check_allowed(nodes, RunLimits(multi_node=True))
+    check_allowed(nodes, RunLimits(network="shared"))
+    check_allowed(check_nodes(1), RunLimits())
+    limits, warnings = tighten(RunLimits(), RunLimits(multi_node=True, slurm=True), {"multi_node", "slurm"})
+    assert (limits.multi_node, limits.slurm) == (False, False)
+    assert [w.split(" in ")[0] for w in warnings] == ["runs.multi_node = True", "runs.slurm = True"]
+    limits, warnings = tighten(RunLimits(multi_node=True), RunLimits(multi_node=False), {"multi_node"})
+    assert limits.multi_node is False and not warnings
