@@ -75,8 +75,9 @@ resume → wait.
 Runs outlive this server; list_runs shows them all. Errors say what to change.
 """
 
-# idempotentHint means something only for tools that change something (and false is its default).
-READ_ONLY = ToolAnnotations(readOnlyHint=True, destructiveHint=False, openWorldHint=False)
+# idempotentHint and destructiveHint mean something only for tools that change something (the
+# MCP spec), so a read-only tool says neither.
+READ_ONLY = ToolAnnotations(readOnlyHint=True, openWorldHint=False)
 ADDITIVE = ToolAnnotations(readOnlyHint=False, destructiveHint=False, openWorldHint=False)
 IDEMPOTENT_CHANGE = ToolAnnotations(readOnlyHint=False, destructiveHint=False, idempotentHint=True, openWorldHint=False)
 DESTRUCTIVE = ToolAnnotations(readOnlyHint=False, destructiveHint=True, idempotentHint=True, openWorldHint=False)
@@ -88,9 +89,9 @@ class AuditedToolError(ToolError):
     """A tool error that :meth:`Tools.call` has already written to the audit log."""
 
 
-RunId = Annotated[str, Field(description="From launch_run or list_runs.")]
+RunId = Annotated[str, Field(description="A run id.")]
 RecipePath = Annotated[str, Field(description="Recipe folder (recipes/<name>, or the name).")]
-Step = Annotated[int | None, Field(strict=True, description="Checkpoint step; default: the latest.")]
+Step = Annotated[int | None, Field(strict=True, description="Default: the latest.")]
 
 
 class Tools:
@@ -365,7 +366,7 @@ def build_server(workspace: Path | str, read_only: bool = False, settings: Path 
     @tool(ADDITIVE)
     async def resume_checkpoint(
         run_id: RunId,
-        step: Annotated[int | None, Field(strict=True, description="Checkpoint step; default: the latest.")] = None,
+        step: Annotated[int | None, Field(strict=True, description="Default: the latest.")] = None,
         nproc: Annotated[int | None, Field(strict=True, description="Processes; default: as the original run.")] = None,
         code: Annotated[
             Literal["checkpoint", "head"],
@@ -493,13 +494,13 @@ def _compact_schema(schema: Any, output: bool = False, names: bool = False) -> N
                     del schema["required"]
                 if schema.get("additionalProperties") is True:
                     del schema["additionalProperties"]
-            options = schema.get("anyOf")
-            if (isinstance(options, list) and len(options) == 2 and {"type": "null"} in options
-                    and all(set(o) == {"type"} and isinstance(o["type"], str) for o in options)):
-                del schema["anyOf"]
-                schema["type"] = [o["type"] for o in options if o != {"type": "null"}] + ["null"]
-        for key, value in schema.items():
+        for key, value in schema.items():  # children first: an option may become plain {type}
             _compact_schema(value, output, names=not names and key in ("properties", "$defs"))
+        options = schema.get("anyOf") if not names else None
+        if (isinstance(options, list) and len(options) == 2 and {"type": "null"} in options
+                and all(set(o) == {"type"} and isinstance(o["type"], str) for o in options)):
+            del schema["anyOf"]
+            schema["type"] = [o["type"] for o in options if o != {"type": "null"}] + ["null"]
     elif isinstance(schema, list):
         for item in schema:
             _compact_schema(item, output)

@@ -34,9 +34,10 @@ def test_every_tool_is_listed_with_annotations_and_an_output_schema(client):
     for name, tool in tools.items():
         hints = tool.annotations
         assert hints.read_only_hint is (name in READ_ONLY_TOOLS), name
-        assert hints.destructive_hint is (name == "stop_run"), name
-        if name in READ_ONLY_TOOLS:  # idempotentHint means something only for tools that change things
-            assert hints.idempotent_hint is None, name
+        if name in READ_ONLY_TOOLS:  # both hints mean something only for tools that change things
+            assert hints.idempotent_hint is None and hints.destructive_hint is None, name
+        else:
+            assert hints.destructive_hint is (name == "stop_run"), name
         assert hints.open_world_hint is False, name
         assert tool.output_schema["type"] == "object", name
         assert tool.description and "\n    " not in tool.description, name
