@@ -12,9 +12,10 @@ import json
 from pathlib import Path
 from types import UnionType
 from typing import Any, Literal, Mapping, Sequence, Union, get_args, get_origin
+from urllib.parse import urlsplit
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from engine.errors import BadInput
 
@@ -84,11 +85,62 @@ class ParallelConfig(Section):
     )
 
 
+class WandbConfig(Section):
+    mode: Literal["offline", "online"] = Field(
+        "offline", description="offline: files in the run directory (`wandb sync` uploads them); "
+        "online needs runs.network: shared and WANDB_API_KEY in runs.pass_env."
+    )
+    project: str = Field("trainwright", min_length=1, max_length=128)
+    entity: str | None = Field(None, description="Team or user; null: the API key's default.")
+    run_name: str | None = Field(None, description="null: the run id.")
+    group: str | None = None
+    tags: list[str] = []
+
+
+class MlflowConfig(Section):
+    tracking_uri: str | None = Field(
+        None, description="null: a SQLite store in the run directory (mlflow/mlflow.db); a server "
+        "needs runs.network: shared, credentials only through runs.pass_env."
+    )
+    experiment: str = Field("trainwright", min_length=1, max_length=256)
+    run_name: str | None = Field(None, description="null: the run id.")
+
+    @field_validator("tracking_uri")
+    @classmethod
+    def _no_credentials(cls, uri: str | None) -> str | None:
+        if uri is not None and urlsplit(uri).password:
+            raise ValueError(
+                "a tracking URI must not hold a password (run.json keeps the config): set "
+                "MLFLOW_TRACKING_USERNAME/MLFLOW_TRACKING_PASSWORD or MLFLOW_TRACKING_TOKEN and list "
+                "them in runs.pass_env"
+            )
+        return uri
+
+
+class TrackioConfig(Section):
+    project: str = Field("trainwright", min_length=1, max_length=128)
+    run_name: str | None = Field(None, description="null: the run id.")
+    space_id: str | None = Field(
+        None, description="A Hugging Face Space to log to (runs.network: shared, HF_TOKEN in "
+        "runs.pass_env); null: a local store in the run directory (trackio/)."
+    )
+
+
+MetricsBackendName = Literal["wandb", "mlflow", "trackio"]
+
+
 class MetricsConfig(Section):
     tensorboard: bool = Field(True, description="Also write TensorBoard events when it is installed.")
     peak_tflops: float | None = Field(
         None, gt=0, description="Peak TFLOP/s of one device for MFU; known GPUs are looked up."
     )
+    backends: list[MetricsBackendName] = Field(
+        [], description="Also send metrics to these (pip install 'trainwright[metrics]'); "
+        "metrics.jsonl is always written."
+    )
+    wandb: WandbConfig = WandbConfig()
+    mlflow: MlflowConfig = MlflowConfig()
+    trackio: TrackioConfig = TrackioConfig()
 
 
 class EngineConfig(Section):

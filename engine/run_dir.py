@@ -157,6 +157,15 @@ def _count(n: int, noun: str) -> str:
 IsolationLevel = Literal["full", "partial", "none"]
 
 
+class MetricsDestination(BaseModel):
+    """Where a run's metrics went: one per metrics backend the engine opened."""
+
+    kind: str = Field(description="jsonl, tensorboard, wandb, mlflow or trackio.")
+    location: str = Field(description="A file or folder, a tracking URI or a web address.")
+    run: str | None = Field(None, description="The run there: project or experiment, and its name or id.")
+    view: str | None = Field(None, description="How to look at it, or to upload an offline run.")
+
+
 class SandboxView(BaseModel):
     """What a run's sandbox shows: read-only and writable folders, folders hidden inside them,
     and the bubblewrap it ran under (None: no sandbox)."""
@@ -219,6 +228,9 @@ class RunRecord(BaseModel):
     isolation: IsolationLevel | None = Field(None, description="The sandbox actually in force.")
     isolation_note: str | None = Field(None, description="What the isolation level is missing, if anything.")
     sandbox: SandboxView | None = None
+    metrics_destinations: list[MetricsDestination] = Field(
+        [], description="Where the engine sent the metrics (metrics.jsonl, TensorBoard, W&B, MLflow, trackio)."
+    )
     warnings: list[str] = []
 
     @field_validator("overrides", mode="before")

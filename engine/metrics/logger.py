@@ -8,7 +8,15 @@ from typing import Any, Protocol
 class MetricBackend(Protocol):
     def log(self, record: dict[str, Any]) -> None: ...
 
-    def close(self) -> None: ...
+    def close(self, failed: bool = False) -> None: ...
+
+
+def numbers(record: dict[str, Any]) -> dict[str, int | float]:
+    """The numeric values of a metrics record, ``step`` left out (backends take it apart)."""
+    return {
+        key: value for key, value in record.items()
+        if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool)
+    }
 
 
 class MetricLogger:
@@ -21,6 +29,7 @@ class MetricLogger:
         for backend in self.backends:
             backend.log(record)
 
-    def close(self) -> None:
+    def close(self, failed: bool = False) -> None:
+        """Close every backend; ``failed`` marks the run failed where a backend records that."""
         for backend in self.backends:
-            backend.close()
+            backend.close(failed)

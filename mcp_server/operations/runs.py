@@ -38,6 +38,7 @@ DEFAULT_TAIL_RECORDS = 10  # ≈ 4 KB as an agent reads it: a default result sta
 MAX_LIST_RUNS = 100
 CONSOLE_TAIL_BYTES = 1500
 MAX_LISTED_CHECKPOINTS = 50
+MAX_DESTINATIONS = 10
 MAX_RUN_INFO_CHECKPOINTS = 10
 MAX_ERROR_CHARS = 1000
 MAX_RECORD_CHARS = 1500
@@ -231,6 +232,7 @@ def get_run(ws: Workspace, run_id: str) -> RunInfo:
             CheckpointInfo(step=s, path=ws.label(p))
             for s, p in rd.list_checkpoints(run_dir)[-MAX_RUN_INFO_CHECKPOINTS:]
         ],
+        metrics_destinations=[_destination(ws, d) for d in record.metrics_destinations[:MAX_DESTINATIONS]],
         console_tail=console_tail,
         warnings=_shown_warnings(record.warnings),
         network_isolated=record.network_isolated,
@@ -239,6 +241,14 @@ def get_run(ws: Workspace, run_id: str) -> RunInfo:
         isolation_note=record.isolation_note,
         limits=record.limits or None,
     ))
+
+
+def _destination(ws: Workspace, destination: rd.MetricsDestination) -> rd.MetricsDestination:
+    """A metrics destination with its location relative to the workspace when it is a path in it."""
+    path = Path(os.path.normpath(destination.location))  # the text only: run code wrote it
+    if path.is_absolute() and ws.root in path.parents:
+        return destination.model_copy(update={"location": path.relative_to(ws.root).as_posix()})
+    return destination
 
 
 def _data(record: rd.RunRecord) -> dict[str, Any] | None:
