@@ -29,6 +29,11 @@ class Section(BaseModel):
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
+    def undescribed(self) -> set[str]:
+        """Fields that ``describe_fields`` leaves out as things stand (they are still valid keys):
+        settings of something the config does not use, kept out of what an agent reads."""
+        return set()
+
 
 class TrainConfig(Section):
     max_steps: int = Field(200, ge=1, description="Optimizer steps to train for.")
@@ -87,21 +92,17 @@ class ParallelConfig(Section):
 
 class WandbConfig(Section):
     mode: Literal["offline", "online"] = Field(
-        "offline", description="offline: files in the run directory (`wandb sync` uploads them); "
-        "online needs runs.network: shared and WANDB_API_KEY in runs.pass_env."
+        "offline", description="offline: files in the run dir; online: needs network and WANDB_API_KEY."
     )
     project: str = Field("trainwright", min_length=1, max_length=128)
-    entity: str | None = Field(None, description="Team or user; null: the API key's default.")
+    entity: str | None = None
     run_name: str | None = Field(None, description="null: the run id.")
     group: str | None = None
     tags: list[str] = []
 
 
 class MlflowConfig(Section):
-    tracking_uri: str | None = Field(
-        None, description="null: a SQLite store in the run directory (mlflow/mlflow.db); a server "
-        "needs runs.network: shared, credentials only through runs.pass_env."
-    )
+    tracking_uri: str | None = Field(None, description="null: SQLite in the run dir; a server needs network.")
     experiment: str = Field("trainwright", min_length=1, max_length=256)
     run_name: str | None = Field(None, description="null: the run id.")
 
@@ -120,10 +121,7 @@ class MlflowConfig(Section):
 class TrackioConfig(Section):
     project: str = Field("trainwright", min_length=1, max_length=128)
     run_name: str | None = Field(None, description="null: the run id.")
-    space_id: str | None = Field(
-        None, description="A Hugging Face Space to log to (runs.network: shared, HF_TOKEN in "
-        "runs.pass_env); null: a local store in the run directory (trackio/)."
-    )
+    space_id: str | None = Field(None, description="A HF Space to log to; null: a store in the run dir.")
 
 
 MetricsBackendName = Literal["wandb", "mlflow", "trackio"]
@@ -135,12 +133,14 @@ class MetricsConfig(Section):
         None, gt=0, description="Peak TFLOP/s of one device for MFU; known GPUs are looked up."
     )
     backends: list[MetricsBackendName] = Field(
-        [], description="Also send metrics to these (pip install 'trainwright[metrics]'); "
-        "metrics.jsonl is always written."
+        [], description="Also log to these; each one's keys (metrics.<name>.*) are listed once chosen."
     )
     wandb: WandbConfig = WandbConfig()
     mlflow: MlflowConfig = MlflowConfig()
     trackio: TrackioConfig = TrackioConfig()
+
+    def undescribed(self) -> set[str]:
+        return {"wandb", "mlflow", "trackio"} - set(self.backends)
 
 
 class EngineConfig(Section):
@@ -381,7 +381,8 @@ def type_text(annotation: Any) -> str:
 
 
 def describe_fields(config: BaseModel, defaults: BaseModel | None = None, prefix: str = "") -> list[dict[str, Any]]:
-    """Every leaf key of a config: ``{key, type, default, value, description}``, in field order.
+    """Every leaf key of a config: ``{key, type, default, value, description}``, in field order,
+    but for the fields a section leaves out as things stand (:meth:`Section.undescribed`).
 
     ``value`` is what ``config`` holds (code defaults ← config.yaml ← overrides); ``default`` is
     the code default, taken from ``type(config)()`` so that a recipe whose section instance
@@ -393,7 +394,10 @@ def describe_fields(config: BaseModel, defaults: BaseModel | None = None, prefix
         except ValidationError:  # a key without a code default
             defaults = None
     described: list[dict[str, Any]] = []
+    left_out = config.undescribed() if isinstance(config, Section) else set()
     for name, field in type(config).model_fields.items():
+        if name in left_out:
+            continue
         key = f"{prefix}{name}"
         value = getattr(config, name)
         default = getattr(defaults, name) if defaults is not None else field.get_default(call_default_factory=True)

@@ -7,7 +7,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
-from engine.run_dir import MetricsDestination, ResumedFrom, RunStatus
+from engine.run_dir import ResumedFrom, RunStatus
 
 
 class ResumePoint(BaseModel):
@@ -84,7 +84,7 @@ class RunInfo(BaseModel):
     eta_s: float | None = None
     latest: dict[str, Any] | None = None
     checkpoints: list[CheckpointInfo] = []
-    metrics_destinations: list[MetricsDestination] = []
+    metrics_destinations: list[str] = []
     console_tail: str | None = None
     warnings: list[str] = []
     network_isolated: bool | None = None

@@ -19,9 +19,7 @@ class TensorBoardBackend:
         from torch.utils.tensorboard import SummaryWriter
 
         self.writer = SummaryWriter(log_dir=str(log_dir))
-        self.destination = MetricsDestination(
-            kind="tensorboard", location=str(log_dir), view=f"tensorboard --logdir {log_dir}"
-        )
+        self.destination = MetricsDestination(kind="tensorboard", location=str(log_dir))
 
     def log(self, record: dict[str, Any]) -> None:
         step = record.get("step", 0)

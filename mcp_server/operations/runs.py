@@ -243,12 +243,20 @@ def get_run(ws: Workspace, run_id: str) -> RunInfo:
     ))
 
 
-def _destination(ws: Workspace, destination: rd.MetricsDestination) -> rd.MetricsDestination:
-    """A metrics destination with its location relative to the workspace when it is a path in it."""
-    path = Path(os.path.normpath(destination.location))  # the text only: run code wrote it
+def _destination(ws: Workspace, destination: rd.MetricsDestination) -> str:
+    """One line: ``kind: location (run there); how to view it``, with paths in the workspace
+    relative to it (run code wrote the record: its text is only shown, never followed)."""
+    root = f"{ws.root}{os.sep}"
+    location = destination.location
+    path = Path(os.path.normpath(location))
     if path.is_absolute() and ws.root in path.parents:
-        return destination.model_copy(update={"location": path.relative_to(ws.root).as_posix()})
-    return destination
+        location = path.relative_to(ws.root).as_posix()
+    line = f"{destination.kind}: {location}"
+    if destination.run:
+        line += f" ({destination.run})"
+    if destination.view:
+        line += f"; {destination.view.replace(root, '')}"
+    return line
 
 
 def _data(record: rd.RunRecord) -> dict[str, Any] | None:

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from engine import run_dir as rd
+from engine.config import ConfigError
 from engine.launch import main
 from engine.metrics.optional import loopback_only
 from mcp_server import cli
@@ -75,11 +76,13 @@ def expected_values(run_dir: Path) -> dict[tuple[int, str], float]:
     return values
 
 
-def destination(info: dict, kind: str) -> dict:
-    (found,) = [d for d in info["metrics_destinations"] if d["kind"] == kind]
+def destination(run_dir: Path, kind: str) -> rd.MetricsDestination:
+    """Where run.json says the engine sent the metrics of ``kind``."""
+    (found,) = [d for d in rd.read_run(run_dir).metrics_destinations if d.kind == kind]
     return found
 
 
+@pytest.mark.slow  # one real run (about 30 s on 2 cores), shared by the module
 def test_the_run_logged_train_and_eval_steps_to_metrics_jsonl(run):
     _, run_dir, _, _, _ = run
     keys = expected_values(run_dir)
@@ -109,14 +112,15 @@ def wandb_records(path: Path):
             yield pieces + chunk
 
 
+@pytest.mark.slow  # one real run (about 30 s on 2 cores), shared by the module
 def test_wandb_offline_run_holds_the_same_steps_and_values(run):
     from wandb.proto import wandb_internal_pb2
 
-    root, run_dir, info, _, _ = run
-    where = destination(info, "wandb")
-    folder = root / where["location"]
+    _, run_dir, _, _, _ = run
+    where = destination(run_dir, "wandb")
+    folder = Path(where.location)
     assert folder.parent == run_dir / "wandb" and folder.name.startswith("offline-run-")
-    assert where["view"] == f"wandb sync {run_dir / 'wandb' / folder.name}"
+    assert where.view == f"wandb sync {folder}"
     (log,) = folder.glob("run-*.wandb")
     logged, header = {}, None
     for raw in wandb_records(log):
@@ -131,20 +135,22 @@ def test_wandb_offline_run_holds_the_same_steps_and_values(run):
                 if not key.startswith("_"):  # wandb's own: _timestamp, _runtime, _step
                     logged[(step, key)] = float(json.loads(item.value_json))
     assert header.project == "trainwright" and header.display_name == run_dir.name
-    assert where["run"] == f"trainwright/{header.run_id}"
+    assert where.run == f"trainwright/{header.run_id}"
     assert logged == expected_values(run_dir)
 
 
+@pytest.mark.slow  # one real run (about 30 s on 2 cores), shared by the module
 def test_mlflow_store_holds_the_same_steps_and_values(run, monkeypatch):
     for name, value in OFFLINE_ENV.items():
         monkeypatch.setenv(name, value)
     from mlflow.tracking import MlflowClient
 
-    _, run_dir, info, _, _ = run
-    where = destination(info, "mlflow")
-    assert where["location"] == f"sqlite:///{run_dir / 'mlflow' / 'mlflow.db'}"
-    experiment, run_id = where["run"].split("/")
-    client = MlflowClient(tracking_uri=where["location"])
+    _, run_dir, _, _, _ = run
+    where = destination(run_dir, "mlflow")
+    assert where.location == f"sqlite:///{run_dir / 'mlflow' / 'mlflow.db'}"
+    assert where.view == f"mlflow ui --backend-store-uri {where.location}"
+    experiment, run_id = where.run.split("/")
+    client = MlflowClient(tracking_uri=where.location)
     tracked = client.get_run(run_id)
     assert experiment == "trainwright" and tracked.info.run_name == run_dir.name
     assert tracked.info.status == "FINISHED"
@@ -154,15 +160,15 @@ def test_mlflow_store_holds_the_same_steps_and_values(run, monkeypatch):
     assert logged == expected_values(run_dir)
 
 
+@pytest.mark.slow  # one real run (about 30 s on 2 cores), shared by the module
 def test_trackio_store_holds_the_same_steps_and_values(run, monkeypatch):
     for name, value in OFFLINE_ENV.items():
         monkeypatch.setenv(name, value)
     from trackio import sqlite_storage
 
-    root, run_dir, info, _, _ = run
-    where = destination(info, "trackio")
-    assert root / where["location"] == run_dir / "trackio"
-    assert where["run"] == f"trainwright/{run_dir.name}"
+    _, run_dir, _, _, _ = run
+    where = destination(run_dir, "trackio")
+    assert Path(where.location) == run_dir / "trackio" and where.run == f"trainwright/{run_dir.name}"
     # trackio reads its folder from TRACKIO_DIR once, at import: point its reader at the run's store.
     monkeypatch.setattr(sqlite_storage, "TRACKIO_DIR", run_dir / "trackio")
     assert sqlite_storage.SQLiteStorage.get_runs("trainwright") == [run_dir.name]
@@ -172,18 +178,28 @@ def test_trackio_store_holds_the_same_steps_and_values(run, monkeypatch):
     assert logged == expected_values(run_dir)
 
 
+@pytest.mark.slow  # one real run (about 30 s on 2 cores), shared by the module
 def test_get_run_and_status_name_where_the_metrics_went(run):
     root, run_dir, info, status, _ = run
     label = run_dir.relative_to(root).as_posix()
-    kinds = [d["kind"] for d in info["metrics_destinations"]]
-    assert kinds[0] == "jsonl" and set(kinds) >= {"jsonl", "wandb", "mlflow", "trackio"}
-    assert destination(info, "jsonl")["location"] == f"{label}/metrics.jsonl"
-    assert rd.read_run(run_dir).metrics_destinations[0].location == str(run_dir / rd.METRICS_JSONL)
-    for d in info["metrics_destinations"]:
-        line = f"  metrics    {d['kind']}: {d['location']}"
-        assert any(text.startswith(line) for text in status.splitlines()), (line, status)
+    wandb_dir = Path(destination(run_dir, "wandb").location).name
+    mlflow_run = destination(run_dir, "mlflow").run
+    uri = f"sqlite:///{run_dir}/mlflow/mlflow.db"
+    expected = [
+        f"jsonl: {label}/metrics.jsonl",
+        f"tensorboard: {label}/tensorboard",
+        f"wandb: {label}/wandb/{wandb_dir} (trainwright/{wandb_dir.rsplit('-', 1)[1]}); "
+        f"wandb sync {label}/wandb/{wandb_dir}",
+        f"mlflow: {uri} ({mlflow_run}); mlflow ui --backend-store-uri {uri.replace(f'{root}/', '')}",
+        f"trackio: {label}/trackio (trainwright/{run_dir.name}); "
+        f"TRACKIO_DIR={label}/trackio trackio show --project trainwright",
+    ]
+    assert info["metrics_destinations"] == expected
+    assert [line.strip() for line in status.splitlines() if line.startswith("  metrics ")] == [
+        f"metrics    {line}" for line in expected]
 
 
+@pytest.mark.slow  # one real run (about 30 s on 2 cores), shared by the module
 def test_the_run_had_only_loopback(run):
     _, run_dir, info, _, _ = run
     if not info["network_isolated"]:
@@ -191,6 +207,7 @@ def test_the_run_had_only_loopback(run):
     assert rd.read_run(run_dir).network_isolated is True
 
 
+@pytest.mark.slow  # one real run (about 30 s on 2 cores), shared by the module
 def test_a_key_passed_with_pass_env_appears_nowhere(run):
     root, run_dir, info, status, _ = run
     texts = [json.dumps(info), status, (root / AUDIT).read_text()]
@@ -266,6 +283,7 @@ def test_wandb_online_without_a_key_refuses_the_check_naming_pass_env(capsys, mo
     assert check(capsys, monkeypatch, tmp_path, (), KEY, *online)["ok"]
 
 
+@pytest.mark.slow  # one real run (about 30 s on 2 cores), shared by the module
 def test_an_online_destination_of_an_isolated_run_is_refused_before_any_write(run):
     *_, refusal = run
     if "only loopback" not in refusal:
@@ -275,3 +293,21 @@ def test_an_online_destination_of_an_isolated_run_is_refused_before_any_write(ru
         "(runs.network: isolated): use metrics.wandb.mode=offline (`wandb sync` uploads the run later), "
         "or set runs.network: shared in the server's settings"
     )
+
+
+def test_a_backend_s_keys_are_described_once_it_is_chosen():
+    from engine.config import EngineConfig, build_config, describe_fields
+
+    def metrics_keys(*overrides):
+        keys = [f["key"] for f in describe_fields(build_config(EngineConfig, None, overrides))]
+        return [k for k in keys if k.startswith("metrics.")]
+
+    assert metrics_keys() == ["metrics.tensorboard", "metrics.peak_tflops", "metrics.backends"]
+    assert metrics_keys("metrics.backends=[mlflow]") == [
+        "metrics.tensorboard", "metrics.peak_tflops", "metrics.backends",
+        "metrics.mlflow.tracking_uri", "metrics.mlflow.experiment", "metrics.mlflow.run_name",
+    ]
+    # Left out of the description, still valid keys: they are checked whatever the backends.
+    with pytest.raises(ConfigError, match="unknown config key 'metrics.wandb.projekt'.*did you mean 'metrics.wandb.project'"):
+        build_config(EngineConfig, None, ["metrics.wandb.projekt=x"])
+    assert build_config(EngineConfig, None, ["metrics.wandb.project=x"]).metrics.wandb.project == "x"
