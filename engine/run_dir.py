@@ -7,6 +7,9 @@ runs/<run_id>/
                                its files when the recipe had uncommitted changes)
   metrics.jsonl                one MetricRecord (JSON) per logged step
   console.log                  everything the run printed
+  tensorboard/, wandb/, mlflow/, trackio/
+                               other metrics backends' files, where they write locally
+                               (run.json's metrics_destinations lists where metrics went)
   checkpoints/step-<NNNNNNNN>/ complete checkpoints only; saves in progress live in
                                checkpoints/.partial-step-<NNNNNNNN>/ until they are published
 ```
