@@ -1,9 +1,10 @@
 """Metrics beyond metrics.jsonl: Weights & Biases (offline), MLflow (a SQLite store) and trackio (a
-local store) in one real run launched through MCP, in the sandbox where the run has only
-loopback. Each backend is read back with its own reader and holds exactly the steps and values
-of metrics.jsonl; get_run and `trainwright status` name where the metrics went; a W&B key passed
-with pass_env appears in no file, result or log. A missing package, or an online destination
-the run cannot reach or has no key for, refuses the launch at its check, before any write."""
+local store) in one real run on two processes launched through MCP, in the sandbox where the run
+has only loopback. Rank 0 alone logs: each backend holds one run, read back with its own reader,
+with exactly the steps and values of metrics.jsonl. get_run and `trainwright status` name where
+the metrics went; a W&B key passed with pass_env appears in no file, result or log. A missing
+package, or an online destination the run cannot reach or has no key for, refuses the launch at
+its check, before any write."""
 
 from __future__ import annotations
 
@@ -52,7 +53,7 @@ def run(tmp_path_factory):
             online = client.call("launch_run", {"recipe": "recipes/lm", "overrides": overrides(
                 **{"metrics.backends": ["wandb"], "metrics.wandb.mode": "online"})})
             assert online.is_error and not (root / "runs").exists(), "a refused launch writes nothing"
-            result = client.call("launch_run", {"recipe": "recipes/lm", "overrides": overrides(
+            result = client.call("launch_run", {"recipe": "recipes/lm", "nproc": 2, "overrides": overrides(
                 **{"train.max_steps": 4, "train.eval_every": 2, **BACKENDS})})
             assert not result.is_error, error_text(result)
             run_id = result.structured_content["run_id"]
@@ -82,7 +83,8 @@ def destination(run_dir: Path, kind: str) -> rd.MetricsDestination:
     return found
 
 
-@pytest.mark.slow  # one real run (about 30 s on 2 cores), shared by the module
+@pytest.mark.slow  # one real run on 2 processes (about 40 s on 2 cores), shared by the module
+@pytest.mark.multiprocess
 def test_the_run_logged_train_and_eval_steps_to_metrics_jsonl(run):
     _, run_dir, _, _, _ = run
     keys = expected_values(run_dir)
@@ -112,14 +114,15 @@ def wandb_records(path: Path):
             yield pieces + chunk
 
 
-@pytest.mark.slow  # one real run (about 30 s on 2 cores), shared by the module
+@pytest.mark.slow  # one real run on 2 processes (about 40 s on 2 cores), shared by the module
+@pytest.mark.multiprocess
 def test_wandb_offline_run_holds_the_same_steps_and_values(run):
     from wandb.proto import wandb_internal_pb2
 
     _, run_dir, _, _, _ = run
     where = destination(run_dir, "wandb")
     folder = Path(where.location)
-    assert folder.parent == run_dir / "wandb" and folder.name.startswith("offline-run-")
+    assert list((run_dir / "wandb").glob("offline-run-*")) == [folder], "rank 0 only"
     assert where.view == f"wandb sync {folder}"
     (log,) = folder.glob("run-*.wandb")
     logged, header = {}, None
@@ -139,7 +142,8 @@ def test_wandb_offline_run_holds_the_same_steps_and_values(run):
     assert logged == expected_values(run_dir)
 
 
-@pytest.mark.slow  # one real run (about 30 s on 2 cores), shared by the module
+@pytest.mark.slow  # one real run on 2 processes (about 40 s on 2 cores), shared by the module
+@pytest.mark.multiprocess
 def test_mlflow_store_holds_the_same_steps_and_values(run, monkeypatch):
     for name, value in OFFLINE_ENV.items():
         monkeypatch.setenv(name, value)
@@ -153,6 +157,7 @@ def test_mlflow_store_holds_the_same_steps_and_values(run, monkeypatch):
     client = MlflowClient(tracking_uri=where.location)
     tracked = client.get_run(run_id)
     assert experiment == "trainwright" and tracked.info.run_name == run_dir.name
+    assert [r.info.run_id for r in client.search_runs([tracked.info.experiment_id])] == [run_id], "rank 0 only"
     assert tracked.info.status == "FINISHED"
     assert tracked.data.params["train.max_steps"] == "4"
     assert tracked.data.params["metrics.backends"] == '["wandb", "mlflow", "trackio"]'
@@ -160,7 +165,8 @@ def test_mlflow_store_holds_the_same_steps_and_values(run, monkeypatch):
     assert logged == expected_values(run_dir)
 
 
-@pytest.mark.slow  # one real run (about 30 s on 2 cores), shared by the module
+@pytest.mark.slow  # one real run on 2 processes (about 40 s on 2 cores), shared by the module
+@pytest.mark.multiprocess
 def test_trackio_store_holds_the_same_steps_and_values(run, monkeypatch):
     for name, value in OFFLINE_ENV.items():
         monkeypatch.setenv(name, value)
@@ -171,14 +177,15 @@ def test_trackio_store_holds_the_same_steps_and_values(run, monkeypatch):
     assert Path(where.location) == run_dir / "trackio" and where.run == f"trainwright/{run_dir.name}"
     # trackio reads its folder from TRACKIO_DIR once, at import: point its reader at the run's store.
     monkeypatch.setattr(sqlite_storage, "TRACKIO_DIR", run_dir / "trackio")
-    assert sqlite_storage.SQLiteStorage.get_runs("trainwright") == [run_dir.name]
+    assert sqlite_storage.SQLiteStorage.get_runs("trainwright") == [run_dir.name], "rank 0 only"
     logged = {}
     for row in sqlite_storage.SQLiteStorage.get_logs("trainwright", run_dir.name):
         logged.update({(row["step"], k): float(v) for k, v in row.items() if k not in ("step", "timestamp")})
     assert logged == expected_values(run_dir)
 
 
-@pytest.mark.slow  # one real run (about 30 s on 2 cores), shared by the module
+@pytest.mark.slow  # one real run on 2 processes (about 40 s on 2 cores), shared by the module
+@pytest.mark.multiprocess
 def test_get_run_and_status_name_where_the_metrics_went(run):
     root, run_dir, info, status, _ = run
     label = run_dir.relative_to(root).as_posix()
@@ -199,7 +206,8 @@ def test_get_run_and_status_name_where_the_metrics_went(run):
         f"metrics    {line}" for line in expected]
 
 
-@pytest.mark.slow  # one real run (about 30 s on 2 cores), shared by the module
+@pytest.mark.slow  # one real run on 2 processes (about 40 s on 2 cores), shared by the module
+@pytest.mark.multiprocess
 def test_the_run_had_only_loopback(run):
     _, run_dir, info, _, _ = run
     if not info["network_isolated"]:
@@ -207,7 +215,8 @@ def test_the_run_had_only_loopback(run):
     assert rd.read_run(run_dir).network_isolated is True
 
 
-@pytest.mark.slow  # one real run (about 30 s on 2 cores), shared by the module
+@pytest.mark.slow  # one real run on 2 processes (about 40 s on 2 cores), shared by the module
+@pytest.mark.multiprocess
 def test_a_key_passed_with_pass_env_appears_nowhere(run):
     root, run_dir, info, status, _ = run
     texts = [json.dumps(info), status, (root / AUDIT).read_text()]
@@ -283,7 +292,8 @@ def test_wandb_online_without_a_key_refuses_the_check_naming_pass_env(capsys, mo
     assert check(capsys, monkeypatch, tmp_path, (), KEY, *online)["ok"]
 
 
-@pytest.mark.slow  # one real run (about 30 s on 2 cores), shared by the module
+@pytest.mark.slow  # one real run on 2 processes (about 40 s on 2 cores), shared by the module
+@pytest.mark.multiprocess
 def test_an_online_destination_of_an_isolated_run_is_refused_before_any_write(run):
     *_, refusal = run
     if "only loopback" not in refusal:
