@@ -12,11 +12,19 @@ class MetricBackend(Protocol):
 
 
 def numbers(record: dict[str, Any]) -> dict[str, int | float]:
-    """The numeric values of a metrics record, ``step`` left out (backends take it apart)."""
-    return {
-        key: value for key, value in record.items()
-        if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool)
-    }
+    """The numeric values of a metrics record, ``step`` left out (backends take it apart). A
+    recipe may log anything: text, booleans and integers too large for a float are left out;
+    NaN and infinities stay (a diverged loss is worth seeing)."""
+    found: dict[str, int | float] = {}
+    for key, value in record.items():
+        if key == "step" or isinstance(value, bool) or not isinstance(value, (int, float)):
+            continue
+        try:
+            float(value)
+        except OverflowError:
+            continue
+        found[key] = value
+    return found
 
 
 class MetricLogger:

@@ -34,12 +34,7 @@ class MlflowBackend:
 
         self._metric = Metric
         self.client = MlflowClient(tracking_uri=uri)
-        experiment = self.client.get_experiment_by_name(settings.experiment)
-        if experiment is not None:
-            experiment_id = experiment.experiment_id
-        else:
-            artifacts = (Path(run_dir) / "mlflow" / "artifacts").resolve().as_uri() if local else None
-            experiment_id = self.client.create_experiment(settings.experiment, artifact_location=artifacts)
+        experiment_id = self._experiment_id(settings.experiment, Path(run_dir) / "mlflow" / "artifacts" if local else None)
         self.run_id = self.client.create_run(
             experiment_id, run_name=settings.run_name or run_id, tags={"trainwright.run_id": run_id}
         ).info.run_id
@@ -51,6 +46,20 @@ class MlflowBackend:
             kind="mlflow", location=uri, run=f"{settings.experiment}/{self.run_id}",
             view=f"mlflow ui --backend-store-uri {uri}" if local else None,
         )
+
+    def _experiment_id(self, name: str, artifacts: Path | None) -> str:
+        from mlflow.exceptions import MlflowException
+
+        experiment = self.client.get_experiment_by_name(name)
+        if experiment is not None:
+            return experiment.experiment_id
+        try:
+            return self.client.create_experiment(name, artifact_location=artifacts.resolve().as_uri() if artifacts else None)
+        except MlflowException:  # another run created it in between (a shared server)
+            experiment = self.client.get_experiment_by_name(name)
+            if experiment is None:
+                raise
+            return experiment.experiment_id
 
     def log(self, record: dict[str, Any]) -> None:
         step = int(record.get("step", 0))

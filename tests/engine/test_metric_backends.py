@@ -321,3 +321,11 @@ def test_a_backend_s_keys_are_described_once_it_is_chosen():
     with pytest.raises(ConfigError, match="unknown config key 'metrics.wandb.projekt'.*did you mean 'metrics.wandb.project'"):
         build_config(EngineConfig, None, ["metrics.wandb.projekt=x"])
     assert build_config(EngineConfig, None, ["metrics.wandb.project=x"]).metrics.wandb.project == "x"
+
+
+def test_backends_get_every_number_of_a_record_and_nothing_they_cannot_take():
+    from engine.metrics.logger import numbers
+
+    sent = numbers({"step": 3, "loss": float("nan"), "grad_norm": float("inf"), "tokens_seen": 7, "note": "text",
+                    "flag": True, "huge": 10**400, "nested": {"a": 1}, "missing": None})
+    assert set(sent) == {"loss", "grad_norm", "tokens_seen"} and sent["tokens_seen"] == 7
