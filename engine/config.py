@@ -12,9 +12,10 @@ import json
 from pathlib import Path
 from types import UnionType
 from typing import Any, Literal, Mapping, Sequence, Union, get_args, get_origin
+from urllib.parse import urlsplit
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from engine.errors import BadInput
 
@@ -27,6 +28,11 @@ class Section(BaseModel):
     """Base of every config section: unknown keys are errors, and assignments are validated."""
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    def undescribed(self) -> set[str]:
+        """Fields that ``describe_fields`` leaves out as things stand (they are still valid keys):
+        settings of something the config does not use, kept out of what an agent reads."""
+        return set()
 
 
 class TrainConfig(Section):
@@ -88,11 +94,57 @@ class ParallelConfig(Section):
     )
 
 
+class WandbConfig(Section):
+    mode: Literal["offline", "online"] = Field(
+        "offline", description="offline: files in the run dir; online: needs network and WANDB_API_KEY."
+    )
+    project: str = Field("trainwright", min_length=1, max_length=128)
+    entity: str | None = None
+    run_name: str | None = Field(None, description="null: the run id.")
+    group: str | None = None
+    tags: list[str] = []
+
+
+class MlflowConfig(Section):
+    tracking_uri: str | None = Field(None, description="null: SQLite in the run dir; a server needs network.")
+    experiment: str = Field("trainwright", min_length=1, max_length=256)
+    run_name: str | None = Field(None, description="null: the run id.")
+
+    @field_validator("tracking_uri")
+    @classmethod
+    def _no_credentials(cls, uri: str | None) -> str | None:
+        if uri is not None and urlsplit(uri).password:
+            raise ValueError(
+                "a tracking URI must not hold a password (run.json keeps the config): set "
+                "MLFLOW_TRACKING_USERNAME/MLFLOW_TRACKING_PASSWORD or MLFLOW_TRACKING_TOKEN and list "
+                "them in runs.pass_env"
+            )
+        return uri
+
+
+class TrackioConfig(Section):
+    project: str = Field("trainwright", min_length=1, max_length=128)
+    run_name: str | None = Field(None, description="null: the run id.")
+    space_id: str | None = Field(None, description="A HF Space to log to; null: a store in the run dir.")
+
+
+MetricsBackendName = Literal["wandb", "mlflow", "trackio"]
+
+
 class MetricsConfig(Section):
     tensorboard: bool = Field(True, description="Also write TensorBoard events when it is installed.")
     peak_tflops: float | None = Field(
         None, gt=0, description="Peak TFLOP/s of one device for MFU; known GPUs are looked up."
     )
+    backends: list[MetricsBackendName] = Field(
+        [], description="Also log to these; each one's keys (metrics.<name>.*) are listed once chosen."
+    )
+    wandb: WandbConfig = WandbConfig()
+    mlflow: MlflowConfig = MlflowConfig()
+    trackio: TrackioConfig = TrackioConfig()
+
+    def undescribed(self) -> set[str]:
+        return {"wandb", "mlflow", "trackio"} - set(self.backends)
 
 
 class EngineConfig(Section):
@@ -333,7 +385,8 @@ def type_text(annotation: Any) -> str:
 
 
 def describe_fields(config: BaseModel, defaults: BaseModel | None = None, prefix: str = "") -> list[dict[str, Any]]:
-    """Every leaf key of a config: ``{key, type, default, value, description}``, in field order.
+    """Every leaf key of a config: ``{key, type, default, value, description}``, in field order,
+    but for the fields a section leaves out as things stand (:meth:`Section.undescribed`).
 
     ``value`` is what ``config`` holds (code defaults ← config.yaml ← overrides); ``default`` is
     the code default, taken from ``type(config)()`` so that a recipe whose section instance
@@ -345,7 +398,10 @@ def describe_fields(config: BaseModel, defaults: BaseModel | None = None, prefix
         except ValidationError:  # a key without a code default
             defaults = None
     described: list[dict[str, Any]] = []
+    left_out = config.undescribed() if isinstance(config, Section) else set()
     for name, field in type(config).model_fields.items():
+        if name in left_out:
+            continue
         key = f"{prefix}{name}"
         value = getattr(config, name)
         default = getattr(defaults, name) if defaults is not None else field.get_default(call_default_factory=True)

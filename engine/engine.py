@@ -37,6 +37,7 @@ from engine.sequence_parallel import check_sequence_parallel_config, has_sequenc
 from engine.metrics import MetricBackend, MetricLogger
 from engine.metrics.console import ConsoleBackend
 from engine.metrics.jsonl import JsonlBackend
+from engine.metrics.optional import open_backends
 from engine.metrics.tensorboard import TensorBoardBackend, tensorboard_available
 
 IGNORE_INDEX = -100
@@ -242,11 +243,13 @@ class Engine:
 
     def run(self) -> None:
         self.before_train()
+        failed = True
         try:
             self.do_train()
             self.after_train()
+            failed = False
         finally:
-            self.logger.close()
+            self.logger.close(failed=failed)
 
     def before_train(self) -> None:
         torch.manual_seed(self.config.train.seed)
@@ -279,8 +282,14 @@ class Engine:
         if self.resume_from is not None:
             self.load_checkpoint(self.resume_from)
         self.logger = MetricLogger(self.make_metric_backends())
+        if self.dist.is_main and self.run_dir is not None:
+            destinations = [getattr(b, "destination", None) for b in self.logger.backends]
+            rd.update_run(self.run_dir, metrics_destinations=[d for d in destinations if d is not None])
 
     def make_metric_backends(self) -> list[MetricBackend]:
+        """Rank 0's backends: the console, metrics.jsonl, TensorBoard when installed, and those
+        of ``metrics.backends`` (W&B, MLflow, trackio); a backend's ``destination`` is recorded
+        in run.json, where ``get_run`` shows it."""
         if not self.dist.is_main:
             return []
         backends: list[MetricBackend] = [ConsoleBackend(self.config.train.max_steps)]
@@ -288,6 +297,7 @@ class Engine:
             backends.append(JsonlBackend(self.run_dir / rd.METRICS_JSONL))
             if self.config.metrics.tensorboard and tensorboard_available():
                 backends.append(TensorBoardBackend(self.run_dir / "tensorboard"))
+            backends += open_backends(self.config, self.run_dir)
         return backends
 
     def do_train(self) -> None:

@@ -104,12 +104,14 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     from engine.config import ConfigError
     from engine.errors import TrainwrightError
+    from engine.metrics.optional import check_backends
 
     world_size = args.nproc if args.check and args.nproc else int(os.environ.get("WORLD_SIZE", "1"))
     try:
         recipe_class = load_recipe_class(args.recipe_dir)
         config = resolve_config(recipe_class, args.recipe_dir, args.overrides, args.config_json)
         recipe_class.validate_config(config, world_size)
+        check_backends(config.metrics)
         if args.resume_from is not None:
             from engine import run_dir as rd
 

@@ -7,6 +7,9 @@ runs/<run_id>/
                                its files when the recipe had uncommitted changes)
   metrics.jsonl                one MetricRecord (JSON) per logged step
   console.log                  everything the run printed
+  tensorboard/, wandb/, mlflow/, trackio/
+                               other metrics backends' files, where they write locally
+                               (run.json's metrics_destinations lists where metrics went)
   checkpoints/step-<NNNNNNNN>/ complete checkpoints only; saves in progress live in
                                checkpoints/.partial-step-<NNNNNNNN>/ until they are published
 ```
@@ -157,6 +160,15 @@ def _count(n: int, noun: str) -> str:
 IsolationLevel = Literal["full", "partial", "none"]
 
 
+class MetricsDestination(BaseModel):
+    """Where a run's metrics went: one per metrics backend the engine opened."""
+
+    kind: str = Field(description="jsonl, tensorboard, wandb, mlflow or trackio.")
+    location: str = Field(description="A file or folder, a tracking URI or a web address.")
+    run: str | None = Field(None, description="The run there: project or experiment, and its name or id.")
+    view: str | None = Field(None, description="How to look at it, or to upload an offline run.")
+
+
 class SandboxView(BaseModel):
     """What a run's sandbox shows: read-only and writable folders, folders hidden inside them,
     and the bubblewrap it ran under (None: no sandbox)."""
@@ -219,6 +231,9 @@ class RunRecord(BaseModel):
     isolation: IsolationLevel | None = Field(None, description="The sandbox actually in force.")
     isolation_note: str | None = Field(None, description="What the isolation level is missing, if anything.")
     sandbox: SandboxView | None = None
+    metrics_destinations: list[MetricsDestination] = Field(
+        [], description="Where the engine sent the metrics (metrics.jsonl, TensorBoard, W&B, MLflow, trackio)."
+    )
     warnings: list[str] = []
     nnodes: int = Field(1, description="Nodes (machines) of the run; nproc processes on each.")
     node_rank: int | None = Field(None, description="This node's place among nnodes (0 creates the run, others join it).")

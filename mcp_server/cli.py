@@ -188,6 +188,7 @@ def cmd_status(args: argparse.Namespace) -> int:
             lines.append(f"  eta        {r.eta_s:.0f} s")
         if r.checkpoints:
             lines.append(f"  checkpoints steps {', '.join(str(c.step) for c in r.checkpoints)}")
+        lines.extend(f"  metrics    {destination}" for destination in r.metrics_destinations)
         if r.network_note:
             lines.append(f"  network    {r.network_note}")
         if r.error:

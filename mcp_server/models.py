@@ -83,6 +83,7 @@ class RunInfo(BaseModel):
     eta_s: float | None = None
     latest: dict[str, Any] | None = None
     checkpoints: list[CheckpointInfo] = []
+    metrics_destinations: list[str] = []
     console_tail: str | None = None
     warnings: list[str] = []
     network_isolated: bool | None = None

@@ -110,11 +110,12 @@ def check_launch(
         command += ["--config-json", str(config_json)]
     command += [f"--set={override}" for override in overrides]
     mark = f"check-{secrets.token_hex(8)}"
-    # A check writes nothing, not even the recipe's bytecode cache.
+    # A check writes nothing, not even the recipe's bytecode cache. It gets what the run gets
+    # (pass_env included), so it can tell that a credential the run needs is missing.
     env = run_environment(extra={
         THREADS_VARIABLE: "1", "PYTHONDONTWRITEBYTECODE": "1", RUN_ID_VARIABLE: mark,
         WORKSPACE_VARIABLE: str(workspace),
-    })
+    }, pass_env=limits.pass_env)
     visible = [Path(workspace)] if read_only is None else [Path(p) for p in read_only]
     visible += [Path(p) for p in (recipe_dir, config_json) if p is not None]
     try:

@@ -40,5 +40,5 @@ class ConsoleBackend:
             parts.append(f"eta {format_duration(record['eta_s'])}")
         print(" | ".join(parts), file=self.stream, flush=True)
 
-    def close(self) -> None:
+    def close(self, failed: bool = False) -> None:
         pass

@@ -6,6 +6,9 @@ import importlib.util
 from pathlib import Path
 from typing import Any
 
+from engine.metrics.logger import numbers
+from engine.run_dir import MetricsDestination
+
 
 def tensorboard_available() -> bool:
     return importlib.util.find_spec("tensorboard") is not None
@@ -16,13 +19,13 @@ class TensorBoardBackend:
         from torch.utils.tensorboard import SummaryWriter
 
         self.writer = SummaryWriter(log_dir=str(log_dir))
+        self.destination = MetricsDestination(kind="tensorboard", location=str(log_dir))
 
     def log(self, record: dict[str, Any]) -> None:
         step = record.get("step", 0)
-        for key, value in record.items():
-            if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
-                self.writer.add_scalar(key, value, step)
+        for key, value in numbers(record).items():
+            self.writer.add_scalar(key, value, step)
         self.writer.flush()
 
-    def close(self) -> None:
+    def close(self, failed: bool = False) -> None:
         self.writer.close()

@@ -41,6 +41,7 @@ DEFAULT_TAIL_RECORDS = 10  # ≈ 4 KB as an agent reads it: a default result sta
 MAX_LIST_RUNS = 100
 CONSOLE_TAIL_BYTES = 1500
 MAX_LISTED_CHECKPOINTS = 50
+MAX_DESTINATIONS = 10
 MAX_RUN_INFO_CHECKPOINTS = 10
 MAX_ERROR_CHARS = 1000
 MAX_RECORD_CHARS = 1500
@@ -321,6 +322,7 @@ def get_run(ws: Workspace, run_id: str) -> RunInfo:
             CheckpointInfo(step=s, path=ws.label(p))
             for s, p in rd.list_checkpoints(run_dir)[-MAX_RUN_INFO_CHECKPOINTS:]
         ],
+        metrics_destinations=[_destination(ws, d) for d in record.metrics_destinations[:MAX_DESTINATIONS]],
         console_tail=console_tail,
         warnings=_shown_warnings(record.warnings + ([slurm_note] if slurm_note else [])),
         network_isolated=record.network_isolated,
@@ -330,6 +332,22 @@ def get_run(ws: Workspace, run_id: str) -> RunInfo:
         limits=record.limits or None,
         nodes=_nodes(record),
     ))
+
+
+def _destination(ws: Workspace, destination: rd.MetricsDestination) -> str:
+    """One line: ``kind: location (run there); how to view it``, with paths in the workspace
+    relative to it (run code wrote the record: its text is only shown, never followed)."""
+    root = f"{ws.root}{os.sep}"
+    location = destination.location
+    path = Path(os.path.normpath(location))
+    if path.is_absolute() and ws.root in path.parents:
+        location = path.relative_to(ws.root).as_posix()
+    line = f"{destination.kind}: {location}"
+    if destination.run:
+        line += f" ({destination.run})"
+    if destination.view:
+        line += f"; {destination.view.replace(root, '')}"
+    return line
 
 
 def _data(record: rd.RunRecord) -> dict[str, Any] | None:
