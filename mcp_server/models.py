@@ -129,7 +129,7 @@ class SkillList(BaseModel):
 
 
 class SkillDetail(SkillSummary):
-    skill_md: str = Field(description="The SKILL.md text: what it does, parameters, validation, by hand.")
+    skill_md: str = Field(description="The SKILL.md text.")
     params_schema: dict[str, Any] = Field(description="JSON schema of the skill's parameters.")
     truncated: bool = Field(False, description="Cut to fit; skill://<name> has all of it.")
 
@@ -137,14 +137,14 @@ class SkillDetail(SkillSummary):
 class ApplySkillResult(BaseModel):
     skill: str
     version: str
-    recipe: str = Field(description="The file changed, relative to the workspace.")
+    recipe: str = Field(description="The file changed.")
     changed: bool
     already_applied: bool = Field(description="The pattern was already there: nothing to do, not an error.")
     dry_run: bool
-    params: dict[str, Any] = Field(description="The parameters used, with defaults filled in.")
-    diff: str = Field(description="Unified diff, relative to the repository root (git apply accepts it).")
+    params: dict[str, Any] = Field(description="With defaults.")
+    diff: str = Field(description="Unified diff (git apply).")
     diff_truncated: bool = False
-    commit: str | None = Field(None, description="The commit that holds the change (none for dry runs).")
+    commit: str | None = Field(None, description="None for dry runs.")
     message: str = ""
     acts_on: str = Field(
         "",
@@ -168,10 +168,10 @@ class AppliedSkill(BaseModel):
 
 
 class ScaffoldResult(BaseModel):
-    path: str = Field(description="The new recipe folder, relative to the workspace.")
-    commit: str = Field(description="The commit that added the recipe.")
-    config: dict[str, Any] = Field(description="The config values written to config.yaml.")
-    skills: list[AppliedSkill] = Field(description="Skills applied after scaffolding, each its own commit.")
+    path: str = Field(description="The new recipe folder.")
+    commit: str = Field(description="Its commit.")
+    config: dict[str, Any] = Field(description="Written to config.yaml.")
+    skills: list[AppliedSkill] = Field(description="Each its own commit.")
 
 
 # ---------------------------------------------------------------------------------------------

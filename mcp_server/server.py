@@ -296,7 +296,7 @@ def build_server(workspace: Path | str, read_only: bool = False, settings: Path 
 
     @tool(READ_ONLY)
     async def list_runs(
-        limit: Annotated[int, Field(description="At most this many runs, newest first (1-100).")] = 20,
+        limit: Annotated[int, Field(description="1-100.")] = 20,
     ) -> RunList:
         """List the workspace's runs, newest first, with status, latest step and loss."""
         return await tools.call("list_runs", {"limit": limit}, lambda: run_ops.list_runs(tools.ws, limit))
@@ -335,7 +335,7 @@ def build_server(workspace: Path | str, read_only: bool = False, settings: Path 
     async def tail_metrics(
         run_id: RunId,
         n: Annotated[
-            int, Field(description="At most this many records (1-200).")
+            int, Field(description="1-200.")
         ] = run_ops.DEFAULT_TAIL_RECORDS,
         after_step: Annotated[
             int | None, Field(description="Only records after this step (the last step you saw).")
