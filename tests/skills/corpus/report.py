@@ -11,9 +11,12 @@ SkillError), invalid (the result does not parse or compile).
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
 import re
 import time
 from collections import Counter, defaultdict
+from pathlib import Path
 
 from tests.skills.corpus import harness
 from tests.skills.corpus.fetch import Script, fetch
@@ -109,12 +112,15 @@ def main() -> None:
     parser.add_argument("--skills-root", help="a checkout whose skills/ to measure (default: this one)")
     parser.add_argument("--refusals", action="store_true", help="also print the refusals of the held-to skills, grouped")
     parser.add_argument("--matrix", action="store_true", help="also print the script × skill matrix")
+    parser.add_argument("--json", help="also write every outcome (with diffs) to this file")
     parser.add_argument("--workers", type=int, default=None)
     args = parser.parse_args()
     scripts = fetch()
     start = time.perf_counter()
     outcomes = harness.run(scripts, skills_root=args.skills_root, workers=args.workers)
     seconds = time.perf_counter() - start
+    if args.json:
+        Path(args.json).write_text(json.dumps([dataclasses.asdict(o) for o in outcomes], indent=1))
     loops = sum(s.explicit_loop for s in scripts)
     transformers = sum(s.trains_transformer for s in scripts)
     print(f"{len(scripts)} scripts from {len({s.package for s in scripts})} packages ({loops} with an explicit loop, "
