@@ -35,11 +35,14 @@ class Outcome:
     message: str
     seconds: float
     diff: str = ""
+    target: str = ""  # the `target` param of a retry that points at one of a refusal's candidates
 
 
-def apply_one(skill: str, script: Script) -> Outcome:
+def apply_one(skill: str, script: Script, target: str = "") -> Outcome:
     """``apply_skill`` (not a dry run: the result is read back from the copy, parsed and compiled)."""
     from skills import SkillError, apply_skill
+
+    params = {"target": target} if target else None
 
     with tempfile.TemporaryDirectory(prefix="corpus-") as tmp:
         folder = Path(tmp) / script.id
@@ -47,20 +50,20 @@ def apply_one(skill: str, script: Script) -> Outcome:
         entry = folder / script.entry.name
         start = time.perf_counter()
         try:
-            result = apply_skill(skill, entry)
+            result = apply_skill(skill, entry, params)
         except SkillError as e:
             seconds = time.perf_counter() - start
             status = INVALID if "would not parse" in str(e) else REFUSED
-            return Outcome(skill, script.id, status, str(e), seconds)
+            return Outcome(skill, script.id, status, str(e), seconds, target=target)
         except Exception:  # a codemod bug
-            return Outcome(skill, script.id, CRASH, traceback.format_exc(limit=-3), time.perf_counter() - start)
+            return Outcome(skill, script.id, CRASH, traceback.format_exc(limit=-3), time.perf_counter() - start, target=target)
         seconds = time.perf_counter() - start
         if result.already_applied:
-            return Outcome(skill, script.id, ALREADY, result.message, seconds)
+            return Outcome(skill, script.id, ALREADY, result.message, seconds, target=target)
         problem = _invalid(folder)
         if problem:
-            return Outcome(skill, script.id, INVALID, problem, seconds, result.diff)
-        return Outcome(skill, script.id, APPLIED, result.message, seconds, result.diff)
+            return Outcome(skill, script.id, INVALID, problem, seconds, result.diff, target=target)
+        return Outcome(skill, script.id, APPLIED, result.message, seconds, result.diff, target=target)
 
 
 def _invalid(folder: Path) -> str:
@@ -103,8 +106,50 @@ def _use_skills_root(root: str | None) -> None:
         sys.path.insert(0, str(Path(root).resolve()))
 
 
+def candidates(message: str) -> list[str]:
+    """The expressions a refusal lists as candidates, in order, without repeats."""
+    found = []
+    for match in CANDIDATE.finditer(message):
+        expression = re.search(r"`([^`]+)`", match.group(0)).group(1)
+        if expression not in found:
+            found.append(expression)
+    return found
+
+
+def takes_target(skill: str) -> bool:
+    from skills.registry import skill as find_skill
+
+    return "target" in find_skill(skill).codemod.Params.model_fields
+
+
 def _script_outcomes(script: Script) -> list[Outcome]:
-    return [apply_one(skill, script) for skill in skill_names()]
+    """Every skill on the script; where one refuses for want of a choice between several
+    candidates, one retry per candidate (at most 3) that names it as ``target``."""
+    outcomes = [apply_one(skill, script) for skill in skill_names()]
+    for first in list(outcomes):
+        named = candidates(first.message) if first.status == REFUSED else []
+        if len(named) > 1 and takes_target(first.skill):
+            outcomes += [apply_one(first.skill, script, target) for target in named[:3]]
+    return outcomes
+
+
+def pointing_problem(outcome: Outcome, others: list[str]) -> str:
+    """Why a retry with ``target`` did not settle on that one model ("" when it did): it must not
+    refuse for want of a choice again, nor crash, and what it adds must name the target and none
+    of the other candidates."""
+    if outcome.status in (CRASH, INVALID):
+        return f"{outcome.status}: {outcome.message[-300:]}"
+    if outcome.status == REFUSED and len(candidates(outcome.message)) > 1:
+        return f"still asks which one: {outcome.message[:300]}"
+    if outcome.status == APPLIED:
+        added = "\n".join(line for line in outcome.diff.splitlines() if line.startswith("+") and not line.startswith("+++"))
+        name = outcome.target.split(":")[0].rsplit(".", 1)[-1]
+        if ":" not in outcome.target and not re.search(rf"\b{re.escape(name)}\b", added):
+            return f"the change does not name `{outcome.target}`"
+        touched = [o for o in others if o != outcome.target and re.search(rf"\b{re.escape(o.rsplit('.', 1)[-1])}\b", added)]
+        if touched:
+            return f"the change also acts on {touched}"
+    return ""
 
 
 def run(scripts: list[Script], skills_root: str | Path | None = None, workers: int | None = None) -> list[Outcome]:

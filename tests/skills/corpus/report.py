@@ -107,6 +107,19 @@ def failures(scripts: list[Script], outcomes: list[harness.Outcome]) -> list[str
     return problems
 
 
+def pointing(everything: list[harness.Outcome]) -> str:
+    """The retries that name one of a refusal's candidates as ``target``."""
+    lines = ["retries with target= (one per candidate a refusal listed):"]
+    for o in everything:
+        if o.target:
+            others = next(harness.candidates(p.message) for p in everything
+                          if p.skill == o.skill and p.script == o.script and not p.target)
+            problem = harness.pointing_problem(o, others)
+            lines.append(f"  {o.skill} on {o.script} target={o.target!r}: {o.status}"
+                         + (f"  <- {problem}" if problem else f": {o.message[:160]}"))
+    return "\n".join(lines) if len(lines) > 1 else "no refusal listed several candidates for a skill that takes target"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--skills-root", help="a checkout whose skills/ to measure (default: this one)")
@@ -117,10 +130,11 @@ def main() -> None:
     args = parser.parse_args()
     scripts = fetch()
     start = time.perf_counter()
-    outcomes = harness.run(scripts, skills_root=args.skills_root, workers=args.workers)
+    everything = harness.run(scripts, skills_root=args.skills_root, workers=args.workers)
     seconds = time.perf_counter() - start
+    outcomes = [o for o in everything if not o.target]
     if args.json:
-        Path(args.json).write_text(json.dumps([dataclasses.asdict(o) for o in outcomes], indent=1))
+        Path(args.json).write_text(json.dumps([dataclasses.asdict(o) for o in everything], indent=1))
     loops = sum(s.explicit_loop for s in scripts)
     transformers = sum(s.trains_transformer for s in scripts)
     print(f"{len(scripts)} scripts from {len({s.package for s in scripts})} packages ({loops} with an explicit loop, "
@@ -130,7 +144,8 @@ def main() -> None:
         print("\n" + matrix(scripts, outcomes))
     if args.refusals:
         print(refusals(scripts, outcomes, LOOP_SKILLS + TRANSFORMER_SKILLS))
-    problems = failures(scripts, outcomes)
+    print("\n" + pointing(everything))
+    problems = failures(scripts, outcomes) + [line for line in pointing(everything).splitlines() if "  <- " in line]
     print(f"\n{len(problems)} short of the bar" + "".join(f"\n  {p}" for p in problems))
 
 

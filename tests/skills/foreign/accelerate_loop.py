@@ -2,7 +2,7 @@
 archives): ``training_function(config, args)``, a sequence classifier from ``from_pretrained``,
 ``accelerator.prepare``, ``accelerator.backward``.
 
-Data: random token ids and labels instead of GLUE/MRPC (the only change of substance).
+Data: random token ids and labels instead of GLUE/MRPC, and no warm-up (the changes of substance).
     python accelerate_loop.py --model_name_or_path DIR --max_steps 2
 """
 
@@ -39,7 +39,7 @@ def training_function(config, args):
     optimizer = AdamW(params=model.parameters(), lr=lr)
     lr_scheduler = get_linear_schedule_with_warmup(
         optimizer=optimizer,
-        num_warmup_steps=100,
+        num_warmup_steps=0,  # 100 in the example: its first 2 steps would not move the weights
         num_training_steps=(len(train_dataloader) * num_epochs),
     )
     model, optimizer, train_dataloader, eval_dataloader, lr_scheduler = accelerator.prepare(

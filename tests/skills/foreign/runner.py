@@ -77,6 +77,7 @@ def run_job(job: dict) -> dict:
         printed = ""
         result["error"] = "".join(traceback.format_exception(e)[-6:])
     finally:
+        _reset_singletons()
         hook.remove()
         torch.utils.checkpoint._checkpoint_without_reentrant_generator = original_generator
         torch.utils.checkpoint.CheckpointFunction.apply = original_apply
@@ -87,6 +88,15 @@ def run_job(job: dict) -> dict:
     result.update(steps=steps, losses=losses, finite=bool(losses) and all(math.isfinite(x) for x in losses),
                   checkpoint_calls=checkpoint_calls, printed=printed[-2000:])
     return result
+
+
+def _reset_singletons() -> None:
+    """accelerate keeps one process-wide state (device, mixed precision): each script starts afresh,
+    as it would in its own process."""
+    state = sys.modules.get("accelerate.state")
+    if state is not None:
+        state.AcceleratorState._reset_state(reset_partial_state=True)
+        state.GradientState._reset_state()
 
 
 def main() -> None:

@@ -11,6 +11,9 @@ def tiny_model(folder: Path) -> Path:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
+    import torch
+
+    torch.manual_seed(0)  # the same tiny model in every run
     folder.mkdir(parents=True, exist_ok=True)
     vocab = {c: i for i, c in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
     vocab.update({"<eos>": len(vocab), "<pad>": len(vocab) + 1})
