@@ -116,6 +116,20 @@ def candidates(message: str) -> list[str]:
     return found
 
 
+def pointers(message: str) -> list[str]:
+    """What an agent would pass as ``target`` to pick each candidate: its expression, or its
+    ``file.py:LINE`` where the same expression is listed at several places."""
+    listed = [(re.search(r"`([^`]+)`", m.group(0)).group(1), FILE_LINE.search(m.group(0)).group(0))
+              for m in CANDIDATE.finditer(message)]
+    expressions = [e for e, _ in listed]
+    chosen = []
+    for expression, place in listed:
+        pointer = expression if expressions.count(expression) == 1 else place.rsplit("/", 1)[-1]
+        if pointer not in chosen:
+            chosen.append(pointer)
+    return chosen
+
+
 def takes_target(skill: str) -> bool:
     from skills.registry import skill as find_skill
 
@@ -127,26 +141,30 @@ def _script_outcomes(script: Script) -> list[Outcome]:
     candidates, one retry per candidate (at most 3) that names it as ``target``."""
     outcomes = [apply_one(skill, script) for skill in skill_names()]
     for first in list(outcomes):
-        named = candidates(first.message) if first.status == REFUSED else []
+        named = pointers(first.message) if first.status == REFUSED else []
         if len(named) > 1 and takes_target(first.skill):
             outcomes += [apply_one(first.skill, script, target) for target in named[:3]]
     return outcomes
 
 
 def pointing_problem(outcome: Outcome, others: list[str]) -> str:
-    """Why a retry with ``target`` did not settle on that one model ("" when it did): it must not
-    refuse for want of a choice again, nor crash, and what it adds must name the target and none
-    of the other candidates."""
+    """Why a retry with ``target`` did not settle on that one model ("" when it did): it applies
+    (or finds the pattern there), and what it adds names the target and hands none of the other
+    candidates to a call."""
     if outcome.status in (CRASH, INVALID):
         return f"{outcome.status}: {outcome.message[-300:]}"
-    if outcome.status == REFUSED and len(candidates(outcome.message)) > 1:
-        return f"still asks which one: {outcome.message[:300]}"
+    if outcome.status == REFUSED:
+        asks = "still asks which one" if len(candidates(outcome.message)) > 1 else "refused"
+        return f"{asks}: {outcome.message[:300]}"
     if outcome.status == APPLIED:
         added = "\n".join(line for line in outcome.diff.splitlines() if line.startswith("+") and not line.startswith("+++"))
         name = outcome.target.split(":")[0].rsplit(".", 1)[-1]
-        if ":" not in outcome.target and not re.search(rf"\b{re.escape(name)}\b", added):
+        if ":" not in outcome.target and not re.search(rf"\b{re.escape(name)}\b", added):  # file:LINE: not checked
             return f"the change does not name `{outcome.target}`"
-        touched = [o for o in others if o != outcome.target and re.search(rf"\b{re.escape(o.rsplit('.', 1)[-1])}\b", added)]
+        # Another candidate handed whole to a call (`checkpoint_blocks(other)`, `torch.compile(other)`);
+        # `other.parameters()` in a rewritten optimizer line is not acting on it.
+        touched = [o for o in others if o != outcome.target
+                   and re.search(rf"[(,\[]\s*{re.escape(o)}\s*[,)\]]", added)]
         if touched:
             return f"the change also acts on {touched}"
     return ""
