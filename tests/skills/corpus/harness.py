@@ -141,23 +141,44 @@ def _script_outcomes(script: Script) -> list[Outcome]:
     candidates, one retry per candidate (at most 3) that names it as ``target``."""
     outcomes = [apply_one(skill, script) for skill in skill_names()]
     for first in list(outcomes):
-        named = pointers(first.message) if first.status == REFUSED else []
+        asks = first.status == REFUSED and re.search(r"\b(several|which one|candidates)\b", first.message)
+        named = pointers(first.message) if asks else []
         if len(named) > 1 and takes_target(first.skill):
             outcomes += [apply_one(first.skill, script, target) for target in named[:3]]
     return outcomes
 
 
+def _added_outside_helpers(diff: str) -> str:
+    """The lines a change adds, less the module-level helpers it defines (their parameters are
+    often named ``model`` and say nothing about which model the change acts on)."""
+    kept, in_helper = [], False
+    for line in diff.splitlines():
+        if not line.startswith("+") or line.startswith("+++"):
+            in_helper = False
+            continue
+        body = line[1:]
+        if re.match(r"(def|class|async def) |@", body):
+            in_helper = True
+        elif body and not body[0].isspace() and not body.startswith((")", "]")):
+            in_helper = False
+        if not in_helper:
+            kept.append(body)
+    return "\n".join(kept)
+
+
 def pointing_problem(outcome: Outcome, others: list[str]) -> str:
-    """Why a retry with ``target`` did not settle on that one model ("" when it did): it applies
-    (or finds the pattern there), and what it adds names the target and hands none of the other
-    candidates to a call."""
+    """Why a retry with ``target`` did not settle on that one model ("" when it did): it takes the
+    target and does not ask again (a refusal for another reason is an answer), and what it adds
+    names the target and hands none of the other candidates to a call."""
     if outcome.status in (CRASH, INVALID):
         return f"{outcome.status}: {outcome.message[-300:]}"
     if outcome.status == REFUSED:
-        asks = "still asks which one" if len(candidates(outcome.message)) > 1 else "refused"
-        return f"{asks}: {outcome.message[:300]}"
+        if re.search(r"\b(several|which one)\b", outcome.message):
+            return f"still asks which one: {outcome.message[:300]}"
+        if re.search(rf"target\W+{re.escape(outcome.target)}", outcome.message):
+            return f"does not take the target: {outcome.message[:300]}"
     if outcome.status == APPLIED:
-        added = "\n".join(line for line in outcome.diff.splitlines() if line.startswith("+") and not line.startswith("+++"))
+        added = _added_outside_helpers(outcome.diff)
         name = outcome.target.split(":")[0].rsplit(".", 1)[-1]
         if ":" not in outcome.target and not re.search(rf"\b{re.escape(name)}\b", added):  # file:LINE: not checked
             return f"the change does not name `{outcome.target}`"
