@@ -18,6 +18,8 @@ from pathlib import Path
 from tests.skills.corpus.fetch import Script
 
 APPLIED, ALREADY, REFUSED, CRASH, INVALID = "applied", "already", "refused", "crash", "invalid"
+# The skills retried with `target` where a refusal asks which model (the others cost time and say the same).
+RETRIED = ("gradient-checkpointing", "loss-guard", "mixed-precision", "torch-compile", "lora", "freeze")
 
 # A candidate named in a refusal: an expression and where it is, e.g. "`self._model` at recipe.py:12"
 # or "recipe.py:12 `self._model`".
@@ -137,13 +139,13 @@ def takes_target(skill: str) -> bool:
 
 
 def _script_outcomes(script: Script) -> list[Outcome]:
-    """Every skill on the script; where one refuses for want of a choice between several
-    candidates, one retry per candidate (at most 3) that names it as ``target``."""
+    """Every skill on the script; where one of ``RETRIED`` refuses for want of a choice between
+    several candidates, one retry per candidate (at most 3) that names it as ``target``."""
     outcomes = [apply_one(skill, script) for skill in skill_names()]
     for first in list(outcomes):
         asks = first.status == REFUSED and re.search(r"\b(several|which one|candidates)\b", first.message)
         named = pointers(first.message) if asks else []
-        if len(named) > 1 and takes_target(first.skill):
+        if len(named) > 1 and first.skill in RETRIED and takes_target(first.skill):
             outcomes += [apply_one(first.skill, script, target) for target in named[:3]]
     return outcomes
 
