@@ -1,5 +1,6 @@
-"""Fetch the corpus of third-party training scripts: each archive by exact version from PyPI,
-checked against the sha256 pinned in ``manifest.json``, and only the listed files extracted.
+"""Fetch the corpus of third-party training scripts: each archive by exact version from PyPI
+(``pip download --require-hashes`` against the sha256 pinned in ``manifest.json``), and only the
+listed files extracted.
 
 Nothing is vendored: the scripts live in a cache, ``$TRAINWRIGHT_CORPUS_CACHE`` or
 ``~/.cache/trainwright/corpus``, fetched once per machine.
@@ -14,9 +15,10 @@ import io
 import json
 import os
 import shutil
+import subprocess
+import sys
 import tarfile
 import tempfile
-import urllib.request
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -59,27 +61,38 @@ def _sha256(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-def _archive(entry: dict, root: Path) -> bytes:
-    """The archive's bytes, from the cache or downloaded into it; always checked against the pin."""
+def _cached(entry: dict, root: Path) -> bytes | None:
+    """The archive's bytes when the cache holds it with the pinned sha256."""
     path = root / "archives" / entry["filename"]
     if path.is_file():
         data = path.read_bytes()
         if _sha256(data) == entry["sha256"]:
             return data
         path.unlink()  # a partial or altered file: fetch it again
-    try:
-        with urllib.request.urlopen(entry["url"], timeout=60) as response:
-            data = response.read()
-    except OSError as e:
-        raise CorpusUnavailable(f"cannot download {entry['filename']} ({e}) and it is not in {root}") from None
-    if _sha256(data) != entry["sha256"]:
-        raise RuntimeError(f"{entry['filename']}: sha256 {_sha256(data)} differs from the pinned {entry['sha256']}")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    with os.fdopen(fd, "wb") as f:
-        f.write(data)
-    os.replace(tmp, path)
-    return data
+    return None
+
+
+def _download(entries: list[dict], root: Path) -> None:
+    """``pip download`` (the ordinary client, with the machine's index settings) of each archive
+    by exact version, ``--require-hashes`` against the pinned sha256, into the cache."""
+    archives = root / "archives"
+    archives.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=archives, prefix=".download-") as tmp:
+        requirements = Path(tmp) / "requirements.txt"
+        requirements.write_text("".join(f"{e['package']}=={e['version']} --hash=sha256:{e['sha256']}\n" for e in entries))
+        done = subprocess.run(
+            [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--require-hashes",
+             "--disable-pip-version-check", "--dest", tmp, "-r", str(requirements)],
+            capture_output=True, text=True,
+        )
+        if done.returncode != 0:
+            tail = " ".join(done.stderr.strip().splitlines()[-3:])
+            raise CorpusUnavailable(f"pip download failed ({tail}) and {len(entries)} archive(s) are not in {archives}")
+        for entry in entries:
+            downloaded = Path(tmp) / entry["filename"]
+            if not downloaded.is_file() or _sha256(downloaded.read_bytes()) != entry["sha256"]:
+                raise RuntimeError(f"pip download did not bring {entry['filename']} with the pinned sha256")
+            os.replace(downloaded, archives / entry["filename"])
 
 
 def _read_member(data: bytes, filename: str, member: str) -> bytes:
@@ -111,14 +124,22 @@ def fetch(root: Path | None = None) -> list[Script]:
     """Every script of the manifest, fetched and extracted where missing."""
     root = Path(root) if root is not None else cache_dir()
     (root / "scripts").mkdir(parents=True, exist_ok=True)
+
+    def extracted(entry: dict, script: dict) -> bool:
+        stamp = root / "scripts" / script["id"] / ".sha256"
+        return stamp.is_file() and stamp.read_text() == entry["sha256"]
+
+    archives = manifest()["archives"]
+    stale = [e for e in archives if not all(extracted(e, s) for s in e["scripts"])]
+    missing = [e for e in stale if _cached(e, root) is None]
+    if missing:
+        _download(missing, root)
     scripts = []
-    for entry in manifest()["archives"]:
-        data = None
+    for entry in archives:
+        data = _cached(entry, root) if entry in stale else None
         for script in entry["scripts"]:
             folder = root / "scripts" / script["id"]
-            stamp = folder / ".sha256"
-            if not (stamp.is_file() and stamp.read_text() == entry["sha256"]):
-                data = data if data is not None else _archive(entry, root)
+            if data is not None:
                 _extract(entry, script, data, folder)
             scripts.append(Script(
                 id=script["id"], package=entry["package"], version=entry["version"], files=tuple(script["files"]),
