@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from pydantic import Field
 
+from skills.codemod_kit import pointing
 from skills.codemod_kit import (
     AlreadyApplied,
     Edits,
@@ -38,7 +39,8 @@ class Params(SkillParams):
         description="The module to checkpoint, as an expression on the model (e.g. 'model.encoder', "
         "'model.features'): the children of an nn.ModuleList/nn.Sequential, or the module itself as "
         "one block. Default: the model's repeated blocks (its largest nn.ModuleList, or nn.Sequential "
-        "of modules of one class).",
+        "of modules of one class). A model expression or line ('netG', 'train.py:42') picks the model "
+        "when the file builds several.",
     )
 
 
@@ -104,7 +106,7 @@ def apply(recipe: Recipe, params: Params) -> Edits | AlreadyApplied:
     if params.every != 1:
         arguments.append(f"every={params.every}")
     if target is not None:
-        arguments.append(f"target={params.target}")
+        arguments.append(f"target={reach.target_code(found, target)}")
     call = templates.statement(
         recipe.module,
         f"checkpoint_blocks({', '.join(arguments)}{gpu_guard.warn_argument(recipe, model)})",

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from pydantic import Field
 
+from skills.codemod_kit import pointing
 from skills.codemod_kit import (
     AlreadyApplied,
     Edits,
@@ -28,6 +29,7 @@ SKILL = "lora"
 
 
 class Params(SkillParams):
+    target: str | None = pointing.target_field()
     rank: int = Field(8, ge=1, description="Rank r of the adapters (LoraConfig.r).")
     alpha: float = Field(16, gt=0, description="Scale numerator: updates are scaled by alpha / r.")
     dropout: float = Field(0.0, ge=0, lt=1, description="Dropout on the adapters' input.")
@@ -96,7 +98,7 @@ def apply(recipe: Recipe, params: Params) -> Edits | AlreadyApplied:
             "layers add a full-size output to a sharded one, so the two do not combine; use "
             "LoRA with FSDP2 (parallel.tp=1)"
         )
-    model = anchors.find_model(recipe, SKILL)
+    model = pointing.find_model(recipe, SKILL, params.target)
     found = reach.shape(recipe, model)
     acts_on = _targets(recipe, found, params)
     edits = Edits(recipe)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import libcst as cst
 from pydantic import Field
 
+from skills.codemod_kit import pointing
 from skills.codemod_kit import AlreadyApplied, Edits, Recipe, SkillParams, anchors, insert_definitions, templates
 from skills.codemod_kit.recipe import dotted_name
 from skills.errors import SkillRefused
@@ -20,6 +21,8 @@ SKILL = "loss-guard"
 
 
 class Params(SkillParams):
+    target: str | None = pointing.target_field()
+    loop: str | None = pointing.loop_field()
     max_bad_steps: int = Field(5, ge=1, description="Stop the run after this many bad steps in a row.")
     spike_factor: float | None = Field(
         3.0,

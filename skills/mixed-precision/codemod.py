@@ -11,6 +11,7 @@ from typing import Literal
 import libcst as cst
 from pydantic import Field
 
+from skills.codemod_kit import pointing
 from skills.codemod_kit import AlreadyApplied, Edits, Recipe, SkillParams, anchors, templates
 from skills.codemod_kit.anchors import keyword, positional
 from skills.errors import SkillRefused
@@ -27,6 +28,8 @@ AUTOCAST = (
 
 
 class Params(SkillParams):
+    target: str | None = pointing.target_field()
+    loop: str | None = pointing.loop_field()
     dtype: Literal["bfloat16"] = Field(
         "bfloat16",
         description="Compute dtype of autocast regions. Only bfloat16: it keeps float32's range, "
@@ -52,7 +55,7 @@ def apply(recipe: Recipe, params: Params) -> Edits | AlreadyApplied:
     existing = recipe.calls_to(*AUTOCAST)
     if existing:
         return AlreadyApplied(f"autocast at {recipe.where(existing[0])}")
-    model = anchors.find_model(recipe, SKILL)
+    model = pointing.find_model(recipe, SKILL, params.target)
     forwards = anchors.forward_calls(recipe, model)
     if not forwards:
         raise SkillRefused(

@@ -12,6 +12,7 @@ from __future__ import annotations
 import libcst as cst
 from pydantic import Field
 
+from skills.codemod_kit import pointing
 from skills.codemod_kit import (
     AlreadyApplied,
     Edits,
@@ -36,6 +37,7 @@ DROPPED = ("foreach", "fused")  # performance switches of torch's AdamW; MuonWit
 
 
 class Params(SkillParams):
+    target: str | None = pointing.target_field()
     momentum: float = Field(0.95, ge=0, lt=1, description="Muon's momentum coefficient.")
     nesterov: bool = Field(True, description="Nesterov momentum for the Muon matrices.")
     ns_steps: int = Field(
@@ -353,7 +355,7 @@ def apply(recipe: Recipe, params: Params) -> Edits | AlreadyApplied:
     existing = _existing(recipe)
     if existing is not None:
         return AlreadyApplied(f"Muon at {recipe.where(existing)}")
-    model = anchors.find_model(recipe, SKILL)
+    model = pointing.find_model(recipe, SKILL, params.target)
     found = reach.shape(recipe, model)
     reach.require_blocks(
         recipe, SKILL, found,

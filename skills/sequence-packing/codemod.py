@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import libcst as cst
 from pydantic import Field
 
+from skills.codemod_kit import pointing
 from skills.codemod_kit import AlreadyApplied, Edits, Recipe, SkillParams, anchors, insert_definitions, templates
 from skills.codemod_kit.anchors import keyword, positional
 from skills.codemod_kit.layout import with_keyword
@@ -32,6 +33,8 @@ HELPER_NAMES = ("first_fit_decreasing", "pack_pieces", "collate_packed")
 
 
 class Params(SkillParams):
+    target: str | None = pointing.target_field()
+    loop: str | None = pointing.loop_field()
     seq_len: int | None = Field(
         None,
         ge=2,
@@ -160,7 +163,7 @@ def apply(recipe: Recipe, params: Params) -> Edits | AlreadyApplied:
     helpers = recipe.calls_to(*HELPER_NAMES)
     if helpers:
         return AlreadyApplied(f"packing at {recipe.where(helpers[0])}")
-    model = anchors.find_model(recipe, SKILL)
+    model = pointing.find_model(recipe, SKILL, params.target)
     path = _engine_data_path(recipe) or _dataloader_data_path(recipe)
     if path is None:
         raise SkillRefused(

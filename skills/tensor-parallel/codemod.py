@@ -12,6 +12,7 @@ from typing import Literal
 
 from pydantic import Field, field_validator
 
+from skills.codemod_kit import pointing
 from skills.codemod_kit import (
     AlreadyApplied,
     Edits,
@@ -41,6 +42,7 @@ LLAMA_PLAN: dict[str, Literal["colwise", "rowwise"]] = {
 
 
 class Params(SkillParams):
+    target: str | None = pointing.target_field()
     plan: dict[str, Literal["colwise", "rowwise"]] = Field(
         default_factory=lambda: dict(LLAMA_PLAN),
         description="Sub-module of a transformer block → 'colwise' (split output features) or "
@@ -113,7 +115,7 @@ def apply(recipe: Recipe, params: Params) -> Edits | AlreadyApplied:
             "full-size output to a tensor-parallel (sharded) one, so the two do not combine; "
             "use FSDP2 for LoRA"
         )
-    model = anchors.find_model(recipe, SKILL)
+    model = pointing.find_model(recipe, SKILL, params.target)
     if model.kind != "hf":
         raise SkillRefused(
             f"{SKILL}: the model is built by {model.builder}(...) ({recipe.where(model.statement)}), "

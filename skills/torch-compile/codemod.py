@@ -9,6 +9,7 @@ from typing import Literal
 
 from pydantic import Field
 
+from skills.codemod_kit import pointing
 from skills.codemod_kit import (
     AlreadyApplied,
     Edits,
@@ -42,7 +43,8 @@ class Params(SkillParams):
         None,
         description="With scope 'blocks', the module whose blocks to compile, as an expression on the "
         "model (e.g. 'model.encoder'): the children of an nn.ModuleList/nn.Sequential, or the module "
-        "itself. Default: the model's repeated blocks.",
+        "itself. Default: the model's repeated blocks. A model expression or line ('netG', 'train.py:42') "
+        "picks the model when the file builds several.",
     )
 
 
@@ -84,9 +86,9 @@ def apply(recipe: Recipe, params: Params) -> Edits | AlreadyApplied:
     existing = _existing(recipe)
     if existing is not None:
         return AlreadyApplied(f"torch.compile at {recipe.where(existing)}")
-    if params.target is not None and params.scope == "model":
-        raise SkillRefused(f"{SKILL}: target names blocks to compile; it needs scope='blocks', not 'model'")
     model = reach.find_target_model(recipe, SKILL, params.target)
+    if params.scope == "model" and reach.resolve_target(recipe, SKILL, reach.shape(recipe, model), params.target):
+        raise SkillRefused(f"{SKILL}: target names blocks to compile; it needs scope='blocks', not 'model'")
     edits = Edits(recipe)
     options = [f"mode={templates.literal(params.mode)}"]
     if params.fullgraph:
@@ -100,7 +102,7 @@ def apply(recipe: Recipe, params: Params) -> Edits | AlreadyApplied:
         found = reach.shape(recipe, model)
         target = reach.resolve_target(recipe, SKILL, found, params.target)
         if target is not None:
-            options.append(f"target={params.target}")
+            options.append(f"target={reach.target_code(found, target)}")
         else:
             reach.require_blocks(
                 recipe, SKILL, found,

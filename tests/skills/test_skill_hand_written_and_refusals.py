@@ -175,9 +175,10 @@ REFUSALS = [
         "torch-compile", "nanogpt_style",
         [(NANO_MODEL, NANO_MODEL + "teacher = GPT(GPTConfig(block_size, 256, 1, 1, 32))\n"),
          ("torch.optim.AdamW(model.parameters(),", "torch.optim.AdamW([*model.parameters(), *teacher.parameters()],")],
-        "torch-compile: found several model constructions (`model` at nanogpt_style.py:{model = GPT}, "
-        "`teacher` at nanogpt_style.py:{teacher = GPT}) and cannot tell which one is trained; name the one "
-        "to change with `target` (e.g. target=\"model\")",
+        "torch-compile: found several model constructions (`model` at nanogpt_style.py:{model = GPT} "
+        "(`GPT(GPTConfig(block_size, 256, n_laye...`), `teacher` at nanogpt_style.py:{teacher = GPT} "
+        "(`GPT(GPTConfig(block_size, 256, 1, 1, ...`)) and cannot tell which one is trained; name the one "
+        "to change with `target` (e.g. target=\"model\" or target=\"nanogpt_style.py:{model = GPT}\")",
         id="two-models",
     ),
 ]
