@@ -18,7 +18,6 @@ from typing import Literal
 import libcst as cst
 
 from skills.codemod_kit.recipe import Recipe, Suite, dotted_name
-from skills.errors import SkillRefused
 
 ENGINE_BASES = ("engine.engine.Engine", "engine.Engine")
 NN_MODULE = ("torch.nn.Module", "torch.nn.modules.module.Module")
@@ -123,8 +122,9 @@ def _model_kind(recipe: Recipe, call: cst.Call, depth: int = 0, target: str = ""
     if target and model_like(target):
         if parts[-1] == "instantiate":
             return "factory"
-        imported = recipe.imports.get(parts[0], "")
-        if len(parts) <= 2 and imported and imported.split(".")[0] not in _LIBRARY_ROOTS and parts[-1][:1].isupper():
+        local = dotted_name(call.func)
+        imported = recipe.imports.get(local.split(".")[0], "")
+        if local.count(".") <= 1 and imported and imported.split(".")[0] not in _LIBRARY_ROOTS and parts[-1][:1].isupper():
             return "factory"  # model = GPT(config) with GPT imported from the project's model.py
     return None
 

@@ -178,7 +178,7 @@ def _calls_seen(recipe: Recipe) -> str:
     seen: dict[str, cst.Call] = {}
     for call in recipe.calls():
         name = dotted_name(call.func)
-        if name and name not in seen and anchors.model_like(name) and not recipe.call_name(call).split(".")[0] in (
+        if name and name not in seen and anchors.model_like(name) and recipe.call_name(call).split(".")[0] not in (
             "torch", "transformers"
         ) and not name[:1].isupper() and name.rsplit(".", 1)[-1] == name.rsplit(".", 1)[-1].lower():
             seen[name] = call

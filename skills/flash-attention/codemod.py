@@ -14,7 +14,7 @@ import libcst as cst
 from pydantic import Field
 
 from skills.codemod_kit import pointing
-from skills.codemod_kit import AlreadyApplied, Edits, Recipe, SkillParams, anchors, insert_definitions, stages
+from skills.codemod_kit import AlreadyApplied, Edits, Recipe, SkillParams, insert_definitions, stages
 from skills.codemod_kit.anchors import keyword
 from skills.codemod_kit.gpu_guard import autocast_dtype, in_engine, insert_kernel_stage, require_hf_model, warn_argument
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 import libcst as cst
 from pydantic import Field, model_validator
 
-from skills.codemod_kit import pointing
 from skills.codemod_kit import (
     AlreadyApplied,
     Edits,

@@ -1,15 +1,17 @@
 """gradient-checkpointing: wrap the model's transformer blocks with ``checkpoint_wrapper``.
 
-Anchor: the model construction. The call ``checkpoint_blocks(model)`` goes into the model
-stages after tensor parallelism and before ``torch.compile`` and FSDP2; the helper goes next to
-the file's other top-level definitions.
+Anchors: ``TrainingArguments(...)`` (its ``gradient_checkpointing=True`` switch) when the file
+builds one; else the model construction: a Hugging Face model outside an Engine recipe gets its
+own ``gradient_checkpointing_enable``, any other model ``checkpoint_blocks(model)``. The call goes
+into the model stages after tensor parallelism and before ``torch.compile`` and FSDP2; the
+helper goes next to the file's other top-level definitions.
 """
 
 from __future__ import annotations
 
 from pydantic import Field
 
-from skills.codemod_kit import pointing
+from skills.codemod_kit import frameworks
 from skills.codemod_kit import (
     AlreadyApplied,
     Edits,
@@ -46,6 +48,7 @@ class Params(SkillParams):
 
 # Hand-written activation checkpointing counts as applied.
 CHECKPOINT_CALLS = (
+    ".set_activation_checkpointing",
     ".checkpoint_wrapper",
     ".apply_activation_checkpointing",
     "torch.utils.checkpoint.checkpoint",
@@ -87,16 +90,31 @@ def apply(recipe: Recipe, params: Params) -> Edits | AlreadyApplied:
     ]
     if existing:
         return AlreadyApplied(f"activation checkpointing at {recipe.where(existing[0])}")
+    if params.target is None:
+        switched = _training_arguments(recipe)
+        if switched is not None:
+            return switched
     model = reach.find_target_model(recipe, SKILL, params.target)
     found = reach.shape(recipe, model)
     target = reach.resolve_target(recipe, SKILL, found, params.target)
+    edits = Edits(recipe)
+    if target is None and found.hf and not gpu_guard.in_engine(recipe, model) and params.every == 1:
+        gpu_guard.insert_kernel_stage(
+            recipe, edits, model,
+            '{model}.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})',
+            stage=stages.ACTIVATION_CHECKPOINTING,
+        )
+        edits.acts_on = (
+            f"turns on {found.name}'s own activation checkpointing (`gradient_checkpointing_enable`) "
+            f"on `{model.target_code}`: every decoder layer"
+        )
+        return edits
     if target is None:
         reach.require_blocks(
             recipe, SKILL, found,
             f"give `target` naming the submodule to checkpoint as one block (one of {reach.submodules(found)}), "
             "or leave activation memory as it is: checkpointing pays off on deep stacks of blocks",
         )
-    edits = Edits(recipe)
     ensure_find_blocks(recipe, edits, model.statement)
     insert_definitions(recipe, edits, HELPER, model.statement)
     for name in ("CheckpointImpl", "apply_activation_checkpointing", "checkpoint_wrapper"):
@@ -115,4 +133,23 @@ def apply(recipe: Recipe, params: Params) -> Edits | AlreadyApplied:
     stages.insert_stage(recipe, edits, model, stages.ACTIVATION_CHECKPOINTING, [call])
     every = "" if params.every == 1 else f"every {params.every}th of "
     edits.acts_on = f"wraps {every}{reach.describe_blocks(found, target)}"
+    return edits
+
+
+def _training_arguments(recipe: Recipe) -> Edits | AlreadyApplied | None:
+    """``TrainingArguments(gradient_checkpointing=True)``: the Hugging Face Trainer's switch."""
+    switches = frameworks.switches(recipe, "checkpointing")
+    for switch in switches:
+        arg = frameworks.already_set(recipe, switch)
+        if arg is not None:
+            return AlreadyApplied(f"{switch.framework}(...) at {recipe.where(switch.call)} sets `{recipe.code(arg)}`")
+    usable = [s for s in switches if frameworks.settable(s)]
+    if not usable:
+        return None
+    edits = Edits(recipe)
+    for switch in usable:
+        frameworks.set_argument(recipe, edits, switch)
+    edits.acts_on = "sets " + ", ".join(frameworks.describe(recipe, s) for s in usable) + (
+        ": the Trainer checkpoints every decoder layer of the model"
+    )
     return edits

@@ -15,7 +15,6 @@ from skills.codemod_kit import (
     Edits,
     Recipe,
     SkillParams,
-    anchors,
     ensure_find_blocks,
     insert_definitions,
     only_trainable_parameters,

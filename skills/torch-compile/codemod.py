@@ -1,6 +1,7 @@
 """torch-compile: compile the transformer blocks (or the whole model) in place with torch.compile.
 
-Anchor: the model construction; the call goes after activation checkpointing and before FSDP2.
+Anchors: ``TrainingArguments(...)`` (its ``torch_compile=True`` switch) when the file builds one;
+else the model construction; the call goes after activation checkpointing and before FSDP2.
 """
 
 from __future__ import annotations
@@ -9,7 +10,8 @@ from typing import Literal
 
 from pydantic import Field
 
-from skills.codemod_kit import pointing
+from skills.codemod_kit import frameworks
+from skills.codemod_kit.anchors import keyword
 from skills.codemod_kit import (
     AlreadyApplied,
     Edits,
@@ -72,8 +74,9 @@ def compile_blocks(
 '''
 
 def _existing(recipe: Recipe):
-    """``torch.compile(...)``, our helper, or ``<module>.compile(...)`` (but not ``re.compile``)."""
-    found = recipe.calls_to("torch.compile", "compile_blocks")
+    """``torch.compile(...)``, our helper, a library's ``compile_model``, or ``<module>.compile(...)``
+    (but not ``re.compile``)."""
+    found = recipe.calls_to("torch.compile", "compile_blocks", ".compile_model")
     if found:
         return found[0]
     for call in recipe.method_calls("compile"):
@@ -86,6 +89,10 @@ def apply(recipe: Recipe, params: Params) -> Edits | AlreadyApplied:
     existing = _existing(recipe)
     if existing is not None:
         return AlreadyApplied(f"torch.compile at {recipe.where(existing)}")
+    if params.target is None:
+        switched = _framework_switch(recipe)
+        if switched is not None:
+            return switched
     model = reach.find_target_model(recipe, SKILL, params.target)
     if params.scope == "model" and reach.resolve_target(recipe, SKILL, reach.shape(recipe, model), params.target):
         raise SkillRefused(f"{SKILL}: target names blocks to compile; it needs scope='blocks', not 'model'")
@@ -120,4 +127,29 @@ def apply(recipe: Recipe, params: Params) -> Edits | AlreadyApplied:
         edits.acts_on = f"compiles {reach.describe_blocks(found, target)}"
     stages.insert_stage(recipe, edits, model, stages.COMPILE, [call])
     edits.notes.append("the first steps include compilation (tens of seconds on CPU)")
+    return edits
+
+
+def _framework_switch(recipe: Recipe) -> Edits | AlreadyApplied | None:
+    """``TrainingArguments(torch_compile=True)``; an ``Accelerator(dynamo_backend=...)`` compiles
+    the prepared model already."""
+    for call in frameworks.accelerators(recipe):
+        arg = keyword(call, "dynamo_backend") or keyword(call, "dynamo_plugin")
+        if arg is not None and recipe.code(arg.value) not in ('"no"', "'no'", "None", '"NO"'):
+            return AlreadyApplied(f"Accelerator(...) at {recipe.where(call)} sets `{recipe.code(arg)}`")
+    switches = frameworks.switches(recipe, "compile")
+    for switch in switches:
+        arg = frameworks.already_set(recipe, switch)
+        if arg is not None:
+            return AlreadyApplied(f"{switch.framework}(...) at {recipe.where(switch.call)} sets `{recipe.code(arg)}`")
+    usable = [s for s in switches if frameworks.settable(s)]
+    if not usable:
+        return None
+    edits = Edits(recipe)
+    for switch in usable:
+        frameworks.set_argument(recipe, edits, switch)
+    edits.acts_on = "sets " + ", ".join(frameworks.describe(recipe, s) for s in usable) + (
+        ": the Trainer compiles the model with torch.compile"
+    )
+    edits.notes.append("the first steps include compilation")
     return edits

@@ -1,0 +1,143 @@
+"""The training frameworks' own switches, where a skill's change is one argument.
+
+A script that builds ``Accelerator(...)``, a Lightning ``Trainer(...)`` or ``Fabric(...)``, or
+Hugging Face ``TrainingArguments(...)`` (and TRL's configs built on it) has a switch for mixed
+precision, and the Hugging Face ones for activation checkpointing and ``torch.compile`` too. The
+right change there is that argument (``bf16=True``, ``precision="bf16-mixed"``,
+``mixed_precision="bf16"``), not code around the framework's own loop.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import libcst as cst
+
+from skills.codemod_kit.anchors import keyword
+from skills.codemod_kit.edits import Edits
+from skills.codemod_kit.layout import fit_call, with_keyword
+from skills.codemod_kit.recipe import Recipe
+
+HF_ARGUMENTS = (
+    ".TrainingArguments",
+    ".Seq2SeqTrainingArguments",
+    "trl.SFTConfig",
+    "trl.DPOConfig",
+    "trl.GRPOConfig",
+    "trl.ORPOConfig",
+    "trl.KTOConfig",
+    "trl.CPOConfig",
+    "trl.RewardConfig",
+    "trl.PPOConfig",
+    "trl.RLOOConfig",
+    "trl.OnlineDPOConfig",
+)
+HF_TRAINERS = (".Trainer", ".Seq2SeqTrainer", "trl.SFTTrainer", "trl.DPOTrainer", "trl.GRPOTrainer",
+               "trl.ORPOTrainer", "trl.KTOTrainer", "trl.RewardTrainer", "trl.PPOTrainer")
+ACCELERATOR = ("accelerate.Accelerator", "accelerate.accelerator.Accelerator")
+LIGHTNING_TRAINER = ("lightning.Trainer", "lightning.pytorch.Trainer", "pytorch_lightning.Trainer",
+                     "lightning.pytorch.trainer.Trainer", "pytorch_lightning.trainer.Trainer")
+FABRIC = ("lightning.Fabric", "lightning.fabric.Fabric", "lightning_fabric.Fabric")
+
+
+@dataclass
+class Switch:
+    call: cst.Call
+    framework: str  # "TrainingArguments", "Accelerator", "Lightning Trainer", "Fabric"
+    name: str  # the argument
+    value: str  # the code it is set to
+
+
+def _calls(recipe: Recipe, names: tuple[str, ...]) -> list[cst.Call]:
+    """Calls to one of ``names``; ``.Trainer`` matches transformers', not Lightning's."""
+    found = []
+    for call in recipe.calls_to(*names):
+        qualified = recipe.call_name(call)
+        if qualified in LIGHTNING_TRAINER or qualified.startswith(("lightning", "pytorch_lightning")):
+            continue
+        if names is HF_TRAINERS and not qualified.startswith(("transformers.", "trl.")):
+            continue
+        found.append(call)
+    return found
+
+
+def hf_arguments(recipe: Recipe) -> list[cst.Call]:
+    return [c for c in _calls(recipe, HF_ARGUMENTS) if recipe.call_name(c).startswith(("transformers.", "trl."))
+            or recipe.call_name(c).rsplit(".", 1)[-1].endswith("TrainingArguments")]
+
+
+def hf_trainers(recipe: Recipe) -> list[cst.Call]:
+    return _calls(recipe, HF_TRAINERS)
+
+
+def accelerators(recipe: Recipe) -> list[cst.Call]:
+    return recipe.calls_to(*ACCELERATOR)
+
+
+def lightning_trainers(recipe: Recipe) -> list[cst.Call]:
+    return recipe.calls_to(*LIGHTNING_TRAINER)
+
+
+def fabrics(recipe: Recipe) -> list[cst.Call]:
+    return recipe.calls_to(*FABRIC)
+
+
+def switches(recipe: Recipe, feature: str) -> list[Switch]:
+    """Where the frameworks in the file take ``feature`` ("bf16", "checkpointing", "compile")."""
+    wanted: list[tuple[list[cst.Call], str, str, str]] = []
+    if feature == "bf16":
+        wanted = [
+            (accelerators(recipe), "Accelerator", "mixed_precision", '"bf16"'),
+            (lightning_trainers(recipe), "Lightning Trainer", "precision", '"bf16-mixed"'),
+            (fabrics(recipe), "Fabric", "precision", '"bf16-mixed"'),
+            (hf_arguments(recipe), "TrainingArguments", "bf16", "True"),
+        ]
+    elif feature == "checkpointing":
+        wanted = [(hf_arguments(recipe), "TrainingArguments", "gradient_checkpointing", "True")]
+    elif feature == "compile":
+        wanted = [(hf_arguments(recipe), "TrainingArguments", "torch_compile", "True")]
+    return [Switch(call, framework, name, value) for calls, framework, name, value in wanted for call in calls]
+
+
+# Values that leave a switch off.
+_OFF = {"None", "False", '"no"', "'no'", '"32"', "'32'", "32", '"32-true"', "'32-true'", '"fp32"', "'fp32'"}
+# Arguments that already choose a precision (fp16 counts: the run is mixed precision already).
+_PRECISION = {"bf16", "fp16", "half_precision_backend", "mixed_precision", "precision"}
+
+
+def already_set(recipe: Recipe, switch: Switch, others: tuple[str, ...] = ()) -> cst.Arg | None:
+    """The argument that already turns the feature on, or makes it configurable
+    (``mixed_precision=args.mixed_precision``)."""
+    for name in (switch.name, *others):
+        arg = keyword(switch.call, name)
+        if arg is not None and recipe.code(arg.value) not in _OFF:
+            return arg
+    return None
+
+
+def precision_argument(recipe: Recipe, switch: Switch) -> cst.Arg | None:
+    return already_set(recipe, switch, tuple(sorted(_PRECISION - {switch.name})))
+
+
+def settable(switch: Switch) -> bool:
+    """Can the argument be written without clashing (no ``**kwargs`` that may hold it)?"""
+    return not any(a.star == "**" for a in switch.call.args)
+
+
+def set_argument(recipe: Recipe, edits: Edits, switch: Switch) -> None:
+    """``name=value`` in the call: replaces an existing ``name=<off>``, else appended."""
+    value = cst.parse_expression(switch.value)
+    existing = keyword(switch.call, switch.name)
+
+    def change(updated: cst.Call, original: cst.Call = switch.call) -> cst.Call:
+        if existing is not None:
+            args = [a.with_changes(value=value) if a.keyword is not None and a.keyword.value == switch.name else a
+                    for a in updated.args]
+            return updated.with_changes(args=args)
+        return fit_call(recipe, original, with_keyword(updated, switch.name, value))
+
+    edits.replace(switch.call, change)
+
+
+def describe(recipe: Recipe, switch: Switch) -> str:
+    return f"`{switch.name}={switch.value}` in {switch.framework}(...) at {recipe.where(switch.call)}"
