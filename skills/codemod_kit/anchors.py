@@ -36,7 +36,11 @@ _HF_LOADERS = {"from_pretrained", "from_config", "_from_config"}
 # Functions that build a model and whose class the codemod cannot see: build_model, setup_model,
 # self._setup_model, timm.create_model, get_model, load_model; config.instantiate(cfg.model) when
 # assigned to a model-like name.
-_FACTORY = re.compile(r"^_*(setup|build|create|get|load|make|init|initialize|instantiate|prepare|construct)_?\w*(model|net|network|transformer|gpt|llm)\w*$", re.I)
+_FACTORY = re.compile(
+    r"^_*(setup|build|create|get|load|make|init|initialize|instantiate|prepare|construct)(_[a-z0-9]+)*"
+    r"_(model|net|network|transformer|gpt|llm|lm|policy)$",
+    re.I,
+)
 _MODEL_NAME = re.compile(
     r"^_*([a-z0-9]+_)*(model|net|network|policy|generator|discriminator|critic|actor|gpt|llm|lm|transformer|student"
     r"|teacher)([A-Z][a-z]*|\d*)$",
@@ -160,7 +164,7 @@ def _scan_constructions(recipe: Recipe) -> list[ModelAnchor]:
         if any(dotted_name(a.value) == target_code for a in value.args):
             continue  # model = get_peft_model(model, ...): a stage of the model, not its construction
         kind = _model_kind(recipe, value, target=target_code)
-        if kind is None:
+        if kind is None or (kind == "factory" and not _used_as_model(recipe, target_code)):
             continue
         statement = recipe.parent(assign)
         if not isinstance(statement, cst.SimpleStatementLine) or len(statement.body) != 1:
@@ -180,6 +184,29 @@ def _scan_constructions(recipe: Recipe) -> list[ModelAnchor]:
             )
         )
     return _merge_branches(recipe, found)
+
+
+_MODEL_METHODS = {"parameters", "named_parameters", "train", "eval", "to", "cuda", "compile", "state_dict", "load_state_dict", "modules",
+                  "named_modules", "zero_grad", "requires_grad_", "gradient_checkpointing_enable"}
+
+
+def _used_as_model(recipe: Recipe, name: str) -> bool:
+    """Is ``name`` used as a model: called (``model(x)``), asked for its parameters or modules,
+    or handed to a wrapper (``fabric.setup(model)``, ``accelerator.prepare(model, ...)``)?"""
+    uses = getattr(recipe, "_model_uses", None)
+    if uses is None:
+        uses = set()
+        for call in recipe.calls():
+            func = call.func
+            uses.add(dotted_name(func))
+            if isinstance(func, cst.Attribute) and func.attr.value in _MODEL_METHODS:
+                uses.add(dotted_name(func.value))
+            if isinstance(func, cst.Attribute) and func.attr.value in {"setup", "prepare", "setup_module", "fit"} or (
+                dotted_name(func).rsplit(".", 1)[-1] in {"DistributedDataParallel", "DDP", "fully_shard", "FSDP"}
+            ):
+                uses.update(dotted_name(a.value) for a in call.args)
+        recipe._model_uses = uses  # type: ignore[attr-defined]
+    return name in uses
 
 
 def _merge_branches(recipe: Recipe, found: list[ModelAnchor]) -> list[ModelAnchor]:
@@ -263,7 +290,7 @@ def wrapped_construction(recipe: Recipe) -> tuple[cst.Call, cst.Call] | None:
 def passed_to_optimizer(recipe: Recipe, target_code: str) -> bool:
     """Are the model's parameters given to an optimizer (a torch.optim class, or any call that
     names an optimizer: ``config.instantiate(cfg.optimizer, self._model.parameters())``)?"""
-    names = {target_code} | ({c.outer for c in _all_constructions(recipe) if c.target_code == target_code and c.outer})
+    names = {target_code}
     constructors = set(optimizer_constructors(recipe))
     for call in recipe.calls():
         if call not in constructors and not _names_an_optimizer(recipe, call):

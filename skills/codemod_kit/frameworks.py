@@ -141,3 +141,30 @@ def set_argument(recipe: Recipe, edits: Edits, switch: Switch) -> None:
 
 def describe(recipe: Recipe, switch: Switch) -> str:
     return f"`{switch.name}={switch.value}` in {switch.framework}(...) at {recipe.where(switch.call)}"
+
+
+def command_line_flag(recipe: Recipe, value: cst.BaseExpression) -> cst.Call | None:
+    """``parser.add_argument("--mixed_precision", ...)`` for ``args.mixed_precision``: the flag
+    that sets a switch given as ``mixed_precision=args.mixed_precision``."""
+    if not isinstance(value, cst.Attribute):
+        return None
+    attr = value.attr.value
+    for call in recipe.method_calls("add_argument"):
+        flags = [a.value.evaluated_value for a in call.args if a.keyword is None and isinstance(a.value, cst.SimpleString)]
+        if any(isinstance(f, str) and f.lstrip("-").replace("-", "_") == attr for f in flags):
+            return call
+    return None
+
+
+def flag_is_off(recipe: Recipe, flag: cst.Call) -> bool:
+    """No default, or a default that leaves the switch off (None, "no", "fp32")."""
+    if keyword(flag, "action") is not None:
+        return False  # store_true and friends: a boolean the caller sets
+    default = keyword(flag, "default")
+    return default is None or recipe.code(default.value) in _OFF
+
+
+def set_flag_default(recipe: Recipe, edits: Edits, flag: cst.Call, value: str) -> None:
+    """``add_argument("--mixed_precision", default="bf16", ...)``: the flag keeps working."""
+    switch = Switch(flag, "argparse", "default", value)
+    set_argument(recipe, edits, switch)

@@ -93,3 +93,43 @@ def forward_calls(recipe: Recipe, within: cst.CSTNode | None = None) -> list[cst
         if anchors.model_like(name) or (name == "self" and in_step):
             found.append(call)
     return found
+
+
+def helper_backward(recipe: Recipe, scope: cst.CSTNode, before: cst.Call) -> tuple[cst.Call, cst.BaseExpression | None]:
+    """A call, before ``before`` in ``scope``, of a function or method of the file that runs the
+    backward pass (``loss = self.forward_backward_step(...)``, ``backward(total_loss, scaler)``),
+    and the loss it leaves in ``scope``: the argument the function runs backward on, or the
+    name its result is assigned to (None when neither: the loss stays inside the function)."""
+    calls = recipe.calls()
+    position = calls.index(before)
+    functions = recipe.top_level_functions()
+    cls = recipe.enclosing_class(scope)
+    methods = recipe.methods(cls) if cls is not None else {}
+    found = None
+    for call in calls[:position]:
+        if not recipe.is_inside(call, scope):
+            continue
+        name = dotted_name(call.func)
+        function = functions.get(name) or (methods.get(name[5:]) if name.startswith("self.") else None)
+        if function is None or function is scope or not backward_calls(recipe, within=function):
+            continue
+        found = (call, function)
+    if found is None:
+        return None  # type: ignore[return-value]
+    call, function = found
+    params = [p.name.value for p in function.params.params if p.name.value != "self"]
+    for backward in backward_calls(recipe, within=function):
+        loss = loss_of(backward)
+        name = loss_name(loss) if loss is not None else None
+        if isinstance(name, cst.Name) and name.value in params:
+            index = params.index(name.value)
+            positional = [a for a in call.args if a.keyword is None and not a.star]
+            if index < len(positional):
+                return call, positional[index].value
+            by_name = next((a for a in call.args if a.keyword is not None and a.keyword.value == name.value), None)
+            if by_name is not None:
+                return call, by_name.value
+    parent = recipe.parent(call)
+    if isinstance(parent, cst.Assign) and len(parent.targets) == 1 and isinstance(parent.targets[0].target, cst.Name):
+        return call, parent.targets[0].target
+    return call, None

@@ -40,7 +40,8 @@ def place(recipe: Recipe, skill: str, text: str, what: str) -> int | None:
 def listing(recipe: Recipe, candidates: list[ModelAnchor]) -> str:
     """```self._model` at recipe.py:40 (`self._setup_model(cfg.model)`), ...`` (at most five)."""
     shown = [
-        f"`{c.outer or c.target_code}` at {recipe.where(c.statement)} (`{recipe.short(c.call, 40)}`)"
+        f"`{c.outer or c.target_code}` at {recipe.where(c.statement)} "
+        f"(`{recipe.short(c.call, 40) if not c.builder.startswith('the caller') else recipe.short(c.statement, 40)}`)"
         for c in candidates[:LISTED]
     ]
     more = f" and {len(candidates) - LISTED} more" if len(candidates) > LISTED else ""
@@ -74,9 +75,13 @@ def find_model(recipe: Recipe, skill: str, target: str | None = None) -> ModelAn
         if inside:
             candidates = inside
     if len(candidates) > 1:
-        trained = [c for c in candidates if any(anchors.passed_to_optimizer(recipe, n) for n in names(c))]
+        trained = [c for c in candidates if anchors.passed_to_optimizer(recipe, c.outer or c.target_code)]
         if trained:
             candidates = trained
+    if len(candidates) > 1:
+        looping = [c for c in candidates if _in_loop_class(recipe, c)]
+        if looping:
+            candidates = looping
     if len(candidates) == 1:
         return candidates[0]
     if not candidates:
@@ -96,6 +101,17 @@ def find_model(recipe: Recipe, skill: str, target: str | None = None) -> ModelAn
         f"{skill}: found several model constructions ({listing(recipe, candidates)}) and cannot tell "
         f"which one is trained; name the one to change with `target` (e.g. "
         f"target=\"{candidates[0].outer or candidates[0].target_code}\" or target=\"{recipe.where(candidates[0].statement)}\")"
+    )
+
+
+def _in_loop_class(recipe: Recipe, candidate: ModelAnchor) -> bool:
+    """``self.model`` set in the class whose methods run backward or step an optimizer."""
+    if not (candidate.outer or candidate.target_code).startswith("self."):
+        return False
+    cls = recipe.enclosing_class(candidate.statement)
+    return cls is not None and bool(
+        recipe.method_calls("backward", within=cls) or recipe.method_calls("manual_backward", within=cls)
+        or anchors.optimizer_step_calls(recipe, within=cls)
     )
 
 
@@ -143,6 +159,7 @@ def given_models(recipe: Recipe) -> list[ModelAnchor]:
     (``self.model(batch)``): a trainer class of the project that is handed its model."""
     found = []
     called = {dotted_name(c.func) for c in recipe.calls()}
+    modules = set(recipe.subclasses(*anchors.NN_MODULE, *anchors.HF_PRETRAINED))
     for assign in recipe.assigns():
         if len(assign.targets) != 1 or not isinstance(assign.value, cst.Name):
             continue
@@ -151,6 +168,8 @@ def given_models(recipe: Recipe) -> list[ModelAnchor]:
             continue
         function = recipe.enclosing_function(assign)
         if function is None or assign.value.value not in {p.name.value for p in function.params.params}:
+            continue
+        if recipe.enclosing_class(assign) in modules:  # a submodule of a model class
             continue
         statement = recipe.parent(assign)
         suite = recipe.parent(statement) if statement is not None else None

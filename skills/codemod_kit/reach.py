@@ -30,6 +30,7 @@ MODULE_LIST = ("torch.nn.ModuleList",)
 SEQUENTIAL = ("torch.nn.Sequential",)
 MODULE_DICT = ("torch.nn.ModuleDict",)
 LINEAR = ("torch.nn.Linear",)
+TRANSFORMER_STACKS = ("torch.nn.TransformerEncoder", "torch.nn.TransformerDecoder")
 _DEPTH = 4
 
 
@@ -93,9 +94,18 @@ def shape(recipe: Recipe, model: ModelAnchor) -> ModelShape:
     if found.hf:
         found.hf_class = cls.name.value if cls is not None else _hf_class(recipe, model.call)
     if cls is not None and not found.hf:
-        found.attributes = list(_attributes(owner, cls))
+        found.attributes = [n for n, v in _attributes(owner, cls).items() if _builds_module(v)]
         _walk_class(owner, cls, "", found, 0)
     return found
+
+
+def _builds_module(value: cst.BaseExpression) -> bool:
+    """``nn.Linear(...)``, ``Block(...)``, ``build_encoder(...)``: not ``config.n_layer``, not ``None``."""
+    value = anchors.unwrap_chain(value)
+    if not isinstance(value, cst.Call):
+        return False
+    name = dotted_name(value.func).rsplit(".", 1)[-1]
+    return bool(name) and (name[:1].isupper() or "build" in name or "make" in name or "create" in name)
 
 
 def sibling_class(recipe: Recipe, call: cst.Call) -> tuple[Recipe, cst.ClassDef] | None:
@@ -172,6 +182,12 @@ def _walk_value(recipe: Recipe, value: cst.BaseExpression, path: str, found: Mod
     name = recipe.call_name(value)
     if name in LINEAR:
         found.linears.append(path)
+        return
+    if name in TRANSFORMER_STACKS:  # nn.TransformerEncoder(layer, num_layers): its .layers
+        count_arg = value.args[1].value if len(value.args) > 1 else None
+        count = int(count_arg.value) if isinstance(count_arg, cst.Integer) else None
+        text = str(count) if count is not None else (f"`{recipe.code(count_arg)}`" if count_arg is not None else "?")
+        found.containers.append(Container(f"{path}.layers", "ModuleList", count, text, None))
         return
     if name in MODULE_DICT:
         for key, item in _dict_items(value):

@@ -144,12 +144,12 @@ def _targets(recipe: Recipe, found: reach.ModelShape, params: Params) -> str:
         f"name the linear layers to adapt with target_modules (its linear layers: {seen})",
     )
     names = reach.block_linears(found)
-    if not names and not all(c.elements_known for c in found.containers):
+    if not names and (found.cls is None or found.opaque or not all(c.elements_known for c in found.containers)):
         return f"adapts every nn.Linear in {reach.describe_blocks(found)} (named at run time)"
     if not names:
         raise SkillRefused(
-            f"{SKILL}: the blocks of {found.name} ({reach.describe_blocks(found)}) hold no nn.Linear the "
-            f"codemod can see; name the linear layers to adapt with target_modules (its linear layers: {seen})"
+            f"{SKILL}: looked for nn.Linear layers in the blocks of {found.name} "
+            f"({recipe.where(found.model.statement)}: {reach.describe_blocks(found)}); found none; name the linear layers to adapt with target_modules (its linear layers: {seen})"
         )
     inside = tuple(c.path + "." for c in found.containers)
     outside = [p for p in found.linears if p.rsplit(".", 1)[-1] in names and not p.startswith(inside)]

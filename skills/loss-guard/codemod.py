@@ -342,6 +342,16 @@ def _loss_name(recipe: Recipe, step: cst.Call) -> cst.BaseExpression:
     scope = recipe.enclosing_function(step) or recipe.module
     before = [c for c in loops.backward_calls(recipe, within=scope) if _comes_before(recipe, c, step)]
     if not before:
+        helper = loops.helper_backward(recipe, scope, step)
+        if helper is not None:
+            call, loss = helper
+            if loss is not None:
+                return loops.loss_name(loss) or loss
+            raise SkillRefused(
+                f"{SKILL}: the backward pass runs inside `{recipe.short(call.func)}(...)` ({recipe.where(call)}), "
+                f"which keeps its loss; the optimizer step is at {recipe.where(step)}: return the loss from it "
+                "(`loss = ...`) or guard the step by hand"
+            )
         raise SkillRefused(
             f"{SKILL}: looked for the backward pass ({loops.LOOKED_FOR}) before the optimizer step at "
             f"{recipe.where(step)}; found none"
@@ -352,17 +362,6 @@ def _loss_name(recipe: Recipe, step: cst.Call) -> cst.BaseExpression:
     if name is None:
         raise SkillRefused(f"{SKILL}: cannot tell the loss from `{recipe.short(last)}` at {recipe.where(last)}")
     return name
-
-
-def _names(node: cst.CSTNode) -> list[str]:
-    found: list[str] = []
-
-    class Finder(cst.CSTVisitor):
-        def visit_Name(self, name: cst.Name) -> None:
-            found.append(name.value)
-
-    node.visit(Finder())
-    return found
 
 
 def _comes_before(recipe: Recipe, first: cst.Call, second: cst.Call) -> bool:

@@ -59,9 +59,9 @@ def _device_type(recipe: Recipe, call: cst.Call, model: str | None) -> cst.BaseE
 
 
 def apply(recipe: Recipe, params: Params) -> Edits | AlreadyApplied:
-    existing = recipe.calls_to(*AUTOCAST)
-    if existing:
-        return AlreadyApplied(f"autocast at {recipe.where(existing[0])}")
+    existing = _existing_autocast(recipe)
+    if existing is not None:
+        return AlreadyApplied(f"autocast at {recipe.where(existing)}")
     loop = pointing.find_loop(recipe, SKILL, params.loop)
     if params.target is None and loop is None:
         switched = _framework_switch(recipe)
@@ -90,16 +90,43 @@ def apply(recipe: Recipe, params: Params) -> Edits | AlreadyApplied:
     return edits
 
 
+def _existing_autocast(recipe: Recipe) -> cst.Call | None:
+    """``torch.autocast(...)`` that is not ``enabled=False``, or a ``with`` over a context
+    manager named like one (``with autocast():`` where ``autocast = get_autocast(...)``)."""
+    for call in recipe.calls_to(*AUTOCAST):
+        enabled = keyword(call, "enabled")
+        if enabled is None or recipe.code(enabled.value) != "False":
+            return call
+    for call in recipe.calls():
+        name = dotted_name(call.func).rsplit(".", 1)[-1].lower()
+        if "autocast" in name and isinstance(recipe.parent(call), cst.WithItem):
+            return call
+    return None
+
+
 def _framework_switch(recipe: Recipe) -> Edits | AlreadyApplied | None:
     """``Accelerator(mixed_precision="bf16")``, ``Trainer(precision="bf16-mixed")``,
     ``TrainingArguments(bf16=True)``: the framework's switch, when the file builds one."""
     found = frameworks.switches(recipe, "bf16")
     for switch in found:
         arg = frameworks.precision_argument(recipe, switch)
-        if arg is not None:
-            return AlreadyApplied(
-                f"{switch.framework}(...) at {recipe.where(switch.call)} sets `{recipe.code(arg)}`"
+        if arg is None:
+            continue
+        flag = frameworks.command_line_flag(recipe, arg.value)
+        if flag is not None and arg.keyword is not None and arg.keyword.value == switch.name and (
+            frameworks.flag_is_off(recipe, flag)
+        ):
+            edits = Edits(recipe)
+            frameworks.set_flag_default(recipe, edits, flag, switch.value)
+            edits.acts_on = (
+                f"makes `{switch.value}` the default of the command-line flag at {recipe.where(flag)}, which sets "
+                f"`{recipe.code(arg)}` in {switch.framework}(...) at {recipe.where(switch.call)}"
             )
+            return edits
+        return AlreadyApplied(
+            f"{switch.framework}(...) at {recipe.where(switch.call)} sets `{recipe.code(arg)}`"
+            + (f" (the command-line flag at {recipe.where(flag)})" if flag is not None else "")
+        )
     usable = [s for s in found if frameworks.settable(s)]
     if not usable:
         return None

@@ -176,13 +176,14 @@ def apply(recipe: Recipe, params: Params) -> Edits | AlreadyApplied:
     if model.kind != "hf":
         raise SkillRefused(
             f"{SKILL}: the model is built by {model.builder}(...) ({recipe.where(model.statement)}), "
-            "a module defined in the file, whose attention does not take position ids; packed "
+            f"{'a module defined in the file' if model.kind == 'custom' else 'not a Hugging Face class the codemod can see'}, whose attention does not take position ids; packed "
             "documents would attend to each other. Packing needs a Hugging Face decoder (or a "
             "model that masks attention per document)"
         )
-    forwards = anchors.forward_calls(recipe, model)
+    forwards = anchors.forward_calls(recipe, model, within=pointing.find_loop(recipe, SKILL, params.loop))
     if not forwards:
-        raise SkillRefused(f"{SKILL}: looked for forward calls of the model (`{model.target_code}(...)`); found none")
+        where = f" in the loop {params.loop!r}" if params.loop else ""
+        raise SkillRefused(f"{SKILL}: looked for forward calls of the model (`{model.target_code}(...)`){where}; found none")
     model_shifts_labels = any(keyword(call, "labels") is not None for call in forwards)
 
     edits = Edits(recipe)

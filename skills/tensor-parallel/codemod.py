@@ -119,7 +119,7 @@ def apply(recipe: Recipe, params: Params) -> Edits | AlreadyApplied:
     if model.kind != "hf":
         raise SkillRefused(
             f"{SKILL}: the model is built by {model.builder}(...) ({recipe.where(model.statement)}), "
-            "a module defined in the file; the plan shards Hugging Face decoder layers "
+            f"{'a module defined in the file' if model.kind == 'custom' else 'not a Hugging Face class the codemod can see'}; the plan shards Hugging Face decoder layers "
             "(self_attn.q_proj ... mlp.down_proj), and hand-written attention must also be taught "
             "to run num_heads / tp heads; see SKILL.md: Doing it by hand"
         )

@@ -512,3 +512,88 @@ def test_gan_target_that_names_neither_lists_both(tmp_path: Path):
     with pytest.raises(SkillRefused, match=r"target 'critic' does not start with a model built in train.py; the model "
                                            r"constructions it saw: `netG` at train.py:43 .*`netD` at train.py:44"):
         apply_skill("freeze", path, {"target": "critic"})
+
+
+# --- the backward pass inside a helper of the file --------------------------------------------
+
+
+def test_backward_inside_a_method_that_returns_the_loss(tmp_path: Path):
+    source = HANDED_MODEL.replace(
+        "            loss = torch.nn.functional.mse_loss(self.model(x), y)\n            loss.backward()\n",
+        "            loss = self.forward_backward(x, y)\n",
+    ) + '''
+    def forward_backward(self, x, y):
+        loss = torch.nn.functional.mse_loss(self.model(x), y)
+        loss.backward()
+        return loss
+'''
+    path = write(tmp_path, source)
+
+    apply_skill("loss-guard", path)
+
+    assert "            if self.loss_guard.check(loss, grad_norm):\n                self.optimizers.step()\n" in path.read_text()
+
+
+def test_backward_inside_a_helper_called_with_the_loss(tmp_path: Path):
+    source = SCALER.replace("    scaler.scale(loss).backward()\n", "    backward(loss * 2, scaler)\n") + '''
+
+def backward(total_loss, scaler):
+    scaler.scale(total_loss).backward()
+'''
+    path = write(tmp_path, source)
+
+    apply_skill("loss-guard", path)
+
+    assert "    if loss_guard.check(loss):\n        scaler.step(optimizer)\n" in path.read_text()
+
+
+def test_autocast_disabled_does_not_count_and_a_named_context_manager_does(tmp_path: Path):
+    disabled = write(tmp_path, "@torch.autocast('cuda', enabled=False)\ndef f(x):\n    return x\n" + SCALER)
+    assert apply_skill("mixed-precision", disabled).changed
+
+    named = SCALER.replace("    logits, loss = model(x, y)\n", "    with autocast():\n        logits, loss = model(x, y)\n")
+    result = apply_skill("mixed-precision", write(tmp_path, named, "named.py"))
+    assert result.already_applied and "named.py:8" in result.message
+
+
+def test_a_switch_set_by_a_flag_that_is_off_by_default_gets_the_default(tmp_path: Path):
+    source = ACCELERATE.replace(
+        "Accelerator(gradient_accumulation_steps=2)", "Accelerator(mixed_precision=args.mixed_precision)"
+    ) + '''
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--mixed_precision", type=str, default=None, choices=["no", "fp16", "bf16"])
+'''
+    path = write(tmp_path, source)
+
+    result = apply_skill("mixed-precision", path)
+
+    assert added(result.diff) == [
+        'parser.add_argument("--mixed_precision", type=str, default="bf16", choices=["no", "fp16", "bf16"])'
+    ]
+    assert apply_skill("mixed-precision", path).already_applied
+
+
+def test_transformer_encoder_layers_are_blocks_and_plain_attributes_are_not_submodules(tmp_path: Path):
+    source = '''
+import torch.nn as nn
+
+
+class Transformer(nn.Module):
+    def __init__(self, ninp, nlayers):
+        super().__init__()
+        self.ninp = ninp
+        layer = nn.TransformerEncoderLayer(ninp, 2)
+        self.transformer = nn.TransformerEncoder(layer, nlayers)
+        self.decoder = nn.Linear(ninp, 10)
+
+
+model = Transformer(16, 2)
+'''
+    path = write(tmp_path, source)
+
+    result = apply_skill("gradient-checkpointing", path)
+
+    assert result.acts_on == "wraps `nlayers` blocks of `model.transformer.layers`"
+    with pytest.raises(SkillRefused, match=r"its submodules are `transformer`, `decoder`$"):
+        apply_skill("freeze", path, {"embeddings": False, "first_blocks": 1, "target": "model.ninp2"})
