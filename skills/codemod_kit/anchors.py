@@ -190,9 +190,18 @@ _MODEL_METHODS = {"parameters", "named_parameters", "train", "eval", "to", "cuda
                   "named_modules", "zero_grad", "requires_grad_", "gradient_checkpointing_enable"}
 
 
+def factory_name(name: str) -> bool:
+    """``build_model``, ``_setup_model``, ``create_model``: a function that builds a model."""
+    return bool(_FACTORY.match(name))
+
+
 def _used_as_model(recipe: Recipe, name: str) -> bool:
-    """Is ``name`` used as a model: called (``model(x)``), asked for its parameters or modules,
-    or handed to a wrapper (``fabric.setup(model)``, ``accelerator.prepare(model, ...)``)?"""
+    return name in model_uses(recipe)
+
+
+def model_uses(recipe: Recipe) -> set[str]:
+    """Names used as a model: called (``model(x)``), asked for their parameters or modules, or
+    handed to a wrapper (``fabric.setup(model)``, ``accelerator.prepare(model, ...)``)."""
     uses = getattr(recipe, "_model_uses", None)
     if uses is None:
         uses = set()
@@ -206,7 +215,7 @@ def _used_as_model(recipe: Recipe, name: str) -> bool:
             ):
                 uses.update(dotted_name(a.value) for a in call.args)
         recipe._model_uses = uses  # type: ignore[attr-defined]
-    return name in uses
+    return uses
 
 
 def _merge_branches(recipe: Recipe, found: list[ModelAnchor]) -> list[ModelAnchor]:

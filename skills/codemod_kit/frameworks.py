@@ -168,3 +168,67 @@ def set_flag_default(recipe: Recipe, edits: Edits, flag: cst.Call, value: str) -
     """``add_argument("--mixed_precision", default="bf16", ...)``: the flag keeps working."""
     switch = Switch(flag, "argparse", "default", value)
     set_argument(recipe, edits, switch)
+
+
+PARSE_METHODS = {"parse_args_and_config", "parse_args_into_dataclasses", "parse_json_file", "parse_yaml_file",
+                 "parse_dict"}
+
+
+def _hf_arguments_class(recipe: Recipe, node: cst.BaseExpression) -> bool:
+    name = recipe.qualify(node)
+    return bool(name) and any(name == q or (q.startswith(".") and name.endswith(q)) for q in HF_ARGUMENTS)
+
+
+def parsed_training_arguments(recipe: Recipe) -> list[tuple[cst.BaseStatement, str]]:
+    """``script_args, training_args, ... = parser.parse_args_and_config()`` where the parser is an
+    ``HfArgumentParser``/``TrlParser`` over ``(..., SFTConfig, ...)``: the statement and the name
+    that holds the training arguments."""
+    index = None
+    for node in [a.value for a in recipe.assigns()] + [a.value for c in recipe.calls() for a in c.args]:
+        if isinstance(node, (cst.Tuple, cst.List)):
+            for position, element in enumerate(node.elements):
+                if _hf_arguments_class(recipe, element.value):
+                    index = position
+    if index is None:
+        return []
+    found = []
+    for call in recipe.calls():
+        if not (isinstance(call.func, cst.Attribute) and call.func.attr.value in PARSE_METHODS):
+            continue
+        parent = recipe.parent(call)
+        if not (isinstance(parent, cst.Assign) and len(parent.targets) == 1):
+            continue
+        target = parent.targets[0].target
+        if isinstance(target, (cst.Tuple, cst.List)) and index < len(target.elements):
+            element = target.elements[index].value
+            if isinstance(element, cst.Name):
+                found.append((recipe.statement_of(call), element.value))
+    return found
+
+
+def behind(recipe: Recipe, node: cst.CSTNode) -> str:
+    """`` (behind `if cfg.compile:`: switch it on there)`` when ``node`` only runs under an ``if``."""
+    for ancestor in recipe.ancestors(node):
+        if isinstance(ancestor, cst.FunctionDef):
+            return ""
+        if isinstance(ancestor, cst.If):
+            return f" (behind `if {recipe.short(ancestor.test, 50)}:`, so it runs only when that is on)"
+    return ""
+
+
+CONFIG_SWITCHES = {
+    "checkpointing": ("ac_config", "activation_checkpoint", "activation_checkpointing", "activation_checkpoint_config",
+                      "enable_activation_checkpointing", "gradient_checkpointing", "use_gradient_checkpointing"),
+    "compile": ("compile_config", "compile", "torch_compile", "use_torch_compile", "compile_model"),
+}
+
+
+def config_switch(recipe: Recipe, feature: str) -> cst.Arg | None:
+    """A framework's own switch handed its configuration: ``parallelize(model,
+    compile_config=config.compile)``, ``ac_config=config.activation_checkpoint``."""
+    names = CONFIG_SWITCHES[feature]
+    for call in recipe.calls():
+        for arg in call.args:
+            if arg.keyword is not None and arg.keyword.value in names and isinstance(arg.value, (cst.Name, cst.Attribute)):
+                return arg
+    return None

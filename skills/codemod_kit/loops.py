@@ -90,9 +90,21 @@ def forward_calls(recipe: Recipe, within: cst.CSTNode | None = None) -> list[cst
         if not name or name in local or not any(recipe.is_inside(call, s) for s in scopes):
             continue
         in_step = any(recipe.is_inside(call, s) for s in lightning_steps(recipe))
+        owner, _, method = name.rpartition(".")
         if anchors.model_like(name) or (name == "self" and in_step):
             found.append(call)
+        elif owner and anchors.model_like(owner) and method not in NOT_FORWARD and not method.startswith("_"):
+            found.append(call)  # self.policy.evaluate_actions(obs, actions)
     return found
+
+
+# Methods of a model that do not run its forward pass.
+NOT_FORWARD = {
+    "parameters", "named_parameters", "train", "eval", "to", "cuda", "cpu", "state_dict", "load_state_dict",
+    "zero_grad", "modules", "named_modules", "children", "apply", "requires_grad_", "set_training_mode",
+    "register_forward_hook", "register_buffer", "half", "float", "bfloat16", "save_pretrained", "generate",
+    "get_input_embeddings", "resize_token_embeddings", "compile", "backward", "step",
+}
 
 
 def helper_backward(recipe: Recipe, scope: cst.CSTNode, before: cst.Call) -> tuple[cst.Call, cst.BaseExpression | None]:

@@ -65,7 +65,7 @@ def relative(anchor: ModelAnchor, dotted: str) -> str | None:
 
 def find_model(recipe: Recipe, skill: str, target: str | None = None) -> ModelAnchor:
     """The construction of the model to change: the one ``target`` names, else the one trained."""
-    candidates = anchors.model_candidates(recipe) or given_models(recipe)
+    candidates = anchors.model_candidates(recipe) or given_models(recipe) or set_up_by_base_class(recipe)
     if target is not None:
         return _named(recipe, skill, target, candidates)
     engine = anchors.engine_class(recipe)
@@ -191,6 +191,34 @@ def given_models(recipe: Recipe) -> list[ModelAnchor]:
     return found
 
 
+def set_up_by_base_class(recipe: Recipe) -> list[ModelAnchor]:
+    """``super()._setup_model()`` in a method: the base class builds the model attributes the
+    class then uses (``self.policy`` in Stable-Baselines3); changes go right after that call."""
+    found = []
+    for call in recipe.calls():
+        func = call.func
+        if not (isinstance(func, cst.Attribute) and isinstance(func.value, cst.Call)
+                and dotted_name(func.value.func) == "super" and anchors.factory_name(func.attr.value)):
+            continue
+        cls = recipe.enclosing_class(call)
+        statement = recipe.statement_of(call)
+        suite = recipe.parent(statement)
+        if cls is None or not isinstance(statement, cst.SimpleStatementLine) or not isinstance(suite, cst.IndentedBlock):
+            continue
+        names = sorted({
+            n for n in anchors.model_uses(recipe)
+            if n.startswith("self.") and n.count(".") == 1 and anchors.model_like(n)
+        })
+        for name in names:
+            found.append(
+                ModelAnchor(
+                    statement=statement, target=cst.parse_expression(name), call=call, kind="factory",
+                    builder=f"super().{func.attr.value}", suite=suite, target_code=name,
+                )
+            )
+    return found
+
+
 def _calls_seen(recipe: Recipe) -> str:
     """``; it calls `self.model(...)` (train.py:40)`` — model-like calls whose construction the
     codemod cannot see (built in another file, or handed in)."""
@@ -203,10 +231,10 @@ def _calls_seen(recipe: Recipe) -> str:
             seen[name] = call
     if not seen:
         return ""
-    shown = ", ".join(f"`{n}(...)` ({recipe.where(c)})" for n, c in list(seen.items())[:LISTED])
+    shown = ", ".join(f"{n}(...) on line {recipe.line(c)}" for n, c in list(seen.items())[:LISTED])
     return (
-        f"; it calls {shown} but cannot see where that model is built (another file, or handed in): "
-        "apply the skill to the file that builds it"
+        f"; it calls a model ({shown}) but cannot see where that model is built (another file, or handed "
+        "in): apply the skill to the file that builds it"
     )
 
 

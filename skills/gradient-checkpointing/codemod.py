@@ -89,7 +89,15 @@ def apply(recipe: Recipe, params: Params) -> Edits | AlreadyApplied:
         c for m in CHECKPOINT_METHODS for c in recipe.method_calls(m)
     ]
     if existing:
-        return AlreadyApplied(f"activation checkpointing at {recipe.where(existing[0])}")
+        return AlreadyApplied(
+            f"activation checkpointing at {recipe.where(existing[0])}{frameworks.behind(recipe, existing[0])}"
+        )
+    switch = frameworks.config_switch(recipe, "checkpointing")
+    if switch is not None and params.target is None:
+        return AlreadyApplied(
+            f"the framework takes its activation checkpointing switch, `{recipe.code(switch)}` at "
+            f"{recipe.where(switch)}: turn it on in that configuration"
+        )
     if params.target is None:
         switched = _training_arguments(recipe)
         if switched is not None:
@@ -145,11 +153,31 @@ def _training_arguments(recipe: Recipe) -> Edits | AlreadyApplied | None:
             return AlreadyApplied(f"{switch.framework}(...) at {recipe.where(switch.call)} sets `{recipe.code(arg)}`")
     usable = [s for s in switches if frameworks.settable(s)]
     if not usable:
-        return None
+        return _parsed_arguments(recipe)
     edits = Edits(recipe)
     for switch in usable:
         frameworks.set_argument(recipe, edits, switch)
     edits.acts_on = "sets " + ", ".join(frameworks.describe(recipe, s) for s in usable) + (
         ": the Trainer checkpoints every decoder layer of the model"
+    )
+    return edits
+
+
+def _parsed_arguments(recipe: Recipe) -> Edits | AlreadyApplied | None:
+    """Training arguments parsed from the command line (``HfArgumentParser``, ``TrlParser``):
+    ``training_args.gradient_checkpointing = True`` right after the parse (the Trainer reads it
+    when it trains; the command line flag is overridden)."""
+    parsed = frameworks.parsed_training_arguments(recipe)
+    if not parsed:
+        return None
+    for assign in recipe.assigns():
+        if any(recipe.code(t.target) == f"{name}.gradient_checkpointing" for t in assign.targets for _, name in parsed):
+            return AlreadyApplied(f"`{recipe.code(assign)}` at {recipe.where(assign)}")
+    edits = Edits(recipe)
+    for statement, name in parsed:
+        edits.insert_after(statement, [templates.statement(recipe.module, f"{name}.gradient_checkpointing = True")])
+    edits.acts_on = (
+        f"sets `{parsed[0][1]}.gradient_checkpointing = True` after the arguments are parsed "
+        f"({', '.join(recipe.where(s) for s, _ in parsed)}): the Trainer checkpoints every decoder layer"
     )
     return edits

@@ -221,12 +221,22 @@ def unscale_once(scaler, optimizer) -> None:
         pass
 '''
 
-LIGHTNING_GUARD = '''
+CACHED_GUARD = '''
 class _:
     @cached_property
     def loss_guard(self) -> LossGuard:
         return LossGuard({arguments})
 '''
+
+
+def _add_cached_guard(recipe: Recipe, edits: Edits, params: Params, cls: cst.ClassDef) -> None:
+    """A ``loss_guard`` cached_property on the class: created on first use, kept across calls."""
+    if "loss_guard" in recipe.methods(cls):
+        return
+    members = templates.statements(recipe.module, CACHED_GUARD.replace("{arguments}", _arguments(params)))[0]
+    new_members = [m.with_changes(leading_lines=[cst.EmptyLine(indent=False)]) for m in members.body.body]  # type: ignore[attr-defined]
+    edits.replace(cls.body, lambda updated, new=new_members: updated.with_changes(body=[*updated.body, *new]))
+    edits.add_import("functools", "cached_property")
 
 
 def _scaler(step: cst.Call) -> str:
@@ -277,10 +287,7 @@ def _apply_to_lightning(recipe: Recipe, params: Params, steps: list[cst.Function
             check = templates.statement(recipe.module, "if not self.loss_guard.check({loss}):\n    return None", loss=value)
             edits.insert_before(statement, [check])
         cls = recipe.enclosing_class(step)
-        if "loss_guard" not in recipe.methods(cls):
-            members = templates.statements(recipe.module, LIGHTNING_GUARD.replace("{arguments}", _arguments(params)))[0]
-            new_members = [m.with_changes(leading_lines=[cst.EmptyLine(indent=False)]) for m in members.body.body]  # type: ignore[attr-defined]
-            edits.replace(cls.body, lambda updated, new=new_members: updated.with_changes(body=[*updated.body, *new]))
+        _add_cached_guard(recipe, edits, params, cls)
         if not recipe.defines("LossGuard"):
             insert_definitions(recipe, edits, GUARD_CLASS, cls)
     edits.add_import("math")
@@ -317,21 +324,18 @@ def _create_guard(
             edits.insert_after(statement, [created])
             return
     cls = recipe.enclosing_class(step)
-    init = recipe.methods(cls).get("__init__") if cls is not None else None
-    if guard.startswith("self.") and init is not None and isinstance(init.body, cst.IndentedBlock):
-        anchor: cst.BaseStatement = init.body.body[-1]
-        edits.insert_after(anchor, [created])
+    if guard.startswith("self.") and cls is not None:
+        _add_cached_guard(recipe, edits, params, cls)
     else:
         function = recipe.enclosing_function(step)
         loops_around = [a for a in recipe.ancestors(step) if isinstance(a, (cst.For, cst.While))
                         and (function is None or recipe.is_inside(a, function))]
-        if guard.startswith("self.") or not loops_around:
+        if not loops_around:
             raise SkillRefused(
-                f"{SKILL}: could not find where `{receiver}` is created, nor a loop or __init__ around its "
-                f"step at {recipe.where(step)} to create the guard in; name the loop with `loop`"
+                f"{SKILL}: could not find where `{receiver}` is created, nor a loop around its step at "
+                f"{recipe.where(step)} to create the guard before; name the loop with `loop`"
             )
-        anchor = loops_around[-1]
-        edits.insert_before(anchor, [created])
+        edits.insert_before(loops_around[-1], [created])
     if not recipe.defines("LossGuard"):
         insert_definitions(recipe, edits, GUARD_CLASS, step)
 

@@ -88,7 +88,13 @@ def _existing(recipe: Recipe):
 def apply(recipe: Recipe, params: Params) -> Edits | AlreadyApplied:
     existing = _existing(recipe)
     if existing is not None:
-        return AlreadyApplied(f"torch.compile at {recipe.where(existing)}")
+        return AlreadyApplied(f"torch.compile at {recipe.where(existing)}{frameworks.behind(recipe, existing)}")
+    switch = frameworks.config_switch(recipe, "compile")
+    if switch is not None and params.target is None:
+        return AlreadyApplied(
+            f"the framework takes its torch.compile switch, `{recipe.code(switch)}` at {recipe.where(switch)}: "
+            "turn it on in that configuration"
+        )
     if params.target is None:
         switched = _framework_switch(recipe)
         if switched is not None:
@@ -102,11 +108,17 @@ def apply(recipe: Recipe, params: Params) -> Edits | AlreadyApplied:
         options.append("fullgraph=True")
     if params.dynamic is not None:
         options.append(f"dynamic={params.dynamic}")
-    if params.scope == "model":
+    found = reach.shape(recipe, model)
+    unseen = (  # a class the codemod cannot see may have no repeated blocks
+        found.cls is None and not found.hf and reach.resolve_target(recipe, SKILL, found, params.target) is None
+    )
+    if params.scope == "model" or unseen:
         call = templates.statement(recipe.module, f"{{model}}.compile({', '.join(options)})", model=model.target)
-        edits.acts_on = f"compiles the whole model `{model.target_code}` ({model.builder})"
+        edits.acts_on = f"compiles the whole model `{model.target_code}` ({model.builder})" + (
+            f": its class is not visible to the codemod (built by {model.builder}(...)), so it may have no "
+            "repeated blocks; name its blocks with `target` to compile them one by one" if unseen else ""
+        )
     else:
-        found = reach.shape(recipe, model)
         target = reach.resolve_target(recipe, SKILL, found, params.target)
         if target is not None:
             options.append(f"target={reach.target_code(found, target)}")

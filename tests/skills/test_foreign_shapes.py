@@ -218,7 +218,7 @@ def test_recipe_class_target_names_the_attribute(tmp_path: Path):
 
     result = apply_skill("torch-compile", path, {"target": "self._model"})
 
-    assert "        compile_blocks(model, mode=\"default\")\n        return model\n" in path.read_text()
+    assert "        model.compile(mode=\"default\")\n        return model\n" in path.read_text()
     assert "`model`" in result.acts_on
 
 
@@ -228,7 +228,7 @@ def test_recipe_class_guards_the_attribute_optimizer_and_creates_the_guard_in_in
     apply_skill("loss-guard", path)
 
     code = path.read_text()
-    assert "        self._device = cfg.device\n        self.loss_guard = LossGuard(" in code
+    assert "    @cached_property\n    def loss_guard(self) -> LossGuard:\n        return LossGuard(" in code
     assert "            if self.loss_guard.check(loss, grad_norm):\n                self._optimizer.step()\n" in code
     assert "for g in self._optimizer.param_groups" in code
 
@@ -375,7 +375,7 @@ def test_handed_model_and_optimizer_container(tmp_path: Path):
     apply_skill("mixed-precision", path)
 
     code = path.read_text()
-    assert "        self.loader = loader\n        self.loss_guard = LossGuard(" in code
+    assert "    @cached_property\n    def loss_guard(self) -> LossGuard:" in code
     assert "            if self.loss_guard.check(loss, grad_norm):\n                self.optimizers.step()\n" in code
     assert "with torch.autocast(device_type=x.device.type, dtype=torch.bfloat16):" in code
 
@@ -392,12 +392,13 @@ def test_model_in_a_sibling_file_is_read_for_its_blocks(tmp_path: Path):
     assert "model = GPT(config)\ncheckpoint_blocks(model)\noptimizer = " in path.read_text()
 
 
-def test_without_the_sibling_file_the_blocks_are_found_at_run_time(tmp_path: Path):
+def test_without_the_sibling_file_the_whole_model_is_compiled(tmp_path: Path):
     path = write(tmp_path, SCALER)
 
     result = apply_skill("torch-compile", path)
 
-    assert "found at run time" in result.acts_on and "GPT(...)" in result.acts_on
+    assert "model = GPT(config)\nmodel.compile(mode=\"default\")\n" in path.read_text()
+    assert result.acts_on.startswith("compiles the whole model `model` (GPT): its class is not visible")
 
 
 # --- GradScaler --------------------------------------------------------------------------------
@@ -450,7 +451,7 @@ def test_none_found_lists_the_model_calls_it_saw(tmp_path: Path):
 
     message = str(refusal.value)
     assert message.startswith("gradient-checkpointing: looked for the model construction")
-    assert "it calls `model(...)` (train.py:5)" in message
+    assert "it calls a model (model(...) on line 5)" in message
 
 
 # --- a GAN: two models, the skill goes on the one target names -------------------------------
@@ -597,3 +598,77 @@ model = Transformer(16, 2)
     assert result.acts_on == "wraps `nlayers` blocks of `model.transformer.layers`"
     with pytest.raises(SkillRefused, match=r"its submodules are `transformer`, `decoder`$"):
         apply_skill("freeze", path, {"embeddings": False, "first_blocks": 1, "target": "model.ninp2"})
+
+
+def test_model_built_by_the_base_class_setup(tmp_path: Path):
+    source = '''
+import torch as th
+
+
+class PPO(OnPolicyAlgorithm):
+    def _setup_model(self) -> None:
+        super()._setup_model()
+        self.clip_range = get_schedule_fn(self.clip_range)
+
+    def train(self) -> None:
+        for rollout_data in self.rollout_buffer.get(self.batch_size):
+            values, log_prob, entropy = self.policy.evaluate_actions(rollout_data.observations, actions)
+            loss = -log_prob.mean()
+            self.policy.optimizer.zero_grad()
+            loss.backward()
+            th.nn.utils.clip_grad_norm_(self.policy.parameters(), self.max_grad_norm)
+            self.policy.optimizer.step()
+'''
+    path = write(tmp_path, source)
+
+    compiled = apply_skill("torch-compile", path)
+    mixed = apply_skill("mixed-precision", path)
+    guarded = apply_skill("loss-guard", path)
+
+    assert added(compiled.diff) == ['self.policy.compile(mode="default")']
+    assert "        self.clip_range = get_schedule_fn(self.clip_range)\n        self.policy.compile(" in path.read_text()
+    assert removed(mixed.diff) == ["values, log_prob, entropy = self.policy.evaluate_actions(rollout_data.observations, actions)"]
+    assert "if self.loss_guard.check(loss, grad_norm):" in path.read_text() and guarded.changed
+
+
+def test_parsed_trl_arguments_get_gradient_checkpointing_after_the_parse(tmp_path: Path):
+    source = '''
+def main(script_args, training_args):
+    trainer = SFTTrainer(model=script_args.model_name_or_path, args=training_args)
+    trainer.train()
+
+
+def make_parser():
+    from trl import ScriptArguments, SFTConfig, TrlParser
+
+    return TrlParser((ScriptArguments, SFTConfig))
+
+
+if __name__ == "__main__":
+    parser = make_parser()
+    script_args, training_args = parser.parse_args_and_config()
+    main(script_args, training_args)
+'''
+    path = write(tmp_path, source)
+
+    result = apply_skill("gradient-checkpointing", path)
+
+    assert added(result.diff) == ["training_args.gradient_checkpointing = True"]
+    assert "    script_args, training_args = parser.parse_args_and_config()\n    training_args.gradient_checkpointing = True\n" in path.read_text()
+    assert apply_skill("gradient-checkpointing", path).already_applied
+
+
+def test_a_framework_switch_behind_configuration_counts_as_there_and_says_so(tmp_path: Path):
+    source = '''
+def build(config, model):
+    parallelize(model, compile_config=config.compile, ac_config=config.activation_checkpoint)
+    if config.compile_loss:
+        loss_fn = torch.compile(loss_fn)
+'''
+    path = write(tmp_path, source)
+
+    compiled = apply_skill("torch-compile", path)
+    checkpointed = apply_skill("gradient-checkpointing", path)
+
+    assert "torch.compile at train.py:4 (behind `if config.compile_loss:`" in compiled.message
+    assert "`ac_config=config.activation_checkpoint` at train.py:2: turn it on" in checkpointed.message
