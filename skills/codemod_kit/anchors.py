@@ -80,9 +80,15 @@ def engine_class(recipe: Recipe) -> cst.ClassDef | None:
     return classes[0] if len(classes) == 1 else None
 
 
+_VERBS = {"save", "load", "eval", "evaluate", "train", "get", "set", "unwrap", "wrap", "create", "build", "setup",
+          "make", "init", "prepare", "update", "compute", "run", "log", "print", "push", "export", "freeze"}
+
+
 def model_like(name: str) -> bool:
-    """``model``, ``self._model``, ``netG``, ``policy``: a name that holds a model."""
-    return bool(_MODEL_NAME.match(name.rsplit(".", 1)[-1]))
+    """``model``, ``self._model``, ``netG``, ``policy``: a name that holds a model (not
+    ``save_model``, ``self._setup_model``: functions)."""
+    last = name.rsplit(".", 1)[-1]
+    return bool(_MODEL_NAME.match(last)) and last.lstrip("_").split("_")[0].lower() not in _VERBS
 
 
 def _model_kind(recipe: Recipe, call: cst.Call, depth: int = 0, target: str = "") -> ModelKind | None:

@@ -78,6 +78,11 @@ def find_model(recipe: Recipe, skill: str, target: str | None = None) -> ModelAn
         trained = [c for c in candidates if anchors.passed_to_optimizer(recipe, c.outer or c.target_code)]
         if trained:
             candidates = trained
+    if len(candidates) > 1:  # the model that owns the optimizer it steps (self.policy.optimizer.step())
+        receivers = [r for _, r in anchors.optimizer_step_calls(recipe)]
+        owners = [c for c in candidates if any(r.startswith((c.outer or c.target_code) + ".") for r in receivers)]
+        if owners:
+            candidates = owners
     if len(candidates) > 1:
         looping = [c for c in candidates if _in_loop_class(recipe, c)]
         if looping:
@@ -197,10 +202,12 @@ def set_up_by_base_class(recipe: Recipe) -> list[ModelAnchor]:
     found = []
     for call in recipe.calls():
         func = call.func
-        if not (isinstance(func, cst.Attribute) and isinstance(func.value, cst.Call)
-                and dotted_name(func.value.func) == "super" and anchors.factory_name(func.attr.value)):
+        if not (isinstance(func, cst.Attribute) and anchors.factory_name(func.attr.value)):
             continue
         cls = recipe.enclosing_class(call)
+        inherited = dotted_name(func.value) == "self" and cls is not None and func.attr.value not in recipe.methods(cls)
+        if not (isinstance(func.value, cst.Call) and dotted_name(func.value.func) == "super") and not inherited:
+            continue
         statement = recipe.statement_of(call)
         suite = recipe.parent(statement)
         if cls is None or not isinstance(statement, cst.SimpleStatementLine) or not isinstance(suite, cst.IndentedBlock):

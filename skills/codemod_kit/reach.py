@@ -183,6 +183,13 @@ def _walk_value(recipe: Recipe, value: cst.BaseExpression, path: str, found: Mod
     if name in LINEAR:
         found.linears.append(path)
         return
+    if name == "torch.nn.Transformer":  # its encoder's and decoder's layers
+        for part, default in (("encoder", 6), ("decoder", 6)):
+            arg = anchors.keyword(value, f"num_{part}_layers")
+            count = int(arg.value.value) if arg is not None and isinstance(arg.value, cst.Integer) else None
+            text = str(count) if count is not None else (f"`{recipe.code(arg.value)}`" if arg else f"{default} (default)")
+            found.containers.append(Container(f"{path}.{part}.layers", "ModuleList", count, text, None))
+        return
     if name in TRANSFORMER_STACKS:  # nn.TransformerEncoder(layer, num_layers): its .layers
         count_arg = value.args[1].value if len(value.args) > 1 else None
         count = int(count_arg.value) if isinstance(count_arg, cst.Integer) else None

@@ -23,13 +23,13 @@ FLASH = "flash_attention_2"
 
 
 class Params(SkillParams):
-    target: str | None = pointing.target_field()
     packed_sequences: bool = Field(
         True,
         description="Send rows whose position ids restart (packed documents, no attention mask) to "
         "FlashAttention's variable-length kernel, so tokens attend only within their document. Off: "
         "transformers does that only for a batch of one row.",
     )
+    target: str | None = pointing.target_field()
 
 
 HELPER = '''

@@ -26,7 +26,6 @@ FLAG = "fused_linear_cross_entropy"
 
 
 class Params(SkillParams):
-    target: str | None = pointing.target_field()
     rope: bool = Field(True, description="Liger's rotary position embedding kernel.")
     swiglu: bool = Field(True, description="Liger's fused SwiGLU MLP (for families with a SwiGLU MLP).")
     rms_norm: bool = Field(True, description="Liger's fused RMSNorm.")
@@ -37,6 +36,7 @@ class Params(SkillParams):
         "codemod can route through the model's forward (labels= passed to the model, or an engine "
         "recipe that sums F.cross_entropy over .logits); otherwise it stays off, with a note.",
     )
+    target: str | None = pointing.target_field()
 
 
 HELPER = '''

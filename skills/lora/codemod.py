@@ -28,7 +28,6 @@ SKILL = "lora"
 
 
 class Params(SkillParams):
-    target: str | None = pointing.target_field()
     rank: int = Field(8, ge=1, description="Rank r of the adapters (LoraConfig.r).")
     alpha: float = Field(16, gt=0, description="Scale numerator: updates are scaled by alpha / r.")
     dropout: float = Field(0.0, ge=0, lt=1, description="Dropout on the adapters' input.")
@@ -37,6 +36,7 @@ class Params(SkillParams):
         description="Names of the nn.Linear layers to adapt (e.g. ['q_proj', 'v_proj']); default: "
         "every nn.Linear inside the transformer blocks (the output head is left alone).",
     )
+    target: str | None = pointing.target_field()
 
 
 HELPER = '''

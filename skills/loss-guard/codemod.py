@@ -22,8 +22,6 @@ SKILL = "loss-guard"
 
 
 class Params(SkillParams):
-    target: str | None = pointing.target_field()
-    loop: str | None = pointing.loop_field()
     max_bad_steps: int = Field(5, ge=1, description="Stop the run after this many bad steps in a row.")
     spike_factor: float | None = Field(
         3.0,
@@ -34,6 +32,8 @@ class Params(SkillParams):
     warmup_steps: int = Field(
         10, ge=0, description="Good steps to see before spikes are judged (early losses fall fast)."
     )
+    target: str | None = pointing.target_field()
+    loop: str | None = pointing.loop_field()
 
 
 GUARD_CLASS = '''

@@ -32,13 +32,13 @@ AUTOCAST = (
 
 
 class Params(SkillParams):
-    target: str | None = pointing.target_field()
-    loop: str | None = pointing.loop_field()
     dtype: Literal["bfloat16"] = Field(
         "bfloat16",
         description="Compute dtype of autocast regions. Only bfloat16: it keeps float32's range, "
         "so no loss scaling is needed (float16 would need a GradScaler around backward and step).",
     )
+    target: str | None = pointing.target_field()
+    loop: str | None = pointing.loop_field()
 
 
 def _device_type(recipe: Recipe, call: cst.Call, model: str | None) -> cst.BaseExpression:

@@ -37,7 +37,6 @@ DROPPED = ("foreach", "fused")  # performance switches of torch's AdamW; MuonWit
 
 
 class Params(SkillParams):
-    target: str | None = pointing.target_field()
     momentum: float = Field(0.95, ge=0, lt=1, description="Muon's momentum coefficient.")
     nesterov: bool = Field(True, description="Nesterov momentum for the Muon matrices.")
     ns_steps: int = Field(
@@ -50,6 +49,7 @@ class Params(SkillParams):
         "where it measures faster than torch's matmuls (torch's elsewhere). Off by default: about "
         "110 more lines in the recipe, for a speed-up not yet measured on a GPU (bench/gpu.py does).",
     )
+    target: str | None = pointing.target_field()
 
 
 NEWTON_SCHULZ = '''

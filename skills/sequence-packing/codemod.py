@@ -33,14 +33,14 @@ HELPER_NAMES = ("first_fit_decreasing", "pack_pieces", "collate_packed")
 
 
 class Params(SkillParams):
-    target: str | None = pointing.target_field()
-    loop: str | None = pointing.loop_field()
     seq_len: int | None = Field(
         None,
         ge=2,
         description="Positions per packed row; default: the recipe's own sequence length (the "
         "argument its collate function receives).",
     )
+    target: str | None = pointing.target_field()
+    loop: str | None = pointing.loop_field()
 
 
 FIRST_FIT_DECREASING = '''

@@ -42,13 +42,13 @@ LLAMA_PLAN: dict[str, Literal["colwise", "rowwise"]] = {
 
 
 class Params(SkillParams):
-    target: str | None = pointing.target_field()
     plan: dict[str, Literal["colwise", "rowwise"]] = Field(
         default_factory=lambda: dict(LLAMA_PLAN),
         description="Sub-module of a transformer block → 'colwise' (split output features) or "
         "'rowwise' (split input features, all-reduce the output). The default fits Llama, "
         "Mistral, Qwen2 and other Hugging Face decoders with q/k/v/o and gate/up/down projections.",
     )
+    target: str | None = pointing.target_field()
 
     @field_validator("plan")
     @classmethod

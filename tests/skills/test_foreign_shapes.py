@@ -672,3 +672,56 @@ def build(config, model):
 
     assert "torch.compile at train.py:4 (behind `if config.compile_loss:`" in compiled.message
     assert "`ac_config=config.activation_checkpoint` at train.py:2: turn it on" in checkpointed.message
+
+
+def test_inherited_setup_and_the_model_that_owns_the_stepped_optimizer(tmp_path: Path):
+    source = '''
+import torch as th
+
+
+class DQN(OffPolicyAlgorithm):
+    def __init__(self, policy, env, _init_setup_model=True):
+        super().__init__(policy, env)
+        if _init_setup_model:
+            self._setup_model()
+
+    def _create_aliases(self) -> None:
+        self.q_net = self.policy.q_net
+
+    def train(self) -> None:
+        for _ in range(self.gradient_steps):
+            current_q_values = self.q_net(replay_data.observations)
+            loss = th.nn.functional.smooth_l1_loss(current_q_values, target_q_values)
+            self.policy.optimizer.zero_grad()
+            loss.backward()
+            th.nn.utils.clip_grad_norm_(self.policy.parameters(), self.max_grad_norm)
+            self.policy.optimizer.step()
+            self.save_model("x")
+'''
+    path = write(tmp_path, source)
+
+    result = apply_skill("torch-compile", path)
+
+    assert "        if _init_setup_model:\n            self._setup_model()\n            self.policy.compile(" in path.read_text()
+    assert result.acts_on.startswith("compiles the whole model `self.policy`")
+
+
+def test_nn_transformer_layers_are_blocks(tmp_path: Path):
+    source = '''
+import torch.nn as nn
+
+
+class Seq2Seq(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.transformer = nn.Transformer(d_model=16, nhead=2, num_encoder_layers=2, num_decoder_layers=3)
+
+
+model = Seq2Seq()
+'''
+    result = apply_skill("gradient-checkpointing", write(tmp_path, source))
+
+    assert result.acts_on == (
+        "wraps the blocks of the largest (by parameters, at run time) of `model.transformer.encoder.layers` "
+        "(2 blocks), `model.transformer.decoder.layers` (3 blocks)"
+    )
