@@ -42,6 +42,7 @@ class Container:
     count_text: str  # "4", "`config.n_layer`", "3 (`depth`'s default)", "?"
     block_class: cst.ClassDef | None  # the local class of the blocks, when one
     elements_known: bool = True  # False when the blocks are added elsewhere (append, *layers)
+    builtin: bool = False  # torch.nn's own layers (nn.TransformerEncoder's): dynamo skips compiling them alone
 
 
 @dataclass
@@ -188,13 +189,13 @@ def _walk_value(recipe: Recipe, value: cst.BaseExpression, path: str, found: Mod
             arg = anchors.keyword(value, f"num_{part}_layers")
             count = int(arg.value.value) if arg is not None and isinstance(arg.value, cst.Integer) else None
             text = str(count) if count is not None else (f"`{recipe.code(arg.value)}`" if arg else f"{default} (default)")
-            found.containers.append(Container(f"{path}.{part}.layers", "ModuleList", count, text, None))
+            found.containers.append(Container(f"{path}.{part}.layers", "ModuleList", count, text, None, builtin=True))
         return
     if name in TRANSFORMER_STACKS:  # nn.TransformerEncoder(layer, num_layers): its .layers
         count_arg = value.args[1].value if len(value.args) > 1 else None
         count = int(count_arg.value) if isinstance(count_arg, cst.Integer) else None
         text = str(count) if count is not None else (f"`{recipe.code(count_arg)}`" if count_arg is not None else "?")
-        found.containers.append(Container(f"{path}.layers", "ModuleList", count, text, None))
+        found.containers.append(Container(f"{path}.layers", "ModuleList", count, text, None, builtin=True))
         return
     if name in MODULE_DICT:
         for key, item in _dict_items(value):

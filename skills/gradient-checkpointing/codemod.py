@@ -128,19 +128,24 @@ def apply(recipe: Recipe, params: Params) -> Edits | AlreadyApplied:
     for name in ("CheckpointImpl", "apply_activation_checkpointing", "checkpoint_wrapper"):
         edits.add_import(WRAPPER_MODULE, name)
     edits.add_import("torch")
-    arguments = ["{model}"]
-    if params.every != 1:
-        arguments.append(f"every={params.every}")
-    if target is not None:
-        arguments.append(f"target={reach.target_code(found, target)}")
-    call = templates.statement(
-        recipe.module,
-        f"checkpoint_blocks({', '.join(arguments)}{gpu_guard.warn_argument(recipe, model)})",
-        model=model.target,
-    )
-    stages.insert_stage(recipe, edits, model, stages.ACTIVATION_CHECKPOINTING, [call])
+    # torch.nn.Transformer has two stacks of built-in layers: checkpoint both
+    targets = [target] if target is not None or not found.containers or not all(c.builtin for c in found.containers) \
+        else found.containers
+    calls = []
+    for each in targets:
+        arguments = ["{model}"]
+        if params.every != 1:
+            arguments.append(f"every={params.every}")
+        if each is not None:
+            arguments.append(f"target={reach.target_code(found, each)}")
+        calls.append(templates.statement(
+            recipe.module,
+            f"checkpoint_blocks({', '.join(arguments)}{gpu_guard.warn_argument(recipe, model)})",
+            model=model.target,
+        ))
+    stages.insert_stage(recipe, edits, model, stages.ACTIVATION_CHECKPOINTING, calls)
     every = "" if params.every == 1 else f"every {params.every}th of "
-    edits.acts_on = f"wraps {every}{reach.describe_blocks(found, target)}"
+    edits.acts_on = f"wraps {every}" + " and ".join(reach.describe_blocks(found, each) for each in targets)
     return edits
 
 
@@ -174,10 +179,13 @@ def _parsed_arguments(recipe: Recipe) -> Edits | AlreadyApplied | None:
         if any(recipe.code(t.target) == f"{name}.gradient_checkpointing" for t in assign.targets for _, name in parsed):
             return AlreadyApplied(f"`{recipe.code(assign)}` at {recipe.where(assign)}")
     edits = Edits(recipe)
-    for statement, name in parsed:
-        edits.insert_after(statement, [templates.statement(recipe.module, f"{name}.gradient_checkpointing = True")])
+    for statement, name in parsed:  # transformers ≥ 5 reads activation_checkpointing, earlier ones the alias
+        edits.insert_after(statement, templates.statements(
+            recipe.module, f"{name}.gradient_checkpointing = True\n{name}.activation_checkpointing = True\n"
+        ))
     edits.acts_on = (
-        f"sets `{parsed[0][1]}.gradient_checkpointing = True` after the arguments are parsed "
+        f"sets `{parsed[0][1]}.gradient_checkpointing = True` (and `activation_checkpointing`, its name in "
+        "transformers 5) after the arguments are parsed "
         f"({', '.join(recipe.where(s) for s, _ in parsed)}): the Trainer checkpoints every decoder layer"
     )
     return edits

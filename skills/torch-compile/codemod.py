@@ -109,14 +109,18 @@ def apply(recipe: Recipe, params: Params) -> Edits | AlreadyApplied:
     if params.dynamic is not None:
         options.append(f"dynamic={params.dynamic}")
     found = reach.shape(recipe, model)
-    unseen = (  # a class the codemod cannot see may have no repeated blocks
-        found.cls is None and not found.hf and reach.resolve_target(recipe, SKILL, found, params.target) is None
+    named = reach.resolve_target(recipe, SKILL, found, params.target)
+    unseen = (  # a class the codemod cannot see may have no repeated blocks; torch.nn's own layers
+        named is None and not found.hf and (  # are skipped by dynamo when compiled one by one
+            found.cls is None or (bool(found.containers) and all(c.builtin for c in found.containers))
+        )
     )
     if params.scope == "model" or unseen:
         call = templates.statement(recipe.module, f"{{model}}.compile({', '.join(options)})", model=model.target)
         edits.acts_on = f"compiles the whole model `{model.target_code}` ({model.builder})" + (
-            f": its class is not visible to the codemod (built by {model.builder}(...)), so it may have no "
-            "repeated blocks; name its blocks with `target` to compile them one by one" if unseen else ""
+            (f": its class is not visible to the codemod (built by {model.builder}(...)), so it may have no "
+             "repeated blocks; name its blocks with `target` to compile them one by one" if found.cls is None else
+             ": its blocks are torch.nn's own layers, which torch.compile does not trace one by one") if unseen else ""
         )
     else:
         target = reach.resolve_target(recipe, SKILL, found, params.target)

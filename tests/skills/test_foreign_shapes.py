@@ -596,6 +596,7 @@ model = Transformer(16, 2)
     result = apply_skill("gradient-checkpointing", path)
 
     assert result.acts_on == "wraps `nlayers` blocks of `model.transformer.layers`"
+    assert added(result.diff)[-1] == "checkpoint_blocks(model, target=model.transformer.layers)"
     with pytest.raises(SkillRefused, match=r"its submodules are `transformer`, `decoder`$"):
         apply_skill("freeze", path, {"embeddings": False, "first_blocks": 1, "target": "model.ninp2"})
 
@@ -653,7 +654,7 @@ if __name__ == "__main__":
 
     result = apply_skill("gradient-checkpointing", path)
 
-    assert added(result.diff) == ["training_args.gradient_checkpointing = True"]
+    assert added(result.diff) == ["training_args.gradient_checkpointing = True", "training_args.activation_checkpointing = True"]
     assert "    script_args, training_args = parser.parse_args_and_config()\n    training_args.gradient_checkpointing = True\n" in path.read_text()
     assert apply_skill("gradient-checkpointing", path).already_applied
 
@@ -721,7 +722,14 @@ model = Seq2Seq()
 '''
     result = apply_skill("gradient-checkpointing", write(tmp_path, source))
 
+    path = tmp_path / "train.py"
     assert result.acts_on == (
-        "wraps the blocks of the largest (by parameters, at run time) of `model.transformer.encoder.layers` "
-        "(2 blocks), `model.transformer.decoder.layers` (3 blocks)"
+        "wraps 2 blocks of `model.transformer.encoder.layers` and 3 blocks of `model.transformer.decoder.layers`"
     )
+    assert added(result.diff)[-2:] == [
+        "checkpoint_blocks(model, target=model.transformer.encoder.layers)",
+        "checkpoint_blocks(model, target=model.transformer.decoder.layers)",
+    ]
+    compiled = apply_skill("torch-compile", path)
+    assert added(compiled.diff) == ['model.compile(mode="default")']
+    assert "torch.nn's own layers" in compiled.acts_on
