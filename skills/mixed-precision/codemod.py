@@ -98,8 +98,10 @@ def _existing_autocast(recipe: Recipe) -> cst.Call | None:
         if enabled is None or recipe.code(enabled.value) != "False":
             return call
     for call in recipe.calls():
-        name = dotted_name(call.func).rsplit(".", 1)[-1].lower()
-        if "autocast" in name and isinstance(recipe.parent(call), cst.WithItem):
+        owner, _, name = dotted_name(call.func).rpartition(".")
+        if "autocast" in name.lower() and isinstance(recipe.parent(call), cst.WithItem):
+            if owner.rsplit(".", 1)[-1].lower() in ("accelerator", "fabric"):
+                continue  # autocasts only as the Accelerator/Fabric's precision says: that switch decides
             return call
     return None
 
