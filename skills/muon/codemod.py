@@ -376,11 +376,19 @@ def apply(recipe: Recipe, params: Params) -> Edits | AlreadyApplied:
         _add_prepare_optimizer(recipe, edits, engine, params)
         anchor: cst.CSTNode = engine
     else:
+        if len(adam) > 1:  # the one that gets the model's parameters
+            name = model.outer or model.target_code
+            mine = [c for c in adam if any(
+                recipe.code(a.value) == name or f"{name}.parameters(" in recipe.code(a.value)
+                or f"{name}.named_parameters(" in recipe.code(a.value) for a in c.args
+            )]
+            adam = mine if len(mine) == 1 else adam
         if len(adam) > 1:
-            places = ", ".join(recipe.where(c) for c in adam)
+            places = ", ".join(f"`{recipe.short(c, 50)}` at {recipe.where(c)}" for c in adam[: pointing.LISTED])
             raise SkillRefused(
                 f"{SKILL}: found several AdamW/Adam optimizers ({places}) and cannot tell which one trains "
-                "the model; apply the pattern by hand (SKILL.md: Doing it by hand)"
+                f"`{model.outer or model.target_code}`; name the model whose optimizer to replace with `target`, "
+                "or apply the pattern by hand (SKILL.md: Doing it by hand)"
             )
         _replace_constructor(recipe, edits, adam[0], params)
         anchor = adam[0]

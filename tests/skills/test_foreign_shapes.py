@@ -733,3 +733,13 @@ model = Seq2Seq()
     compiled = apply_skill("torch-compile", path)
     assert added(compiled.diff) == ['model.compile(mode="default")']
     assert "torch.nn's own layers" in compiled.acts_on
+
+
+def test_muon_replaces_the_optimizer_of_the_named_model_only(tmp_path: Path):
+    path = write(tmp_path, GAN.read_text().replace("torch.optim.Adam(", "torch.optim.AdamW("))
+
+    with pytest.raises(SkillRefused, match=r"found several model constructions \(`netG` at train.py:43"):
+        apply_skill("muon", path)
+    result = apply_skill("muon", path, {"target": "netG"})
+
+    assert [line for line in removed(result.diff)] == ["optG = torch.optim.AdamW(netG.parameters(), lr=2e-4)"]
