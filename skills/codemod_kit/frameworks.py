@@ -232,3 +232,25 @@ def config_switch(recipe: Recipe, feature: str) -> cst.Arg | None:
             if arg.keyword is not None and arg.keyword.value in names and isinstance(arg.value, (cst.Name, cst.Attribute)):
                 return arg
     return None
+
+
+def off_config_default(recipe: Recipe, words: tuple[str, ...]) -> cst.Arg | None:
+    """``cfg.get("enable_activation_checkpointing", False)``: a configuration key of the feature
+    whose default leaves it off (its ``False``)."""
+    for call in recipe.method_calls("get"):
+        args = [a for a in call.args if a.keyword is None]
+        if len(args) == 2 and isinstance(args[0].value, cst.SimpleString) and recipe.code(args[1].value) == "False":
+            key = args[0].value.evaluated_value
+            if isinstance(key, str) and any(word in key for word in words):
+                return args[1]
+    return None
+
+
+def turn_on_default(recipe: Recipe, edits: Edits, default: cst.Arg) -> str:
+    """``False`` → ``True`` in that ``get``; says what it changed."""
+    edits.replace(default.value, cst.Name("True"))
+    call = recipe.parent(default)
+    return (
+        f"makes True the default of `{recipe.short(call, 60)}` at {recipe.where(default)}, which turns the "
+        "pattern on (a configuration that sets it to false still turns it off)"
+    )

@@ -89,6 +89,13 @@ def apply(recipe: Recipe, params: Params) -> Edits | AlreadyApplied:
         c for m in CHECKPOINT_METHODS for c in recipe.method_calls(m)
     ]
     if existing:
+        default = frameworks.off_config_default(recipe, ("activation_checkpointing", "gradient_checkpointing"))
+        if default is not None and frameworks.behind(recipe, existing[0]):
+            edits = Edits(recipe)
+            edits.acts_on = frameworks.turn_on_default(recipe, edits, default) + (
+                f": activation checkpointing at {recipe.where(existing[0])}"
+            )
+            return edits
         return AlreadyApplied(
             f"activation checkpointing at {recipe.where(existing[0])}{frameworks.behind(recipe, existing[0])}"
         )

@@ -88,6 +88,11 @@ def _existing(recipe: Recipe):
 def apply(recipe: Recipe, params: Params) -> Edits | AlreadyApplied:
     existing = _existing(recipe)
     if existing is not None:
+        default = frameworks.off_config_default(recipe, ("compile",))
+        if default is not None and frameworks.behind(recipe, existing):
+            edits = Edits(recipe)
+            edits.acts_on = frameworks.turn_on_default(recipe, edits, default) + f": torch.compile at {recipe.where(existing)}"
+            return edits
         return AlreadyApplied(f"torch.compile at {recipe.where(existing)}{frameworks.behind(recipe, existing)}")
     switch = frameworks.config_switch(recipe, "compile")
     if switch is not None and params.target is None:

@@ -743,3 +743,32 @@ def test_muon_replaces_the_optimizer_of_the_named_model_only(tmp_path: Path):
     result = apply_skill("muon", path, {"target": "netG"})
 
     assert [line for line in removed(result.diff)] == ["optG = torch.optim.AdamW(netG.parameters(), lr=2e-4)"]
+
+
+def test_a_pattern_behind_a_config_key_that_is_off_by_default_gets_it_on(tmp_path: Path):
+    source = '''
+from torchtune import config, training
+
+
+class Recipe:
+    def __init__(self, cfg):
+        self._compile = cfg.get("compile", False)
+        self._enable_activation_checkpointing = cfg.get("enable_activation_checkpointing", False)
+
+    def _setup_model(self, cfg_model, enable_activation_checkpointing, compile_model):
+        model = config.instantiate(cfg_model)
+        if compile_model:
+            training.compile_model(model)
+        if enable_activation_checkpointing:
+            training.set_activation_checkpointing(model, auto_wrap_policy={"TransformerSelfAttentionLayer"})
+        return model
+'''
+    path = write(tmp_path, source)
+
+    checkpointing = apply_skill("gradient-checkpointing", path)
+    compiled = apply_skill("torch-compile", path)
+
+    assert added(checkpointing.diff) == ['self._enable_activation_checkpointing = cfg.get("enable_activation_checkpointing", True)']
+    assert added(compiled.diff) == ['self._compile = cfg.get("compile", True)']
+    assert "a configuration that sets it to false still turns it off" in compiled.acts_on
+    assert apply_skill("torch-compile", path).already_applied
