@@ -18,15 +18,37 @@ from typing import Literal
 import libcst as cst
 
 from skills.codemod_kit.recipe import Recipe, Suite, dotted_name
-from skills.errors import SkillRefused
 
 ENGINE_BASES = ("engine.engine.Engine", "engine.Engine")
 NN_MODULE = ("torch.nn.Module", "torch.nn.modules.module.Module")
+LIGHTNING_MODULE = (
+    "lightning.LightningModule",
+    "lightning.pytorch.LightningModule",
+    "pytorch_lightning.LightningModule",
+    "lightning.pytorch.core.LightningModule",
+    "pytorch_lightning.core.LightningModule",
+)
+MODULE_BASES = NN_MODULE + LIGHTNING_MODULE
 HF_PRETRAINED = ("transformers.PreTrainedModel", "transformers.modeling_utils.PreTrainedModel")
 _HF_MODEL_CLASS = re.compile(r"(Model|For[A-Za-z]+)$")
 _CHAIN_METHODS = {"to", "cuda", "cpu", "float", "bfloat16", "half", "train", "to_empty"}
+_HF_LOADERS = {"from_pretrained", "from_config", "_from_config"}
+# Functions that build a model and whose class the codemod cannot see: build_model, setup_model,
+# self._setup_model, timm.create_model, get_model, load_model; config.instantiate(cfg.model) when
+# assigned to a model-like name.
+_FACTORY = re.compile(
+    r"^_*(setup|build|create|get|load|make|init|initialize|instantiate|prepare|construct)(_[a-z0-9]+)*"
+    r"_(model|net|network|transformer|gpt|llm|lm|policy)$",
+    re.I,
+)
+_MODEL_NAME = re.compile(
+    r"^_*([a-z0-9]+_)*(model|net|network|policy|generator|discriminator|critic|actor|gpt|llm|lm|transformer|student"
+    r"|teacher)([A-Z][a-z]*|\d*)$",
+    re.I,
+)
+_LIBRARY_ROOTS = {"torch", "transformers", "peft", "trl", "accelerate", "lightning", "pytorch_lightning", "deepspeed"}
 
-ModelKind = Literal["hf", "custom"]
+ModelKind = Literal["hf", "custom", "factory"]
 
 
 def unwrap_chain(expression: cst.BaseExpression) -> cst.BaseExpression:
@@ -43,13 +65,14 @@ def unwrap_chain(expression: cst.BaseExpression) -> cst.BaseExpression:
 
 @dataclass
 class ModelAnchor:
-    statement: cst.SimpleStatementLine
+    statement: cst.BaseStatement  # the construction (an if/else that builds it in each branch)
     target: cst.BaseExpression  # Name("model") or Attribute(self.model)
     call: cst.Call
     kind: ModelKind
     builder: str  # the name the construction calls, for messages
     suite: Suite
     target_code: str
+    outer: str = ""  # ``self._model`` for ``self._model = self._setup_model()`` that returns this one
 
 
 def engine_class(recipe: Recipe) -> cst.ClassDef | None:
@@ -57,39 +80,79 @@ def engine_class(recipe: Recipe) -> cst.ClassDef | None:
     return classes[0] if len(classes) == 1 else None
 
 
-def _model_kind(recipe: Recipe, call: cst.Call, depth: int = 0) -> ModelKind | None:
+_VERBS = {"save", "load", "eval", "evaluate", "train", "get", "set", "unwrap", "wrap", "create", "build", "setup",
+          "make", "init", "prepare", "update", "compute", "run", "log", "print", "push", "export", "freeze"}
+
+
+def model_like(name: str) -> bool:
+    """``model``, ``self._model``, ``netG``, ``policy``: a name that holds a model (not
+    ``save_model``, ``self._setup_model``: functions)."""
+    last = name.rsplit(".", 1)[-1]
+    return bool(_MODEL_NAME.match(last)) and last.lstrip("_").split("_")[0].lower() not in _VERBS
+
+
+def _model_kind(recipe: Recipe, call: cst.Call, depth: int = 0, target: str = "") -> ModelKind | None:
     name = recipe.call_name(call)
     if not name:
         return None
     parts = name.split(".")
+    if parts[-1] in _HF_LOADERS and len(parts) > 1:
+        return "hf" if _HF_MODEL_CLASS.search(parts[-2]) else None
     if parts[0] == "transformers":
-        cls = parts[-2] if parts[-1] in {"from_pretrained", "from_config", "_from_config"} else parts[-1]
-        return "hf" if _HF_MODEL_CLASS.search(cls) else None
+        return "hf" if _HF_MODEL_CLASS.search(parts[-1]) else None
     local_classes = recipe.top_level_classes()
     if name in local_classes:
         cls = local_classes[name]
         if cls in recipe.subclasses(*HF_PRETRAINED):
             return "hf"
-        if cls in recipe.subclasses(*NN_MODULE):
+        if cls in recipe.subclasses(*MODULE_BASES):
             return "custom"
         return None
-    functions = recipe.top_level_functions()
-    if name in functions and depth == 0:
+    function = recipe.top_level_functions().get(name)
+    if function is None and parts[0] == "self" and len(parts) == 2:
+        cls = recipe.enclosing_class(call)
+        function = recipe.methods(cls).get(parts[1]) if cls is not None else None
+    if function is not None and depth == 0:
         kinds = set()
-        for ret in recipe.returns_of(functions[name]):
+        for ret in recipe.returns_of(function):
             if ret.value is not None:
                 inner = unwrap_chain(ret.value)
                 if isinstance(inner, cst.Call):
                     kind = _model_kind(recipe, inner, depth + 1)
                     if kind:
                         kinds.add(kind)
+                elif isinstance(inner, (cst.Name, cst.Attribute)):
+                    kinds.update(c.kind for c in _constructions(recipe, function, dotted_name(inner)))
         if kinds:
-            return "hf" if kinds == {"hf"} else "custom"
+            return "hf" if kinds == {"hf"} else "custom" if "custom" in kinds else "factory"
+    if parts[0] in _LIBRARY_ROOTS and parts[-1] != "create_model":
+        return None
+    if _FACTORY.match(parts[-1]):
+        return "factory"
+    if target and model_like(target):
+        if parts[-1] == "instantiate":
+            return "factory"
+        local = dotted_name(call.func)
+        imported = recipe.imports.get(local.split(".")[0], "")
+        if local.count(".") <= 1 and imported and imported.split(".")[0] not in _LIBRARY_ROOTS and parts[-1][:1].isupper():
+            return "factory"  # model = GPT(config) with GPT imported from the project's model.py
     return None
 
 
-def model_candidates(recipe: Recipe) -> list[ModelAnchor]:
-    """Assignments that build a model, leaving out sub-modules built inside model classes."""
+def _constructions(recipe: Recipe, function: cst.FunctionDef, name: str) -> list[ModelAnchor]:
+    return [c for c in _all_constructions(recipe) if c.target_code == name and recipe.is_inside(c.statement, function)]
+
+
+def _all_constructions(recipe: Recipe) -> list[ModelAnchor]:
+    cached = getattr(recipe, "_model_constructions", None)
+    if cached is None:
+        cached = []
+        recipe._model_constructions = cached  # type: ignore[attr-defined]  # guards the recursion too
+        cached.extend(_scan_constructions(recipe))
+    return cached
+
+
+def _scan_constructions(recipe: Recipe) -> list[ModelAnchor]:
     found = []
     module_classes = set(recipe.subclasses(*NN_MODULE, *HF_PRETRAINED))
     for assign in recipe.assigns():
@@ -103,8 +166,11 @@ def model_candidates(recipe: Recipe) -> list[ModelAnchor]:
         value = unwrap_chain(assign.value)
         if not isinstance(value, cst.Call):
             continue
-        kind = _model_kind(recipe, value)
-        if kind is None:
+        target_code = recipe.code(target)
+        if any(dotted_name(a.value) == target_code for a in value.args):
+            continue  # model = get_peft_model(model, ...): a stage of the model, not its construction
+        kind = _model_kind(recipe, value, target=target_code)
+        if kind is None or (kind == "factory" and not _used_as_model(recipe, target_code)):
             continue
         statement = recipe.parent(assign)
         if not isinstance(statement, cst.SimpleStatementLine) or len(statement.body) != 1:
@@ -120,10 +186,100 @@ def model_candidates(recipe: Recipe) -> list[ModelAnchor]:
                 kind=kind,
                 builder=recipe.call_name(value).split(".")[-1],
                 suite=suite,
-                target_code=recipe.code(target),
+                target_code=target_code,
             )
         )
-    return found
+    return _merge_branches(recipe, found)
+
+
+_MODEL_METHODS = {"parameters", "named_parameters", "train", "eval", "to", "cuda", "compile", "state_dict", "load_state_dict", "modules",
+                  "named_modules", "zero_grad", "requires_grad_", "gradient_checkpointing_enable"}
+
+
+def factory_name(name: str) -> bool:
+    """``build_model``, ``_setup_model``, ``create_model``: a function that builds a model."""
+    return bool(_FACTORY.match(name))
+
+
+def _used_as_model(recipe: Recipe, name: str) -> bool:
+    return name in model_uses(recipe)
+
+
+def model_uses(recipe: Recipe) -> set[str]:
+    """Names used as a model: called (``model(x)``), asked for their parameters or modules, or
+    handed to a wrapper (``fabric.setup(model)``, ``accelerator.prepare(model, ...)``)."""
+    uses = getattr(recipe, "_model_uses", None)
+    if uses is None:
+        uses = set()
+        for call in recipe.calls():
+            func = call.func
+            uses.add(dotted_name(func))
+            if isinstance(func, cst.Attribute) and func.attr.value in _MODEL_METHODS:
+                uses.add(dotted_name(func.value))
+            if isinstance(func, cst.Attribute) and func.attr.value in {"setup", "prepare", "setup_module", "fit"} or (
+                dotted_name(func).rsplit(".", 1)[-1] in {"DistributedDataParallel", "DDP", "fully_shard", "FSDP"}
+            ):
+                uses.update(dotted_name(a.value) for a in call.args)
+        recipe._model_uses = uses  # type: ignore[attr-defined]
+    return uses
+
+
+def _merge_branches(recipe: Recipe, found: list[ModelAnchor]) -> list[ModelAnchor]:
+    """``if pretrained: model = X.from_pretrained(...) else: model = X.from_config(...)``: one
+    construction, the ``if`` statement, so that later stages go after both branches."""
+    merged: list[ModelAnchor] = []
+    for anchor in found:
+        same = next((m for m in merged if m.target_code == anchor.target_code), None)
+        if same is not None:
+            common = _common_if(recipe, same.statement, anchor.statement)
+            if common is not None:
+                suite = recipe.parent(common)
+                if isinstance(suite, (cst.Module, cst.IndentedBlock)):
+                    same.statement, same.suite = common, suite
+                    if same.kind != anchor.kind:
+                        same.kind = "hf" if {same.kind, anchor.kind} == {"hf"} else "factory"
+                    continue
+        merged.append(anchor)
+    return merged
+
+
+def _common_if(recipe: Recipe, first: cst.CSTNode, second: cst.CSTNode) -> cst.If | None:
+    """The outermost ``if`` of the chain that holds both statements in different branches."""
+    outer_of_first = [a for a in recipe.ancestors(first) if isinstance(a, cst.If)]
+    for candidate in outer_of_first:
+        if recipe.is_inside(second, candidate):
+            top = candidate
+            while isinstance(recipe.parent(top), cst.Else) or isinstance(recipe.parent(top), cst.If):
+                top = recipe.parent(top)  # type: ignore[assignment]
+                while not isinstance(top, cst.If):
+                    top = recipe.parent(top)  # type: ignore[assignment]
+            return top
+    return None
+
+
+def model_candidates(recipe: Recipe) -> list[ModelAnchor]:
+    """Assignments that build a model, leaving out sub-modules built inside model classes. A
+    construction returned by a function of the file (``self._model = self._setup_model()``,
+    whose ``model = config.instantiate(...)`` is returned) stands for the outer assignment: the
+    change lands where the model is built, before the wrappers the function applies."""
+    found = list(_all_constructions(recipe))
+    replaced: set[int] = set()
+    for outer in found:
+        name = recipe.call_name(outer.call)
+        parts = name.split(".")
+        function = recipe.top_level_functions().get(name)
+        if function is None and parts[0] == "self" and len(parts) == 2:
+            cls = recipe.enclosing_class(outer.call)
+            function = recipe.methods(cls).get(parts[1]) if cls is not None else None
+        if function is None:
+            continue
+        for ret in recipe.returns_of(function):
+            inner_value = unwrap_chain(ret.value) if ret.value is not None else None
+            if isinstance(inner_value, (cst.Name, cst.Attribute)):
+                for inner in _constructions(recipe, function, dotted_name(inner_value)):
+                    inner.outer = outer.target_code
+                    replaced.add(id(outer))
+    return [c for c in found if id(c) not in replaced]
 
 
 MODEL_LOOKED_FOR = (
@@ -132,41 +288,7 @@ MODEL_LOOKED_FOR = (
 )
 
 
-def find_model(recipe: Recipe, skill: str, several: str = "") -> ModelAnchor:
-    """The one assignment that builds the trained model; refuses when there is none or several
-    (``several``: what the refusal suggests then, e.g. a parameter that names the model)."""
-    candidates = model_candidates(recipe)
-    engine = engine_class(recipe)
-    if engine is not None:
-        prepare = recipe.methods(engine).get("prepare_model")
-        inside = [c for c in candidates if prepare is not None and recipe.is_inside(c.statement, prepare)]
-        if inside:
-            candidates = inside
-    if len(candidates) > 1:
-        trained = [c for c in candidates if _passed_to_optimizer(recipe, c.target_code)]
-        if trained:
-            candidates = trained
-    if not candidates:
-        wrapped = _wrapped_construction(recipe)
-        if wrapped is not None:
-            wrapper, inner = wrapped
-            raise SkillRefused(
-                f"{skill}: the model is built inside a wrapper ({recipe.where(wrapper)}: "
-                f"`{recipe.short(wrapper)}`); a change to the model must land before wrappers such as "
-                f"DDP, FSDP or PrivacyEngine.make_private; build it on a line of its own "
-                f"(`model = {recipe.short(inner, 40)}`), wrap it on the next, then apply again"
-            )
-        raise SkillRefused(f"{skill}: looked for {MODEL_LOOKED_FOR} in {recipe.name}; found none")
-    if len(candidates) > 1:
-        places = ", ".join(f"`{c.target_code}` at {recipe.where(c.statement)}" for c in candidates)
-        raise SkillRefused(
-            f"{skill}: found several model constructions ({places}) and cannot tell which one is "
-            f"trained; {several.format(model=candidates[0].target_code) or 'apply the pattern by hand (SKILL.md: Doing it by hand)'}"
-        )
-    return candidates[0]
-
-
-def _wrapped_construction(recipe: Recipe) -> tuple[cst.Call, cst.Call] | None:
+def wrapped_construction(recipe: Recipe) -> tuple[cst.Call, cst.Call] | None:
     """``model = DDP(Net().to(device))``: a model construction passed straight to a wrapper."""
     for assign in recipe.assigns():
         value = unwrap_chain(assign.value)
@@ -174,20 +296,33 @@ def _wrapped_construction(recipe: Recipe) -> tuple[cst.Call, cst.Call] | None:
             continue
         for arg in value.args:
             inner = unwrap_chain(arg.value)
-            if isinstance(inner, cst.Call) and _model_kind(recipe, inner) is not None:
+            if isinstance(inner, cst.Call) and _model_kind(recipe, inner) in ("hf", "custom"):
                 if recipe.enclosing_class(assign) not in set(recipe.subclasses(*NN_MODULE, *HF_PRETRAINED)):
                     return value, inner
     return None
 
 
-def _passed_to_optimizer(recipe: Recipe, target_code: str) -> bool:
-    for call in optimizer_constructors(recipe):
-        if not call.args:
+def passed_to_optimizer(recipe: Recipe, target_code: str) -> bool:
+    """Are the model's parameters given to an optimizer (a torch.optim class, or any call that
+    names an optimizer: ``config.instantiate(cfg.optimizer, self._model.parameters())``)?"""
+    names = {target_code}
+    constructors = set(optimizer_constructors(recipe))
+    for call in recipe.calls():
+        if call not in constructors and not _names_an_optimizer(recipe, call):
             continue
-        first = recipe.code(call.args[0].value)
-        if f"{target_code}.parameters" in first or first == target_code:
-            return True
+        for arg in call.args:
+            text = recipe.code(arg.value)
+            for name in names:
+                if text == name or f"{name}.parameters(" in text or f"{name}.named_parameters(" in text:
+                    return True
     return False
+
+
+def _names_an_optimizer(recipe: Recipe, call: cst.Call) -> bool:
+    target = assignment_target(recipe, call)
+    if target is not None and "opt" in recipe.code(target).lower():
+        return True
+    return "optim" in recipe.code(call).lower()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -221,18 +356,35 @@ def assignment_target(recipe: Recipe, value: cst.CSTNode) -> cst.BaseExpression 
     return None
 
 
-def optimizer_step_calls(recipe: Recipe) -> list[tuple[cst.Call, str]]:
-    """``<optimizer>.step()`` calls whose receiver was assigned from an optimizer constructor."""
+_OPTIMIZER_NAME = re.compile(r"^_*(opt|optim|optimi[sz]er)(s|_\w+|[A-Z]\w*)?$")
+
+
+def optimizer_like(name: str) -> bool:
+    """``optimizer``, ``self._optimizer``, ``self.optimizers``, ``optD``, ``opt_g``."""
+    last = name.rsplit(".", 1)[-1]
+    return bool(_OPTIMIZER_NAME.match(last)) and "sched" not in last.lower()
+
+
+def optimizer_step_calls(recipe: Recipe, within: cst.CSTNode | None = None) -> list[tuple[cst.Call, str]]:
+    """Optimizer steps and the optimizer each steps: ``<optimizer>.step()`` on a name assigned
+    from an optimizer constructor or named like one (``self._optimizer``, ``self.optimizers``,
+    ``optD``), and ``scaler.step(optimizer)`` of a GradScaler."""
     names = set()
     for call in optimizer_constructors(recipe):
         target = assignment_target(recipe, call)
         if target is not None:
             names.add(dotted_name(target))
     found = []
-    for call in recipe.method_calls("step"):
+    for call in recipe.method_calls("step", within=within):
         receiver = dotted_name(call.func.value)  # type: ignore[attr-defined]
-        if receiver and receiver in names:
+        if not receiver:
+            continue
+        if receiver in names or (optimizer_like(receiver) and not call.args):
             found.append((call, receiver))
+        elif "scaler" in receiver.rsplit(".", 1)[-1].lower() and len(call.args) == 1:
+            optimizer = dotted_name(call.args[0].value)
+            if optimizer:
+                found.append((call, optimizer))
     return found
 
 
@@ -241,12 +393,15 @@ def optimizer_step_calls(recipe: Recipe) -> list[tuple[cst.Call, str]]:
 # ---------------------------------------------------------------------------------------------
 
 
-def forward_calls(recipe: Recipe, model: ModelAnchor) -> list[cst.Call]:
-    """Calls of the model object (``model(...)``, ``self.model(...)``)."""
-    receivers = {model.target_code}
+def forward_calls(recipe: Recipe, model: ModelAnchor, within: cst.CSTNode | None = None) -> list[cst.Call]:
+    """Calls of the model object (``model(...)``, ``self.model(...)``), inside ``within`` when given."""
+    receivers = {model.target_code} | ({model.outer} if model.outer else set())
     if engine_class(recipe) is not None:
         receivers.add("self.model")
-    return [c for c in recipe.calls() if dotted_name(c.func) in receivers]
+    return [
+        c for c in recipe.calls()
+        if dotted_name(c.func) in receivers and (within is None or recipe.is_inside(c, within))
+    ]
 
 
 def keyword(call: cst.Call, name: str) -> cst.Arg | None:

@@ -33,8 +33,8 @@ def warn_argument(recipe: Recipe, model: ModelAnchor) -> str:
 def require_hf_model(recipe: Recipe, skill: str, model: ModelAnchor, why: str) -> None:
     if model.kind != "hf":
         raise SkillRefused(
-            f"{skill}: the model is built by {model.builder}(...) ({recipe.where(model.statement)}), a module "
-            f"defined in the file; {why}"
+            f"{skill}: the model is built by {model.builder}(...) ({recipe.where(model.statement)}), "
+            f"{'a module defined in the file' if model.kind == 'custom' else 'not a Hugging Face class the codemod can see'}; {why}"
         )
 
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import libcst as cst
 
-from skills.codemod_kit import anchors
+from skills.codemod_kit import anchors, pointing
 from skills.codemod_kit.anchors import ModelAnchor
 from skills.codemod_kit.recipe import Recipe, dotted_name
 from skills.errors import SkillRefused
@@ -30,6 +30,7 @@ MODULE_LIST = ("torch.nn.ModuleList",)
 SEQUENTIAL = ("torch.nn.Sequential",)
 MODULE_DICT = ("torch.nn.ModuleDict",)
 LINEAR = ("torch.nn.Linear",)
+TRANSFORMER_STACKS = ("torch.nn.TransformerEncoder", "torch.nn.TransformerDecoder")
 _DEPTH = 4
 
 
@@ -41,6 +42,7 @@ class Container:
     count_text: str  # "4", "`config.n_layer`", "3 (`depth`'s default)", "?"
     block_class: cst.ClassDef | None  # the local class of the blocks, when one
     elements_known: bool = True  # False when the blocks are added elsewhere (append, *layers)
+    builtin: bool = False  # torch.nn's own layers (nn.TransformerEncoder's): dynamo skips compiling them alone
 
 
 @dataclass
@@ -55,6 +57,8 @@ class ModelShape:
     attributes: list[str] = field(default_factory=list)  # the model class's own submodules
 
     hf_class: str = ""  # the Hugging Face class the model is built from
+    opaque: list[str] = field(default_factory=list)  # submodules built by classes the codemod cannot see
+    owner: Recipe | None = None  # the file that defines ``cls`` (a sibling module: model.py)
 
     @property
     def name(self) -> str:
@@ -80,14 +84,49 @@ def model_class(recipe: Recipe, model: ModelAnchor) -> cst.ClassDef | None:
 
 
 def shape(recipe: Recipe, model: ModelAnchor) -> ModelShape:
-    cls = model_class(recipe, model)
-    found = ModelShape(model=model, cls=cls, hf=model.kind == "hf")
+    owner, cls = recipe, model_class(recipe, model)
+    hf = model.kind == "hf"
+    if cls is None and model.kind == "factory":
+        sibling = sibling_class(recipe, model.call)
+        if sibling is not None:
+            owner, cls = sibling
+            hf = cls in owner.subclasses(*anchors.HF_PRETRAINED)
+    found = ModelShape(model=model, cls=cls, hf=hf, owner=owner)
     if found.hf:
-        found.hf_class = _hf_class(recipe, model.call)
+        found.hf_class = cls.name.value if cls is not None else _hf_class(recipe, model.call)
     if cls is not None and not found.hf:
-        found.attributes = list(_attributes(recipe, cls))
-        _walk_class(recipe, cls, "", found, 0)
+        found.attributes = [n for n, v in _attributes(owner, cls).items() if _builds_module(v)]
+        _walk_class(owner, cls, "", found, 0)
     return found
+
+
+def _builds_module(value: cst.BaseExpression) -> bool:
+    """``nn.Linear(...)``, ``Block(...)``, ``build_encoder(...)``: not ``config.n_layer``, not ``None``."""
+    value = anchors.unwrap_chain(value)
+    if not isinstance(value, cst.Call):
+        return False
+    name = dotted_name(value.func).rsplit(".", 1)[-1]
+    return bool(name) and (name[:1].isupper() or "build" in name or "make" in name or "create" in name)
+
+
+def sibling_class(recipe: Recipe, call: cst.Call) -> tuple[Recipe, cst.ClassDef] | None:
+    """``GPT`` of ``from model import GPT`` when ``model.py`` sits next to the file: a recipe
+    folder whose model lives in one file and loop in another."""
+    module, _, name = recipe.call_name(call).rpartition(".")
+    if not module:
+        return None
+    folder = recipe.path.parent
+    for candidate in (folder / (module.replace(".", "/") + ".py"), folder / (module.rsplit(".", 1)[-1] + ".py")):
+        if candidate.is_file() and candidate.resolve() != recipe.path.resolve():
+            try:
+                other = Recipe(candidate, candidate.read_text(encoding="utf-8"))
+            except (OSError, UnicodeDecodeError, SkillRefused):
+                return None
+            cls = other.top_level_classes().get(name)
+            if cls is not None and cls in other.subclasses(*anchors.MODULE_BASES, *anchors.HF_PRETRAINED):
+                return other, cls
+            return None
+    return None
 
 
 def _hf_class(recipe: Recipe, call: cst.Call) -> str:
@@ -125,7 +164,7 @@ def _local_module_class(recipe: Recipe, call: cst.BaseExpression) -> cst.ClassDe
     if not isinstance(call, cst.Call):
         return None
     cls = recipe.top_level_classes().get(recipe.call_name(call))
-    if cls is not None and cls in recipe.subclasses(*anchors.NN_MODULE):
+    if cls is not None and cls in recipe.subclasses(*anchors.MODULE_BASES):
         return cls
     return None
 
@@ -144,6 +183,19 @@ def _walk_value(recipe: Recipe, value: cst.BaseExpression, path: str, found: Mod
     name = recipe.call_name(value)
     if name in LINEAR:
         found.linears.append(path)
+        return
+    if name == "torch.nn.Transformer":  # its encoder's and decoder's layers
+        for part, default in (("encoder", 6), ("decoder", 6)):
+            arg = anchors.keyword(value, f"num_{part}_layers")
+            count = int(arg.value.value) if arg is not None and isinstance(arg.value, cst.Integer) else None
+            text = str(count) if count is not None else (f"`{recipe.code(arg.value)}`" if arg else f"{default} (default)")
+            found.containers.append(Container(f"{path}.{part}.layers", "ModuleList", count, text, None, builtin=True))
+        return
+    if name in TRANSFORMER_STACKS:  # nn.TransformerEncoder(layer, num_layers): its .layers
+        count_arg = value.args[1].value if len(value.args) > 1 else None
+        count = int(count_arg.value) if isinstance(count_arg, cst.Integer) else None
+        text = str(count) if count is not None else (f"`{recipe.code(count_arg)}`" if count_arg is not None else "?")
+        found.containers.append(Container(f"{path}.layers", "ModuleList", count, text, None, builtin=True))
         return
     if name in MODULE_DICT:
         for key, item in _dict_items(value):
@@ -169,6 +221,8 @@ def _walk_value(recipe: Recipe, value: cst.BaseExpression, path: str, found: Mod
     cls = _local_module_class(recipe, value)
     if cls is not None:
         _walk_class(recipe, cls, path + ".", found, depth + 1)
+    elif not name.startswith("torch.") and name.rsplit(".", 1)[-1][:1].isupper():
+        found.opaque.append(path)
 
 
 def _dict_items(call: cst.Call) -> list[tuple[str, cst.BaseExpression]]:
@@ -237,52 +291,23 @@ def _parameter_default(recipe: Recipe, node: cst.CSTNode, value: cst.BaseExpress
 # ---------------------------------------------------------------------------------------------
 
 
-def parse_target(skill: str, target: str) -> str:
-    """A model expression (``model.encoder``, ``self.model.layers``) as a dotted name."""
-    try:
-        expression = cst.parse_expression(target)
-    except cst.ParserSyntaxError:
-        expression = None
-    dotted = dotted_name(expression) if expression is not None else ""
-    if not dotted:
-        raise SkillRefused(
-            f"{skill}: target {target!r} is not a model expression; name the module as an attribute "
-            "chain on the model, e.g. `model.encoder` or `self.model.layers`"
-        )
-    return dotted
-
-
 def find_target_model(recipe: Recipe, skill: str, target: str | None) -> ModelAnchor:
-    """The model to change: the one the target's expression starts with, when a target is given
-    (so a file that trains two models, a GAN, can be told which)."""
-    several = "name the one to change with `target` (e.g. target=\"{model}\")"
-    if target is None:
-        return anchors.find_model(recipe, skill, several)
-    dotted = parse_target(skill, target)
-    candidates = anchors.model_candidates(recipe)
-    named = [c for c in candidates if dotted == c.target_code or dotted.startswith(c.target_code + ".")]
-    if len(named) == 1:
-        return named[0]
-    model = anchors.find_model(recipe, skill, several)
-    if dotted == model.target_code or dotted.startswith(model.target_code + "."):
-        return model
-    raise SkillRefused(
-        f"{skill}: target {target!r} does not start with the model (`{model.target_code}`, built at "
-        f"{recipe.where(model.statement)}); write it as `{model.target_code}.<submodule>`"
-    )
+    """The model to change: the one the target names (a model expression, or a line), when
+    given (so a file that trains two models, a GAN, can be told which)."""
+    return pointing.find_model(recipe, skill, target)
 
 
 def resolve_target(recipe: Recipe, skill: str, found: ModelShape, target: str | None) -> Container | None:
     """The module a target names, checked against the model's class when the file defines it;
     None when there is no target or it names the model itself (its blocks are searched)."""
-    if target is None:
+    if target is None or pointing.place(recipe, skill, target, "target") is not None:
         return None
-    dotted = parse_target(skill, target)
-    if dotted == found.model.target_code:
+    dotted = pointing.parse_expression(skill, target)
+    path = pointing.relative(found.model, dotted)
+    if not path:
         return None
-    path = dotted[len(found.model.target_code) + 1 :]
     if found.cls is None or found.hf:
-        return Container(path or found.model.target_code, "module", None, "?", None)
+        return Container(path, "module", None, "?", None)
     for container in found.containers:
         if container.path == path:
             return container
@@ -295,6 +320,12 @@ def resolve_target(recipe: Recipe, skill: str, found: ModelShape, target: str | 
         f"{skill}: target {target!r} names no submodule of {found.name}; its submodules are "
         f"{_listing(found.attributes)}"
     )
+
+
+def target_code(found: ModelShape, container: Container) -> str:
+    """The target as code at the model's construction (``model.layers`` where the skill writes
+    its call, also when the agent named it through ``self._model.layers``)."""
+    return _join(found.model.target_code, container.path)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -314,17 +345,16 @@ def submodules(found: ModelShape) -> str:
 
 
 def require_blocks(recipe: Recipe, skill: str, found: ModelShape, instead: str) -> list[Container]:
-    """The block containers of the model, or a refusal that says what was found and what works."""
-    if found.hf or found.containers:
+    """The block containers of the model, or a refusal that says what was found and what works.
+    A model whose class (or a submodule's class) the codemod cannot see has its blocks found at
+    run time (the written helper raises when there are none)."""
+    if found.hf or found.containers or found.cls is None or found.opaque:
         return found.containers
     where = recipe.where(found.model.statement)
-    if found.cls is None:
-        seen = f"the model is built by {found.model.builder}(...) ({where}), whose class the codemod cannot see"
-    else:
-        seen = (
-            f"{found.name} ({where}) has no repeated blocks (an nn.ModuleList, or an nn.Sequential of "
-            f"modules of one class); its submodules are {_listing(found.attributes)}"
-        )
+    seen = (
+        f"{found.name} ({where}) has no repeated blocks (an nn.ModuleList, or an nn.Sequential of "
+        f"modules of one class); its submodules are {_listing(found.attributes)}"
+    )
     raise SkillRefused(f"{skill}: {seen}, so the change would do nothing; {instead}")
 
 
@@ -337,6 +367,14 @@ def describe_blocks(found: ModelShape, target: Container | None = None) -> str:
         return f"{_count(target)} of `{_join(model, target.path)}`"
     if found.hf:
         return f"the decoder layers of {found.name} (counted at run time)"
+    if not found.containers:
+        inside = f" (inside {', '.join(f'`{_join(model, p)}`' for p in found.opaque)})" if found.opaque else ""
+        return (
+            f"the repeated blocks of `{model}`{inside}, found at run time: it is built by "
+            f"{found.model.builder}(...), whose class the codemod cannot see"
+            if found.cls is None
+            else f"the repeated blocks of `{model}`{inside}, found at run time"
+        )
     if len(found.containers) == 1:
         only = found.containers[0]
         return f"{_count(only)} of `{_join(model, only.path)}`"

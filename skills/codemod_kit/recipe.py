@@ -216,6 +216,12 @@ class Recipe:
         position = self._positions.get(node)
         return position.start.line if position is not None else 0
 
+    def span(self, node: cst.CSTNode) -> tuple[int, int]:
+        """First and last 1-based lines of ``node``."""
+        self.line(node)
+        position = self._positions.get(node)  # type: ignore[union-attr]
+        return (position.start.line, position.end.line) if position is not None else (0, 0)
+
     def where(self, node: cst.CSTNode) -> str:
         return f"{self.name}:{self.line(node)}"
 

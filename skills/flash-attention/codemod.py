@@ -13,7 +13,8 @@ from __future__ import annotations
 import libcst as cst
 from pydantic import Field
 
-from skills.codemod_kit import AlreadyApplied, Edits, Recipe, SkillParams, anchors, insert_definitions, stages
+from skills.codemod_kit import pointing
+from skills.codemod_kit import AlreadyApplied, Edits, Recipe, SkillParams, insert_definitions, stages
 from skills.codemod_kit.anchors import keyword
 from skills.codemod_kit.gpu_guard import autocast_dtype, in_engine, insert_kernel_stage, require_hf_model, warn_argument
 
@@ -28,6 +29,7 @@ class Params(SkillParams):
         "FlashAttention's variable-length kernel, so tokens attend only within their document. Off: "
         "transformers does that only for a batch of one row.",
     )
+    target: str | None = pointing.target_field()
 
 
 HELPER = '''
@@ -114,7 +116,7 @@ def apply(recipe: Recipe, params: Params) -> Edits | AlreadyApplied:
     existing = _existing(recipe)
     if existing is not None:
         return AlreadyApplied(f"FlashAttention 2 at {recipe.where(existing)}")
-    model = anchors.find_model(recipe, SKILL)
+    model = pointing.find_model(recipe, SKILL, params.target)
     require_hf_model(
         recipe, SKILL, model,
         "attn_implementation is a Hugging Face switch. (Its F.scaled_dot_product_attention already runs "

@@ -41,7 +41,8 @@ class Params(SkillParams):
     target: str | None = Field(
         None,
         description="With first_blocks, the module whose first children are frozen, as an expression "
-        "on the model (e.g. 'model.encoder.layers'). Default: the model's repeated blocks.",
+        "on the model (e.g. 'model.encoder.layers'). Default: the model's repeated blocks. A model "
+        "expression or line ('netG', 'train.py:42') picks the model when the file builds several.",
     )
 
     @model_validator(mode="after")
@@ -142,7 +143,7 @@ def apply(recipe: Recipe, params: Params) -> Edits | AlreadyApplied:
     insert_definitions(recipe, edits, HELPER, model.statement)
     edits.add_import("fnmatch")
     edits.add_import("torch")
-    extra = f", target={params.target}" if target is not None else ""
+    extra = f", target={reach.target_code(found, target)}" if target is not None else ""
     call = templates.statement(
         recipe.module,
         f"freeze_parameters({{model}}, embeddings={params.embeddings}, "

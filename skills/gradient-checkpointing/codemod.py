@@ -1,14 +1,17 @@
 """gradient-checkpointing: wrap the model's transformer blocks with ``checkpoint_wrapper``.
 
-Anchor: the model construction. The call ``checkpoint_blocks(model)`` goes into the model
-stages after tensor parallelism and before ``torch.compile`` and FSDP2; the helper goes next to
-the file's other top-level definitions.
+Anchors: ``TrainingArguments(...)`` (its ``gradient_checkpointing=True`` switch) when the file
+builds one; else the model construction: a Hugging Face model outside an Engine recipe gets its
+own ``gradient_checkpointing_enable``, any other model ``checkpoint_blocks(model)``. The call goes
+into the model stages after tensor parallelism and before ``torch.compile`` and FSDP2; the
+helper goes next to the file's other top-level definitions.
 """
 
 from __future__ import annotations
 
 from pydantic import Field
 
+from skills.codemod_kit import frameworks
 from skills.codemod_kit import (
     AlreadyApplied,
     Edits,
@@ -38,12 +41,14 @@ class Params(SkillParams):
         description="The module to checkpoint, as an expression on the model (e.g. 'model.encoder', "
         "'model.features'): the children of an nn.ModuleList/nn.Sequential, or the module itself as "
         "one block. Default: the model's repeated blocks (its largest nn.ModuleList, or nn.Sequential "
-        "of modules of one class).",
+        "of modules of one class). A model expression or line ('netG', 'train.py:42') picks the model "
+        "when the file builds several.",
     )
 
 
 # Hand-written activation checkpointing counts as applied.
 CHECKPOINT_CALLS = (
+    ".set_activation_checkpointing",
     ".checkpoint_wrapper",
     ".apply_activation_checkpointing",
     "torch.utils.checkpoint.checkpoint",
@@ -84,33 +89,110 @@ def apply(recipe: Recipe, params: Params) -> Edits | AlreadyApplied:
         c for m in CHECKPOINT_METHODS for c in recipe.method_calls(m)
     ]
     if existing:
-        return AlreadyApplied(f"activation checkpointing at {recipe.where(existing[0])}")
+        default = frameworks.off_config_default(recipe, ("activation_checkpointing", "gradient_checkpointing"))
+        if default is not None and frameworks.behind(recipe, existing[0]):
+            edits = Edits(recipe)
+            edits.acts_on = frameworks.turn_on_default(recipe, edits, default) + (
+                f": activation checkpointing at {recipe.where(existing[0])}"
+            )
+            return edits
+        return AlreadyApplied(
+            f"activation checkpointing at {recipe.where(existing[0])}{frameworks.behind(recipe, existing[0])}"
+        )
+    switch = frameworks.config_switch(recipe, "checkpointing")
+    if switch is not None and params.target is None:
+        return AlreadyApplied(
+            f"the framework takes its activation checkpointing switch, `{recipe.code(switch)}` at "
+            f"{recipe.where(switch)}: turn it on in that configuration"
+        )
+    if params.target is None:
+        switched = _training_arguments(recipe)
+        if switched is not None:
+            return switched
     model = reach.find_target_model(recipe, SKILL, params.target)
     found = reach.shape(recipe, model)
     target = reach.resolve_target(recipe, SKILL, found, params.target)
+    edits = Edits(recipe)
+    if target is None and found.hf and not gpu_guard.in_engine(recipe, model) and params.every == 1:
+        gpu_guard.insert_kernel_stage(
+            recipe, edits, model,
+            '{model}.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})',
+            stage=stages.ACTIVATION_CHECKPOINTING,
+        )
+        edits.acts_on = (
+            f"turns on {found.name}'s own activation checkpointing (`gradient_checkpointing_enable`) "
+            f"on `{model.target_code}`: every decoder layer"
+        )
+        return edits
     if target is None:
         reach.require_blocks(
             recipe, SKILL, found,
             f"give `target` naming the submodule to checkpoint as one block (one of {reach.submodules(found)}), "
             "or leave activation memory as it is: checkpointing pays off on deep stacks of blocks",
         )
-    edits = Edits(recipe)
     ensure_find_blocks(recipe, edits, model.statement)
     insert_definitions(recipe, edits, HELPER, model.statement)
     for name in ("CheckpointImpl", "apply_activation_checkpointing", "checkpoint_wrapper"):
         edits.add_import(WRAPPER_MODULE, name)
     edits.add_import("torch")
-    arguments = ["{model}"]
-    if params.every != 1:
-        arguments.append(f"every={params.every}")
-    if target is not None:
-        arguments.append(f"target={params.target}")
-    call = templates.statement(
-        recipe.module,
-        f"checkpoint_blocks({', '.join(arguments)}{gpu_guard.warn_argument(recipe, model)})",
-        model=model.target,
-    )
-    stages.insert_stage(recipe, edits, model, stages.ACTIVATION_CHECKPOINTING, [call])
+    # torch.nn.Transformer has two stacks of built-in layers: checkpoint both
+    targets = [target] if target is not None or not found.containers or not all(c.builtin for c in found.containers) \
+        else found.containers
+    calls = []
+    for each in targets:
+        arguments = ["{model}"]
+        if params.every != 1:
+            arguments.append(f"every={params.every}")
+        if each is not None:
+            arguments.append(f"target={reach.target_code(found, each)}")
+        calls.append(templates.statement(
+            recipe.module,
+            f"checkpoint_blocks({', '.join(arguments)}{gpu_guard.warn_argument(recipe, model)})",
+            model=model.target,
+        ))
+    stages.insert_stage(recipe, edits, model, stages.ACTIVATION_CHECKPOINTING, calls)
     every = "" if params.every == 1 else f"every {params.every}th of "
-    edits.acts_on = f"wraps {every}{reach.describe_blocks(found, target)}"
+    edits.acts_on = f"wraps {every}" + " and ".join(reach.describe_blocks(found, each) for each in targets)
+    return edits
+
+
+def _training_arguments(recipe: Recipe) -> Edits | AlreadyApplied | None:
+    """``TrainingArguments(gradient_checkpointing=True)``: the Hugging Face Trainer's switch."""
+    switches = frameworks.switches(recipe, "checkpointing")
+    for switch in switches:
+        arg = frameworks.already_set(recipe, switch)
+        if arg is not None:
+            return AlreadyApplied(f"{switch.framework}(...) at {recipe.where(switch.call)} sets `{recipe.code(arg)}`")
+    usable = [s for s in switches if frameworks.settable(s)]
+    if not usable:
+        return _parsed_arguments(recipe)
+    edits = Edits(recipe)
+    for switch in usable:
+        frameworks.set_argument(recipe, edits, switch)
+    edits.acts_on = "sets " + ", ".join(frameworks.describe(recipe, s) for s in usable) + (
+        ": the Trainer checkpoints every decoder layer of the model"
+    )
+    return edits
+
+
+def _parsed_arguments(recipe: Recipe) -> Edits | AlreadyApplied | None:
+    """Training arguments parsed from the command line (``HfArgumentParser``, ``TrlParser``):
+    ``training_args.gradient_checkpointing = True`` right after the parse (the Trainer reads it
+    when it trains; the command line flag is overridden)."""
+    parsed = frameworks.parsed_training_arguments(recipe)
+    if not parsed:
+        return None
+    for assign in recipe.assigns():
+        if any(recipe.code(t.target) == f"{name}.gradient_checkpointing" for t in assign.targets for _, name in parsed):
+            return AlreadyApplied(f"`{recipe.code(assign)}` at {recipe.where(assign)}")
+    edits = Edits(recipe)
+    for statement, name in parsed:  # transformers ≥ 5 reads activation_checkpointing, earlier ones the alias
+        edits.insert_after(statement, templates.statements(
+            recipe.module, f"{name}.gradient_checkpointing = True\n{name}.activation_checkpointing = True\n"
+        ))
+    edits.acts_on = (
+        f"sets `{parsed[0][1]}.gradient_checkpointing = True` (and `activation_checkpointing`, its name in "
+        "transformers 5) after the arguments are parsed "
+        f"({', '.join(recipe.where(s) for s, _ in parsed)}): the Trainer checkpoints every decoder layer"
+    )
     return edits

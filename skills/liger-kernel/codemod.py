@@ -13,6 +13,7 @@ from __future__ import annotations
 import libcst as cst
 from pydantic import Field
 
+from skills.codemod_kit import pointing
 from skills.codemod_kit import AlreadyApplied, Edits, Recipe, SkillParams, anchors, insert_definitions, templates
 from skills.codemod_kit.anchors import keyword, positional
 from skills.codemod_kit.gpu_guard import add_class_attribute, in_engine, insert_kernel_stage, require_hf_model, warn_argument
@@ -35,6 +36,7 @@ class Params(SkillParams):
         "codemod can route through the model's forward (labels= passed to the model, or an engine "
         "recipe that sums F.cross_entropy over .logits); otherwise it stays off, with a note.",
     )
+    target: str | None = pointing.target_field()
 
 
 HELPER = '''
@@ -95,7 +97,7 @@ def apply(recipe: Recipe, params: Params) -> Edits | AlreadyApplied:
     existing = _existing(recipe)
     if existing is not None:
         return AlreadyApplied(f"Liger kernels at {recipe.where(existing)}")
-    model = anchors.find_model(recipe, SKILL)
+    model = pointing.find_model(recipe, SKILL, params.target)
     require_hf_model(
         recipe, SKILL, model,
         "Liger patches Hugging Face model families (model.config.model_type), not hand-written modules",

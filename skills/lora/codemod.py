@@ -9,12 +9,12 @@ from __future__ import annotations
 
 from pydantic import Field
 
+from skills.codemod_kit import pointing
 from skills.codemod_kit import (
     AlreadyApplied,
     Edits,
     Recipe,
     SkillParams,
-    anchors,
     ensure_find_blocks,
     insert_definitions,
     only_trainable_parameters,
@@ -36,6 +36,7 @@ class Params(SkillParams):
         description="Names of the nn.Linear layers to adapt (e.g. ['q_proj', 'v_proj']); default: "
         "every nn.Linear inside the transformer blocks (the output head is left alone).",
     )
+    target: str | None = pointing.target_field()
 
 
 HELPER = '''
@@ -96,7 +97,7 @@ def apply(recipe: Recipe, params: Params) -> Edits | AlreadyApplied:
             "layers add a full-size output to a sharded one, so the two do not combine; use "
             "LoRA with FSDP2 (parallel.tp=1)"
         )
-    model = anchors.find_model(recipe, SKILL)
+    model = pointing.find_model(recipe, SKILL, params.target)
     found = reach.shape(recipe, model)
     acts_on = _targets(recipe, found, params)
     edits = Edits(recipe)
@@ -143,12 +144,12 @@ def _targets(recipe: Recipe, found: reach.ModelShape, params: Params) -> str:
         f"name the linear layers to adapt with target_modules (its linear layers: {seen})",
     )
     names = reach.block_linears(found)
-    if not names and not all(c.elements_known for c in found.containers):
+    if not names and (found.cls is None or found.opaque or not all(c.elements_known for c in found.containers)):
         return f"adapts every nn.Linear in {reach.describe_blocks(found)} (named at run time)"
     if not names:
         raise SkillRefused(
-            f"{SKILL}: the blocks of {found.name} ({reach.describe_blocks(found)}) hold no nn.Linear the "
-            f"codemod can see; name the linear layers to adapt with target_modules (its linear layers: {seen})"
+            f"{SKILL}: looked for nn.Linear layers in the blocks of {found.name} "
+            f"({recipe.where(found.model.statement)}: {reach.describe_blocks(found)}); found none; name the linear layers to adapt with target_modules (its linear layers: {seen})"
         )
     inside = tuple(c.path + "." for c in found.containers)
     outside = [p for p in found.linears if p.rsplit(".", 1)[-1] in names and not p.startswith(inside)]

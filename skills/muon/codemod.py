@@ -12,6 +12,7 @@ from __future__ import annotations
 import libcst as cst
 from pydantic import Field
 
+from skills.codemod_kit import pointing
 from skills.codemod_kit import (
     AlreadyApplied,
     Edits,
@@ -48,6 +49,7 @@ class Params(SkillParams):
         "where it measures faster than torch's matmuls (torch's elsewhere). Off by default: about "
         "110 more lines in the recipe, for a speed-up not yet measured on a GPU (bench/gpu.py does).",
     )
+    target: str | None = pointing.target_field()
 
 
 NEWTON_SCHULZ = '''
@@ -353,7 +355,7 @@ def apply(recipe: Recipe, params: Params) -> Edits | AlreadyApplied:
     existing = _existing(recipe)
     if existing is not None:
         return AlreadyApplied(f"Muon at {recipe.where(existing)}")
-    model = anchors.find_model(recipe, SKILL)
+    model = pointing.find_model(recipe, SKILL, params.target)
     found = reach.shape(recipe, model)
     reach.require_blocks(
         recipe, SKILL, found,
@@ -374,11 +376,19 @@ def apply(recipe: Recipe, params: Params) -> Edits | AlreadyApplied:
         _add_prepare_optimizer(recipe, edits, engine, params)
         anchor: cst.CSTNode = engine
     else:
+        if len(adam) > 1:  # the one that gets the model's parameters
+            name = model.outer or model.target_code
+            mine = [c for c in adam if any(
+                recipe.code(a.value) == name or f"{name}.parameters(" in recipe.code(a.value)
+                or f"{name}.named_parameters(" in recipe.code(a.value) for a in c.args
+            )]
+            adam = mine if len(mine) == 1 else adam
         if len(adam) > 1:
-            places = ", ".join(recipe.where(c) for c in adam)
+            places = ", ".join(f"`{recipe.short(c, 50)}` at {recipe.where(c)}" for c in adam[: pointing.LISTED])
             raise SkillRefused(
                 f"{SKILL}: found several AdamW/Adam optimizers ({places}) and cannot tell which one trains "
-                "the model; apply the pattern by hand (SKILL.md: Doing it by hand)"
+                f"`{model.outer or model.target_code}`; name the model whose optimizer to replace with `target`, "
+                "or apply the pattern by hand (SKILL.md: Doing it by hand)"
             )
         _replace_constructor(recipe, edits, adam[0], params)
         anchor = adam[0]

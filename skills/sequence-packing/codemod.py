@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import libcst as cst
 from pydantic import Field
 
+from skills.codemod_kit import pointing
 from skills.codemod_kit import AlreadyApplied, Edits, Recipe, SkillParams, anchors, insert_definitions, templates
 from skills.codemod_kit.anchors import keyword, positional
 from skills.codemod_kit.layout import with_keyword
@@ -38,6 +39,8 @@ class Params(SkillParams):
         description="Positions per packed row; default: the recipe's own sequence length (the "
         "argument its collate function receives).",
     )
+    target: str | None = pointing.target_field()
+    loop: str | None = pointing.loop_field()
 
 
 FIRST_FIT_DECREASING = '''
@@ -160,7 +163,7 @@ def apply(recipe: Recipe, params: Params) -> Edits | AlreadyApplied:
     helpers = recipe.calls_to(*HELPER_NAMES)
     if helpers:
         return AlreadyApplied(f"packing at {recipe.where(helpers[0])}")
-    model = anchors.find_model(recipe, SKILL)
+    model = pointing.find_model(recipe, SKILL, params.target)
     path = _engine_data_path(recipe) or _dataloader_data_path(recipe)
     if path is None:
         raise SkillRefused(
@@ -173,13 +176,14 @@ def apply(recipe: Recipe, params: Params) -> Edits | AlreadyApplied:
     if model.kind != "hf":
         raise SkillRefused(
             f"{SKILL}: the model is built by {model.builder}(...) ({recipe.where(model.statement)}), "
-            "a module defined in the file, whose attention does not take position ids; packed "
+            f"{'a module defined in the file' if model.kind == 'custom' else 'not a Hugging Face class the codemod can see'}, whose attention does not take position ids; packed "
             "documents would attend to each other. Packing needs a Hugging Face decoder (or a "
             "model that masks attention per document)"
         )
-    forwards = anchors.forward_calls(recipe, model)
+    forwards = anchors.forward_calls(recipe, model, within=pointing.find_loop(recipe, SKILL, params.loop))
     if not forwards:
-        raise SkillRefused(f"{SKILL}: looked for forward calls of the model (`{model.target_code}(...)`); found none")
+        where = f" in the loop {params.loop!r}" if params.loop else ""
+        raise SkillRefused(f"{SKILL}: looked for forward calls of the model (`{model.target_code}(...)`){where}; found none")
     model_shifts_labels = any(keyword(call, "labels") is not None for call in forwards)
 
     edits = Edits(recipe)

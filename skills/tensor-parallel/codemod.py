@@ -12,6 +12,7 @@ from typing import Literal
 
 from pydantic import Field, field_validator
 
+from skills.codemod_kit import pointing
 from skills.codemod_kit import (
     AlreadyApplied,
     Edits,
@@ -47,6 +48,7 @@ class Params(SkillParams):
         "'rowwise' (split input features, all-reduce the output). The default fits Llama, "
         "Mistral, Qwen2 and other Hugging Face decoders with q/k/v/o and gate/up/down projections.",
     )
+    target: str | None = pointing.target_field()
 
     @field_validator("plan")
     @classmethod
@@ -113,11 +115,11 @@ def apply(recipe: Recipe, params: Params) -> Edits | AlreadyApplied:
             "full-size output to a tensor-parallel (sharded) one, so the two do not combine; "
             "use FSDP2 for LoRA"
         )
-    model = anchors.find_model(recipe, SKILL)
+    model = pointing.find_model(recipe, SKILL, params.target)
     if model.kind != "hf":
         raise SkillRefused(
             f"{SKILL}: the model is built by {model.builder}(...) ({recipe.where(model.statement)}), "
-            "a module defined in the file; the plan shards Hugging Face decoder layers "
+            f"{'a module defined in the file' if model.kind == 'custom' else 'not a Hugging Face class the codemod can see'}; the plan shards Hugging Face decoder layers "
             "(self_attn.q_proj ... mlp.down_proj), and hand-written attention must also be taught "
             "to run num_heads / tp heads; see SKILL.md: Doing it by hand"
         )

@@ -1,6 +1,7 @@
 """torch-compile: compile the transformer blocks (or the whole model) in place with torch.compile.
 
-Anchor: the model construction; the call goes after activation checkpointing and before FSDP2.
+Anchors: ``TrainingArguments(...)`` (its ``torch_compile=True`` switch) when the file builds one;
+else the model construction; the call goes after activation checkpointing and before FSDP2.
 """
 
 from __future__ import annotations
@@ -9,6 +10,8 @@ from typing import Literal
 
 from pydantic import Field
 
+from skills.codemod_kit import frameworks
+from skills.codemod_kit.anchors import keyword
 from skills.codemod_kit import (
     AlreadyApplied,
     Edits,
@@ -42,7 +45,8 @@ class Params(SkillParams):
         None,
         description="With scope 'blocks', the module whose blocks to compile, as an expression on the "
         "model (e.g. 'model.encoder'): the children of an nn.ModuleList/nn.Sequential, or the module "
-        "itself. Default: the model's repeated blocks.",
+        "itself. Default: the model's repeated blocks. A model expression or line ('netG', 'train.py:42') "
+        "picks the model when the file builds several.",
     )
 
 
@@ -70,8 +74,9 @@ def compile_blocks(
 '''
 
 def _existing(recipe: Recipe):
-    """``torch.compile(...)``, our helper, or ``<module>.compile(...)`` (but not ``re.compile``)."""
-    found = recipe.calls_to("torch.compile", "compile_blocks")
+    """``torch.compile(...)``, our helper, a library's ``compile_model``, or ``<module>.compile(...)``
+    (but not ``re.compile``)."""
+    found = recipe.calls_to("torch.compile", "compile_blocks", ".compile_model")
     if found:
         return found[0]
     for call in recipe.method_calls("compile"):
@@ -83,24 +88,49 @@ def _existing(recipe: Recipe):
 def apply(recipe: Recipe, params: Params) -> Edits | AlreadyApplied:
     existing = _existing(recipe)
     if existing is not None:
-        return AlreadyApplied(f"torch.compile at {recipe.where(existing)}")
-    if params.target is not None and params.scope == "model":
-        raise SkillRefused(f"{SKILL}: target names blocks to compile; it needs scope='blocks', not 'model'")
+        default = frameworks.off_config_default(recipe, ("compile",))
+        if default is not None and frameworks.behind(recipe, existing):
+            edits = Edits(recipe)
+            edits.acts_on = frameworks.turn_on_default(recipe, edits, default) + f": torch.compile at {recipe.where(existing)}"
+            return edits
+        return AlreadyApplied(f"torch.compile at {recipe.where(existing)}{frameworks.behind(recipe, existing)}")
+    switch = frameworks.config_switch(recipe, "compile")
+    if switch is not None and params.target is None:
+        return AlreadyApplied(
+            f"the framework takes its torch.compile switch, `{recipe.code(switch)}` at {recipe.where(switch)}: "
+            "turn it on in that configuration"
+        )
+    if params.target is None:
+        switched = _framework_switch(recipe)
+        if switched is not None:
+            return switched
     model = reach.find_target_model(recipe, SKILL, params.target)
+    if params.scope == "model" and reach.resolve_target(recipe, SKILL, reach.shape(recipe, model), params.target):
+        raise SkillRefused(f"{SKILL}: target names blocks to compile; it needs scope='blocks', not 'model'")
     edits = Edits(recipe)
     options = [f"mode={templates.literal(params.mode)}"]
     if params.fullgraph:
         options.append("fullgraph=True")
     if params.dynamic is not None:
         options.append(f"dynamic={params.dynamic}")
-    if params.scope == "model":
+    found = reach.shape(recipe, model)
+    named = reach.resolve_target(recipe, SKILL, found, params.target)
+    unseen = (  # a class the codemod cannot see may have no repeated blocks; torch.nn's own layers
+        named is None and not found.hf and (  # are skipped by dynamo when compiled one by one
+            found.cls is None or (bool(found.containers) and all(c.builtin for c in found.containers))
+        )
+    )
+    if params.scope == "model" or unseen:
         call = templates.statement(recipe.module, f"{{model}}.compile({', '.join(options)})", model=model.target)
-        edits.acts_on = f"compiles the whole model `{model.target_code}` ({model.builder})"
+        edits.acts_on = f"compiles the whole model `{model.target_code}` ({model.builder})" + (
+            (f": its class is not visible to the codemod (built by {model.builder}(...)), so it may have no "
+             "repeated blocks; name its blocks with `target` to compile them one by one" if found.cls is None else
+             ": its blocks are torch.nn's own layers, which torch.compile does not trace one by one") if unseen else ""
+        )
     else:
-        found = reach.shape(recipe, model)
         target = reach.resolve_target(recipe, SKILL, found, params.target)
         if target is not None:
-            options.append(f"target={params.target}")
+            options.append(f"target={reach.target_code(found, target)}")
         else:
             reach.require_blocks(
                 recipe, SKILL, found,
@@ -118,4 +148,29 @@ def apply(recipe: Recipe, params: Params) -> Edits | AlreadyApplied:
         edits.acts_on = f"compiles {reach.describe_blocks(found, target)}"
     stages.insert_stage(recipe, edits, model, stages.COMPILE, [call])
     edits.notes.append("the first steps include compilation (tens of seconds on CPU)")
+    return edits
+
+
+def _framework_switch(recipe: Recipe) -> Edits | AlreadyApplied | None:
+    """``TrainingArguments(torch_compile=True)``; an ``Accelerator(dynamo_backend=...)`` compiles
+    the prepared model already."""
+    for call in frameworks.accelerators(recipe):
+        arg = keyword(call, "dynamo_backend") or keyword(call, "dynamo_plugin")
+        if arg is not None and recipe.code(arg.value) not in ('"no"', "'no'", "None", '"NO"'):
+            return AlreadyApplied(f"Accelerator(...) at {recipe.where(call)} sets `{recipe.code(arg)}`")
+    switches = frameworks.switches(recipe, "compile")
+    for switch in switches:
+        arg = frameworks.already_set(recipe, switch)
+        if arg is not None:
+            return AlreadyApplied(f"{switch.framework}(...) at {recipe.where(switch.call)} sets `{recipe.code(arg)}`")
+    usable = [s for s in switches if frameworks.settable(s)]
+    if not usable:
+        return None
+    edits = Edits(recipe)
+    for switch in usable:
+        frameworks.set_argument(recipe, edits, switch)
+    edits.acts_on = "sets " + ", ".join(frameworks.describe(recipe, s) for s in usable) + (
+        ": the Trainer compiles the model with torch.compile"
+    )
+    edits.notes.append("the first steps include compilation")
     return edits

@@ -32,9 +32,7 @@ REFUSALS: dict[tuple[str, str], tuple[str, str]] = {
     **{(s, "liger-kernel"): (NOT_HF, "Hugging Face model families") for s in SCRIPTS if s != "gan"},
     **{(s, "flash-attention"): (NOT_HF, "Hugging Face switch") for s in SCRIPTS if s != "gan"},
     **{(s, "sequence-packing"): (NO_DATA, "DataLoader(..., collate_fn=partial(collate") for s in SCRIPTS if s != "gan"},
-    **{("gan", skill): (SEVERAL, 'target="netG"') for skill in ("gradient-checkpointing", "torch-compile", "freeze")},
-    **{("gan", skill): (SEVERAL, "Doing it by hand") for skill in SKILLS
-       if skill not in ("gradient-checkpointing", "torch-compile", "freeze", "loss-guard")},
+    **{("gan", skill): (SEVERAL, 'target="netG"') for skill in SKILLS if skill != "loss-guard"},
     **{(s, "freeze"): ("builds no nn.Embedding", "set embeddings=false") for s in SCRIPTS if s not in ("gan", "char_lstm")},
     **{(s, "sequence-parallel"): ("looked for a trainwright Engine subclass", "Doing it by hand") for s in SCRIPTS},
     ("convnet", "gradient-checkpointing"): (NO_BLOCKS, "one of `model.conv1`, `model.conv2`"),
@@ -121,6 +119,7 @@ ACTS = {
     ("actor_critic", "torch-compile", (("scope", "model"),)): compiled(1),
     ("gan", "gradient-checkpointing", (("target", "netG"),)): checkpointed(3),
     ("gan", "torch-compile", (("target", "netG"),)): compiled(3),
+    ("gan", "mixed-precision", (("target", "netD"),)): autocast_runs,
     ("gan", "freeze", (("embeddings", False), ("first_blocks", 1), ("target", "netG.blocks"))): frozen_stay,
     ("unet_diffusion", "freeze", (("embeddings", False), ("first_blocks", 1))): frozen_stay,
     ("ddp_mlp", "freeze", (("embeddings", False), ("first_blocks", 2))): frozen_stay,

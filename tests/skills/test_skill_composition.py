@@ -61,7 +61,7 @@ def test_hf_trainer_stages_stay_before_fsdp_and_the_optimizer(order, tmp_path: P
         "self.model = LlamaForCausalLM(config)",
         "apply_lora(self.model, rank=8, alpha=16, dropout=0.0, target_modules=None)",
         "freeze_parameters(self.model, embeddings=True, first_blocks=0, patterns=[])",
-        "checkpoint_blocks(self.model)",
+        'self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})',
         'compile_blocks(self.model, mode="default")',
     ]
     assert stages[5].startswith("for layer in self.model.model.layers:")  # FSDP2 comes after

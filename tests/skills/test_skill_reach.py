@@ -80,7 +80,8 @@ def test_a_target_that_names_no_submodule_is_refused_with_the_submodules(tmp_pat
     path = script(tmp_path, "model = Net()\n")
     with pytest.raises(SkillRefused, match=r"target 'model.blocks' names no submodule of Net; its submodules are `layers`"):
         apply_skill("gradient-checkpointing", path, {"target": "model.blocks"})
-    with pytest.raises(SkillRefused, match=r"target 'other.layers' does not start with the model \(`model`"):
+    with pytest.raises(SkillRefused, match=r"target 'other.layers' does not start with a model built in train.py; the model "
+                       r"constructions it saw: `model` at train.py:\d+ \(`Net\(\)`\)"):
         apply_skill("torch-compile", path, {"target": "other.layers"})
     with pytest.raises(SkillRefused, match=r"target_modules \['proj'\] name no nn.Linear layer of Net .*: fc"):
         apply_skill("lora", path, {"target_modules": ["proj"]})
