@@ -454,9 +454,8 @@ def cmd_describe(args: argparse.Namespace) -> int:
 def cmd_apply(args: argparse.Namespace) -> int:
     from mcp_server.operations import skills
 
-    result = skills.apply_skill(
-        _workspace(args), args.skill, args.recipe, _key_values(args.param), dry_run=args.dry_run
-    )
+    params = skills.with_target(_key_values(args.param), args.target)
+    result = skills.apply_skill(_workspace(args), args.skill, args.recipe, params, dry_run=args.dry_run)
 
     def text(r) -> str:
         if r.already_applied:
@@ -596,6 +595,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("recipe", help="recipe folder or .py script, relative to the workspace")
     p.add_argument("--param", action="append", default=[], metavar="KEY=VALUE", help="skill parameter")
     p.add_argument("--dry-run", action="store_true", help="print the diff; change nothing")
+    p.add_argument("--target", metavar="EXPR", help="the model to act on (self._model, file.py:LINE): "
+                   "a refusal lists the candidates it saw")
 
     p = add("review", cmd_review, "each agent commit since BASE: skill, diff stat, runs and outcomes")
     p.add_argument("base", nargs="?", help="a commit or ref (default: the whole history)")

@@ -205,14 +205,14 @@ def build_server(workspace: Path | str, read_only: bool = False, settings: Path 
         recipe: Annotated[str, Field(description="Recipe folder (recipes/<name>, or the name) or .py script.")],
         params: Annotated[dict[str, Any] | None, Field(description="Skill parameters (see get_skill).")] = None,
         dry_run: Annotated[bool, Field(description="Only return the diff; change nothing.")] = False,
+        target: Annotated[str | None, Field(description="The model to act on: self._model, file.py:LINE.")] = None,
     ) -> ApplySkillResult:
         """Write a skill's pattern into a recipe's code as one git commit; returns the diff, the
         commit and acts_on (what the change acts on). Applying again changes nothing. A refusal
         (uncommitted changes, no place to go, nothing to act on) says what would work."""
-        args = {"skill": skill, "recipe": recipe, "params": params, "dry_run": dry_run}
-        return await tools.call(
-            "apply_skill", args, lambda: skill_ops.apply_skill(tools.ws, skill, recipe, params, dry_run)
-        )
+        args = {"skill": skill, "recipe": recipe, "params": params, "dry_run": dry_run, "target": target}
+        return await tools.call("apply_skill", args, lambda: skill_ops.apply_skill(
+            tools.ws, skill, recipe, skill_ops.with_target(params, target), dry_run))
 
     # ---------------------------------------------------------------------------------------
     # Recipes

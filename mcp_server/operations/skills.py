@@ -70,6 +70,19 @@ def apply_skill_unlocked(
     return _apply(ws, info, recipe_path, params, dry_run, commit)
 
 
+def with_target(params: dict[str, Any] | None, target: str | None) -> dict[str, Any] | None:
+    """``params`` with the ``target`` given beside them (apply_skill's own argument, the CLI's
+    ``--target``): the model (``self._model``, ``file.py:LINE``) the skill should act on."""
+    if target is None:
+        return params
+    if params is not None and not isinstance(params, dict):
+        raise BadInput("params must be a mapping of parameter names to values")
+    given = (params or {}).get("target")
+    if given is not None and given != target:
+        raise BadInput(f"target is given twice: {target!r} and params.target={given!r}; give one")
+    return {**(params or {}), "target": target}
+
+
 def _checked(ws: Workspace, skill: str, recipe: str, params: dict[str, Any] | None):
     check_name(skill, "skill")
     info = skill_library.get_skill(skill)

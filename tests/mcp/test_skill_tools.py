@@ -124,3 +124,23 @@ def test_bad_apply_skill_arguments_are_tool_errors_that_change_nothing(client, w
     assert expected in message
     assert head(workspace) == before
     assert git(workspace, "status", "--porcelain") == ""
+
+
+def test_target_names_the_model_of_a_two_model_script(client, workspace):
+    """A GAN builds two models: without target the refusal lists both; apply_skill's target
+    puts the change on the named one only; the same target given twice differently is refused."""
+    import shutil
+    from pathlib import Path
+
+    shutil.copy(Path(__file__).parents[1] / "skills" / "recipes" / "gan.py", workspace / "gan.py")
+    git(workspace, "add", "gan.py")
+    git(workspace, "commit", "-qm", "a GAN script")
+    refusal = client.error("apply_skill", skill="mixed-precision", recipe="gan.py", dry_run=True)
+    assert "`netG` at gan.py:" in refusal and "`netD` at gan.py:" in refusal
+    conflict = client.error("apply_skill", skill="mixed-precision", recipe="gan.py", target="netD",
+                            params={"target": "netG"})
+    assert "bad_input: target is given twice" in conflict
+    result = client.ok("apply_skill", skill="mixed-precision", recipe="gan.py", target="netD", dry_run=True)
+    assert result["changed"] and result["params"]["target"] == "netD"
+    changed = [line for line in result["diff"].splitlines() if line.startswith(("+", "-")) and not line.startswith(("+++", "---"))]
+    assert any("netD(" in line for line in changed) and not any("netG(" in line for line in changed), result["diff"]

@@ -53,8 +53,6 @@ def test_every_refusal_says_what_it_looked_for_and_lists_the_candidates(corpus):
     assert bad == []
 
 
-@pytest.mark.xfail(strict=True, reason="the skills do not yet reach foreign loops (anchors for attribute and "
-                                        "factory models, accelerate/Fabric loops, HF Trainer arguments)")
 def test_the_loop_skills_reach_four_in_five_scripts_they_are_held_to(corpus):
     scripts, outcomes = corpus
     outcomes = _plain(outcomes)
@@ -63,8 +61,6 @@ def test_the_loop_skills_reach_four_in_five_scripts_they_are_held_to(corpus):
     assert short == {}, "\n" + report.table(scripts, outcomes)
 
 
-@pytest.mark.xfail(strict=True, reason="target does not take file.py:LINE yet, and a name listed at two places "
-                                        "(ELECTRA's generator_model) cannot be told apart by name")
 def test_naming_one_of_the_candidates_as_target_settles_the_choice(corpus):
     _, outcomes = corpus
     retries = [o for o in outcomes if o.target]
