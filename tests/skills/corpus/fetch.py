@@ -10,6 +10,7 @@ Nothing is vendored: the scripts live in a cache, ``$TRAINWRIGHT_CORPUS_CACHE`` 
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import io
 import json
@@ -121,9 +122,16 @@ def _extract(entry: dict, script: dict, data: bytes, folder: Path) -> None:
 
 
 def fetch(root: Path | None = None) -> list[Script]:
-    """Every script of the manifest, fetched and extracted where missing."""
+    """Every script of the manifest, fetched and extracted where missing. One process at a time
+    per cache (tests in parallel workers fetch the same cache)."""
     root = Path(root) if root is not None else cache_dir()
     (root / "scripts").mkdir(parents=True, exist_ok=True)
+    with open(root / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        return _fetch_locked(root)
+
+
+def _fetch_locked(root: Path) -> list[Script]:
 
     def extracted(entry: dict, script: dict) -> bool:
         stamp = root / "scripts" / script["id"] / ".sha256"
