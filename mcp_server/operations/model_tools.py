@@ -38,7 +38,11 @@ def checkpoint_of(ws: Workspace, run_id: str, step: int | None) -> tuple[Path, i
     """The run directory and the step of its complete checkpoint ``step`` (default: the latest),
     with its code snapshot checked unchanged."""
     run_dir = ws.run_dir(run_id)
-    record = rd.read_run(run_dir)
+    try:
+        record = rd.read_run(run_dir)
+    except (OSError, ValueError) as e:  # the run writes its run.json: a link, a FIFO, anything
+        why = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+        raise BadInput(f"run {run_id}'s {rd.RUN_JSON} cannot be read ({why}), so its model cannot be rebuilt") from None
     checkpoints = rd.list_checkpoints(run_dir)
     if not checkpoints:
         raise NotFound(f"run {run_id} has no complete checkpoint yet; list_checkpoints shows them as they come")
