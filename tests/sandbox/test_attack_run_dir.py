@@ -87,3 +87,19 @@ def test_a_run_json_that_is_not_a_record_is_refused_without_echoing_it(run):
     with pytest.raises(ValueError) as caught:
         rd.read_run(run)
     assert "host-secret" not in str(caught.value) and "id" in str(caught.value)
+
+
+def test_the_supervisor_notes_the_outcome_on_the_commit_it_was_started_with(tmp_path):
+    from sandbox.git import NOTES_REF, open_repo
+    from sandbox.supervise import Supervisor
+
+    workspace, other = make_workspace(tmp_path / "ws"), make_workspace(tmp_path / "other")
+    head = open_repo(workspace).head.commit.hexsha
+    run = fake_run(workspace, "r1", status=rd.RUNNING)
+    rd.update_run(run, workspace=str(workspace), git_commit=head)
+    supervisor = Supervisor(run)
+    # The run rewrites its run.json: the note should land in another repository.
+    rd.update_run(run, workspace=str(other), git_commit=open_repo(other).head.commit.hexsha)
+    supervisor.finish(0)
+    assert "r1: completed" in open_repo(workspace).git.notes(f"--ref={NOTES_REF}", "show", head)
+    assert not open_repo(other).git.for_each_ref("refs/notes")
