@@ -8,6 +8,7 @@ complete: a failed or interrupted export leaves nothing at ``to``.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
 import shutil
@@ -22,7 +23,7 @@ from mcp_server.models import EvaluateResult, ExportResult, Sample, SampleResult
 from sandbox.model_process import run_model_io
 from sandbox.paths import RESERVED_DIRS, PathRefused, confine, refuse_reserved
 from sandbox.provenance import check_snapshot_unchanged
-from sandbox.workspace import Workspace
+from sandbox.workspace import RECIPES_DIRNAME, Workspace
 
 EXPORT_TIMEOUT_S = 1800
 SAMPLE_TIMEOUT_S = 600
@@ -32,6 +33,7 @@ MAX_LISTED_FILES = 40
 MAX_DATA_PATHS = 20
 MAX_METRICS = 40
 STAGING_MARK = ".partial-export-"
+MAX_NAME_BYTES = 255  # NAME_MAX of Linux filesystems
 
 
 def checkpoint_of(ws: Workspace, run_id: str, step: int | None) -> tuple[Path, int]:
@@ -76,47 +78,80 @@ def export_checkpoint(
     if relative.parts[0] in RESERVED_DIRS:
         raise PathRefused(f"to {relative.as_posix()!r} is inside {relative.parts[0]}/, which holds trainwright's "
                           "or git's own state; export elsewhere, e.g. exports/my_model")
+    if relative.parts[0] == RECIPES_DIRNAME:
+        # A model there would be copied into every run's code snapshot and leave the recipe dirty.
+        raise PathRefused(f"to {relative.as_posix()!r} is inside {RECIPES_DIRNAME}/, which holds recipe code; "
+                          "export elsewhere, e.g. exports/my_model")
+    for part in relative.parts:
+        if len(os.fsencode(part)) > MAX_NAME_BYTES:
+            raise PathRefused(f"to has a folder name too long for the filesystem ({len(os.fsencode(part))} bytes, "
+                              f"at most {MAX_NAME_BYTES}); give a shorter name")
     if destination.exists() and (not destination.is_dir() or any(destination.iterdir())):
         raise BadInput(f"to {ws.label(destination)!r} exists and is not an empty folder; "
                        "give a new folder (nothing was changed)")
     run_dir, step = checkpoint_of(ws, run_id, step)
-    parent = destination.parent
+    parent, name = destination.parent, destination.name
     missing = [p for p in [parent, *parent.parents] if not p.exists()]
-    staging = parent / f".{destination.name[:80]}{STAGING_MARK}{secrets.token_hex(4)}"
+    short = os.fsencode(name)[:80].decode(errors="ignore")  # the staging name fits NAME_MAX too
+    staging_name = f".{short}{STAGING_MARK}{secrets.token_hex(4)}"
+    parent_fd = None
+    # Everything after the checks happens relative to a descriptor of the checked parent folder:
+    # a folder on the way swapped for a link meanwhile redirects neither the staging folder, nor
+    # the rename, nor the listing of what was written.
     try:
-        staging.mkdir(parents=True)
+        parent.mkdir(parents=True, exist_ok=True)
+        parent_fd = _open_checked_dir(parent, relative.as_posix())
+        os.mkdir(staging_name, dir_fd=parent_fd)
+        staging = parent / staging_name
         result = run_model_io(
             ws.root, run_dir, "export", step,
             ["--to", str(staging), "--lora", lora, "--max-shard-size", max_shard_size, "--final-dir", str(destination)],
             ws.run_limits(), EXPORT_TIMEOUT_S, writable=[staging],
         )
-        if destination.exists():
-            destination.rmdir()  # empty, as checked; the rename below needs it gone
-        os.rename(staging, destination)
+        try:
+            with contextlib.suppress(FileNotFoundError):
+                os.rmdir(name, dir_fd=parent_fd)  # empty, as checked (a link or a file: ENOTDIR)
+            os.rename(staging_name, name, src_dir_fd=parent_fd, dst_dir_fd=parent_fd)
+        except OSError as e:  # another export, or anything else, got there first
+            raise BadInput(f"to {relative.as_posix()!r} was written meanwhile ({e.strerror}); this export "
+                           "was discarded: give a new folder") from None
+        files = _files(parent_fd, name)
     except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
+        if parent_fd is not None:
+            shutil.rmtree(staging_name, dir_fd=parent_fd, ignore_errors=True)
         for folder in missing:  # parents this export created, innermost first
             try:
                 folder.rmdir()
             except OSError:
                 break
         raise
-    files = _files(destination)
+    finally:
+        if parent_fd is not None:
+            os.close(parent_fd)
     return ExportResult(
-        run_id=run_id, step=step, path=ws.label(destination), lora=result.get("lora"),
+        run_id=run_id, step=step, path=relative.as_posix(), lora=result.get("lora"),
         tokenizer=result.get("tokenizer"), parameters=int(result.get("parameters") or 0),
         files=dict(files[:MAX_LISTED_FILES]),
     )
 
 
-def _files(folder: Path) -> list[tuple[str, int]]:
-    """The files under ``folder`` (links not followed), with their sizes."""
+def _open_checked_dir(folder: Path, label: str) -> int:
+    """A descriptor of ``folder`` (resolved, inside the workspace), refused when what is at that
+    path now is not the folder that was checked (a link swapped in since)."""
+    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    if os.readlink(f"/proc/self/fd/{fd}") != str(folder):
+        os.close(fd)
+        raise BadInput(f"the folder of to {label!r} changed while the export started (a link?); nothing was exported")
+    return fd
+
+
+def _files(parent_fd: int, name: str) -> list[tuple[str, int]]:
+    """The files under the folder ``name`` of ``parent_fd`` (links not followed), with their sizes."""
     found = []
-    for dirpath, _, names in os.walk(folder):
-        for name in sorted(names):
-            path = Path(dirpath) / name
-            info = path.lstat()
-            found.append((path.relative_to(folder).as_posix(), info.st_size))
+    for dirpath, _, names, dir_fd in os.fwalk(name, dir_fd=parent_fd):
+        for entry in names:
+            info = os.stat(entry, dir_fd=dir_fd, follow_symlinks=False)
+            found.append((Path(os.path.relpath(os.path.join(dirpath, entry), name)).as_posix(), info.st_size))
     return sorted(found)
 
 

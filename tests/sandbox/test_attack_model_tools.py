@@ -1,0 +1,128 @@
+"""Hostile calls to export_checkpoint (and its rename into place), sample and evaluate.
+
+The server's side of an export — checks, staging folder, rename, listing — runs here with the
+sandboxed model process replaced by a stand-in that writes into the staging folder it is given
+(tests/mcp/test_model_tools.py and tests/engine/test_model_io.py run the real one); the cases
+that need recipe code in the sandbox share one short run.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from engine import run_dir as rd
+from engine.errors import BadInput
+from mcp_server.operations import model_tools
+from sandbox.workspace import Workspace
+from tests.sandbox.helpers import fake_run, make_workspace, tree_hash
+
+
+@pytest.fixture
+def ws(tmp_path, monkeypatch) -> Workspace:
+    """A workspace with run r1 (two fake checkpoints and a snapshot) and a stand-in model process."""
+    workspace = make_workspace(tmp_path / "ws")
+    run = fake_run(workspace, "r1")
+    (run / rd.SNAPSHOT_DIRNAME).mkdir()
+    (run / rd.SNAPSHOT_DIRNAME / "recipe.py").write_text("# the run's code\n")
+    (tmp_path / "outside").mkdir()
+    monkeypatch.setattr(model_tools, "run_model_io", stand_in)
+    return Workspace.open(workspace)
+
+
+DURING: list = []  # what the stand-in does while "exporting" (a test's attack)
+
+
+def stand_in(root, run_dir, action, step, arguments, limits, timeout_s, writable=None):
+    staging = Path(arguments[arguments.index("--to") + 1])
+    assert writable == [staging]
+    (staging / "config.json").write_text("{}")
+    for attack in DURING:
+        attack(staging)
+    return {"lora": None, "tokenizer": None, "parameters": 1}
+
+
+@pytest.fixture(autouse=True)
+def no_attack():
+    DURING.clear()
+    yield
+    DURING.clear()
+
+
+def staging_left(folder: Path) -> list[str]:
+    return [p.name for p in folder.iterdir() if model_tools.STAGING_MARK in p.name] if folder.is_dir() else []
+
+
+@pytest.mark.parametrize("to", ["exports/" + "a" * 256, "exports/" + "𝔁" * 64, "exports/" + "é" * 128 + "/m", "exports/\ud800"])
+def test_a_name_too_long_for_the_filesystem_is_a_clear_refusal(ws, to):
+    before = tree_hash(ws.root)
+    with pytest.raises(BadInput, match="too long|cannot be resolved"):
+        model_tools.export_checkpoint(ws, "r1", to)
+    assert tree_hash(ws.root) == before
+
+
+def test_a_long_name_that_fits_gets_a_staging_folder_that_fits(ws):
+    name = "𝔁" * 63  # 252 bytes: a valid name, but not with a staging mark around it
+    assert model_tools.export_checkpoint(ws, "r1", f"exports/{name}").path == f"exports/{name}"
+    assert staging_left(ws.root / "exports") == []
+
+
+@pytest.mark.parametrize("to", ["recipes/lm/export", "recipes/lm/sub/dir", "recipes/new"])
+def test_an_export_is_never_written_into_recipe_code(ws, to):
+    # A model inside a recipe folder would be copied into every run's code snapshot and would
+    # leave the recipe with uncommitted changes.
+    before = tree_hash(ws.root)
+    with pytest.raises(BadInput, match="recipes/"):
+        model_tools.export_checkpoint(ws, "r1", to)
+    assert tree_hash(ws.root) == before
+
+
+def test_concurrent_exports_to_the_same_folder_give_one_export_and_clear_refusals(ws):
+    DURING.append(lambda staging: time.sleep(0.3))
+    outcomes: list = []
+
+    def export():
+        try:
+            outcomes.append(model_tools.export_checkpoint(ws, "r1", "exports/same").path)
+        except BadInput as e:
+            outcomes.append(str(e))
+
+    threads = [threading.Thread(target=export) for _ in range(3)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert len(outcomes) == 3 and outcomes.count("exports/same") == 1, outcomes
+    assert all("was written meanwhile" in o for o in outcomes if o != "exports/same"), outcomes
+    assert sorted(p.name for p in (ws.root / "exports" / "same").iterdir()) == ["config.json"]
+    assert staging_left(ws.root / "exports") == []
+
+
+def test_a_destination_swapped_for_a_link_during_the_export_is_not_followed(ws, tmp_path):
+    outside = tmp_path / "outside"
+    (outside / "private.txt").write_text("host file")
+    before = tree_hash(outside)
+    DURING.append(lambda staging: (ws.root / "exports" / "m").symlink_to(outside))
+    with pytest.raises(BadInput, match="was written meanwhile"):
+        model_tools.export_checkpoint(ws, "r1", "exports/m")
+    assert tree_hash(outside) == before
+    assert staging_left(ws.root / "exports") == [] and (ws.root / "exports" / "m").is_symlink()
+
+
+def test_a_parent_swapped_for_a_link_during_the_export_receives_nothing(ws, tmp_path):
+    outside = tmp_path / "outside"
+    (ws.root / "exports").mkdir()
+
+    def swap(staging):
+        os.rename(ws.root / "exports", ws.root / "moved")
+        (ws.root / "exports").symlink_to(outside)
+
+    DURING.append(swap)
+    result = model_tools.export_checkpoint(ws, "r1", "exports/m")
+    # The export lands in the folder that was checked (now moved), never in the link's target.
+    assert list(outside.iterdir()) == []
+    assert result.files == {"config.json": 2} and (ws.root / "moved" / "m" / "config.json").is_file()
