@@ -131,7 +131,8 @@ def _under(path: Path, folder: Path) -> bool:
 
 
 def _mounts(read_only: Iterable[Path], writable: Iterable[Path], network: str,
-            environ: Mapping[str, str], hidden: Iterable[Path] = ()) -> list[list[str]]:
+            environ: Mapping[str, str], hidden: Iterable[Path] = (),
+            bound_fds: Mapping[Path | str, int] | None = None) -> list[list[str]]:
     """Mount options, parents before children, so that a deeper mount lies over a shallower one."""
     entries: list[tuple[Path, int, list[str]]] = []  # (destination, order, options)
 
@@ -167,6 +168,9 @@ def _mounts(read_only: Iterable[Path], writable: Iterable[Path], network: str,
         path = Path(os.path.abspath(path))
         if any(_under(path, p) for p in ro + rw) and os.path.isdir(path):
             add("--tmpfs", path, 2, str(path))
+    for path, fd in (bound_fds or {}).items():
+        path = Path(os.path.abspath(path))
+        add("--ro-bind-fd", path, 2, str(fd), str(path))
     for path in rw:
         add("--bind", path, 3, str(path), str(path))
     # Parents first; at one depth, the system, then the environment, then the caller's paths.
@@ -198,12 +202,15 @@ def wrap(
     bwrap: str | None = None,
     environ: Mapping[str, str] | None = None,
     hidden: Iterable[Path | str] = (),
+    bound_fds: Mapping[Path | str, int] | None = None,
 ) -> Wrapped:
     """``command`` inside the sandbox, seeing only ``read_only`` and ``writable`` (and the
     system and Python environment), with the folders ``hidden`` (inside those) empty;
     ``network`` is ``isolated`` or ``shared``. ``bwrap`` defaults (None) to
     :func:`find_bwrap`, ``""`` disables the sandbox; ``environ`` is the environment the
-    command will get."""
+    command will get. ``bound_fds`` (path -> open descriptor, which the caller passes to the
+    process): shown read-only at that path is what the descriptor holds, whatever the path
+    names when the sandbox starts (a link swapped in since is not followed)."""
     environ = os.environ if environ is None else environ
     bwrap = find_bwrap() if bwrap is None else bwrap
     reason = probe(bwrap, network)
@@ -213,7 +220,7 @@ def wrap(
     shown = [Path(p) for p in read_only]
     changed = [Path(p) for p in writable]
     options: list[str] = [bwrap, *_namespace_options(network)]
-    for option in _mounts(shown, changed, network, environ, [Path(p) for p in hidden]):
+    for option in _mounts(shown, changed, network, environ, [Path(p) for p in hidden], bound_fds or {}):
         options += option
     directory = Path(os.path.abspath(cwd)) if cwd else None
     if directory is None or not _mounted(directory, shown, changed):

@@ -69,14 +69,18 @@ def run_model_io(
             },
             pass_env=limits.pass_env,
         )
-        visible = [workspace, run_dir / rd.RUN_JSON, run_dir / rd.SNAPSHOT_DIRNAME, checkpoint]
+        visible = [workspace, run_dir / rd.SNAPSHOT_DIRNAME]
+        bound = _open_run_files(run_dir, step)
         try:
             _, stderr = run_contained(command, workspace, visible, [out_dir, *(writable or [])], env, limits,
-                                      timeout_s, mark)
+                                      timeout_s, mark, bound_fds={run_dir / rd.RUN_JSON: bound[0], checkpoint: bound[1]})
         except OSError as e:
             raise ModelProcessFailed(f"the engine could not be started for {action}: {e}") from None
         except subprocess.TimeoutExpired:
             raise ModelProcessFailed(f"{action} took over {timeout_s:.0f} s and was stopped") from None
+        finally:
+            for fd in bound:
+                os.close(fd)
         result = _read_result(result_file)
     finally:
         shutil.rmtree(out_dir, ignore_errors=True)
@@ -93,6 +97,30 @@ def run_model_io(
         raise ModelProcessFailed(f"the recipe's code failed during {action}: {error}")
     result.pop("ok")
     return result
+
+
+def _open_run_files(run_dir: Path, step: int) -> tuple[int, int]:
+    """Descriptors of the run's ``run.json`` and of its checkpoint ``step``, opened without
+    following a link at any level below the run directory. A run that is still running writes
+    these folders: the sandbox shows what these descriptors hold, so a link it swaps in after
+    the server's checks never shows a host folder to the recipe's code."""
+    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
+    opened: list[int] = []
+    try:
+        opened.append(os.open(run_dir, flags | os.O_DIRECTORY))
+        opened.append(os.open(rd.RUN_JSON, flags | os.O_PATH, dir_fd=opened[0]))
+        opened.append(os.open(rd.CHECKPOINTS_DIRNAME, flags | os.O_DIRECTORY, dir_fd=opened[0]))
+        opened.append(os.open(rd.checkpoint_dir_name(step), flags | os.O_DIRECTORY, dir_fd=opened[2]))
+        if not stat.S_ISREG(os.fstat(opened[1]).st_mode):
+            raise NotADirectoryError(f"{rd.RUN_JSON} is not a file")
+    except OSError as e:
+        for fd in opened:
+            os.close(fd)
+        raise NotFound(f"run {run_dir.name} has no complete checkpoint at step {step} "
+                       f"(its run directory changed: {e.strerror or e})") from None
+    for fd in (opened[0], opened[2]):
+        os.close(fd)
+    return opened[1], opened[3]
 
 
 def _read_result(path: Path) -> dict[str, Any] | None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import time
 from pathlib import Path
 
@@ -18,6 +19,7 @@ import pytest
 from engine import run_dir as rd
 from mcp_server.operations import model_tools
 from mcp_server.operations import runs as run_ops
+from sandbox import model_process
 from sandbox.model_process import ModelProcessFailed
 from sandbox.workspace import Workspace
 from tests.mcp.conftest import SHORT_RUN, tiny_config
@@ -53,6 +55,8 @@ if _sys.argv[0].endswith("model_io.py"):  # only in export / sample / evaluate
     _try("read_outside", lambda: _Path(OUTSIDE).read_text())
     _try("other_run", lambda: (_ws / "runs" / "other" / "run.json").read_text())
     _try("runs_listed", lambda: sorted(_os.listdir(_ws / "runs")))
+    _checkpoint = _Path(_sys.argv[2]) / "checkpoints" / f"step-{int(_sys.argv[_sys.argv.index('--step') + 1]):08d}"
+    _try("checkpoint_extra", lambda: (_checkpoint / "secret.txt").read_text())
     _sp.Popen(["sleep", MARK], start_new_session=True)
     if "evaluate" in _sys.argv:
         while True:
@@ -112,3 +116,29 @@ def test_a_model_process_that_never_ends_is_stopped_at_its_limit_with_everything
         model_tools.evaluate(ws, run_id)
     assert time.monotonic() - started < 30
     assert leftovers() == []
+
+
+def test_a_checkpoint_swapped_for_a_link_before_the_sandbox_starts_is_not_followed(hostile, monkeypatch, tmp_path):
+    # A run still running writes its checkpoints folder: between the server's check (a real
+    # folder) and the sandbox's start it can put a link to a host folder in its place.
+    ws, run_id = hostile
+    checkpoint = ws.run_dir(run_id) / rd.CHECKPOINTS_DIRNAME / rd.checkpoint_dir_name(3)
+    host_folder = tmp_path / "host-folder"
+    shutil.copytree(checkpoint, host_folder)  # a loadable checkpoint, so the export completes
+    (host_folder / "secret.txt").write_text("host secret")
+    real = model_process.run_contained
+
+    def swapped(*args, **kwargs):
+        moved = checkpoint.with_name("moved")
+        os.rename(checkpoint, moved)
+        checkpoint.symlink_to(host_folder)
+        try:
+            return real(*args, **kwargs)
+        finally:
+            checkpoint.unlink()
+            os.rename(moved, checkpoint)
+
+    monkeypatch.setattr(model_process, "run_contained", swapped)
+    model_tools.export_checkpoint(ws, run_id, "exports/raced", step=3)
+    found = json.loads((ws.root / "exports" / "raced" / "probe.json").read_text())
+    assert found["checkpoint_extra"] == "FileNotFoundError", found
