@@ -126,3 +126,21 @@ def test_a_parent_swapped_for_a_link_during_the_export_receives_nothing(ws, tmp_
     # The export lands in the folder that was checked (now moved), never in the link's target.
     assert list(outside.iterdir()) == []
     assert result.files == {"config.json": 2} and (ws.root / "moved" / "m" / "config.json").is_file()
+
+
+@pytest.mark.parametrize("prompts, temperature, message", [
+    (["a\ud800b"], 0.0, "prompt 0 is not valid text"),  # JSON may carry a lone surrogate; argv cannot
+    (["ok", "\udcff"], 0.0, "prompt 1 is not valid text"),
+    (["x"], 1e-300, "temperature must be"),  # logits / 1e-300 overflow: not the recipe's failure
+    (["x"], 0.001, "temperature must be"),
+])
+def test_sample_requests_the_model_process_cannot_take_are_refused_before_it_starts(ws, prompts, temperature, message):
+    with pytest.raises(BadInput, match=message):
+        model_tools.sample(ws, "r1", prompts, temperature=temperature)
+
+
+def test_the_smallest_and_largest_temperatures_are_taken():
+    from engine.model_io import MIN_TEMPERATURE, check_sample_request
+
+    for temperature in (0, 0.0, MIN_TEMPERATURE, 1, 5):
+        check_sample_request(["x"], 8, temperature)
