@@ -32,6 +32,7 @@ LORA_CHOICES = ("merged", "adapter")
 MAX_LISTED_FILES = 40
 MAX_DATA_PATHS = 20
 MAX_METRICS = 40
+MAX_FILE_NAME_CHARS = 120
 STAGING_MARK = ".partial-export-"
 MAX_NAME_BYTES = 255  # NAME_MAX of Linux filesystems
 
@@ -108,6 +109,7 @@ def export_checkpoint(
             ["--to", str(staging), "--lora", lora, "--max-shard-size", max_shard_size, "--final-dir", str(destination)],
             ws.run_limits(), EXPORT_TIMEOUT_S, writable=[staging],
         )
+        lora_done = result.get("lora") if result.get("lora") in LORA_CHOICES else None
         try:
             with contextlib.suppress(FileNotFoundError):
                 os.rmdir(name, dir_fd=parent_fd)  # empty, as checked (a link or a file: ENOTDIR)
@@ -129,9 +131,9 @@ def export_checkpoint(
         if parent_fd is not None:
             os.close(parent_fd)
     return ExportResult(
-        run_id=run_id, step=step, path=relative.as_posix(), lora=result.get("lora"),
-        tokenizer=result.get("tokenizer"), parameters=int(result.get("parameters") or 0),
-        files=dict(files[:MAX_LISTED_FILES]),
+        run_id=run_id, step=step, path=relative.as_posix(), lora=lora_done,
+        tokenizer=_text(result.get("tokenizer")), parameters=_count(result.get("parameters")),
+        files={_text(name, MAX_FILE_NAME_CHARS): size for name, size in files[:MAX_LISTED_FILES]},
     )
 
 
@@ -143,6 +145,23 @@ def _open_checked_dir(folder: Path, label: str) -> int:
         os.close(fd)
         raise BadInput(f"the folder of to {label!r} changed while the export started (a link?); nothing was exported")
     return fd
+
+
+# What the model process returns is the recipe's to write (its code runs in that process):
+# every field is checked and bounded here.
+
+
+def _text(value: Any, limit: int = 100) -> str | None:
+    """A string of the model process's result, cut to ``limit`` characters (None stays None)."""
+    if value is None:
+        return None
+    text = value if isinstance(value, str) else repr(value)[:limit]
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def _count(value: Any) -> int:
+    """A count of the model process's result: a non-negative integer, else 0."""
+    return value if isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 2**63 else 0
 
 
 def _files(parent_fd: int, name: str) -> list[tuple[str, int]]:
@@ -165,8 +184,10 @@ def sample(
     arguments = [f"--prompt={prompt}" for prompt in prompts]
     arguments += ["--max-new-tokens", str(max_new_tokens), "--temperature", repr(float(temperature))]
     result = run_model_io(ws.root, run_dir, "sample", step, arguments, ws.run_limits(), SAMPLE_TIMEOUT_S)
-    return SampleResult(run_id=run_id, step=step, chat=bool(result.get("chat")),
-                        samples=_bounded_samples(result.get("samples") or []))
+    samples = result.get("samples")
+    samples = [item for item in samples if isinstance(item, dict)] if isinstance(samples, list) else []
+    return SampleResult(run_id=run_id, step=step, chat=result.get("chat") is True,
+                        samples=_bounded_samples(samples[:len(prompts)]))
 
 
 def _bounded_samples(samples: list[dict[str, Any]]) -> list[Sample]:
@@ -176,8 +197,9 @@ def _bounded_samples(samples: list[dict[str, Any]]) -> list[Sample]:
     for item in samples:
         prompt, prompt_cut = _fit(str(item.get("prompt", "")), min(300, share // 4))
         completion, completion_cut = _fit(str(item.get("completion", "")), share - json_chars(prompt) - 80)
-        kept.append(Sample(prompt=prompt, completion=completion, new_tokens=int(item.get("new_tokens") or 0),
-                           stopped=item.get("stopped", "max_new_tokens"), cut=prompt_cut or completion_cut))
+        stopped = item.get("stopped") if item.get("stopped") in ("eos", "max_new_tokens") else "max_new_tokens"
+        kept.append(Sample(prompt=prompt, completion=completion, new_tokens=_count(item.get("new_tokens")),
+                           stopped=stopped, cut=prompt_cut or completion_cut))
     return kept
 
 
@@ -206,10 +228,10 @@ def evaluate(ws: Workspace, run_id: str, step: int | None = None, data: list[str
     run_dir, step = checkpoint_of(ws, run_id, step)
     arguments = [f"--data={path}" for path in resolved] if paths else []
     result = run_model_io(ws.root, run_dir, "evaluate", step, arguments, ws.run_limits(), EVALUATE_TIMEOUT_S)
-    metrics = {str(k)[:100]: float(v) for k, v in list((result.get("metrics") or {}).items())[:MAX_METRICS]
-               if rd.finite_number(v) is not None}
+    found = result.get("metrics") if isinstance(result.get("metrics"), dict) else {}
+    metrics = {str(k)[:100]: float(v) for k, v in list(found.items())[:MAX_METRICS] if rd.finite_number(v) is not None}
     return EvaluateResult(
         run_id=run_id, step=step, eval_loss=rd.finite_number(result.get("eval_loss")),
-        perplexity=rd.finite_number(result.get("perplexity")), tokens=int(result.get("tokens") or 0),
+        perplexity=rd.finite_number(result.get("perplexity")), tokens=_count(result.get("tokens")),
         metrics=metrics,
     )

@@ -144,3 +144,35 @@ def test_the_smallest_and_largest_temperatures_are_taken():
 
     for temperature in (0, 0.0, MIN_TEMPERATURE, 1, 5):
         check_sample_request(["x"], 8, temperature)
+
+
+# What the model process hands back is the recipe's to write (its code runs in that process and
+# can replace the result file): the server takes it as untrusted input.
+HOSTILE_RESULTS = {
+    "sample": [{"samples": "not a list"}, {"samples": [42, None, "x"]},
+               {"samples": [{"prompt": 1, "completion": None, "new_tokens": "many", "stopped": ["eos"]}] * 5000},
+               {"samples": [{"completion": "c" * 900_000, "new_tokens": 10**30, "stopped": "x" * 10**5}]}],
+    "evaluate": [{"metrics": [1, 2], "tokens": "x", "eval_loss": "nan"},
+                 {"metrics": {"k" * 10**5: 1.0, "b": "x", "c": 10**400}, "tokens": -5, "perplexity": True}],
+    "export": [{"lora": "x" * 10**5, "tokenizer": ["a"] * 10**4, "parameters": "many"},
+               {"lora": {"a": 1}, "tokenizer": "t" * 10**5, "parameters": 10**40}],
+}
+
+
+@pytest.mark.parametrize("action, index", [(a, i) for a, results in HOSTILE_RESULTS.items() for i in range(len(results))])
+def test_a_hostile_result_from_the_model_process_gives_a_bounded_answer(ws, monkeypatch, action, index):
+    from mcp_server.limits import AGENT_BUDGET_CHARS, json_chars
+
+    def hostile(root, run_dir, act, step, arguments, limits, timeout_s, writable=None):
+        assert act == action
+        if writable:  # an export: a file whose name is as long as a path may be
+            deep = writable[0] / (("d" * 200 + "/") * 18)
+            deep.mkdir(parents=True)
+            (deep / ("f" * 200)).write_text("x")
+        return HOSTILE_RESULTS[action][index]
+
+    monkeypatch.setattr(model_tools, "run_model_io", hostile)
+    call = {"sample": lambda: model_tools.sample(ws, "r1", ["p"]), "evaluate": lambda: model_tools.evaluate(ws, "r1"),
+            "export": lambda: model_tools.export_checkpoint(ws, "r1", f"exports/m{index}")}[action]
+    result = call()
+    assert json_chars(result.model_dump(mode="json")) < AGENT_BUDGET_CHARS
