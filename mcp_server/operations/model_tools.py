@@ -83,6 +83,9 @@ def export_checkpoint(
         # A model there would be copied into every run's code snapshot and leave the recipe dirty.
         raise PathRefused(f"to {relative.as_posix()!r} is inside {RECIPES_DIRNAME}/, which holds recipe code; "
                           "export elsewhere, e.g. exports/my_model")
+    if STAGING_MARK in destination.name:
+        raise PathRefused(f"to {relative.as_posix()!r} is named like the staging folder of an export; "
+                          "give another name")
     for part in relative.parts:
         if len(os.fsencode(part)) > MAX_NAME_BYTES:
             raise PathRefused(f"to has a folder name too long for the filesystem ({len(os.fsencode(part))} bytes, "
@@ -100,7 +103,11 @@ def export_checkpoint(
     # a folder on the way swapped for a link meanwhile redirects neither the staging folder, nor
     # the rename, nor the listing of what was written.
     try:
-        parent.mkdir(parents=True, exist_ok=True)
+        try:
+            parent.mkdir(parents=True, exist_ok=True)
+        except OSError as e:  # a file on the way, for instance
+            raise BadInput(f"the folder of to {relative.as_posix()!r} cannot be created ({e.strerror}); "
+                           "give a path whose folders are folders") from None
         parent_fd = _open_checked_dir(parent, relative.as_posix())
         os.mkdir(staging_name, dir_fd=parent_fd)
         staging = parent / staging_name

@@ -176,3 +176,19 @@ def test_a_hostile_result_from_the_model_process_gives_a_bounded_answer(ws, monk
             "export": lambda: model_tools.export_checkpoint(ws, "r1", f"exports/m{index}")}[action]
     result = call()
     assert json_chars(result.model_dump(mode="json")) < AGENT_BUDGET_CHARS
+
+
+def test_a_destination_under_a_file_is_a_clear_refusal(ws):
+    (ws.root / "notes.txt").write_text("a file")
+    before = tree_hash(ws.root)
+    with pytest.raises(BadInput, match="cannot be created"):
+        model_tools.export_checkpoint(ws, "r1", "notes.txt/model")
+    assert tree_hash(ws.root) == before
+
+
+def test_another_exports_staging_folder_is_not_a_destination(ws):
+    (ws.root / "exports" / f".m{model_tools.STAGING_MARK}0a1b2c3d").mkdir(parents=True)  # in flight, still empty
+    before = tree_hash(ws.root)
+    with pytest.raises(BadInput, match="staging folder"):
+        model_tools.export_checkpoint(ws, "r1", f"exports/.m{model_tools.STAGING_MARK}0a1b2c3d")
+    assert tree_hash(ws.root) == before
