@@ -12,6 +12,7 @@ import contextlib
 import os
 import secrets
 import shutil
+import stat
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +21,7 @@ from engine.errors import BadInput, NotFound
 from engine.model_io import check_sample_request
 from mcp_server.limits import AGENT_BUDGET_CHARS, json_chars
 from mcp_server.models import EvaluateResult, ExportResult, Sample, SampleResult
-from sandbox.model_process import run_model_io
+from sandbox.model_process import ModelProcessFailed, run_model_io
 from sandbox.paths import RESERVED_DIRS, PathRefused, confine, refuse_reserved
 from sandbox.provenance import check_snapshot_unchanged
 from sandbox.workspace import RECIPES_DIRNAME, Workspace
@@ -117,6 +118,7 @@ def export_checkpoint(
             ws.run_limits(), EXPORT_TIMEOUT_S, writable=[staging],
         )
         lora_done = result.get("lora") if result.get("lora") in LORA_CHOICES else None
+        _check_written(parent_fd, staging_name)
         try:
             with contextlib.suppress(FileNotFoundError):
                 os.rmdir(name, dir_fd=parent_fd)  # empty, as checked (a link or a file: ENOTDIR)
@@ -169,6 +171,19 @@ def _text(value: Any, limit: int = 100) -> str | None:
 def _count(value: Any) -> int:
     """A count of the model process's result: a non-negative integer, else 0."""
     return value if isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 2**63 else 0
+
+
+def _check_written(parent_fd: int, name: str) -> None:
+    """Refuse an export that holds anything but regular files and folders (recipe code wrote it:
+    a link would lead out of the workspace); drop set-user/group-id bits."""
+    for _, folders, names, dir_fd in os.fwalk(name, dir_fd=parent_fd):
+        for entry in folders + names:
+            info = os.stat(entry, dir_fd=dir_fd, follow_symlinks=False)
+            if not (stat.S_ISREG(info.st_mode) or stat.S_ISDIR(info.st_mode)):
+                raise ModelProcessFailed(f"the export holds {entry[:100]!r}, which is not a regular file or folder "
+                                         "(the recipe's code wrote it); nothing was exported")
+            if info.st_mode & (stat.S_ISUID | stat.S_ISGID):
+                os.chmod(entry, stat.S_IMODE(info.st_mode) & ~(stat.S_ISUID | stat.S_ISGID), dir_fd=dir_fd)
 
 
 def _files(parent_fd: int, name: str) -> list[tuple[str, int]]:

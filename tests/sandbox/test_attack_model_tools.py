@@ -192,3 +192,25 @@ def test_another_exports_staging_folder_is_not_a_destination(ws):
     with pytest.raises(BadInput, match="staging folder"):
         model_tools.export_checkpoint(ws, "r1", f"exports/.m{model_tools.STAGING_MARK}0a1b2c3d")
     assert tree_hash(ws.root) == before
+
+
+@pytest.mark.parametrize("plant", ["link", "fifo", "dir-link"])
+def test_an_export_holding_a_link_or_a_special_file_is_refused(ws, tmp_path, plant):
+    # Recipe code writes the staging folder: a link there would lead out of the workspace.
+    def plant_it(staging):
+        sub = staging / "tokenizer"
+        sub.mkdir()
+        {"link": lambda: (sub / "vocab.json").symlink_to("/etc/passwd"),
+         "fifo": lambda: os.mkfifo(sub / "pipe"),
+         "dir-link": lambda: (staging / "base").symlink_to(tmp_path / "outside")}[plant]()
+
+    DURING.append(plant_it)
+    with pytest.raises(BadInput, match="not a regular file or folder"):
+        model_tools.export_checkpoint(ws, "r1", "exports/m")
+    assert not (ws.root / "exports").exists()
+
+
+def test_set_id_bits_written_by_the_recipe_are_dropped(ws):
+    DURING.append(lambda staging: (staging / "config.json").chmod(0o6755))
+    model_tools.export_checkpoint(ws, "r1", "exports/m")
+    assert (ws.root / "exports" / "m" / "config.json").stat().st_mode & 0o7777 == 0o755
