@@ -12,6 +12,7 @@ without following links.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import secrets
@@ -20,8 +21,9 @@ import stat
 import subprocess
 import sys
 import tempfile
+import threading
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from engine import run_dir as rd
 from engine.data_files import WORKSPACE_VARIABLE
@@ -40,6 +42,28 @@ class ModelProcessFailed(BadInput):
     """The recipe's code failed while its model was loaded or asked; the message has its error."""
 
 
+# Each model process loads a whole model: at most runs.max_concurrent_runs of them at once in
+# this server (an agent calling sample in a loop without waiting gets a refusal, not a process).
+_running = 0
+_running_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def _slot(limits: RunLimits) -> Iterator[None]:
+    global _running
+    cap = limits.max_concurrent_runs or 2 * (os.cpu_count() or 1)
+    with _running_lock:
+        if _running >= cap:
+            raise BadInput(f"{_running} export, sample or evaluate processes are running, at most {cap} at once "
+                           "(runs.max_concurrent_runs); call again when one has answered")
+        _running += 1
+    try:
+        yield
+    finally:
+        with _running_lock:
+            _running -= 1
+
+
 def run_model_io(
     workspace: Path,
     run_dir: Path,
@@ -53,6 +77,12 @@ def run_model_io(
     """Run ``python -m engine.model_io ACTION RUN_DIR --step STEP ARGUMENTS`` in the sandbox and
     return its result (``ok`` removed); its refusals are raised as :class:`BadInput` or
     :class:`NotFound`, a failure of the recipe's code as :class:`ModelProcessFailed`."""
+    with _slot(limits):
+        return _run_model_io(workspace, run_dir, action, step, arguments, limits, timeout_s, writable)
+
+
+def _run_model_io(workspace: Path, run_dir: Path, action: str, step: int, arguments: list[str],
+                  limits: RunLimits, timeout_s: float, writable: list[Path] | None) -> dict[str, Any]:
     workspace, run_dir = Path(workspace), Path(run_dir)
     checkpoint = run_dir / rd.CHECKPOINTS_DIRNAME / rd.checkpoint_dir_name(step)
     out_dir = Path(tempfile.mkdtemp(prefix="trainwright-model-"))

@@ -214,3 +214,37 @@ def test_set_id_bits_written_by_the_recipe_are_dropped(ws):
     DURING.append(lambda staging: (staging / "config.json").chmod(0o6755))
     model_tools.export_checkpoint(ws, "r1", "exports/m")
     assert (ws.root / "exports" / "m" / "config.json").stat().st_mode & 0o7777 == 0o755
+
+
+def test_model_processes_at_once_are_capped_like_runs(tmp_path, monkeypatch):
+    # Each sample/evaluate/export loads a whole model: an agent calling them in a loop without
+    # waiting must not start one process per call.
+    from sandbox import model_process
+    from sandbox.config import RunLimits
+
+    run = fake_run(tmp_path / "ws", "r1")
+    release, entered = threading.Event(), threading.Event()
+
+    def held(*args, **kwargs):
+        entered.set()
+        release.wait(10)
+        return "", ""
+
+    monkeypatch.setattr(model_process, "run_contained", held)
+    limits = RunLimits(max_concurrent_runs=1)
+    first: list = []
+    thread = threading.Thread(target=lambda: first.append(pytest.raises(
+        model_process.ModelProcessFailed, model_process.run_model_io, tmp_path / "ws", run, "sample", 2, [], limits, 5)))
+    thread.start()
+    assert entered.wait(10)
+    try:
+        with pytest.raises(BadInput, match="at most 1 at once"):
+            model_process.run_model_io(tmp_path / "ws", run, "sample", 2, [], limits, 5)
+    finally:
+        release.set()
+        thread.join()
+    assert first and "ended without a result" in str(first[0].value)
+    entered.clear()
+    release.set()  # the slot is free again
+    with pytest.raises(model_process.ModelProcessFailed, match="ended without a result"):
+        model_process.run_model_io(tmp_path / "ws", run, "sample", 2, [], limits, 5)
