@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from engine import run_dir as rd
-from engine.errors import BadInput
+from engine.errors import BadInput, NotFound
 from mcp_server.operations import model_tools
 from sandbox.workspace import Workspace
 from tests.sandbox.helpers import fake_run, make_workspace, tree_hash
@@ -248,3 +248,32 @@ def test_model_processes_at_once_are_capped_like_runs(tmp_path, monkeypatch):
     release.set()  # the slot is free again
     with pytest.raises(model_process.ModelProcessFailed, match="ended without a result"):
         model_process.run_model_io(tmp_path / "ws", run, "sample", 2, [], limits, 5)
+
+
+def test_a_step_that_is_a_link_incomplete_or_absent_is_not_found(ws, tmp_path):
+    checkpoints = ws.run_dir("r1") / rd.CHECKPOINTS_DIRNAME
+    (checkpoints / rd.checkpoint_dir_name(2) / rd.DCP_METADATA).unlink()  # an interrupted save
+    (checkpoints / rd.checkpoint_dir_name(9)).symlink_to(checkpoints / rd.checkpoint_dir_name(4))
+    for step in (2, 9, 3, -1, 10**30):
+        with pytest.raises(NotFound, match="available steps: 4$"):
+            model_tools.sample(ws, "r1", ["x"], step=step)
+    with pytest.raises(BadInput, match="step must be an integer"):
+        model_tools.sample(ws, "r1", ["x"], step=True)
+
+
+def test_an_interrupted_export_leaves_nothing_at_to_and_a_killed_one_does_not_block_the_next(ws):
+    def interrupted(staging):
+        (staging / "model.safetensors").write_bytes(b"half")
+        raise KeyboardInterrupt
+
+    DURING.append(interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        model_tools.export_checkpoint(ws, "r1", "exports/deep/m")
+    assert not (ws.root / "exports").exists()  # nor the folders made for it
+    DURING.clear()
+    # A server killed midway leaves its hidden staging folder, never a partial "to".
+    left = ws.root / "exports" / f".m{model_tools.STAGING_MARK}00000000"
+    left.mkdir(parents=True)
+    (left / "model.safetensors").write_bytes(b"half")
+    assert model_tools.export_checkpoint(ws, "r1", "exports/m").files == {"config.json": 2}
+    assert (left / "model.safetensors").read_bytes() == b"half"
