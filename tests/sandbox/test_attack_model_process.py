@@ -93,11 +93,31 @@ def leftovers() -> list[int]:
     return found
 
 
-def test_an_export_runs_the_recipe_where_it_reaches_only_its_staging_folder(hostile):
+def test_an_export_runs_the_recipe_where_it_reaches_only_its_staging_folder(hostile, monkeypatch, tmp_path):
     ws, run_id = hostile
-    result = model_tools.export_checkpoint(ws, run_id, "exports/m")
+    # A run still running writes its checkpoints folder: between the server's check (a real
+    # folder) and the sandbox's start it can put a link to a host folder in its place.
+    checkpoint = ws.run_dir(run_id) / rd.CHECKPOINTS_DIRNAME / rd.checkpoint_dir_name(3)
+    host_folder = tmp_path / "host-folder"
+    shutil.copytree(checkpoint, host_folder)  # a loadable checkpoint, so the export completes
+    (host_folder / "secret.txt").write_text("host secret")
+    real = model_process.run_contained
+
+    def swapped(*args, **kwargs):
+        moved = checkpoint.with_name("moved")
+        os.rename(checkpoint, moved)
+        checkpoint.symlink_to(host_folder)
+        try:
+            return real(*args, **kwargs)
+        finally:
+            checkpoint.unlink()
+            os.rename(moved, checkpoint)
+
+    monkeypatch.setattr(model_process, "run_contained", swapped)
+    result = model_tools.export_checkpoint(ws, run_id, "exports/m", step=3)
     assert "probe.json" in result.files and "model.safetensors" in result.files
     found = json.loads((ws.root / "exports" / "m" / "probe.json").read_text())
+    assert found["checkpoint_extra"] == "FileNotFoundError", found
     assert found["write_workspace"] in ("OSError", "PermissionError"), found
     assert found["write_final"] in ("OSError", "PermissionError"), found
     assert found["write_beside_staging"] in ("OSError", "PermissionError"), found
@@ -116,29 +136,3 @@ def test_a_model_process_that_never_ends_is_stopped_at_its_limit_with_everything
         model_tools.evaluate(ws, run_id)
     assert time.monotonic() - started < 30
     assert leftovers() == []
-
-
-def test_a_checkpoint_swapped_for_a_link_before_the_sandbox_starts_is_not_followed(hostile, monkeypatch, tmp_path):
-    # A run still running writes its checkpoints folder: between the server's check (a real
-    # folder) and the sandbox's start it can put a link to a host folder in its place.
-    ws, run_id = hostile
-    checkpoint = ws.run_dir(run_id) / rd.CHECKPOINTS_DIRNAME / rd.checkpoint_dir_name(3)
-    host_folder = tmp_path / "host-folder"
-    shutil.copytree(checkpoint, host_folder)  # a loadable checkpoint, so the export completes
-    (host_folder / "secret.txt").write_text("host secret")
-    real = model_process.run_contained
-
-    def swapped(*args, **kwargs):
-        moved = checkpoint.with_name("moved")
-        os.rename(checkpoint, moved)
-        checkpoint.symlink_to(host_folder)
-        try:
-            return real(*args, **kwargs)
-        finally:
-            checkpoint.unlink()
-            os.rename(moved, checkpoint)
-
-    monkeypatch.setattr(model_process, "run_contained", swapped)
-    model_tools.export_checkpoint(ws, run_id, "exports/raced", step=3)
-    found = json.loads((ws.root / "exports" / "raced" / "probe.json").read_text())
-    assert found["checkpoint_extra"] == "FileNotFoundError", found
