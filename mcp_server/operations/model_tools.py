@@ -24,6 +24,7 @@ from mcp_server.models import EvaluateResult, ExportResult, Sample, SampleResult
 from sandbox.model_process import ModelProcessFailed, run_model_io
 from sandbox.paths import RESERVED_DIRS, PathRefused, confine, refuse_reserved
 from sandbox.provenance import check_snapshot_unchanged
+from sandbox.redact import redact
 from sandbox.workspace import RECIPES_DIRNAME, Workspace
 
 EXPORT_TIMEOUT_S = 1800
@@ -217,8 +218,9 @@ def _bounded_samples(samples: list[dict[str, Any]]) -> list[Sample]:
     share = (AGENT_BUDGET_CHARS - 1200) // max(1, len(samples))
     kept = []
     for item in samples:
-        prompt, prompt_cut = _fit(str(item.get("prompt", "")), min(300, share // 4))
-        completion, completion_cut = _fit(str(item.get("completion", "")), share - json_chars(prompt) - 80)
+        # Redacted before the cut: a secret cut in two would no longer be found by its value.
+        prompt, prompt_cut = _fit(redact(str(item.get("prompt", ""))), min(300, share // 4))
+        completion, completion_cut = _fit(redact(str(item.get("completion", ""))), share - json_chars(prompt) - 80)
         stopped = item.get("stopped") if item.get("stopped") in ("eos", "max_new_tokens") else "max_new_tokens"
         kept.append(Sample(prompt=prompt, completion=completion, new_tokens=_count(item.get("new_tokens")),
                            stopped=stopped, cut=prompt_cut or completion_cut))

@@ -277,3 +277,21 @@ def test_an_interrupted_export_leaves_nothing_at_to_and_a_killed_one_does_not_bl
     (left / "model.safetensors").write_bytes(b"half")
     assert model_tools.export_checkpoint(ws, "r1", "exports/m").files == {"config.json": 2}
     assert (left / "model.safetensors").read_bytes() == b"half"
+
+
+def test_a_secret_in_a_completion_is_redacted_before_the_cut_can_split_it(monkeypatch):
+    from sandbox import redact as redaction
+
+    secret = "tw-attack-Secret-9f8e7d6c5b4a3210"
+    monkeypatch.setenv("TW_ATTACK_TOKEN", secret)
+    redaction.reload()
+    try:
+        (plain,) = model_tools._bounded_samples([{"prompt": "p", "completion": "x" * 20_000}])
+        kept = len(plain.completion) - 1  # where the cut falls ("…" added)
+        for inside in range(8, len(secret)):  # the cut falls inside the secret
+            completion = "x" * (kept - inside) + secret + "x" * 20_000
+            (sample,) = model_tools._bounded_samples([{"prompt": "p", "completion": completion}])
+            assert secret[:8] not in redaction.redact_model(sample).completion, inside
+    finally:
+        monkeypatch.delenv("TW_ATTACK_TOKEN")
+        redaction.reload()
