@@ -31,6 +31,7 @@ from engine.errors import BadInput, NotFound
 from sandbox.config import RunLimits
 from sandbox.environment import THREADS_VARIABLE, run_environment, threads_per_process
 from sandbox.processes import RUN_ID_VARIABLE
+from sandbox.redact import redact
 from sandbox.runs import run_contained
 
 RESULT_NAME = "result.json"
@@ -115,10 +116,11 @@ def _run_model_io(workspace: Path, run_dir: Path, action: str, step: int, argume
     finally:
         shutil.rmtree(out_dir, ignore_errors=True)
     if result is None:
-        last = "\n".join(stderr.strip().splitlines()[-8:])[-MAX_STDERR_CHARS:]
+        # Redacted before the cut: a server secret cut in two would no longer be found by its value.
+        last = redact("\n".join(stderr.strip().splitlines()[-8:]))[-MAX_STDERR_CHARS:]
         raise ModelProcessFailed(f"{action} ended without a result; its last output:\n{last or '(none)'}")
     if not result.get("ok"):
-        error = str(result.get("error"))[:2000]
+        error = redact(str(result.get("error")))[:2000]
         kind = result.get("kind")
         if kind == "not_found":
             raise NotFound(error)

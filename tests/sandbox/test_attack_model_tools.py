@@ -295,3 +295,24 @@ def test_a_secret_in_a_completion_is_redacted_before_the_cut_can_split_it(monkey
     finally:
         monkeypatch.delenv("TW_ATTACK_TOKEN")
         redaction.reload()
+
+
+def test_a_secret_in_the_model_process_output_is_redacted_before_it_is_cut(tmp_path, monkeypatch):
+    from sandbox import model_process
+    from sandbox import redact as redaction
+    from sandbox.config import RunLimits
+
+    secret = "tw-attack-Secret-0a1b2c3d4e5f6789"
+    monkeypatch.setenv("TW_ATTACK_TOKEN", secret)
+    redaction.reload()
+    run = fake_run(tmp_path / "ws", "r1")
+    try:
+        for inside in range(8, len(secret), 5):  # the cut keeps the secret's last part
+            tail = secret[len(secret) - inside:] + "y" * (model_process.MAX_STDERR_CHARS - inside)
+            monkeypatch.setattr(model_process, "run_contained", lambda *a, **k: ("", "x" * 100 + secret[:-inside] + tail))
+            with pytest.raises(model_process.ModelProcessFailed) as failed:
+                model_process.run_model_io(tmp_path / "ws", run, "sample", 2, [], RunLimits(), 5)
+            assert secret[-8:] not in redaction.redact(str(failed.value)), inside
+    finally:
+        monkeypatch.delenv("TW_ATTACK_TOKEN")
+        redaction.reload()
