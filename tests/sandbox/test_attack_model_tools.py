@@ -2,8 +2,8 @@
 
 The server's side of an export — checks, staging folder, rename, listing — runs here with the
 sandboxed model process replaced by a stand-in that writes into the staging folder it is given
-(tests/mcp/test_model_tools.py and tests/engine/test_model_io.py run the real one); the cases
-that need recipe code in the sandbox share one short run.
+(tests/mcp/test_model_tools.py and tests/engine/test_model_io.py run the real one; recipe code
+in the sandbox: tests/sandbox/test_attack_model_process.py). No process is started here.
 """
 
 from __future__ import annotations
