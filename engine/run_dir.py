@@ -32,7 +32,7 @@ import secrets
 import stat
 import tempfile
 from pathlib import Path
-from typing import Any, Iterator, Literal
+from typing import Any, BinaryIO, Iterator, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
@@ -407,6 +407,21 @@ def finite_number(value: Any) -> float | None:
     return value if math.isfinite(value) else None
 
 
+def open_run_output(path: Path) -> BinaryIO | None:
+    """A file the run writes (metrics, console) opened for reading, or None when it is missing
+    or not a regular file: never through a link the run put there (it could name any host
+    file), never waiting on a FIFO."""
+    try:
+        fd = os.open(path, os.O_RDONLY | _NO_FOLLOW)
+    except OSError:
+        return None
+    f = os.fdopen(fd, "rb")
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        f.close()
+        return None
+    return f
+
+
 def read_metrics_tail(
     path: Path, n: int, after_step: int | None = None, block_size: int = 64 * 1024,
     max_bytes: int = METRICS_WINDOW_BYTES,
@@ -418,12 +433,12 @@ def read_metrics_tail(
     where ``truncated`` says that more matching records exist than were returned (or that the
     window ended first). A partially written last line, and any unusable line, is skipped.
     """
-    path = Path(path)
-    if not path.is_file() or n <= 0:
+    f = open_run_output(path) if n > 0 else None
+    if f is None:
         return [], False
     records: list[dict[str, Any]] = []
     truncated = False
-    with open(path, "rb") as f:
+    with f:
         f.seek(0, os.SEEK_END)
         position = f.tell()
         floor = max(0, position - max_bytes)
@@ -504,10 +519,10 @@ def _shallow(value: Any, depth: int) -> bool:
 def read_all_metrics(path: Path, max_bytes: int = METRICS_WINDOW_BYTES) -> list[dict[str, Any]]:
     """The records of a metrics file, in order, from at most its last ``max_bytes`` (for plots,
     tests and reviews)."""
-    path = Path(path)
-    if not path.is_file():
+    f = open_run_output(path)
+    if f is None:
         return []
-    with open(path, "rb") as f:
+    with f:
         size = f.seek(0, os.SEEK_END)
         start = max(0, size - max_bytes)
         f.seek(max(0, start - 1))

@@ -103,3 +103,19 @@ def test_the_supervisor_notes_the_outcome_on_the_commit_it_was_started_with(tmp_
     supervisor.finish(0)
     assert "r1: completed" in open_repo(workspace).git.notes(f"--ref={NOTES_REF}", "show", head)
     assert not open_repo(other).git.for_each_ref("refs/notes")
+
+
+@pytest.mark.parametrize("plant", ["link", "fifo"])
+def test_console_and_metrics_the_run_replaced_by_links_or_fifos_are_not_read(tmp_path, victim, plant):
+    from mcp_server.operations import runs as run_ops
+
+    victim.write_text('{"step": 1, "loss": 1.0, "note": "' + SECRET.strip() + '"}\n')
+    workspace = make_workspace(tmp_path / "ws")
+    run = fake_run(workspace, "r1")
+    for name in (rd.CONSOLE_LOG, rd.METRICS_JSONL):
+        (run / name).unlink()
+        (run / name).symlink_to(victim) if plant == "link" else os.mkfifo(run / name)
+    ws = Workspace.open(workspace)
+    shown = (run_ops.get_run(ws, "r1").model_dump_json() + run_ops.tail_metrics(ws, "r1").model_dump_json()
+             + str(run_ops._tail_text(run / rd.CONSOLE_LOG, 20_000)) + str(rd.read_all_metrics(run / rd.METRICS_JSONL)))
+    assert "host-secret" not in shown
