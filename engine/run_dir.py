@@ -93,7 +93,7 @@ def list_checkpoints(run_dir: Path) -> list[tuple[int, Path]]:
     in it; a save that was interrupted lives under a ``.partial-`` name and is never listed.
     """
     root = Path(run_dir) / CHECKPOINTS_DIRNAME
-    if not root.is_dir():
+    if root.is_symlink() or not root.is_dir():  # a link the run put there leads anywhere
         return []
     found = []
     for entry in root.iterdir():

@@ -119,3 +119,11 @@ def test_console_and_metrics_the_run_replaced_by_links_or_fifos_are_not_read(tmp
     shown = (run_ops.get_run(ws, "r1").model_dump_json() + run_ops.tail_metrics(ws, "r1").model_dump_json()
              + str(run_ops._tail_text(run / rd.CONSOLE_LOG, 20_000)) + str(rd.read_all_metrics(run / rd.METRICS_JSONL)))
     assert "host-secret" not in shown
+
+
+def test_a_checkpoints_folder_replaced_by_a_link_holds_no_checkpoint(tmp_path):
+    elsewhere = fake_run(tmp_path / "other-workspace", "r9")  # checkpoints of another project
+    run = fake_run(tmp_path / "ws", "r1", checkpoints=())
+    (run / rd.CHECKPOINTS_DIRNAME).rmdir()
+    (run / rd.CHECKPOINTS_DIRNAME).symlink_to(elsewhere / rd.CHECKPOINTS_DIRNAME)
+    assert rd.list_checkpoints(run) == []
