@@ -27,6 +27,7 @@ disables the sandbox (the fallback, for hosts where it cannot work).
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 import subprocess
@@ -100,6 +101,16 @@ def probe(bwrap: str | None, network: str = "isolated") -> str | None:
         last = (result.stderr.strip().splitlines() or [f"exit status {result.returncode}"])[-1]
         return f"bubblewrap cannot create the sandbox here ({last[:300]}); user namespaces may be disabled"
     return None
+
+
+@functools.lru_cache(maxsize=8)
+def binds_fds(bwrap: str) -> bool:
+    """Whether this bubblewrap has ``--ro-bind-fd`` (0.8 and later)."""
+    try:
+        result = subprocess.run([bwrap, "--help"], capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return False
+    return "--ro-bind-fd" in result.stdout + result.stderr
 
 
 def python_paths(environ: Mapping[str, str] | None = None) -> list[Path]:
@@ -220,7 +231,11 @@ def wrap(
     shown = [Path(p) for p in read_only]
     changed = [Path(p) for p in writable]
     options: list[str] = [bwrap, *_namespace_options(network)]
-    for option in _mounts(shown, changed, network, environ, [Path(p) for p in hidden], bound_fds or {}):
+    bound_fds = dict(bound_fds or {})
+    if bound_fds and not binds_fds(bwrap):  # bubblewrap before 0.8: by path (a swap is followed)
+        shown += [Path(p) for p in bound_fds]
+        bound_fds = {}
+    for option in _mounts(shown, changed, network, environ, [Path(p) for p in hidden], bound_fds):
         options += option
     directory = Path(os.path.abspath(cwd)) if cwd else None
     if directory is None or not _mounted(directory, shown, changed):

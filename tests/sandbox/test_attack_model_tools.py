@@ -316,3 +316,22 @@ def test_a_secret_in_the_model_process_output_is_redacted_before_it_is_cut(tmp_p
     finally:
         monkeypatch.delenv("TW_ATTACK_TOKEN")
         redaction.reload()
+
+
+def test_paths_bound_from_descriptors_fall_back_to_paths_on_an_older_bubblewrap(tmp_path, monkeypatch):
+    from sandbox import bwrap
+
+    found = bwrap.find_bwrap()
+    if found is None or bwrap.probe(found) is not None:
+        pytest.skip("bubblewrap cannot run here")
+    checkpoint = tmp_path / "step"
+    checkpoint.mkdir()
+    fd = os.open(checkpoint, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        wrapped = bwrap.wrap(["true"], [tmp_path / "ws"], [], bound_fds={checkpoint: fd})
+        assert ["--ro-bind-fd", str(fd), str(checkpoint)] == wrapped.command[wrapped.command.index("--ro-bind-fd"):][:3]
+        monkeypatch.setattr(bwrap, "binds_fds", lambda path: False)  # bubblewrap before 0.8
+        command = bwrap.wrap(["true"], [tmp_path / "ws"], [], bound_fds={checkpoint: fd}).command
+        assert "--ro-bind-fd" not in command and str(checkpoint) in command
+    finally:
+        os.close(fd)
