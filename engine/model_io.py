@@ -37,6 +37,8 @@ EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT = 0, 1, 2
 MAX_PROMPTS = 8
 MAX_NEW_TOKENS = 512
 MAX_PROMPT_CHARS = 4000
+# Below this, logits / temperature overflow (inf, then NaN probabilities): 0 is greedy.
+MIN_TEMPERATURE = 0.01
 # One process computes what a run computed on many: the same weights in full precision.
 SINGLE_PROCESS = {
     "parallel.tp": 1,
@@ -171,12 +173,18 @@ def check_sample_request(prompts: Any, max_new_tokens: Any, temperature: Any) ->
             raise BadInput(f"prompt {index} is empty; give the text the model continues")
         if "\x00" in prompt:
             raise BadInput(f"prompt {index} contains a NUL character")
+        try:  # a JSON string may hold a lone surrogate, which no command line can carry
+            prompt.encode()
+        except UnicodeEncodeError:
+            raise BadInput(f"prompt {index} is not valid text (it holds a lone surrogate)") from None
         if len(prompt) > MAX_PROMPT_CHARS:
             raise BadInput(f"prompt {index} has {len(prompt)} characters; at most {MAX_PROMPT_CHARS}")
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or not 1 <= max_new_tokens <= MAX_NEW_TOKENS:
         raise BadInput(f"max_new_tokens must be an integer between 1 and {MAX_NEW_TOKENS}, got {max_new_tokens!r}")
-    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not 0 <= temperature <= 5:
-        raise BadInput(f"temperature must be a number between 0 (greedy) and 5, got {temperature!r}")
+    if (isinstance(temperature, bool) or not isinstance(temperature, (int, float))
+            or not (temperature == 0 or MIN_TEMPERATURE <= temperature <= 5)):
+        raise BadInput(f"temperature must be 0 (greedy) or a number between {MIN_TEMPERATURE} and 5, "
+                       f"got {temperature!r}")
 
 
 def evaluation_overrides(config_fields: dict[str, Any], data: list[str] | None) -> dict[str, Any]:

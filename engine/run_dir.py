@@ -32,10 +32,12 @@ import math
 import os
 import re
 import secrets
+import stat
+import tempfile
 from pathlib import Path
-from typing import Any, Iterator, Literal
+from typing import Any, BinaryIO, Iterator, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 RUNS_DIRNAME = "runs"
 RUN_JSON = "run.json"
@@ -94,7 +96,7 @@ def list_checkpoints(run_dir: Path) -> list[tuple[int, Path]]:
     in it; a save that was interrupted lives under a ``.partial-`` name and is never listed.
     """
     root = Path(run_dir) / CHECKPOINTS_DIRNAME
-    if not root.is_dir():
+    if root.is_symlink() or not root.is_dir():  # a link the run put there leads anywhere
         return []
     found = []
     for entry in root.iterdir():
@@ -273,7 +275,7 @@ class RunRecord(BaseModel):
 @contextlib.contextmanager
 def _locked(run_dir: Path) -> Iterator[None]:
     lock_path = Path(run_dir) / ".run.json.lock"
-    with open(lock_path, "a") as lock_file:
+    with os.fdopen(_open_lock(lock_path), "rb") as lock_file:
         fcntl.flock(lock_file, fcntl.LOCK_EX)
         try:
             yield
@@ -281,15 +283,46 @@ def _locked(run_dir: Path) -> Iterator[None]:
             fcntl.flock(lock_file, fcntl.LOCK_UN)
 
 
+# The run directory is written by recipe code, and the supervisor and the server (outside the
+# sandbox) write and read run.json there: every name they open may be a link or a FIFO the run
+# left. So nothing there is opened following a link or waiting on a FIFO.
+_NO_FOLLOW = os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+
+
+def _open_lock(path: Path) -> int:
+    """A descriptor of the regular lock file ``path``; anything else at its name (a link, a
+    FIFO, left by the run) is removed first (unlinking never follows a link)."""
+    for _ in range(3):
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | _NO_FOLLOW, 0o644)
+        except OSError:  # ELOOP: a link; ENXIO and the like: not a file
+            fd = None
+        if fd is not None:
+            if stat.S_ISREG(os.fstat(fd).st_mode):
+                return fd
+            os.close(fd)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+    raise OSError(f"{path.name} in {path.parent} is not a regular file and could not be replaced")
+
+
 def write_json_atomic(path: Path, data: Any) -> None:
     path = Path(path)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "w") as f:
-        json.dump(data, f, indent=2, sort_keys=True)
-        f.write("\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    # A new file with a random name (mkstemp: O_EXCL, which never follows a link): a name the run
+    # could predict (the writer's pid is in run.json) may be a link it planted to a host file.
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        os.fchmod(fd, 0o644)
+        with os.fdopen(fd, "w") as f:
+            json.dump(data, f, indent=2, sort_keys=True)
+            f.write("\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
 
 
 def _write_record(run_dir: Path, record: RunRecord) -> None:
@@ -298,12 +331,22 @@ def _write_record(run_dir: Path, record: RunRecord) -> None:
 
 def read_run(run_dir: Path) -> RunRecord:
     """The run's record. Raises OSError when it cannot be read and ValueError when it is not a
-    RunRecord (pydantic's ValidationError is a ValueError)."""
-    with open(Path(run_dir) / RUN_JSON, "rb") as f:
+    RunRecord. A link or anything but a regular file is not read (the run may have put it
+    there), and the error never quotes the file's content (it could be any host file)."""
+    fd = os.open(Path(run_dir) / RUN_JSON, os.O_RDONLY | _NO_FOLLOW)
+    with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(f"{RUN_JSON} of {Path(run_dir).name} is not a regular file")
         data = f.read(MAX_RUN_JSON_BYTES + 1)
     if len(data) > MAX_RUN_JSON_BYTES:
         raise ValueError(f"{RUN_JSON} is larger than {MAX_RUN_JSON_BYTES} bytes")
-    return RunRecord.model_validate_json(data)
+    try:
+        return RunRecord.model_validate_json(data)
+    except ValidationError as e:  # its message would quote the input
+        first = e.errors(include_url=False, include_input=False, include_context=False)[0]
+        where = ".".join(str(part) for part in first.get("loc", ())) or "the file"
+        raise ValueError(f"{RUN_JSON} of {Path(run_dir).name} is not a run record "
+                         f"({e.error_count()} errors; {where}: {first.get('msg')})") from None
 
 
 def create_run(run_dir: Path, record: RunRecord) -> None:
@@ -391,6 +434,21 @@ def finite_number(value: Any) -> float | None:
     return value if math.isfinite(value) else None
 
 
+def open_run_output(path: Path) -> BinaryIO | None:
+    """A file the run writes (metrics, console) opened for reading, or None when it is missing
+    or not a regular file: never through a link the run put there (it could name any host
+    file), never waiting on a FIFO."""
+    try:
+        fd = os.open(path, os.O_RDONLY | _NO_FOLLOW)
+    except OSError:
+        return None
+    f = os.fdopen(fd, "rb")
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        f.close()
+        return None
+    return f
+
+
 def read_metrics_tail(
     path: Path, n: int, after_step: int | None = None, block_size: int = 64 * 1024,
     max_bytes: int = METRICS_WINDOW_BYTES,
@@ -402,12 +460,12 @@ def read_metrics_tail(
     where ``truncated`` says that more matching records exist than were returned (or that the
     window ended first). A partially written last line, and any unusable line, is skipped.
     """
-    path = Path(path)
-    if not path.is_file() or n <= 0:
+    f = open_run_output(path) if n > 0 else None
+    if f is None:
         return [], False
     records: list[dict[str, Any]] = []
     truncated = False
-    with open(path, "rb") as f:
+    with f:
         f.seek(0, os.SEEK_END)
         position = f.tell()
         floor = max(0, position - max_bytes)
@@ -488,10 +546,10 @@ def _shallow(value: Any, depth: int) -> bool:
 def read_all_metrics(path: Path, max_bytes: int = METRICS_WINDOW_BYTES) -> list[dict[str, Any]]:
     """The records of a metrics file, in order, from at most its last ``max_bytes`` (for plots,
     tests and reviews)."""
-    path = Path(path)
-    if not path.is_file():
+    f = open_run_output(path)
+    if f is None:
         return []
-    with open(path, "rb") as f:
+    with f:
         size = f.seek(0, os.SEEK_END)
         start = max(0, size - max_bytes)
         f.seek(max(0, start - 1))

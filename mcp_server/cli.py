@@ -122,8 +122,9 @@ def _follow_run(ws, run_id: str, echo: bool) -> int:
             record = rd.read_run(run_dir)
             ended = record.effective_status() in rd.FINAL_STATUSES and not rd.pid_alive(record.pid)
             chunk = b""
-            if console.is_file():
-                with open(console, "rb") as f:
+            f = rd.open_run_output(console)  # not through a link the run left
+            if f is not None:
+                with f:
                     f.seek(offset)
                     chunk = f.read()
             if not ended:  # whole lines only, so that redaction sees every line whole

@@ -27,6 +27,7 @@ disables the sandbox (the fallback, for hosts where it cannot work).
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 import subprocess
@@ -108,6 +109,16 @@ def probe(bwrap: str | None, network: str = "isolated") -> str | None:
     return None
 
 
+@functools.lru_cache(maxsize=8)
+def binds_fds(bwrap: str) -> bool:
+    """Whether this bubblewrap has ``--ro-bind-fd`` (0.8 and later)."""
+    try:
+        result = subprocess.run([bwrap, "--help"], capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return False
+    return "--ro-bind-fd" in result.stdout + result.stderr
+
+
 def python_paths(environ: Mapping[str, str] | None = None) -> list[Path]:
     """What the Python environment needs: prefixes, import paths, the trainwright source."""
     environ = os.environ if environ is None else environ
@@ -137,7 +148,8 @@ def _under(path: Path, folder: Path) -> bool:
 
 
 def _mounts(read_only: Iterable[Path], writable: Iterable[Path], network: str,
-            environ: Mapping[str, str], hidden: Iterable[Path] = ()) -> list[list[str]]:
+            environ: Mapping[str, str], hidden: Iterable[Path] = (),
+            bound_fds: Mapping[Path | str, int] | None = None) -> list[list[str]]:
     """Mount options, parents before children, so that a deeper mount lies over a shallower one."""
     entries: list[tuple[Path, int, list[str]]] = []  # (destination, order, options)
 
@@ -173,6 +185,9 @@ def _mounts(read_only: Iterable[Path], writable: Iterable[Path], network: str,
         path = Path(os.path.abspath(path))
         if any(_under(path, p) for p in ro + rw) and os.path.isdir(path):
             add("--tmpfs", path, 2, str(path))
+    for path, fd in (bound_fds or {}).items():
+        path = Path(os.path.abspath(path))
+        add("--ro-bind-fd", path, 2, str(fd), str(path))
     for path in rw:
         add("--bind", path, 3, str(path), str(path))
     # Parents first; at one depth, the system, then the environment, then the caller's paths.
@@ -205,12 +220,16 @@ def wrap(
     environ: Mapping[str, str] | None = None,
     hidden: Iterable[Path | str] = (),
     network_reason: str = SHARED_NETWORK_REASON,
+    bound_fds: Mapping[Path | str, int] | None = None,
 ) -> Wrapped:
     """``command`` inside the sandbox, seeing only ``read_only`` and ``writable`` (and the
     system and Python environment), with the folders ``hidden`` (inside those) empty;
     ``network`` is ``isolated`` or ``shared``. ``bwrap`` defaults (None) to
     :func:`find_bwrap`, ``""`` disables the sandbox; ``environ`` is the environment the
-    command will get; ``network_reason`` says why a shared network is shared."""
+    command will get; ``network_reason`` says why a shared network is shared. ``bound_fds``
+    (path -> open descriptor, which the caller passes to the process): shown read-only at that
+    path is what the descriptor holds, whatever the path names when the sandbox starts (a link
+    swapped in since is not followed)."""
     environ = os.environ if environ is None else environ
     bwrap = find_bwrap() if bwrap is None else bwrap
     reason = probe(bwrap, network)
@@ -220,7 +239,11 @@ def wrap(
     shown = [Path(p) for p in read_only]
     changed = [Path(p) for p in writable]
     options: list[str] = [bwrap, *_namespace_options(network)]
-    for option in _mounts(shown, changed, network, environ, [Path(p) for p in hidden]):
+    bound_fds = dict(bound_fds or {})
+    if bound_fds and not binds_fds(bwrap):  # bubblewrap before 0.8: by path (a swap is followed)
+        shown += [Path(p) for p in bound_fds]
+        bound_fds = {}
+    for option in _mounts(shown, changed, network, environ, [Path(p) for p in hidden], bound_fds):
         options += option
     directory = Path(os.path.abspath(cwd)) if cwd else None
     if directory is None or not _mounted(directory, shown, changed):

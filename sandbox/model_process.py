@@ -12,6 +12,7 @@ without following links.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import secrets
@@ -20,8 +21,9 @@ import stat
 import subprocess
 import sys
 import tempfile
+import threading
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from engine import run_dir as rd
 from engine.data_files import WORKSPACE_VARIABLE
@@ -29,6 +31,7 @@ from engine.errors import BadInput, NotFound
 from sandbox.config import RunLimits
 from sandbox.environment import THREADS_VARIABLE, run_environment, threads_per_process
 from sandbox.processes import RUN_ID_VARIABLE
+from sandbox.redact import redact
 from sandbox.runs import run_contained
 
 RESULT_NAME = "result.json"
@@ -38,6 +41,28 @@ MAX_STDERR_CHARS = 1500
 
 class ModelProcessFailed(BadInput):
     """The recipe's code failed while its model was loaded or asked; the message has its error."""
+
+
+# Each model process loads a whole model: at most runs.max_concurrent_runs of them at once in
+# this server (an agent calling sample in a loop without waiting gets a refusal, not a process).
+_running = 0
+_running_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def _slot(limits: RunLimits) -> Iterator[None]:
+    global _running
+    cap = limits.max_concurrent_runs or 2 * (os.cpu_count() or 1)
+    with _running_lock:
+        if _running >= cap:
+            raise BadInput(f"{_running} export, sample or evaluate processes are running, at most {cap} at once "
+                           "(runs.max_concurrent_runs); call again when one has answered")
+        _running += 1
+    try:
+        yield
+    finally:
+        with _running_lock:
+            _running -= 1
 
 
 def run_model_io(
@@ -53,6 +78,12 @@ def run_model_io(
     """Run ``python -m engine.model_io ACTION RUN_DIR --step STEP ARGUMENTS`` in the sandbox and
     return its result (``ok`` removed); its refusals are raised as :class:`BadInput` or
     :class:`NotFound`, a failure of the recipe's code as :class:`ModelProcessFailed`."""
+    with _slot(limits):
+        return _run_model_io(workspace, run_dir, action, step, arguments, limits, timeout_s, writable)
+
+
+def _run_model_io(workspace: Path, run_dir: Path, action: str, step: int, arguments: list[str],
+                  limits: RunLimits, timeout_s: float, writable: list[Path] | None) -> dict[str, Any]:
     workspace, run_dir = Path(workspace), Path(run_dir)
     checkpoint = run_dir / rd.CHECKPOINTS_DIRNAME / rd.checkpoint_dir_name(step)
     out_dir = Path(tempfile.mkdtemp(prefix="trainwright-model-"))
@@ -69,22 +100,27 @@ def run_model_io(
             },
             pass_env=limits.pass_env,
         )
-        visible = [workspace, run_dir / rd.RUN_JSON, run_dir / rd.SNAPSHOT_DIRNAME, checkpoint]
+        visible = [workspace, run_dir / rd.SNAPSHOT_DIRNAME]
+        bound = _open_run_files(run_dir, step)
         try:
             _, stderr = run_contained(command, workspace, visible, [out_dir, *(writable or [])], env, limits,
-                                      timeout_s, mark)
+                                      timeout_s, mark, bound_fds={run_dir / rd.RUN_JSON: bound[0], checkpoint: bound[1]})
         except OSError as e:
             raise ModelProcessFailed(f"the engine could not be started for {action}: {e}") from None
         except subprocess.TimeoutExpired:
             raise ModelProcessFailed(f"{action} took over {timeout_s:.0f} s and was stopped") from None
+        finally:
+            for fd in bound:
+                os.close(fd)
         result = _read_result(result_file)
     finally:
         shutil.rmtree(out_dir, ignore_errors=True)
     if result is None:
-        last = "\n".join(stderr.strip().splitlines()[-8:])[-MAX_STDERR_CHARS:]
+        # Redacted before the cut: a server secret cut in two would no longer be found by its value.
+        last = redact("\n".join(stderr.strip().splitlines()[-8:]))[-MAX_STDERR_CHARS:]
         raise ModelProcessFailed(f"{action} ended without a result; its last output:\n{last or '(none)'}")
     if not result.get("ok"):
-        error = str(result.get("error"))[:2000]
+        error = redact(str(result.get("error")))[:2000]
         kind = result.get("kind")
         if kind == "not_found":
             raise NotFound(error)
@@ -93,6 +129,30 @@ def run_model_io(
         raise ModelProcessFailed(f"the recipe's code failed during {action}: {error}")
     result.pop("ok")
     return result
+
+
+def _open_run_files(run_dir: Path, step: int) -> tuple[int, int]:
+    """Descriptors of the run's ``run.json`` and of its checkpoint ``step``, opened without
+    following a link at any level below the run directory. A run that is still running writes
+    these folders: the sandbox shows what these descriptors hold, so a link it swaps in after
+    the server's checks never shows a host folder to the recipe's code."""
+    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
+    opened: list[int] = []
+    try:
+        opened.append(os.open(run_dir, flags | os.O_DIRECTORY))
+        opened.append(os.open(rd.RUN_JSON, flags | os.O_PATH, dir_fd=opened[0]))
+        opened.append(os.open(rd.CHECKPOINTS_DIRNAME, flags | os.O_DIRECTORY, dir_fd=opened[0]))
+        opened.append(os.open(rd.checkpoint_dir_name(step), flags | os.O_DIRECTORY, dir_fd=opened[2]))
+        if not stat.S_ISREG(os.fstat(opened[1]).st_mode):
+            raise NotADirectoryError(f"{rd.RUN_JSON} is not a file")
+    except OSError as e:
+        for fd in opened:
+            os.close(fd)
+        raise NotFound(f"run {run_dir.name} has no complete checkpoint at step {step} "
+                       f"(its run directory changed: {e.strerror or e})") from None
+    for fd in (opened[0], opened[2]):
+        os.close(fd)
+    return opened[1], opened[3]
 
 
 def _read_result(path: Path) -> dict[str, Any] | None:

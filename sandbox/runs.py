@@ -146,15 +146,18 @@ def run_contained(
     limits: RunLimits,
     timeout_s: float,
     mark: str,
+    bound_fds: dict[Path, int] | None = None,
 ) -> tuple[str, str]:
     """Run ``command`` as recipe code runs outside a run: in the sandbox seeing ``read_only`` and
     ``writable`` (the workspace's state folders hidden), where possible without network, with
     ``limits`` and the environment ``env`` (which carries ``mark``), in a session of its own;
     when it exits (or ``timeout_s`` passes: ``subprocess.TimeoutExpired``) every process it
     started is ended. Returns the ends of its stdout and stderr (written to files, not pipes, so
-    a helper that keeps them open cannot hold it)."""
+    a helper that keeps them open cannot hold it). ``bound_fds``: read-only paths shown from
+    descriptors (:func:`sandbox.bwrap.wrap`)."""
+    bound_fds = bound_fds or {}
     wrapped = bwrap.wrap(command, read_only, writable, network=limits.network, cwd=workspace, environ=env,
-                         hidden=hidden_state(workspace))
+                         hidden=hidden_state(workspace), bound_fds=bound_fds)
     command = wrapped.command
     if wrapped.sandboxed and limits.network == "isolated":
         env.update(LOOPBACK_ENV)
@@ -165,6 +168,7 @@ def run_contained(
         process = subprocess.Popen(
             command, cwd=workspace, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=err,
             start_new_session=True, preexec_fn=lambda: apply_limits(rlimits),
+            pass_fds=tuple(bound_fds.values()) if wrapped.sandboxed else (),
         )
         try:
             process.wait(timeout=timeout_s)

@@ -190,7 +190,10 @@ class Supervisor:
                 )[:2000]
         record = rd.update_run(self.run_dir, **fields)
         print(f"[trainwright] run {record.id} {record.status} (exit code {code})", flush=True)
-        self.write_git_note(record)
+        # run.json is the run's to write by now: the note goes to the workspace and commit read
+        # before the run started, never to a repository or revision the run named.
+        self.write_git_note(record.model_copy(update={"workspace": self.record.workspace,
+                                                      "git_commit": self.record.git_commit}))
         return code
 
     def write_git_note(self, record: rd.RunRecord) -> None:

@@ -8,9 +8,11 @@ complete: a failed or interrupted export leaves nothing at ``to``.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
 import shutil
+import stat
 from pathlib import Path
 from typing import Any
 
@@ -19,10 +21,11 @@ from engine.errors import BadInput, NotFound
 from engine.model_io import check_sample_request
 from mcp_server.limits import AGENT_BUDGET_CHARS, json_chars
 from mcp_server.models import EvaluateResult, ExportResult, Sample, SampleResult
-from sandbox.model_process import run_model_io
+from sandbox.model_process import ModelProcessFailed, run_model_io
 from sandbox.paths import RESERVED_DIRS, PathRefused, confine, refuse_reserved
 from sandbox.provenance import check_snapshot_unchanged
-from sandbox.workspace import Workspace
+from sandbox.redact import redact
+from sandbox.workspace import RECIPES_DIRNAME, Workspace
 
 EXPORT_TIMEOUT_S = 1800
 SAMPLE_TIMEOUT_S = 600
@@ -31,14 +34,20 @@ LORA_CHOICES = ("merged", "adapter")
 MAX_LISTED_FILES = 40
 MAX_DATA_PATHS = 20
 MAX_METRICS = 40
+MAX_FILE_NAME_CHARS = 120
 STAGING_MARK = ".partial-export-"
+MAX_NAME_BYTES = 255  # NAME_MAX of Linux filesystems
 
 
 def checkpoint_of(ws: Workspace, run_id: str, step: int | None) -> tuple[Path, int]:
     """The run directory and the step of its complete checkpoint ``step`` (default: the latest),
     with its code snapshot checked unchanged."""
     run_dir = ws.run_dir(run_id)
-    record = rd.read_run(run_dir)
+    try:
+        record = rd.read_run(run_dir)
+    except (OSError, ValueError) as e:  # the run writes its run.json: a link, a FIFO, anything
+        why = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+        raise BadInput(f"run {run_id}'s {rd.RUN_JSON} cannot be read ({why}), so its model cannot be rebuilt") from None
     checkpoints = rd.list_checkpoints(run_dir)
     if not checkpoints:
         raise NotFound(f"run {run_id} has no complete checkpoint yet; list_checkpoints shows them as they come")
@@ -72,47 +81,119 @@ def export_checkpoint(
     if relative.parts[0] in RESERVED_DIRS:
         raise PathRefused(f"to {relative.as_posix()!r} is inside {relative.parts[0]}/, which holds trainwright's "
                           "or git's own state; export elsewhere, e.g. exports/my_model")
+    if relative.parts[0] == RECIPES_DIRNAME:
+        # A model there would be copied into every run's code snapshot and leave the recipe dirty.
+        raise PathRefused(f"to {relative.as_posix()!r} is inside {RECIPES_DIRNAME}/, which holds recipe code; "
+                          "export elsewhere, e.g. exports/my_model")
+    if STAGING_MARK in destination.name:
+        raise PathRefused(f"to {relative.as_posix()!r} is named like the staging folder of an export; "
+                          "give another name")
+    for part in relative.parts:
+        if len(os.fsencode(part)) > MAX_NAME_BYTES:
+            raise PathRefused(f"to has a folder name too long for the filesystem ({len(os.fsencode(part))} bytes, "
+                              f"at most {MAX_NAME_BYTES}); give a shorter name")
     if destination.exists() and (not destination.is_dir() or any(destination.iterdir())):
         raise BadInput(f"to {ws.label(destination)!r} exists and is not an empty folder; "
                        "give a new folder (nothing was changed)")
     run_dir, step = checkpoint_of(ws, run_id, step)
-    parent = destination.parent
+    parent, name = destination.parent, destination.name
     missing = [p for p in [parent, *parent.parents] if not p.exists()]
-    staging = parent / f".{destination.name[:80]}{STAGING_MARK}{secrets.token_hex(4)}"
+    short = os.fsencode(name)[:80].decode(errors="ignore")  # the staging name fits NAME_MAX too
+    staging_name = f".{short}{STAGING_MARK}{secrets.token_hex(4)}"
+    parent_fd = None
+    # Everything after the checks happens relative to a descriptor of the checked parent folder:
+    # a folder on the way swapped for a link meanwhile redirects neither the staging folder, nor
+    # the rename, nor the listing of what was written.
     try:
-        staging.mkdir(parents=True)
+        try:
+            parent.mkdir(parents=True, exist_ok=True)
+        except OSError as e:  # a file on the way, for instance
+            raise BadInput(f"the folder of to {relative.as_posix()!r} cannot be created ({e.strerror}); "
+                           "give a path whose folders are folders") from None
+        parent_fd = _open_checked_dir(parent, relative.as_posix())
+        os.mkdir(staging_name, dir_fd=parent_fd)
+        staging = parent / staging_name
         result = run_model_io(
             ws.root, run_dir, "export", step,
             ["--to", str(staging), "--lora", lora, "--max-shard-size", max_shard_size, "--final-dir", str(destination)],
             ws.run_limits(), EXPORT_TIMEOUT_S, writable=[staging],
         )
-        if destination.exists():
-            destination.rmdir()  # empty, as checked; the rename below needs it gone
-        os.rename(staging, destination)
+        lora_done = result.get("lora") if result.get("lora") in LORA_CHOICES else None
+        _check_written(parent_fd, staging_name)
+        try:
+            with contextlib.suppress(FileNotFoundError):
+                os.rmdir(name, dir_fd=parent_fd)  # empty, as checked (a link or a file: ENOTDIR)
+            os.rename(staging_name, name, src_dir_fd=parent_fd, dst_dir_fd=parent_fd)
+        except OSError as e:  # another export, or anything else, got there first
+            raise BadInput(f"to {relative.as_posix()!r} was written meanwhile ({e.strerror}); this export "
+                           "was discarded: give a new folder") from None
+        files = _files(parent_fd, name)
     except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
+        if parent_fd is not None:
+            shutil.rmtree(staging_name, dir_fd=parent_fd, ignore_errors=True)
         for folder in missing:  # parents this export created, innermost first
             try:
                 folder.rmdir()
             except OSError:
                 break
         raise
-    files = _files(destination)
+    finally:
+        if parent_fd is not None:
+            os.close(parent_fd)
     return ExportResult(
-        run_id=run_id, step=step, path=ws.label(destination), lora=result.get("lora"),
-        tokenizer=result.get("tokenizer"), parameters=int(result.get("parameters") or 0),
-        files=dict(files[:MAX_LISTED_FILES]),
+        run_id=run_id, step=step, path=relative.as_posix(), lora=lora_done,
+        tokenizer=_text(result.get("tokenizer")), parameters=_count(result.get("parameters")),
+        files={_text(name, MAX_FILE_NAME_CHARS): size for name, size in files[:MAX_LISTED_FILES]},
     )
 
 
-def _files(folder: Path) -> list[tuple[str, int]]:
-    """The files under ``folder`` (links not followed), with their sizes."""
+def _open_checked_dir(folder: Path, label: str) -> int:
+    """A descriptor of ``folder`` (resolved, inside the workspace), refused when what is at that
+    path now is not the folder that was checked (a link swapped in since)."""
+    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    if os.readlink(f"/proc/self/fd/{fd}") != str(folder):
+        os.close(fd)
+        raise BadInput(f"the folder of to {label!r} changed while the export started (a link?); nothing was exported")
+    return fd
+
+
+# What the model process returns is the recipe's to write (its code runs in that process):
+# every field is checked and bounded here.
+
+
+def _text(value: Any, limit: int = 100) -> str | None:
+    """A string of the model process's result, cut to ``limit`` characters (None stays None)."""
+    if value is None:
+        return None
+    text = value if isinstance(value, str) else repr(value)[:limit]
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def _count(value: Any) -> int:
+    """A count of the model process's result: a non-negative integer, else 0."""
+    return value if isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 2**63 else 0
+
+
+def _check_written(parent_fd: int, name: str) -> None:
+    """Refuse an export that holds anything but regular files and folders (recipe code wrote it:
+    a link would lead out of the workspace); drop set-user/group-id bits."""
+    for _, folders, names, dir_fd in os.fwalk(name, dir_fd=parent_fd):
+        for entry in folders + names:
+            info = os.stat(entry, dir_fd=dir_fd, follow_symlinks=False)
+            if not (stat.S_ISREG(info.st_mode) or stat.S_ISDIR(info.st_mode)):
+                raise ModelProcessFailed(f"the export holds {entry[:100]!r}, which is not a regular file or folder "
+                                         "(the recipe's code wrote it); nothing was exported")
+            if info.st_mode & (stat.S_ISUID | stat.S_ISGID):
+                os.chmod(entry, stat.S_IMODE(info.st_mode) & ~(stat.S_ISUID | stat.S_ISGID), dir_fd=dir_fd)
+
+
+def _files(parent_fd: int, name: str) -> list[tuple[str, int]]:
+    """The files under the folder ``name`` of ``parent_fd`` (links not followed), with their sizes."""
     found = []
-    for dirpath, _, names in os.walk(folder):
-        for name in sorted(names):
-            path = Path(dirpath) / name
-            info = path.lstat()
-            found.append((path.relative_to(folder).as_posix(), info.st_size))
+    for dirpath, _, names, dir_fd in os.fwalk(name, dir_fd=parent_fd):
+        for entry in names:
+            info = os.stat(entry, dir_fd=dir_fd, follow_symlinks=False)
+            found.append((Path(os.path.relpath(os.path.join(dirpath, entry), name)).as_posix(), info.st_size))
     return sorted(found)
 
 
@@ -126,8 +207,10 @@ def sample(
     arguments = [f"--prompt={prompt}" for prompt in prompts]
     arguments += ["--max-new-tokens", str(max_new_tokens), "--temperature", repr(float(temperature))]
     result = run_model_io(ws.root, run_dir, "sample", step, arguments, ws.run_limits(), SAMPLE_TIMEOUT_S)
-    return SampleResult(run_id=run_id, step=step, chat=bool(result.get("chat")),
-                        samples=_bounded_samples(result.get("samples") or []))
+    samples = result.get("samples")
+    samples = [item for item in samples if isinstance(item, dict)] if isinstance(samples, list) else []
+    return SampleResult(run_id=run_id, step=step, chat=result.get("chat") is True,
+                        samples=_bounded_samples(samples[:len(prompts)]))
 
 
 def _bounded_samples(samples: list[dict[str, Any]]) -> list[Sample]:
@@ -135,10 +218,12 @@ def _bounded_samples(samples: list[dict[str, Any]]) -> list[Sample]:
     share = (AGENT_BUDGET_CHARS - 1200) // max(1, len(samples))
     kept = []
     for item in samples:
-        prompt, prompt_cut = _fit(str(item.get("prompt", "")), min(300, share // 4))
-        completion, completion_cut = _fit(str(item.get("completion", "")), share - json_chars(prompt) - 80)
-        kept.append(Sample(prompt=prompt, completion=completion, new_tokens=int(item.get("new_tokens") or 0),
-                           stopped=item.get("stopped", "max_new_tokens"), cut=prompt_cut or completion_cut))
+        # Redacted before the cut: a secret cut in two would no longer be found by its value.
+        prompt, prompt_cut = _fit(redact(str(item.get("prompt", ""))), min(300, share // 4))
+        completion, completion_cut = _fit(redact(str(item.get("completion", ""))), share - json_chars(prompt) - 80)
+        stopped = item.get("stopped") if item.get("stopped") in ("eos", "max_new_tokens") else "max_new_tokens"
+        kept.append(Sample(prompt=prompt, completion=completion, new_tokens=_count(item.get("new_tokens")),
+                           stopped=stopped, cut=prompt_cut or completion_cut))
     return kept
 
 
@@ -167,10 +252,10 @@ def evaluate(ws: Workspace, run_id: str, step: int | None = None, data: list[str
     run_dir, step = checkpoint_of(ws, run_id, step)
     arguments = [f"--data={path}" for path in resolved] if paths else []
     result = run_model_io(ws.root, run_dir, "evaluate", step, arguments, ws.run_limits(), EVALUATE_TIMEOUT_S)
-    metrics = {str(k)[:100]: float(v) for k, v in list((result.get("metrics") or {}).items())[:MAX_METRICS]
-               if rd.finite_number(v) is not None}
+    found = result.get("metrics") if isinstance(result.get("metrics"), dict) else {}
+    metrics = {str(k)[:100]: float(v) for k, v in list(found.items())[:MAX_METRICS] if rd.finite_number(v) is not None}
     return EvaluateResult(
         run_id=run_id, step=step, eval_loss=rd.finite_number(result.get("eval_loss")),
-        perplexity=rd.finite_number(result.get("perplexity")), tokens=int(result.get("tokens") or 0),
+        perplexity=rd.finite_number(result.get("perplexity")), tokens=_count(result.get("tokens")),
         metrics=metrics,
     )

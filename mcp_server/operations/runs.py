@@ -386,9 +386,10 @@ def _bounded_record(record: dict[str, Any]) -> dict[str, Any]:
 
 
 def _tail_text(path: Path, max_bytes: int) -> str | None:
-    if not path.is_file():
+    f = rd.open_run_output(path)  # not through a link the run left (it could name a host file)
+    if f is None:
         return None
-    with open(path, "rb") as f:
+    with f:
         f.seek(0, os.SEEK_END)
         size = f.tell()
         f.seek(max(0, size - max_bytes))

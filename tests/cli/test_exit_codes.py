@@ -59,7 +59,7 @@ CASES = [
     (["recipes", "--workspace", "/nonexistent/folder"], EXIT_NOT_FOUND, "is not a folder"),
     (["export", NO_RUN, "--to", "exports/x"], EXIT_NOT_FOUND, "no run"),
     (["export", NO_RUN, "--to", "../x"], EXIT_BAD_INPUT, "outside the workspace"),
-    (["export", NO_RUN, "--to", "recipes/lm"], EXIT_BAD_INPUT, "exists and is not an empty folder"),
+    (["export", NO_RUN, "--to", "recipes/lm"], EXIT_BAD_INPUT, "is inside recipes/, which holds recipe code"),
     (["sample", NO_RUN, "--prompt", "a"], EXIT_NOT_FOUND, "no run"),
     (["sample", NO_RUN, "--prompt", "a", "--max-new-tokens", "0"], EXIT_BAD_INPUT, "max_new_tokens must be"),
     (["evaluate", NO_RUN], EXIT_NOT_FOUND, "no run"),

@@ -1,0 +1,337 @@
+"""Hostile calls to export_checkpoint (and its rename into place), sample and evaluate.
+
+The server's side of an export — checks, staging folder, rename, listing — runs here with the
+sandboxed model process replaced by a stand-in that writes into the staging folder it is given
+(tests/mcp/test_model_tools.py and tests/engine/test_model_io.py run the real one; recipe code
+in the sandbox: tests/sandbox/test_attack_model_process.py). No process is started here.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from engine import run_dir as rd
+from engine.errors import BadInput, NotFound
+from mcp_server.operations import model_tools
+from sandbox.workspace import Workspace
+from tests.sandbox.helpers import fake_run, make_workspace, tree_hash
+
+
+@pytest.fixture
+def ws(tmp_path, monkeypatch) -> Workspace:
+    """A workspace with run r1 (two fake checkpoints and a snapshot) and a stand-in model process."""
+    workspace = make_workspace(tmp_path / "ws")
+    run = fake_run(workspace, "r1")
+    (run / rd.SNAPSHOT_DIRNAME).mkdir()
+    (run / rd.SNAPSHOT_DIRNAME / "recipe.py").write_text("# the run's code\n")
+    (tmp_path / "outside").mkdir()
+    monkeypatch.setattr(model_tools, "run_model_io", stand_in)
+    return Workspace.open(workspace)
+
+
+DURING: list = []  # what the stand-in does while "exporting" (a test's attack)
+
+
+def stand_in(root, run_dir, action, step, arguments, limits, timeout_s, writable=None):
+    staging = Path(arguments[arguments.index("--to") + 1])
+    assert writable == [staging]
+    (staging / "config.json").write_text("{}")
+    for attack in DURING:
+        attack(staging)
+    return {"lora": None, "tokenizer": None, "parameters": 1}
+
+
+@pytest.fixture(autouse=True)
+def no_attack():
+    DURING.clear()
+    yield
+    DURING.clear()
+
+
+def staging_left(folder: Path) -> list[str]:
+    return [p.name for p in folder.iterdir() if model_tools.STAGING_MARK in p.name] if folder.is_dir() else []
+
+
+@pytest.mark.parametrize("to", ["exports/" + "a" * 256, "exports/" + "𝔁" * 64, "exports/" + "é" * 128 + "/m", "exports/\ud800"])
+def test_a_name_too_long_for_the_filesystem_is_a_clear_refusal(ws, to):
+    before = tree_hash(ws.root)
+    with pytest.raises(BadInput, match="too long|cannot be resolved"):
+        model_tools.export_checkpoint(ws, "r1", to)
+    assert tree_hash(ws.root) == before
+
+
+def test_a_long_name_that_fits_gets_a_staging_folder_that_fits(ws):
+    name = "𝔁" * 63  # 252 bytes: a valid name, but not with a staging mark around it
+    assert model_tools.export_checkpoint(ws, "r1", f"exports/{name}").path == f"exports/{name}"
+    assert staging_left(ws.root / "exports") == []
+
+
+@pytest.mark.parametrize("to", ["recipes/lm/export", "recipes/lm/sub/dir", "recipes/new"])
+def test_an_export_is_never_written_into_recipe_code(ws, to):
+    # A model inside a recipe folder would be copied into every run's code snapshot and would
+    # leave the recipe with uncommitted changes.
+    before = tree_hash(ws.root)
+    with pytest.raises(BadInput, match="recipes/"):
+        model_tools.export_checkpoint(ws, "r1", to)
+    assert tree_hash(ws.root) == before
+
+
+def test_concurrent_exports_to_the_same_folder_give_one_export_and_clear_refusals(ws):
+    DURING.append(lambda staging: time.sleep(0.3))
+    outcomes: list = []
+
+    def export():
+        try:
+            outcomes.append(model_tools.export_checkpoint(ws, "r1", "exports/same").path)
+        except BadInput as e:
+            outcomes.append(str(e))
+
+    threads = [threading.Thread(target=export) for _ in range(3)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert len(outcomes) == 3 and outcomes.count("exports/same") == 1, outcomes
+    assert all("was written meanwhile" in o for o in outcomes if o != "exports/same"), outcomes
+    assert sorted(p.name for p in (ws.root / "exports" / "same").iterdir()) == ["config.json"]
+    assert staging_left(ws.root / "exports") == []
+
+
+def test_a_destination_swapped_for_a_link_during_the_export_is_not_followed(ws, tmp_path):
+    outside = tmp_path / "outside"
+    (outside / "private.txt").write_text("host file")
+    before = tree_hash(outside)
+    DURING.append(lambda staging: (ws.root / "exports" / "m").symlink_to(outside))
+    with pytest.raises(BadInput, match="was written meanwhile"):
+        model_tools.export_checkpoint(ws, "r1", "exports/m")
+    assert tree_hash(outside) == before
+    assert staging_left(ws.root / "exports") == [] and (ws.root / "exports" / "m").is_symlink()
+
+
+def test_a_parent_swapped_for_a_link_during_the_export_receives_nothing(ws, tmp_path):
+    outside = tmp_path / "outside"
+    (ws.root / "exports").mkdir()
+
+    def swap(staging):
+        os.rename(ws.root / "exports", ws.root / "moved")
+        (ws.root / "exports").symlink_to(outside)
+
+    DURING.append(swap)
+    result = model_tools.export_checkpoint(ws, "r1", "exports/m")
+    # The export lands in the folder that was checked (now moved), never in the link's target.
+    assert list(outside.iterdir()) == []
+    assert result.files == {"config.json": 2} and (ws.root / "moved" / "m" / "config.json").is_file()
+
+
+@pytest.mark.parametrize("prompts, temperature, message", [
+    (["a\ud800b"], 0.0, "prompt 0 is not valid text"),  # JSON may carry a lone surrogate; argv cannot
+    (["ok", "\udcff"], 0.0, "prompt 1 is not valid text"),
+    (["x"], 1e-300, "temperature must be"),  # logits / 1e-300 overflow: not the recipe's failure
+    (["x"], 0.001, "temperature must be"),
+])
+def test_sample_requests_the_model_process_cannot_take_are_refused_before_it_starts(ws, prompts, temperature, message):
+    with pytest.raises(BadInput, match=message):
+        model_tools.sample(ws, "r1", prompts, temperature=temperature)
+
+
+def test_the_smallest_and_largest_temperatures_are_taken():
+    from engine.model_io import MIN_TEMPERATURE, check_sample_request
+
+    for temperature in (0, 0.0, MIN_TEMPERATURE, 1, 5):
+        check_sample_request(["x"], 8, temperature)
+
+
+# What the model process hands back is the recipe's to write (its code runs in that process and
+# can replace the result file): the server takes it as untrusted input.
+HOSTILE_RESULTS = {
+    "sample": [{"samples": "not a list"}, {"samples": [42, None, "x"]},
+               {"samples": [{"prompt": 1, "completion": None, "new_tokens": "many", "stopped": ["eos"]}] * 5000},
+               {"samples": [{"completion": "c" * 900_000, "new_tokens": 10**30, "stopped": "x" * 10**5}]}],
+    "evaluate": [{"metrics": [1, 2], "tokens": "x", "eval_loss": "nan"},
+                 {"metrics": {"k" * 10**5: 1.0, "b": "x", "c": 10**400}, "tokens": -5, "perplexity": True}],
+    "export": [{"lora": "x" * 10**5, "tokenizer": ["a"] * 10**4, "parameters": "many"},
+               {"lora": {"a": 1}, "tokenizer": "t" * 10**5, "parameters": 10**40}],
+}
+
+
+@pytest.mark.parametrize("action, index", [(a, i) for a, results in HOSTILE_RESULTS.items() for i in range(len(results))])
+def test_a_hostile_result_from_the_model_process_gives_a_bounded_answer(ws, monkeypatch, action, index):
+    from mcp_server.limits import AGENT_BUDGET_CHARS, json_chars
+
+    def hostile(root, run_dir, act, step, arguments, limits, timeout_s, writable=None):
+        assert act == action
+        if writable:  # an export: a file whose name is as long as a path may be
+            deep = writable[0] / (("d" * 200 + "/") * 18)
+            deep.mkdir(parents=True)
+            (deep / ("f" * 200)).write_text("x")
+        return HOSTILE_RESULTS[action][index]
+
+    monkeypatch.setattr(model_tools, "run_model_io", hostile)
+    call = {"sample": lambda: model_tools.sample(ws, "r1", ["p"]), "evaluate": lambda: model_tools.evaluate(ws, "r1"),
+            "export": lambda: model_tools.export_checkpoint(ws, "r1", f"exports/m{index}")}[action]
+    result = call()
+    assert json_chars(result.model_dump(mode="json")) < AGENT_BUDGET_CHARS
+
+
+def test_a_destination_under_a_file_is_a_clear_refusal(ws):
+    (ws.root / "notes.txt").write_text("a file")
+    before = tree_hash(ws.root)
+    with pytest.raises(BadInput, match="cannot be created"):
+        model_tools.export_checkpoint(ws, "r1", "notes.txt/model")
+    assert tree_hash(ws.root) == before
+
+
+def test_another_exports_staging_folder_is_not_a_destination(ws):
+    (ws.root / "exports" / f".m{model_tools.STAGING_MARK}0a1b2c3d").mkdir(parents=True)  # in flight, still empty
+    before = tree_hash(ws.root)
+    with pytest.raises(BadInput, match="staging folder"):
+        model_tools.export_checkpoint(ws, "r1", f"exports/.m{model_tools.STAGING_MARK}0a1b2c3d")
+    assert tree_hash(ws.root) == before
+
+
+@pytest.mark.parametrize("plant", ["link", "fifo", "dir-link"])
+def test_an_export_holding_a_link_or_a_special_file_is_refused(ws, tmp_path, plant):
+    # Recipe code writes the staging folder: a link there would lead out of the workspace.
+    def plant_it(staging):
+        sub = staging / "tokenizer"
+        sub.mkdir()
+        {"link": lambda: (sub / "vocab.json").symlink_to("/etc/passwd"),
+         "fifo": lambda: os.mkfifo(sub / "pipe"),
+         "dir-link": lambda: (staging / "base").symlink_to(tmp_path / "outside")}[plant]()
+
+    DURING.append(plant_it)
+    with pytest.raises(BadInput, match="not a regular file or folder"):
+        model_tools.export_checkpoint(ws, "r1", "exports/m")
+    assert not (ws.root / "exports").exists()
+
+
+def test_set_id_bits_written_by_the_recipe_are_dropped(ws):
+    DURING.append(lambda staging: (staging / "config.json").chmod(0o6755))
+    model_tools.export_checkpoint(ws, "r1", "exports/m")
+    assert (ws.root / "exports" / "m" / "config.json").stat().st_mode & 0o7777 == 0o755
+
+
+def test_model_processes_at_once_are_capped_like_runs(tmp_path, monkeypatch):
+    # Each sample/evaluate/export loads a whole model: an agent calling them in a loop without
+    # waiting must not start one process per call.
+    from sandbox import model_process
+    from sandbox.config import RunLimits
+
+    run = fake_run(tmp_path / "ws", "r1")
+    release, entered = threading.Event(), threading.Event()
+
+    def held(*args, **kwargs):
+        entered.set()
+        release.wait(10)
+        return "", ""
+
+    monkeypatch.setattr(model_process, "run_contained", held)
+    limits = RunLimits(max_concurrent_runs=1)
+    first: list = []
+    thread = threading.Thread(target=lambda: first.append(pytest.raises(
+        model_process.ModelProcessFailed, model_process.run_model_io, tmp_path / "ws", run, "sample", 2, [], limits, 5)))
+    thread.start()
+    assert entered.wait(10)
+    try:
+        with pytest.raises(BadInput, match="at most 1 at once"):
+            model_process.run_model_io(tmp_path / "ws", run, "sample", 2, [], limits, 5)
+    finally:
+        release.set()
+        thread.join()
+    assert first and "ended without a result" in str(first[0].value)
+    entered.clear()
+    release.set()  # the slot is free again
+    with pytest.raises(model_process.ModelProcessFailed, match="ended without a result"):
+        model_process.run_model_io(tmp_path / "ws", run, "sample", 2, [], limits, 5)
+
+
+def test_a_step_that_is_a_link_incomplete_or_absent_is_not_found(ws, tmp_path):
+    checkpoints = ws.run_dir("r1") / rd.CHECKPOINTS_DIRNAME
+    (checkpoints / rd.checkpoint_dir_name(2) / rd.DCP_METADATA).unlink()  # an interrupted save
+    (checkpoints / rd.checkpoint_dir_name(9)).symlink_to(checkpoints / rd.checkpoint_dir_name(4))
+    for step in (2, 9, 3, -1, 10**30):
+        with pytest.raises(NotFound, match="available steps: 4$"):
+            model_tools.sample(ws, "r1", ["x"], step=step)
+    with pytest.raises(BadInput, match="step must be an integer"):
+        model_tools.sample(ws, "r1", ["x"], step=True)
+
+
+def test_an_interrupted_export_leaves_nothing_at_to_and_a_killed_one_does_not_block_the_next(ws):
+    def interrupted(staging):
+        (staging / "model.safetensors").write_bytes(b"half")
+        raise KeyboardInterrupt
+
+    DURING.append(interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        model_tools.export_checkpoint(ws, "r1", "exports/deep/m")
+    assert not (ws.root / "exports").exists()  # nor the folders made for it
+    DURING.clear()
+    # A server killed midway leaves its hidden staging folder, never a partial "to".
+    left = ws.root / "exports" / f".m{model_tools.STAGING_MARK}00000000"
+    left.mkdir(parents=True)
+    (left / "model.safetensors").write_bytes(b"half")
+    assert model_tools.export_checkpoint(ws, "r1", "exports/m").files == {"config.json": 2}
+    assert (left / "model.safetensors").read_bytes() == b"half"
+
+
+def test_a_secret_in_a_completion_is_redacted_before_the_cut_can_split_it(monkeypatch):
+    from sandbox import redact as redaction
+
+    secret = "tw-attack-Secret-9f8e7d6c5b4a3210"
+    monkeypatch.setenv("TW_ATTACK_TOKEN", secret)
+    redaction.reload()
+    try:
+        (plain,) = model_tools._bounded_samples([{"prompt": "p", "completion": "x" * 20_000}])
+        kept = len(plain.completion) - 1  # where the cut falls ("…" added)
+        for inside in range(8, len(secret)):  # the cut falls inside the secret
+            completion = "x" * (kept - inside) + secret + "x" * 20_000
+            (sample,) = model_tools._bounded_samples([{"prompt": "p", "completion": completion}])
+            assert secret[:8] not in redaction.redact_model(sample).completion, inside
+    finally:
+        monkeypatch.delenv("TW_ATTACK_TOKEN")
+        redaction.reload()
+
+
+def test_a_secret_in_the_model_process_output_is_redacted_before_it_is_cut(tmp_path, monkeypatch):
+    from sandbox import model_process
+    from sandbox import redact as redaction
+    from sandbox.config import RunLimits
+
+    secret = "tw-attack-Secret-0a1b2c3d4e5f6789"
+    monkeypatch.setenv("TW_ATTACK_TOKEN", secret)
+    redaction.reload()
+    run = fake_run(tmp_path / "ws", "r1")
+    try:
+        for inside in range(8, len(secret), 5):  # the cut keeps the secret's last part
+            tail = secret[len(secret) - inside:] + "y" * (model_process.MAX_STDERR_CHARS - inside)
+            monkeypatch.setattr(model_process, "run_contained", lambda *a, **k: ("", "x" * 100 + secret[:-inside] + tail))
+            with pytest.raises(model_process.ModelProcessFailed) as failed:
+                model_process.run_model_io(tmp_path / "ws", run, "sample", 2, [], RunLimits(), 5)
+            assert secret[-8:] not in redaction.redact(str(failed.value)), inside
+    finally:
+        monkeypatch.delenv("TW_ATTACK_TOKEN")
+        redaction.reload()
+
+
+def test_paths_bound_from_descriptors_fall_back_to_paths_on_an_older_bubblewrap(tmp_path, monkeypatch):
+    from sandbox import bwrap
+
+    found = bwrap.find_bwrap()
+    if found is None or bwrap.probe(found) is not None:
+        pytest.skip("bubblewrap cannot run here")
+    checkpoint = tmp_path / "step"
+    checkpoint.mkdir()
+    fd = os.open(checkpoint, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        wrapped = bwrap.wrap(["true"], [tmp_path / "ws"], [], bound_fds={checkpoint: fd})
+        assert ["--ro-bind-fd", str(fd), str(checkpoint)] == wrapped.command[wrapped.command.index("--ro-bind-fd"):][:3]
+        monkeypatch.setattr(bwrap, "binds_fds", lambda path: False)  # bubblewrap before 0.8
+        command = bwrap.wrap(["true"], [tmp_path / "ws"], [], bound_fds={checkpoint: fd}).command
+        assert "--ro-bind-fd" not in command and str(checkpoint) in command
+    finally:
+        os.close(fd)
