@@ -185,9 +185,9 @@ def _mounts(read_only: Iterable[Path], writable: Iterable[Path], network: str,
         path = Path(os.path.abspath(path))
         if any(_under(path, p) for p in ro + rw) and os.path.isdir(path):
             add("--tmpfs", path, 2, str(path))
-    for path, fd in (bound_fds or {}).items():
-        path = Path(os.path.abspath(path))
-        add("--ro-bind-fd", path, 2, str(fd), str(path))
+    for bound, fd in (bound_fds or {}).items():
+        shown = Path(os.path.abspath(bound))
+        add("--ro-bind-fd", shown, 2, str(fd), str(shown))
     for path in rw:
         add("--bind", path, 3, str(path), str(path))
     # Parents first; at one depth, the system, then the environment, then the caller's paths.

@@ -31,7 +31,7 @@ import tempfile
 import time
 from dataclasses import asdict, replace
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, Mapping
 
 from engine import run_dir as rd
 from engine.config import override_args
@@ -146,7 +146,7 @@ def run_contained(
     limits: RunLimits,
     timeout_s: float,
     mark: str,
-    bound_fds: dict[Path, int] | None = None,
+    bound_fds: Mapping[Path | str, int] | None = None,
 ) -> tuple[str, str]:
     """Run ``command`` as recipe code runs outside a run: in the sandbox seeing ``read_only`` and
     ``writable`` (the workspace's state folders hidden), where possible without network, with

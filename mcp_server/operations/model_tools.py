@@ -252,7 +252,8 @@ def evaluate(ws: Workspace, run_id: str, step: int | None = None, data: list[str
     run_dir, step = checkpoint_of(ws, run_id, step)
     arguments = [f"--data={path}" for path in resolved] if paths else []
     result = run_model_io(ws.root, run_dir, "evaluate", step, arguments, ws.run_limits(), EVALUATE_TIMEOUT_S)
-    found = result.get("metrics") if isinstance(result.get("metrics"), dict) else {}
+    reported = result.get("metrics")
+    found: dict = reported if isinstance(reported, dict) else {}
     metrics = {str(k)[:100]: float(v) for k, v in list(found.items())[:MAX_METRICS] if rd.finite_number(v) is not None}
     return EvaluateResult(
         run_id=run_id, step=step, eval_loss=rd.finite_number(result.get("eval_loss")),
