@@ -244,8 +244,10 @@ def tokenize_conversations(conversations, tokenizer, seq_len: int) -> list[torch
 
 
 def collate(pieces: list[torch.Tensor], seq_len: int, pad_id: int) -> dict[str, torch.Tensor]:
-    """Right-pad pieces to ``seq_len``: the input is a piece's tokens, the label at each position
-    the next token's target (so only the assistant's tokens are learnt)."""
+    """Right-pad pieces to the longest of the batch (at most ``seq_len``): the input is a piece's
+    tokens, the label at each position the next token's target (so only the assistant's tokens
+    are learnt)."""
+    seq_len = min(seq_len, max(piece.shape[-1] - 1 for piece in pieces))
     input_ids = torch.full((len(pieces), seq_len), pad_id, dtype=torch.int64)
     labels = torch.full((len(pieces), seq_len), IGNORE_INDEX, dtype=torch.int64)
     for row, piece in enumerate(pieces):

@@ -51,6 +51,7 @@ def test_the_loss_covers_exactly_the_assistant_spans_of_the_chat_template():
     assert any(sum(x["role"] == "assistant" for x in m) == 3 for m in conversations)
     pieces = sft.tokenize_conversations(conversations, tokenizer, seq_len=256)
     batch = sft.collate(pieces, 256, tokenizer.pad_token_id)
+    assert batch["input_ids"].shape[1] == max(p.shape[1] for p in pieces) - 1  # padded to the longest
     for row, messages in enumerate(conversations):
         text = tokenizer.apply_chat_template(messages, tokenize=False)
         encoding = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
