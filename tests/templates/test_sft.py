@@ -152,3 +152,22 @@ def test_packing_and_lora_apply_and_run(workspace, reference):
     # Only the assistant's tokens count as supervised: packing takes the padding out of the rest.
     assert len(records) == 3
     assert max(r["padding_frac"] for r in records) < min(r["padding_frac"] for r in unpacked) - 0.2
+
+
+def test_the_launch_check_counts_the_conversations_and_the_supervised_tokens():
+    import json
+    import subprocess
+    import sys
+
+    result = subprocess.run(
+        [sys.executable, "-m", "engine.launch", str(TEMPLATE), "--check", "--set", "data.builtin_conversations=100",
+         "--set", "data.paths=[missing.jsonl]"],
+        capture_output=True, text=True, cwd=REPO,
+    )
+    assert json.loads(result.stdout) == {"ok": False, "error": "data path 'missing.jsonl' does not exist (relative paths start at the workspace)"}
+    data = sft.SFT.summarize_data(sft.SFTConfig.model_validate({"data": {"builtin_conversations": 100}}))
+    assert (data.source, data.documents, data.tokenizer) == ("builtin", 100, "bytes (chat)")
+    assert data.train_documents + data.eval_documents == 100
+    conversations = [m for _, m in sft.builtin_conversations(100, 3)]
+    answers = sum(len(m["content"]) + 1 for c in conversations for m in c if m["role"] == "assistant")
+    assert data.tokens == answers  # a byte a token, plus each reply's end-of-turn
