@@ -30,7 +30,7 @@ REPO = Path(__file__).resolve().parent.parent
 TEMPLATE = REPO / "recipes_template" / "sft"
 PEERS = ("template", "template+packing", "trl")
 SETTINGS = {"seq_len": 256, "batch_size": 16, "lr": 1e-3, "conversations": 2000}
-MODEL = {"hidden_size": 256, "intermediate_size": 688, "num_layers": 4}
+MODEL = {"hidden_size": 256, "intermediate_size": 688, "num_layers": 4}  # the template's default model
 
 
 def engine_tokens_per_s(recipe_dir: Path, steps: int, warmup: int) -> float:
@@ -106,7 +106,7 @@ def trl_tokens_per_s(steps: int, warmup: int) -> float:
 def run_peer(peer: str, steps: int, warmup: int, threads: int, packed_dir: Path) -> float:
     code = (
         f"import sys; sys.path.insert(0, {str(REPO)!r}); sys.argv = ['bench']; "
-        "import bench.sft_throughput as b, pathlib; "
+        f"import bench.sft_throughput as b, pathlib; b.MODEL.update({MODEL!r}); "
         + (
             f"print(b.trl_tokens_per_s({steps}, {warmup}))" if peer == "trl"
             else f"print(b.engine_tokens_per_s(pathlib.Path({str(packed_dir if peer == 'template+packing' else TEMPLATE)!r}), {steps}, {warmup}))"
@@ -125,7 +125,10 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--small", action="store_true", help="hidden 128, 2 layers (a loaded machine)")
     args = parser.parse_args()
+    if args.small:
+        MODEL.update(hidden_size=128, intermediate_size=344, num_layers=2)
     scratch = Path(tempfile.mkdtemp(prefix="sft-bench-"))
     packed_dir = scratch / "sft_packed"
     shutil.copytree(TEMPLATE, packed_dir, ignore=shutil.ignore_patterns("__pycache__"))
