@@ -146,3 +146,17 @@ def test_two_processes_match_one(workspace, reference):
     assert sorted(both) == sorted(one)
     for step in one:
         assert abs(both[step] - one[step]) <= 1e-5 * abs(one[step]), (step, one[step], both[step])
+
+
+def test_skills_apply_to_the_policy_and_packing_refuses(tmp_path):
+    from skills import SkillError, apply_skill
+
+    recipe = tmp_path / "dpo"
+    shutil.copytree(TEMPLATE, recipe, ignore=shutil.ignore_patterns("__pycache__"))
+    for skill in ("lora", "gradient-checkpointing", "mixed-precision", "loss-guard"):
+        assert apply_skill(skill, recipe).changed, skill
+    source = (recipe / "recipe.py").read_text()
+    # The adapters go on the trained model, after the reference is built.
+    assert source.index("self.reference = reference") < source.index("apply_lora(model")
+    with pytest.raises(SkillError, match="looked for an Engine.prepare_data that returns a stream"):
+        apply_skill("sequence-packing", recipe)
