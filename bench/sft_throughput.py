@@ -93,7 +93,7 @@ def trl_tokens_per_s(steps: int, warmup: int) -> float:
         learning_rate=SETTINGS["lr"], weight_decay=0.0, lr_scheduler_type="constant", warmup_steps=0,
         adam_beta2=0.95, max_grad_norm=1.0, max_length=SETTINGS["seq_len"], assistant_only_loss=True,
         packing=False, report_to=[], use_cpu=True, save_strategy="no", logging_strategy="no",
-        dataloader_num_workers=0, dataset_num_proc=None, activation_checkpointing=False,
+        dataloader_num_workers=0, dataset_num_proc=None, gradient_checkpointing=False,  # TRL's default is True
     )
     trainer = CountingTrainer(
         model=model, args=args, processing_class=tokenizer, train_dataset=datasets.Dataset.from_list(conversations),
