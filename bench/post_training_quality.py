@@ -8,6 +8,7 @@ preference set; the held-out preferred-answer rate (the model ranks the correct 
 the near miss; chance 0.5) and the greedy answer's accuracy, before and after.
 
     python bench/post_training_quality.py [--sft-steps 300] [--dpo-steps 60]
+    python bench/post_training_quality.py --dpo-only [--dpo-steps 60]   # DPO from the tiny model's random weights
 
 Runs in this process, one thread per core; prints each figure and the wall time of each stage.
 """
@@ -45,7 +46,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sft-steps", type=int, default=300)
     parser.add_argument("--dpo-steps", type=int, default=60)
+    parser.add_argument("--dpo-only", action="store_true", help="DPO alone, from the built-in tiny model")
     args = parser.parse_args()
+    if args.dpo_only:
+        return align(REPO / "recipes_template" / "dpo", [*MODEL, "optim.lr=1e-3", "optim.warmup_steps=10"],
+                     args.dpo_steps, "the tiny model's random weights")
     scratch = Path(tempfile.mkdtemp(prefix="post-training-"))
     sft_dir = scratch / "sft"
     shutil.copytree(REPO / "recipes_template" / "sft", sft_dir)
@@ -66,20 +71,23 @@ def main() -> None:
     exported = scratch / "sft-model"
     sft.hf_model().save_pretrained(exported)
     sft.hf_processing().save_pretrained(exported)
-    dpo = engine(REPO / "recipes_template" / "dpo", [
-        *QUIET, f"train.max_steps={args.dpo_steps}", f"model.pretrained_path={exported}",
-        "data.batch_size=16", "optim.lr=1e-4", "optim.warmup_steps=5", "dpo.beta=0.1",
-    ])
+    align(REPO / "recipes_template" / "dpo", [f"model.pretrained_path={exported}", "optim.lr=1e-4", "optim.warmup_steps=5"],
+          args.dpo_steps, "the SFT model")
+    shutil.rmtree(scratch, ignore_errors=True)
+
+
+def align(recipe_dir: Path, overrides: list[str], steps: int, start_from: str) -> None:
+    dpo = engine(recipe_dir, [*QUIET, *overrides, f"train.max_steps={steps}", "data.batch_size=16",
+                              "dpo.beta=0.1", "data.eval_prompts=195"])
     dpo.before_train()
     before = dpo.task_metrics()
     start = time.perf_counter()
     dpo.do_train()
-    dpo_seconds = time.perf_counter() - start
+    seconds = time.perf_counter() - start
     after = dpo.task_metrics()
-    print(f"DPO {args.dpo_steps} steps ({dpo_seconds:.0f} s) from the SFT model: preferred-answer rate "
+    print(f"DPO {steps} steps ({seconds:.0f} s) from {start_from}: held-out preferred-answer rate "
           f"{before['preferred_rate']:.2f} -> {after['preferred_rate']:.2f} (chance 0.50); greedy answer "
           f"accuracy {before['chosen_answer_rate']:.2f} -> {after['chosen_answer_rate']:.2f}", flush=True)
-    shutil.rmtree(scratch, ignore_errors=True)
 
 
 if __name__ == "__main__":
