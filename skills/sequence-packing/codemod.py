@@ -81,9 +81,11 @@ def pack_pieces(pieces: list[torch.Tensor], SEQ_LEN: int) -> list[tuple[torch.Te
     """Sequence packing: group pieces into rows of at most ``SEQ_LEN`` positions with
     first-fit decreasing, so that rows carry more documents and less padding. A piece of n
     tokens fills n - 1 positions (inputs with their next-token labels). Each row is a tuple of
-    pieces, laid out by ``collate_packed``. (Written by the sequence-packing skill.)
+    pieces, laid out by ``collate_packed``. A piece may also be a 2 × n tensor: its tokens,
+    and the targets the loss looks at (IGNORE elsewhere, e.g. an SFT prompt).
+    (Written by the sequence-packing skill.)
     """
-    bins = first_fit_decreasing([len(piece) - 1 for piece in pieces], SEQ_LEN)
+    bins = first_fit_decreasing([torch.as_tensor(piece).shape[-1] - 1 for piece in pieces], SEQ_LEN)
     return [tuple(pieces[i] for i in sorted(members)) for members in bins]
 
 
@@ -100,9 +102,11 @@ def collate_packed(rows: list, SEQ_LEN: int, PAD_ID: int) -> dict[str, torch.Ten
     for row, pieces in enumerate(rows):
         start = 0
         for piece in pieces if isinstance(pieces, tuple) else (pieces,):
-            n = len(piece) - 1
-            input_ids[row, start : start + n] = torch.as_tensor(piece[:-1])
-            labels[row, start : start + n] = torch.as_tensor(piece[1:])
+            piece = torch.as_tensor(piece)
+            tokens, targets = (piece[0], piece[1]) if piece.dim() == 2 else (piece, piece)
+            n = len(tokens) - 1
+            input_ids[row, start : start + n] = tokens[:-1]
+            labels[row, start : start + n] = targets[1:]
             position_ids[row, start : start + n] = torch.arange(n)
             start += n
         position_ids[row, start:] = torch.arange(SEQ_LEN - start)  # the padding: a sequence of its own

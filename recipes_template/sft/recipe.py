@@ -1,0 +1,477 @@
+"""Supervised fine-tuning (SFT): a causal language model learns to answer chat conversations.
+
+Read it top to bottom: configuration, the chat tokenizer, the built-in instruction set, data,
+model, then the recipe class. It runs as it is (``trainwright run recipes/<name>``): a tiny
+byte-level model learns a generated instruction set (add, compare, next letter, parity) on a
+laptop CPU in a few minutes, and ``task_metrics()`` checks its greedy answers on held-out prompts.
+
+Supports:
+- chat-format JSONL (``{"messages": [{"role": ..., "content": ...}, ...]}``), multi-turn,
+  rendered by the tokenizer's own chat template; the loss is taken on the assistant turns only,
+  as the template marks them (``{% generation %}`` ... ``{% endgeneration %}``)
+- starting from a local Hugging Face folder (``model.pretrained_path``, e.g. a ``causal_lm``
+  run exported with ``trainwright export``) or from a tiny model built from a config
+- everything the engine does: FSDP2 over N processes, checkpoints resumable bit for bit,
+  gradient accumulation and clipping, periodic evaluation
+- the ``sequence-packing`` skill (examples are short: packing removes most padding) and the
+  ``lora`` skill (only adapters train), like every skill that applies to ``causal_lm``
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+from functools import cached_property
+from pathlib import Path
+from typing import Any, Iterator, Literal
+
+import torch
+import torch.nn.functional as F
+from pydantic import Field, model_validator
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from torch.distributed.checkpoint.stateful import Stateful
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+from engine.config import ConfigError, DataConfig, EngineConfig, Section
+from engine.data_files import confined_path, data_files
+from engine.engine import IGNORE_INDEX, Engine
+from engine.flops import non_embedding_params, transformer_flops_per_token
+from engine.fsdp import apply_fsdp
+from engine.run_dir import DataSummary
+
+# =============================================================================================
+# Configuration
+# =============================================================================================
+
+
+class ModelConfig(Section):
+    hidden_size: int = Field(256, ge=8)
+    intermediate_size: int = Field(688, ge=8)
+    num_layers: int = Field(4, ge=1)
+    num_heads: int = Field(4, ge=1)
+    num_kv_heads: int = Field(2, ge=1)
+    rope_theta: float = Field(10000.0, gt=0)
+    attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = "sdpa"
+    pretrained_path: str | None = Field(
+        None, description="A local Hugging Face model folder to start from (weights, and its tokenizer if it has one)."
+    )
+
+
+class SFTDataConfig(DataConfig):
+    source: Literal["builtin", "files"] | None = Field(
+        None, description="builtin: the generated instruction set; files: data.paths (the default when set)."
+    )
+    paths: list[str] = Field(default_factory=list, description=".jsonl files of conversations, or folders.")
+    messages_field: str = Field("messages", description="The key of the message list in .jsonl records.")
+    chat_template: str | None = Field(
+        None,
+        description="A Jinja chat template (with {% generation %} markers) instead of the tokenizer's own.",
+    )
+    eval_fraction: float = Field(0.05, ge=0, lt=1, description="Conversations held out for evaluation.")
+    builtin_conversations: int = Field(6000, ge=10, description="data.source=builtin: how many conversations.")
+    max_turns: int = Field(3, ge=1, description="data.source=builtin: at most this many user turns each.")
+    eval_prompts: int = Field(100, ge=1, description="Held-out prompts task_metrics() answers.")
+    max_new_tokens: int = Field(16, ge=1, description="task_metrics(): tokens generated per answer at most.")
+
+    @model_validator(mode="after")
+    def _source_matches_paths(self) -> "SFTDataConfig":
+        if self.source is None:
+            object.__setattr__(self, "source", "files" if self.paths else "builtin")
+        elif self.paths and self.source != "files":
+            raise ValueError(f"data.paths is set but data.source={self.source} would ignore it; drop data.source")
+        elif self.source == "files" and not self.paths:
+            raise ValueError("data.source=files needs data.paths (.jsonl files, relative to the workspace)")
+        return self
+
+
+class SFTConfig(EngineConfig):
+    model: ModelConfig = ModelConfig()
+    data: SFTDataConfig = SFTDataConfig()
+
+
+# =============================================================================================
+# Tokenizer: a chat template that marks the assistant's tokens
+# =============================================================================================
+
+# The assistant's content and its end-of-turn token lie inside {% generation %}: they are what the
+# model learns to produce, and apply_chat_template(return_assistant_tokens_mask=True) marks them.
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% if message['role'] == 'assistant' %}"
+    "<|assistant|>\n{% generation %}{{ message['content'] }}{{ eos_token }}{% endgeneration %}"
+    "{% else %}<|{{ message['role'] }}|>\n{{ message['content'] }}\n{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+
+
+def byte_chat_tokenizer() -> PreTrainedTokenizerFast:
+    """Bytes are tokens 0-255, end-of-turn is 256 and padding 257: the ids of the ``causal_lm``
+    template's byte tokenizer, so a model pretrained there (and exported) fine-tunes here."""
+    byte_to_char = bytes_to_unicode()
+    vocab = {byte_to_char[b]: b for b in range(256)}
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, eos_token="</s>", pad_token="<pad>", chat_template=CHAT_TEMPLATE
+    )
+
+
+def load_tokenizer(model_path: str | None, chat_template: str | None):
+    """The tokenizer beside the weights (the byte tokenizer when there is none), with a chat
+    template that marks the assistant's tokens."""
+    folder = Path(confined_path(model_path)) if model_path else None
+    if folder is not None and any((folder / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json")):
+        tokenizer = AutoTokenizer.from_pretrained(folder)
+    else:
+        tokenizer = byte_chat_tokenizer()
+    if chat_template is not None:
+        tokenizer.chat_template = chat_template
+    elif tokenizer.chat_template is None:
+        tokenizer.chat_template = CHAT_TEMPLATE
+    if "{% generation %}" not in tokenizer.chat_template.replace("{%- generation %}", "{% generation %}"):
+        raise ConfigError(
+            "the tokenizer's chat template has no {% generation %} markers, so the assistant's tokens "
+            "cannot be told apart; set data.chat_template to a template that has them"
+        )
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def encode_conversation(tokenizer, messages: list[dict[str, str]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(tokens, assistant_mask)`` of a conversation as the chat template renders it."""
+    encoded = tokenizer.apply_chat_template(
+        messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
+    )
+    tokens = torch.tensor(encoded["input_ids"], dtype=torch.int64)
+    return tokens, torch.tensor(encoded["assistant_masks"], dtype=torch.bool)
+
+
+# =============================================================================================
+# The built-in instruction set: generated tasks whose answers can be checked
+# =============================================================================================
+
+LETTERS = "abcdefghijklmnopqrstuvwxyz"
+SYSTEM_PROMPT = "You answer with the result only."
+
+
+def make_task(rng: random.Random) -> tuple[str, str, int]:
+    """One ``(question, answer, number of possible answers)``: the last says what guessing scores."""
+    kind = rng.choice(("add", "larger", "next", "parity"))
+    if kind == "add":
+        a, b = rng.randint(0, 9), rng.randint(0, 9)
+        return f"What is {a} + {b}?", str(a + b), 19
+    if kind == "larger":
+        a, b = rng.sample(range(10, 100), 2)
+        return f"Which is larger, {a} or {b}?", str(max(a, b)), 2
+    if kind == "next":
+        letter = rng.choice(LETTERS[:-1])
+        return f"Which letter comes after {letter}?", LETTERS[LETTERS.index(letter) + 1], 25
+    number = rng.randint(10, 99)
+    return f"Is {number} even or odd?", "odd" if number % 2 else "even", 2
+
+
+def builtin_conversations(count: int, max_turns: int, seed: int = 0) -> list[tuple[str, list[dict[str, str]]]]:
+    """``(name, messages)``: conversations of 1 to ``max_turns`` tasks, some with a system prompt.
+    Always the same ones for the same arguments."""
+    rng = random.Random(seed)
+    conversations = []
+    for i in range(count):
+        messages = [{"role": "system", "content": SYSTEM_PROMPT}] if rng.random() < 0.3 else []
+        for _ in range(rng.randint(1, max_turns)):
+            question, answer, _ = make_task(rng)
+            messages += [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]
+        conversations.append((f"builtin-{i}", messages))
+    return conversations
+
+
+def chance_accuracy(count: int = 2000, seed: int = 1) -> float:
+    """The accuracy of guessing uniformly among each task's possible answers."""
+    rng = random.Random(seed)
+    return sum(1 / make_task(rng)[2] for _ in range(count)) / count
+
+
+# =============================================================================================
+# Data: conversations → (tokens, targets) pieces → padded batches
+# =============================================================================================
+
+
+def load_conversations(cfg: SFTDataConfig) -> list[tuple[str, list[dict[str, str]]]]:
+    """``(name, messages)`` pairs; the name decides the train/eval split, so it must be stable."""
+    if cfg.source == "builtin":
+        return builtin_conversations(cfg.builtin_conversations, cfg.max_turns)
+    conversations = []
+    for path, name in data_files(cfg.paths, suffixes={".jsonl"}):
+        with open(path) as f:
+            for line_number, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                messages = json.loads(line).get(cfg.messages_field)
+                if not isinstance(messages, list) or not all(
+                    isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                    for m in messages
+                ):
+                    raise ConfigError(
+                        f"{name}:{line_number}: {cfg.messages_field!r} must be a list of "
+                        '{"role": ..., "content": ...} messages (set data.messages_field to its key)'
+                    )
+                if not any(m["role"] == "assistant" for m in messages):
+                    raise ConfigError(f"{name}:{line_number}: a conversation needs an assistant message to learn from")
+                conversations.append((f"{name}:{line_number}", messages))
+    if not conversations:
+        raise ConfigError(f"no conversations in data.paths={cfg.paths} (.jsonl files, one per line)")
+    return conversations
+
+
+def is_eval_document(name: str, eval_fraction: float) -> bool:
+    bucket = int(hashlib.sha1(name.encode()).hexdigest()[:8], 16) / 0xFFFFFFFF
+    return bucket < eval_fraction
+
+
+def tokenize_conversations(conversations, tokenizer, seq_len: int) -> list[torch.Tensor]:
+    """Each conversation as a ``2 × n`` piece: its tokens, and its targets (the same tokens on the
+    assistant's spans, ``IGNORE_INDEX`` elsewhere). Cut to ``seq_len + 1`` tokens."""
+    pieces = []
+    for messages in conversations:
+        tokens, assistant = encode_conversation(tokenizer, messages)
+        targets = torch.where(assistant, tokens, IGNORE_INDEX)
+        pieces.append(torch.stack([tokens, targets])[:, : seq_len + 1])
+    return pieces
+
+
+def collate(pieces: list[torch.Tensor], seq_len: int, pad_id: int) -> dict[str, torch.Tensor]:
+    """Right-pad pieces to the longest of the batch (at most ``seq_len``): the input is a piece's
+    tokens, the label at each position the next token's target (so only the assistant's tokens
+    are learnt)."""
+    seq_len = min(seq_len, max(piece.shape[-1] - 1 for piece in pieces))
+    input_ids = torch.full((len(pieces), seq_len), pad_id, dtype=torch.int64)
+    labels = torch.full((len(pieces), seq_len), IGNORE_INDEX, dtype=torch.int64)
+    for row, piece in enumerate(pieces):
+        n = piece.shape[-1] - 1
+        input_ids[row, :n] = piece[0, :-1]
+        labels[row, :n] = piece[1, 1:]
+    position_ids = torch.arange(seq_len).expand(len(pieces), seq_len).clone()
+    return {"input_ids": input_ids, "labels": labels, "position_ids": position_ids}
+
+
+class BatchStream(Stateful):
+    """This rank's micro-batches, forever: each epoch visits the pieces in a new seeded order.
+
+    The data position counts the sequences of the *global* batch stream consumed so far, so a
+    checkpoint resumes with the very next batch on any number of processes.
+    """
+
+    def __init__(self, pieces, seq_len, pad_id, seed, micro_batch, dp_rank, dp_size):
+        self.pieces, self.seq_len, self.pad_id, self.seed = pieces, seq_len, pad_id, seed
+        self.micro_batch = micro_batch
+        self.dp_rank, self.dp_size = dp_rank, dp_size
+        self.position = 0  # global sequences consumed
+        self._order: tuple[int, torch.Tensor] | None = None
+
+    def _piece_at(self, index: int):
+        epoch, offset = divmod(index, len(self.pieces))
+        if self._order is None or self._order[0] != epoch:
+            generator = torch.Generator().manual_seed(self.seed * 100_003 + epoch)
+            self._order = (epoch, torch.randperm(len(self.pieces), generator=generator))
+        return self.pieces[int(self._order[1][offset])]
+
+    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
+        return self
+
+    def __next__(self) -> dict[str, torch.Tensor]:
+        start = self.position + self.dp_rank * self.micro_batch
+        batch = [self._piece_at(i) for i in range(start, start + self.micro_batch)]
+        self.position += self.micro_batch * self.dp_size
+        return collate(batch, self.seq_len, self.pad_id)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"position": self.position}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.position = int(state_dict["position"])
+
+
+# =============================================================================================
+# Model, and greedy answers for the task metric
+# =============================================================================================
+
+
+def build_model(cfg: ModelConfig, vocab_size: int, seq_len: int) -> torch.nn.Module:
+    if cfg.pretrained_path:
+        return AutoModelForCausalLM.from_pretrained(
+            confined_path(cfg.pretrained_path), attn_implementation=cfg.attn_implementation, dtype=torch.float32
+        )
+    config = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=cfg.num_layers,
+        num_attention_heads=cfg.num_heads,
+        num_key_value_heads=cfg.num_kv_heads,
+        max_position_embeddings=2 * seq_len,  # room for generated answers after a full prompt
+        rope_theta=cfg.rope_theta,
+        tie_word_embeddings=False,
+        attn_implementation=cfg.attn_implementation,
+    )
+    return LlamaForCausalLM(config)
+
+
+@torch.no_grad()
+def greedy_answers(model, tokenizer, prompts: list[list[dict[str, str]]], max_new_tokens: int) -> list[str]:
+    """The model's greedy reply to each conversation (left-padded into one batch)."""
+    encoded = [tokenizer.apply_chat_template(p, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"] for p in prompts]
+    width = max(len(ids) for ids in encoded)
+    input_ids = torch.full((len(encoded), width), tokenizer.pad_token_id, dtype=torch.int64)
+    attention_mask = torch.zeros((len(encoded), width), dtype=torch.int64)
+    for row, ids in enumerate(encoded):
+        input_ids[row, width - len(ids) :] = torch.tensor(ids)
+        attention_mask[row, width - len(ids) :] = 1
+    device = next(model.parameters()).device
+    output = model.generate(
+        input_ids=input_ids.to(device),
+        attention_mask=attention_mask.to(device),
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    return [tokenizer.decode(row[width:], skip_special_tokens=True).strip() for row in output.tolist()]
+
+
+# =============================================================================================
+# The recipe
+# =============================================================================================
+
+
+class SFT(Engine):
+    """Supervised fine-tuning on chat conversations; the loss covers the assistant's tokens only."""
+
+    config_class = SFTConfig
+
+    @cached_property
+    def tokenizer(self):
+        return load_tokenizer(self.config.model.pretrained_path, self.config.data.chat_template)
+
+    def prepare_model(self) -> torch.nn.Module:
+        model = build_model(self.config.model, len(self.tokenizer), self.config.data.seq_len)
+        model = model.to(self.device)
+        model = apply_fsdp(model, self.dist, self.config.parallel)
+        return model
+
+    def prepare_optimizer(self, model: torch.nn.Module) -> torch.optim.Optimizer:
+        optim = self.config.optim
+        return torch.optim.AdamW(
+            [p for p in model.parameters() if p.requires_grad],
+            lr=optim.lr,
+            betas=(optim.beta1, optim.beta2),
+            eps=optim.eps,
+            weight_decay=optim.weight_decay,
+            fused=True,
+        )
+
+    @classmethod
+    def summarize_data(cls, config: SFTConfig) -> DataSummary:
+        cfg = config.data
+        tokenizer = load_tokenizer(config.model.pretrained_path, cfg.chat_template)
+        counts = {True: [0, 0], False: [0, 0]}  # held out? -> [conversations, supervised tokens]
+        names = set()
+        for name, messages in load_conversations(cfg):
+            _, assistant = encode_conversation(tokenizer, messages)
+            counted = counts[is_eval_document(name, cfg.eval_fraction)]
+            counted[0] += 1
+            counted[1] += int(assistant[: cfg.seq_len + 1].sum())
+            names.add(name.split(":", 1)[0])
+        return DataSummary(
+            source=cfg.source,
+            paths=cfg.paths[:20],
+            files=len(names) if cfg.source == "files" else None,
+            documents=counts[False][0] + counts[True][0],
+            tokens=counts[False][1] + counts[True][1],
+            train_documents=counts[False][0],
+            train_tokens=counts[False][1],
+            eval_documents=counts[True][0],
+            eval_tokens=counts[True][1],
+            tokenizer=f"from {config.model.pretrained_path}" if config.model.pretrained_path else "bytes (chat)",
+        )
+
+    @cached_property
+    def conversations(self) -> tuple[list, list]:
+        """(train conversations, held-out conversations)."""
+        train, held_out = [], []
+        for name, messages in load_conversations(self.config.data):
+            (held_out if is_eval_document(name, self.config.data.eval_fraction) else train).append(messages)
+        return train, held_out
+
+    def prepare_data(self) -> BatchStream:
+        cfg = self.config.data
+        pieces = tokenize_conversations(self.conversations[0], self.tokenizer, cfg.seq_len)
+        return BatchStream(
+            pieces,
+            cfg.seq_len,
+            self.tokenizer.pad_token_id,
+            seed=self.config.train.seed,
+            micro_batch=self.micro_batch_size,
+            dp_rank=self.dist.dp_rank,
+            dp_size=self.dist.dp_size,
+        )
+
+    def prepare_eval_data(self) -> list[dict[str, torch.Tensor]] | None:
+        if not self.config.train.eval_every or not self.conversations[1]:
+            return None
+        cfg = self.config.data
+        pieces = tokenize_conversations(self.conversations[1], self.tokenizer, cfg.seq_len)
+        stream = BatchStream(
+            pieces, cfg.seq_len, self.tokenizer.pad_token_id, seed=0,
+            micro_batch=self.micro_batch_size,
+            dp_rank=self.dist.dp_rank, dp_size=self.dist.dp_size,
+        )
+        return [next(stream) for _ in range(self.config.train.eval_batches)]
+
+    def compute_loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        logits = self.model(
+            input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False
+        ).logits
+        return F.cross_entropy(
+            logits.flatten(0, 1).float(),
+            batch["labels"].flatten(),
+            ignore_index=IGNORE_INDEX,
+            reduction="sum",
+        )
+
+    def flops_per_token(self) -> float:
+        cfg = self.model.config
+        return transformer_flops_per_token(
+            non_embedding_params(self.model), cfg.num_hidden_layers, cfg.hidden_size, self.config.data.seq_len
+        )
+
+    # Looking at the model: export, sample, evaluate ------------------------------------------
+
+    def hf_model(self):
+        return self.model
+
+    def hf_processing(self):
+        return self.tokenizer
+
+    def held_out_prompts(self) -> list[tuple[list[dict[str, str]], str]]:
+        """``(conversation up to its last user turn, the expected last answer)``, held out."""
+        examples = []
+        for messages in self.conversations[1][: self.config.data.eval_prompts]:
+            last = max(i for i, m in enumerate(messages) if m["role"] == "assistant")
+            examples.append((messages[:last], messages[last]["content"]))
+        return examples
+
+    def task_metrics(self) -> dict[str, float]:
+        """``answer_accuracy``: the share of held-out prompts whose greedy answer is exactly right."""
+        examples = self.held_out_prompts()
+        if not examples:
+            return {}
+        was_training = self.model.training
+        self.model.eval()
+        answers = greedy_answers(self.model, self.tokenizer, [p for p, _ in examples], self.config.data.max_new_tokens)
+        self.model.train(was_training)
+        correct = sum(answer == expected for answer, (_, expected) in zip(answers, examples))
+        return {"answer_accuracy": correct / len(examples)}

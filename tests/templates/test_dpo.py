@@ -1,0 +1,162 @@
+"""The dpo template: its loss is TRL's DPO (and IPO) loss for the same model, reference and
+batch; it raises the preferred answer's rate; runs log reward metrics, resume bit for bit and
+match on two processes."""
+
+from __future__ import annotations
+
+import copy
+import math
+import shutil
+
+import pytest
+import torch
+
+from engine import run_dir as rd
+from recipes_template.dpo import recipe as dpo
+from tests.support import REPO, losses, run_engine
+
+TEMPLATE = REPO / "recipes_template" / "dpo"
+SMALL = (
+    "model.hidden_size=64", "model.intermediate_size=160", "model.num_layers=2",
+    "data.seq_len=64", "data.batch_size=4", "data.builtin_pairs=200",
+    "train.log_every=1", "optim.warmup_steps=2", "optim.lr=3e-3", "metrics.tensorboard=false",
+)
+SCHEDULE = (*SMALL, "train.max_steps=8", "checkpoint.every=4", "checkpoint.keep_last=5")
+
+
+def conversational(record: dict) -> dict:
+    return {
+        "prompt": [{"role": "user", "content": record["prompt"]}],
+        "chosen": [{"role": "assistant", "content": record["chosen"]}],
+        "rejected": [{"role": "assistant", "content": record["rejected"]}],
+    }
+
+
+def rows(batch: dict) -> list[tuple[int, ...]]:
+    """Each row of one of our batches as its whole token sequence (inputs, then the last label)."""
+    sequences = []
+    for input_ids, labels in zip(batch["input_ids"].tolist(), batch["labels"].tolist()):
+        n = max(i for i, label in enumerate(labels) if label != -100) + 1
+        sequences.append(tuple(input_ids[:n] + [labels[n - 1]]))
+    return sequences
+
+
+@pytest.mark.parametrize("loss_type", ["sigmoid", "ipo"])
+def test_the_loss_equals_trls_dpo_trainer_loss(loss_type, tmp_path):
+    trl = pytest.importorskip("trl")
+    datasets = pytest.importorskip("datasets")
+    tokenizer = dpo.byte_chat_tokenizer()
+    records = [record for _, record in dpo.builtin_pairs(8, seed=3)]
+    torch.manual_seed(0)
+    config = dpo.ModelConfig(hidden_size=64, intermediate_size=160, num_layers=2)
+    reference = dpo.build_model(config, len(tokenizer), 64).eval()
+    model = copy.deepcopy(reference)
+    with torch.no_grad():  # a policy that differs from its reference
+        for parameter in model.parameters():
+            parameter.add_(0.02 * torch.randn_like(parameter))
+    beta = 0.2
+    args = trl.DPOConfig(
+        output_dir=str(tmp_path), per_device_train_batch_size=len(records), beta=beta, loss_type=[loss_type],
+        report_to=[], use_cpu=True, max_length=None, dataset_num_proc=None,
+    )
+    trainer = trl.DPOTrainer(
+        model=model, ref_model=reference, args=args, processing_class=tokenizer,
+        train_dataset=datasets.Dataset.from_list([conversational(r) for r in records]),
+    )
+    theirs = next(iter(trainer.get_train_dataloader()))
+    model.eval()
+    with torch.no_grad():
+        trl_loss = float(trainer.compute_loss(model, theirs))
+
+    # The template tokenizes and lays out every pair as TRL does: the same token sequences, and
+    # the same answer tokens scored ...
+    ours = dpo.collate([dpo.tokenize_pair(tokenizer, r, 64) for r in records], 64, tokenizer.pad_token_id)
+    ids, completion = theirs["input_ids"], theirs["completion_mask"]
+    trl_rows = [tuple(row[mask.bool()].tolist()) for row, mask in zip(ids, theirs["attention_mask"])]
+    assert sorted(rows(ours)) == sorted(trl_rows)
+    # ... and its loss on TRL's batch is TRL's loss. (On its own batch the rows are padded to other
+    # lengths, which moves float32 log-probabilities by ~1e-4.)
+    same_layout = {
+        "input_ids": ids[:, :-1],
+        "labels": ids[:, 1:].masked_fill(completion[:, 1:] == 0, -100),
+        "position_ids": torch.arange(ids.shape[1] - 1).expand(ids.shape[0], -1),
+    }
+    with torch.no_grad():
+        policy, lengths = dpo.answer_logps(model, same_layout)
+        reference_logps, _ = dpo.answer_logps(reference, same_layout)
+        loss, _, _ = dpo.preference_loss(policy, reference_logps, lengths, beta, loss_type)
+    assert abs(float(loss.mean()) - trl_loss) < 1e-5, (float(loss.mean()), trl_loss)
+
+
+def test_the_builtin_preferred_answer_is_the_correct_one():
+    for _, record in dpo.builtin_pairs(200):
+        question, good, bad = record["prompt"], record["chosen"], record["rejected"]
+        assert good != bad
+        if question.startswith("What is "):
+            a, b = question.removeprefix("What is ").removesuffix("?").split(" + ")
+            assert good == str(int(a) + int(b))
+        elif question.startswith("Which is larger, "):
+            a, b = question.removeprefix("Which is larger, ").removesuffix("?").split(" or ")
+            assert good == str(max(int(a), int(b)))
+        elif question.startswith("Which letter comes after "):
+            letter = question.removeprefix("Which letter comes after ").removesuffix("?")
+            assert good == chr(ord(letter) + 1)
+        else:
+            number = int(question.removeprefix("Is ").removesuffix(" even or odd?"))
+            assert good == ("odd" if number % 2 else "even")
+
+
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory):
+    root = tmp_path_factory.mktemp("dpo")
+    recipe = root / "dpo"
+    shutil.copytree(TEMPLATE, recipe, ignore=shutil.ignore_patterns("__pycache__"))
+    return root, recipe
+
+
+@pytest.fixture(scope="module")
+def reference(workspace):
+    root, recipe = workspace
+    return run_engine(root, recipe, *SCHEDULE)
+
+
+def test_a_run_starts_at_log_2_and_logs_reward_metrics(reference):
+    record = rd.read_run(reference)
+    assert record.status == rd.COMPLETED and record.data.documents == 200
+    curve = losses(reference)
+    assert curve[1] == pytest.approx(math.log(2), abs=1e-6)  # the policy is its reference at step 1
+    rewards = [r for r in rd.read_all_metrics(reference / rd.METRICS_JSONL) if "reward_accuracy" in r]
+    assert [r["step"] for r in rewards] == list(range(1, 9))
+    assert all(0 <= r["reward_accuracy"] <= 1 and "reward_margin" in r for r in rewards)
+    assert rewards[0]["reward_margin"] == 0 and rewards[-1]["reward_margin"] > 0
+
+
+def test_resume_is_bit_identical(workspace, reference):
+    root, recipe = workspace
+    (_, checkpoint), *_ = rd.list_checkpoints(reference)
+    resumed = run_engine(root, recipe, *SCHEDULE, resume_from=checkpoint)
+    assert losses(resumed) == {s: v for s, v in losses(reference).items() if s > 4}
+
+
+@pytest.mark.multiprocess
+def test_two_processes_match_one(workspace, reference):
+    root, recipe = workspace
+    two = run_engine(root, recipe, *SCHEDULE, "checkpoint.every=0", "checkpoint.at_end=false", nproc=2)
+    one, both = losses(reference), losses(two)
+    assert sorted(both) == sorted(one)
+    for step in one:
+        assert abs(both[step] - one[step]) <= 1e-5 * abs(one[step]), (step, one[step], both[step])
+
+
+def test_skills_apply_to_the_policy_and_packing_refuses(tmp_path):
+    from skills import SkillError, apply_skill
+
+    recipe = tmp_path / "dpo"
+    shutil.copytree(TEMPLATE, recipe, ignore=shutil.ignore_patterns("__pycache__"))
+    for skill in ("lora", "gradient-checkpointing", "mixed-precision", "loss-guard"):
+        assert apply_skill(skill, recipe).changed, skill
+    source = (recipe / "recipe.py").read_text()
+    # The adapters go on the trained model, after the reference is built.
+    assert source.index("self.reference = reference") < source.index("apply_lora(model")
+    with pytest.raises(SkillError, match="looked for an Engine.prepare_data that returns a stream"):
+        apply_skill("sequence-packing", recipe)

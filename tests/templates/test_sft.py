@@ -1,0 +1,178 @@
+"""The sft template: the loss covers exactly the assistant's tokens as the chat template marks
+them, packing keeps each conversation's loss, and runs resume bit for bit and match on two
+processes."""
+
+from __future__ import annotations
+
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine import run_dir as rd
+from engine.config import ConfigError
+from engine.engine import IGNORE_INDEX
+from engine.launch import load_recipe_class
+from recipes_template.sft import recipe as sft
+from skills import apply_skill
+from tests.support import REPO, losses, run_engine
+
+TEMPLATE = REPO / "recipes_template" / "sft"
+SMALL = (
+    "model.hidden_size=64", "model.intermediate_size=160", "model.num_layers=2",
+    "data.seq_len=128", "data.batch_size=4", "data.builtin_conversations=200", "data.max_turns=2",
+    "train.log_every=1", "optim.warmup_steps=2", "optim.lr=3e-3", "metrics.tensorboard=false",
+)
+SCHEDULE = (*SMALL, "train.max_steps=8", "checkpoint.every=4", "checkpoint.keep_last=5")
+
+
+def load_module(path: Path):
+    """The module of a recipe folder, imported as the engine imports it."""
+    return sys.modules[load_recipe_class(path).__module__]
+
+
+def assistant_spans(text: str, messages: list[dict[str, str]], eos: str) -> list[tuple[int, int]]:
+    """Character spans of each assistant reply and its end-of-turn token, found in the rendered text."""
+    spans, start = [], 0
+    for message in messages:
+        if message["role"] == "assistant":
+            begin = text.index("<|assistant|>\n" + message["content"] + eos, start) + len("<|assistant|>\n")
+            start = begin + len(message["content"] + eos)
+            spans.append((begin, start))
+    return spans
+
+
+def test_the_loss_covers_exactly_the_assistant_spans_of_the_chat_template():
+    tokenizer = sft.byte_chat_tokenizer()
+    conversations = [m for _, m in sft.builtin_conversations(50, max_turns=3)]
+    assert any(m[0]["role"] == "system" for m in conversations)
+    assert any(sum(x["role"] == "assistant" for x in m) == 3 for m in conversations)
+    pieces = sft.tokenize_conversations(conversations, tokenizer, seq_len=256)
+    batch = sft.collate(pieces, 256, tokenizer.pad_token_id)
+    assert batch["input_ids"].shape[1] == max(p.shape[1] for p in pieces) - 1  # padded to the longest
+    for row, messages in enumerate(conversations):
+        text = tokenizer.apply_chat_template(messages, tokenize=False)
+        encoding = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        # Token i is supervised exactly when it lies in an assistant span of the rendered text.
+        expected = [
+            any(begin <= start and end <= stop for begin, stop in assistant_spans(text, messages, tokenizer.eos_token))
+            for start, end in encoding["offset_mapping"]
+        ]
+        _, mask = sft.encode_conversation(tokenizer, messages)
+        assert mask.tolist() == expected
+        # The label of position i is token i + 1 where that token is the assistant's.
+        ids = encoding["input_ids"]
+        labels = batch["labels"][row, : len(ids) - 1].tolist()
+        assert labels == [t if m else IGNORE_INDEX for t, m in zip(ids[1:], expected[1:])]
+        assert (batch["labels"][row, len(ids) - 1 :] == IGNORE_INDEX).all()
+        learnt = tokenizer.decode([t for t in labels if t != IGNORE_INDEX])
+        assert learnt == "".join(m["content"] + "</s>" for m in messages if m["role"] == "assistant")
+
+
+def test_a_chat_template_without_generation_markers_is_refused():
+    plain = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    with pytest.raises(ConfigError, match="no {% generation %} markers.*data.chat_template"):
+        sft.load_tokenizer(None, plain)
+
+
+def test_packing_keeps_each_conversations_loss_and_mask(tmp_path: Path):
+    recipe = tmp_path / "packed"
+    shutil.copytree(TEMPLATE, recipe, ignore=shutil.ignore_patterns("__pycache__"))
+    apply_skill("sequence-packing", recipe)
+    packed = load_module(recipe)
+    tokenizer = sft.byte_chat_tokenizer()
+    conversations = [m for _, m in sft.builtin_conversations(12, max_turns=3)]
+    pieces = sft.tokenize_conversations(conversations, tokenizer, seq_len=256)
+    rows = packed.pack_pieces(pieces, 256)
+    assert len(rows) < len(pieces)  # several conversations share a row
+    torch.manual_seed(0)
+    model = sft.build_model(sft.ModelConfig(hidden_size=32, intermediate_size=64, num_layers=1), len(tokenizer), 256)
+
+    def loss_sum(batch):
+        logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False).logits
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten(), reduction="sum")
+
+    packed_batch = packed.collate_packed(rows, 256, tokenizer.pad_token_id)
+    padded_batch = sft.collate(pieces, 256, tokenizer.pad_token_id)
+    assert (packed_batch["labels"] != IGNORE_INDEX).sum() == (padded_batch["labels"] != IGNORE_INDEX).sum()
+    torch.testing.assert_close(loss_sum(packed_batch), loss_sum(padded_batch), rtol=1e-5, atol=1e-4)
+
+
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory):
+    root = tmp_path_factory.mktemp("sft")
+    recipe = root / "sft"
+    shutil.copytree(TEMPLATE, recipe, ignore=shutil.ignore_patterns("__pycache__"))
+    return root, recipe
+
+
+@pytest.fixture(scope="module")
+def reference(workspace):
+    root, recipe = workspace
+    return run_engine(root, recipe, *SCHEDULE)
+
+
+def test_a_run_learns_and_records_its_data(reference):
+    record = rd.read_run(reference)
+    assert record.status == rd.COMPLETED and record.data.source == "builtin"
+    assert record.data.documents == 200 and 0 < record.data.eval_documents < 30
+    curve = losses(reference)
+    assert sorted(curve) == list(range(1, 9)) and curve[8] < curve[1]
+
+
+def test_resume_is_bit_identical(workspace, reference):
+    root, recipe = workspace
+    (_, checkpoint), *_ = rd.list_checkpoints(reference)
+    resumed = run_engine(root, recipe, *SCHEDULE, resume_from=checkpoint)
+    expected = {s: v for s, v in losses(reference).items() if s > 4}
+    assert losses(resumed) == expected
+
+
+@pytest.mark.multiprocess
+def test_two_processes_match_one(workspace, reference):
+    root, recipe = workspace
+    two = run_engine(root, recipe, *SCHEDULE, "checkpoint.every=0", "checkpoint.at_end=false", nproc=2)
+    one, both = losses(reference), losses(two)
+    assert sorted(both) == sorted(one)
+    for step in one:
+        assert abs(both[step] - one[step]) <= 1e-5 * abs(one[step]), (step, one[step], both[step])
+
+
+def test_packing_and_lora_apply_and_run(workspace, reference):
+    root, _ = workspace
+    recipe = root / "sft_packed_lora"
+    shutil.copytree(TEMPLATE, recipe, ignore=shutil.ignore_patterns("__pycache__"))
+    for skill in ("sequence-packing", "lora"):
+        assert apply_skill(skill, recipe).changed
+    run = run_engine(root, recipe, *SMALL, "train.max_steps=3", "checkpoint.every=0", "checkpoint.at_end=false")
+    records = [r for r in rd.read_all_metrics(run / rd.METRICS_JSONL) if "loss" in r]
+    unpacked = [r for r in rd.read_all_metrics(reference / rd.METRICS_JSONL) if "loss" in r][:3]
+    # padding_frac counts every unsupervised position (prompts too): packing raises the share of
+    # supervised positions by taking the padding out.
+    assert len(records) == 3
+
+    def supervised_share(rows):
+        return sum(1 - r["padding_frac"] for r in rows) / len(rows)
+
+    assert supervised_share(records) > 1.25 * supervised_share(unpacked), (records, unpacked)
+
+
+def test_the_launch_check_counts_the_conversations_and_the_supervised_tokens():
+    import json
+    import subprocess
+    import sys
+
+    result = subprocess.run(
+        [sys.executable, "-m", "engine.launch", str(TEMPLATE), "--check", "--set", "data.builtin_conversations=100",
+         "--set", "data.paths=[missing.jsonl]"],
+        capture_output=True, text=True, cwd=REPO,
+    )
+    assert json.loads(result.stdout) == {"ok": False, "error": "data path 'missing.jsonl' does not exist (relative paths start at the workspace)"}
+    data = sft.SFT.summarize_data(sft.SFTConfig.model_validate({"data": {"builtin_conversations": 100}}))
+    assert (data.source, data.documents, data.tokenizer) == ("builtin", 100, "bytes (chat)")
+    assert data.train_documents + data.eval_documents == 100
+    conversations = [m for _, m in sft.builtin_conversations(100, 3)]
+    answers = sum(len(m["content"]) + 1 for c in conversations for m in c if m["role"] == "assistant")
+    assert data.tokens == answers  # a byte a token, plus each reply's end-of-turn
