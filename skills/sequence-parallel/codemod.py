@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import libcst as cst
 
-from skills.codemod_kit import AlreadyApplied, Edits, Recipe, SkillParams, anchors, reach, stages, templates
+from skills.codemod_kit import AlreadyApplied, Edits, Recipe, SkillParams, anchors, pointing, reach, stages, templates
 from skills.codemod_kit.anchors import keyword
 from skills.errors import SkillRefused
 
@@ -25,7 +25,9 @@ HELPERS = ("engine.sequence_parallel.apply_sequence_parallel", "engine.sequence_
 
 
 class Params(SkillParams):
-    """No parameters: the degree is the run's ``parallel.sp`` (1 changes nothing)."""
+    """The degree is the run's ``parallel.sp`` (1 changes nothing)."""
+
+    target: str | None = pointing.target_field()
 
 
 TO_DEVICE = '''
@@ -49,7 +51,7 @@ def apply(recipe: Recipe, params: Params) -> Edits | AlreadyApplied:
             "mesh dimension, the split of each batch and the loss normalised over the sp ranks come "
             "from the engine; see SKILL.md: Doing it by hand"
         )
-    model = anchors.find_model(recipe, SKILL)
+    model = pointing.find_model(recipe, SKILL, params.target)
     if model.kind != "hf":
         raise SkillRefused(
             f"{SKILL}: the model is built by {model.builder}(...) ({recipe.where(model.statement)}), "

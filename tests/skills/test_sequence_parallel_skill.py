@@ -68,10 +68,11 @@ def test_written_by_hand_is_already_applied(tmp_path: Path):
     assert target_file(recipe).read_text() == before
 
 
-FORWARD = 'input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False'
+# compute_loss's forward call (its indentation tells it from task_metrics' call)
+FORWARD = '\n            input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False'
 REFUSALS = {
     "attention-mask": (
-        [(FORWARD, 'input_ids=batch["input_ids"], attention_mask=batch["labels"], use_cache=False')],
+        [(FORWARD, '\n            input_ids=batch["input_ids"], attention_mask=batch["labels"], use_cache=False')],
         "passes attention_mask, which cannot be split with the sequence; pass position_ids instead",
     ),
     "labels": (
