@@ -54,7 +54,8 @@ async def train(agent: Agent, template: str, name: str, config: dict[str, Any], 
 
 async def export(agent: Agent, run_id: str, folder: str) -> str:
     exported = await agent.call("export_checkpoint", run_id=run_id, to=folder)
-    say(f"    exported to {folder}: {', '.join(f'{k}={v}' for k, v in exported.items() if k in ('step', 'format'))}")
+    say(f"    exported step {exported['step']} to {exported['path']}: {exported['parameters']:,} parameters, "
+        f"tokenizer {exported.get('tokenizer') or 'none'}, {len(exported['files'])} files")
     return folder
 
 
@@ -86,8 +87,8 @@ async def post_training(workspace: Path, pretrain_steps: int, sft_steps: int, dp
         await evaluate(agent, dpo)
 
         answers = await agent.call("sample", run_id=dpo, prompts=QUESTIONS, max_new_tokens=8, temperature=0)
-        for question, answer in zip(QUESTIONS, answers.get("samples") or answers.get("outputs") or []):
-            say(f"    {question!r} → {answer if isinstance(answer, str) else answer.get('text')!r}")
+        for sample in answers["samples"]:
+            say(f"    {sample['prompt']!r} → {sample['completion']!r}")
 
 
 def main() -> None:
