@@ -45,10 +45,13 @@ async def train(agent: Agent, template: str, name: str, config: dict[str, Any], 
         if waited["status"] in ("completed", "failed", "stopped"):
             break
     info = await agent.call("get_run", quiet=True, run_id=run_id)
-    latest = info.get("latest") or {}
     if info["status"] != "completed":
         raise DemoFailed(f"{name} did not complete: {info['status']} {info.get('error')}")
-    say(f"    completed at step {info['step']}: loss {latest.get('loss', float('nan')):.4f}")
+    # The last record may be a template's own metrics (dpo: rewards), logged beside the loss.
+    tail = await agent.call("tail_metrics", quiet=True, run_id=run_id, n=5)
+    last = {k: v for record in tail["records"] for k, v in record.items() if record["step"] == info["step"]}
+    shown = ", ".join(f"{k} {last[k]:.4f}" for k in ("loss", "reward_accuracy", "reward_margin") if k in last)
+    say(f"    completed at step {info['step']}: {shown}")
     return run_id
 
 
@@ -87,6 +90,8 @@ async def post_training(workspace: Path, pretrain_steps: int, sft_steps: int, dp
         await evaluate(agent, dpo)
 
         answers = await agent.call("sample", run_id=dpo, prompts=QUESTIONS, max_new_tokens=8, temperature=0)
+        if not answers["chat"]:
+            raise DemoFailed("sample did not render the prompts with the model's chat template")
         for sample in answers["samples"]:
             say(f"    {sample['prompt']!r} → {sample['completion']!r}")
 
