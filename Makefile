@@ -5,6 +5,10 @@ PYTHON ?= python3
 VENV ?= .venv
 TORCH ?= torch==2.13.0
 PYTEST_ARGS ?=
+# Test processes (pytest-xdist; 0: one process). Files are the unit of distribution, so a
+# module's shared run is trained once; half the suite waits on subprocesses, so two workers
+# help even on two cores.
+PYTEST_WORKERS ?= 2
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
@@ -34,7 +38,7 @@ demo: $(STAMP) sandbox
 	$(BIN)/python examples/demo.py
 
 test: $(STAMP) sandbox lint
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 # ruff (pyflakes, pycodestyle) over the tree; mypy over the contracts between the layers.
 lint: $(STAMP)
@@ -43,7 +47,7 @@ lint: $(STAMP)
 
 # The quick part of the suite: no torchrun launches, no runs longer than a few seconds.
 test-fast: $(STAMP) sandbox
-	$(BIN)/python -m pytest -m "not multiprocess and not slow" $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) --dist loadfile -m "not multiprocess and not slow" $(PYTEST_ARGS)
 
 # CPU benchmarks, each printing ratios against a peer measured in the same run (~15 min).
 # bench/gpu.py and bench/muon_vs_adamw.py are run by hand (a GPU machine; ~8 min).

@@ -78,8 +78,7 @@ DType = Literal["float32", "bfloat16", "float16"]
 class ParallelConfig(Section):
     tp: int = Field(1, ge=1, description="Tensor-parallel degree; data parallel gets the rest.")
     sp: int = Field(
-        1, ge=1, description="Sequence-parallel degree: each sequence split over sp ranks "
-        "(the sequence-parallel skill); data parallel gets world / (tp × sp)."
+        1, ge=1, description="Sequence-parallel degree (the sequence-parallel skill); dp = world / (tp × sp)."
     )
     param_dtype: DType = Field(
         "float32", description="Dtype FSDP2 computes in (MixedPrecisionPolicy.param_dtype)."
@@ -89,8 +88,7 @@ class ParallelConfig(Section):
     )
     fsdp_on_one_process: bool = Field(
         False,
-        description="Apply fully_shard also when there is a single data-parallel rank "
-        "(it is skipped by default there: it only adds copies).",
+        description="fully_shard also on a single data-parallel rank (skipped by default: it only adds copies).",
     )
 
 

@@ -8,7 +8,9 @@ from typing import Any
 
 import skills as skill_library
 from engine.errors import BadInput
-from mcp_server.limits import MAX_DIFF_CHARS, MAX_DOC_CHARS, MAX_RESULT_CHARS, bounded, json_chars
+from mcp_server.limits import (
+    AGENT_BUDGET_CHARS, MAX_DIFF_CHARS, MAX_DOC_CHARS, MAX_RESULT_CHARS, bounded, json_chars, text_bytes,
+)
 from mcp_server.models import ApplySkillResult, SkillDetail, SkillList, SkillSummary
 from sandbox import git as sandbox_git
 from sandbox.paths import check_name
@@ -30,9 +32,15 @@ def list_skills() -> SkillList:
 def get_skill(name: str) -> SkillDetail:
     check_name(name, "skill")
     info = skill_library.get_skill(name)
-    text, truncated = bounded(info.skill_md, MAX_DOC_CHARS)
-    return SkillDetail(**_summary(info).model_dump(), skill_md=text, params_schema=info.params_schema,
-                       truncated=truncated)
+    limit = MAX_DOC_CHARS
+    while True:  # the SKILL.md is cut so that the whole result, schema included, fits an agent's budget
+        text, truncated = bounded(info.skill_md, limit)
+        detail = SkillDetail(**_summary(info).model_dump(), skill_md=text, params_schema=info.params_schema,
+                             truncated=truncated)
+        over = text_bytes(detail.model_dump()) - AGENT_BUDGET_CHARS
+        if over <= 0 or limit <= 1_000:
+            return detail
+        limit -= over + 100
 
 
 def apply_skill(

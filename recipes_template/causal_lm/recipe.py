@@ -63,9 +63,8 @@ class ModelConfig(Section):
 class CausalLMDataConfig(DataConfig):
     source: Literal["stdlib", "files", "random"] | None = Field(
         None,
-        description="files: data.paths (the default when data.paths is set); stdlib: the CPython "
-        "standard library sources (the default otherwise); random: documents of random tokens "
-        "(data.vocab_size), for throughput benchmarks.",
+        description="files: data.paths (default when set); stdlib: CPython's standard library "
+        "(default otherwise); random: random tokens (data.vocab_size), for benchmarks.",
     )
     paths: list[str] = Field(
         default_factory=list,

@@ -43,7 +43,7 @@ def test_every_tool_is_listed_with_annotations_and_an_output_schema(client):
         assert tool.description and "\n    " not in tool.description, name
     assert tools["apply_skill"].annotations.idempotent_hint is True
     assert not tools["launch_run"].annotations.idempotent_hint  # absent: false
-    assert set(tools["apply_skill"].input_schema["properties"]) == {"skill", "recipe", "params", "dry_run"}
+    assert set(tools["apply_skill"].input_schema["properties"]) == {"skill", "recipe", "params", "dry_run", "target"}
     assert tools["apply_skill"].input_schema["required"] == ["skill", "recipe"]
 
 

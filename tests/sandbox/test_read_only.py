@@ -36,7 +36,7 @@ def test_only_read_only_tools_are_listed_and_each_says_so(workspace):
         tools = client.list_tools()
     assert {t.name for t in tools} == READ_ONLY_TOOLS
     for t in tools:
-        assert t.annotations.read_only_hint is True and t.annotations.destructive_hint is False, t.name
+        assert t.annotations.read_only_hint is True and t.annotations.destructive_hint is None, t.name
     with live_client(build_server(workspace)) as client:
         everything = {t.name: t for t in client.list_tools()}
     assert set(everything) - READ_ONLY_TOOLS == set(CHANGING_CALLS)
