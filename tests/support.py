@@ -102,10 +102,20 @@ def start_engine(cwd: Path, recipe: Path, *overrides: str, nproc: int = 1) -> tu
 
 
 def kill_group(process: subprocess.Popen) -> None:
+    """SIGKILL ``process``'s group and every process below it: torchrun's workers may sit in
+    groups of their own, and once their parent is dead they could no longer be found."""
+    from sandbox.processes import descendants
+
+    below = descendants(process.pid)
     try:
         os.killpg(process.pid, signal.SIGKILL)
     except ProcessLookupError:
         pass
+    for pid in below:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
     process.wait()
 
 
