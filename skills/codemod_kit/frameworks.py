@@ -143,6 +143,24 @@ def describe(recipe: Recipe, switch: Switch) -> str:
     return f"`{switch.name}={switch.value}` in {switch.framework}(...) at {recipe.where(switch.call)}"
 
 
+def set_already(recipe: Recipe, switches: list[Switch]) -> str | None:
+    """Where one of ``switches`` already turns the feature on (an "already applied" message)."""
+    for switch in switches:
+        arg = already_set(recipe, switch)
+        if arg is not None:
+            return f"{switch.framework}(...) at {recipe.where(switch.call)} sets `{recipe.code(arg)}`"
+    return None
+
+
+def turn_on(recipe: Recipe, switches: list[Switch], effect: str) -> Edits:
+    """One edit that sets each of ``switches``; ``acts_on`` names them, then ``effect``."""
+    edits = Edits(recipe)
+    for switch in switches:
+        set_argument(recipe, edits, switch)
+    edits.acts_on = "sets " + ", ".join(describe(recipe, s) for s in switches) + effect
+    return edits
+
+
 def command_line_flag(recipe: Recipe, value: cst.BaseExpression) -> cst.Call | None:
     """``parser.add_argument("--mixed_precision", ...)`` for ``args.mixed_precision``: the flag
     that sets a switch given as ``mixed_precision=args.mixed_precision``."""

@@ -159,20 +159,13 @@ def apply(recipe: Recipe, params: Params) -> Edits | AlreadyApplied:
 def _training_arguments(recipe: Recipe) -> Edits | AlreadyApplied | None:
     """``TrainingArguments(gradient_checkpointing=True)``: the Hugging Face Trainer's switch."""
     switches = frameworks.switches(recipe, "checkpointing")
-    for switch in switches:
-        arg = frameworks.already_set(recipe, switch)
-        if arg is not None:
-            return AlreadyApplied(f"{switch.framework}(...) at {recipe.where(switch.call)} sets `{recipe.code(arg)}`")
+    already = frameworks.set_already(recipe, switches)
+    if already is not None:
+        return AlreadyApplied(already)
     usable = [s for s in switches if frameworks.settable(s)]
     if not usable:
         return _parsed_arguments(recipe)
-    edits = Edits(recipe)
-    for switch in usable:
-        frameworks.set_argument(recipe, edits, switch)
-    edits.acts_on = "sets " + ", ".join(frameworks.describe(recipe, s) for s in usable) + (
-        ": the Trainer checkpoints every decoder layer of the model"
-    )
-    return edits
+    return frameworks.turn_on(recipe, usable, ": the Trainer checkpoints every decoder layer of the model")
 
 
 def _parsed_arguments(recipe: Recipe) -> Edits | AlreadyApplied | None:

@@ -133,13 +133,7 @@ def _framework_switch(recipe: Recipe) -> Edits | AlreadyApplied | None:
     if not usable:
         return None
     chosen = [s for s in usable if s.framework == usable[0].framework]
-    edits = Edits(recipe)
-    for switch in chosen:
-        frameworks.set_argument(recipe, edits, switch)
-    edits.acts_on = "sets " + ", ".join(frameworks.describe(recipe, s) for s in chosen) + (
-        ": the framework runs the forward passes under bfloat16 autocast"
-    )
-    return edits
+    return frameworks.turn_on(recipe, chosen, ": the framework runs the forward passes under bfloat16 autocast")
 
 
 def _forwards(recipe: Recipe, params: Params, loop: cst.CSTNode | None) -> tuple[str | None, list[cst.Call]]:

@@ -159,18 +159,12 @@ def _framework_switch(recipe: Recipe) -> Edits | AlreadyApplied | None:
         if arg is not None and recipe.code(arg.value) not in ('"no"', "'no'", "None", '"NO"'):
             return AlreadyApplied(f"Accelerator(...) at {recipe.where(call)} sets `{recipe.code(arg)}`")
     switches = frameworks.switches(recipe, "compile")
-    for switch in switches:
-        arg = frameworks.already_set(recipe, switch)
-        if arg is not None:
-            return AlreadyApplied(f"{switch.framework}(...) at {recipe.where(switch.call)} sets `{recipe.code(arg)}`")
+    already = frameworks.set_already(recipe, switches)
+    if already is not None:
+        return AlreadyApplied(already)
     usable = [s for s in switches if frameworks.settable(s)]
     if not usable:
         return None
-    edits = Edits(recipe)
-    for switch in usable:
-        frameworks.set_argument(recipe, edits, switch)
-    edits.acts_on = "sets " + ", ".join(frameworks.describe(recipe, s) for s in usable) + (
-        ": the Trainer compiles the model with torch.compile"
-    )
+    edits = frameworks.turn_on(recipe, usable, ": the Trainer compiles the model with torch.compile")
     edits.notes.append("the first steps include compilation")
     return edits
