@@ -128,3 +128,9 @@ def test_check_name_refuses_trailing_newline(name):
     from sandbox.paths import PathRefused, check_name
     with pytest.raises(PathRefused):
         check_name(name, "run_id")
+
+
+def test_names_with_a_trailing_newline_are_not_runs_or_checkpoints():
+    assert not rd.RUN_ID_PATTERN.fullmatch("run\n")
+    assert rd.checkpoint_step(Path("step-00000001\n")) is None
+    assert rd.checkpoint_step(Path("step-00000001")) == 1
