@@ -85,7 +85,7 @@ def checkpoint_dir_name(step: int) -> str:
 
 def checkpoint_step(path: Path) -> int | None:
     """The step of a published checkpoint directory, or None when the name is not one."""
-    match = _CHECKPOINT_NAME.match(path.name)
+    match = _CHECKPOINT_NAME.fullmatch(path.name)
     return int(match.group(1)) if match else None
 
 

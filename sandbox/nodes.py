@@ -92,7 +92,7 @@ def check_endpoint(endpoint: object) -> str:
         host, sep, port_text = text.rpartition(":")
         if not sep:
             host, port_text = text, None
-        if not _HOST.match(host or ""):
+        if not _HOST.fullmatch(host or ""):
             raise BadInput(f"rdzv endpoint {endpoint!r}: {host!r} is not a host name or IPv4 address")
         shown = host
     if port_text in (None, ""):
@@ -124,7 +124,7 @@ def check_nodes(nnodes: object = 1, rdzv: Mapping[str, Any] | None = None) -> No
     endpoint = check_endpoint(rdzv["endpoint"])
     node_rank = _int(rdzv.get("node_rank", 0) or 0, "node_rank", 0, nnodes - 1)
     rdzv_id = rdzv.get("id")
-    if rdzv_id is not None and (not isinstance(rdzv_id, str) or not _RDZV_ID.match(rdzv_id)):
+    if rdzv_id is not None and (not isinstance(rdzv_id, str) or not _RDZV_ID.fullmatch(rdzv_id)):
         raise BadInput(f"rdzv id must be letters, digits, '_', '.', '-' (at most 128), got {rdzv_id!r}")
     if node_rank > 0 and rdzv_id is None:
         raise BadInput(

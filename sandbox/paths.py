@@ -42,7 +42,7 @@ def check_name(value: object, kind: str) -> str:
         raise PathRefused(f"{kind} contains a NUL byte")
     if len(value) > MAX_NAME_CHARS:
         raise PathRefused(f"{kind} is longer than {MAX_NAME_CHARS} characters")
-    if not _NAME.match(value) or ".." in value:
+    if not _NAME.fullmatch(value) or ".." in value:
         raise PathRefused(
             f"{kind} {_shown(value)} is not a plain name: use letters, digits, '_', '.', '-' "
             "(no '/', no '..', not starting with '.' or '-')"

@@ -74,10 +74,10 @@ def check_options(options: Mapping[str, Any] | None) -> SlurmOptions:
     if unknown:
         raise BadInput(f"unknown slurm setting {unknown[0]!r}; valid: {', '.join(SLURM_KEYS)}")
     partition = options.get("partition")
-    if partition is not None and (not isinstance(partition, str) or not _PARTITION.match(partition)):
+    if partition is not None and (not isinstance(partition, str) or not _PARTITION.fullmatch(partition)):
         raise BadInput(f"slurm partition must be a partition name (letters, digits, '_', '.', '-'), got {partition!r}")
     time = options.get("time", DEFAULT_TIME)
-    if not isinstance(time, str) or not _TIME.match(time):
+    if not isinstance(time, str) or not _TIME.fullmatch(time):
         raise BadInput(f"slurm time must be a SLURM time limit such as '90', '04:00:00' or '1-12:00:00', got {time!r}")
     gpus = options.get("gpus_per_node")
     if gpus is not None and (isinstance(gpus, bool) or not isinstance(gpus, int) or not 0 <= gpus <= 64):
@@ -97,13 +97,19 @@ def torchrun_line(python: str, nnodes: int, nproc: int, rdzv_id: str, engine_arg
     return "srun --kill-on-bad-exit=1 " + " ".join(words)
 
 
+def _one_line(text: str) -> str:
+    """``text`` for a comment line of the script: a recipe folder's name may hold a newline,
+    which would add #SBATCH directives or commands to the job."""
+    return text.encode("unicode_escape").decode("ascii")[:300]
+
+
 def job_script(record: rd.RunRecord, run_dir: Path, options: SlurmOptions, python: str,
                engine_args: list[str]) -> str:
     """The sbatch script of a run (``engine_args``: what follows ``-m engine.launch``)."""
     gpus = record.nproc if options.gpus_per_node is None else options.gpus_per_node
     header = [
         "#!/bin/bash",
-        f"# trainwright run {record.id}: {record.recipe}, {record.nnodes} node(s) x {record.nproc} process(es)",
+        f"# trainwright run {record.id}: {_one_line(record.recipe)}, {record.nnodes} node(s) x {record.nproc} process(es)",
         f"#SBATCH --job-name={record.id[:64]}",
         f"#SBATCH --nodes={record.nnodes}",
         "#SBATCH --ntasks-per-node=1",
@@ -161,7 +167,7 @@ def submit(script: Path, env: Mapping[str, str], cwd: Path) -> str:
         last = (result.stderr.strip().splitlines() or [f"exit status {result.returncode}"])[-1]
         raise BadInput(f"sbatch refused the job: {last[:500]}")
     job_id = (result.stdout.strip().splitlines() or [""])[-1].split(";")[0].strip()
-    if not _JOB_ID.match(job_id):
+    if not _JOB_ID.fullmatch(job_id):
         raise BadInput(f"sbatch answered {result.stdout.strip()[:200]!r}, not a job id")
     return job_id
 

@@ -207,7 +207,7 @@ class Workspace:
         return sorted(
             (
                 p.name for p in self.runs_dir.iterdir()
-                if not p.is_symlink() and rd.RUN_ID_PATTERN.match(p.name) and (p / rd.RUN_JSON).is_file()
+                if not p.is_symlink() and rd.RUN_ID_PATTERN.fullmatch(p.name) and (p / rd.RUN_JSON).is_file()
             ),
             reverse=True,
         )
