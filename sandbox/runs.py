@@ -23,11 +23,12 @@ import fcntl
 import json
 import os
 import secrets
+import select
 import shutil
 import signal
 import subprocess
 import sys
-import tempfile
+import threading
 import time
 from dataclasses import asdict, replace
 from pathlib import Path
@@ -152,8 +153,8 @@ def run_contained(
     ``writable`` (the workspace's state folders hidden), where possible without network, with
     ``limits`` and the environment ``env`` (which carries ``mark``), in a session of its own;
     when it exits (or ``timeout_s`` passes: ``subprocess.TimeoutExpired``) every process it
-    started is ended. Returns the ends of its stdout and stderr (written to files, not pipes, so
-    a helper that keeps them open cannot hold it). ``bound_fds``: read-only paths shown from
+    started is ended. Returns the ends of its stdout and stderr (pipes
+    read as they come, keeping the last 4 MiB: a helper that keeps them open cannot hold it). ``bound_fds``: read-only paths shown from
     descriptors (:func:`sandbox.bwrap.wrap`)."""
     bound_fds = bound_fds or {}
     wrapped = bwrap.wrap(command, read_only, writable, network=limits.network, cwd=workspace, environ=env,
@@ -164,27 +165,67 @@ def run_contained(
     elif not wrapped.sandboxed and limits.network == "isolated":
         command = [sys.executable, "-m", "sandbox.network", "--", *command]
     rlimits = asdict(limits)
-    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
-        process = subprocess.Popen(
-            command, cwd=workspace, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=err,
-            start_new_session=True, preexec_fn=lambda: apply_limits(rlimits),
-            pass_fds=tuple(bound_fds.values()) if wrapped.sandboxed else (),
-        )
+    out, err = _Tail(), _Tail()
+    try:
+        try:
+            process = subprocess.Popen(
+                command, cwd=workspace, env=env, stdin=subprocess.DEVNULL, stdout=out.write_end,
+                stderr=err.write_end, start_new_session=True, preexec_fn=lambda: apply_limits(rlimits),
+                pass_fds=tuple(bound_fds.values()) if wrapped.sandboxed else (),
+            )
+        finally:
+            out.close_write_end(), err.close_write_end()
         try:
             process.wait(timeout=timeout_s)
         finally:
             _end_check(process, mark)
-        return _read(out), _read(err)
+    finally:
+        out.finish(), err.finish()
+    return out.text(), err.text()
 
 
 MAX_CHECK_OUTPUT_BYTES = 4 * 2**20
 
 
-def _read(f) -> str:
-    """The last ``MAX_CHECK_OUTPUT_BYTES`` of a check's output file (a recipe may print a lot)."""
-    size = f.seek(0, os.SEEK_END)
-    f.seek(max(0, size - MAX_CHECK_OUTPUT_BYTES))
-    return f.read().decode("utf-8", errors="replace")
+class _Tail:
+    """The last ``MAX_CHECK_OUTPUT_BYTES`` a process writes to a pipe, read by a thread as it
+    comes: a recipe that prints without end costs bounded memory and no disk. ``finish`` stops
+    reading once the process and everything it started are ended (a descendant that kept the
+    pipe open cannot hold the caller)."""
+
+    def __init__(self) -> None:
+        self.read_end, self.write_end = os.pipe()
+        os.set_blocking(self.read_end, False)
+        self._kept = bytearray()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._drain, daemon=True)
+        self._thread.start()
+
+    def close_write_end(self) -> None:
+        os.close(self.write_end)
+
+    def _drain(self) -> None:
+        while not self._stop.is_set():
+            if not select.select([self.read_end], [], [], 0.2)[0]:
+                continue
+            try:
+                chunk = os.read(self.read_end, 1 << 16)
+            except BlockingIOError:
+                continue
+            if not chunk:
+                return
+            self._kept += chunk
+            if len(self._kept) > 2 * MAX_CHECK_OUTPUT_BYTES:
+                del self._kept[:-MAX_CHECK_OUTPUT_BYTES]
+
+    def finish(self) -> None:
+        self._thread.join(timeout=5)  # the end of the output: every writer is gone
+        self._stop.set()
+        self._thread.join()
+        os.close(self.read_end)
+
+    def text(self) -> str:
+        return bytes(self._kept[-MAX_CHECK_OUTPUT_BYTES:]).decode("utf-8", errors="replace")
 
 
 def _end_check(process: subprocess.Popen, mark: str) -> None:

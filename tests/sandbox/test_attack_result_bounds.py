@@ -5,6 +5,7 @@ get_run and launch_run under an agent's budget."""
 from __future__ import annotations
 
 import json
+import os
 
 from engine import run_dir as rd
 from mcp_server.limits import AGENT_BUDGET_CHARS
@@ -32,3 +33,46 @@ def test_get_run_stays_in_budget_whatever_run_json_holds(tmp_path):
         assert out["data"]["documents"] == 1 and out["recipe_dirty"] is True
         assert "…" in out["code"] or len(out["code"]) < 1000
         assert rd.read_run(root / "runs" / run_id).data.paths == [LONG_PATH] * 20  # run.json keeps all
+
+
+def test_a_check_that_prints_without_end_costs_bounded_memory_and_no_disk(tmp_path):
+    """The launch check and the model process run recipe code whose output is kept: 256 MiB
+    printed (and a child that keeps the pipe open) leaves the last 4 MiB, and never lies on disk."""
+    import shutil
+    import sys
+    import tempfile
+    import threading
+    import time
+
+    from sandbox.config import RunLimits
+    from sandbox.runs import MAX_CHECK_OUTPUT_BYTES, run_contained
+
+    root = make_workspace(tmp_path / "ws")
+    script = (
+        "import subprocess, sys, time\n"
+        "subprocess.Popen(['sleep', '4242.37'])\n"  # holds stdout open; ended with the check
+        "line = b'x' * 1023 + b'\\n'\n"
+        "for _ in range(256 * 1024): sys.stdout.buffer.write(line)\n"
+        "sys.stdout.buffer.write(b'THE END\\n'); sys.stdout.flush()\n"
+        "sys.stderr.write('err tail\\n'); time.sleep(1)\n"
+    )
+    free = [shutil.disk_usage(tempfile.gettempdir()).free]
+    done = threading.Event()
+
+    def sample() -> None:
+        while not done.wait(0.05):
+            free.append(shutil.disk_usage(tempfile.gettempdir()).free)
+
+    sampler = threading.Thread(target=sample)
+    sampler.start()
+    started = time.monotonic()
+    try:
+        out, err = run_contained([sys.executable, "-c", script], root, [], [], dict(os.environ), RunLimits(),
+                                 timeout_s=120, mark="bounded-output-check")
+    finally:
+        done.set()
+        sampler.join()
+    assert time.monotonic() - started < 60
+    assert out.endswith("THE END\n") and len(out) <= MAX_CHECK_OUTPUT_BYTES
+    assert err == "err tail\n"
+    assert min(free) > free[0] - 128 * 2**20, "the output was written to disk"
