@@ -6,11 +6,16 @@ it runs, and a folder may hold a committed symlink that leads out of the workspa
 engine confines again, on every file it opens: each file (after links are resolved) must lie
 under the allowed root, which the server passes to the run in ``TRAINWRIGHT_WORKSPACE``.
 Without that variable (a person running ``python -m engine.launch`` by hand) nothing is
-refused. Torch-free.
+refused.
+
+Every file listed is also fingerprinted (SHA-256 of its bytes, in a ledger of this process), so
+a run can tell whether the data it loaded is the data its launch check counted
+(:func:`data_fingerprint`, :func:`changed_since_listed`). Torch-free.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 from pathlib import Path
 from typing import Iterable
@@ -18,6 +23,9 @@ from typing import Iterable
 from engine.config import ConfigError
 
 WORKSPACE_VARIABLE = "TRAINWRIGHT_WORKSPACE"
+
+# Every data file this process listed: resolved path -> SHA-256 of its bytes when last listed.
+_LEDGER: dict[Path, str] = {}
 
 
 class DataPathRefused(ConfigError):
@@ -58,7 +66,46 @@ def data_files(paths: Iterable[str], suffixes: Iterable[str], root: Path | None 
             found.append((real, given.name))
         else:
             raise ConfigError(f"data path {raw!r} does not exist (relative paths start at the workspace)")
+    for real, _ in found:
+        _LEDGER[real] = _file_sha256(real)
     return found
+
+
+def _file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def data_fingerprint() -> str | None:
+    """One SHA-256 over the paths and contents of every data file this process listed (as they
+    were when last listed), or None when it listed none (generated data)."""
+    if not _LEDGER:
+        return None
+    digest = hashlib.sha256()
+    for path in sorted(_LEDGER):
+        digest.update(f"{path}\0{_LEDGER[path]}\n".encode())
+    return digest.hexdigest()
+
+
+def changed_since_listed() -> list[Path]:
+    """The listed data files whose bytes are no longer what they were when listed (or that are
+    gone): a loader that read them in between may have read either version."""
+    changed = []
+    for path, digest in sorted(_LEDGER.items()):
+        try:
+            if _file_sha256(path) != digest:
+                changed.append(path)
+        except OSError:
+            changed.append(path)
+    return changed
+
+
+def forget_listed() -> None:
+    """Start a new ledger (before counting the data again)."""
+    _LEDGER.clear()
 
 
 def _confined(path: Path, raw: str, root: Path | None) -> Path:

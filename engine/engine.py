@@ -29,6 +29,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 from engine import run_dir as rd
 from engine.checkpoint import Checkpointer, ModelOptimizerState, RNGState, SchedulerState, load_checkpoint
 from engine.config import ConfigError, EngineConfig
+from engine.data_files import changed_since_listed, data_fingerprint, forget_listed
 from engine.distributed import DistInfo, all_reduce_max, dp_all_reduce_sum
 from engine.flops import non_embedding_params, peak_flops
 from engine.fsdp import DTYPES, has_tensor_parallel_params
@@ -268,6 +269,7 @@ class Engine:
         self.scheduler = self.prepare_scheduler(self.optimizer)
         self.train_batches = self.prepare_data()
         self.eval_batches = self.prepare_eval_data()
+        self.confirm_data()
         self._flops_per_token = self.flops_per_token()
         self._peak_flops = peak_flops(
             self.device, self.compute_dtype, self.config.metrics.peak_tflops
@@ -285,6 +287,34 @@ class Engine:
         if self.dist.is_main and self.run_dir is not None:
             destinations = [getattr(b, "destination", None) for b in self.logger.backends]
             rd.update_run(self.run_dir, metrics_destinations=[d for d in destinations if d is not None])
+
+    def confirm_data(self) -> None:
+        """Make run.json's data summary the data this run loaded. The launch check counted the
+        data files and fingerprinted them (:mod:`engine.data_files`); when the files the loader
+        listed differ from that fingerprint, or changed while they were loaded, the data is
+        counted again now, run.json records the new count and a warning says what changed."""
+        if not self.dist.is_main or self.run_dir is None:
+            return
+        counted = rd.read_run(self.run_dir).data
+        changed = changed_since_listed()
+        loaded = data_fingerprint()
+        if not changed and (counted is None or loaded is None or loaded == counted.fingerprint):
+            return
+        forget_listed()
+        summary = type(self).summarize_data(self.config)
+        if summary is None:
+            return
+        summary = summary.model_copy(update={"fingerprint": data_fingerprint()})
+        if not changed and counted is not None and summary.fingerprint == counted.fingerprint:
+            return  # the loader lists other files than the count does; the counted ones are unchanged
+        rd.update_run(self.run_dir, data=summary)
+        before = f"the launch check counted {counted.describe()}" if counted is not None else "nothing was counted"
+        during = (
+            f"; {changed[0].name} ({len(changed)} file(s) in all) changed while the run loaded it, so it may have "
+            "read either version" if changed else ""
+        )
+        self.warn(f"the data changed after the launch check: {before}; the run counted again as it "
+                  f"started: {summary.describe()}{during}")
 
     def make_metric_backends(self) -> list[MetricBackend]:
         """Rank 0's backends: the console, metrics.jsonl, TensorBoard when installed, and those

@@ -117,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
 
             if rd.checkpoint_step(args.resume_from) is None or not (args.resume_from / rd.DCP_METADATA).is_file():
                 raise ConfigError(f"--resume-from {args.resume_from} is not a complete checkpoint")
-        data = recipe_class.summarize_data(config) if args.check else None
+        data = _count_data(recipe_class, config) if args.check else None
     except (TrainwrightError, OSError) as e:
         # OSError: data the config names that cannot be read (a missing file, a folder).
         message = str(e) if isinstance(e, TrainwrightError) else f"cannot read the data: {e}"
@@ -139,6 +139,14 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(verdict))
         return EXIT_OK
     return train(recipe_class, config, args)
+
+
+def _count_data(recipe_class, config):
+    """The recipe's data summary, with the fingerprint of the data files it counted."""
+    from engine.data_files import data_fingerprint
+
+    summary = recipe_class.summarize_data(config)
+    return summary.model_copy(update={"fingerprint": data_fingerprint()}) if summary is not None else None
 
 
 def train(recipe_class, config, args: argparse.Namespace) -> int:
@@ -165,7 +173,7 @@ def train(recipe_class, config, args: argparse.Namespace) -> int:
             engine_pid=os.getpid(),
         )
         if record.data is None:  # started without a launcher that counted it
-            summary = recipe_class.summarize_data(config)
+            summary = _count_data(recipe_class, config)
             if summary is not None:
                 record = rd.update_run(run_dir, data=summary)
         print(f"run {run_dir.name}: {dist_info.world_size} process(es) on {dist_info.device.type}", flush=True)

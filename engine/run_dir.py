@@ -143,6 +143,9 @@ class DataSummary(BaseModel):
     train_tokens: int
     eval_tokens: int
     tokenizer: str | None = None
+    fingerprint: str | None = Field(
+        None, description="SHA-256 over the data files' paths and bytes as counted; None for generated data."
+    )
 
     def describe(self) -> str:
         """One line, for the console, notes and reviews."""

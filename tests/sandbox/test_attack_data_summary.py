@@ -1,6 +1,6 @@
 """launch_run's data summary is counted by the launch check; the run reads its data again when it
-starts. A data folder that changes in between is trained on as it is then, while launch_run,
-get_run and the git note keep the check's count."""
+starts. A data folder that changes in between is trained on as it is then: the run notices (the
+check fingerprinted the files), counts again, and get_run shows the new count and a warning."""
 
 from __future__ import annotations
 
@@ -19,8 +19,6 @@ class Counting(CausalLM):
 '''
 
 
-@pytest.mark.xfail(strict=True, reason="the run does not check that the data it loads is the data the "
-                   "launch check counted (the template's loader would have to count what it loads)")
 def test_the_reported_data_is_the_data_the_run_trained_on(tmp_path):
     from tests.sandbox.test_attack_code_origin import _tiny
 
@@ -29,7 +27,12 @@ def test_the_reported_data_is_the_data_the_run_trained_on(tmp_path):
     corpus = root / "corpus"
     corpus.mkdir()
     (corpus / "a.txt").write_text("the first document " * 50)
+    overrides = _tiny(**{"train.max_steps": 1, "data.paths": ["corpus"], "data.eval_fraction": 0.0})
     with live_client(build_server(root)) as client:
+        steady = client.call("launch_run", {"recipe": "recipes/counting", "overrides": overrides})
+        assert not steady.is_error, error_text(steady)
+        assert wait_final(root / "runs" / steady.structured_content["run_id"], timeout=240).status == rd.COMPLETED
+        steady_run = client.call("get_run", {"run_id": steady.structured_content["run_id"]}).structured_content
         result = client.call("launch_run", {"recipe": "recipes/counting", "overrides": _tiny(
             **{"train.max_steps": 1, "data.paths": ["corpus"], "data.eval_fraction": 0.0})})
         assert not result.is_error, error_text(result)
@@ -37,9 +40,16 @@ def test_the_reported_data_is_the_data_the_run_trained_on(tmp_path):
             (corpus / f"late{i}.txt").write_text(f"a document added after the check {i} " * 50)
         run_dir = root / "runs" / result.structured_content["run_id"]
         record = wait_final(run_dir, timeout=240)
-        reported = client.call("get_run", {"run_id": run_dir.name}).structured_content["data"]["documents"]
+        shown = client.call("get_run", {"run_id": run_dir.name}).structured_content
+        reported = shown["data"]["documents"]
     assert record.status == rd.COMPLETED, record.error
     console = (run_dir / rd.CONSOLE_LOG).read_text()
     trained = int(console.split("TRAINED-ON-DOCUMENTS ", 1)[1].split()[0])
     assert result.structured_content["data"]["documents"] == 1
     assert reported == trained, f"get_run reports {reported} documents; the run trained on {trained}"
+    assert any("the data changed after the launch check" in w and "1 document" in w and "41 documents" in w
+               for w in shown["warnings"]), shown["warnings"]
+    assert shown["data"]["fingerprint"] != result.structured_content["data"]["fingerprint"]
+    # Data that stays put: the check's count and fingerprint stand, and nothing is said.
+    assert steady_run["data"] == steady.structured_content["data"] and steady_run["data"]["fingerprint"]
+    assert not any("data changed" in w for w in steady_run["warnings"]), steady_run["warnings"]
