@@ -256,6 +256,7 @@ def resume_checkpoint(
         ws.root, code_dir, nproc, override_args(flat), config_json=config_json, limits=limits
     )
     confine_config(ws.root, verdict["config"])
+    warnings = [*warnings, *_data_drift(source, verdict.get("data"))]
     same_shape = nproc == source.nproc and not limits.threads_per_process
     record = sandbox_runs.start_run(
         ws.root, ws.real_dir(ws.runs_dir), code_dir, source.recipe, nproc, flat, verdict,
@@ -268,6 +269,18 @@ def resume_checkpoint(
         expected_digest=checked,
     )
     return _launch_result(ws, record)
+
+
+def _data_drift(source: rd.RunRecord, counted: dict[str, Any] | None) -> list[str]:
+    """A warning when a resume would train on other data than the run it continues."""
+    if source.data is None or counted is None:
+        return []
+    now = rd.DataSummary.model_validate(counted)
+    before = source.data
+    if (now.fingerprint, now.documents, now.tokens) == (before.fingerprint, before.documents, before.tokens):
+        return []
+    return [f"the data differs from what run {source.id} trained on: it counted {before.describe()}; "
+            f"the resume counts {now.describe()}"]
 
 
 def _resumed_from(ws: Workspace, record: rd.RunRecord) -> rd.ResumedFrom | None:

@@ -42,6 +42,11 @@ def test_the_reported_data_is_the_data_the_run_trained_on(tmp_path):
         record = wait_final(run_dir, timeout=240)
         shown = client.call("get_run", {"run_id": run_dir.name}).structured_content
         reported = shown["data"]["documents"]
+        # Resuming the first run now would train on other data than it did: the result says so.
+        resumed = client.call("resume_checkpoint", {"run_id": steady.structured_content["run_id"],
+                                                    "overrides": {"train.max_steps": 2}})
+        assert not resumed.is_error, error_text(resumed)
+        wait_final(root / "runs" / resumed.structured_content["run_id"], timeout=240)
     assert record.status == rd.COMPLETED, record.error
     console = (run_dir / rd.CONSOLE_LOG).read_text()
     trained = int(console.split("TRAINED-ON-DOCUMENTS ", 1)[1].split()[0])
@@ -53,3 +58,5 @@ def test_the_reported_data_is_the_data_the_run_trained_on(tmp_path):
     # Data that stays put: the check's count and fingerprint stand, and nothing is said.
     assert steady_run["data"] == steady.structured_content["data"] and steady_run["data"]["fingerprint"]
     assert not any("data changed" in w for w in steady_run["warnings"]), steady_run["warnings"]
+    assert any("the data differs from what run" in w and "41 documents" in w
+               for w in resumed.structured_content["warnings"]), resumed.structured_content["warnings"]
