@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import secrets
 import shutil
 import stat
+import time
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +38,9 @@ MAX_DATA_PATHS = 20
 MAX_METRICS = 40
 MAX_FILE_NAME_CHARS = 120
 STAGING_MARK = ".partial-export-"
+# A staging folder's name carries when it was made: one older than an export may take was left
+# by a server killed midway, and the next export into the same folder removes it.
+_STAGING_NAME = re.compile(r"\..*" + re.escape(STAGING_MARK) + r"(\d{10})-[0-9a-f]{8}", re.DOTALL)
 MAX_NAME_BYTES = 255  # NAME_MAX of Linux filesystems
 
 
@@ -99,7 +104,7 @@ def export_checkpoint(
     parent, name = destination.parent, destination.name
     missing = [p for p in [parent, *parent.parents] if not p.exists()]
     short = os.fsencode(name)[:80].decode(errors="ignore")  # the staging name fits NAME_MAX too
-    staging_name = f".{short}{STAGING_MARK}{secrets.token_hex(4)}"
+    staging_name = f".{short}{STAGING_MARK}{int(time.time()):010d}-{secrets.token_hex(4)}"
     parent_fd = None
     # Everything after the checks happens relative to a descriptor of the checked parent folder:
     # a folder on the way swapped for a link meanwhile redirects neither the staging folder, nor
@@ -111,6 +116,7 @@ def export_checkpoint(
             raise BadInput(f"the folder of to {relative.as_posix()!r} cannot be created ({e.strerror}); "
                            "give a path whose folders are folders") from None
         parent_fd = _open_checked_dir(parent, relative.as_posix())
+        _remove_abandoned_staging(parent_fd)
         os.mkdir(staging_name, dir_fd=parent_fd)
         staging = parent / staging_name
         result = run_model_io(
@@ -145,6 +151,18 @@ def export_checkpoint(
         tokenizer=_text(result.get("tokenizer")), parameters=_count(result.get("parameters")),
         files={_text(name, MAX_FILE_NAME_CHARS): size for name, size in files[:MAX_LISTED_FILES]},
     )
+
+
+def _remove_abandoned_staging(parent_fd: int) -> None:
+    """Remove the staging folders in ``parent_fd`` that no export can still be writing (older than
+    the export time limit, with a margin): a server killed during an export leaves one."""
+    oldest_alive = time.time() - EXPORT_TIMEOUT_S - 600
+    for entry in os.listdir(parent_fd):
+        match = _STAGING_NAME.fullmatch(entry)
+        if match and int(match.group(1)) < oldest_alive:
+            with contextlib.suppress(OSError):
+                if stat.S_ISDIR(os.stat(entry, dir_fd=parent_fd, follow_symlinks=False).st_mode):
+                    shutil.rmtree(entry, dir_fd=parent_fd, ignore_errors=True)
 
 
 def _open_checked_dir(folder: Path, label: str) -> int:

@@ -271,12 +271,20 @@ def test_an_interrupted_export_leaves_nothing_at_to_and_a_killed_one_does_not_bl
         model_tools.export_checkpoint(ws, "r1", "exports/deep/m")
     assert not (ws.root / "exports").exists()  # nor the folders made for it
     DURING.clear()
-    # A server killed midway leaves its hidden staging folder, never a partial "to".
-    left = ws.root / "exports" / f".m{model_tools.STAGING_MARK}00000000"
-    left.mkdir(parents=True)
-    (left / "model.safetensors").write_bytes(b"half")
+    # A server killed midway leaves its hidden staging folder, never a partial "to"; the next
+    # export into that folder removes it once no export can still be writing it.
+    now = int(time.time())
+    abandoned = ws.root / "exports" / f".m{model_tools.STAGING_MARK}{now - model_tools.EXPORT_TIMEOUT_S - 700:010d}-0a1b2c3d"
+    in_flight = ws.root / "exports" / f".n{model_tools.STAGING_MARK}{now - 60:010d}-0a1b2c3d"
+    other = ws.root / "exports" / f".o{model_tools.STAGING_MARK}{now - model_tools.EXPORT_TIMEOUT_S - 700:010d}-link"
+    for left in (abandoned, in_flight):
+        left.mkdir(parents=True, exist_ok=True)
+        (left / "model.safetensors").write_bytes(b"half")
+    (abandoned / "escape").symlink_to(ws.root / "recipes")  # removing it must not follow it
+    other.mkdir()
     assert model_tools.export_checkpoint(ws, "r1", "exports/m").files == {"config.json": 2}
-    assert (left / "model.safetensors").read_bytes() == b"half"
+    assert not abandoned.exists() and (ws.root / "recipes").is_dir() and any((ws.root / "recipes").iterdir())
+    assert (in_flight / "model.safetensors").read_bytes() == b"half" and other.is_dir()
 
 
 def test_a_secret_in_a_completion_is_redacted_before_the_cut_can_split_it(monkeypatch):
