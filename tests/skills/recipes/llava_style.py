@@ -75,7 +75,7 @@ def collate(pieces, seq_len, pad_id):
 
 
 model = build_model()
-loader = DataLoader(make_pieces(64), batch_size=4, shuffle=False, collate_fn=partial(collate, seq_len=96, pad_id=PAD_ID))
+loader = DataLoader(make_pieces(64), batch_size=4, shuffle=False, collate_fn=partial(collate, seq_len=128, pad_id=PAD_ID))
 optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
 
 for step, batch in zip(range(steps), loader):
