@@ -33,13 +33,15 @@ NAMES = {
 _VISION_LANGUAGE_CLASS = re.compile(r"Llava|VL|Vision|ImageTextToText|ConditionalGeneration|Idefics|Pali|Blip")
 
 HELPER = '''
-def vision_language_parts(model: torch.nn.Module, skill: str, parts: list[str]) -> dict[str, torch.nn.Module]:
+def vision_language_parts(
+    model: torch.nn.Module, skill: str, parts: list[str], every: bool = False
+) -> dict[str, torch.nn.Module]:
     """The parts of a vision-language model, found by module name (the shallowest match): the
     ``vision_tower`` (or ``visual``, ``vision_model``, ``vision_encoder``, ``image_encoder``), the
     ``projector`` (``multi_modal_projector``, ``mm_projector``, ``merger``, ``connector``,
-    ``aligner``) and the ``language_model`` (``llm``, ``text_model``). Returns every part found; one
-    of ``parts`` that the model lacks is an error listing the modules it has. (Written by the
-    SKILL skill.)
+    ``aligner``) and the ``language_model`` (``llm``, ``text_model``). Returns ``parts`` (with
+    ``every``, all parts found); one of ``parts`` that the model lacks is an error listing the
+    modules it has. (Written by the SKILL skill.)
     """
     names = {
         "vision_tower": ("vision_tower", "visual", "vision_model", "vision_encoder", "image_encoder"),
@@ -58,7 +60,7 @@ def vision_language_parts(model: torch.nn.Module, skill: str, parts: list[str]) 
             f"{skill}: {type(model).__name__} has no {' or '.join(missing)} (a module named one of "
             f"{[n for part in missing for n in names[part]]}); its modules: {seen[:16]}"
         )
-    return found
+    return found if every else {part: found[part] for part in parts}
 
 
 def vision_language_parameters(model: torch.nn.Module, skill: str, parts: list[str]) -> list[torch.nn.Parameter]:
@@ -67,7 +69,7 @@ def vision_language_parameters(model: torch.nn.Module, skill: str, parts: list[s
     nested in another (Qwen2-VL's ``visual.merger``) keeps its parameters out of the outer one.
     (Written by the SKILL skill.)
     """
-    found = vision_language_parts(model, skill, parts)
+    found = vision_language_parts(model, skill, parts, every=True)
     depth = {id(m): n.count(".") for n, m in model.named_modules()}
     owner = {}
     for part, module in sorted(found.items(), key=lambda item: depth[id(item[1])]):  # inner parts last

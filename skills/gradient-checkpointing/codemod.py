@@ -206,13 +206,16 @@ def _both_towers(recipe: Recipe, params: Params, model, found: reach.ModelShape)
     for name in ("CheckpointImpl", "apply_activation_checkpointing", "checkpoint_wrapper"):
         edits.add_import(WRAPPER_MODULE, name)
     every = f", every={params.every}" if params.every != 1 else ""
-    loop = templates.statement(
+    towers = templates.statement(
         recipe.module,
-        f'for tower in vision_language_parts({{model}}, "{SKILL}", ["vision_tower", "language_model"]).values():\n'
-        f"    checkpoint_blocks(tower{every}{gpu_guard.warn_argument(recipe, model)})\n",
+        f'towers = vision_language_parts({{model}}, "{SKILL}", ["vision_tower", "language_model"])',
         model=model.target,
     )
-    stages.insert_stage(recipe, edits, model, stages.ACTIVATION_CHECKPOINTING, [loop])
+    loop = templates.statement(
+        recipe.module,
+        f"for tower in towers.values():\n    checkpoint_blocks(tower{every}{gpu_guard.warn_argument(recipe, model)})\n",
+    )
+    stages.insert_stage(recipe, edits, model, stages.ACTIVATION_CHECKPOINTING, [towers, loop])
     every_text = "" if params.every == 1 else f"every {params.every}th of "
     edits.acts_on = f"wraps {every_text}the blocks of the {towers} (each tower's largest block list, counted at run time)"
     return edits

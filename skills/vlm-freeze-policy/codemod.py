@@ -71,13 +71,33 @@ def apply_vlm_stage(model: torch.nn.Module, stage: str, unfreeze_vision: bool = 
 '''
 
 
-def _stage_setting(recipe: Recipe) -> cst.CSTNode | None:
-    """A ``stage`` field of a configuration class (``stage: Literal["align", "finetune"] = ...``)."""
-    for cls in recipe.top_level_classes().values():
-        for statement in cls.body.body:
-            for small in statement.body if isinstance(statement, cst.SimpleStatementLine) else ():
-                if isinstance(small, cst.AnnAssign) and dotted_name(small.target) == "stage":
-                    return small
+def _fields(cls: cst.ClassDef) -> list[cst.AnnAssign]:
+    return [
+        small
+        for statement in cls.body.body if isinstance(statement, cst.SimpleStatementLine)
+        for small in statement.body if isinstance(small, cst.AnnAssign)
+    ]
+
+
+def _stage_setting(recipe: Recipe) -> tuple[cst.AnnAssign, str, str | None] | None:
+    """A ``stage`` field of a configuration class (``stage: Literal["align", "finetune"] = ...``):
+    the field, its key as a setting (``model.stage`` when a section of another class holds the
+    class), and a boolean field about the vision tower beside it (``train_vision_tower``)."""
+    classes = recipe.top_level_classes()
+    for name, cls in classes.items():
+        stage = next((f for f in _fields(cls) if dotted_name(f.target) == "stage"), None)
+        if stage is None:
+            continue
+        section = next((
+            dotted_name(f.target) for other in classes.values() for f in _fields(other)
+            if dotted_name(f.annotation.annotation) == name
+        ), None)
+        prefix = f"{section}." if section else ""
+        vision = next((
+            dotted_name(f.target) for f in _fields(cls)
+            if "vision" in dotted_name(f.target) and dotted_name(f.annotation.annotation) == "bool"
+        ), None)
+        return stage, f"{prefix}stage", f"{prefix}{vision}" if vision else None
     return None
 
 
@@ -97,10 +117,15 @@ def apply(recipe: Recipe, params: Params) -> Edits | AlreadyApplied:
     freezing = _sets_requires_grad(recipe)
     setting = _stage_setting(recipe)
     if freezing is not None and setting is not None:
+        field, key, vision = setting
+        choose = f"--set {key}={params.stage}"
+        if vision is not None:
+            choose += f" --set {vision}={str(params.unfreeze_vision).lower()}"
+        elif params.unfreeze_vision:
+            choose += " (it has no setting to train the vision tower: use the freeze skill's parts the other way round, or edit the stage code)"
         return AlreadyApplied(
-            f"the recipe has its own stage setting, `{recipe.code(setting).strip()}` "
-            f"({recipe.where(setting)}), and sets requires_grad at {recipe.where(freezing)}: "
-            "choose the stage with that setting"
+            f"the recipe has its own stage policy: the setting `{key}` ({recipe.where(field)}) and "
+            f"requires_grad set at {recipe.where(freezing)}; choose the stage with `{choose}`"
         )
     if freezing is not None:
         raise SkillRefused(
