@@ -41,18 +41,15 @@ FILES = ("data.paths=[data/captions.jsonl]", "data.seq_len=128")
 VARIANTS: dict[str, tuple[list[tuple[str, dict | None]], list[str]]] = {
     "plain": ([], []),
     "gradient-checkpointing": ([("gradient-checkpointing", None)], []),
-    "freeze-parts": ([("freeze", {"parts": ["projector"]})], []),
-    "freeze": ([("freeze", None)], []),
+    "freeze": ([("freeze", {"parts": ["projector"]})], []),
     "lora": ([("lora", None)], []),
-    "sequence-packing": ([("sequence-packing", None)], list(FILES)),
     "plain-files": ([], list(FILES)),
+    "sequence-packing": ([("sequence-packing", None)], list(FILES)),
     "mixed-precision": ([("mixed-precision", None)], []),
     "torch-compile": ([("torch-compile", None)], []),
-    "loss-guard": ([("loss-guard", None)], []),
     "muon": ([("muon", None)], []),
-    "liger-kernel": ([("liger-kernel", None)], []),
-    "flash-attention": ([("flash-attention", None)], []),
-    "tensor-parallel": ([("tensor-parallel", None)], []),
+    # On CPU the GPU kernels stay off with a warning and the guard passes every step: losses as plain.
+    "guards": ([("liger-kernel", None), ("flash-attention", None), ("loss-guard", None)], []),
 }
 
 RUNNER = """
