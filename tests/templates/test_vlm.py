@@ -197,3 +197,77 @@ def test_the_launch_check_counts_images_and_caption_tokens():
     data = vlm.VLM.summarize_data(vlm.VLMConfig.model_validate({"data": {"builtin_images": 50}}))
     assert (data.source, data.documents, data.tokenizer) == ("builtin", 50, "bytes + <image>")
     assert data.tokens == sum(len(text) + 1 for _, _, text in vlm.builtin_examples(50, 32))
+
+
+COLOURS = {"red": (210, 30, 30), "green": (30, 190, 40), "blue": (40, 60, 220)}
+
+
+@pytest.fixture(scope="module")
+def captioned(workspace):
+    """A finetune run on image files (noisy colour fields of several sizes, captioned by colour)
+    that learns to caption its held-out images; its code snapshot is in place."""
+    from PIL import Image
+
+    root, recipe = workspace
+    folder = root / "captions"
+    (folder / "images").mkdir(parents=True)
+    rng = np.random.default_rng(0)
+    with open(folder / "data.jsonl", "w") as f:
+        for i in range(60):
+            name = list(COLOURS)[i % 3]
+            size = (int(rng.integers(20, 40)), int(rng.integers(20, 40)))
+            pixels = np.clip(np.array(COLOURS[name]) + rng.integers(-30, 30, (*size, 3)), 0, 255).astype(np.uint8)
+            Image.fromarray(pixels).save(folder / "images" / f"{i}.png")
+            f.write(json.dumps({"image": f"images/{i}.png", "caption": f"a {name} picture"}) + "\n")
+    run = run_engine(root, recipe, *SMALL, f"data.paths=[{folder / 'data.jsonl'}]", "data.eval_fraction=0.25",
+                     "data.batch_size=8", "optim.lr=1e-2", "train.max_steps=40", "train.eval_every=40", "checkpoint.every=0")
+    shutil.copytree(recipe, run / rd.SNAPSHOT_DIRNAME)
+    return run, folder
+
+
+def held_out_records(folder: Path) -> list[dict]:
+    records = [json.loads(line) for line in (folder / "data.jsonl").read_text().splitlines()]
+    return [r for i, r in enumerate(records, 1) if vlm.is_eval_document(f"data.jsonl:{i}", 0.25)]
+
+
+def test_the_export_is_a_hugging_face_vlm_that_captions_held_out_images(workspace, captioned):
+    from PIL import Image
+    from transformers import AutoProcessor, LlavaForConditionalGeneration
+
+    root, _ = workspace
+    run, folder = captioned
+    logged = [r for r in rd.read_all_metrics(run / rd.METRICS_JSONL) if "caption_accuracy" in r]
+    assert logged == [{"step": 40, "caption_accuracy": 1.0}]  # logged at the evaluation
+    model_io.export(run, 40, root / "exported")
+    model = LlavaForConditionalGeneration.from_pretrained(root / "exported")
+    processor = AutoProcessor.from_pretrained(root / "exported")
+    held_out = held_out_records(folder)
+    assert len(held_out) >= 8
+    for record in held_out:
+        with Image.open(folder / record["image"]) as image:
+            inputs = processor(images=image, text="<image>", return_tensors="pt")
+        output = model.generate(**inputs, max_new_tokens=20, do_sample=False)
+        said = processor.decode(output[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
+        assert said == record["caption"]
+
+    evaluated = model_io.evaluate(run, 40)
+    assert evaluated["metrics"] == {"caption_accuracy": 1.0} and evaluated["eval_loss"] < 0.5
+    sampled = model_io.sample(run, 40, ["a", "a"])["samples"]
+    assert [s["image"] for s in sampled] == [f"data.jsonl:{i}" for i in range(1, 61)
+                                              if vlm.is_eval_document(f"data.jsonl:{i}", 0.25)][:2]
+    assert all("a" + s["completion"] == s["caption"] and s["stopped"] == "eos" for s in sampled), sampled
+
+
+def test_a_stage_two_run_starts_from_an_exported_run(workspace, captioned):
+    root, recipe = workspace
+    exported = root / "exported"
+    if not exported.is_dir():
+        model_io.export(captioned[0], 40, exported)
+    run = run_engine(root, recipe, *SMALL, f"model.pretrained_path={exported}",
+                     f"data.paths=[{captioned[1] / 'data.jsonl'}]", "data.batch_size=8", "train.max_steps=2",
+                     "checkpoint.every=0", "checkpoint.at_end=false")
+    first = losses(captioned[0])[1]
+    assert losses(run)[1] < 0.1 * first  # it starts where the exported run ended
+    with pytest.raises(ConfigError, match="set data.image_size=32 and model.patch_size=8"):
+        vlm.load_processor(vlm.VLMConfig.model_validate(
+            {"model": {"pretrained_path": str(exported)}, "data": {"image_size": 16}}))
