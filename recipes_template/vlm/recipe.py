@@ -178,7 +178,7 @@ def pixel_values(processor: LlavaProcessor, images: list) -> torch.Tensor:
 
 SHAPES = ("circle", "square", "triangle")
 COLOURS = {"red": (220, 40, 40), "green": (40, 200, 60), "blue": (50, 80, 230), "yellow": (230, 210, 40)}
-POSITIONS = {"left": (0.27, 0.5), "right": (0.73, 0.5), "top": (0.5, 0.27), "bottom": (0.5, 0.73)}
+POSITIONS = {"left": (0.3, 0.5), "right": (0.7, 0.5), "top": (0.5, 0.3), "bottom": (0.5, 0.7)}
 ATTRIBUTES = {"shape": SHAPES, "colour": tuple(COLOURS), "position": tuple(POSITIONS)}
 CHANCE = 1 / (len(SHAPES) * len(COLOURS) * len(POSITIONS))  # guessing all three words right
 
@@ -191,8 +191,8 @@ def render(shape: str, colour: str, position: str, size: int, rng: np.random.Gen
     """A ``size × size × 3`` uint8 image: a shape on a noisy dark background, jittered in place,
     size and shade."""
     y, x = np.mgrid[0:size, 0:size] + 0.5
-    cx, cy = (np.array(POSITIONS[position]) + rng.uniform(-0.06, 0.06, 2)) * size
-    r = size * rng.uniform(0.13, 0.2)
+    cx, cy = (np.array(POSITIONS[position]) + rng.uniform(-0.04, 0.04, 2)) * size
+    r = size * rng.uniform(0.2, 0.25)
     if shape == "circle":
         inside = (x - cx) ** 2 + (y - cy) ** 2 <= r**2
     elif shape == "square":
@@ -559,6 +559,17 @@ class VLM(Engine):
 
     def hf_processing(self):
         return self.processor
+
+    def sample_inputs(self, index: int, prompt: str) -> tuple[dict[str, Any], dict[str, Any]]:
+        """``sample``: prompt ``i`` is the beginning of a caption (``"a"``) of held-out image ``i``."""
+        held_out = self.examples[1]
+        if not held_out:
+            raise ConfigError("no images are held out (data.eval_fraction=0): sample has no image to caption")
+        name, image, text = held_out[index % len(held_out)]
+        tokens = [self.processor.image_token_id] * image_tokens(self.processor)
+        tokens += self.processor.tokenizer.encode(prompt, add_special_tokens=False)
+        inputs = {"input_ids": torch.tensor([tokens]), "pixel_values": pixel_values(self.processor, [image])}
+        return inputs, {"image": name, "caption": text}
 
     def task_metrics(self) -> dict[str, float]:
         """``caption_accuracy`` (and per attribute) of greedy captions of held-out images; on
