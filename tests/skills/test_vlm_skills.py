@@ -175,3 +175,17 @@ def test_a_script_that_freezes_by_hand_is_refused_by_the_stage_policy(tmp_path: 
     path.write_text(text)
     with pytest.raises(SkillRefused, match=r"already sets requires_grad at llava_style.py:\d+, and the stage policy"):
         apply_skill("vlm-freeze-policy", path)
+
+
+def test_the_skills_with_a_vision_language_path_fit_an_agents_budget_whole():
+    """SKILL.md and the parameter schema, as the MCP server returns them: under 8 KB of JSON,
+    and the SKILL.md not cut to get there."""
+    import json
+
+    from mcp_server.limits import AGENT_BUDGET_CHARS
+    from mcp_server.operations import skills as skill_ops
+
+    for name in ("freeze", "gradient-checkpointing", "sequence-packing", "sequence-parallel", "vlm-freeze-policy"):
+        detail = skill_ops.get_skill(name).model_dump(mode="json")
+        assert len(json.dumps(detail, separators=(",", ":"))) <= AGENT_BUDGET_CHARS, name
+        assert detail["truncated"] is False, name
