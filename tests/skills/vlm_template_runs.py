@@ -24,6 +24,10 @@ TEMPLATE = REPO / "recipes_template" / "vlm"
 # part trains (a frozen vision tower has no backward to recompute, nothing to adapt).
 SMALL = (
     "model.train_vision_tower=true",
+    "model.num_layers=2",
+    "model.vision_layers=2",
+    "data.image_size=32",
+    "model.patch_size=8",
     "data.builtin_images=60",
     "data.batch_size=8",
     "train.max_steps=2",
@@ -117,7 +121,16 @@ def run_variant(name: str, workdir: Path) -> dict:
     engine = effects.globals["captured"][0]
     optimizer = engine.optimizer
     muon = [p for g in optimizer.param_groups if g.get("algorithm") == "muon" for p in g["params"]]
+    model = engine.model
+    inner = model.model
+    sizes = {
+        "vision_tower": sum(p.numel() for p in inner.vision_tower.parameters()),
+        "projector": sum(p.numel() for p in inner.multi_modal_projector.parameters()),
+        "language_model": sum(p.numel() for p in inner.language_model.parameters()) + model.lm_head.weight.numel(),
+        "total": sum(p.numel() for p in model.parameters()),
+    }
     return {
+        "sizes": sizes,
         "seconds": round(time.perf_counter() - started, 1),
         "guard_good_steps": engine.loss_guard.good_steps if hasattr(type(engine), "loss_guard") else None,
         "optimizer": type(optimizer).__name__,
