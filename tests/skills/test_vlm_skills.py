@@ -14,7 +14,7 @@ import pytest
 
 from skills import SkillRefused, apply_skill
 from tests.skills.effect_probe import Effects, run_script
-from tests.skills.skill_helpers import FIXTURES, copy_recipe
+from tests.skills.skill_helpers import FIXTURES, copy_recipe, load_recipe_module
 
 SCRIPT = "llava_style"
 
@@ -70,18 +70,14 @@ def test_gradient_checkpointing_recomputes_both_towers_with_the_same_losses(plai
         assert effects.forwards[mlp] == 2 * plain.forwards[mlp], mlp
 
 
-def test_packing_keeps_each_samples_loss_and_its_picture(tmp_path: Path):
+def assert_each_samples_loss_is_kept(functions: dict, model, pieces: list, seq_len: int, pad_id: int) -> None:
+    """With the recipe's own functions: each sample's summed loss in a packed row equals its loss
+    in a batch of its own (the recipe's ``collate``), and the pictures follow their image tokens
+    (shifting them by one sample changes the losses)."""
     import torch
     import torch.nn.functional as F
 
-    path = _copy(tmp_path)
-    apply_skill("sequence-packing", path)
-    effects = run_script(path)
-    assert len(_losses(effects)) == 2
-    script = effects.globals
-    model = script["build_model"]().eval()
-    pieces = script["make_pieces"](12, seed=3)
-    rows = script["pack_pieces"](pieces, 128)
+    rows = functions["pack_pieces"](pieces, seq_len)
     assert len(rows) < len(pieces)
 
     def sample_losses(batch, spans):
@@ -102,17 +98,25 @@ def test_packing_keeps_each_samples_loss_and_its_picture(tmp_path: Path):
             spans.append((r, start, start + n))
             order.append(piece)
             start += n
-    pad_id = script["PAD_ID"]
     with torch.no_grad():
-        packed = script["collate_packed"](rows, 128, pad_id)
-        alone = torch.stack([  # each sample in a batch of its own, through the script's own collate
-            sample_losses(script["collate"]([piece], 128, pad_id), [(0, 0, piece[0].shape[-1] - 1)])[0]
+        packed = functions["collate_packed"](rows, seq_len, pad_id)
+        alone = torch.stack([
+            sample_losses(functions["collate"]([piece], seq_len, pad_id), [(0, 0, piece[0].shape[-1] - 1)])[0]
             for piece in order
         ])
         torch.testing.assert_close(sample_losses(packed, spans), alone, rtol=1e-5, atol=1e-4)
-        # The pictures follow their image tokens: shifting them by one sample changes the losses.
         shifted = dict(packed, pixel_values=packed["pixel_values"].roll(1, dims=0))
         assert not torch.allclose(sample_losses(shifted, spans), alone, rtol=1e-3)
+
+
+def test_packing_keeps_each_samples_loss_and_its_picture(tmp_path: Path):
+    path = _copy(tmp_path)
+    apply_skill("sequence-packing", path)
+    effects = run_script(path)
+    assert len(_losses(effects)) == 2
+    script = effects.globals
+    pad_id = script["PAD_ID"]
+    assert_each_samples_loss_is_kept(script, script["build_model"]().eval(), script["make_pieces"](12, seed=3), 128, pad_id)
 
     # Padding over the script's data, 4 rows a batch: padded to the longest of each batch, or packed.
     data = script["make_pieces"](64)
@@ -120,6 +124,23 @@ def test_packing_keeps_each_samples_loss_and_its_picture(tmp_path: Path):
     unpacked = sum(script["collate"](data[i : i + 4], 128, pad_id)["input_ids"].numel() for i in range(0, 64, 4))
     packed_rows = script["pack_pieces"](data, 128)
     assert 1 - real / (len(packed_rows) * 128) < 0.05 < 0.15 < 1 - real / unpacked
+
+
+def test_packing_on_the_vlm_template_keeps_each_samples_loss(tmp_path: Path):
+    """The same, with the vlm template's own build_model, make_pieces and collate."""
+    import torch
+
+    from engine.config import build_config
+
+    recipe = copy_recipe("vlm", tmp_path)
+    apply_skill("sequence-packing", recipe)
+    module = load_recipe_module(recipe)
+    config = build_config(module.VLMConfig, recipe / "config.yaml", ["data.builtin_images=12", "data.seq_len=128"])
+    processor = module.load_processor(config)
+    torch.manual_seed(0)
+    model = module.build_model(config.model, processor, 128).eval()
+    pieces = module.make_pieces(module.load_examples(config.data), processor, 128)
+    assert_each_samples_loss_is_kept(vars(module), model, pieces, 128, processor.tokenizer.pad_token_id)
 
 
 @pytest.mark.parametrize(
