@@ -58,18 +58,17 @@ from engine.run_dir import DataSummary
 
 class ModelConfig(Section):
     stage: Literal["align", "finetune"] = Field(
-        "finetune", description="align: only the projector trains; finetune: projector + language model."
+        "finetune", description="align: only the projector trains; finetune: the language model too."
     )
     train_vision_tower: bool = Field(False, description="The vision tower trains too.")
-    hidden_size: int = Field(128, ge=8, description="Language model width.")
+    hidden_size: int = Field(128, ge=8)
     intermediate_size: int = Field(344, ge=8)
     num_layers: int = Field(2, ge=1)
     num_heads: int = Field(4, ge=1)
     num_kv_heads: int = Field(2, ge=1)
     vision_hidden_size: int = Field(64, ge=8)
     vision_layers: int = Field(2, ge=1)
-    vision_heads: int = Field(2, ge=1)
-    patch_size: int = Field(8, ge=1, description="Vision patch side: (image_size/patch_size)² image tokens.")
+    patch_size: int = Field(8, ge=1, description="(image_size/patch_size)² image tokens.")
     attn_implementation: Literal["sdpa", "eager"] = "sdpa"
     pretrained_path: str | None = Field(None, description="An exported run of this template to start from.")
 
@@ -77,14 +76,13 @@ class ModelConfig(Section):
 class VLMDataConfig(DataConfig):
     seq_len: int = Field(64, ge=2, description="Tokens per sequence (image tokens included).")
     source: Literal["builtin", "files"] | None = Field(
-        None, description="builtin: generated shapes; files: data.paths (the default when set)."
+        None, description="builtin: generated shapes; files: data.paths (default when set)."
     )
     paths: list[str] = Field(default_factory=list, description='.jsonl of {"image", "caption"}, or folders.')
-    image_size: int = Field(32, ge=8, description="Images are resized to this square side.")
+    image_size: int = Field(32, ge=8, description="Images are resized to this side.")
     eval_fraction: float = Field(0.05, ge=0, lt=1, description="Images held out for evaluation.")
     builtin_images: int = Field(4000, ge=10, description="data.source=builtin: how many images.")
     eval_prompts: int = Field(100, ge=1, description="Held-out images task_metrics() captions.")
-    max_new_tokens: int = Field(32, ge=1, description="task_metrics(): caption tokens at most.")
 
     @model_validator(mode="after")
     def _source_matches_paths(self) -> "VLMDataConfig":
@@ -354,7 +352,7 @@ def build_model(cfg: ModelConfig, processor: LlavaProcessor, seq_len: int) -> Ll
         hidden_size=cfg.vision_hidden_size,
         intermediate_size=4 * cfg.vision_hidden_size,
         num_hidden_layers=cfg.vision_layers,
-        num_attention_heads=cfg.vision_heads,
+        num_attention_heads=max(1, cfg.vision_hidden_size // 32),
         image_size=processor.image_processor.size["height"],
         patch_size=cfg.patch_size,
     )
@@ -580,7 +578,8 @@ class VLM(Engine):
         was_training = self.model.training
         self.model.eval()
         pixels = pixel_values(self.processor, [image for _, image, _ in held_out])
-        said = greedy_captions(self.model, self.processor, pixels, self.config.data.max_new_tokens)
+        room = self.config.data.seq_len - image_tokens(self.processor)  # as long as a trained caption
+        said = greedy_captions(self.model, self.processor, pixels, room)
         self.model.train(was_training)
         expected = [text for _, _, text in held_out]
         if self.config.data.source == "builtin":

@@ -186,18 +186,25 @@ def test_two_processes_match_one(workspace, reference):
         assert abs(both[step] - one[step]) <= 1e-4 * abs(one[step]), (step, one[step], both[step])
 
 
-def test_the_launch_check_counts_images_and_caption_tokens():
-    result = subprocess.run(
-        [sys.executable, "-m", "engine.launch", str(TEMPLATE), "--check", "--set", "data.builtin_images=50"],
-        capture_output=True, text=True, cwd=REPO,
-    )
-    verdict = json.loads(result.stdout)
-    assert verdict["ok"] is True, verdict
-    assert {f["key"] for f in verdict["fields"]} >= {"model.stage", "model.pretrained_path", "data.paths"}
+def test_it_scaffolds_checks_and_describes_within_the_budget(tmp_path):
+    from mcp_server.operations.recipe_info import MAX_DESCRIBE_BYTES, describe_recipe
+    from mcp_server.operations.recipes import list_templates, scaffold_recipe
+    from engine.config import describe_fields
+    from mcp_server.limits import text_bytes
+    from sandbox.workspace import Workspace
+
+    assert "vlm" in {t.name for t in list_templates().templates}
+    ws = Workspace.open(tmp_path)
+    scaffold_recipe(ws, "vlm", "captioner", {"model.stage": "align", "data.builtin_images": 50})  # the engine checks it
+    described = describe_recipe(ws, "recipes/captioner")
+    fields = {f.key: f.value for f in described.fields}
+    assert fields["model.stage"] == "align" and "data.paths" in fields and "model.pretrained_path" in fields
+    # Every key is listed (descriptions may be shortened to fit, as sft's and dpo's are).
+    assert list(fields) == [f["key"] for f in describe_fields(vlm.VLMConfig())]
+    assert text_bytes(described.model_dump(mode="json")) <= MAX_DESCRIBE_BYTES
     data = vlm.VLM.summarize_data(vlm.VLMConfig.model_validate({"data": {"builtin_images": 50}}))
     assert (data.source, data.documents, data.tokenizer) == ("builtin", 50, "bytes + <image>")
     assert data.tokens == sum(len(text) + 1 for _, _, text in vlm.builtin_examples(50, 32))
-
 
 COLOURS = {"red": (210, 30, 30), "green": (30, 190, 40), "blue": (40, 60, 220)}
 
