@@ -194,7 +194,7 @@ def render(shape: str, colour: str, position: str, size: int, rng: np.random.Gen
     if shape == "circle":
         inside = (x - cx) ** 2 + (y - cy) ** 2 <= r**2
     elif shape == "square":
-        inside = (np.abs(x - cx) <= 0.85 * r) & (np.abs(y - cy) <= 0.85 * r)
+        inside = (np.abs(x - cx) <= r) & (np.abs(y - cy) <= r)
     else:  # pointing up: as wide at its base as it is tall
         inside = (y >= cy - r) & (y <= cy + r) & (np.abs(x - cx) <= (y - (cy - r)) / 2)
     image = rng.integers(0, 40, (size, size, 3)).astype(np.float64)

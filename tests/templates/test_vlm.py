@@ -179,8 +179,13 @@ def test_resume_is_bit_identical(workspace, reference):
 @pytest.mark.multiprocess
 def test_two_processes_match_one(workspace, reference):
     root, recipe = workspace
-    two = run_engine(root, recipe, *SCHEDULE, "checkpoint.every=0", "checkpoint.at_end=false", nproc=2)
+    two = run_engine(root, recipe, *SCHEDULE, "checkpoint.every=0", "checkpoint.at_end=false", "train.eval_every=8",
+                     nproc=2)
     one, both = losses(reference), losses(two)
+    # Every rank captions at the evaluation (the model is sharded), rank 0 logs it.
+    (scores,) = [r for r in rd.read_all_metrics(two / rd.METRICS_JSONL) if "caption_accuracy" in r]
+    assert scores["step"] == 8 and set(scores) == {"step", "caption_accuracy", "shape_accuracy", "colour_accuracy",
+                                                   "position_accuracy"}
     assert sorted(both) == sorted(one)
     for step in one:
         assert abs(both[step] - one[step]) <= 1e-4 * abs(one[step]), (step, one[step], both[step])
