@@ -13,7 +13,8 @@ Supports:
 - training stages: ``model.stage=align`` (only the projector trains) and ``model.stage=finetune``
   (projector and language model); the vision tower trains only with ``model.train_vision_tower``
 - starting from an exported run of this template (``model.pretrained_path``): a finetune stage
-  after an align stage
+  after an align stage; or from a ``causal_lm``/``sft`` export as the language model
+  (``model.language_model_path``), which the align stage then teaches to see
 - everything the engine does: FSDP2 over N processes, checkpoints resumable bit for bit,
   gradient accumulation and clipping, periodic evaluation (with ``caption_accuracy``)
 """
@@ -33,8 +34,10 @@ from pydantic import Field, model_validator
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from torch.distributed.checkpoint.stateful import Stateful
 from transformers import (
+    AutoModelForCausalLM,
     AutoProcessor,
     LlamaConfig,
+    LlamaForCausalLM,
     LlavaConfig,
     LlavaForConditionalGeneration,
     LlavaProcessor,
@@ -71,6 +74,7 @@ class ModelConfig(Section):
     patch_size: int = Field(8, ge=1, description="(image_size/patch_size)² image tokens.")
     attn_implementation: Literal["sdpa", "eager"] = "sdpa"
     pretrained_path: str | None = Field(None, description="An exported run of this template to start from.")
+    language_model_path: str | None = Field(None, description="A causal_lm or sft export as the language model.")
 
 
 class VLMDataConfig(DataConfig):
@@ -355,8 +359,10 @@ def build_model(cfg: ModelConfig, processor: LlavaProcessor, seq_len: int) -> Ll
         num_attention_heads=max(1, cfg.vision_hidden_size // 32),
         image_size=processor.image_processor.size["height"],
         patch_size=cfg.patch_size,
+        vision_use_head=False,  # LLaVA reads the patches' hidden states, never SigLIP's pooling head
     )
-    text = LlamaConfig(
+    language = load_language_model(cfg.language_model_path, len(tokenizer), seq_len) if cfg.language_model_path else None
+    text = language.config if language is not None else LlamaConfig(
         vocab_size=len(tokenizer),
         hidden_size=cfg.hidden_size,
         intermediate_size=cfg.intermediate_size,
@@ -379,7 +385,26 @@ def build_model(cfg: ModelConfig, processor: LlavaProcessor, seq_len: int) -> Ll
         tie_word_embeddings=False,
     )
     config._attn_implementation = cfg.attn_implementation
-    return LlavaForConditionalGeneration(config)
+    model = LlavaForConditionalGeneration(config)
+    if language is not None:  # its weights; the vision tower and projector are new
+        model.model.language_model.load_state_dict(language.model.state_dict())
+        model.lm_head.load_state_dict(language.lm_head.state_dict())
+    return model
+
+
+def load_language_model(path: str, vocab_size: int, seq_len: int) -> LlamaForCausalLM:
+    """A Llama model exported by ``causal_lm`` or ``sft`` (the same byte ids), with a row added
+    for ``<image>``."""
+    language = AutoModelForCausalLM.from_pretrained(confined_path(path), dtype=torch.float32)
+    if not isinstance(language, LlamaForCausalLM) or language.config.vocab_size != vocab_size - 1:
+        raise ConfigError(f"model.language_model_path={path} is not a Llama model on the byte tokenizer "
+                          f"({vocab_size - 1} tokens); give a causal_lm or sft export")
+    if language.config.max_position_embeddings < seq_len:
+        raise ConfigError(f"model.language_model_path={path} takes at most "
+                          f"{language.config.max_position_embeddings} positions; lower data.seq_len")
+    language.resize_token_embeddings(vocab_size)
+    language.config.tie_word_embeddings = False
+    return language
 
 
 def trainable_parts(cfg: ModelConfig) -> tuple[str, ...]:

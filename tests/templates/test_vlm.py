@@ -283,3 +283,27 @@ def test_a_stage_two_run_starts_from_an_exported_run(workspace, captioned):
     with pytest.raises(ConfigError, match="set data.image_size=32 and model.patch_size=8"):
         vlm.load_processor(vlm.VLMConfig.model_validate(
             {"model": {"pretrained_path": str(exported)}, "data": {"image_size": 16}}))
+
+
+def test_a_causal_lm_export_becomes_the_language_model(tmp_path):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    language = LlamaForCausalLM(LlamaConfig(vocab_size=258, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                            num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=128,
+                                            tie_word_embeddings=False))
+    language.save_pretrained(tmp_path / "lm")
+    processor = vlm.build_processor(32, 8)
+    cfg = vlm.ModelConfig(language_model_path=str(tmp_path / "lm"), stage="align")
+    model = vlm.build_model(cfg, processor, seq_len=48)
+    embeddings = model.get_input_embeddings().weight
+    assert embeddings.shape == (259, 32)  # a row added for <image>
+    torch.testing.assert_close(embeddings[:258], language.model.embed_tokens.weight, rtol=0, atol=0)
+    torch.testing.assert_close(model.lm_head.weight[:258], language.lm_head.weight, rtol=0, atol=0)
+    for name, value in language.model.layers.state_dict().items():
+        torch.testing.assert_close(model.model.language_model.layers.state_dict()[name], value, rtol=0, atol=0)
+    batch = vlm.collate(vlm.make_pieces(vlm.builtin_examples(2, 32), processor, 48), 48, 257)
+    logits = model(input_ids=batch["input_ids"], pixel_values=batch["pixel_values"], use_cache=False).logits
+    assert logits.shape == (2, batch["input_ids"].shape[1], 259)
+    with pytest.raises(ConfigError, match="lower data.seq_len"):
+        vlm.build_model(cfg, processor, seq_len=200)
