@@ -13,7 +13,8 @@ Supports:
 - training stages: ``model.stage=align`` (only the projector trains) and ``model.stage=finetune``
   (projector and language model); the vision tower trains only with ``model.train_vision_tower``
 - starting from an exported run of this template (``model.pretrained_path``): a finetune stage
-  after an align stage
+  after an align stage; or from a ``causal_lm``/``sft`` export as the language model
+  (``model.language_model_path``), which the align stage then teaches to see
 - everything the engine does: FSDP2 over N processes, checkpoints resumable bit for bit,
   gradient accumulation and clipping, periodic evaluation (with ``caption_accuracy``)
 """
@@ -33,8 +34,10 @@ from pydantic import Field, model_validator
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from torch.distributed.checkpoint.stateful import Stateful
 from transformers import (
+    AutoModelForCausalLM,
     AutoProcessor,
     LlamaConfig,
+    LlamaForCausalLM,
     LlavaConfig,
     LlavaForConditionalGeneration,
     LlavaProcessor,
@@ -58,33 +61,32 @@ from engine.run_dir import DataSummary
 
 class ModelConfig(Section):
     stage: Literal["align", "finetune"] = Field(
-        "finetune", description="align: only the projector trains; finetune: projector + language model."
+        "finetune", description="align: only the projector trains; finetune: the language model too."
     )
     train_vision_tower: bool = Field(False, description="The vision tower trains too.")
-    hidden_size: int = Field(128, ge=8, description="Language model width.")
+    hidden_size: int = Field(128, ge=8)
     intermediate_size: int = Field(344, ge=8)
     num_layers: int = Field(2, ge=1)
     num_heads: int = Field(4, ge=1)
     num_kv_heads: int = Field(2, ge=1)
     vision_hidden_size: int = Field(64, ge=8)
     vision_layers: int = Field(2, ge=1)
-    vision_heads: int = Field(2, ge=1)
-    patch_size: int = Field(8, ge=1, description="Vision patch side: (image_size/patch_size)² image tokens.")
+    patch_size: int = Field(8, ge=1, description="(image_size/patch_size)² image tokens.")
     attn_implementation: Literal["sdpa", "eager"] = "sdpa"
     pretrained_path: str | None = Field(None, description="An exported run of this template to start from.")
+    language_model_path: str | None = Field(None, description="A causal_lm or sft export as the language model.")
 
 
 class VLMDataConfig(DataConfig):
     seq_len: int = Field(64, ge=2, description="Tokens per sequence (image tokens included).")
     source: Literal["builtin", "files"] | None = Field(
-        None, description="builtin: generated shapes; files: data.paths (the default when set)."
+        None, description="builtin: generated shapes; files: data.paths (default when set)."
     )
     paths: list[str] = Field(default_factory=list, description='.jsonl of {"image", "caption"}, or folders.')
-    image_size: int = Field(32, ge=8, description="Images are resized to this square side.")
+    image_size: int = Field(32, ge=8, description="Images are resized to this side.")
     eval_fraction: float = Field(0.05, ge=0, lt=1, description="Images held out for evaluation.")
     builtin_images: int = Field(4000, ge=10, description="data.source=builtin: how many images.")
     eval_prompts: int = Field(100, ge=1, description="Held-out images task_metrics() captions.")
-    max_new_tokens: int = Field(32, ge=1, description="task_metrics(): caption tokens at most.")
 
     @model_validator(mode="after")
     def _source_matches_paths(self) -> "VLMDataConfig":
@@ -196,7 +198,7 @@ def render(shape: str, colour: str, position: str, size: int, rng: np.random.Gen
     if shape == "circle":
         inside = (x - cx) ** 2 + (y - cy) ** 2 <= r**2
     elif shape == "square":
-        inside = (np.abs(x - cx) <= 0.85 * r) & (np.abs(y - cy) <= 0.85 * r)
+        inside = (np.abs(x - cx) <= r) & (np.abs(y - cy) <= r)
     else:  # pointing up: as wide at its base as it is tall
         inside = (y >= cy - r) & (y <= cy + r) & (np.abs(x - cx) <= (y - (cy - r)) / 2)
     image = rng.integers(0, 40, (size, size, 3)).astype(np.float64)
@@ -354,11 +356,13 @@ def build_model(cfg: ModelConfig, processor: LlavaProcessor, seq_len: int) -> Ll
         hidden_size=cfg.vision_hidden_size,
         intermediate_size=4 * cfg.vision_hidden_size,
         num_hidden_layers=cfg.vision_layers,
-        num_attention_heads=cfg.vision_heads,
+        num_attention_heads=max(1, cfg.vision_hidden_size // 32),
         image_size=processor.image_processor.size["height"],
         patch_size=cfg.patch_size,
+        vision_use_head=False,  # LLaVA reads the patches' hidden states, never SigLIP's pooling head
     )
-    text = LlamaConfig(
+    language = load_language_model(cfg.language_model_path, len(tokenizer), seq_len) if cfg.language_model_path else None
+    text = language.config if language is not None else LlamaConfig(
         vocab_size=len(tokenizer),
         hidden_size=cfg.hidden_size,
         intermediate_size=cfg.intermediate_size,
@@ -381,7 +385,26 @@ def build_model(cfg: ModelConfig, processor: LlavaProcessor, seq_len: int) -> Ll
         tie_word_embeddings=False,
     )
     config._attn_implementation = cfg.attn_implementation
-    return LlavaForConditionalGeneration(config)
+    model = LlavaForConditionalGeneration(config)
+    if language is not None:  # its weights; the vision tower and projector are new
+        model.model.language_model.load_state_dict(language.model.state_dict())
+        model.lm_head.load_state_dict(language.lm_head.state_dict())
+    return model
+
+
+def load_language_model(path: str, vocab_size: int, seq_len: int) -> LlamaForCausalLM:
+    """A Llama model exported by ``causal_lm`` or ``sft`` (the same byte ids), with a row added
+    for ``<image>``."""
+    language = AutoModelForCausalLM.from_pretrained(confined_path(path), dtype=torch.float32)
+    if not isinstance(language, LlamaForCausalLM) or language.config.vocab_size != vocab_size - 1:
+        raise ConfigError(f"model.language_model_path={path} is not a Llama model on the byte tokenizer "
+                          f"({vocab_size - 1} tokens); give a causal_lm or sft export")
+    if language.config.max_position_embeddings < seq_len:
+        raise ConfigError(f"model.language_model_path={path} takes at most "
+                          f"{language.config.max_position_embeddings} positions; lower data.seq_len")
+    language.resize_token_embeddings(vocab_size)
+    language.config.tie_word_embeddings = False
+    return language
 
 
 def trainable_parts(cfg: ModelConfig) -> tuple[str, ...]:
@@ -580,7 +603,8 @@ class VLM(Engine):
         was_training = self.model.training
         self.model.eval()
         pixels = pixel_values(self.processor, [image for _, image, _ in held_out])
-        said = greedy_captions(self.model, self.processor, pixels, self.config.data.max_new_tokens)
+        room = self.config.data.seq_len - image_tokens(self.processor)  # as long as a trained caption
+        said = greedy_captions(self.model, self.processor, pixels, room)
         self.model.train(was_training)
         expected = [text for _, _, text in held_out]
         if self.config.data.source == "builtin":

@@ -179,25 +179,37 @@ def test_resume_is_bit_identical(workspace, reference):
 @pytest.mark.multiprocess
 def test_two_processes_match_one(workspace, reference):
     root, recipe = workspace
-    two = run_engine(root, recipe, *SCHEDULE, "checkpoint.every=0", "checkpoint.at_end=false", nproc=2)
+    two = run_engine(root, recipe, *SCHEDULE, "checkpoint.every=0", "checkpoint.at_end=false", "train.eval_every=8",
+                     nproc=2)
     one, both = losses(reference), losses(two)
+    # Every rank captions at the evaluation (the model is sharded), rank 0 logs it.
+    (scores,) = [r for r in rd.read_all_metrics(two / rd.METRICS_JSONL) if "caption_accuracy" in r]
+    assert scores["step"] == 8 and set(scores) == {"step", "caption_accuracy", "shape_accuracy", "colour_accuracy",
+                                                   "position_accuracy"}
     assert sorted(both) == sorted(one)
     for step in one:
         assert abs(both[step] - one[step]) <= 1e-4 * abs(one[step]), (step, one[step], both[step])
 
 
-def test_the_launch_check_counts_images_and_caption_tokens():
-    result = subprocess.run(
-        [sys.executable, "-m", "engine.launch", str(TEMPLATE), "--check", "--set", "data.builtin_images=50"],
-        capture_output=True, text=True, cwd=REPO,
-    )
-    verdict = json.loads(result.stdout)
-    assert verdict["ok"] is True, verdict
-    assert {f["key"] for f in verdict["fields"]} >= {"model.stage", "model.pretrained_path", "data.paths"}
+def test_it_scaffolds_checks_and_describes_within_the_budget(tmp_path):
+    from mcp_server.operations.recipe_info import MAX_DESCRIBE_BYTES, describe_recipe
+    from mcp_server.operations.recipes import list_templates, scaffold_recipe
+    from engine.config import describe_fields
+    from mcp_server.limits import text_bytes
+    from sandbox.workspace import Workspace
+
+    assert "vlm" in {t.name for t in list_templates().templates}
+    ws = Workspace.open(tmp_path)
+    scaffold_recipe(ws, "vlm", "captioner", {"model.stage": "align", "data.builtin_images": 50})  # the engine checks it
+    described = describe_recipe(ws, "recipes/captioner")
+    fields = {f.key: f.value for f in described.fields}
+    assert fields["model.stage"] == "align" and "data.paths" in fields and "model.pretrained_path" in fields
+    # Every key is listed (descriptions may be shortened to fit, as sft's and dpo's are).
+    assert list(fields) == [f["key"] for f in describe_fields(vlm.VLMConfig())]
+    assert text_bytes(described.model_dump(mode="json")) <= MAX_DESCRIBE_BYTES
     data = vlm.VLM.summarize_data(vlm.VLMConfig.model_validate({"data": {"builtin_images": 50}}))
     assert (data.source, data.documents, data.tokenizer) == ("builtin", 50, "bytes + <image>")
     assert data.tokens == sum(len(text) + 1 for _, _, text in vlm.builtin_examples(50, 32))
-
 
 COLOURS = {"red": (210, 30, 30), "green": (30, 190, 40), "blue": (40, 60, 220)}
 
@@ -271,3 +283,27 @@ def test_a_stage_two_run_starts_from_an_exported_run(workspace, captioned):
     with pytest.raises(ConfigError, match="set data.image_size=32 and model.patch_size=8"):
         vlm.load_processor(vlm.VLMConfig.model_validate(
             {"model": {"pretrained_path": str(exported)}, "data": {"image_size": 16}}))
+
+
+def test_a_causal_lm_export_becomes_the_language_model(tmp_path):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    language = LlamaForCausalLM(LlamaConfig(vocab_size=258, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                            num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=128,
+                                            tie_word_embeddings=False))
+    language.save_pretrained(tmp_path / "lm")
+    processor = vlm.build_processor(32, 8)
+    cfg = vlm.ModelConfig(language_model_path=str(tmp_path / "lm"), stage="align")
+    model = vlm.build_model(cfg, processor, seq_len=48)
+    embeddings = model.get_input_embeddings().weight
+    assert embeddings.shape == (259, 32)  # a row added for <image>
+    torch.testing.assert_close(embeddings[:258], language.model.embed_tokens.weight, rtol=0, atol=0)
+    torch.testing.assert_close(model.lm_head.weight[:258], language.lm_head.weight, rtol=0, atol=0)
+    for name, value in language.model.layers.state_dict().items():
+        torch.testing.assert_close(model.model.language_model.layers.state_dict()[name], value, rtol=0, atol=0)
+    batch = vlm.collate(vlm.make_pieces(vlm.builtin_examples(2, 32), processor, 48), 48, 257)
+    logits = model(input_ids=batch["input_ids"], pixel_values=batch["pixel_values"], use_cache=False).logits
+    assert logits.shape == (2, batch["input_ids"].shape[1], 259)
+    with pytest.raises(ConfigError, match="lower data.seq_len"):
+        vlm.build_model(cfg, processor, seq_len=200)
