@@ -206,7 +206,7 @@ def _both_towers(recipe: Recipe, params: Params, model, found: reach.ModelShape)
     for name in ("CheckpointImpl", "apply_activation_checkpointing", "checkpoint_wrapper"):
         edits.add_import(WRAPPER_MODULE, name)
     every = f", every={params.every}" if params.every != 1 else ""
-    towers = templates.statement(
+    find = templates.statement(
         recipe.module,
         f'towers = vision_language_parts({{model}}, "{SKILL}", ["vision_tower", "language_model"])',
         model=model.target,
@@ -215,7 +215,7 @@ def _both_towers(recipe: Recipe, params: Params, model, found: reach.ModelShape)
         recipe.module,
         f"for tower in towers.values():\n    checkpoint_blocks(tower{every}{gpu_guard.warn_argument(recipe, model)})\n",
     )
-    stages.insert_stage(recipe, edits, model, stages.ACTIVATION_CHECKPOINTING, [towers, loop])
+    stages.insert_stage(recipe, edits, model, stages.ACTIVATION_CHECKPOINTING, [find, loop])
     every_text = "" if params.every == 1 else f"every {params.every}th of "
     edits.acts_on = f"wraps {every_text}the blocks of the {towers} (each tower's largest block list, counted at run time)"
     return edits
