@@ -21,7 +21,6 @@ from skills.codemod_kit.reach import ModelShape
 from skills.codemod_kit.recipe import Recipe
 from skills.errors import SkillRefused
 
-PARTS = ("vision_tower", "projector", "language_model")
 # Module names of each part, in the order they are looked for.
 NAMES = {
     "vision_tower": ("vision_tower", "visual", "vision_model", "vision_encoder", "image_encoder"),

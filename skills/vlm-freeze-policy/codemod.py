@@ -19,7 +19,6 @@ from skills.codemod_kit import (
     Edits,
     Recipe,
     SkillParams,
-    gpu_guard,
     insert_definitions,
     only_trainable_parameters,
     reach,

@@ -121,6 +121,7 @@ def test_gpu_kernels_stay_off_on_cpu_and_the_guard_passes_every_step(runs):
     assert any(w.startswith("flash-attention: no CUDA GPU") for w in run["warnings"])
 
 
+@pytest.mark.multiprocess
 def test_tensor_parallel_shards_the_language_model_over_two_processes(runs, tmp_path: Path):
     recipe = copy_recipe("vlm", tmp_path)
     apply_skill("tensor-parallel", recipe)
