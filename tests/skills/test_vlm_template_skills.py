@@ -84,7 +84,9 @@ def test_freeze_parts_keeps_the_projector_bit_identical(runs):
 
 def test_lora_trains_only_the_adapters(runs):
     run = runs["lora"]
-    assert run["lora_layers"] > 0 and run["frozen_changed"] == [] and run["trainable_changed"] > 0
+    assert "and the vision tower's linear layers of the same names" in run["applied"][0]["acts_on"]
+    assert run["lora_layers"] == 2 * 7 + 2 * 3  # Llama's 7 linear layers a block; SigLIP's q, k, v
+    assert run["frozen_changed"] == [] and run["trainable_changed"] > 0
     assert run["trainable"] < run["frozen"] / 10
 
 
