@@ -8,7 +8,8 @@ attribute's accuracy. Two schedules of the same number of steps, from the same r
 - finetune: projector and language model train from the start (``model.stage=finetune``);
 - align → finetune: ``model.stage=align`` (the projector alone) for ``--align-steps``, then the
   align run's saved model starts a finetune run (``model.pretrained_path``), as a user chains
-  two runs.
+  two runs; and, as a control, finetune → finetune with the same split (two warm-ups and
+  learning-rate cycles, no align).
 - ``--language-model STEPS``: LLaVA's own order: first the ``causal_lm`` template learns the
   captions' language (the training captions as text, ``STEPS`` steps), then it is the frozen
   language model of an align run (``model.language_model_path``; only the projector learns to
@@ -85,15 +86,16 @@ def main() -> None:
     _, before, after, seconds = train([f"train.max_steps={args.steps}", "model.stage=finetune"])
     show(f"finetune {args.steps} steps", before, after, seconds)
     if not args.finetune_only:
-        aligned, before, middle, first = train([f"train.max_steps={args.align_steps}", "model.stage=align"])
-        show(f"align {args.align_steps} steps", before, middle, first)
-        scratch = Path(tempfile.mkdtemp(prefix="vlm-quality-"))
-        aligned.hf_model().save_pretrained(scratch)
-        aligned.hf_processing().save_pretrained(scratch)
-        rest = args.steps - args.align_steps
-        _, _, after, second = train([f"train.max_steps={rest}", "model.stage=finetune", f"model.pretrained_path={scratch}"])
-        show(f"align {args.align_steps} -> finetune {rest} steps", before, after, first + second)
-        shutil.rmtree(scratch, ignore_errors=True)
+        # The second schedule restarts warm-up and learning rate: the control does the same without align.
+        for stage in ("align", "finetune"):
+            first_run, before, middle, first = train([f"train.max_steps={args.align_steps}", f"model.stage={stage}"])
+            show(f"{stage} {args.align_steps} steps", before, middle, first)
+            scratch = Path(tempfile.mkdtemp(prefix="vlm-quality-"))
+            rest = args.steps - args.align_steps
+            _, _, after, second = train([f"train.max_steps={rest}", "model.stage=finetune",
+                                         f"model.pretrained_path={save(first_run, scratch)}"])
+            show(f"{stage} {args.align_steps} -> finetune {rest} steps", before, after, first + second)
+            shutil.rmtree(scratch, ignore_errors=True)
     print(f"wall {time.perf_counter() - wall:.0f} s", flush=True)
 
 
