@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
@@ -307,3 +306,21 @@ def test_a_causal_lm_export_becomes_the_language_model(tmp_path):
     assert logits.shape == (2, batch["input_ids"].shape[1], 259)
     with pytest.raises(ConfigError, match="lower data.seq_len"):
         vlm.build_model(cfg, processor, seq_len=200)
+
+
+def test_sample_shows_held_out_images_and_refuses_without_them():
+    from engine.distributed import DistInfo
+
+    def engine(eval_fraction):
+        config = vlm.VLMConfig.model_validate({"data": {"builtin_images": 40, "eval_fraction": eval_fraction}})
+        return vlm.VLM(config, DistInfo(0, 1, 0, torch.device("cpu"), None))
+
+    shown = engine(0.25)
+    held_out = shown.examples[1]
+    inputs, about = shown.sample_inputs(len(held_out) + 1, "a red")  # prompts beyond the images wrap around
+    name, image, text = held_out[1]
+    assert about == {"image": name, "caption": text}
+    assert inputs["input_ids"].tolist() == [[shown.processor.image_token_id] * 16 + list(b"a red")]
+    torch.testing.assert_close(inputs["pixel_values"], vlm.pixel_values(shown.processor, [image]))
+    with pytest.raises(ConfigError, match="no images are held out"):
+        engine(0.0).sample_inputs(0, "a")
