@@ -105,6 +105,8 @@ class VLMConfig(EngineConfig):
 
     @model_validator(mode="after")
     def _image_fits(self) -> "VLMConfig":
+        if self.model.pretrained_path and self.model.language_model_path:
+            raise ValueError("model.pretrained_path already holds a language model; drop model.language_model_path")
         if self.data.image_size % self.model.patch_size:
             raise ValueError(
                 f"data.image_size={self.data.image_size} is not a multiple of model.patch_size={self.model.patch_size}"

@@ -130,6 +130,8 @@ def test_the_config_refuses_images_that_leave_no_room_for_a_caption():
         vlm.VLMConfig.model_validate({"data": {"image_size": 36}})
     with pytest.raises(ValueError, match="leaves no room for a caption after the 16 image tokens"):
         vlm.VLMConfig.model_validate({"data": {"seq_len": 17}})
+    with pytest.raises(ValueError, match="drop model.language_model_path"):
+        vlm.VLMConfig.model_validate({"model": {"pretrained_path": "a", "language_model_path": "b"}})
 
 
 @pytest.fixture(scope="module")
