@@ -374,7 +374,7 @@ class DPO(Engine):
         model = build_model(self.config.model, len(self.tokenizer), self.config.data.seq_len)
         model = model.to(self.device)
         model = apply_fsdp(model, self.dist, self.config.parallel)
-        self.preference_sums = torch.zeros(4, dtype=torch.float64, device=self.device)
+        self.preference_sums = torch.zeros(5, dtype=torch.float64, device=self.device)
         return model
 
     def prepare_optimizer(self, model: torch.nn.Module) -> torch.optim.Optimizer:
@@ -392,13 +392,13 @@ class DPO(Engine):
     def summarize_data(cls, config: DPOConfig) -> DataSummary:
         cfg = config.data
         tokenizer = load_tokenizer(config.model.pretrained_path, cfg.chat_template)
-        counts = {True: [0, 0], False: [0, 0]}  # held out? -> [pairs, tokens]
+        counts = {True: [0, 0], False: [0, 0]}  # held out? -> [pairs, answer tokens]
         names = set()
         for name, record in load_pairs(cfg):
             prompt, chosen, rejected = tokenize_pair(tokenizer, record, cfg.seq_len)
             counted = counts[is_eval_document(name, cfg.eval_fraction)]
             counted[0] += 1
-            counted[1] += 2 * len(prompt) + len(chosen) + len(rejected)
+            counted[1] += len(chosen) + len(rejected)  # what tokens_seen counts in training
             names.add(name.split(":", 1)[0])
         return DataSummary(
             source=cfg.source,
@@ -438,8 +438,9 @@ class DPO(Engine):
         stream = self._stream(self.pairs[1], seed=0)
         return [next(stream) for _ in range(self.config.train.eval_batches)]
 
-    def count_tokens(self, batch: dict[str, torch.Tensor]) -> int:
-        """The loss is a mean over pairs: a micro-batch counts its pairs."""
+    def count_loss_units(self, batch: dict[str, torch.Tensor]) -> int:
+        """The loss is a mean over pairs; ``count_tokens`` (the engine's) still counts the tokens
+        of both answers, so ``tokens_per_s`` compares with other recipes."""
         return batch["input_ids"].shape[0] // 2
 
     def compute_loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -452,15 +453,15 @@ class DPO(Engine):
         if self.model.training:  # the window's sums for log_step: accuracy, margin, rewards
             self.preference_sums += torch.stack([
                 (chosen_reward > rejected_reward).sum(), (chosen_reward - rejected_reward).sum(),
-                chosen_reward.sum(), rejected_reward.sum(),
+                chosen_reward.sum(), rejected_reward.sum(), torch.tensor(chosen_reward.numel()),
             ]).double()
         return loss.sum()
 
     def log_step(self, ctx: StepContext, elapsed: float, tokens: int, positions: int, steps: int) -> None:
         super().log_step(ctx, elapsed, tokens, positions, steps)
-        sums = dp_all_reduce_sum(self.preference_sums, self.dist) / max(1, tokens)  # tokens: pairs here
+        sums = dp_all_reduce_sum(self.preference_sums, self.dist).clone()  # reduced in place
         self.preference_sums.zero_()
-        accuracy, margin, chosen, rejected = (float(x) for x in sums)
+        accuracy, margin, chosen, rejected = (float(x) for x in sums[:4] / sums[4].clamp(min=1))
         self.logger.log({
             "step": self.state.step, "reward_accuracy": accuracy, "reward_margin": margin,
             "chosen_reward": chosen, "rejected_reward": rejected,

@@ -131,6 +131,23 @@ def test_a_run_starts_at_log_2_and_logs_reward_metrics(reference):
     assert rewards[0]["reward_margin"] == 0 and rewards[-1]["reward_margin"] > 0
 
 
+def test_tokens_count_both_answers_tokens_while_the_loss_is_a_mean_over_pairs(reference):
+    from engine.config import build_config
+    from engine.distributed import DistInfo
+
+    config = build_config(dpo.DPOConfig, None, list(SCHEDULE))
+    stream = dpo.DPO(config, DistInfo(0, 1, 0, torch.device("cpu"), None)).prepare_data()
+    answer_tokens = [int((next(stream)["labels"] != -100).sum()) for _ in range(8)]
+    records = [r for r in rd.read_all_metrics(reference / rd.METRICS_JSONL) if "tokens_seen" in r]
+    assert [r["tokens_seen"] for r in records] == [sum(answer_tokens[:i]) for i in range(1, 9)]
+    assert min(answer_tokens) >= 2 * 2 * 4  # 4 pairs of answers of >= 2 tokens (content, end of turn)
+    record = rd.read_run(reference)
+    assert record.data.train_tokens + record.data.eval_tokens == record.data.tokens
+    # The loss is still a mean over the pairs (log 2 at step 1 above); rewards average over pairs.
+    rewards = [r for r in rd.read_all_metrics(reference / rd.METRICS_JSONL) if "chosen_reward" in r]
+    assert all(abs(r["reward_margin"] - (r["chosen_reward"] - r["rejected_reward"])) < 1e-6 for r in rewards)
+
+
 def test_resume_is_bit_identical(workspace, reference):
     root, recipe = workspace
     (_, checkpoint), *_ = rd.list_checkpoints(reference)
