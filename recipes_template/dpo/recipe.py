@@ -12,7 +12,8 @@ Supports:
   message; rendered by the tokenizer's chat template
 - Direct Preference Optimization (Rafailov et al., 2023; ``dpo.loss_type=sigmoid``) and IPO
   (Azar et al., 2023; ``dpo.loss_type=ipo``) against a frozen reference model (the starting
-  weights), with ``dpo.beta``; logged: reward accuracy, margin, chosen and rejected rewards
+  weights), with ``dpo.beta``, and optionally the chosen answers' NLL (``dpo.sft_weight``, RPO);
+  logged: reward accuracy, margin, chosen and rejected rewards
 - starting from a local Hugging Face folder (``model.pretrained_path``, e.g. an SFT run
   exported with ``trainwright export``) or from a tiny model built from a config
 - everything the engine does: FSDP2 over N processes, checkpoints resumable bit for bit

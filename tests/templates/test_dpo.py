@@ -18,7 +18,7 @@ from tests.support import REPO, losses, run_engine
 TEMPLATE = REPO / "recipes_template" / "dpo"
 SMALL = (
     "model.hidden_size=64", "model.intermediate_size=160", "model.num_layers=2",
-    "data.seq_len=64", "data.batch_size=4", "data.builtin_pairs=200",
+    "data.seq_len=64", "data.batch_size=4", "data.builtin_pairs=200", "dpo.sft_weight=0",  # the pure DPO loss
     "train.log_every=1", "optim.warmup_steps=2", "optim.lr=3e-3", "metrics.tensorboard=false",
 )
 SCHEDULE = (*SMALL, "train.max_steps=8", "checkpoint.every=4", "checkpoint.keep_last=5")
