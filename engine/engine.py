@@ -152,8 +152,15 @@ class Engine:
         raise NotImplementedError("a recipe must define compute_loss()")
 
     def count_tokens(self, batch: Batch) -> int:
-        """Supervised tokens in a micro-batch: labels that are not ``IGNORE_INDEX``."""
+        """Supervised tokens in a micro-batch: labels that are not ``IGNORE_INDEX``. What
+        ``tokens_per_s``, ``tokens_seen`` and ``padding_frac`` count."""
         return int((batch["labels"] != IGNORE_INDEX).sum())
+
+    def count_loss_units(self, batch: Batch) -> int:
+        """What ``compute_loss`` sums over in a micro-batch; the engine divides the global sum by
+        their global number. Default: the supervised tokens. A recipe whose loss is a sum over
+        something else (preference pairs) overrides this, and ``count_tokens`` still counts tokens."""
+        return self.count_tokens(batch)
 
     def flops_per_token(self) -> float | None:
         """Training FLOPs per token, for MFU. Recipes with attention should add its term."""
@@ -383,23 +390,24 @@ class Engine:
             [
                 sum(self.count_tokens(mb) for mb in micro_batches),
                 sum(mb["input_ids"].numel() for mb in micro_batches),
+                sum(self.count_loss_units(mb) for mb in micro_batches),
             ],
             dtype=torch.int64,
             device=self.device,
         )
-        num_tokens, num_positions = (int(x) for x in dp_all_reduce_sum(counts, self.dist))
+        num_tokens, num_positions, loss_units = (int(x) for x in dp_all_reduce_sum(counts, self.dist))
         timings["data_s"] = time.perf_counter() - start
 
         start = time.perf_counter()
-        # Gradients of sum(loss)/global_tokens. FSDP2 averages gradients over the dp (× sp)
+        # Gradients of sum(loss)/global_loss_units. FSDP2 averages gradients over the dp (× sp)
         # ranks, so each rank scales by their number to turn that average back into a sum.
-        scale = self.dist.fsdp_size / max(1, num_tokens)
+        scale = self.dist.fsdp_size / max(1, loss_units)
         loss_sum = torch.zeros((), device=self.device, dtype=torch.float32)
         for micro_batch in micro_batches:
             micro_loss = self.compute_loss(micro_batch)
             (micro_loss * scale).backward()
             loss_sum += micro_loss.detach().float()
-        loss = dp_all_reduce_sum(loss_sum, self.dist) / max(1, num_tokens)
+        loss = dp_all_reduce_sum(loss_sum, self.dist) / max(1, loss_units)
         timings["fwd_bwd_s"] = time.perf_counter() - start
 
         start = time.perf_counter()
@@ -432,7 +440,7 @@ class Engine:
         for batch in self.eval_batches or []:
             batch = self.to_device(batch)
             totals[0] += self.compute_loss(batch).double()
-            totals[1] += self.count_tokens(batch)
+            totals[1] += self.count_loss_units(batch)
         dp_all_reduce_sum(totals, self.dist)
         self.model.train()
         return float(totals[0] / totals[1].clamp(min=1))

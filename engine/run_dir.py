@@ -518,6 +518,24 @@ def read_metrics_tail(
     return records, truncated
 
 
+# Records latest_metrics() merges: a recipe's own records (rewards, an evaluation) written after
+# the step's record do not hide its loss.
+LATEST_METRICS_RECORDS = 16
+
+
+def latest_metrics(path: Path) -> dict[str, Any] | None:
+    """The latest value of each key among the last ``LATEST_METRICS_RECORDS`` records (its
+    ``step`` is the newest record's), or None when there is none. The one definition of a
+    run's "latest metrics": a recipe may log several records per step."""
+    records, _ = read_metrics_tail(path, LATEST_METRICS_RECORDS)
+    if not records:
+        return None
+    merged: dict[str, Any] = {}
+    for record in records:
+        merged.update(record)
+    return merged
+
+
 def _parse_metrics_line(line: bytes) -> dict[str, Any] | None:
     """One metrics record, or None for a line that is not one (see MAX_METRICS_LINE_BYTES)."""
     if len(line) > MAX_METRICS_LINE_BYTES:

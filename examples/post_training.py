@@ -47,9 +47,7 @@ async def train(agent: Agent, template: str, name: str, config: dict[str, Any], 
     info = await agent.call("get_run", quiet=True, run_id=run_id)
     if info["status"] != "completed":
         raise DemoFailed(f"{name} did not complete: {info['status']} {info.get('error')}")
-    # The last record may be a template's own metrics (dpo: rewards), logged beside the loss.
-    tail = await agent.call("tail_metrics", quiet=True, run_id=run_id, n=5)
-    last = {k: v for record in tail["records"] for k, v in record.items() if record["step"] == info["step"]}
+    last = info["latest"]  # each key's latest value: the loss, and a template's own (dpo: rewards)
     shown = ", ".join(f"{k} {last[k]:.4f}" for k in ("loss", "reward_accuracy", "reward_margin") if k in last)
     say(f"    completed at step {info['step']}: {shown}")
     return run_id

@@ -200,8 +200,8 @@ class Supervisor:
         """Record the outcome on the commit whose code the run executed."""
         if not record.git_commit or not record.workspace:
             return
-        latest, _ = rd.read_metrics_tail(self.run_dir / rd.METRICS_JSONL, 1)
-        add_note(Path(record.workspace), record.git_commit, run_note(record, latest[-1] if latest else None))
+        add_note(Path(record.workspace), record.git_commit,
+                 run_note(record, rd.latest_metrics(self.run_dir / rd.METRICS_JSONL)))
 
 
 def run_note(record: rd.RunRecord, latest: dict | None) -> str:

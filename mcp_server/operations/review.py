@@ -21,8 +21,7 @@ def _runs_by_commit(ws: Workspace) -> dict[str, list[ReviewRun]]:
             continue
         if not record.git_commit:
             continue
-        latest, _ = rd.read_metrics_tail(ws.runs_dir / run_id / rd.METRICS_JSONL, 1)
-        last = latest[-1] if latest else {}
+        last = rd.latest_metrics(ws.runs_dir / run_id / rd.METRICS_JSONL) or {}
         by_commit[record.git_commit].append(
             ReviewRun(run_id=run_id, status=record.effective_status(), step=last.get("step"),
                       loss=last.get("loss"), tokens_per_s=last.get("tokens_per_s"),

@@ -297,8 +297,7 @@ def get_run(ws: Workspace, run_id: str) -> RunInfo:
     # A SLURM job: ask squeue/sacct (bounded; what they cannot say is a warning, not an error).
     record, slurm_note = slurm_jobs.refresh(run_dir, run_environment())
     status = record.effective_status()
-    latest_records, _ = rd.read_metrics_tail(run_dir / rd.METRICS_JSONL, 1)
-    latest = latest_records[-1] if latest_records else None
+    latest = rd.latest_metrics(run_dir / rd.METRICS_JSONL)
     error = record.error or record.reason
     if status == rd.FAILED and record.status != rd.FAILED:
         error = error or "the run's supervisor is gone without recording an outcome (killed?)"
@@ -431,15 +430,15 @@ def list_runs(ws: Workspace, limit: int = 20) -> RunList:
 def _summary(ws: Workspace, run_id: str) -> RunSummary:
     run_dir = ws.runs_dir / run_id
     record = rd.read_run(run_dir)
-    latest, _ = rd.read_metrics_tail(run_dir / rd.METRICS_JSONL, 1)
+    latest = rd.latest_metrics(run_dir / rd.METRICS_JSONL)
     return RunSummary(
         run_id=run_id,
         status=record.effective_status(),
         recipe=record.recipe[:300],
         created_at=record.created_at,
-        step=latest[-1]["step"] if latest else None,
+        step=latest["step"] if latest else None,
         max_steps=record.max_steps,
-        loss=_number(latest[-1].get("loss")) if latest else None,
+        loss=_number(latest.get("loss")) if latest else None,
     )
 
 

@@ -50,8 +50,7 @@ def observe(ws: Workspace, run_id: str) -> Observation:
     record, _ = slurm_jobs.refresh(run_dir, run_environment(), min_interval_s=SLURM_POLL_S)  # other runs: as is
     status = record.effective_status()
     ended = status in rd.FINAL_STATUSES and (record.exit_code is not None or not rd.pid_alive(record.pid))
-    latest_records, _ = rd.read_metrics_tail(run_dir / rd.METRICS_JSONL, 1)
-    latest = latest_records[-1] if latest_records else None
+    latest = rd.latest_metrics(run_dir / rd.METRICS_JSONL)
     step = latest.get("step") if latest else None
     error = record.error or record.reason
     return Observation(

@@ -2,8 +2,9 @@
 
 Read it top to bottom: configuration, the chat tokenizer, the built-in preference set, data,
 model, then the recipe class. It runs as it is (``trainwright run recipes/<name>``): on a
-generated set of prompts whose preferred answer is the correct one (add, compare, next
-letter, parity), the model's preference for the correct answer rises within minutes on a CPU.
+generated set of prompts (add, compare, next letter, parity) whose preferred answer is correct
+and ends with a full stop ("7.") and whose rejected answer is the bare result ("7") or a near
+miss ("8."), the model's preference for the preferred answer rises within minutes on a CPU.
 
 Supports:
 - preference pairs in JSONL: ``{"prompt": ..., "chosen": ..., "rejected": ...}``, where the
@@ -11,7 +12,8 @@ Supports:
   message; rendered by the tokenizer's chat template
 - Direct Preference Optimization (Rafailov et al., 2023; ``dpo.loss_type=sigmoid``) and IPO
   (Azar et al., 2023; ``dpo.loss_type=ipo``) against a frozen reference model (the starting
-  weights), with ``dpo.beta``; logged: reward accuracy, margin, chosen and rejected rewards
+  weights), with ``dpo.beta``, and optionally the chosen answers' NLL (``dpo.sft_weight``, RPO);
+  logged: reward accuracy, margin, chosen and rejected rewards
 - starting from a local Hugging Face folder (``model.pretrained_path``, e.g. an SFT run
   exported with ``trainwright export``) or from a tiny model built from a config
 - everything the engine does: FSDP2 over N processes, checkpoints resumable bit for bit
@@ -91,6 +93,9 @@ class PreferenceConfig(Section):
     loss_type: Literal["sigmoid", "ipo"] = Field(
         "sigmoid", description="sigmoid: DPO; ipo: IPO (log-ratios averaged per completion token, as TRL does)."
     )
+    sft_weight: float = Field(
+        0.0, ge=0, description="Adds this times the chosen answer's mean token NLL (RPO; TRL's 'sft' loss term)."
+    )
 
 
 class DPOConfig(EngineConfig):
@@ -142,28 +147,33 @@ def load_tokenizer(model_path: str | None, chat_template: str | None):
 
 
 # =============================================================================================
-# The built-in preference set: the chosen answer is the correct one
+# The built-in preference set: the chosen answer is correct and ends with a full stop
 # =============================================================================================
 
 LETTERS = "abcdefghijklmnopqrstuvwxyz"
 
 
 def make_pair(rng: random.Random) -> tuple[str, str, str]:
-    """``(question, correct answer, wrong answer)``: the wrong answer is a near miss."""
+    """``(question, chosen, rejected)``. The chosen answer is the correct result as a sentence,
+    with a full stop ("7."); the rejected one is either the bare result ("7": correct, in the
+    terse style the ``sft`` template's instruction set teaches) or a near miss with a full stop
+    ("8."). So an SFT model has a preference to learn, and must keep the results right."""
     kind = rng.choice(("add", "larger", "next", "parity"))
     if kind == "add":
         a, b = rng.randint(0, 9), rng.randint(0, 9)
-        return f"What is {a} + {b}?", str(a + b), str(a + b + rng.choice((-2, -1, 1, 2)))
-    if kind == "larger":
+        question, result, miss = f"What is {a} + {b}?", str(a + b), str(a + b + rng.choice((-2, -1, 1, 2)))
+    elif kind == "larger":
         a, b = rng.sample(range(10, 100), 2)
-        return f"Which is larger, {a} or {b}?", str(max(a, b)), str(min(a, b))
-    if kind == "next":
+        question, result, miss = f"Which is larger, {a} or {b}?", str(max(a, b)), str(min(a, b))
+    elif kind == "next":
         index = rng.randint(1, len(LETTERS) - 3)
-        wrong = LETTERS[index + rng.choice((-1, 2))]
-        return f"Which letter comes after {LETTERS[index]}?", LETTERS[index + 1], wrong
-    number = rng.randint(10, 99)
-    right, wrong = ("odd", "even") if number % 2 else ("even", "odd")
-    return f"Is {number} even or odd?", right, wrong
+        question = f"Which letter comes after {LETTERS[index]}?"
+        result, miss = LETTERS[index + 1], LETTERS[index + rng.choice((-1, 2))]
+    else:
+        number = rng.randint(10, 99)
+        result, miss = ("odd", "even") if number % 2 else ("even", "odd")
+        question = f"Is {number} even or odd?"
+    return question, f"{result}.", result if rng.random() < 0.5 else f"{miss}."
 
 
 def builtin_pairs(count: int, seed: int = 0) -> list[tuple[str, dict[str, Any]]]:
@@ -316,16 +326,22 @@ def answer_logps(model, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, t
 
 
 def preference_loss(
-    policy: torch.Tensor, reference: torch.Tensor, lengths: torch.Tensor, beta: float, loss_type: str
+    policy: torch.Tensor, reference: torch.Tensor, lengths: torch.Tensor, beta: float, loss_type: str,
+    sft_weight: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per pair: ``(loss, chosen reward, rejected reward)`` from the answers' log-probabilities
-    (rows: chosen answers, then rejected ones). Rewards are ``beta * (policy - reference)``."""
+    (rows: chosen answers, then rejected ones). Rewards are ``beta * (policy - reference)``.
+    ``sft_weight`` adds the chosen answer's mean negative log-likelihood per token (RPO), which
+    keeps the chosen answers likely while the pair's margin grows (per pair here; TRL's "sft"
+    term averages over the batch's chosen tokens, the same when the answers are equally long)."""
     chosen_ratio, rejected_ratio = (policy - reference).chunk(2)
+    chosen_length, rejected_length = lengths.clamp(min=1).chunk(2)
     if loss_type == "sigmoid":
         loss = -F.logsigmoid(beta * (chosen_ratio - rejected_ratio))
     else:  # ipo: log-ratios per answer token, pulled to a margin of 1 / (2 beta)
-        chosen_length, rejected_length = lengths.clamp(min=1).chunk(2)
         loss = (chosen_ratio / chosen_length - rejected_ratio / rejected_length - 1 / (2 * beta)) ** 2
+    if sft_weight:
+        loss = loss - sft_weight * policy.chunk(2)[0] / chosen_length
     return loss, beta * chosen_ratio.detach(), beta * rejected_ratio.detach()
 
 
@@ -374,7 +390,7 @@ class DPO(Engine):
         model = build_model(self.config.model, len(self.tokenizer), self.config.data.seq_len)
         model = model.to(self.device)
         model = apply_fsdp(model, self.dist, self.config.parallel)
-        self.preference_sums = torch.zeros(4, dtype=torch.float64, device=self.device)
+        self.preference_sums = torch.zeros(5, dtype=torch.float64, device=self.device)
         return model
 
     def prepare_optimizer(self, model: torch.nn.Module) -> torch.optim.Optimizer:
@@ -392,13 +408,13 @@ class DPO(Engine):
     def summarize_data(cls, config: DPOConfig) -> DataSummary:
         cfg = config.data
         tokenizer = load_tokenizer(config.model.pretrained_path, cfg.chat_template)
-        counts = {True: [0, 0], False: [0, 0]}  # held out? -> [pairs, tokens]
+        counts = {True: [0, 0], False: [0, 0]}  # held out? -> [pairs, answer tokens]
         names = set()
         for name, record in load_pairs(cfg):
             prompt, chosen, rejected = tokenize_pair(tokenizer, record, cfg.seq_len)
             counted = counts[is_eval_document(name, cfg.eval_fraction)]
             counted[0] += 1
-            counted[1] += 2 * len(prompt) + len(chosen) + len(rejected)
+            counted[1] += len(chosen) + len(rejected)  # what tokens_seen counts in training
             names.add(name.split(":", 1)[0])
         return DataSummary(
             source=cfg.source,
@@ -438,8 +454,9 @@ class DPO(Engine):
         stream = self._stream(self.pairs[1], seed=0)
         return [next(stream) for _ in range(self.config.train.eval_batches)]
 
-    def count_tokens(self, batch: dict[str, torch.Tensor]) -> int:
-        """The loss is a mean over pairs: a micro-batch counts its pairs."""
+    def count_loss_units(self, batch: dict[str, torch.Tensor]) -> int:
+        """The loss is a mean over pairs; ``count_tokens`` (the engine's) still counts the tokens
+        of both answers, so ``tokens_per_s`` compares with other recipes."""
         return batch["input_ids"].shape[0] // 2
 
     def compute_loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -447,20 +464,20 @@ class DPO(Engine):
         with torch.no_grad():
             reference, _ = answer_logps(self.reference, batch)
         loss, chosen_reward, rejected_reward = preference_loss(
-            policy, reference, lengths, self.config.dpo.beta, self.config.dpo.loss_type
+            policy, reference, lengths, self.config.dpo.beta, self.config.dpo.loss_type, self.config.dpo.sft_weight
         )
         if self.model.training:  # the window's sums for log_step: accuracy, margin, rewards
             self.preference_sums += torch.stack([
                 (chosen_reward > rejected_reward).sum(), (chosen_reward - rejected_reward).sum(),
-                chosen_reward.sum(), rejected_reward.sum(),
+                chosen_reward.sum(), rejected_reward.sum(), torch.tensor(chosen_reward.numel()),
             ]).double()
         return loss.sum()
 
     def log_step(self, ctx: StepContext, elapsed: float, tokens: int, positions: int, steps: int) -> None:
         super().log_step(ctx, elapsed, tokens, positions, steps)
-        sums = dp_all_reduce_sum(self.preference_sums, self.dist) / max(1, tokens)  # tokens: pairs here
+        sums = dp_all_reduce_sum(self.preference_sums, self.dist).clone()  # reduced in place
         self.preference_sums.zero_()
-        accuracy, margin, chosen, rejected = (float(x) for x in sums)
+        accuracy, margin, chosen, rejected = (float(x) for x in sums[:4] / sums[4].clamp(min=1))
         self.logger.log({
             "step": self.state.step, "reward_accuracy": accuracy, "reward_margin": margin,
             "chosen_reward": chosen, "rejected_reward": rejected,

@@ -122,3 +122,30 @@ def test_warnings_are_kept_in_order_and_once(tmp_path):
     for message in ("first", "second", "first"):
         rd.append_warning(run, message)
     assert rd.read_run(run).warnings == ["first", "second"]
+
+
+def test_latest_metrics_keep_each_keys_latest_value(tmp_path):
+    """A recipe may log its own record after the step's (DPO's rewards, an evaluation): the
+    latest metrics still show the step's loss, and every key's newest value."""
+    path = tmp_path / "metrics.jsonl"
+    with open(path, "w") as f:
+        for record in ({"step": 10, "loss": 0.9, "eval_loss": 1.5}, {"step": 10, "reward_accuracy": 0.5},
+                       {"step": 20, "loss": 0.7}, {"step": 20, "reward_accuracy": 0.75}):
+            f.write(json.dumps(record) + "\n")
+    assert rd.latest_metrics(path) == {"step": 20, "loss": 0.7, "eval_loss": 1.5, "reward_accuracy": 0.75}
+    assert rd.latest_metrics(tmp_path / "none.jsonl") is None
+
+
+def test_get_run_latest_shows_the_loss_under_a_recipes_own_record(tmp_path):
+    from mcp_server.operations.runs import get_run
+    from sandbox.workspace import Workspace
+
+    ws = Workspace.open(tmp_path)
+    run_id = "20260101-000000-dpo-abcd"
+    rd.create_run(ws.runs_dir / run_id, rd.RunRecord(id=run_id, recipe="recipes/dpo", max_steps=20))
+    with open(ws.runs_dir / run_id / rd.METRICS_JSONL, "w") as f:
+        f.write(json.dumps({"step": 20, "loss": 0.4, "tokens_per_s": 100.0}) + "\n")
+        f.write(json.dumps({"step": 20, "reward_accuracy": 0.8}) + "\n")
+    info = get_run(ws, run_id)
+    assert info.step == 20
+    assert info.latest["loss"] == 0.4 and info.latest["reward_accuracy"] == 0.8

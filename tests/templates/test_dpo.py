@@ -18,7 +18,7 @@ from tests.support import REPO, losses, run_engine
 TEMPLATE = REPO / "recipes_template" / "dpo"
 SMALL = (
     "model.hidden_size=64", "model.intermediate_size=160", "model.num_layers=2",
-    "data.seq_len=64", "data.batch_size=4", "data.builtin_pairs=200",
+    "data.seq_len=64", "data.batch_size=4", "data.builtin_pairs=200", "dpo.sft_weight=0",  # the pure DPO loss
     "train.log_every=1", "optim.warmup_steps=2", "optim.lr=3e-3", "metrics.tensorboard=false",
 )
 SCHEDULE = (*SMALL, "train.max_steps=8", "checkpoint.every=4", "checkpoint.keep_last=5")
@@ -41,12 +41,15 @@ def rows(batch: dict) -> list[tuple[int, ...]]:
     return sequences
 
 
-@pytest.mark.parametrize("loss_type", ["sigmoid", "ipo"])
-def test_the_loss_equals_trls_dpo_trainer_loss(loss_type, tmp_path):
+@pytest.mark.parametrize("loss_type,sft_weight", [("sigmoid", 0.0), ("ipo", 0.0), ("sigmoid", 0.5)])
+def test_the_loss_equals_trls_dpo_trainer_loss(loss_type, sft_weight, tmp_path):
     trl = pytest.importorskip("trl")
     datasets = pytest.importorskip("datasets")
     tokenizer = dpo.byte_chat_tokenizer()
     records = [record for _, record in dpo.builtin_pairs(8, seed=3)]
+    if sft_weight:  # TRL's "sft" term averages over the batch's chosen tokens, ours per answer:
+        # the same when the chosen answers are equally long
+        records = [r for _, r in dpo.builtin_pairs(200, seed=3) if len(r["chosen"]) == 2][:8]
     torch.manual_seed(0)
     config = dpo.ModelConfig(hidden_size=64, intermediate_size=160, num_layers=2)
     reference = dpo.build_model(config, len(tokenizer), 64).eval()
@@ -56,7 +59,8 @@ def test_the_loss_equals_trls_dpo_trainer_loss(loss_type, tmp_path):
             parameter.add_(0.02 * torch.randn_like(parameter))
     beta = 0.2
     args = trl.DPOConfig(
-        output_dir=str(tmp_path), per_device_train_batch_size=len(records), beta=beta, loss_type=[loss_type],
+        output_dir=str(tmp_path), per_device_train_batch_size=len(records), beta=beta,
+        loss_type=[loss_type, "sft"] if sft_weight else [loss_type], loss_weights=[1.0, sft_weight] if sft_weight else None,
         report_to=[], use_cpu=True, max_length=None, dataset_num_proc=None,
     )
     trainer = trl.DPOTrainer(
@@ -84,26 +88,30 @@ def test_the_loss_equals_trls_dpo_trainer_loss(loss_type, tmp_path):
     with torch.no_grad():
         policy, lengths = dpo.answer_logps(model, same_layout)
         reference_logps, _ = dpo.answer_logps(reference, same_layout)
-        loss, _, _ = dpo.preference_loss(policy, reference_logps, lengths, beta, loss_type)
+        loss, _, _ = dpo.preference_loss(policy, reference_logps, lengths, beta, loss_type, sft_weight)
     assert abs(float(loss.mean()) - trl_loss) < 1e-5, (float(loss.mean()), trl_loss)
 
 
-def test_the_builtin_preferred_answer_is_the_correct_one():
-    for _, record in dpo.builtin_pairs(200):
-        question, good, bad = record["prompt"], record["chosen"], record["rejected"]
-        assert good != bad
+def test_the_builtin_preferred_answer_is_correct_with_a_full_stop():
+    def correct(question: str) -> str:
         if question.startswith("What is "):
             a, b = question.removeprefix("What is ").removesuffix("?").split(" + ")
-            assert good == str(int(a) + int(b))
-        elif question.startswith("Which is larger, "):
-            a, b = question.removeprefix("Which is larger, ").removesuffix("?").split(" or ")
-            assert good == str(max(int(a), int(b)))
-        elif question.startswith("Which letter comes after "):
-            letter = question.removeprefix("Which letter comes after ").removesuffix("?")
-            assert good == chr(ord(letter) + 1)
-        else:
-            number = int(question.removeprefix("Is ").removesuffix(" even or odd?"))
-            assert good == ("odd" if number % 2 else "even")
+            return str(int(a) + int(b))
+        if question.startswith("Which is larger, "):
+            return str(max(map(int, question.removeprefix("Which is larger, ").removesuffix("?").split(" or "))))
+        if question.startswith("Which letter comes after "):
+            return chr(ord(question.removeprefix("Which letter comes after ").removesuffix("?")) + 1)
+        return "odd" if int(question.removeprefix("Is ").removesuffix(" even or odd?")) % 2 else "even"
+
+    bare = 0
+    for _, record in dpo.builtin_pairs(400):
+        result = correct(record["prompt"])
+        assert record["chosen"] == f"{result}."
+        if record["rejected"] == result:  # correct, in the terse style
+            bare += 1
+        else:  # a wrong result in the preferred style
+            assert record["rejected"].endswith(".") and record["rejected"][:-1] != result, record
+    assert 150 < bare < 250  # about half of each kind
 
 
 @pytest.fixture(scope="module")
@@ -129,6 +137,23 @@ def test_a_run_starts_at_log_2_and_logs_reward_metrics(reference):
     assert [r["step"] for r in rewards] == list(range(1, 9))
     assert all(0 <= r["reward_accuracy"] <= 1 and "reward_margin" in r for r in rewards)
     assert rewards[0]["reward_margin"] == 0 and rewards[-1]["reward_margin"] > 0
+
+
+def test_tokens_count_both_answers_tokens_while_the_loss_is_a_mean_over_pairs(reference):
+    from engine.config import build_config
+    from engine.distributed import DistInfo
+
+    config = build_config(dpo.DPOConfig, None, list(SCHEDULE))
+    stream = dpo.DPO(config, DistInfo(0, 1, 0, torch.device("cpu"), None)).prepare_data()
+    answer_tokens = [int((next(stream)["labels"] != -100).sum()) for _ in range(8)]
+    records = [r for r in rd.read_all_metrics(reference / rd.METRICS_JSONL) if "tokens_seen" in r]
+    assert [r["tokens_seen"] for r in records] == [sum(answer_tokens[:i]) for i in range(1, 9)]
+    assert min(answer_tokens) >= 2 * 2 * 4  # 4 pairs of answers of >= 2 tokens (content, end of turn)
+    record = rd.read_run(reference)
+    assert record.data.train_tokens + record.data.eval_tokens == record.data.tokens
+    # The loss is still a mean over the pairs (log 2 at step 1 above); rewards average over pairs.
+    rewards = [r for r in rd.read_all_metrics(reference / rd.METRICS_JSONL) if "chosen_reward" in r]
+    assert all(abs(r["reward_margin"] - (r["chosen_reward"] - r["rejected_reward"])) < 1e-6 for r in rewards)
 
 
 def test_resume_is_bit_identical(workspace, reference):
