@@ -174,13 +174,15 @@ def run_contained(
                 pass_fds=tuple(bound_fds.values()) if wrapped.sandboxed else (),
             )
         finally:
-            out.close_write_end(), err.close_write_end()
+            out.close_write_end()
+            err.close_write_end()
         try:
             process.wait(timeout=timeout_s)
         finally:
             _end_check(process, mark)
     finally:
-        out.finish(), err.finish()
+        out.finish()
+        err.finish()
     return out.text(), err.text()
 
 

@@ -10,6 +10,8 @@ from engine import run_dir as rd
 from mcp_server.server import build_server
 from tests.sandbox.helpers import derived_recipe, error_text, live_client, make_workspace, wait_final
 
+pytestmark = pytest.mark.slow  # three short runs
+
 COUNTING = '''
 class Counting(CausalLM):
     def prepare_data(self):
