@@ -224,6 +224,13 @@ def apply(recipe: Recipe, params: Params) -> Edits | AlreadyApplied:
         )
     if "pack" in path.collate.name.value.lower():
         return AlreadyApplied(f"the batches are collated by {path.collate.name.value}()")
+    items = path.collate.params.params[0].name.value if path.collate.params.params else ""
+    if "pair" in items.lower():
+        raise SkillRefused(
+            f"{SKILL}: {path.collate.name.value}({items}, ...) ({recipe.where(path.collate)}) lays out each of "
+            f"its {items} as rows that are compared with one another (a preference pair's answers); "
+            "packing would split and mix them, so this recipe pads"
+        )
     if model.kind != "hf":
         raise SkillRefused(
             f"{SKILL}: the model is built by {model.builder}(...) ({recipe.where(model.statement)}), "

@@ -183,5 +183,5 @@ def test_skills_apply_to_the_policy_and_packing_refuses(tmp_path):
     source = (recipe / "recipe.py").read_text()
     # The adapters go on the trained model, after the reference is built.
     assert source.index("self.reference = reference") < source.index("apply_lora(model")
-    with pytest.raises(SkillError, match="looked for an Engine.prepare_data that returns a stream"):
+    with pytest.raises(SkillError, match=r"collate\(pairs, \.\.\.\) \(recipe.py:\d+\) lays out each of its pairs as rows.*this recipe pads"):
         apply_skill("sequence-packing", recipe)
