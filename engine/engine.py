@@ -182,6 +182,13 @@ class Engine:
         """The tokenizer or processor saved beside the model (``save_pretrained``), or None."""
         return None
 
+    def sample_inputs(self, index: int, prompt: str) -> tuple[dict[str, Any], dict[str, Any]] | None:
+        """``sample``'s ``generate()`` inputs for its ``index``-th prompt, and what its answer
+        says about them, for a model that needs more than the prompt's tokens (a
+        vision-language recipe shows it a held-out image); None (the default): the prompt is
+        text for the tokenizer."""
+        return None
+
     def task_metrics(self) -> dict[str, float]:
         """The recipe's task metrics on held-out data (``evaluate`` reports them beside the
         eval loss); each value a float. Called with the model in eval mode, under no_grad."""

@@ -8,7 +8,8 @@ else CPU, full precision, no tensor parallelism), loads the model of the checkpo
 - ``export --to DIR``: a Hugging Face folder (``engine.hf_export``);
 - ``sample --prompt TEXT ...``: greedy (``--temperature 0``) or sampled continuations, each at
   most ``--max-new-tokens`` tokens (a tokenizer with a chat template: each prompt is a user
-  turn, rendered by the template with the generation prompt);
+  turn, rendered by the template with the generation prompt; a recipe whose model needs more
+  than text gives the inputs itself, ``Engine.sample_inputs``);
 - ``evaluate [--data PATH ...]``: the eval loss on the recipe's held-out batches (or on the
   documents of ``PATH``: ``data.paths`` with every document held out) and the recipe's
   ``task_metrics()``.
@@ -138,16 +139,21 @@ def sample(run_dir: Path, step: int, prompts: list[str], max_new_tokens: int = 6
     # A tokenizer with a chat template belongs to a chat model (SFT, DPO): each prompt is a user turn.
     chat = bool(getattr(tokenizer, "chat_template", None))
     samples = []
-    for prompt in prompts:
-        if chat:
+    for index, prompt in enumerate(prompts):
+        given = engine.sample_inputs(index, prompt)  # e.g. a vision-language recipe adds an image
+        inputs, about = given if given is not None else ({}, {})
+        if given is not None:
+            ids = inputs.pop("input_ids")
+        elif chat:
             ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
                                                 return_tensors="pt", return_dict=True)["input_ids"]
         else:
             ids = tokenizer(prompt, add_special_tokens=False, return_tensors="pt")["input_ids"]
         ids = ids.to(engine.device)
+        inputs = {key: value.to(engine.device) for key, value in inputs.items()}
         with torch.no_grad():
             output = model.generate(
-                ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                ids, attention_mask=torch.ones_like(ids), **inputs, max_new_tokens=max_new_tokens,
                 do_sample=temperature > 0, temperature=temperature if temperature > 0 else None,
                 top_k=None, top_p=None, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
             )
@@ -155,6 +161,7 @@ def sample(run_dir: Path, step: int, prompts: list[str], max_new_tokens: int = 6
         ended = tokenizer.eos_token_id is not None and tokenizer.eos_token_id in new
         samples.append({
             "prompt": prompt,
+            **about,
             "completion": tokenizer.decode(new, skip_special_tokens=True),
             "new_tokens": len(new),
             "stopped": "eos" if ended else "max_new_tokens",

@@ -7,7 +7,7 @@ apply. ``skills.apply.apply_skill`` does the rest: validation, parsing the resul
 the atomic write.
 """
 
-from skills.codemod_kit import anchors, gpu_guard, reach, stages, templates
+from skills.codemod_kit import anchors, gpu_guard, reach, stages, templates, vlm
 from skills.codemod_kit.definitions import ensure_find_blocks, insert_definitions
 from skills.codemod_kit.edits import Edits
 from skills.codemod_kit.outcome import AlreadyApplied, SkillParams
@@ -28,4 +28,5 @@ __all__ = [
     "reach",
     "stages",
     "templates",
+    "vlm",
 ]

@@ -261,9 +261,13 @@ def model_candidates(recipe: Recipe) -> list[ModelAnchor]:
     """Assignments that build a model, leaving out sub-modules built inside model classes. A
     construction returned by a function of the file (``self._model = self._setup_model()``,
     whose ``model = config.instantiate(...)`` is returned) stands for the outer assignment: the
-    change lands where the model is built, before the wrappers the function applies."""
+    change lands where the model is built, before the wrappers the function applies. A top-level
+    builder function that only builds (``def build_model(cfg): model = Llava(config);
+    model.load_weights(...); return model``, no wrapper after the construction) stands for its
+    construction instead: the changes land at its call, where the recipe prepares the model."""
     found = list(_all_constructions(recipe))
     replaced: set[int] = set()
+    builders: set[int] = set()
     for outer in found:
         name = recipe.call_name(outer.call)
         parts = name.split(".")
@@ -276,10 +280,22 @@ def model_candidates(recipe: Recipe) -> list[ModelAnchor]:
         for ret in recipe.returns_of(function):
             inner_value = unwrap_chain(ret.value) if ret.value is not None else None
             if isinstance(inner_value, (cst.Name, cst.Attribute)):
-                for inner in _constructions(recipe, function, dotted_name(inner_value)):
+                inners = _constructions(recipe, function, dotted_name(inner_value))
+                if name in recipe.top_level_functions() and inners and all(_only_builds(recipe, i) for i in inners):
+                    builders.update(id(i) for i in inners)
+                    continue
+                for inner in inners:
                     inner.outer = outer.target_code
                     replaced.add(id(outer))
-    return [c for c in found if id(c) not in replaced]
+    return [c for c in found if id(c) not in replaced and id(c) not in builders]
+
+
+def _only_builds(recipe: Recipe, construction: ModelAnchor) -> bool:
+    """No model stage (a wrapper, a kernel swap, checkpointing...) after the construction in its
+    function: loading weights or setting attributes only."""
+    from skills.codemod_kit import stages
+
+    return all(stage in (None, stages.RETURN) for _, stage in stages.stages_after(recipe, construction))
 
 
 MODEL_LOOKED_FOR = (

@@ -55,8 +55,10 @@ def with_keyword(call: cst.Call, name: str, value: cst.BaseExpression) -> cst.Ca
     if not call.args:
         return call.with_changes(args=[new])
     *rest, last = call.args
-    if isinstance(last.comma, cst.Comma):  # a trailing comma: the new argument takes the same
-        return call.with_changes(args=[*rest, last, new.with_changes(comma=last.comma)])
+    if isinstance(last.comma, cst.Comma):  # a trailing comma: the new argument takes it (the line
+        # before the closing parenthesis), the last one the comma between arguments
+        between = rest[-1].comma if rest and isinstance(rest[-1].comma, cst.Comma) else last.comma
+        return call.with_changes(args=[*rest, last.with_changes(comma=between), new.with_changes(comma=last.comma)])
     comma = next((a.comma for a in rest if isinstance(a.comma, cst.Comma)), None)
     if comma is None or not isinstance(comma.whitespace_after, cst.SimpleWhitespace):
         comma = cst.Comma(whitespace_after=cst.SimpleWhitespace(" "))

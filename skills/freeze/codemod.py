@@ -7,9 +7,12 @@ them) and every ``torch.optim`` constructor (handed only trainable parameters).
 
 from __future__ import annotations
 
+from typing import Literal
+
 import libcst as cst
 from pydantic import Field, model_validator
 
+from skills.codemod_kit import vlm
 from skills.codemod_kit import (
     AlreadyApplied,
     Edits,
@@ -45,10 +48,19 @@ class Params(SkillParams):
         "expression or line ('netG', 'train.py:42') picks the model when the file builds several.",
     )
 
+    parts: list[Literal["vision_tower", "projector", "language_model"]] = Field(
+        default_factory=list,
+        description="Parts of a vision-language model to freeze (transformers' vision_tower, "
+        "multi_modal_projector, language_model + lm_head; also visual, mm_projector, llm). With parts, "
+        "embeddings defaults to false.",
+    )
+
     @model_validator(mode="after")
     def _freezes_something(self) -> "Params":
-        if not self.embeddings and not self.first_blocks and not self.patterns:
-            raise ValueError("nothing to freeze: set embeddings, first_blocks or patterns")
+        if self.parts and "embeddings" not in self.model_fields_set:
+            self.embeddings = False  # the parts say what to freeze; the embeddings are in the language model
+        if not self.embeddings and not self.first_blocks and not self.patterns and not self.parts:
+            raise ValueError("nothing to freeze: set embeddings, first_blocks, patterns or parts")
         return self
 
 
@@ -60,14 +72,16 @@ def freeze_parameters(
     patterns: list[str] = (),
     target: torch.nn.Module | None = None,
     warn=None,
+    parameters=(),
 ) -> int:
     """Freeze part of a model: with ``requires_grad=False`` no gradient is computed or stored for
     a parameter, and the optimizer, which is handed only trainable parameters, never changes it.
     Freezes every ``nn.Embedding`` (with ``embeddings``), the first ``first_blocks`` transformer
     blocks (of ``target`` when given), and the parameters whose names match one of the fnmatch
-    ``patterns``. Returns the number of frozen values. (Written by the freeze skill.)
+    ``patterns``, and the given ``parameters``. Returns the number of frozen values. (Written by the
+    freeze skill.)
     """
-    chosen: dict[int, torch.nn.Parameter] = {}
+    chosen: dict[int, torch.nn.Parameter] = {id(p): p for p in parameters}
     if embeddings:
         for module in model.modules():
             if isinstance(module, torch.nn.Embedding):
@@ -137,6 +151,11 @@ def apply(recipe: Recipe, params: Params) -> Edits | AlreadyApplied:
         acts.append(f"the first {params.first_blocks} of {reach.describe_blocks(found, target)}")
     if params.patterns:
         acts.append(f"parameters matching {', '.join(params.patterns)} (checked at run time)")
+    if params.parts:
+        acts.append("the " + vlm.check_parts(
+            recipe, SKILL, found, params.parts,
+            "name what to freeze with embeddings, first_blocks or patterns",
+        ))
     edits = Edits(recipe)
     only_trainable_parameters(recipe, edits, SKILL)
     ensure_find_blocks(recipe, edits, model.statement)
@@ -144,14 +163,23 @@ def apply(recipe: Recipe, params: Params) -> Edits | AlreadyApplied:
     edits.add_import("fnmatch")
     edits.add_import("torch")
     extra = f", target={reach.target_code(found, target)}" if target is not None else ""
-    call = templates.statement(
+    calls = []
+    if params.parts:
+        vlm.ensure_helper(recipe, edits, SKILL, model.statement)
+        calls.append(templates.statement(
+            recipe.module,
+            f'frozen_parts = vision_language_parameters({{model}}, "{SKILL}", {templates.literal(params.parts)})',
+            model=model.target,
+        ))
+        extra += ", parameters=frozen_parts"
+    calls.append(templates.statement(
         recipe.module,
         f"freeze_parameters({{model}}, embeddings={params.embeddings}, "
         f"first_blocks={params.first_blocks}, patterns={templates.literal(params.patterns)}{extra}"
         f"{gpu_guard.warn_argument(recipe, model)})",
         model=model.target,
-    )
-    stages.insert_stage(recipe, edits, model, stages.FREEZE, [call])
+    ))
+    stages.insert_stage(recipe, edits, model, stages.FREEZE, calls)
     edits.acts_on = "freezes " + "; ".join(acts)
     return edits
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from skills.codemod_kit import frameworks
+from skills.codemod_kit import frameworks, vlm
 from skills.codemod_kit import (
     AlreadyApplied,
     Edits,
@@ -119,11 +119,15 @@ def apply(recipe: Recipe, params: Params) -> Edits | AlreadyApplied:
             '{model}.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})',
             stage=stages.ACTIVATION_CHECKPOINTING,
         )
+        layers = "every layer of the vision tower and of the language model" if vlm.is_vision_language(found) \
+            else "every decoder layer"
         edits.acts_on = (
             f"turns on {found.name}'s own activation checkpointing (`gradient_checkpointing_enable`) "
-            f"on `{model.target_code}`: every decoder layer"
+            f"on `{model.target_code}`: {layers}"
         )
         return edits
+    if target is None and vlm.is_vision_language(found):
+        return _both_towers(recipe, params, model, found)
     if target is None:
         reach.require_blocks(
             recipe, SKILL, found,
@@ -188,4 +192,30 @@ def _parsed_arguments(recipe: Recipe) -> Edits | AlreadyApplied | None:
         "transformers 5) after the arguments are parsed "
         f"({', '.join(recipe.where(s) for s, _ in parsed)}): the Trainer checkpoints every decoder layer"
     )
+    return edits
+
+
+def _both_towers(recipe: Recipe, params: Params, model, found: reach.ModelShape) -> Edits:
+    """A vision-language model: the blocks of the vision tower and of the language model, each
+    found in its tower at run time (the largest block list of the whole model is only one)."""
+    towers = vlm.check_parts(recipe, SKILL, found, ["vision_tower", "language_model"], "give `target`")
+    edits = Edits(recipe)
+    ensure_find_blocks(recipe, edits, model.statement)
+    insert_definitions(recipe, edits, HELPER, model.statement)
+    vlm.ensure_helper(recipe, edits, SKILL, model.statement)
+    for name in ("CheckpointImpl", "apply_activation_checkpointing", "checkpoint_wrapper"):
+        edits.add_import(WRAPPER_MODULE, name)
+    every = f", every={params.every}" if params.every != 1 else ""
+    find = templates.statement(
+        recipe.module,
+        f'towers = vision_language_parts({{model}}, "{SKILL}", ["vision_tower", "language_model"])',
+        model=model.target,
+    )
+    loop = templates.statement(
+        recipe.module,
+        f"for tower in towers.values():\n    checkpoint_blocks(tower{every}{gpu_guard.warn_argument(recipe, model)})\n",
+    )
+    stages.insert_stage(recipe, edits, model, stages.ACTIVATION_CHECKPOINTING, [find, loop])
+    every_text = "" if params.every == 1 else f"every {params.every}th of "
+    edits.acts_on = f"wraps {every_text}the blocks of the {towers} (each tower's largest block list, counted at run time)"
     return edits

@@ -113,6 +113,53 @@ def collate_packed(rows: list, SEQ_LEN: int, PAD_ID: int) -> dict[str, torch.Ten
     return {"input_ids": input_ids, "labels": labels, "position_ids": position_ids}
 '''
 
+# Image+text samples: a piece is ``(tokens_and_targets, pixel_values)``, laid out as in PACK_PAIRS;
+# the pictures of a batch go in the order of their image tokens (row after row, piece after piece),
+# which is the order a LLaVA-style model puts their features in. A row is a list (a lone piece is
+# a tuple).
+PACK_IMAGES = '''
+def pack_pieces(pieces: list[tuple[torch.Tensor, torch.Tensor]], SEQ_LEN: int) -> list[list[tuple]]:
+    """Sequence packing of image+text samples: group ``(tokens_and_targets, pixel_values)`` pieces
+    into rows of at most ``SEQ_LEN`` positions with first-fit decreasing, so that rows carry more
+    samples and less padding. A piece of n tokens (its image tokens included) fills n - 1
+    positions. Each row is a list of pieces, laid out by ``collate_packed``. (Written by the
+    sequence-packing skill.)
+    """
+    bins = first_fit_decreasing([piece[0].shape[-1] - 1 for piece in pieces], SEQ_LEN)
+    return [[pieces[i] for i in sorted(members)] for members in bins]
+
+
+def collate_packed(rows: list, SEQ_LEN: int, PAD_ID: int) -> dict[str, torch.Tensor]:
+    """Lay out packed rows (lists of ``(tokens_and_targets, pixel_values)`` pieces; a lone piece
+    is a row of its own): inputs and next-token labels piece after piece, padding at the end,
+    position ids that restart at 0 for each piece, and the pictures in the order of their image
+    tokens (row after row, piece after piece), the order in which the model fills its image
+    tokens. With ``attention_mask=None``, transformers turns restarting position ids into a
+    block-diagonal causal mask, so each sample's loss is what it would be alone. (Written by the
+    sequence-packing skill.)
+    """
+    input_ids = torch.full((len(rows), SEQ_LEN), PAD_ID, dtype=torch.int64)
+    labels = torch.full((len(rows), SEQ_LEN), IGNORE, dtype=torch.int64)
+    position_ids = torch.zeros((len(rows), SEQ_LEN), dtype=torch.int64)
+    pictures = []
+    for row, pieces in enumerate(rows):
+        start = 0
+        for tokens, picture in pieces if isinstance(pieces, list) else (pieces,):
+            n = tokens.shape[-1] - 1
+            input_ids[row, start : start + n] = tokens[0, :-1]
+            labels[row, start : start + n] = tokens[1, 1:]
+            position_ids[row, start : start + n] = torch.arange(n)
+            pictures.append(picture)
+            start += n
+        position_ids[row, start:] = torch.arange(SEQ_LEN - start)  # the padding: a sequence of its own
+    return {
+        "input_ids": input_ids,
+        "labels": labels,
+        "position_ids": position_ids,
+        "pixel_values": torch.stack(pictures),
+    }
+'''
+
 # The model shifts the labels itself (Hugging Face ``labels=``): a document of n tokens fills n
 # positions and its labels are its tokens.
 PACK_TOKENS = '''
@@ -189,6 +236,13 @@ def apply(recipe: Recipe, params: Params) -> Edits | AlreadyApplied:
         where = f" in the loop {params.loop!r}" if params.loop else ""
         raise SkillRefused(f"{SKILL}: looked for forward calls of the model (`{model.target_code}(...)`){where}; found none")
     model_shifts_labels = any(keyword(call, "labels") is not None for call in forwards)
+    images = any(keyword(call, "pixel_values") is not None for call in forwards)
+    if images and model_shifts_labels:
+        raise SkillRefused(
+            f"{SKILL}: the forward call at {recipe.where(forwards[0])} passes pixel_values and labels=; packing "
+            "image+text samples needs the recipe to take the loss itself (inputs and next-token labels per "
+            "piece, as the vlm template does)"
+        )
 
     edits = Edits(recipe)
     for call in forwards:
@@ -201,7 +255,7 @@ def apply(recipe: Recipe, params: Params) -> Edits | AlreadyApplied:
             f"({', '.join(parameters)})"
         )
     seq_param, pad_param = parameters[1], parameters[2]
-    code = FIRST_FIT_DECREASING + (PACK_TOKENS if model_shifts_labels else PACK_PAIRS)
+    code = FIRST_FIT_DECREASING + (PACK_IMAGES if images else PACK_TOKENS if model_shifts_labels else PACK_PAIRS)
     ignore = "IGNORE_INDEX" if recipe.defines("IGNORE_INDEX") else "-100"
     code = code.replace("SEQ_LEN", seq_param).replace("PAD_ID", pad_param).replace("IGNORE", ignore)
     insert_definitions(recipe, edits, code, path.collate, after=path.collate)
@@ -215,8 +269,9 @@ def apply(recipe: Recipe, params: Params) -> Edits | AlreadyApplied:
     )
     edits.replace(path.collate_reference, cst.Name("collate_packed"))
     edits.add_import("torch")
+    samples = "image+text samples (pictures in the order of their image tokens)" if images else "documents"
     edits.acts_on = (
-        f"packs the pieces collated by {path.collate.name.value}() into rows of whole documents and passes "
+        f"packs the pieces collated by {path.collate.name.value}() into rows of whole {samples} and passes "
         f"position_ids to {len(forwards)} forward call{'s' if len(forwards) != 1 else ''} of `{model.target_code}`"
     )
     return edits
@@ -275,6 +330,9 @@ def _engine_data_path(recipe: Recipe) -> DataPath | None:
     if prepare is None:
         return None
     stream = _returned_call(recipe, prepare)
+    if stream is not None and dotted_name(stream.func).startswith("self."):  # return self.stream(...)
+        method = recipe.methods(engine).get(dotted_name(stream.func)[5:])
+        stream = _returned_call(recipe, method) if method is not None else None
     classes = recipe.top_level_classes()
     if stream is None or recipe.call_name(stream) not in classes:
         return None

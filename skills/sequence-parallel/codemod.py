@@ -72,6 +72,13 @@ def apply(recipe: Recipe, params: Params) -> Edits | AlreadyApplied:
                 "be split with the sequence; pass position_ids instead (padding after the real tokens "
                 "needs no mask; the sequence-packing skill does this), then apply again"
             )
+        if keyword(call, "pixel_values") is not None:
+            raise SkillRefused(
+                f"{SKILL}: the forward call at {recipe.where(call)} passes pixel_values: a vision-language "
+                "model puts each image's features at its image tokens, which a split of the sequence "
+                "spreads over the ranks; shorten the sequence instead (gradient-checkpointing, "
+                "sequence-packing) or shard with FSDP2 over more ranks"
+            )
         if keyword(call, "labels") is not None:
             raise SkillRefused(
                 f"{SKILL}: the forward call at {recipe.where(call)} passes labels=, so the model shifts "

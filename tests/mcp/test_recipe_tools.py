@@ -14,6 +14,7 @@ def test_list_templates_describes_the_causal_lm_template(client):
     templates = {t["name"]: t["description"] for t in client.ok("list_templates")["templates"]}
     assert "causal_lm" in templates and templates["causal_lm"]
     assert templates["sft"].startswith("Supervised fine-tuning") and templates["dpo"].startswith("Preference alignment")
+    assert templates["vlm"].startswith("Vision-language model")
 
 
 def test_scaffold_recipe_commits_the_recipe_then_one_commit_per_skill(client, workspace):
@@ -49,7 +50,7 @@ def test_scaffold_recipe_commits_the_recipe_then_one_commit_per_skill(client, wo
         ({"config": {"train.max_stpes": 3}}, "unknown config key 'train.max_stpes' (did you mean 'train.max_steps'?)"),
         ({"skills": ["gradient-checkpoint"]}, "no skill named 'gradient-checkpoint'"),
         ({"skills": [{"name": "lora", "params": "r=8"}]}, "params of skill 'lora' must be a mapping"),
-        ({"template": "seq2seq"}, "unknown template 'seq2seq'; templates: causal_lm, dpo, sft"),
+        ({"template": "seq2seq"}, "unknown template 'seq2seq'; templates: causal_lm, dpo, sft, vlm"),
         ({"name": "../escape"}, "recipe name '../escape' is not a plain name"),
         ({"config": {"data.paths": ["/etc/passwd"]}}, "resolves outside the workspace"),
         ({"config": "train.max_steps=3"}, "config\n  Input should be a valid dictionary"),

@@ -12,11 +12,14 @@ installed, then reads the trained models back from the script's globals:
 - ``lora_layers``, ``trainable``, ``frozen``: adapted layers and parameter counts of the models;
   ``frozen_changed``: frozen parameters that differ from their value at the first forward
   (must be empty); ``trainable_changed``: trainable parameters that moved;
+- ``forwards``: forward calls per module class (a checkpointed block's submodules run twice
+  per step: once forward, once when backward recomputes them);
 - ``printed``: the script's console lines (the helpers' counts).
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import io
 import os
@@ -39,6 +42,7 @@ class Effects:
     frozen: int = 0
     frozen_changed: list[str] = field(default_factory=list)
     trainable_changed: int = 0
+    forwards: collections.Counter = field(default_factory=collections.Counter)
     printed: str = ""
     globals: dict = field(default_factory=dict)
 
@@ -61,6 +65,7 @@ def run_script(path: Path) -> Effects:
             first_seen[id(module)] = {n: p.detach().clone() for n, p in module.named_parameters(recurse=False)}
         if isinstance(module, CheckpointWrapper):
             ran_checkpointed.add(id(module))
+        effects.forwards[type(module).__name__] += 1
         if torch.is_autocast_enabled("cpu"):
             effects.autocast_forwards += 1
 

@@ -14,6 +14,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 TEMPLATE = REPO / "recipes_template" / "causal_lm"
+VLM_TEMPLATE = REPO / "recipes_template" / "vlm"
 FIXTURES = Path(__file__).resolve().parent / "recipes"
 EXPECTED = Path(__file__).resolve().parent / "expected"
 PYTHON = sys.executable
@@ -36,9 +37,10 @@ SMALL_RUN = (
 def copy_recipe(style: str, destination: Path) -> Path:
     """A fresh copy of a recipe in ``destination``: the template's folder, or a fixture script."""
     destination.mkdir(parents=True, exist_ok=True)
-    if style == "template":
+    if style in ("template", "vlm"):
         target = destination / "recipe"
-        shutil.copytree(TEMPLATE, target, ignore=shutil.ignore_patterns("__pycache__", "runs"))
+        source = TEMPLATE if style == "template" else VLM_TEMPLATE
+        shutil.copytree(source, target, ignore=shutil.ignore_patterns("__pycache__", "runs"))
         return target
     target = destination / f"{style}.py"
     shutil.copy(FIXTURES / f"{style}.py", target)

@@ -35,6 +35,8 @@ REFUSALS: dict[tuple[str, str], tuple[str, str]] = {
     **{("gan", skill): (SEVERAL, 'target="netG"') for skill in SKILLS if skill != "loss-guard"},
     **{(s, "freeze"): ("builds no nn.Embedding", "set embeddings=false") for s in SCRIPTS if s not in ("gan", "char_lstm")},
     **{(s, "sequence-parallel"): ("looked for a trainwright Engine subclass", "Doing it by hand") for s in SCRIPTS},
+    **{(s, "vlm-freeze-policy"): ("has no vision_tower or projector or language_model", "use the freeze skill")
+       for s in SCRIPTS if s != "gan"},
     ("convnet", "gradient-checkpointing"): (NO_BLOCKS, "one of `model.conv1`, `model.conv2`"),
     ("convnet", "torch-compile"): (NO_BLOCKS, 'use scope="model"'),
     ("convnet", "lora"): (NO_BLOCKS, "target_modules (its linear layers: fc1, fc2)"),

@@ -29,7 +29,16 @@ APPLIES_TO = {
     "muon": STYLES,
     "liger-kernel": ("template", "hf_trainer_style"),
     "flash-attention": ("template", "hf_trainer_style"),
+    "vlm-freeze-policy": (),
 }
+# The vlm template: every skill but these applies. The hand-written LLaVA script: the skills
+# with a vision-language code path (the others: test_vlm_skills.py).
+VLM_REFUSES = {
+    ("sequence-parallel", "vlm"): "passes pixel_values: a vision-language model puts each image's features",
+}
+LLAVA_SCRIPT = ("gradient-checkpointing", "sequence-packing", "vlm-freeze-policy")
+# Applied already: the vlm template has its own stage setting.
+VLM_ALREADY = {("vlm-freeze-policy", "vlm"): "its own stage policy: the setting `model.stage` (recipe.py:"}
 # (skill, style) → what the refusal must say.
 REFUSES = {
     ("tensor-parallel", "nanogpt_style"): "the model is built by GPT(...) (nanogpt_style.py:122), a module defined in the file",
@@ -38,8 +47,14 @@ REFUSES = {
     ("sequence-parallel", "hf_trainer_style"): "looked for a trainwright Engine subclass in hf_trainer_style.py; found none",
     ("liger-kernel", "nanogpt_style"): "the model is built by GPT(...) (nanogpt_style.py:122), a module defined in the file",
     ("flash-attention", "nanogpt_style"): "the model is built by GPT(...) (nanogpt_style.py:122), a module defined in the file",
+    ("vlm-freeze-policy", "template"): "is a text-only model: it has no vision_tower or projector or language_model",
+    ("vlm-freeze-policy", "nanogpt_style"): "GPT (nanogpt_style.py:122) has no vision_tower or projector or language_model",
+    ("vlm-freeze-policy", "hf_trainer_style"): "is a text-only model: it has no vision_tower or projector or language_model",
+    **VLM_REFUSES,
 }
-APPLYING = [(skill, style) for skill, styles in APPLIES_TO.items() for style in styles]
+APPLYING = [(skill, style) for skill, styles in APPLIES_TO.items() for style in styles] + [
+    (skill, "vlm") for skill in APPLIES_TO if (skill, "vlm") not in VLM_REFUSES and (skill, "vlm") not in VLM_ALREADY
+] + [(skill, "llava_style") for skill in LLAVA_SCRIPT]
 
 
 def assert_matches_expected(name: str, actual: str) -> None:
@@ -95,4 +110,17 @@ def test_every_skill_and_style_pair_is_covered():
     assert set(APPLIES_TO) == names
     for skill in names:
         covered = set(APPLIES_TO[skill]) | {style for (s, style) in REFUSES if s == skill}
-        assert covered == set(STYLES), skill
+        covered |= {style for (s, style) in APPLYING if s == skill} | {style for (s, style) in VLM_ALREADY if s == skill}
+        assert covered - {"llava_style"} == set(STYLES) | {"vlm"}, skill
+
+
+@pytest.mark.parametrize("skill,style", list(VLM_ALREADY), ids=[f"{s}--{t}" for s, t in VLM_ALREADY])
+def test_a_recipe_with_its_own_stage_policy_says_so(skill: str, style: str, tmp_path: Path):
+    recipe = copy_recipe(style, tmp_path)
+    before = target_file(recipe).read_text()
+
+    result = apply_skill(skill, recipe, params={"stage": "align", "unfreeze_vision": True})
+
+    assert result.already_applied and not result.changed and VLM_ALREADY[(skill, style)] in result.message
+    assert "--set model.stage=align --set model.train_vision_tower=true" in result.message
+    assert target_file(recipe).read_text() == before

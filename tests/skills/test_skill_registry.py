@@ -26,6 +26,7 @@ SKILL_NAMES = [
     "sequence-parallel",
     "tensor-parallel",
     "torch-compile",
+    "vlm-freeze-policy",
 ]
 GPU_SKILLS = {"flash-attention", "liger-kernel"}  # they apply anywhere but only act on a CUDA GPU
 SECTIONS = ["Goal", "When to use", "What the codemod changes", "Parameters", "Validation", "Doing it by hand"]
@@ -96,8 +97,14 @@ def test_importing_and_applying_skills_never_imports_torch(tmp_path: Path):
         "import skills\n"
         "skills.list_skills()\n"
         f"shutil.copytree({str(REPO / 'recipes_template' / 'causal_lm')!r}, {str(tmp_path / 'r')!r})\n"
+        f"shutil.copytree({str(REPO / 'recipes_template' / 'vlm')!r}, {str(tmp_path / 'v')!r})\n"
+        "refused = {('r', 'vlm-freeze-policy'), ('v', 'sequence-parallel')}\n"
         "for s in skills.list_skills():\n"
-        f"    skills.apply_skill(s.name, Path({str(tmp_path / 'r')!r}), dry_run=True)\n"
+        "    for r in ('r', 'v'):\n"
+        "        try:\n"
+        f"            skills.apply_skill(s.name, Path({str(tmp_path)!r}) / r, dry_run=True)\n"
+        "        except skills.SkillRefused:\n"
+        "            assert (r, s.name) in refused, (r, s.name)\n"
         "heavy = sorted(m for m in ('torch', 'transformers', 'peft', 'numpy') if m in sys.modules)\n"
         "print(heavy)\n"
     )

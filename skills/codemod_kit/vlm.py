@@ -1,0 +1,118 @@
+"""The parts of a vision-language model (LLaVA-style): vision tower, projector, language model.
+
+Shared by the skills that act on parts (``freeze`` with ``parts``, ``gradient-checkpointing`` on
+both towers, ``vlm-freeze-policy``). The parts are found by their module names, transformers'
+own first (``LlavaForConditionalGeneration``: ``model.vision_tower``, ``model.multi_modal_projector``,
+``model.language_model``, with ``lm_head``), then common alternatives (Qwen2-VL's ``visual`` and
+``visual.merger``, LLaVA's original ``mm_projector``, ``llm``). The written helper finds them at run
+time; the codemod refuses a model it can see has none (a text-only Hugging Face class, a class of
+the file without such attributes), listing what it saw.
+"""
+
+from __future__ import annotations
+
+import re
+
+import libcst as cst
+
+from skills.codemod_kit.definitions import _pending, insert_definitions
+from skills.codemod_kit.edits import Edits
+from skills.codemod_kit.reach import ModelShape
+from skills.codemod_kit.recipe import Recipe
+from skills.errors import SkillRefused
+
+# Module names of each part, in the order they are looked for.
+NAMES = {
+    "vision_tower": ("vision_tower", "visual", "vision_model", "vision_encoder", "image_encoder"),
+    "projector": ("multi_modal_projector", "mm_projector", "projector", "merger", "connector", "aligner"),
+    "language_model": ("language_model", "llm", "text_model"),
+}
+# Hugging Face classes with a vision tower (``LlavaForConditionalGeneration``, ``Qwen2VLForConditionalGeneration``,
+# ``AutoModelForImageTextToText``, ``AutoModelForVision2Seq``).
+_VISION_LANGUAGE_CLASS = re.compile(r"Llava|VL|Vision|ImageTextToText|ConditionalGeneration|Idefics|Pali|Blip")
+
+HELPER = '''
+def vision_language_parts(
+    model: torch.nn.Module, skill: str, parts: list[str], every: bool = False
+) -> dict[str, torch.nn.Module]:
+    """The parts of a vision-language model, found by module name (the shallowest match): the
+    ``vision_tower`` (or ``visual``, ``vision_model``, ``vision_encoder``, ``image_encoder``), the
+    ``projector`` (``multi_modal_projector``, ``mm_projector``, ``merger``, ``connector``,
+    ``aligner``) and the ``language_model`` (``llm``, ``text_model``). Returns ``parts`` (with
+    ``every``, all parts found); one of ``parts`` that the model lacks is an error listing the
+    modules it has. (Written by the SKILL skill.)
+    """
+    names = {
+        "vision_tower": ("vision_tower", "visual", "vision_model", "vision_encoder", "image_encoder"),
+        "projector": ("multi_modal_projector", "mm_projector", "projector", "merger", "connector", "aligner"),
+        "language_model": ("language_model", "llm", "text_model"),
+    }
+    found = {}
+    for part, candidates in names.items():
+        matches = [(n.count("."), n, m) for n, m in model.named_modules() if n.rsplit(".", 1)[-1] in candidates]
+        if matches:
+            found[part] = min(matches, key=lambda match: match[:2])[2]
+    missing = [part for part in parts if part not in found]
+    if missing:
+        seen = [n for n, _ in model.named_modules() if n and n.count(".") < 2]
+        raise ValueError(
+            f"{skill}: {type(model).__name__} has no {' or '.join(missing)} (a module named one of "
+            f"{[n for part in missing for n in names[part]]}); its modules: {seen[:16]}"
+        )
+    return found if every else {part: found[part] for part in parts}
+
+
+def vision_language_parameters(model: torch.nn.Module, skill: str, parts: list[str]) -> list[torch.nn.Parameter]:
+    """The parameters of the chosen parts of a vision-language model. The language model has its
+    output head too (``lm_head``, outside ``language_model`` in transformers' classes); a part
+    nested in another (Qwen2-VL's ``visual.merger``) keeps its parameters out of the outer one.
+    (Written by the SKILL skill.)
+    """
+    found = vision_language_parts(model, skill, parts, every=True)
+    depth = {id(m): n.count(".") for n, m in model.named_modules()}
+    owner = {}
+    for part, module in sorted(found.items(), key=lambda item: depth[id(item[1])]):  # inner parts last
+        owner.update((id(p), part) for p in module.parameters())
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    for parameter in head.parameters() if head is not None else ():
+        owner.setdefault(id(parameter), "language_model")
+    return [p for p in model.parameters() if owner.get(id(p)) in parts]
+'''
+
+
+def ensure_helper(recipe: Recipe, edits: Edits, skill: str, near: cst.CSTNode) -> None:
+    """Write ``vision_language_parts``/``vision_language_parameters`` once into the file."""
+    if recipe.defines("vision_language_parts") or _pending(edits, "vision_language_parts"):
+        return
+    edits.add_import("torch")
+    insert_definitions(recipe, edits, HELPER.replace("SKILL", skill), near)
+
+
+def is_vision_language(found: ModelShape) -> bool:
+    """Does the code say the model has a vision tower? A Hugging Face vision-language class, or
+    a class of the file with a vision-tower attribute."""
+    if found.hf:
+        return bool(_VISION_LANGUAGE_CLASS.search(found.hf_class or found.name))
+    return any(name in NAMES["vision_tower"] for name in found.attributes)
+
+
+def check_parts(recipe: Recipe, skill: str, found: ModelShape, parts: list[str], instead: str) -> str:
+    """Refuse parts that the model, as far as the code shows, does not have; return how the
+    parts are described in ``acts_on``. A model whose class the codemod cannot see (a factory
+    of another module) is checked at run time by the helper."""
+    where = recipe.where(found.model.statement)
+    if found.hf and not is_vision_language(found):
+        raise SkillRefused(
+            f"{skill}: {found.name} ({where}) is a text-only model: it has no {' or '.join(p for p in parts)} "
+            f"part (those are parts of a vision-language model such as LlavaForConditionalGeneration); {instead}"
+        )
+    if found.cls is not None and not found.hf:
+        missing = [p for p in parts if not any(n in NAMES[p] for n in found.attributes)]
+        if missing:
+            seen = ", ".join(f"`{n}`" for n in found.attributes) or "none"
+            raise SkillRefused(
+                f"{skill}: {found.name} ({where}) has no {' or '.join(missing)} (an attribute named one of "
+                f"{', '.join(n for p in missing for n in NAMES[p])}); its submodules: {seen}; {instead}"
+            )
+    checked = "" if found.hf or found.cls is not None else " (found by name at run time)"
+    return f"{' and '.join(p.replace('_', ' ') for p in parts)} of {found.name}{checked}"
