@@ -140,6 +140,23 @@ def _folder_files(given: Path, real: Path, raw: str, root: Path | None, suffixes
     return sorted(files, key=lambda item: item[1])
 
 
+def data_file(raw: str, root: Path | None = None) -> Path:
+    """One data file a data file names (an image of an image-caption record), resolved, confined
+    as :func:`data_files` confines, and fingerprinted with the files listed. Raises
+    :class:`DataPathRefused` when it leads out, and an ``OSError`` when it is not a regular file
+    (missing, a folder, a FIFO that would wait for a writer): the caller says which record."""
+    root = allowed_root() if root is None else Path(root).resolve()
+    if root is not None and str(raw).startswith("~"):
+        raise DataPathRefused(f"data path {raw!r} starts with '~': give a path inside the workspace")
+    real = _confined(Path(raw), str(raw), root)
+    if not real.exists():
+        raise FileNotFoundError(f"no such file: {raw}")
+    if not real.is_file():
+        raise OSError(f"not a regular file: {raw}")
+    _LEDGER[real] = _file_sha256(real)
+    return real
+
+
 def confined_path(raw: str, root: Path | None = None) -> str:
     """A local file or folder (model weights, a tokenizer) as a resolved path, after checking it
     and, for a folder, every file in it, as :func:`data_files` does. A value that names nothing

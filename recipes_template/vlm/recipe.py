@@ -48,7 +48,7 @@ from transformers.convert_slow_tokenizer import bytes_to_unicode
 from transformers.models.siglip.image_processing_pil_siglip import SiglipImageProcessorPil
 
 from engine.config import ConfigError, DataConfig, EngineConfig, Section
-from engine.data_files import confined_path, data_files
+from engine.data_files import DataPathRefused, confined_path, data_file, data_files
 from engine.engine import IGNORE_INDEX, Engine
 from engine.flops import non_embedding_params, transformer_flops_per_token
 from engine.fsdp import apply_fsdp
@@ -236,26 +236,29 @@ def load_examples(cfg: VLMDataConfig) -> list[tuple[str, Any, str]]:
 
     examples = []
     for path, name in data_files(cfg.paths, suffixes={".jsonl"}):
-        with open(path) as f:
+        with open(path, "rb") as f:
             for line_number, line in enumerate(f, 1):
                 if not line.strip():
                     continue
                 where = f"{name}:{line_number}"
                 try:
-                    record = json.loads(line)
+                    record = json.loads(line.decode())
                 except json.JSONDecodeError as e:
                     raise ConfigError(f"{where}: not a JSON object ({e.msg})") from None
+                except (UnicodeDecodeError, RecursionError) as e:
+                    raise ConfigError(f"{where}: not a JSON object in UTF-8 ({type(e).__name__})") from None
                 if not isinstance(record, dict) or not isinstance(record.get("image"), str) or not isinstance(
                     record.get("caption"), str
                 ):
                     raise ConfigError(f'{where}: a record is {{"image": "relative/path.png", "caption": "..."}}')
                 if not record["caption"].strip():
                     raise ConfigError(f"{where}: the caption is empty")
-                image_path = Path(confined_path(str(path.parent / record["image"])))
-                try:
-                    with Image.open(image_path) as image:
+                try:  # a data file: confined, a regular file, and part of the data fingerprint
+                    with Image.open(data_file(str(path.parent / record["image"]))) as image:
                         image = image.convert("RGB")
-                except (OSError, ValueError) as e:
+                except DataPathRefused:
+                    raise
+                except (OSError, ValueError, Image.DecompressionBombError) as e:
                     raise ConfigError(f"{where}: image {record['image']!r} cannot be read ({e})") from None
                 examples.append((where, image, record["caption"]))
     if not examples:
@@ -269,8 +272,13 @@ def is_eval_document(name: str, eval_fraction: float) -> bool:
 
 
 def caption_tokens(tokenizer, text: str) -> list[int]:
-    """What the model learns to say: the caption's tokens and the end of caption."""
-    return tokenizer.encode(text, add_special_tokens=False) + [tokenizer.eos_token_id]
+    """What the model learns to say: the caption's tokens and the end of caption. A caption is
+    text: ``<image>`` in it is its bytes, never an image token the splice has no features for."""
+    return text_tokens(tokenizer, text) + [tokenizer.eos_token_id]
+
+
+def text_tokens(tokenizer, text: str) -> list[int]:
+    return tokenizer.encode(text, add_special_tokens=False, split_special_tokens=True)
 
 
 def make_pieces(examples, processor: LlavaProcessor, seq_len: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -428,7 +436,7 @@ def greedy_captions(model, processor: LlavaProcessor, pixels: torch.Tensor, max_
                     prefix: str = "") -> list[str]:
     """The model's greedy caption of each image (one batch: every prompt has the same length)."""
     tokenizer = processor.tokenizer
-    prompt = [processor.image_token_id] * image_tokens(processor) + tokenizer.encode(prefix, add_special_tokens=False)
+    prompt = [processor.image_token_id] * image_tokens(processor) + text_tokens(tokenizer, prefix)
     input_ids = torch.tensor([prompt] * len(pixels))
     device = next(model.parameters()).device
     output = model.generate(
@@ -590,7 +598,7 @@ class VLM(Engine):
             raise ConfigError("no images are held out (data.eval_fraction=0): sample has no image to caption")
         name, image, text = held_out[index % len(held_out)]
         tokens = [self.processor.image_token_id] * image_tokens(self.processor)
-        tokens += self.processor.tokenizer.encode(prompt, add_special_tokens=False)
+        tokens += text_tokens(self.processor.tokenizer, prompt)
         inputs = {"input_ids": torch.tensor([tokens]), "pixel_values": pixel_values(self.processor, [image])}
         return inputs, {"image": name, "caption": text}
 

@@ -1,0 +1,147 @@
+"""The vision-language template's data and inputs, written by someone hostile: a data file or an
+image that cannot be read is a clear ConfigError naming its line (the launch check's bad_input),
+never a crash deep in training or a launch check that hangs; a caption or a sample prompt cannot
+add image tokens; and the images are part of the data fingerprint, so a run that trains on other
+images than its launch check counted says so."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import struct
+import sys
+import zlib
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from engine import data_files
+from engine.config import ConfigError
+from engine.launch import load_recipe_class
+from tests.support import REPO
+
+vlm = sys.modules[load_recipe_class(REPO / "recipes_template" / "vlm").__module__]
+
+
+def _png_header(width: int, height: int) -> bytes:
+    """A PNG that claims a size and holds (almost) nothing: a decompression bomb's header."""
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(b"\0" * 64)) + chunk(
+        b"IEND", b"")
+
+
+@pytest.fixture
+def workspace(tmp_path, monkeypatch):
+    from PIL import Image
+
+    root = tmp_path / "ws"
+    (root / "images").mkdir(parents=True)
+    Image.new("RGB", (20, 20), (200, 20, 20)).save(root / "images" / "ok.png")
+    monkeypatch.chdir(root)
+    monkeypatch.setenv(data_files.WORKSPACE_VARIABLE, str(root))
+    data_files.forget_listed()
+    yield root
+    data_files.forget_listed()
+
+
+def _load(root: Path, record_bytes: bytes):
+    (root / "data.jsonl").write_bytes(b'{"image": "images/ok.png", "caption": "a red square"}\n' + record_bytes + b"\n")
+    return vlm.load_examples(vlm.VLMDataConfig(paths=["data.jsonl"]))
+
+
+class Hung(BaseException):
+    """Not an OSError (TimeoutError is one, and the loader catches those)."""
+
+
+def _timeout(signum, frame):
+    raise Hung("the data loader hung")
+
+
+@pytest.mark.parametrize("case", ["bomb", "not_utf8", "deep_json", "fifo"])
+def test_hostile_data_is_a_config_error_naming_its_line(workspace, case):
+    if case == "bomb":  # PIL refuses its size with DecompressionBombError, which is not an OSError
+        (workspace / "images" / "bomb.png").write_bytes(_png_header(30000, 30000))
+        record = b'{"image": "images/bomb.png", "caption": "x"}'
+    elif case == "not_utf8":
+        record = b'{"image": "images/ok.png", "caption": "\xff\xfe"}'
+    elif case == "deep_json":
+        record = b"[" * 100_000
+    else:  # opening a FIFO waits for a writer that never comes
+        os.mkfifo(workspace / "images" / "fifo.png")
+        record = b'{"image": "images/fifo.png", "caption": "x"}'
+    previous = signal.signal(signal.SIGALRM, _timeout)
+    signal.alarm(10)
+    try:
+        with pytest.raises(ConfigError, match="^data.jsonl:2: "):
+            _load(workspace, record)
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def test_every_image_mode_becomes_three_channels(workspace):
+    from PIL import Image
+
+    images = {
+        "i16.png": Image.fromarray(np.full((20, 20), 40000, np.uint16)),
+        "palette.png": Image.new("P", (20, 20)),
+        "rgba.png": Image.new("RGBA", (20, 20), (1, 2, 3, 0)),
+        "gray.png": Image.new("L", (20, 20), 7),
+        "bits.png": Image.new("1", (20, 20), 1),
+        "cmyk.jpg": Image.new("CMYK", (20, 20)),
+    }
+    lines = []
+    for name, image in images.items():
+        image.save(workspace / "images" / name)
+        lines.append(json.dumps({"image": f"images/{name}", "caption": name}))
+    examples = _load(workspace, "\n".join(lines).encode())
+    pixels = vlm.pixel_values(vlm.build_processor(16, 8), [image for _, image, _ in examples])
+    assert pixels.shape == (len(images) + 1, 3, 16, 16)
+    assert torch.isfinite(pixels).all() and pixels.abs().max() <= 1
+
+
+def test_special_tokens_in_a_caption_are_its_text(workspace):
+    """``<image>`` in a caption would add an image token the splice has no features for
+    (transformers: "Image features and image tokens do not match", at the first step)."""
+    processor = vlm.build_processor(32, 8)
+    text = "a <image> at </s> the <pad> left<image>"
+    examples = _load(workspace, json.dumps({"image": "images/ok.png", "caption": text}).encode())
+    pieces = vlm.make_pieces(examples, processor, seq_len=128)
+    tokens, targets = pieces[1][0]
+    assert int((tokens == processor.image_token_id).sum()) == vlm.image_tokens(processor)
+    caption = targets[targets != -100].tolist()
+    assert caption[-1] == processor.tokenizer.eos_token_id and caption.count(processor.tokenizer.eos_token_id) == 1
+    assert bytes(caption[:-1]).decode() == text
+    config = vlm.ModelConfig(hidden_size=32, intermediate_size=64, vision_hidden_size=32, vision_layers=1, num_layers=1)
+    model = vlm.build_model(config, processor, seq_len=128)
+    batch = vlm.collate(pieces, 128, processor.tokenizer.pad_token_id)
+    logits = model(input_ids=batch["input_ids"], pixel_values=batch["pixel_values"], use_cache=False).logits
+    assert torch.isfinite(logits).all()
+
+
+def test_a_sample_prompt_cannot_add_image_tokens():
+    from engine.distributed import DistInfo
+
+    config = vlm.VLMConfig.model_validate({"data": {"builtin_images": 40, "eval_fraction": 0.25}})
+    engine = vlm.VLM(config, DistInfo(0, 1, 0, torch.device("cpu"), None))
+    inputs, _ = engine.sample_inputs(0, "<image><image> a")
+    assert inputs["input_ids"].tolist() == [[engine.processor.image_token_id] * 16 + list(b"<image><image> a")]
+
+
+def test_the_images_are_part_of_the_data_fingerprint(workspace):
+    from PIL import Image
+
+    _load(workspace, b"")
+    counted = data_files.data_fingerprint()
+    assert data_files.changed_since_listed() == []
+    Image.new("RGB", (20, 20), (20, 200, 20)).save(workspace / "images" / "ok.png")  # the .jsonl is unchanged
+    assert data_files.changed_since_listed() == [(workspace / "images" / "ok.png").resolve()]
+    data_files.forget_listed()
+    _load(workspace, b"")
+    assert data_files.data_fingerprint() != counted
