@@ -84,7 +84,7 @@ class VLMDataConfig(DataConfig):
     )
     paths: list[str] = Field(default_factory=list, description='.jsonl of {"image", "caption"}, or folders.')
     image_size: int = Field(32, ge=8, description="Images are resized to this side.")
-    eval_fraction: float = Field(0.05, ge=0, lt=1, description="Images held out for evaluation.")
+    eval_fraction: float = Field(0.05, ge=0, le=1, description="Images held out (1: all, for `trainwright evaluate`).")
     builtin_images: int = Field(4000, ge=10, description="data.source=builtin: how many images.")
     eval_prompts: int = Field(100, ge=1, description="Held-out images task_metrics() captions.")
 
@@ -510,6 +510,8 @@ class VLM(Engine):
             counted[0] += 1
             counted[1] += len(caption_tokens(tokenizer, text))
             names.add(name.split(":", 1)[0])
+        if not counts[False][0]:
+            raise ConfigError(f"no training images: data.eval_fraction={cfg.eval_fraction} holds out all of them")
         return DataSummary(
             source=cfg.source,
             paths=cfg.paths[:20],
@@ -544,6 +546,9 @@ class VLM(Engine):
         )
 
     def prepare_data(self) -> BatchStream:
+        if not self.examples[0]:
+            raise ConfigError(f"no training images: data.eval_fraction={self.config.data.eval_fraction} "
+                              "holds out all of them")
         return self.stream(self.examples[0], self.config.train.seed)
 
     def prepare_eval_data(self) -> list[dict[str, torch.Tensor]] | None:

@@ -145,3 +145,26 @@ def test_the_images_are_part_of_the_data_fingerprint(workspace):
     data_files.forget_listed()
     _load(workspace, b"")
     assert data_files.data_fingerprint() != counted
+
+
+def test_evaluate_on_given_images_is_a_valid_config():
+    """``evaluate(data=[...])`` holds every image out (``data.eval_fraction=1``)."""
+    from engine.config import build_config
+    from engine.model_io import evaluation_overrides
+
+    recipe = load_recipe_class(REPO / "recipes_template" / "vlm")
+    fields = build_config(recipe.config_class, None, {}).model_dump(mode="json")
+    config = build_config(recipe.config_class, None, evaluation_overrides(fields, ["data.jsonl"]), base=fields)
+    assert (config.data.paths, config.data.eval_fraction) == (["data.jsonl"], 1.0)
+
+
+def test_a_run_with_every_image_held_out_is_refused_by_the_check():
+    """Before: the launch check passed and training stopped at its first batch (ZeroDivisionError)."""
+    from engine.distributed import DistInfo
+
+    config = vlm.VLMConfig.model_validate({"data": {"builtin_images": 10, "eval_fraction": 0.99}})
+    with pytest.raises(ConfigError, match="no training images: data.eval_fraction=0.99 holds out all of them"):
+        vlm.VLM.summarize_data(config)
+    engine = vlm.VLM(config, DistInfo(0, 1, 0, torch.device("cpu"), None))
+    with pytest.raises(ConfigError, match="no training images"):
+        engine.prepare_data()
