@@ -128,7 +128,7 @@ def check_launch(
     for line in reversed(stdout.strip().splitlines()):
         try:
             verdict = json.loads(line)
-        except ValueError:
+        except (ValueError, RecursionError):  # not JSON, or nested too deep for the parser
             continue
         if isinstance(verdict, dict) and "ok" in verdict:
             if not verdict["ok"]:
