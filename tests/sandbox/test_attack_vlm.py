@@ -168,3 +168,46 @@ def test_a_run_with_every_image_held_out_is_refused_by_the_check():
     engine = vlm.VLM(config, DistInfo(0, 1, 0, torch.device("cpu"), None))
     with pytest.raises(ConfigError, match="no training images"):
         engine.prepare_data()
+
+
+def test_a_vlm_run_evaluates_on_given_images_and_fingerprinted_them(tmp_path, monkeypatch):
+    """One short run on image files whose captions hold ``<image>`` (it trains: before, its first
+    step failed): its run.json's fingerprint covers the images (an image changed afterwards
+    changes it), and ``evaluate`` on given images works."""
+    import shutil
+
+    from PIL import Image
+
+    from engine import model_io
+    from engine import run_dir as rd
+    from tests.support import run_engine
+
+    recipe = tmp_path / "vlm"
+    shutil.copytree(REPO / "recipes_template" / "vlm", recipe, ignore=shutil.ignore_patterns("__pycache__"))
+    (tmp_path / "set" / "images").mkdir(parents=True)
+    with open(tmp_path / "set" / "data.jsonl", "w") as f:
+        for i in range(24):
+            Image.new("RGB", (16, 16), ((i * 40) % 255, 20, 200)).save(tmp_path / "set" / "images" / f"{i}.png")
+            f.write(json.dumps({"image": f"images/{i}.png", "caption": f"picture {i % 3} <image>"}) + "\n")
+    small = ("model.hidden_size=32", "model.intermediate_size=64", "model.vision_hidden_size=32", "model.vision_layers=1",
+             "model.num_layers=1", "data.seq_len=48", "data.batch_size=4", "data.eval_prompts=2",
+             "metrics.tensorboard=false", "train.max_steps=2", "train.eval_every=0", "checkpoint.every=2")
+    run = run_engine(tmp_path, recipe, *small, "data.paths=[set]", "data.eval_fraction=0.2")
+    shutil.copytree(recipe, run / rd.SNAPSHOT_DIRNAME)
+    counted = rd.read_run(run).data
+    assert counted is not None and counted.fingerprint
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv(data_files.WORKSPACE_VARIABLE, raising=False)
+    data_files.forget_listed()
+    vlm.load_examples(vlm.VLMDataConfig(paths=["set"]))
+    assert data_files.data_fingerprint() == counted.fingerprint
+    Image.new("RGB", (16, 16), (1, 2, 3)).save(tmp_path / "set" / "images" / "5.png")
+    data_files.forget_listed()
+    vlm.load_examples(vlm.VLMDataConfig(paths=["set"]))
+    assert data_files.data_fingerprint() != counted.fingerprint
+
+    result = model_io.evaluate(run, 2, data=["set"])
+    assert result["batches"] >= 1 and result["tokens"] > 0 and result["eval_loss"] > 0
+    assert set(result["metrics"]) == {"caption_accuracy"}
+    data_files.forget_listed()
