@@ -253,6 +253,10 @@ def load_examples(cfg: VLMDataConfig) -> list[tuple[str, Any, str]]:
                     raise ConfigError(f'{where}: a record is {{"image": "relative/path.png", "caption": "..."}}')
                 if not record["caption"].strip():
                     raise ConfigError(f"{where}: the caption is empty")
+                try:  # JSON may hold a lone surrogate ("\\ud800"), which no tokenizer takes
+                    record["caption"].encode("utf-8")
+                except UnicodeEncodeError:
+                    raise ConfigError(f"{where}: the caption is not valid text (it holds a lone surrogate)") from None
                 try:  # a data file: confined, a regular file, and part of the data fingerprint
                     with Image.open(data_file(str(path.parent / record["image"]))) as image:
                         image = image.convert("RGB")

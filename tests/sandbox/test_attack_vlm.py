@@ -63,7 +63,7 @@ def _timeout(signum, frame):
     raise Hung("the data loader hung")
 
 
-@pytest.mark.parametrize("case", ["bomb", "not_utf8", "deep_json", "fifo"])
+@pytest.mark.parametrize("case", ["bomb", "not_utf8", "deep_json", "fifo", "lone_surrogate", "image_path_nul"])
 def test_hostile_data_is_a_config_error_naming_its_line(workspace, case):
     if case == "bomb":  # PIL refuses its size with DecompressionBombError, which is not an OSError
         (workspace / "images" / "bomb.png").write_bytes(_png_header(30000, 30000))
@@ -72,6 +72,10 @@ def test_hostile_data_is_a_config_error_naming_its_line(workspace, case):
         record = b'{"image": "images/ok.png", "caption": "\xff\xfe"}'
     elif case == "deep_json":
         record = b"[" * 100_000
+    elif case == "lone_surrogate":  # valid JSON; the tokenizer raised TypeError in the launch check
+        record = b'{"image": "images/ok.png", "caption": "\\ud800 a caption"}'
+    elif case == "image_path_nul":
+        record = b'{"image": "images/ok.png\\u0000", "caption": "x"}'
     else:  # opening a FIFO waits for a writer that never comes
         os.mkfifo(workspace / "images" / "fifo.png")
         record = b'{"image": "images/fifo.png", "caption": "x"}'
