@@ -131,11 +131,38 @@ def check_launch(
         except (ValueError, RecursionError):  # not JSON, or nested too deep for the parser
             continue
         if isinstance(verdict, dict) and "ok" in verdict:
-            if not verdict["ok"]:
-                raise LaunchRefused(str(verdict["error"])[:MAX_CHECK_ERROR_CHARS])
-            return verdict
+            return _checked_verdict(verdict)
     last = (stderr.strip().splitlines() or ["no output"])[-1]
     raise LaunchRefused(f"the engine could not check the recipe: {last[:MAX_CHECK_ERROR_CHARS]}")
+
+
+def _checked_verdict(verdict: dict[str, Any]) -> dict[str, Any]:
+    """The verdict, whose fields are checked: it is printed by the process that imported the
+    recipe, so recipe code can print one of its own."""
+    if verdict["ok"] is not True:
+        error = verdict.get("error")
+        raise LaunchRefused(error[:MAX_CHECK_ERROR_CHARS] if isinstance(error, str) else "the launch check failed "
+                            "and gave no reason")
+    fields = verdict.get("fields", [])
+    valid = {
+        "config": isinstance(verdict.get("config"), dict),
+        "config_changes": isinstance(verdict.get("config_changes", {}), dict),
+        "fields": isinstance(fields, list) and all(isinstance(field, dict) for field in fields),
+        "data": verdict.get("data") is None or _valid_summary(verdict["data"]),
+    }
+    wrong = next((key for key, ok in valid.items() if not ok), None)
+    if wrong is not None:
+        raise LaunchRefused(f"the launch check's verdict has no valid {wrong!r}: the recipe's code printed a "
+                            "verdict of its own, or the engine it imports is not trainwright's")
+    return verdict
+
+
+def _valid_summary(data: Any) -> bool:
+    try:
+        rd.DataSummary.model_validate(data)
+    except ValueError:  # pydantic's ValidationError
+        return False
+    return True
 
 
 def run_contained(
