@@ -215,3 +215,18 @@ def test_a_vlm_run_evaluates_on_given_images_and_fingerprinted_them(tmp_path, mo
     assert result["batches"] >= 1 and result["tokens"] > 0 and result["eval_loss"] > 0
     assert set(result["metrics"]) == {"caption_accuracy"}
     data_files.forget_listed()
+
+
+def test_what_sample_shows_of_a_caption_is_bounded(workspace):
+    """sample names each held-out image's caption beside its completion: 8 captions of 150,000
+    characters made the model process's result too large (over 1 MB), so sample failed."""
+    from engine.distributed import DistInfo
+    from sandbox.model_process import MAX_RESULT_BYTES
+
+    (workspace / "data.jsonl").write_text("".join(
+        json.dumps({"image": "images/ok.png", "caption": "a long caption " * 10_000}) + "\n" for _ in range(4)))
+    config = vlm.VLMConfig.model_validate({"data": {"paths": ["data.jsonl"], "eval_fraction": 0.999}})
+    engine = vlm.VLM(config, DistInfo(0, 1, 0, torch.device("cpu"), None))
+    shown = [engine.sample_inputs(i, "a")[1] for i in range(8)]
+    assert len(json.dumps(shown)) < MAX_RESULT_BYTES // 8
+    assert all(about["caption"].startswith("a long caption a long") for about in shown)
