@@ -230,3 +230,42 @@ def test_what_sample_shows_of_a_caption_is_bounded(workspace):
     shown = [engine.sample_inputs(i, "a")[1] for i in range(8)]
     assert len(json.dumps(shown)) < MAX_RESULT_BYTES // 8
     assert all(about["caption"].startswith("a long caption a long") for about in shown)
+
+
+HAND_FROZEN = '''
+import torch
+from torch import nn
+
+
+class VLM(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.vision_tower = nn.Linear(4, 4)
+        self.projector = nn.Linear(4, 8)
+        self.language_model = nn.ModuleList([nn.Linear(8, 8) for _ in range(2)])
+
+
+def main():
+    model = VLM()
+    FREEZE
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+'''
+
+
+@pytest.mark.parametrize("freeze", [
+    "list(model.parameters())[0].requires_grad = False",
+    "setattr(model.language_model[0].weight, 'requires_grad', False)",
+    "model.language_model[0].weight.requires_grad = False",
+])
+def test_the_stage_policy_refuses_to_overrule_hand_written_freezing(tmp_path, freeze):
+    """The policy sets requires_grad of every parameter after the model is built: it is refused
+    where the recipe freezes by hand. A subscript on the way, or setattr, went unseen, and the
+    policy silently unfroze what the recipe froze."""
+    from skills.apply import apply_skill
+    from skills.errors import SkillRefused
+
+    recipe = tmp_path / "recipe.py"
+    recipe.write_text(HAND_FROZEN.replace("FREEZE", freeze))
+    with pytest.raises(SkillRefused, match="already sets requires_grad at recipe.py:16"):
+        apply_skill("vlm-freeze-policy", recipe)
+    assert recipe.read_text() == HAND_FROZEN.replace("FREEZE", freeze)
