@@ -109,7 +109,10 @@ def forget_listed() -> None:
 
 
 def _confined(path: Path, raw: str, root: Path | None) -> Path:
-    real = path.resolve()
+    try:
+        real = path.resolve()
+    except RuntimeError:  # Python before 3.13 on a loop of links
+        raise ConfigError(f"data path {raw!r} is a loop of symbolic links") from None
     if root is not None and not _inside(real, root):
         raise DataPathRefused(
             f"data path {raw!r} leads outside the workspace ({path} → {real}); "

@@ -63,7 +63,7 @@ def _timeout(signum, frame):
     raise Hung("the data loader hung")
 
 
-@pytest.mark.parametrize("case", ["bomb", "not_utf8", "deep_json", "fifo", "lone_surrogate", "image_path_nul"])
+@pytest.mark.parametrize("case", ["bomb", "not_utf8", "deep_json", "fifo", "lone_surrogate", "image_path_nul", "link_loop"])
 def test_hostile_data_is_a_config_error_naming_its_line(workspace, case):
     if case == "bomb":  # PIL refuses its size with DecompressionBombError, which is not an OSError
         (workspace / "images" / "bomb.png").write_bytes(_png_header(30000, 30000))
@@ -76,6 +76,10 @@ def test_hostile_data_is_a_config_error_naming_its_line(workspace, case):
         record = b'{"image": "images/ok.png", "caption": "\\ud800 a caption"}'
     elif case == "image_path_nul":
         record = b'{"image": "images/ok.png\\u0000", "caption": "x"}'
+    elif case == "link_loop":  # Path.resolve raised RuntimeError('Symlink loop ...')
+        os.symlink("b.png", workspace / "images" / "a.png")
+        os.symlink("a.png", workspace / "images" / "b.png")
+        record = b'{"image": "images/a.png", "caption": "x"}'
     else:  # opening a FIFO waits for a writer that never comes
         os.mkfifo(workspace / "images" / "fifo.png")
         record = b'{"image": "images/fifo.png", "caption": "x"}'
@@ -269,3 +273,14 @@ def test_the_stage_policy_refuses_to_overrule_hand_written_freezing(tmp_path, fr
     with pytest.raises(SkillRefused, match="already sets requires_grad at recipe.py:16"):
         apply_skill("vlm-freeze-policy", recipe)
     assert recipe.read_text() == HAND_FROZEN.replace("FREEZE", freeze)
+
+
+def test_a_loop_of_links_among_the_data_is_a_config_error(workspace):
+    """Given as a data path, or met in a data folder: a RuntimeError from the launch check before."""
+    (workspace / "corpus").mkdir()
+    (workspace / "corpus" / "a.jsonl").write_text("{}\n")
+    os.symlink("y.jsonl", workspace / "corpus" / "x.jsonl")
+    os.symlink("x.jsonl", workspace / "corpus" / "y.jsonl")
+    for paths in (["corpus"], ["corpus/x.jsonl"]):
+        with pytest.raises(ConfigError, match="loop of symbolic links"):
+            data_files.data_files(paths, suffixes={".jsonl"})
