@@ -284,3 +284,28 @@ def test_a_loop_of_links_among_the_data_is_a_config_error(workspace):
     for paths in (["corpus"], ["corpus/x.jsonl"]):
         with pytest.raises(ConfigError, match="loop of symbolic links"):
             data_files.data_files(paths, suffixes={".jsonl"})
+
+
+def test_launch_run_refuses_a_decompression_bomb_with_its_line_and_changes_nothing(tmp_path):
+    """Through the tool, in the sandboxed launch check: bad_input naming the record, and the
+    workspace (and its git history) hash the same afterwards."""
+    import shutil
+
+    from mcp_server.server import build_server
+    from sandbox import git as sandbox_git
+    from tests.sandbox.helpers import error_text, live_client, make_workspace, tree_hash
+
+    root = make_workspace(tmp_path / "ws")
+    shutil.copytree(REPO / "recipes_template" / "vlm", root / "recipes" / "vlm",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    (root / "set" / "images").mkdir(parents=True)
+    (root / "set" / "images" / "bomb.png").write_bytes(_png_header(30000, 30000))
+    (root / "set" / "data.jsonl").write_text(json.dumps({"image": "images/bomb.png", "caption": "a bomb"}) + "\n")
+    sandbox_git.commit_paths(sandbox_git.ensure_repo(root), [root / "recipes" / "vlm", root / "set"], "vlm", [])
+    with live_client(build_server(root)) as client:
+        before = tree_hash(root)
+        result = client.call("launch_run", {"recipe": "recipes/vlm", "overrides": {"data.paths": ["set"]}})
+        message = error_text(result)
+        assert result.is_error and "bad_input" in message, message
+        assert "data.jsonl:1: image 'images/bomb.png' cannot be read" in message and "decompression bomb" in message
+        assert tree_hash(root) == before
