@@ -103,8 +103,9 @@ def check_launch(
     The check imports the recipe, so it runs as the run will: in the sandbox (seeing
     ``read_only``, default the workspace, and nothing writable), with the run's resource limits
     and allow-listed environment, where possible without network, in a session of its own.
-    Its output goes to files, not pipes, so a helper that keeps them open cannot hold the
-    check; when its main process exits (or times out) every process it started is ended.
+    Its output is read from pipes as it comes (:class:`_Tail`), so a helper that keeps them open
+    cannot hold the check; when its main process exits (or times out) every process it started
+    is ended. The verdict's fields are checked: recipe code can print a verdict of its own.
     """
     command = [sys.executable, "-m", "engine.launch", str(recipe_dir), "--check", "--nproc", str(nproc)]
     if config_json is not None:
