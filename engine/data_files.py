@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import stat
 from pathlib import Path
 from typing import Iterable
 
@@ -72,8 +73,11 @@ def data_files(paths: Iterable[str], suffixes: Iterable[str], root: Path | None 
 
 
 def _file_sha256(path: Path) -> str:
+    """Of a regular file: a FIFO swapped in after the listing would make the read wait for ever."""
     digest = hashlib.sha256()
-    with open(path, "rb") as f:
+    with os.fdopen(os.open(path, os.O_RDONLY | os.O_NONBLOCK), "rb") as f:
+        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+            raise OSError(f"{path} is not a regular file")
         while chunk := f.read(1 << 20):
             digest.update(chunk)
     return digest.hexdigest()

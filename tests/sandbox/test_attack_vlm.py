@@ -309,3 +309,18 @@ def test_launch_run_refuses_a_decompression_bomb_with_its_line_and_changes_nothi
         assert result.is_error and "bad_input" in message, message
         assert "data.jsonl:1: image 'images/bomb.png' cannot be read" in message and "decompression bomb" in message
         assert tree_hash(root) == before
+
+
+def test_a_data_file_swapped_for_a_fifo_after_listing_does_not_hang_the_check_of_changes(workspace):
+    """The run hashes its data files again as it starts; a FIFO swapped in for one (after it was
+    listed) made that wait for a writer for ever."""
+    _load(workspace, b"")
+    os.remove(workspace / "images" / "ok.png")
+    os.mkfifo(workspace / "images" / "ok.png")
+    previous = signal.signal(signal.SIGALRM, _timeout)
+    signal.alarm(10)
+    try:
+        assert data_files.changed_since_listed() == [(workspace / "images" / "ok.png").resolve()]
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
