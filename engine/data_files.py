@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import stat
 from pathlib import Path
 from typing import Iterable
 
@@ -72,8 +73,11 @@ def data_files(paths: Iterable[str], suffixes: Iterable[str], root: Path | None 
 
 
 def _file_sha256(path: Path) -> str:
+    """Of a regular file: a FIFO swapped in after the listing would make the read wait for ever."""
     digest = hashlib.sha256()
-    with open(path, "rb") as f:
+    with os.fdopen(os.open(path, os.O_RDONLY | os.O_NONBLOCK), "rb") as f:
+        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+            raise OSError(f"{path} is not a regular file")
         while chunk := f.read(1 << 20):
             digest.update(chunk)
     return digest.hexdigest()
@@ -109,7 +113,10 @@ def forget_listed() -> None:
 
 
 def _confined(path: Path, raw: str, root: Path | None) -> Path:
-    real = path.resolve()
+    try:
+        real = path.resolve()
+    except RuntimeError:  # Python before 3.13 on a loop of links
+        raise ConfigError(f"data path {raw!r} is a loop of symbolic links") from None
     if root is not None and not _inside(real, root):
         raise DataPathRefused(
             f"data path {raw!r} leads outside the workspace ({path} → {real}); "
@@ -138,6 +145,23 @@ def _folder_files(given: Path, real: Path, raw: str, root: Path | None, suffixes
             if target.is_file():
                 files.append((target, path.relative_to(given).as_posix()))
     return sorted(files, key=lambda item: item[1])
+
+
+def data_file(raw: str, root: Path | None = None) -> Path:
+    """One data file a data file names (an image of an image-caption record), resolved, confined
+    as :func:`data_files` confines, and fingerprinted with the files listed. Raises
+    :class:`DataPathRefused` when it leads out, and an ``OSError`` when it is not a regular file
+    (missing, a folder, a FIFO that would wait for a writer): the caller says which record."""
+    root = allowed_root() if root is None else Path(root).resolve()
+    if root is not None and str(raw).startswith("~"):
+        raise DataPathRefused(f"data path {raw!r} starts with '~': give a path inside the workspace")
+    real = _confined(Path(raw), str(raw), root)
+    if not real.exists():
+        raise FileNotFoundError(f"no such file: {raw}")
+    if not real.is_file():
+        raise OSError(f"not a regular file: {raw}")
+    _LEDGER[real] = _file_sha256(real)
+    return real
 
 
 def confined_path(raw: str, root: Path | None = None) -> str:

@@ -169,6 +169,6 @@ def _read_result(path: Path) -> dict[str, Any] | None:
         return {"ok": False, "kind": "failed", "error": f"its result is over {MAX_RESULT_BYTES} bytes"}
     try:
         result = json.loads(data)
-    except ValueError:
+    except (ValueError, RecursionError):  # not JSON, or nested too deep for the parser
         return None
     return result if isinstance(result, dict) else None

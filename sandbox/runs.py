@@ -103,8 +103,9 @@ def check_launch(
     The check imports the recipe, so it runs as the run will: in the sandbox (seeing
     ``read_only``, default the workspace, and nothing writable), with the run's resource limits
     and allow-listed environment, where possible without network, in a session of its own.
-    Its output goes to files, not pipes, so a helper that keeps them open cannot hold the
-    check; when its main process exits (or times out) every process it started is ended.
+    Its output is read from pipes as it comes (:class:`_Tail`), so a helper that keeps them open
+    cannot hold the check; when its main process exits (or times out) every process it started
+    is ended. The verdict's fields are checked: recipe code can print a verdict of its own.
     """
     command = [sys.executable, "-m", "engine.launch", str(recipe_dir), "--check", "--nproc", str(nproc)]
     if config_json is not None:
@@ -128,14 +129,41 @@ def check_launch(
     for line in reversed(stdout.strip().splitlines()):
         try:
             verdict = json.loads(line)
-        except ValueError:
+        except (ValueError, RecursionError):  # not JSON, or nested too deep for the parser
             continue
         if isinstance(verdict, dict) and "ok" in verdict:
-            if not verdict["ok"]:
-                raise LaunchRefused(str(verdict["error"])[:MAX_CHECK_ERROR_CHARS])
-            return verdict
+            return _checked_verdict(verdict)
     last = (stderr.strip().splitlines() or ["no output"])[-1]
     raise LaunchRefused(f"the engine could not check the recipe: {last[:MAX_CHECK_ERROR_CHARS]}")
+
+
+def _checked_verdict(verdict: dict[str, Any]) -> dict[str, Any]:
+    """The verdict, whose fields are checked: it is printed by the process that imported the
+    recipe, so recipe code can print one of its own."""
+    if verdict["ok"] is not True:
+        error = verdict.get("error")
+        raise LaunchRefused(error[:MAX_CHECK_ERROR_CHARS] if isinstance(error, str) else "the launch check failed "
+                            "and gave no reason")
+    fields = verdict.get("fields", [])
+    valid = {
+        "config": isinstance(verdict.get("config"), dict),
+        "config_changes": isinstance(verdict.get("config_changes", {}), dict),
+        "fields": isinstance(fields, list) and all(isinstance(field, dict) for field in fields),
+        "data": verdict.get("data") is None or _valid_summary(verdict["data"]),
+    }
+    wrong = next((key for key, ok in valid.items() if not ok), None)
+    if wrong is not None:
+        raise LaunchRefused(f"the launch check's verdict has no valid {wrong!r}: the recipe's code printed a "
+                            "verdict of its own, or the engine it imports is not trainwright's")
+    return verdict
+
+
+def _valid_summary(data: Any) -> bool:
+    try:
+        rd.DataSummary.model_validate(data)
+    except ValueError:  # pydantic's ValidationError
+        return False
+    return True
 
 
 def run_contained(

@@ -48,7 +48,7 @@ from transformers.convert_slow_tokenizer import bytes_to_unicode
 from transformers.models.siglip.image_processing_pil_siglip import SiglipImageProcessorPil
 
 from engine.config import ConfigError, DataConfig, EngineConfig, Section
-from engine.data_files import confined_path, data_files
+from engine.data_files import DataPathRefused, confined_path, data_file, data_files
 from engine.engine import IGNORE_INDEX, Engine
 from engine.flops import non_embedding_params, transformer_flops_per_token
 from engine.fsdp import apply_fsdp
@@ -84,7 +84,7 @@ class VLMDataConfig(DataConfig):
     )
     paths: list[str] = Field(default_factory=list, description='.jsonl of {"image", "caption"}, or folders.')
     image_size: int = Field(32, ge=8, description="Images are resized to this side.")
-    eval_fraction: float = Field(0.05, ge=0, lt=1, description="Images held out for evaluation.")
+    eval_fraction: float = Field(0.05, ge=0, le=1, description="Images held out (1: all, for `trainwright evaluate`).")
     builtin_images: int = Field(4000, ge=10, description="data.source=builtin: how many images.")
     eval_prompts: int = Field(100, ge=1, description="Held-out images task_metrics() captions.")
 
@@ -238,26 +238,33 @@ def load_examples(cfg: VLMDataConfig) -> list[tuple[str, Any, str]]:
 
     examples = []
     for path, name in data_files(cfg.paths, suffixes={".jsonl"}):
-        with open(path) as f:
+        with open(path, "rb") as f:
             for line_number, line in enumerate(f, 1):
                 if not line.strip():
                     continue
                 where = f"{name}:{line_number}"
                 try:
-                    record = json.loads(line)
+                    record = json.loads(line.decode())
                 except json.JSONDecodeError as e:
                     raise ConfigError(f"{where}: not a JSON object ({e.msg})") from None
+                except (UnicodeDecodeError, RecursionError) as e:
+                    raise ConfigError(f"{where}: not a JSON object in UTF-8 ({type(e).__name__})") from None
                 if not isinstance(record, dict) or not isinstance(record.get("image"), str) or not isinstance(
                     record.get("caption"), str
                 ):
                     raise ConfigError(f'{where}: a record is {{"image": "relative/path.png", "caption": "..."}}')
                 if not record["caption"].strip():
                     raise ConfigError(f"{where}: the caption is empty")
-                image_path = Path(confined_path(str(path.parent / record["image"])))
-                try:
-                    with Image.open(image_path) as image:
+                try:  # JSON may hold a lone surrogate ("\\ud800"), which no tokenizer takes
+                    record["caption"].encode("utf-8")
+                except UnicodeEncodeError:
+                    raise ConfigError(f"{where}: the caption is not valid text (it holds a lone surrogate)") from None
+                try:  # a data file: confined, a regular file, and part of the data fingerprint
+                    with Image.open(data_file(str(path.parent / record["image"]))) as image:
                         image = image.convert("RGB")
-                except (OSError, ValueError) as e:
+                except DataPathRefused:
+                    raise
+                except (OSError, ValueError, Image.DecompressionBombError) as e:
                     raise ConfigError(f"{where}: image {record['image']!r} cannot be read ({e})") from None
                 examples.append((where, image, record["caption"]))
     if not examples:
@@ -271,8 +278,13 @@ def is_eval_document(name: str, eval_fraction: float) -> bool:
 
 
 def caption_tokens(tokenizer, text: str) -> list[int]:
-    """What the model learns to say: the caption's tokens and the end of caption."""
-    return tokenizer.encode(text, add_special_tokens=False) + [tokenizer.eos_token_id]
+    """What the model learns to say: the caption's tokens and the end of caption. A caption is
+    text: ``<image>`` in it is its bytes, never an image token the splice has no features for."""
+    return text_tokens(tokenizer, text) + [tokenizer.eos_token_id]
+
+
+def text_tokens(tokenizer, text: str) -> list[int]:
+    return tokenizer.encode(text, add_special_tokens=False, split_special_tokens=True)
 
 
 def make_pieces(examples, processor: LlavaProcessor, seq_len: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -430,7 +442,7 @@ def greedy_captions(model, processor: LlavaProcessor, pixels: torch.Tensor, max_
                     prefix: str = "") -> list[str]:
     """The model's greedy caption of each image (one batch: every prompt has the same length)."""
     tokenizer = processor.tokenizer
-    prompt = [processor.image_token_id] * image_tokens(processor) + tokenizer.encode(prefix, add_special_tokens=False)
+    prompt = [processor.image_token_id] * image_tokens(processor) + text_tokens(tokenizer, prefix)
     input_ids = torch.tensor([prompt] * len(pixels))
     device = next(model.parameters()).device
     output = model.generate(
@@ -504,6 +516,8 @@ class VLM(Engine):
             counted[0] += 1
             counted[1] += len(caption_tokens(tokenizer, text))
             names.add(name.split(":", 1)[0])
+        if not counts[False][0]:
+            raise ConfigError(f"no training images: data.eval_fraction={cfg.eval_fraction} holds out all of them")
         return DataSummary(
             source=cfg.source,
             paths=cfg.paths[:20],
@@ -538,6 +552,9 @@ class VLM(Engine):
         )
 
     def prepare_data(self) -> BatchStream:
+        if not self.examples[0]:
+            raise ConfigError(f"no training images: data.eval_fraction={self.config.data.eval_fraction} "
+                              "holds out all of them")
         return self.stream(self.examples[0], self.config.train.seed)
 
     def prepare_eval_data(self) -> list[dict[str, torch.Tensor]] | None:
@@ -592,9 +609,10 @@ class VLM(Engine):
             raise ConfigError("no images are held out (data.eval_fraction=0): sample has no image to caption")
         name, image, text = held_out[index % len(held_out)]
         tokens = [self.processor.image_token_id] * image_tokens(self.processor)
-        tokens += self.processor.tokenizer.encode(prompt, add_special_tokens=False)
+        tokens += text_tokens(self.processor.tokenizer, prompt)
         inputs = {"input_ids": torch.tensor([tokens]), "pixel_values": pixel_values(self.processor, [image])}
-        return inputs, {"image": name, "caption": text}
+        shown = text if len(text) <= 1000 else text[:1000] + "…"  # 8 of them stay far below the result's 1 MB
+        return inputs, {"image": name, "caption": shown}
 
     def task_metrics(self) -> dict[str, float]:
         """``caption_accuracy`` (and per attribute) of greedy captions of held-out images; on

@@ -103,9 +103,13 @@ def _stage_setting(recipe: Recipe) -> tuple[cst.AnnAssign, str, str | None] | No
 def _sets_requires_grad(recipe: Recipe) -> cst.CSTNode | None:
     for call in recipe.calls_to("freeze_parameters") or recipe.method_calls("requires_grad_"):
         return call
-    for assign in recipe.assigns():
-        if any(dotted_name(t.target).endswith(".requires_grad") for t in assign.targets):
+    for assign in recipe.assigns():  # `<anything>.requires_grad = ...`, subscripts on the way included
+        if any(isinstance(t.target, cst.Attribute) and t.target.attr.value == "requires_grad" for t in assign.targets):
             return assign
+    for call in recipe.calls_to("setattr"):  # setattr(p, "requires_grad", ...)
+        if len(call.args) > 1 and isinstance(call.args[1].value, cst.SimpleString) and (
+                call.args[1].value.evaluated_value == "requires_grad"):
+            return call
     return None
 
 

@@ -76,3 +76,47 @@ def test_a_check_that_prints_without_end_costs_bounded_memory_and_no_disk(tmp_pa
     assert out.endswith("THE END\n") and len(out) <= MAX_CHECK_OUTPUT_BYTES
     assert err == "err tail\n"
     assert min(free) > free[0] - 128 * 2**20, "the output was written to disk"
+
+
+def test_output_nested_too_deep_for_json_is_no_verdict_and_no_result(tmp_path, monkeypatch):
+    """A line of 100,000 '[' makes json.loads raise RecursionError, not ValueError: it reached
+    the agent as 'internal: a trainwright bug'. It is read as what it is: no verdict, no result."""
+    import pytest
+
+    from sandbox import model_process
+    from sandbox import runs as sandbox_runs
+
+    deep = "[" * 100_000
+    monkeypatch.setattr(sandbox_runs, "run_contained", lambda *args, **kwargs: (deep + "\n", "the last words\n"))
+    with pytest.raises(sandbox_runs.LaunchRefused, match="could not check the recipe: the last words"):
+        sandbox_runs.check_launch(tmp_path, tmp_path, 1, [])
+    result = tmp_path / "result.json"
+    result.write_text(deep)
+    assert model_process._read_result(result) is None
+
+
+def test_a_malformed_verdict_from_the_check_is_a_refusal(tmp_path, monkeypatch):
+    """The check's verdict is printed by the process that imported the recipe, so recipe code can
+    print one of its own. Missing or mistyped fields reached the agent as 'internal: a trainwright
+    bug' (KeyError: 'error', KeyError: 'config', a ValidationError writing run.json)."""
+    import pytest
+
+    from sandbox import runs as sandbox_runs
+
+    good = {"ok": True, "config": {"train": {}}, "config_changes": {}, "data": None, "fields": []}
+    forged = [
+        {"ok": False},
+        {"ok": False, "error": ["not", "text"]},
+        {"ok": True},
+        {**good, "config": ["a list"]},
+        {**good, "config_changes": "text"},
+        {**good, "data": {"documents": "many"}},
+        {**good, "fields": [1, 2]},
+    ]
+    for verdict in forged:
+        monkeypatch.setattr(sandbox_runs, "run_contained", lambda *args, **kwargs: (json.dumps(verdict) + "\n", ""))
+        with pytest.raises(sandbox_runs.LaunchRefused) as refused:
+            sandbox_runs.check_launch(tmp_path, tmp_path, 1, [])
+        assert len(str(refused.value)) <= sandbox_runs.MAX_CHECK_ERROR_CHARS, verdict
+    monkeypatch.setattr(sandbox_runs, "run_contained", lambda *args, **kwargs: (json.dumps(good) + "\n", ""))
+    assert sandbox_runs.check_launch(tmp_path, tmp_path, 1, []) == good
