@@ -19,7 +19,8 @@ import hashlib
 import os
 import stat
 from pathlib import Path
-from typing import Iterable
+import json
+from typing import Any, Iterable, Iterator
 
 from engine.config import ConfigError
 
@@ -180,3 +181,27 @@ def confined_path(raw: str, root: Path | None = None) -> str:
     if real.is_dir():
         _folder_files(given, real, str(raw), root, suffixes=None)
     return str(real)
+
+
+def jsonl_records(path: Path, name: str) -> Iterator[tuple[str, dict[str, Any]]]:
+    """``(where, record)`` for each non-blank line of a ``.jsonl`` data file, ``where`` being
+    ``name:line``. A line that is not a JSON object in UTF-8 — or nests too deep to parse, or
+    holds a lone surrogate no tokenizer takes — is a :class:`ConfigError` that names it. The one
+    reader of JSONL data for every template."""
+    with open(path, "rb") as f:
+        for line_number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            where = f"{name}:{line_number}"
+            try:
+                record = json.loads(line.decode("utf-8"))
+                json.dumps(record, ensure_ascii=False).encode("utf-8")  # a lone surrogate ("\ud800") fails here
+            except json.JSONDecodeError as e:
+                raise ConfigError(f"{where}: not a JSON object ({e.msg})") from None
+            except UnicodeError as e:
+                raise ConfigError(f"{where}: not JSON text in UTF-8 ({type(e).__name__})") from None
+            except RecursionError:
+                raise ConfigError(f"{where}: JSON nested too deep to read") from None
+            if not isinstance(record, dict):
+                raise ConfigError(f"{where}: a record must be a JSON object, got {type(record).__name__}")
+            yield where, record

@@ -20,7 +20,6 @@ Skills (``trainwright skills list``) write more techniques into this file as rev
 from __future__ import annotations
 
 import hashlib
-import json
 import sysconfig
 from functools import cached_property
 from pathlib import Path
@@ -35,7 +34,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, Llama
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 from engine.config import ConfigError, DataConfig, EngineConfig, Section
-from engine.data_files import confined_path, data_files
+from engine.data_files import confined_path, data_files, jsonl_records
 from engine.engine import IGNORE_INDEX, Engine
 from engine.run_dir import DataSummary
 from engine.flops import non_embedding_params, transformer_flops_per_token
@@ -194,11 +193,10 @@ def load_documents(cfg: CausalLMDataConfig) -> list[tuple[str, Any]]:
     documents = []
     for path, name in _expand_paths(cfg.paths):
         if path.suffix == ".jsonl":
-            with open(path) as f:
-                for line_number, line in enumerate(f, 1):
-                    if line.strip():
-                        record = json.loads(line)
-                        documents.append((f"{name}:{line_number}", str(record[cfg.text_field])))
+            for where, record in jsonl_records(path, name):
+                if not isinstance(record.get(cfg.text_field), str):
+                    raise ConfigError(f"{where}: no text under {cfg.text_field!r} (set data.text_field to its key)")
+                documents.append((where, record[cfg.text_field]))
         else:
             documents.append((name, path.read_text(errors="replace")))
     if not documents:

@@ -24,7 +24,6 @@ Supports:
 from __future__ import annotations
 
 import hashlib
-import json
 import random
 from functools import cached_property
 from pathlib import Path
@@ -39,7 +38,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, Llama
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 from engine.config import ConfigError, DataConfig, EngineConfig, Section
-from engine.data_files import confined_path, data_files
+from engine.data_files import confined_path, data_files, jsonl_records
 from engine.distributed import dp_all_reduce_sum
 from engine.engine import IGNORE_INDEX, Engine, StepContext
 from engine.flops import non_embedding_params, transformer_flops_per_token
@@ -205,15 +204,11 @@ def load_pairs(cfg: DPODataConfig) -> list[tuple[str, dict[str, Any]]]:
         return builtin_pairs(cfg.builtin_pairs)
     pairs = []
     for path, name in data_files(cfg.paths, suffixes={".jsonl"}):
-        with open(path) as f:
-            for line_number, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                record = json.loads(line)
-                missing = [k for k in ("prompt", "chosen", "rejected") if k not in record]
-                if missing:
-                    raise ConfigError(f"{name}:{line_number}: a preference pair needs prompt, chosen and rejected; missing {missing}")
-                pairs.append((f"{name}:{line_number}", record))
+        for where, record in jsonl_records(path, name):
+            missing = [k for k in ("prompt", "chosen", "rejected") if k not in record]
+            if missing:
+                raise ConfigError(f"{where}: a preference pair needs prompt, chosen and rejected; missing {missing}")
+            pairs.append((where, record))
     if not pairs:
         raise ConfigError(f"no preference pairs in data.paths={cfg.paths} (.jsonl files, one per line)")
     return pairs

@@ -20,7 +20,6 @@ Supports:
 from __future__ import annotations
 
 import hashlib
-import json
 import random
 from functools import cached_property
 from pathlib import Path
@@ -35,7 +34,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, Llama
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 from engine.config import ConfigError, DataConfig, EngineConfig, Section
-from engine.data_files import confined_path, data_files
+from engine.data_files import confined_path, data_files, jsonl_records
 from engine.engine import IGNORE_INDEX, Engine
 from engine.flops import non_embedding_params, transformer_flops_per_token
 from engine.fsdp import apply_fsdp
@@ -206,22 +205,19 @@ def load_conversations(cfg: SFTDataConfig) -> list[tuple[str, list[dict[str, str
         return builtin_conversations(cfg.builtin_conversations, cfg.max_turns)
     conversations = []
     for path, name in data_files(cfg.paths, suffixes={".jsonl"}):
-        with open(path) as f:
-            for line_number, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                messages = json.loads(line).get(cfg.messages_field)
-                if not isinstance(messages, list) or not all(
-                    isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-                    for m in messages
-                ):
-                    raise ConfigError(
-                        f"{name}:{line_number}: {cfg.messages_field!r} must be a list of "
-                        '{"role": ..., "content": ...} messages (set data.messages_field to its key)'
-                    )
-                if not any(m["role"] == "assistant" for m in messages):
-                    raise ConfigError(f"{name}:{line_number}: a conversation needs an assistant message to learn from")
-                conversations.append((f"{name}:{line_number}", messages))
+        for where, record in jsonl_records(path, name):
+            messages = record.get(cfg.messages_field)
+            if not isinstance(messages, list) or not all(
+                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                for m in messages
+            ):
+                raise ConfigError(
+                    f"{where}: {cfg.messages_field!r} must be a list of "
+                    '{"role": ..., "content": ...} messages (set data.messages_field to its key)'
+                )
+            if not any(m["role"] == "assistant" for m in messages):
+                raise ConfigError(f"{where}: a conversation needs an assistant message to learn from")
+            conversations.append((where, messages))
     if not conversations:
         raise ConfigError(f"no conversations in data.paths={cfg.paths} (.jsonl files, one per line)")
     return conversations

@@ -91,3 +91,41 @@ def test_the_fingerprint_follows_the_bytes_of_the_files_listed(tmp_path):
     (tmp_path / "d" / "a.txt").unlink()
     assert changed_since_listed() == [(tmp_path / "d" / "a.txt").resolve()]
     forget_listed()
+
+
+BAD_LINES = {
+    "not_json": b"not json\n",
+    "not_an_object": b"[1, 2]\n",
+    "a_string": b'"prompt chosen rejected"\n',
+    "not_utf8": b'{"text": "\xff\xfe"}\n',
+    "too_deep": b"[" * 100_000 + b"\n",
+    "lone_surrogate": b'{"text": "\\ud800"}\n',
+}
+
+
+@pytest.mark.parametrize("bad", sorted(BAD_LINES))
+def test_every_template_refuses_a_bad_jsonl_line_naming_it(tmp_path, bad):
+    """One reader for JSONL data: a bad line is a ConfigError that names the file and line, in
+    every template (never a traceback in the launch check)."""
+    from engine.config import ConfigError
+    from engine.data_files import jsonl_records
+    from recipes_template.causal_lm import recipe as causal_lm
+    from recipes_template.dpo import recipe as dpo
+    from recipes_template.sft import recipe as sft
+
+    good = {"text": "a document", "messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}],
+            "prompt": "q", "chosen": "a", "rejected": "b"}
+    import json
+
+    (tmp_path / "d.jsonl").write_bytes(json.dumps(good).encode() + b"\n\n" + BAD_LINES[bad])
+    with pytest.raises(ConfigError, match=r"^d\.jsonl:3: "):
+        list(jsonl_records(tmp_path / "d.jsonl", "d.jsonl"))
+    paths = [str(tmp_path / "d.jsonl")]
+    loaders = [
+        lambda: causal_lm.load_documents(causal_lm.CausalLMDataConfig(paths=paths)),
+        lambda: sft.load_conversations(sft.SFTDataConfig(paths=paths)),
+        lambda: dpo.load_pairs(dpo.DPODataConfig(paths=paths)),
+    ]
+    for load in loaders:
+        with pytest.raises(ConfigError, match=r"d\.jsonl:3: "):
+            load()
