@@ -78,8 +78,8 @@ def freeze_parameters(
     a parameter, and the optimizer, which is handed only trainable parameters, never changes it.
     Freezes every ``nn.Embedding`` (with ``embeddings``), the first ``first_blocks`` transformer
     blocks (of ``target`` when given), and the parameters whose names match one of the fnmatch
-    ``patterns``, and the given ``parameters``. Returns the number of frozen values. (Written by the
-    freeze skill.)
+    ``patterns``, and the given ``parameters``. Returns the number of values it froze (those the
+    recipe had frozen already are not counted). (Written by the freeze skill.)
     """
     chosen: dict[int, torch.nn.Parameter] = {id(p): p for p in parameters}
     if embeddings:
@@ -97,12 +97,19 @@ def freeze_parameters(
             f"freeze_parameters: nothing matched (embeddings={embeddings}, "
             f"first_blocks={first_blocks}, patterns={list(patterns)})"
         )
+    already = sum(p.numel() for p in chosen.values() if not p.requires_grad)
     for parameter in chosen.values():
         parameter.requires_grad_(False)
-    frozen = sum(p.numel() for p in chosen.values())
+    frozen = sum(p.numel() for p in chosen.values()) - already
     total = sum(p.numel() for p in model.parameters())
     blocks_part = f", the first {min(first_blocks, len(blocks))} of {len(blocks)} blocks of {where}" if blocks else ""
-    print(f"freeze: froze {frozen:,} of {total:,} parameter values ({len(chosen)} tensors{blocks_part})", flush=True)
+    if frozen == 0:
+        print(f"freeze: nothing new frozen: the {already:,} parameter values chosen ({len(chosen)} tensors"
+              f"{blocks_part}) were frozen already, by the recipe", flush=True)
+        return 0
+    before = f"; {already:,} of those chosen were frozen already" if already else ""
+    print(f"freeze: froze {frozen:,} of {total:,} parameter values ({len(chosen)} tensors{blocks_part}{before})",
+          flush=True)
     return frozen
 '''
 
@@ -181,6 +188,10 @@ def apply(recipe: Recipe, params: Params) -> Edits | AlreadyApplied:
     ))
     stages.insert_stage(recipe, edits, model, stages.FREEZE, calls)
     edits.acts_on = "freezes " + "; ".join(acts)
+    own = recipe.method_calls("requires_grad_")
+    if own:  # a stage policy, say: what it froze already stays frozen, and is not counted again
+        edits.acts_on += (f" (the recipe also sets requires_grad at {recipe.where(own[0])}: the run prints how many "
+                          "values this newly froze)")
     return edits
 
 

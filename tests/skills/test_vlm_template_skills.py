@@ -9,6 +9,7 @@ The before/after diffs are in tests/skills/expected/<skill>--vlm.diff (test_skil
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 from pathlib import Path
 
@@ -76,10 +77,19 @@ def test_checkpointing_recomputes_the_layers_of_both_towers_with_the_same_losses
 
 def test_freeze_parts_keeps_the_projector_bit_identical(runs):
     run = runs["freeze"]
-    assert run["applied"][0]["acts_on"] == "freezes the projector of LlavaForConditionalGeneration"
+    assert re.fullmatch(r"freezes the projector of LlavaForConditionalGeneration \(the recipe also sets "
+                        r"requires_grad at recipe\.py:\d+: the run prints how many values this newly froze\)",
+                        run["applied"][0]["acts_on"])
     sizes = run["sizes"]
     assert run["frozen"] == sizes["projector"] and run["frozen_changed"] == [] and run["trainable_changed"] > 0
     assert f"freeze: froze {sizes['projector']:,} of {sizes['total']:,} parameter values" in run["printed"]
+
+
+def test_freezing_what_the_stage_policy_froze_says_nothing_new_was_frozen(runs):
+    run = runs["freeze-frozen"]
+    sizes = run["sizes"]
+    assert f"freeze: nothing new frozen: the {sizes['vision_tower']:,} parameter values chosen" in run["printed"]
+    assert "freeze: froze" not in run["printed"]
 
 
 def test_lora_trains_only_the_adapters(runs):

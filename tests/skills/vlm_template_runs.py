@@ -46,6 +46,8 @@ VARIANTS: dict[str, tuple[list[tuple[str, dict | None]], list[str]]] = {
     "plain": ([], []),
     "gradient-checkpointing": ([("gradient-checkpointing", None)], []),
     "freeze": ([("freeze", {"parts": ["projector"]})], []),
+    # The template's own stage policy freezes the vision tower already: freezing it again is no change.
+    "freeze-frozen": ([("freeze", {"parts": ["vision_tower"]})], ["model.train_vision_tower=false"]),
     "lora": ([("lora", None)], []),
     "plain-files": ([], list(FILES)),
     "sequence-packing": ([("sequence-packing", None)], list(FILES)),
