@@ -125,6 +125,7 @@ class VLMConfig(EngineConfig):
 IMAGE_TOKEN = "<image>"
 # SiglipImageProcessor's own normalisation: pixels / 255, then (x - 0.5) / 0.5.
 IMAGE_MEAN = IMAGE_STD = (0.5, 0.5, 0.5)
+RESAMPLE = 3  # PIL's bicubic, SiglipImageProcessor's default: images from files are resized with it once
 
 
 def byte_tokenizer() -> PreTrainedTokenizerFast:
@@ -143,7 +144,8 @@ def build_processor(image_size: int, patch_size: int) -> LlavaProcessor:
     """What ``export`` saves beside the weights, so ``AutoProcessor.from_pretrained`` turns an
     image and a text with ``<image>`` into the model's inputs."""
     image_processor = SiglipImageProcessorPil(
-        size={"height": image_size, "width": image_size}, image_mean=IMAGE_MEAN, image_std=IMAGE_STD
+        size={"height": image_size, "width": image_size}, image_mean=IMAGE_MEAN, image_std=IMAGE_STD,
+        resample=RESAMPLE,
     )
     return LlavaProcessor(
         image_processor=image_processor, tokenizer=byte_tokenizer(), patch_size=patch_size,
@@ -261,7 +263,9 @@ def load_examples(cfg: VLMDataConfig) -> list[tuple[str, Any, str]]:
                     raise ConfigError(f"{where}: the caption is not valid text (it holds a lone surrogate)") from None
                 try:  # a data file: confined, a regular file, and part of the data fingerprint
                     with Image.open(data_file(str(path.parent / record["image"]))) as image:
-                        image = image.convert("RGB")
+                        # Kept at the size the model sees (the processor's resize is then a no-op):
+                        # 100k photos of 512 × 512 would otherwise hold ~100 GB in memory.
+                        image = image.convert("RGB").resize((cfg.image_size, cfg.image_size), RESAMPLE)
                 except DataPathRefused:
                     raise
                 except (OSError, ValueError, Image.DecompressionBombError) as e:

@@ -115,11 +115,19 @@ def test_image_files_are_read_resized_and_confined_to_the_workspace(tmp_path, mo
         json.dumps({"image": "images/a.png", "caption": "a green square"}) + "\n\n")
     monkeypatch.chdir(workspace)
     monkeypatch.setenv("TRAINWRIGHT_WORKSPACE", str(workspace))
-    ((name, image, text),) = vlm.load_examples(vlm.VLMDataConfig(paths=["set"]))
-    assert (name, text, image.size) == ("data.jsonl:1", "a green square", (20, 24))
+    ((name, image, text),) = vlm.load_examples(vlm.VLMDataConfig(paths=["set"], image_size=16))
+    assert (name, text, image.size) == ("data.jsonl:1", "a green square", (16, 16))  # kept at the model's size
     pixels = vlm.pixel_values(vlm.build_processor(16, 8), [image])
     assert pixels.shape == (1, 3, 16, 16)
     torch.testing.assert_close(pixels[0, :, 8, 8], (torch.tensor([10, 200, 10]) / 255 - 0.5) / 0.5)
+    # Resizing once at load gives the very pixels the processor makes of the full-size image.
+    from PIL import Image
+
+    noise = Image.fromarray(np.random.default_rng(0).integers(0, 255, (97, 61, 3), dtype=np.uint8))
+    noise.save(workspace / "set" / "images" / "a.png")
+    ((_, image, _),) = vlm.load_examples(vlm.VLMDataConfig(paths=["set"], image_size=16))
+    processor = vlm.build_processor(16, 8)
+    assert torch.equal(vlm.pixel_values(processor, [image]), vlm.pixel_values(processor, [noise]))
     (workspace / "set" / "data.jsonl").write_text(json.dumps({"image": "../../outside.png", "caption": "x"}) + "\n")
     with pytest.raises(DataPathRefused, match="outside the workspace"):
         vlm.load_examples(vlm.VLMDataConfig(paths=["set"]))
