@@ -190,10 +190,11 @@ class Engine:
         return None
 
     def sample_inputs(self, index: int, prompt: str) -> tuple[dict[str, Any], dict[str, Any]] | None:
-        """``sample``'s ``generate()`` inputs for its ``index``-th prompt, and what its answer
-        says about them, for a model that needs more than the prompt's tokens (a
-        vision-language recipe shows it a held-out image); None (the default): the prompt is
-        text for the tokenizer."""
+        """``sample``'s ``generate()`` inputs for its ``index``-th prompt (``input_ids`` and
+        more), for a model that needs more than the prompt's tokens (a vision-language recipe
+        shows it a held-out image), and what the answer shows beside them: ``{"input": what
+        was added, "expected": the answer the data holds}`` (strings; either may be left out).
+        None (the default): the prompt is text for the tokenizer."""
         return None
 
     def task_metrics(self) -> dict[str, float]:

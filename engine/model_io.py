@@ -161,7 +161,7 @@ def sample(run_dir: Path, step: int, prompts: list[str], max_new_tokens: int = 6
         ended = tokenizer.eos_token_id is not None and tokenizer.eos_token_id in new
         samples.append({
             "prompt": prompt,
-            **about,
+            **{key: about[key] for key in ("input", "expected") if isinstance(about.get(key), str)},
             "completion": tokenizer.decode(new, skip_special_tokens=True),
             "new_tokens": len(new),
             "stopped": "eos" if ended else "max_new_tokens",

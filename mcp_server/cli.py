@@ -327,7 +327,11 @@ def cmd_sample(args: argparse.Namespace) -> int:
         lines = []
         for item in r.samples:
             lines.append(f"--- {item.prompt!r} ({item.new_tokens} tokens, stopped at {item.stopped})")
+            if item.input is not None:
+                lines.append(f"    with {item.input}")
             lines.append(item.prompt + item.completion)
+            if item.expected is not None:
+                lines.append(f"    expected: {item.expected}")
         return "\n".join(lines)
 
     _emit(args, result, text)

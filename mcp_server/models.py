@@ -277,6 +277,8 @@ class Sample(BaseModel):
     new_tokens: int
     stopped: str = Field(description="eos or max_new_tokens.")
     cut: bool = False
+    input: str | None = Field(None, description="What the recipe showed beside the prompt (an image).")
+    expected: str | None = Field(None, description="The answer its data holds.")
 
 
 class SampleResult(BaseModel):

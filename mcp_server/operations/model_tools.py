@@ -240,8 +240,13 @@ def _bounded_samples(samples: list[dict[str, Any]]) -> list[Sample]:
         prompt, prompt_cut = _fit(redact(str(item.get("prompt", ""))), min(300, share // 4))
         completion, completion_cut = _fit(redact(str(item.get("completion", ""))), share - json_chars(prompt) - 80)
         stopped = item.get("stopped") if item.get("stopped") in ("eos", "max_new_tokens") else "max_new_tokens"
+        # What the recipe added (an image's name) and the data's answer: its code wrote them, so cut too.
+        shown, shown_cut = _fit(redact(item["input"]), 200) if isinstance(item.get("input"), str) else (None, False)
+        expected, expected_cut = (_fit(redact(item["expected"]), min(300, share // 4))
+                                  if isinstance(item.get("expected"), str) else (None, False))
         kept.append(Sample(prompt=prompt, completion=completion, new_tokens=_count(item.get("new_tokens")),
-                           stopped=stopped, cut=prompt_cut or completion_cut))
+                           stopped=stopped, cut=prompt_cut or completion_cut or shown_cut or expected_cut,
+                           input=shown, expected=expected))
     return kept
 
 

@@ -616,7 +616,7 @@ class VLM(Engine):
         tokens += text_tokens(self.processor.tokenizer, prompt)
         inputs = {"input_ids": torch.tensor([tokens]), "pixel_values": pixel_values(self.processor, [image])}
         shown = text if len(text) <= 1000 else text[:1000] + "…"  # 8 of them stay far below the result's 1 MB
-        return inputs, {"image": name, "caption": shown}
+        return inputs, {"input": f"held-out image {name}", "expected": shown}
 
     def task_metrics(self) -> dict[str, float]:
         """``caption_accuracy`` (and per attribute) of greedy captions of held-out images; on

@@ -343,3 +343,28 @@ def test_paths_bound_from_descriptors_fall_back_to_paths_on_an_older_bubblewrap(
         assert "--ro-bind-fd" not in command and str(checkpoint) in command
     finally:
         os.close(fd)
+
+
+def test_what_a_recipe_shows_beside_a_sample_is_redacted_bounded_and_typed(monkeypatch):
+    """``input`` and ``expected`` come from recipe code (Engine.sample_inputs): strings only,
+    secrets redacted, cut like the rest of the result."""
+    from sandbox import redact as redaction
+
+    secret = "tw-attack-Secret-0a1b2c3d4e5f6789"
+    monkeypatch.setenv("TW_ATTACK_TOKEN", secret)
+    redaction.reload()
+    try:
+        (shown, plain, odd) = model_tools._bounded_samples([
+            {"prompt": "a", "completion": " red circle", "input": "held-out image " + secret + "x" * 5000,
+             "expected": "a red circle " + secret + "y" * 50_000},
+            {"prompt": "p", "completion": "c"},
+            {"prompt": "p", "completion": "c", "input": ["not", "text"], "expected": {"a": 1}},
+        ])
+    finally:
+        monkeypatch.delenv("TW_ATTACK_TOKEN")
+        redaction.reload()
+    assert shown.input.startswith("held-out image ") and len(shown.input) <= 200 and shown.cut
+    assert shown.expected.startswith("a red circle ") and len(shown.expected) <= 300
+    assert secret[:12] not in shown.input + shown.expected
+    assert plain.input is None and plain.expected is None and not plain.cut
+    assert odd.input is None and odd.expected is None

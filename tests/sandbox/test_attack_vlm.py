@@ -233,7 +233,7 @@ def test_what_sample_shows_of_a_caption_is_bounded(workspace):
     engine = vlm.VLM(config, DistInfo(0, 1, 0, torch.device("cpu"), None))
     shown = [engine.sample_inputs(i, "a")[1] for i in range(8)]
     assert len(json.dumps(shown)) < MAX_RESULT_BYTES // 8
-    assert all(about["caption"].startswith("a long caption a long") for about in shown)
+    assert all(about["expected"].startswith("a long caption a long") for about in shown)
 
 
 HAND_FROZEN = '''

@@ -274,9 +274,9 @@ def test_the_export_is_a_hugging_face_vlm_that_captions_held_out_images(workspac
     evaluated = model_io.evaluate(run, 40)
     assert evaluated["metrics"] == {"caption_accuracy": 1.0} and evaluated["eval_loss"] < 0.5
     sampled = model_io.sample(run, 40, ["a", "a"])["samples"]
-    assert [s["image"] for s in sampled] == [f"data.jsonl:{i}" for i in range(1, 61)
+    assert [s["input"] for s in sampled] == [f"held-out image data.jsonl:{i}" for i in range(1, 61)
                                               if vlm.is_eval_document(f"data.jsonl:{i}", 0.25)][:2]
-    assert all("a" + s["completion"] == s["caption"] and s["stopped"] == "eos" for s in sampled), sampled
+    assert all("a" + s["completion"] == s["expected"] and s["stopped"] == "eos" for s in sampled), sampled
 
 
 def test_a_stage_two_run_starts_from_an_exported_run(workspace, captioned):
@@ -329,7 +329,7 @@ def test_sample_shows_held_out_images_and_refuses_without_them():
     held_out = shown.examples[1]
     inputs, about = shown.sample_inputs(len(held_out) + 1, "a red")  # prompts beyond the images wrap around
     name, image, text = held_out[1]
-    assert about == {"image": name, "caption": text}
+    assert about == {"input": f"held-out image {name}", "expected": text}
     assert inputs["input_ids"].tolist() == [[shown.processor.image_token_id] * 16 + list(b"a red")]
     torch.testing.assert_close(inputs["pixel_values"], vlm.pixel_values(shown.processor, [image]))
     with pytest.raises(ConfigError, match="no images are held out"):
