@@ -61,7 +61,7 @@ def test_sample_results_are_cut_to_the_agent_budget():
     assert all(s["cut"] and s["completion"].startswith("\x01é") and s["completion"].endswith("…") for s in samples)
     short = [{"prompt": "a", "completion": "b", "new_tokens": 1, "stopped": "eos"}]
     assert [s.model_dump() for s in _bounded_samples(short)] == [
-        {"prompt": "a", "completion": "b", "new_tokens": 1, "stopped": "eos", "cut": False}]
+        {"prompt": "a", "completion": "b", "new_tokens": 1, "stopped": "eos", "cut": False, "input": None, "expected": None}]
 
 
 def test_export_writes_a_hugging_face_folder_and_refuses_a_folder_with_files(session):
