@@ -14,7 +14,10 @@ every git command trainwright runs goes through :func:`_harden`: hooks off
 
 from __future__ import annotations
 
+import fcntl
+import itertools
 import os
+import random
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -184,20 +187,44 @@ def commit_paths(repo: git.Repo, paths: list[Path], message: str, trailers: list
     return repo.head.commit.hexsha
 
 
-def add_note(root: Path, sha: str, text: str, attempts: int = 5) -> bool:
-    """Append ``text`` to the trainwright note of commit ``sha``; False when it cannot."""
+def add_note(root: Path, sha: str, text: str, patience_s: float = 30.0) -> bool:
+    """Append ``text`` to the trainwright note of commit ``sha``; False when it cannot.
+
+    ``git notes append`` reads the note, then writes it back: two runs that end together would
+    each write the note without the other's line. So appends take turns under a lock file in the
+    repository's git folder (waited for up to ``patience_s``, with jittered backoff; a loaded
+    machine can hold it for seconds), and a ref lock held by a person's own git is retried."""
     repo = open_repo(root)
     if repo is None:
         return False
-    for attempt in range(attempts):
-        try:
-            with repo.git.custom_environment(**_identity_env()):
-                repo.git.notes(f"--ref={NOTES_REF}", "append", "-m", text, sha)
-            return True
-        except git.GitCommandError as e:
-            if "lock" not in str(e).lower() or attempt == attempts - 1:
-                return False
-            time.sleep(0.2 * (attempt + 1))  # another run's note is being written
+    deadline = time.monotonic() + patience_s
+    try:
+        fd = os.open(Path(repo.git_dir) / "trainwright-notes.lock",
+                     os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    except OSError:
+        return False
+    try:
+        for attempt in itertools.count():
+            pause = min(1.0, 0.05 * 2**attempt) * (0.5 + random.random())
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                if time.monotonic() + pause > deadline:
+                    return False
+                time.sleep(pause)  # another run's note is being written
+                continue
+            try:
+                with repo.git.custom_environment(**_identity_env()):
+                    repo.git.notes(f"--ref={NOTES_REF}", "append", "-m", text, sha)
+                return True
+            except git.GitCommandError as e:
+                if "lock" not in str(e).lower() or time.monotonic() + pause > deadline:
+                    return False
+            finally:
+                fcntl.flock(fd, fcntl.LOCK_UN)
+            time.sleep(pause)
+    finally:
+        os.close(fd)
     return False
 
 

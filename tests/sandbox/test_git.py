@@ -76,3 +76,16 @@ def test_notes_append_one_line_per_run(tmp_path):
     assert sandbox_git.add_note(tmp_path, sha, "run a: completed")
     assert sandbox_git.add_note(tmp_path, sha, "run b: failed")
     assert sandbox_git.note(repo, sha).splitlines() == ["run a: completed", "", "run b: failed"]
+
+
+def test_notes_of_runs_that_end_together_are_all_kept(tmp_path):
+    """Twelve runs ending at once contend for the notes ref; each waits its turn."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    repo = sandbox_git.ensure_repo(tmp_path)
+    sha = repo.head.commit.hexsha
+    with ThreadPoolExecutor(12) as pool:
+        written = list(pool.map(lambda i: sandbox_git.add_note(tmp_path, sha, f"run {i}: completed"), range(12)))
+    assert all(written)
+    assert sorted(line for line in sandbox_git.note(repo, sha).splitlines() if line) == sorted(
+        f"run {i}: completed" for i in range(12))
