@@ -22,7 +22,6 @@ Supports:
 from __future__ import annotations
 
 import hashlib
-import json
 from functools import cached_property
 from pathlib import Path
 from typing import Any, Iterator, Literal
@@ -48,7 +47,7 @@ from transformers.convert_slow_tokenizer import bytes_to_unicode
 from transformers.models.siglip.image_processing_pil_siglip import SiglipImageProcessorPil
 
 from engine.config import ConfigError, DataConfig, EngineConfig, Section
-from engine.data_files import DataPathRefused, confined_path, data_file, data_files
+from engine.data_files import DataPathRefused, confined_path, data_file, data_files, jsonl_records
 from engine.engine import IGNORE_INDEX, Engine
 from engine.flops import non_embedding_params, transformer_flops_per_token
 from engine.fsdp import apply_fsdp
@@ -240,37 +239,21 @@ def load_examples(cfg: VLMDataConfig) -> list[tuple[str, Any, str]]:
 
     examples = []
     for path, name in data_files(cfg.paths, suffixes={".jsonl"}):
-        with open(path, "rb") as f:
-            for line_number, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                where = f"{name}:{line_number}"
-                try:
-                    record = json.loads(line.decode())
-                except json.JSONDecodeError as e:
-                    raise ConfigError(f"{where}: not a JSON object ({e.msg})") from None
-                except (UnicodeDecodeError, RecursionError) as e:
-                    raise ConfigError(f"{where}: not a JSON object in UTF-8 ({type(e).__name__})") from None
-                if not isinstance(record, dict) or not isinstance(record.get("image"), str) or not isinstance(
-                    record.get("caption"), str
-                ):
-                    raise ConfigError(f'{where}: a record is {{"image": "relative/path.png", "caption": "..."}}')
-                if not record["caption"].strip():
-                    raise ConfigError(f"{where}: the caption is empty")
-                try:  # JSON may hold a lone surrogate ("\\ud800"), which no tokenizer takes
-                    record["caption"].encode("utf-8")
-                except UnicodeEncodeError:
-                    raise ConfigError(f"{where}: the caption is not valid text (it holds a lone surrogate)") from None
-                try:  # a data file: confined, a regular file, and part of the data fingerprint
-                    with Image.open(data_file(str(path.parent / record["image"]))) as image:
-                        # Kept at the size the model sees (the processor's resize is then a no-op):
-                        # 100k photos of 512 × 512 would otherwise hold ~100 GB in memory.
-                        image = image.convert("RGB").resize((cfg.image_size, cfg.image_size), RESAMPLE)
-                except DataPathRefused:
-                    raise
-                except (OSError, ValueError, Image.DecompressionBombError) as e:
-                    raise ConfigError(f"{where}: image {record['image']!r} cannot be read ({e})") from None
-                examples.append((where, image, record["caption"]))
+        for where, record in jsonl_records(path, name):  # bad JSON, UTF-8 or surrogates: refused there
+            if not isinstance(record.get("image"), str) or not isinstance(record.get("caption"), str):
+                raise ConfigError(f'{where}: a record is {{"image": "relative/path.png", "caption": "..."}}')
+            if not record["caption"].strip():
+                raise ConfigError(f"{where}: the caption is empty")
+            try:  # a data file: confined, a regular file, and part of the data fingerprint
+                with Image.open(data_file(str(path.parent / record["image"]))) as image:
+                    # Kept at the size the model sees (the processor's resize is then a no-op):
+                    # 100k photos of 512 × 512 would otherwise hold ~100 GB in memory.
+                    image = image.convert("RGB").resize((cfg.image_size, cfg.image_size), RESAMPLE)
+            except DataPathRefused:
+                raise
+            except (OSError, ValueError, Image.DecompressionBombError) as e:
+                raise ConfigError(f"{where}: image {record['image']!r} cannot be read ({e})") from None
+            examples.append((where, image, record["caption"]))
     if not examples:
         raise ConfigError(f"no image-caption records in data.paths={cfg.paths} (.jsonl files, one per line)")
     return examples
