@@ -200,7 +200,7 @@ def add_note(root: Path, sha: str, text: str, patience_s: float = 30.0) -> bool:
     deadline = time.monotonic() + patience_s
     try:
         fd = os.open(Path(repo.git_dir) / "trainwright-notes.lock",
-                     os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+                     os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o600)
     except OSError:
         return False
     try:
