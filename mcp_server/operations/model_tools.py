@@ -90,7 +90,7 @@ def export_checkpoint(
         # A model there would be copied into every run's code snapshot and leave the recipe dirty.
         raise PathRefused(f"to {relative.as_posix()!r} is inside {RECIPES_DIRNAME}/, which holds recipe code; "
                           "export elsewhere, e.g. exports/my_model")
-    if STAGING_MARK in destination.name:
+    if any(STAGING_MARK in part for part in relative.parts):  # one on the way would be removed as abandoned
         raise PathRefused(f"to {relative.as_posix()!r} is named like the staging folder of an export; "
                           "give another name")
     for part in relative.parts:

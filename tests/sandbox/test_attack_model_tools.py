@@ -287,6 +287,16 @@ def test_an_interrupted_export_leaves_nothing_at_to_and_a_killed_one_does_not_bl
     assert (in_flight / "model.safetensors").read_bytes() == b"half" and other.is_dir()
 
 
+def test_a_folder_on_the_way_named_like_old_staging_is_refused(ws):
+    # The name's time says how old a staging folder is: an export into a folder named like an
+    # abandoned one would be deleted, with what it holds, by the next export beside it.
+    old = f".k{model_tools.STAGING_MARK}{1:010d}-0a1b2c3d"
+    before = tree_hash(ws.root)
+    with pytest.raises(BadInput, match="staging folder"):
+        model_tools.export_checkpoint(ws, "r1", f"exports/{old}/m")
+    assert tree_hash(ws.root) == before
+
+
 def test_a_secret_in_a_completion_is_redacted_before_the_cut_can_split_it(monkeypatch):
     from sandbox import redact as redaction
 
