@@ -238,12 +238,14 @@ def _bounded_samples(samples: list[dict[str, Any]]) -> list[Sample]:
     for item in samples:
         # Redacted before the cut: a secret cut in two would no longer be found by its value.
         prompt, prompt_cut = _fit(redact(str(item.get("prompt", ""))), min(300, share // 4))
-        completion, completion_cut = _fit(redact(str(item.get("completion", ""))), share - json_chars(prompt) - 80)
-        stopped = item.get("stopped") if item.get("stopped") in ("eos", "max_new_tokens") else "max_new_tokens"
         # What the recipe added (an image's name) and the data's answer: its code wrote them, so cut too.
-        shown, shown_cut = _fit(redact(item["input"]), 200) if isinstance(item.get("input"), str) else (None, False)
+        shown, shown_cut = (_fit(redact(item["input"]), min(200, share // 8))
+                            if isinstance(item.get("input"), str) else (None, False))
         expected, expected_cut = (_fit(redact(item["expected"]), min(300, share // 4))
                                   if isinstance(item.get("expected"), str) else (None, False))
+        rest = share - json_chars(prompt) - json_chars(shown) - json_chars(expected) - 80  # the completion's share
+        completion, completion_cut = _fit(redact(str(item.get("completion", ""))), rest)
+        stopped = item.get("stopped") if item.get("stopped") in ("eos", "max_new_tokens") else "max_new_tokens"
         kept.append(Sample(prompt=prompt, completion=completion, new_tokens=_count(item.get("new_tokens")),
                            stopped=stopped, cut=prompt_cut or completion_cut or shown_cut or expected_cut,
                            input=shown, expected=expected))

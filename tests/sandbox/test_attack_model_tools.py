@@ -297,6 +297,17 @@ def test_a_folder_on_the_way_named_like_old_staging_is_refused(ws):
     assert tree_hash(ws.root) == before
 
 
+def test_samples_with_an_input_and_an_expected_answer_stay_in_the_agent_budget():
+    # The recipe's code writes input and expected too: they take from each sample's share.
+    from mcp_server.limits import AGENT_BUDGET_CHARS, json_chars
+
+    raw = [{"prompt": "p" * 5000, "completion": "\x01" * 90_000, "input": "\x02" * 5000, "expected": "\x03" * 5000,
+            "new_tokens": 1, "stopped": "eos"}] * 8
+    samples = model_tools._bounded_samples(raw)
+    assert all(s.cut and s.input.endswith("…") and s.expected.endswith("…") and s.completion for s in samples)
+    assert json_chars({"run_id": "x" * 40, "step": 1, "samples": [s.model_dump() for s in samples]}) < AGENT_BUDGET_CHARS
+
+
 def test_a_secret_in_a_completion_is_redacted_before_the_cut_can_split_it(monkeypatch):
     from sandbox import redact as redaction
 
