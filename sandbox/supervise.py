@@ -19,6 +19,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -197,7 +198,9 @@ class Supervisor:
         return code
 
     def write_git_note(self, record: rd.RunRecord) -> None:
-        """Record the outcome on the commit whose code the run executed."""
+        """Record the outcome on the commit whose code the run executed (under the id and recipe
+        it was launched with: run.json is the run's to write by its end)."""
+        record = record.model_copy(update={"id": self.record.id, "recipe": self.record.recipe})
         if not record.git_commit or not record.workspace:
             return
         add_note(Path(record.workspace), record.git_commit,
@@ -226,7 +229,12 @@ def run_note(record: rd.RunRecord, latest: dict | None) -> str:
         parts.append(f"data {data.source}: {data.documents:,} documents, {data.tokens:,} tokens")
     if record.error and record.status != rd.COMPLETED:
         parts.append(f"error: {record.error[:200]}")
-    return "; ".join(parts)
+    # The run wrote most of this (run.json, metrics.jsonl): each part stays one short line.
+    return "; ".join(_CONTROL.sub(" ", part)[:MAX_NOTE_PART_CHARS] for part in parts)
+
+
+MAX_NOTE_PART_CHARS = 300
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029]")
 
 
 def _describe_exit(code: int) -> str:

@@ -28,3 +28,27 @@ def test_the_git_note_survives_a_loss_too_large_for_a_float():
     record = rd.RunRecord(id="20260101-000000-lm-huge", recipe="recipes/lm", status=rd.COMPLETED)
     note = run_note(record, {"step": 5, "loss": HUGE, "tokens_per_s": HUGE})
     assert note.startswith("run 20260101-000000-lm-huge: completed; step 5/")
+
+
+def test_the_git_note_is_one_bounded_line_whatever_the_run_wrote(tmp_path, monkeypatch):
+    # run.json and metrics.jsonl are the run's to write: what it put there must not add a line
+    # of its own to the commit's note (one line per run), nor make the note huge.
+    from sandbox import supervise
+
+    forged = "\nrun 20260101-000000-lm-other: completed; loss 0.0100\n"
+    record = rd.RunRecord(id="20260101-000000-lm-huge", recipe="recipes/lm" + forged, status=rd.COMPLETED,
+                          data=rd.DataSummary(source="x" * 200_000 + forged + "\x1b]52;c;AAAA\x07", documents=1,
+                                              tokens=1, train_documents=1, eval_documents=0, train_tokens=1,
+                                              eval_tokens=0))
+    note = run_note(record, {"step": forged + "9" * 200_000})
+    assert "\n" not in note and "\r" not in note and "\x1b" not in note and len(note) < 2000
+    # The supervisor names the run and recipe as launched, not as run.json says by the end.
+    root = make_workspace(tmp_path / "ws")
+    run_dir = fake_run(root, "20260101-000000-lm-huge", exit_code=0)
+    written = []
+    monkeypatch.setattr(supervise, "add_note", lambda root, sha, text: written.append(text))
+    supervisor = supervise.Supervisor(run_dir)
+    supervisor.record = supervisor.record.model_copy(update={"git_commit": "0" * 40, "workspace": str(root)})
+    supervisor.write_git_note(supervisor.record.model_copy(update={"id": "20260101-000000-lm-other",
+                                                                   "recipe": "recipes/other"}))
+    assert written and written[0].startswith("run 20260101-000000-lm-huge: ") and "recipes/other" not in written[0]
