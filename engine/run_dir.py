@@ -18,8 +18,13 @@ The filesystem is the source of truth, so runs outlive the process that started 
 module is the single definition of that format: ``RunRecord`` and ``MetricRecord`` are the
 only definitions of run.json and of a metrics line, and run.json is read and written only
 through :func:`read_run`, :func:`create_run`, :func:`update_run` and
-:func:`append_to_run_list`. It is torch-free (stdlib and pydantic): the MCP server imports it
+:func:`append_warning`. It is torch-free (stdlib and pydantic): the MCP server imports it
 to read runs without paying for a torch import.
+
+run.json lives in the run directory, which the run's own processes may write: it is the run's
+report (its step, warnings, where its metrics went, its view of its status), never a reason for
+the server to act. What the server and the run's supervisor decide is kept in the server's
+record of the run (:mod:`engine.server_record`), outside every sandbox's writable folders.
 """
 
 from __future__ import annotations
@@ -94,17 +99,36 @@ def list_checkpoints(run_dir: Path) -> list[tuple[int, Path]]:
 
     A checkpoint counts only when it was published under its final name and DCP's metadata is
     in it; a save that was interrupted lives under a ``.partial-`` name and is never listed.
+    Nothing is followed through a link: run code writes this folder, and a link (the folder,
+    a ``step-`` entry, or its ``.metadata``) could lead a resume (whose sandbox binds the
+    checkpoint by path) to another run's files, or make the listing say whether a host path
+    exists.
     """
     root = Path(run_dir) / CHECKPOINTS_DIRNAME
-    if root.is_symlink() or not root.is_dir():  # a link the run put there leads anywhere
+    try:
+        root_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | _NO_FOLLOW)
+    except OSError:  # missing, a link, not a folder
         return []
     found = []
-    for entry in root.iterdir():
-        step = checkpoint_step(entry)
-        # A link is not a checkpoint: run code writes this folder, and a link could lead a resume
-        # (whose sandbox binds the checkpoint by path) to another run's files or the host's.
-        if step is not None and not entry.is_symlink() and (entry / DCP_METADATA).is_file():
-            found.append((step, entry))
+    try:
+        for name in os.listdir(root_fd):
+            step = checkpoint_step(Path(name))
+            if step is None:
+                continue
+            try:
+                entry_fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | _NO_FOLLOW, dir_fd=root_fd)
+            except OSError:
+                continue
+            try:
+                metadata = os.stat(DCP_METADATA, dir_fd=entry_fd, follow_symlinks=False)
+            except OSError:
+                continue
+            finally:
+                os.close(entry_fd)
+            if stat.S_ISREG(metadata.st_mode):
+                found.append((step, root / name))
+    finally:
+        os.close(root_fd)
     return sorted(found)
 
 
@@ -276,8 +300,8 @@ class RunRecord(BaseModel):
 
 
 @contextlib.contextmanager
-def _locked(run_dir: Path) -> Iterator[None]:
-    lock_path = Path(run_dir) / ".run.json.lock"
+def _locked(run_dir: Path, lock_name: str = ".run.json.lock") -> Iterator[None]:
+    lock_path = Path(run_dir) / lock_name
     with os.fdopen(_open_lock(lock_path), "rb") as lock_file:
         fcntl.flock(lock_file, fcntl.LOCK_EX)
         try:
@@ -592,7 +616,7 @@ def read_all_metrics(path: Path, max_bytes: int = METRICS_WINDOW_BYTES) -> list[
 
 
 def pid_alive(pid: int | None) -> bool:
-    if not pid:
+    if not isinstance(pid, int) or pid <= 1:  # 0, -1 and negatives name groups or everything
         return False
     try:
         os.kill(pid, 0)

@@ -119,8 +119,8 @@ def _follow_run(ws, run_id: str, echo: bool) -> int:
     stopping = False
     while True:
         try:
-            record = rd.read_run(run_dir)
-            ended = record.effective_status() in rd.FINAL_STATUSES and not rd.pid_alive(record.pid)
+            _, record = runs.run_view(ws, run_id)
+            ended = record.effective_status() in rd.FINAL_STATUSES and not record.supervisor_alive()
             chunk = b""
             f = rd.open_run_output(console)  # not through a link the run left
             if f is not None:

@@ -143,8 +143,12 @@ def gpu_devices() -> list[str]:
         return []
 
 
-def _under(path: Path, folder: Path) -> bool:
+def under(path: Path, folder: Path) -> bool:
+    """``path`` is ``folder`` or inside it (both absolute, as written)."""
     return path == folder or folder in path.parents
+
+
+_under = under
 
 
 def _mounts(read_only: Iterable[Path], writable: Iterable[Path], network: str,

@@ -25,6 +25,7 @@ from pathlib import Path
 import git
 
 from engine.errors import BadInput
+from engine.server_record import GIT_COMMIT
 from sandbox.environment import looks_secret
 from sandbox.redact import secret_values
 
@@ -35,6 +36,7 @@ TOOL_TRAILER = "Trainwright-Tool"
 WORKSPACE_GITIGNORE = "runs/\n.trainwright/\n__pycache__/\n"
 # Settings given on every git command line (``git -c ...``): they win over the repository's.
 SAFE_CONFIG = ("core.hooksPath=/dev/null", "core.fsmonitor=false", "core.untrackedCache=false")
+COMMIT_ID = GIT_COMMIT  # a full commit id, SHA-1 or SHA-256
 
 
 class GitRefused(BadInput):
@@ -193,7 +195,11 @@ def add_note(root: Path, sha: str, text: str, patience_s: float = 30.0) -> bool:
     ``git notes append`` reads the note, then writes it back: two runs that end together would
     each write the note without the other's line. So appends take turns under a lock file in the
     repository's git folder (waited for up to ``patience_s``, with jittered backoff; a loaded
-    machine can hold it for seconds), and a ref lock held by a person's own git is retried."""
+    machine can hold it for seconds), and a ref lock held by a person's own git is retried.
+    ``sha`` must be a full commit id, and git is told where its options end: it is never read
+    as an option (``-F/proc/self/environ`` would put a file's content into the note)."""
+    if not isinstance(sha, str) or not COMMIT_ID.fullmatch(sha):
+        return False
     repo = open_repo(root)
     if repo is None:
         return False
@@ -215,7 +221,7 @@ def add_note(root: Path, sha: str, text: str, patience_s: float = 30.0) -> bool:
                 continue
             try:
                 with repo.git.custom_environment(**_identity_env()):
-                    repo.git.notes(f"--ref={NOTES_REF}", "append", "-m", text, sha)
+                    repo.git.notes(f"--ref={NOTES_REF}", "append", "-m", text, "--end-of-options", sha)
                 return True
             except git.GitCommandError as e:
                 if "lock" not in str(e).lower() or time.monotonic() + pause > deadline:
@@ -248,6 +254,8 @@ class AgentCommit:
 
 def agent_commits(repo: git.Repo, base: str | None, limit: int = 200) -> list[AgentCommit]:
     """Commits since ``base`` (exclusive; all when None) made through trainwright's tools."""
+    if base is not None and (not isinstance(base, str) or base.startswith("-") or not base.strip()):
+        raise GitRefused(f"base must be a commit or ref, got {base!r}")
     rev = f"{base}..HEAD" if base else "HEAD"
     try:
         commits = list(repo.iter_commits(rev, max_count=limit))

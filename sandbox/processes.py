@@ -115,7 +115,8 @@ def _reap(pids: Iterable[int]) -> None:
 
 def end_processes(pids: Iterable[int], grace_s: float = 5.0) -> set[int]:
     """SIGTERM ``pids``, wait up to ``grace_s``, SIGKILL the rest; return those still alive."""
-    pids = {p for p in pids if p != os.getpid() and alive(p)}
+    # Never 0, 1 or below: kill() would signal a group, init, or every process.
+    pids = {p for p in pids if isinstance(p, int) and p > 1 and p != os.getpid() and alive(p)}
     for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
         for pid in pids:
             try:

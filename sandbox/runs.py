@@ -6,14 +6,17 @@ A run is started in three moves, so that a bad request leaves nothing behind:
    config and the world size) in the same sandbox and with the same limits as the run, and
    raises :class:`LaunchRefused` with the engine's message; every process the check started
    is ended when it ends;
-2. ``start_run`` creates ``runs/<id>/run.json`` and spawns ``python -m sandbox.supervise`` in
-   its own session, which starts the engine (``torchrun`` when ``nproc > 1``) in a process
+2. ``start_run`` creates the server's record of the run (``.trainwright/runs/<id>/``, see
+   :mod:`engine.server_record`) and ``runs/<id>/run.json`` (the run's copy, which it may
+   rewrite), and spawns ``python -m sandbox.supervise`` in its own session, which starts the engine (``torchrun`` when ``nproc > 1``) in a process
    group of its own, with the limits of :class:`~sandbox.config.RunLimits`, writes its output
    to ``console.log`` and records the outcome;
 3. the caller gets the run id at once: nothing waits for the run.
 
 ``stop_run`` asks the supervisor to end every process of the run and record ``stopped``; when
-the supervisor is gone it ends them itself (see :mod:`sandbox.processes`).
+the supervisor is gone it ends them itself (see :mod:`sandbox.processes`). Every process it
+signals is one the server or the supervisor started, recognised by its recorded identity
+(pid, start time and session), never by a number the run wrote.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from pathlib import Path
 from typing import Any, Iterator, Mapping
 
 from engine import run_dir as rd
+from engine import server_record as sr
 from engine.config import override_args
 from engine.data_files import WORKSPACE_VARIABLE
 from engine.errors import BadInput
@@ -270,16 +274,27 @@ def _end_check(process: subprocess.Popen, mark: str) -> None:
     end_processes(left | marked(mark), grace_s=0)
 
 
-def _create_run_dir(runs_root: Path, recipe_label: str, record: rd.RunRecord) -> tuple[str, Path]:
-    """A new run directory with a fresh id (ids made in the same second may collide: retry)."""
+def _create_run_dir(workspace: Path, runs_root: Path, recipe_label: str,
+                    record: sr.ServerRecord) -> tuple[str, Path, Path]:
+    """A new run directory and server record with a fresh id (ids made in the same second may
+    collide: retry); returns the id, the run directory and the record's folder."""
     for _ in range(20):
         run_id = rd.new_run_id(Path(recipe_label).name)
         run_dir = Path(runs_root) / run_id
+        folder = sr.record_dir(workspace, run_id)
+        if folder.exists() or os.path.lexists(run_dir):
+            continue
+        first = record.model_copy(update={"id": run_id, "run_dir": str(run_dir)})
         try:
-            rd.create_run(run_dir, record.model_copy(update={"id": run_id}))
-            return run_id, run_dir
+            sr.create_record(folder, first)
         except FileExistsError:
             continue
+        try:
+            rd.create_run(run_dir, rd.RunRecord.model_validate(first.model_dump(include=set(rd.RunRecord.model_fields))))
+        except BaseException:
+            shutil.rmtree(folder, ignore_errors=True)
+            raise
+        return run_id, run_dir, folder
     raise RuntimeError("could not find a free run id")
 
 
@@ -294,7 +309,7 @@ def start_run(
     origin: CodeOrigin,
     code_from: str = "recipe",
     resumed_from: rd.ResumedFrom | None = None,
-    config_json: Path | None = None,
+    recorded_config: bool = False,
     limits: RunLimits = RunLimits(),
     threads: int | None = None,
     warnings: list[str] | None = None,
@@ -302,11 +317,13 @@ def start_run(
     nodes: Nodes = Nodes(),
     joins: Path | None = None,
     target: str = "local",
-) -> rd.RunRecord:
-    """Create the run directory with a snapshot of ``code_dir`` and spawn its supervisor;
-    return the first run record.
+) -> sr.ServerRecord:
+    """Create the run directory with a snapshot of ``code_dir`` and the server's record of the
+    run, and spawn its supervisor; return the server's first record.
 
-    ``verdict`` is :func:`check_launch`'s; ``threads`` pins the run's thread count (a resume
+    ``verdict`` is :func:`check_launch`'s; ``recorded_config``: the engine starts from the
+    verdict's config kept in the run's own run.json (a resume, a joining node), not from the
+    recipe's ``config.yaml``; ``threads`` pins the run's thread count (a resume
     passes the original run's); ``expected_digest``: :func:`~sandbox.provenance.snapshot_digest`
     of ``code_dir`` when it was checked; a snapshot that differs starts nothing. The run's
     sandbox shows the workspace read-only without git's, trainwright's and other runs' folders,
@@ -330,7 +347,7 @@ def start_run(
             f"them, and {rd.SNAPSHOT_DIRNAME}/{rd.UNCOMMITTED_PATCH} in its run directory holds the "
             f"diff against {(origin.git_commit or '')[:10]}"
         )
-    record = rd.RunRecord(
+    record = sr.ServerRecord(
         id="pending",
         recipe=recipe_label,
         code_from=code_from,
@@ -365,8 +382,8 @@ def start_run(
     runs_root.mkdir(parents=True, exist_ok=True)
     with capacity_lock(runs_root):  # two launches at once cannot both take the last place
         if target == "local":  # a SLURM job runs on the cluster's nodes
-            check_capacity(runs_root, nproc, limits)
-        run_id, run_dir = _create_run_dir(runs_root, recipe_label, record)
+            check_capacity(sr.records_root(workspace), nproc, limits)
+        run_id, run_dir, folder = _create_run_dir(Path(workspace), runs_root, recipe_label, record)
     try:
         # A joining node runs node 0's snapshot as it is (checked by the caller).
         snapshot = write_snapshot(code_dir, run_dir, None, files) if joins is None else Path(code_dir)
@@ -381,19 +398,19 @@ def start_run(
             digest = snapshot_digest(snapshot)  # the recorded digest covers the patch too
     except BaseException:
         shutil.rmtree(run_dir, ignore_errors=True)  # nothing started: leave nothing behind
+        shutil.rmtree(folder, ignore_errors=True)
         raise
     resume_path = Path(resumed_from.path) if resumed_from else None
-    visible = [Path(workspace), snapshot] + [p for p in (resume_path, config_json) if p is not None]
+    visible = [Path(workspace), snapshot] + [p for p in (resume_path,) if p is not None]
     engine_dir = joins if joins is not None else run_dir  # one folder for every node's checkpoint shards
     rdzv_id = nodes.rdzv_id or run_id
-    rd.update_run(
-        run_dir,
+    prepared = dict(
         snapshot=snapshot.relative_to(workspace).as_posix() if snapshot.is_relative_to(workspace) else str(snapshot),
         snapshot_digest=digest,
         # A resume (or a joining node) starts from the config its check resolved, kept in its own
         # run.json: the run.json it came from may have changed since the check read it.
         command=engine_command(snapshot, engine_dir, nproc, override_args(overrides), resume_path,
-                               run_dir / rd.RUN_JSON if config_json is not None else None,
+                               run_dir / rd.RUN_JSON if recorded_config else None,
                                nodes=nodes, rdzv_id=rdzv_id),
         rdzv_id=rdzv_id if nodes.multi else None,
         sandbox=rd.SandboxView(
@@ -402,8 +419,10 @@ def start_run(
             hidden=[str(p) for p in hidden_state(workspace)],
         ),
     )
+    sr.update_record(folder, **prepared)
+    rd.update_run(run_dir, **prepared)
     if target != "local":
-        return rd.read_run(run_dir)
+        return sr.read_record(folder)
     extra = {THREADS_VARIABLE: str(threads), RUN_ID_VARIABLE: run_id, WORKSPACE_VARIABLE: str(workspace),
              "PYTHONDONTWRITEBYTECODE": "1"}
     if not nodes.multi or nodes.local_endpoint:
@@ -416,7 +435,7 @@ def start_run(
     )
     with open(run_dir / rd.CONSOLE_LOG, "ab") as console:
         process = subprocess.Popen(
-            [sys.executable, "-m", "sandbox.supervise", str(run_dir)],
+            [sys.executable, "-m", "sandbox.supervise", str(folder)],
             cwd=workspace,
             env=env,
             stdin=subprocess.DEVNULL,
@@ -424,7 +443,9 @@ def start_run(
             stderr=subprocess.STDOUT,
             start_new_session=True,  # outlives the server; a server restart does not touch it
         )
-    return rd.update_run(run_dir, pid=process.pid)
+    identity = sr.identify(process.pid)  # it is in a session of its own by the time Popen returns
+    sr.mirror_to_report(run_dir, pid=process.pid)
+    return sr.update_record(folder, pid=process.pid, supervisor=identity)
 
 
 @contextlib.contextmanager
@@ -438,34 +459,25 @@ def capacity_lock(runs_root: Path) -> Iterator[None]:
         os.close(fd)
 
 
-STARTING_GRACE_S = 60.0
-
-
-def _age_s(path: Path) -> float:
+def running_runs(records: Path) -> list[sr.ServerRecord]:
+    """The server's records of the workspace's runs that are starting or running here
+    (``records``: :func:`engine.server_record.records_root`). A run counts while the supervisor
+    the server started lives, whatever its run directory says."""
+    found = []
     try:
-        return time.time() - path.stat().st_mtime
-    except OSError:
-        return float("inf")
-
-
-def running_runs(runs_root: Path) -> list[rd.RunRecord]:
-    """The records of the runs of a workspace that are starting or running (supervisor alive)."""
-    records = []
-    try:
-        names = sorted(os.listdir(runs_root))
+        names = sorted(os.listdir(records))
     except OSError:
         return []
     for name in names:
         try:
-            record = rd.read_run(Path(runs_root) / name)
+            record = sr.read_record(Path(records) / name)
         except (OSError, ValueError):
             continue
-        if record.effective_status() not in (rd.STARTING, rd.RUNNING) or record.target != "local":
-            continue  # a SLURM job runs on the cluster's nodes
-        if not record.pid and _age_s(Path(runs_root) / name / rd.RUN_JSON) > STARTING_GRACE_S:
-            continue  # never got a supervisor (the launcher died in between): not running
-        records.append(record)
-    return records
+        if record.target != "local":  # a SLURM job runs on the cluster's nodes
+            continue
+        if record.effective_status() in (rd.STARTING, rd.RUNNING):
+            found.append(record)
+    return found
 
 
 def hidden_state(workspace: Path) -> list[Path]:
@@ -473,10 +485,11 @@ def hidden_state(workspace: Path) -> list[Path]:
     return [Path(workspace) / name for name in (".git", ".trainwright", rd.RUNS_DIRNAME)]
 
 
-def check_capacity(runs_root: Path, nproc: int, limits: RunLimits) -> None:
+def check_capacity(records: Path, nproc: int, limits: RunLimits) -> None:
     """Refuse a launch of ``nproc`` processes that would exceed the workspace's caps
-    (``runs.max_concurrent_runs``, ``runs.max_total_processes``)."""
-    running = running_runs(runs_root)
+    (``runs.max_concurrent_runs``, ``runs.max_total_processes``); ``records``: the server's
+    records of the workspace's runs."""
+    running = running_runs(records)
     max_runs, max_processes = capacity(limits)
     busy = sum(r.nproc for r in running)
     names = ", ".join(f"{r.id} ({r.nproc} process(es))" for r in running[:20])
@@ -493,21 +506,23 @@ def check_capacity(runs_root: Path, nproc: int, limits: RunLimits) -> None:
         )
 
 
-def stop_run(run_dir: Path, timeout_s: float | None = None) -> rd.RunRecord:
-    """End every process of a run and record ``stopped``. Returns the final record."""
-    record = rd.read_run(run_dir)
+def stop_run(folder: Path, timeout_s: float | None = None) -> sr.ServerRecord:
+    """End every process of the run whose server record is in ``folder`` and record
+    ``stopped``. Returns the final record. Only processes the server or the supervisor started
+    are signalled, each checked by its recorded identity."""
+    record = sr.read_record(folder)
     if record.status in rd.FINAL_STATUSES:
         return record
-    rd.update_run(run_dir, stop_requested=True)
+    record = sr.update_record(folder, stop_requested=True)
+    sr.mirror_to_report(record.run_dir, stop_requested=True)
     grace = float(record.limits.get("stop_grace_s") or 10.0)
     timeout_s = grace + 20.0 if timeout_s is None else timeout_s
-    supervisor = record.pid
-    if supervisor and rd.pid_alive(supervisor):
-        os.kill(supervisor, signal.SIGTERM)
+    supervisor = record.supervisor
+    if supervisor is not None and supervisor.send_signal(signal.SIGTERM):
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            record = rd.read_run(run_dir)
-            supervisor_alive = rd.pid_alive(supervisor)
+            record = sr.read_record(folder)
+            supervisor_alive = supervisor.alive()
             if record.status in rd.FINAL_STATUSES and not supervisor_alive:
                 return record
             if not supervisor_alive:
@@ -515,24 +530,30 @@ def stop_run(run_dir: Path, timeout_s: float | None = None) -> rd.RunRecord:
             time.sleep(0.1)
     # No supervisor (it crashed or was killed), or it did not finish: end the run's processes
     # ourselves, all of them, wherever they are in the process tree.
-    kill_group(record.child_pgid, signal.SIGKILL)
+    record = sr.read_record(folder)
+    if record.engine_group is not None:
+        record.engine_group.signal_group(signal.SIGKILL)
     end_processes(run_processes(record), grace_s=min(grace, 5.0))
-    record = rd.read_run(run_dir)
+    record = sr.read_record(folder)
     if record.status in rd.FINAL_STATUSES:
         return record
-    return rd.update_run(run_dir, status=rd.STOPPED, ended_at=rd.utc_now(), reason="stopped by request")
+    fields = dict(status=rd.STOPPED, ended_at=rd.utc_now(), reason="stopped by request")
+    sr.mirror_to_report(record.run_dir, **fields)
+    return sr.update_record(folder, **fields)
 
 
-def run_processes(record: rd.RunRecord) -> set[int]:
+def run_processes(record: sr.ServerRecord) -> set[int]:
     """The live processes of a run: those marked with its id, and its supervisor."""
     pids = marked(record.id) if record.id else set()
-    if record.pid and rd.pid_alive(record.pid):
-        pids.add(record.pid)
+    if record.supervisor is not None and record.supervisor.alive():
+        pids.add(record.supervisor.pid)
     return pids
 
 
 def kill_group(pgid: int | None, sig: int) -> bool:
-    if not pgid:
+    """Signal the process group ``pgid``, which the caller started; never 0, 1 or below (they
+    name the caller's own group, init's, or every process)."""
+    if not isinstance(pgid, int) or pgid <= 1:
         return False
     try:
         os.killpg(pgid, sig)
@@ -542,7 +563,7 @@ def kill_group(pgid: int | None, sig: int) -> bool:
 
 
 def group_alive(pgid: int | None) -> bool:
-    if not pgid:
+    if not isinstance(pgid, int) or pgid <= 1:
         return False
     try:
         os.killpg(pgid, 0)

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from engine import run_dir as rd
+from engine import server_record as sr
 from engine.errors import BadInput
 from sandbox.config import RunLimits
 from sandbox.environment import run_environment
@@ -41,7 +42,7 @@ DEFAULT_TIME = "01:00:00"
 # SLURM's time formats: minutes, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS.
 _TIME = re.compile(r"^(\d+|\d+:\d{2}|\d+:\d{2}:\d{2}|\d+-\d+|\d+-\d+:\d{2}|\d+-\d+:\d{2}:\d{2})$")
 _PARTITION = re.compile(r"^[A-Za-z0-9_.-]{1,64}(,[A-Za-z0-9_.-]{1,64})*$")
-_JOB_ID = re.compile(r"^\d+(_\d+)?$")
+_JOB_ID = sr.SLURM_JOB_ID  # the one definition: what sbatch answered, and what squeue/scancel get
 
 # squeue's and sacct's job states → run statuses.
 LIVE_STATES = {
@@ -176,6 +177,8 @@ def query_state(job_id: str, env: Mapping[str, str]) -> tuple[str | None, str | 
     """``(state, exit_code, note)`` of a job: squeue while it is queued or running, then sacct.
 
     Never raises: when neither answers, state is None and the note says why."""
+    if not isinstance(job_id, str) or not _JOB_ID.fullmatch(job_id):  # never an option of squeue/sacct
+        return None, None, "the run has no valid SLURM job id"
     notes = []
     try:
         result = _run(["squeue", "-h", "-j", job_id, "-o", "%T"], env)
@@ -205,11 +208,12 @@ def status_of(state: str) -> rd.RunStatus | None:
     return LIVE_STATES.get(word) or FINAL_STATES.get(word)
 
 
-def refresh(run_dir: Path, env: Mapping[str, str], min_interval_s: float = 0.0) -> tuple[rd.RunRecord, str | None]:
-    """Ask SLURM how a submitted run's job goes and record it; returns the record and a note
-    when SLURM could not say (the record is then left as it was). Not again within
-    ``min_interval_s`` of the last question (a waiting loop must not flood the scheduler)."""
-    record = rd.read_run(run_dir)
+def refresh(folder: Path, env: Mapping[str, str], min_interval_s: float = 0.0) -> tuple[sr.ServerRecord, str | None]:
+    """Ask SLURM how a job the server submitted goes and record it in the server's record of the
+    run (``folder``); returns the record and a note when SLURM could not say (the record is then
+    left as it was). Not again within ``min_interval_s`` of the last question (a waiting loop
+    must not flood the scheduler). A run the server did not submit is never asked about."""
+    record = sr.read_record(folder)
     if record.target != "slurm" or not record.slurm_job_id or record.status in rd.FINAL_STATUSES:
         return record, None
     if min_interval_s and record.slurm_checked_at:
@@ -217,15 +221,15 @@ def refresh(run_dir: Path, env: Mapping[str, str], min_interval_s: float = 0.0) 
             last = _dt.datetime.fromisoformat(record.slurm_checked_at)
             if (_dt.datetime.now(_dt.timezone.utc) - last).total_seconds() < min_interval_s:
                 return record, None
-        except ValueError:
+        except (ValueError, TypeError):
             pass
     state, exit_code, note = query_state(record.slurm_job_id, env)
     if state is None:
-        return rd.update_run(run_dir, slurm_checked_at=rd.utc_now()), note
+        return sr.update_record(folder, slurm_checked_at=rd.utc_now()), note
     status = status_of(state)
     fields: dict[str, Any] = {"slurm_state": state[:100], "slurm_checked_at": rd.utc_now()}
     if status is None:
-        return rd.update_run(run_dir, **fields), f"SLURM job {record.slurm_job_id} is in state {state[:100]}, unknown here"
+        return _record(folder, record, **fields), f"SLURM job {record.slurm_job_id} is in state {state[:100]}, unknown here"
     fields["status"] = status
     if status == rd.RUNNING and not record.started_at:
         fields["started_at"] = rd.utc_now()
@@ -235,24 +239,34 @@ def refresh(run_dir: Path, env: Mapping[str, str], min_interval_s: float = 0.0) 
             fields["error"] = f"SLURM job {record.slurm_job_id} ended {state[:100]} (exit code {exit_code or '?'}); see console.log"
         if status == rd.STOPPED and not record.reason:
             fields["reason"] = f"SLURM job {record.slurm_job_id} {state[:100].lower()}"
-    return rd.update_run(run_dir, **fields), None
+    return _record(folder, record, **fields), None
 
 
-def cancel(run_dir: Path, env: Mapping[str, str]) -> rd.RunRecord:
-    """``scancel`` the run's job and record it stopped; :class:`BadInput` when scancel refuses."""
-    record, _ = refresh(run_dir, env)  # a job that has ended is not cancelled
+def _record(folder: Path, record: sr.ServerRecord, **fields: Any) -> sr.ServerRecord:
+    """``fields`` into the server's record, and a copy into the run's run.json."""
+    sr.mirror_to_report(record.run_dir, **fields)
+    return sr.update_record(folder, **fields)
+
+
+def cancel(folder: Path, env: Mapping[str, str]) -> sr.ServerRecord:
+    """``scancel`` the job the server submitted for this run and record it stopped;
+    :class:`BadInput` when scancel refuses."""
+    record, _ = refresh(folder, env)  # a job that has ended is not cancelled
     if record.status in rd.FINAL_STATUSES:
         return record
-    if record.slurm_job_id:
+    job = record.slurm_job_id
+    if job:
+        if not _JOB_ID.fullmatch(job):  # checked when recorded; never an option of scancel
+            raise BadInput(f"run {record.id} has no valid SLURM job id")
         try:
-            result = _run(["scancel", record.slurm_job_id], env)
+            result = _run(["scancel", job], env)
         except (OSError, subprocess.TimeoutExpired) as e:
-            raise BadInput(f"scancel could not be run ({e}); the job {record.slurm_job_id} may still run") from None
+            raise BadInput(f"scancel could not be run ({e}); the job {job} may still run") from None
         if result.returncode != 0:
             last = (result.stderr.strip().splitlines() or [f"exit status {result.returncode}"])[-1]
-            raise BadInput(f"scancel {record.slurm_job_id} failed: {last[:300]}; the job may still run")
-    return rd.update_run(run_dir, status=rd.STOPPED, stop_requested=True, ended_at=rd.utc_now(),
-                         reason=f"cancelled (scancel {record.slurm_job_id})" if record.slurm_job_id else "stopped by request")
+            raise BadInput(f"scancel {job} failed: {last[:300]}; the job may still run")
+    return _record(folder, record, status=rd.STOPPED, stop_requested=True, ended_at=rd.utc_now(),
+                   reason=f"cancelled (scancel {job})" if job else "stopped by request")
 
 
 def start_job(
@@ -270,7 +284,7 @@ def start_job(
     limits: RunLimits,
     warnings: list[str] | None = None,
     expected_digest: str | None = None,
-) -> tuple[rd.RunRecord, str]:
+) -> tuple[sr.ServerRecord, str]:
     """A run as a SLURM job: its run directory and snapshot (:func:`~sandbox.runs.start_run`),
     the job script in it, and the job submitted when ``sbatch`` is on PATH and the server's
     settings allow it (``runs.slurm``); returns the record and the script. A job that sbatch
@@ -285,7 +299,8 @@ def start_job(
         nodes=Nodes(nnodes=nnodes, rdzv_endpoint=endpoint_shown, rdzv_id=rdzv_id),
     )
     run_dir = Path(runs_root) / record.id
-    record = rd.update_run(run_dir, rdzv_id=rdzv_id or record.id, rdzv_endpoint=endpoint_shown)
+    folder = sr.record_dir(workspace, record.id)
+    record = _record(folder, record, rdzv_id=rdzv_id or record.id, rdzv_endpoint=endpoint_shown)
     snapshot = run_dir / rd.SNAPSHOT_DIRNAME
     args = engine_args(snapshot, run_dir, override_args(overrides))
     text = job_script(record, run_dir, options, sys.executable, args)
@@ -307,10 +322,11 @@ def start_job(
             job_id = submit(script, env, Path(workspace))
         except BadInput:
             shutil.rmtree(run_dir, ignore_errors=True)
+            shutil.rmtree(folder, ignore_errors=True)
             raise
         fields.update(slurm_job_id=job_id, slurm_state="SUBMITTED", slurm_checked_at=rd.utc_now())
     else:
         label = f"{rd.RUNS_DIRNAME}/{record.id}/{SCRIPT_NAME}"
         fields.update(status=rd.STOPPED, ended_at=rd.utc_now(),
                       reason=f"not submitted: {why_not}; submit it on the cluster with `sbatch {label}`")
-    return rd.update_run(run_dir, **fields), text
+    return _record(folder, record, **fields), text

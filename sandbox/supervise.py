@@ -1,17 +1,19 @@
-"""The supervisor of one run: ``python -m sandbox.supervise RUN_DIR``.
+"""The supervisor of one run: ``python -m sandbox.supervise RECORD_DIR``.
 
 Started in a session of its own by :func:`sandbox.runs.start_run`, it outlives whoever started
-it. It becomes a child subreaper and spawns the engine command recorded in ``run.json`` inside
-the bubblewrap sandbox (:mod:`sandbox.bwrap`: its own user, PID and network namespaces, a mount
-view of the paths in ``run.json``'s ``sandbox``), in a new process group, with the resource
-limits of ``limits``. Where the sandbox cannot be made it falls back to moving itself into a
+it. Everything it acts on comes from the server's record of the run (``RECORD_DIR``, see
+:mod:`engine.server_record`), never from the run directory its run writes. It becomes a child
+subreaper and spawns the engine command of that record inside the bubblewrap sandbox
+(:mod:`sandbox.bwrap`: its own user, PID and network namespaces, a mount view of the paths in
+the record's ``sandbox``), in a new process group, with the resource limits of ``limits``. Where the sandbox cannot be made it falls back to moving itself into a
 network namespace with only loopback (:mod:`sandbox.network`, where the platform allows and
 ``limits.network`` is ``isolated``); either way it records the level it got (``isolation``:
 ``full``, ``partial`` or ``none``, with ``isolation_note``) and prints it on the console. It
 writes the engine's output to ``console.log`` (its own stdout), enforces the wall-time limit,
 and when the engine exits records the outcome: ``completed``, ``failed`` (with the exit code
-and the engine's error) or ``stopped``. Whatever the outcome, no process of the run is left
-behind: every descendant and every process marked with the run's id is ended.
+and the engine's error) or ``stopped``, in the server's record (and a copy in ``run.json``).
+Whatever the outcome, no process of the run is left behind: every descendant and every process
+marked with the run's id is ended.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import time
 from pathlib import Path
 
 from engine import run_dir as rd
+from engine import server_record as sr
 from sandbox import bwrap
 from sandbox.git import add_note
 from sandbox.network import LOOPBACK_ENV, isolate_network
@@ -37,9 +40,12 @@ from sandbox.runs import group_alive, kill_group
 
 
 class Supervisor:
-    def __init__(self, run_dir: Path):
-        self.run_dir = Path(run_dir)
-        self.record = rd.read_run(self.run_dir)
+    def __init__(self, record_dir: Path):
+        self.record_dir = Path(record_dir)
+        self.record = sr.read_record(self.record_dir)
+        if not self.record.run_dir:
+            raise ValueError(f"the server's record in {record_dir} names no run directory")
+        self.run_dir = Path(self.record.run_dir)
         self.limits = self.record.limits
         self.stop_reason: str | None = None
         self.child: subprocess.Popen | None = None
@@ -75,6 +81,9 @@ class Supervisor:
         if view is None:  # a record made without a launcher's view: the workspace, read-only
             view = rd.SandboxView(bwrap=bwrap.find_bwrap(), read_only=[workspace] if workspace else [],
                                   writable=[str(self.run_dir)])
+        writable_record = [w for w in view.writable if bwrap.under(self.record_dir, Path(os.path.abspath(w)))]
+        if writable_record:  # the run could then rewrite what the server trusts
+            raise ValueError(f"the run's writable folder {writable_record[0]} holds the server's record of it")
         shared_because = bwrap.SHARED_NETWORK_REASON
         if self.record.nnodes > 1:
             shared_because = (f"a run over {self.record.nnodes} nodes uses the host's network for its rendezvous "
@@ -103,7 +112,12 @@ class Supervisor:
     def run(self) -> int:
         signal.signal(signal.SIGTERM, lambda *_: self.request_stop("stopped by request"))
         signal.signal(signal.SIGINT, lambda *_: self.request_stop("interrupted"))
-        command, containment = self.contain()
+        try:
+            command, containment = self.contain()
+        except ValueError as e:
+            self.record_fields(pid=os.getpid(), status=rd.FAILED, error=f"the run was not started: {e}",
+                               ended_at=rd.utc_now())
+            return 1
         print(f"[trainwright] run {self.record.id}: {code_description(self.record)}", flush=True)
         limits = self.limits
         try:
@@ -120,11 +134,11 @@ class Supervisor:
                 preexec_fn=lambda: apply_limits(limits),
             )
         except (OSError, subprocess.SubprocessError) as e:
-            rd.update_run(self.run_dir, pid=os.getpid(), **containment, status=rd.FAILED,
-                          error=f"the engine could not be started: {e}", ended_at=rd.utc_now())
+            self.record_fields(pid=os.getpid(), **containment, status=rd.FAILED,
+                               error=f"the engine could not be started: {e}", ended_at=rd.utc_now())
             return 1
-        rd.update_run(
-            self.run_dir, pid=os.getpid(), child_pgid=self.child.pid, status=rd.RUNNING,
+        self.record_fields(
+            pid=os.getpid(), child_pgid=self.child.pid, status=rd.RUNNING,
             supervisor_started_at=rd.utc_now(), **containment,
         )
         if self.stop_reason is not None:  # a stop that arrived before the child existed
@@ -152,6 +166,20 @@ class Supervisor:
         self.end_leftovers(grace)
         return self.finish(code)
 
+    def record_fields(self, **fields) -> sr.ServerRecord:
+        """Record ``fields`` in the server's record (what decisions read), then copy them into
+        the run's run.json (the run's own information; never read back). The process that leads
+        the engine's group is recorded with its identity, so that a stop signals it and nothing
+        else."""
+        server_fields = dict(fields)
+        if fields.get("child_pgid"):
+            server_fields["engine_group"] = sr.identify(fields["child_pgid"])
+        if fields.get("pid") == os.getpid():
+            server_fields["supervisor"] = sr.identify(os.getpid())
+        record = sr.update_record(self.record_dir, **server_fields)
+        sr.mirror_to_report(self.run_dir, **fields)
+        return record
+
     def leftovers(self) -> set[int]:
         """Processes of the run still alive: descendants (we are their subreaper) and marked ones."""
         pids = descendants(os.getpid())
@@ -173,34 +201,30 @@ class Supervisor:
                 print(f"[trainwright] processes {sorted(stuck)} did not end", flush=True)
 
     def finish(self, code: int) -> int:
-        record = rd.read_run(self.run_dir)
-        fields = {"exit_code": code, "ended_at": rd.utc_now()}
+        record = sr.read_record(self.record_dir)
+        fields: dict = {"exit_code": code, "ended_at": rd.utc_now()}
         if self.stop_reason is not None or record.stop_requested:
             fields.update(status=rd.STOPPED, reason=self.stop_reason or "stopped by request")
         elif code == 0:
             fields["status"] = rd.COMPLETED
         else:
             fields["status"] = rd.FAILED
-            if not record.error:
-                fields["error"] = _describe_exit(code)
+            # The engine's own message (the run wrote it: text to show, bounded, nothing more).
+            fields["error"] = _reported_error(self.run_dir) or _describe_exit(code)
             if record.nnodes > 1:  # the usual cause is elsewhere: say where to look
                 fields["error"] = (
                     f"node {record.node_rank} of a run over {record.nnodes} nodes failed; a run over several nodes "
                     f"fails when any node fails or leaves (rendezvous {record.rdzv_id} at {record.rdzv_endpoint}): "
-                    f"{record.error or fields['error']}"
+                    f"{fields['error']}"
                 )[:2000]
-        record = rd.update_run(self.run_dir, **fields)
+        record = self.record_fields(**fields)
         print(f"[trainwright] run {record.id} {record.status} (exit code {code})", flush=True)
-        # run.json is the run's to write by now: the note goes to the workspace and commit read
-        # before the run started, never to a repository or revision the run named.
-        self.write_git_note(record.model_copy(update={"workspace": self.record.workspace,
-                                                      "git_commit": self.record.git_commit}))
+        self.write_git_note(record)
         return code
 
-    def write_git_note(self, record: rd.RunRecord) -> None:
-        """Record the outcome on the commit whose code the run executed (under the id and recipe
-        it was launched with: run.json is the run's to write by its end)."""
-        record = record.model_copy(update={"id": self.record.id, "recipe": self.record.recipe})
+    def write_git_note(self, record: sr.ServerRecord) -> None:
+        """Record the outcome on the commit whose code the run executed: the server's record
+        says which commit, workspace, id and recipe (the run wrote none of it)."""
         if not record.git_commit or not record.workspace:
             return
         add_note(Path(record.workspace), record.git_commit,
@@ -237,6 +261,15 @@ MAX_NOTE_PART_CHARS = 300
 _CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029]")
 
 
+def _reported_error(run_dir: Path) -> str | None:
+    """The error the engine reported in run.json (one bounded line of text), if any."""
+    try:
+        error = rd.read_run(run_dir).error
+    except (OSError, ValueError):
+        return None
+    return _CONTROL.sub(" ", error)[:2000] if error else None
+
+
 def _describe_exit(code: int) -> str:
     if code < 0:
         try:
@@ -249,7 +282,7 @@ def _describe_exit(code: int) -> str:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) != 1:
-        print("usage: python -m sandbox.supervise RUN_DIR", file=sys.stderr)
+        print("usage: python -m sandbox.supervise RECORD_DIR", file=sys.stderr)
         return 2
     return Supervisor(Path(argv[0])).run()
 

@@ -4,7 +4,8 @@
 <workspace>/
   recipes/<name>/          recipes scaffolded from templates (any recipe folder works)
   runs/<run_id>/           one folder per run (see engine/run_dir.py)
-  .trainwright/            trainwright's own state: audit.jsonl, config.yaml (run limits), locks
+  .trainwright/            trainwright's own state: audit.jsonl, config.yaml (run limits), locks,
+                           runs/<run_id>/record.json (the server's record of each run)
 ```
 
 No tool takes a recipe from ``.git/``, ``.trainwright/`` or ``runs/``: those hold state that
@@ -28,6 +29,7 @@ from pathlib import Path
 from typing import Iterator
 
 from engine import run_dir as rd
+from engine import server_record as sr
 from engine.errors import NotFound
 from sandbox.config import RunLimits, effective_limits
 from sandbox.paths import PathRefused, check_name, confine, refuse_reserved
@@ -194,11 +196,18 @@ class Workspace:
         return Path(path).resolve().relative_to(self.root).as_posix() or "."
 
     def run_dir(self, run_id: object) -> Path:
+        """The run's directory: one the server's records name (whatever the run did to its
+        run.json), or one with a run.json (a run the engine made alone)."""
         check_name(run_id, "run_id")
         path = self.runs_dir / str(run_id)
-        if not (path / rd.RUN_JSON).is_file():
+        if not (path.is_dir() and not path.is_symlink()
+                and (sr.has_record(self.root, str(run_id)) or (path / rd.RUN_JSON).is_file())):
             raise NotFound(f"no run {run_id!r} in this workspace; list_runs shows the runs")
         return confine(self.root, path, "run")
+
+    def record_dir(self, run_id: str) -> Path:
+        """The folder of the server's record of a run (engine.server_record)."""
+        return sr.record_dir(self.root, run_id)
 
     def run_ids(self) -> list[str]:
         """Ids of the runs in ``runs/``, newest first (links that lead elsewhere are not runs)."""
@@ -207,7 +216,8 @@ class Workspace:
         return sorted(
             (
                 p.name for p in self.runs_dir.iterdir()
-                if not p.is_symlink() and rd.RUN_ID_PATTERN.fullmatch(p.name) and (p / rd.RUN_JSON).is_file()
+                if not p.is_symlink() and rd.RUN_ID_PATTERN.fullmatch(p.name) and p.is_dir()
+                and (sr.has_record(self.root, p.name) or (p / rd.RUN_JSON).is_file())
             ),
             reverse=True,
         )

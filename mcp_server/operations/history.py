@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from engine import run_dir as rd
+from engine import server_record as sr
 from sandbox.workspace import NotFound, Workspace
 
 MAX_CHAIN_RUNS = 20
@@ -37,7 +38,7 @@ def resume_chain(ws: Workspace, run_id: str) -> list[Segment]:
     while current is not None and len(newest_first) < MAX_CHAIN_RUNS:
         try:
             run_dir = ws.run_dir(current)
-            record = rd.read_run(run_dir)
+            record = sr.view(ws.root, run_dir)  # the parent run is the server's record of it
         except (NotFound, OSError, ValueError):
             if not newest_first:
                 raise

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from engine import run_dir as rd
+from engine import server_record as sr
 from engine.errors import BadInput, NotFound
 from engine.model_io import check_sample_request
 from mcp_server.limits import AGENT_BUDGET_CHARS, json_chars
@@ -49,10 +50,14 @@ def checkpoint_of(ws: Workspace, run_id: str, step: int | None) -> tuple[Path, i
     with its code snapshot checked unchanged."""
     run_dir = ws.run_dir(run_id)
     try:
-        record = rd.read_run(run_dir)
+        rd.read_run(run_dir)  # the model process rebuilds the recipe from the config there
+        record = sr.view(ws.root, run_dir)  # the snapshot's digest is the server's
     except (OSError, ValueError) as e:  # the run writes its run.json: a link, a FIFO, anything
         why = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
         raise BadInput(f"run {run_id}'s {rd.RUN_JSON} cannot be read ({why}), so its model cannot be rebuilt") from None
+    if not record.started_by_server:
+        raise BadInput(f"run {run_id} was not started by this server, so nothing says its code snapshot is the code "
+                       "that trained its checkpoints")
     checkpoints = rd.list_checkpoints(run_dir)
     if not checkpoints:
         raise NotFound(f"run {run_id} has no complete checkpoint yet; list_checkpoints shows them as they come")

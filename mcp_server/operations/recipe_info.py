@@ -14,6 +14,7 @@ from collections import Counter
 from pathlib import Path
 
 from engine import run_dir as rd
+from engine import server_record as sr
 from mcp_server.limits import AGENT_BUDGET_CHARS, bounded, json_chars, text_bytes
 from mcp_server.models import ConfigField, RecipeDescription, RecipeList, RecipeSkill, RecipeSummary
 from sandbox import git as sandbox_git
@@ -123,7 +124,7 @@ def _runs_per_recipe(ws: Workspace) -> Counter:
     counts: Counter = Counter()
     for run_id in ws.run_ids()[:MAX_RUNS_COUNTED]:
         try:
-            counts[rd.read_run(ws.runs_dir / run_id).recipe] += 1
+            counts[sr.view(ws.root, ws.runs_dir / run_id).recipe] += 1
         except (OSError, ValueError):
             continue
     return counts

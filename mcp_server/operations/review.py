@@ -6,6 +6,7 @@ import json
 from collections import defaultdict
 
 from engine import run_dir as rd
+from engine import server_record as sr
 from mcp_server.models import ReviewCommit, ReviewResult, ReviewRun
 from sandbox import git as sandbox_git
 from sandbox.provenance import code_description
@@ -16,7 +17,7 @@ def _runs_by_commit(ws: Workspace) -> dict[str, list[ReviewRun]]:
     by_commit: dict[str, list[ReviewRun]] = defaultdict(list)
     for run_id in ws.run_ids():
         try:
-            record = rd.read_run(ws.runs_dir / run_id)
+            record = sr.view(ws.root, ws.runs_dir / run_id)  # the commit is the server's, not the run's
         except (OSError, ValueError):
             continue
         if not record.git_commit:

@@ -1,17 +1,23 @@
 """Run operations: launch, list, inspect, tail, stop, list checkpoints, resume.
 
-Each function is one tool (and one CLI command). They read the run directories on disk, so
-they see every run as it is, also runs started before this process.
+Each function is one tool (and one CLI command). They read the runs on disk, so they see every
+run as it is, also runs started before this process: what the server decided and saw from the
+server's record of each run, what the run reported from its run directory (untrusted:
+:func:`engine.server_record.view`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import shutil
+import tempfile
 from pathlib import Path
 from typing import Any
 
 from engine import run_dir as rd
+from engine import server_record as sr
 from engine.config import Overrides, override_args, overrides_to_dict
 from engine.errors import BadInput, NotFound
 from mcp_server.limits import AGENT_BUDGET_CHARS, bounded, bounded_mapping, cut_strings, json_chars
@@ -51,6 +57,29 @@ MAX_CONFIG_CHARS = 1200
 # config.yaml: every other text of a run, as returned, is cut to this many characters.
 MAX_FIELD_CHARS = 300
 MAX_DATA_PATHS_SHOWN = 5
+
+
+def run_view(ws: Workspace, run_id: str) -> tuple[Path, sr.ServerRecord]:
+    """The run directory and the run as the server knows it (:func:`engine.server_record.view`)."""
+    run_dir = ws.run_dir(run_id)
+    try:
+        return run_dir, sr.view(ws.root, run_dir)
+    except (OSError, ValueError) as e:  # no server record, and a run.json that is not one
+        why = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+        raise BadInput(f"run {run_id} cannot be read ({why[:300]})") from None
+
+
+@contextlib.contextmanager
+def _config_file(record: sr.ServerRecord):
+    """A file with ``record``'s config (the server's) for a launch check to start from: the
+    run.json of the run it continues is the run's to rewrite."""
+    folder = Path(tempfile.mkdtemp(prefix="trainwright-config-"))
+    try:
+        path = folder / rd.RUN_JSON
+        rd.write_json_atomic(path, rd.RunRecord(id=record.id, config=record.config).model_dump(mode="json"))
+        yield path
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def _check_nproc(nproc: object) -> int:
@@ -108,16 +137,19 @@ def launch_run(
     flat = _checked_overrides(ws, overrides)
     limits, warnings = ws.run_limits_and_warnings() if limits is None else (limits, [])
     joins = None
-    config_json = None
+    first: sr.ServerRecord | None = None
     origin = recipe_origin(ws.root, recipe_dir)
     if target == "local":
         check_allowed(nodes, limits)
         if nodes.node_rank > 0:
-            joins, recipe_dir, config_json, origin = _joined_run(ws, nodes, ws.label(recipe_dir), flat)
-        sandbox_runs.check_capacity(ws.runs_dir, nproc, limits)  # before the check's cost; again at start
+            joins, recipe_dir, first = _joined_run(ws, nodes, ws.label(recipe_dir), flat)
+            origin = CodeOrigin(first.git_commit, first.recipe_dirty, first.dirty_files)
+        sandbox_runs.check_capacity(sr.records_root(ws.root), nproc, limits)  # before the check's cost; again at start
     checked = snapshot_digest(recipe_dir)  # the check imports the recipe: it may change itself
-    verdict = sandbox_runs.check_launch(ws.root, recipe_dir, nproc * nodes.nnodes, override_args(flat),
-                                        config_json=config_json, limits=limits)
+    with contextlib.ExitStack() as stack:
+        config_json = stack.enter_context(_config_file(first)) if first is not None else None
+        verdict = sandbox_runs.check_launch(ws.root, recipe_dir, nproc * nodes.nnodes, override_args(flat),
+                                            config_json=config_json, limits=limits)
     confine_config(ws.root, verdict["config"])
     label = ws.label(ws.recipe(recipe))
     if target == "slurm":
@@ -129,23 +161,24 @@ def launch_run(
     record = sandbox_runs.start_run(
         ws.root, ws.real_dir(ws.runs_dir), recipe_dir, label, nproc, flat, verdict,
         origin=origin, limits=limits, warnings=warnings, expected_digest=checked,
-        nodes=nodes, joins=joins, config_json=config_json,
+        nodes=nodes, joins=joins, recorded_config=first is not None,
     )
     return _launch_result(ws, record)
 
 
-def _joined_run(ws: Workspace, nodes: Nodes, recipe_label: str, overrides: dict[str, Any]):
-    """For a node with node_rank > 0: node 0's run directory, its snapshot, config and code origin."""
-    run_dir = ws.run_dir(nodes.rdzv_id)
-    first = rd.read_run(run_dir)
+def _joined_run(ws: Workspace, nodes: Nodes, recipe_label: str, overrides: dict[str, Any]
+                ) -> tuple[Path, Path, sr.ServerRecord]:
+    """For a node with node_rank > 0: node 0's run directory, its snapshot, and the server's
+    record of node 0's run (its config and code origin)."""
+    run_dir, first = run_view(ws, nodes.rdzv_id)
     mismatch = [
         f"{name} {mine!r} (node 0: {theirs!r})"
         for name, mine, theirs in (("nnodes", nodes.nnodes, first.nnodes), ("rdzv endpoint", nodes.rdzv_endpoint,
                                    first.rdzv_endpoint), ("recipe", recipe_label, first.recipe))
         if mine != theirs
     ]
-    if first.node_rank != 0 or first.target != "local":
-        mismatch.append(f"run {first.id} is not node 0 of a run over several nodes")
+    if not first.started_by_server or first.node_rank != 0 or first.target != "local":
+        mismatch.append(f"run {first.id} is not node 0 of a run over several nodes that this server started")
     if mismatch:
         raise BadInput(f"node {nodes.node_rank} must join node 0's run as it was launched: {'; '.join(mismatch)}")
     if overrides:
@@ -154,7 +187,7 @@ def _joined_run(ws: Workspace, nodes: Nodes, recipe_label: str, overrides: dict[
         raise BadInput(f"run {first.id} has ended ({first.effective_status()}); launch a new run from node 0")
     snapshot = run_dir / rd.SNAPSHOT_DIRNAME
     check_snapshot_unchanged(first, snapshot)
-    return run_dir, snapshot, run_dir / rd.RUN_JSON, CodeOrigin(first.git_commit, first.recipe_dirty, first.dirty_files)
+    return run_dir, snapshot, first
 
 
 def _launch_result(ws: Workspace, record: rd.RunRecord, slurm_script: str | None = None) -> LaunchRunResult:
@@ -218,8 +251,7 @@ def resume_checkpoint(
     """
     if code not in CODE_CHOICES:
         raise BadInput(f"code must be one of {', '.join(CODE_CHOICES)}, got {code!r}")
-    source_dir = ws.run_dir(run_id)
-    source = rd.read_run(source_dir)
+    source_dir, source = run_view(ws, run_id)
     checkpoints = rd.list_checkpoints(source_dir)
     if not checkpoints:
         raise NotFound(f"run {run_id} has no complete checkpoint to resume from")
@@ -238,6 +270,9 @@ def resume_checkpoint(
     if not source.config:
         raise NotFound(f"run {run_id} recorded no config, so it cannot be resumed")
     if code == "checkpoint":
+        if not source.started_by_server:
+            raise BadInput(f"run {run_id} was not started by this server, so nothing says which code it ran or "
+                           "that its snapshot is unchanged; resume it with code='head'")
         code_dir = source_dir / rd.SNAPSHOT_DIRNAME
         if not (code_dir / "recipe.py").is_file():
             raise BadInput(f"run {run_id} kept no snapshot of its code; resume it with code='head'")
@@ -249,12 +284,12 @@ def resume_checkpoint(
     nproc = _check_nproc(source.nproc if nproc is None else nproc)
     flat = _checked_overrides(ws, overrides)
     limits, warnings = ws.run_limits_and_warnings() if limits is None else (limits, [])
-    config_json = source_dir / rd.RUN_JSON
-    sandbox_runs.check_capacity(ws.runs_dir, nproc, limits)
+    sandbox_runs.check_capacity(sr.records_root(ws.root), nproc, limits)
     checked = snapshot_digest(code_dir)
-    verdict = sandbox_runs.check_launch(
-        ws.root, code_dir, nproc, override_args(flat), config_json=config_json, limits=limits
-    )
+    with _config_file(source) as config_json:
+        verdict = sandbox_runs.check_launch(
+            ws.root, code_dir, nproc, override_args(flat), config_json=config_json, limits=limits
+        )
     confine_config(ws.root, verdict["config"])
     warnings = [*warnings, *_data_drift(source, verdict.get("data"))]
     same_shape = nproc == source.nproc and not limits.threads_per_process
@@ -262,7 +297,7 @@ def resume_checkpoint(
         ws.root, ws.real_dir(ws.runs_dir), code_dir, source.recipe, nproc, flat, verdict,
         origin=origin, code_from=code,
         resumed_from=rd.ResumedFrom(run_id=source.id, step=chosen_step, path=str(checkpoint)),
-        config_json=config_json,
+        recorded_config=True,
         limits=limits,
         warnings=warnings,
         threads=source.threads_per_process if same_shape else None,
@@ -294,8 +329,12 @@ def _resumed_from(ws: Workspace, record: rd.RunRecord) -> rd.ResumedFrom | None:
 
 def get_run(ws: Workspace, run_id: str) -> RunInfo:
     run_dir = ws.run_dir(run_id)
-    # A SLURM job: ask squeue/sacct (bounded; what they cannot say is a warning, not an error).
-    record, slurm_note = slurm_jobs.refresh(run_dir, run_environment())
+    slurm_note = None
+    if sr.has_record(ws.root, run_id):
+        # A SLURM job the server submitted: ask squeue/sacct (bounded; what they cannot say is a
+        # warning, not an error).
+        _, slurm_note = slurm_jobs.refresh(ws.record_dir(run_id), run_environment())
+    _, record = run_view(ws, run_id)
     status = record.effective_status()
     latest = rd.latest_metrics(run_dir / rd.METRICS_JSONL)
     error = record.error or record.reason
@@ -429,7 +468,7 @@ def list_runs(ws: Workspace, limit: int = 20) -> RunList:
 
 def _summary(ws: Workspace, run_id: str) -> RunSummary:
     run_dir = ws.runs_dir / run_id
-    record = rd.read_run(run_dir)
+    record = sr.view(ws.root, run_dir)
     latest = rd.latest_metrics(run_dir / rd.METRICS_JSONL)
     return RunSummary(
         run_id=run_id,
@@ -476,18 +515,22 @@ def tail_metrics(
         kept.append(record)
     kept.reverse()
     return MetricsTail(
-        run_id=run_id, status=rd.read_run(run_dir).effective_status(), records=kept, truncated=truncated,
+        run_id=run_id, status=run_view(ws, run_id)[1].effective_status(), records=kept, truncated=truncated,
         resumes=resumes,
     )
 
 
 def stop_run(ws: Workspace, run_id: str) -> StopRunResult:
-    """Stop the run (a SLURM job: scancel); the result is small (get_run has the rest)."""
-    run_dir = ws.run_dir(run_id)
-    if rd.read_run(run_dir).target == "slurm":
-        slurm_jobs.cancel(run_dir, run_environment())
+    """Stop the run (a SLURM job the server submitted: scancel); the result is small (get_run
+    has the rest). Only a run this server started can be stopped by it."""
+    _, record = run_view(ws, run_id)
+    if not record.started_by_server:
+        raise BadInput(f"run {run_id} was not started by this server, which knows none of its processes; "
+                       "stop it where it was started")
+    if record.target == "slurm":
+        slurm_jobs.cancel(ws.record_dir(run_id), run_environment())
     else:
-        sandbox_runs.stop_run(run_dir)
+        sandbox_runs.stop_run(ws.record_dir(run_id))
     info = get_run(ws, run_id)
     return StopRunResult(
         run_id=info.run_id, status=info.status, step=info.step, error=info.error,

@@ -17,6 +17,7 @@ from anyio.from_thread import start_blocking_portal
 from mcp import Client
 
 from engine import run_dir as rd
+from engine import server_record as sr
 from sandbox import git as sandbox_git
 from sandbox import processes
 from tests.support import TEMPLATE, TINY, wait_for
@@ -38,14 +39,25 @@ def make_workspace(root: Path, config_yaml: str | None = "runs:\n  threads_per_p
 
 
 def fake_run(workspace: Path, run_id: str, status: str = rd.COMPLETED, steps: int = 4,
-             checkpoints: tuple[int, ...] = (2, 4), **fields: Any) -> Path:
-    """A run directory as the engine leaves it, without training (for tests that only read)."""
+             checkpoints: tuple[int, ...] = (2, 4), server_record: bool = True, **fields: Any) -> Path:
+    """A run directory as the engine leaves it, without training (for tests that only read),
+    with the server's record of it (as a run the server launched) unless ``server_record`` is
+    False."""
     run_dir = workspace / rd.RUNS_DIRNAME / run_id
-    rd.create_run(run_dir, rd.RunRecord.model_validate({
+    values = {
         "id": run_id, "recipe": "recipes/lm", "status": status, "nproc": 1, "world_size": 1,
         "created_at": rd.utc_now(), "resumed_from": None, "git_commit": None, "pid": None,
         "config": {"train": {"max_steps": steps}}, **fields,
-    }))
+    }
+    rd.create_run(run_dir, rd.RunRecord.model_validate(values))
+    if server_record:
+        pid = values.get("pid")
+        # A live pid is recorded as that process's identity; a dead one as an identity no
+        # process has.
+        supervisor = (sr.identify(pid) or sr.ProcessIdentity(pid=pid, start_ticks=0, session=pid)) if pid else None
+        sr.create_record(sr.record_dir(workspace, run_id),
+                         sr.ServerRecord.model_validate({**values, "run_dir": str(run_dir),
+                                                         "workspace": str(workspace), "supervisor": supervisor}))
     with open(run_dir / rd.METRICS_JSONL, "w") as f:
         for step in range(1, steps + 1):
             f.write(json.dumps({"step": step, "loss": 5.0 - 0.1 * step}) + "\n")
@@ -55,6 +67,16 @@ def fake_run(workspace: Path, run_id: str, status: str = rd.COMPLETED, steps: in
         (checkpoint / rd.DCP_METADATA).write_bytes(b"")
     (run_dir / rd.CONSOLE_LOG).write_text("step 1\n")
     return run_dir
+
+
+def record_folder(run_dir: Path, workspace: Path | None = None) -> Path:
+    """The folder of the server's record of the run in ``run_dir`` (:func:`supervise`'s runs:
+    the workspace is the run directory's parent)."""
+    return sr.record_dir(workspace or run_dir.parent, run_dir.name if workspace else _supervised_id(run_dir))
+
+
+def _supervised_id(run_dir: Path) -> str:
+    return rd.read_run(run_dir).id
 
 
 def tree_hash(*roots: Path, exclude: tuple[Path, ...] = (AUDIT,)) -> str:
@@ -204,12 +226,15 @@ def supervise(run_dir: Path, command: list[str], limits: dict[str, Any] | None =
 
     from sandbox.environment import run_environment
 
-    rd.create_run(run_dir, rd.RunRecord(id=run_id, command=command, limits=limits or {},
-                                        workspace=str(run_dir.parent), recipe="none",
-                                        sandbox=rd.SandboxView.model_validate(sandbox) if sandbox is not None else None))
+    record = sr.ServerRecord(id=run_id, command=command, limits=limits or {},
+                             workspace=str(run_dir.parent), recipe="none", run_dir=str(run_dir),
+                             sandbox=rd.SandboxView.model_validate(sandbox) if sandbox is not None else None)
+    rd.create_run(run_dir, record)
+    folder = sr.record_dir(run_dir.parent, run_id)
+    sr.create_record(folder, record)
     with open(run_dir / rd.CONSOLE_LOG, "ab") as console:
         process = subprocess.Popen(
-            [sys.executable, "-m", "sandbox.supervise", str(run_dir)],
+            [sys.executable, "-m", "sandbox.supervise", str(folder)],
             env=run_environment(extra={processes.RUN_ID_VARIABLE: run_id, **(env or {})}),
             stdout=console, stderr=subprocess.STDOUT, start_new_session=True,
         )

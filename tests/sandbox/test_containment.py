@@ -12,6 +12,7 @@ The launch check gets the run's memory limit and leaves no process behind.
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import secrets
@@ -23,6 +24,7 @@ import time
 import pytest
 
 from engine import run_dir as rd
+from engine import server_record as sr
 from mcp_server.operations import runs as run_ops
 from mcp_server.server import build_server
 from sandbox import bwrap
@@ -359,11 +361,13 @@ def test_a_launch_over_the_cap_on_processes_is_refused(tmp_path):
     workspace = make_workspace(tmp_path / "ws", "runs:\n  max_total_processes: 4\n")
     fake_run(workspace, "20260101-000000-lm-wide", status=rd.RUNNING, pid=os.getpid(), nproc=3)
     fake_run(workspace, "20260101-000001-lm-dead", status=rd.RUNNING, pid=2**22 + 1, nproc=3)  # supervisor gone
-    stale = fake_run(workspace, "20260101-000002-lm-stale", status=rd.STARTING, pid=None, nproc=3)
-    os.utime(stale / rd.RUN_JSON, (time.time() - 3600, time.time() - 3600))  # never got a supervisor
+    an_hour_ago = (datetime.datetime.now(datetime.timezone.utc) - datetime.timedelta(hours=1)).isoformat()
+    fake_run(workspace, "20260101-000002-lm-stale", status=rd.STARTING, pid=None, nproc=3,
+             created_at=an_hour_ago)  # never got a supervisor
+    records = sr.records_root(workspace)
     with pytest.raises(sandbox_runs.LaunchRefused, match=r"to 5 training processes and runs.max_total_processes is 4"):
-        sandbox_runs.check_capacity(workspace / "runs", 2, Workspace.open(workspace).run_limits())
-    sandbox_runs.check_capacity(workspace / "runs", 1, Workspace.open(workspace).run_limits())  # 4 fits
+        sandbox_runs.check_capacity(records, 2, Workspace.open(workspace).run_limits())
+    sandbox_runs.check_capacity(records, 1, Workspace.open(workspace).run_limits())  # 4 fits
 
 
 def test_the_caps_default_from_the_core_count_and_are_checked():

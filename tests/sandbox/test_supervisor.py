@@ -15,7 +15,7 @@ import pytest
 from engine import run_dir as rd
 from sandbox import network, processes
 from sandbox.runs import stop_run
-from tests.sandbox.helpers import supervise, wait_final, wait_gone
+from tests.sandbox.helpers import record_folder, supervise, wait_final, wait_gone
 from tests.support import wait_for
 
 PROBE = """
@@ -124,7 +124,7 @@ def test_stop_ends_every_process_and_records_stopped(tmp_path):
     wait_for(lambda: "STARTED" in (run_dir / rd.CONSOLE_LOG).read_text(), timeout=30)
     marked = processes.marked("20260101-000000-sup-0000") | {rd.read_run(run_dir).pid}
     started = time.monotonic()
-    record = stop_run(run_dir)
+    record = stop_run(record_folder(run_dir))
     assert record.status == rd.STOPPED and record.reason == "stopped by request"
     assert wait_gone(marked, timeout=5) == set()
     assert time.monotonic() - started < 15
@@ -137,7 +137,7 @@ def test_stop_when_the_supervisor_is_gone_still_ends_the_run(tmp_path):
     marked = processes.marked("20260101-000000-sup-0000")
     os.kill(supervisor.pid, signal.SIGKILL)
     supervisor.wait()
-    record = stop_run(run_dir)
+    record = stop_run(record_folder(run_dir))
     assert record.status == rd.STOPPED
     assert wait_gone(marked, timeout=10) == set()
 
@@ -156,7 +156,7 @@ def test_a_child_that_ignores_sigterm_is_killed_after_the_grace(tmp_path):
     supervise(run_dir, [sys.executable, "-c", code], {"stop_grace_s": 1})
     wait_for(lambda: "STARTED" in (run_dir / rd.CONSOLE_LOG).read_text(), timeout=30)
     started = time.monotonic()
-    assert stop_run(run_dir).status == rd.STOPPED
+    assert stop_run(record_folder(run_dir)).status == rd.STOPPED
     assert time.monotonic() - started < 10
 
 

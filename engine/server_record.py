@@ -1,0 +1,315 @@
+"""The server's record of a run: what the server and the run's supervisor decided and saw.
+
+A run has two records with two owners:
+
+- ``runs/<id>/run.json`` (:class:`engine.run_dir.RunRecord`) is in the run directory, which the
+  run's processes may write: it is the run's **report** (its step, warnings, where its metrics
+  went, its own view of its status) and is read as untrusted input;
+- ``.trainwright/runs/<id>/record.json`` (:class:`ServerRecord`, below) is written only by the
+  server and the run's supervisor, outside every sandbox's writable folders (the sandbox shows
+  ``.trainwright/`` as an empty folder; SECURITY.md): which processes are the run's and how to
+  recognise them, the commit, recipe and snapshot digest, the dirty flag and files, the
+  isolation it got, the target and SLURM job, the limits, the parent run, and the outcome.
+
+Every decision (stop, capacity, status, notes, resume, joins, SLURM, review) reads the server's
+record; :func:`view` gives tools the server's record with the few fields that are the run's own
+(:data:`REPORTED_FIELDS`) taken from its report. A ``ServerRecord`` is a ``RunRecord`` (the same
+fields and meanings) plus the identities of the processes the server started.
+
+Torch-free (stdlib and pydantic): the server imports it.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import os
+import re
+import signal
+import stat
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, Field, ValidationError, field_validator
+
+from engine import run_dir as rd
+
+STATE_DIRNAME = ".trainwright"
+RECORDS_DIRNAME = "runs"
+RECORD_JSON = "record.json"
+_RECORD_LOCK = ".record.json.lock"
+MAX_RECORD_BYTES = 16 * 2**20
+# A run whose supervisor has not been recorded this long after its creation never got one (the
+# launcher died in between): it is not running.
+STARTING_GRACE_S = 60.0
+
+GIT_COMMIT = re.compile(r"^[0-9a-f]{40}([0-9a-f]{24})?$")  # SHA-1 or SHA-256, as git prints it
+SLURM_JOB_ID = re.compile(r"^\d{1,20}(_\d{1,20})?$")
+
+# The fields of a run's view that come from its own report (run.json), not from the server.
+REPORTED_FIELDS = ("metrics_destinations", "started_at", "final_step", "engine_pid")
+NOT_STARTED_BY_SERVER = (
+    "this run was not started by trainwright's server (it has no record in .trainwright/runs/): its status "
+    "and provenance are only what its own run.json says, and the server never signals or resumes it as its code"
+)
+
+
+class ProcessIdentity(BaseModel):
+    """A process the server or the supervisor started, as the kernel knows it: its pid, when it
+    started (``/proc/<pid>/stat`` field 22, in clock ticks since boot) and its session. A pid
+    alone may be reused by any other process once the run's has ended; the three together
+    are not."""
+
+    pid: int = Field(gt=1)
+    start_ticks: int = Field(ge=0)
+    session: int = Field(gt=0)
+
+    def alive(self) -> bool:
+        """The same process is still running (not a zombie)."""
+        now = identify(self.pid)
+        return now is not None and now == self
+
+    def send_signal(self, sig: int) -> bool:
+        """Signal this process, and nothing else: a pidfd pins the process before its identity
+        is checked, so a pid reused in between is never signalled."""
+        try:
+            fd = os.pidfd_open(self.pid)
+        except (OSError, AttributeError):
+            return False
+        try:
+            if not self.alive():
+                return False
+            signal.pidfd_send_signal(fd, sig)
+            return True
+        except OSError:
+            return False
+        finally:
+            os.close(fd)
+
+    def signal_group(self, sig: int) -> bool:
+        """Signal the process group this process leads (it was started in a session of its own:
+        its pid is its group's id), while it is the process that was recorded."""
+        if self.session != self.pid or not self.alive():
+            return False
+        try:
+            os.killpg(self.pid, sig)
+            return True
+        except (ProcessLookupError, PermissionError):
+            return False
+
+
+def identify(pid: int | None) -> ProcessIdentity | None:
+    """The identity of the live process ``pid``, or None (gone, a zombie, or not a process id
+    the server could have started: 0, 1 and negative numbers name groups or every process)."""
+    if not isinstance(pid, int) or isinstance(pid, bool) or pid <= 1:
+        return None
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            text = f.read().decode("ascii", errors="replace")
+    except OSError:
+        return None
+    fields = text.rsplit(")", 1)[-1].split()
+    try:
+        state, session, start_ticks = fields[0], int(fields[3]), int(fields[19])
+    except (IndexError, ValueError):
+        return None
+    if state in ("Z", "X") or session <= 0:
+        return None
+    return ProcessIdentity(pid=pid, start_ticks=start_ticks, session=session)
+
+
+class ServerRecord(rd.RunRecord):
+    """``.trainwright/runs/<id>/record.json``: the run as the server and its supervisor know it
+    (see the module docstring). Written only outside the sandbox; every value that becomes an
+    argument of a command is checked here when it is written and when it is read."""
+
+    run_dir: str | None = Field(None, description="The run directory (where the run writes).")
+    supervisor: ProcessIdentity | None = Field(None, description="The supervisor the server started.")
+    engine_group: ProcessIdentity | None = Field(
+        None, description="The leader of the engine's process group (bwrap in the sandbox), started by the supervisor."
+    )
+    started_by_server: bool = Field(
+        True, description="False only in a view of a run that has no server record (its report alone)."
+    )
+
+    @field_validator("git_commit")
+    @classmethod
+    def _commit_is_a_sha(cls, value: str | None) -> str | None:
+        if value is not None and not GIT_COMMIT.fullmatch(value):
+            raise ValueError("git_commit must be a full commit id (40 or 64 lower-case hex digits)")
+        return value
+
+    @field_validator("slurm_job_id")
+    @classmethod
+    def _job_id_is_a_job_id(cls, value: str | None) -> str | None:
+        if value is not None and not SLURM_JOB_ID.fullmatch(value):
+            raise ValueError("slurm_job_id must be a SLURM job id (digits, or digits_digits)")
+        return value
+
+    @field_validator("pid", "child_pgid", "engine_pid")
+    @classmethod
+    def _a_single_process(cls, value: int | None) -> int | None:
+        if value is not None and value <= 1:
+            raise ValueError("a process id of a run is above 1")
+        return value
+
+    def supervisor_alive(self) -> bool:
+        return self.supervisor is not None and self.supervisor.alive()
+
+    def effective_status(self) -> rd.RunStatus:
+        """The run's status as the server knows it: final only from the supervisor's (or the
+        server's) own record of the outcome; running while the supervisor it started lives;
+        failed once that supervisor is gone without recording one."""
+        if self.status in rd.FINAL_STATUSES or not self.started_by_server or self.target != "local":
+            return self.status
+        if self.supervisor is None:
+            return rd.STARTING if _age_s(self.created_at) < STARTING_GRACE_S else rd.FAILED
+        return self.status if self.supervisor.alive() else rd.FAILED
+
+
+def _age_s(stamp: str | None) -> float:
+    try:
+        created = _dt.datetime.fromisoformat(stamp or "")
+    except ValueError:
+        return float("inf")
+    if created.tzinfo is None:
+        return float("inf")
+    return (_dt.datetime.now(_dt.timezone.utc) - created).total_seconds()
+
+
+# ---------------------------------------------------------------------------------------------
+# Where the records live, and their reading and writing (locked, atomic, never through a link)
+# ---------------------------------------------------------------------------------------------
+
+
+def records_root(workspace: Path | str) -> Path:
+    """``<workspace>/.trainwright/runs``: the server's records of the workspace's runs."""
+    return Path(workspace) / STATE_DIRNAME / RECORDS_DIRNAME
+
+
+def record_dir(workspace: Path | str, run_id: str) -> Path:
+    return records_root(workspace) / run_id
+
+
+def _real_dirs(path: Path, depth: int) -> None:
+    """Create the last ``depth`` folders of ``path`` where missing; refuse a link or anything but
+    a folder in their place (the agent can write the workspace)."""
+    parts = [path.parents[i] for i in range(depth - 2, -1, -1)] + [path]
+    for folder in parts:
+        try:
+            os.mkdir(folder, 0o755)
+        except FileExistsError:
+            pass
+        info = os.lstat(folder)
+        if not stat.S_ISDIR(info.st_mode):
+            raise OSError(f"{folder} is not a folder (a link or a file is in its place)")
+
+
+def _write(folder: Path, record: ServerRecord) -> None:
+    rd.write_json_atomic(folder / RECORD_JSON, record.model_dump(mode="json"))
+
+
+def create_record(folder: Path, record: ServerRecord) -> None:
+    """The first record of a run (its folder is created; one that exists already is an error)."""
+    folder = Path(folder)
+    _real_dirs(folder.parent, 2)
+    os.mkdir(folder, 0o755)
+    with rd._locked(folder, _RECORD_LOCK):
+        _write(folder, record)
+
+
+def read_record(folder: Path) -> ServerRecord:
+    """The server's record in ``folder``. FileNotFoundError when there is none; OSError when it
+    cannot be read; ValueError when it is not a record (never quoting it)."""
+    fd = os.open(Path(folder) / RECORD_JSON, os.O_RDONLY | rd._NO_FOLLOW)
+    with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(f"{RECORD_JSON} of {Path(folder).name} is not a regular file")
+        data = f.read(MAX_RECORD_BYTES + 1)
+    if len(data) > MAX_RECORD_BYTES:
+        raise ValueError(f"the server's record of {Path(folder).name} is larger than {MAX_RECORD_BYTES} bytes")
+    try:
+        return ServerRecord.model_validate_json(data)
+    except ValidationError as e:
+        raise ValueError(f"the server's record of run {Path(folder).name} is not valid "
+                         f"({e.error_count()} errors)") from None
+
+
+def update_record(folder: Path, **fields: Any) -> ServerRecord:
+    """Set ``fields`` of the server's record (validated) and return it."""
+    unknown = set(fields) - set(ServerRecord.model_fields)
+    if unknown:
+        raise TypeError(f"ServerRecord has no field {sorted(unknown)[0]!r}")
+    folder = Path(folder)
+    with rd._locked(folder, _RECORD_LOCK):
+        record = read_record(folder)
+        record = ServerRecord.model_validate({**record.model_dump(), **fields})
+        _write(folder, record)
+    return record
+
+
+def mirror_to_report(run_dir: Path | str | None, **fields: Any) -> None:
+    """Copy ``fields`` into the run's run.json as well, for the run's own information and for
+    readers of the run directory alone; never read back for a decision. A run.json the run has
+    made unreadable is left as it is."""
+    if not run_dir:
+        return
+    try:
+        rd.update_run(Path(run_dir), **fields)
+    except (OSError, ValueError, TypeError):
+        pass
+
+
+# ---------------------------------------------------------------------------------------------
+# What tools read
+# ---------------------------------------------------------------------------------------------
+
+
+def _report(run_dir: Path) -> rd.RunRecord | None:
+    try:
+        return rd.read_run(run_dir)
+    except (OSError, ValueError):
+        return None
+
+
+def view(workspace: Path | str, run_dir: Path | str) -> ServerRecord:
+    """A run as tools show it and decide on it: the server's record, with the fields that are
+    the run's own report (:data:`REPORTED_FIELDS`, and its warnings after the server's) from its
+    run.json when that can be read. A run the server did not start (no record: the engine run
+    by hand, or a run made before records existed) is its report alone, with every field the
+    server would own blanked (no processes, no commit, no isolation, no SLURM job) and a warning
+    that says so. Raises OSError or ValueError only when neither record can be read."""
+    run_dir = Path(run_dir)
+    try:
+        record = read_record(record_dir(workspace, run_dir.name))
+    except FileNotFoundError:
+        return _unverified(run_dir)
+    report = _report(run_dir)
+    if report is None:
+        return record
+    update: dict[str, Any] = {name: getattr(report, name) for name in REPORTED_FIELDS}
+    extra = [w for w in report.warnings if w not in record.warnings]
+    update["warnings"] = [*record.warnings, *extra][: rd.MAX_WARNINGS]
+    return record.model_copy(update=update)
+
+
+_SERVER_OWNED_BLANK: dict[str, Any] = {
+    "git_commit": None, "recipe_dirty": None, "dirty_files": [], "snapshot_digest": None, "isolation": None,
+    "isolation_note": None, "network_isolated": None, "network_note": None, "pid": None, "child_pgid": None,
+    "engine_pid": None, "target": "local", "slurm_job_id": None, "slurm_script": None, "slurm_state": None,
+    "slurm_checked_at": None, "limits": {}, "command": [], "sandbox": None, "workspace": None, "joins": None,
+    "stop_requested": False, "resumed_from": None,
+}
+
+
+def _unverified(run_dir: Path) -> ServerRecord:
+    report = rd.read_run(run_dir)
+    data = {**report.model_dump(), **_SERVER_OWNED_BLANK, "id": run_dir.name, "started_by_server": False,
+            "warnings": [NOT_STARTED_BY_SERVER, *report.warnings][: rd.MAX_WARNINGS]}
+    return ServerRecord.model_validate(data)
+
+
+def has_record(workspace: Path | str, run_id: str) -> bool:
+    try:
+        return stat.S_ISREG(os.lstat(record_dir(workspace, run_id) / RECORD_JSON).st_mode)
+    except OSError:
+        return False
