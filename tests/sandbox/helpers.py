@@ -70,13 +70,16 @@ def fake_run(workspace: Path, run_id: str, status: str = rd.COMPLETED, steps: in
 
 
 def record_folder(run_dir: Path, workspace: Path | None = None) -> Path:
-    """The folder of the server's record of the run in ``run_dir`` (:func:`supervise`'s runs:
-    the workspace is the run directory's parent)."""
-    return sr.record_dir(workspace or run_dir.parent, run_dir.name if workspace else _supervised_id(run_dir))
+    """The folder of the server's record of the run in ``run_dir`` (for :func:`supervise`'s
+    runs, whose id need not be the folder's name: the workspace is found as it chose it)."""
+    if workspace is not None:
+        return sr.record_dir(workspace, run_dir.name)
+    return sr.record_dir(_workspace_of(run_dir), rd.read_run(run_dir).id)
 
 
-def _supervised_id(run_dir: Path) -> str:
-    return rd.read_run(run_dir).id
+def _workspace_of(run_dir: Path) -> Path:
+    """A workspace's runs/<id>, or any folder (its parent stands for the workspace)."""
+    return run_dir.parent.parent if run_dir.parent.name == rd.RUNS_DIRNAME else run_dir.parent
 
 
 def tree_hash(*roots: Path, exclude: tuple[Path, ...] = (AUDIT,)) -> str:
@@ -226,11 +229,12 @@ def supervise(run_dir: Path, command: list[str], limits: dict[str, Any] | None =
 
     from sandbox.environment import run_environment
 
+    workspace = _workspace_of(run_dir)
     record = sr.ServerRecord(id=run_id, command=command, limits=limits or {},
-                             workspace=str(run_dir.parent), recipe="none", run_dir=str(run_dir),
+                             workspace=str(workspace), recipe="none", run_dir=str(run_dir),
                              sandbox=rd.SandboxView.model_validate(sandbox) if sandbox is not None else None)
     rd.create_run(run_dir, record)
-    folder = sr.record_dir(run_dir.parent, run_id)
+    folder = sr.record_dir(workspace, run_id)
     sr.create_record(folder, record)
     with open(run_dir / rd.CONSOLE_LOG, "ab") as console:
         process = subprocess.Popen(

@@ -16,7 +16,7 @@ import pytest
 from engine import run_dir as rd
 from mcp_server.operations import model_tools
 from sandbox.workspace import Workspace
-from tests.sandbox.helpers import fake_run, make_workspace
+from tests.sandbox.helpers import fake_run, make_workspace, record_folder
 
 SECRET = "host-secret-line-0123456789\n"
 
@@ -95,9 +95,8 @@ def test_the_supervisor_notes_the_outcome_on_the_commit_it_was_started_with(tmp_
 
     workspace, other = make_workspace(tmp_path / "ws"), make_workspace(tmp_path / "other")
     head = open_repo(workspace).head.commit.hexsha
-    run = fake_run(workspace, "r1", status=rd.RUNNING)
-    rd.update_run(run, workspace=str(workspace), git_commit=head)
-    supervisor = Supervisor(run)
+    run = fake_run(workspace, "r1", status=rd.RUNNING, git_commit=head)
+    supervisor = Supervisor(record_folder(run, workspace))
     # The run rewrites its run.json: the note should land in another repository.
     rd.update_run(run, workspace=str(other), git_commit=open_repo(other).head.commit.hexsha)
     supervisor.finish(0)
