@@ -690,16 +690,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 class RedactedStream:
-    """A text stream that redacts what passes through it (see sandbox.redact): the CLI prints
-    run output, errors and results, which may hold a server secret."""
+    """A text stream that redacts what passes through it and escapes control characters
+    (``sandbox.redact.shown``): the CLI prints run output, errors and results, which may hold a
+    server secret or a terminal escape sequence the run wrote."""
 
     def __init__(self, stream):
         self._stream = stream
 
     def write(self, text: str) -> int:
-        from sandbox.redact import redact
+        from sandbox.redact import shown
 
-        self._stream.write(redact(text))
+        self._stream.write(shown(text))
         return len(text)
 
     def __getattr__(self, name: str):

@@ -53,7 +53,7 @@ class BearerToken:
 
     def __init__(self, app: Callable, token: str):
         self.app = app
-        self.expected = f"Bearer {token}".encode()
+        self.expected = token.encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and not self._authorized(scope):
@@ -69,7 +69,11 @@ class BearerToken:
 
     def _authorized(self, scope: Scope) -> bool:
         given = [value for name, value in scope.get("headers", []) if name.lower() == b"authorization"]
-        return len(given) == 1 and hmac.compare_digest(given[0], self.expected)
+        if len(given) != 1:
+            return False
+        # RFC 9110: the scheme is case-insensitive ("bearer" is "Bearer"); the token is not.
+        scheme, _, token = given[0].strip().partition(b" ")
+        return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(b" "), self.expected)
 
 
 def serve_http(server, port: int, auth: bool = True) -> None:

@@ -56,7 +56,7 @@ from sandbox.audit import AuditLog
 from sandbox import redact as redaction
 from sandbox.config import trusted_limits
 from sandbox.git import ensure_repo
-from sandbox.redact import redact, redact_model
+from sandbox.redact import printable, redact, redact_model, shown
 from sandbox.workspace import Workspace
 
 INSTRUCTIONS = """\
@@ -130,7 +130,7 @@ class Tools:
 
     def refuse(self, tool: str, arguments: dict[str, Any], message: str) -> None:
         """Audit the failed call and raise its tool error (the message redacted and bounded)."""
-        message = bounded(redact(message), MAX_ERROR_CHARS)[0]
+        message = bounded(shown(message), MAX_ERROR_CHARS)[0]
         self.audit.record(tool, arguments, "error", error=message)
         raise AuditedToolError(message) from None
 
@@ -147,8 +147,9 @@ class AuditedServer(MCPServer):
             self.tools.audit.record(str(name)[:100], {"size": size}, "error", error=message)
             raise ToolError(message)
         if self._tool_manager.get_tool(name) is None:
-            shown = name if len(name) <= 80 else name[:80] + "…"
-            message = f"not_found: unknown tool {shown!r}; tools: {', '.join(sorted(t.name for t in await self.list_tools()))}"
+            cut = name if len(name) <= 80 else name[:80] + "…"
+            message = printable(f"not_found: unknown tool {cut!r}; tools: "
+                                f"{', '.join(sorted(t.name for t in await self.list_tools()))}")
             self.tools.audit.record(str(name)[:100], arguments, "error", error=message)
             raise ToolError(message)
         try:
@@ -156,8 +157,8 @@ class AuditedServer(MCPServer):
         except ToolError as e:
             if isinstance(e.__cause__, AuditedToolError):
                 raise
-            text = redact(str(e))  # schema validation: it may echo the input
-            prefix = f"Error executing tool {name}: "
+            text = shown(str(e))  # schema validation: it may echo the input
+            prefix = printable(f"Error executing tool {name}: ")
             message = prefix + "bad_input: " + (text[len(prefix):] if text.startswith(prefix) else text)
             self.tools.audit.record(str(name)[:100], arguments, "error", error=message)
             raise ToolError(message) from None
@@ -204,7 +205,7 @@ def build_server(workspace: Path | str, read_only: bool = False, settings: Path 
         skill: Annotated[str, Field(description="A skill name from list_skills.")],
         recipe: Annotated[str, Field(description="Recipe folder (recipes/<name>, or the name) or .py script.")],
         params: Annotated[dict[str, Any] | None, Field(description="Skill parameters (see get_skill).")] = None,
-        dry_run: Annotated[bool, Field(description="Only return the diff; change nothing.")] = False,
+        dry_run: Annotated[bool, Field(strict=True, description="Only return the diff; change nothing.")] = False,
         target: Annotated[str | None, Field(description="The model to act on: self._model, file.py:LINE.")] = None,
     ) -> ApplySkillResult:
         """Write a skill's pattern into a recipe's code as one git commit; returns the diff, the
@@ -296,7 +297,7 @@ def build_server(workspace: Path | str, read_only: bool = False, settings: Path 
 
     @tool(READ_ONLY)
     async def list_runs(
-        limit: Annotated[int, Field(description="1-100.")] = 20,
+        limit: Annotated[int, Field(strict=True, description="1-100.")] = 20,
     ) -> RunList:
         """List the workspace's runs, newest first, with status, latest step and loss."""
         return await tools.call("list_runs", {"limit": limit}, lambda: run_ops.list_runs(tools.ws, limit))
@@ -311,10 +312,10 @@ def build_server(workspace: Path | str, read_only: bool = False, settings: Path 
     async def wait_run(
         run_id: RunId,
         until_step: Annotated[
-            int | None, Field(description="Return once this step is logged; null: at the end.")
+            int | None, Field(strict=True, description="Return once this step is logged; null: at the end.")
         ] = None,
         timeout_s: Annotated[
-            float, Field(description=f"At most {waiting.MAX_WAIT_S}; call again to wait longer.")
+            float, Field(strict=True, description=f"At most {waiting.MAX_WAIT_S}; call again to wait longer.")
         ] = waiting.DEFAULT_WAIT_S,
         ctx: Context | None = None,
     ) -> WaitRunResult:
@@ -335,13 +336,13 @@ def build_server(workspace: Path | str, read_only: bool = False, settings: Path 
     async def tail_metrics(
         run_id: RunId,
         n: Annotated[
-            int, Field(description="1-200.")
+            int, Field(strict=True, description="1-200.")
         ] = run_ops.DEFAULT_TAIL_RECORDS,
         after_step: Annotated[
-            int | None, Field(description="Only records after this step (the last step you saw).")
+            int | None, Field(strict=True, description="Only records after this step (the last step you saw).")
         ] = None,
         follow_resumes: Annotated[
-            bool, Field(description="Also the runs it was resumed from, each up to its resume step.")
+            bool, Field(strict=True, description="Also the runs it was resumed from, each up to its resume step.")
         ] = False,
     ) -> MetricsTail:
         """The latest metrics records of a run (loss, lr, grad_norm, tokens_per_s, ...);
@@ -412,7 +413,7 @@ def build_server(workspace: Path | str, read_only: bool = False, settings: Path 
         prompts: Annotated[list[str], Field(description=f"At most {MAX_PROMPTS} texts to continue.")],
         step: Step = None,
         max_new_tokens: Annotated[int, Field(strict=True, description=f"1-{MAX_NEW_TOKENS}.")] = 64,
-        temperature: Annotated[float, Field(description="0: greedy.")] = 0.0,
+        temperature: Annotated[float, Field(strict=True, description="0: greedy.")] = 0.0,
         ctx: Context | None = None,
     ) -> SampleResult:
         """Continue prompts with a checkpoint's model."""
@@ -516,7 +517,7 @@ def _resource(work: Callable[[], Any]) -> Any:
     try:
         return work()
     except TrainwrightError as e:
-        raise ResourceError(redact(f"{e.kind}: {e}")) from None
+        raise ResourceError(shown(f"{e.kind}: {e}")) from None
 
 
 def tool_schemas(server: MCPServer) -> list[dict[str, Any]]:

@@ -4,7 +4,9 @@ A server started by an agent host often holds API tokens and cloud credentials. 
 only the variables it needs to find Python, its devices and its caches; anything named like a
 secret is dropped even when a broad pattern would admit it, unless the user lists it by its
 exact name — in ``runs.pass_env`` of ``.trainwright/config.yaml`` or in the server's
-``TRAINWRIGHT_PASS_ENV`` (comma-separated).
+``TRAINWRIGHT_PASS_ENV`` (comma-separated). So is a value that :mod:`sandbox.redact` takes for
+a secret whatever the variable's name (``HF_HOME=https://user:pw@host/``, a token, a long random
+string such as a GPU UUID in ``CUDA_VISIBLE_DEVICES``).
 
 Every run also gets ``OMP_NUM_THREADS`` set explicitly (from the server's environment, the
 config, or CPU cores / processes), and the value is recorded in ``run.json``, so a resumed run
@@ -60,13 +62,18 @@ def run_environment(
     pass_env: Iterable[str] = (),
 ) -> dict[str, str]:
     """The environment for a run, built from ``source`` (default: this process's)."""
+    from sandbox.redact import secret_values
+
     source = dict(os.environ if source is None else source)
     passed = passed_names(source, pass_env)
     env = {}
     for name, value in source.items():
         if name in passed:
             env[name] = value
-        elif any(fnmatch.fnmatchcase(name, pattern) for pattern in ALLOWED) and not looks_secret(name):
+        elif (any(fnmatch.fnmatchcase(name, pattern) for pattern in ALLOWED) and not looks_secret(name)
+              and not secret_values({name: value})):
+            # A value the redactor would hide (a URL with a password, a token, a long random
+            # string) is a secret whatever its variable is called: only runs.pass_env lets it in.
             env[name] = value
     env["PYTHONUNBUFFERED"] = "1"
     # Runs and checks start in the workspace; Python would put that folder first on sys.path

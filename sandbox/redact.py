@@ -167,6 +167,30 @@ def redact(text: str) -> str:
     return current().text(text)
 
 
+# C0 and C1 control characters but newline and tab, DEL, and the bidirectional-text controls:
+# a run's output, metric names, file names and run.json reach a person's terminal, where
+# ``ESC [2J`` clears the screen, OSC 0 sets the window title, OSC 52 writes the clipboard and
+# OSC 8 makes a link, and a carriage return or a bidi override hides what is printed.
+_CONTROLS = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069]")
+
+
+def _escaped(match: re.Match) -> str:
+    code = ord(match.group(0))
+    return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}"
+
+
+def printable(text: str) -> str:
+    """``text`` as shown to a person (the CLI's output, tool error messages): every control
+    character but newline and tab written as its escape (``\\x1b``), so none acts on the
+    terminal. The one sanitiser of shown text."""
+    return _CONTROLS.sub(_escaped, text) if _CONTROLS.search(text) else text
+
+
+def shown(text: str) -> str:
+    """``text`` redacted (:func:`redact`), then :func:`printable`."""
+    return printable(redact(text))
+
+
 def redact_value(value: Any) -> Any:
     return current().value(value)
 

@@ -152,7 +152,7 @@ def _checked_verdict(verdict: dict[str, Any]) -> dict[str, Any]:
     valid = {
         "config": isinstance(verdict.get("config"), dict),
         "config_changes": isinstance(verdict.get("config_changes", {}), dict),
-        "fields": isinstance(fields, list) and all(isinstance(field, dict) for field in fields),
+        "fields": isinstance(fields, list) and all(_valid_field(field) for field in fields),
         "data": verdict.get("data") is None or _valid_summary(verdict["data"]),
     }
     wrong = next((key for key, ok in valid.items() if not ok), None)
@@ -160,6 +160,16 @@ def _checked_verdict(verdict: dict[str, Any]) -> dict[str, Any]:
         raise LaunchRefused(f"the launch check's verdict has no valid {wrong!r}: the recipe's code printed a "
                             "verdict of its own, or the engine it imports is not trainwright's")
     return verdict
+
+
+FIELD_KEYS = frozenset({"key", "type", "default", "value", "description"})
+
+
+def _valid_field(field: Any) -> bool:
+    """One config key of the verdict (engine.config.describe_fields): key and type as text, a
+    description as text when given, nothing else."""
+    return (isinstance(field, dict) and set(field) <= FIELD_KEYS and isinstance(field.get("key"), str)
+            and isinstance(field.get("type"), str) and isinstance(field.get("description", ""), str))
 
 
 def _valid_summary(data: Any) -> bool:

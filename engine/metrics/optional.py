@@ -94,6 +94,15 @@ def check_backends(metrics: MetricsConfig, environ: Mapping[str, str] | None = N
                 f"not installed: pip install '{EXTRA}' (or pip install {' '.join(missing)}) where trainwright "
                 f"runs, or remove {name!r} from metrics.backends"
             )
+        uri = metrics.mlflow.tracking_uri
+        if name == "mlflow" and uri is not None and urlsplit(uri).scheme in LOCAL_MLFLOW_SCHEMES:
+            # The run writes only its run directory (which does not exist yet at the check); a
+            # store elsewhere is in the sandbox's own /tmp or home, discarded at its end, or
+            # not writable at all: the metrics would be lost without a word.
+            raise ConfigError(
+                f"metrics.mlflow.tracking_uri {uri[:200]!r} names a local store outside the run directory, "
+                f"which a run cannot keep: use {OFFLINE['mlflow']}, or an http(s) tracking server"
+            )
         setting = online_setting(name, metrics)
         if setting is None:
             continue
