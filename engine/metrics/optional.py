@@ -87,13 +87,6 @@ def check_backends(metrics: MetricsConfig, environ: Mapping[str, str] | None = N
     """Refuse, with the key or the package to change, backends this process could not open."""
     environ = os.environ if environ is None else environ
     for name in dict.fromkeys(metrics.backends):
-        missing = [package for module, package in required_packages(name, metrics).items() if not installed(module)]
-        if missing:
-            raise ConfigError(
-                f"metrics.backends has {name!r}, but {', '.join(missing)} {'is' if len(missing) == 1 else 'are'} "
-                f"not installed: pip install '{EXTRA}' (or pip install {' '.join(missing)}) where trainwright "
-                f"runs, or remove {name!r} from metrics.backends"
-            )
         uri = metrics.mlflow.tracking_uri
         if name == "mlflow" and uri is not None and urlsplit(uri).scheme in LOCAL_MLFLOW_SCHEMES:
             # The run writes only its run directory (which does not exist yet at the check); a
@@ -102,6 +95,13 @@ def check_backends(metrics: MetricsConfig, environ: Mapping[str, str] | None = N
             raise ConfigError(
                 f"metrics.mlflow.tracking_uri {uri[:200]!r} names a local store outside the run directory, "
                 f"which a run cannot keep: use {OFFLINE['mlflow']}, or an http(s) tracking server"
+            )
+        missing = [package for module, package in required_packages(name, metrics).items() if not installed(module)]
+        if missing:
+            raise ConfigError(
+                f"metrics.backends has {name!r}, but {', '.join(missing)} {'is' if len(missing) == 1 else 'are'} "
+                f"not installed: pip install '{EXTRA}' (or pip install {' '.join(missing)}) where trainwright "
+                f"runs, or remove {name!r} from metrics.backends"
             )
         setting = online_setting(name, metrics)
         if setting is None:

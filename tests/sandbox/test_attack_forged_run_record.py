@@ -1,0 +1,356 @@
+"""A run may rewrite its own run.json (it is in the run directory, the one folder the run
+writes). The server decides from its own record of the run (engine.server_record), so nothing a
+run writes there makes the server signal a process it did not start, read a host file into a
+git note, call a run that trains "completed", run SLURM commands with the run's arguments, or
+show a reviewer provenance the run chose.
+
+Each test is one finding of an attack on the server through run.json; the broadcast-signal
+ones run the server's stop inside a PID namespace of their own (``unshare --pid --fork
+--mount-proc``), so that a failure cannot reach the host's processes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from engine import run_dir as rd
+from engine import server_record as sr
+from engine.errors import BadInput
+from mcp_server.operations import runs as run_ops
+from sandbox import git as sandbox_git
+from sandbox import runs as sandbox_runs
+from sandbox import slurm
+from sandbox.workspace import Workspace
+from tests.sandbox.helpers import fake_run, make_workspace, record_folder, supervise, wait_gone
+from tests.support import REPO, wait_for
+
+RUN_ID = "20260101-000000-forged-0000"
+SLEEPER = [sys.executable, "-c", "print('STARTED', flush=True); import time; time.sleep(600)"]
+
+
+def forge(run_dir: Path, **fields) -> None:
+    """Rewrite run.json as the run's code can: any field, any value."""
+    try:
+        current = json.loads((run_dir / rd.RUN_JSON).read_text())
+    except (OSError, ValueError):
+        current = {}
+    rd.write_json_atomic(run_dir / rd.RUN_JSON, {**current, **fields})
+
+
+def start_sleeper(workspace: Path, limits: dict | None = None) -> Path:
+    run_dir = workspace / rd.RUNS_DIRNAME / RUN_ID
+    supervise(run_dir, SLEEPER, {"stop_grace_s": 1, **(limits or {})}, run_id=RUN_ID)
+    wait_for(lambda: "STARTED" in (run_dir / rd.CONSOLE_LOG).read_text(), timeout=60)
+    return run_dir
+
+
+# ---------------------------------------------------------------------------------------------
+# Kill every process: pid/child_pgid of 1 or -1
+# ---------------------------------------------------------------------------------------------
+
+
+def _unshare_works() -> bool:
+    unshare = shutil.which("unshare")
+    if unshare is None:
+        return False
+    result = subprocess.run([unshare, "--pid", "--fork", "--mount-proc", "true"], capture_output=True, timeout=30)
+    return result.returncode == 0
+
+
+@pytest.mark.skipif(not _unshare_works(), reason="unshare --pid --fork --mount-proc is not permitted here")
+@pytest.mark.parametrize("pid, child_pgid", [("null", "1"), ("-1", "null"), ("1", "-1"), ("0", "0")])
+def test_a_forged_pid_or_group_never_makes_stop_run_signal_another_process(tmp_path, pid, child_pgid):
+    """``pid: null, child_pgid: 1`` made stop_run send SIGKILL to group 1 (glibc: kill(-1)):
+    every process the server's user can signal died; ``pid: -1``: SIGTERM to all."""
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    result = subprocess.run(
+        ["unshare", "--pid", "--fork", "--mount-proc", sys.executable, "-m", "tests.sandbox.forged_record_probe",
+         str(tmp_path), pid, child_pgid],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=180,
+    )
+    lines = [line for line in result.stdout.splitlines() if line.startswith("PROBE ")]
+    assert lines, result.stdout[-2000:] + result.stderr[-2000:]
+    probe = json.loads(lines[-1][len("PROBE "):])
+    assert probe == {"bystander_survived": True, "status": rd.STOPPED, "error": None}
+
+
+def test_identities_refuse_pids_that_name_groups_or_everything():
+    assert sr.identify(1) is None and sr.identify(0) is None and sr.identify(-1) is None and sr.identify(True) is None
+    assert not sandbox_runs.kill_group(1, 0) and not sandbox_runs.kill_group(-1, 0) and not sandbox_runs.kill_group(0, 0)
+    assert not rd.pid_alive(-1) and not rd.pid_alive(1)
+    with pytest.raises(ValueError):
+        sr.ServerRecord(id="r", child_pgid=1)
+    # A recorded identity whose start time is not the live process's is not that process.
+    me = sr.identify(os.getpid())
+    assert me is not None and me.alive()
+    assert not me.model_copy(update={"start_ticks": me.start_ticks + 1}).alive()
+    assert not me.model_copy(update={"start_ticks": me.start_ticks + 1}).send_signal(0)
+
+
+# ---------------------------------------------------------------------------------------------
+# Unstoppable runs: status "completed", target "slurm"
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("forged", [{"status": "completed"}, {"target": "slurm"},
+                                    {"status": "stopped", "target": "slurm", "slurm_job_id": "--user=root"}])
+def test_a_run_that_says_it_ended_still_counts_as_running_and_stops(tmp_path, forged):
+    workspace = make_workspace(tmp_path / "ws", "runs:\n  max_concurrent_runs: 1\n")
+    run_dir = start_sleeper(workspace)
+    ws = Workspace.open(workspace)
+    marked = sandbox_runs.marked(RUN_ID)
+    assert marked
+    forge(run_dir, **forged)
+    assert run_ops.get_run(ws, RUN_ID).status == rd.RUNNING
+    assert [s.status for s in run_ops.list_runs(ws).runs] == [rd.RUNNING]
+    with pytest.raises(sandbox_runs.LaunchRefused, match="max_concurrent_runs is 1"):
+        sandbox_runs.check_capacity(sr.records_root(workspace), 1, ws.run_limits())
+    assert run_ops.stop_run(ws, RUN_ID).status == rd.STOPPED
+    assert wait_gone(marked, timeout=20) == set()
+    assert sr.read_record(ws.record_dir(RUN_ID)).status == rd.STOPPED
+
+
+# ---------------------------------------------------------------------------------------------
+# Arguments into SLURM commands
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def slurm_commands(tmp_path, monkeypatch) -> Path:
+    """squeue, sacct, scancel and sbatch on PATH that only write down how they were called."""
+    bin_dir, calls = tmp_path / "bin", tmp_path / "slurm-calls"
+    bin_dir.mkdir()
+    for name in ("squeue", "sacct", "scancel", "sbatch"):
+        (bin_dir / name).write_text(f'#!/bin/sh\necho "{name} $*" >> {calls}\n')
+        (bin_dir / name).chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    return calls
+
+
+def test_a_local_run_that_names_a_slurm_job_never_reaches_slurm(tmp_path, slurm_commands):
+    workspace = make_workspace(tmp_path / "ws")
+    run_dir = fake_run(workspace, "r1", status=rd.RUNNING, pid=2**22 + 7)
+    forge(run_dir, target="slurm", slurm_job_id="--user=root", status=rd.RUNNING)
+    ws = Workspace.open(workspace)
+    run_ops.get_run(ws, "r1")
+    run_ops.stop_run(ws, "r1")
+    assert not slurm_commands.exists()
+
+
+def test_slurm_commands_take_only_job_ids(slurm_commands):
+    state, _, note = slurm.query_state("--user=root", {"PATH": os.environ["PATH"]})
+    assert state is None and "no valid SLURM job id" in note
+    assert not slurm_commands.exists()
+    with pytest.raises(ValueError):
+        sr.ServerRecord(id="r", target="slurm", slurm_job_id="--user=root")
+
+
+# ---------------------------------------------------------------------------------------------
+# Host files into git notes; forged provenance
+# ---------------------------------------------------------------------------------------------
+
+
+def test_a_forged_commit_never_reaches_git(tmp_path):
+    from sandbox.supervise import Supervisor
+
+    workspace = make_workspace(tmp_path / "ws")
+    repo = sandbox_git.open_repo(workspace)
+    head = repo.head.commit.hexsha
+    run_dir = fake_run(workspace, "r1", status=rd.RUNNING, git_commit=head, recipe_dirty=False)
+    supervisor = Supervisor(record_folder(run_dir, workspace))
+    forge(run_dir, git_commit="-F/proc/self/environ", recipe_dirty=True, dirty_files=["forged.py"], id="forged",
+          recipe="forged", status="completed")
+    supervisor.finish(0)
+    note = repo.git.notes(f"--ref={sandbox_git.NOTES_REF}", "show", head)
+    assert note.startswith("run r1: completed") and "recipes/lm" in note
+    assert "forged" not in note and "PATH=" not in note and "uncommitted" not in note
+    assert sandbox_git.add_note(workspace, "-F/etc/hostname", "x") is False
+    assert sandbox_git.add_note(workspace, head[:10], "x") is False  # only a full id
+
+
+def test_a_resume_takes_the_commit_and_provenance_from_the_servers_record(tmp_path, monkeypatch):
+    workspace = make_workspace(tmp_path / "ws")
+    head = sandbox_git.open_repo(workspace).head.commit.hexsha
+    run_dir = fake_run(workspace, "r1", git_commit=head, recipe_dirty=False, config={"train": {"max_steps": 4}})
+    (run_dir / rd.SNAPSHOT_DIRNAME).mkdir()
+    (run_dir / rd.SNAPSHOT_DIRNAME / "recipe.py").write_text("# the code that ran\n")
+    forge(run_dir, git_commit="-F/proc/self/environ", recipe_dirty=True, dirty_files=["x"],
+          config={"train": {"max_steps": 4}, "data": {"paths": ["/etc"]}}, snapshot_digest="0" * 64)
+    seen = {}
+
+    def check(workspace, recipe_dir, nproc, overrides, config_json=None, **kwargs):
+        seen["config"] = rd.RunRecord.model_validate_json(Path(config_json).read_bytes()).config
+        return {"ok": True, "config": seen["config"], "config_changes": {}, "data": None}
+
+    def start(*args, origin, **kwargs):
+        seen["origin"] = origin
+        raise BadInput("not started in this test")
+
+    monkeypatch.setattr(sandbox_runs, "check_launch", check)
+    monkeypatch.setattr(sandbox_runs, "start_run", start)
+    with pytest.raises(BadInput, match="not started in this test"):
+        run_ops.resume_checkpoint(Workspace.open(workspace), "r1")
+    assert (seen["origin"].git_commit, seen["origin"].recipe_dirty, seen["origin"].dirty_files) == (head, False, [])
+    assert seen["config"] == {"train": {"max_steps": 4}}  # the server's config, not the rewritten one
+
+
+def test_get_run_and_review_show_the_servers_provenance(tmp_path):
+    from mcp_server.operations import review
+
+    workspace = make_workspace(tmp_path / "ws")
+    head = sandbox_git.open_repo(workspace).head.commit.hexsha
+    run_dir = fake_run(workspace, "r1", git_commit=head, recipe_dirty=False, isolation="full",
+                       isolation_note="bubblewrap")
+    forge(run_dir, recipe_dirty=True, dirty_files=["forged.py"], isolation="none", isolation_note="forged",
+          git_commit="f" * 40, status="failed", recipe="forged")
+    ws = Workspace.open(workspace)
+    info = run_ops.get_run(ws, "r1")
+    assert (info.git_commit, info.recipe_dirty, info.isolation, info.isolation_note, info.status, info.recipe) == (
+        head, False, "full", "bubblewrap", rd.COMPLETED, "recipes/lm")
+    assert "forged" not in info.code
+    runs = {r.run_id: r for c in review.review(ws).commits for r in c.runs}
+    assert all("forged" not in r.code for r in runs.values())
+
+
+def test_a_run_the_server_did_not_start_is_shown_as_its_claim_and_never_acted_on(tmp_path):
+    workspace = make_workspace(tmp_path / "ws")
+    fake_run(workspace, "r1", status=rd.RUNNING, server_record=False, pid=1, child_pgid=1,
+             git_commit="a" * 40, isolation="full")
+    ws = Workspace.open(workspace)
+    info = run_ops.get_run(ws, "r1")
+    assert info.git_commit is None and info.isolation is None
+    assert any("not started by trainwright's server" in w for w in info.warnings)
+    with pytest.raises(BadInput, match="not started by this server"):
+        run_ops.stop_run(ws, "r1")
+    with pytest.raises(BadInput, match="not started by this server"):
+        run_ops.resume_checkpoint(ws, "r1")
+
+
+def test_the_servers_record_is_outside_every_writable_folder_of_the_runs_sandbox(tmp_path):
+    """The run's sandbox binds its run directory writable and shows .trainwright/ as an empty
+    folder: the record the server trusts is not reachable, let alone writable."""
+    from sandbox import bwrap
+
+    workspace = make_workspace(tmp_path / "ws")
+    run_dir = workspace / rd.RUNS_DIRNAME / RUN_ID
+    read_only, writable, hidden = [workspace], [run_dir], sandbox_runs.hidden_state(workspace)
+    run_dir.mkdir(parents=True)
+    record = sr.record_dir(workspace, RUN_ID)
+    options = [o for option in bwrap._mounts(read_only, writable, "isolated", {}, hidden) for o in [option]]
+    binds = [Path(o[-1]) for o in options if o[0] == "--bind"]
+    assert binds == [run_dir] and not any(bwrap.under(record, b) for b in binds)
+    assert ["--tmpfs", str(workspace / ".trainwright")] in options
+
+
+# ---------------------------------------------------------------------------------------------
+# The smaller findings
+# ---------------------------------------------------------------------------------------------
+
+
+def test_terminal_escapes_from_a_run_are_escaped_in_the_cli_and_in_tool_errors(tmp_path, capsys):
+    from mcp_server import cli
+    from mcp_server.server import AuditedToolError, Tools
+
+    workspace = make_workspace(tmp_path / "ws")
+    run_dir = fake_run(workspace, "r1")
+    escapes = "\x1b]52;c;cm0gLXJmIH4=\x07\x1b[2J\x1b]0;title\x07\x1b]8;;http://x\x1b\\link\x9b\r"
+    forge(run_dir, warnings=[f"warn {escapes}"])
+    with open(run_dir / rd.METRICS_JSONL, "a") as f:
+        f.write(json.dumps({"step": 9, "loss": 1.0, f"name{escapes}": 2.0}) + "\n")
+    assert cli.main(["status", "r1", "--workspace", str(workspace)]) == 0
+    assert cli.main(["tail", "r1", "--workspace", str(workspace)]) == 0
+    out = capsys.readouterr().out
+    assert "warn \\x1b]52;c;" in out
+    assert not any(c in out for c in "\x1b\x07\x9b\r")
+    with pytest.raises(AuditedToolError) as refused:
+        Tools(Workspace.open(workspace)).refuse("get_run", {}, f"bad_input: {escapes}")
+    assert not any(c in str(refused.value) for c in "\x1b\x07\x9b\r") and "\\x1b" in str(refused.value)
+
+
+def test_a_value_the_redactor_flags_does_not_enter_a_run_unless_passed_by_name():
+    from sandbox.environment import run_environment
+
+    source = {"PATH": "/usr/bin", "HF_HOME": "https://user:hunter2-password@example.org/x", "LANG": "C.UTF-8"}
+    assert "HF_HOME" not in run_environment(source) and run_environment(source)["LANG"] == "C.UTF-8"
+    assert run_environment(source, pass_env=["HF_HOME"])["HF_HOME"] == source["HF_HOME"]
+
+
+@pytest.mark.parametrize("target", ["exists", "missing"])
+def test_list_checkpoints_follows_no_link_inside_a_checkpoint(tmp_path, target):
+    """A ``.metadata`` link made ``step-N`` count as a checkpoint exactly when the host path it
+    names exists: an oracle for any path on the host."""
+    host = tmp_path / "host-file"
+    if target == "exists":
+        host.write_text("x")
+    workspace = make_workspace(tmp_path / "ws")
+    run_dir = fake_run(workspace, "r1", checkpoints=(2,))
+    planted = run_dir / rd.CHECKPOINTS_DIRNAME / rd.checkpoint_dir_name(8)
+    planted.mkdir()
+    (planted / rd.DCP_METADATA).symlink_to(host)
+    assert [c.step for c in run_ops.list_checkpoints(Workspace.open(workspace), "r1").checkpoints] == [2]
+
+
+def test_a_malformed_verdict_field_is_the_checks_refusal(tmp_path, monkeypatch):
+    from mcp_server.operations import recipe_info
+
+    workspace = make_workspace(tmp_path / "ws")
+    verdict = {"ok": True, "config": {}, "config_changes": {}, "fields": [{"key": 3, "type": None, "x": 1}]}
+    monkeypatch.setattr(sandbox_runs, "run_contained", lambda *a, **k: (json.dumps(verdict) + "\n", ""))
+    with pytest.raises(sandbox_runs.LaunchRefused, match="no valid 'fields'"):
+        recipe_info.describe_recipe(Workspace.open(workspace), "recipes/lm")
+
+
+@pytest.mark.parametrize("uri", ["sqlite:////tmp/metrics.db", "sqlite:///relative.db", "file:///tmp/mlruns", "/tmp/mlruns"])
+def test_a_local_mlflow_store_outside_the_run_directory_is_refused_at_the_check(uri):
+    from engine.config import ConfigError, MetricsConfig
+    from engine.metrics.optional import check_backends
+
+    with pytest.raises(ConfigError, match="outside the run directory"):
+        check_backends(MetricsConfig.model_validate({"backends": ["mlflow"], "mlflow": {"tracking_uri": uri}}))
+
+
+@pytest.mark.parametrize("scheme", ["Bearer", "bearer", "BEARER"])
+def test_the_bearer_scheme_is_case_insensitive(scheme):
+    import anyio
+
+    from mcp_server.http_auth import BearerToken
+
+    reached = []
+
+    async def app(scope, receive, send):
+        reached.append(scope["path"])
+
+    async def call(header: bytes):
+        async def send(message):
+            pass
+        await BearerToken(app, "tok123")({"type": "http", "path": "/mcp", "headers": [(b"authorization", header)]},
+                                         None, send)
+
+    anyio.run(call, f"{scheme} tok123".encode())
+    anyio.run(call, f"{scheme} tok1234".encode())
+    assert reached == ["/mcp"]
+
+
+@pytest.mark.parametrize("tool, arguments", [
+    ("wait_run", {"run_id": "r1", "until_step": True, "timeout_s": 1}),
+    ("wait_run", {"run_id": "r1", "timeout_s": True}),
+    ("tail_metrics", {"run_id": "r1", "n": True}),
+    ("tail_metrics", {"run_id": "r1", "after_step": False}),
+    ("list_runs", {"limit": True}),
+])
+def test_booleans_are_not_numbers(tmp_path, tool, arguments):
+    from mcp_server.server import build_server
+    from tests.sandbox.helpers import error_text, live_client
+
+    workspace = make_workspace(tmp_path / "ws")
+    fake_run(workspace, "r1")
+    with live_client(build_server(workspace)) as client:
+        result = client.call(tool, arguments)
+    assert result.is_error and "bad_input" in error_text(result)
