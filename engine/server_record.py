@@ -287,8 +287,8 @@ def view(workspace: Path | str, run_dir: Path | str) -> ServerRecord:
     if report is None:
         return record
     update: dict[str, Any] = {name: getattr(report, name) for name in REPORTED_FIELDS}
-    extra = [w for w in report.warnings if w not in record.warnings]
-    update["warnings"] = [*record.warnings, *extra][: rd.MAX_WARNINGS]
+    known = set(record.warnings)
+    update["warnings"] = [*record.warnings, *(w for w in report.warnings if w not in known)]
     return record.model_copy(update=update)
 
 

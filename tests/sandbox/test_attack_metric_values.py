@@ -6,9 +6,10 @@ from __future__ import annotations
 import json
 
 from engine import run_dir as rd
+from engine import server_record as sr
 from mcp_server.server import build_server
 from sandbox.supervise import run_note
-from tests.sandbox.helpers import error_text, fake_run, live_client, make_workspace
+from tests.sandbox.helpers import error_text, fake_run, live_client, make_workspace, record_folder
 
 HUGE = 10**400
 
@@ -42,13 +43,13 @@ def test_the_git_note_is_one_bounded_line_whatever_the_run_wrote(tmp_path, monke
                                               eval_tokens=0))
     note = run_note(record, {"step": forged + "9" * 200_000})
     assert "\n" not in note and "\r" not in note and "\x1b" not in note and len(note) < 2000
-    # The supervisor names the run and recipe as launched, not as run.json says by the end.
+    # The supervisor names the run and recipe as launched (the server's record), not as run.json
+    # says by the end.
     root = make_workspace(tmp_path / "ws")
-    run_dir = fake_run(root, "20260101-000000-lm-huge", exit_code=0)
+    run_dir = fake_run(root, "20260101-000000-lm-huge", exit_code=0, git_commit="0" * 40)
     written = []
     monkeypatch.setattr(supervise, "add_note", lambda root, sha, text: written.append(text))
-    supervisor = supervise.Supervisor(run_dir)
-    supervisor.record = supervisor.record.model_copy(update={"git_commit": "0" * 40, "workspace": str(root)})
-    supervisor.write_git_note(supervisor.record.model_copy(update={"id": "20260101-000000-lm-other",
-                                                                   "recipe": "recipes/other"}))
+    supervisor = supervise.Supervisor(record_folder(run_dir, root))
+    rd.update_run(run_dir, id="20260101-000000-lm-other", recipe="recipes/other")
+    supervisor.write_git_note(sr.read_record(record_folder(run_dir, root)))
     assert written and written[0].startswith("run 20260101-000000-lm-huge: ") and "recipes/other" not in written[0]
