@@ -13,7 +13,6 @@ import os
 from collections import Counter
 from pathlib import Path
 
-from engine import run_dir as rd
 from engine import server_record as sr
 from mcp_server.limits import AGENT_BUDGET_CHARS, bounded, json_chars, text_bytes
 from mcp_server.models import ConfigField, RecipeDescription, RecipeList, RecipeSkill, RecipeSummary

@@ -59,7 +59,7 @@ MAX_FIELD_CHARS = 300
 MAX_DATA_PATHS_SHOWN = 5
 
 
-def run_view(ws: Workspace, run_id: str) -> tuple[Path, sr.ServerRecord]:
+def run_view(ws: Workspace, run_id: object) -> tuple[Path, sr.ServerRecord]:
     """The run directory and the run as the server knows it (:func:`engine.server_record.view`)."""
     run_dir = ws.run_dir(run_id)
     try:

@@ -33,11 +33,14 @@ KILLS = 10
 
 @pytest.fixture
 def ws(tmp_path, monkeypatch):
-    # Skip the launch check (a torch import each time): its stand-in verdict resolves nothing
-    # new, a resume's config is its parent's, as the real check would resolve it.
-    def check(*args, config_json=None, **kwargs):
-        config = rd.read_run(config_json.parent).config if config_json is not None else {}
-        return {"ok": True, "config": config or {}, "config_changes": {}, "data": None}
+    # Skip the sandboxed launch check (a torch import in a new process each time): its stand-in
+    # resolves the config in this process as the real check does (a resume's from the config
+    # the server recorded for its parent).
+    def check(workspace, recipe_dir, nproc, overrides, config_json=None, **kwargs):
+        from engine.launch import load_recipe_class, resolve_config
+
+        config = resolve_config(load_recipe_class(recipe_dir), recipe_dir, overrides, config_json)
+        return {"ok": True, "config": config.model_dump(mode="json"), "config_changes": {}, "data": None}
 
     monkeypatch.setattr(sandbox_runs, "check_launch", check)
     return Workspace.open(make_workspace(tmp_path / "ws"))
