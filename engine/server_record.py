@@ -32,6 +32,7 @@ from typing import Any
 from pydantic import BaseModel, Field, ValidationError, field_validator
 
 from engine import run_dir as rd
+from engine.errors import BadInput
 
 STATE_DIRNAME = ".trainwright"
 RECORDS_DIRNAME = "runs"
@@ -201,7 +202,8 @@ def _real_dirs(path: Path, depth: int) -> None:
             pass
         info = os.lstat(folder)
         if not stat.S_ISDIR(info.st_mode):
-            raise OSError(f"{folder} is not a folder (a link or a file is in its place)")
+            raise BadInput(f"{folder} is a link or a file; trainwright keeps its records of runs in real folders: "
+                           "replace it by a folder")
 
 
 def _write(folder: Path, record: ServerRecord) -> None:
