@@ -249,6 +249,27 @@ def test_the_servers_record_is_outside_every_writable_folder_of_the_runs_sandbox
     assert ["--tmpfs", str(workspace / ".trainwright")] in options
 
 
+def test_a_sandboxed_run_cannot_change_the_servers_record(tmp_path):
+    """In the sandbox the record's folder is not there (an empty .trainwright/): whatever the run
+    writes at its path, the server's record is as the supervisor wrote it."""
+    from sandbox.bwrap import find_bwrap, probe
+
+    if probe(find_bwrap()) is not None:
+        pytest.skip(f"bubblewrap cannot run here: {probe(find_bwrap())}")
+    workspace = make_workspace(tmp_path / "ws")
+    run_dir = workspace / rd.RUNS_DIRNAME / RUN_ID
+    record = sr.record_dir(workspace, RUN_ID) / sr.RECORD_JSON
+    code = (f"import json, os, pathlib; p = pathlib.Path({str(record)!r}); print('SEEN', p.exists(), flush=True); "
+            "p.parent.mkdir(parents=True, exist_ok=True); "
+            "p.write_text(json.dumps({'id': 'x', 'status': 'completed', 'git_commit': '-F/etc/passwd'}))")
+    supervise(run_dir, [sys.executable, "-c", code], run_id=RUN_ID, sandbox={
+        "bwrap": find_bwrap(), "read_only": [str(workspace)], "writable": [str(run_dir)],
+        "hidden": [str(p) for p in sandbox_runs.hidden_state(workspace)]}).wait(60)
+    assert "SEEN False" in (run_dir / rd.CONSOLE_LOG).read_text()
+    kept = sr.read_record(sr.record_dir(workspace, RUN_ID))
+    assert kept.id == RUN_ID and kept.status == rd.COMPLETED and kept.isolation == "full"
+
+
 # ---------------------------------------------------------------------------------------------
 # The smaller findings
 # ---------------------------------------------------------------------------------------------
