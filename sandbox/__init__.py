@@ -9,7 +9,7 @@
 - ``network``      a network namespace with only loopback (the fallback without bubblewrap)
 - ``processes``    every process of a run, found and ended together
 - ``runs``         check, spawn and stop runs
-- ``supervise``    the per-run supervisor process (``python -m sandbox.supervise RUN_DIR``)
+- ``supervise``    the per-run supervisor process (``python -m sandbox.supervise RECORD_DIR``)
 - ``audit``        the audit log of every tool call
 
 Standard library, GitPython and PyYAML only: the MCP server imports this package.

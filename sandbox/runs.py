@@ -8,8 +8,8 @@ A run is started in three moves, so that a bad request leaves nothing behind:
    is ended when it ends;
 2. ``start_run`` creates the server's record of the run (``.trainwright/runs/<id>/``, see
    :mod:`engine.server_record`) and ``runs/<id>/run.json`` (the run's copy, which it may
-   rewrite), and spawns ``python -m sandbox.supervise`` in its own session, which starts the engine (``torchrun`` when ``nproc > 1``) in a process
-   group of its own, with the limits of :class:`~sandbox.config.RunLimits`, writes its output
+   rewrite), and spawns ``python -m sandbox.supervise`` in its own session, which starts the
+   engine (``torchrun`` when ``nproc > 1``) in a process group of its own, with the limits of :class:`~sandbox.config.RunLimits`, writes its output
    to ``console.log`` and records the outcome;
 3. the caller gets the run id at once: nothing waits for the run.
 
