@@ -338,7 +338,7 @@ def start_run(
     of ``code_dir`` when it was checked; a snapshot that differs starts nothing. The run's
     sandbox shows the workspace read-only without git's, trainwright's and other runs' folders,
     its own run directory read-write, and its code snapshot read-only; what it shows is recorded
-    in ``run.json`` (``sandbox``). Refused with :class:`LaunchRefused` when the workspace's caps
+    in the server's record (``sandbox``), which the supervisor reads. Refused with :class:`LaunchRefused` when the workspace's caps
     on concurrent runs or processes would be exceeded.
 
     ``nodes``: this machine's node of a run over several (:mod:`sandbox.nodes`); the run gets
