@@ -7,7 +7,20 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
-from engine.run_dir import ResumedFrom, RunStatus
+from engine.run_dir import HubModel, ResumedFrom, RunStatus
+
+
+class HubModelShown(BaseModel):
+    """A model by Hub id, at the commit that was loaded."""
+
+    given: str
+    repo_id: str
+    revision: str
+    commit: str
+
+    @classmethod
+    def of(cls, model: HubModel) -> "HubModelShown":
+        return cls(given=model.given, repo_id=model.repo_id, revision=model.revision, commit=model.commit)
 
 
 class ResumePoint(BaseModel):
@@ -28,6 +41,7 @@ class LaunchRunResult(BaseModel):
     warnings: list[str] = []
     nodes: str | None = None
     slurm_script: str | None = None
+    hub_models: list[HubModelShown] = []
 
 
 class CheckpointInfo(BaseModel):
@@ -94,6 +108,7 @@ class RunInfo(BaseModel):
     isolation_note: str | None = None
     limits: dict[str, Any] | None = None
     nodes: str | None = None
+    hub_models: list[HubModelShown] = []
 
 
 class StopRunResult(BaseModel):
@@ -229,6 +244,7 @@ class RecipeDescription(BaseModel):
     skills: list[RecipeSkill] = Field(description="Applied, oldest first.")
     fields: list[ConfigField]
     cut: bool = Field(False, description="Descriptions or fields were cut to fit.")
+    hub_models: list[HubModelShown] = []
 
 
 class RecipeSummary(BaseModel):
