@@ -10,17 +10,10 @@ from pydantic import BaseModel, Field
 from engine.run_dir import HubModel, ResumedFrom, RunStatus
 
 
-class HubModelShown(BaseModel):
-    """A model by Hub id, at the commit that was loaded."""
 
-    given: str
-    repo_id: str
-    revision: str
-    commit: str
-
-    @classmethod
-    def of(cls, model: HubModel) -> "HubModelShown":
-        return cls(given=model.given, repo_id=model.repo_id, revision=model.revision, commit=model.commit)
+def hub_model_shown(model: HubModel) -> str:
+    """A model by Hub id as results show it: ``org/name@<commit>``."""
+    return f"{model.repo_id}@{model.commit}"
 
 
 class ResumePoint(BaseModel):
@@ -41,7 +34,6 @@ class LaunchRunResult(BaseModel):
     warnings: list[str] = []
     nodes: str | None = None
     slurm_script: str | None = None
-    hub_models: list[HubModelShown] = []
 
 
 class CheckpointInfo(BaseModel):
@@ -108,7 +100,7 @@ class RunInfo(BaseModel):
     isolation_note: str | None = None
     limits: dict[str, Any] | None = None
     nodes: str | None = None
-    hub_models: list[HubModelShown] = []
+    hub_models: list[str] = []  # org/name@<commit>
 
 
 class StopRunResult(BaseModel):
@@ -244,7 +236,7 @@ class RecipeDescription(BaseModel):
     skills: list[RecipeSkill] = Field(description="Applied, oldest first.")
     fields: list[ConfigField]
     cut: bool = Field(False, description="Descriptions or fields were cut to fit.")
-    hub_models: list[HubModelShown] = []
+    hub_models: list[str] = []  # org/name@<commit>
 
 
 class RecipeSummary(BaseModel):

@@ -392,7 +392,7 @@ def build_server(workspace: Path | str, read_only: bool = False, settings: Path 
         nproc: Annotated[int | None, Field(strict=True, description="Processes; default: as the original run.")] = None,
         code: Annotated[
             Literal["checkpoint", "head"],
-            Field(description="checkpoint: the code the run ran; head: the recipe as it is now (e.g. after apply_skill)."),
+            Field(description="checkpoint: the code the run ran; head: the recipe now (e.g. after apply_skill)."),
         ] = "checkpoint",
     ) -> LaunchRunResult:
         """Continue a run from a checkpoint as a new run (same config); returns its run_id at

@@ -15,7 +15,14 @@ from pathlib import Path
 
 from engine import run_dir as rd
 from mcp_server.limits import AGENT_BUDGET_CHARS, bounded, json_chars, text_bytes
-from mcp_server.models import ConfigField, HubModelShown, RecipeDescription, RecipeList, RecipeSkill, RecipeSummary
+from mcp_server.models import (
+    ConfigField,
+    RecipeDescription,
+    RecipeList,
+    RecipeSkill,
+    RecipeSummary,
+    hub_model_shown,
+)
 from sandbox import git as sandbox_git
 from sandbox.paths import RESERVED_DIRS
 from sandbox import hub
@@ -61,7 +68,7 @@ def describe_recipe(ws: Workspace, recipe: str) -> RecipeDescription:
     template, last_commit, _, skills = _history(ws, recipe_dir)
     described = RecipeDescription(
         recipe=ws.label(recipe_dir), template=template, last_commit=last_commit,
-        hub_models=[HubModelShown.of(m) for m in models.models],
+        hub_models=[hub_model_shown(m) for m in models.models],
         skills=skills[-MAX_SKILLS_SHOWN:], fields=[ConfigField(**f) for f in verdict.get("fields", [])],
         cut=len(skills) > MAX_SKILLS_SHOWN,
     )

@@ -18,7 +18,6 @@ from mcp_server.limits import AGENT_BUDGET_CHARS, bounded, bounded_mapping, cut_
 from mcp_server.models import (
     CheckpointInfo,
     CheckpointList,
-    HubModelShown,
     LaunchRunResult,
     MetricsTail,
     ResumePoint,
@@ -26,6 +25,7 @@ from mcp_server.models import (
     RunList,
     RunSummary,
     StopRunResult,
+    hub_model_shown,
 )
 from mcp_server.operations import history
 from sandbox import hub
@@ -175,15 +175,15 @@ def _joined_run(ws: Workspace, nodes: Nodes, recipe_label: str, overrides: dict[
 MAX_HUB_MODELS_SHOWN = 4
 
 
-def _hub_shown(record: rd.RunRecord) -> list[HubModelShown]:
-    return [HubModelShown.of(m) for m in record.hub_models[:MAX_HUB_MODELS_SHOWN]]
+def _hub_shown(record: rd.RunRecord) -> list[str]:
+    return [hub_model_shown(m) for m in record.hub_models[:MAX_HUB_MODELS_SHOWN]]
 
 
 def _launch_result(ws: Workspace, record: rd.RunRecord, slurm_script: str | None = None) -> LaunchRunResult:
     return _bounded_fields(LaunchRunResult(
         run_id=record.id, status=record.status, run_dir=ws.label(ws.runs_dir / record.id),
         code=code_description(record), config_changes=bounded_mapping(record.config_changes, MAX_CONFIG_CHARS),
-        data=_data(record), resumed_from=_resumed_from(ws, record), hub_models=_hub_shown(record),
+        data=_data(record), resumed_from=_resumed_from(ws, record),
         # A job that was not submitted says why first.
         warnings=_shown_warnings(([record.reason] if record.reason else []) + record.warnings),
         nodes=_nodes(record),
