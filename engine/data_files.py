@@ -28,6 +28,9 @@ WORKSPACE_VARIABLE = "TRAINWRIGHT_WORKSPACE"
 
 # Every data file this process listed: resolved path -> SHA-256 of its bytes when last listed.
 _LEDGER: dict[Path, str] = {}
+# Set by the server for a run, a launch check or a model process that loads a model by Hub id
+# (sandbox/hub.py): JSON {name as given: snapshot folder}, the folders bound read-only.
+HUB_MODELS_VARIABLE = "TRAINWRIGHT_HUB_MODELS"
 
 
 class DataPathRefused(ConfigError):
@@ -168,7 +171,7 @@ def data_file(raw: str, root: Path | None = None) -> Path:
 def confined_path(raw: str, root: Path | None = None) -> str:
     """A local file or folder (model weights, a tokenizer) as a resolved path, after checking it
     and, for a folder, every file in it, as :func:`data_files` does. A value that names nothing
-    on disk is returned as given (a hub id: a sandboxed run has no network to fetch it)."""
+    on disk is a Hub id: the snapshot the server downloaded for it (:func:`hub_model_path`)."""
     root = allowed_root() if root is None else Path(root).resolve()
     if root is None:
         return raw
@@ -176,7 +179,28 @@ def confined_path(raw: str, root: Path | None = None) -> str:
         raise DataPathRefused(f"path {raw!r} starts with '~': give a path inside the workspace")
     given = Path(raw)
     if not os.path.lexists(given):
-        return raw
+        return hub_model_path(raw)
+    return _confined_folder(given, raw, root)
+
+
+def hub_model_path(raw: str) -> str:
+    """The snapshot folder the server downloaded for the Hub id ``raw`` (a workspace folder of
+    that name wins, see :func:`confined_path`), else ``raw`` as given: outside trainwright's
+    server, transformers looks it up in the local Hugging Face cache itself."""
+    try:
+        mapping = json.loads(os.environ.get(HUB_MODELS_VARIABLE) or "{}")
+    except ValueError:
+        mapping = {}
+    path = mapping.get(raw) if isinstance(mapping, dict) else None
+    if isinstance(path, str) and os.path.isdir(path):
+        return path
+    if "@" in raw and "/" in raw:  # org/name@revision: transformers takes the revision apart
+        raise ConfigError(f"model.pretrained_path {raw!r}: a Hub id with a revision is resolved by trainwright's "
+                          "server (launch_run); outside it, give the model's folder")
+    return raw
+
+
+def _confined_folder(given: Path, raw: str, root: Path) -> str:
     real = _confined(given, str(raw), root)
     if real.is_dir():
         _folder_files(given, real, str(raw), root, suffixes=None)

@@ -208,6 +208,19 @@ class SandboxView(BaseModel):
     hidden: list[str] = []
 
 
+class HubModel(BaseModel):
+    """A model a run loads by Hub id, as the server resolved it (sandbox/hub.py)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    given: str = Field(description="model.pretrained_path as given: org/name or org/name@revision.")
+    repo_id: str
+    revision: str = Field("main", description="The revision asked for (a branch, tag or commit).")
+    commit: str = Field(description="The commit it resolved to; a resume loads this one.")
+    path: str = Field(description="The snapshot folder in the server's Hugging Face cache, bound read-only.")
+    bytes: int = Field(0, description="Size of the files fetched for the run.")
+
+
 class RunRecord(BaseModel):
     """run.json: everything known about one run. Each writer updates only its own fields:
     the launcher creates it, the supervisor records processes and the outcome, rank 0 of the
@@ -260,6 +273,7 @@ class RunRecord(BaseModel):
     isolation: IsolationLevel | None = Field(None, description="The sandbox actually in force.")
     isolation_note: str | None = Field(None, description="What the isolation level is missing, if anything.")
     sandbox: SandboxView | None = None
+    hub_models: list[HubModel] = Field([], description="Models loaded by Hub id: repo, revision and commit.")
     metrics_destinations: list[MetricsDestination] = Field(
         [], description="Where the engine sent the metrics (metrics.jsonl, TensorBoard, W&B, MLflow, trackio)."
     )

@@ -35,6 +35,25 @@ def _workspace(args: argparse.Namespace):
     return Workspace.open(args.workspace, getattr(args, "settings", None))
 
 
+class _DownloadBar:
+    """A Hub model's download as a progress bar on stderr (tqdm, which huggingface_hub brings)."""
+
+    def __init__(self) -> None:
+        self.bar: Any = None
+
+    def __call__(self, done: float, total: float | None, message: str) -> None:
+        from tqdm import tqdm
+
+        if self.bar is None:
+            self.bar = tqdm(total=total, unit="B", unit_scale=True, file=sys.stderr, desc=message.split(":")[0],
+                            leave=True)
+        self.bar.update(max(0.0, done - self.bar.n))
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
 def _emit(args: argparse.Namespace, result: BaseModel, text: Callable[[Any], str]) -> None:
     if args.json:
         print(result.model_dump_json())
@@ -56,8 +75,12 @@ def cmd_run(args: argparse.Namespace) -> int:
     slurm = {key: value for key, value in (("partition", args.partition), ("time", args.time),
                                            ("gpus_per_node", args.gpus_per_node), ("rdzv_port", args.rdzv_port))
              if value is not None}
-    result = runs.launch_run(ws, args.recipe, nproc=args.nproc, overrides=args.overrides, nnodes=args.nnodes,
-                             rdzv=rdzv or None, target=args.target, slurm=slurm or None)
+    bar = _DownloadBar()
+    try:
+        result = runs.launch_run(ws, args.recipe, nproc=args.nproc, overrides=args.overrides, nnodes=args.nnodes,
+                                 rdzv=rdzv or None, target=args.target, slurm=slurm or None, progress=bar)
+    finally:
+        bar.close()
     if args.target == "slurm":  # the job runs on the cluster: `status` follows it
         _emit(args, result, _job_text)
         return EXIT_OK
@@ -76,9 +99,13 @@ def cmd_resume(args: argparse.Namespace) -> int:
     from mcp_server.operations import runs
 
     ws = _workspace(args)
-    result = runs.resume_checkpoint(
-        ws, args.run_id, step=args.step, nproc=args.nproc, overrides=args.overrides, code=args.code
-    )
+    bar = _DownloadBar()
+    try:
+        result = runs.resume_checkpoint(
+            ws, args.run_id, step=args.step, nproc=args.nproc, overrides=args.overrides, code=args.code, progress=bar
+        )
+    finally:
+        bar.close()
     return _after_launch(args, ws, result)
 
 
@@ -404,9 +431,13 @@ def _key_values(items: list[str]) -> dict[str, Any]:
 def cmd_scaffold(args: argparse.Namespace) -> int:
     from mcp_server.operations import recipes
 
-    result = recipes.scaffold_recipe(
-        _workspace(args), args.template, args.name, _key_values(args.config), args.skill
-    )
+    bar = _DownloadBar()
+    try:
+        result = recipes.scaffold_recipe(
+            _workspace(args), args.template, args.name, _key_values(args.config), args.skill, progress=bar
+        )
+    finally:
+        bar.close()
     _emit(args, result, lambda r: "\n".join(
         [f"created {r.path} (commit {r.commit[:10]})"]
         + [f"applied {s.skill}" + (f" (commit {s.commit[:10]})" if s.commit else " (already there)") for s in r.skills]))

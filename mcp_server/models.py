@@ -7,7 +7,13 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
-from engine.run_dir import ResumedFrom, RunStatus
+from engine.run_dir import HubModel, ResumedFrom, RunStatus
+
+
+
+def hub_model_shown(model: HubModel) -> str:
+    """A model by Hub id as results show it: ``org/name@<commit>``."""
+    return f"{model.repo_id}@{model.commit}"
 
 
 class ResumePoint(BaseModel):
@@ -94,6 +100,7 @@ class RunInfo(BaseModel):
     isolation_note: str | None = None
     limits: dict[str, Any] | None = None
     nodes: str | None = None
+    hub_models: list[str] = []  # org/name@<commit>
 
 
 class StopRunResult(BaseModel):
@@ -229,6 +236,7 @@ class RecipeDescription(BaseModel):
     skills: list[RecipeSkill] = Field(description="Applied, oldest first.")
     fields: list[ConfigField]
     cut: bool = Field(False, description="Descriptions or fields were cut to fit.")
+    hub_models: list[str] = []  # org/name@<commit>
 
 
 class RecipeSummary(BaseModel):

@@ -94,6 +94,26 @@ RecipePath = Annotated[str, Field(description="Recipe folder (recipes/<name>, or
 Step = Annotated[int | None, Field(strict=True, description="Default: the latest.")]
 
 
+def download_progress(ctx: Context | None) -> Callable[[float, float | None, str], None] | None:
+    """For work in a worker thread: a Hub model's download (bytes) as progress notifications
+    between 0 and 1 (of the call's 2), each one higher than the last, as MCP requires."""
+    if ctx is None:
+        return None
+    last = [0.0]
+
+    def report(done: float, total: float | None, message: str) -> None:
+        value = round(min(0.99, done / total), 4) if total else last[0]
+        if value <= last[0]:
+            return
+        last[0] = value
+        try:
+            anyio.from_thread.run(ctx.report_progress, value, 2, message)
+        except Exception:  # a client gone away: the download goes on
+            logger.debug("progress notification failed", exc_info=True)
+
+    return report
+
+
 class Tools:
     """The tools of one server, bound to one workspace."""
 
@@ -244,7 +264,8 @@ def build_server(workspace: Path | str, read_only: bool = False, settings: Path 
             await ctx.report_progress(0, 2, "checking the config and skills")
         args = {"template": template, "name": name, "config": config, "skills": skills}
         result = await tools.call(
-            "scaffold_recipe", args, lambda: recipe_ops.scaffold_recipe(tools.ws, template, name, config, skills)
+            "scaffold_recipe", args,
+            lambda: recipe_ops.scaffold_recipe(tools.ws, template, name, config, skills, progress=download_progress(ctx)),
         )
         if ctx is not None:
             await ctx.report_progress(2, 2, "scaffolded")
@@ -290,7 +311,8 @@ def build_server(workspace: Path | str, read_only: bool = False, settings: Path 
         args = {"recipe": recipe, "nproc": nproc, "overrides": overrides, "nnodes": nnodes, "rdzv": rdzv,
                 "target": target, "slurm": slurm}
         result = await tools.call("launch_run", args, lambda: run_ops.launch_run(
-            tools.ws, recipe, nproc, overrides, nnodes=nnodes, rdzv=rdzv, target=target, slurm=slurm))
+            tools.ws, recipe, nproc, overrides, nnodes=nnodes, rdzv=rdzv, target=target, slurm=slurm,
+            progress=download_progress(ctx)))
         if ctx is not None:
             await ctx.report_progress(2, 2, f"started {result.run_id}")
         return result
@@ -371,7 +393,7 @@ def build_server(workspace: Path | str, read_only: bool = False, settings: Path 
         nproc: Annotated[int | None, Field(strict=True, description="Processes; default: as the original run.")] = None,
         code: Annotated[
             Literal["checkpoint", "head"],
-            Field(description="checkpoint: the code the run ran; head: the recipe as it is now (e.g. after apply_skill)."),
+            Field(description="checkpoint: the code the run ran; head: the recipe now (e.g. after apply_skill)."),
         ] = "checkpoint",
     ) -> LaunchRunResult:
         """Continue a run from a checkpoint as a new run (same config); returns its run_id at

@@ -27,6 +27,9 @@ optional; a missing file means the defaults below, which are these:
                                   #   host's network (SECURITY.md)
       slurm: false                # submit target=slurm jobs with sbatch (they run on the cluster,
                                   #   outside this sandbox); otherwise the job script is returned
+      allow_pickled_weights: false  # a model by Hub id may have .bin/.pt weights (loading them
+                                  #   can run code; inside the sandbox); otherwise safetensors only
+      trust_remote_code: false    # fetch a Hub model repo's own Python files (remote code)
 """
 
 from __future__ import annotations
@@ -67,6 +70,8 @@ class RunLimits:
     max_total_processes: int | None = None  # per workspace, summed over running runs; None: 4 x CPU cores
     multi_node: bool = False  # runs over several nodes (they need the host's network)
     slurm: bool = False  # submit SLURM jobs (they run outside this sandbox)
+    allow_pickled_weights: bool = False  # Hub models with .bin/.pt weights (sandbox/hub.py)
+    trust_remote_code: bool = False  # fetch a Hub model repo's Python files
 
 
 _KEYS = {f.name for f in fields(RunLimits)} - {"max_memory_bytes"} | {"max_memory"}
@@ -130,6 +135,8 @@ def limits_from_mapping(section: object) -> RunLimits:
         max_total_processes=_positive(section.get("max_total_processes"), "max_total_processes", int),
         multi_node=_flag(section.get("multi_node", defaults.multi_node), "multi_node"),
         slurm=_flag(section.get("slurm", defaults.slurm), "slurm"),
+        allow_pickled_weights=_flag(section.get("allow_pickled_weights", False), "allow_pickled_weights"),
+        trust_remote_code=_flag(section.get("trust_remote_code", False), "trust_remote_code"),
     )
 
 

@@ -26,10 +26,12 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from engine import run_dir as rd
+from engine import server_record as sr
 from engine.data_files import WORKSPACE_VARIABLE
 from engine.errors import BadInput, NotFound
 from sandbox.config import RunLimits
 from sandbox.environment import THREADS_VARIABLE, run_environment, threads_per_process
+from sandbox.hub import recorded_binding
 from sandbox.processes import RUN_ID_VARIABLE
 from sandbox.redact import redact
 from sandbox.runs import run_contained
@@ -85,6 +87,7 @@ def run_model_io(
 def _run_model_io(workspace: Path, run_dir: Path, action: str, step: int, arguments: list[str],
                   limits: RunLimits, timeout_s: float, writable: list[Path] | None) -> dict[str, Any]:
     workspace, run_dir = Path(workspace), Path(run_dir)
+    models = recorded_binding(_recorded_models(workspace, run_dir))
     checkpoint = run_dir / rd.CHECKPOINTS_DIRNAME / rd.checkpoint_dir_name(step)
     out_dir = Path(tempfile.mkdtemp(prefix="trainwright-model-"))
     try:
@@ -97,10 +100,11 @@ def _run_model_io(workspace: Path, run_dir: Path, action: str, step: int, argume
                 THREADS_VARIABLE: str(threads_per_process(1, limits.threads_per_process)),
                 RUN_ID_VARIABLE: mark, WORKSPACE_VARIABLE: str(workspace), "PYTHONDONTWRITEBYTECODE": "1",
                 "HF_HUB_OFFLINE": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1", "TRANSFORMERS_VERBOSITY": "error",
+                **models.env(),
             },
             pass_env=limits.pass_env,
         )
-        visible = [workspace, run_dir / rd.SNAPSHOT_DIRNAME]
+        visible = [workspace, run_dir / rd.SNAPSHOT_DIRNAME, *models.read_only()]
         bound = _open_run_files(run_dir, step)
         try:
             _, stderr = run_contained(command, workspace, visible, [out_dir, *(writable or [])], env, limits,
@@ -129,6 +133,14 @@ def _run_model_io(workspace: Path, run_dir: Path, action: str, step: int, argume
         raise ModelProcessFailed(f"the recipe's code failed during {action}: {error}")
     result.pop("ok")
     return result
+
+
+def _recorded_models(workspace: Path, run_dir: Path) -> list[rd.HubModel]:
+    """The Hub models of the server's record of the run (never the run's own run.json)."""
+    try:
+        return sr.view(workspace, run_dir).hub_models
+    except (OSError, ValueError, BadInput):  # the model process says what is wrong with run.json
+        return []
 
 
 def _open_run_files(run_dir: Path, step: int) -> tuple[int, int]:

@@ -45,6 +45,7 @@ from engine.errors import BadInput
 from sandbox import bwrap
 from sandbox.config import RunLimits, capacity
 from sandbox.environment import THREADS_VARIABLE, run_environment, threads_per_process
+from sandbox.hub import ModelBinding
 from sandbox.network import LOOPBACK_ENV
 from sandbox.nodes import Nodes, torchrun_args
 from sandbox.processes import RUN_ID_VARIABLE, apply_limits, descendants, end_processes, marked
@@ -100,6 +101,7 @@ def check_launch(
     config_json: Path | None = None,
     limits: RunLimits = RunLimits(),
     read_only: list[Path] | None = None,
+    models: ModelBinding = ModelBinding(),
 ) -> dict[str, Any]:
     """Validate a launch with the engine itself; return its verdict: the resolved ``config``,
     ``config_changes`` (keys that differ from the code defaults) and the ``data`` summary.
@@ -120,10 +122,10 @@ def check_launch(
     # (pass_env included), so it can tell that a credential the run needs is missing.
     env = run_environment(extra={
         THREADS_VARIABLE: "1", "PYTHONDONTWRITEBYTECODE": "1", RUN_ID_VARIABLE: mark,
-        WORKSPACE_VARIABLE: str(workspace),
+        WORKSPACE_VARIABLE: str(workspace), **models.env(),
     }, pass_env=limits.pass_env)
     visible = [Path(workspace)] if read_only is None else [Path(p) for p in read_only]
-    visible += [Path(p) for p in (recipe_dir, config_json) if p is not None]
+    visible += [Path(p) for p in (recipe_dir, config_json) if p is not None] + models.read_only()
     try:
         stdout, stderr = run_contained(command, workspace, visible, [], env, limits, CHECK_TIMEOUT_S, mark)
     except OSError as e:
@@ -327,6 +329,7 @@ def start_run(
     nodes: Nodes = Nodes(),
     joins: Path | None = None,
     target: str = "local",
+    models: ModelBinding = ModelBinding(),
 ) -> sr.ServerRecord:
     """Create the run directory with a snapshot of ``code_dir`` and the server's record of the
     run, and spawn its supervisor; return the server's first record.
@@ -345,7 +348,8 @@ def start_run(
     the host's network, recorded as such. ``joins``: node 0's run directory, for a node with
     ``node_rank`` > 0: its processes run node 0's snapshot (``code_dir``) and write there.
     ``target="slurm"``: the run directory is made, nothing is started (:mod:`sandbox.slurm`
-    writes and submits the job).
+    writes and submits the job). ``models``: the Hub models the run loads (:mod:`sandbox.hub`),
+    recorded, and shown read-only in its sandbox.
     """
     threads = threads or threads_per_process(nproc, limits.threads_per_process)
     if nodes.multi and target == "local":
@@ -381,6 +385,7 @@ def start_run(
         threads_per_process=threads,
         workspace=str(workspace),
         warnings=warnings,
+        hub_models=list(models.models),
     )
     files = snapshot_files(code_dir) if joins is None else []  # refused before any write when it cannot be held
     if joins is None and code_from != "checkpoint" and Path(rd.UNCOMMITTED_PATCH) in files:
@@ -412,6 +417,7 @@ def start_run(
         raise
     resume_path = Path(resumed_from.path) if resumed_from else None
     visible = [Path(workspace), snapshot] + [p for p in (resume_path,) if p is not None]
+    visible += models.read_only()
     engine_dir = joins if joins is not None else run_dir  # one folder for every node's checkpoint shards
     rdzv_id = nodes.rdzv_id or run_id
     prepared = dict(
@@ -434,7 +440,7 @@ def start_run(
     if target != "local":
         return sr.read_record(folder)
     extra = {THREADS_VARIABLE: str(threads), RUN_ID_VARIABLE: run_id, WORKSPACE_VARIABLE: str(workspace),
-             "PYTHONDONTWRITEBYTECODE": "1"}
+             "PYTHONDONTWRITEBYTECODE": "1", **models.env()}
     if not nodes.multi or nodes.local_endpoint:
         # Every process of the run is on this machine: the collectives stay on loopback (also
         # with a shared network, where the host's name need not resolve).

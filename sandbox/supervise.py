@@ -246,6 +246,8 @@ def run_note(record: rd.RunRecord, latest: dict | None) -> str:
             parts.append(f"{tokens_per_s:,.0f} tokens/s")
     parts.append(f"recipe {record.recipe}, {record.world_size or record.nproc} process(es)")
     parts.append(code_description(record))
+    for model in record.hub_models[:4]:
+        parts.append(f"model {model.repo_id}@{model.commit[:12]}")
     if record.overrides:
         parts.append("overrides " + ", ".join(f"{k}={json.dumps(v)}" for k, v in list(record.overrides.items())[:10]))
     if record.data is not None:

@@ -15,9 +15,17 @@ from pathlib import Path
 
 from engine import server_record as sr
 from mcp_server.limits import AGENT_BUDGET_CHARS, bounded, json_chars, text_bytes
-from mcp_server.models import ConfigField, RecipeDescription, RecipeList, RecipeSkill, RecipeSummary
+from mcp_server.models import (
+    ConfigField,
+    RecipeDescription,
+    RecipeList,
+    RecipeSkill,
+    RecipeSummary,
+    hub_model_shown,
+)
 from sandbox import git as sandbox_git
 from sandbox.paths import RESERVED_DIRS
+from sandbox import hub
 from sandbox.runs import check_launch
 from sandbox.workspace import Workspace
 
@@ -53,10 +61,14 @@ def _history(ws: Workspace, recipe_dir: Path) -> tuple[str | None, str | None, s
 def describe_recipe(ws: Workspace, recipe: str) -> RecipeDescription:
     """Every config key of a recipe (from the engine's check), its template and skills."""
     recipe_dir = ws.recipe(recipe)
-    verdict = check_launch(ws.root, recipe_dir, 1, [], limits=ws.run_limits())
+    limits = ws.run_limits()
+    models = hub.bind(ws.root, hub.recipe_config(recipe_dir, {}), allow_pickled=limits.allow_pickled_weights,
+                      remote_code=limits.trust_remote_code)
+    verdict = check_launch(ws.root, recipe_dir, 1, [], limits=limits, models=models)
     template, last_commit, _, skills = _history(ws, recipe_dir)
     described = RecipeDescription(
         recipe=ws.label(recipe_dir), template=template, last_commit=last_commit,
+        hub_models=[hub_model_shown(m) for m in models.models],
         skills=skills[-MAX_SKILLS_SHOWN:], fields=[ConfigField(**f) for f in verdict.get("fields", [])],
         cut=len(skills) > MAX_SKILLS_SHOWN,
     )

@@ -20,6 +20,7 @@ from mcp_server.models import AppliedSkill, ScaffoldResult, TemplateInfo, Templa
 from mcp_server.operations import skills as skill_ops
 from sandbox import git as sandbox_git
 from sandbox.paths import PathRefused, check_name, confine, confine_config
+from sandbox import hub
 from sandbox.runs import check_launch
 from sandbox.workspace import RECIPES_DIRNAME, Workspace, open_real_dir
 
@@ -116,11 +117,14 @@ def scaffold_recipe(
     name: str,
     config: dict[str, Any] | None = None,
     skills: list[Any] | None = None,
+    progress: hub.Progress | None = None,
 ) -> ScaffoldResult:
     """Copy a template to ``recipes/<name>/``, write ``config``, commit; then apply each skill.
 
     Everything is checked first — the name, the config (by the engine itself), that each
-    skill exists and applies — on a scratch copy, so a bad request writes nothing.
+    skill exists and applies — on a scratch copy, so a bad request writes nothing. A
+    ``model.pretrained_path`` that is a Hub id is downloaded for the check (``progress`` called
+    on the way).
     """
     source = template_dir(template)
     check_name(name, "recipe name")
@@ -147,7 +151,10 @@ def scaffold_recipe(
                 skill_library.apply_skill(skill, trial, params)
             except skill_library.SkillError as e:
                 raise BadInput(f"skill {skill} cannot be applied to this recipe: {e}") from None
-    confine_config(ws.root, check_launch(ws.root, source, 1, items, limits=ws.run_limits())["config"])
+    limits = ws.run_limits()
+    models = hub.bind(ws.root, hub.model_value(flat), allow_pickled=limits.allow_pickled_weights,
+                      remote_code=limits.trust_remote_code, progress=progress)
+    confine_config(ws.root, check_launch(ws.root, source, 1, items, limits=limits, models=models)["config"])
 
     with ws.changing():
         return _scaffold_locked(ws, source, template, name, flat, specs)

@@ -31,8 +31,10 @@ from mcp_server.models import (
     RunList,
     RunSummary,
     StopRunResult,
+    hub_model_shown,
 )
 from mcp_server.operations import history
+from sandbox import hub
 from sandbox import runs as sandbox_runs
 from sandbox import slurm as slurm_jobs
 from sandbox.environment import run_environment
@@ -111,6 +113,7 @@ def launch_run(
     rdzv: dict[str, Any] | None = None,
     target: str = "local",
     slurm: dict[str, Any] | None = None,
+    progress: hub.Progress | None = None,
 ) -> LaunchRunResult:
     """Check, then start a run of a snapshot of the recipe as it is now (uncommitted changes
     included, and said so); ``limits`` default to the workspace's settings.
@@ -118,7 +121,8 @@ def launch_run(
     ``nnodes`` > 1 starts this machine's node of a run over several, meeting at ``rdzv``
     (``endpoint``, ``id``, ``node_rank``; :mod:`sandbox.nodes`); ``target="slurm"`` makes the
     run a SLURM job over ``nnodes`` nodes instead (``slurm``: partition, time, gpus_per_node,
-    rdzv_port; :mod:`sandbox.slurm`)."""
+    rdzv_port; :mod:`sandbox.slurm`). A ``model.pretrained_path`` that is a Hub id is downloaded
+    first (:mod:`sandbox.hub`), with ``progress`` called on the way."""
     if target not in TARGETS:
         raise BadInput(f"target must be one of {', '.join(TARGETS)}, got {target!r}")
     if target == "slurm":
@@ -146,11 +150,15 @@ def launch_run(
             origin = CodeOrigin(first.git_commit, first.recipe_dirty, first.dirty_files)
         sandbox_runs.check_capacity(sr.records_root(ws.root), nproc, limits)  # before the check's cost; again at start
     checked = snapshot_digest(recipe_dir)  # the check imports the recipe: it may change itself
+    models = _hub_models(ws, hub.recipe_config(recipe_dir, flat), limits, progress) if target == "local" \
+        else hub.ModelBinding()
     with contextlib.ExitStack() as stack:
         config_json = stack.enter_context(_config_file(first)) if first is not None else None
         verdict = sandbox_runs.check_launch(ws.root, recipe_dir, nproc * nodes.nnodes, override_args(flat),
-                                            config_json=config_json, limits=limits)
+                                            config_json=config_json, limits=limits, models=models)
     confine_config(ws.root, verdict["config"])
+    if target == "local":
+        hub.verify(models, ws.root, verdict["config"])
     label = ws.label(ws.recipe(recipe))
     if target == "slurm":
         record, script = slurm_jobs.start_job(
@@ -161,9 +169,16 @@ def launch_run(
     record = sandbox_runs.start_run(
         ws.root, ws.real_dir(ws.runs_dir), recipe_dir, label, nproc, flat, verdict,
         origin=origin, limits=limits, warnings=warnings, expected_digest=checked,
-        nodes=nodes, joins=joins, recorded_config=first is not None,
+        nodes=nodes, joins=joins, recorded_config=first is not None, models=models,
     )
     return _launch_result(ws, record)
+
+
+def _hub_models(ws: Workspace, value: Any, limits: sandbox_runs.RunLimits, progress: hub.Progress | None,
+                recorded: list[rd.HubModel] | None = None) -> hub.ModelBinding:
+    """The Hub model ``value`` names (if it names one), downloaded as the trusted settings allow."""
+    return hub.bind(ws.root, value, recorded=recorded or [], allow_pickled=limits.allow_pickled_weights,
+                    remote_code=limits.trust_remote_code, progress=progress)
 
 
 def _joined_run(ws: Workspace, nodes: Nodes, recipe_label: str, overrides: dict[str, Any]
@@ -188,6 +203,13 @@ def _joined_run(ws: Workspace, nodes: Nodes, recipe_label: str, overrides: dict[
     snapshot = run_dir / rd.SNAPSHOT_DIRNAME
     check_snapshot_unchanged(first, snapshot)
     return run_dir, snapshot, first
+
+
+MAX_HUB_MODELS_SHOWN = 4
+
+
+def _hub_shown(record: rd.RunRecord) -> list[str]:
+    return [hub_model_shown(m) for m in record.hub_models[:MAX_HUB_MODELS_SHOWN]]
 
 
 def _launch_result(ws: Workspace, record: rd.RunRecord, slurm_script: str | None = None) -> LaunchRunResult:
@@ -241,13 +263,15 @@ def resume_checkpoint(
     overrides: Overrides = None,
     limits: sandbox_runs.RunLimits | None = None,
     code: str = "checkpoint",
+    progress: hub.Progress | None = None,
 ) -> LaunchRunResult:
     """A new run that continues ``run_id`` from its checkpoint at ``step`` (default: latest).
 
     ``code="checkpoint"`` runs the code the original run ran (its snapshot); ``code="head"``
     the recipe as it is now (e.g. after a skill was applied). With as many processes as the
     original, the new run computes with the original's thread count, so on CPU its losses
-    continue the original's bit for bit.
+    continue the original's bit for bit. A model loaded by Hub id is loaded at the commit the
+    original recorded (downloaded again if the cache lost it).
     """
     if code not in CODE_CHOICES:
         raise BadInput(f"code must be one of {', '.join(CODE_CHOICES)}, got {code!r}")
@@ -286,11 +310,14 @@ def resume_checkpoint(
     limits, warnings = ws.run_limits_and_warnings() if limits is None else (limits, [])
     sandbox_runs.check_capacity(sr.records_root(ws.root), nproc, limits)
     checked = snapshot_digest(code_dir)
+    model = hub.model_value(flat) or hub.model_value(source.config)
+    models = _hub_models(ws, model, limits, progress, recorded=source.hub_models)
     with _config_file(source) as config_json:
         verdict = sandbox_runs.check_launch(
-            ws.root, code_dir, nproc, override_args(flat), config_json=config_json, limits=limits
+            ws.root, code_dir, nproc, override_args(flat), config_json=config_json, limits=limits, models=models
         )
     confine_config(ws.root, verdict["config"])
+    hub.verify(models, ws.root, verdict["config"])
     warnings = [*warnings, *_data_drift(source, verdict.get("data"))]
     same_shape = nproc == source.nproc and not limits.threads_per_process
     record = sandbox_runs.start_run(
@@ -302,6 +329,7 @@ def resume_checkpoint(
         warnings=warnings,
         threads=source.threads_per_process if same_shape else None,
         expected_digest=checked,
+        models=models,
     )
     return _launch_result(ws, record)
 
@@ -346,6 +374,7 @@ def get_run(ws: Workspace, run_id: str) -> RunInfo:
     if status == rd.FAILED:
         console_tail = _tail_text(run_dir / rd.CONSOLE_LOG, CONSOLE_TAIL_BYTES)
     return _bounded_fields(RunInfo(
+        hub_models=_hub_shown(record),
         run_id=record.id,
         status=status,
         recipe=record.recipe,

@@ -1,0 +1,179 @@
+"""A Hugging Face Hub endpoint on 127.0.0.1 for tests (``HF_ENDPOINT``): the few routes that
+``huggingface_hub``'s ``model_info`` and ``snapshot_download`` call, serving model repos built
+offline. It can drop a connection midway through a file (the client must resume with a
+``Range`` request), refuse a gated repo without a token, and records the requests it saw."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import threading
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from urllib.parse import unquote, urlparse
+
+
+@dataclass
+class Repo:
+    files: dict[str, bytes]  # main's
+    commit: str  # main's
+    gated: bool = False  # requests without "Authorization: Bearer <token>" get 401 GatedRepo
+    token: str = "hf_test_valid_token"
+    history: dict[str, dict[str, bytes]] = field(default_factory=dict)  # every commit's files
+
+    def at(self, revision: str) -> tuple[str, dict[str, bytes]] | None:
+        if revision == "main":
+            return self.commit, self.files
+        return (revision, self.history[revision]) if revision in self.history else None
+
+
+@dataclass
+class FakeHub:
+    repos: dict[str, Repo] = field(default_factory=dict)
+    drop_once: set[str] = field(default_factory=set)  # "repo/file": the first GET sends half, then drops
+    requests: list[tuple[str, str, dict[str, str]]] = field(default_factory=list)  # (method, path, headers)
+
+    def add(self, repo_id: str, folder: Path, gated: bool = False) -> Repo:
+        files = {p.relative_to(folder).as_posix(): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+        commit = hashlib.sha1(repo_id.encode() + b"".join(files.values())).hexdigest()
+        history = self.repos[repo_id].history if repo_id in self.repos else {}
+        history[commit] = files  # a new main; the older commits stay served
+        self.repos[repo_id] = repo = Repo(files, commit, gated, history=history)
+        return repo
+
+    def start(self) -> str:
+        hub = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args):  # quiet
+                pass
+
+            def do_HEAD(self):
+                self._serve(body=False)
+
+            def do_GET(self):
+                self._serve(body=True)
+
+            def _send(self, status: int, data: bytes, headers: dict[str, str] | None = None, body: bool = True):
+                self.send_response(status)
+                for key, value in (headers or {}).items():
+                    self.send_header(key, value)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                if body:
+                    self.wfile.write(data)
+
+            def _json(self, status: int, payload, headers=None, body=True):
+                self._send(status, json.dumps(payload).encode(), {"Content-Type": "application/json", **(headers or {})},
+                           body)
+
+            def _serve(self, body: bool):
+                path = unquote(urlparse(self.path).path)
+                hub.requests.append((self.command, path, {k.lower(): v for k, v in self.headers.items()}))
+                parts = path.strip("/").split("/")
+                if parts[:2] == ["api", "models"] and len(parts) >= 5:
+                    repo_id, kind, rest = "/".join(parts[2:4]), parts[4], parts[5:]
+                    repo = self._repo(repo_id, body)
+                    if repo is None:
+                        return
+                    found = repo.at("/".join(rest)) if rest else None
+                    if found is None:
+                        return self._json(404, {"error": "Invalid rev id"}, {"X-Error-Code": "RevisionNotFound"}, body)
+                    commit, files = found
+                    if kind == "revision":
+                        return self._json(200, {
+                            "id": repo_id, "modelId": repo_id, "sha": commit, "private": False,
+                            "gated": "manual" if repo.gated else False,
+                            "siblings": [{"rfilename": name, "size": len(data), "blobId": _oid(data)}
+                                         for name, data in files.items()],
+                        }, body=body)
+                    if kind == "tree":
+                        return self._json(200, [{"type": "file", "path": name, "size": len(data), "oid": _oid(data)}
+                                                for name, data in files.items()], body=body)
+                if len(parts) >= 5 and parts[2] == "resolve":
+                    repo_id, filename = "/".join(parts[:2]), "/".join(parts[4:])
+                    repo = self._repo(repo_id, body)
+                    if repo is None:
+                        return
+                    found = repo.at(parts[3])
+                    if found is None or filename not in found[1]:
+                        return self._json(404, {"error": "Entry not found"}, {"X-Error-Code": "EntryNotFound"}, body)
+                    return self._file(found[0], found[1][filename], repo_id, filename, body)
+                self._json(404, {"error": "not found"}, {"X-Error-Code": "RepoNotFound"}, body)
+
+            def _repo(self, repo_id: str, body: bool) -> Repo | None:
+                repo = hub.repos.get(repo_id)
+                if repo is None:
+                    self._json(404, {"error": "Repository not found"}, {"X-Error-Code": "RepoNotFound"}, body)
+                    return None
+                if repo.gated and self.headers.get("Authorization") != f"Bearer {repo.token}":
+                    self._json(401, {"error": f"Access to model {repo_id} is restricted."},
+                               {"X-Error-Code": "GatedRepo"}, body)
+                    return None
+                return repo
+
+            def _file(self, commit: str, data: bytes, repo_id: str, filename: str, body: bool):
+                headers = {"X-Repo-Commit": commit, "ETag": f'"{_oid(data)}"', "Accept-Ranges": "bytes",
+                           "Content-Type": "application/octet-stream"}
+                start = 0
+                wanted = self.headers.get("Range", "")
+                if wanted.startswith("bytes="):
+                    start = int(wanted[6:].split("-")[0] or 0)
+                status = 206 if start else 200
+                if start:
+                    headers["Content-Range"] = f"bytes {start}-{len(data) - 1}/{len(data)}"
+                key = f"{repo_id}/{filename}"
+                if body and key in hub.drop_once and not start:
+                    hub.drop_once.discard(key)
+                    self.send_response(200)
+                    for k, v in headers.items():
+                        self.send_header(k, v)
+                    self.send_header("Content-Length", str(len(data)))
+                    self.end_headers()
+                    self.wfile.write(data[: len(data) // 2])
+                    self.wfile.flush()
+                    self.close_connection = True
+                    self.connection.shutdown(2)
+                    return
+                self._send(status, data[start:], headers, body)
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+        return f"http://127.0.0.1:{self.server.server_address[1]}"
+
+    def stop(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def _oid(data: bytes) -> str:
+    return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
+
+
+def tiny_llama_folder(folder: Path, hidden: int = 32, layers: int = 2, vocab_extra: int = 0) -> Path:
+    """A random-weight Llama with a byte-level BPE tokenizer trained here, saved as safetensors."""
+    import torch
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    backend = Tokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300 + vocab_extra, special_tokens=["<|endoftext|>", "<|pad|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    text = ["def add(a, b):\n    return a + b\n", "import os\nprint(os.getcwd())\n", "class A:\n    pass\n"] * 20
+    backend.train_from_iterator(text, trainer)
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<|endoftext|>", pad_token="<|pad|>")
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=hidden * 2,
+                         num_hidden_layers=layers, num_attention_heads=2, num_key_value_heads=1,
+                         max_position_embeddings=256, tie_word_embeddings=False)
+    model = LlamaForCausalLM(config)
+    folder.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(folder, safe_serialization=True)
+    tokenizer.save_pretrained(folder)
+    return folder
