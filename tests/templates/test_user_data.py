@@ -246,3 +246,46 @@ def test_dpo_reads_whole_conversations_and_string_pairs_from_parquet_alike(works
     )
     summary = dpo.DPO.summarize_data(config)
     assert (summary.format, summary.mask, summary.loss_tokens) == ("chosen_rejected", "completion", len(chosen) + len(rejected))
+
+
+@pytest.mark.parametrize("form", ["assistant_only", "completion_only"])
+def test_the_sft_loss_on_one_batch_equals_trls_sft_trainer(form, model_folder, tmp_path):
+    trl = pytest.importorskip("trl", reason="trl (the test extra) is the reference SFT loss")
+    import datasets
+    from transformers import AutoModelForCausalLM
+
+    multi = [CONVERSATIONS[0] + CONVERSATIONS[1], [{"role": "system", "content": "Be brief."}] + CONVERSATIONS[2]]
+    if form == "assistant_only":  # TRL's assistant-only loss needs a template with markers
+        tokenizer = sft.load_tokenizer(str(model_folder), CHATML_MARKED)
+        records = [{"messages": m} for m in CONVERSATIONS + multi]
+    else:  # TRL's completion-only loss on conversational prompt/completion; the template as it is
+        tokenizer = sft.load_tokenizer(str(model_folder), None)
+        records = [{"prompt": m[:-1], "completion": m[-1:]} for m in CONVERSATIONS + multi]
+    model = AutoModelForCausalLM.from_pretrained(model_folder, dtype=torch.float32).eval()
+    args = trl.SFTConfig(
+        output_dir=str(tmp_path), per_device_train_batch_size=len(records), report_to=[], use_cpu=True,
+        assistant_only_loss=form == "assistant_only", completion_only_loss=form == "completion_only" or None,
+        dataset_num_proc=None, max_length=None,
+    )
+    trainer = trl.SFTTrainer(model=model, args=args, processing_class=tokenizer,
+                             train_dataset=datasets.Dataset.from_list(records))
+    theirs = next(iter(trainer.get_train_dataloader()))
+    with torch.no_grad():
+        trl_loss = float(trainer.compute_loss(model, theirs))
+
+    ours = sft.collate(sft.tokenize_conversations(records, tokenizer, 256), 256, tokenizer.pad_token_id)
+    # The same rows (TRL shuffles them) with the same tokens learnt...
+    def rows(ids, labels):
+        return sorted((tuple(i), tuple(label)) for i, label in zip(ids.tolist(), labels.tolist()))
+
+    width = int((theirs["attention_mask"].sum(1)).max())
+    their_labels = theirs["labels"][:, 1:width]
+    assert ours["input_ids"].shape[1] == width - 1
+    assert rows(ours["input_ids"].masked_fill(ours["labels"] == IGNORE_INDEX, -1), ours["labels"]) == rows(
+        theirs["input_ids"][:, :width - 1].masked_fill(their_labels == IGNORE_INDEX, -1), their_labels)
+    # ... and the loss per token TRL reports.
+    with torch.no_grad():
+        logits = model(input_ids=ours["input_ids"], position_ids=ours["position_ids"], use_cache=False).logits
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), ours["labels"].flatten(), reduction="sum")
+    ours_loss = float(loss) / int((ours["labels"] != IGNORE_INDEX).sum())
+    assert abs(ours_loss - trl_loss) < 1e-5, (ours_loss, trl_loss)
