@@ -60,7 +60,9 @@ class ModelConfig(Section):
     num_heads: int = Field(4, ge=1)
     num_kv_heads: int = Field(2, ge=1)
     rope_theta: float = Field(10000.0, gt=0)
-    attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = "sdpa"
+    attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] | None = Field(
+        None, description="Attention kernel; default: sdpa, or with model.pretrained_path the model's own default."
+    )
     pretrained_path: str | None = Field(
         None, description="A local Hugging Face model folder to start from (weights, and its tokenizer if it has one)."
     )
@@ -312,9 +314,9 @@ class BatchStream(Stateful):
 
 def build_model(cfg: ModelConfig, vocab_size: int, seq_len: int) -> torch.nn.Module:
     if cfg.pretrained_path:
-        return AutoModelForCausalLM.from_pretrained(
-            confined_path(cfg.pretrained_path), attn_implementation=cfg.attn_implementation, dtype=torch.float32
-        )
+        # The family's own attention unless one is asked for (Gemma 2 has no sdpa, for one).
+        chosen = {"attn_implementation": cfg.attn_implementation} if cfg.attn_implementation else {}
+        return AutoModelForCausalLM.from_pretrained(confined_path(cfg.pretrained_path), dtype=torch.float32, **chosen)
     config = LlamaConfig(
         vocab_size=vocab_size,
         hidden_size=cfg.hidden_size,
@@ -325,7 +327,7 @@ def build_model(cfg: ModelConfig, vocab_size: int, seq_len: int) -> torch.nn.Mod
         max_position_embeddings=2 * seq_len,  # room for generated answers after a full prompt
         rope_theta=cfg.rope_theta,
         tie_word_embeddings=False,
-        attn_implementation=cfg.attn_implementation,
+        attn_implementation=cfg.attn_implementation or "sdpa",
     )
     return LlamaForCausalLM(config)
 
