@@ -108,6 +108,7 @@ def test_a_family_trains_with_lora_and_checkpointing_and_exports_as_its_own_clas
     assert record.status == rd.COMPLETED and (record.data.format, record.data.mask) == ("messages", "turn_render")
     assert len(losses(run)) == 3
     out = tmp_path / "export"
+    shutil.copytree(skilled, run / "recipe")  # the snapshot a supervised run keeps
     result = subprocess.run([sys.executable, "-m", "engine.model_io", "export", str(run), "--step", "3", "--to", str(out)],
                             cwd=tmp_path, env=engine_env(), capture_output=True, text=True, timeout=300)
     assert json.loads(result.stdout.strip().splitlines()[-1])["ok"], result.stdout + result.stderr
