@@ -69,10 +69,9 @@ class CausalLMDataConfig(DataConfig):
     )
     paths: list[str] = Field(
         default_factory=list,
-        description=".txt/.md/.py files (one document each), .jsonl/.json/.parquet/.csv/.tsv files (a record "
-        "each), save_to_disk folders, or folders.",
+        description=".txt/.md/.py (a document each), .jsonl/.json/.parquet/.csv/.tsv files, or folders.",
     )
-    text_field: str = Field("text", description="The column (key) of the text in records.")
+    text_field: str = Field("text", description="The column of the text in records.")
     eval_fraction: float = Field(
         0.05, ge=0, le=1, description="Documents held out for evaluation (1: all, for `trainwright evaluate`)."
     )

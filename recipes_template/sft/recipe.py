@@ -28,7 +28,6 @@ from __future__ import annotations
 import hashlib
 import random
 from functools import cached_property
-from pathlib import Path
 from typing import Any, Iterator, Literal
 
 import torch
