@@ -53,3 +53,19 @@ def test_a_local_model_folder_fine_tunes_with_lora_on_parquet_then_evaluates_and
     assert tokenizer.chat_template == CHATML
     assert tokenizer.decode(tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}], add_generation_prompt=True)
                             ).endswith("<|im_start|>assistant\n")
+
+
+def test_data_whose_format_cannot_be_told_is_bad_input_and_writes_nothing(tmp_path):
+    workspace = make_workspace(tmp_path / "ws")
+    (workspace / "data").mkdir()
+    (workspace / "data" / "odd.csv").write_text("question,answer\nq,a\n")
+    with connect("memory", workspace) as client:
+        result = client.call("scaffold_recipe", template="sft", name="chat", config={"data.paths": ["data/odd.csv"]})
+    assert result.is_error
+    assert result.content[0].text.endswith(
+        "bad_input: odd.csv: cannot tell the data format from its columns ['answer', 'question']; the sft template "
+        "knows: messages (messages); sharegpt (conversations); alpaca (instruction, output); prompt_completion "
+        "(prompt, completion); text (text). Set data.format, and data.columns to map your column names "
+        '(e.g. data.columns={"messages": "dialog"})'
+    )
+    assert not (workspace / "recipes" / "chat").exists() and not (workspace / "runs").exists()

@@ -289,3 +289,27 @@ def test_the_sft_loss_on_one_batch_equals_trls_sft_trainer(form, model_folder, t
         loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), ours["labels"].flatten(), reduction="sum")
     ours_loss = float(loss) / int((ours["labels"] != IGNORE_INDEX).sum())
     assert abs(ours_loss - trl_loss) < 1e-5, (ours_loss, trl_loss)
+
+
+def test_causal_lm_reads_a_text_column_from_every_file_kind(workspace):
+    import datasets
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from recipes_template.causal_lm import recipe as causal_lm
+
+    texts = ["first document", "second, with a comma", "third\nwith a newline"]
+    pq.write_table(pa.Table.from_pylist([{"text": t, "id": i} for i, t in enumerate(texts)]), workspace / "t.parquet")
+    import csv
+
+    with open(workspace / "t.csv", "w", newline="") as f:
+        csv.writer(f).writerows([["text"], *[[t] for t in texts]])
+    (workspace / "t.json").write_text(json.dumps([{"text": t} for t in texts]))
+    datasets.Dataset.from_list([{"body": t} for t in texts]).save_to_disk(str(workspace / "saved"))
+    for paths, field in ((["t.parquet"], "text"), (["t.csv"], "text"), (["t.json"], "text"), (["saved"], "body")):
+        cfg = causal_lm.CausalLMDataConfig(paths=paths, text_field=field)
+        documents = causal_lm.load_documents(cfg)
+        assert [text for _, text in documents] == texts, paths
+        assert [name for name, _ in documents] == [f"{Path(paths[0]).name}:{i}" for i in (1, 2, 3)]
+    with pytest.raises(ConfigError, match=r"^t.parquet:1: no text under 'body' \(columns: \['id', 'text'\]"):
+        causal_lm.load_documents(causal_lm.CausalLMDataConfig(paths=["t.parquet"], text_field="body"))
