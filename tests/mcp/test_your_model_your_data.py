@@ -69,3 +69,24 @@ def test_data_whose_format_cannot_be_told_is_bad_input_and_writes_nothing(tmp_pa
         '(e.g. data.columns={"messages": "dialog"})'
     )
     assert not (workspace / "recipes" / "chat").exists() and not (workspace / "runs").exists()
+
+
+def test_a_saved_folder_and_a_datasets_folder_are_counted_inside_the_sandbox(tmp_path):
+    import datasets
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    workspace = make_workspace(tmp_path / "ws")
+    rows = [{"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": a}]} for q, a in QUESTIONS]
+    datasets.DatasetDict({"train": datasets.Dataset.from_list(rows)}).save_to_disk(str(workspace / "data" / "saved"))
+    (workspace / "data" / "set" / "data").mkdir(parents=True)
+    pq.write_table(pa.Table.from_pylist(rows[:10]), workspace / "data" / "set" / "data" / "train-00000-of-00001.parquet")
+    with connect("memory", workspace) as client:
+        client.ok("scaffold_recipe", template="sft", name="chat", config={
+            "data.paths": ["data/saved"], "data.dataset": "data/set", "train.max_steps": 1})
+        run = client.ok("launch_run", recipe="chat", overrides={"train.max_steps": 1, "checkpoint.every": 0,
+                                                                 "checkpoint.at_end": False})
+        assert client.wait_for_run(run["run_id"])["status"] == "completed"
+    data = run["data"]
+    assert (data["documents"], data["format"], data["mask"]) == (len(QUESTIONS) + 10, "messages", "generation_markers")
+    assert data["paths"] == ["data/saved", "data/set"] and data["fingerprint"]
