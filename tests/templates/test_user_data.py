@@ -313,3 +313,9 @@ def test_causal_lm_reads_a_text_column_from_every_file_kind(workspace):
         assert [name for name, _ in documents] == [f"{Path(paths[0]).name}:{i}" for i in (1, 2, 3)]
     with pytest.raises(ConfigError, match=r"^t.parquet:1: no text under 'body' \(columns: \['id', 'text'\]"):
         causal_lm.load_documents(causal_lm.CausalLMDataConfig(paths=["t.parquet"], text_field="body"))
+
+
+def test_a_hub_data_set_not_in_the_local_cache_is_refused_offline(workspace):
+    with pytest.raises(ConfigError, match=r"^data.dataset 'nobody/nothing' \(subset None, split 'train'\) could not be "
+                       r"loaded \(HF_DATASETS_OFFLINE is set: only the local cache is looked at\).*give a workspace folder"):
+        sft.load_conversations(sft.SFTDataConfig(dataset="nobody/nothing"))
