@@ -73,6 +73,8 @@ def load_chat_tokenizer(model_path: str | None, chat_template: str | None = None
         tokenizer = byte_chat_tokenizer()
     if chat_template is not None:
         tokenizer.chat_template = chat_template
+    elif isinstance(tokenizer.chat_template, dict) and isinstance(tokenizer.chat_template.get("default"), str):
+        tokenizer.chat_template = tokenizer.chat_template["default"]  # named templates: the default one
     elif not isinstance(tokenizer.chat_template, str):
         tokenizer.chat_template = CHAT_TEMPLATE
     if tokenizer.pad_token_id is None:
