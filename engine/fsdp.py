@@ -1,4 +1,4 @@
-"""FSDP2: ``fully_shard`` each transformer block, then the root.
+"""FSDP2: ``fully_shard`` each transformer block (a Hugging Face model's own decoder layers), then the root.
 
 Sharding per block lets FSDP2 all-gather one block's parameters while the previous block
 computes, and frees them after; the root call picks up what is left (embeddings, final norm,
@@ -20,11 +20,29 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 def transformer_blocks(model: nn.Module) -> list[nn.Module]:
-    """The repeated blocks of a model: the children of its largest ``nn.ModuleList``.
+    """The repeated blocks of a model: the modules of the classes a Hugging Face model names in
+    ``_no_split_modules`` (its own decoder layers: ``Qwen2DecoderLayer``, ``Gemma2DecoderLayer``,
+    ...; items of a ``ModuleList``, the outermost where they nest), else the children of its
+    largest ``nn.ModuleList``.
 
-    Works for Hugging Face decoders (``model.model.layers``), nanoGPT (``transformer.h``) and
-    most hand-written transformers without naming the block class.
+    The second works for nanoGPT (``transformer.h``) and most hand-written transformers without
+    naming the block class.
     """
+    named = set(getattr(model, "_no_split_modules", None) or ())
+    if named:
+        # Only repeated ones (items of a ModuleList): a class named there for another reason (an
+        # attention module kept whole, a vision embedding) is no block.
+        listed = {id(c) for m in model.modules() if isinstance(m, nn.ModuleList) for c in m}
+        blocks: list[nn.Module] = []
+        inside: set[int] = set()
+        for module in model.modules():  # parents come before their children
+            if id(module) in inside:
+                continue
+            if type(module).__name__ in named and id(module) in listed:
+                blocks.append(module)
+                inside.update(id(m) for m in module.modules())
+        if blocks:
+            return blocks
     lists = [m for m in model.modules() if isinstance(m, nn.ModuleList) and len(m) > 0]
     if not lists:
         return []

@@ -170,6 +170,15 @@ class DataSummary(BaseModel):
     fingerprint: str | None = Field(
         None, description="SHA-256 over the data files' paths and bytes as counted; None for generated data."
     )
+    format: str | None = Field(None, max_length=200, description="The records' format(s): messages, sharegpt, alpaca, ...")
+    mask: str | None = Field(
+        None, max_length=200,
+        description="What the loss covers: generation_markers | turn_render (assistant turns) | completion | all_tokens.",
+    )
+    loss_tokens: int | None = Field(None, description="Tokens the loss covers (labels), after cutting to data.seq_len.")
+    truncated: int | None = Field(None, description="Examples cut by data.seq_len (still trained on).")
+    dropped: int | None = Field(None, description="Examples left out: nothing in them to learn.")
+    dropped_why: str | None = Field(None, max_length=500, description="Why, with counts.")
 
     def describe(self) -> str:
         """One line, for the console, notes and reviews."""
@@ -179,6 +188,10 @@ class DataSummary(BaseModel):
             f"data: {self.source}{where}: {files}{_count(self.documents, 'document')}, "
             f"{_count(self.tokens, 'token')} (train {self.train_documents:,} documents / "
             f"{self.train_tokens:,} tokens, eval {self.eval_documents:,} / {self.eval_tokens:,})"
+            + (f"; format {self.format}, loss on {self.mask}" if self.format and self.mask else "")
+            + (f", {self.loss_tokens:,} loss tokens" if self.loss_tokens is not None else "")
+            + (f", {self.truncated:,} truncated" if self.truncated else "")
+            + (f", {self.dropped:,} dropped ({self.dropped_why})" if self.dropped else "")
         )
 
 

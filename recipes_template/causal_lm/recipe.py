@@ -34,7 +34,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, Llama
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 from engine.config import ConfigError, DataConfig, EngineConfig, Section
-from engine.data_files import confined_path, data_files, jsonl_records
+from engine.data_files import confined_path, data_files
+from engine.data_formats import READERS as RECORD_READERS
+from engine.data_formats import is_saved_dataset, record_rows
 from engine.engine import IGNORE_INDEX, Engine
 from engine.run_dir import DataSummary
 from engine.flops import non_embedding_params, transformer_flops_per_token
@@ -67,9 +69,9 @@ class CausalLMDataConfig(DataConfig):
     )
     paths: list[str] = Field(
         default_factory=list,
-        description=".txt/.md/.py files (one document each), .jsonl files (one per line), or folders.",
+        description=".txt/.md/.py (a document each), .jsonl/.json/.parquet/.csv/.tsv files, or folders.",
     )
-    text_field: str = Field("text", description="The key of the text in .jsonl records.")
+    text_field: str = Field("text", description="The column of the text in records.")
     eval_fraction: float = Field(
         0.05, ge=0, le=1, description="Documents held out for evaluation (1: all, for `trainwright evaluate`)."
     )
@@ -191,17 +193,23 @@ def load_documents(cfg: CausalLMDataConfig) -> list[tuple[str, Any]]:
         root = Path(sysconfig.get_paths()["stdlib"])
         return [(str(p.relative_to(root)), p.read_text(errors="replace")) for p in stdlib_files()]
     documents = []
-    for path, name in _expand_paths(cfg.paths):
-        if path.suffix == ".jsonl":
-            for where, record in jsonl_records(path, name):
-                if not isinstance(record.get(cfg.text_field), str):
-                    raise ConfigError(f"{where}: no text under {cfg.text_field!r} (set data.text_field to its key)")
-                documents.append((where, record[cfg.text_field]))
+    for where, record in record_rows([p for p in cfg.paths if is_saved_dataset(Path(p))]):
+        documents.append((where, _text(record, cfg.text_field, where)))
+    for path, name in _expand_paths([p for p in cfg.paths if not is_saved_dataset(Path(p))]):
+        if path.suffix in RECORD_READERS:  # a text column of each record
+            for where, record in RECORD_READERS[path.suffix](path, name):
+                documents.append((where, _text(record, cfg.text_field, where)))
         else:
             documents.append((name, path.read_text(errors="replace")))
     if not documents:
         raise ConfigError(f"no documents in data.paths={cfg.paths} (.txt, .md, .py files, .jsonl lines)")
     return documents
+
+
+def _text(record: dict[str, Any], field: str, where: str) -> str:
+    if not isinstance(record.get(field), str):
+        raise ConfigError(f"{where}: no text under {field!r} (columns: {sorted(record)[:20]}; set data.text_field)")
+    return record[field]
 
 
 def random_documents(cfg: CausalLMDataConfig) -> list[tuple[str, torch.Tensor]]:
@@ -219,7 +227,7 @@ def _expand_paths(paths: list[str]) -> list[tuple[Path, str]]:
     """``(file, name)`` for each file; the name (relative to the folder given, or the file's own
     name) keeps the train/eval split the same wherever the data is stored. Files outside the
     workspace (also through a link) are refused."""
-    return data_files(paths, suffixes={".txt", ".md", ".py", ".jsonl"})
+    return data_files(paths, suffixes={".txt", ".md", ".py", *RECORD_READERS})
 
 
 def _refuse_unused_data_folder() -> None:

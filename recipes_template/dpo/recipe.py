@@ -7,9 +7,11 @@ and ends with a full stop ("7.") and whose rejected answer is the bare result ("
 miss ("8."), the model's preference for the preferred answer rises within minutes on a CPU.
 
 Supports:
-- preference pairs in JSONL: ``{"prompt": ..., "chosen": ..., "rejected": ...}``, where the
-  prompt is a string or a list of chat messages and each answer a string or one assistant
-  message; rendered by the tokenizer's chat template
+- preference pairs (``engine/data_formats.py``) in JSONL, JSON, parquet, CSV/TSV files,
+  ``save_to_disk`` folders (``data.paths``) or a data set ``datasets`` loads (``data.dataset``):
+  ``{"prompt": ..., "chosen": ..., "rejected": ...}`` with strings or chat messages, or whole
+  chosen/rejected conversations (split at the messages they share); rendered by the tokenizer's
+  own chat template, markers or not: an answer is what the template adds after the prompt
 - Direct Preference Optimization (Rafailov et al., 2023; ``dpo.loss_type=sigmoid``) and IPO
   (Azar et al., 2023; ``dpo.loss_type=ipo``) against a frozen reference model (the starting
   weights), with ``dpo.beta``, and optionally the chosen answers' NLL (``dpo.sft_weight``, RPO);
@@ -26,19 +28,18 @@ from __future__ import annotations
 import hashlib
 import random
 from functools import cached_property
-from pathlib import Path
 from typing import Any, Iterator, Literal
 
 import torch
 import torch.nn.functional as F
 from pydantic import Field, model_validator
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from torch.distributed.checkpoint.stateful import Stateful
-from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
-from transformers.convert_slow_tokenizer import bytes_to_unicode
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
+from engine.chat import CHAT_TEMPLATE, byte_chat_tokenizer, load_chat_tokenizer  # noqa: F401 (the chat format)
 from engine.config import ConfigError, DataConfig, EngineConfig, Section
-from engine.data_files import confined_path, data_files, jsonl_records
+from engine.data_files import confined_path
+from engine.data_formats import read_examples
 from engine.distributed import dp_all_reduce_sum
 from engine.engine import IGNORE_INDEX, Engine, StepContext
 from engine.flops import non_embedding_params, transformer_flops_per_token
@@ -57,7 +58,9 @@ class ModelConfig(Section):
     num_heads: int = Field(4, ge=1)
     num_kv_heads: int = Field(2, ge=1)
     rope_theta: float = Field(10000.0, gt=0)
-    attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = "sdpa"
+    attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] | None = Field(
+        None, description="Attention kernel; default: sdpa, or with model.pretrained_path the model's own default."
+    )
     pretrained_path: str | None = Field(
         None, description="A local Hugging Face model folder to start from (weights, and its tokenizer if it has one)."
     )
@@ -67,9 +70,23 @@ class DPODataConfig(DataConfig):
     source: Literal["builtin", "files"] | None = Field(
         None, description="builtin: the generated preference set; files: data.paths (the default when set)."
     )
-    paths: list[str] = Field(default_factory=list, description=".jsonl files of prompt/chosen/rejected records, or folders.")
+    paths: list[str] = Field(
+        default_factory=list,
+        description="Data files (.jsonl, .json, .parquet, .csv, .tsv) of preference pairs, folders, or save_to_disk folders.",
+    )
+    dataset: str | None = Field(
+        None, description="A data set for datasets.load_dataset: a workspace folder, or a Hub id in the local cache."
+    )
+    subset: str | None = Field(None, description="data.dataset: its configuration (subset) name.")
+    split: str | None = Field(None, description="data.dataset or a saved DatasetDict: the split (default train).")
+    format: Literal["prompt_chosen_rejected", "chosen_rejected"] | None = Field(
+        None, description="The records' format; default: recognised from the columns."
+    )
+    columns: dict[str, str] = Field(
+        default_factory=dict, description='Renames columns to the format\'s names, e.g. {"chosen": "good"}.'
+    )
     chat_template: str | None = Field(
-        None, description="A Jinja chat template (with {% generation %} markers) instead of the tokenizer's own."
+        None, description="A Jinja chat template instead of the tokenizer's own ({% generation %} markers optional)."
     )
     eval_fraction: float = Field(0.05, ge=0, lt=1, description="Pairs held out for evaluation.")
     builtin_pairs: int = Field(4000, ge=10, description="data.source=builtin: how many pairs.")
@@ -78,12 +95,13 @@ class DPODataConfig(DataConfig):
 
     @model_validator(mode="after")
     def _source_matches_paths(self) -> "DPODataConfig":
+        given = bool(self.paths or self.dataset)
         if self.source is None:
-            object.__setattr__(self, "source", "files" if self.paths else "builtin")
-        elif self.paths and self.source != "files":
+            object.__setattr__(self, "source", "files" if given else "builtin")
+        elif given and self.source != "files":
             raise ValueError(f"data.paths is set but data.source={self.source} would ignore it; drop data.source")
-        elif self.source == "files" and not self.paths:
-            raise ValueError("data.source=files needs data.paths (.jsonl files, relative to the workspace)")
+        elif self.source == "files" and not given:
+            raise ValueError("data.source=files needs data.paths (data files, relative to the workspace) or data.dataset")
         return self
 
 
@@ -104,45 +122,13 @@ class DPOConfig(EngineConfig):
 
 
 # =============================================================================================
-# Tokenizer: a chat template that marks the assistant's tokens (as in the sft template)
+# Tokenizer: the model's own chat template (CHAT_TEMPLATE, engine/chat.py, for the byte tokenizer)
 # =============================================================================================
-
-CHAT_TEMPLATE = (
-    "{% for message in messages %}"
-    "{% if message['role'] == 'assistant' %}"
-    "<|assistant|>\n{% generation %}{{ message['content'] }}{{ eos_token }}{% endgeneration %}"
-    "{% else %}<|{{ message['role'] }}|>\n{{ message['content'] }}\n{% endif %}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
-)
-
-
-def byte_chat_tokenizer() -> PreTrainedTokenizerFast:
-    """Bytes are tokens 0-255, end-of-turn is 256 and padding 257 (the ``causal_lm`` ids)."""
-    byte_to_char = bytes_to_unicode()
-    vocab = {byte_to_char[b]: b for b in range(256)}
-    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tokenizer, eos_token="</s>", pad_token="<pad>", chat_template=CHAT_TEMPLATE
-    )
 
 
 def load_tokenizer(model_path: str | None, chat_template: str | None):
     """The tokenizer beside the weights (the byte tokenizer when there is none), with a chat template."""
-    folder = Path(confined_path(model_path)) if model_path else None
-    if folder is not None and any((folder / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json")):
-        tokenizer = AutoTokenizer.from_pretrained(folder)
-    else:
-        tokenizer = byte_chat_tokenizer()
-    if chat_template is not None:
-        tokenizer.chat_template = chat_template
-    elif tokenizer.chat_template is None:
-        tokenizer.chat_template = CHAT_TEMPLATE
-    if tokenizer.pad_token_id is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    return tokenizer
+    return load_chat_tokenizer(model_path, chat_template)
 
 
 # =============================================================================================
@@ -203,15 +189,23 @@ def load_pairs(cfg: DPODataConfig) -> list[tuple[str, dict[str, Any]]]:
     if cfg.source == "builtin":
         return builtin_pairs(cfg.builtin_pairs)
     pairs = []
-    for path, name in data_files(cfg.paths, suffixes={".jsonl"}):
-        for where, record in jsonl_records(path, name):
-            missing = [k for k in ("prompt", "chosen", "rejected") if k not in record]
-            if missing:
-                raise ConfigError(f"{where}: a preference pair needs prompt, chosen and rejected; missing {missing}")
-            pairs.append((where, record))
+    for source in read_examples(
+        "dpo", cfg.paths, format=cfg.format, columns=cfg.columns, dataset=cfg.dataset, subset=cfg.subset, split=cfg.split
+    ):
+        pairs.extend(source.records)
     if not pairs:
-        raise ConfigError(f"no preference pairs in data.paths={cfg.paths} (.jsonl files, one per line)")
+        raise ConfigError(f"no preference pairs in data.paths={cfg.paths} data.dataset={cfg.dataset}")
     return pairs
+
+
+def pair_format(cfg: DPODataConfig) -> str:
+    """The format(s) the pairs are read in (for the data summary)."""
+    if cfg.source == "builtin":
+        return "prompt_chosen_rejected"
+    formats = {s.format for s in read_examples(
+        "dpo", cfg.paths, format=cfg.format, columns=cfg.columns, dataset=cfg.dataset, subset=cfg.subset, split=cfg.split
+    )}
+    return ", ".join(sorted(formats))
 
 
 def is_eval_document(name: str, eval_fraction: float) -> bool:
@@ -292,9 +286,9 @@ class BatchStream(Stateful):
 
 def build_model(cfg: ModelConfig, vocab_size: int, seq_len: int) -> torch.nn.Module:
     if cfg.pretrained_path:
-        return AutoModelForCausalLM.from_pretrained(
-            confined_path(cfg.pretrained_path), attn_implementation=cfg.attn_implementation, dtype=torch.float32
-        )
+        # The family's own attention unless one is asked for (Gemma 2 has no sdpa, for one).
+        chosen = {"attn_implementation": cfg.attn_implementation} if cfg.attn_implementation else {}
+        return AutoModelForCausalLM.from_pretrained(confined_path(cfg.pretrained_path), dtype=torch.float32, **chosen)
     config = LlamaConfig(
         vocab_size=vocab_size,
         hidden_size=cfg.hidden_size,
@@ -305,7 +299,7 @@ def build_model(cfg: ModelConfig, vocab_size: int, seq_len: int) -> torch.nn.Mod
         max_position_embeddings=2 * seq_len,  # room for generated answers after a full prompt
         rope_theta=cfg.rope_theta,
         tie_word_embeddings=False,
-        attn_implementation=cfg.attn_implementation,
+        attn_implementation=cfg.attn_implementation or "sdpa",
     )
     return LlamaForCausalLM(config)
 
@@ -405,12 +399,18 @@ class DPO(Engine):
         tokenizer = load_tokenizer(config.model.pretrained_path, cfg.chat_template)
         counts = {True: [0, 0], False: [0, 0]}  # held out? -> [pairs, answer tokens]
         names = set()
+        truncated = dropped = 0
         for name, record in load_pairs(cfg):
+            prompt, chosen, rejected = tokenize_pair(tokenizer, record, cfg.seq_len + 1)
+            truncated += max(len(prompt) + len(chosen), len(prompt) + len(rejected)) > cfg.seq_len + 1
             prompt, chosen, rejected = tokenize_pair(tokenizer, record, cfg.seq_len)
+            names.add(name.split(":", 1)[0])
+            if not (chosen and rejected):
+                dropped += 1
+                continue
             counted = counts[is_eval_document(name, cfg.eval_fraction)]
             counted[0] += 1
             counted[1] += len(chosen) + len(rejected)  # what tokens_seen counts in training
-            names.add(name.split(":", 1)[0])
         return DataSummary(
             source=cfg.source,
             paths=cfg.paths[:20],
@@ -422,6 +422,12 @@ class DPO(Engine):
             eval_documents=counts[True][0],
             eval_tokens=counts[True][1],
             tokenizer=f"from {config.model.pretrained_path}" if config.model.pretrained_path else "bytes (chat)",
+            format=pair_format(cfg),
+            mask="completion",
+            loss_tokens=counts[False][1] + counts[True][1],
+            truncated=truncated,
+            dropped=dropped,
+            dropped_why=f"{dropped}: an answer lies wholly past data.seq_len={cfg.seq_len}" if dropped else None,
         )
 
     @cached_property
@@ -435,6 +441,7 @@ class DPO(Engine):
     def _stream(self, records, seed: int) -> BatchStream:
         cfg = self.config.data
         tokenized = [tokenize_pair(self.tokenizer, r, cfg.seq_len) for r in records]
+        tokenized = [t for t in tokenized if t[1] and t[2]]  # an answer cut off entirely: nothing to compare
         return BatchStream(
             tokenized, cfg.seq_len, self.tokenizer.pad_token_id, seed=seed,
             micro_batch=self.micro_batch_size, dp_rank=self.dist.dp_rank, dp_size=self.dist.dp_size,

@@ -6,9 +6,15 @@ byte-level model learns a generated instruction set (add, compare, next letter, 
 laptop CPU in a few minutes, and ``task_metrics()`` checks its greedy answers on held-out prompts.
 
 Supports:
-- chat-format JSONL (``{"messages": [{"role": ..., "content": ...}, ...]}``), multi-turn,
-  rendered by the tokenizer's own chat template; the loss is taken on the assistant turns only,
-  as the template marks them (``{% generation %}`` ... ``{% endgeneration %}``)
+- the data users have (``engine/data_formats.py``): JSONL, JSON, parquet, CSV/TSV files and
+  ``datasets`` ``save_to_disk`` folders (``data.paths``), or a data set ``datasets`` loads
+  (``data.dataset``); OpenAI ``messages``, ShareGPT ``conversations``, Alpaca, prompt/completion
+  and plain ``text``, recognised from the columns (``data.format``, ``data.columns`` to force and
+  rename)
+- the tokenizer's own chat template as it is (``engine/chat.py``): the loss is taken on the
+  assistant turns only, as ``{% generation %}`` markers mark them or, in a template without
+  markers (ChatML, Llama 3, Gemma), as rendering the conversation turn by turn finds them; on a
+  completion after its prompt; on every token of plain text
 - starting from a local Hugging Face folder (``model.pretrained_path``, e.g. a ``causal_lm``
   run exported with ``trainwright export``) or from a tiny model built from a config
 - everything the engine does: FSDP2 over N processes, checkpoints resumable bit for bit,
@@ -22,19 +28,20 @@ from __future__ import annotations
 import hashlib
 import random
 from functools import cached_property
-from pathlib import Path
 from typing import Any, Iterator, Literal
 
 import torch
 import torch.nn.functional as F
 from pydantic import Field, model_validator
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from torch.distributed.checkpoint.stateful import Stateful
-from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
-from transformers.convert_slow_tokenizer import bytes_to_unicode
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
+from engine.chat import CHAT_TEMPLATE, byte_chat_tokenizer  # noqa: F401 (the template's chat format)
+from engine.chat import conversation_mask_method, encode_completion, load_chat_tokenizer
+from engine.chat import encode_conversation as encode_chat
 from engine.config import ConfigError, DataConfig, EngineConfig, Section
-from engine.data_files import confined_path, data_files, jsonl_records
+from engine.data_files import confined_path
+from engine.data_formats import read_examples
 from engine.engine import IGNORE_INDEX, Engine
 from engine.flops import non_embedding_params, transformer_flops_per_token
 from engine.fsdp import apply_fsdp
@@ -52,7 +59,9 @@ class ModelConfig(Section):
     num_heads: int = Field(4, ge=1)
     num_kv_heads: int = Field(2, ge=1)
     rope_theta: float = Field(10000.0, gt=0)
-    attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = "sdpa"
+    attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] | None = Field(
+        None, description="Attention kernel; default: sdpa, or with model.pretrained_path the model's own default."
+    )
     pretrained_path: str | None = Field(
         None, description="A local Hugging Face model folder to start from (weights, and its tokenizer if it has one)."
     )
@@ -62,11 +71,25 @@ class SFTDataConfig(DataConfig):
     source: Literal["builtin", "files"] | None = Field(
         None, description="builtin: the generated instruction set; files: data.paths (the default when set)."
     )
-    paths: list[str] = Field(default_factory=list, description=".jsonl files of conversations, or folders.")
-    messages_field: str = Field("messages", description="The key of the message list in .jsonl records.")
+    paths: list[str] = Field(
+        default_factory=list,
+        description="Data files (.jsonl, .json, .parquet, .csv, .tsv), folders of them, or save_to_disk folders.",
+    )
+    dataset: str | None = Field(
+        None, description="A data set for datasets.load_dataset: a workspace folder, or a Hub id in the local cache."
+    )
+    subset: str | None = Field(None, description="data.dataset: its configuration (subset) name.")
+    split: str | None = Field(None, description="data.dataset or a saved DatasetDict: the split (default train).")
+    format: Literal["messages", "sharegpt", "alpaca", "prompt_completion", "text"] | None = Field(
+        None, description="The records' format; default: recognised from the columns."
+    )
+    columns: dict[str, str] = Field(
+        default_factory=dict, description='Renames columns to the format\'s names, e.g. {"messages": "dialog"}.'
+    )
+    messages_field: str = Field("messages", description="The column of the message lists (same as data.columns.messages).")
     chat_template: str | None = Field(
         None,
-        description="A Jinja chat template (with {% generation %} markers) instead of the tokenizer's own.",
+        description="A Jinja chat template instead of the tokenizer's own ({% generation %} markers optional).",
     )
     eval_fraction: float = Field(0.05, ge=0, lt=1, description="Conversations held out for evaluation.")
     builtin_conversations: int = Field(6000, ge=10, description="data.source=builtin: how many conversations.")
@@ -76,12 +99,13 @@ class SFTDataConfig(DataConfig):
 
     @model_validator(mode="after")
     def _source_matches_paths(self) -> "SFTDataConfig":
+        given = bool(self.paths or self.dataset)
         if self.source is None:
-            object.__setattr__(self, "source", "files" if self.paths else "builtin")
-        elif self.paths and self.source != "files":
+            object.__setattr__(self, "source", "files" if given else "builtin")
+        elif given and self.source != "files":
             raise ValueError(f"data.paths is set but data.source={self.source} would ignore it; drop data.source")
-        elif self.source == "files" and not self.paths:
-            raise ValueError("data.source=files needs data.paths (.jsonl files, relative to the workspace)")
+        elif self.source == "files" and not given:
+            raise ValueError("data.source=files needs data.paths (data files, relative to the workspace) or data.dataset")
         return self
 
 
@@ -91,63 +115,59 @@ class SFTConfig(EngineConfig):
 
 
 # =============================================================================================
-# Tokenizer: a chat template that marks the assistant's tokens
+# Tokenizer: the model's own chat template, and the tokens each example teaches
 # =============================================================================================
 
-# The assistant's content and its end-of-turn token lie inside {% generation %}: they are what the
-# model learns to produce, and apply_chat_template(return_assistant_tokens_mask=True) marks them.
-CHAT_TEMPLATE = (
-    "{% for message in messages %}"
-    "{% if message['role'] == 'assistant' %}"
-    "<|assistant|>\n{% generation %}{{ message['content'] }}{{ eos_token }}{% endgeneration %}"
-    "{% else %}<|{{ message['role'] }}|>\n{{ message['content'] }}\n{% endif %}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
-)
-
-
-def byte_chat_tokenizer() -> PreTrainedTokenizerFast:
-    """Bytes are tokens 0-255, end-of-turn is 256 and padding 257: the ids of the ``causal_lm``
-    template's byte tokenizer, so a model pretrained there (and exported) fine-tunes here."""
-    byte_to_char = bytes_to_unicode()
-    vocab = {byte_to_char[b]: b for b in range(256)}
-    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tokenizer, eos_token="</s>", pad_token="<pad>", chat_template=CHAT_TEMPLATE
-    )
+# CHAT_TEMPLATE (engine/chat.py) is the byte tokenizer's: its {% generation %} markers enclose
+# the assistant's content and end-of-turn token, what turn-by-turn rendering finds as well.
 
 
 def load_tokenizer(model_path: str | None, chat_template: str | None):
-    """The tokenizer beside the weights (the byte tokenizer when there is none), with a chat
-    template that marks the assistant's tokens."""
-    folder = Path(confined_path(model_path)) if model_path else None
-    if folder is not None and any((folder / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json")):
-        tokenizer = AutoTokenizer.from_pretrained(folder)
+    """The tokenizer beside the weights (the byte tokenizer when there is none), with its own
+    chat template or ``data.chat_template``."""
+    return load_chat_tokenizer(model_path, chat_template)
+
+
+def as_example(conversation) -> dict[str, Any]:
+    """A list of messages as a ``{"messages": ...}`` example; an example as it is."""
+    return {"messages": conversation} if isinstance(conversation, list) else conversation
+
+
+def mask_method(tokenizer, example: dict[str, Any]) -> str:
+    """Which tokens of ``example`` the loss covers: the assistant's (by the template's markers or
+    by rendering turn by turn), a completion's, or all of a plain text's."""
+    if "messages" in example:
+        return conversation_mask_method(tokenizer)
+    return "completion" if "completion" in example else "all_tokens"
+
+
+def encode_conversation(tokenizer, conversation, where: str = "a conversation") -> tuple[torch.Tensor, torch.Tensor]:
+    """``(tokens, loss_mask)`` of an example (or a list of messages) as the chat template renders it."""
+    example = as_example(conversation)
+    if "messages" in example:
+        tokens, mask = encode_chat(tokenizer, example["messages"], where)
+    elif "completion" in example:
+        tokens, mask = encode_completion(tokenizer, example["prompt"], example["completion"], where)
     else:
-        tokenizer = byte_chat_tokenizer()
-    if chat_template is not None:
-        tokenizer.chat_template = chat_template
-    elif tokenizer.chat_template is None:
-        tokenizer.chat_template = CHAT_TEMPLATE
-    if "{% generation %}" not in tokenizer.chat_template.replace("{%- generation %}", "{% generation %}"):
-        raise ConfigError(
-            "the tokenizer's chat template has no {% generation %} markers, so the assistant's tokens "
-            "cannot be told apart; set data.chat_template to a template that has them"
-        )
-    if tokenizer.pad_token_id is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    return tokenizer
+        tokens = tokenizer(example["text"], add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+        mask = [True] * len(tokens)
+    return torch.tensor(tokens, dtype=torch.int64), torch.tensor(mask, dtype=torch.bool)
 
 
-def encode_conversation(tokenizer, messages: list[dict[str, str]]) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(tokens, assistant_mask)`` of a conversation as the chat template renders it."""
-    encoded = tokenizer.apply_chat_template(
-        messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
-    )
-    tokens = torch.tensor(encoded["input_ids"], dtype=torch.int64)
-    return tokens, torch.tensor(encoded["assistant_masks"], dtype=torch.bool)
+def encode_example(tokenizer, conversation, seq_len: int, where: str = "a conversation"):
+    """``(piece, dropped_why, truncated)``: the example as a ``2 × n`` piece (tokens, and targets:
+    the same tokens where the loss covers them, ``IGNORE_INDEX`` elsewhere) cut to ``seq_len + 1``
+    tokens, or None and why when there is nothing to learn from it."""
+    example = as_example(conversation)
+    answers = example.get("messages", example.get("completion"))
+    if answers is not None and not any(m["content"].strip() for m in answers if m["role"] == "assistant"):
+        return None, "no assistant answer (empty or missing)", False
+    tokens, mask = encode_conversation(tokenizer, example, where)
+    targets = torch.where(mask, tokens, IGNORE_INDEX)
+    piece = torch.stack([tokens, targets])[:, : seq_len + 1]
+    if not (piece[1, 1:] != IGNORE_INDEX).any():
+        return None, f"every assistant token lies past data.seq_len={seq_len}", True
+    return piece, None, tokens.shape[0] > seq_len + 1
 
 
 # =============================================================================================
@@ -199,28 +219,23 @@ def chance_accuracy(count: int = 2000, seed: int = 1) -> float:
 # =============================================================================================
 
 
-def load_conversations(cfg: SFTDataConfig) -> list[tuple[str, list[dict[str, str]]]]:
-    """``(name, messages)`` pairs; the name decides the train/eval split, so it must be stable."""
+def load_conversations(cfg: SFTDataConfig) -> tuple[list[tuple[str, dict[str, Any]]], list[str]]:
+    """``(examples, formats)``: ``(name, example)`` pairs — the name decides the train/eval split,
+    so it must be stable — and the formats the sources were read in."""
     if cfg.source == "builtin":
-        return builtin_conversations(cfg.builtin_conversations, cfg.max_turns)
-    conversations = []
-    for path, name in data_files(cfg.paths, suffixes={".jsonl"}):
-        for where, record in jsonl_records(path, name):
-            messages = record.get(cfg.messages_field)
-            if not isinstance(messages, list) or not all(
-                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-                for m in messages
-            ):
-                raise ConfigError(
-                    f"{where}: {cfg.messages_field!r} must be a list of "
-                    '{"role": ..., "content": ...} messages (set data.messages_field to its key)'
-                )
-            if not any(m["role"] == "assistant" for m in messages):
-                raise ConfigError(f"{where}: a conversation needs an assistant message to learn from")
-            conversations.append((where, messages))
+        return [(name, {"messages": m}) for name, m in builtin_conversations(cfg.builtin_conversations, cfg.max_turns)], ["messages"]
+    columns = dict(cfg.columns)
+    if cfg.messages_field != "messages":
+        columns.setdefault("messages", cfg.messages_field)
+    conversations, formats = [], []
+    for source in read_examples(
+        "sft", cfg.paths, format=cfg.format, columns=columns, dataset=cfg.dataset, subset=cfg.subset, split=cfg.split
+    ):
+        formats.append(source.format)
+        conversations.extend(source.records)
     if not conversations:
-        raise ConfigError(f"no conversations in data.paths={cfg.paths} (.jsonl files, one per line)")
-    return conversations
+        raise ConfigError(f"no examples in data.paths={cfg.paths} data.dataset={cfg.dataset}")
+    return conversations, sorted(set(formats))
 
 
 def is_eval_document(name: str, eval_fraction: float) -> bool:
@@ -229,13 +244,13 @@ def is_eval_document(name: str, eval_fraction: float) -> bool:
 
 
 def tokenize_conversations(conversations, tokenizer, seq_len: int) -> list[torch.Tensor]:
-    """Each conversation as a ``2 × n`` piece: its tokens, and its targets (the same tokens on the
-    assistant's spans, ``IGNORE_INDEX`` elsewhere). Cut to ``seq_len + 1`` tokens."""
+    """Each conversation as a ``2 × n`` piece (:func:`encode_example`); those with nothing to
+    learn are left out (the data summary counts them as dropped)."""
     pieces = []
-    for messages in conversations:
-        tokens, assistant = encode_conversation(tokenizer, messages)
-        targets = torch.where(assistant, tokens, IGNORE_INDEX)
-        pieces.append(torch.stack([tokens, targets])[:, : seq_len + 1])
+    for conversation in conversations:
+        piece, _, _ = encode_example(tokenizer, conversation, seq_len)
+        if piece is not None:
+            pieces.append(piece)
     return pieces
 
 
@@ -298,9 +313,9 @@ class BatchStream(Stateful):
 
 def build_model(cfg: ModelConfig, vocab_size: int, seq_len: int) -> torch.nn.Module:
     if cfg.pretrained_path:
-        return AutoModelForCausalLM.from_pretrained(
-            confined_path(cfg.pretrained_path), attn_implementation=cfg.attn_implementation, dtype=torch.float32
-        )
+        # The family's own attention unless one is asked for (Gemma 2 has no sdpa, for one).
+        chosen = {"attn_implementation": cfg.attn_implementation} if cfg.attn_implementation else {}
+        return AutoModelForCausalLM.from_pretrained(confined_path(cfg.pretrained_path), dtype=torch.float32, **chosen)
     config = LlamaConfig(
         vocab_size=vocab_size,
         hidden_size=cfg.hidden_size,
@@ -311,7 +326,7 @@ def build_model(cfg: ModelConfig, vocab_size: int, seq_len: int) -> torch.nn.Mod
         max_position_embeddings=2 * seq_len,  # room for generated answers after a full prompt
         rope_theta=cfg.rope_theta,
         tie_word_embeddings=False,
-        attn_implementation=cfg.attn_implementation,
+        attn_implementation=cfg.attn_implementation or "sdpa",
     )
     return LlamaForCausalLM(config)
 
@@ -374,16 +389,24 @@ class SFT(Engine):
         cfg = config.data
         tokenizer = load_tokenizer(config.model.pretrained_path, cfg.chat_template)
         counts = {True: [0, 0], False: [0, 0]}  # held out? -> [conversations, supervised tokens]
-        names = set()
-        for name, messages in load_conversations(cfg):
-            _, assistant = encode_conversation(tokenizer, messages)
+        names, masks, dropped = set(), set(), {}
+        loss_tokens = truncated = 0
+        examples, formats = load_conversations(cfg)
+        for name, example in examples:
+            piece, why, cut = encode_example(tokenizer, example, cfg.seq_len, name)
+            truncated += cut
+            names.add(name.split(":", 1)[0])
+            if piece is None:
+                dropped[why] = dropped.get(why, 0) + 1
+                continue
+            masks.add(mask_method(tokenizer, example))
             counted = counts[is_eval_document(name, cfg.eval_fraction)]
             counted[0] += 1
-            counted[1] += int(assistant[: cfg.seq_len + 1].sum())
-            names.add(name.split(":", 1)[0])
+            counted[1] += int((piece[1] != IGNORE_INDEX).sum())
+            loss_tokens += int((piece[1, 1:] != IGNORE_INDEX).sum())
         return DataSummary(
             source=cfg.source,
-            paths=cfg.paths[:20],
+            paths=(cfg.paths + ([cfg.dataset] if cfg.dataset else []))[:20],
             files=len(names) if cfg.source == "files" else None,
             documents=counts[False][0] + counts[True][0],
             tokens=counts[False][1] + counts[True][1],
@@ -392,14 +415,20 @@ class SFT(Engine):
             eval_documents=counts[True][0],
             eval_tokens=counts[True][1],
             tokenizer=f"from {config.model.pretrained_path}" if config.model.pretrained_path else "bytes (chat)",
+            format=", ".join(formats),
+            mask=", ".join(sorted(masks)) or None,
+            loss_tokens=loss_tokens,
+            truncated=truncated,
+            dropped=sum(dropped.values()),
+            dropped_why="; ".join(f"{n}: {why}" for why, n in sorted(dropped.items())) or None,
         )
 
     @cached_property
     def conversations(self) -> tuple[list, list]:
-        """(train conversations, held-out conversations)."""
+        """(train examples, held-out examples)."""
         train, held_out = [], []
-        for name, messages in load_conversations(self.config.data):
-            (held_out if is_eval_document(name, self.config.data.eval_fraction) else train).append(messages)
+        for name, example in load_conversations(self.config.data)[0]:
+            (held_out if is_eval_document(name, self.config.data.eval_fraction) else train).append(example)
         return train, held_out
 
     def prepare_data(self) -> BatchStream:
@@ -455,9 +484,11 @@ class SFT(Engine):
     def held_out_prompts(self) -> list[tuple[list[dict[str, str]], str]]:
         """``(conversation up to its last user turn, the expected last answer)``, held out."""
         examples = []
-        for messages in self.conversations[1][: self.config.data.eval_prompts]:
-            last = max(i for i, m in enumerate(messages) if m["role"] == "assistant")
-            examples.append((messages[:last], messages[last]["content"]))
+        for example in self.conversations[1][: self.config.data.eval_prompts]:
+            messages = example.get("messages", example.get("prompt", []) + example.get("completion", []))
+            answers = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+            if answers:  # plain text has no prompt to answer
+                examples.append((messages[: answers[-1]], messages[answers[-1]]["content"]))
         return examples
 
     def task_metrics(self) -> dict[str, float]:

@@ -71,10 +71,26 @@ def test_the_loss_covers_exactly_the_assistant_spans_of_the_chat_template():
         assert learnt == "".join(m["content"] + "</s>" for m in messages if m["role"] == "assistant")
 
 
-def test_a_chat_template_without_generation_markers_is_refused():
-    plain = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
-    with pytest.raises(ConfigError, match="no {% generation %} markers.*data.chat_template"):
-        sft.load_tokenizer(None, plain)
+def test_a_chat_template_without_markers_masks_the_turns_it_renders():
+    # The built-in format without its markers: turn by turn, the same tokens as the markers mark.
+    unmarked = sft.CHAT_TEMPLATE.replace("{% generation %}", "").replace("{% endgeneration %}", "")
+    marked, plain = sft.load_tokenizer(None, None), sft.load_tokenizer(None, unmarked)
+    assert (sft.mask_method(marked, {"messages": []}), sft.mask_method(plain, {"messages": []})) == (
+        "generation_markers", "turn_render"
+    )
+    for _, messages in sft.builtin_conversations(30, max_turns=3):
+        by_markers, by_turns = sft.encode_conversation(marked, messages), sft.encode_conversation(plain, messages)
+        assert torch.equal(by_markers[0], by_turns[0]) and torch.equal(by_markers[1], by_turns[1])
+
+
+def test_a_template_that_rewrites_earlier_turns_is_refused_naming_the_turn_and_the_key():
+    # Marks the last message, wherever it is: rendering one more message changes the text before it.
+    rewriting = "{% for m in messages %}{% if loop.last %}[last]{% endif %}{{ m['content'] }}\n{% endfor %}"
+    tokenizer = sft.load_tokenizer(None, rewriting)
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
+    with pytest.raises(ConfigError, match=r"^data.jsonl:3: the chat template is not prefix-stable: rendering message "
+                       r"2 \(assistant\) changes the text of the messages before it.*set data.chat_template"):
+        sft.encode_conversation(tokenizer, messages, "data.jsonl:3")
 
 
 def test_packing_keeps_each_conversations_loss_and_mask(tmp_path: Path):

@@ -1,0 +1,370 @@
+"""Data in the forms users have: the file kinds `datasets` reads, the formats the common tools
+write, and the one place each is told apart.
+
+File kinds (``data.paths``; a folder gives its files of these kinds):
+
+- ``.jsonl``, and ``.json`` holding one object a line: :func:`engine.data_files.jsonl_records`
+  (the one JSONL reader); a ``.json`` array is parsed whole (JSON has no row boundaries to
+  stream by; give JSON lines for large data);
+- ``.parquet``: pyarrow, a row group batch at a time; ``.csv`` / ``.tsv``: pyarrow's streaming
+  CSV reader, every column read as text (a prompt "7" stays a string);
+- a folder written by ``datasets``' ``save_to_disk`` (a ``Dataset``, or a ``DatasetDict`` whose
+  ``data.split`` is read): memory-mapped by ``datasets.load_from_disk``.
+
+``data.dataset`` (with ``data.subset``, ``data.split``) names a data set for
+``datasets.load_dataset``: a workspace folder (its data files, or a ``save_to_disk`` folder), or a
+Hub id found in the local Hugging Face datasets cache (``HF_DATASETS_OFFLINE`` honoured; a run's
+sandbox has no network). Every workspace file read is confined and fingerprinted as
+:func:`engine.data_files.data_files` does.
+
+Formats, per template (:data:`FORMATS`): recognised from a file's columns, in the order listed,
+or forced with ``data.format``; ``data.columns`` renames a file's columns to the names below.
+Each record becomes one example of the template's canonical form (:func:`normalise`).
+Torch-free.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterable, Iterator
+
+from engine.config import ConfigError
+from engine.data_files import data_files, jsonl_records
+
+FILE_SUFFIXES = {".jsonl", ".json", ".parquet", ".csv", ".tsv"}
+
+# template -> {format: the columns that tell it}, in the order formats are recognised.
+FORMATS: dict[str, dict[str, tuple[str, ...]]] = {
+    "sft": {
+        "messages": ("messages",),
+        "sharegpt": ("conversations",),
+        "alpaca": ("instruction", "output"),
+        "prompt_completion": ("prompt", "completion"),
+        "text": ("text",),
+    },
+    "dpo": {
+        "prompt_chosen_rejected": ("prompt", "chosen", "rejected"),
+        "chosen_rejected": ("chosen", "rejected"),
+    },
+    "causal_lm": {"text": ("text",)},
+}
+
+SHAREGPT_ROLES = {
+    "human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "bot": "assistant",
+    "model": "assistant", "system": "system",
+}
+
+
+@dataclass
+class Examples:
+    """The examples of one source (a file, a saved folder, a data set) in one format."""
+
+    name: str
+    format: str
+    records: Iterator[tuple[str, dict[str, Any]]]
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading rows
+# ---------------------------------------------------------------------------------------------
+
+
+def is_saved_dataset(folder: Path) -> bool:
+    """A folder written by ``Dataset.save_to_disk`` or ``DatasetDict.save_to_disk``."""
+    return folder.is_dir() and (
+        (folder / "dataset_dict.json").is_file()
+        or ((folder / "state.json").is_file() and (folder / "dataset_info.json").is_file())
+    )
+
+
+def _json_rows(path: Path, name: str) -> Iterator[tuple[str, dict[str, Any]]]:
+    with open(path, "rb") as f:
+        head = f.read(4096).lstrip()
+    if not head.startswith(b"["):
+        yield from jsonl_records(path, name)
+        return
+    try:
+        array = json.loads(path.read_bytes().decode("utf-8"))
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{name}:{e.lineno}: not a JSON array ({e.msg})") from None
+    except UnicodeError as e:
+        raise ConfigError(f"{name}: not JSON text in UTF-8 ({type(e).__name__})") from None
+    except RecursionError:
+        raise ConfigError(f"{name}: JSON nested too deep to read") from None
+    for index, record in enumerate(array, 1):
+        if not isinstance(record, dict):
+            raise ConfigError(f"{name}:[{index}]: a record must be a JSON object, got {type(record).__name__}")
+        yield f"{name}:{index}", record
+
+
+def _parquet_rows(path: Path, name: str) -> Iterator[tuple[str, dict[str, Any]]]:
+    import pyarrow.parquet as pq
+
+    try:
+        parquet = pq.ParquetFile(path)
+    except Exception as e:  # pyarrow's errors for a file that is not parquet
+        raise ConfigError(f"{name}: not a parquet file ({e})") from None
+    row = 0
+    for batch in parquet.iter_batches(batch_size=512):
+        for record in batch.to_pylist():
+            row += 1
+            yield f"{name}:{row}", record
+
+
+def _csv_rows(path: Path, name: str) -> Iterator[tuple[str, dict[str, Any]]]:
+    import pyarrow as pa
+    import pyarrow.csv as pcsv
+
+    parse = pcsv.ParseOptions(delimiter="\t" if path.suffix == ".tsv" else ",", newlines_in_values=True)
+    try:
+        with pcsv.open_csv(path, parse_options=parse) as reader:
+            columns = reader.schema.names
+        text = pcsv.ConvertOptions(column_types={c: pa.string() for c in columns}, strings_can_be_null=False)
+        reader = pcsv.open_csv(path, parse_options=parse, convert_options=text)
+    except pa.ArrowInvalid as e:
+        raise ConfigError(f"{name}: not a CSV file with a header row ({e})") from None
+    row = 0
+    with reader:
+        for batch in reader:
+            for record in batch.to_pylist():
+                row += 1
+                yield f"{name}:{row}", record
+
+
+def _dataset_rows(dataset: Iterable[dict[str, Any]], name: str) -> Iterator[tuple[str, dict[str, Any]]]:
+    for row, record in enumerate(dataset, 1):
+        yield f"{name}:{row}", dict(record)
+
+
+def _load_saved(raw: str, split: str | None):
+    import datasets
+
+    data_files([raw], suffixes={".arrow", ".json"})  # confined and fingerprinted
+    saved = datasets.load_from_disk(str(Path(raw).resolve()))
+    if isinstance(saved, datasets.DatasetDict):
+        split = split or "train"
+        if split not in saved:
+            raise ConfigError(f"{raw}: no split {split!r} in this saved data set (it has {sorted(saved)}); set data.split")
+        return saved[split]
+    return saved
+
+
+READERS: dict[str, Callable[[Path, str], Iterator[tuple[str, dict[str, Any]]]]] = {
+    ".jsonl": jsonl_records, ".json": _json_rows, ".parquet": _parquet_rows, ".csv": _csv_rows, ".tsv": _csv_rows,
+}
+
+
+def sources(paths: list[str], dataset: str | None = None, subset: str | None = None, split: str | None = None):
+    """``(name, rows)`` for each data source: each file of ``paths`` (a saved folder as one),
+    then ``dataset``. Rows are ``(where, record)``, read lazily."""
+    for raw in paths:
+        if is_saved_dataset(Path(raw)):
+            yield Path(raw).name, _dataset_rows(_load_saved(raw, split), Path(raw).name)
+            continue
+        for path, name in data_files([raw], suffixes=FILE_SUFFIXES):
+            reader = READERS.get(path.suffix)
+            if reader is None:
+                raise ConfigError(f"{name}: not a data file trainwright reads (give one of {sorted(FILE_SUFFIXES)})")
+            yield name, reader(path, name)
+    if dataset:
+        yield dataset, _dataset_rows(_load_dataset(dataset, subset, split), dataset)
+
+
+def record_rows(paths: list[str], **where) -> Iterator[tuple[str, dict[str, Any]]]:
+    """Every ``(where, record)`` of :func:`sources`, in order, format untold."""
+    for _, rows in sources(paths, **where):
+        yield from rows
+
+
+def _load_dataset(dataset: str, subset: str | None, split: str | None):
+    """A data set by ``datasets.load_dataset``: a workspace folder, or a Hub id in the cache."""
+    import datasets
+
+    if Path(dataset).exists():
+        if is_saved_dataset(Path(dataset)):
+            return _load_saved(dataset, split)
+        data_files([dataset], suffixes=FILE_SUFFIXES)  # confined and fingerprinted
+        target = str(Path(dataset).resolve())
+    else:
+        target = dataset
+    try:
+        return datasets.load_dataset(target, subset, split=split or "train", streaming=Path(dataset).exists())
+    except (FileNotFoundError, ConnectionError, ValueError, datasets.exceptions.DatasetNotFoundError) as e:
+        offline = " (HF_DATASETS_OFFLINE is set: only the local cache is looked at)" if datasets.config.HF_HUB_OFFLINE else ""
+        raise ConfigError(
+            f"data.dataset {dataset!r} (subset {subset!r}, split {split or 'train'!r}) could not be loaded{offline}: "
+            f"{str(e).splitlines()[0][:300] if str(e) else type(e).__name__}; give a workspace folder, or a Hub id "
+            "already in the local Hugging Face datasets cache"
+        ) from None
+
+
+# ---------------------------------------------------------------------------------------------
+# Formats
+# ---------------------------------------------------------------------------------------------
+
+
+def _known(template: str) -> str:
+    return "; ".join(f"{fmt} ({', '.join(cols)})" for fmt, cols in FORMATS[template].items())
+
+
+def detect_format(template: str, columns: Iterable[str], name: str, forced: str | None = None) -> str:
+    """The format of a source from its columns (or ``forced``, checked). A source whose format
+    cannot be told is a :class:`ConfigError` naming the columns seen and the formats known."""
+    formats = FORMATS[template]
+    seen = sorted(columns)
+    if forced is not None:
+        if forced not in formats:
+            raise ConfigError(f"data.format={forced!r} is not a format of the {template} template; known: {_known(template)}")
+        missing = [c for c in formats[forced] if c not in seen]
+        if missing:
+            raise ConfigError(
+                f"{name}: data.format={forced} needs the columns {list(formats[forced])}, missing {missing} "
+                f"(columns seen: {seen}); map them with data.columns, e.g. {{\"{missing[0]}\": \"<your column>\"}}"
+            )
+        return forced
+    for fmt, needed in formats.items():
+        if all(c in seen for c in needed):
+            return fmt
+    raise ConfigError(
+        f"{name}: cannot tell the data format from its columns {seen[:20]}; the {template} template knows: "
+        f"{_known(template)}. Set data.format, and data.columns to map your column names "
+        "(e.g. data.columns={\"messages\": \"dialog\"})"
+    )
+
+
+def _messages(value: Any, where: str, key: str) -> list[dict[str, Any]]:
+    if not isinstance(value, list) or not all(
+        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in value
+    ):
+        raise ConfigError(
+            f"{where}: {key!r} must be a list of {{\"role\": ..., \"content\": ...}} messages "
+            "(map another column to it with data.columns)"
+        )
+    return [{"role": m["role"], "content": m["content"]} for m in value]
+
+
+def _sharegpt(value: Any, where: str) -> list[dict[str, Any]]:
+    if not isinstance(value, list) or not all(isinstance(m, dict) for m in value):
+        raise ConfigError(f"{where}: 'conversations' must be a list of {{\"from\": ..., \"value\": ...}} turns")
+    messages = []
+    for turn in value:
+        speaker, text = turn.get("from", turn.get("role")), turn.get("value", turn.get("content"))
+        if speaker not in SHAREGPT_ROLES or not isinstance(text, str):
+            raise ConfigError(
+                f"{where}: a ShareGPT turn needs 'from' (one of {sorted(SHAREGPT_ROLES)}) and a string 'value', "
+                f"got from={str(speaker)[:40]!r}"
+            )
+        messages.append({"role": SHAREGPT_ROLES[speaker], "content": text})
+    return messages
+
+
+def _as_messages(value: Any, role: str, where: str, key: str) -> list[dict[str, Any]]:
+    """A string as one message of ``role``; a list of messages as it is."""
+    if isinstance(value, str):
+        return [{"role": role, "content": value}]
+    if isinstance(value, dict):
+        value = [value]
+    return _messages(value, where, key)
+
+
+def _string(record: dict[str, Any], key: str, where: str, required: bool = True) -> str:
+    value = record.get(key)
+    if value is None and not required:
+        return ""
+    if not isinstance(value, str):
+        raise ConfigError(f"{where}: {key!r} must be a string, got {type(value).__name__}")
+    return value
+
+
+def _common_prefix(a: list[dict[str, Any]], b: list[dict[str, Any]]) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+def normalise(fmt: str, record: dict[str, Any], where: str) -> dict[str, Any]:
+    """One record in its template's canonical form:
+
+    - sft: ``{"messages": [...]}`` (messages, sharegpt, alpaca), ``{"prompt": [...],
+      "completion": [...]}`` (prompt_completion) or ``{"text": str}``;
+    - dpo: ``{"prompt": [...], "chosen": [...], "rejected": [...]}``; whole chosen/rejected
+      conversations are split at the last message they share;
+    - causal_lm: ``{"text": str}``.
+    """
+    if fmt == "messages":
+        return {"messages": _messages(record["messages"], where, "messages")}
+    if fmt == "sharegpt":
+        return {"messages": _sharegpt(record["conversations"], where)}
+    if fmt == "alpaca":
+        instruction, extra = _string(record, "instruction", where), _string(record, "input", where, required=False)
+        system = _string(record, "system", where, required=False)
+        user = f"{instruction}\n{extra}" if extra else instruction
+        messages = [{"role": "system", "content": system}] if system else []
+        return {"messages": messages + [
+            {"role": "user", "content": user}, {"role": "assistant", "content": _string(record, "output", where)}
+        ]}
+    if fmt == "prompt_completion":
+        return {
+            "prompt": _as_messages(record["prompt"], "user", where, "prompt"),
+            "completion": _as_messages(record["completion"], "assistant", where, "completion"),
+        }
+    if fmt == "text":
+        return {"text": _string(record, "text", where)}
+    if fmt == "prompt_chosen_rejected":
+        return {
+            "prompt": _as_messages(record["prompt"], "user", where, "prompt"),
+            "chosen": _as_messages(record["chosen"], "assistant", where, "chosen"),
+            "rejected": _as_messages(record["rejected"], "assistant", where, "rejected"),
+        }
+    if fmt == "chosen_rejected":
+        chosen = _messages(record["chosen"], where, "chosen")
+        rejected = _messages(record["rejected"], where, "rejected")
+        shared = _common_prefix(chosen, rejected)
+        while shared and chosen[shared - 1]["role"] == "assistant":
+            shared -= 1
+        if shared == 0 or shared >= min(len(chosen), len(rejected)):
+            raise ConfigError(
+                f"{where}: chosen and rejected conversations must share their prompt messages and differ after "
+                "them; give prompt, chosen and rejected columns instead"
+            )
+        return {"prompt": chosen[:shared], "chosen": chosen[shared:], "rejected": rejected[shared:]}
+    raise AssertionError(f"unknown format {fmt}")
+
+
+def _renamed(record: dict[str, Any], columns: dict[str, str]) -> dict[str, Any]:
+    if not columns:
+        return record
+    renamed = {k: v for k, v in record.items() if k not in columns.values()}
+    for standard, given in columns.items():
+        if given in record:
+            renamed[standard] = record[given]
+    return renamed
+
+
+def read_examples(
+    template: str,
+    paths: list[str],
+    *,
+    format: str | None = None,
+    columns: dict[str, str] | None = None,
+    dataset: str | None = None,
+    subset: str | None = None,
+    split: str | None = None,
+) -> Iterator[Examples]:
+    """Each source's examples, its format told from its first record's columns (or forced)."""
+    columns = columns or {}
+    for name, rows in sources(paths, dataset, subset, split):
+        first = next(rows, None)
+        if first is None:
+            continue
+        fmt = detect_format(template, _renamed(first[1], columns), name, format)
+
+        def examples(first=first, rows=rows, fmt=fmt):
+            for where, record in itertools.chain([first], rows):
+                yield where, normalise(fmt, _renamed(record, columns), where)
+
+        yield Examples(name, fmt, examples())

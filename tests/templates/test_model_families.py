@@ -1,0 +1,133 @@
+"""Any causal LM transformers knows: tiny random-weight Qwen2, Llama, Gemma 2, Mistral and Phi-3
+models (tokenizers trained here, each family's chat format without markers) are fine-tuned by
+the sft template as they are — the loss on each family's assistant turns, FSDP2 on the model's
+own decoder layers, LoRA on its projection names, gradient checkpointing on its layers — and
+exported as the model's own class with its tokenizer and chat template."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine import run_dir as rd
+from engine.engine import IGNORE_INDEX
+from engine.fsdp import transformer_blocks
+from recipes_template.sft import recipe as sft
+from skills import apply_skill
+from tests.model_families import FAMILIES, tiny_model_folder
+from tests.support import REPO, engine_env, losses, run_engine
+
+# What each family's template adds after an answer: the end of turn it learns.
+END_OF_TURN = {"qwen2": "<|im_end|>\n", "llama": "<|eot_id|>", "gemma2": "<end_of_turn>\n",
+               "mistral": "<|im_end|>\n", "phi3": "<|im_end|>\n"}
+PROJECTIONS = {"qwen2": {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"},
+               "phi3": {"qkv_proj", "o_proj", "gate_up_proj", "down_proj"}}
+CONVERSATION = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 3 + 4?"},
+                {"role": "assistant", "content": "It is 7."}, {"role": "user", "content": "And 2 + 2?"},
+                {"role": "assistant", "content": "4"}]
+
+
+def load_module(path: Path):
+    from engine.launch import load_recipe_class
+
+    return sys.modules[load_recipe_class(path).__module__]
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    root = tmp_path_factory.mktemp("families")
+    return {family: tiny_model_folder(root / family, family) for family in FAMILIES}
+
+
+@pytest.fixture(scope="module")
+def skilled(tmp_path_factory):
+    """The sft template with the lora and gradient-checkpointing skills applied."""
+    recipe = tmp_path_factory.mktemp("skilled") / "sft"
+    shutil.copytree(REPO / "recipes_template" / "sft", recipe, ignore=shutil.ignore_patterns("__pycache__"))
+    apply_skill("lora", recipe)
+    apply_skill("gradient-checkpointing", recipe)
+    return recipe
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_each_family_learns_its_assistant_turns_and_its_end_of_turn(family, folders):
+    tokenizer = sft.load_tokenizer(str(folders[family]), None)
+    assert sft.mask_method(tokenizer, {"messages": CONVERSATION}) == "turn_render"
+    piece, why, _ = sft.encode_example(tokenizer, CONVERSATION, 256)
+    assert why is None
+    learnt = tokenizer.decode([t for t in piece[1].tolist() if t != IGNORE_INDEX])
+    assert learnt == f"It is 7.{END_OF_TURN[family]}4{END_OF_TURN[family]}"
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_fsdp_lora_and_checkpointing_act_on_the_familys_own_layers(family, folders, skilled):
+    module = load_module(skilled)
+    model = sft.build_model(sft.ModelConfig(pretrained_path=str(folders[family])), 0, 64)
+    layer_class = f"{FAMILIES[family][1].removesuffix('ForCausalLM')}DecoderLayer"
+    assert layer_class in model._no_split_modules
+    assert [type(b).__name__ for b in transformer_blocks(model)] == [layer_class] * 2
+    module.apply_lora(model)
+    adapted = {name.rsplit(".", 1)[-1] for name, m in model.named_modules() if hasattr(m, "lora_A")}
+    assert adapted == PROJECTIONS.get(family, PROJECTIONS["qwen2"])
+    module.checkpoint_blocks(model)
+    wrapped = [m for m in model.modules() if type(m).__name__ == "CheckpointWrapper"]
+    assert [type(m._checkpoint_wrapped_module).__name__ for m in wrapped] == [layer_class] * 2
+    # FSDP2 then shards the wrappers, each holding one decoder layer.
+    assert transformer_blocks(model) == wrapped
+
+
+def write_data(root: Path) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = [{"messages": [{"role": "user", "content": f"What is {a} + {b}?"},
+                          {"role": "assistant", "content": f"It is {a + b}."}]} for a in range(8) for b in range(4)]
+    (root / "data").mkdir(exist_ok=True)
+    pq.write_table(pa.Table.from_pylist(rows), root / "data" / "train.parquet")
+
+
+SCHEDULE = ("data.paths=[data/train.parquet]", "data.seq_len=48", "data.batch_size=4", "train.max_steps=3",
+            "train.log_every=1", "checkpoint.every=3", "metrics.tensorboard=false", "data.eval_fraction=0")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["gemma2", "llama", "phi3"])
+def test_a_family_trains_with_lora_and_checkpointing_and_exports_as_its_own_class(family, folders, skilled, tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    write_data(tmp_path)
+    shutil.copytree(folders[family], tmp_path / "model")
+    run = run_engine(tmp_path, skilled, *SCHEDULE, "model.pretrained_path=model")
+    record = rd.read_run(run)
+    assert record.status == rd.COMPLETED and (record.data.format, record.data.mask) == ("messages", "turn_render")
+    assert len(losses(run)) == 3
+    out = tmp_path / "export"
+    shutil.copytree(skilled, run / "recipe")  # the snapshot a supervised run keeps
+    result = subprocess.run([sys.executable, "-m", "engine.model_io", "export", str(run), "--step", "3", "--to", str(out)],
+                            cwd=tmp_path, env=engine_env(), capture_output=True, text=True, timeout=300)
+    assert json.loads(result.stdout.strip().splitlines()[-1])["ok"], result.stdout + result.stderr
+    model = AutoModelForCausalLM.from_pretrained(out)
+    assert type(model).__name__ == FAMILIES[family][1]
+    assert AutoTokenizer.from_pretrained(out).chat_template == FAMILIES[family][2]
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_two_processes_match_one_on_a_llama_folder(folders, tmp_path):
+    write_data(tmp_path)
+    shutil.copytree(folders["llama"], tmp_path / "model")
+    recipe = tmp_path / "sft"
+    shutil.copytree(REPO / "recipes_template" / "sft", recipe, ignore=shutil.ignore_patterns("__pycache__"))
+    settings = (*SCHEDULE, "model.pretrained_path=model", "checkpoint.every=0", "checkpoint.at_end=false")
+    one = losses(run_engine(tmp_path, recipe, *settings))
+    two = losses(run_engine(tmp_path, recipe, *settings, nproc=2))
+    assert sorted(one) == sorted(two) == [1, 2, 3]
+    for step in one:
+        assert abs(one[step] - two[step]) <= 1e-5 * abs(one[step]), (step, one[step], two[step])
+    assert torch.isfinite(torch.tensor(list(one.values()))).all()
