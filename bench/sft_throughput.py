@@ -17,6 +17,13 @@ batch in hand to the end of the optimizer step (TRL's Trainer takes the batch be
 tokens / the step's seconds.
 
     python bench/sft_throughput.py [--steps 40] [--warmup 5] [--rounds 3]
+    python bench/sft_throughput.py --model qwen2    # a Qwen2-family model folder, as a user brings one
+
+``--model qwen2`` fine-tunes a random-weight Qwen2 model of the same sizes, saved as a folder
+with a byte-level BPE tokenizer trained here and a ChatML template without ``{% generation %}``
+markers; both peers read the same conversations as prompt/completion records (the prompt: every
+turn before the last answer) and learn the last answer only (the template's ``completion``
+mask; TRL's ``completion_only_loss``).
 
 Prints supervised (assistant) tokens/s of each peer in every round, and the ratios. Goals:
 the template at >= 1.0x TRL, and >= 1.3x with packing.
@@ -39,6 +46,7 @@ TEMPLATE = REPO / "recipes_template" / "sft"
 PEERS = ("template", "template+packing", "trl")
 SETTINGS = {"seq_len": 256, "batch_size": 16, "lr": 1e-3, "conversations": 2000}
 MODEL = {"hidden_size": 256, "intermediate_size": 688, "num_layers": 4}  # the template's default model
+USER_MODEL: dict[str, str] = {}  # --model qwen2: {"folder": ..., "data": ...}
 
 
 def report_step(tokens: int, seconds: float) -> None:
@@ -59,9 +67,12 @@ def engine_worker(recipe_dir: Path, total_steps: int) -> None:
     from engine.launch import load_recipe_class
 
     recipe_class = load_recipe_class(recipe_dir)
-    overrides = [f"model.{k}={v}" for k, v in MODEL.items()] + [
-        f"data.seq_len={SETTINGS['seq_len']}", f"data.batch_size={SETTINGS['batch_size']}",
-        f"data.builtin_conversations={SETTINGS['conversations']}", f"optim.lr={SETTINGS['lr']}",
+    if USER_MODEL:
+        given = [f"model.pretrained_path={USER_MODEL['folder']}", f"data.paths=[{USER_MODEL['data']}]"]
+    else:
+        given = [f"model.{k}={v}" for k, v in MODEL.items()] + [f"data.builtin_conversations={SETTINGS['conversations']}"]
+    overrides = given + [
+        f"data.seq_len={SETTINGS['seq_len']}", f"data.batch_size={SETTINGS['batch_size']}", f"optim.lr={SETTINGS['lr']}",
         "optim.weight_decay=0.0", "optim.warmup_steps=0", "optim.min_lr_ratio=1.0",
         f"train.max_steps={total_steps}", "checkpoint.every=0", "metrics.tensorboard=false",
     ]
@@ -86,10 +97,17 @@ def trl_worker(total_steps: int) -> None:
     sys.path.insert(0, str(REPO))
     from recipes_template.sft import recipe
 
-    tokenizer = recipe.byte_chat_tokenizer()
-    torch.manual_seed(0)
-    model = recipe.build_model(recipe.ModelConfig(**MODEL), len(tokenizer), SETTINGS["seq_len"])
-    conversations = [{"messages": m} for _, m in recipe.builtin_conversations(SETTINGS["conversations"], 3)]
+    if USER_MODEL:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(USER_MODEL["folder"])
+        model = AutoModelForCausalLM.from_pretrained(USER_MODEL["folder"], dtype=torch.float32)
+        conversations = [json.loads(line) for line in Path(USER_MODEL["data"]).read_text().splitlines()]
+    else:
+        tokenizer = recipe.byte_chat_tokenizer()
+        torch.manual_seed(0)
+        model = recipe.build_model(recipe.ModelConfig(**MODEL), len(tokenizer), SETTINGS["seq_len"])
+        conversations = [{"messages": m} for _, m in recipe.builtin_conversations(SETTINGS["conversations"], 3)]
 
     class Clock(TrainerCallback):
         """Times each optimizer step from its batch's arrival to the end of the optimizer step."""
@@ -116,7 +134,7 @@ def trl_worker(total_steps: int) -> None:
     args = trl.SFTConfig(
         output_dir=tempfile.mkdtemp(), max_steps=total_steps, per_device_train_batch_size=SETTINGS["batch_size"],
         learning_rate=SETTINGS["lr"], weight_decay=0.0, lr_scheduler_type="constant", warmup_steps=0,
-        adam_beta2=0.95, max_grad_norm=1.0, max_length=SETTINGS["seq_len"], assistant_only_loss=True,
+        adam_beta2=0.95, max_grad_norm=1.0, max_length=SETTINGS["seq_len"], assistant_only_loss=not USER_MODEL,
         packing=False, report_to=[], use_cpu=True, save_strategy="no", logging_strategy="no",
         bf16=False,  # TRL's default is bf16 autocast (even on CPU): the template's fp32 is the peer
         dataloader_num_workers=0, dataset_num_proc=None, gradient_checkpointing=False,  # TRL's default is True
@@ -128,12 +146,29 @@ def trl_worker(total_steps: int) -> None:
     trainer.train()
 
 
+def user_model(scratch: Path) -> dict[str, str]:
+    """A Qwen2 folder of the bench's sizes and the built-in conversations as prompt/completion."""
+    sys.path.insert(0, str(REPO))
+    from recipes_template.sft import recipe
+    from tests.model_families import tiny_model_folder
+
+    folder = tiny_model_folder(scratch / "qwen2", "qwen2", hidden_size=MODEL["hidden_size"],
+                               intermediate_size=MODEL["intermediate_size"], num_hidden_layers=MODEL["num_layers"],
+                               max_position_embeddings=SETTINGS["seq_len"] * 2)
+    data = scratch / "conversations.jsonl"
+    with open(data, "w") as f:
+        for _, messages in recipe.builtin_conversations(SETTINGS["conversations"], 3):
+            f.write(json.dumps({"prompt": messages[:-1], "completion": messages[-1:]}) + "\n")
+    return {"folder": str(folder), "data": str(data)}
+
+
 def start_worker(peer: str, total_steps: int, threads: int, packed_dir: Path) -> subprocess.Popen:
     call = (f"b.trl_worker({total_steps})" if peer == "trl" else
             f"b.engine_worker(pathlib.Path({str(packed_dir if peer == 'template+packing' else TEMPLATE)!r}), {total_steps})")
     code = (
         f"import sys, torch; torch.set_num_threads({threads}); sys.path.insert(0, {str(REPO)!r}); sys.argv = ['bench']; "
-        f"import bench.sft_throughput as b, pathlib; b.MODEL.update({MODEL!r}); {call}"
+        f"import bench.sft_throughput as b, pathlib; b.MODEL.update({MODEL!r}); b.USER_MODEL.update({USER_MODEL!r}); "
+        f"{call}"
     )
     env = {"OMP_NUM_THREADS": str(threads), "PATH": "/usr/bin:/bin", "HF_HUB_OFFLINE": "1"}
     return subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
@@ -179,10 +214,14 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--small", action="store_true", help="hidden 128, 2 layers (a loaded machine)")
+    parser.add_argument("--model", choices=("template", "qwen2"), default="template",
+                        help="qwen2: a Qwen2-family model folder with a ChatML template without markers")
     args = parser.parse_args()
     if args.small:
         MODEL.update(hidden_size=128, intermediate_size=344, num_layers=2)
     scratch = Path(tempfile.mkdtemp(prefix="sft-bench-"))
+    if args.model == "qwen2":
+        USER_MODEL.update(user_model(scratch))
     packed_dir = scratch / "sft_packed"
     shutil.copytree(TEMPLATE, packed_dir, ignore=shutil.ignore_patterns("__pycache__"))
     sys.path.insert(0, str(REPO))
@@ -201,7 +240,8 @@ def main() -> None:
         "tokens_per_s_median": {k: round(v) for k, v in medians.items()},
         "template_vs_trl": round(medians["template"] / medians["trl"], 3),
         "packed_vs_trl": round(medians["template+packing"] / medians["trl"], 3),
-        "settings": {**SETTINGS, **MODEL, "steps": args.steps, "warmup": args.warmup, "threads": args.threads},
+        "settings": {**SETTINGS, **MODEL, "model": args.model, "steps": args.steps, "warmup": args.warmup,
+                     "threads": args.threads},
     }))
     shutil.rmtree(scratch, ignore_errors=True)
 

@@ -5,6 +5,7 @@ folder a recipe's ``model.pretrained_path`` can name."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -91,8 +92,10 @@ def bpe_tokenizer(special: list[str], eos: str, chat_template: str, vocab_size: 
     )
 
 
-def tiny_model_folder(folder: Path, family: str = "qwen2", chat_template: str | None = None, seed: int = 0) -> Path:
-    """A random-weight model of ``family`` with its tokenizer, saved to ``folder``."""
+def tiny_model_folder(folder: Path, family: str = "qwen2", chat_template: str | None = None, seed: int = 0,
+                      **config: Any) -> Path:
+    """A random-weight model of ``family`` with its tokenizer, saved to ``folder``; ``config``
+    replaces sizes (``hidden_size=256``, ``num_hidden_layers=4``...)."""
     import transformers
 
     config_name, model_name, template, special, eos = FAMILIES[family]
@@ -105,6 +108,7 @@ def tiny_model_folder(folder: Path, family: str = "qwen2", chat_template: str | 
     )
     if family == "gemma2":
         sizes.update(head_dim=8, sliding_window=64)
+    sizes.update(config)
     config = getattr(transformers, config_name)(**sizes)
     torch.manual_seed(seed)
     model = getattr(transformers, model_name)(config)
