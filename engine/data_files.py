@@ -31,6 +31,7 @@ _LEDGER: dict[Path, str] = {}
 # Set by the server for a run, a launch check or a model process that loads a model by Hub id
 # (sandbox/hub.py): JSON {name as given: snapshot folder}, the folders bound read-only.
 HUB_MODELS_VARIABLE = "TRAINWRIGHT_HUB_MODELS"
+HUB_DATASETS_VARIABLE = "TRAINWRIGHT_HUB_DATASETS"  # likewise for data.dataset
 
 
 class DataPathRefused(ConfigError):

@@ -13,7 +13,8 @@ File kinds (``data.paths``; a folder gives its files of these kinds):
 
 ``data.dataset`` (with ``data.subset``, ``data.split``) names a data set for
 ``datasets.load_dataset``: a workspace folder (its data files, or a ``save_to_disk`` folder), or a
-Hub id found in the local Hugging Face datasets cache (``HF_DATASETS_OFFLINE`` honoured; a run's
+Hub id: the snapshot trainwright's server downloaded and bound for the run (sandbox/hub.py), or
+outside the server one found in the local Hugging Face datasets cache (``HF_DATASETS_OFFLINE`` honoured; a run's
 sandbox has no network). Every workspace file read is confined and fingerprinted as
 :func:`engine.data_files.data_files` does.
 
@@ -27,12 +28,13 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
 from engine.config import ConfigError
-from engine.data_files import data_files, jsonl_records
+from engine.data_files import HUB_DATASETS_VARIABLE, data_files, jsonl_records
 
 FILE_SUFFIXES = {".jsonl", ".json", ".parquet", ".csv", ".tsv"}
 
@@ -179,10 +181,26 @@ def record_rows(paths: list[str], **where) -> Iterator[tuple[str, dict[str, Any]
         yield from rows
 
 
+def _hub_dataset_path(dataset: str) -> str | None:
+    try:
+        mapping = json.loads(os.environ.get(HUB_DATASETS_VARIABLE) or "{}")
+    except ValueError:
+        return None
+    path = mapping.get(dataset) if isinstance(mapping, dict) else None
+    return path if isinstance(path, str) and os.path.isdir(path) else None
+
+
 def _load_dataset(dataset: str, subset: str | None, split: str | None):
     """A data set by ``datasets.load_dataset``: a workspace folder, or a Hub id in the cache."""
     import datasets
 
+    bound = _hub_dataset_path(dataset)
+    if bound is not None:  # a Hub data set the server downloaded, bound read-only (sandbox/hub.py)
+        try:
+            return datasets.load_dataset(bound, subset, split=split or "train", streaming=True)
+        except (FileNotFoundError, ValueError) as e:
+            raise ConfigError(f"data.dataset {dataset!r} (subset {subset!r}, split {split or 'train'!r}) could not be "
+                              f"read: {str(e)[:300]}") from None
     if Path(dataset).exists():
         if is_saved_dataset(Path(dataset)):
             return _load_saved(dataset, split)

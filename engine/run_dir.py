@@ -232,6 +232,7 @@ class HubModel(BaseModel):
     commit: str = Field(description="The commit it resolved to; a resume loads this one.")
     path: str = Field(description="The snapshot folder in the server's Hugging Face cache, bound read-only.")
     bytes: int = Field(0, description="Size of the files fetched for the run.")
+    repo_type: Literal["model", "dataset"] = Field("model", description="model.pretrained_path or data.dataset.")
 
 
 class RunRecord(BaseModel):

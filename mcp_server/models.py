@@ -12,8 +12,8 @@ from engine.run_dir import HubModel, ResumedFrom, RunStatus
 
 
 def hub_model_shown(model: HubModel) -> str:
-    """A model by Hub id as results show it: ``org/name@<commit>``."""
-    return f"{model.repo_id}@{model.commit}"
+    """A model by Hub id as results show it: ``org/name@<commit>`` (``datasets/org/name@<commit>``)."""
+    return f"{'datasets/' if model.repo_type == 'dataset' else ''}{model.repo_id}@{model.commit}"
 
 
 class ResumePoint(BaseModel):

@@ -29,10 +29,13 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping
 
 from engine import run_dir as rd
-from engine.data_files import HUB_MODELS_VARIABLE
+from engine.data_files import HUB_DATASETS_VARIABLE, HUB_MODELS_VARIABLE
 from engine.errors import BadInput, NotFound
 
 MODEL_KEY = "model.pretrained_path"
+DATASET_KEY = "data.dataset"
+# What a data set's loader reads: its data files, and README.md (its configs: subsets, splits).
+DATA_SUFFIXES = (".parquet", ".json", ".jsonl", ".csv", ".tsv", ".arrow", ".txt")
 _NAME = r"[A-Za-z0-9](?:[A-Za-z0-9._-]{0,94}[A-Za-z0-9])?"
 _HUB_ID = re.compile(rf"^(?P<repo>{_NAME}/{_NAME})(?:@(?P<revision>[A-Za-z0-9][A-Za-z0-9._/-]{{0,127}}))?$")
 WEIGHT_SAFE = (".safetensors",)
@@ -54,9 +57,10 @@ class HubRef:
     given: str
     repo_id: str
     revision: str | None
+    repo_type: str = "model"  # or "dataset"
 
 
-def hub_ref(value: object, workspace: Path) -> HubRef | None:
+def hub_ref(value: object, workspace: Path, repo_type: str = "model") -> HubRef | None:
     """The Hub id ``value`` names, or None: a value that is not shaped like one, or that names
     something in the workspace (a workspace folder wins, as in transformers)."""
     if not isinstance(value, str):
@@ -66,7 +70,7 @@ def hub_ref(value: object, workspace: Path) -> HubRef | None:
         return None
     if os.path.lexists(Path(workspace) / value.split("@")[0]) or os.path.lexists(Path(workspace) / value):
         return None
-    return HubRef(value, match["repo"], match["revision"])
+    return HubRef(value, match["repo"], match["revision"], repo_type)
 
 
 def hub_cache_dir(environ: Mapping[str, str] | None = None) -> Path:
@@ -91,8 +95,12 @@ class ModelBinding:
     def env(self) -> dict[str, str]:
         if not self.models:
             return {}
-        mapping = {model.given: model.path for model in self.models}
-        return {HUB_MODELS_VARIABLE: json.dumps(mapping), "HF_HUB_OFFLINE": "1"}
+        env = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+        for variable, kind in ((HUB_MODELS_VARIABLE, "model"), (HUB_DATASETS_VARIABLE, "dataset")):
+            mapping = {m.given: m.path for m in self.models if m.repo_type == kind}
+            if mapping:
+                env[variable] = json.dumps(mapping)
+        return env
 
     def read_only(self) -> list[Path]:
         """The repos' cache folders: a snapshot's files are links into the repo's ``blobs/``."""
@@ -104,6 +112,17 @@ class _Selection:
     files: list[str]
     total_bytes: int
     skipped: list[str] = field(default_factory=list)
+
+
+def _select_data(siblings: Iterable[tuple[str, int | None]], ref: HubRef) -> _Selection:
+    """A data set's data files (any folder: splits and subsets live in folders) and README.md."""
+    files = list(siblings)
+    chosen = sorted(n for n, _ in files if n.endswith(DATA_SUFFIXES) or n == "README.md")
+    if not any(n.endswith(DATA_SUFFIXES) for n in chosen):
+        raise BadInput(f"data set {ref.given} has no data files trainwright reads ({', '.join(DATA_SUFFIXES)}); "
+                       f"files: {', '.join(n for n, _ in files[:8]) or 'none'}")
+    sizes = dict(files)
+    return _Selection(chosen, sum(int(sizes.get(n) or 0) for n in chosen))
 
 
 def _select(siblings: Iterable[tuple[str, int | None]], ref: HubRef, allow_pickled: bool,
@@ -210,21 +229,25 @@ def resolve(ref: HubRef, *, commit: str | None = None, allow_pickled: bool = Fal
     shown = ref.given if commit is None else f"{ref.repo_id}@{commit[:12]}"
     try:
         if _offline(env):
-            path = snapshot_download(ref.repo_id, revision=revision, cache_dir=cache, local_files_only=True)
+            path = snapshot_download(ref.repo_id, repo_type=ref.repo_type, revision=revision, cache_dir=cache,
+                                     local_files_only=True)
             return _model(ref, revision, Path(path), _folder_bytes(Path(path)))
         api = HfApi(endpoint=endpoint, token=token)
-        info = api.model_info(ref.repo_id, revision=revision, files_metadata=True)
+        info: Any = (api.dataset_info if ref.repo_type == "dataset" else api.model_info)(
+            ref.repo_id, revision=revision, files_metadata=True)
         sha = info.sha or ""
         if not re.fullmatch(r"[0-9a-f]{40}", sha) or commit is not None and sha != commit:
             raise BadInput(f"the Hub gave no commit {commit or ''} for {shown} (got {sha[:50]!r})")
         siblings = [(s.rfilename, s.size) for s in (info.siblings or [])]
-        selection = _select(siblings, ref, allow_pickled, remote_code)
+        selection = (_select_data(siblings, ref) if ref.repo_type == "dataset"
+                     else _select(siblings, ref, allow_pickled, remote_code))
         _check_disk(cache, selection.total_bytes, shown)
         if progress is not None:
             progress(0.0, float(selection.total_bytes) or None,
                      f"downloading {shown}: {len(selection.files)} files, {selection.total_bytes / 2**20:,.1f} MiB")
         path = snapshot_download(
-            ref.repo_id, revision=sha, cache_dir=cache, allow_patterns=selection.files, endpoint=endpoint,
+            ref.repo_id, repo_type=ref.repo_type, revision=sha, cache_dir=cache, allow_patterns=selection.files,
+            endpoint=endpoint,
             token=token, tqdm_class=_bar_class(progress, shown, selection.total_bytes),  # type: ignore[arg-type]
             max_workers=4,
         )
@@ -237,8 +260,9 @@ def resolve(ref: HubRef, *, commit: str | None = None, allow_pickled: bool = Fal
             "server a token (HF_TOKEN in the environment of `trainwright serve`, or `hf auth login`)"
         ) from None
     except hf_errors.RepositoryNotFoundError:
-        raise NotFound(f"no model repo {ref.repo_id} on the Hub (or it is private and the server's token cannot "
-                       f"see it); {MODEL_KEY} may also name a folder in the workspace") from None
+        key = DATASET_KEY if ref.repo_type == "dataset" else MODEL_KEY
+        raise NotFound(f"no {ref.repo_type} repo {ref.repo_id} on the Hub (or it is private and the server's token "
+                       f"cannot see it); {key} may also name a folder in the workspace") from None
     except hf_errors.RevisionNotFoundError:
         raise NotFound(f"{ref.repo_id} has no revision {revision!r}") from None
     except hf_errors.LocalEntryNotFoundError:
@@ -273,7 +297,7 @@ def _remember_revision(snapshot: Path, revision: str, sha: str) -> None:
 def _model(ref: HubRef, commit: str, path: Path, size: int) -> rd.HubModel:
     commit = path.name if re.fullmatch(r"[0-9a-f]{40}", path.name) else commit
     return rd.HubModel(given=ref.given, repo_id=ref.repo_id, revision=ref.revision or "main", commit=commit,
-                       path=str(path), bytes=size)
+                       path=str(path), bytes=size, repo_type=ref.repo_type)
 
 
 def _folder_bytes(folder: Path) -> int:
@@ -292,20 +316,26 @@ def _check_disk(cache: Path, needed: int, shown: str) -> None:
         )
 
 
-def model_value(config: Mapping[str, Any] | None) -> Any:
-    """``model.pretrained_path`` of a config, nested or dotted."""
+def config_value(config: Mapping[str, Any] | None, key: str = MODEL_KEY) -> Any:
+    """``key`` (``model.pretrained_path``, ``data.dataset``) of a config, nested or dotted."""
     if not isinstance(config, Mapping):
         return None
-    if MODEL_KEY in config:
-        return config[MODEL_KEY]
-    model = config.get("model")
-    return model.get("pretrained_path") if isinstance(model, Mapping) else None
+    if key in config:
+        return config[key]
+    section, name = key.split(".")
+    inner = config.get(section)
+    return inner.get(name) if isinstance(inner, Mapping) else None
 
 
-def recipe_config(recipe_dir: Path, overrides: Mapping[str, Any]) -> Any:
-    """The value of ``model.pretrained_path`` that a launch will resolve: the overrides', else
-    the recipe's ``config.yaml``'s (the code's default is seen by the launch check)."""
-    value = model_value(overrides)
+def model_value(config: Mapping[str, Any] | None) -> Any:
+    """``model.pretrained_path`` of a config, nested or dotted."""
+    return config_value(config, MODEL_KEY)
+
+
+def recipe_config(recipe_dir: Path, overrides: Mapping[str, Any], key: str = MODEL_KEY) -> Any:
+    """The value of ``key`` that a launch will resolve: the overrides', else the recipe's
+    ``config.yaml``'s (the code's default is seen by the launch check)."""
+    value = config_value(overrides, key)
     if value is not None:
         return value
     path = Path(recipe_dir) / "config.yaml"
@@ -313,22 +343,26 @@ def recipe_config(recipe_dir: Path, overrides: Mapping[str, Any]) -> Any:
         if path.is_file() and not path.is_symlink() and path.stat().st_size <= 1 << 20:
             import yaml
 
-            return model_value(yaml.safe_load(path.read_text()))
+            return config_value(yaml.safe_load(path.read_text()), key)
     except (OSError, ValueError, yaml.YAMLError):  # the launch check names what is wrong with it
         return None
     return None
 
 
-def bind(workspace: Path, value: Any, *, recorded: Iterable[rd.HubModel] = (), allow_pickled: bool = False,
-         remote_code: bool = False, progress: Progress | None = None) -> ModelBinding:
-    """The binding of the Hub model ``value`` names, if it names one (downloaded as needed).
-    ``recorded``: a resumed run's models, whose commits are loaded again."""
-    ref = hub_ref(value, workspace)
-    if ref is None:
-        return ModelBinding()
-    commit = next((m.commit for m in recorded if m.given == ref.given), None)
-    return ModelBinding((resolve(ref, commit=commit, allow_pickled=allow_pickled, remote_code=remote_code,
-                                 progress=progress),))
+def bind(workspace: Path, value: Any, *, dataset: Any = None, recorded: Iterable[rd.HubModel] = (),
+         allow_pickled: bool = False, remote_code: bool = False, progress: Progress | None = None) -> ModelBinding:
+    """The binding of the Hub model ``value`` and the Hub data set ``dataset`` name, where they
+    name one (downloaded as needed). ``recorded``: a resumed run's, whose commits are loaded
+    again."""
+    recorded = list(recorded)
+    bound = []
+    for ref in (hub_ref(value, workspace), hub_ref(dataset, workspace, "dataset")):
+        if ref is None:
+            continue
+        commit = next((m.commit for m in recorded if m.given == ref.given and m.repo_type == ref.repo_type), None)
+        bound.append(resolve(ref, commit=commit, allow_pickled=allow_pickled, remote_code=remote_code,
+                             progress=progress))
+    return ModelBinding(tuple(bound))
 
 
 def recorded_binding(models: Iterable[rd.HubModel]) -> ModelBinding:
@@ -345,18 +379,20 @@ def recorded_binding(models: Iterable[rd.HubModel]) -> ModelBinding:
         if match is None or match["repo"] != model.repo_id or not re.fullmatch(r"[0-9a-f]{40}", model.commit or ""):
             continue
         try:
-            path = Path(snapshot_download(model.repo_id, revision=model.commit, cache_dir=hub_cache_dir(),
-                                          local_files_only=True))
+            path = Path(snapshot_download(model.repo_id, repo_type=model.repo_type, revision=model.commit,
+                                          cache_dir=hub_cache_dir(), local_files_only=True))
         except (hf_errors.LocalEntryNotFoundError, OSError, ValueError):
             continue
-        bound.append(_model(HubRef(model.given, model.repo_id, match["revision"]), model.commit, path, model.bytes))
+        bound.append(_model(HubRef(model.given, model.repo_id, match["revision"], model.repo_type), model.commit,
+                            path, model.bytes))
     return ModelBinding(tuple(bound))
 
 
 def verify(binding: ModelBinding, workspace: Path, config: Mapping[str, Any] | None) -> None:
     """The launch check's resolved config names the same Hub model as was bound (a recipe's code
     default could name another, which no sandbox can download)."""
-    ref = hub_ref(model_value(config), workspace)
-    if ref is not None and ref.given not in {m.given for m in binding.models}:
-        raise BadInput(f"{MODEL_KEY} {ref.given!r} comes from the recipe's code: set it in config.yaml or the "
-                       "overrides, so the server can download it before the run")
+    for key, kind in ((MODEL_KEY, "model"), (DATASET_KEY, "dataset")):
+        ref = hub_ref(config_value(config, key), workspace, kind)
+        if ref is not None and (ref.given, kind) not in {(m.given, m.repo_type) for m in binding.models}:
+            raise BadInput(f"{key} {ref.given!r} comes from the recipe's code: set it in config.yaml or the "
+                           "overrides, so the server can download it before the run")

@@ -34,7 +34,11 @@ class FakeHub:
     drop_once: set[str] = field(default_factory=set)  # "repo/file": the first GET sends half, then drops
     requests: list[tuple[str, str, dict[str, str]]] = field(default_factory=list)  # (method, path, headers)
 
-    def add(self, repo_id: str, folder: Path, gated: bool = False) -> Repo:
+    def add(self, repo_id: str, folder: Path, gated: bool = False, repo_type: str = "model") -> Repo:
+        """Serve ``folder`` as a new commit on main of ``repo_id`` (a data set's key in
+        :attr:`repos` is ``datasets/<repo_id>``)."""
+        if repo_type == "dataset":
+            repo_id = f"datasets/{repo_id}"
         files = {p.relative_to(folder).as_posix(): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
         commit = hashlib.sha1(repo_id.encode() + b"".join(files.values())).hexdigest()
         history = self.repos[repo_id].history if repo_id in self.repos else {}
@@ -74,8 +78,13 @@ class FakeHub:
                 path = unquote(urlparse(self.path).path)
                 hub.requests.append((self.command, path, {k.lower(): v for k, v in self.headers.items()}))
                 parts = path.strip("/").split("/")
+                prefix = ""
+                if parts[:2] == ["api", "datasets"]:
+                    parts, prefix = ["api", "models", *parts[2:]], "datasets/"
+                elif parts[:1] == ["datasets"]:
+                    parts, prefix = parts[1:], "datasets/"
                 if parts[:2] == ["api", "models"] and len(parts) >= 5:
-                    repo_id, kind, rest = "/".join(parts[2:4]), parts[4], parts[5:]
+                    repo_id, kind, rest = prefix + "/".join(parts[2:4]), parts[4], parts[5:]
                     repo = self._repo(repo_id, body)
                     if repo is None:
                         return
@@ -94,7 +103,7 @@ class FakeHub:
                         return self._json(200, [{"type": "file", "path": name, "size": len(data), "oid": _oid(data)}
                                                 for name, data in files.items()], body=body)
                 if len(parts) >= 5 and parts[2] == "resolve":
-                    repo_id, filename = "/".join(parts[:2]), "/".join(parts[4:])
+                    repo_id, filename = prefix + "/".join(parts[:2]), "/".join(parts[4:])
                     repo = self._repo(repo_id, body)
                     if repo is None:
                         return
@@ -146,8 +155,11 @@ class FakeHub:
         return f"http://127.0.0.1:{self.server.server_address[1]}"
 
     def stop(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
+        """Stop serving (a second call does nothing)."""
+        if getattr(self, "server", None) is not None:
+            self.server.shutdown()
+            self.server.server_close()
+            self.server = None
 
 
 def _oid(data: bytes) -> str:

@@ -62,7 +62,8 @@ def describe_recipe(ws: Workspace, recipe: str) -> RecipeDescription:
     """Every config key of a recipe (from the engine's check), its template and skills."""
     recipe_dir = ws.recipe(recipe)
     limits = ws.run_limits()
-    models = hub.bind(ws.root, hub.recipe_config(recipe_dir, {}), allow_pickled=limits.allow_pickled_weights,
+    models = hub.bind(ws.root, hub.recipe_config(recipe_dir, {}),
+                      dataset=hub.recipe_config(recipe_dir, {}, hub.DATASET_KEY), allow_pickled=limits.allow_pickled_weights,
                       remote_code=limits.trust_remote_code)
     verdict = check_launch(ws.root, recipe_dir, 1, [], limits=limits, models=models)
     template, last_commit, _, skills = _history(ws, recipe_dir)

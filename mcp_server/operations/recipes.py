@@ -152,7 +152,8 @@ def scaffold_recipe(
             except skill_library.SkillError as e:
                 raise BadInput(f"skill {skill} cannot be applied to this recipe: {e}") from None
     limits = ws.run_limits()
-    models = hub.bind(ws.root, hub.model_value(flat), allow_pickled=limits.allow_pickled_weights,
+    models = hub.bind(ws.root, hub.model_value(flat), dataset=hub.config_value(flat, hub.DATASET_KEY),
+                      allow_pickled=limits.allow_pickled_weights,
                       remote_code=limits.trust_remote_code, progress=progress)
     confine_config(ws.root, check_launch(ws.root, source, 1, items, limits=limits, models=models)["config"])
 

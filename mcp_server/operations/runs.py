@@ -150,7 +150,8 @@ def launch_run(
             origin = CodeOrigin(first.git_commit, first.recipe_dirty, first.dirty_files)
         sandbox_runs.check_capacity(sr.records_root(ws.root), nproc, limits)  # before the check's cost; again at start
     checked = snapshot_digest(recipe_dir)  # the check imports the recipe: it may change itself
-    models = _hub_models(ws, hub.recipe_config(recipe_dir, flat), limits, progress) if target == "local" \
+    models = _hub_models(ws, hub.recipe_config(recipe_dir, flat), hub.recipe_config(recipe_dir, flat, hub.DATASET_KEY),
+                         limits, progress) if target == "local" \
         else hub.ModelBinding()
     with contextlib.ExitStack() as stack:
         config_json = stack.enter_context(_config_file(first)) if first is not None else None
@@ -174,10 +175,12 @@ def launch_run(
     return _launch_result(ws, record)
 
 
-def _hub_models(ws: Workspace, value: Any, limits: sandbox_runs.RunLimits, progress: hub.Progress | None,
-                recorded: list[rd.HubModel] | None = None) -> hub.ModelBinding:
-    """The Hub model ``value`` names (if it names one), downloaded as the trusted settings allow."""
-    return hub.bind(ws.root, value, recorded=recorded or [], allow_pickled=limits.allow_pickled_weights,
+def _hub_models(ws: Workspace, value: Any, dataset: Any, limits: sandbox_runs.RunLimits,
+                progress: hub.Progress | None, recorded: list[rd.HubModel] | None = None) -> hub.ModelBinding:
+    """The Hub model ``value`` and data set ``dataset`` name (where they name one), downloaded
+    as the trusted settings allow."""
+    return hub.bind(ws.root, value, dataset=dataset, recorded=recorded or [],
+                    allow_pickled=limits.allow_pickled_weights,
                     remote_code=limits.trust_remote_code, progress=progress)
 
 
@@ -311,7 +314,8 @@ def resume_checkpoint(
     sandbox_runs.check_capacity(sr.records_root(ws.root), nproc, limits)
     checked = snapshot_digest(code_dir)
     model = hub.model_value(flat) or hub.model_value(source.config)
-    models = _hub_models(ws, model, limits, progress, recorded=source.hub_models)
+    dataset = hub.config_value(flat, hub.DATASET_KEY) or hub.config_value(source.config, hub.DATASET_KEY)
+    models = _hub_models(ws, model, dataset, limits, progress, recorded=source.hub_models)
     with _config_file(source) as config_json:
         verdict = sandbox_runs.check_launch(
             ws.root, code_dir, nproc, override_args(flat), config_json=config_json, limits=limits, models=models

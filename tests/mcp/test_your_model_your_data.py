@@ -5,7 +5,6 @@ the export loads as the model's own class with its tokenizer and chat template."
 
 from __future__ import annotations
 
-import json
 
 import pytest
 
@@ -94,41 +93,50 @@ def test_a_saved_folder_and_a_datasets_folder_are_counted_inside_the_sandbox(tmp
     assert data["paths"] == ["data/saved", "data/set"] and data["fingerprint"]
 
 
-def test_a_qwen2_model_by_hub_id_from_the_local_cache_fine_tunes_evaluates_and_exports(tmp_path, monkeypatch):
-    """The same flow with ``model.pretrained_path: org/tiny-qwen`` found in the local Hugging
-    Face cache (``HF_HUB_OFFLINE=1``): the server binds the cached snapshot into the sandbox."""
+def test_a_qwen2_model_and_a_data_set_by_hub_id_fine_tune_evaluate_and_export(tmp_path, monkeypatch):
+    """The same flow from a Hub served on 127.0.0.1: ``model.pretrained_path: org/tiny-qwen`` and
+    ``data.dataset: org/chats`` (ShareGPT rows in parquet) are downloaded by the server and bound
+    read-only into the sandbox; a second launch, offline, finds both in the cache."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
     from tests.fake_hub import FakeHub
 
-    source = tiny_model_folder(tmp_path / "source", "qwen2")
     hub = FakeHub()
-    hub.add("org/tiny-qwen", source)
+    hub.add("org/tiny-qwen", tiny_model_folder(tmp_path / "source", "qwen2"))
+    chats = tmp_path / "chats"
+    (chats / "data").mkdir(parents=True)
+    rows = [{"conversations": [{"from": "human", "value": q}, {"from": "gpt", "value": a}]} for q, a in QUESTIONS]
+    pq.write_table(pa.Table.from_pylist(rows), chats / "data" / "train-00000-of-00001.parquet")
+    hub.add("org/chats", chats, repo_type="dataset")
     monkeypatch.setenv("HF_ENDPOINT", hub.start())
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
     monkeypatch.delenv("HF_TOKEN", raising=False)
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
-    from sandbox import hub as hub_models
-
-    hub_models.resolve(hub_models.hub_ref("org/tiny-qwen", tmp_path))  # fills the cache, as a user's download does
-    hub.stop()
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     workspace = make_workspace(tmp_path / "ws")
-    (workspace / "data").mkdir()
-    rows = [{"conversations": [{"from": "human", "value": q}, {"from": "gpt", "value": a}]} for q, a in QUESTIONS]
-    (workspace / "data" / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     config = {
-        "model.pretrained_path": "org/tiny-qwen", "data.paths": ["data/train.jsonl"], "data.seq_len": 64,
+        "model.pretrained_path": "org/tiny-qwen", "data.dataset": "org/chats", "data.seq_len": 64,
         "data.batch_size": 2, "data.eval_fraction": 0.2, "data.eval_prompts": 2, "data.max_new_tokens": 4,
         "train.max_steps": 2, "checkpoint.every": 2, "train.log_every": 1, "metrics.tensorboard": False,
     }
-    with connect("memory", workspace) as client:
-        client.ok("scaffold_recipe", template="sft", name="chat", config=config)
-        run_id = client.ok("launch_run", recipe="chat")["run_id"]
-        run = client.wait_for_run(run_id)
-        assert run["status"] == "completed", run
-        assert run["hub_models"] == [f"org/tiny-qwen@{hub.repos['org/tiny-qwen'].commit}"]
-        assert (run["data"]["format"], run["data"]["mask"]) == ("sharegpt", "turn_render")
-        assert client.ok("evaluate", run_id=run_id)["eval_loss"] > 0
-        client.ok("export_checkpoint", run_id=run_id, to="exports/chat")
+    try:
+        with connect("memory", workspace) as client:
+            client.ok("scaffold_recipe", template="sft", name="chat", config=config)
+            run_id = client.ok("launch_run", recipe="chat")["run_id"]
+            run = client.wait_for_run(run_id)
+            assert run["status"] == "completed", run
+            assert run["hub_models"] == [f"org/tiny-qwen@{hub.repos['org/tiny-qwen'].commit}",
+                                         f"datasets/org/chats@{hub.repos['datasets/org/chats'].commit}"]
+            assert (run["data"]["format"], run["data"]["mask"], run["data"]["documents"]) == (
+                "sharegpt", "turn_render", len(QUESTIONS))
+            assert client.ok("evaluate", run_id=run_id)["eval_loss"] > 0
+            client.ok("export_checkpoint", run_id=run_id, to="exports/chat")
+            hub.stop()
+            monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+            again = client.wait_for_run(client.ok("launch_run", recipe="chat")["run_id"])
+            assert again["status"] == "completed" and again["hub_models"] == run["hub_models"]
+    finally:
+        hub.stop()
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     folder = workspace / "exports" / "chat"

@@ -179,3 +179,32 @@ def test_no_request_leaves_the_machine(fake_hub, tmp_path):
 def test_a_revision_the_repo_lacks_is_not_found(fake_hub, tmp_path):
     with pytest.raises(NotFound, match="org/tiny has no revision 'v9'"):
         hub.resolve(ref("org/tiny@v9", tmp_path))
+
+
+def test_a_hub_data_set_is_downloaded_with_its_data_files_and_readme_and_bound_for_the_engine(fake_hub, tmp_path,
+                                                                                              monkeypatch):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from engine.data_formats import _load_dataset
+
+    folder = tmp_path / "chats"
+    (folder / "data").mkdir(parents=True)
+    rows = [{"messages": [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": f"a{i}"}]}
+            for i in range(5)]
+    pq.write_table(pa.Table.from_pylist(rows), folder / "data" / "train-00000-of-00001.parquet")
+    (folder / "README.md").write_text("---\nlicense: mit\n---\n# chats\n")
+    (folder / "loader.py").write_text("raise SystemExit('never fetched')\n")
+    fake_hub.add("org/chats", folder, repo_type="dataset")
+    binding = hub.bind(tmp_path, None, dataset="org/chats")
+    (model,) = binding.models
+    assert model.repo_type == "dataset" and model.commit == fake_hub.repos["datasets/org/chats"].commit
+    snapshot = Path(model.path)
+    assert sorted(p.relative_to(snapshot).as_posix() for p in snapshot.rglob("*") if p.is_file()) == [
+        "README.md", "data/train-00000-of-00001.parquet"]
+    assert binding.read_only() == [tmp_path / "hf" / "hub" / "datasets--org--chats"]
+    with pytest.raises(NotFound, match="no dataset repo org/nothing on the Hub .* data.dataset may also name"):
+        hub.bind(tmp_path, None, dataset="org/nothing")
+    for key, value in binding.env().items():  # what a run's engine gets
+        monkeypatch.setenv(key, value)
+    assert [r["messages"][1]["content"] for r in _load_dataset("org/chats", None, None)] == [f"a{i}" for i in range(5)]
