@@ -222,7 +222,7 @@ class SandboxView(BaseModel):
 
 
 class HubModel(BaseModel):
-    """A model a run loads by Hub id, as the server resolved it (sandbox/hub.py)."""
+    """A model (or data set) a run loads by Hub id, as the server resolved it (sandbox/hub.py)."""
 
     model_config = ConfigDict(extra="ignore")
 
@@ -287,7 +287,7 @@ class RunRecord(BaseModel):
     isolation: IsolationLevel | None = Field(None, description="The sandbox actually in force.")
     isolation_note: str | None = Field(None, description="What the isolation level is missing, if anything.")
     sandbox: SandboxView | None = None
-    hub_models: list[HubModel] = Field([], description="Models loaded by Hub id: repo, revision and commit.")
+    hub_models: list[HubModel] = Field([], description="Models and data sets loaded by Hub id: repo, revision and commit.")
     metrics_destinations: list[MetricsDestination] = Field(
         [], description="Where the engine sent the metrics (metrics.jsonl, TensorBoard, W&B, MLflow, trackio)."
     )

@@ -1,4 +1,7 @@
-"""Models by Hugging Face Hub id: resolved by the trusted server, never by the sandbox.
+"""Models and data sets by Hugging Face Hub id: resolved by the trusted server, never by the sandbox.
+
+What is said of ``model.pretrained_path`` below holds for ``data.dataset`` too (its data files
+and README.md are fetched, :data:`~engine.data_files.HUB_DATASETS_VARIABLE` maps it).
 
 ``model.pretrained_path`` names a workspace folder or a Hub id (``org/name`` or
 ``org/name@revision``); an existing workspace folder wins, as in transformers. For a Hub id the

@@ -5,7 +5,6 @@ the export loads as the model's own class with its tokenizer and chat template."
 
 from __future__ import annotations
 
-
 import pytest
 
 from sandbox import git as sandbox_git
