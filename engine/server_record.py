@@ -48,6 +48,9 @@ SLURM_JOB_ID = re.compile(r"^\d{1,20}(_\d{1,20})?$")
 
 # The fields of a run's view that come from its own report (run.json), not from the server.
 REPORTED_FIELDS = ("metrics_destinations", "started_at", "final_step", "engine_pid")
+# The data summary is the run's own count when it reports one (the engine counts again when the
+# data changed after the check): text and numbers to show, never acted on.
+REPORTED_WHEN_GIVEN = ("data",)
 NOT_STARTED_BY_SERVER = (
     "this run was not started by trainwright's server (it has no record in .trainwright/runs/): its status "
     "and provenance are only what its own run.json says, and the server never signals or resumes it as its code"
@@ -285,13 +288,23 @@ def view(workspace: Path | str, run_dir: Path | str) -> ServerRecord:
         record = read_record(record_dir(workspace, run_dir.name))
     except FileNotFoundError:
         return _unverified(run_dir)
-    report = _report(run_dir)
+    return merge(record, _report(run_dir))
+
+
+def merge(record: ServerRecord, report: rd.RunRecord | None) -> ServerRecord:
+    """``record`` with the fields that are the run's own taken from its ``report`` (if any)."""
     if report is None:
         return record
     update: dict[str, Any] = {name: getattr(report, name) for name in REPORTED_FIELDS}
+    update.update({name: getattr(report, name) for name in REPORTED_WHEN_GIVEN if getattr(report, name) is not None})
     known = set(record.warnings)
     update["warnings"] = [*record.warnings, *(w for w in report.warnings if w not in known)]
     return record.model_copy(update=update)
+
+
+def report(run_dir: Path | str) -> rd.RunRecord | None:
+    """The run's report (its run.json), or None when it cannot be read as one."""
+    return _report(Path(run_dir))
 
 
 _SERVER_OWNED_BLANK: dict[str, Any] = {

@@ -227,8 +227,9 @@ class Supervisor:
         says which commit, workspace, id and recipe (the run wrote none of it)."""
         if not record.git_commit or not record.workspace:
             return
+        shown = sr.merge(record, sr.report(self.run_dir))  # the data it counted, from its report
         add_note(Path(record.workspace), record.git_commit,
-                 run_note(record, rd.latest_metrics(self.run_dir / rd.METRICS_JSONL)))
+                 run_note(shown, rd.latest_metrics(self.run_dir / rd.METRICS_JSONL)))
 
 
 def run_note(record: rd.RunRecord, latest: dict | None) -> str:
