@@ -3,8 +3,10 @@
 All three train the template's default model (Llama-style, hidden 256, 4 layers, byte-level
 vocabulary) on the same batches (the template's data pipeline: CPython stdlib sources,
 sequence length 256, batch 8), fp32, fused AdamW with the same hyper-parameters (the
-Trainer's default optimizer is fused AdamW too), gradient clipping at 1.0, one process. Each peer runs in a fresh subprocess with the same thread count, in
-interleaved rounds; the first ``--warmup`` steps of each run are not timed.
+Trainer's default optimizer is fused AdamW too), gradient clipping at 1.0, one process. Each
+peer runs in a fresh subprocess with the same thread count and OpenMP wait policy (a run's:
+``engine/openmp.py``), in interleaved rounds (the order reverses every round); the first
+``--warmup`` steps of each run are not timed.
 
 Each peer also runs with checkpoints (``+ckpt``: a save every ``--warmup`` steps, model,
 optimizer and scheduler; the engine's DCP checkpoint, ``torch.save`` in the hand-written loop,
@@ -186,9 +188,14 @@ def run_trainer(steps: int, warmup: int, checkpoints: bool) -> dict:
 
 
 def measure(peer: str, steps: int, warmup: int) -> dict:
+    sys.path.insert(0, str(REPO))
+    from engine.openmp import apply_wait_policy
+
+    env = dict(os.environ)
+    apply_wait_policy(env)  # every peer's OpenMP threads wait as a run's do (the engine sets it itself)
     out = subprocess.run(
         [sys.executable, __file__, "--worker", peer, "--steps", str(steps), "--warmup", str(warmup)],
-        capture_output=True, text=True, cwd=REPO,
+        capture_output=True, text=True, cwd=REPO, env=env,
     )
     if out.returncode != 0:
         raise SystemExit(f"{peer} failed:\n{out.stderr[-3000:]}")
