@@ -53,6 +53,7 @@ test-fast: $(STAMP) sandbox
 # bench/gpu.py and bench/muon_vs_adamw.py are run by hand (a GPU machine; ~8 min).
 bench: $(STAMP)
 	$(BIN)/python bench/throughput.py
+	$(BIN)/python bench/openmp_wait.py
 	$(BIN)/python bench/mcp_startup.py
 	$(BIN)/python bench/apply_skill.py
 	$(BIN)/python bench/agent_budget.py

@@ -3,13 +3,22 @@
 All three train the template's default model (Llama-style, hidden 256, 4 layers, byte-level
 vocabulary) on the same batches (the template's data pipeline: CPython stdlib sources,
 sequence length 256, batch 8), fp32, fused AdamW with the same hyper-parameters (the
-Trainer's default optimizer is fused AdamW too), gradient clipping at 1.0, one process. Each peer runs in a fresh subprocess with the same thread count, in
-interleaved rounds; the first ``--warmup`` steps of each run are not timed.
+Trainer's default optimizer is fused AdamW too), gradient clipping at 1.0, one process. Each
+peer runs in a fresh subprocess with the same thread count and OpenMP wait policy (a run's:
+``engine/openmp.py``), in interleaved rounds (the order reverses every round); the first
+``--warmup`` steps of each run are not timed.
 
-    python bench/throughput.py [--steps 60] [--warmup 10] [--rounds 2]
+Each peer also runs with checkpoints (``+ckpt``: a save every ``--warmup`` steps, model,
+optimizer and scheduler; the engine's DCP checkpoint, ``torch.save`` in the hand-written loop,
+``save_strategy="steps"`` in the Trainer); the time a save takes is not training time and is
+left out, so a peer must be as fast with checkpoints as without (a run used to train at a
+fifth of its speed until its first save).
 
-Prints supervised tokens/s of each peer (median over rounds) and the ratios. Goal: the
-engine at ≥ 0.97× the hand-written loop and faster than ``Trainer``.
+    python bench/throughput.py [--steps 60] [--warmup 10] [--rounds 2] [--checkpoints both|off|on]
+
+Prints supervised tokens/s of each peer in every round with the load average, the median over
+rounds and the ratios. Goal: the engine at ≥ 0.97× the hand-written loop and faster than
+``Trainer``; each peer with checkpoints within 10% of itself without.
 """
 
 from __future__ import annotations
@@ -17,6 +26,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -27,6 +37,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 TEMPLATE = REPO / "recipes_template" / "causal_lm"
 PEERS = ("engine", "hand", "trainer")
+CKPT = "+ckpt"
 
 
 def load_template():
@@ -64,11 +75,12 @@ def tokens(batch) -> int:
 # ---------------------------------------------------------------------------------------------
 
 
-def run_engine(steps: int, warmup: int) -> dict:
+def run_engine(steps: int, warmup: int, checkpoints: bool) -> dict:
     from engine import run_dir as rd
 
     with tempfile.TemporaryDirectory() as tmp:
-        sets = [f"train.max_steps={steps}", f"train.log_every={warmup}", "checkpoint.every=0",
+        sets = [f"train.max_steps={steps}", f"train.log_every={warmup}",
+                f"checkpoint.every={warmup if checkpoints else 0}",
                 "checkpoint.at_end=false", "metrics.tensorboard=false", "train.eval_every=0"]
         command = [sys.executable, "-m", "engine.launch", str(TEMPLATE)]
         for item in sets:
@@ -82,7 +94,7 @@ def run_engine(steps: int, warmup: int) -> dict:
     return {"tokens_per_s": total_tokens / seconds, "final_loss": records[-1]["loss"]}
 
 
-def run_hand(steps: int, warmup: int) -> dict:
+def run_hand(steps: int, warmup: int, checkpoints: bool) -> dict:
     import math
 
     import torch
@@ -101,7 +113,8 @@ def run_hand(steps: int, warmup: int) -> dict:
 
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)
     model.train()
-    timed_tokens, start = 0, None
+    timed_tokens, start, saving_s = 0, None, 0.0
+    checkpoint_dir = tempfile.TemporaryDirectory()
     for step, batch in enumerate(batches, 1):
         if step == warmup + 1:
             start = time.perf_counter()
@@ -116,11 +129,21 @@ def run_hand(steps: int, warmup: int) -> dict:
         scheduler.step()
         if step > warmup:
             timed_tokens += n
+        if checkpoints and step % warmup == 0:
+            float(loss)  # the step is done before the save's time is taken
+            saving = time.perf_counter()
+            torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                        "scheduler": scheduler.state_dict(), "step": step},
+                       Path(checkpoint_dir.name) / f"step-{step}.pt")
+            if step > warmup:
+                saving_s += time.perf_counter() - saving
     final_loss = float(loss)
-    return {"tokens_per_s": timed_tokens / (time.perf_counter() - start), "final_loss": final_loss}
+    elapsed = time.perf_counter() - start - saving_s
+    checkpoint_dir.cleanup()
+    return {"tokens_per_s": timed_tokens / elapsed, "final_loss": final_loss}
 
 
-def run_trainer(steps: int, warmup: int) -> dict:
+def run_trainer(steps: int, warmup: int, checkpoints: bool) -> dict:
     import torch
     import torch.nn.functional as F
     from transformers import Trainer, TrainerCallback, TrainingArguments
@@ -128,10 +151,15 @@ def run_trainer(steps: int, warmup: int) -> dict:
     config, model, batches = batches_and_model(steps)
     rows = [{k: v[i] for k, v in batch.items()} for batch in batches for i in range(len(batch["input_ids"]))]
     step_times: list[float] = []
+    saving_s: list[float] = []
 
     class Timer(TrainerCallback):
         def on_step_end(self, args, state, control, **kwargs):
             step_times.append(time.perf_counter())
+
+        def on_save(self, args, state, control, **kwargs):  # called when the save is done
+            if len(step_times) > warmup:
+                saving_s.append(time.perf_counter() - step_times[-1])
 
     class SameLossTrainer(Trainer):
         def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
@@ -146,7 +174,8 @@ def run_trainer(steps: int, warmup: int) -> dict:
             learning_rate=optim.lr, weight_decay=optim.weight_decay, adam_beta1=optim.beta1,
             adam_beta2=optim.beta2, adam_epsilon=optim.eps, warmup_steps=optim.warmup_steps,
             lr_scheduler_type="cosine_with_min_lr", lr_scheduler_kwargs={"min_lr_rate": optim.min_lr_ratio},
-            max_grad_norm=1.0, logging_steps=warmup, save_strategy="no", report_to=[],
+            max_grad_norm=1.0, logging_steps=warmup, report_to=[],
+            save_strategy="steps" if checkpoints else "no", save_steps=warmup,
             dataloader_num_workers=0, use_cpu=True, seed=config.train.seed, disable_tqdm=True,
             train_sampling_strategy="sequential",  # the same batches in the same order as the others
         )
@@ -154,14 +183,19 @@ def run_trainer(steps: int, warmup: int) -> dict:
                                   data_collator=lambda items: {k: torch.stack([x[k] for x in items]) for k in items[0]})
         trainer.train()
     timed = sum(tokens(b) for b in batches[warmup:])
-    return {"tokens_per_s": timed / (step_times[-1] - step_times[warmup - 1]),
+    return {"tokens_per_s": timed / (step_times[-1] - step_times[warmup - 1] - sum(saving_s)),
             "final_loss": trainer.state.log_history[-2].get("loss") if len(trainer.state.log_history) > 1 else None}
 
 
 def measure(peer: str, steps: int, warmup: int) -> dict:
+    sys.path.insert(0, str(REPO))
+    from engine.openmp import apply_wait_policy
+
+    env = dict(os.environ)
+    apply_wait_policy(env)  # every peer's OpenMP threads wait as a run's do (the engine sets it itself)
     out = subprocess.run(
         [sys.executable, __file__, "--worker", peer, "--steps", str(steps), "--warmup", str(warmup)],
-        capture_output=True, text=True, cwd=REPO,
+        capture_output=True, text=True, cwd=REPO, env=env,
     )
     if out.returncode != 0:
         raise SystemExit(f"{peer} failed:\n{out.stderr[-3000:]}")
@@ -173,28 +207,43 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--worker", choices=PEERS, help=argparse.SUPPRESS)
+    parser.add_argument("--checkpoints", choices=("both", "off", "on"), default="both",
+                        help="run each peer without checkpoints, with them, or both (default)")
+    parser.add_argument("--worker", choices=[p + c for p in PEERS for c in ("", CKPT)], help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.steps % args.warmup:
         parser.error("--steps must be a multiple of --warmup (the engine logs every --warmup steps)")
     if args.worker:
-        runner = {"engine": run_engine, "hand": run_hand, "trainer": run_trainer}[args.worker]
-        print(json.dumps(runner(args.steps, args.warmup)))
+        name = args.worker.removesuffix(CKPT)
+        runner = {"engine": run_engine, "hand": run_hand, "trainer": run_trainer}[name]
+        print(json.dumps(runner(args.steps, args.warmup, args.worker.endswith(CKPT))))
         return
 
-    results: dict[str, list[float]] = {peer: [] for peer in PEERS}
+    suffixes = {"both": ("", CKPT), "off": ("",), "on": (CKPT,)}[args.checkpoints]
+    peers = [peer + suffix for peer in PEERS for suffix in suffixes]
+    results: dict[str, list[float]] = {peer: [] for peer in peers}
+    print(f"load average at start: {os.getloadavg()[0]:.2f}")
     for round_index in range(args.rounds):
-        for peer in PEERS:
+        for peer in (peers if round_index % 2 == 0 else peers[::-1]):
+            load = os.getloadavg()[0]
             result = measure(peer, args.steps, args.warmup)
             results[peer].append(result["tokens_per_s"])
-            print(f"round {round_index + 1}: {peer:<8} {result['tokens_per_s']:>9,.0f} tokens/s "
-                  f"(final loss {result['final_loss']})", flush=True)
+            print(f"round {round_index + 1}: {peer:<13} {result['tokens_per_s']:>9,.0f} tokens/s "
+                  f"(final loss {result['final_loss']}; load {load:.1f})", flush=True)
     median = {peer: statistics.median(values) for peer, values in results.items()}
-    print(f"\n{'peer':<10}{'tokens/s (median)':>20}")
-    for peer in PEERS:
-        print(f"{peer:<10}{median[peer]:>20,.0f}")
-    print(f"\nengine / hand-written loop: {median['engine'] / median['hand']:.3f}  (goal ≥ 0.97)")
-    print(f"engine / HF Trainer:        {median['engine'] / median['trainer']:.3f}  (goal > 1)")
+    print(f"\n{'peer':<15}{'tokens/s (median)':>20}")
+    for peer in peers:
+        print(f"{peer:<15}{median[peer]:>20,.0f}")
+    for suffix in suffixes:
+        what = "with checkpoints" if suffix else "without checkpoints"
+        engine, hand, trainer = (median[p + suffix] for p in PEERS)
+        print(f"\n{what}: engine / hand-written loop: {engine / hand:.3f}  (goal ≥ 0.97)")
+        print(f"{what}: engine / HF Trainer:        {engine / trainer:.3f}  (goal > 1)")
+    if len(suffixes) == 2:
+        print()
+        for peer in PEERS:
+            print(f"{peer}: with / without checkpoints: {median[peer + CKPT] / median[peer]:.3f}  (goal ≥ 0.90)")
+    print(f"load average at end: {os.getloadavg()[0]:.2f}")
 
 
 if __name__ == "__main__":

@@ -256,4 +256,7 @@ def exit_without_finalizing(code: int) -> NoReturn:
 
 
 if __name__ == "__main__":
+    from engine.openmp import apply_wait_policy
+
+    apply_wait_policy()  # before anything imports torch: libgomp reads it once, as it loads
     exit_without_finalizing(main())
