@@ -49,6 +49,8 @@ class RunSummary(BaseModel):
     step: int | None = Field(None, description="Latest logged step.")
     max_steps: int | None = None
     loss: float | None = Field(None, description="Latest logged loss.")
+    mean_tokens_per_s: float | None = Field(None, description="After the warm-up (first window).")
+    last_window_tokens_per_s: float | None = None
 
 
 class RunList(BaseModel):
@@ -82,6 +84,7 @@ class RunInfo(BaseModel):
     max_steps: int | None = None
     eta_s: float | None = None
     latest: dict[str, Any] | None = None
+    speed: str | None = None
     checkpoints: list[CheckpointInfo] = []
     metrics_destinations: list[str] = []
     console_tail: str | None = None
@@ -184,7 +187,9 @@ class ReviewRun(BaseModel):
     status: str
     step: int | None = None
     loss: float | None = None
-    tokens_per_s: float | None = None
+    mean_tokens_per_s: float | None = Field(None, description="Mean over the steps after the warm-up (see speed).")
+    last_window_tokens_per_s: float | None = Field(None, description="The last logging window's.")
+    speed: str | None = Field(None, description="Both, with the steps measured and the warm-up left out.")
     code: str = Field("", description="The code the run executed.")
     overrides: dict[str, Any] = {}
     data: str | None = Field(None, description="What the run trained on.")

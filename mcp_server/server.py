@@ -372,13 +372,17 @@ def build_server(workspace: Path | str, read_only: bool = False, settings: Path 
             Literal["checkpoint", "head"],
             Field(description="checkpoint: the code the run ran; head: the recipe as it is now (e.g. after apply_skill)."),
         ] = "checkpoint",
+        overrides: Annotated[
+            dict[str, Any] | None,
+            Field(description='Over the run\'s config, e.g. {"train.max_steps": 400} to train further.'),
+        ] = None,
     ) -> LaunchRunResult:
-        """Continue a run from a checkpoint as a new run (same config); returns its run_id at
-        once."""
-        args = {"run_id": run_id, "step": step, "nproc": nproc, "code": code}
+        """Continue a run from a checkpoint as a new run (its config, then overrides); returns
+        its run_id at once."""
+        args = {"run_id": run_id, "step": step, "nproc": nproc, "code": code, "overrides": overrides}
         return await tools.call(
             "resume_checkpoint", args,
-            lambda: run_ops.resume_checkpoint(tools.ws, run_id, step, nproc, code=code),
+            lambda: run_ops.resume_checkpoint(tools.ws, run_id, step, nproc, overrides=overrides, code=code),
         )
 
     # ---------------------------------------------------------------------------------------
