@@ -299,15 +299,71 @@ def build_config(
 
 
 def config_changes(config: EngineConfig) -> dict[str, Any]:
-    """Every dotted key whose value differs from the recipe's code default."""
+    """Every dotted key whose value differs from the recipe's code default, as built: with
+    ``model.pretrained_path``, the model keys its config.json gives are that model's
+    (:func:`pretrained_model_keys`), not the recipe's unused sizes."""
     try:
         defaults = config_keys(type(config)())
     except ValidationError:  # a config class with required keys has no full default
         defaults = {}
+    built = {**config_keys(config, json_mode=True), **pretrained_model_keys(config)}
     return {
-        key: value for key, value in config_keys(config, json_mode=True).items()
+        key: value for key, value in built.items()
         if key not in defaults or _jsonable(defaults[key]) != value
     }
+
+
+# A recipe's model key -> the names a Hugging Face config.json gives it under.
+PRETRAINED_CONFIG_NAMES: dict[str, tuple[str, ...]] = {
+    "hidden_size": ("hidden_size", "n_embd", "d_model"),
+    "intermediate_size": ("intermediate_size", "n_inner"),
+    "num_layers": ("num_hidden_layers", "n_layer", "num_layers"),
+    "num_heads": ("num_attention_heads", "n_head"),
+    "num_kv_heads": ("num_key_value_heads",),
+    "rope_theta": ("rope_theta",),
+    "vocab_size": ("vocab_size",),
+}
+MAX_PRETRAINED_CONFIG_BYTES = 4 * 2**20
+
+
+def pretrained_model_keys(config: BaseModel) -> dict[str, Any]:
+    """``{"model.hidden_size": 256, ...}``: the model keys of a config whose ``model.pretrained_path``
+    names a local folder with a config.json, as that model has them (what is built); empty
+    otherwise. A recipe's sizes of those keys are unused then (:func:`describe_fields` says so)."""
+    model = getattr(config, "model", None)
+    path = getattr(model, "pretrained_path", None)
+    if not isinstance(model, BaseModel) or not isinstance(path, str) or not path:
+        return {}
+    hf_config = _pretrained_config(path)
+    if not hf_config:
+        return {}
+    sources = [hf_config] + [hf_config[k] for k in ("text_config",) if isinstance(hf_config.get(k), dict)]
+    rope = hf_config.get("rope_parameters")
+    if isinstance(rope, dict):  # transformers 5 keeps rope_theta there
+        sources.append(rope)
+    built: dict[str, Any] = {}
+    for name in type(model).model_fields:
+        for source in sources:
+            value = next((source[n] for n in PRETRAINED_CONFIG_NAMES.get(name, ()) if n in source), None)
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                built[f"model.{name}"] = value
+                break
+    return built
+
+
+def _pretrained_config(path: str) -> dict[str, Any] | None:
+    """The config.json of a local model folder (confined like every data path), or None."""
+    from engine.data_files import confined_file
+
+    try:
+        config_file = confined_file(Path(path) / "config.json")
+        if config_file is None:
+            return None
+        with open(config_file, "rb") as f:
+            data = json.loads(f.read(MAX_PRETRAINED_CONFIG_BYTES))
+    except (OSError, ValueError, BadInput):
+        return None
+    return data if isinstance(data, dict) else None
 
 
 def _jsonable(value: Any) -> Any:
@@ -396,6 +452,7 @@ def describe_fields(config: BaseModel, defaults: BaseModel | None = None, prefix
         except ValidationError:  # a key without a code default
             defaults = None
     described: list[dict[str, Any]] = []
+    built = pretrained_model_keys(config) if not prefix else {}
     left_out = config.undescribed() if isinstance(config, Section) else set()
     for name, field in type(config).model_fields.items():
         if name in left_out:
@@ -414,6 +471,13 @@ def describe_fields(config: BaseModel, defaults: BaseModel | None = None, prefix
             "value": _as_json(field, value),
             "description": field.description or "",
         })
+    for item in described:  # a pretrained model's keys: its value, the recipe's marked unused
+        if item["key"] in built:
+            item["description"] = (
+                f"unused: model.pretrained_path is set, so the model's config.json gives {built[item['key']]!r} "
+                f"(the recipe's {item['value']!r} is not applied). {item['description']}"
+            ).strip()
+            item["value"] = built[item["key"]]
     return described
 
 

@@ -183,6 +183,17 @@ def confined_path(raw: str, root: Path | None = None) -> str:
     return str(real)
 
 
+def confined_file(path: Path, root: Path | None = None) -> Path | None:
+    """``path`` resolved when it is a regular file inside the root (default :func:`allowed_root`),
+    else None; not fingerprinted (a file read for what it describes, not as data)."""
+    root = allowed_root() if root is None else Path(root).resolve()
+    try:
+        real = _confined(Path(path), str(path), root)
+    except ConfigError:
+        return None
+    return real if real.is_file() else None
+
+
 def jsonl_records(path: Path, name: str) -> Iterator[tuple[str, dict[str, Any]]]:
     """``(where, record)`` for each non-blank line of a ``.jsonl`` data file, ``where`` being
     ``name:line``. A line that is not a JSON object in UTF-8 — or nests too deep to parse, or
