@@ -27,6 +27,8 @@ optional; a missing file means the defaults below, which are these:
                                   #   host's network (SECURITY.md)
       slurm: false                # submit target=slurm jobs with sbatch (they run on the cluster,
                                   #   outside this sandbox); otherwise the job script is returned
+      max_export_bytes: null      # export_checkpoint refuses (and removes) an export larger than
+                                  #   this: bytes or "20GiB" (null: no cap)
 """
 
 from __future__ import annotations
@@ -67,6 +69,7 @@ class RunLimits:
     max_total_processes: int | None = None  # per workspace, summed over running runs; None: 4 x CPU cores
     multi_node: bool = False  # runs over several nodes (they need the host's network)
     slurm: bool = False  # submit SLURM jobs (they run outside this sandbox)
+    max_export_bytes: int | None = None  # an export's files in all; None: no cap
 
 
 _KEYS = {f.name for f in fields(RunLimits)} - {"max_memory_bytes"} | {"max_memory"}
@@ -130,6 +133,7 @@ def limits_from_mapping(section: object) -> RunLimits:
         max_total_processes=_positive(section.get("max_total_processes"), "max_total_processes", int),
         multi_node=_flag(section.get("multi_node", defaults.multi_node), "multi_node"),
         slurm=_flag(section.get("slurm", defaults.slurm), "slurm"),
+        max_export_bytes=parse_size(section.get("max_export_bytes"), "max_export_bytes"),
     )
 
 
