@@ -151,12 +151,16 @@ class DataSummary(BaseModel):
     loss_tokens: int | None = Field(None, description="Tokens the loss is over; None: every token.")
     train_loss_tokens: int | None = None
     eval_loss_tokens: int | None = None
+    skipped: list[str] = Field([], description="Files of the folders and globs given that were not read, and why.")
 
     def describe(self) -> str:
         """One line, for the console, notes and reviews."""
         where = f" from {', '.join(self.paths[:3])}" if self.paths else ""
         files = f"{_count(self.files, 'file')}, " if self.files is not None else ""
         loss = f" ({self.loss_tokens:,} of them loss tokens)" if self.loss_tokens is not None else ""
+        if self.skipped:
+            files += f"{len(self.skipped) if not self.skipped[-1].startswith('…') else 'many'} skipped " \
+                     f"({self.skipped[0]}{'; …' if len(self.skipped) > 1 else ''}), "
         return (
             f"data: {self.source}{where}: {files}{_count(self.documents, 'document')}, "
             f"{_count(self.tokens, 'token')}{loss} (train {self.train_documents:,} documents / "

@@ -119,6 +119,7 @@ def launch_run(
     verdict = sandbox_runs.check_launch(ws.root, recipe_dir, nproc * nodes.nnodes, override_args(flat),
                                         config_json=config_json, limits=limits)
     confine_config(ws.root, verdict["config"])
+    warnings = [*warnings, *_skipped_data(verdict.get("data"))]
     label = ws.label(ws.recipe(recipe))
     if target == "slurm":
         record, script = slurm_jobs.start_job(
@@ -270,6 +271,15 @@ def resume_checkpoint(
         expected_digest=checked,
     )
     return _launch_result(ws, record)
+
+
+def _skipped_data(counted: dict[str, Any] | None) -> list[str]:
+    """A warning that names the data files the run will not read, and why."""
+    skipped = rd.DataSummary.model_validate(counted).skipped if counted else []
+    if not skipped:
+        return []
+    return [f"data: {len(skipped) if not skipped[-1].startswith('…') else 'more than 10'} file(s) of the "
+            f"folders or globs given are not read: {'; '.join(skipped[:5])}"]
 
 
 def _check_steps_left(source: rd.RunRecord, step: int, config: dict[str, Any]) -> None:
