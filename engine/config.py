@@ -50,9 +50,9 @@ class TrainConfig(Section):
 class OptimConfig(Section):
     lr: float = Field(1e-3, gt=0, description="Peak learning rate.")
     weight_decay: float = Field(0.1, ge=0, description="Decoupled weight decay (AdamW).")
-    beta1: float = Field(0.9, ge=0, lt=1)
-    beta2: float = Field(0.95, ge=0, lt=1)
-    eps: float = Field(1e-8, gt=0)
+    beta1: float = Field(0.9, ge=0, lt=1, description="AdamW beta1 (first-moment decay).")
+    beta2: float = Field(0.95, ge=0, lt=1, description="AdamW beta2 (second-moment decay).")
+    eps: float = Field(1e-8, gt=0, description="AdamW epsilon.")
     warmup_steps: int = Field(20, ge=0, description="Linear warm-up steps.")
     min_lr_ratio: float = Field(
         0.1, ge=0, le=1, description="Cosine decay floor as a fraction of the peak lr."
@@ -96,16 +96,16 @@ class WandbConfig(Section):
     mode: Literal["offline", "online"] = Field(
         "offline", description="offline: files in the run dir; online: needs network and WANDB_API_KEY."
     )
-    project: str = Field("trainwright", min_length=1, max_length=128)
-    entity: str | None = None
+    project: str = Field("trainwright", min_length=1, max_length=128, description="W&B project.")
+    entity: str | None = Field(None, description="W&B team or user; null: your default.")
     run_name: str | None = Field(None, description="null: the run id.")
-    group: str | None = None
-    tags: list[str] = []
+    group: str | None = Field(None, description="W&B run group.")
+    tags: list[str] = Field([], description="W&B run tags.")
 
 
 class MlflowConfig(Section):
     tracking_uri: str | None = Field(None, description="null: SQLite in the run dir; a server needs network.")
-    experiment: str = Field("trainwright", min_length=1, max_length=256)
+    experiment: str = Field("trainwright", min_length=1, max_length=256, description="MLflow experiment.")
     run_name: str | None = Field(None, description="null: the run id.")
 
     @field_validator("tracking_uri")
@@ -121,7 +121,7 @@ class MlflowConfig(Section):
 
 
 class TrackioConfig(Section):
-    project: str = Field("trainwright", min_length=1, max_length=128)
+    project: str = Field("trainwright", min_length=1, max_length=128, description="trackio project.")
     run_name: str | None = Field(None, description="null: the run id.")
     space_id: str | None = Field(None, description="A HF Space to log to; null: a store in the run dir.")
 

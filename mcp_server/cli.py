@@ -351,9 +351,13 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
 
     def text(r) -> str:
         loss = f"{r.eval_loss:.4f}" if r.eval_loss is not None else "not finite"
-        parts = [f"run {r.run_id} step {r.step}: eval_loss {loss} over {r.tokens:,} tokens"]
+        split = "held-out split" if r.split == "held_out" else "data given"
+        size = (f"{r.examples:,} example(s) of the {split}" if r.examples is not None else f"the {split}")
+        if r.tokens is not None:
+            size += f", {r.tokens:,} tokens ({r.loss_tokens if r.loss_tokens is not None else r.tokens:,} loss tokens)"
+        parts = [f"run {r.run_id} step {r.step}: eval_loss {loss} over {size}"]
         parts += [f"{key} {value:.4g}" for key, value in r.metrics.items()]
-        return " | ".join(parts)
+        return " | ".join(parts) + "".join(f"\nwarning: {w}" for w in r.warnings)
 
     _emit(args, result, text)
     return EXIT_OK

@@ -294,9 +294,18 @@ class SampleResult(BaseModel):
 
 
 class EvaluateResult(BaseModel):
+    """split: held_out (the run's) or data (the files given); examples, tokens, loss_tokens: that
+    split's, counted as launch_run's data counts them; scored_tokens: the loss tokens of the
+    batches scored (examples repeat when there are fewer than the batches hold)."""
+
     run_id: str
     step: int
     eval_loss: float | None
     perplexity: float | None = None
-    tokens: int
+    split: Literal["held_out", "data"] = "held_out"
+    examples: int | None = None
+    tokens: int | None = None
+    loss_tokens: int | None = None
+    scored_tokens: int = 0
     metrics: dict[str, float]
+    warnings: list[str] = []

@@ -292,8 +292,29 @@ def evaluate(ws: Workspace, run_id: str, step: int | None = None, data: list[str
     reported = result.get("metrics")
     found: dict = reported if isinstance(reported, dict) else {}
     metrics = {str(k)[:100]: float(v) for k, v in list(found.items())[:MAX_METRICS] if rd.finite_number(v) is not None}
+    examples = _count(result["examples"]) if result.get("examples") is not None else None
+    split = "data" if paths else "held_out"
     return EvaluateResult(
         run_id=run_id, step=step, eval_loss=rd.finite_number(result.get("eval_loss")),
-        perplexity=rd.finite_number(result.get("perplexity")), tokens=_count(result.get("tokens")),
-        metrics=metrics,
+        perplexity=rd.finite_number(result.get("perplexity")), split=split, examples=examples,
+        tokens=_count(result["tokens"]) if result.get("tokens") is not None else None,
+        loss_tokens=_count(result["loss_tokens"]) if result.get("loss_tokens") is not None else None,
+        scored_tokens=_count(result.get("scored_tokens")),
+        metrics=metrics, warnings=small_sample_warnings(examples, split),
     )
+
+
+MIN_EXAMPLES = 30
+
+
+def small_sample_warnings(examples: int | None, split: str) -> list[str]:
+    """A warning for numbers over fewer than :data:`MIN_EXAMPLES` examples (a rate over one
+    held-out pair is 0 or 1)."""
+    where = "the run's held-out split" if split == "held_out" else "the data given"
+    if examples is None:
+        return [f"the recipe did not count the examples of {where}: the numbers' sample size is unknown"]
+    if examples < MIN_EXAMPLES:
+        more = ("raise data.eval_fraction or pass data=[files]" if split == "held_out" else "pass more data")
+        return [f"eval_loss and metrics are over {examples} example(s) of {where}, fewer than {MIN_EXAMPLES}: "
+                f"a rate moves by {1 / max(1, examples):.2g} per example; {more} for numbers to compare"]
+    return []

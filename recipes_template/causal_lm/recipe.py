@@ -47,13 +47,15 @@ from engine.fsdp import apply_fsdp
 
 
 class ModelConfig(Section):
-    hidden_size: int = Field(256, ge=8)
-    intermediate_size: int = Field(688, ge=8)
-    num_layers: int = Field(4, ge=1)
-    num_heads: int = Field(4, ge=1)
-    num_kv_heads: int = Field(2, ge=1)
-    rope_theta: float = Field(10000.0, gt=0)
-    attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = "sdpa"
+    hidden_size: int = Field(256, ge=8, description="Width of the model built (unused with model.pretrained_path).")
+    intermediate_size: int = Field(688, ge=8, description="Width of the MLP of each layer.")
+    num_layers: int = Field(4, ge=1, description="Decoder layers.")
+    num_heads: int = Field(4, ge=1, description="Attention heads.")
+    num_kv_heads: int = Field(2, ge=1, description="Key/value heads (grouped-query attention).")
+    rope_theta: float = Field(10000.0, gt=0, description="RoPE base frequency.")
+    attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = Field(
+        "sdpa", description="Attention kernel: sdpa (PyTorch's), eager, flash_attention_2 (CUDA, with flash-attn)."
+    )
     pretrained_path: str | None = Field(
         None, description="A local Hugging Face model folder to start from (weights + tokenizer)."
     )

@@ -46,13 +46,15 @@ from engine.run_dir import DataSummary
 
 
 class ModelConfig(Section):
-    hidden_size: int = Field(256, ge=8)
-    intermediate_size: int = Field(688, ge=8)
-    num_layers: int = Field(4, ge=1)
-    num_heads: int = Field(4, ge=1)
-    num_kv_heads: int = Field(2, ge=1)
-    rope_theta: float = Field(10000.0, gt=0)
-    attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = "sdpa"
+    hidden_size: int = Field(256, ge=8, description="Width of the model built (unused with model.pretrained_path).")
+    intermediate_size: int = Field(688, ge=8, description="Width of the MLP of each layer.")
+    num_layers: int = Field(4, ge=1, description="Decoder layers.")
+    num_heads: int = Field(4, ge=1, description="Attention heads.")
+    num_kv_heads: int = Field(2, ge=1, description="Key/value heads (grouped-query attention).")
+    rope_theta: float = Field(10000.0, gt=0, description="RoPE base frequency.")
+    attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = Field(
+        "sdpa", description="Attention kernel: sdpa (PyTorch's), eager, flash_attention_2 (CUDA, with flash-attn)."
+    )
     pretrained_path: str | None = Field(
         None, description="A local Hugging Face model folder to start from (weights, and its tokenizer if it has one)."
     )
@@ -68,7 +70,9 @@ class SFTDataConfig(DataConfig):
         None,
         description="A Jinja chat template (with {% generation %} markers) instead of the tokenizer's own.",
     )
-    eval_fraction: float = Field(0.05, ge=0, lt=1, description="Conversations held out for evaluation.")
+    eval_fraction: float = Field(
+        0.05, ge=0, le=1, description="Conversations held out for evaluation (1: all, as `evaluate` with data does)."
+    )
     builtin_conversations: int = Field(6000, ge=10, description="data.source=builtin: how many conversations.")
     max_turns: int = Field(3, ge=1, description="data.source=builtin: at most this many user turns each.")
     eval_prompts: int = Field(100, ge=1, description="Held-out prompts task_metrics() answers.")
@@ -225,7 +229,7 @@ def load_conversations(cfg: SFTDataConfig) -> list[tuple[str, list[dict[str, str
 
 def is_eval_document(name: str, eval_fraction: float) -> bool:
     bucket = int(hashlib.sha1(name.encode()).hexdigest()[:8], 16) / 0xFFFFFFFF
-    return bucket < eval_fraction
+    return eval_fraction >= 1 or bucket < eval_fraction
 
 
 def tokenize_conversations(conversations, tokenizer, seq_len: int) -> list[torch.Tensor]:
@@ -373,13 +377,14 @@ class SFT(Engine):
     def summarize_data(cls, config: SFTConfig) -> DataSummary:
         cfg = config.data
         tokenizer = load_tokenizer(config.model.pretrained_path, cfg.chat_template)
-        counts = {True: [0, 0], False: [0, 0]}  # held out? -> [conversations, supervised tokens]
+        counts = {True: [0, 0, 0], False: [0, 0, 0]}  # held out? -> [conversations, tokens, loss tokens]
         names = set()
         for name, messages in load_conversations(cfg):
-            _, assistant = encode_conversation(tokenizer, messages)
+            tokens, assistant = encode_conversation(tokenizer, messages)
             counted = counts[is_eval_document(name, cfg.eval_fraction)]
             counted[0] += 1
-            counted[1] += int(assistant[: cfg.seq_len + 1].sum())
+            counted[1] += min(len(tokens), cfg.seq_len + 1)
+            counted[2] += int(assistant[: cfg.seq_len + 1].sum())  # the assistant's: what the loss is over
             names.add(name.split(":", 1)[0])
         return DataSummary(
             source=cfg.source,
@@ -391,6 +396,9 @@ class SFT(Engine):
             train_tokens=counts[False][1],
             eval_documents=counts[True][0],
             eval_tokens=counts[True][1],
+            loss_tokens=counts[False][2] + counts[True][2],
+            train_loss_tokens=counts[False][2],
+            eval_loss_tokens=counts[True][2],
             tokenizer=f"from {config.model.pretrained_path}" if config.model.pretrained_path else "bytes (chat)",
         )
 
