@@ -50,8 +50,8 @@ class TrainConfig(Section):
 class OptimConfig(Section):
     lr: float = Field(1e-3, gt=0, description="Peak learning rate.")
     weight_decay: float = Field(0.1, ge=0, description="Decoupled weight decay (AdamW).")
-    beta1: float = Field(0.9, ge=0, lt=1, description="AdamW beta1 (first-moment decay).")
-    beta2: float = Field(0.95, ge=0, lt=1, description="AdamW beta2 (second-moment decay).")
+    beta1: float = Field(0.9, ge=0, lt=1, description="AdamW beta1.")
+    beta2: float = Field(0.95, ge=0, lt=1, description="AdamW beta2.")
     eps: float = Field(1e-8, gt=0, description="AdamW epsilon.")
     warmup_steps: int = Field(20, ge=0, description="Linear warm-up steps.")
     min_lr_ratio: float = Field(
@@ -61,7 +61,7 @@ class OptimConfig(Section):
 
 class DataConfig(Section):
     batch_size: int = Field(
-        8, ge=1, description="Global sequences per optimizer step, split over ranks and micro-batches."
+        8, ge=1, description="Global sequences per optimizer step."
     )
     seq_len: int = Field(256, ge=2, description="Tokens per sequence.")
 
@@ -81,14 +81,14 @@ class ParallelConfig(Section):
         1, ge=1, description="Sequence-parallel degree (the sequence-parallel skill); dp = world / (tp × sp)."
     )
     param_dtype: DType = Field(
-        "float32", description="Dtype FSDP2 computes in (MixedPrecisionPolicy.param_dtype)."
+        "float32", description="Dtype FSDP2 computes in (param_dtype)."
     )
     reduce_dtype: DType = Field(
-        "float32", description="Dtype of gradient reduce-scatter (MixedPrecisionPolicy.reduce_dtype)."
+        "float32", description="Dtype of gradient reduce-scatter."
     )
     fsdp_on_one_process: bool = Field(
         False,
-        description="fully_shard also on a single data-parallel rank (skipped by default: it only adds copies).",
+        description="fully_shard also on one data-parallel rank (off: it only adds copies).",
     )
 
 
@@ -97,7 +97,7 @@ class WandbConfig(Section):
         "offline", description="offline: files in the run dir; online: needs network and WANDB_API_KEY."
     )
     project: str = Field("trainwright", min_length=1, max_length=128, description="W&B project.")
-    entity: str | None = Field(None, description="W&B team or user; null: your default.")
+    entity: str | None = Field(None, description="W&B entity.")
     run_name: str | None = Field(None, description="null: the run id.")
     group: str | None = Field(None, description="W&B run group.")
     tags: list[str] = Field([], description="W&B run tags.")
@@ -135,7 +135,7 @@ class MetricsConfig(Section):
         None, gt=0, description="Peak TFLOP/s of one device for MFU; known GPUs are looked up."
     )
     backends: list[MetricsBackendName] = Field(
-        [], description="Also log to these; each one's keys (metrics.<name>.*) are listed once chosen."
+        [], description="Also log to these (their keys: metrics.<name>.*)."
     )
     wandb: WandbConfig = WandbConfig()
     mlflow: MlflowConfig = MlflowConfig()

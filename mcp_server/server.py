@@ -252,7 +252,7 @@ def build_server(workspace: Path | str, read_only: bool = False, settings: Path 
     @tool(READ_ONLY)
     async def describe_recipe(recipe: RecipePath) -> RecipeDescription:
         """Every config key of a recipe (type, default, value, description), its template and
-        the skills applied."""
+        the skills applied; a template's name describes the template."""
         return await tools.call(
             "describe_recipe", {"recipe": recipe}, lambda: recipe_info.describe_recipe(tools.ws, recipe)
         )

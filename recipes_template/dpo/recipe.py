@@ -51,14 +51,14 @@ from engine.run_dir import DataSummary
 
 
 class ModelConfig(Section):
-    hidden_size: int = Field(256, ge=8, description="Width of the model built (unused with model.pretrained_path).")
-    intermediate_size: int = Field(688, ge=8, description="Width of the MLP of each layer.")
+    hidden_size: int = Field(256, ge=8, description="Model width.")
+    intermediate_size: int = Field(688, ge=8, description="MLP width.")
     num_layers: int = Field(4, ge=1, description="Decoder layers.")
     num_heads: int = Field(4, ge=1, description="Attention heads.")
-    num_kv_heads: int = Field(2, ge=1, description="Key/value heads (grouped-query attention).")
+    num_kv_heads: int = Field(2, ge=1, description="Key/value heads (GQA).")
     rope_theta: float = Field(10000.0, gt=0, description="RoPE base frequency.")
     attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = Field(
-        "sdpa", description="Attention kernel: sdpa (PyTorch's), eager, flash_attention_2 (CUDA, with flash-attn)."
+        "sdpa", description="Attention kernel (flash_attention_2: CUDA only)."
     )
     pretrained_path: str | None = Field(
         None, description="A local Hugging Face model folder to start from (weights, and its tokenizer if it has one)."
