@@ -16,7 +16,7 @@ class ResumePoint(BaseModel):
 
 
 class LaunchRunResult(BaseModel):
-    """config_changes: keys that differ from the code defaults; data: what it trains on."""
+    """config_changes: keys off the code defaults."""
 
     run_id: str
     status: RunStatus
@@ -49,7 +49,7 @@ class RunSummary(BaseModel):
     step: int | None = Field(None, description="Latest logged step.")
     max_steps: int | None = None
     loss: float | None = Field(None, description="Latest logged loss.")
-    mean_tokens_per_s: float | None = Field(None, description="After the warm-up (first window).")
+    mean_tokens_per_s: float | None = None
     last_window_tokens_per_s: float | None = None
 
 
@@ -59,7 +59,7 @@ class RunList(BaseModel):
 
 
 class RunInfo(BaseModel):
-    """What ran and how it goes; console_tail when it failed."""
+    """What ran and how it goes."""
 
     run_id: str
     status: RunStatus
@@ -92,7 +92,7 @@ class RunInfo(BaseModel):
     network_isolated: bool | None = None
     network_note: str | None = None
     isolation: str | None = Field(
-        None, description="full: bubblewrap sandbox; partial or none: see isolation_note and SECURITY.md."
+        None, description="full: bubblewrap; else see isolation_note."
     )
     isolation_note: str | None = None
     limits: dict[str, Any] | None = None
@@ -294,15 +294,13 @@ class SampleResult(BaseModel):
 
 
 class EvaluateResult(BaseModel):
-    """split: held_out (the run's) or data (the files given); examples, tokens, loss_tokens: that
-    split's, counted as launch_run's data counts them; scored_tokens: the loss tokens of the
-    batches scored (examples repeat when there are fewer than the batches hold)."""
+    """examples, tokens, loss_tokens: of the split, as launch_run's data counts them."""
 
     run_id: str
     step: int
     eval_loss: float | None
     perplexity: float | None = None
-    split: Literal["held_out", "data"] = "held_out"
+    split: str = "held_out"
     examples: int | None = None
     tokens: int | None = None
     loss_tokens: int | None = None
