@@ -50,9 +50,9 @@ class TrainConfig(Section):
 class OptimConfig(Section):
     lr: float = Field(1e-3, gt=0, description="Peak learning rate.")
     weight_decay: float = Field(0.1, ge=0, description="Decoupled weight decay (AdamW).")
-    beta1: float = Field(0.9, ge=0, lt=1)
-    beta2: float = Field(0.95, ge=0, lt=1)
-    eps: float = Field(1e-8, gt=0)
+    beta1: float = Field(0.9, ge=0, lt=1, description="AdamW beta1.")
+    beta2: float = Field(0.95, ge=0, lt=1, description="AdamW beta2.")
+    eps: float = Field(1e-8, gt=0, description="AdamW epsilon.")
     warmup_steps: int = Field(20, ge=0, description="Linear warm-up steps.")
     min_lr_ratio: float = Field(
         0.1, ge=0, le=1, description="Cosine decay floor as a fraction of the peak lr."
@@ -61,7 +61,7 @@ class OptimConfig(Section):
 
 class DataConfig(Section):
     batch_size: int = Field(
-        8, ge=1, description="Global sequences per optimizer step, split over ranks and micro-batches."
+        8, ge=1, description="Global sequences per optimizer step."
     )
     seq_len: int = Field(256, ge=2, description="Tokens per sequence.")
 
@@ -81,14 +81,14 @@ class ParallelConfig(Section):
         1, ge=1, description="Sequence-parallel degree (the sequence-parallel skill); dp = world / (tp × sp)."
     )
     param_dtype: DType = Field(
-        "float32", description="Dtype FSDP2 computes in (MixedPrecisionPolicy.param_dtype)."
+        "float32", description="Dtype FSDP2 computes in (param_dtype)."
     )
     reduce_dtype: DType = Field(
-        "float32", description="Dtype of gradient reduce-scatter (MixedPrecisionPolicy.reduce_dtype)."
+        "float32", description="Dtype of gradient reduce-scatter."
     )
     fsdp_on_one_process: bool = Field(
         False,
-        description="fully_shard also on a single data-parallel rank (skipped by default: it only adds copies).",
+        description="fully_shard also on one data-parallel rank (off: it only adds copies).",
     )
 
 
@@ -96,16 +96,16 @@ class WandbConfig(Section):
     mode: Literal["offline", "online"] = Field(
         "offline", description="offline: files in the run dir; online: needs network and WANDB_API_KEY."
     )
-    project: str = Field("trainwright", min_length=1, max_length=128)
-    entity: str | None = None
+    project: str = Field("trainwright", min_length=1, max_length=128, description="W&B project.")
+    entity: str | None = Field(None, description="W&B entity.")
     run_name: str | None = Field(None, description="null: the run id.")
-    group: str | None = None
-    tags: list[str] = []
+    group: str | None = Field(None, description="W&B run group.")
+    tags: list[str] = Field([], description="W&B run tags.")
 
 
 class MlflowConfig(Section):
     tracking_uri: str | None = Field(None, description="null: SQLite in the run dir; a server needs network.")
-    experiment: str = Field("trainwright", min_length=1, max_length=256)
+    experiment: str = Field("trainwright", min_length=1, max_length=256, description="MLflow experiment.")
     run_name: str | None = Field(None, description="null: the run id.")
 
     @field_validator("tracking_uri")
@@ -121,7 +121,7 @@ class MlflowConfig(Section):
 
 
 class TrackioConfig(Section):
-    project: str = Field("trainwright", min_length=1, max_length=128)
+    project: str = Field("trainwright", min_length=1, max_length=128, description="trackio project.")
     run_name: str | None = Field(None, description="null: the run id.")
     space_id: str | None = Field(None, description="A HF Space to log to; null: a store in the run dir.")
 
@@ -135,7 +135,7 @@ class MetricsConfig(Section):
         None, gt=0, description="Peak TFLOP/s of one device for MFU; known GPUs are looked up."
     )
     backends: list[MetricsBackendName] = Field(
-        [], description="Also log to these; each one's keys (metrics.<name>.*) are listed once chosen."
+        [], description="Also log to these (their keys: metrics.<name>.*)."
     )
     wandb: WandbConfig = WandbConfig()
     mlflow: MlflowConfig = MlflowConfig()
@@ -299,15 +299,71 @@ def build_config(
 
 
 def config_changes(config: EngineConfig) -> dict[str, Any]:
-    """Every dotted key whose value differs from the recipe's code default."""
+    """Every dotted key whose value differs from the recipe's code default, as built: with
+    ``model.pretrained_path``, the model keys its config.json gives are that model's
+    (:func:`pretrained_model_keys`), not the recipe's unused sizes."""
     try:
         defaults = config_keys(type(config)())
     except ValidationError:  # a config class with required keys has no full default
         defaults = {}
+    built = {**config_keys(config, json_mode=True), **pretrained_model_keys(config)}
     return {
-        key: value for key, value in config_keys(config, json_mode=True).items()
+        key: value for key, value in built.items()
         if key not in defaults or _jsonable(defaults[key]) != value
     }
+
+
+# A recipe's model key -> the names a Hugging Face config.json gives it under.
+PRETRAINED_CONFIG_NAMES: dict[str, tuple[str, ...]] = {
+    "hidden_size": ("hidden_size", "n_embd", "d_model"),
+    "intermediate_size": ("intermediate_size", "n_inner"),
+    "num_layers": ("num_hidden_layers", "n_layer", "num_layers"),
+    "num_heads": ("num_attention_heads", "n_head"),
+    "num_kv_heads": ("num_key_value_heads",),
+    "rope_theta": ("rope_theta",),
+    "vocab_size": ("vocab_size",),
+}
+MAX_PRETRAINED_CONFIG_BYTES = 4 * 2**20
+
+
+def pretrained_model_keys(config: BaseModel) -> dict[str, Any]:
+    """``{"model.hidden_size": 256, ...}``: the model keys of a config whose ``model.pretrained_path``
+    names a local folder with a config.json, as that model has them (what is built); empty
+    otherwise. A recipe's sizes of those keys are unused then (:func:`describe_fields` says so)."""
+    model = getattr(config, "model", None)
+    path = getattr(model, "pretrained_path", None)
+    if not isinstance(model, BaseModel) or not isinstance(path, str) or not path:
+        return {}
+    hf_config = _pretrained_config(path)
+    if not hf_config:
+        return {}
+    sources = [hf_config] + [hf_config[k] for k in ("text_config",) if isinstance(hf_config.get(k), dict)]
+    rope = hf_config.get("rope_parameters")
+    if isinstance(rope, dict):  # transformers 5 keeps rope_theta there
+        sources.append(rope)
+    built: dict[str, Any] = {}
+    for name in type(model).model_fields:
+        for source in sources:
+            value = next((source[n] for n in PRETRAINED_CONFIG_NAMES.get(name, ()) if n in source), None)
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                built[f"model.{name}"] = value
+                break
+    return built
+
+
+def _pretrained_config(path: str) -> dict[str, Any] | None:
+    """The config.json of a local model folder (confined like every data path), or None."""
+    from engine.data_files import confined_file
+
+    try:
+        config_file = confined_file(Path(path) / "config.json")
+        if config_file is None:
+            return None
+        with open(config_file, "rb") as f:
+            data = json.loads(f.read(MAX_PRETRAINED_CONFIG_BYTES))
+    except (OSError, ValueError, BadInput):
+        return None
+    return data if isinstance(data, dict) else None
 
 
 def _jsonable(value: Any) -> Any:
@@ -396,6 +452,7 @@ def describe_fields(config: BaseModel, defaults: BaseModel | None = None, prefix
         except ValidationError:  # a key without a code default
             defaults = None
     described: list[dict[str, Any]] = []
+    built = pretrained_model_keys(config) if not prefix else {}
     left_out = config.undescribed() if isinstance(config, Section) else set()
     for name, field in type(config).model_fields.items():
         if name in left_out:
@@ -414,6 +471,13 @@ def describe_fields(config: BaseModel, defaults: BaseModel | None = None, prefix
             "value": _as_json(field, value),
             "description": field.description or "",
         })
+    for item in described:  # a pretrained model's keys: its value, the recipe's marked unused
+        if item["key"] in built:
+            item["description"] = (
+                f"unused: model.pretrained_path is set, so the model's config.json gives {built[item['key']]!r} "
+                f"(the recipe's {item['value']!r} is not applied). {item['description']}"
+            ).strip()
+            item["value"] = built[item["key"]]
     return described
 
 

@@ -15,6 +15,7 @@ a run can tell whether the data it loaded is the data its launch check counted
 
 from __future__ import annotations
 
+import glob
 import hashlib
 import os
 import stat
@@ -32,6 +33,11 @@ _LEDGER: dict[Path, str] = {}
 # (sandbox/hub.py): JSON {name as given: snapshot folder}, the folders bound read-only.
 HUB_MODELS_VARIABLE = "TRAINWRIGHT_HUB_MODELS"
 HUB_DATASETS_VARIABLE = "TRAINWRIGHT_HUB_DATASETS"  # likewise for data.dataset
+# What the listings of this process left out: the name shown -> why (an extension the recipe does
+# not read, an empty file, a link to nothing or to what is not a regular file).
+_SKIPPED: dict[str, str] = {}
+GLOB_CHARACTERS = frozenset("*?[")
+MAX_SKIPPED_SHOWN = 10
 
 
 class DataPathRefused(ConfigError):
@@ -65,6 +71,9 @@ def data_files(paths: Iterable[str], suffixes: Iterable[str], root: Path | None 
         if root is not None and raw.startswith("~"):
             raise DataPathRefused(f"data path {raw!r} starts with '~': give a path inside the workspace")
         given = Path(raw) if root is not None else Path(raw).expanduser()
+        if not os.path.lexists(given) and GLOB_CHARACTERS & set(raw):
+            found.extend(_glob_files(raw, root, suffixes))
+            continue
         real = _confined(given, raw, root)
         if real.is_dir():
             found.extend(_folder_files(given, real, raw, root, suffixes))
@@ -75,6 +84,70 @@ def data_files(paths: Iterable[str], suffixes: Iterable[str], root: Path | None 
     for real, _ in found:
         _LEDGER[real] = _file_sha256(real)
     return found
+
+
+def _glob_files(pattern: str, root: Path | None, suffixes: set[str]) -> list[tuple[Path, str]]:
+    """The files a glob matches (``notes/**/*.md``; ``**`` spans folders), listed as a folder's
+    files are: confined, of the recipe's extensions (others skipped and reported), named relative
+    to the folder before the first wildcard, so the split does not depend on where data lives."""
+    parts = Path(pattern).parts
+    fixed = next(i for i, part in enumerate(parts) if GLOB_CHARACTERS & set(part))
+    base = Path(*parts[:fixed]) if fixed else Path(".")
+    found: list[tuple[Path, str]] = []
+    for match in sorted(glob.glob(pattern, recursive=True)):
+        path = Path(match)
+        shown = match
+        real = _confined(path, shown, root)
+        if real.is_dir():
+            for target, name in _folder_files(path, real, shown, root, suffixes):
+                found.append((target, (path.relative_to(base) / name).as_posix()))
+        elif _listable(path, real, shown, suffixes):
+            found.append((real, path.relative_to(base).as_posix()))
+    if not found:
+        raise ConfigError(f"data path {pattern!r} matches no file the recipe reads ({', '.join(sorted(suffixes))}; "
+                          f"relative paths start at the workspace){_skipped_hint()}")
+    return sorted(found, key=lambda item: item[1])
+
+
+def _listable(path: Path, real: Path, shown: str, suffixes: set[str] | None) -> bool:
+    """Whether a file found in a folder or by a glob is data; what is not is recorded with why
+    (``suffixes`` None: a model folder's files, listed to be confined, not as data: only regular
+    files count, nothing is recorded)."""
+    if suffixes is None:
+        return real.is_file()
+    if path.suffix not in suffixes:
+        _SKIPPED[shown] = (f"extension {path.suffix or '(none)'} is not one this recipe reads "
+                           f"({', '.join(sorted(suffixes))})")
+        return False
+    if not real.exists():
+        _SKIPPED[shown] = "a link to nothing"
+        return False
+    if not real.is_file():
+        _SKIPPED[shown] = "a link to something that is not a regular file" if path.is_symlink() else \
+            "not a regular file"
+        return False
+    if real.stat().st_size == 0:
+        _SKIPPED[shown] = "empty (0 bytes)"
+        return False
+    return True
+
+
+def skipped_files() -> dict[str, str]:
+    """What this process's listings left out (name -> why), in the order found."""
+    return dict(_SKIPPED)
+
+
+def skipped_report() -> list[str]:
+    """The skipped files as lines for a data summary: the first :data:`MAX_SKIPPED_SHOWN`, and
+    how many more."""
+    lines = [f"{name}: {why}" for name, why in list(_SKIPPED.items())[:MAX_SKIPPED_SHOWN]]
+    if len(_SKIPPED) > MAX_SKIPPED_SHOWN:
+        lines.append(f"… and {len(_SKIPPED) - MAX_SKIPPED_SHOWN} more")
+    return lines
+
+
+def _skipped_hint() -> str:
+    return f"; skipped: {'; '.join(skipped_report()[:3])}" if _SKIPPED else ""
 
 
 def _file_sha256(path: Path) -> str:
@@ -115,6 +188,7 @@ def changed_since_listed() -> list[Path]:
 def forget_listed() -> None:
     """Start a new ledger (before counting the data again)."""
     _LEDGER.clear()
+    _SKIPPED.clear()
 
 
 def _confined(path: Path, raw: str, root: Path | None) -> Path:
@@ -143,11 +217,12 @@ def _folder_files(given: Path, real: Path, raw: str, root: Path | None, suffixes
             seen.add(target)
         for name in names:
             path = folder / name
-            if suffixes is not None and path.suffix not in suffixes:
-                continue
             shown = f"{raw}/{path.relative_to(given).as_posix()}"
+            if suffixes is not None and path.suffix not in suffixes:
+                _listable(path, path, shown, suffixes)  # recorded as skipped, for its extension
+                continue
             target = _confined(path, shown, root)
-            if target.is_file():
+            if _listable(path, target, shown, suffixes):
                 files.append((target, path.relative_to(given).as_posix()))
     return sorted(files, key=lambda item: item[1])
 
@@ -206,6 +281,17 @@ def _confined_folder(given: Path, raw: str, root: Path) -> str:
     if real.is_dir():
         _folder_files(given, real, str(raw), root, suffixes=None)
     return str(real)
+
+
+def confined_file(path: Path, root: Path | None = None) -> Path | None:
+    """``path`` resolved when it is a regular file inside the root (default :func:`allowed_root`),
+    else None; not fingerprinted (a file read for what it describes, not as data)."""
+    root = allowed_root() if root is None else Path(root).resolve()
+    try:
+        real = _confined(Path(path), str(path), root)
+    except ConfigError:
+        return None
+    return real if real.is_file() else None
 
 
 def jsonl_records(path: Path, name: str) -> Iterator[tuple[str, dict[str, Any]]]:

@@ -13,7 +13,9 @@ into the base weights (``lora="merged"``: a plain model folder) or saved as a pe
 (``lora="adapter"``: ``adapter_config.json`` + ``adapter_model.safetensors``, loadable with
 ``peft.AutoPeftModelForCausalLM.from_pretrained``); the base model it adapts is the folder the
 run started from (``name_or_path``) or, for a model trained from scratch, ``base/`` inside the
-export.
+export. ``base_model_name_or_path`` names it relative to the export folder (``base``,
+``../sft_model``), never by an absolute path of this machine; peft resolves it from the working
+directory, so load from the export's folder or pass the base model yourself.
 """
 
 from __future__ import annotations
@@ -112,6 +114,15 @@ def export(
     return result
 
 
+def adapter_base_reference(base: str, final_dir: Path) -> str:
+    """What an adapter's ``base_model_name_or_path`` says: a local folder relative to the export
+    (``../sft_model``: the export moves with it, and names no path of this machine), a Hub id as
+    it is."""
+    if not os.path.isdir(base):
+        return base
+    return Path(os.path.relpath(Path(base).resolve(), Path(final_dir).resolve())).as_posix()
+
+
 def _save_adapter(model: Any, out: Path, final_dir: Path, max_shard_size: str | int) -> str:
     """A peft adapter folder in ``out``; returns the base model it names."""
     from peft import get_peft_model_state_dict
@@ -127,7 +138,9 @@ def _save_adapter(model: Any, out: Path, final_dir: Path, max_shard_size: str | 
         # Trained from scratch: the adapter is worth nothing without the weights it adapts.
         unload_lora(model, merge=False)
         model.save_pretrained(out / ADAPTER_BASE_DIRNAME, max_shard_size=max_shard_size)
-        base = str(final_dir / ADAPTER_BASE_DIRNAME)
+        base = ADAPTER_BASE_DIRNAME
+    else:
+        base = adapter_base_reference(base, final_dir)
     config = copy.deepcopy(config)
     config.base_model_name_or_path, config.task_type, config.inference_mode = base, "CAUSAL_LM", True
     out.mkdir(parents=True, exist_ok=True)

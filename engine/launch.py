@@ -143,10 +143,12 @@ def main(argv: list[str] | None = None) -> int:
 
 def _count_data(recipe_class, config):
     """The recipe's data summary, with the fingerprint of the data files it counted."""
-    from engine.data_files import data_fingerprint
+    from engine.data_files import data_fingerprint, skipped_report
 
     summary = recipe_class.summarize_data(config)
-    return summary.model_copy(update={"fingerprint": data_fingerprint()}) if summary is not None else None
+    if summary is None:
+        return None
+    return summary.model_copy(update={"fingerprint": data_fingerprint(), "skipped": skipped_report()})
 
 
 def train(recipe_class, config, args: argparse.Namespace) -> int:

@@ -219,20 +219,44 @@ def evaluate(run_dir: Path, step: int, data: list[str] | None = None) -> dict[st
     if not engine.eval_batches:
         raise BadInput("the recipe has no evaluation data (prepare_eval_data() returned nothing: "
                        "no documents held out?); pass data=[files] to evaluate on")
-    tokens = sum(engine.count_tokens(batch) for batch in engine.eval_batches)
+    scored = sum(engine.count_tokens(batch) for batch in engine.eval_batches)
     loss = engine.evaluate()
     engine.model.eval()
     with torch.no_grad():
         metrics = {str(k): float(v) for k, v in engine.task_metrics().items()}
+    split = split_summary(engine, record, data)
     return {
         "step": step,
         "eval_loss": loss,
         "perplexity": math.exp(loss) if loss < 50 else None,
         "batches": len(engine.eval_batches),
-        "tokens": tokens,
+        "split": "data" if data else "held_out",
+        **split,
+        "scored_tokens": scored,
         "data": list(data) if data else None,
         "metrics": metrics,
     }
+
+
+def split_summary(engine: Any, record: rd.RunRecord, data: list[str] | None) -> dict[str, Any]:
+    """``examples``, ``tokens`` and ``loss_tokens`` of the split evaluated, counted as the launch's
+    data summary counts them (:class:`engine.run_dir.DataSummary`): the run's held-out split as
+    its launch counted it, or the files given (all held out) counted now."""
+    if not data:
+        summary = record.data if record.data is not None else type(engine).summarize_data(engine.config)
+        if summary is None:
+            return {"examples": None, "tokens": None, "loss_tokens": None}
+        examples, tokens, loss_tokens = summary.eval_documents, summary.eval_tokens, summary.eval_loss_tokens
+    else:
+        # The files given are all held out; a recipe refuses to count a split with nothing to
+        # train on, so they are counted as if all trained on: the same documents, the same counts.
+        config = engine.config.model_copy(deep=True)
+        config.data.eval_fraction = 0.0
+        summary = type(engine).summarize_data(config)
+        if summary is None:
+            return {"examples": None, "tokens": None, "loss_tokens": None}
+        examples, tokens, loss_tokens = summary.train_documents, summary.train_tokens, summary.train_loss_tokens
+    return {"examples": examples, "tokens": tokens, "loss_tokens": tokens if loss_tokens is None else loss_tokens}
 
 
 # ---------------------------------------------------------------------------------------------

@@ -155,7 +155,9 @@ class ResumedFrom(BaseModel):
 class DataSummary(BaseModel):
     """What a run trains on, counted before it starts (Engine.summarize_data): the source and
     paths given, files read, documents and tokens (end-of-document tokens included) in all and
-    per split, and the tokenizer that counted them."""
+    per split, and the tokenizer that counted them. ``tokens`` counts every token of the
+    examples as trained on (cut to the sequence length); ``loss_tokens`` those the loss is over
+    (an SFT's assistant turns, a preference pair's answers), None when that is every token."""
 
     source: str
     paths: list[str] = []
@@ -179,17 +181,23 @@ class DataSummary(BaseModel):
     truncated: int | None = Field(None, description="Examples cut by data.seq_len (still trained on).")
     dropped: int | None = Field(None, description="Examples left out: nothing in them to learn.")
     dropped_why: str | None = Field(None, max_length=500, description="Why, with counts.")
+    train_loss_tokens: int | None = None
+    eval_loss_tokens: int | None = None
+    skipped: list[str] = Field([], description="Files of the folders and globs given that were not read, and why.")
 
     def describe(self) -> str:
         """One line, for the console, notes and reviews."""
         where = f" from {', '.join(self.paths[:3])}" if self.paths else ""
         files = f"{_count(self.files, 'file')}, " if self.files is not None else ""
+        loss = f" ({self.loss_tokens:,} of them loss tokens)" if self.loss_tokens is not None else ""
+        if self.skipped:
+            files += f"{len(self.skipped) if not self.skipped[-1].startswith('…') else 'many'} skipped " \
+                     f"({self.skipped[0]}{'; …' if len(self.skipped) > 1 else ''}), "
         return (
             f"data: {self.source}{where}: {files}{_count(self.documents, 'document')}, "
-            f"{_count(self.tokens, 'token')} (train {self.train_documents:,} documents / "
+            f"{_count(self.tokens, 'token')}{loss} (train {self.train_documents:,} documents / "
             f"{self.train_tokens:,} tokens, eval {self.eval_documents:,} / {self.eval_tokens:,})"
             + (f"; format {self.format}, loss on {self.mask}" if self.format and self.mask else "")
-            + (f", {self.loss_tokens:,} loss tokens" if self.loss_tokens is not None else "")
             + (f", {self.truncated:,} truncated" if self.truncated else "")
             + (f", {self.dropped:,} dropped ({self.dropped_why})" if self.dropped else "")
         )
@@ -586,6 +594,67 @@ def latest_metrics(path: Path) -> dict[str, Any] | None:
     for record in records:
         merged.update(record)
     return merged
+
+
+class RunSpeed(BaseModel):
+    """A run's speed, the one definition every reader shows (note, review, get_run, list_runs):
+    the mean over its training steps after the warm-up, and the last logging window's."""
+
+    mean_tokens_per_s: float | None = Field(
+        None, description="Supervised tokens/s over the training steps after the warm-up (total tokens / total time)."
+    )
+    last_window_tokens_per_s: float | None = Field(None, description="The last logging window's tokens/s.")
+    measured_steps: int = Field(0, description="Training steps the mean is over.")
+    warmup_steps: int = Field(
+        0, description="Steps left out of the mean: the first logging window (compilation, first allocations)."
+    )
+
+    def describe(self) -> str:
+        """One line: ``mean 1,201 tokens/s over steps 6-30 (warm-up: first 5 steps excluded); last window 1,250``."""
+        parts = []
+        if self.mean_tokens_per_s is not None:
+            warmup = (f"first {self.warmup_steps} step(s) of warm-up excluded" if self.warmup_steps
+                      else "no window after the warm-up: includes it")
+            parts.append(f"mean {self.mean_tokens_per_s:,.0f} tokens/s over {self.measured_steps} step(s) ({warmup})")
+        if self.last_window_tokens_per_s is not None:
+            parts.append(f"last window {self.last_window_tokens_per_s:,.0f} tokens/s")
+        return "; ".join(parts)
+
+
+def run_speed(records: list[dict[str, Any]], start_step: int = 0) -> RunSpeed | None:
+    """The speed of a run from its metrics records (oldest first), or None without a training
+    record. A training record is one with ``tokens_per_s`` and ``step_time_s`` (the engine's
+    window averages); other records (evaluations, a recipe's own) are ignored. The first window
+    is the warm-up and is left out of the mean, unless it is the only one; the mean weighs each
+    window by its time (its tokens / its seconds), so it is the run's tokens over its time.
+    ``start_step``: the step a resumed run started after (the first window's start)."""
+    windows: list[tuple[int, float, float]] = []  # (steps, seconds, tokens/s)
+    previous = start_step
+    for record in records:
+        speed, step_time, step = (finite_number(record.get("tokens_per_s")), finite_number(record.get("step_time_s")),
+                                  record.get("step"))
+        if speed is None or step_time is None or speed < 0 or step_time < 0 or not isinstance(step, int):
+            continue
+        if step <= previous:  # a record out of order (or repeated): not a new window
+            continue
+        windows.append((step - previous, (step - previous) * step_time, speed))
+        previous = step
+    if not windows:
+        return None
+    warmup = windows[0][0] if len(windows) > 1 else 0
+    measured = windows[1:] if len(windows) > 1 else windows
+    seconds = sum(w[1] for w in measured)
+    tokens = sum(w[1] * w[2] for w in measured)
+    mean = tokens / seconds if seconds > 0 else None
+    return RunSpeed(mean_tokens_per_s=mean, last_window_tokens_per_s=windows[-1][2],
+                    measured_steps=sum(w[0] for w in measured), warmup_steps=warmup)
+
+
+def read_run_speed(run_dir: Path, record: RunRecord | None = None) -> RunSpeed | None:
+    """:func:`run_speed` of a run directory's metrics.jsonl (a resumed run's windows start
+    after the step it resumed from)."""
+    start = record.resumed_from.step if record is not None and record.resumed_from is not None else 0
+    return run_speed(read_all_metrics(Path(run_dir) / METRICS_JSONL), start_step=start)
 
 
 def _parse_metrics_line(line: bytes) -> dict[str, Any] | None:

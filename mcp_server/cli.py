@@ -181,11 +181,13 @@ def cmd_runs(args: argparse.Namespace) -> int:
     def text(r) -> str:
         if not r.runs:
             return "no runs yet; `trainwright run RECIPE` starts one"
-        lines = [f"{'run id':<40} {'status':<10} {'step':>11} {'loss':>8}  recipe"]
+        lines = [f"{'run id':<40} {'status':<10} {'step':>11} {'loss':>8} {'mean tok/s':>10}  recipe"]
         for s in r.runs:
             step = f"{s.step or 0}/{s.max_steps or '?'}"
             loss = f"{s.loss:.4f}" if isinstance(s.loss, float) else "-"
-            lines.append(f"{s.run_id:<40} {s.status:<10} {step:>11} {loss:>8}  {s.recipe}")
+            speed = f"{s.mean_tokens_per_s:,.0f}" if isinstance(s.mean_tokens_per_s, float) else "-"
+            lines.append(f"{s.run_id:<40} {s.status:<10} {step:>11} {loss:>8} {speed:>10}  {s.recipe}")
+        lines.append("mean tok/s: supervised tokens/s over the steps after the warm-up (the first logging window)")
         return "\n".join(lines)
 
     _emit(args, result, text)
@@ -212,6 +214,8 @@ def cmd_status(args: argparse.Namespace) -> int:
             lines.append(f"  step       {r.step}/{r.max_steps if r.max_steps is not None else '?'}")
         if r.latest:
             lines.append(f"  latest     {_format_record(r.latest)}")
+        if r.speed:
+            lines.append(f"  speed      {r.speed}")
         if r.eta_s is not None:
             lines.append(f"  eta        {r.eta_s:.0f} s")
         if r.checkpoints:
@@ -233,12 +237,14 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def _format_record(record: dict[str, Any]) -> str:
-    keys = ("loss", "eval_loss", "lr", "grad_norm", "tokens_per_s", "step_time_s")
+    # The record's rates are its logging window's: named so (the run's mean is get_run's speed).
+    keys = {"loss": "loss", "eval_loss": "eval_loss", "lr": "lr", "grad_norm": "grad_norm",
+            "tokens_per_s": "window tokens_per_s", "step_time_s": "window step_time_s"}
     parts = [f"step {record.get('step')}"]
-    for key in keys:
+    for key, label in keys.items():
         value = record.get(key)
         if isinstance(value, float):
-            parts.append(f"{key} {value:.4g}")
+            parts.append(f"{label} {value:.4g}")
     return " | ".join(parts)
 
 
@@ -372,9 +378,13 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
 
     def text(r) -> str:
         loss = f"{r.eval_loss:.4f}" if r.eval_loss is not None else "not finite"
-        parts = [f"run {r.run_id} step {r.step}: eval_loss {loss} over {r.tokens:,} tokens"]
+        split = "held-out split" if r.split == "held_out" else "data given"
+        size = (f"{r.examples:,} example(s) of the {split}" if r.examples is not None else f"the {split}")
+        if r.tokens is not None:
+            size += f", {r.tokens:,} tokens ({r.loss_tokens if r.loss_tokens is not None else r.tokens:,} loss tokens)"
+        parts = [f"run {r.run_id} step {r.step}: eval_loss {loss} over {size}"]
         parts += [f"{key} {value:.4g}" for key, value in r.metrics.items()]
-        return " | ".join(parts)
+        return " | ".join(parts) + "".join(f"\nwarning: {w}" for w in r.warnings)
 
     _emit(args, result, text)
     return EXIT_OK

@@ -22,7 +22,7 @@ class ResumePoint(BaseModel):
 
 
 class LaunchRunResult(BaseModel):
-    """config_changes: keys that differ from the code defaults; data: what it trains on."""
+    """config_changes: keys off the code defaults."""
 
     run_id: str
     status: RunStatus
@@ -55,6 +55,8 @@ class RunSummary(BaseModel):
     step: int | None = Field(None, description="Latest logged step.")
     max_steps: int | None = None
     loss: float | None = Field(None, description="Latest logged loss.")
+    mean_tokens_per_s: float | None = None
+    last_window_tokens_per_s: float | None = None
 
 
 class RunList(BaseModel):
@@ -63,7 +65,7 @@ class RunList(BaseModel):
 
 
 class RunInfo(BaseModel):
-    """What ran and how it goes; console_tail when it failed."""
+    """What ran and how it goes."""
 
     run_id: str
     status: RunStatus
@@ -88,6 +90,7 @@ class RunInfo(BaseModel):
     max_steps: int | None = None
     eta_s: float | None = None
     latest: dict[str, Any] | None = None
+    speed: str | None = None
     checkpoints: list[CheckpointInfo] = []
     metrics_destinations: list[str] = []
     console_tail: str | None = None
@@ -95,7 +98,7 @@ class RunInfo(BaseModel):
     network_isolated: bool | None = None
     network_note: str | None = None
     isolation: str | None = Field(
-        None, description="full: bubblewrap sandbox; partial or none: see isolation_note and SECURITY.md."
+        None, description="full: bubblewrap; else see isolation_note."
     )
     isolation_note: str | None = None
     limits: dict[str, Any] | None = None
@@ -146,7 +149,7 @@ class ApplySkillResult(BaseModel):
     version: str
     recipe: str = Field(description="The file changed.")
     changed: bool
-    already_applied: bool = Field(description="The pattern was already there: nothing to do, not an error.")
+    already_applied: bool = Field(description="The pattern was already there: nothing done.")
     dry_run: bool
     params: dict[str, Any] = Field(description="With defaults.")
     diff: str = Field(description="Unified diff (git apply).")
@@ -155,7 +158,7 @@ class ApplySkillResult(BaseModel):
     message: str = ""
     acts_on: str = Field(
         "",
-        description="What the change acts on (e.g. 'wraps 4 blocks of `model.layers`').",
+        description="What it acts on (e.g. 'wraps 4 blocks of `model.layers`').",
     )
 
 
@@ -191,7 +194,9 @@ class ReviewRun(BaseModel):
     status: str
     step: int | None = None
     loss: float | None = None
-    tokens_per_s: float | None = None
+    mean_tokens_per_s: float | None = Field(None, description="Mean over the steps after the warm-up (see speed).")
+    last_window_tokens_per_s: float | None = Field(None, description="The last logging window's.")
+    speed: str | None = Field(None, description="Both, with the steps measured and the warm-up left out.")
     code: str = Field("", description="The code the run executed.")
     overrides: dict[str, Any] = {}
     data: str | None = Field(None, description="What the run trained on.")
@@ -285,7 +290,7 @@ class Sample(BaseModel):
     new_tokens: int
     stopped: str = Field(description="eos or max_new_tokens.")
     cut: bool = False
-    input: str | None = Field(None, description="What the recipe showed beside the prompt (an image).")
+    input: str | None = Field(None, description="Shown beside the prompt (an image).")
     expected: str | None = Field(None, description="The answer its data holds.")
 
 
@@ -297,9 +302,16 @@ class SampleResult(BaseModel):
 
 
 class EvaluateResult(BaseModel):
+    """examples, tokens, loss_tokens: of the split, as launch_run's data counts them."""
+
     run_id: str
     step: int
     eval_loss: float | None
     perplexity: float | None = None
-    tokens: int
+    split: str = "held_out"
+    examples: int | None = None
+    tokens: int | None = None
+    loss_tokens: int | None = None
+    scored_tokens: int = 0
     metrics: dict[str, float]
+    warnings: list[str] = []

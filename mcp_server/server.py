@@ -228,9 +228,8 @@ def build_server(workspace: Path | str, read_only: bool = False, settings: Path 
         dry_run: Annotated[bool, Field(strict=True, description="Only return the diff; change nothing.")] = False,
         target: Annotated[str | None, Field(description="The model to act on: self._model, file.py:LINE.")] = None,
     ) -> ApplySkillResult:
-        """Write a skill's pattern into a recipe's code as one git commit; returns the diff, the
-        commit and acts_on (what the change acts on). Applying again changes nothing. A refusal
-        (uncommitted changes, no place to go, nothing to act on) says what would work."""
+        """Write a skill's pattern into a recipe's code as one git commit; returns the diff,
+        commit and acts_on. Applying again changes nothing; a refusal says what works."""
         args = {"skill": skill, "recipe": recipe, "params": params, "dry_run": dry_run, "target": target}
         return await tools.call("apply_skill", args, lambda: skill_ops.apply_skill(
             tools.ws, skill, recipe, skill_ops.with_target(params, target), dry_run))
@@ -250,16 +249,16 @@ def build_server(workspace: Path | str, read_only: bool = False, settings: Path 
         name: Annotated[str, Field(description="Name of the new recipe: recipes/<name>/.")],
         config: Annotated[
             dict[str, Any] | None,
-            Field(description='Config values, dotted keys: {"train.max_steps": 500, "data.paths": ["data/a.jsonl"]}.'),
+            Field(description='Dotted keys: {"train.max_steps": 500}.'),
         ] = None,
         skills: Annotated[
             list[Any] | None,
-            Field(description='Skills to apply after scaffolding: names, or {"name": ..., "params": {...}}.'),
+            Field(description='Skills to apply: names, or {"name": ..., "params": {...}}.'),
         ] = None,
         ctx: Context | None = None,
     ) -> ScaffoldResult:
-        """Create recipes/<name>/ from a template with this config as one commit, then each
-        skill as its own commit. A bad config key or skill fails before anything is written."""
+        """Create recipes/<name>/ from a template and config as one commit, then each skill as
+        its own; a bad key or skill writes nothing."""
         if ctx is not None:
             await ctx.report_progress(0, 2, "checking the config and skills")
         args = {"template": template, "name": name, "config": config, "skills": skills}
@@ -273,8 +272,8 @@ def build_server(workspace: Path | str, read_only: bool = False, settings: Path 
 
     @tool(READ_ONLY)
     async def describe_recipe(recipe: RecipePath) -> RecipeDescription:
-        """Every config key of a recipe (type, default, value, description), its template and
-        the skills applied."""
+        """Every config key of a recipe or template (type, default, value, description), its
+        template, skills applied and Hub models."""
         return await tools.call(
             "describe_recipe", {"recipe": recipe}, lambda: recipe_info.describe_recipe(tools.ws, recipe)
         )
@@ -302,10 +301,9 @@ def build_server(workspace: Path | str, read_only: bool = False, settings: Path 
         slurm: Annotated[dict[str, Any], Field(description="slurm: partition, time, gpus_per_node.")] = {},
         ctx: Context | None = None,
     ) -> LaunchRunResult:
-        """Start a run; returns its run_id at once, the config keys that differ from the
-        defaults and the data it trains on. Config and data are checked first (nothing written on
-        error). It runs a snapshot of the recipe and outlives this server: follow it with
-        wait_run, get_run, tail_metrics."""
+        """Start a run of a snapshot of the recipe; returns its run_id at once, config_changes and
+        the data it trains on (checked first: nothing is written on error). It outlives this
+        server: follow it with wait_run, get_run."""
         if ctx is not None:
             await ctx.report_progress(0, 2, "checking the recipe and config")
         args = {"recipe": recipe, "nproc": nproc, "overrides": overrides, "nnodes": nnodes, "rdzv": rdzv,
@@ -321,7 +319,7 @@ def build_server(workspace: Path | str, read_only: bool = False, settings: Path 
     async def list_runs(
         limit: Annotated[int, Field(strict=True, description="1-100.")] = 20,
     ) -> RunList:
-        """List the workspace's runs, newest first, with status, latest step and loss."""
+        """The workspace's runs, newest first: status, step, loss, mean tokens/s."""
         return await tools.call("list_runs", {"limit": limit}, lambda: run_ops.list_runs(tools.ws, limit))
 
     @tool(READ_ONLY)
@@ -341,8 +339,7 @@ def build_server(workspace: Path | str, read_only: bool = False, settings: Path 
         ] = waiting.DEFAULT_WAIT_S,
         ctx: Context | None = None,
     ) -> WaitRunResult:
-        """Wait until a run logs until_step, ends, or timeout_s passes (reason says which),
-        with progress notifications."""
+        """Wait until a run logs until_step, ends, or timeout_s passes (reason says which)."""
 
         async def progress(now: waiting.Observation) -> None:
             if ctx is not None:
@@ -361,14 +358,13 @@ def build_server(workspace: Path | str, read_only: bool = False, settings: Path 
             int, Field(strict=True, description="1-200.")
         ] = run_ops.DEFAULT_TAIL_RECORDS,
         after_step: Annotated[
-            int | None, Field(strict=True, description="Only records after this step (the last step you saw).")
+            int | None, Field(strict=True, description="Only records after this step.")
         ] = None,
         follow_resumes: Annotated[
-            bool, Field(strict=True, description="Also the runs it was resumed from, each up to its resume step.")
+            bool, Field(strict=True, description="Also the runs it was resumed from.")
         ] = False,
     ) -> MetricsTail:
-        """The latest metrics records of a run (loss, lr, grad_norm, tokens_per_s, ...);
-        truncated: more matched than n."""
+        """The latest metrics records of a run; truncated: more matched than n."""
         args = {"run_id": run_id, "n": n, "after_step": after_step, "follow_resumes": follow_resumes}
         return await tools.call(
             "tail_metrics", args, lambda: run_ops.tail_metrics(tools.ws, run_id, n, after_step, follow_resumes)
@@ -393,15 +389,18 @@ def build_server(workspace: Path | str, read_only: bool = False, settings: Path 
         nproc: Annotated[int | None, Field(strict=True, description="Processes; default: as the original run.")] = None,
         code: Annotated[
             Literal["checkpoint", "head"],
-            Field(description="checkpoint: the code the run ran; head: the recipe now (e.g. after apply_skill)."),
+            Field(description="checkpoint: the code the run ran; head: the recipe now."),
         ] = "checkpoint",
+        overrides: Annotated[
+            dict[str, Any] | None,
+            Field(description='e.g. {"train.max_steps": 400}'),
+        ] = None,
     ) -> LaunchRunResult:
-        """Continue a run from a checkpoint as a new run (same config); returns its run_id at
-        once."""
-        args = {"run_id": run_id, "step": step, "nproc": nproc, "code": code}
+        """Continue a run from a checkpoint as a new run (its config + overrides)."""
+        args = {"run_id": run_id, "step": step, "nproc": nproc, "code": code, "overrides": overrides}
         return await tools.call(
             "resume_checkpoint", args,
-            lambda: run_ops.resume_checkpoint(tools.ws, run_id, step, nproc, code=code),
+            lambda: run_ops.resume_checkpoint(tools.ws, run_id, step, nproc, overrides=overrides, code=code),
         )
 
     # ---------------------------------------------------------------------------------------

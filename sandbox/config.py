@@ -30,6 +30,8 @@ optional; a missing file means the defaults below, which are these:
       allow_pickled_weights: false  # a model by Hub id may have .bin/.pt weights (loading them
                                   #   can run code; inside the sandbox); otherwise safetensors only
       trust_remote_code: false    # fetch a Hub model repo's own Python files (remote code)
+      max_export_bytes: null      # export_checkpoint refuses (and removes) an export larger than
+                                  #   this: bytes or "20GiB" (null: no cap)
 """
 
 from __future__ import annotations
@@ -72,6 +74,7 @@ class RunLimits:
     slurm: bool = False  # submit SLURM jobs (they run outside this sandbox)
     allow_pickled_weights: bool = False  # Hub models with .bin/.pt weights (sandbox/hub.py)
     trust_remote_code: bool = False  # fetch a Hub model repo's Python files
+    max_export_bytes: int | None = None  # an export's files in all; None: no cap
 
 
 _KEYS = {f.name for f in fields(RunLimits)} - {"max_memory_bytes"} | {"max_memory"}
@@ -137,6 +140,7 @@ def limits_from_mapping(section: object) -> RunLimits:
         slurm=_flag(section.get("slurm", defaults.slurm), "slurm"),
         allow_pickled_weights=_flag(section.get("allow_pickled_weights", False), "allow_pickled_weights"),
         trust_remote_code=_flag(section.get("trust_remote_code", False), "trust_remote_code"),
+        max_export_bytes=parse_size(section.get("max_export_bytes"), "max_export_bytes"),
     )
 
 

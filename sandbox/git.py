@@ -14,10 +14,12 @@ every git command trainwright runs goes through :func:`_harden`: hooks off
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import itertools
 import os
 import random
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,7 +35,9 @@ NOTES_REF = "trainwright"
 AGENT_NAME = "trainwright"
 AGENT_EMAIL = "trainwright@localhost"
 TOOL_TRAILER = "Trainwright-Tool"
-WORKSPACE_GITIGNORE = "runs/\n.trainwright/\n__pycache__/\n"
+# trainwright's own folders in a workspace: never committed (runs, exports and the server's state).
+OWN_FOLDERS = ("runs/", "exports/", ".trainwright/")
+WORKSPACE_GITIGNORE = "".join(f"{folder}\n" for folder in OWN_FOLDERS) + "__pycache__/\n"
 # Settings given on every git command line (``git -c ...``): they win over the repository's.
 SAFE_CONFIG = ("core.hooksPath=/dev/null", "core.fsmonitor=false", "core.untrackedCache=false")
 COMMIT_ID = GIT_COMMIT  # a full commit id, SHA-1 or SHA-256
@@ -99,6 +103,41 @@ def ensure_repo(root: Path) -> git.Repo:
         repo.git.add("--", ".gitignore")
         repo.git.commit("-q", "-m", "trainwright: initialise workspace\n", "--", ".gitignore")
     return repo
+
+
+def ignore_own_folders(repo: git.Repo, root: Path) -> Path | None:
+    """Add the lines of :data:`OWN_FOLDERS` that ``root``'s ``.gitignore`` lacks (creating it);
+    returns the file when it changed, to be committed with the change that needed it. A
+    ``.gitignore`` with uncommitted changes of its own, or one that is not a regular file, is left
+    as it is (its changes are not trainwright's to commit)."""
+    path = Path(root) / ".gitignore"
+    if path.is_symlink() or (path.exists() and not path.is_file()):
+        return None
+    text = path.read_text(errors="replace") if path.exists() else ""
+    present = {line.strip() for line in text.splitlines()}
+    missing = [f for f in OWN_FOLDERS if f not in present and f.rstrip("/") not in present
+               and f"/{f}" not in present and f"/{f.rstrip('/')}" not in present]
+    if not missing:
+        return None
+    if path.exists() and repo.git.status("--porcelain", "--", _rel(repo, path)).strip():
+        return None
+    prefix = "" if not text or text.endswith("\n") else "\n"
+    write_text_atomic(path, text + prefix + "# trainwright's own folders\n" + "".join(f"{f}\n" for f in missing))
+    return path
+
+
+def write_text_atomic(path: Path, text: str | bytes) -> None:
+    """``text`` into ``path`` through a temporary file beside it and a rename."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(text.encode() if isinstance(text, str) else text)
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
 
 
 def head_commit(root: Path) -> str | None:

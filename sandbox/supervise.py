@@ -229,11 +229,13 @@ class Supervisor:
             return
         shown = sr.merge(record, sr.report(self.run_dir))  # the data it counted, from its report
         add_note(Path(record.workspace), record.git_commit,
-                 run_note(shown, rd.latest_metrics(self.run_dir / rd.METRICS_JSONL)))
+                 run_note(shown, rd.latest_metrics(self.run_dir / rd.METRICS_JSONL),
+                          rd.read_run_speed(self.run_dir, shown)))
 
 
-def run_note(record: rd.RunRecord, latest: dict | None) -> str:
-    """One line per run on its commit: outcome, code, config, data."""
+def run_note(record: rd.RunRecord, latest: dict | None, speed: rd.RunSpeed | None = None) -> str:
+    """One line per run on its commit: outcome, speed (:func:`engine.run_dir.run_speed`), code,
+    config, data."""
     parts = [f"run {record.id}: {record.status}"]
     if latest:
         parts.append(f"step {latest.get('step')}/{record.max_steps or '?'}")
@@ -242,9 +244,8 @@ def run_note(record: rd.RunRecord, latest: dict | None) -> str:
             parts.append(f"loss {rd.finite_number(loss):.4f}")
         elif isinstance(loss, str):  # metrics.jsonl writes non-finite losses as "nan" / "inf"
             parts.append(f"loss {loss[:20]} (not finite)")
-        tokens_per_s = rd.finite_number(latest.get("tokens_per_s"))
-        if tokens_per_s is not None:
-            parts.append(f"{tokens_per_s:,.0f} tokens/s")
+    if speed is not None and speed.describe():
+        parts.append(speed.describe())
     parts.append(f"recipe {record.recipe}, {record.world_size or record.nproc} process(es)")
     parts.append(code_description(record))
     for model in record.hub_models[:4]:

@@ -130,7 +130,7 @@ def export_checkpoint(
             ws.run_limits(), EXPORT_TIMEOUT_S, writable=[staging],
         )
         lora_done = result.get("lora") if result.get("lora") in LORA_CHOICES else None
-        _check_written(parent_fd, staging_name)
+        _check_written(parent_fd, staging_name, ws.run_limits().max_export_bytes)
         try:
             with contextlib.suppress(FileNotFoundError):
                 os.rmdir(name, dir_fd=parent_fd)  # empty, as checked (a link or a file: ENOTDIR)
@@ -197,17 +197,29 @@ def _count(value: Any) -> int:
     return value if isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 2**63 else 0
 
 
-def _check_written(parent_fd: int, name: str) -> None:
+EXPORT_FILE_MODE, EXPORT_DIR_MODE = 0o644, 0o755
+
+
+def _check_written(parent_fd: int, name: str, max_bytes: int | None = None) -> None:
     """Refuse an export that holds anything but regular files and folders (recipe code wrote it:
-    a link would lead out of the workspace); drop set-user/group-id bits."""
+    a link would lead out of the workspace), or more than ``max_bytes`` in all (the trusted
+    settings' ``runs.max_export_bytes``); set every file's mode to 0644 and every folder's to
+    0755, whatever the recipe's code set (``save_pretrained`` writes 0600 under some umasks)."""
+    total = 0
+    os.chmod(name, EXPORT_DIR_MODE, dir_fd=parent_fd)  # the staging folder this export made
     for _, folders, names, dir_fd in os.fwalk(name, dir_fd=parent_fd):
         for entry in folders + names:
             info = os.stat(entry, dir_fd=dir_fd, follow_symlinks=False)
             if not (stat.S_ISREG(info.st_mode) or stat.S_ISDIR(info.st_mode)):
                 raise ModelProcessFailed(f"the export holds {entry[:100]!r}, which is not a regular file or folder "
                                          "(the recipe's code wrote it); nothing was exported")
-            if info.st_mode & (stat.S_ISUID | stat.S_ISGID):
-                os.chmod(entry, stat.S_IMODE(info.st_mode) & ~(stat.S_ISUID | stat.S_ISGID), dir_fd=dir_fd)
+            regular = stat.S_ISREG(info.st_mode)
+            os.chmod(entry, EXPORT_FILE_MODE if regular else EXPORT_DIR_MODE, dir_fd=dir_fd)
+            total += info.st_size if regular else 0
+            if max_bytes is not None and total > max_bytes:
+                raise BadInput(f"the export is larger than runs.max_export_bytes ({max_bytes:,} bytes) of the "
+                               "server's settings; nothing was exported (export lora='adapter', or ask the "
+                               "person who runs the server to raise the cap)")
 
 
 def _files(parent_fd: int, name: str) -> list[tuple[str, int]]:
@@ -285,8 +297,29 @@ def evaluate(ws: Workspace, run_id: str, step: int | None = None, data: list[str
     reported = result.get("metrics")
     found: dict = reported if isinstance(reported, dict) else {}
     metrics = {str(k)[:100]: float(v) for k, v in list(found.items())[:MAX_METRICS] if rd.finite_number(v) is not None}
+    examples = _count(result["examples"]) if result.get("examples") is not None else None
+    split = "data" if paths else "held_out"
     return EvaluateResult(
         run_id=run_id, step=step, eval_loss=rd.finite_number(result.get("eval_loss")),
-        perplexity=rd.finite_number(result.get("perplexity")), tokens=_count(result.get("tokens")),
-        metrics=metrics,
+        perplexity=rd.finite_number(result.get("perplexity")), split=split, examples=examples,
+        tokens=_count(result["tokens"]) if result.get("tokens") is not None else None,
+        loss_tokens=_count(result["loss_tokens"]) if result.get("loss_tokens") is not None else None,
+        scored_tokens=_count(result.get("scored_tokens")),
+        metrics=metrics, warnings=small_sample_warnings(examples, split),
     )
+
+
+MIN_EXAMPLES = 30
+
+
+def small_sample_warnings(examples: int | None, split: str) -> list[str]:
+    """A warning for numbers over fewer than :data:`MIN_EXAMPLES` examples (a rate over one
+    held-out pair is 0 or 1)."""
+    where = "the run's held-out split" if split == "held_out" else "the data given"
+    if examples is None:
+        return [f"the recipe did not count the examples of {where}: the numbers' sample size is unknown"]
+    if examples < MIN_EXAMPLES:
+        more = ("raise data.eval_fraction or pass data=[files]" if split == "held_out" else "pass more data")
+        return [f"eval_loss and metrics are over {examples} example(s) of {where}, fewer than {MIN_EXAMPLES}: "
+                f"a rate moves by {1 / max(1, examples):.2g} per example; {more} for numbers to compare"]
+    return []

@@ -14,6 +14,7 @@ from collections import Counter
 from pathlib import Path
 
 from engine import server_record as sr
+from engine.errors import BadInput, NotFound
 from mcp_server.limits import AGENT_BUDGET_CHARS, bounded, json_chars, text_bytes
 from mcp_server.models import (
     ConfigField,
@@ -30,7 +31,7 @@ from sandbox.runs import check_launch
 from sandbox.workspace import Workspace
 
 MAX_DESCRIBE_BYTES = 7_800  # the result as an agent reads it: under 8 KB
-DESCRIPTION_LIMITS = (160, 80, 40, 0)  # characters kept per description, tried in turn
+DESCRIPTION_LIMITS = (160, 80, 60, 40, 30, 20, 0)  # characters kept per description, tried in turn
 MAX_SKILLS_SHOWN = 50
 MAX_RECIPES = 100
 MAX_SUMMARY_FIELD_CHARS = 200  # a folder name, a commit subject
@@ -59,8 +60,18 @@ def _history(ws: Workspace, recipe_dir: Path) -> tuple[str | None, str | None, s
 
 
 def describe_recipe(ws: Workspace, recipe: str) -> RecipeDescription:
-    """Every config key of a recipe (from the engine's check), its template and skills."""
-    recipe_dir = ws.recipe(recipe)
+    """Every config key of a recipe (from the engine's check), its template and skills; a
+    template's name (no recipe of that name in the workspace) describes the template, before a
+    recipe is scaffolded from it."""
+    try:
+        recipe_dir = ws.recipe(recipe)
+    except NotFound:
+        source = _template(recipe)
+        if source is None:
+            raise
+        verdict = check_launch(ws.root, source, 1, [], limits=ws.run_limits())
+        return _fit(RecipeDescription(recipe=f"template {recipe}", template=recipe, skills=[],
+                                      fields=[ConfigField(**f) for f in verdict.get("fields", [])]))
     limits = ws.run_limits()
     models = hub.bind(ws.root, hub.recipe_config(recipe_dir, {}),
                       dataset=hub.recipe_config(recipe_dir, {}, hub.DATASET_KEY), allow_pickled=limits.allow_pickled_weights,
@@ -74,6 +85,16 @@ def describe_recipe(ws: Workspace, recipe: str) -> RecipeDescription:
         cut=len(skills) > MAX_SKILLS_SHOWN,
     )
     return _fit(described)
+
+
+def _template(name: str) -> Path | None:
+    """The folder of the template ``name``, or None when there is none of that name."""
+    from mcp_server.operations.recipes import template_dir
+
+    try:
+        return template_dir(name)
+    except (BadInput, NotFound):  # no template of that name, or not a plain name
+        return None
 
 
 def _fit(described: RecipeDescription) -> RecipeDescription:

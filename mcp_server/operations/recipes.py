@@ -161,6 +161,14 @@ def scaffold_recipe(
         return _scaffold_locked(ws, source, template, name, flat, specs)
 
 
+def _restore(path: Path, content: bytes | None) -> None:
+    """Put ``path`` back as it was (``None``: it did not exist)."""
+    if content is None:
+        path.unlink(missing_ok=True)
+    else:
+        sandbox_git.write_text_atomic(path, content)
+
+
 def _scaffold_locked(ws: Workspace, source: Path, template: str, name: str, flat: dict[str, Any],
                      specs: list[tuple[str, dict[str, Any]]]) -> ScaffoldResult:
     destination = ws.recipes_dir / name
@@ -171,14 +179,18 @@ def _scaffold_locked(ws: Workspace, source: Path, template: str, name: str, flat
     # refused), so a recipes/ swapped for a link meanwhile never receives the files.
     recipes_fd = open_real_dir(ws.recipes_dir, create=True)
     held = Path(f"/proc/self/fd/{recipes_fd}")
+    ignore = None
     try:
         _write_recipe(held, source, name, flat)
         try:
             if not _same_folder(ws.recipes_dir, recipes_fd):
                 raise PathRefused("recipes/ was replaced while the recipe was being written; nothing was committed")
+            gitignore = ws.root / ".gitignore"
+            before = gitignore.read_bytes() if gitignore.is_file() and not gitignore.is_symlink() else None
+            ignore = sandbox_git.ignore_own_folders(repo, ws.root)  # runs/, exports/ stay out of commits
             sha = sandbox_git.commit_paths(
                 repo,
-                [destination],
+                [destination, *([ignore] if ignore else [])],
                 f"recipe({name}): scaffold from template {template}",
                 [
                     (sandbox_git.TOOL_TRAILER, SCAFFOLD_TOOL),
@@ -188,6 +200,8 @@ def _scaffold_locked(ws: Workspace, source: Path, template: str, name: str, flat
             )
         except BaseException:
             shutil.rmtree(held / name, ignore_errors=True)  # an error means nothing changed
+            if ignore is not None:
+                _restore(gitignore, before)
             raise
     finally:
         os.close(recipes_fd)

@@ -23,9 +23,13 @@ def _runs_by_commit(ws: Workspace) -> dict[str, list[ReviewRun]]:
         if not record.git_commit:
             continue
         last = rd.latest_metrics(ws.runs_dir / run_id / rd.METRICS_JSONL) or {}
+        speed = rd.read_run_speed(ws.runs_dir / run_id, record)
         by_commit[record.git_commit].append(
             ReviewRun(run_id=run_id, status=record.effective_status(), step=last.get("step"),
-                      loss=last.get("loss"), tokens_per_s=last.get("tokens_per_s"),
+                      loss=rd.finite_number(last.get("loss")),
+                      mean_tokens_per_s=speed.mean_tokens_per_s if speed else None,
+                      last_window_tokens_per_s=speed.last_window_tokens_per_s if speed else None,
+                      speed=speed.describe() if speed else None,
                       code=code_description(record), overrides=record.overrides,
                       data=record.data.describe() if record.data else None)
         )
@@ -68,7 +72,7 @@ def format_review(result: ReviewResult) -> str:
         lines.append(f"    {c.files_changed} file(s), +{c.insertions} -{c.deletions}")
         for r in c.runs:
             loss = f"loss {r.loss:.4f}" if isinstance(r.loss, float) else "no metrics"
-            speed = f", {r.tokens_per_s:,.0f} tokens/s" if isinstance(r.tokens_per_s, float) else ""
+            speed = f", {r.speed}" if r.speed else ""
             at = f" at step {r.step}" if r.step is not None else ", no step logged"
             lines.append(f"    run {r.run_id}: {r.status}{at}, {loss}{speed}")
             lines.append(f"      {r.code}")

@@ -160,6 +160,7 @@ def launch_run(
     confine_config(ws.root, verdict["config"])
     if target == "local":
         hub.verify(models, ws.root, verdict["config"])
+    warnings = [*warnings, *_skipped_data(verdict.get("data"))]
     label = ws.label(ws.recipe(recipe))
     if target == "slurm":
         record, script = slurm_jobs.start_job(
@@ -322,6 +323,7 @@ def resume_checkpoint(
         )
     confine_config(ws.root, verdict["config"])
     hub.verify(models, ws.root, verdict["config"])
+    _check_steps_left(source, chosen_step, verdict["config"])
     warnings = [*warnings, *_data_drift(source, verdict.get("data"))]
     same_shape = nproc == source.nproc and not limits.threads_per_process
     record = sandbox_runs.start_run(
@@ -336,6 +338,27 @@ def resume_checkpoint(
         models=models,
     )
     return _launch_result(ws, record)
+
+
+def _skipped_data(counted: dict[str, Any] | None) -> list[str]:
+    """A warning that names the data files the run will not read, and why."""
+    skipped = rd.DataSummary.model_validate(counted).skipped if counted else []
+    if not skipped:
+        return []
+    return [f"data: {len(skipped) if not skipped[-1].startswith('…') else 'more than 10'} file(s) of the "
+            f"folders or globs given are not read: {'; '.join(skipped[:5])}"]
+
+
+def _check_steps_left(source: rd.RunRecord, step: int, config: dict[str, Any]) -> None:
+    """A resume with nothing left to train (the checkpoint is at or past ``train.max_steps``) is
+    refused, saying how to continue, instead of starting a run that does nothing."""
+    max_steps = (config.get("train") or {}).get("max_steps")
+    if isinstance(max_steps, int) and not isinstance(max_steps, bool) and step >= max_steps:
+        raise BadInput(
+            f"run {source.id}'s checkpoint at step {step} has nothing left to train (train.max_steps is "
+            f"{max_steps}): to train further, pass overrides {{\"train.max_steps\": {step + max(step, 1)}}} "
+            f"(any value above {step}); to use the model as it is, export_checkpoint, sample or evaluate it"
+        )
 
 
 def _data_drift(source: rd.RunRecord, counted: dict[str, Any] | None) -> list[str]:
@@ -402,6 +425,7 @@ def get_run(ws: Workspace, run_id: str) -> RunInfo:
         max_steps=record.max_steps,
         eta_s=_number(latest.get("eta_s")) if latest and status == rd.RUNNING else None,
         latest=_bounded_record(latest) if latest else None,
+        speed=_speed_text(rd.read_run_speed(run_dir, record)),
         checkpoints=[
             CheckpointInfo(step=s, path=ws.label(p))
             for s, p in rd.list_checkpoints(run_dir)[-MAX_RUN_INFO_CHECKPOINTS:]
@@ -503,6 +527,7 @@ def _summary(ws: Workspace, run_id: str) -> RunSummary:
     run_dir = ws.runs_dir / run_id
     record = sr.view(ws.root, run_dir)
     latest = rd.latest_metrics(run_dir / rd.METRICS_JSONL)
+    speed = rd.read_run_speed(run_dir, record)
     return RunSummary(
         run_id=run_id,
         status=record.effective_status(),
@@ -511,7 +536,17 @@ def _summary(ws: Workspace, run_id: str) -> RunSummary:
         step=latest["step"] if latest else None,
         max_steps=record.max_steps,
         loss=_number(latest.get("loss")) if latest else None,
+        mean_tokens_per_s=_rounded(speed.mean_tokens_per_s) if speed else None,
+        last_window_tokens_per_s=_rounded(speed.last_window_tokens_per_s) if speed else None,
     )
+
+
+def _speed_text(speed: rd.RunSpeed | None) -> str | None:
+    return speed.describe() or None if speed is not None else None
+
+
+def _rounded(value: float | None) -> float | None:
+    return round(value, 1) if value is not None else None
 
 
 def _number(value: Any) -> float | None:

@@ -49,13 +49,15 @@ from engine.fsdp import apply_fsdp
 
 
 class ModelConfig(Section):
-    hidden_size: int = Field(256, ge=8)
-    intermediate_size: int = Field(688, ge=8)
-    num_layers: int = Field(4, ge=1)
-    num_heads: int = Field(4, ge=1)
-    num_kv_heads: int = Field(2, ge=1)
-    rope_theta: float = Field(10000.0, gt=0)
-    attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = "sdpa"
+    hidden_size: int = Field(256, ge=8, description="Model width.")
+    intermediate_size: int = Field(688, ge=8, description="MLP width.")
+    num_layers: int = Field(4, ge=1, description="Decoder layers.")
+    num_heads: int = Field(4, ge=1, description="Attention heads.")
+    num_kv_heads: int = Field(2, ge=1, description="Key/value heads (GQA).")
+    rope_theta: float = Field(10000.0, gt=0, description="RoPE base frequency.")
+    attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = Field(
+        "sdpa", description="Attention kernel (flash_attention_2: CUDA only)."
+    )
     pretrained_path: str | None = Field(
         None, description="A local Hugging Face model folder to start from (weights + tokenizer)."
     )

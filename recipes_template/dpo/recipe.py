@@ -52,12 +52,12 @@ from engine.run_dir import DataSummary
 
 
 class ModelConfig(Section):
-    hidden_size: int = Field(256, ge=8)
-    intermediate_size: int = Field(688, ge=8)
-    num_layers: int = Field(4, ge=1)
-    num_heads: int = Field(4, ge=1)
-    num_kv_heads: int = Field(2, ge=1)
-    rope_theta: float = Field(10000.0, gt=0)
+    hidden_size: int = Field(256, ge=8, description="Model width.")
+    intermediate_size: int = Field(688, ge=8, description="MLP width.")
+    num_layers: int = Field(4, ge=1, description="Decoder layers.")
+    num_heads: int = Field(4, ge=1, description="Attention heads.")
+    num_kv_heads: int = Field(2, ge=1, description="Key/value heads (GQA).")
+    rope_theta: float = Field(10000.0, gt=0, description="RoPE base frequency.")
     attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] | None = Field(
         None, description="Attention kernel; default: sdpa, or with model.pretrained_path the model's own default."
     )
@@ -88,7 +88,9 @@ class DPODataConfig(DataConfig):
     chat_template: str | None = Field(
         None, description="A Jinja chat template instead of the tokenizer's own ({% generation %} markers optional)."
     )
-    eval_fraction: float = Field(0.05, ge=0, lt=1, description="Pairs held out for evaluation.")
+    eval_fraction: float = Field(
+        0.05, ge=0, le=1, description="Pairs held out for evaluation (1: all, as `evaluate` with data does)."
+    )
     builtin_pairs: int = Field(4000, ge=10, description="data.source=builtin: how many pairs.")
     eval_prompts: int = Field(100, ge=1, description="Held-out pairs task_metrics() looks at.")
     max_new_tokens: int = Field(16, ge=1, description="task_metrics(): tokens generated per answer at most.")
@@ -210,7 +212,7 @@ def pair_format(cfg: DPODataConfig) -> str:
 
 def is_eval_document(name: str, eval_fraction: float) -> bool:
     bucket = int(hashlib.sha1(name.encode()).hexdigest()[:8], 16) / 0xFFFFFFFF
-    return bucket < eval_fraction
+    return eval_fraction >= 1 or bucket < eval_fraction
 
 
 def tokenize_pair(tokenizer, record: dict[str, Any], seq_len: int) -> tuple[list[int], list[int], list[int]]:
@@ -397,7 +399,7 @@ class DPO(Engine):
     def summarize_data(cls, config: DPOConfig) -> DataSummary:
         cfg = config.data
         tokenizer = load_tokenizer(config.model.pretrained_path, cfg.chat_template)
-        counts = {True: [0, 0], False: [0, 0]}  # held out? -> [pairs, answer tokens]
+        counts = {True: [0, 0, 0], False: [0, 0, 0]}  # held out? -> [pairs, tokens, answer tokens]
         names = set()
         truncated = dropped = 0
         for name, record in load_pairs(cfg):
@@ -410,7 +412,8 @@ class DPO(Engine):
                 continue
             counted = counts[is_eval_document(name, cfg.eval_fraction)]
             counted[0] += 1
-            counted[1] += len(chosen) + len(rejected)  # what tokens_seen counts in training
+            counted[1] += 2 * len(prompt) + len(chosen) + len(rejected)  # both rows
+            counted[2] += len(chosen) + len(rejected)  # the loss's, and what tokens_seen counts in training
         return DataSummary(
             source=cfg.source,
             paths=cfg.paths[:20],
@@ -421,10 +424,12 @@ class DPO(Engine):
             train_tokens=counts[False][1],
             eval_documents=counts[True][0],
             eval_tokens=counts[True][1],
+            loss_tokens=counts[False][2] + counts[True][2],
+            train_loss_tokens=counts[False][2],
+            eval_loss_tokens=counts[True][2],
             tokenizer=f"from {config.model.pretrained_path}" if config.model.pretrained_path else "bytes (chat)",
             format=pair_format(cfg),
             mask="completion",
-            loss_tokens=counts[False][1] + counts[True][1],
             truncated=truncated,
             dropped=dropped,
             dropped_why=f"{dropped}: an answer lies wholly past data.seq_len={cfg.seq_len}" if dropped else None,

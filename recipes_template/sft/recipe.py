@@ -53,12 +53,12 @@ from engine.run_dir import DataSummary
 
 
 class ModelConfig(Section):
-    hidden_size: int = Field(256, ge=8)
-    intermediate_size: int = Field(688, ge=8)
-    num_layers: int = Field(4, ge=1)
-    num_heads: int = Field(4, ge=1)
-    num_kv_heads: int = Field(2, ge=1)
-    rope_theta: float = Field(10000.0, gt=0)
+    hidden_size: int = Field(256, ge=8, description="Model width.")
+    intermediate_size: int = Field(688, ge=8, description="MLP width.")
+    num_layers: int = Field(4, ge=1, description="Decoder layers.")
+    num_heads: int = Field(4, ge=1, description="Attention heads.")
+    num_kv_heads: int = Field(2, ge=1, description="Key/value heads (GQA).")
+    rope_theta: float = Field(10000.0, gt=0, description="RoPE base frequency.")
     attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] | None = Field(
         None, description="Attention kernel; default: sdpa, or with model.pretrained_path the model's own default."
     )
@@ -91,7 +91,9 @@ class SFTDataConfig(DataConfig):
         None,
         description="A Jinja chat template instead of the tokenizer's own ({% generation %} markers optional).",
     )
-    eval_fraction: float = Field(0.05, ge=0, lt=1, description="Conversations held out for evaluation.")
+    eval_fraction: float = Field(
+        0.05, ge=0, le=1, description="Conversations held out for evaluation (1: all, as `evaluate` with data does)."
+    )
     builtin_conversations: int = Field(6000, ge=10, description="data.source=builtin: how many conversations.")
     max_turns: int = Field(3, ge=1, description="data.source=builtin: at most this many user turns each.")
     eval_prompts: int = Field(100, ge=1, description="Held-out prompts task_metrics() answers.")
@@ -240,7 +242,7 @@ def load_conversations(cfg: SFTDataConfig) -> tuple[list[tuple[str, dict[str, An
 
 def is_eval_document(name: str, eval_fraction: float) -> bool:
     bucket = int(hashlib.sha1(name.encode()).hexdigest()[:8], 16) / 0xFFFFFFFF
-    return bucket < eval_fraction
+    return eval_fraction >= 1 or bucket < eval_fraction
 
 
 def tokenize_conversations(conversations, tokenizer, seq_len: int) -> list[torch.Tensor]:
@@ -388,9 +390,9 @@ class SFT(Engine):
     def summarize_data(cls, config: SFTConfig) -> DataSummary:
         cfg = config.data
         tokenizer = load_tokenizer(config.model.pretrained_path, cfg.chat_template)
-        counts = {True: [0, 0], False: [0, 0]}  # held out? -> [conversations, supervised tokens]
+        counts = {True: [0, 0, 0], False: [0, 0, 0]}  # held out? -> [conversations, tokens, loss tokens]
         names, masks, dropped = set(), set(), {}
-        loss_tokens = truncated = 0
+        truncated = 0
         examples, formats = load_conversations(cfg)
         for name, example in examples:
             piece, why, cut = encode_example(tokenizer, example, cfg.seq_len, name)
@@ -402,8 +404,8 @@ class SFT(Engine):
             masks.add(mask_method(tokenizer, example))
             counted = counts[is_eval_document(name, cfg.eval_fraction)]
             counted[0] += 1
-            counted[1] += int((piece[1] != IGNORE_INDEX).sum())
-            loss_tokens += int((piece[1, 1:] != IGNORE_INDEX).sum())
+            counted[1] += int(piece.shape[1])  # every token of the example, as cut to data.seq_len
+            counted[2] += int((piece[1, 1:] != IGNORE_INDEX).sum())  # the labels: what the loss is over
         return DataSummary(
             source=cfg.source,
             paths=(cfg.paths + ([cfg.dataset] if cfg.dataset else []))[:20],
@@ -414,10 +416,12 @@ class SFT(Engine):
             train_tokens=counts[False][1],
             eval_documents=counts[True][0],
             eval_tokens=counts[True][1],
+            loss_tokens=counts[False][2] + counts[True][2],
+            train_loss_tokens=counts[False][2],
+            eval_loss_tokens=counts[True][2],
             tokenizer=f"from {config.model.pretrained_path}" if config.model.pretrained_path else "bytes (chat)",
             format=", ".join(formats),
             mask=", ".join(sorted(masks)) or None,
-            loss_tokens=loss_tokens,
             truncated=truncated,
             dropped=sum(dropped.values()),
             dropped_why="; ".join(f"{n}: {why}" for why, n in sorted(dropped.items())) or None,

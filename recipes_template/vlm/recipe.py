@@ -63,15 +63,17 @@ class ModelConfig(Section):
         "finetune", description="align: only the projector trains; finetune: the language model too."
     )
     train_vision_tower: bool = Field(False, description="The vision tower trains too.")
-    hidden_size: int = Field(128, ge=8)
-    intermediate_size: int = Field(344, ge=8)
-    num_layers: int = Field(2, ge=1)
-    num_heads: int = Field(4, ge=1)
-    num_kv_heads: int = Field(2, ge=1)
-    vision_hidden_size: int = Field(64, ge=8)
-    vision_layers: int = Field(2, ge=1)
+    hidden_size: int = Field(128, ge=8, description="Model width.")
+    intermediate_size: int = Field(344, ge=8, description="MLP width.")
+    num_layers: int = Field(2, ge=1, description="Decoder layers.")
+    num_heads: int = Field(4, ge=1, description="Attention heads.")
+    num_kv_heads: int = Field(2, ge=1, description="Key/value heads (GQA).")
+    vision_hidden_size: int = Field(64, ge=8, description="Width of the vision tower built.")
+    vision_layers: int = Field(2, ge=1, description="Layers of the vision tower built.")
     patch_size: int = Field(8, ge=1, description="(image_size/patch_size)² image tokens.")
-    attn_implementation: Literal["sdpa", "eager"] = "sdpa"
+    attn_implementation: Literal["sdpa", "eager"] = Field(
+        "sdpa", description="Attention kernel."
+    )
     pretrained_path: str | None = Field(None, description="An exported run of this template to start from.")
     language_model_path: str | None = Field(None, description="A causal_lm or sft export as the language model.")
 

@@ -60,7 +60,10 @@ class LossGuard:
 
     def check(self, loss, grad_norm=None) -> bool:
         """True when the optimizer may step."""
-        loss = float(loss)
+        # detach(): float() of a tensor that requires grad warns on every step in a plain script.
+        loss = float(loss.detach() if hasattr(loss, "detach") else loss)
+        if grad_norm is not None and hasattr(grad_norm, "detach"):
+            grad_norm = grad_norm.detach()
         norm = float(grad_norm) if grad_norm is not None else 0.0
         problem = None
         if not math.isfinite(loss):

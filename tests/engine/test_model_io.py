@@ -145,7 +145,7 @@ def test_a_recipe_started_from_the_export_continues_with_the_loss_of_the_resumed
     assert model_io.evaluate(run, 4)["eval_loss"] == pytest.approx(logged[0], rel=1e-12) == eval_resumed
 
 
-def test_a_lora_run_exports_merged_weights_or_a_peft_adapter(runs, tmp_path):
+def test_a_lora_run_exports_merged_weights_or_a_peft_adapter(runs, tmp_path, monkeypatch):
     from peft import AutoPeftModelForCausalLM
     from transformers import AutoModelForCausalLM
 
@@ -163,6 +163,10 @@ def test_a_lora_run_exports_merged_weights_or_a_peft_adapter(runs, tmp_path):
     reference = logits(with_adapters, IDS)
     assert sum(p.abs().sum() for n, p in with_adapters.named_parameters() if "lora_B" in n) > 0  # it trained
     from_merged = logits(AutoModelForCausalLM.from_pretrained(tmp_path / "merged"), IDS)
+    # The adapter names its base relative to the export, never by a path of this machine.
+    adapter_config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert adapter_config["base_model_name_or_path"] == "base"
+    monkeypatch.chdir(tmp_path / "adapter")
     from_adapter = logits(AutoPeftModelForCausalLM.from_pretrained(tmp_path / "adapter"), IDS)
     unload_lora(with_adapters, merge=True)
     merged_in_memory = logits(with_adapters, IDS)

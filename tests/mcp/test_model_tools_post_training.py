@@ -77,3 +77,33 @@ def test_an_exported_sft_model_loads_with_the_auto_classes_and_keeps_its_chat_te
     assert tokenizer.chat_template and "{% generation %}" in tokenizer.chat_template
     ids = tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}], add_generation_prompt=True)
     assert tokenizer.decode(ids).endswith("<|assistant|>\n")
+
+
+DATA = {
+    "sft": [{"messages": [{"role": "user", "content": f"What is {i} plus 1?"},
+                          {"role": "assistant", "content": str(i + 1)}]} for i in range(5)],
+    "dpo": [{"prompt": f"What is {i} plus 1?", "chosen": str(i + 1), "rejected": str(i + 2)} for i in range(5)],
+}
+
+
+@pytest.mark.parametrize("template", sorted(RUNS))
+def test_evaluate_says_how_many_examples_of_which_split_and_warns_under_thirty(session, template):
+    client, workspace, runs = session
+    launched = client.ok("get_run", run_id=runs[template])["data"]
+    evaluated = client.ok("evaluate", run_id=runs[template])
+    assert evaluated["split"] == "held_out" and evaluated["examples"] == launched["eval_documents"] < 30
+    # The same split, counted the same way as launch_run's data summary.
+    assert (evaluated["tokens"], evaluated["loss_tokens"]) == (launched["eval_tokens"], launched["eval_loss_tokens"])
+    assert evaluated["loss_tokens"] < evaluated["tokens"]  # prompts are not trained on
+    assert evaluated["scored_tokens"] > 0
+    assert evaluated["warnings"][0].startswith(
+        f"eval_loss and metrics are over {launched['eval_documents']} example(s) of the run's held-out split, "
+        "fewer than 30")
+
+    data = workspace / "eval" / f"{template}.jsonl"
+    data.parent.mkdir(exist_ok=True)
+    data.write_text("".join(json.dumps(record) + "\n" for record in DATA[template]))
+    given = client.ok("evaluate", run_id=runs[template], data=[f"eval/{template}.jsonl"])
+    assert given["split"] == "data" and given["examples"] == 5 and given["eval_loss"] > 0
+    assert "5 example(s) of the data given" in given["warnings"][0]
+    assert set(given["metrics"]) == METRICS[template]

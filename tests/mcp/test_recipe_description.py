@@ -104,3 +104,15 @@ def test_long_descriptions_are_cut_to_keep_the_result_small_and_say_so():
     assert [f.key for f in fitted.fields] == [f.key for f in fields]  # every key stays
     assert all(f.description.endswith("…") or f.description == "" for f in fitted.fields)
     assert _fit(RecipeDescription(recipe="r", skills=[], fields=fields[:2], cut=False)).cut is False
+
+
+@pytest.mark.parametrize("template", ["dpo"])
+def test_a_template_is_described_by_its_name_before_it_is_scaffolded(client, workspace, template):
+    status_before = git(workspace, "status", "--porcelain", "--ignored")
+    result = client.ok("describe_recipe", recipe=template)
+    assert result["recipe"] == f"template {template}" and result["template"] == template
+    fields = {f["key"]: f for f in result["fields"]}
+    assert fields["dpo.beta"]["description"] and fields["dpo.beta"]["value"] == fields["dpo.beta"]["default"]
+    assert not (workspace / "recipes" / template).exists()
+    assert git(workspace, "status", "--porcelain", "--ignored") == status_before
+    assert "no_such_template" in client.error("describe_recipe", recipe="no_such_template")

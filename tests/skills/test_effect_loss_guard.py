@@ -85,3 +85,21 @@ def test_a_non_finite_gradient_norm_is_a_bad_step(loss_guard_class):
     guard = loss_guard_class()
     assert guard.check(torch.tensor(2.0), torch.tensor(float("inf"))) is False
     assert guard.check(torch.tensor(2.0), torch.tensor(1.0)) is True
+
+
+def test_the_guard_reads_a_loss_that_requires_grad_without_a_warning():
+    import importlib.util
+    import warnings
+
+    spec = importlib.util.spec_from_file_location(
+        "loss_guard_codemod", Path(__file__).parents[2] / "skills" / "loss-guard" / "codemod.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    namespace: dict = {}
+    exec("import math\n" + module.GUARD_CLASS, namespace)
+    guard = namespace["LossGuard"]()
+    weight = torch.ones(3, requires_grad=True)
+    loss = (weight * 2).sum()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the torch warning float() of such a tensor gives
+        assert guard.check(loss, torch.linalg.vector_norm(weight * 2)) is True

@@ -191,4 +191,6 @@ def test_the_launch_check_counts_the_conversations_and_the_supervised_tokens():
     assert data.train_documents + data.eval_documents == 100
     conversations = [m for _, m in sft.builtin_conversations(100, 3)]
     answers = sum(len(m["content"]) + 1 for c in conversations for m in c if m["role"] == "assistant")
-    assert data.tokens == answers  # a byte a token, plus each reply's end-of-turn
+    assert data.loss_tokens == answers  # a byte a token, plus each reply's end-of-turn
+    assert data.train_loss_tokens + data.eval_loss_tokens == answers
+    assert data.tokens > answers  # every token of the conversations: the users' turns too

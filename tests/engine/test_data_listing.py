@@ -1,0 +1,71 @@
+"""A data listing says what it left out and why (extension, size, link), and takes globs."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from engine import data_files as df
+from engine.config import ConfigError
+
+SUFFIXES = {".txt", ".md"}
+
+
+@pytest.fixture
+def notes(tmp_path, monkeypatch):
+    root = tmp_path / "ws"
+    (root / "notes" / "deep").mkdir(parents=True)
+    for name in ("a.txt", "b.md", "deep/c.md"):
+        (root / "notes" / name).write_text(f"text of {name}\n")
+    (root / "notes" / "guide.rst").write_text("rst\n")
+    (root / "notes" / "table.csv").write_text("a,b\n")
+    (root / "notes" / "empty.txt").write_text("")
+    os.symlink("nowhere.txt", root / "notes" / "broken.txt")
+    os.mkfifo(root / "notes" / "pipe.txt")
+    monkeypatch.chdir(root)
+    df.forget_listed()
+    yield root
+    df.forget_listed()
+
+
+def test_a_folder_listing_reports_each_skipped_file_and_why(notes):
+    found = df.data_files(["notes"], SUFFIXES, root=notes)
+    assert [name for _, name in found] == ["a.txt", "b.md", "deep/c.md"]
+    assert sorted(df.skipped_files()) == ["notes/broken.txt", "notes/empty.txt", "notes/guide.rst",
+                                          "notes/pipe.txt", "notes/table.csv"]
+    assert df.skipped_files()["notes/guide.rst"] == "extension .rst is not one this recipe reads (.md, .txt)"
+    assert df.skipped_files()["notes/empty.txt"] == "empty (0 bytes)"
+    assert df.skipped_files()["notes/broken.txt"] == "a link to nothing"
+    assert df.skipped_files()["notes/pipe.txt"] == "not a regular file"
+    assert len(df.skipped_report()) == 5
+
+
+def test_globs_list_their_matches_named_from_the_folder_before_the_wildcard(notes):
+    found = df.data_files(["notes/**/*.md"], SUFFIXES, root=notes)
+    assert [name for _, name in found] == ["b.md", "deep/c.md"]
+    assert [path for path, _ in found] == [(notes / "notes" / "b.md").resolve(), (notes / "notes/deep/c.md").resolve()]
+    # A glob that matches files of other extensions: skipped and said so, as in a folder.
+    with pytest.raises(ConfigError, match=r"data path 'notes/\*.rst' matches no file the recipe reads .*"
+                                          r"skipped: notes/guide.rst: extension .rst"):
+        df.data_files(["notes/*.rst"], SUFFIXES, root=notes)
+    with pytest.raises(ConfigError, match="matches no file"):
+        df.data_files(["nothing/*.txt"], SUFFIXES, root=notes)
+
+
+def test_a_glob_is_confined_like_any_path(notes, tmp_path):
+    (tmp_path / "secret.txt").write_text("secret")
+    with pytest.raises(df.DataPathRefused):
+        df.data_files(["../*.txt"], SUFFIXES, root=notes)
+
+
+def test_the_data_summary_names_what_was_skipped():
+    from engine import run_dir as rd
+
+    summary = rd.DataSummary(source="files", paths=["notes"], files=3, documents=3, tokens=30, train_documents=3,
+                             eval_documents=0, train_tokens=30, eval_tokens=0,
+                             skipped=["notes/guide.rst: extension .rst is not one this recipe reads (.md, .txt)",
+                                      "notes/empty.txt: empty (0 bytes)"])
+    assert summary.describe().startswith(
+        "data: files from notes: 3 files, 2 skipped (notes/guide.rst: extension .rst is not one this recipe "
+        "reads (.md, .txt); …), 3 documents")
