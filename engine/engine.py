@@ -16,6 +16,7 @@ data-parallel ranks computes the same gradients as one process with the same glo
 from __future__ import annotations
 
 import math
+import os
 import resource
 import time
 from dataclasses import dataclass, field
@@ -71,6 +72,7 @@ class StepContext:
     loss: torch.Tensor  # global mean loss of the step (a 0-d tensor, not yet synchronised)
     grad_norm: torch.Tensor | None = None  # total gradient norm, after backward
     timings: dict[str, float] = field(default_factory=dict)
+    num_padding: int = 0  # padding positions in the global batch (``Engine.count_padding``)
 
 
 class Engine:
@@ -155,6 +157,21 @@ class Engine:
         """Supervised tokens in a micro-batch: labels that are not ``IGNORE_INDEX``. What
         ``tokens_per_s``, ``tokens_seen`` and ``padding_frac`` count."""
         return int((batch["labels"] != IGNORE_INDEX).sum())
+
+    def count_padding(self, batch: Batch) -> int:
+        """Padding positions of a micro-batch (what ``padding_frac`` counts): positions that hold
+        the tokenizer's pad token and are not learnt; without a known pad token, the zeros of the
+        ``attention_mask``. Masked prompt tokens are not padding: they are computed, only not
+        learnt."""
+        ids, labels = batch.get("input_ids"), batch.get("labels")
+        # The recipe's tokenizer as it built it (a cached ``tokenizer``, or a ``processor``'s).
+        tokenizer = self.__dict__.get("tokenizer") or getattr(self.__dict__.get("processor"), "tokenizer", None)
+        pad = getattr(tokenizer, "pad_token_id", None)
+        if isinstance(pad, int) and isinstance(ids, torch.Tensor) and isinstance(labels, torch.Tensor) \
+                and labels.shape == ids.shape:
+            return int(((ids == pad) & (labels == IGNORE_INDEX)).sum())
+        mask = batch.get("attention_mask")
+        return int((mask == 0).sum()) if isinstance(mask, torch.Tensor) else 0
 
     def count_loss_units(self, batch: Batch) -> int:
         """What ``compute_loss`` sums over in a micro-batch; the engine divides the global sum by
@@ -392,11 +409,12 @@ class Engine:
                 sum(self.count_tokens(mb) for mb in micro_batches),
                 sum(mb["input_ids"].numel() for mb in micro_batches),
                 sum(self.count_loss_units(mb) for mb in micro_batches),
+                sum(self.count_padding(mb) for mb in micro_batches),
             ],
             dtype=torch.int64,
             device=self.device,
         )
-        num_tokens, num_positions, loss_units = (int(x) for x in dp_all_reduce_sum(counts, self.dist))
+        num_tokens, num_positions, loss_units, num_padding = (int(x) for x in dp_all_reduce_sum(counts, self.dist))
         timings["data_s"] = time.perf_counter() - start
 
         start = time.perf_counter()
@@ -418,6 +436,7 @@ class Engine:
             num_positions=num_positions,
             loss=loss,
             timings=timings,
+            num_padding=num_padding,
         )
         ctx.grad_norm = clip_grad_norm(self.model.parameters(), self.config.train.max_grad_norm)
         if self.before_optimizer_step(ctx):
@@ -464,13 +483,27 @@ class Engine:
             peak_mem_mb=all_reduce_max(_peak_memory_mb(self.device), self.dist),
             **{k: round(v, 6) for k, v in ctx.timings.items()},
             tokens_seen=self.state.tokens_seen,
-            padding_frac=1.0 - ctx.num_tokens / max(1, ctx.num_positions),
+            padding_frac=ctx.num_padding / max(1, ctx.num_positions),
             eta_s=step_time * (self.config.train.max_steps - self.state.step),
         )
         if self._flops_per_token and self._peak_flops and elapsed > 0:
             achieved = self._flops_per_token * positions / elapsed
             record.mfu = achieved / (self._peak_flops * self.dist.world_size)
         self.logger.log(record.model_dump(exclude_none=True))
+        self.suggest_skills(record)
+
+    def suggest_skills(self, record: rd.MetricRecord) -> None:
+        """Once per run, the skill that fits what a step measured: sequence-packing when over
+        30% of the positions were padding, gradient-checkpointing when the peak memory is over
+        85% of what the process may use (a warning: console and ``get_run``)."""
+        if (record.padding_frac or 0) > PACKING_HINT_PADDING:
+            self.warn(f"{record.padding_frac:.0%} of the positions of step {record.step} were padding: the "
+                      "sequence-packing skill fills each row with whole examples (apply_skill sequence-packing)")
+        limit = _memory_limit_mb(self.device)
+        if limit and record.peak_mem_mb and record.peak_mem_mb > CHECKPOINTING_HINT_MEMORY * limit:
+            self.warn(f"peak memory {record.peak_mem_mb:,.0f} MB is {record.peak_mem_mb / limit:.0%} of the "
+                      f"{limit:,.0f} MB this process may use: the gradient-checkpointing skill trades compute "
+                      "for activation memory (apply_skill gradient-checkpointing)")
 
     def _synchronize(self) -> None:
         if self.device.type == "cuda":
@@ -499,6 +532,26 @@ class Engine:
         load_checkpoint(path, self.checkpoint_states())
         if self.dist.is_main:
             print(f"resumed from {path} at step {self.state.step}", flush=True)
+
+
+PACKING_HINT_PADDING = 0.30
+CHECKPOINTING_HINT_MEMORY = 0.85
+
+
+def _memory_limit_mb(device: torch.device) -> float | None:
+    """What a process may use: the GPU's memory, else the smaller of the address-space limit
+    (runs.max_memory) and the machine's memory."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory / 2**20
+    limits = []
+    soft, _ = resource.getrlimit(resource.RLIMIT_AS)
+    if soft not in (resource.RLIM_INFINITY, -1) and soft > 0:
+        limits.append(soft / 2**20)
+    try:
+        limits.append(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**20)
+    except (ValueError, OSError):
+        pass
+    return min(limits) if limits else None
 
 
 def _peak_memory_mb(device: torch.device) -> float:

@@ -471,7 +471,7 @@ class MetricRecord(BaseModel):
     optim_s: float | None = Field(None, description="Last step: seconds of clipping and the optimizer.")
     peak_mem_mb: float | None = Field(None, description="Peak memory of the busiest process (RSS on CPU).")
     tokens_seen: int | None = Field(None, description="Supervised tokens trained on so far.")
-    padding_frac: float | None = Field(None, description="Share of the last step's positions that were padding.")
+    padding_frac: float | None = Field(None, description="Share of the last step's positions that were padding (masked prompt tokens are not).")
     eta_s: float | None = Field(None, description="Seconds left at the window's pace.")
     mfu: float | None = Field(None, description="Model FLOPs utilisation (where the peak is known).")
 

@@ -13,6 +13,14 @@ def format_duration(seconds: float) -> str:
     return f"{hours}:{minutes:02d}:{seconds:02d}"
 
 
+# Keys the line shows in its own form, or leaves to metrics.jsonl (timings, counters).
+SHOWN = frozenset({
+    "step", "loss", "eval_loss", "lr", "grad_norm", "tokens_per_s", "mfu", "peak_mem_mb", "eta_s", "step_time_s",
+    "tokens_seen", "padding_frac", "data_s", "fwd_bwd_s", "optim_s", "time",
+})
+MAX_EXTRA = 6
+
+
 class ConsoleBackend:
     def __init__(self, max_steps: int, stream: TextIO | None = None):
         self.max_steps = max_steps
@@ -38,6 +46,11 @@ class ConsoleBackend:
             parts.append(f"mem {record['peak_mem_mb']:,.0f} MB")
         if "eta_s" in record:
             parts.append(f"eta {format_duration(record['eta_s'])}")
+        extra = [f"{key} {value:.4g}" for key, value in record.items()
+                 if key not in SHOWN and isinstance(value, (int, float)) and not isinstance(value, bool)]
+        parts += extra[:MAX_EXTRA]  # a recipe's own values (DPO's rewards)
+        if len(parts) == 1:
+            return  # a record with nothing to show but its step
         print(" | ".join(parts), file=self.stream, flush=True)
 
     def close(self, failed: bool = False) -> None:
