@@ -496,11 +496,15 @@ class Engine:
         """Once per run, the skill that fits what a step measured: sequence-packing when over
         30% of the positions were padding, gradient-checkpointing when the peak memory is over
         85% of what the process may use (a warning: console and ``get_run``)."""
-        if (record.padding_frac or 0) > PACKING_HINT_PADDING:
+        hinted = self.__dict__.setdefault("_hinted", set())  # each hint once, whatever its numbers
+        if (record.padding_frac or 0) > PACKING_HINT_PADDING and "packing" not in hinted:
+            hinted.add("packing")
             self.warn(f"{record.padding_frac:.0%} of the positions of step {record.step} were padding: the "
                       "sequence-packing skill fills each row with whole examples (apply_skill sequence-packing)")
         limit = _memory_limit_mb(self.device)
-        if limit and record.peak_mem_mb and record.peak_mem_mb > CHECKPOINTING_HINT_MEMORY * limit:
+        if limit and record.peak_mem_mb and record.peak_mem_mb > CHECKPOINTING_HINT_MEMORY * limit \
+                and "checkpointing" not in hinted:
+            hinted.add("checkpointing")
             self.warn(f"peak memory {record.peak_mem_mb:,.0f} MB is {record.peak_mem_mb / limit:.0%} of the "
                       f"{limit:,.0f} MB this process may use: the gradient-checkpointing skill trades compute "
                       "for activation memory (apply_skill gradient-checkpointing)")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, model_serializer
 
 from engine.run_dir import HubModel, ResumedFrom, RunStatus
 
@@ -224,8 +224,17 @@ class ConfigField(BaseModel):
     key: str
     type: str
     default: Any = None
-    value: Any = Field(None, description="Code default ← config.yaml.")
+    value: Any = Field(None, description="Code default ← config.yaml; absent: the default.")
     description: str = ""
+
+    @model_serializer(mode="wrap")
+    def _value_only_when_set(self, handler: Any) -> dict[str, Any]:
+        # Most keys of a recipe keep their default: saying it twice would take a tenth of the
+        # result, which then cuts every description (the result stays under 8 KB).
+        data = handler(self)
+        if data.get("value") == data.get("default"):
+            data.pop("value", None)
+        return data
 
 
 class RecipeSkill(BaseModel):
@@ -290,7 +299,7 @@ class Sample(BaseModel):
     new_tokens: int
     stopped: str = Field(description="eos or max_new_tokens.")
     cut: bool = False
-    input: str | None = Field(None, description="Shown beside the prompt (an image).")
+    input: str | None = Field(None, description="Beside the prompt (an image).")
     expected: str | None = Field(None, description="The answer its data holds.")
 
 

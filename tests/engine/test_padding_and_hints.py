@@ -48,12 +48,14 @@ def test_a_run_suggests_packing_above_30_percent_padding_and_checkpointing_near_
                     "whole examples (apply_skill sequence-packing)"]
     said.clear()
     Engine.suggest_skills(fake, rd.MetricRecord(step=6, loss=1.0, padding_frac=0.2, peak_mem_mb=10.0))
+    Engine.suggest_skills(fake, rd.MetricRecord(step=7, loss=1.0, padding_frac=0.6, peak_mem_mb=10.0))  # said already
     assert said == []
     import engine.engine as engine_module
 
     limit = engine_module._memory_limit_mb(torch.device("cpu"))
     assert limit and limit > 0
-    Engine.suggest_skills(fake, rd.MetricRecord(step=7, loss=1.0, padding_frac=0.0, peak_mem_mb=0.9 * limit))
+    Engine.suggest_skills(fake, rd.MetricRecord(step=8, loss=1.0, padding_frac=0.0, peak_mem_mb=0.9 * limit))
+    Engine.suggest_skills(fake, rd.MetricRecord(step=9, loss=1.0, padding_frac=0.0, peak_mem_mb=0.95 * limit))
     assert len(said) == 1 and said[0].startswith("peak memory") and "gradient-checkpointing" in said[0]
 
 

@@ -187,7 +187,8 @@ def test_a_resume_takes_the_commit_and_provenance_from_the_servers_record(tmp_pa
 
     def check(workspace, recipe_dir, nproc, overrides, config_json=None, **kwargs):
         seen["config"] = rd.RunRecord.model_validate_json(Path(config_json).read_bytes()).config
-        return {"ok": True, "config": seen["config"], "config_changes": {}, "data": None}
+        resolved = {**seen["config"], "train": {"max_steps": 8}}  # the override, as the engine resolves it
+        return {"ok": True, "config": resolved, "config_changes": {}, "data": None}
 
     def start(*args, origin, **kwargs):
         seen["origin"] = origin
@@ -196,7 +197,7 @@ def test_a_resume_takes_the_commit_and_provenance_from_the_servers_record(tmp_pa
     monkeypatch.setattr(sandbox_runs, "check_launch", check)
     monkeypatch.setattr(sandbox_runs, "start_run", start)
     with pytest.raises(BadInput, match="not started in this test"):
-        run_ops.resume_checkpoint(Workspace.open(workspace), "r1")
+        run_ops.resume_checkpoint(Workspace.open(workspace), "r1", overrides={"train.max_steps": 8})
     assert (seen["origin"].git_commit, seen["origin"].recipe_dirty, seen["origin"].dirty_files) == (head, False, [])
     assert seen["config"] == {"train": {"max_steps": 4}}  # the server's config, not the rewritten one
 
