@@ -119,7 +119,9 @@ def test_template_trains_with_muon_and_the_run_records_no_warning(tmp_path: Path
     with capsys.disabled():
         print(f"\n[muon] template, 6 steps at lr 1e-2: loss {losses[0]:.4f} -> {losses[-1]:.4f}")
     assert all(math.isfinite(x) for x in losses) and losses[-1] < losses[0] - 0.5
-    assert json.loads((run_dir(tmp_path / "run") / "run.json").read_text()).get("warnings", []) == []
+    warnings = json.loads((run_dir(tmp_path / "run") / "run.json").read_text()).get("warnings", [])
+    # Variable-length documents: the run suggests sequence-packing; muon itself warns of nothing.
+    assert [w for w in warnings if "the sequence-packing skill" not in w] == []
 
 
 def resume(recipe: Path, cwd: Path, checkpoint: Path, *settings: str) -> list[dict]:
