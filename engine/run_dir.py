@@ -392,17 +392,24 @@ def _write_record(run_dir: Path, record: RunRecord) -> None:
     write_json_atomic(Path(run_dir) / RUN_JSON, record.model_dump(mode="json"))
 
 
+def read_bounded(path: Path, limit: int, what: str) -> bytes:
+    """The bytes of a record file, opened without following a link or waiting on a FIFO:
+    OSError when it is not a regular file, ValueError when it is larger than ``limit``."""
+    fd = os.open(path, os.O_RDONLY | _NO_FOLLOW)
+    with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(f"{what} is not a regular file")
+        data = f.read(limit + 1)
+    if len(data) > limit:
+        raise ValueError(f"{what} is larger than {limit} bytes")
+    return data
+
+
 def read_run(run_dir: Path) -> RunRecord:
     """The run's record. Raises OSError when it cannot be read and ValueError when it is not a
     RunRecord. A link or anything but a regular file is not read (the run may have put it
     there), and the error never quotes the file's content (it could be any host file)."""
-    fd = os.open(Path(run_dir) / RUN_JSON, os.O_RDONLY | _NO_FOLLOW)
-    with os.fdopen(fd, "rb") as f:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise OSError(f"{RUN_JSON} of {Path(run_dir).name} is not a regular file")
-        data = f.read(MAX_RUN_JSON_BYTES + 1)
-    if len(data) > MAX_RUN_JSON_BYTES:
-        raise ValueError(f"{RUN_JSON} is larger than {MAX_RUN_JSON_BYTES} bytes")
+    data = read_bounded(Path(run_dir) / RUN_JSON, MAX_RUN_JSON_BYTES, f"{RUN_JSON} of {Path(run_dir).name}")
     try:
         return RunRecord.model_validate_json(data)
     except ValidationError as e:  # its message would quote the input

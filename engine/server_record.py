@@ -225,13 +225,7 @@ def create_record(folder: Path, record: ServerRecord) -> None:
 def read_record(folder: Path) -> ServerRecord:
     """The server's record in ``folder``. FileNotFoundError when there is none; OSError when it
     cannot be read; ValueError when it is not a record (never quoting it)."""
-    fd = os.open(Path(folder) / RECORD_JSON, os.O_RDONLY | rd._NO_FOLLOW)
-    with os.fdopen(fd, "rb") as f:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise OSError(f"{RECORD_JSON} of {Path(folder).name} is not a regular file")
-        data = f.read(MAX_RECORD_BYTES + 1)
-    if len(data) > MAX_RECORD_BYTES:
-        raise ValueError(f"the server's record of {Path(folder).name} is larger than {MAX_RECORD_BYTES} bytes")
+    data = rd.read_bounded(Path(folder) / RECORD_JSON, MAX_RECORD_BYTES, f"the server's record of {Path(folder).name}")
     try:
         return ServerRecord.model_validate_json(data)
     except ValidationError as e:
