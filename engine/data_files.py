@@ -259,16 +259,23 @@ def confined_path(raw: str, root: Path | None = None) -> str:
     return _confined_folder(given, raw, root)
 
 
+def bound_hub_path(variable: str, name: str) -> str | None:
+    """The snapshot folder the server bound for the Hub id ``name`` (``variable``: the models'
+    or the data sets' mapping), or None."""
+    try:
+        mapping = json.loads(os.environ.get(variable) or "{}")
+    except ValueError:
+        return None
+    path = mapping.get(name) if isinstance(mapping, dict) else None
+    return path if isinstance(path, str) and os.path.isdir(path) else None
+
+
 def hub_model_path(raw: str) -> str:
     """The snapshot folder the server downloaded for the Hub id ``raw`` (a workspace folder of
     that name wins, see :func:`confined_path`), else ``raw`` as given: outside trainwright's
     server, transformers looks it up in the local Hugging Face cache itself."""
-    try:
-        mapping = json.loads(os.environ.get(HUB_MODELS_VARIABLE) or "{}")
-    except ValueError:
-        mapping = {}
-    path = mapping.get(raw) if isinstance(mapping, dict) else None
-    if isinstance(path, str) and os.path.isdir(path):
+    path = bound_hub_path(HUB_MODELS_VARIABLE, raw)
+    if path is not None:
         return path
     if "@" in raw and "/" in raw:  # org/name@revision: transformers takes the revision apart
         raise ConfigError(f"model.pretrained_path {raw!r}: a Hub id with a revision is resolved by trainwright's "

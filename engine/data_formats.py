@@ -28,13 +28,12 @@ from __future__ import annotations
 
 import itertools
 import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
 from engine.config import ConfigError
-from engine.data_files import HUB_DATASETS_VARIABLE, data_files, jsonl_records
+from engine.data_files import HUB_DATASETS_VARIABLE, bound_hub_path, data_files, jsonl_records
 
 FILE_SUFFIXES = {".jsonl", ".json", ".parquet", ".csv", ".tsv"}
 
@@ -181,20 +180,11 @@ def record_rows(paths: list[str], **where) -> Iterator[tuple[str, dict[str, Any]
         yield from rows
 
 
-def _hub_dataset_path(dataset: str) -> str | None:
-    try:
-        mapping = json.loads(os.environ.get(HUB_DATASETS_VARIABLE) or "{}")
-    except ValueError:
-        return None
-    path = mapping.get(dataset) if isinstance(mapping, dict) else None
-    return path if isinstance(path, str) and os.path.isdir(path) else None
-
-
 def _load_dataset(dataset: str, subset: str | None, split: str | None):
     """A data set by ``datasets.load_dataset``: a workspace folder, or a Hub id in the cache."""
     import datasets
 
-    bound = _hub_dataset_path(dataset)
+    bound = bound_hub_path(HUB_DATASETS_VARIABLE, dataset)
     if bound is not None:  # a Hub data set the server downloaded, bound read-only (sandbox/hub.py)
         try:
             return datasets.load_dataset(bound, subset, split=split or "train", streaming=True)
