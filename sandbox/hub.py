@@ -68,7 +68,7 @@ def hub_ref(value: object, workspace: Path, repo_type: str = "model") -> HubRef 
     something in the workspace (a workspace folder wins, as in transformers)."""
     if not isinstance(value, str):
         return None
-    match = _HUB_ID.match(value)
+    match = _HUB_ID.fullmatch(value)
     if match is None or ".." in value or value.endswith(".git"):
         return None
     if os.path.lexists(Path(workspace) / value.split("@")[0]) or os.path.lexists(Path(workspace) / value):
@@ -378,7 +378,7 @@ def recorded_binding(models: Iterable[rd.HubModel]) -> ModelBinding:
 
     bound = []
     for model in list(models)[:4]:
-        match = _HUB_ID.match(model.given) if isinstance(model.given, str) else None
+        match = _HUB_ID.fullmatch(model.given) if isinstance(model.given, str) else None
         if match is None or match["repo"] != model.repo_id or not re.fullmatch(r"[0-9a-f]{40}", model.commit or ""):
             continue
         try:

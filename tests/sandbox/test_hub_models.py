@@ -208,3 +208,11 @@ def test_a_hub_data_set_is_downloaded_with_its_data_files_and_readme_and_bound_f
     for key, value in binding.env().items():  # what a run's engine gets
         monkeypatch.setenv(key, value)
     assert [r["messages"][1]["content"] for r in _load_dataset("org/chats", None, None)] == [f"a{i}" for i in range(5)]
+
+
+def test_hostile_hub_shaped_values_never_reach_the_hub(fake_hub, tmp_path):
+    for value in ("org/name@../../etc", "org/name@-F/proc/self/environ", "org/name@--upload-pack=x", "org/../name",
+                  "org/name@rev\n", "-org/name", "org/name@" + "a" * 200):
+        assert hub.hub_ref(value, tmp_path) is None, value
+        assert hub.bind(tmp_path, value, dataset=value).models == ()
+    assert fake_hub.requests == []
