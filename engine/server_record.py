@@ -65,7 +65,7 @@ class ProcessIdentity(BaseModel):
 
     pid: int = Field(gt=1)
     start_ticks: int = Field(ge=0)
-    session: int = Field(gt=0)
+    session: int = Field(ge=0)  # 0 when the session's leader is outside this PID namespace (a container)
 
     def alive(self) -> bool:
         """The same process is still running (not a zombie)."""
@@ -116,7 +116,7 @@ def identify(pid: int | None) -> ProcessIdentity | None:
         state, session, start_ticks = fields[0], int(fields[3]), int(fields[19])
     except (IndexError, ValueError):
         return None
-    if state in ("Z", "X") or session <= 0:
+    if state in ("Z", "X") or session < 0:
         return None
     return ProcessIdentity(pid=pid, start_ticks=start_ticks, session=session)
 

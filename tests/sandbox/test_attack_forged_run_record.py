@@ -94,6 +94,19 @@ def test_identities_refuse_pids_that_name_groups_or_everything():
     assert not me.model_copy(update={"start_ticks": me.start_ticks + 1}).send_signal(0)
 
 
+
+@pytest.mark.skipif(shutil.which("unshare") is None, reason="needs util-linux unshare")
+def test_a_server_in_a_container_knows_its_own_processes():
+    """In a container (a PID namespace whose session leader is outside it) /proc shows session
+    0 for every process: a live process there is still a process, and still signalled."""
+    probe = ("import os, signal; from engine import server_record as sr; me = sr.identify(os.getpid()); "
+             "print('PROBE', me is not None and me.session == 0 and me.alive() and me.send_signal(0))")
+    done = subprocess.run(["unshare", "--pid", "--fork", "--mount-proc", "sh", "-c", f'"$0" -c "$1"',
+                           sys.executable, probe], cwd=REPO, capture_output=True, text=True, timeout=60)
+    if done.returncode != 0 and "PROBE" not in done.stdout:
+        pytest.skip(f"no PID namespace here: {done.stderr.strip()[-200:]}")
+    assert "PROBE True" in done.stdout, done.stdout + done.stderr
+
 # ---------------------------------------------------------------------------------------------
 # Unstoppable runs: status "completed", target "slurm"
 # ---------------------------------------------------------------------------------------------
