@@ -1,8 +1,10 @@
 """gradient-checkpointing: wrap the model's transformer blocks with ``checkpoint_wrapper``.
 
 Anchors: ``TrainingArguments(...)`` (its ``gradient_checkpointing=True`` switch) when the file
-builds one; else the model construction: a Hugging Face model outside an Engine recipe gets its
-own ``gradient_checkpointing_enable``, any other model ``checkpoint_blocks(model)``. The call goes
+builds one; else the model construction: a Hugging Face model (the templates' too) gets its own
+``gradient_checkpointing_enable``, which checkpoints the family's decoder layers (both towers of
+a vision-language model) and keeps them the classes FSDP2 shards by (``_no_split_modules``);
+any other model, or ``every``/``target``, ``checkpoint_blocks(model)``. The call goes
 into the model stages after tensor parallelism and before ``torch.compile`` and FSDP2; the
 helper goes next to the file's other top-level definitions.
 """
@@ -113,7 +115,7 @@ def apply(recipe: Recipe, params: Params) -> Edits | AlreadyApplied:
     found = reach.shape(recipe, model)
     target = reach.resolve_target(recipe, SKILL, found, params.target)
     edits = Edits(recipe)
-    if target is None and found.hf and not gpu_guard.in_engine(recipe, model) and params.every == 1:
+    if target is None and found.hf and params.every == 1:
         gpu_guard.insert_kernel_stage(
             recipe, edits, model,
             '{model}.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})',

@@ -3,7 +3,8 @@
 ``run_script(path)`` executes the script as ``__main__`` (``runpy``) with global module hooks
 installed, then reads the trained models back from the script's globals:
 
-- ``checkpointed``: ``CheckpointWrapper`` modules whose forward ran;
+- ``checkpointed``: ``CheckpointWrapper`` modules, and Hugging Face layers whose own
+  ``gradient_checkpointing`` switch is on, whose forward ran in training;
 - ``compiled``: modules on which ``Module.compile`` was called and whose compiled forward ran
   (dynamo captured at least one graph); the probe compiles with the ``eager`` backend, so what
   is proven is that torch.compile traces the modules, in seconds instead of inductor's minutes;
@@ -50,6 +51,7 @@ class Effects:
 def run_script(path: Path) -> Effects:
     from torch._dynamo.utils import counters
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+    from transformers.modeling_layers import GradientCheckpointingLayer
 
     effects = Effects()
     first_seen: dict[int, dict[str, torch.Tensor]] = {}  # module id → its own parameters at first forward
@@ -63,7 +65,9 @@ def run_script(path: Path) -> Effects:
         if id(module) not in modules:
             modules[id(module)] = module
             first_seen[id(module)] = {n: p.detach().clone() for n, p in module.named_parameters(recurse=False)}
-        if isinstance(module, CheckpointWrapper):
+        if isinstance(module, CheckpointWrapper) or (
+            isinstance(module, GradientCheckpointingLayer) and module.training and module.gradient_checkpointing
+        ):
             ran_checkpointed.add(id(module))
         effects.forwards[type(module).__name__] += 1
         if torch.is_autocast_enabled("cpu"):

@@ -34,7 +34,7 @@ def test_template_kernels_land_first_whatever_the_application_order(order, tmp_p
         "model,", "compute_dtype=self.compute_dtype,", "packed_sequences=True,", "warn=self.warn,",
         ")",
         "freeze_parameters",
-        "checkpoint_blocks",
+        "model.gradient_checkpointing_enable",
         "model = apply_fsdp",
         "return model",
     ]

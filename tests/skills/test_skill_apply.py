@@ -24,8 +24,9 @@ def test_a_recipe_folder_targets_its_recipe_py(tmp_path: Path):
     assert result.diff.startswith("--- a/recipe.py\n+++ b/recipe.py\n")  # relative to the target's folder
     assert result.params == {"every": 1, "target": None}
     assert result.skill == "gradient-checkpointing" and result.version == "1.0.0"
-    assert result.acts_on == "wraps the decoder layers of AutoModelForCausalLM or LlamaForCausalLM (counted at run time)"
-    assert result.message == f"gradient-checkpointing changed recipe.py (+69 -0 lines); {result.acts_on}"
+    assert result.acts_on == ("turns on AutoModelForCausalLM or LlamaForCausalLM's own activation checkpointing "
+                              "(`gradient_checkpointing_enable`) on `model`: every decoder layer")
+    assert result.message == f"gradient-checkpointing changed recipe.py (+1 -0 lines); {result.acts_on}"
 
 
 def test_a_single_script_is_a_target_too(tmp_path: Path):

@@ -42,7 +42,7 @@ def test_template_model_stages_land_in_the_same_order_whatever_the_application_o
         "model = model.to(self.device)",
         'apply_tensor_parallel(model, self.dist.mesh["tp"], warn=self.warn)',
         "freeze_parameters(model, embeddings=True, first_blocks=0, patterns=[], warn=self.warn)",
-        "checkpoint_blocks(model, warn=self.warn)",
+        'model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})',
         'compile_blocks(model, mode="default", warn=self.warn)',
         "model = apply_fsdp(model, self.dist, self.config.parallel)",
         "return model",

@@ -75,11 +75,14 @@ def test_fsdp_lora_and_checkpointing_act_on_the_familys_own_layers(family, folde
     module.apply_lora(model)
     adapted = {name.rsplit(".", 1)[-1] for name, m in model.named_modules() if hasattr(m, "lora_A")}
     assert adapted == PROJECTIONS.get(family, PROJECTIONS["qwen2"])
-    module.checkpoint_blocks(model)
-    wrapped = [m for m in model.modules() if type(m).__name__ == "CheckpointWrapper"]
-    assert [type(m._checkpoint_wrapped_module).__name__ for m in wrapped] == [layer_class] * 2
-    # FSDP2 then shards the wrappers, each holding one decoder layer.
-    assert transformer_blocks(model) == wrapped
+    # The skill turns on the family's own switch (the statement it wrote into prepare_model).
+    switch = 'model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})'
+    assert switch in (skilled / "recipe.py").read_text()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    layers = [m for m in model.modules() if type(m).__name__ == layer_class]
+    assert len(layers) == 2 and all(m.gradient_checkpointing for m in layers)
+    # The layers stay the family's own classes: FSDP2 shards them by _no_split_modules.
+    assert transformer_blocks(model) == layers
 
 
 def write_data(root: Path) -> None:
