@@ -567,6 +567,8 @@ def cmd_plot(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from mcp_server.operations import waiting
+
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument(
         "--workspace", default=".", metavar="DIR",
@@ -699,7 +701,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("run_id")
     p.add_argument("--until-step", type=int, metavar="N", help="return once step N is logged (default: the end)")
     p.add_argument("--timeout", type=float, metavar="S",
-                   help="give up after S seconds (default 60, at most 600)")
+                   help=f"give up after S seconds (default {waiting.DEFAULT_WAIT_S}, at most {waiting.MAX_WAIT_S})")
 
     p = add("stop", cmd_stop, "stop a run and all its processes (stop_run)")
     p.add_argument("run_id")

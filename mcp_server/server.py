@@ -20,7 +20,8 @@ from typing import Annotated, Any, Callable, Literal
 import anyio
 from mcp.server.mcpserver import Context, MCPServer
 from mcp.server.mcpserver.exceptions import ResourceError, ToolError
-from mcp_types import ToolAnnotations
+from mcp.shared.exceptions import MCPError
+from mcp_types import INVALID_PARAMS, ToolAnnotations
 from pydantic import Field
 
 import skills as skill_library
@@ -52,6 +53,7 @@ from mcp_server.operations import recipe_info, waiting
 from mcp_server.operations import recipes as recipe_ops
 from mcp_server.operations import runs as run_ops
 from mcp_server.operations import skills as skill_ops
+from mcp_server import workflows
 from sandbox.audit import AuditLog
 from sandbox import redact as redaction
 from sandbox.config import trusted_limits
@@ -182,6 +184,17 @@ class AuditedServer(MCPServer):
             message = prefix + "bad_input: " + (text[len(prefix):] if text.startswith(prefix) else text)
             self.tools.audit.record(str(name)[:100], arguments, "error", error=message)
             raise ToolError(message) from None
+
+    async def get_prompt(self, name: str, arguments: dict[str, Any] | None = None, context: Context | None = None):
+        """An unknown prompt, or arguments it does not take, are invalid params (-32602)."""
+        known = sorted(p.name for p in await self.list_prompts())
+        if name not in known:
+            cut = name if len(name) <= 80 else name[:80] + "…"
+            raise MCPError(code=INVALID_PARAMS, message=printable(f"unknown prompt {cut!r}; prompts: {', '.join(known)}"))
+        try:
+            return await super().get_prompt(name, arguments, context)
+        except ValueError as e:
+            raise MCPError(code=INVALID_PARAMS, message=shown(str(e))[:MAX_ERROR_CHARS]) from None
 
 
 def build_server(workspace: Path | str, read_only: bool = False, settings: Path | str | None = None) -> MCPServer:
@@ -479,6 +492,9 @@ def build_server(workspace: Path | str, read_only: bool = False, settings: Path 
         from mcp_server.plot import history_png
 
         return _resource(lambda: history_png(tools.ws, run_id))
+
+    workflows.register_prompts(mcp)
+    workflows.register_completions(mcp, tools.ws)
 
     for registered in mcp._tool_manager.list_tools():
         _compact_schema(registered.parameters)

@@ -1,0 +1,128 @@
+"""Workflows as MCP prompts, and completions of their arguments and of ``run://`` URIs.
+
+A client lists prompts as commands (Claude Code: slash commands). Each prompt is the text an
+agent follows: the tools in the order they are called, with the arguments filled in from the
+prompt's own. Completions answer from the workspace as it is now (its recipes and runs), the
+templates and the skills; at most :data:`MAX_COMPLETIONS` values, the spec's limit.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from mcp.server.mcpserver import MCPServer
+from mcp_types import Completion, PromptReference, ResourceTemplateReference
+from pydantic import Field
+
+import skills as skill_library
+from mcp_server.operations import recipe_info
+from mcp_server.operations import recipes as recipe_ops
+from sandbox.redact import printable
+from sandbox.workspace import Workspace
+
+MAX_COMPLETIONS = 100  # completion/complete returns at most 100 values
+MAX_ARGUMENT_CHARS = 300  # a prompt argument is a name, an id or a path: longer is cut
+
+
+def _quoted(value: str) -> str:
+    """An argument as it appears in a prompt's text: printable, bounded, JSON-quoted."""
+    text = printable(value.strip())[:MAX_ARGUMENT_CHARS]
+    return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def finetune(
+    model: Annotated[str, Field(description="A Hub id (org/name[@rev]) or a model folder in the workspace.")],
+    data: Annotated[str, Field(description="A data file or folder in the workspace, or a Hub data set id.")],
+    template: Annotated[str, Field(description="sft (default), dpo, causal_lm or vlm.")] = "sft",
+    name: Annotated[str, Field(description="The recipe's name (default: finetune).")] = "finetune",
+) -> str:
+    recipe = _quoted(f"recipes/{name.strip()}")
+    model, data, template, name = _quoted(model), _quoted(data), _quoted(template), _quoted(name)
+    return f"""Fine-tune {model} on {data} with trainwright's {template} template, step by step:
+1. describe_recipe(recipe={template}): read the config keys, and which data formats it reads.
+2. scaffold_recipe(template={template}, name={name}, config={{"model.pretrained_path": {model}, \
+"data.paths": [{data}], "train.max_steps": 20}}); for a Hub data set id use "data.dataset": \
+{data} instead of data.paths. Read the data summary in the result (format, mask, loss_tokens, \
+dropped): set data.format or data.columns if they are not what the user meant.
+3. apply_skill(skill="lora", recipe={recipe}) for a model of more than ~100 M \
+parameters, and apply_skill(skill="gradient-checkpointing", ...) when memory is short \
+(list_skills() has the others).
+4. launch_run(recipe={recipe}) as a short smoke run; wait_run(run_id, until_step=5), \
+then tail_metrics(run_id): the loss must fall and not be nan.
+5. resume_checkpoint(run_id, step, overrides={{"train.max_steps": N}}) or launch_run with \
+overrides for the full run; wait_run(run_id) until it ends (call again on reason "timeout").
+6. evaluate(run_id) for held-out loss and task metrics (note their sample count), \
+sample(run_id, prompts) to read answers, and export_checkpoint(run_id) for a Hugging Face folder.
+Stop and report the error text to the user if a step fails twice."""
+
+
+def speed_up(
+    recipe: Annotated[str, Field(description="A recipe folder, e.g. recipes/lm.")],
+) -> str:
+    recipe = _quoted(recipe)
+    return f"""Make {recipe} train faster on this machine, measured:
+1. list_runs(), then get_run(run_id) of the recipe's latest run: note speed (mean tokens/s), padding_frac, \
+peak memory and warnings. No run yet: launch_run(recipe={recipe}, overrides={{"train.max_steps": 30}}) \
+and wait_run until it ends.
+2. list_skills(): pick the ones the run's figures call for (padding_frac above 0.3: \
+sequence-packing; a CUDA GPU: flash-attention, liger-kernel, mixed-precision; many steps of one \
+shape: torch-compile). get_skill(name) for each: its "When to use" must fit.
+3. apply_skill(skill, recipe={recipe}, dry_run=true) to read the diff, then apply it (one commit \
+per skill).
+4. launch_run(recipe={recipe}) with the baseline's overrides; wait_run(run_id) until it ends; get_run(run_id): compare \
+speed with the baseline's. The machine may be noisy: run each twice, interleaved, and claim a \
+gain only when it is larger than the spread.
+5. Keep a skill that helped; for one that did not, say so to the user (git revert its commit)."""
+
+
+def diagnose_run(
+    run_id: Annotated[str, Field(description="The run to diagnose (list_runs has the ids).")],
+) -> str:
+    run_id = _quoted(run_id)
+    return f"""Diagnose run {run_id} and say what to do next:
+1. get_run(run_id={run_id}): status, error, warnings, the console's end when it failed.
+2. Failed: read the error; a config error names the key (describe_recipe lists them), an \
+out-of-memory error calls for gradient-checkpointing or a smaller data.batch_size; fix and \
+launch_run again.
+3. tail_metrics(run_id={run_id}, follow_resumes=true) and the resource run://<id>/loss.png: \
+a loss that is nan or rises calls for a lower optim.lr (or the loss-guard skill); a loss that \
+stays flat, a higher one or more steps.
+4. Stopped or interrupted: list_checkpoints(run_id={run_id}), then resume_checkpoint(run_id, step).
+5. Report the finding, the evidence (steps and values), and the one next call."""
+
+
+WORKFLOWS = (finetune, speed_up, diagnose_run)
+
+
+def register_prompts(mcp: MCPServer) -> None:
+    for workflow in WORKFLOWS:
+        description = {
+            "finetune": "Fine-tune a model on a data set: scaffold, skills, launch, wait, evaluate, export.",
+            "speed_up": "Make a recipe train faster: which skills fit this machine, applied and measured.",
+            "diagnose_run": "Read a run's failure or loss curve and say the next step.",
+        }[workflow.__name__]
+        mcp.prompt(name=workflow.__name__, description=description)(workflow)
+
+
+def _choices(ws: Workspace, argument: str) -> list[str]:
+    if argument == "run_id":
+        return sorted(ws.run_ids(), reverse=True)  # the newest first: ids start with their time
+    if argument == "recipe":
+        folders, _ = recipe_info.find_recipes(ws)
+        return [str(folder.relative_to(ws.root)) for folder in folders]
+    if argument == "template":
+        return [t.name for t in recipe_ops.list_templates().templates]
+    if argument in ("skill", "name"):
+        return [card.name for card in skill_library.list_skill_cards()]
+    return []
+
+
+def register_completions(mcp: MCPServer, ws: Workspace) -> None:
+    @mcp.completion()
+    async def complete(ref: PromptReference | ResourceTemplateReference, argument: Any, context: Any) -> Completion:
+        if isinstance(ref, PromptReference) and ref.name == "finetune" and argument.name == "name":
+            return Completion(values=[])  # a new recipe's name: nothing to complete from
+        prefix = str(argument.value or "")
+        values = [v for v in _choices(ws, str(argument.name)) if v.startswith(prefix)]
+        return Completion(values=values[:MAX_COMPLETIONS], total=len(values),
+                          has_more=len(values) > MAX_COMPLETIONS)
