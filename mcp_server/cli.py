@@ -78,7 +78,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     bar = _DownloadBar()
     try:
         result = runs.launch_run(ws, args.recipe, nproc=args.nproc, overrides=args.overrides, nnodes=args.nnodes,
-                                 rdzv=rdzv or None, target=args.target, slurm=slurm or None, progress=bar)
+                                 rdzv=rdzv or None, target=args.target, slurm=slurm or None, progress=bar,
+                                 args=args.script_args or None, resume_arg=args.resume_arg)
     finally:
         bar.close()
     if args.target == "slurm":  # the job runs on the cluster: `status` follows it
@@ -654,8 +655,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("run_id")
     p.add_argument("-o", "--output", help="output file (default: RUN_ID-loss.png)")
 
-    p = add("run", cmd_run, "launch a training run of a recipe folder (launch_run)")
-    p.add_argument("recipe", help="recipe folder (with recipe.py), relative to the workspace")
+    p = add("run", cmd_run, "launch a training run of a recipe folder or of a Python script (launch_run)")
+    p.add_argument("recipe", help="recipe folder (with recipe.py), or a training script (a .py file, or a folder "
+                   "with a train.py), relative to the workspace")
+    p.add_argument("script_args", nargs="*", metavar="-- ARG",
+                   help="a script's command line, after -- (trainwright run train.py -- --epochs 3)")
+    p.add_argument("--resume-arg", metavar="OPTION", help="a script's option that takes a checkpoint path "
+                   "(--resume): `trainwright resume` passes the checkpoint with it")
     launch_options(p, 1)
     nodes = p.add_argument_group("several nodes (docs/scaling.md)")
     nodes.add_argument("--nnodes", type=int, default=1, help="nodes of the run; --nproc processes on each (default 1)")

@@ -22,8 +22,6 @@ class ResumePoint(BaseModel):
 
 
 class LaunchRunResult(BaseModel):
-    """config_changes: keys off the code defaults."""
-
     run_id: str
     status: RunStatus
     run_dir: str
