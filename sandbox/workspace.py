@@ -214,8 +214,8 @@ class Workspace:
             raise BadInput(f"{label!r} is not a Python script (.py) nor a folder; " + neither_recipe_nor_script(label))
         given = Path(os.path.normpath(self.root / str(value)))
         if os.path.islink(script) or (alone and given != path):
-            raise BadInput(f"the script {label!r} is reached through a link; give the script's real path in the "
-                           "workspace (a run's snapshot copies files, not links)")
+            raise BadInput(f"the script {str(value)!r} is a link or reached through one; give the script's real "
+                           f"path ({label!r}): a run's snapshot copies files, not links")
         if script.stat().st_size > MAX_SNAPSHOT_FILE_BYTES:
             raise BadInput(f"the script {label!r} is larger than {MAX_SNAPSHOT_FILE_BYTES // 2**20} MiB; keep data outside it")
         return RunSource(path.parent if alone else path, script.name, alone)
