@@ -63,10 +63,9 @@ class RunList(BaseModel):
 
 
 class RunInfo(BaseModel):
-    """What ran and how it goes."""
-
     run_id: str
     status: RunStatus
+    kind: str = "recipe"  # or script (RunRecord.kind)
     recipe: str
     run_dir: str
     code: str

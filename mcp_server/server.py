@@ -69,6 +69,8 @@ resume → wait.
    recipe's code as one reviewable commit; dry_run=true shows the diff first.
 3. launch_run(recipe, nproc, overrides) returns a run_id at once; wait_run(run_id, until_step)
    returns at that step or when the run ends; get_run and tail_metrics show it; stop_run ends it.
+   launch_run also runs a plain .py script as it is (args: its command line; its JSON lines
+   with a step are its metrics; docs/script-to-recipe.md says what a recipe adds).
 4. resume_checkpoint(run_id, step) continues a run as a new run (list_checkpoints has the steps);
    tail_metrics(follow_resumes=true) shows the history across resumes.
 5. sample, evaluate and export_checkpoint (a Hugging Face folder) look at a checkpoint's model.

@@ -487,6 +487,7 @@ def get_run(ws: Workspace, run_id: str) -> RunInfo:
         hub_models=_hub_shown(record),
         run_id=record.id,
         status=status,
+        kind=record.kind,
         recipe=record.recipe,
         run_dir=ws.label(run_dir),
         code=code_description(record),

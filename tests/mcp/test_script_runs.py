@@ -83,6 +83,7 @@ def test_a_plain_script_gets_two_skills_then_runs_watched_and_stopped(client, wo
     picture, mime = client.read_bytes(f"run://{run_id}/loss.png")
     assert mime == "image/png" and picture.startswith(b"\x89PNG")
 
+    assert client.ok("get_run", run_id=run_id)["kind"] == "script"
     stopped = client.ok("stop_run", run_id=run_id)
     assert stopped["status"] == "stopped"
     report, record, console = run_files(workspace, run_id)
@@ -255,3 +256,25 @@ def test_recipe_only_options_on_a_script_and_script_options_on_a_recipe_are_refu
     assert message == "bad_input: overrides set a recipe's config keys; a script takes its command line as args"
     message = _refused(client, workspace, recipe="train.py", resume_arg="resume")
     assert message.startswith("bad_input: resume_arg must be the script's option that takes a checkpoint path")
+
+
+def test_describe_recipe_on_a_script_says_what_runs_it_and_where_the_recipe_page_is(client, workspace):
+    message = refusal(client.error("describe_recipe", recipe="train.py"))
+    assert message == (
+        "bad_input: 'train.py' is a training script, not a recipe: it has no config keys to describe. launch_run "
+        "runs it as it is (args: its command line); docs/script-to-recipe.md says what a recipe adds (bit-exact "
+        "resume, FSDP2 by the engine, export, sample, evaluate)"
+    )
+    assert (Path(__file__).parents[2] / "docs" / "script-to-recipe.md").is_file()
+
+
+def test_a_recipe_py_without_an_engine_subclass_points_to_script_runs(client, workspace):
+    (workspace / "ported").mkdir()
+    (workspace / "ported" / "recipe.py").write_text("print('a script under the wrong name')\n")
+    try:
+        message = _refused(client, workspace, recipe="ported")
+    finally:
+        shutil.rmtree(workspace / "ported")
+    assert message.startswith("bad_input: ") and "must define exactly one Engine subclass (found: none); " \
+        "a plain training script needs no recipe: launch_run runs a .py file (or a folder's train.py) as it is, " \
+        "and docs/script-to-recipe.md says what a recipe adds" in message
