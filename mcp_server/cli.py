@@ -79,7 +79,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     try:
         result = runs.launch_run(ws, args.recipe, nproc=args.nproc, overrides=args.overrides, nnodes=args.nnodes,
                                  rdzv=rdzv or None, target=args.target, slurm=slurm or None, progress=bar,
-                                 args=args.script_args or None, resume_arg=args.resume_arg)
+                                 args=getattr(args, "script_args", None) or None, resume_arg=args.resume_arg)
     finally:
         bar.close()
     if args.target == "slurm":  # the job runs on the cluster: `status` follows it
@@ -657,11 +657,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = add("run", cmd_run, "launch a training run of a recipe folder or of a Python script (launch_run)")
     p.add_argument("recipe", help="recipe folder (with recipe.py), or a training script (a .py file, or a folder "
-                   "with a train.py), relative to the workspace")
-    p.add_argument("script_args", nargs="*", metavar="-- ARG",
-                   help="a script's command line, after -- (trainwright run train.py -- --epochs 3)")
-    p.add_argument("--resume-arg", metavar="OPTION", help="a script's option that takes a checkpoint path "
-                   "(--resume): `trainwright resume` passes the checkpoint with it")
+                   "with a train.py), relative to the workspace; a script's own command line follows -- at the "
+                   "end (trainwright run train.py --nproc 2 -- --epochs 3)")
+    p.usage = "%(prog)s RECIPE [options] [-- SCRIPT_ARG ...]"
+    p.add_argument("--resume-arg", metavar="OPTION", help="a script's option that takes a checkpoint path, "
+                   "given with = (--resume-arg=--resume): `trainwright resume` passes the checkpoint with it")
     launch_options(p, 1)
     nodes = p.add_argument_group("several nodes (docs/scaling.md)")
     nodes.add_argument("--nnodes", type=int, default=1, help="nodes of the run; --nproc processes on each (default 1)")
@@ -756,7 +756,9 @@ class RedactedStream:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
+    argv, script_args = split_script_args(sys.argv[1:] if argv is None else list(argv))
     args = parser.parse_args(argv)
+    args.script_args = script_args
     if args.func is cmd_serve:  # serve speaks MCP on stdout: its tools redact what they return
         return _run(args)
     streams = sys.stdout, sys.stderr
@@ -765,6 +767,15 @@ def main(argv: list[str] | None = None) -> int:
         return _run(args)
     finally:
         sys.stdout, sys.stderr = streams
+
+
+def split_script_args(argv: list[str]) -> tuple[list[str], list[str]]:
+    """``trainwright run SCRIPT [OPTIONS] -- ARGS``: the command line before the first ``--``,
+    and the script's own after it (argparse would take the script's options for its own)."""
+    if argv[:1] == ["run"] and "--" in argv:
+        at = argv.index("--")
+        return argv[:at], argv[at + 1:]
+    return argv, []
 
 
 def _run(args: argparse.Namespace) -> int:
