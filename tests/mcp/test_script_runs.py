@@ -148,6 +148,12 @@ def test_script_checkpoints_are_listed_and_a_resume_passes_the_path_after_resume
     console = (workspace / second["run_dir"] / rd.CONSOLE_LOG).read_text()
     assert f"resumed from {checkpoint} at step 3" in console
 
+    for tool, extra in (("export_checkpoint", {"to": "exports/mlp"}), ("sample", {"prompts": ["x"]}), ("evaluate", {})):
+        message = refusal(client.error(tool, run_id=first["run_id"], **extra))
+        assert message.startswith(f"bad_input: run {first['run_id']} ran a script, whose checkpoints are in its "
+                                  "own format"), (tool, message)
+        assert "docs/script-to-recipe.md says how to make the script a recipe" in message
+
 
 def test_resuming_a_script_run_launched_without_resume_arg_is_refused_saying_how(client, workspace):
     launched = client.ok("launch_run", recipe="train.py", args=["--steps", "3", "--save-every", "3"])
