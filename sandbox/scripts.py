@@ -11,7 +11,9 @@ Its metrics are the lines it prints to stdout that are JSON objects with an inte
 (``{"step": 10, "loss": 2.31}``); ``trainwright.track`` prints such a line. The supervisor
 (outside the sandbox) reads the script's output as it comes, copies it to ``console.log`` and
 turns those lines into metrics records (:class:`ScriptMetrics`): script output is untrusted,
-so a line is bounded, only finite numbers are kept, and the number of records is bounded.
+so a line is bounded, only finite numbers are kept, and the number of records is bounded. The
+scalars of TensorBoard event files the script writes in its run directory become records the
+same way (:class:`EventScalars`).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import json
 import os
 import stat
 import sys
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -29,6 +32,7 @@ from pydantic import ValidationError
 from engine import run_dir as rd
 from engine.errors import BadInput
 from sandbox.nodes import Nodes, torchrun_args
+from sandbox.tensorboard_events import EventFiles
 
 SCRIPT_NAME = "train.py"
 DOCS_PAGE = "docs/script-to-recipe.md"
@@ -136,10 +140,19 @@ class ScriptMetrics:
         self.written = 0
         self.last: dict[str, Any] | None = None
         self.full = False
+        self.lock = threading.Lock()
 
     def feed(self, line: bytes) -> str | None:
         """Record ``line`` if it is a metrics line; returns a note for the console, if any."""
-        record = parse_metric_line(line)
+        return self.add(parse_metric_line(line))
+
+    def add(self, record: dict[str, Any] | None) -> str | None:
+        """Record ``record`` (a :func:`checked_record`); the output's reader and the event files'
+        share this, so it takes a lock."""
+        with self.lock:
+            return self._add(record)
+
+    def _add(self, record: dict[str, Any] | None) -> str | None:
         if record is None or record == self.last:
             return None
         if self.last is not None and record["step"] < self.last["step"]:
@@ -177,6 +190,12 @@ def parse_metric_line(line: bytes) -> dict[str, Any] | None:
         value = json.loads(line)
     except (ValueError, RecursionError):
         return None
+    return checked_record(value)
+
+
+def checked_record(value: object) -> dict[str, Any] | None:
+    """``value`` (from a JSON line or an event file) as a metrics record: an integer step
+    and the finite numbers under short names, or None."""
     if not isinstance(value, dict):
         return None
     step = value.get("step")
@@ -187,7 +206,7 @@ def parse_metric_line(line: bytes) -> dict[str, Any] | None:
         if len(record) > MAX_METRIC_KEYS:
             break
         finite = rd.finite_number(number)
-        if (key == "step" or finite is None or not 0 < len(key) <= MAX_METRIC_KEY_CHARS
+        if (key == "step" or finite is None or not isinstance(key, str) or not 0 < len(key) <= MAX_METRIC_KEY_CHARS
                 or not key.isidentifier()):
             continue
         record[key] = number if isinstance(number, int) and abs(number) < 2**53 else finite
@@ -226,3 +245,24 @@ def copy_output(source: BinaryIO, console: BinaryIO, metrics: ScriptMetrics | No
             if note:
                 console.write(note.encode() + b"\n")
         inside_long_line = not complete
+
+
+class EventScalars:
+    """Scalars of a script's TensorBoard event files (:mod:`sandbox.tensorboard_events`) as
+    metrics records: the values of one step, from consecutive events, make one record."""
+
+    def __init__(self, run_dir: Path, metrics: ScriptMetrics):
+        self.files = EventFiles(run_dir)
+        self.metrics = metrics
+        self.pending: dict[str, Any] | None = None
+
+    def poll(self, final: bool = False) -> None:
+        """Record what the files hold now; ``final``: the script has ended, its last step too."""
+        for step, values in self.files.new_scalars():
+            if self.pending is not None and self.pending["step"] != step:
+                self.metrics.add(checked_record(self.pending))
+                self.pending = None
+            self.pending = {**(self.pending or {}), **values, "step": step}
+        if final and self.pending is not None:
+            self.metrics.add(checked_record(self.pending))
+            self.pending = None

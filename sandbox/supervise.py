@@ -38,7 +38,10 @@ from sandbox.network import LOOPBACK_ENV, isolate_network
 from sandbox.processes import apply_limits, become_subreaper, children, descendants, end_processes, marked
 from sandbox.provenance import code_description
 from sandbox.runs import group_alive, kill_group
-from sandbox.scripts import ScriptMetrics, copy_output, open_metrics_for_append
+from sandbox.scripts import EventScalars, ScriptMetrics, copy_output, open_metrics_for_append
+
+
+EVENT_FILES_EVERY_S = 2.0  # how often a script's TensorBoard event files are read
 
 
 class Supervisor:
@@ -53,6 +56,7 @@ class Supervisor:
         self.child: subprocess.Popen | None = None
         self.sandboxed = False
         self.output_reader: threading.Thread | None = None
+        self.event_scalars: EventScalars | None = None  # a script's TensorBoard scalars
 
     def terminate(self) -> None:
         """SIGTERM to the engine's process group.
@@ -155,6 +159,7 @@ class Supervisor:
         grace = float(limits.get("stop_grace_s") or 10.0)
         started = time.monotonic()
         term_sent_at: float | None = None
+        events_read_at = started
         while True:
             try:
                 code = self.child.wait(timeout=0.5)
@@ -162,6 +167,9 @@ class Supervisor:
             except subprocess.TimeoutExpired:
                 pass
             now = time.monotonic()
+            if self.event_scalars is not None and now - events_read_at > EVENT_FILES_EVERY_S:
+                self.event_scalars.poll()
+                events_read_at = now
             if wall and now - started > float(wall) and self.stop_reason is None:
                 print(f"[trainwright] wall-time limit of {wall} s reached: stopping the run", flush=True)
                 self.request_stop(f"wall-time limit of {wall} s reached")
@@ -173,6 +181,8 @@ class Supervisor:
         self.end_leftovers(grace)
         if self.output_reader is not None:
             self.output_reader.join(timeout=10)  # every writer of the pipe is gone by now
+        if self.event_scalars is not None:
+            self.event_scalars.poll(final=True)
         return self.finish(code)
 
     @property
@@ -193,6 +203,8 @@ class Supervisor:
             print(f"[trainwright] {rd.METRICS_JSONL} in the run directory is not a regular file: the script's "
                   "metrics are not recorded", flush=True)
         metrics = ScriptMetrics(metrics_file) if metrics_file is not None else None
+        if metrics is not None:
+            self.event_scalars = EventScalars(self.run_dir, metrics)
         self.output_reader = threading.Thread(
             target=copy_output, args=(self.child.stdout, sys.stdout.buffer, metrics), daemon=True)
         self.output_reader.start()

@@ -284,3 +284,17 @@ def test_a_recipe_py_without_an_engine_subclass_points_to_script_runs(client, wo
     assert message.startswith("bad_input: ") and "must define exactly one Engine subclass (found: none); " \
         "a plain training script needs no recipe: launch_run runs a .py file (or a folder's train.py) as it is, " \
         "and docs/script-to-recipe.md says what a recipe adds" in message
+
+
+def test_a_scripts_tensorboard_scalars_are_its_metrics(client, workspace):
+    pytest.importorskip("tensorboard")
+    script = ("from torch.utils.tensorboard import SummaryWriter\nwriter = SummaryWriter()\n"
+              "for step in (1, 2, 3):\n    writer.add_scalar('loss/train', 4.0 / step, step)\nwriter.close()\n")
+    (workspace / "tb.py").write_text(script)
+    git(workspace, "add", "tb.py")
+    git(workspace, "commit", "-q", "-m", "a script that logs to TensorBoard")
+    launched = client.ok("launch_run", recipe="tb.py")
+    assert client.wait_for_run(launched["run_id"])["status"] == "completed"
+    records = client.ok("tail_metrics", run_id=launched["run_id"])["records"]
+    assert records == [{"step": 1, "loss_train": 4.0}, {"step": 2, "loss_train": 2.0},
+                       {"step": 3, "loss_train": pytest.approx(4 / 3, rel=1e-6)}]

@@ -9,6 +9,8 @@ import json
 import math
 import os
 
+import pytest
+
 from engine import run_dir as rd
 from sandbox import scripts
 from sandbox.processes import RUN_ID_VARIABLE
@@ -93,3 +95,47 @@ def test_track_prints_a_metrics_line_in_a_run_and_nothing_outside(monkeypatch, c
     monkeypatch.setenv("RANK", "1")
     trainwright.track(4, loss=1.0)
     assert capsys.readouterr().out == ""
+
+
+def test_tensorboard_scalars_are_read_as_records_one_per_step(tmp_path):
+    from torch.utils.tensorboard import SummaryWriter
+
+    from sandbox.tensorboard_events import EventFiles
+
+    writer = SummaryWriter(str(tmp_path / "runs" / "exp"))
+    for step in (1, 2, 3):
+        writer.add_scalar("loss/train", 1.0 / step, step)
+        writer.add_scalar("lr", 0.5, step)
+    writer.add_text("note", "not a scalar", 3)
+    writer.flush()
+    out = io.BytesIO()
+    scalars = scripts.EventScalars(tmp_path, scripts.ScriptMetrics(out))
+    scalars.poll()
+    scalars.poll(final=True)
+    assert [json.loads(line) for line in out.getvalue().splitlines()] == [
+        {"step": 1, "loss_train": 1.0, "lr": 0.5}, {"step": 2, "loss_train": 0.5, "lr": 0.5},
+        {"step": 3, "loss_train": pytest.approx(1 / 3, rel=1e-6), "lr": 0.5}]  # TensorBoard keeps float32
+    writer.add_scalar("loss/train", 0.25, 4)
+    writer.close()
+    scalars.poll(final=True)  # only what was written since
+    assert json.loads(out.getvalue().splitlines()[-1]) == {"step": 4, "loss_train": 0.25}
+    assert EventFiles(tmp_path / "elsewhere").new_scalars() == []
+
+
+def test_event_files_that_are_links_or_malformed_give_nothing(tmp_path):
+    import struct
+
+    from sandbox.tensorboard_events import EventFiles
+
+    (tmp_path / "outside").mkdir()
+    target = tmp_path / "outside" / "events.out.tfevents.1"
+    # Event{step: 5, summary: Summary{value: [Value{tag: "x", simple_value: 1.5}]}}
+    event = b"\x10\x05" + b"\x2a\x0a" + b"\x0a\x08\x0a\x01x\x15" + struct.pack("<f", 1.5)
+    target.write_bytes(struct.pack("<Q", len(event)) + b"\0" * 4 + event + b"\0" * 4)
+    assert EventFiles(tmp_path / "outside").new_scalars() == [(5, {"x": 1.5})]
+    run = tmp_path / "run"
+    run.mkdir()
+    os.symlink(target, run / "events.out.tfevents.2")
+    (run / "events.out.tfevents.3").write_bytes(struct.pack("<Q", 4) + b"\0" * 4 + b"\x0f\xff\xff\xff" + b"\0" * 4)
+    (run / "events.out.tfevents.4").write_bytes(struct.pack("<Q", 1 << 40) + b"\0" * 20)
+    assert EventFiles(run).new_scalars() == []
