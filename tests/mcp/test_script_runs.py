@@ -113,8 +113,9 @@ def test_an_uncommitted_script_runs_as_it_is_and_says_so(client, workspace):
 
 def test_a_script_that_prints_no_metrics_runs_with_its_console_and_exit_status(client, workspace):
     (workspace / "quiet").mkdir()
-    (workspace / "quiet" / "train.py").write_text(
-        "import sys\nprint('no metrics here, only words', flush=True)\nsys.exit(3)\n")
+    (workspace / "quiet" / "helper.py").write_text("WORDS = 'no metrics here, only words'\n")
+    (workspace / "quiet" / "train.py").write_text(  # a folder's script imports its sibling modules
+        "import sys\nfrom helper import WORDS\nprint(WORDS, flush=True)\nsys.exit(3)\n")
     git(workspace, "add", "quiet")
     git(workspace, "commit", "-q", "-m", "a quiet script")
     launched = client.ok("launch_run", recipe="quiet")
@@ -123,7 +124,10 @@ def test_a_script_that_prints_no_metrics_runs_with_its_console_and_exit_status(c
     assert "no metrics here, only words" in info["console_tail"]
     assert info["error"] == "the run's main process exited with status 3; see console.log"
     assert client.ok("tail_metrics", run_id=launched["run_id"])["records"] == []
-    assert run_files(workspace, launched["run_id"])[1].script == "train.py"
+    record = run_files(workspace, launched["run_id"])[1]
+    assert record.script == "train.py" and record.recipe == "quiet"
+    assert sorted(p.name for p in (workspace / info["run_dir"] / rd.SNAPSHOT_DIRNAME).iterdir()) == [
+        "helper.py", "train.py"]
 
 
 def test_script_checkpoints_are_listed_and_a_resume_passes_the_path_after_resume_arg(client, workspace):
@@ -147,6 +151,13 @@ def test_script_checkpoints_are_listed_and_a_resume_passes_the_path_after_resume
     assert [r["step"] for r in continued] == [4, 5, 6] and continued == original[3:]
     console = (workspace / second["run_dir"] / rd.CONSOLE_LOG).read_text()
     assert f"resumed from {checkpoint} at step 3" in console
+
+    head_resume = client.ok("resume_checkpoint", run_id=first["run_id"], step=6, code="head")
+    assert client.wait_for_run(head_resume["run_id"])["status"] == "completed"
+    record = run_files(workspace, head_resume["run_id"])[1]
+    assert record.code_from == "head" and record.script_args[-2:] == [
+        "--resume", str(workspace / first["run_dir"] / "checkpoints" / "ckpt_6.pt")]
+    assert client.ok("tail_metrics", run_id=head_resume["run_id"])["records"] == []  # nothing left to train
 
     for tool, extra in (("export_checkpoint", {"to": "exports/mlp"}), ("sample", {"prompts": ["x"]}), ("evaluate", {})):
         message = refusal(client.error(tool, run_id=first["run_id"], **extra))
