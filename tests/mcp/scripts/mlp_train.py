@@ -64,7 +64,8 @@ for step in range(start + 1, options.steps + 1):
         print(json.dumps({"step": step, "loss": loss.item(), "world_size": world}))
         if options.save_every and step % options.save_every == 0:
             os.makedirs("checkpoints", exist_ok=True)
-            torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step},
-                       f"checkpoints/ckpt_{step}.pt")
+            partial = f"checkpoints/.ckpt_{step}.pt.tmp"  # hidden until complete: never listed half-written
+            torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step}, partial)
+            os.replace(partial, f"checkpoints/ckpt_{step}.pt")
     time.sleep(options.sleep)
 print(f"rank {rank} done", flush=True)
