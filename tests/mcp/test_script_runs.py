@@ -64,6 +64,8 @@ def test_a_plain_script_gets_two_skills_then_runs_watched_and_stopped(client, wo
     for skill in ("loss-guard", "mixed-precision"):
         applied = client.ok("apply_skill", skill=skill, recipe="train.py")
         assert applied["commit"] == head(workspace)
+        assert applied["message"].endswith(
+            "; launch_run(recipe='train.py') runs the script as it is (docs/script-to-recipe.md)")
         assert f"Skill-Applied: {skill}@" in git(workspace, "log", "-1", "--format=%B")
     commit = head(workspace)
 
