@@ -63,7 +63,9 @@ def load_recipe_class(recipe_dir: Path):
     ]
     if len(classes) != 1:
         names = ", ".join(c.__name__ for c in classes) or "none"
-        raise RecipeError(f"{recipe_file} must define exactly one Engine subclass (found: {names})")
+        hint = ("; a plain training script needs no recipe: launch_run runs a .py file (or a folder's train.py) "
+                "as it is, and docs/script-to-recipe.md says what a recipe adds") if not classes else ""
+        raise RecipeError(f"{recipe_file} must define exactly one Engine subclass (found: {names}){hint}")
     return classes[0]
 
 

@@ -40,7 +40,7 @@ import secrets
 import stat
 import tempfile
 from pathlib import Path
-from typing import Any, BinaryIO, Iterator, Literal
+from typing import Annotated, Any, BinaryIO, Iterator, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
@@ -132,6 +132,43 @@ def list_checkpoints(run_dir: Path) -> list[tuple[int, Path]]:
     return sorted(found)
 
 
+_SCRIPT_CHECKPOINT_STEP = re.compile(r"(\d{1,12})(?!.*\d)")
+
+
+def list_script_checkpoints(run_dir: Path) -> list[tuple[int, Path]]:
+    """The checkpoints a script run wrote in its own format, oldest first: each file or folder
+    directly under ``checkpoints/`` whose name holds a number, the last number being its step
+    (``step-200/``, ``ckpt_100.pt``, ``epoch3.pt``). Hidden names (a save in progress, by the
+    usual ``.tmp`` habit) and links are not checkpoints, and nothing is followed through a link
+    (the same reasons as :func:`list_checkpoints`); at one step the last name in order wins."""
+    root = Path(run_dir) / CHECKPOINTS_DIRNAME
+    try:
+        root_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | _NO_FOLLOW)
+    except OSError:
+        return []
+    found: dict[int, Path] = {}
+    try:
+        for name in sorted(os.listdir(root_fd)):
+            match = _SCRIPT_CHECKPOINT_STEP.search(name)
+            if name.startswith(".") or match is None:
+                continue
+            try:
+                info = os.stat(name, dir_fd=root_fd, follow_symlinks=False)
+            except OSError:
+                continue
+            if stat.S_ISREG(info.st_mode) or stat.S_ISDIR(info.st_mode):
+                found[int(match.group(1))] = root / name
+    finally:
+        os.close(root_fd)
+    return sorted(found.items())
+
+
+def run_checkpoints(run_dir: Path, kind: RunKind) -> list[tuple[int, Path]]:
+    """A run's checkpoints as its kind defines them: the engine's complete ``step-<N>`` folders,
+    or a script's own files (:func:`list_script_checkpoints`)."""
+    return list_script_checkpoints(run_dir) if kind == SCRIPT else list_checkpoints(run_dir)
+
+
 def latest_checkpoint(run_dir: Path) -> tuple[int, Path] | None:
     checkpoints = list_checkpoints(run_dir)
     return checkpoints[-1] if checkpoints else None
@@ -208,6 +245,11 @@ def _count(n: int, noun: str) -> str:
 
 
 IsolationLevel = Literal["full", "partial", "none"]
+RunKind = Literal["recipe", "script"]
+RECIPE: RunKind = "recipe"
+SCRIPT: RunKind = "script"
+# A script's arguments become arguments of its command: bounded in number and length.
+MAX_SCRIPT_ARGS, MAX_SCRIPT_ARG_CHARS, MAX_SCRIPT_ARG_NAME_CHARS = 64, 1000, 100
 
 
 class MetricsDestination(BaseModel):
@@ -255,6 +297,21 @@ class RunRecord(BaseModel):
     snapshot: str | None = Field(None, description="The folder of the code that ran (runs/<id>/recipe).")
     snapshot_digest: str | None = Field(
         None, description="sha256 of the snapshot's files as written at launch; a resume of its code checks it."
+    )
+    kind: RunKind = Field(
+        "recipe",
+        description="recipe: an Engine subclass run by the engine; script: the user's own Python script, run as it "
+        "is (its JSON lines on stdout are its metrics).",
+    )
+    script: str | None = Field(
+        None, max_length=MAX_SCRIPT_ARG_CHARS, description="kind script: the file that ran, relative to the snapshot."
+    )
+    script_args: list[Annotated[str, Field(max_length=MAX_SCRIPT_ARG_CHARS)]] = Field(
+        [], max_length=MAX_SCRIPT_ARGS, description="kind script: the arguments it was given."
+    )
+    resume_arg: str | None = Field(
+        None, max_length=MAX_SCRIPT_ARG_NAME_CHARS,
+        description="kind script: the option that takes a checkpoint's path on resume (e.g. --resume); None: no resume.",
     )
     code_from: Literal["recipe", "checkpoint", "head"] = Field(
         "recipe",

@@ -306,7 +306,7 @@ _SERVER_OWNED_BLANK: dict[str, Any] = {
     "isolation_note": None, "network_isolated": None, "network_note": None, "pid": None, "child_pgid": None,
     "engine_pid": None, "target": "local", "slurm_job_id": None, "slurm_script": None, "slurm_state": None,
     "slurm_checked_at": None, "limits": {}, "command": [], "sandbox": None, "workspace": None, "joins": None,
-    "stop_requested": False, "resumed_from": None, "hub_models": [],
+    "stop_requested": False, "resumed_from": None, "hub_models": [], "script_args": [], "resume_arg": None,
 }
 
 

@@ -78,7 +78,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     bar = _DownloadBar()
     try:
         result = runs.launch_run(ws, args.recipe, nproc=args.nproc, overrides=args.overrides, nnodes=args.nnodes,
-                                 rdzv=rdzv or None, target=args.target, slurm=slurm or None, progress=bar)
+                                 rdzv=rdzv or None, target=args.target, slurm=slurm or None, progress=bar,
+                                 args=getattr(args, "script_args", None) or None, resume_arg=args.resume_arg)
     finally:
         bar.close()
     if args.target == "slurm":  # the job runs on the cluster: `status` follows it
@@ -656,8 +657,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("run_id")
     p.add_argument("-o", "--output", help="output file (default: RUN_ID-loss.png)")
 
-    p = add("run", cmd_run, "launch a training run of a recipe folder (launch_run)")
-    p.add_argument("recipe", help="recipe folder (with recipe.py), relative to the workspace")
+    p = add("run", cmd_run, "launch a training run of a recipe folder or of a Python script (launch_run)")
+    p.add_argument("recipe", help="recipe folder (with recipe.py), or a training script (a .py file, or a folder "
+                   "with a train.py), relative to the workspace; a script's own command line follows -- at the "
+                   "end (trainwright run train.py --nproc 2 -- --epochs 3)")
+    p.usage = "%(prog)s RECIPE [options] [-- SCRIPT_ARG ...]"
+    p.add_argument("--resume-arg", metavar="OPTION", help="a script's option that takes a checkpoint path, "
+                   "given with = (--resume-arg=--resume): `trainwright resume` passes the checkpoint with it")
     launch_options(p, 1)
     nodes = p.add_argument_group("several nodes (docs/scaling.md)")
     nodes.add_argument("--nnodes", type=int, default=1, help="nodes of the run; --nproc processes on each (default 1)")
@@ -752,7 +758,9 @@ class RedactedStream:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
+    argv, script_args = split_script_args(sys.argv[1:] if argv is None else list(argv))
     args = parser.parse_args(argv)
+    args.script_args = script_args
     if args.func is cmd_serve:  # serve speaks MCP on stdout: its tools redact what they return
         return _run(args)
     streams = sys.stdout, sys.stderr
@@ -761,6 +769,15 @@ def main(argv: list[str] | None = None) -> int:
         return _run(args)
     finally:
         sys.stdout, sys.stderr = streams
+
+
+def split_script_args(argv: list[str]) -> tuple[list[str], list[str]]:
+    """``trainwright run SCRIPT [OPTIONS] -- ARGS``: the command line before the first ``--``,
+    and the script's own after it (argparse would take the script's options for its own)."""
+    if argv[:1] == ["run"] and "--" in argv:
+        at = argv.index("--")
+        return argv[:at], argv[at + 1:]
+    return argv, []
 
 
 def _run(args: argparse.Namespace) -> int:

@@ -22,8 +22,6 @@ class ResumePoint(BaseModel):
 
 
 class LaunchRunResult(BaseModel):
-    """config_changes: keys off the code defaults."""
-
     run_id: str
     status: RunStatus
     run_dir: str
@@ -65,10 +63,9 @@ class RunList(BaseModel):
 
 
 class RunInfo(BaseModel):
-    """What ran and how it goes."""
-
     run_id: str
     status: RunStatus
+    kind: str = "recipe"  # or script (RunRecord.kind)
     recipe: str
     run_dir: str
     code: str

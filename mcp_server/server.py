@@ -71,6 +71,8 @@ resume → wait.
    recipe's code as one reviewable commit; dry_run=true shows the diff first.
 3. launch_run(recipe, nproc, overrides) returns a run_id at once; wait_run(run_id, until_step)
    returns at that step or when the run ends; get_run and tail_metrics show it; stop_run ends it.
+   launch_run also runs a plain .py script as it is (args: its command line; its JSON lines
+   with a step are its metrics; docs/script-to-recipe.md says what a recipe adds).
 4. resume_checkpoint(run_id, step) continues a run as a new run (list_checkpoints has the steps);
    tail_metrics(follow_resumes=true) shows the history across resumes.
 5. sample, evaluate and export_checkpoint (a Hugging Face folder) look at a checkpoint's model.
@@ -302,28 +304,29 @@ def build_server(workspace: Path | str, read_only: bool = False, settings: Path 
 
     @tool(ADDITIVE)
     async def launch_run(
-        recipe: RecipePath,
-        nproc: Annotated[int, Field(strict=True, description="Processes per node (FSDP2 ranks).")] = 1,
+        recipe: Annotated[str, Field(description="Recipe folder, or a .py script.")],
+        nproc: Annotated[int, Field(strict=True, description="Processes per node (torchrun).")] = 1,
         overrides: Annotated[
             dict[str, Any] | None,
-            Field(description='Config overrides, dotted keys: {"train.max_steps": 100}.'),
+            Field(description='Recipe config: {"train.max_steps": 100}.'),
         ] = None,
         nnodes: Annotated[int, Field(strict=True, description="Nodes.")] = 1,
         rdzv: Annotated[dict[str, Any], Field(description="nnodes>1: endpoint host:port, id, node_rank.")] = {},
         target: Annotated[Literal["local", "slurm"], Field(description="slurm: sbatch job.")] = "local",
         slurm: Annotated[dict[str, Any], Field(description="slurm: partition, time, gpus_per_node.")] = {},
+        args: Annotated[list[str], Field(description="Script's command line.")] = [],
+        resume_arg: Annotated[str, Field(description="Script's option taking a checkpoint path.")] = "",
         ctx: Context | None = None,
     ) -> LaunchRunResult:
-        """Start a run of a snapshot of the recipe; returns its run_id at once, config_changes and
-        the data it trains on (checked first: nothing is written on error). It outlives this
-        server: follow it with wait_run, get_run."""
+        """Run a snapshot of a recipe or script (JSON lines with a step: its metrics); returns
+        the run_id at once (checked first: nothing written on error)."""
         if ctx is not None:
             await ctx.report_progress(0, 2, "checking the recipe and config")
-        args = {"recipe": recipe, "nproc": nproc, "overrides": overrides, "nnodes": nnodes, "rdzv": rdzv,
-                "target": target, "slurm": slurm}
-        result = await tools.call("launch_run", args, lambda: run_ops.launch_run(
+        call_args = {"recipe": recipe, "nproc": nproc, "overrides": overrides, "nnodes": nnodes, "rdzv": rdzv,
+                     "target": target, "slurm": slurm, "args": args, "resume_arg": resume_arg}
+        result = await tools.call("launch_run", call_args, lambda: run_ops.launch_run(
             tools.ws, recipe, nproc, overrides, nnodes=nnodes, rdzv=rdzv, target=target, slurm=slurm,
-            progress=download_progress(ctx)))
+            progress=download_progress(ctx), args=args or None, resume_arg=resume_arg or None))
         if ctx is not None:
             await ctx.report_progress(2, 2, f"started {result.run_id}")
         return result

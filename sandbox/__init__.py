@@ -10,6 +10,8 @@
 - ``processes``    every process of a run, found and ended together
 - ``runs``         check, spawn and stop runs
 - ``supervise``    the per-run supervisor process (``python -m sandbox.supervise RECORD_DIR``)
+- ``scripts``      runs of the user's own training script: command, arguments, metrics lines
+- ``tensorboard_events`` a script's TensorBoard scalars, read as its metrics
 - ``audit``        the audit log of every tool call
 
 Standard library, GitPython and PyYAML only: the MCP server imports this package.

@@ -55,7 +55,8 @@ class CodeOrigin:
 
 
 def recipe_origin(workspace: Path, recipe_dir: Path) -> CodeOrigin:
-    """HEAD and the recipe's uncommitted changes, now."""
+    """HEAD and the recipe's uncommitted changes, now (``recipe_dir``: a recipe or script
+    folder, or a script file run alone)."""
     repo = sandbox_git.open_repo(workspace)
     if repo is None:
         return CodeOrigin(git_commit=None, recipe_dirty=None)
@@ -63,8 +64,11 @@ def recipe_origin(workspace: Path, recipe_dir: Path) -> CodeOrigin:
     dirty = sandbox_git.uncommitted(repo, recipe_dir)
     # The snapshot copies what git ignores too (a .gitignore or .git/info/exclude rule): code and
     # config among those run, and no commit holds them. (Ignored data is not code: not counted.)
-    copied = {(Path(recipe_dir) / f).resolve() for f in snapshot_files(recipe_dir)
-              if f.suffix == ".py" or f.name == "config.yaml"}
+    if Path(recipe_dir).is_file():  # a script run of the file alone
+        copied = {Path(recipe_dir).resolve()}
+    else:
+        copied = {(Path(recipe_dir) / f).resolve() for f in snapshot_files(recipe_dir)
+                  if f.suffix == ".py" or f.name == "config.yaml"}
     root = sandbox_git.worktree(repo)
     dirty += [name for name in sandbox_git.ignored_files(repo, recipe_dir) if (root / name).resolve() in copied]
     patch = sandbox_git.diff_against_head(repo, recipe_dir, dirty) if dirty else ""

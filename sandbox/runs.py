@@ -50,6 +50,7 @@ from sandbox.network import LOOPBACK_ENV
 from sandbox.nodes import Nodes, torchrun_args
 from sandbox.processes import RUN_ID_VARIABLE, apply_limits, descendants, end_processes, marked
 from sandbox.provenance import CodeOrigin, snapshot_digest, snapshot_files, write_snapshot
+from sandbox.scripts import ScriptLaunch, script_command
 
 __all__ = ["LaunchRefused", "RunLimits", "check_capacity", "check_launch", "engine_command", "start_run", "stop_run"]
 
@@ -330,6 +331,7 @@ def start_run(
     joins: Path | None = None,
     target: str = "local",
     models: ModelBinding = ModelBinding(),
+    script: ScriptLaunch | None = None,
 ) -> sr.ServerRecord:
     """Create the run directory with a snapshot of ``code_dir`` and the server's record of the
     run, and spawn its supervisor; return the server's first record.
@@ -349,7 +351,8 @@ def start_run(
     ``node_rank`` > 0: its processes run node 0's snapshot (``code_dir``) and write there.
     ``target="slurm"``: the run directory is made, nothing is started (:mod:`sandbox.slurm`
     writes and submits the job). ``models``: the Hub models the run loads (:mod:`sandbox.hub`),
-    recorded, and shown read-only in its sandbox.
+    recorded, and shown read-only in its sandbox. ``script``: a run of the user's own script
+    (:mod:`sandbox.scripts`) in ``code_dir``, not of a recipe: no verdict, its own command.
     """
     threads = threads or threads_per_process(nproc, limits.threads_per_process)
     if nodes.multi and target == "local":
@@ -387,7 +390,15 @@ def start_run(
         warnings=warnings,
         hub_models=list(models.models),
     )
-    files = snapshot_files(code_dir) if joins is None else []  # refused before any write when it cannot be held
+    if script is not None:
+        record = record.model_copy(update=dict(kind=rd.SCRIPT, script=script.script, script_args=script.args,
+                                               resume_arg=script.resume_arg))
+    if joins is not None:
+        files = []
+    elif script is not None and script.alone:
+        files = [Path(script.script)]
+    else:
+        files = snapshot_files(code_dir)  # refused before any write when it cannot be held
     if joins is None and code_from != "checkpoint" and Path(rd.UNCOMMITTED_PATCH) in files:
         # Only a snapshot's own record of uncommitted changes may have that name: a recipe's file
         # would read as a diff the run never had.
@@ -427,7 +438,8 @@ def start_run(
         # run.json: the run.json it came from may have changed since the check read it.
         command=engine_command(snapshot, engine_dir, nproc, override_args(overrides), resume_path,
                                run_dir / rd.RUN_JSON if recorded_config else None,
-                               nodes=nodes, rdzv_id=rdzv_id),
+                               nodes=nodes, rdzv_id=rdzv_id) if script is None
+        else script_command(snapshot / script.script, script.args, nproc, nodes, rdzv_id),
         rdzv_id=rdzv_id if nodes.multi else None,
         sandbox=rd.SandboxView(
             bwrap=bwrap.find_bwrap(), read_only=[str(p) for p in visible],
@@ -441,6 +453,10 @@ def start_run(
         return sr.read_record(folder)
     extra = {THREADS_VARIABLE: str(threads), RUN_ID_VARIABLE: run_id, WORKSPACE_VARIABLE: str(workspace),
              "PYTHONDONTWRITEBYTECODE": "1", **models.env()}
+    if script is not None:
+        # The script imports its own modules from its snapshot (PYTHONSAFEPATH keeps the folder
+        # of the script off sys.path, as for a recipe), then what the environment has.
+        extra["PYTHONPATH"] = os.pathsep.join(p for p in (str(snapshot), os.environ.get("PYTHONPATH", "")) if p)
     if not nodes.multi or nodes.local_endpoint:
         # Every process of the run is on this machine: the collectives stay on loopback (also
         # with a shared network, where the host's name need not resolve).

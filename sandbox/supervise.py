@@ -26,6 +26,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -37,6 +38,10 @@ from sandbox.network import LOOPBACK_ENV, isolate_network
 from sandbox.processes import apply_limits, become_subreaper, children, descendants, end_processes, marked
 from sandbox.provenance import code_description
 from sandbox.runs import group_alive, kill_group
+from sandbox.scripts import EventScalars, ScriptMetrics, copy_output, open_metrics_for_append
+
+
+EVENT_FILES_EVERY_S = 2.0  # how often a script's TensorBoard event files are read
 
 
 class Supervisor:
@@ -50,6 +55,8 @@ class Supervisor:
         self.stop_reason: str | None = None
         self.child: subprocess.Popen | None = None
         self.sandboxed = False
+        self.output_reader: threading.Thread | None = None
+        self.event_scalars: EventScalars | None = None  # a script's TensorBoard scalars
 
     def terminate(self) -> None:
         """SIGTERM to the engine's process group.
@@ -89,7 +96,7 @@ class Supervisor:
             shared_because = (f"a run over {self.record.nnodes} nodes uses the host's network for its rendezvous "
                               f"({self.record.rdzv_endpoint}) and collectives")
         wrapped = bwrap.wrap(
-            self.record.command, view.read_only, view.writable, network=network, cwd=workspace,
+            self.record.command, view.read_only, view.writable, network=network, cwd=self.working_dir(),
             # Recorded by the server (None: the sandbox is disabled there); the run's own
             # environment does not choose it.
             bwrap=view.bwrap or "", hidden=view.hidden, network_reason=shared_because,
@@ -126,13 +133,17 @@ class Supervisor:
                 raise FileNotFoundError(errno.ENOENT, "no such executable", program)
             self.child = subprocess.Popen(
                 command,
-                cwd=self.record.workspace or None,
+                cwd=self.working_dir(),
                 stdin=subprocess.DEVNULL,
-                stdout=sys.stdout,
+                # A script's output is read here (its JSON lines are its metrics); the engine
+                # writes its own metrics.
+                stdout=subprocess.PIPE if self.script_run else sys.stdout,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
                 preexec_fn=lambda: apply_limits(limits),
             )
+            if self.script_run:
+                self.start_reading_output()
         except (OSError, subprocess.SubprocessError) as e:
             self.record_fields(pid=os.getpid(), **containment, status=rd.FAILED,
                                error=f"the engine could not be started: {e}", ended_at=rd.utc_now())
@@ -148,6 +159,7 @@ class Supervisor:
         grace = float(limits.get("stop_grace_s") or 10.0)
         started = time.monotonic()
         term_sent_at: float | None = None
+        events_read_at = started
         while True:
             try:
                 code = self.child.wait(timeout=0.5)
@@ -155,6 +167,9 @@ class Supervisor:
             except subprocess.TimeoutExpired:
                 pass
             now = time.monotonic()
+            if self.event_scalars is not None and now - events_read_at > EVENT_FILES_EVERY_S:
+                self.event_scalars.poll()
+                events_read_at = now
             if wall and now - started > float(wall) and self.stop_reason is None:
                 print(f"[trainwright] wall-time limit of {wall} s reached: stopping the run", flush=True)
                 self.request_stop(f"wall-time limit of {wall} s reached")
@@ -164,7 +179,35 @@ class Supervisor:
                     kill_group(self.child.pid, signal.SIGKILL)
                     end_processes(self.leftovers(), grace_s=0)
         self.end_leftovers(grace)
+        if self.output_reader is not None:
+            self.output_reader.join(timeout=10)  # every writer of the pipe is gone by now
+        if self.event_scalars is not None:
+            self.event_scalars.poll(final=True)
         return self.finish(code)
+
+    @property
+    def script_run(self) -> bool:
+        return self.record.kind == rd.SCRIPT
+
+    def working_dir(self) -> str | None:
+        """A script runs in its run directory (it may write there; the workspace is read-only),
+        the engine in the workspace."""
+        return str(self.run_dir) if self.script_run else self.record.workspace or None
+
+    def start_reading_output(self) -> None:
+        """A thread that copies the script's output to the console and its metrics lines to
+        metrics.jsonl (:mod:`sandbox.scripts`: bounded, numbers only)."""
+        assert self.child is not None and self.child.stdout is not None
+        metrics_file = open_metrics_for_append(self.run_dir / rd.METRICS_JSONL)
+        if metrics_file is None:
+            print(f"[trainwright] {rd.METRICS_JSONL} in the run directory is not a regular file: the script's "
+                  "metrics are not recorded", flush=True)
+        metrics = ScriptMetrics(metrics_file) if metrics_file is not None else None
+        if metrics is not None:
+            self.event_scalars = EventScalars(self.run_dir, metrics)
+        self.output_reader = threading.Thread(
+            target=copy_output, args=(self.child.stdout, sys.stdout.buffer, metrics), daemon=True)
+        self.output_reader.start()
 
     def record_fields(self, **fields) -> sr.ServerRecord:
         """Record ``fields`` in the server's record (what decisions read), then copy them into
@@ -246,7 +289,7 @@ def run_note(record: rd.RunRecord, latest: dict | None, speed: rd.RunSpeed | Non
             parts.append(f"loss {loss[:20]} (not finite)")
     if speed is not None and speed.describe():
         parts.append(speed.describe())
-    parts.append(f"recipe {record.recipe}, {record.world_size or record.nproc} process(es)")
+    parts.append(f"{record.kind} {record.recipe}, {record.world_size or record.nproc} process(es)")
     parts.append(code_description(record))
     for model in record.hub_models[:4]:
         parts.append(f"model {model.repo_id}@{model.commit[:12]}")
@@ -280,7 +323,7 @@ def _describe_exit(code: int) -> str:
             return f"killed by {signal.Signals(-code).name}"
         except ValueError:
             return f"killed by signal {-code}"
-    return f"the engine exited with status {code}; see console.log"
+    return f"the run's main process exited with status {code}; see console.log"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -30,9 +30,11 @@ from typing import Iterator
 
 from engine import run_dir as rd
 from engine import server_record as sr
-from engine.errors import NotFound
+from engine.errors import BadInput, NotFound
 from sandbox.config import RunLimits, effective_limits
 from sandbox.paths import PathRefused, check_name, confine, refuse_reserved
+from sandbox.provenance import MAX_SNAPSHOT_FILE_BYTES
+from sandbox.scripts import SCRIPT_NAME, neither_recipe_nor_script
 
 RECIPES_DIRNAME = "recipes"
 STATE_DIRNAME = ".trainwright"
@@ -79,6 +81,17 @@ def open_state_file(dir_fd: int, name: str, flags: int, mode: int = 0o600) -> in
         os.close(fd)
         raise PathRefused(f".trainwright/{name} is not a regular file; remove it")
     return fd
+
+
+@dataclass(frozen=True)
+class RunSource:
+    """Where a run's code comes from: ``code_dir`` (a recipe folder; for a script, its folder),
+    and for a script its file name there (``script``) and whether the file alone is the code
+    (``alone``: a ``.py`` file was given) or the folder is (its ``train.py``)."""
+
+    code_dir: Path
+    script: str | None = None
+    alone: bool = False
 
 
 @dataclass(frozen=True)
@@ -181,6 +194,31 @@ class Workspace:
         if not path.is_dir():
             raise NotFound(f"recipe {self.label(path)!r} is not a recipe folder (a folder with a recipe.py)")
         return path
+
+    def run_source(self, value: object) -> RunSource:
+        """What ``launch_run`` starts from: a recipe folder, or a training script (a ``.py``
+        file, or a folder with a ``train.py`` and no ``recipe.py``), inside the workspace and not
+        reached through a link."""
+        path = self._confine_recipe(value)
+        label = self.label(path)
+        if path.is_dir():
+            if (path / "recipe.py").is_file():
+                return RunSource(path)
+            if not (path / SCRIPT_NAME).is_file():
+                raise NotFound(neither_recipe_nor_script(label))
+            script = path / SCRIPT_NAME
+            alone = False
+        elif path.suffix == ".py" and path.is_file():
+            script, alone = path, True
+        else:
+            raise BadInput(f"{label!r} is not a Python script (.py) nor a folder; " + neither_recipe_nor_script(label))
+        given = Path(os.path.normpath(self.root / str(value)))
+        if os.path.islink(script) or (alone and given != path):
+            raise BadInput(f"the script {str(value)!r} is a link or reached through one; give the script's real "
+                           f"path ({label!r}): a run's snapshot copies files, not links")
+        if script.stat().st_size > MAX_SNAPSHOT_FILE_BYTES:
+            raise BadInput(f"the script {label!r} is larger than {MAX_SNAPSHOT_FILE_BYTES // 2**20} MiB; keep data outside it")
+        return RunSource(path.parent if alone else path, script.name, alone)
 
     def recipe_or_script(self, value: object) -> Path:
         """A recipe folder, or a single Python training script, inside the workspace."""

@@ -28,6 +28,7 @@ from sandbox.model_process import ModelProcessFailed, run_model_io
 from sandbox.paths import RESERVED_DIRS, PathRefused, confine, refuse_reserved
 from sandbox.provenance import check_snapshot_unchanged
 from sandbox.redact import redact
+from sandbox.scripts import DOCS_PAGE
 from sandbox.workspace import RECIPES_DIRNAME, Workspace
 
 EXPORT_TIMEOUT_S = 1800
@@ -58,6 +59,10 @@ def checkpoint_of(ws: Workspace, run_id: str, step: int | None) -> tuple[Path, i
     if not record.started_by_server:
         raise BadInput(f"run {run_id} was not started by this server, so nothing says its code snapshot is the code "
                        "that trained its checkpoints")
+    if record.kind == rd.SCRIPT:
+        raise BadInput(f"run {run_id} ran a script, whose checkpoints are in its own format: export_checkpoint, "
+                       f"sample and evaluate rebuild a recipe's Engine and read the engine's checkpoints; "
+                       f"{DOCS_PAGE} says how to make the script a recipe")
     checkpoints = rd.list_checkpoints(run_dir)
     if not checkpoints:
         raise NotFound(f"run {run_id} has no complete checkpoint yet; list_checkpoints shows them as they come")

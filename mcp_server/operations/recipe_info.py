@@ -28,6 +28,7 @@ from sandbox import git as sandbox_git
 from sandbox.paths import RESERVED_DIRS
 from sandbox import hub
 from sandbox.runs import check_launch
+from sandbox.scripts import DOCS_PAGE
 from sandbox.workspace import Workspace
 
 MAX_DESCRIBE_BYTES = 7_800  # the result as an agent reads it: under 8 KB
@@ -68,6 +69,7 @@ def describe_recipe(ws: Workspace, recipe: str) -> RecipeDescription:
     except NotFound:
         source = _template(recipe)
         if source is None:
+            _refuse_a_script(ws, recipe)
             raise
         verdict = check_launch(ws.root, source, 1, [], limits=ws.run_limits())
         return _fit(RecipeDescription(recipe=f"template {recipe}", template=recipe, skills=[],
@@ -85,6 +87,18 @@ def describe_recipe(ws: Workspace, recipe: str) -> RecipeDescription:
         cut=len(skills) > MAX_SKILLS_SHOWN,
     )
     return _fit(described)
+
+
+def _refuse_a_script(ws: Workspace, recipe: str) -> None:
+    """A training script has no config keys to describe: say so, and what runs it."""
+    try:
+        source = ws.run_source(recipe)
+    except (BadInput, NotFound):
+        return
+    if source.script is not None:
+        raise BadInput(f"{recipe!r} is a training script, not a recipe: it has no config keys to describe. "
+                       f"launch_run runs it as it is (args: its command line); {DOCS_PAGE} says what a recipe "
+                       "adds (bit-exact resume, FSDP2 by the engine, export, sample, evaluate)")
 
 
 def _template(name: str) -> Path | None:

@@ -36,12 +36,13 @@ from mcp_server.models import (
 from mcp_server.operations import history
 from sandbox import hub
 from sandbox import runs as sandbox_runs
+from sandbox import scripts
 from sandbox import slurm as slurm_jobs
 from sandbox.environment import run_environment
 from sandbox.nodes import Nodes, check_allowed, check_nodes
 from sandbox.paths import confine_config
 from sandbox.provenance import CodeOrigin, check_snapshot_unchanged, code_description, recipe_origin, snapshot_digest
-from sandbox.workspace import Workspace
+from sandbox.workspace import RunSource, Workspace
 
 MAX_NPROC = max(8, os.cpu_count() or 1)
 MAX_TAIL_RECORDS = 200
@@ -114,9 +115,13 @@ def launch_run(
     target: str = "local",
     slurm: dict[str, Any] | None = None,
     progress: hub.Progress | None = None,
+    args: list[str] | None = None,
+    resume_arg: str | None = None,
 ) -> LaunchRunResult:
     """Check, then start a run of a snapshot of the recipe as it is now (uncommitted changes
-    included, and said so); ``limits`` default to the workspace's settings.
+    included, and said so); ``limits`` default to the workspace's settings. ``recipe`` may also
+    name the user's own training script (:func:`launch_script`), which takes ``args`` and
+    ``resume_arg``.
 
     ``nnodes`` > 1 starts this machine's node of a run over several, meeting at ``rdzv``
     (``endpoint``, ``id``, ``node_rank``; :mod:`sandbox.nodes`); ``target="slurm"`` makes the
@@ -125,6 +130,17 @@ def launch_run(
     first (:mod:`sandbox.hub`), with ``progress`` called on the way."""
     if target not in TARGETS:
         raise BadInput(f"target must be one of {', '.join(TARGETS)}, got {target!r}")
+    source = ws.run_source(recipe)
+    if source.script is not None:
+        if overrides:
+            raise BadInput("overrides set a recipe's config keys; a script takes its command line as args")
+        if nnodes != 1 or rdzv or target != "local" or slurm:
+            raise BadInput("a script runs on this machine (nproc processes under torchrun); nnodes, rdzv and "
+                           f"target slurm are for recipes ({scripts.DOCS_PAGE})")
+        return launch_script(ws, source, nproc, args, resume_arg, limits)
+    if args is not None or resume_arg is not None:
+        raise BadInput(f"args and resume_arg are for a training script; {ws.label(source.code_dir)!r} is a recipe, "
+                       "whose config is set by overrides")
     if target == "slurm":
         options = slurm_jobs.check_options(slurm)
         rdzv = dict(rdzv or {})
@@ -172,6 +188,26 @@ def launch_run(
         ws.root, ws.real_dir(ws.runs_dir), recipe_dir, label, nproc, flat, verdict,
         origin=origin, limits=limits, warnings=warnings, expected_digest=checked,
         nodes=nodes, joins=joins, recorded_config=first is not None, models=models,
+    )
+    return _launch_result(ws, record)
+
+
+def launch_script(
+    ws: Workspace, source: RunSource, nproc: int, args: object, resume_arg: object,
+    limits: sandbox_runs.RunLimits | None = None,
+) -> LaunchRunResult:
+    """Start a run of the user's own script (:mod:`sandbox.scripts`) from a snapshot of it as
+    it is now, in the sandbox and with the limits of every run; nothing imports it first."""
+    assert source.script is not None
+    nproc = _check_nproc(nproc)
+    launch = scripts.ScriptLaunch(source.script, scripts.check_args(args), scripts.check_resume_arg(resume_arg),
+                                  source.alone)
+    limits, warnings = ws.run_limits_and_warnings() if limits is None else (limits, [])
+    sandbox_runs.check_capacity(sr.records_root(ws.root), nproc, limits)
+    code = source.code_dir / source.script if source.alone else source.code_dir
+    record = sandbox_runs.start_run(
+        ws.root, ws.real_dir(ws.runs_dir), source.code_dir, ws.label(code), nproc, {}, {},
+        origin=recipe_origin(ws.root, code), limits=limits, warnings=warnings, script=launch,
     )
     return _launch_result(ws, record)
 
@@ -280,21 +316,9 @@ def resume_checkpoint(
     if code not in CODE_CHOICES:
         raise BadInput(f"code must be one of {', '.join(CODE_CHOICES)}, got {code!r}")
     source_dir, source = run_view(ws, run_id)
-    checkpoints = rd.list_checkpoints(source_dir)
-    if not checkpoints:
-        raise NotFound(f"run {run_id} has no complete checkpoint to resume from")
-    if step is None:
-        chosen_step, checkpoint = checkpoints[-1]
-    else:
-        if isinstance(step, bool) or not isinstance(step, int):
-            raise BadInput(f"step must be an integer, got {step!r}")
-        by_step = dict(checkpoints)
-        if step not in by_step:
-            raise NotFound(
-                f"run {run_id} has no complete checkpoint at step {step}; "
-                f"available steps: {', '.join(str(s) for s, _ in checkpoints)}"
-            )
-        chosen_step, checkpoint = step, by_step[step]
+    if source.kind == rd.SCRIPT:
+        return _resume_script(ws, source_dir, source, step, nproc, overrides, limits, code)
+    chosen_step, checkpoint = _chosen_checkpoint(source_dir, source, step)
     if not source.config:
         raise NotFound(f"run {run_id} recorded no config, so it cannot be resumed")
     if code == "checkpoint":
@@ -336,6 +360,65 @@ def resume_checkpoint(
         threads=source.threads_per_process if same_shape else None,
         expected_digest=checked,
         models=models,
+    )
+    return _launch_result(ws, record)
+
+
+def _chosen_checkpoint(run_dir: Path, source: rd.RunRecord, step: object) -> tuple[int, Path]:
+    """The checkpoint of the run at ``step`` (None: the latest), as its kind defines them."""
+    checkpoints = rd.run_checkpoints(run_dir, source.kind)
+    if not checkpoints:
+        raise NotFound(f"run {source.id} has no complete checkpoint to resume from")
+    if step is None:
+        return checkpoints[-1]
+    if isinstance(step, bool) or not isinstance(step, int):
+        raise BadInput(f"step must be an integer, got {step!r}")
+    by_step = dict(checkpoints)
+    if step not in by_step:
+        raise NotFound(
+            f"run {source.id} has no complete checkpoint at step {step}; "
+            f"available steps: {', '.join(str(s) for s, _ in checkpoints)}"
+        )
+    return step, by_step[step]
+
+
+def _resume_script(
+    ws: Workspace, source_dir: Path, source: sr.ServerRecord, step: object, nproc: int | None,
+    overrides: Overrides, limits: sandbox_runs.RunLimits | None, code: str,
+) -> LaunchRunResult:
+    """A new run of a script run's script with the checkpoint's path after its ``resume_arg``
+    (the script reads its own checkpoint; how well it continues is the script's doing)."""
+    if not source.started_by_server:
+        raise BadInput(f"run {source.id} was not started by this server, so nothing but its own files says how to "
+                       "run its script; launch the script again (launch_run) with resume_arg")
+    if overrides:
+        raise BadInput("overrides set a recipe's config keys; a script run is resumed with the args it was launched with")
+    scripts.check_resumable(source)  # refused, saying how, without a resume_arg
+    chosen_step, checkpoint = _chosen_checkpoint(source_dir, source, step)
+    args = scripts.resume_args(source, checkpoint)
+    if code == "checkpoint":
+        code_dir = source_dir / rd.SNAPSHOT_DIRNAME
+        if not source.script or not (code_dir / source.script).is_file():
+            raise BadInput(f"run {source.id} kept no snapshot of its script; resume it with code='head'")
+        check_snapshot_unchanged(source, code_dir)
+        launch_from = RunSource(code_dir, source.script)
+        origin = CodeOrigin(source.git_commit, source.recipe_dirty, source.dirty_files)
+    else:
+        launch_from = ws.run_source(source.recipe)
+        if launch_from.script is None:
+            raise BadInput(f"{source.recipe!r} is a recipe now, not the script run {source.id} ran; launch it anew")
+        origin = recipe_origin(ws.root, launch_from.code_dir / launch_from.script if launch_from.alone
+                               else launch_from.code_dir)
+    nproc = _check_nproc(source.nproc if nproc is None else nproc)
+    limits, warnings = ws.run_limits_and_warnings() if limits is None else (limits, [])
+    sandbox_runs.check_capacity(sr.records_root(ws.root), nproc, limits)
+    assert launch_from.script is not None
+    record = sandbox_runs.start_run(
+        ws.root, ws.real_dir(ws.runs_dir), launch_from.code_dir, source.recipe, nproc, {}, {},
+        origin=origin, code_from=code,
+        resumed_from=rd.ResumedFrom(run_id=source.id, step=chosen_step, path=str(checkpoint)),
+        limits=limits, warnings=warnings,
+        script=scripts.ScriptLaunch(launch_from.script, args, source.resume_arg, launch_from.alone),
     )
     return _launch_result(ws, record)
 
@@ -404,6 +487,7 @@ def get_run(ws: Workspace, run_id: str) -> RunInfo:
         hub_models=_hub_shown(record),
         run_id=record.id,
         status=status,
+        kind=record.kind,
         recipe=record.recipe,
         run_dir=ws.label(run_dir),
         code=code_description(record),
@@ -428,7 +512,7 @@ def get_run(ws: Workspace, run_id: str) -> RunInfo:
         speed=_speed_text(rd.read_run_speed(run_dir, record)),
         checkpoints=[
             CheckpointInfo(step=s, path=ws.label(p))
-            for s, p in rd.list_checkpoints(run_dir)[-MAX_RUN_INFO_CHECKPOINTS:]
+            for s, p in rd.run_checkpoints(run_dir, record.kind)[-MAX_RUN_INFO_CHECKPOINTS:]
         ],
         metrics_destinations=[_destination(ws, d) for d in record.metrics_destinations[:MAX_DESTINATIONS]],
         console_tail=console_tail,
@@ -607,8 +691,8 @@ def stop_run(ws: Workspace, run_id: str) -> StopRunResult:
 
 
 def list_checkpoints(ws: Workspace, run_id: str) -> CheckpointList:
-    run_dir = ws.run_dir(run_id)
-    checkpoints = rd.list_checkpoints(run_dir)
+    run_dir, record = run_view(ws, run_id)
+    checkpoints = rd.run_checkpoints(run_dir, record.kind)
     return CheckpointList(
         run_id=run_id,
         checkpoints=[CheckpointInfo(step=s, path=ws.label(p)) for s, p in checkpoints[-MAX_LISTED_CHECKPOINTS:]],

@@ -14,6 +14,7 @@ from mcp_server.limits import (
 from mcp_server.models import ApplySkillResult, SkillDetail, SkillList, SkillSummary
 from sandbox import git as sandbox_git
 from sandbox.paths import check_name
+from sandbox.scripts import DOCS_PAGE
 from sandbox.workspace import Workspace
 
 APPLY_TOOL = "apply_skill"
@@ -152,6 +153,8 @@ def _apply(ws: Workspace, info, recipe_path: Path, params, dry_run: bool, commit
     except BaseException:
         write_atomically(target, original.decode("utf-8"))  # the file as it was
         raise
+    if recipe_path.is_file():  # the user's own script: say what runs it
+        result.message += f"; launch_run(recipe={ws.label(recipe_path)!r}) runs the script as it is ({DOCS_PAGE})"
     return _result(ws, info, result, dry_run, sha=sha)
 
 

@@ -1,0 +1,160 @@
+"""A script run's TensorBoard event files, read as metrics by its supervisor.
+
+A script that logs with ``SummaryWriter.add_scalar`` (or any writer of TensorBoard's format)
+writes ``*tfevents*`` files somewhere under its working directory, its run directory. The
+supervisor reads their scalars as they come and records them like the script's JSON lines
+(:class:`sandbox.scripts.ScriptMetrics`): one record per step, each tag a key (``loss/train``
+becomes ``loss_train``).
+
+The files are the run's, so they are untrusted input read outside the sandbox: found without
+following links, at most ``MAX_EVENT_FILES`` of them, no record over ``MAX_EVENT_RECORD_BYTES``,
+at most ``MAX_READ_BYTES`` read per look, and parsed here by a few lines of protobuf decoding
+of the only fields used (an event's step, its summary values' tag and ``simple_value``), with
+no protobuf library: anything else in a record is skipped, a malformed record ends that file.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import stat
+import struct
+from pathlib import Path
+from typing import Iterator
+
+MAX_EVENT_FILES = 16
+MAX_SEARCH_DEPTH = 4
+MAX_EVENT_RECORD_BYTES = 1 << 20
+MAX_READ_BYTES = 4 << 20
+_EVENT_FILE = re.compile(r"tfevents")
+_TAG_CHARACTERS = re.compile(r"[^A-Za-z0-9_]+")
+_NO_FOLLOW = os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+
+
+class Malformed(ValueError):
+    """Bytes that are not the protobuf they should be."""
+
+
+def _varint(data: bytes, at: int) -> tuple[int, int]:
+    value, shift = 0, 0
+    while True:
+        if at >= len(data) or shift > 63:
+            raise Malformed("a varint runs past its message")
+        byte = data[at]
+        at += 1
+        value |= (byte & 0x7F) << shift
+        shift += 7
+        if not byte & 0x80:
+            return value, at
+
+
+def _fields(message: bytes) -> Iterator[tuple[int, int, int | bytes]]:
+    """(field number, wire type, value) of each field of a protobuf message."""
+    at = 0
+    while at < len(message):
+        key, at = _varint(message, at)
+        number, wire = key >> 3, key & 7
+        if wire == 0:
+            value, at = _varint(message, at)
+            yield number, wire, value
+        elif wire == 1:
+            if at + 8 > len(message):
+                raise Malformed("a 64-bit field runs past its message")
+            yield number, wire, message[at:at + 8]
+            at += 8
+        elif wire == 2:
+            length, at = _varint(message, at)
+            if at + length > len(message):
+                raise Malformed("a field runs past its message")
+            yield number, wire, message[at:at + length]
+            at += length
+        elif wire == 5:
+            if at + 4 > len(message):
+                raise Malformed("a 32-bit field runs past its message")
+            yield number, wire, message[at:at + 4]
+            at += 4
+        else:
+            raise Malformed(f"wire type {wire} is not used by event files")
+
+
+def event_scalars(event: bytes) -> tuple[int, dict[str, float]] | None:
+    """The step of a TensorBoard ``Event`` and its scalar values by tag (``Event.step`` is field
+    2, ``Event.summary`` field 5; ``Summary.value`` field 1; ``Value.tag`` 1, ``simple_value`` 2),
+    or None when it has none."""
+    step, values = 0, {}
+    for number, wire, value in _fields(event):
+        if number == 2 and wire == 0 and isinstance(value, int):
+            step = value - (1 << 64) if value >= 1 << 63 else value
+        elif number == 5 and wire == 2 and isinstance(value, bytes):
+            for inner, inner_wire, summary_value in _fields(value):
+                if inner == 1 and inner_wire == 2 and isinstance(summary_value, bytes):
+                    tag, scalar = None, None
+                    for field, field_wire, item in _fields(summary_value):
+                        if field == 1 and field_wire == 2 and isinstance(item, bytes):
+                            tag = item.decode("utf-8", errors="replace")
+                        elif field == 2 and field_wire == 5 and isinstance(item, bytes):
+                            scalar = struct.unpack("<f", item)[0]
+                    if tag is not None and scalar is not None:
+                        values[_TAG_CHARACTERS.sub("_", tag).strip("_")[:64] or "value"] = scalar
+    return (step, values) if values else None
+
+
+class EventFiles:
+    """The event files under a run directory, read from where the last look stopped."""
+
+    def __init__(self, run_dir: Path):
+        self.run_dir = Path(run_dir)
+        self.offsets: dict[Path, int] = {}
+        self.ended: set[Path] = set()
+
+    def _find(self) -> list[Path]:
+        found: list[Path] = []
+        for folder, dirs, files in os.walk(self.run_dir):  # os.walk does not follow links to folders
+            depth = len(Path(folder).relative_to(self.run_dir).parts)
+            dirs[:] = sorted(d for d in dirs if depth < MAX_SEARCH_DEPTH and not d.startswith("."))
+            found += [Path(folder) / name for name in sorted(files) if _EVENT_FILE.search(name)]
+            if len(found) >= MAX_EVENT_FILES:
+                break
+        return found[:MAX_EVENT_FILES]
+
+    def new_scalars(self) -> list[tuple[int, dict[str, float]]]:
+        """The scalar events written since the last call, file by file, oldest first."""
+        events: list[tuple[int, dict[str, float]]] = []
+        budget = MAX_READ_BYTES
+        for path in self._find():
+            if path in self.ended or budget <= 0:
+                continue
+            data = self._read(path, budget)
+            budget -= len(data)
+            used = 0
+            while used + 12 <= len(data):
+                (length,) = struct.unpack("<Q", data[used:used + 8])
+                if length > MAX_EVENT_RECORD_BYTES:
+                    self.ended.add(path)
+                    break
+                end = used + 12 + length + 4
+                if end > len(data):
+                    break  # a record still being written: read again next time
+                try:
+                    scalars = event_scalars(data[used + 12:used + 12 + length])
+                except Malformed:
+                    self.ended.add(path)
+                    break
+                if scalars is not None:
+                    events.append(scalars)
+                used = end
+            self.offsets[path] = self.offsets.get(path, 0) + used
+        return events
+
+    def _read(self, path: Path, limit: int) -> bytes:
+        try:
+            fd = os.open(path, os.O_RDONLY | _NO_FOLLOW)
+        except OSError:
+            return b""
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                return b""
+            os.lseek(fd, self.offsets.get(path, 0), os.SEEK_SET)
+            return os.read(fd, min(limit, MAX_EVENT_RECORD_BYTES + 16))
+        finally:
+            os.close(fd)
