@@ -101,7 +101,7 @@ def test_a_server_in_a_container_knows_its_own_processes():
     0 for every process: a live process there is still a process, and still signalled."""
     probe = ("import os, signal; from engine import server_record as sr; me = sr.identify(os.getpid()); "
              "print('PROBE', me is not None and me.session == 0 and me.alive() and me.send_signal(0))")
-    done = subprocess.run(["unshare", "--pid", "--fork", "--mount-proc", "sh", "-c", f'"$0" -c "$1"',
+    done = subprocess.run(["unshare", "--pid", "--fork", "--mount-proc", "sh", "-c", '"$0" -c "$1"',
                            sys.executable, probe], cwd=REPO, capture_output=True, text=True, timeout=60)
     if done.returncode != 0 and "PROBE" not in done.stdout:
         pytest.skip(f"no PID namespace here: {done.stderr.strip()[-200:]}")
