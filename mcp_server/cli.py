@@ -307,6 +307,25 @@ def cmd_wait(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_compare(args: argparse.Namespace) -> int:
+    from mcp_server.operations import compare
+
+    result = compare.compare_runs(_workspace(args), args.run_a, args.run_b)
+    _emit(args, result, _compare_text)
+    return EXIT_OK
+
+
+def _compare_text(r) -> str:
+    lines = [f"b {r.run_b} against a {r.run_a}"]
+    lines += [f"  differs  {d}" for d in r.differences] or ["  differs  nothing in config or code"]
+    for m in r.metrics:
+        numbers = f" {m.a:,.6g} → {m.b:,.6g}" if m.a is not None and m.b is not None else ""
+        ratio = f" (×{m.ratio:.3g})" if m.ratio is not None else ""
+        lines.append(f"  {m.metric:<12} {m.verdict:<13}{numbers}{ratio}: {m.evidence}")
+    lines += [f"  left out {why}" for why in r.left_out]
+    return "\n".join(lines)
+
+
 def cmd_stop(args: argparse.Namespace) -> int:
     from mcp_server.operations import runs
 
@@ -700,6 +719,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--until-step", type=int, metavar="N", help="return once step N is logged (default: the end)")
     p.add_argument("--timeout", type=float, metavar="S",
                    help="give up after S seconds (default 60, at most 600)")
+
+    p = add("compare", cmd_compare, "b against a: config and code differences, then a verdict per metric "
+            "(loss at equal tokens, tokens/s, step time, peak memory) at the noise of their windows (compare_runs)")
+    p.add_argument("run_a")
+    p.add_argument("run_b")
 
     p = add("stop", cmd_stop, "stop a run and all its processes (stop_run)")
     p.add_argument("run_id")

@@ -43,8 +43,8 @@ class CheckpointInfo(BaseModel):
 
 class CheckpointList(BaseModel):
     run_id: str
-    checkpoints: list[CheckpointInfo] = Field(description="Oldest first (the newest 100 at most).")
-    truncated: bool = Field(False, description="True when older checkpoints were left out.")
+    checkpoints: list[CheckpointInfo] = Field(description="Oldest first (the newest 100).")
+    truncated: bool = Field(False, description="Older ones left out.")
 
 
 class RunSummary(BaseModel):
@@ -61,7 +61,7 @@ class RunSummary(BaseModel):
 
 class RunList(BaseModel):
     runs: list[RunSummary]
-    truncated: bool = Field(False, description="True when older runs were left out.")
+    truncated: bool = Field(False, description="Older ones left out.")
 
 
 class RunInfo(BaseModel):
@@ -118,8 +118,8 @@ class MetricsTail(BaseModel):
     run_id: str
     status: str
     records: list[dict[str, Any]]
-    truncated: bool = Field(description="More records matched than were returned.")
-    resumes: list[ResumePoint] = Field([], description="With follow_resumes: where each run took over.")
+    truncated: bool = Field(description="More matched than returned.")
+    resumes: list[ResumePoint] = Field([], description="Where each run took over.")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -149,7 +149,7 @@ class ApplySkillResult(BaseModel):
     version: str
     recipe: str = Field(description="The file changed.")
     changed: bool
-    already_applied: bool = Field(description="The pattern was already there: nothing done.")
+    already_applied: bool = Field(description="Nothing to do.")
     dry_run: bool
     params: dict[str, Any] = Field(description="With defaults.")
     diff: str = Field(description="Unified diff (git apply).")
@@ -158,7 +158,7 @@ class ApplySkillResult(BaseModel):
     message: str = ""
     acts_on: str = Field(
         "",
-        description="What it acts on (e.g. 'wraps 4 blocks of `model.layers`').",
+        description="e.g. 'wraps 4 blocks of `model.layers`'.",
     )
 
 
@@ -224,7 +224,7 @@ class ConfigField(BaseModel):
     key: str
     type: str
     default: Any = None
-    value: Any = Field(None, description="Code default ← config.yaml; absent: the default.")
+    value: Any = Field(None, description="From config.yaml; absent: the default.")
     description: str = ""
 
     @model_serializer(mode="wrap")
@@ -249,7 +249,7 @@ class RecipeDescription(BaseModel):
     last_commit: str | None = None
     skills: list[RecipeSkill] = Field(description="Applied, oldest first.")
     fields: list[ConfigField]
-    cut: bool = Field(False, description="Descriptions or fields were cut to fit.")
+    cut: bool = Field(False, description="Cut to fit.")
     hub_models: list[str] = []  # org/name@<commit>
 
 
@@ -306,12 +306,12 @@ class Sample(BaseModel):
 class SampleResult(BaseModel):
     run_id: str
     step: int
-    chat: bool = Field(description="Prompts were user turns of the chat template.")
+    chat: bool = Field(description="Prompts as user turns.")
     samples: list[Sample]
 
 
 class EvaluateResult(BaseModel):
-    """examples, tokens, loss_tokens: of the split, as launch_run's data counts them."""
+    """examples, tokens, loss_tokens: of the split, counted as by launch_run."""
 
     run_id: str
     step: int
@@ -324,3 +324,23 @@ class EvaluateResult(BaseModel):
     scored_tokens: int = 0
     metrics: dict[str, float]
     warnings: list[str] = []
+
+
+Verdict = Literal["better", "worse", "no difference", "not compared"]
+
+
+class MetricVerdict(BaseModel):
+    metric: str
+    verdict: Verdict = Field(description="b against a.")
+    a: float | None = None
+    b: float | None = None
+    ratio: float | None = Field(None, description="b/a.")
+    evidence: str
+
+
+class CompareResult(BaseModel):
+    run_a: str
+    run_b: str
+    differences: list[str]
+    metrics: list[MetricVerdict]
+    left_out: list[str]

@@ -30,6 +30,7 @@ from mcp_server.limits import MAX_ARGUMENTS_CHARS, MAX_ERROR_CHARS, MAX_RESULT_C
 from mcp_server.models import (
     ApplySkillResult,
     CheckpointList,
+    CompareResult,
     EvaluateResult,
     ExportResult,
     LaunchRunResult,
@@ -48,7 +49,7 @@ from mcp_server.models import (
 )
 from engine.model_io import MAX_NEW_TOKENS, MAX_PROMPTS
 from mcp_server.operations import model_tools as model_ops
-from mcp_server.operations import recipe_info, waiting
+from mcp_server.operations import compare, recipe_info, waiting
 from mcp_server.operations import recipes as recipe_ops
 from mcp_server.operations import runs as run_ops
 from mcp_server.operations import skills as skill_ops
@@ -89,9 +90,9 @@ class AuditedToolError(ToolError):
     """A tool error that :meth:`Tools.call` has already written to the audit log."""
 
 
-RunId = Annotated[str, Field(description="A run id.")]
-RecipePath = Annotated[str, Field(description="Recipe folder (recipes/<name>, or the name).")]
-Step = Annotated[int | None, Field(strict=True, description="Default: the latest.")]
+RunId = Annotated[str, Field()]
+RecipePath = Annotated[str, Field(description="recipes/<name>, or the name.")]
+Step = Annotated[int | None, Field(strict=True, description="Default: latest.")]
 
 
 def download_progress(ctx: Context | None) -> Callable[[float, float | None, str], None] | None:
@@ -223,13 +224,13 @@ def build_server(workspace: Path | str, read_only: bool = False, settings: Path 
     @tool(IDEMPOTENT_CHANGE)
     async def apply_skill(
         skill: Annotated[str, Field(description="A skill name from list_skills.")],
-        recipe: Annotated[str, Field(description="Recipe folder (recipes/<name>, or the name) or .py script.")],
+        recipe: Annotated[str, Field(description="recipes/<name>, the name, or a .py script.")],
         params: Annotated[dict[str, Any] | None, Field(description="Skill parameters (see get_skill).")] = None,
         dry_run: Annotated[bool, Field(strict=True, description="Only return the diff; change nothing.")] = False,
         target: Annotated[str | None, Field(description="The model to act on: self._model, file.py:LINE.")] = None,
     ) -> ApplySkillResult:
-        """Write a skill's pattern into a recipe's code as one git commit; returns the diff,
-        commit and acts_on. Applying again changes nothing; a refusal says what works."""
+        """Write a skill's pattern into a recipe's code as one git commit (diff, commit, acts_on).
+        Idempotent; a refusal says what works."""
         args = {"skill": skill, "recipe": recipe, "params": params, "dry_run": dry_run, "target": target}
         return await tools.call("apply_skill", args, lambda: skill_ops.apply_skill(
             tools.ws, skill, recipe, skill_ops.with_target(params, target), dry_run))
@@ -246,14 +247,14 @@ def build_server(workspace: Path | str, read_only: bool = False, settings: Path 
     @tool(ADDITIVE)
     async def scaffold_recipe(
         template: Annotated[str, Field(description="A template name from list_templates.")],
-        name: Annotated[str, Field(description="Name of the new recipe: recipes/<name>/.")],
+        name: Annotated[str, Field(description="The new recipes/<name>/.")],
         config: Annotated[
             dict[str, Any] | None,
             Field(description='Dotted keys: {"train.max_steps": 500}.'),
         ] = None,
         skills: Annotated[
             list[Any] | None,
-            Field(description='Skills to apply: names, or {"name": ..., "params": {...}}.'),
+            Field(description='Names, or {"name": ..., "params": {...}}.'),
         ] = None,
         ctx: Context | None = None,
     ) -> ScaffoldResult:
@@ -301,9 +302,8 @@ def build_server(workspace: Path | str, read_only: bool = False, settings: Path 
         slurm: Annotated[dict[str, Any], Field(description="slurm: partition, time, gpus_per_node.")] = {},
         ctx: Context | None = None,
     ) -> LaunchRunResult:
-        """Start a run of a snapshot of the recipe; returns its run_id at once, config_changes and
-        the data it trains on (checked first: nothing is written on error). It outlives this
-        server: follow it with wait_run, get_run."""
+        """Start a run of a snapshot of the recipe; returns run_id at once, config_changes and the
+        data it trains on (nothing is written on error). Follow it with wait_run, get_run."""
         if ctx is not None:
             await ctx.report_progress(0, 2, "checking the recipe and config")
         args = {"recipe": recipe, "nproc": nproc, "overrides": overrides, "nnodes": nnodes, "rdzv": rdzv,
@@ -332,10 +332,10 @@ def build_server(workspace: Path | str, read_only: bool = False, settings: Path 
     async def wait_run(
         run_id: RunId,
         until_step: Annotated[
-            int | None, Field(strict=True, description="Return once this step is logged; null: at the end.")
+            int | None, Field(strict=True, description="Return once it is logged; null: the end.")
         ] = None,
         timeout_s: Annotated[
-            float, Field(strict=True, description=f"At most {waiting.MAX_WAIT_S}; call again to wait longer.")
+            float, Field(strict=True, description=f"At most {waiting.MAX_WAIT_S}.")
         ] = waiting.DEFAULT_WAIT_S,
         ctx: Context | None = None,
     ) -> WaitRunResult:
@@ -370,6 +370,13 @@ def build_server(workspace: Path | str, read_only: bool = False, settings: Path 
             "tail_metrics", args, lambda: run_ops.tail_metrics(tools.ws, run_id, n, after_step, follow_resumes)
         )
 
+    @tool(READ_ONLY)
+    async def compare_runs(run_a: RunId, run_b: RunId) -> CompareResult:
+        """What differs (config, code), then b vs a per metric: loss at equal tokens, speed, memory
+        (better/worse/no difference at the runs' noise)."""
+        args = {"run_a": run_a, "run_b": run_b}
+        return await tools.call("compare_runs", args, lambda: compare.compare_runs(tools.ws, run_a, run_b))
+
     @tool(DESTRUCTIVE)
     async def stop_run(run_id: RunId) -> StopRunResult:
         """Stop a run and all its processes; its checkpoints stay for resume_checkpoint."""
@@ -385,8 +392,8 @@ def build_server(workspace: Path | str, read_only: bool = False, settings: Path 
     @tool(ADDITIVE)
     async def resume_checkpoint(
         run_id: RunId,
-        step: Annotated[int | None, Field(strict=True, description="Default: the latest.")] = None,
-        nproc: Annotated[int | None, Field(strict=True, description="Processes; default: as the original run.")] = None,
+        step: Step = None,
+        nproc: Annotated[int | None, Field(strict=True, description="Default: as the run.")] = None,
         code: Annotated[
             Literal["checkpoint", "head"],
             Field(description="checkpoint: the code the run ran; head: the recipe now."),
@@ -500,29 +507,31 @@ def _compact_schema(schema: Any, output: bool = False, names: bool = False) -> N
     """Make a tool's JSON schema smaller without changing what it accepts: every tool's schemas
     are sent to the agent in each session.
 
-    Drops the ``title`` pydantic gives every schema (the key's name again, in Title Case) and
-    writes ``anyOf: [{type: T}, {type: null}]`` as ``type: [T, "null"]``. In output schemas
-    (which describe what the server sends: every key, always) it also drops ``required`` lists
-    and defaults.
-    ``names`` marks a mapping of property names, which are kept as they are.
+    Drops the ``title`` pydantic gives every schema (the key's name again, in Title Case),
+    ``additionalProperties: true`` (JSON Schema's default) and ``default: null`` (an annotation:
+    leaving the key out means the same), and writes ``anyOf: [{type: T, items: I}, {type: null}]``
+    as ``type: [T, "null"], items: I`` (``items`` applies to arrays only). In output schemas (which
+    describe what the server sends: every key, always) it also drops ``required`` lists and
+    defaults. ``names`` marks a mapping of property names, which are kept as they are.
     """
     if isinstance(schema, dict):
         if not names:
             if isinstance(schema.get("title"), str):
                 del schema["title"]
-            if output:
-                schema.pop("default", None)
-                if isinstance(schema.get("required"), list):  # the server sends every key, always
-                    del schema["required"]
-                if schema.get("additionalProperties") is True:
-                    del schema["additionalProperties"]
+            if schema.get("additionalProperties") is True:
+                del schema["additionalProperties"]
+            if "default" in schema and (output or schema["default"] is None):
+                del schema["default"]
+            if output and isinstance(schema.get("required"), list):  # the server sends every key, always
+                del schema["required"]
         for key, value in schema.items():  # children first: an option may become plain {type}
             _compact_schema(value, output, names=not names and key in ("properties", "$defs"))
         options = schema.get("anyOf") if not names else None
         if (isinstance(options, list) and len(options) == 2 and {"type": "null"} in options
-                and all(set(o) == {"type"} and isinstance(o["type"], str) for o in options)):
+                and all(set(o) <= {"type", "items"} and isinstance(o.get("type"), str) for o in options)):
+            (kept,) = [o for o in options if o != {"type": "null"}]
             del schema["anyOf"]
-            schema["type"] = [o["type"] for o in options if o != {"type": "null"}] + ["null"]
+            schema.update(kept, type=[kept["type"], "null"])
     elif isinstance(schema, list):
         for item in schema:
             _compact_schema(item, output)
