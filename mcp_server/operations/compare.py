@@ -5,9 +5,10 @@ Every verdict is b's against a's, with the numbers behind it:
 
 - **loss / eval_loss** at equal tokens seen: each curve is interpolated linearly on a common
   grid of tokens seen (where both runs have been); the verdict is on the mean difference over
-  the grid, against a noise bound of 2 × the two curves' noise (each record's scatter about the
-  line through its neighbours: :func:`_curve_noise`) / √(records in the overlap). Bit-equal
-  curves are said to be so.
+  the grid, against a noise bound of 2 × the two curves' noise together (each record's scatter
+  about the line through its neighbours: :func:`_curve_noise`). The bound is not divided by the
+  number of records: two seeds differ by about a record's noise all along the curve, and that is
+  no difference. Bit-equal curves are said to be so.
 - **tokens_per_s / step_time_s**: the median over the logging windows after the first (the
   warm-up); the spread is the interquartile range. The noise bound is the sum of the two runs'
   half-IQRs relative to their medians, at least :data:`MIN_SPEED_NOISE`: a ratio inside
@@ -107,7 +108,7 @@ def compare_curves(metric: str, curve_a: list[tuple[float, float]], curve_b: lis
         return MetricVerdict(metric=metric, verdict="no difference", a=_round(mean_a), b=_round(mean_b), ratio=1.0,
                              evidence=f"bit-equal {where}")
     noise = math.hypot(_curve_noise(curve_a), _curve_noise(curve_b))
-    bound = 2 * noise / math.sqrt(max(1, in_range))
+    bound = 2 * noise
     verdict: Verdict = "no difference"
     if abs(difference) > bound:
         verdict = "better" if difference < 0 else "worse"

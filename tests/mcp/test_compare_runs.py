@@ -10,7 +10,6 @@ prints them.
 from __future__ import annotations
 
 import json
-import time
 
 import pytest
 
@@ -21,7 +20,7 @@ from mcp_server.operations import runs as run_ops
 from sandbox.workspace import Workspace
 from tests.mcp.conftest import connect
 from tests.skills.skill_helpers import write_documents
-from tests.support import TINY
+from tests.support import TINY, finished_run
 
 # Activations dominate the peak: 16 × 256 positions through 6 layers of the tiny width.
 HEAVY = (*TINY, "model.num_layers=6", "data.seq_len=256", "data.batch_size=16", "train.max_steps=4",
@@ -94,17 +93,8 @@ def runs(tmp_path_factory) -> tuple[Workspace, dict[str, str]]:
     for name, recipe, extra in (("plain", "plain", ()), ("seed", "plain", ("train.seed=7",)),
                                 ("ckpt", "ckpt", ()),
                                 ("docs", "plain", ("data.source=files", f"data.paths=[{docs}]"))):
-        ids[name] = finished(ws, run_ops.launch_run(ws, f"recipes/{recipe}", 1, [*HEAVY, *extra]).run_id)
+        ids[name] = finished_run(ws, run_ops.launch_run(ws, f"recipes/{recipe}", 1, [*HEAVY, *extra]).run_id)
     return ws, ids
-
-
-def finished(ws: Workspace, run_id: str, timeout_s: float = 300) -> str:
-    deadline = time.monotonic() + timeout_s
-    while (status := run_ops.get_run(ws, run_id).status) not in ("completed", "failed", "stopped"):
-        assert time.monotonic() < deadline, f"run {run_id} still {status}"
-        time.sleep(0.5)
-    assert status == "completed", run_ops.get_run(ws, run_id).console_tail
-    return run_id
 
 
 def verdicts(result) -> dict[str, str]:
