@@ -144,8 +144,8 @@ def latest_checkpoint(run_dir: Path) -> tuple[int, Path] | None:
 # ---------------------------------------------------------------------------------------------
 
 
+# The checkpoint a run continues. (A comment, not a docstring: tools' schemas would repeat it.)
 class ResumedFrom(BaseModel):
-    """The checkpoint a run continues."""
 
     run_id: str
     step: int

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field, model_serializer
+from pydantic import BaseModel, ConfigDict, Field, model_serializer
 
 from engine.run_dir import HubModel, ResumedFrom, RunStatus
 
@@ -38,7 +38,7 @@ class LaunchRunResult(BaseModel):
 
 class CheckpointInfo(BaseModel):
     step: int
-    path: str = Field(description="Relative to the workspace.")
+    path: str  # relative to the workspace
 
 
 class CheckpointList(BaseModel):
@@ -52,9 +52,9 @@ class RunSummary(BaseModel):
     status: str
     recipe: str
     created_at: str | None = None
-    step: int | None = Field(None, description="Latest logged step.")
+    step: int | None = None  # the latest logged
     max_steps: int | None = None
-    loss: float | None = Field(None, description="Latest logged loss.")
+    loss: float | None = None  # the latest logged
     mean_tokens_per_s: float | None = None
     last_window_tokens_per_s: float | None = None
 
@@ -111,7 +111,7 @@ class StopRunResult(BaseModel):
     status: str
     step: int | None = None
     error: str | None = None
-    checkpoints: list[int] = Field([], description="Steps resume_checkpoint can continue from.")
+    checkpoints: list[int] = Field([], description="Resumable steps.")
 
 
 class MetricsTail(BaseModel):
@@ -147,7 +147,7 @@ class SkillDetail(SkillSummary):
 class ApplySkillResult(BaseModel):
     skill: str
     version: str
-    recipe: str = Field(description="The file changed.")
+    recipe: str  # the file changed
     changed: bool
     already_applied: bool = Field(description="Nothing to do.")
     dry_run: bool
@@ -178,8 +178,8 @@ class AppliedSkill(BaseModel):
 
 
 class ScaffoldResult(BaseModel):
-    path: str = Field(description="The new recipe folder.")
-    commit: str = Field(description="Its commit.")
+    path: str  # the new recipe folder
+    commit: str
     config: dict[str, Any] = Field(description="Written to config.yaml.")
     skills: list[AppliedSkill] = Field(description="Each its own commit.")
 
@@ -245,7 +245,7 @@ class RecipeSkill(BaseModel):
 
 class RecipeDescription(BaseModel):
     recipe: str
-    template: str | None = Field(None, description="The template it was scaffolded from.")
+    template: str | None = None  # the template it was scaffolded from
     last_commit: str | None = None
     skills: list[RecipeSkill] = Field(description="Applied, oldest first.")
     fields: list[ConfigField]
@@ -274,7 +274,7 @@ class WaitRunResult(BaseModel):
     step: int | None = None
     max_steps: int | None = None
     waited_s: float
-    latest: dict[str, Any] | None = Field(None, description="The latest metrics record.")
+    latest: dict[str, Any] | None = None  # the latest metrics record
     error: str | None = None
 
 
@@ -331,7 +331,7 @@ Verdict = Literal["better", "worse", "no difference", "not compared"]
 
 class MetricVerdict(BaseModel):
     metric: str
-    verdict: Verdict = Field(description="b against a.")
+    verdict: Verdict  # b against a
     a: float | None = None
     b: float | None = None
     ratio: float | None = Field(None, description="b/a.")
@@ -344,3 +344,34 @@ class CompareResult(BaseModel):
     differences: list[str]
     metrics: list[MetricVerdict]
     left_out: list[str]
+
+
+class EstimateChange(BaseModel):
+    change: str = Field(max_length=200)
+    peak_gib: float
+    fits: bool
+
+
+class EstimateFigures(BaseModel):
+    """The engine's estimate as the launch check prints it (engine/estimate.py): read as untrusted
+    output of a process that imported the recipe, so every field is typed and bounded."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    params: int
+    trainable: int
+    checkpointed_blocks: str = Field(max_length=40)
+    memory_gib: dict[Literal["floor", "params", "grads", "optimizer", "activations", "gathered", "peak_gib"], float]
+    activations_source: str = Field(max_length=300)
+    flops_per_token: float | None
+    step_time_s: float | None
+    time_source: str = Field(max_length=300)
+    fits: bool | None
+    changes: list[EstimateChange] = Field(max_length=20)
+
+
+class EstimateResult(BaseModel):  # per process, memory in GiB
+
+    fits: bool | None  # None: no device memory was given
+    estimate: dict[str, Any]
+    changes: list[dict[str, Any]]  # when it does not fit: EstimateChange, each estimated again

@@ -31,6 +31,7 @@ from mcp_server.models import (
     ApplySkillResult,
     CheckpointList,
     CompareResult,
+    EstimateResult,
     EvaluateResult,
     ExportResult,
     LaunchRunResult,
@@ -49,7 +50,7 @@ from mcp_server.models import (
 )
 from engine.model_io import MAX_NEW_TOKENS, MAX_PROMPTS
 from mcp_server.operations import model_tools as model_ops
-from mcp_server.operations import compare, recipe_info, waiting
+from mcp_server.operations import compare, estimate, recipe_info, waiting
 from mcp_server.operations import recipes as recipe_ops
 from mcp_server.operations import runs as run_ops
 from mcp_server.operations import skills as skill_ops
@@ -316,6 +317,21 @@ def build_server(workspace: Path | str, read_only: bool = False, settings: Path 
         return result
 
     @tool(READ_ONLY)
+    async def estimate_run(
+        recipe: RecipePath,
+        overrides: Annotated[dict[str, Any] | None, Field()] = None,
+        nproc: Annotated[int, Field(strict=True)] = 1,
+        device: Literal["cpu", "cuda"] = "cpu",
+        device_memory_gib: float | None = None,
+    ) -> EstimateResult:
+        """Before launch_run: memory and step time per process (model on the meta device); fits
+        device_memory_gib? If not, changes that fit."""
+        args = {"recipe": recipe, "overrides": overrides, "nproc": nproc, "device": device,
+                "device_memory_gib": device_memory_gib}
+        return await tools.call("estimate_run", args, lambda: estimate.estimate_run(
+            tools.ws, recipe, overrides, nproc, device, device_memory_gib))
+
+    @tool(READ_ONLY)
     async def list_runs(
         limit: Annotated[int, Field(strict=True, description="1-100.")] = 20,
     ) -> RunList:
@@ -454,7 +470,7 @@ def build_server(workspace: Path | str, read_only: bool = False, settings: Path 
     async def evaluate(
         run_id: RunId,
         step: Step = None,
-        data: Annotated[list[str] | None, Field(description="Files to evaluate on; default: the held-out split.")] = None,
+        data: Annotated[list[str] | None, Field(description="Files; default: the held-out split.")] = None,
         ctx: Context | None = None,
     ) -> EvaluateResult:
         """A checkpoint's eval loss and the recipe's task metrics."""
