@@ -9,7 +9,7 @@
 The two runs of a pair train at the same time (each one thread), so whatever else loads the
 machine falls on both; the load average is printed before each pair.
 
-    python bench/compare_runs.py [--steps 16] [--log-every 2] [--pairs seed ckpt packing]
+    python bench/compare_runs.py [--steps 30] [--log-every 3] [--pairs seed ckpt packing]
 """
 
 from __future__ import annotations
@@ -54,8 +54,8 @@ def pair(ws: Workspace, a: tuple[str, list[str]], b: tuple[str, list[str]]) -> N
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=16)
-    parser.add_argument("--log-every", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--log-every", type=int, default=3)
     parser.add_argument("--pairs", nargs="+", default=["seed", "ckpt", "packing"], choices=["seed", "ckpt", "packing"])
     args = parser.parse_args()
     schedule = [*TINY, *QUIET, f"train.max_steps={args.steps}", f"train.log_every={args.log_every}"]

@@ -1,10 +1,11 @@
-"""estimate_run's peak memory against the peak RSS a real run measures, on a CPU.
+"""estimate_run's peak memory (and step time) against what a real run measures, on a CPU.
 
 For the causal_lm, sft and vlm templates at three sizes, each without and with the
 gradient-checkpointing skill: the estimate (``python -m engine.launch RECIPE --check --estimate
 cpu``: the model on the meta device, engine/estimate.py) and the largest ``peak_mem_mb`` of a real
 run of the same config (``python -m engine.launch``, a few steps, no checkpoints). Prints both
-per case, their ratio, and what checkpointing changed in each.
+per case, their ratio, the estimated and the measured median step time, and what checkpointing
+changed in each.
 
     python bench/estimate_memory.py [--steps 3] [--templates causal_lm sft vlm] [--sizes small medium large]
 """
@@ -15,6 +16,7 @@ import argparse
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -53,7 +55,7 @@ def environment() -> dict[str, str]:
     return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 
 
-def estimated_gib(folder: Path, settings: list[str], cwd: Path) -> dict:
+def estimated(folder: Path, settings: list[str], cwd: Path) -> dict:
     command = [sys.executable, "-m", "engine.launch", str(folder), "--check", "--estimate", "cpu",
                *(f"--set={s}" for s in settings)]
     done = subprocess.run(command, cwd=cwd, env=environment(), capture_output=True, text=True, timeout=600)
@@ -66,15 +68,16 @@ def estimated_gib(folder: Path, settings: list[str], cwd: Path) -> dict:
     raise SystemExit(f"no verdict:\n{done.stderr[-2000:]}")
 
 
-def measured_mb(folder: Path, settings: list[str], cwd: Path) -> float:
+def measured_run(folder: Path, settings: list[str], cwd: Path) -> tuple[float, float]:
+    """The run's largest peak_mem_mb and its median step time after the first window."""
     before = set(os.listdir(cwd / "runs")) if (cwd / "runs").is_dir() else set()
     command = [sys.executable, "-m", "engine.launch", str(folder), *(a for s in settings for a in ("--set", s))]
     done = subprocess.run(command, cwd=cwd, env=environment(), capture_output=True, text=True, timeout=1200)
     if done.returncode:
         raise SystemExit(f"run failed:\n{done.stdout[-2000:]}\n{done.stderr[-2000:]}")
     (run,) = set(os.listdir(cwd / "runs")) - before
-    return max(r["peak_mem_mb"] for r in rd.read_all_metrics(cwd / "runs" / run / rd.METRICS_JSONL)
-               if "peak_mem_mb" in r)
+    records = [r for r in rd.read_all_metrics(cwd / "runs" / run / rd.METRICS_JSONL) if "peak_mem_mb" in r]
+    return max(r["peak_mem_mb"] for r in records), statistics.median(r["step_time_s"] for r in records[1:] or records)
 
 
 def main() -> None:
@@ -84,7 +87,8 @@ def main() -> None:
     parser.add_argument("--sizes", nargs="+", default=list(SIZES), choices=list(SIZES))
     args = parser.parse_args()
     print(f"load average {os.getloadavg()[0]:.2f}; one thread per run")
-    print(f"{'case':<26}{'estimate MB':>12}{'measured MB':>12}{'ratio':>7}   checkpointing: estimate vs measured change")
+    print(f"{'case':<26}{'estimate MB':>12}{'measured MB':>12}{'ratio':>7}{'step s est/meas':>17}"
+          "   checkpointing: estimate vs measured change")
     with tempfile.TemporaryDirectory(prefix="trainwright-estimate-") as scratch:
         root = Path(scratch)
         for template in args.templates:
@@ -93,11 +97,13 @@ def main() -> None:
                 row = {}
                 for checkpointing in (False, True):
                     folder = recipe(template, checkpointing, root)
-                    estimate = estimated_gib(folder, settings, root)["memory_gib"]["peak_gib"] * 1024
-                    measured = measured_mb(folder, settings, root)
+                    figures = estimated(folder, settings, root)
+                    estimate = figures["memory_gib"]["peak_gib"] * 1024
+                    measured, step_s = measured_run(folder, settings, root)
                     row[checkpointing] = (estimate, measured)
                     name = f"{template} {size}{' +ckpt' if checkpointing else ''}"
-                    print(f"{name:<26}{estimate:>12,.0f}{measured:>12,.0f}{estimate / measured:>7.2f}", end="")
+                    steps = f"{figures['step_time_s'] or 0:.3f}/{step_s:.3f}"
+                    print(f"{name:<26}{estimate:>12,.0f}{measured:>12,.0f}{estimate / measured:>7.2f}{steps:>17}", end="")
                     if checkpointing:
                         (e0, m0), (e1, m1) = row[False], row[True]
                         print(f"   {e1 - e0:+,.0f} MB vs {m1 - m0:+,.0f} MB", end="")

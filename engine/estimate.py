@@ -21,8 +21,8 @@ Per process (:func:`estimate_memory`):
   the recipe and built the recipe's data pipeline (what a run holds before its model exists);
   on a GPU the floor is 0 (``max_memory_allocated`` does not count the CUDA context).
 
-Time per step: FLOPs per token (``Engine.flops_per_token`` of the meta model) × the positions a
-process computes per step, over the device's FLOP/s: measured by a short matmul probe when the
+Time per step: FLOPs per token (``Engine.flops_per_token`` of the meta model; a checkpointed
+block's forward counted twice) × the positions a process computes per step, over the device's FLOP/s: measured by a short matmul probe when the
 device is here, else ``metrics.peak_tflops`` × :data:`ASSUMED_MFU`, named in ``time_source``.
 """
 
@@ -159,7 +159,9 @@ def estimate_memory(shape: Shape, nproc: int, parallel: Any, device: str, checkp
     # checkpointing its input (kept for the recomputation) and, in backward, one block's again.
     measured_checkpointed = shape.checkpointed_blocks > 0
     outside = shape.saved_bytes - (0 if measured_checkpointed else sum(shape.block_saved))
-    if checkpointing if checkpointing is not None else measured_checkpointed:
+    if checkpointing is None:
+        checkpointing = measured_checkpointed
+    if checkpointing:
         activations = outside + sum(shape.block_inputs) + 2 * max(shape.block_saved, default=0)  # and its gradients
     else:
         activations = outside + sum(shape.block_saved)
@@ -181,6 +183,8 @@ def step_time(shape: Shape, device: torch.device, dtype: torch.dtype, override_t
     if not shape.flops_per_token:
         return None, "the recipe gives no FLOPs per token"
     flops = shape.flops_per_token * shape.positions_per_step
+    if shape.blocks:  # a checkpointed block runs its forward (2 of the 6 FLOPs per parameter) again
+        flops *= 1 + shape.checkpointed_blocks / shape.blocks / 3
     if device.type == "cpu" or torch.cuda.is_available():  # the device is here: measure it
         measured = matmul_flops(device, dtype)
         return flops / measured, f"a {PROBE_SIZE}² matmul probe here: {measured / 1e9:,.1f} GFLOP/s (MFU 1 of that)"
