@@ -139,8 +139,11 @@ def dp_all_reduce_sum(value: torch.Tensor, info: DistInfo) -> torch.Tensor:
     return value
 
 
-def all_reduce_max(value: float, info: DistInfo) -> float:
-    tensor = torch.tensor([value], dtype=torch.float64, device=info.device)
-    if info.world_size > 1:
-        dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
-    return float(tensor.item())
+def all_gather_floats(values: list[float], info: DistInfo) -> list[list[float]]:
+    """``values`` of every rank, in rank order (each rank gives as many)."""
+    tensor = torch.tensor(values, dtype=torch.float64, device=info.device)
+    if info.world_size == 1:
+        return [values]
+    gathered = [torch.empty_like(tensor) for _ in range(info.world_size)]
+    dist.all_gather(gathered, tensor)
+    return [t.tolist() for t in gathered]

@@ -31,10 +31,11 @@ from engine import run_dir as rd
 from engine.checkpoint import Checkpointer, ModelOptimizerState, RNGState, SchedulerState, load_checkpoint
 from engine.config import ConfigError, EngineConfig
 from engine.data_files import changed_since_listed, data_fingerprint, forget_listed
-from engine.distributed import DistInfo, all_reduce_max, dp_all_reduce_sum
+from engine.distributed import DistInfo, dp_all_reduce_sum
 from engine.flops import non_embedding_params, peak_flops
 from engine.fsdp import DTYPES, has_tensor_parallel_params
 from engine.grad_clip import clip_grad_norm
+from engine.memory import busiest_peak_mb, gathered_peaks
 from engine.sequence_parallel import check_sequence_parallel_config, has_sequence_parallel_attention
 from engine.metrics import MetricBackend, MetricLogger
 from engine.metrics.console import ConsoleBackend
@@ -473,6 +474,7 @@ class Engine:
         self, ctx: StepContext, elapsed: float, tokens: int, positions: int, steps: int
     ) -> None:
         step_time = elapsed / max(1, steps)
+        peaks = gathered_peaks(self.device, self.dist)
         record = rd.MetricRecord(
             step=self.state.step,
             loss=float(ctx.loss),
@@ -480,7 +482,8 @@ class Engine:
             grad_norm=float(ctx.grad_norm) if ctx.grad_norm is not None else None,
             tokens_per_s=tokens / elapsed if elapsed > 0 else 0.0,
             step_time_s=step_time,
-            peak_mem_mb=all_reduce_max(_peak_memory_mb(self.device), self.dist),
+            peak_mem_mb=busiest_peak_mb(peaks),
+            **peaks,
             **{k: round(v, 6) for k, v in ctx.timings.items()},
             tokens_seen=self.state.tokens_seen,
             padding_frac=ctx.num_padding / max(1, ctx.num_positions),
@@ -557,9 +560,3 @@ def _memory_limit_mb(device: torch.device) -> float | None:
         pass
     return min(limits) if limits else None
 
-
-def _peak_memory_mb(device: torch.device) -> float:
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**20
-    # Linux reports ru_maxrss in KiB: the process's peak resident memory.
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024

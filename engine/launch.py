@@ -10,6 +10,7 @@ is written.
 "fields": [...]}`` or ``{"ok": false, "error": ...}``): the CLI and the MCP server use it to
 refuse a bad launch before they create a run directory, and to describe a recipe's config keys
 (``fields``: key, type, default, value, description; see ``engine.config.describe_fields``).
+``--check --estimate DEVICE`` adds the run's memory and time per process (``engine.estimate``).
 """
 
 from __future__ import annotations
@@ -99,6 +100,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--config-json", type=Path, help="start from this resolved config (JSON)")
     parser.add_argument("--check", action="store_true", help="validate only; print one JSON line")
     parser.add_argument("--nproc", type=int, help="with --check: the number of processes to check for")
+    parser.add_argument("--estimate", choices=("cpu", "cuda"),
+                        help="with --check: estimate memory and time per process on this device (engine/estimate.py)")
+    parser.add_argument("--device-memory-gib", type=float, help="with --estimate: the device memory to fit in")
     return parser.parse_args(argv)
 
 
@@ -138,6 +142,15 @@ def main(argv: list[str] | None = None) -> int:
             "fields": describe_fields(config),
             "data": data.model_dump(mode="json") if data is not None else None,
         }
+        if args.estimate:
+            from engine.estimate import estimate
+
+            try:
+                verdict["estimate"] = estimate(recipe_class, config, world_size, args.estimate, args.device_memory_gib)
+            except Exception as e:  # the recipe's code on the meta device: say what it could not do
+                traceback.print_exc()
+                print(json.dumps({"ok": False, "error": f"the estimate failed: {type(e).__name__}: {e}"[:1000]}))
+                return EXIT_FAILED
         print(json.dumps(verdict))
         return EXIT_OK
     return train(recipe_class, config, args)

@@ -181,8 +181,8 @@ def latest_checkpoint(run_dir: Path) -> tuple[int, Path] | None:
 # ---------------------------------------------------------------------------------------------
 
 
+# The checkpoint a run continues. (A comment, not a docstring: tools' schemas would repeat it.)
 class ResumedFrom(BaseModel):
-    """The checkpoint a run continues."""
 
     run_id: str
     step: int
@@ -533,7 +533,12 @@ class MetricRecord(BaseModel):
     data_s: float | None = Field(None, description="Last step: seconds to get the batch.")
     fwd_bwd_s: float | None = Field(None, description="Last step: seconds of forward and backward.")
     optim_s: float | None = Field(None, description="Last step: seconds of clipping and the optimizer.")
-    peak_mem_mb: float | None = Field(None, description="Peak memory of the busiest process (RSS on CPU).")
+    peak_mem_mb: float | None = Field(
+        None, description="Peak memory of the busiest process: CUDA max allocated on a GPU, RSS on a CPU (engine/memory.py)."
+    )
+    rss_peak_mb: list[float] | None = Field(None, description="Each process's CPU RSS high-water mark (VmHWM), rank order.")
+    cuda_max_allocated_mb: list[float] | None = Field(None, description="Each process's CUDA max allocated memory.")
+    cuda_max_reserved_mb: list[float] | None = Field(None, description="Each process's CUDA max reserved memory.")
     tokens_seen: int | None = Field(None, description="Supervised tokens trained on so far.")
     padding_frac: float | None = Field(None, description="Share of the last step's positions that were padding (masked prompt tokens are not).")
     eta_s: float | None = Field(None, description="Seconds left at the window's pace.")

@@ -308,6 +308,49 @@ def cmd_wait(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_estimate(args: argparse.Namespace) -> int:
+    from mcp_server.operations import estimate
+
+    result = estimate.estimate_run(_workspace(args), args.recipe, args.overrides, args.nproc, args.device,
+                                   args.device_memory_gib)
+    _emit(args, result, _estimate_text)
+    return EXIT_OK
+
+
+def _estimate_text(r) -> str:
+    e = r.estimate
+    memory = ", ".join(f"{k} {v:.3g}" for k, v in e["memory_gib"].items() if k != "peak_gib")
+    fits = "" if r.fits is None else ("; fits" if r.fits else "; does NOT fit")
+    lines = [f"{e['recipe']} on {e['nproc']} × {e['device']}, per process:",
+             f"  parameters  {e['params']:,} ({e['trainable']:,} trainable); checkpointed blocks {e['checkpointed_blocks']}",
+             f"  peak memory {e['memory_gib']['peak_gib']:.3g} GiB ({memory}){fits}",
+             f"  activations {e['activations_source']}"]
+    if e["step_time_s"] is not None:
+        lines.append(f"  step time   {e['step_time_s']:.3g} s ({e['flops_per_token']:,.0f} FLOPs/token; {e['time_source']})")
+    lines += [f"  change      {c['change']}: {c['peak_gib']:.3g} GiB{'' if c['fits'] else ' (does not fit)'}"
+              for c in r.changes]
+    return "\n".join(lines)
+
+
+def cmd_compare(args: argparse.Namespace) -> int:
+    from mcp_server.operations import compare
+
+    result = compare.compare_runs(_workspace(args), args.run_a, args.run_b)
+    _emit(args, result, _compare_text)
+    return EXIT_OK
+
+
+def _compare_text(r) -> str:
+    lines = [f"b {r.run_b} against a {r.run_a}"]
+    lines += [f"  differs  {d}" for d in r.differences] or ["  differs  nothing in config or code"]
+    for m in r.metrics:
+        numbers = f" {m.a:,.6g} → {m.b:,.6g}" if m.a is not None and m.b is not None else ""
+        ratio = f" (×{m.ratio:.3g})" if m.ratio is not None else ""
+        lines.append(f"  {m.metric:<12} {m.verdict:<13}{numbers}{ratio}: {m.evidence}")
+    lines += [f"  left out {why}" for why in r.left_out]
+    return "\n".join(lines)
+
+
 def cmd_stop(args: argparse.Namespace) -> int:
     from mcp_server.operations import runs
 
@@ -708,6 +751,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--until-step", type=int, metavar="N", help="return once step N is logged (default: the end)")
     p.add_argument("--timeout", type=float, metavar="S",
                    help=f"give up after S seconds (default {waiting.DEFAULT_WAIT_S}, at most {waiting.MAX_WAIT_S})")
+
+    p = add("estimate", cmd_estimate, "memory and step time per process before a run, from the model on the meta "
+            "device; with --device-memory-gib, whether it fits and which changes would (estimate_run)")
+    p.add_argument("recipe", help="recipe folder, relative to the workspace, or its name")
+    p.add_argument("--nproc", type=int, default=1, help="processes (FSDP2 ranks)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config value, e.g. --set model.num_layers=24 (repeatable)")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="the device class (default cpu)")
+    p.add_argument("--device-memory-gib", type=float, metavar="GIB", help="the memory of one device to fit in")
+
+    p = add("compare", cmd_compare, "b against a: config and code differences, then a verdict per metric "
+            "(loss at equal tokens, tokens/s, step time, peak memory) at the noise of their windows (compare_runs)")
+    p.add_argument("run_a")
+    p.add_argument("run_b")
 
     p = add("stop", cmd_stop, "stop a run and all its processes (stop_run)")
     p.add_argument("run_id")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field, model_serializer
+from pydantic import BaseModel, ConfigDict, Field, model_serializer
 
 from engine.run_dir import HubModel, ResumedFrom, RunStatus
 
@@ -36,13 +36,13 @@ class LaunchRunResult(BaseModel):
 
 class CheckpointInfo(BaseModel):
     step: int
-    path: str = Field(description="Relative to the workspace.")
+    path: str  # relative to the workspace
 
 
 class CheckpointList(BaseModel):
     run_id: str
-    checkpoints: list[CheckpointInfo] = Field(description="Oldest first (the newest 100 at most).")
-    truncated: bool = Field(False, description="True when older checkpoints were left out.")
+    checkpoints: list[CheckpointInfo] = Field(description="Oldest first (the newest 100).")
+    truncated: bool = Field(False, description="Older ones left out.")
 
 
 class RunSummary(BaseModel):
@@ -50,16 +50,16 @@ class RunSummary(BaseModel):
     status: str
     recipe: str
     created_at: str | None = None
-    step: int | None = Field(None, description="Latest logged step.")
+    step: int | None = None  # the latest logged
     max_steps: int | None = None
-    loss: float | None = Field(None, description="Latest logged loss.")
+    loss: float | None = None  # the latest logged
     mean_tokens_per_s: float | None = None
     last_window_tokens_per_s: float | None = None
 
 
 class RunList(BaseModel):
     runs: list[RunSummary]
-    truncated: bool = Field(False, description="True when older runs were left out.")
+    truncated: bool = Field(False, description="Older ones left out.")
 
 
 class RunInfo(BaseModel):
@@ -108,15 +108,15 @@ class StopRunResult(BaseModel):
     status: str
     step: int | None = None
     error: str | None = None
-    checkpoints: list[int] = Field([], description="Steps resume_checkpoint can continue from.")
+    checkpoints: list[int] = Field([], description="Resumable steps.")
 
 
 class MetricsTail(BaseModel):
     run_id: str
     status: str
     records: list[dict[str, Any]]
-    truncated: bool = Field(description="More records matched than were returned.")
-    resumes: list[ResumePoint] = Field([], description="With follow_resumes: where each run took over.")
+    truncated: bool = Field(description="More matched than returned.")
+    resumes: list[ResumePoint] = Field([], description="Where each run took over.")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -144,9 +144,9 @@ class SkillDetail(SkillSummary):
 class ApplySkillResult(BaseModel):
     skill: str
     version: str
-    recipe: str = Field(description="The file changed.")
+    recipe: str  # the file changed
     changed: bool
-    already_applied: bool = Field(description="The pattern was already there: nothing done.")
+    already_applied: bool = Field(description="Nothing to do.")
     dry_run: bool
     params: dict[str, Any] = Field(description="With defaults.")
     diff: str = Field(description="Unified diff (git apply).")
@@ -155,7 +155,7 @@ class ApplySkillResult(BaseModel):
     message: str = ""
     acts_on: str = Field(
         "",
-        description="What it acts on (e.g. 'wraps 4 blocks of `model.layers`').",
+        description="e.g. 'wraps 4 blocks of `model.layers`'.",
     )
 
 
@@ -175,8 +175,8 @@ class AppliedSkill(BaseModel):
 
 
 class ScaffoldResult(BaseModel):
-    path: str = Field(description="The new recipe folder.")
-    commit: str = Field(description="Its commit.")
+    path: str  # the new recipe folder
+    commit: str
     config: dict[str, Any] = Field(description="Written to config.yaml.")
     skills: list[AppliedSkill] = Field(description="Each its own commit.")
 
@@ -221,7 +221,7 @@ class ConfigField(BaseModel):
     key: str
     type: str
     default: Any = None
-    value: Any = Field(None, description="Code default ← config.yaml; absent: the default.")
+    value: Any = Field(None, description="From config.yaml; absent: the default.")
     description: str = ""
 
     @model_serializer(mode="wrap")
@@ -242,11 +242,11 @@ class RecipeSkill(BaseModel):
 
 class RecipeDescription(BaseModel):
     recipe: str
-    template: str | None = Field(None, description="The template it was scaffolded from.")
+    template: str | None = None  # the template it was scaffolded from
     last_commit: str | None = None
     skills: list[RecipeSkill] = Field(description="Applied, oldest first.")
     fields: list[ConfigField]
-    cut: bool = Field(False, description="Descriptions or fields were cut to fit.")
+    cut: bool = Field(False, description="Cut to fit.")
     hub_models: list[str] = []  # org/name@<commit>
 
 
@@ -271,7 +271,7 @@ class WaitRunResult(BaseModel):
     step: int | None = None
     max_steps: int | None = None
     waited_s: float
-    latest: dict[str, Any] | None = Field(None, description="The latest metrics record.")
+    latest: dict[str, Any] | None = None  # the latest metrics record
     error: str | None = None
 
 
@@ -303,12 +303,12 @@ class Sample(BaseModel):
 class SampleResult(BaseModel):
     run_id: str
     step: int
-    chat: bool = Field(description="Prompts were user turns of the chat template.")
+    chat: bool = Field(description="Prompts as user turns.")
     samples: list[Sample]
 
 
 class EvaluateResult(BaseModel):
-    """examples, tokens, loss_tokens: of the split, as launch_run's data counts them."""
+    """examples, tokens, loss_tokens: of the split, counted as by launch_run."""
 
     run_id: str
     step: int
@@ -321,3 +321,54 @@ class EvaluateResult(BaseModel):
     scored_tokens: int = 0
     metrics: dict[str, float]
     warnings: list[str] = []
+
+
+Verdict = Literal["better", "worse", "no difference", "not compared"]
+
+
+class MetricVerdict(BaseModel):
+    metric: str
+    verdict: Verdict  # b against a
+    a: float | None = None
+    b: float | None = None
+    ratio: float | None = Field(None, description="b/a.")
+    evidence: str
+
+
+class CompareResult(BaseModel):
+    run_a: str
+    run_b: str
+    differences: list[str]
+    metrics: list[MetricVerdict]
+    left_out: list[str]
+
+
+class EstimateChange(BaseModel):
+    change: str = Field(max_length=200)
+    peak_gib: float
+    fits: bool
+
+
+class EstimateFigures(BaseModel):
+    """The engine's estimate as the launch check prints it (engine/estimate.py): read as untrusted
+    output of a process that imported the recipe, so every field is typed and bounded."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    params: int
+    trainable: int
+    checkpointed_blocks: str = Field(max_length=40)
+    memory_gib: dict[Literal["floor", "params", "grads", "optimizer", "activations", "gathered", "peak_gib"], float]
+    activations_source: str = Field(max_length=300)
+    flops_per_token: float | None
+    step_time_s: float | None
+    time_source: str = Field(max_length=300)
+    fits: bool | None
+    changes: list[EstimateChange] = Field(max_length=20)
+
+
+class EstimateResult(BaseModel):  # per process, memory in GiB
+
+    fits: bool | None  # None: no device memory was given
+    estimate: dict[str, Any]
+    changes: list[dict[str, Any]]  # when it does not fit: EstimateChange, each estimated again

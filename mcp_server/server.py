@@ -31,6 +31,8 @@ from mcp_server.limits import MAX_ARGUMENTS_CHARS, MAX_ERROR_CHARS, MAX_RESULT_C
 from mcp_server.models import (
     ApplySkillResult,
     CheckpointList,
+    CompareResult,
+    EstimateResult,
     EvaluateResult,
     ExportResult,
     LaunchRunResult,
@@ -49,7 +51,7 @@ from mcp_server.models import (
 )
 from engine.model_io import MAX_NEW_TOKENS, MAX_PROMPTS
 from mcp_server.operations import model_tools as model_ops
-from mcp_server.operations import recipe_info, waiting
+from mcp_server.operations import compare, estimate, recipe_info, waiting
 from mcp_server.operations import recipes as recipe_ops
 from mcp_server.operations import runs as run_ops
 from mcp_server.operations import skills as skill_ops
@@ -93,9 +95,9 @@ class AuditedToolError(ToolError):
     """A tool error that :meth:`Tools.call` has already written to the audit log."""
 
 
-RunId = Annotated[str, Field(description="A run id.")]
-RecipePath = Annotated[str, Field(description="Recipe folder (recipes/<name>, or the name).")]
-Step = Annotated[int | None, Field(strict=True, description="Default: the latest.")]
+RunId = Annotated[str, Field()]
+RecipePath = Annotated[str, Field(description="recipes/<name>, or the name.")]
+Step = Annotated[int | None, Field(strict=True, description="Default: latest.")]
 
 
 def download_progress(ctx: Context | None) -> Callable[[float, float | None, str], None] | None:
@@ -238,13 +240,13 @@ def build_server(workspace: Path | str, read_only: bool = False, settings: Path 
     @tool(IDEMPOTENT_CHANGE)
     async def apply_skill(
         skill: Annotated[str, Field(description="A skill name from list_skills.")],
-        recipe: Annotated[str, Field(description="Recipe folder (recipes/<name>, or the name) or .py script.")],
+        recipe: Annotated[str, Field(description="recipes/<name>, the name, or a .py script.")],
         params: Annotated[dict[str, Any] | None, Field(description="Skill parameters (see get_skill).")] = None,
         dry_run: Annotated[bool, Field(strict=True, description="Only return the diff; change nothing.")] = False,
         target: Annotated[str | None, Field(description="The model to act on: self._model, file.py:LINE.")] = None,
     ) -> ApplySkillResult:
-        """Write a skill's pattern into a recipe's code as one git commit; returns the diff,
-        commit and acts_on. Applying again changes nothing; a refusal says what works."""
+        """Write a skill's pattern into a recipe's code as one git commit (diff, commit, acts_on).
+        Idempotent; a refusal says what works."""
         args = {"skill": skill, "recipe": recipe, "params": params, "dry_run": dry_run, "target": target}
         return await tools.call("apply_skill", args, lambda: skill_ops.apply_skill(
             tools.ws, skill, recipe, skill_ops.with_target(params, target), dry_run))
@@ -261,14 +263,14 @@ def build_server(workspace: Path | str, read_only: bool = False, settings: Path 
     @tool(ADDITIVE)
     async def scaffold_recipe(
         template: Annotated[str, Field(description="A template name from list_templates.")],
-        name: Annotated[str, Field(description="Name of the new recipe: recipes/<name>/.")],
+        name: Annotated[str, Field(description="The new recipes/<name>/.")],
         config: Annotated[
             dict[str, Any] | None,
             Field(description='Dotted keys: {"train.max_steps": 500}.'),
         ] = None,
         skills: Annotated[
             list[Any] | None,
-            Field(description='Skills to apply: names, or {"name": ..., "params": {...}}.'),
+            Field(description='Names, or {"name": ..., "params": {...}}.'),
         ] = None,
         ctx: Context | None = None,
     ) -> ScaffoldResult:
@@ -332,6 +334,21 @@ def build_server(workspace: Path | str, read_only: bool = False, settings: Path 
         return result
 
     @tool(READ_ONLY)
+    async def estimate_run(
+        recipe: RecipePath,
+        overrides: Annotated[dict[str, Any] | None, Field()] = None,
+        nproc: Annotated[int, Field(strict=True)] = 1,
+        device: Literal["cpu", "cuda"] = "cpu",
+        device_memory_gib: float | None = None,
+    ) -> EstimateResult:
+        """Before launch_run: memory and step time per process (model on the meta device); fits
+        device_memory_gib? If not, changes that fit."""
+        args = {"recipe": recipe, "overrides": overrides, "nproc": nproc, "device": device,
+                "device_memory_gib": device_memory_gib}
+        return await tools.call("estimate_run", args, lambda: estimate.estimate_run(
+            tools.ws, recipe, overrides, nproc, device, device_memory_gib))
+
+    @tool(READ_ONLY)
     async def list_runs(
         limit: Annotated[int, Field(strict=True, description="1-100.")] = 20,
     ) -> RunList:
@@ -340,18 +357,17 @@ def build_server(workspace: Path | str, read_only: bool = False, settings: Path 
 
     @tool(READ_ONLY)
     async def get_run(run_id: RunId) -> RunInfo:
-        """A run's status, latest metrics, ETA, checkpoints, and the end of its console log
-        when it failed."""
+        """A run's status, metrics, speed, ETA, checkpoints; a failed run's console end."""
         return await tools.call("get_run", {"run_id": run_id}, lambda: run_ops.get_run(tools.ws, run_id))
 
     @tool(READ_ONLY)
     async def wait_run(
         run_id: RunId,
         until_step: Annotated[
-            int | None, Field(strict=True, description="Return once this step is logged; null: at the end.")
+            int | None, Field(strict=True, description="Return once it is logged; null: the end.")
         ] = None,
         timeout_s: Annotated[
-            float, Field(strict=True, description=f"At most {waiting.MAX_WAIT_S}; call again to wait longer.")
+            float, Field(strict=True, description=f"At most {waiting.MAX_WAIT_S}.")
         ] = waiting.DEFAULT_WAIT_S,
         ctx: Context | None = None,
     ) -> WaitRunResult:
@@ -386,6 +402,13 @@ def build_server(workspace: Path | str, read_only: bool = False, settings: Path 
             "tail_metrics", args, lambda: run_ops.tail_metrics(tools.ws, run_id, n, after_step, follow_resumes)
         )
 
+    @tool(READ_ONLY)
+    async def compare_runs(run_a: RunId, run_b: RunId) -> CompareResult:
+        """What differs (config, code), then b vs a per metric: loss at equal tokens, speed, memory
+        (better/worse/no difference at the runs' noise)."""
+        args = {"run_a": run_a, "run_b": run_b}
+        return await tools.call("compare_runs", args, lambda: compare.compare_runs(tools.ws, run_a, run_b))
+
     @tool(DESTRUCTIVE)
     async def stop_run(run_id: RunId) -> StopRunResult:
         """Stop a run and all its processes; its checkpoints stay for resume_checkpoint."""
@@ -401,8 +424,8 @@ def build_server(workspace: Path | str, read_only: bool = False, settings: Path 
     @tool(ADDITIVE)
     async def resume_checkpoint(
         run_id: RunId,
-        step: Annotated[int | None, Field(strict=True, description="Default: the latest.")] = None,
-        nproc: Annotated[int | None, Field(strict=True, description="Processes; default: as the original run.")] = None,
+        step: Step = None,
+        nproc: Annotated[int | None, Field(strict=True, description="Default: as the run.")] = None,
         code: Annotated[
             Literal["checkpoint", "head"],
             Field(description="checkpoint: the code the run ran; head: the recipe now."),
@@ -463,7 +486,7 @@ def build_server(workspace: Path | str, read_only: bool = False, settings: Path 
     async def evaluate(
         run_id: RunId,
         step: Step = None,
-        data: Annotated[list[str] | None, Field(description="Files to evaluate on; default: the held-out split.")] = None,
+        data: Annotated[list[str] | None, Field(description="Files; default: the held-out split.")] = None,
         ctx: Context | None = None,
     ) -> EvaluateResult:
         """A checkpoint's eval loss and the recipe's task metrics."""
@@ -519,29 +542,31 @@ def _compact_schema(schema: Any, output: bool = False, names: bool = False) -> N
     """Make a tool's JSON schema smaller without changing what it accepts: every tool's schemas
     are sent to the agent in each session.
 
-    Drops the ``title`` pydantic gives every schema (the key's name again, in Title Case) and
-    writes ``anyOf: [{type: T}, {type: null}]`` as ``type: [T, "null"]``. In output schemas
-    (which describe what the server sends: every key, always) it also drops ``required`` lists
-    and defaults.
-    ``names`` marks a mapping of property names, which are kept as they are.
+    Drops the ``title`` pydantic gives every schema (the key's name again, in Title Case),
+    ``additionalProperties: true`` (JSON Schema's default) and ``default: null`` (an annotation:
+    leaving the key out means the same), and writes ``anyOf: [{type: T, items: I}, {type: null}]``
+    as ``type: [T, "null"], items: I`` (``items`` applies to arrays only). In output schemas (which
+    describe what the server sends: every key, always) it also drops ``required`` lists and
+    defaults. ``names`` marks a mapping of property names, which are kept as they are.
     """
     if isinstance(schema, dict):
         if not names:
             if isinstance(schema.get("title"), str):
                 del schema["title"]
-            if output:
-                schema.pop("default", None)
-                if isinstance(schema.get("required"), list):  # the server sends every key, always
-                    del schema["required"]
-                if schema.get("additionalProperties") is True:
-                    del schema["additionalProperties"]
+            if schema.get("additionalProperties") is True:
+                del schema["additionalProperties"]
+            if "default" in schema and (output or schema["default"] is None):
+                del schema["default"]
+            if output and isinstance(schema.get("required"), list):  # the server sends every key, always
+                del schema["required"]
         for key, value in schema.items():  # children first: an option may become plain {type}
             _compact_schema(value, output, names=not names and key in ("properties", "$defs"))
         options = schema.get("anyOf") if not names else None
         if (isinstance(options, list) and len(options) == 2 and {"type": "null"} in options
-                and all(set(o) == {"type"} and isinstance(o["type"], str) for o in options)):
+                and all(set(o) <= {"type", "items"} and isinstance(o.get("type"), str) for o in options)):
+            (kept,) = [o for o in options if o != {"type": "null"}]
             del schema["anyOf"]
-            schema["type"] = [o["type"] for o in options if o != {"type": "null"}] + ["null"]
+            schema.update(kept, type=[kept["type"], "null"])
     elif isinstance(schema, list):
         for item in schema:
             _compact_schema(item, output)

@@ -329,12 +329,14 @@ class PathCommit:
     trailers: list[tuple[str, str]]
 
 
-def path_commits(repo: git.Repo, path: Path, limit: int = 200) -> list[PathCommit]:
-    """The newest ``limit`` commits that touch ``path``, newest first, with their trailers
-    (one ``git log``; a trailer that occurs twice is listed twice)."""
+def path_commits(repo: git.Repo, path: Path, limit: int = 200, rev: str | None = None) -> list[PathCommit]:
+    """The newest ``limit`` commits that touch ``path`` (in the history of ``rev``, default
+    HEAD), newest first, with their trailers (one ``git log``; a trailer that occurs twice is
+    listed twice)."""
     fields = "%H%x1f%s%x1f%cI%x1f%(trailers:only,unfold)%x1e"
     try:
-        out = repo.git.log(f"--max-count={limit}", f"--format={fields}", "--", _rel(repo, path))
+        out = repo.git.log(f"--max-count={limit}", f"--format={fields}", *([rev] if rev else []), "--",
+                           _rel(repo, path))
     except git.GitCommandError:  # no commits yet
         return []
     found = []

@@ -103,9 +103,11 @@ def check_launch(
     limits: RunLimits = RunLimits(),
     read_only: list[Path] | None = None,
     models: ModelBinding = ModelBinding(),
+    estimate: tuple[str, float | None] | None = None,
 ) -> dict[str, Any]:
     """Validate a launch with the engine itself; return its verdict: the resolved ``config``,
-    ``config_changes`` (keys that differ from the code defaults) and the ``data`` summary.
+    ``config_changes`` (keys that differ from the code defaults) and the ``data`` summary
+    (with ``estimate`` = (device, its memory in GiB or None): also the run's ``estimate``).
 
     The check imports the recipe, so it runs as the run will: in the sandbox (seeing
     ``read_only``, default the workspace, and nothing writable), with the run's resource limits
@@ -118,6 +120,9 @@ def check_launch(
     if config_json is not None:
         command += ["--config-json", str(config_json)]
     command += [f"--set={override}" for override in overrides]
+    if estimate is not None:
+        device, memory_gib = estimate
+        command += ["--estimate", device] + ([f"--device-memory-gib={memory_gib}"] if memory_gib is not None else [])
     mark = f"check-{secrets.token_hex(8)}"
     # A check writes nothing, not even the recipe's bytecode cache. It gets what the run gets
     # (pass_env included), so it can tell that a credential the run needs is missing.

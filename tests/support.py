@@ -131,3 +131,16 @@ def wait_for(predicate, timeout: float = 300, interval: float = 0.05):
             return value
         time.sleep(interval)
     raise AssertionError("timed out waiting")
+
+
+def finished_run(ws, run_id: str, timeout_s: float = 300) -> str:
+    """``run_id`` once the server's run of it completed (an AssertionError with its console's end
+    when it failed or ``timeout_s`` passed)."""
+    from mcp_server.operations import runs as run_ops
+
+    deadline = time.monotonic() + timeout_s
+    while (status := run_ops.get_run(ws, run_id).status) not in rd.FINAL_STATUSES:
+        assert time.monotonic() < deadline, f"run {run_id} still {status}"
+        time.sleep(0.5)
+    assert status == rd.COMPLETED, run_ops.get_run(ws, run_id).console_tail
+    return run_id

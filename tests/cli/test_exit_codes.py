@@ -63,6 +63,11 @@ CASES = [
     (["sample", NO_RUN, "--prompt", "a"], EXIT_NOT_FOUND, "no run"),
     (["sample", NO_RUN, "--prompt", "a", "--max-new-tokens", "0"], EXIT_BAD_INPUT, "max_new_tokens must be"),
     (["evaluate", NO_RUN], EXIT_NOT_FOUND, "no run"),
+    (["compare", NO_RUN, NO_RUN], EXIT_NOT_FOUND, "no run"),
+    (["compare", "../x", NO_RUN], EXIT_BAD_INPUT, "not a plain name"),
+    (["estimate", "recipes/nope"], EXIT_NOT_FOUND, "no recipe"),
+    (["estimate", "recipes/lm", "--device-memory-gib", "0"], EXIT_BAD_INPUT, "device_memory_gib must be"),
+    (["estimate", "recipes/lm", "--nproc", "0"], EXIT_BAD_INPUT, "nproc must be"),
     (["evaluate", NO_RUN, "--data", "/etc/passwd"], EXIT_BAD_INPUT, "outside the workspace"),
 ]
 

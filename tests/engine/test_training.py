@@ -47,8 +47,12 @@ def test_a_run_writes_the_run_directory_of_the_contract(reference):
     assert [s for s, _ in rd.list_checkpoints(reference)] == [4, 8, 12, 16]
     first = rd.read_all_metrics(reference / rd.METRICS_JSONL)[0]
     for key in ("step", "loss", "lr", "grad_norm", "tokens_per_s", "step_time_s", "peak_mem_mb",
-                "data_s", "fwd_bwd_s", "optim_s"):
+                "data_s", "fwd_bwd_s", "optim_s", "rss_peak_mb"):
         assert key in first, key
+    for record in rd.read_all_metrics(reference / rd.METRICS_JSONL):
+        if "loss" in record:  # on a CPU, the busiest process's peak is its resident set's
+            assert len(record["rss_peak_mb"]) == 1 and record["peak_mem_mb"] == max(record["rss_peak_mb"])
+            assert "cuda_max_allocated_mb" not in record
 
 
 def test_loss_falls(reference):
@@ -117,6 +121,8 @@ def test_two_processes_match_one_and_their_checkpoint_resumes_on_one(workspace, 
     root, recipe = workspace
     two = run_engine(root, recipe, *SCHEDULE, nproc=2)
     assert rd.read_run(two).world_size == 2
+    peaks = [r["rss_peak_mb"] for r in rd.read_all_metrics(two / rd.METRICS_JSONL) if "loss" in r]
+    assert peaks and all(len(p) == 2 and all(mb > 50 for mb in p) for p in peaks)  # each process's own
     one_curve, two_curve = losses(reference), losses(two)
     assert sorted(two_curve) == sorted(one_curve)
     relative = {s: abs(two_curve[s] - one_curve[s]) / abs(one_curve[s]) for s in one_curve}

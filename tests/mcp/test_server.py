@@ -22,10 +22,12 @@ from tests.support import TEMPLATE
 TOOLS = {
     "list_skills", "get_skill", "apply_skill", "list_templates", "scaffold_recipe", "describe_recipe",
     "list_recipes", "launch_run", "list_runs", "get_run", "wait_run", "tail_metrics", "stop_run",
-    "list_checkpoints", "resume_checkpoint", "export_checkpoint", "sample", "evaluate",
+    "list_checkpoints", "resume_checkpoint", "export_checkpoint", "sample", "evaluate", "compare_runs",
+    "estimate_run",
 }
 READ_ONLY_TOOLS = {"list_skills", "get_skill", "list_templates", "describe_recipe", "list_recipes", "list_runs",
-                   "get_run", "wait_run", "tail_metrics", "list_checkpoints", "sample", "evaluate"}
+                   "get_run", "wait_run", "tail_metrics", "list_checkpoints", "sample", "evaluate", "compare_runs",
+                   "estimate_run"}
 
 
 def test_every_tool_is_listed_with_annotations_and_an_output_schema(client):

@@ -13,7 +13,8 @@ from tests.sandbox.helpers import error_text, fake_run, live_client, make_worksp
 
 RUN_ID = "20260101-000000-lm-abcd"
 READ_ONLY_TOOLS = {"list_skills", "get_skill", "list_templates", "describe_recipe", "list_recipes", "list_runs",
-                   "get_run", "wait_run", "tail_metrics", "list_checkpoints", "sample", "evaluate"}
+                   "get_run", "wait_run", "tail_metrics", "list_checkpoints", "sample", "evaluate", "compare_runs",
+                   "estimate_run"}
 CHANGING_CALLS = {
     "apply_skill": {"skill": "gradient-checkpointing", "recipe": "recipes/lm"},
     "scaffold_recipe": {"template": "causal_lm", "name": "fresh"},

@@ -1,0 +1,331 @@
+"""A run's memory and time per process, estimated before it starts.
+
+``python -m engine.launch RECIPE --check --estimate DEVICE [--device-memory-gib G]`` adds an
+``estimate`` to the launch check's verdict (the server runs it sandboxed, like every check). The
+recipe's own ``prepare_model()`` builds the model on the meta device — its skills applied, no
+weights allocated — and one forward of a micro-batch of the recipe's shapes runs on it, counting
+the bytes autograd saves for backward (:class:`SavedBytes`). So the activation figure is
+**measured on the meta device at the run's full sequence length**, not extrapolated, and it sees
+what the recipe's code does (gradient checkpointing wrappers, frozen towers, LoRA).
+
+Per process (:func:`estimate_memory`):
+
+- parameters fp32, gradients fp32 for the trainable ones, AdamW's two fp32 states for the
+  trainable ones — each divided by the FSDP2 shard count (dp × sp) when FSDP2 shards (more than one
+  rank, mixed precision, or ``parallel.fsdp_on_one_process``; engine/fsdp.py);
+- activations: the saved bytes of one micro-batch (scaled by 2/4 with a 16-bit ``param_dtype``,
+  by 1/sp with sequence parallelism) plus the largest saved tensor again (its gradient, in
+  backward); a checkpointed block keeps only its input, and in backward one block's activations
+  come back with their gradients (twice the largest block's);
+- on a CPU, the process floor: the resident memory of this process after it imported torch and
+  the recipe and built the recipe's data pipeline (what a run holds before its model exists);
+  on a GPU the floor is 0 (``max_memory_allocated`` does not count the CUDA context).
+
+Time per step: FLOPs per token (``Engine.flops_per_token`` of the meta model; a checkpointed
+block's forward counted twice) × the positions a process computes per step, over the device's FLOP/s: measured by a short matmul probe when the
+device is here, else ``metrics.peak_tflops`` × :data:`ASSUMED_MFU`, named in ``time_source``.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from engine.distributed import DistInfo
+from engine.fsdp import DTYPES, transformer_blocks
+from engine.memory import rss_high_water_mb
+
+ADAMW_STATES = 2
+FP32 = 4
+ASSUMED_MFU = 0.4
+GIB = 2**30
+
+
+@dataclass
+class SavedBytes:
+    """What autograd keeps for backward during one forward, counted by storage (views of one
+    tensor count once; parameters are not activations). ``per_block``: each transformer block's
+    own saved bytes and its input's bytes; checkpointed blocks save only their inputs."""
+
+    total: int = 0
+    largest: int = 0
+    seen: set[int] = field(default_factory=set)
+    parameters: set[int] = field(default_factory=set)
+    current_block: int | None = None
+    per_block: dict[int, list[int]] = field(default_factory=dict)  # block -> [saved, input]
+
+    def pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        storage = tensor.untyped_storage()
+        key = storage._cdata
+        if key not in self.seen and key not in self.parameters:
+            self.seen.add(key)
+            self.total += storage.nbytes()
+            self.largest = max(self.largest, storage.nbytes())
+            if self.current_block is not None:
+                self.per_block[self.current_block][0] += storage.nbytes()
+        return tensor
+
+
+def _tensor_bytes(value: Any) -> int:
+    if isinstance(value, torch.Tensor):
+        return value.untyped_storage().nbytes()
+    if isinstance(value, (list, tuple)):
+        return sum(_tensor_bytes(v) for v in value)
+    if isinstance(value, dict):
+        return sum(_tensor_bytes(v) for v in value.values())
+    return 0
+
+
+def is_checkpointed(block: nn.Module) -> bool:
+    return type(block).__name__ == "CheckpointWrapper" or any(
+        type(m).__name__ == "CheckpointWrapper" for m in block.modules())
+
+
+def measure_saved_bytes(engine, batch: dict[str, torch.Tensor]) -> tuple[SavedBytes, int, int]:
+    """One forward of ``batch`` (meta tensors) through ``engine.compute_loss``; returns the
+    saved bytes, the blocks that are checkpointed and all blocks."""
+    counter = SavedBytes(parameters={p.untyped_storage()._cdata for p in engine.model.parameters()})
+    blocks = transformer_blocks(engine.model)
+    checkpointed = [is_checkpointed(b) for b in blocks]
+    handles = []
+    for index, block in enumerate(blocks):
+        counter.per_block[index] = [0, 0]
+
+        def enter(module, args, kwargs, index=index):
+            counter.current_block = index
+            counter.per_block[index][1] = _tensor_bytes(args) + _tensor_bytes(kwargs)
+
+        def leave(module, args, kwargs, output, index=index):
+            counter.current_block = None
+            if checkpointed[index]:
+                recomputed.append((index, module, args, kwargs))
+
+        handles.append(block.register_forward_pre_hook(enter, with_kwargs=True))
+        handles.append(block.register_forward_hook(leave, with_kwargs=True))
+    recomputed: list[tuple[int, nn.Module, Any, Any]] = []
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(counter.pack, lambda t: t):
+            engine.compute_loss(batch)
+    finally:
+        for handle in handles:
+            handle.remove()
+    # A checkpointed block's recomputation in backward: its activations, once. Measured after the
+    # model's forward, so that nothing the model records of its blocks' outputs sees it.
+    for index, module, args, kwargs in recomputed:
+        inner = SavedBytes(parameters=counter.parameters)
+        with torch.autograd.graph.saved_tensors_hooks(inner.pack, lambda t: t):
+            getattr(module, "_checkpoint_wrapped_module", module)(*args, **kwargs)
+        counter.per_block[index][0] = inner.total
+    return counter, sum(checkpointed), len(blocks)
+
+
+@dataclass
+class Shape:
+    """What one process of the run holds and computes, as measured on the meta device."""
+
+    params: int
+    trainable: int
+    saved_bytes: int  # one micro-batch's activations, as the recipe's code keeps them
+    largest_saved: int
+    block_saved: list[int]  # each block's own activations (when not checkpointed)
+    block_inputs: list[int]
+    checkpointed_blocks: int
+    blocks: int
+    flops_per_token: float | None
+    positions_per_step: int  # per process
+    floor_bytes: int
+
+
+def estimate_memory(shape: Shape, nproc: int, parallel: Any, device: str, checkpointing: bool | None = None,
+                    micro_batch_scale: float = 1.0, param_dtype: str | None = None) -> dict[str, Any]:
+    """Bytes per process (see the module docstring); ``checkpointing``, ``micro_batch_scale`` and
+    ``param_dtype`` re-estimate the same model with that change made."""
+    tp, sp = parallel.tp, parallel.sp
+    fsdp = max(1, nproc // tp)
+    dtype = param_dtype or parallel.param_dtype
+    mixed = dtype != "float32" or parallel.reduce_dtype != "float32"
+    shards = fsdp if (fsdp > 1 or mixed or parallel.fsdp_on_one_process) else 1
+    params = shape.params * FP32 / shards / tp
+    grads = shape.trainable * FP32 / shards / tp
+    optimizer = shape.trainable * FP32 * ADAMW_STATES / shards / tp
+    # Outside the blocks, what the forward saved; inside, each block's activations, or with
+    # checkpointing its input (kept for the recomputation) and, in backward, one block's again.
+    measured_checkpointed = shape.checkpointed_blocks > 0
+    outside = shape.saved_bytes - (0 if measured_checkpointed else sum(shape.block_saved))
+    if checkpointing is None:
+        checkpointing = measured_checkpointed
+    if checkpointing:
+        activations = outside + sum(shape.block_inputs) + 2 * max(shape.block_saved, default=0)  # and its gradients
+    else:
+        activations = outside + sum(shape.block_saved)
+    activations += shape.largest_saved
+    activations *= micro_batch_scale * (DTYPES[dtype].itemsize / FP32) / sp
+    gathered = 0.0
+    if shards > 1 and shape.blocks:  # FSDP2 gathers a block (and prefetches the next) in the compute dtype
+        gathered = 2 * shape.params / shape.blocks * DTYPES[dtype].itemsize / tp
+    floor = shape.floor_bytes if device == "cpu" else 0
+    parts = {"floor": floor, "params": params, "grads": grads, "optimizer": optimizer,
+             "activations": activations, "gathered": gathered}
+    return {key: round(value / GIB, 4) for key, value in parts.items()} | {
+        "peak_gib": round(sum(parts.values()) / GIB, 4)}
+
+
+def step_time(shape: Shape, device: torch.device, dtype: torch.dtype, override_tflops: float | None
+              ) -> tuple[float | None, str]:
+    """Seconds per optimizer step per process, and where the FLOP/s came from."""
+    if not shape.flops_per_token:
+        return None, "the recipe gives no FLOPs per token"
+    flops = shape.flops_per_token * shape.positions_per_step
+    if shape.blocks:  # a checkpointed block runs its forward (2 of the 6 FLOPs per parameter) again
+        flops *= 1 + shape.checkpointed_blocks / shape.blocks / 3
+    if device.type == "cpu" or torch.cuda.is_available():  # the device is here: measure it
+        measured = matmul_flops(device, dtype)
+        return flops / measured, f"a {PROBE_SIZE}² matmul probe here: {measured / 1e9:,.1f} GFLOP/s (MFU 1 of that)"
+    peak = override_tflops * 1e12 if override_tflops is not None else None
+    if peak is None:
+        return None, "no such device here, and its peak FLOP/s is not known: metrics.peak_tflops sets it"
+    return flops / (peak * ASSUMED_MFU), f"metrics.peak_tflops {peak / 1e12:,.0f} TFLOP/s × MFU {ASSUMED_MFU}"
+
+
+PROBE_SIZE = 512
+
+
+def matmul_flops(device: torch.device, dtype: torch.dtype, repeats: int = 5) -> float:
+    a = torch.randn(PROBE_SIZE, PROBE_SIZE, device=device, dtype=dtype)
+    b = torch.randn(PROBE_SIZE, PROBE_SIZE, device=device, dtype=dtype)
+    a @ b  # warm-up
+    best = math.inf
+    for _ in range(repeats):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        a @ b
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        best = min(best, time.perf_counter() - start)
+    return 2 * PROBE_SIZE**3 / best
+
+
+def rss_now_bytes() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    return int(rss_high_water_mb() * 2**20)
+
+
+def measure_shape(recipe_class, config, nproc: int) -> Shape:
+    """Build the recipe's engine as one process of an ``nproc`` run would see it, its data
+    pipeline for one micro-batch's shapes, and its model on the meta device."""
+    parallel = config.parallel
+    dp = max(1, nproc // (parallel.tp * parallel.sp))
+    meta_config = config.model_copy(deep=True)
+    # The model is built unsharded in float32: sharding and precision are applied by the formula.
+    meta_config.parallel.param_dtype = meta_config.parallel.reduce_dtype = "float32"
+    meta_config.parallel.fsdp_on_one_process = False
+    meta_config.parallel.tp = meta_config.parallel.sp = 1
+    engine = recipe_class(meta_config, DistInfo(0, 1, 0, torch.device("cpu"), None))
+    micro_batch = config.data.batch_size // (dp * config.train.grad_accum)
+    meta_config.data.batch_size = micro_batch * config.train.grad_accum  # one process's share
+    torch.manual_seed(config.train.seed)
+    batches = engine.prepare_data()
+    engine.prepare_eval_data()
+    batch = next(batches)
+    floor = rss_now_bytes()
+    engine.device = torch.device("meta")
+    with torch.device("meta"):
+        engine.model = engine.prepare_model()
+    engine.model.train()
+    # Fake tensors over the meta ones: code that asks a tensor for a value (a mask check in
+    # transformers) sees a traced tensor and skips the question, as under torch.compile.
+    # transformers' input checks (image tokens vs features) ask for values: skipped, as they can be.
+    os.environ["TRANSFORMERS_DISABLE_TORCH_CHECK"] = "1"
+    with FakeTensorMode(allow_non_fake_inputs=True) as fake:
+        _fake_parameters(engine.model, fake)
+        fake_batch = {k: (fake.from_tensor(v.to("meta")) if isinstance(v, torch.Tensor) else v) for k, v in batch.items()}
+        counter, checkpointed, blocks = measure_saved_bytes(engine, fake_batch)
+    unique = {id(p): p for p in engine.model.parameters()}.values()
+    positions = sum(v.numel() for k, v in batch.items() if k == "input_ids") * config.train.grad_accum
+    per_block = [counter.per_block[i] for i in range(blocks)]
+    return Shape(
+        params=sum(p.numel() for p in unique), trainable=sum(p.numel() for p in unique if p.requires_grad),
+        saved_bytes=counter.total, largest_saved=counter.largest,
+        block_saved=[b[0] for b in per_block], block_inputs=[b[1] for b in per_block],
+        checkpointed_blocks=checkpointed, blocks=blocks, flops_per_token=engine.flops_per_token(),
+        positions_per_step=positions, floor_bytes=floor,
+    )
+
+
+def _fake_parameters(model: nn.Module, fake: FakeTensorMode) -> None:
+    """Replace the meta model's parameters and buffers by fake tensors (a tied weight stays one)."""
+    made: dict[int, torch.Tensor] = {}
+    for module in model.modules():
+        for name, param in list(module._parameters.items()):
+            if param is not None:
+                if id(param) not in made:
+                    made[id(param)] = nn.Parameter(fake.from_tensor(param), requires_grad=param.requires_grad)
+                module._parameters[name] = made[id(param)]  # type: ignore[assignment]
+        for name, buffer in list(module._buffers.items()):
+            if buffer is not None:
+                module._buffers[name] = fake.from_tensor(buffer)
+
+
+def estimate(recipe_class, config, nproc: int, device: str, device_memory_gib: float | None) -> dict[str, Any]:
+    """The ``estimate`` of the launch check's verdict (mcp_server.models.EstimateResult)."""
+    shape = measure_shape(recipe_class, config, nproc)
+    parallel = config.parallel
+    memory = estimate_memory(shape, nproc, parallel, device)
+    seconds, time_source = step_time(shape, torch.device(device), DTYPES[parallel.param_dtype],
+                                     config.metrics.peak_tflops)
+    result: dict[str, Any] = {
+        "params": shape.params, "trainable": shape.trainable,
+        "checkpointed_blocks": f"{shape.checkpointed_blocks} of {shape.blocks}",
+        "memory_gib": memory,
+        "activations_source": "saved tensors of one micro-batch's forward on the meta device (measured, full length)",
+        "flops_per_token": shape.flops_per_token, "step_time_s": seconds, "time_source": time_source,
+        "fits": None, "changes": [],
+    }
+    if device_memory_gib is not None:
+        result["fits"] = memory["peak_gib"] <= device_memory_gib
+        if not result["fits"]:
+            result["changes"] = _changes(shape, config, nproc, device, device_memory_gib)
+    return result
+
+
+def _changes(shape: Shape, config, nproc: int, device: str, limit_gib: float) -> list[dict[str, Any]]:
+    """Changes that would make the run fit, each estimated again: gradient checkpointing, 16-bit
+    mixed precision, smaller micro-batches (more accumulation, the same batch) and more processes
+    (FSDP2 shards), alone and together; the ones that fit with the fewest changes first (at most
+    :data:`MAX_CHANGES`), or the lowest peaks when none fits."""
+    parallel, accum = config.parallel, config.train.grad_accum
+    micro = config.data.batch_size // (max(1, nproc // (parallel.tp * parallel.sp)) * accum)
+    can_checkpoint = not shape.checkpointed_blocks and shape.blocks
+    rows = []
+    for checkpointing in ((False, True) if can_checkpoint else (False,)):
+        for bf16 in ((False, True) if parallel.param_dtype == "float32" else (False,)):
+            for split in (1, 2, 4, 8):
+                for more in (1, 2, 4, 8):
+                    if micro % (split * more) or (split, more, checkpointing, bf16) == (1, 1, False, False):
+                        continue
+                    memory = estimate_memory(shape, nproc * more, parallel, device,
+                                             checkpointing=True if checkpointing else None,
+                                             micro_batch_scale=1 / (split * more),
+                                             param_dtype="bfloat16" if bf16 else None)
+                    names = (["apply_skill gradient-checkpointing"] * checkpointing
+                             + ["parallel.param_dtype=bfloat16"] * bf16
+                             + [f"train.grad_accum={accum * split}"] * (split > 1)
+                             + [f"nproc={nproc * more}"] * (more > 1))
+                    rows.append({"change": " + ".join(names), "peak_gib": memory["peak_gib"],
+                                 "fits": memory["peak_gib"] <= limit_gib, "_count": len(names)})
+    rows.sort(key=lambda row: (not row["fits"], row["_count"] if row["fits"] else 0, row["peak_gib"]))
+    return [{k: v for k, v in row.items() if k != "_count"} for row in rows[:MAX_CHANGES]]
+
+
+MAX_CHANGES = 8

@@ -1,0 +1,69 @@
+"""Peak memory of a training process: the one definition that metrics, estimates and
+comparisons read.
+
+Each process measures its own high-water marks (:func:`process_peaks`): the CPU resident set's
+(``VmHWM`` of ``/proc/self/status``: the peak of this program since it was executed; where
+there is no such file, ``ru_maxrss`` of ``getrusage``) and, on a GPU, CUDA's largest allocated
+and reserved bytes. The engine gathers them from every rank into each training record
+(``MetricRecord.rss_peak_mb`` and the ``cuda_*`` lists, in rank order) and ``peak_mem_mb`` is
+the busiest process's figure of the device it trains on (:func:`busiest_peak_mb`).
+"""
+
+from __future__ import annotations
+
+import resource
+from dataclasses import dataclass
+
+import torch
+
+from engine.distributed import DistInfo, all_gather_floats
+
+
+@dataclass
+class ProcessPeaks:
+    """One process's high-water marks, in MiB."""
+
+    rss_mb: float
+    cuda_allocated_mb: float | None = None
+    cuda_reserved_mb: float | None = None
+
+
+def rss_high_water_mb(status_path: str = "/proc/self/status") -> float:
+    """The peak resident memory of this process (MiB) since it was executed."""
+    try:
+        with open(status_path) as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024  # kB
+    except OSError:
+        pass
+    # Linux reports ru_maxrss in KiB (it may carry a peak over from before an exec).
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def process_peaks(device: torch.device) -> ProcessPeaks:
+    peaks = ProcessPeaks(rss_mb=rss_high_water_mb())
+    if device.type == "cuda":
+        peaks.cuda_allocated_mb = torch.cuda.max_memory_allocated(device) / 2**20
+        peaks.cuda_reserved_mb = torch.cuda.max_memory_reserved(device) / 2**20
+    return peaks
+
+
+def gathered_peaks(device: torch.device, info: DistInfo) -> dict[str, list[float]]:
+    """Every rank's peaks, as the record's per-process lists (rank order)."""
+    own = process_peaks(device)
+    values = [own.rss_mb]
+    if own.cuda_allocated_mb is not None and own.cuda_reserved_mb is not None:
+        values += [own.cuda_allocated_mb, own.cuda_reserved_mb]
+    per_rank = all_gather_floats(values, info)
+    lists = {"rss_peak_mb": [round(rank[0], 1) for rank in per_rank]}
+    if len(values) == 3:
+        lists["cuda_max_allocated_mb"] = [round(rank[1], 1) for rank in per_rank]
+        lists["cuda_max_reserved_mb"] = [round(rank[2], 1) for rank in per_rank]
+    return lists
+
+
+def busiest_peak_mb(peaks: dict[str, list[float]]) -> float:
+    """``peak_mem_mb``: the largest process's peak on the device it trains on (CUDA allocated
+    on a GPU, the resident set on a CPU)."""
+    return max(peaks.get("cuda_max_allocated_mb") or peaks["rss_peak_mb"])

@@ -1,0 +1,319 @@
+"""``compare_runs``: what differs between two runs, and whether each difference in their
+metrics is larger than the noise of their own logged windows.
+
+Every verdict is b's against a's, with the numbers behind it:
+
+- **loss / eval_loss** at equal tokens seen: each curve is interpolated linearly on a common
+  grid of tokens seen (where both runs have been); the verdict is on the mean difference over
+  the grid, against a noise bound of 2 × the two curves' noise together (each record's scatter
+  about the line through its neighbours: :func:`_curve_noise`). The bound is not divided by the
+  number of records: two seeds differ by about a record's noise all along the curve, and that is
+  no difference. Bit-equal curves are said to be so.
+- **tokens_per_s / step_time_s**: the median over the logging windows after the first (the
+  warm-up); the spread is the interquartile range. The noise bound is the sum of the two runs'
+  half-IQRs relative to their medians, at least :data:`MIN_SPEED_NOISE`: a ratio inside
+  1 ± bound is "no difference".
+- **peak_mem_mb**: the largest figure any record measured (:mod:`engine.memory`); a change within
+  :data:`MEMORY_NOISE` is "no difference" (allocators and page sizes move a peak a little).
+
+What the runs do not share is left out and named: loss needs the same data (its fingerprint and
+summary) and the same kind of recipe (the same config sections); step time needs steps of the
+same work (``data.batch_size``, ``data.seq_len``, ``train.grad_accum``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import statistics
+from pathlib import Path
+from typing import Any
+
+from engine import run_dir as rd
+from engine import server_record as sr
+from mcp_server.limits import AGENT_BUDGET_CHARS, json_chars
+from mcp_server.models import CompareResult, MetricVerdict, Verdict
+from mcp_server.operations import history
+from mcp_server.operations.runs import run_view
+from sandbox import git as sandbox_git
+from sandbox.workspace import Workspace
+
+MIN_SPEED_NOISE = 0.03
+MEMORY_NOISE = 0.03
+GRID_POINTS = 16
+MIN_WINDOWS = 2
+MAX_DIFFERENCES = 25
+MAX_DIFFERENCE_CHARS = 200
+STEP_WORK_KEYS = ("data.batch_size", "data.seq_len", "train.grad_accum")
+
+
+def compare_runs(ws: Workspace, run_a: str, run_b: str) -> CompareResult:
+    dir_a, record_a = run_view(ws, run_a)
+    dir_b, record_b = run_view(ws, run_b)
+    config_a, config_b = _flat(record_a.config or {}), _flat(record_b.config or {})
+    differences = _code_differences(ws, record_a, record_b, dir_a, dir_b) + [
+        f"{key}: {_shown(config_a.get(key, '(absent)'))} → {_shown(config_b.get(key, '(absent)'))}"
+        for key in sorted(set(config_a) | set(config_b)) if config_a.get(key) != config_b.get(key)
+    ]
+    left_out: list[str] = []
+    metrics: list[MetricVerdict] = []
+
+    why_not_loss = _loss_incomparable(record_a, record_b, config_a, config_b)
+    if why_not_loss:
+        left_out.append(f"loss, eval_loss: {why_not_loss}")
+    else:
+        records_a, records_b = history.chain_records(ws, run_a)[0], history.chain_records(ws, run_b)[0]
+        for metric in ("loss", "eval_loss"):
+            verdict = compare_curves(metric, _curve(records_a, metric), _curve(records_b, metric))
+            if verdict is None:
+                left_out.append(f"{metric}: not logged by both runs over common tokens")
+            else:
+                metrics.append(verdict)
+
+    own_a, own_b = rd.read_all_metrics(dir_a / rd.METRICS_JSONL), rd.read_all_metrics(dir_b / rd.METRICS_JSONL)
+    metrics.append(compare_windows("tokens_per_s", _windows(own_a, "tokens_per_s"),
+                                   _windows(own_b, "tokens_per_s"), higher_is_better=True))
+    differing_work = [key for key in STEP_WORK_KEYS if config_a.get(key) != config_b.get(key)]
+    if differing_work:
+        left_out.append(f"step_time_s: the steps hold different work ({', '.join(differing_work)} differ)")
+    else:
+        metrics.append(compare_windows("step_time_s", _windows(own_a, "step_time_s"),
+                                       _windows(own_b, "step_time_s"), higher_is_better=False))
+    metrics.append(compare_peaks(_peaks(own_a), _peaks(own_b)))
+    return _fit(CompareResult(run_a=record_a.id, run_b=record_b.id, differences=differences,
+                              metrics=metrics, left_out=left_out))
+
+
+# ---------------------------------------------------------------------------------------------
+# Verdicts (each takes plain numbers: the rules above, testable without a run)
+# ---------------------------------------------------------------------------------------------
+
+
+def compare_curves(metric: str, curve_a: list[tuple[float, float]], curve_b: list[tuple[float, float]]
+                   ) -> MetricVerdict | None:
+    """Lower is better. ``curve``: (tokens seen, value) in order; None without a common range."""
+    if len(curve_a) < 1 or len(curve_b) < 1:
+        return None
+    low, high = max(curve_a[0][0], curve_b[0][0]), min(curve_a[-1][0], curve_b[-1][0])
+    if high < low:
+        return None
+    grid = [low + (high - low) * i / (GRID_POINTS - 1) for i in range(GRID_POINTS)] if high > low else [low]
+    values_a = [_interpolate(curve_a, x) for x in grid]
+    values_b = [_interpolate(curve_b, x) for x in grid]
+    mean_a, mean_b = statistics.fmean(values_a), statistics.fmean(values_b)
+    difference = mean_b - mean_a
+    where = f"over {_count(low)}-{_count(high)} tokens seen ({len(grid)} grid points)"
+    in_range = min(sum(low <= t <= high for t, _ in curve_a), sum(low <= t <= high for t, _ in curve_b))
+    if values_a == values_b:
+        return MetricVerdict(metric=metric, verdict="no difference", a=_round(mean_a), b=_round(mean_b), ratio=1.0,
+                             evidence=f"bit-equal {where}")
+    noise = math.hypot(_curve_noise(curve_a), _curve_noise(curve_b))
+    bound = 2 * noise
+    verdict: Verdict = "no difference"
+    if abs(difference) > bound:
+        verdict = "better" if difference < 0 else "worse"
+    return MetricVerdict(
+        metric=metric, verdict=verdict, a=_round(mean_a), b=_round(mean_b), ratio=_ratio(mean_b, mean_a),
+        evidence=f"mean difference {difference:+.4g} {where}; noise bound ±{bound:.3g} "
+                 f"(noise about the trend {noise:.3g}, {in_range} records)",
+    )
+
+
+def compare_windows(metric: str, windows_a: list[float], windows_b: list[float], higher_is_better: bool
+                    ) -> MetricVerdict:
+    """Medians of the logging windows after the warm-up, against the IQR noise bound."""
+    if len(windows_a) < MIN_WINDOWS or len(windows_b) < MIN_WINDOWS:
+        return MetricVerdict(metric=metric, verdict="not compared", evidence=(
+            f"{len(windows_a)} and {len(windows_b)} window(s) after the warm-up; at least {MIN_WINDOWS} each needed "
+            "(log more often: train.log_every)"))
+    median_a, spread_a = _median_and_spread(windows_a)
+    median_b, spread_b = _median_and_spread(windows_b)
+    if median_a <= 0 or median_b <= 0:
+        return MetricVerdict(metric=metric, verdict="not compared", evidence="a median of 0")
+    bound = max(MIN_SPEED_NOISE, spread_a / 2 / median_a + spread_b / 2 / median_b)
+    ratio = median_b / median_a
+    verdict: Verdict = "no difference"
+    if abs(math.log(ratio)) > math.log1p(bound):
+        verdict = "better" if (ratio > 1) == higher_is_better else "worse"
+    return MetricVerdict(
+        metric=metric, verdict=verdict, a=_round(median_a), b=_round(median_b), ratio=_round(ratio),
+        evidence=f"medians of {len(windows_a)} and {len(windows_b)} windows after the warm-up, IQR "
+                 f"{spread_a:.4g} and {spread_b:.4g}; noise bound ±{bound:.1%}",
+    )
+
+
+def compare_peaks(peaks_a: tuple[float, list[float]] | None, peaks_b: tuple[float, list[float]] | None
+                  ) -> MetricVerdict:
+    """Lower is better. ``peaks``: (peak_mem_mb, each process's RSS peak)."""
+    if peaks_a is None or peaks_b is None:
+        return MetricVerdict(metric="peak_mem_mb", verdict="not compared", evidence="a run logged no peak memory")
+    (peak_a, ranks_a), (peak_b, ranks_b) = peaks_a, peaks_b
+    ratio = peak_b / peak_a if peak_a > 0 else math.inf
+    verdict: Verdict = "no difference"
+    if abs(ratio - 1) > MEMORY_NOISE:
+        verdict = "better" if ratio < 1 else "worse"
+    per_process = f"; RSS per process {_mb(ranks_a)} vs {_mb(ranks_b)}" if ranks_a and ranks_b else ""
+    return MetricVerdict(metric="peak_mem_mb", verdict=verdict, a=_round(peak_a), b=_round(peak_b),
+                         ratio=_round(ratio), evidence=f"busiest process's peak; noise bound ±{MEMORY_NOISE:.0%}{per_process}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading the records
+# ---------------------------------------------------------------------------------------------
+
+
+def _training(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [r for r in records if rd.finite_number(r.get("tokens_per_s")) is not None
+            and rd.finite_number(r.get("step_time_s")) is not None]
+
+
+def _windows(records: list[dict[str, Any]], key: str) -> list[float]:
+    """The values of ``key`` in the training windows after the first (the warm-up)."""
+    values = [rd.finite_number(r.get(key)) for r in _training(records)[1:]]
+    return [v for v in values if v is not None]
+
+
+def _curve(records: list[dict[str, Any]], metric: str) -> list[tuple[float, float]]:
+    """(tokens seen, value) of ``metric``; a record without ``tokens_seen`` (an evaluation) takes
+    that of the training record of its step."""
+    tokens_at = {r["step"]: r["tokens_seen"] for r in records if isinstance(r.get("tokens_seen"), int)}
+    curve: dict[float, float] = {}
+    for record in records:
+        value, tokens = rd.finite_number(record.get(metric)), tokens_at.get(record["step"])
+        if value is not None and tokens is not None:
+            curve[float(tokens)] = value
+    return sorted(curve.items())
+
+
+def _peaks(records: list[dict[str, Any]]) -> tuple[float, list[float]] | None:
+    peaks = [v for v in (rd.finite_number(r.get("peak_mem_mb")) for r in records) if v is not None]
+    if not peaks:
+        return None
+    per_rank: list[float] = []
+    for record in records:
+        ranks = record.get("rss_peak_mb")
+        if isinstance(ranks, list) and all(rd.finite_number(v) is not None for v in ranks):
+            per_rank = [max(old, new) for old, new in zip(per_rank, ranks)] if len(per_rank) == len(ranks) else ranks
+    return max(peaks), per_rank
+
+
+def _loss_incomparable(a: rd.RunRecord, b: rd.RunRecord, config_a: dict[str, Any], config_b: dict[str, Any]
+                       ) -> str | None:
+    sections_a, sections_b = {k.split(".")[0] for k in config_a}, {k.split(".")[0] for k in config_b}
+    if sections_a != sections_b or {k for k in config_a if k.startswith("model.")} != {
+            k for k in config_b if k.startswith("model.")}:
+        return "different kinds of recipe (their config keys differ)"
+    data_a = a.data.model_dump(include={"source", "paths", "fingerprint", "tokenizer", "documents"}) if a.data else None
+    data_b = b.data.model_dump(include={"source", "paths", "fingerprint", "tokenizer", "documents"}) if b.data else None
+    if data_a != data_b:
+        return "different data (the data summaries differ: source, paths, fingerprint, tokenizer or documents)"
+    return None
+
+
+def _code_differences(ws: Workspace, a: sr.ServerRecord, b: sr.ServerRecord, dir_a: Path, dir_b: Path) -> list[str]:
+    lines = []
+    if a.recipe != b.recipe:
+        lines.append(f"recipe: {a.recipe} → {b.recipe}")
+    if a.git_commit != b.git_commit:
+        lines.append(f"commit: {(a.git_commit or 'none')[:12]} → {(b.git_commit or 'none')[:12]}")
+    skills_a, skills_b = _skills(ws, a), _skills(ws, b)
+    only_a, only_b = [s for s in skills_a if s not in skills_b], [s for s in skills_b if s not in skills_a]
+    if only_a or only_b:
+        lines.append(f"skills: only a: {', '.join(only_a) or 'none'}; only b: {', '.join(only_b) or 'none'}")
+    if bool(a.recipe_dirty) != bool(b.recipe_dirty):
+        lines.append(f"uncommitted changes: a {bool(a.recipe_dirty)}, b {bool(b.recipe_dirty)}")
+    files_a, files_b = _snapshot_files(dir_a / rd.SNAPSHOT_DIRNAME), _snapshot_files(dir_b / rd.SNAPSHOT_DIRNAME)
+    changed = sorted(name for name in set(files_a) | set(files_b) if files_a.get(name) != files_b.get(name))
+    if changed:
+        lines.append(f"code: {len(changed)} file(s) of the snapshots differ ({', '.join(changed[:5])})")
+    return lines
+
+
+def _skills(ws: Workspace, record: rd.RunRecord) -> list[str]:
+    """Skills applied to the run's recipe, from the trailers of the commits up to its commit."""
+    repo = sandbox_git.open_repo(ws.root)
+    if repo is None or not record.git_commit or not sr.GIT_COMMIT.fullmatch(record.git_commit) or not record.recipe:
+        return []  # run.json is the run's to write: only a commit id is passed to git
+    commits = sandbox_git.path_commits(repo, ws.root / record.recipe, rev=record.git_commit)
+    return [value for commit in reversed(commits) for key, value in commit.trailers if key == "Skill-Applied"]
+
+
+def _snapshot_files(folder: Path, limit: int = 200) -> dict[str, str]:
+    found: dict[str, str] = {}
+    if not folder.is_dir() or folder.is_symlink():
+        return found
+    for path in sorted(folder.rglob("*"))[:limit]:
+        if path.is_file() and not path.is_symlink() and "__pycache__" not in path.parts:
+            found[path.relative_to(folder).as_posix()] = hashlib.sha256(path.read_bytes()).hexdigest()
+    return found
+
+
+# ---------------------------------------------------------------------------------------------
+# Small helpers
+# ---------------------------------------------------------------------------------------------
+
+
+def _flat(config: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    flat: dict[str, Any] = {}
+    for key, value in config.items():
+        if isinstance(value, dict) and value:
+            flat.update(_flat(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+def _interpolate(curve: list[tuple[float, float]], x: float) -> float:
+    for (x0, y0), (x1, y1) in zip(curve, curve[1:]):
+        if x0 <= x <= x1:
+            return y0 if x1 == x0 else y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+    return curve[0][1] if x <= curve[0][0] else curve[-1][1]
+
+
+def _curve_noise(curve: list[tuple[float, float]]) -> float:
+    """The standard deviation of a curve's records about its local trend: each record's distance
+    from the line through its two neighbours (for independent noise σ its spread is σ·√1.5), as a
+    median absolute deviation (σ ≈ MAD / 0.6745), so a falling curve's slope is not noise."""
+    residuals = []
+    for (x0, y0), (x1, y1), (x2, y2) in zip(curve, curve[1:], curve[2:]):
+        trend = y0 if x2 == x0 else y0 + (y2 - y0) * (x1 - x0) / (x2 - x0)
+        residuals.append(abs(y1 - trend))
+    return statistics.median(residuals) / 0.6745 / math.sqrt(1.5) if residuals else 0.0
+
+
+def _median_and_spread(values: list[float]) -> tuple[float, float]:
+    quartiles = statistics.quantiles(values, n=4, method="inclusive")
+    return statistics.median(values), quartiles[2] - quartiles[0]
+
+
+def _ratio(b: float, a: float) -> float | None:
+    return _round(b / a) if a else None
+
+
+def _round(value: float) -> float:
+    return float(f"{value:.5g}")
+
+
+def _count(tokens: float) -> str:
+    return f"{tokens:,.0f}"
+
+
+def _mb(values: list[float]) -> str:
+    return "[" + ", ".join(f"{v:,.0f}" for v in values[:8]) + (", …" if len(values) > 8 else "") + "] MB"
+
+
+def _shown(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:59] + "…"
+
+
+def _fit(result: CompareResult) -> CompareResult:
+    """At most MAX_DIFFERENCES differences, each cut, so the result stays under 8 KB."""
+    shown = [line if len(line) <= MAX_DIFFERENCE_CHARS else line[: MAX_DIFFERENCE_CHARS - 1] + "…"
+             for line in result.differences[:MAX_DIFFERENCES]]
+    if len(result.differences) > MAX_DIFFERENCES:
+        shown.append(f"… {len(result.differences) - MAX_DIFFERENCES} more")
+    result = result.model_copy(update={"differences": shown})
+    while json_chars(result.model_dump()) > AGENT_BUDGET_CHARS and len(result.differences) > 1:
+        result.differences = result.differences[: len(result.differences) // 2] + ["… (cut to fit 8 KB)"]
+    return result

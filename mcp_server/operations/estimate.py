@@ -1,0 +1,54 @@
+"""``estimate_run``: will a run fit, and how long will a step take, before it starts.
+
+The recipe's code decides what the model is, so the engine estimates it inside the launch check
+(``python -m engine.launch RECIPE --check --estimate DEVICE``, sandboxed like every check; the
+method is in engine/estimate.py): the model built on the meta device, its saved activations
+counted in one forward of a micro-batch, parameters, gradients and AdamW states under the run's
+dtype and FSDP2 sharding. Nothing is written and no run is started.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import ValidationError
+
+from engine.config import Overrides, override_args
+from engine.errors import BadInput
+from mcp_server.models import EstimateFigures, EstimateResult
+from mcp_server.operations.runs import _check_nproc, _checked_overrides, _hub_models
+from sandbox import hub
+from sandbox import runs as sandbox_runs
+from sandbox.workspace import Workspace
+
+DEVICES = ("cpu", "cuda")
+MAX_DEVICE_MEMORY_GIB = 1 << 20
+
+
+def estimate_run(ws: Workspace, recipe: str, overrides: Overrides = None, nproc: int = 1, device: str = "cpu",
+                 device_memory_gib: float | None = None) -> EstimateResult:
+    if device not in DEVICES:
+        raise BadInput(f"device must be one of {', '.join(DEVICES)}, got {device!r}")
+    if device_memory_gib is not None and (isinstance(device_memory_gib, bool) or not isinstance(
+            device_memory_gib, (int, float)) or not 0 < device_memory_gib <= MAX_DEVICE_MEMORY_GIB):
+        raise BadInput(f"device_memory_gib must be a number of GiB above 0, got {device_memory_gib!r}")
+    recipe_dir = ws.recipe(recipe)
+    nproc = _check_nproc(nproc)
+    flat = _checked_overrides(ws, overrides)
+    limits = ws.run_limits()
+    models = _hub_models(ws, hub.recipe_config(recipe_dir, flat), hub.recipe_config(recipe_dir, flat, hub.DATASET_KEY),
+                         limits, None)
+    verdict = sandbox_runs.check_launch(ws.root, recipe_dir, nproc, override_args(flat), limits=limits, models=models,
+                                        estimate=(device, device_memory_gib))
+    figures = _figures(verdict.get("estimate"))
+    shown: dict[str, Any] = figures.model_dump(exclude={"fits", "changes"})
+    shown = {"recipe": ws.label(recipe_dir), "nproc": nproc, "device": device, **shown}
+    return EstimateResult(fits=figures.fits, estimate=shown, changes=[c.model_dump() for c in figures.changes])
+
+
+def _figures(value: Any) -> EstimateFigures:
+    try:
+        return EstimateFigures.model_validate(value)
+    except ValidationError as e:  # printed by a process that imported the recipe: never quoted
+        raise sandbox_runs.LaunchRefused(f"the launch check gave no valid estimate ({e.error_count()} errors): the recipe's "
+                            "code printed a verdict of its own, or the engine it imports is not trainwright's") from None
