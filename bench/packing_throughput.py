@@ -20,8 +20,9 @@ Useful tokens are the tokens the loss learns from (not padding). Each peer runs 
 subprocess with the same thread count and OpenMP wait policy (a run's: ``engine/openmp.py``),
 in interleaved rounds (the order reverses every round); the first ``--warmup`` steps
 (compilation) are not timed. Each round prints, per peer, useful tokens/s over the timed steps,
-the median step, the slowest step over the median (a recompilation shows there), and the
-ratio against the Trainer's best peer of the same round.
+the median step, the slowest step over the median (a recompilation shows there), dynamo's
+recompilations over the whole run (``TORCH_LOGS=recompiles`` is set for every peer; warm-up
+included), and the ratio against the Trainer's best peer of the same round.
 
     python bench/packing_throughput.py [--steps 40] [--warmup 10] [--rounds 3] [--threads 2]
 
@@ -102,6 +103,7 @@ def run_template(workspace: Path, peer: str, steps: int, warmup: int) -> dict:
     out = subprocess.run(command, cwd=workspace, capture_output=True, text=True)
     if out.returncode != 0:
         raise SystemExit(f"{peer} failed:\n{out.stdout[-2000:]}\n{out.stderr[-3000:]}")
+    sys.stderr.write(out.stderr)  # dynamo's recompilation lines, counted by measure()
     (run,) = set(runs.glob("*")) - before
     records = rd.read_all_metrics(run / rd.METRICS_JSONL)
     shutil.rmtree(run)
@@ -152,8 +154,7 @@ def run_trainer(workspace: Path, peer: str, steps: int, warmup: int) -> dict:
         for row, item in enumerate(items):
             input_ids[row, : len(item["input_ids"])] = torch.tensor(item["input_ids"])
             labels[row, : len(item["labels"])] = torch.tensor(item["labels"])
-        return {"input_ids": input_ids, "labels": labels,
-                "attention_mask": (labels != -100) | (input_ids != tokenizer.pad_token_id)}
+        return {"input_ids": input_ids, "labels": labels, "attention_mask": input_ids != tokenizer.pad_token_id}
 
     flatten = DataCollatorWithFlattening(return_position_ids=True, separator_id=-100)
 
@@ -199,7 +200,7 @@ def measure(workspace: Path, peer: str, steps: int, warmup: int, threads: int) -
     sys.path.insert(0, str(REPO))
     from engine.openmp import apply_wait_policy
 
-    env = dict(os.environ, OMP_NUM_THREADS=str(threads))
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads), TORCH_LOGS="recompiles")
     apply_wait_policy(env)  # every peer's OpenMP threads wait as a run's do (the engine sets it itself)
     out = subprocess.run(
         [sys.executable, __file__, "--worker", peer, "--workspace", str(workspace), "--steps", str(steps),
@@ -211,7 +212,8 @@ def measure(workspace: Path, peer: str, steps: int, warmup: int, threads: int) -
     result = json.loads(out.stdout.strip().splitlines()[-1])
     median_step = statistics.median(result["seconds"])
     return {"tokens_per_s": sum(result["tokens"]) / sum(result["seconds"]), "median_step_s": median_step,
-            "slowest_over_median": max(result["seconds"]) / median_step}
+            "slowest_over_median": max(result["seconds"]) / median_step,
+            "recompilations": out.stderr.count("Recompiling function")}
 
 
 def main() -> None:
@@ -247,7 +249,8 @@ def main() -> None:
                 results[peer].append(result)
                 print(f"round {round_index + 1}: {peer:<26} {result['tokens_per_s']:>8,.0f} useful tokens/s  "
                       f"median step {result['median_step_s']:.3f} s  slowest/median "
-                      f"{result['slowest_over_median']:.2f}  (load {load:.1f})", flush=True)
+                      f"{result['slowest_over_median']:.2f}  recompilations {result['recompilations']}  "
+                      f"(load {load:.1f})", flush=True)
             trainers = [p for p in peers if p in TRAINERS]
             if trainers:
                 best = max(trainers, key=lambda p: this_round[p]["tokens_per_s"])
