@@ -368,6 +368,10 @@ class Engine:
         self.model.train()
         window_start = time.perf_counter()
         window_tokens = window_positions = window_steps = 0
+        # Evaluations and checkpoints inside a window are not training time (an evaluation of a
+        # compiled model compiles its own graphs first): their seconds are left out of the
+        # window's, and the steps around them keep theirs.
+        window_paused = 0.0
         while self.state.step < cfg.train.max_steps:
             ctx = self.train_step()
             window_tokens += ctx.num_tokens
@@ -377,17 +381,23 @@ class Engine:
 
             if step % cfg.train.log_every == 0 or step == cfg.train.max_steps:
                 self._synchronize()
-                elapsed = time.perf_counter() - window_start
+                elapsed = time.perf_counter() - window_start - window_paused
                 self.log_step(ctx, elapsed, window_tokens, window_positions, window_steps)
                 window_start = time.perf_counter()
                 window_tokens = window_positions = window_steps = 0
+                window_paused = 0.0
 
             if cfg.train.eval_every and step % cfg.train.eval_every == 0 and self.eval_batches:
+                self._synchronize()  # the step's own work is done before the pause is timed
+                paused = time.perf_counter()
                 self.logger.log({"step": step, "eval_loss": self.evaluate()})
+                window_paused += time.perf_counter() - paused
 
             if cfg.checkpoint.every and step % cfg.checkpoint.every == 0:
+                self._synchronize()
+                paused = time.perf_counter()
                 self.save_checkpoint()
-                window_start = time.perf_counter()  # checkpoint time is not training time
+                window_paused += time.perf_counter() - paused
 
     def after_train(self) -> None:
         if self.config.checkpoint.at_end and self.checkpointer is not None:

@@ -112,3 +112,40 @@ def test_review_names_the_mean_and_the_last_window(tmp_path):
     text = review.format_review(ReviewResult(base=None, commits=[commit]))
     assert (f"run 20260101-000000-lm-speed: completed at step 30, loss 1.0000, mean {expected_mean():,.0f} "
             "tokens/s over 25 step(s) (first 5 step(s) of warm-up excluded); last window 10,000 tokens/s") in text
+
+
+def test_a_window_counts_its_training_steps_only_not_the_evaluations_and_saves_inside_it(monkeypatch):
+    """Steps take 1 s, an evaluation 50 s (a compiled model compiles its evaluation graphs
+    first), a save 30 s; evaluations every 2 steps, saves every 3, a window every 4: each window
+    is its 4 steps' 4 seconds, whatever falls inside it."""
+    from types import SimpleNamespace
+
+    import engine.engine as engine_module
+    from engine.engine import Engine
+
+    clock = [0.0]
+    monkeypatch.setattr(engine_module.time, "perf_counter", lambda: clock[0])
+    windows: list[tuple[float, int, int]] = []
+
+    def train_step():
+        clock[0] += 1.0
+        fake.state.step += 1
+        return SimpleNamespace(num_tokens=100, num_positions=128)
+
+    def evaluate():
+        clock[0] += 50.0
+        return 1.0
+
+    def save_checkpoint():
+        clock[0] += 30.0
+
+    config = SimpleNamespace(train=SimpleNamespace(max_steps=12, log_every=4, eval_every=2),
+                             checkpoint=SimpleNamespace(every=3))
+    fake = SimpleNamespace(
+        config=config, state=SimpleNamespace(step=0), model=SimpleNamespace(train=lambda: None),
+        train_step=train_step, evaluate=evaluate, save_checkpoint=save_checkpoint, eval_batches=[{}],
+        logger=SimpleNamespace(log=lambda record: None), _synchronize=lambda: None,
+        log_step=lambda ctx, elapsed, tokens, positions, steps: windows.append((elapsed, tokens, steps)),
+    )
+    Engine.do_train(fake)
+    assert windows == [(4.0, 400, 4)] * 3

@@ -173,3 +173,39 @@ def test_first_fit_decreasing_packs_like_the_textbook_algorithm(packing_module, 
     assert bins == first_fit_decreasing_by_the_book(lengths, capacity)
     assert sorted(i for b in bins for i in b) == list(range(len(lengths)))
     assert all(sum(lengths[i] for i in b) <= capacity for b in bins)
+
+
+def test_packed_batches_of_variable_length_documents_compile_once(tmp_path: Path):
+    """Compiled blocks on packed batches: every batch has one shape and one attention path (the
+    block-diagonal mask), so the graphs compiled at the first step serve every later one. A
+    batch whose every row is a single document of seq_len positions (documents longer than a
+    row) takes the causal path without a mask: one more graph, compiled once."""
+    from torch._dynamo.utils import counters
+
+    module = load_recipe_module(template_with(["sequence-packing", "torch-compile"], tmp_path / "both"))
+    config = module.CausalLMConfig(model={"hidden_size": 64, "intermediate_size": 128, "num_layers": 2})
+    seq_len, pad = 64, module.ByteTokenizer.pad_token_id
+    generator = torch.Generator().manual_seed(0)
+    short = [torch.randint(0, 256, (int(n),), generator=generator) for n in torch.randint(5, 60, (200,), generator=generator)]
+    stream = module.BatchStream(module.pack_pieces(short, seq_len), seq_len, pad, seed=0, micro_batch=4, dp_rank=0, dp_size=1)
+    full_rows = module.collate_packed([torch.randint(0, 256, (seq_len + 1,), generator=generator) for _ in range(4)], seq_len, pad)
+    torch.manual_seed(0)
+    model = module.build_model(config.model, module.ByteTokenizer.vocab_size, seq_len)
+    torch._dynamo.reset()
+    counters.clear()
+    _, blocks = module.find_blocks(model, "torch-compile")
+    for block in blocks:
+        block.compile(backend="eager")  # dynamo's guards decide recompilation, whatever the backend
+
+    def train_step(batch) -> int:
+        logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False).logits
+        per_token_losses(logits, batch["labels"]).sum().backward()
+        return counters["stats"]["unique_graphs"]
+
+    after_first = train_step(next(stream))
+    graphs = [train_step(next(stream)) for _ in range(12)]
+    with_full_rows = [train_step(full_rows) for _ in range(2)] + [train_step(next(stream)) for _ in range(2)]
+
+    assert after_first == 1
+    assert graphs == [1] * 12
+    assert with_full_rows == [2] * 4

@@ -1,0 +1,279 @@
+"""Useful tokens/s on variable-length documents: the template with sequence-packing and
+torch-compile (alone and together) against the HF ``Trainer`` (padded, compiled, and with its
+own packing).
+
+The workload packing is for: ``--documents`` short documents of 4-45 words (about 20-250 bytes),
+the template's byte tokenizer, rows of 256 positions, 8 rows a step, fp32, fused AdamW,
+clipping at 1.0, one process each. Every peer trains on the same documents (the template's
+pieces, in the template's order) with the same model (the template's default, built from one
+seed) and the same next-token loss:
+
+- ``template``: the template as it is, each document right-padded to 256 positions;
+- ``template+packing``, ``template+compile``, ``template+packing+compile``: the template with
+  the sequence-packing and torch-compile skills applied (compiled blocks);
+- ``trainer``: ``Trainer`` with each batch padded to its longest document (the usual collator);
+- ``trainer+compile``: the same with ``torch_compile=True``;
+- ``trainer+packing``: ``Trainer`` with its own padding-free packing
+  (``DataCollatorWithFlattening``: a batch is one row of its documents, position ids restart).
+
+Useful tokens are the tokens the loss learns from (not padding). Each peer runs in a fresh
+subprocess with the same thread count and OpenMP wait policy (a run's: ``engine/openmp.py``),
+in interleaved rounds (the order reverses every round); the first ``--warmup`` steps
+(compilation) are not timed. Each round prints, per peer, useful tokens/s over the timed steps,
+the median step, the slowest step over the median (a recompilation shows there), dynamo's
+recompilations over the whole run (``TORCH_LOGS=recompiles`` is set for every peer; warm-up
+included), and the ratio against the Trainer's best peer of the same round.
+
+    python bench/packing_throughput.py [--steps 40] [--warmup 10] [--rounds 3] [--threads 2]
+
+Goals: template+packing+compile faster than template+packing and template+compile, and at
+≥ 1.25× the Trainer's best useful tokens/s, with its slowest timed step ≤ 2× its median step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+TEMPLATE = REPO / "recipes_template" / "causal_lm"
+SKILLS = {
+    "template": [],
+    "template+packing": ["sequence-packing"],
+    "template+compile": ["torch-compile"],
+    "template+packing+compile": ["sequence-packing", "torch-compile"],
+}
+TRAINERS = ("trainer", "trainer+compile", "trainer+packing")
+PEERS = (*SKILLS, *TRAINERS)
+SEQ_LEN, BATCH = 256, 8
+WORDS = "the quick brown fox jumps over a lazy dog while small cats sleep under warm blankets".split()
+
+
+def write_documents(path: Path, count: int) -> None:
+    """``count`` documents of 4-45 words, one JSON record a line (always the same ones)."""
+    rng = random.Random(0)
+    with open(path, "w") as f:
+        for _ in range(count):
+            f.write(json.dumps({"text": " ".join(rng.choice(WORDS) for _ in range(rng.randint(4, 45)))}) + "\n")
+
+
+def prepare(workspace: Path, documents: int) -> None:
+    """The documents and one copy of the template per skill set, in ``workspace``."""
+    sys.path.insert(0, str(REPO))
+    from skills import apply_skill
+
+    write_documents(workspace / "docs.jsonl", documents)
+    for peer, skills in SKILLS.items():
+        recipe = workspace / peer
+        shutil.copytree(TEMPLATE, recipe, ignore=shutil.ignore_patterns("__pycache__", "runs"))
+        for skill in skills:
+            apply_skill(skill, recipe)
+
+
+def data_settings() -> list[str]:
+    return ["data.source=files", "data.paths=[docs.jsonl]", f"data.seq_len={SEQ_LEN}",
+            f"data.batch_size={BATCH}"]
+
+
+# ---------------------------------------------------------------------------------------------
+# Peers (each runs in its own subprocess and prints one JSON line: useful tokens and seconds of
+# each timed step)
+# ---------------------------------------------------------------------------------------------
+
+
+def run_template(workspace: Path, peer: str, steps: int, warmup: int) -> dict:
+    from engine import run_dir as rd
+
+    sets = [*data_settings(), f"train.max_steps={steps}", "train.log_every=1", "checkpoint.every=0",
+            "checkpoint.at_end=false", "metrics.tensorboard=false", "train.eval_every=0"]
+    runs = workspace / rd.RUNS_DIRNAME
+    before = set(runs.glob("*"))
+    command = [sys.executable, "-m", "engine.launch", str(workspace / peer)]
+    for item in sets:
+        command += ["--set", item]
+    out = subprocess.run(command, cwd=workspace, capture_output=True, text=True)
+    if out.returncode != 0:
+        raise SystemExit(f"{peer} failed:\n{out.stdout[-2000:]}\n{out.stderr[-3000:]}")
+    sys.stderr.write(out.stderr)  # dynamo's recompilation lines, counted by measure()
+    (run,) = set(runs.glob("*")) - before
+    records = rd.read_all_metrics(run / rd.METRICS_JSONL)
+    shutil.rmtree(run)
+    timed = [r for r in records if r["step"] > warmup]
+    return {"tokens": [r["tokens_per_s"] * r["step_time_s"] for r in timed],
+            "seconds": [r["step_time_s"] for r in timed]}
+
+
+def template_pieces(workspace: Path, steps: int):
+    """The plain template's model and its first ``steps`` batches of pieces (in its order)."""
+    import importlib.util
+
+    import torch
+
+    spec = importlib.util.spec_from_file_location("causal_lm_recipe", TEMPLATE / "recipe.py")
+    recipe = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = recipe
+    spec.loader.exec_module(recipe)
+    os.chdir(workspace)  # data.paths are relative to the workspace
+    config = recipe.CausalLMConfig(data={"source": "files", "paths": ["docs.jsonl"], "seq_len": SEQ_LEN,
+                                         "batch_size": BATCH})
+    tokenizer = recipe.ByteTokenizer()
+    texts = [text for name, text in recipe.load_documents(config.data)
+             if not recipe.is_eval_document(name, config.data.eval_fraction)]
+    pieces = recipe.tokenize_documents(texts, tokenizer, SEQ_LEN)
+    stream = recipe.BatchStream(pieces, SEQ_LEN, tokenizer.pad_token_id, seed=config.train.seed,
+                                micro_batch=BATCH, dp_rank=0, dp_size=1)
+    ordered = [stream._piece_at(i) for i in range(steps * BATCH)]
+    torch.manual_seed(config.train.seed)
+    model = recipe.build_model(config.model, tokenizer.vocab_size, SEQ_LEN)
+    return config, tokenizer, model, ordered
+
+
+def run_trainer(workspace: Path, peer: str, steps: int, warmup: int) -> dict:
+    import torch
+    import torch.nn.functional as F
+    from transformers import DataCollatorWithFlattening, Trainer, TrainerCallback, TrainingArguments
+
+    config, tokenizer, model, pieces = template_pieces(workspace, steps)
+    rows = [{"input_ids": piece[:-1].tolist(), "labels": piece[1:].tolist()} for piece in pieces]
+    useful: list[int] = []
+    step_ends: list[float] = []
+
+    def pad_to_longest(items):
+        longest = max(len(item["input_ids"]) for item in items)
+        input_ids = torch.full((len(items), longest), tokenizer.pad_token_id, dtype=torch.int64)
+        labels = torch.full((len(items), longest), -100, dtype=torch.int64)
+        for row, item in enumerate(items):
+            input_ids[row, : len(item["input_ids"])] = torch.tensor(item["input_ids"])
+            labels[row, : len(item["labels"])] = torch.tensor(item["labels"])
+        return {"input_ids": input_ids, "labels": labels, "attention_mask": input_ids != tokenizer.pad_token_id}
+
+    flatten = DataCollatorWithFlattening(return_position_ids=True, separator_id=-100)
+
+    def counted(collate):
+        def collate_and_count(items):
+            batch = collate(items)
+            useful.append(int((batch["labels"] != -100).sum()))
+            return batch
+        return collate_and_count
+
+    class Timer(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            step_ends.append(time.perf_counter())
+
+    class SameLossTrainer(Trainer):
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            labels = inputs.pop("labels")
+            logits = model(**inputs, use_cache=False).logits
+            return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=-100)
+
+    optim = config.optim
+    with tempfile.TemporaryDirectory() as tmp:
+        args = TrainingArguments(
+            output_dir=tmp, max_steps=steps, per_device_train_batch_size=BATCH,
+            learning_rate=optim.lr, weight_decay=optim.weight_decay, adam_beta1=optim.beta1,
+            adam_beta2=optim.beta2, adam_epsilon=optim.eps, warmup_steps=optim.warmup_steps,
+            lr_scheduler_type="cosine_with_min_lr", lr_scheduler_kwargs={"min_lr_rate": optim.min_lr_ratio},
+            max_grad_norm=1.0, logging_steps=warmup, report_to=[], save_strategy="no",
+            dataloader_num_workers=0, use_cpu=True, seed=config.train.seed, disable_tqdm=True,
+            train_sampling_strategy="sequential", torch_compile=peer == "trainer+compile",
+            remove_unused_columns=False,
+        )
+        collate = flatten if peer == "trainer+packing" else pad_to_longest
+        trainer = SameLossTrainer(model=model, args=args, train_dataset=rows, callbacks=[Timer()],
+                                  data_collator=counted(collate))
+        trainer.train()
+    # Step k's batch is collated before step k runs; the seconds of step k end at step_ends[k].
+    seconds = [b - a for a, b in zip(step_ends[warmup - 1 : -1], step_ends[warmup:])]
+    return {"tokens": useful[warmup:steps], "seconds": seconds}
+
+
+def measure(workspace: Path, peer: str, steps: int, warmup: int, threads: int) -> dict:
+    sys.path.insert(0, str(REPO))
+    from engine.openmp import apply_wait_policy
+
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads), TORCH_LOGS="recompiles")
+    apply_wait_policy(env)  # every peer's OpenMP threads wait as a run's do (the engine sets it itself)
+    out = subprocess.run(
+        [sys.executable, __file__, "--worker", peer, "--workspace", str(workspace), "--steps", str(steps),
+         "--warmup", str(warmup)],
+        capture_output=True, text=True, cwd=REPO, env=env,
+    )
+    if out.returncode != 0:
+        raise SystemExit(f"{peer} failed:\n{out.stderr[-3000:]}")
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    median_step = statistics.median(result["seconds"])
+    return {"tokens_per_s": sum(result["tokens"]) / sum(result["seconds"]), "median_step_s": median_step,
+            "slowest_over_median": max(result["seconds"]) / median_step,
+            "recompilations": out.stderr.count("Recompiling function")}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--warmup", type=int, default=10)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--documents", type=int, default=4000)
+    parser.add_argument("--peers", nargs="+", choices=PEERS, default=list(PEERS))
+    parser.add_argument("--worker", choices=PEERS, help=argparse.SUPPRESS)
+    parser.add_argument("--workspace", type=Path, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        sys.path.insert(0, str(REPO))
+        runner = run_template if args.worker in SKILLS else run_trainer
+        print(json.dumps(runner(args.workspace, args.worker, args.steps, args.warmup)))
+        return
+
+    peers = args.peers
+    results: dict[str, list[dict]] = {peer: [] for peer in peers}
+    with tempfile.TemporaryDirectory() as tmp:
+        workspace = Path(tmp)
+        prepare(workspace, args.documents)
+        print(f"{args.documents} documents of 4-45 words, rows of {SEQ_LEN}, batch {BATCH}, "
+              f"{args.steps} steps ({args.warmup} untimed), {args.threads} threads; "
+              f"load average at start: {os.getloadavg()[0]:.2f}", flush=True)
+        for round_index in range(args.rounds):
+            this_round = {}
+            for peer in (peers if round_index % 2 == 0 else peers[::-1]):
+                load = os.getloadavg()[0]
+                this_round[peer] = result = measure(workspace, peer, args.steps, args.warmup, args.threads)
+                results[peer].append(result)
+                print(f"round {round_index + 1}: {peer:<26} {result['tokens_per_s']:>8,.0f} useful tokens/s  "
+                      f"median step {result['median_step_s']:.3f} s  slowest/median "
+                      f"{result['slowest_over_median']:.2f}  recompilations {result['recompilations']}  "
+                      f"(load {load:.1f})", flush=True)
+            trainers = [p for p in peers if p in TRAINERS]
+            if trainers:
+                best = max(trainers, key=lambda p: this_round[p]["tokens_per_s"])
+                ratios = ", ".join(f"{p} {this_round[p]['tokens_per_s'] / this_round[best]['tokens_per_s']:.2f}x"
+                                   for p in peers if p in SKILLS)
+                print(f"round {round_index + 1} against the Trainer's best ({best}): {ratios}", flush=True)
+
+    median = {peer: statistics.median(r["tokens_per_s"] for r in rs) for peer, rs in results.items()}
+    print(f"\n{'peer':<28}{'useful tokens/s':>16}{'rounds (min-max)':>22}{'slowest/median step':>22}")
+    for peer in peers:
+        values = [r["tokens_per_s"] for r in results[peer]]
+        worst = max(r["slowest_over_median"] for r in results[peer])
+        print(f"{peer:<28}{median[peer]:>16,.0f}{f'{min(values):,.0f}-{max(values):,.0f}':>22}{worst:>22.2f}")
+    trainers = [p for p in peers if p in TRAINERS]
+    if trainers:
+        best = max(trainers, key=median.get)
+        print(f"\nthe Trainer's best (median over rounds): {best}")
+        for peer in peers:
+            if peer in SKILLS:
+                goal = "  (goal ≥ 1.25)" if peer == "template+packing+compile" else ""
+                print(f"{peer} / {best}: {median[peer] / median[best]:.2f}{goal}")
+    print(f"load average at end: {os.getloadavg()[0]:.2f}")
+
+
+if __name__ == "__main__":
+    main()
