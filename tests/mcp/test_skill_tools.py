@@ -63,8 +63,9 @@ def test_a_dry_run_returns_the_diff_and_changes_nothing(client, workspace, recip
 
     assert result["changed"] is True and result["dry_run"] is True and result["commit"] is None
     assert f"+++ b/{recipe}/recipe.py" in result["diff"]
-    assert "\n+" in result["diff"] and "\n+        checkpoint_blocks(model, warn=self.warn)" in result["diff"]
-    assert result["acts_on"].startswith("wraps the decoder layers of ")
+    assert "\n+" in result["diff"] and (
+        '\n+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})' in result["diff"])
+    assert result["acts_on"].startswith("turns on AutoModelForCausalLM or LlamaForCausalLM's own activation checkpointing")
     assert (workspace / recipe / "recipe.py").read_text() == source
     assert head(workspace) == before
 
