@@ -20,8 +20,10 @@ from typing import Annotated, Any, Callable, Literal
 import anyio
 from mcp.server.mcpserver import Context, MCPServer
 from mcp.server.mcpserver.exceptions import ResourceError, ToolError
+from mcp.server.subscriptions import InMemorySubscriptionBus
 from mcp.shared.exceptions import MCPError
-from mcp_types import INVALID_PARAMS, ToolAnnotations
+from mcp_types import (INVALID_PARAMS, SetLevelRequestParams, SubscribeRequestParams, ToolAnnotations,
+                       UnsubscribeRequestParams)
 from pydantic import Field
 
 import skills as skill_library
@@ -53,7 +55,8 @@ from mcp_server.operations import recipe_info, waiting
 from mcp_server.operations import recipes as recipe_ops
 from mcp_server.operations import runs as run_ops
 from mcp_server.operations import skills as skill_ops
-from mcp_server import workflows
+from mcp_server import clients, workflows
+from mcp_server.live import LiveRuns
 from sandbox.audit import AuditLog
 from sandbox import redact as redaction
 from sandbox.config import trusted_limits
@@ -208,8 +211,12 @@ def build_server(workspace: Path | str, read_only: bool = False, settings: Path 
         ensure_repo(ws.root)
         ws.prepare_state()
     tools = Tools(ws)
-    mcp = AuditedServer("trainwright", instructions=INSTRUCTIONS, version=package_version(), log_level="WARNING")
+    bus = InMemorySubscriptionBus()
+    live = LiveRuns(ws, bus)
+    mcp = AuditedServer("trainwright", instructions=INSTRUCTIONS, version=package_version(), log_level="WARNING",
+                        subscriptions=bus, lifespan=live.running, middleware=[live.listen_middleware])
     mcp.tools = tools
+    _serve_session_methods(mcp, live)
 
     def tool(annotations: ToolAnnotations):
         if read_only and not annotations.read_only_hint:
@@ -489,6 +496,11 @@ def build_server(workspace: Path | str, read_only: bool = False, settings: Path 
         run_dir = _resource(lambda: tools.ws.run_dir(run_id))
         return redact(run_ops._tail_text(run_dir / rd.CONSOLE_LOG, 20_000) or "")
 
+    @mcp.resource("run://{run_id}/status", mime_type="application/json",
+                  description="A run's status, latest metrics, ETA and checkpoints (get_run), as JSON.")
+    def run_status(run_id: str) -> str:
+        return redact_model(_resource(lambda: run_ops.get_run(tools.ws, run_id))).model_dump_json()
+
     @mcp.resource("run://{run_id}/loss.png", mime_type="image/png",
                   description="The loss curve (and learning rate) of a run's history, each resume marked.")
     def run_loss_png(run_id: str) -> bytes:
@@ -545,6 +557,17 @@ def _compact_schema(schema: Any, output: bool = False, names: bool = False) -> N
     elif isinstance(schema, list):
         for item in schema:
             _compact_schema(item, output)
+
+
+def _serve_session_methods(mcp: MCPServer, live: LiveRuns) -> None:
+    """The 2025-11-25 session methods MCPServer leaves unserved: resources/subscribe and
+    resources/unsubscribe (for which the server then advertises ``resources.subscribe``) and
+    logging/setLevel. MCPServer registers its handlers on its low-level server and offers no
+    public way to add these; this is the one place that reaches that server."""
+    lowlevel = mcp._lowlevel_server
+    lowlevel.add_request_handler("resources/subscribe", SubscribeRequestParams, live.subscribe)
+    lowlevel.add_request_handler("resources/unsubscribe", UnsubscribeRequestParams, live.unsubscribe)
+    lowlevel.add_request_handler("logging/setLevel", SetLevelRequestParams, clients.set_level)
 
 
 def _add_skill_resource(mcp: MCPServer, name: str, description: str) -> None:
