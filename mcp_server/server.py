@@ -20,6 +20,7 @@ from typing import Annotated, Any, Callable, Literal
 import anyio
 from mcp.server.mcpserver import Context, MCPServer
 from mcp.server.mcpserver.exceptions import ResourceError, ToolError
+from mcp.server.session import ServerSession
 from mcp.server.subscriptions import InMemorySubscriptionBus
 from mcp.shared.exceptions import MCPError
 from mcp_types import (INVALID_PARAMS, SetLevelRequestParams, SubscribeRequestParams, ToolAnnotations,
@@ -101,9 +102,18 @@ RecipePath = Annotated[str, Field(description="Recipe folder (recipes/<name>, or
 Step = Annotated[int | None, Field(strict=True, description="Default: the latest.")]
 
 
+def session_of(ctx: Context | None) -> ServerSession | None:
+    """The session a tool call came on (None when called outside a request)."""
+    try:
+        return ctx.session if ctx is not None else None
+    except ValueError:
+        return None
+
+
 def download_progress(ctx: Context | None) -> Callable[[float, float | None, str], None] | None:
     """For work in a worker thread: a Hub model's download (bytes) as progress notifications
-    between 0 and 1 (of the call's 2), each one higher than the last, as MCP requires."""
+    between 0 and 1 (of the call's 2), each one higher than the last, as MCP requires; and as an
+    info log message at each tenth."""
     if ctx is None:
         return None
     last = [0.0]
@@ -112,13 +122,26 @@ def download_progress(ctx: Context | None) -> Callable[[float, float | None, str
         value = round(min(0.99, done / total), 4) if total else last[0]
         if value <= last[0]:
             return
+        tenth_reached = int(value * 10) > int(last[0] * 10)
         last[0] = value
         try:
             anyio.from_thread.run(ctx.report_progress, value, 2, message)
+            if tenth_reached:
+                anyio.from_thread.run(clients.log, session_of(ctx), "info", f"{message} ({value:.0%})")
         except Exception:  # a client gone away: the download goes on
             logger.debug("progress notification failed", exc_info=True)
 
     return report
+
+
+async def log_launched(ctx: Context | None, result: LaunchRunResult, source: str) -> None:
+    await clients.log(session_of(ctx), "info", f"run {result.run_id} launched ({source})")
+
+
+async def log_wait(ctx: Context | None, result: WaitRunResult) -> None:
+    if result.reason == "ended":
+        await clients.log(session_of(ctx), clients.ENDED_LEVELS.get(result.status, "info"),
+                          f"run {result.run_id} {result.status}" + (f": {result.error}" if result.error else ""))
 
 
 class Tools:
@@ -336,6 +359,7 @@ def build_server(workspace: Path | str, read_only: bool = False, settings: Path 
             progress=download_progress(ctx), args=args or None, resume_arg=resume_arg or None))
         if ctx is not None:
             await ctx.report_progress(2, 2, f"started {result.run_id}")
+        await log_launched(ctx, result, recipe)
         return result
 
     @tool(READ_ONLY)
@@ -372,7 +396,9 @@ def build_server(workspace: Path | str, read_only: bool = False, settings: Path 
             return await waiting.wait_run(tools.ws, run_id, until_step, timeout_s, progress)
 
         args = {"run_id": run_id, "until_step": until_step, "timeout_s": timeout_s}
-        return await tools.call("wait_run", args, work)
+        result = await tools.call("wait_run", args, work)
+        await log_wait(ctx, result)
+        return result
 
     @tool(READ_ONLY)
     async def tail_metrics(
@@ -418,13 +444,16 @@ def build_server(workspace: Path | str, read_only: bool = False, settings: Path 
             dict[str, Any] | None,
             Field(description='e.g. {"train.max_steps": 400}'),
         ] = None,
+        ctx: Context | None = None,
     ) -> LaunchRunResult:
         """Continue a run from a checkpoint as a new run (its config + overrides)."""
         args = {"run_id": run_id, "step": step, "nproc": nproc, "code": code, "overrides": overrides}
-        return await tools.call(
+        result = await tools.call(
             "resume_checkpoint", args,
             lambda: run_ops.resume_checkpoint(tools.ws, run_id, step, nproc, overrides=overrides, code=code),
         )
+        await log_launched(ctx, result, f"resuming {run_id}")
+        return result
 
     # ---------------------------------------------------------------------------------------
     # Models: export, sample, evaluate (each loads the recipe in the run sandbox)
