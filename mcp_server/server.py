@@ -14,6 +14,7 @@ from __future__ import annotations
 import inspect
 import json
 import logging
+from collections import Counter
 from pathlib import Path
 from typing import Annotated, Any, Callable, Literal
 
@@ -379,7 +380,7 @@ def build_server(workspace: Path | str, read_only: bool = False, settings: Path 
     async def wait_run(
         run_id: RunId,
         until_step: Annotated[
-            int | None, Field(strict=True, description="Return once this step is logged; null: at the end.")
+            int | None, Field(strict=True, description="Return once this step is logged; default: at the end.")
         ] = None,
         timeout_s: Annotated[
             float, Field(strict=True, description=f"At most {waiting.MAX_WAIT_S}; call again to wait longer.")
@@ -541,8 +542,9 @@ def build_server(workspace: Path | str, read_only: bool = False, settings: Path 
     workflows.register_completions(mcp, tools.ws)
 
     for registered in mcp._tool_manager.list_tools():
-        _compact_schema(registered.parameters)
-        _compact_schema(registered.fn_metadata.output_schema, output=True)
+        for schema, output in ((registered.parameters, False), (registered.fn_metadata.output_schema, True)):
+            _compact_schema(schema, output)
+            _inline_single_use_definitions(schema)
     return mcp
 
 
@@ -557,35 +559,76 @@ def package_version() -> str:
 
 
 def _compact_schema(schema: Any, output: bool = False, names: bool = False) -> None:
-    """Make a tool's JSON schema smaller without changing what it accepts: every tool's schemas
-    are sent to the agent in each session.
+    """Make a tool's JSON schema smaller without changing what it accepts, and portable: every
+    tool's schemas are sent to the agent in each session, and some clients reject type arrays.
 
     Drops the ``title`` pydantic gives every schema (the key's name again, in Title Case) and
-    writes ``anyOf: [{type: T}, {type: null}]`` as ``type: [T, "null"]``. In output schemas
-    (which describe what the server sends: every key, always) it also drops ``required`` lists
-    and defaults.
+    ``additionalProperties: true`` (what JSON Schema assumes). An optional argument whose
+    default is null (``anyOf: [{type: T}, {type: null}]``, default null) becomes plain
+    ``{type: T}`` without the default: leaving it out means null. In output schemas
+    (which describe what the server sends: every key, always) it also drops ``required`` lists and
+    defaults, and keeps a nullable value's ``anyOf``, since null is sent. A value of any type
+    (``{}``) is said so with ``anyOf``, so that every property has a validation keyword.
     ``names`` marks a mapping of property names, which are kept as they are.
     """
     if isinstance(schema, dict):
         if not names:
             if isinstance(schema.get("title"), str):
                 del schema["title"]
+            if schema.get("additionalProperties") is True:  # what JSON Schema assumes
+                del schema["additionalProperties"]
             if output:
                 schema.pop("default", None)
                 if isinstance(schema.get("required"), list):  # the server sends every key, always
                     del schema["required"]
-                if schema.get("additionalProperties") is True:
-                    del schema["additionalProperties"]
         for key, value in schema.items():  # children first: an option may become plain {type}
             _compact_schema(value, output, names=not names and key in ("properties", "$defs"))
-        options = schema.get("anyOf") if not names else None
-        if (isinstance(options, list) and len(options) == 2 and {"type": "null"} in options
-                and all(set(o) == {"type"} and isinstance(o["type"], str) for o in options)):
-            del schema["anyOf"]
-            schema["type"] = [o["type"] for o in options if o != {"type": "null"}] + ["null"]
+        if names:
+            for name, value in schema.items():
+                if isinstance(value, dict) and not VALIDATION_KEYWORDS & set(value):
+                    value["anyOf"] = [{"type": t} for t in JSON_TYPES]
+            return
+        options = schema.get("anyOf")
+        if (not output and schema.get("default", ...) is None and isinstance(options, list) and len(options) == 2
+                and {"type": "null"} in options and all(isinstance(o, dict) for o in options)):
+            del schema["anyOf"], schema["default"]
+            schema.update(next(o for o in options if o != {"type": "null"}))
     elif isinstance(schema, list):
         for item in schema:
             _compact_schema(item, output)
+
+
+def _inline_single_use_definitions(schema: Any) -> None:
+    """Write each ``$defs`` entry that one ``$ref`` uses in that place: the same schema, read
+    top to bottom and shorter."""
+    if not isinstance(schema, dict) or not isinstance(schema.get("$defs"), dict):
+        return
+    refs: list[dict[str, Any]] = []
+
+    def collect(node: Any) -> None:
+        if isinstance(node, dict):
+            if isinstance(node.get("$ref"), str):
+                refs.append(node)
+            for value in node.values():
+                collect(value)
+        elif isinstance(node, list):
+            for item in node:
+                collect(item)
+
+    collect(schema)
+    definitions = schema["$defs"]
+    uses = Counter(ref["$ref"] for ref in refs)
+    for ref in refs:
+        name = ref["$ref"].removeprefix("#/$defs/")
+        if uses[ref["$ref"]] == 1 and name in definitions and f'"#/$defs/{name}"' not in json.dumps(definitions[name]):
+            del ref["$ref"]
+            ref.update(definitions.pop(name))
+    if not definitions:
+        del schema["$defs"]
+
+
+VALIDATION_KEYWORDS = frozenset({"type", "enum", "const", "anyOf", "oneOf", "allOf", "not", "$ref"})
+JSON_TYPES = ("string", "number", "boolean", "object", "array", "null")
 
 
 def _serve_session_methods(mcp: MCPServer, live: LiveRuns) -> None:
