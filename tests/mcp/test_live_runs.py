@@ -199,3 +199,31 @@ def test_nothing_polls_once_the_session_ends(workspace):
         assert list(live.subscribers.values()) == [live.listen_streams]
 
     anyio.run(main)
+
+
+@pytest.mark.parametrize("mode", ["legacy", "auto"])
+def test_over_stdio_a_subscriber_hears_of_a_step_in_either_era(workspace, mode):
+    from tests.mcp.conftest import stdio_parameters
+
+    updates = Updates()
+
+    async def on_message(message) -> None:
+        if isinstance(message, ResourceUpdatedNotification):
+            updates.uris.append(message.params.uri)
+
+    async def main() -> None:
+        async with Client(stdio_parameters(workspace), mode=mode, message_handler=on_message) as client:
+            if mode == "legacy":
+                assert client.protocol_version == "2025-11-25"
+                await client.subscribe_resource("run://live/status")
+                log_step(workspace, "live", 2)
+                assert await updates.next() == "run://live/status"
+                return
+            assert client.protocol_version == "2026-07-28"
+            async with client.listen(resource_subscriptions=["run://live/status"]) as events:
+                log_step(workspace, "live", 2)
+                with anyio.fail_after(10):
+                    event = await events.__anext__()
+                assert event.uri == "run://live/status"
+
+    anyio.run(main)
