@@ -57,3 +57,30 @@ def test_a_2026_request_gets_the_runs_end_only_when_it_opts_in(workspace):
     assert logged(workspace, "auto", "info", "done") == [("info", "trainwright", "run done completed")]
     assert logged(workspace, "auto", "error", "done") == []
     assert logged(workspace, "auto", None, "done") == []
+
+
+def test_a_run_launched_and_ended_is_logged_to_the_session_that_launched_it(tmp_path):
+    from tests.mcp.conftest import git
+
+    workspace = make_workspace(tmp_path / "ws")
+    (workspace / "train.py").write_text('import json\nprint(json.dumps({"step": 1, "loss": 1.0}))\n')
+    git(workspace, "add", "train.py")
+    git(workspace, "commit", "-q", "-m", "a one-step script")
+    messages: list[tuple[str, str]] = []
+
+    async def on_log(params: LoggingMessageNotificationParams) -> None:
+        messages.append((params.level, params.data))
+
+    async def main() -> str:
+        async with Client(build_server(workspace), mode="legacy", logging_callback=on_log) as client:
+            launched = await client.call_tool("launch_run", {"recipe": "train.py"})
+            run_id = launched.structured_content["run_id"]
+            for _ in range(6):
+                waited = await client.call_tool("wait_run", {"run_id": run_id, "timeout_s": 20})
+                if waited.structured_content["reason"] == "ended":
+                    break
+            await anyio.sleep(0.2)
+            return run_id
+
+    run_id = anyio.run(main)
+    assert messages == [("info", f"run {run_id} launched (train.py)"), ("info", f"run {run_id} completed")]
