@@ -63,7 +63,7 @@ class Updates:
         assert self.uris[count:] == []
 
 
-def test_a_2025_session_hears_of_each_step_and_the_end_then_nothing_after_unsubscribing(workspace):
+def test_a_2025_session_hears_of_each_step_coalesced_and_the_end_then_nothing_after_unsubscribing(workspace):
     updates = Updates()
 
     async def on_message(message) -> None:
@@ -80,11 +80,16 @@ def test_a_2025_session_hears_of_each_step_and_the_end_then_nothing_after_unsubs
                 log_step(workspace, "live", step)
                 assert await updates.next() == "run://live/metrics"
                 await updates.none_for(2 * POLL_S)  # one step, one update
+            for step in range(4, 14):  # ten steps at once: one update, or two if a poll falls between
+                log_step(workspace, "live", step)
+            assert await updates.next() == "run://live/metrics"
+            await anyio.sleep(QUIET_S)
+            assert len(updates.uris) in (3, 4)
             end_run(workspace, "live")
             assert await updates.next() == "run://live/metrics"
             assert json.loads((await client.read_resource("run://live/metrics")).contents[0].text)["status"] == "completed"
             await client.unsubscribe_resource("run://live/metrics")
-            log_step(workspace, "live", 4)
+            log_step(workspace, "live", 14)
             await updates.none_for(QUIET_S)
 
     anyio.run(main)
