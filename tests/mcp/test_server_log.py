@@ -84,3 +84,29 @@ def test_a_run_launched_and_ended_is_logged_to_the_session_that_launched_it(tmp_
 
     run_id = anyio.run(main)
     assert messages == [("info", f"run {run_id} launched (train.py)"), ("info", f"run {run_id} completed")]
+
+
+def test_a_hub_downloads_progress_is_logged_by_tenths():
+    from mcp_server.server import download_progress
+
+    sent: list[tuple[str, str]] = []
+
+    class Session:  # the SDK's ServerSession, as far as a log message needs it
+        protocol_version = "2026-07-28"
+
+        async def send_log_message(self, level, data, logger=None):
+            sent.append((level, data))
+
+    class Ctx:
+        session = Session()
+
+        async def report_progress(self, value, total, message):
+            pass
+
+    async def main() -> None:
+        report = download_progress(Ctx())
+        for done in range(0, 101, 5):
+            await anyio.to_thread.run_sync(report, done * 1000, 100_000, "org/model: downloading")
+
+    anyio.run(main)
+    assert sent == [("info", f"org/model: downloading ({tenth}0%)") for tenth in range(1, 10)]
