@@ -45,6 +45,7 @@ from sandbox.workspace import Workspace
 POLL_S = 0.5
 STATUS_RECHECK_S = 2.0  # a supervisor that dies changes no file: its run's status is read this often
 MAX_SUBSCRIPTIONS = 32
+DELIVERY_S = 2.0  # the longest one subscriber's updates of one poll may take to send
 LIVE_URI = re.compile(r"^run://(?P<run_id>[^/]+)/(?P<kind>metrics|log|status)$")
 # What each live resource shows, as the parts of a run whose change updates it.
 SHOWS = {
@@ -182,8 +183,7 @@ class LiveRuns:
 
     async def poll(self) -> None:
         """Look at every watched run once; tell each subscriber what changed."""
-        runs = {LIVE_URI.match(uri)["run_id"] for s in list(self.subscribers.values())  # type: ignore[index]
-                for uri in list(s.uris) if LIVE_URI.match(uri)}
+        runs = {run_id for s in list(self.subscribers.values()) for _, run_id, _ in _live(s.uris)}
         before = {run_id: self.observed.get(run_id) for run_id in runs}
         now = await anyio.to_thread.run_sync(lambda: {r: self._observe(r, before[r]) for r in runs})
         self.observed = {run_id: seen for run_id, seen in now.items() if seen is not None}
@@ -191,12 +191,14 @@ class LiveRuns:
         ended = {run_id: seen.status for run_id, seen in self.observed.items()
                  if "status" in changed[run_id] and seen.status in rd.FINAL_STATUSES}
         for subscriber in list(self.subscribers.values()):
-            following = [(uri, match) for uri in list(subscriber.uris) if (match := LIVE_URI.match(uri))]
-            due = {uri for uri, match in following if SHOWS[match["kind"]] & changed.get(match["run_id"], set())}
-            if due:
-                await subscriber.updated(due)
-            for run_id in sorted({match["run_id"] for _, match in following} & set(ended)):
-                await subscriber.ended(run_id, ended[run_id])
+            following = _live(subscriber.uris)
+            due = {uri for uri, run_id, kind in following if SHOWS[kind] & changed.get(run_id, set())}
+            # A client that reads slowly delays its own updates, not the others' (it misses one).
+            with anyio.move_on_after(DELIVERY_S):
+                if due:
+                    await subscriber.updated(due)
+                for run_id in sorted({run_id for _, run_id, _ in following} & set(ended)):
+                    await subscriber.ended(run_id, ended[run_id])
 
     def _observe(self, run_id: str, before: Observed | None) -> Observed | None:
         """A run's files and status (the status read again only when its records changed, or
@@ -216,6 +218,11 @@ class LiveRuns:
         except (OSError, ValueError):
             status = before.status if before is not None else "unknown"
         return Observed(files, status, status_files, now)
+
+
+def _live(uris: Any) -> list[tuple[str, str, str]]:
+    """(uri, run id, kind) of each live resource among ``uris``."""
+    return [(uri, match["run_id"], match["kind"]) for uri in list(uris) if (match := LIVE_URI.match(uri))]
 
 
 def _stat(path: Path) -> tuple[int, int] | None:
