@@ -63,7 +63,7 @@ class Updates:
         assert self.uris[count:] == []
 
 
-def test_a_2025_session_hears_of_each_step_coalesced_and_the_end_then_nothing_after_unsubscribing(workspace):
+def test_a_2025_session_hears_of_each_step_coalesced_a_checkpoint_and_the_end_then_nothing_after_unsubscribing(workspace):
     updates = Updates()
 
     async def on_message(message) -> None:
@@ -85,6 +85,10 @@ def test_a_2025_session_hears_of_each_step_coalesced_and_the_end_then_nothing_af
             assert await updates.next() == "run://live/metrics"
             await anyio.sleep(QUIET_S)
             assert len(updates.uris) in (3, 4)
+            checkpoint = workspace / rd.RUNS_DIRNAME / "live" / rd.CHECKPOINTS_DIRNAME / rd.checkpoint_dir_name(13)
+            checkpoint.mkdir(parents=True)
+            (checkpoint / rd.DCP_METADATA).write_bytes(b"")
+            assert await updates.next() == "run://live/metrics"
             end_run(workspace, "live")
             assert await updates.next() == "run://live/metrics"
             assert json.loads((await client.read_resource("run://live/metrics")).contents[0].text)["status"] == "completed"
