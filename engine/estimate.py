@@ -84,8 +84,16 @@ def _tensor_bytes(value: Any) -> int:
 
 
 def is_checkpointed(block: nn.Module) -> bool:
-    return type(block).__name__ == "CheckpointWrapper" or any(
+    """Wrapped by ``checkpoint_wrapper``, or a Hugging Face layer whose own switch is on
+    (``gradient_checkpointing_enable``: the layer checkpoints itself while training)."""
+    return _own_switch_on(block) or type(block).__name__ == "CheckpointWrapper" or any(
         type(m).__name__ == "CheckpointWrapper" for m in block.modules())
+
+
+def _own_switch_on(block: nn.Module) -> bool:
+    return getattr(block, "gradient_checkpointing", False) is True and block.training
+
+
 
 
 def measure_saved_bytes(engine, batch: dict[str, torch.Tensor]) -> tuple[SavedBytes, int, int]:
@@ -94,6 +102,9 @@ def measure_saved_bytes(engine, batch: dict[str, torch.Tensor]) -> tuple[SavedBy
     counter = SavedBytes(parameters={p.untyped_storage()._cdata for p in engine.model.parameters()})
     blocks = transformer_blocks(engine.model)
     checkpointed = [is_checkpointed(b) for b in blocks]
+    # A layer that checkpoints itself is measured with its switch off (its activations counted as
+    # they are, by block), then its activations are taken out of the total as checkpointing does.
+    own = [_own_switch_on(b) for b in blocks]
     handles = []
     for index, block in enumerate(blocks):
         counter.per_block[index] = [0, 0]
@@ -104,18 +115,25 @@ def measure_saved_bytes(engine, batch: dict[str, torch.Tensor]) -> tuple[SavedBy
 
         def leave(module, args, kwargs, output, index=index):
             counter.current_block = None
-            if checkpointed[index]:
+            if checkpointed[index] and not own[index]:
                 recomputed.append((index, module, args, kwargs))
 
         handles.append(block.register_forward_pre_hook(enter, with_kwargs=True))
         handles.append(block.register_forward_hook(leave, with_kwargs=True))
     recomputed: list[tuple[int, nn.Module, Any, Any]] = []
+    for block, on in zip(blocks, own):
+        if on:
+            block.gradient_checkpointing = False
     try:
         with torch.autograd.graph.saved_tensors_hooks(counter.pack, lambda t: t):
             engine.compute_loss(batch)
     finally:
         for handle in handles:
             handle.remove()
+        for block, on in zip(blocks, own):
+            if on:
+                block.gradient_checkpointing = True
+    counter.total -= sum(counter.per_block[index][0] for index, on in enumerate(own) if on)
     # A checkpointed block's recomputation in backward: its activations, once. Measured after the
     # model's forward, so that nothing the model records of its blocks' outputs sees it.
     for index, module, args, kwargs in recomputed:

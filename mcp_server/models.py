@@ -136,9 +136,9 @@ class SkillList(BaseModel):
 
 
 class SkillDetail(SkillSummary):
-    skill_md: str = Field(description="The SKILL.md text.")
-    params_schema: dict[str, Any] = Field(description="JSON schema of the skill's parameters.")
-    truncated: bool = Field(False, description="Cut to fit; skill://<name> has all of it.")
+    skill_md: str
+    params_schema: dict[str, Any]  # the JSON schema of its parameters
+    truncated: bool = Field(False, description="Cut; skill://<name> has all.")
 
 
 class ApplySkillResult(BaseModel):
@@ -155,7 +155,7 @@ class ApplySkillResult(BaseModel):
     message: str = ""
     acts_on: str = Field(
         "",
-        description="e.g. 'wraps 4 blocks of `model.layers`'.",
+        description="What the change acts on.",
     )
 
 
@@ -308,7 +308,7 @@ class SampleResult(BaseModel):
 
 
 class EvaluateResult(BaseModel):
-    """examples, tokens, loss_tokens: of the split, counted as by launch_run."""
+    """Counts of the split, as launch_run counts them."""
 
     run_id: str
     step: int

@@ -14,14 +14,18 @@ from __future__ import annotations
 import inspect
 import json
 import logging
+from collections import Counter
 from pathlib import Path
 from typing import Annotated, Any, Callable, Literal
 
 import anyio
 from mcp.server.mcpserver import Context, MCPServer
 from mcp.server.mcpserver.exceptions import ResourceError, ToolError
+from mcp.server.session import ServerSession
+from mcp.server.subscriptions import InMemorySubscriptionBus
 from mcp.shared.exceptions import MCPError
-from mcp_types import INVALID_PARAMS, ToolAnnotations
+from mcp_types import (INVALID_PARAMS, SetLevelRequestParams, SubscribeRequestParams, ToolAnnotations,
+                       UnsubscribeRequestParams)
 from pydantic import Field
 
 import skills as skill_library
@@ -55,7 +59,8 @@ from mcp_server.operations import compare, estimate, recipe_info, waiting
 from mcp_server.operations import recipes as recipe_ops
 from mcp_server.operations import runs as run_ops
 from mcp_server.operations import skills as skill_ops
-from mcp_server import workflows
+from mcp_server import clients, workflows
+from mcp_server.live import LiveRuns
 from sandbox.audit import AuditLog
 from sandbox import redact as redaction
 from sandbox.config import trusted_limits
@@ -87,6 +92,10 @@ READ_ONLY = ToolAnnotations(readOnlyHint=True, openWorldHint=False)
 ADDITIVE = ToolAnnotations(readOnlyHint=False, destructiveHint=False, openWorldHint=False)
 IDEMPOTENT_CHANGE = ToolAnnotations(readOnlyHint=False, destructiveHint=False, idempotentHint=True, openWorldHint=False)
 DESTRUCTIVE = ToolAnnotations(readOnlyHint=False, destructiveHint=True, idempotentHint=True, openWorldHint=False)
+# Tools that download a model or data set the config names by Hub id reach the Hugging Face Hub:
+# open world (the spec's default, so the key is left out).
+READ_ONLY_HUB = ToolAnnotations(readOnlyHint=True)
+ADDITIVE_HUB = ToolAnnotations(readOnlyHint=False, destructiveHint=False)
 
 logger = logging.getLogger(__name__)
 
@@ -100,9 +109,18 @@ RecipePath = Annotated[str, Field(description="recipes/<name>, or the name.")]
 Step = Annotated[int | None, Field(strict=True, description="Default: latest.")]
 
 
+def session_of(ctx: Context | None) -> ServerSession | None:
+    """The session a tool call came on (None when called outside a request)."""
+    try:
+        return ctx.session if ctx is not None else None
+    except ValueError:
+        return None
+
+
 def download_progress(ctx: Context | None) -> Callable[[float, float | None, str], None] | None:
     """For work in a worker thread: a Hub model's download (bytes) as progress notifications
-    between 0 and 1 (of the call's 2), each one higher than the last, as MCP requires."""
+    between 0 and 1 (of the call's 2), each one higher than the last, as MCP requires; and as an
+    info log message at each tenth."""
     if ctx is None:
         return None
     last = [0.0]
@@ -111,13 +129,26 @@ def download_progress(ctx: Context | None) -> Callable[[float, float | None, str
         value = round(min(0.99, done / total), 4) if total else last[0]
         if value <= last[0]:
             return
+        tenth_reached = int(value * 10) > int(last[0] * 10)
         last[0] = value
         try:
             anyio.from_thread.run(ctx.report_progress, value, 2, message)
+            if tenth_reached:
+                anyio.from_thread.run(clients.log, session_of(ctx), "info", f"{message} ({value:.0%})")
         except Exception:  # a client gone away: the download goes on
             logger.debug("progress notification failed", exc_info=True)
 
     return report
+
+
+async def log_launched(ctx: Context | None, result: LaunchRunResult, source: str) -> None:
+    await clients.log(session_of(ctx), "info", f"run {result.run_id} launched ({source})")
+
+
+async def log_wait(ctx: Context | None, result: WaitRunResult) -> None:
+    if result.reason == "ended":
+        await clients.log(session_of(ctx), clients.ENDED_LEVELS.get(result.status, "info"),
+                          f"run {result.run_id} {result.status}" + (f": {result.error}" if result.error else ""))
 
 
 class Tools:
@@ -210,8 +241,12 @@ def build_server(workspace: Path | str, read_only: bool = False, settings: Path 
         ensure_repo(ws.root)
         ws.prepare_state()
     tools = Tools(ws)
-    mcp = AuditedServer("trainwright", instructions=INSTRUCTIONS, version=package_version(), log_level="WARNING")
+    bus = InMemorySubscriptionBus()
+    live = LiveRuns(ws, bus)
+    mcp = AuditedServer("trainwright", instructions=INSTRUCTIONS, version=package_version(), log_level="WARNING",
+                        subscriptions=bus, lifespan=live.running, middleware=[live.listen_middleware])
     mcp.tools = tools
+    _serve_session_methods(mcp, live)
 
     def tool(annotations: ToolAnnotations):
         if read_only and not annotations.read_only_hint:
@@ -229,12 +264,12 @@ def build_server(workspace: Path | str, read_only: bool = False, settings: Path 
 
     @tool(READ_ONLY)
     async def list_skills() -> SkillList:
-        """The training skills apply_skill can write into a recipe; get_skill explains one."""
+        """The skills apply_skill can write; get_skill explains one."""
         return await tools.call("list_skills", {}, skill_ops.list_skills)
 
     @tool(READ_ONLY)
     async def get_skill(name: Annotated[str, Field(description="A skill name from list_skills.")]) -> SkillDetail:
-        """One skill's SKILL.md and the JSON schema of its parameters."""
+        """A skill's SKILL.md and parameter schema."""
         return await tools.call("get_skill", {"name": name}, lambda: skill_ops.get_skill(name))
 
     @tool(IDEMPOTENT_CHANGE)
@@ -245,8 +280,8 @@ def build_server(workspace: Path | str, read_only: bool = False, settings: Path 
         dry_run: Annotated[bool, Field(strict=True, description="Only return the diff; change nothing.")] = False,
         target: Annotated[str | None, Field(description="The model to act on: self._model, file.py:LINE.")] = None,
     ) -> ApplySkillResult:
-        """Write a skill's pattern into a recipe's code as one git commit (diff, commit, acts_on).
-        Idempotent; a refusal says what works."""
+        """Write a skill's pattern into a recipe's code as one git commit; idempotent; a refusal
+        says what works."""
         args = {"skill": skill, "recipe": recipe, "params": params, "dry_run": dry_run, "target": target}
         return await tools.call("apply_skill", args, lambda: skill_ops.apply_skill(
             tools.ws, skill, recipe, skill_ops.with_target(params, target), dry_run))
@@ -257,10 +292,10 @@ def build_server(workspace: Path | str, read_only: bool = False, settings: Path 
 
     @tool(READ_ONLY)
     async def list_templates() -> TemplateList:
-        """List the recipe templates scaffold_recipe can copy."""
+        """The templates scaffold_recipe can copy."""
         return await tools.call("list_templates", {}, recipe_ops.list_templates)
 
-    @tool(ADDITIVE)
+    @tool(ADDITIVE_HUB)
     async def scaffold_recipe(
         template: Annotated[str, Field(description="A template name from list_templates.")],
         name: Annotated[str, Field(description="The new recipes/<name>/.")],
@@ -274,8 +309,8 @@ def build_server(workspace: Path | str, read_only: bool = False, settings: Path 
         ] = None,
         ctx: Context | None = None,
     ) -> ScaffoldResult:
-        """Create recipes/<name>/ from a template and config as one commit, then each skill as
-        its own; a bad key or skill writes nothing."""
+        """Create recipes/<name>/ from a template and config (a commit; a commit per skill);
+        a bad key or skill writes nothing."""
         if ctx is not None:
             await ctx.report_progress(0, 2, "checking the config and skills")
         args = {"template": template, "name": name, "config": config, "skills": skills}
@@ -287,41 +322,41 @@ def build_server(workspace: Path | str, read_only: bool = False, settings: Path 
             await ctx.report_progress(2, 2, "scaffolded")
         return result
 
-    @tool(READ_ONLY)
+    @tool(READ_ONLY_HUB)
     async def describe_recipe(recipe: RecipePath) -> RecipeDescription:
-        """Every config key of a recipe or template (type, default, value, description), its
-        template, skills applied and Hub models."""
+        """Every config key of a recipe or template (type, default, value, description), skills
+        applied, Hub models."""
         return await tools.call(
             "describe_recipe", {"recipe": recipe}, lambda: recipe_info.describe_recipe(tools.ws, recipe)
         )
 
     @tool(READ_ONLY)
     async def list_recipes() -> RecipeList:
-        """The workspace's recipe folders: template, last commit, skills applied, runs."""
+        """The workspace's recipes: template, last commit, skills, runs."""
         return await tools.call("list_recipes", {}, lambda: recipe_info.list_recipes(tools.ws))
 
     # ---------------------------------------------------------------------------------------
     # Runs
     # ---------------------------------------------------------------------------------------
 
-    @tool(ADDITIVE)
+    @tool(ADDITIVE_HUB)
     async def launch_run(
         recipe: Annotated[str, Field(description="Recipe folder, or a .py script.")],
-        nproc: Annotated[int, Field(strict=True, description="Processes per node (torchrun).")] = 1,
+        nproc: Annotated[int, Field(strict=True, description="Processes per node.")] = 1,
         overrides: Annotated[
             dict[str, Any] | None,
-            Field(description='Recipe config: {"train.max_steps": 100}.'),
+            Field(description='Config: {"train.max_steps": 100}.'),
         ] = None,
         nnodes: Annotated[int, Field(strict=True, description="Nodes.")] = 1,
         rdzv: Annotated[dict[str, Any], Field(description="nnodes>1: endpoint host:port, id, node_rank.")] = {},
         target: Annotated[Literal["local", "slurm"], Field(description="slurm: sbatch job.")] = "local",
         slurm: Annotated[dict[str, Any], Field(description="slurm: partition, time, gpus_per_node.")] = {},
         args: Annotated[list[str], Field(description="Script's command line.")] = [],
-        resume_arg: Annotated[str, Field(description="Script's option taking a checkpoint path.")] = "",
+        resume_arg: Annotated[str, Field(description="Script option for a checkpoint path.")] = "",
         ctx: Context | None = None,
     ) -> LaunchRunResult:
-        """Run a snapshot of a recipe or script (JSON lines with a step: its metrics); returns
-        the run_id at once (checked first: nothing written on error)."""
+        """Run a snapshot of a recipe or .py script (JSON lines with a step: metrics); returns
+        run_id at once, or writes nothing on error."""
         if ctx is not None:
             await ctx.report_progress(0, 2, "checking the recipe and config")
         call_args = {"recipe": recipe, "nproc": nproc, "overrides": overrides, "nnodes": nnodes, "rdzv": rdzv,
@@ -331,18 +366,19 @@ def build_server(workspace: Path | str, read_only: bool = False, settings: Path 
             progress=download_progress(ctx), args=args or None, resume_arg=resume_arg or None))
         if ctx is not None:
             await ctx.report_progress(2, 2, f"started {result.run_id}")
+        await log_launched(ctx, result, recipe)
         return result
 
-    @tool(READ_ONLY)
+    @tool(READ_ONLY_HUB)
     async def estimate_run(
         recipe: RecipePath,
-        overrides: Annotated[dict[str, Any] | None, Field()] = None,
-        nproc: Annotated[int, Field(strict=True)] = 1,
-        device: Literal["cpu", "cuda"] = "cpu",
-        device_memory_gib: float | None = None,
+        overrides: Annotated[dict[str, Any] | None, Field(description="As launch_run's.")] = None,
+        nproc: Annotated[int, Field(strict=True, description="Processes.")] = 1,
+        device: Annotated[Literal["cpu", "cuda"], Field(description="Device class.")] = "cpu",
+        device_memory_gib: Annotated[float | None, Field(description="Per process: does it fit?")] = None,
     ) -> EstimateResult:
-        """Before launch_run: memory and step time per process (model on the meta device); fits
-        device_memory_gib? If not, changes that fit."""
+        """Memory and step time per process before launch_run; if over device_memory_gib,
+        changes that fit."""
         args = {"recipe": recipe, "overrides": overrides, "nproc": nproc, "device": device,
                 "device_memory_gib": device_memory_gib}
         return await tools.call("estimate_run", args, lambda: estimate.estimate_run(
@@ -364,14 +400,14 @@ def build_server(workspace: Path | str, read_only: bool = False, settings: Path 
     async def wait_run(
         run_id: RunId,
         until_step: Annotated[
-            int | None, Field(strict=True, description="Return once it is logged; null: the end.")
+            int | None, Field(strict=True, description="Return once it is logged; default: the end.")
         ] = None,
         timeout_s: Annotated[
             float, Field(strict=True, description=f"At most {waiting.MAX_WAIT_S}.")
         ] = waiting.DEFAULT_WAIT_S,
         ctx: Context | None = None,
     ) -> WaitRunResult:
-        """Wait until a run logs until_step, ends, or timeout_s passes (reason says which)."""
+        """Wait until a run logs until_step, ends, or timeout_s passes (reason)."""
 
         async def progress(now: waiting.Observation) -> None:
             if ctx is not None:
@@ -381,7 +417,9 @@ def build_server(workspace: Path | str, read_only: bool = False, settings: Path 
             return await waiting.wait_run(tools.ws, run_id, until_step, timeout_s, progress)
 
         args = {"run_id": run_id, "until_step": until_step, "timeout_s": timeout_s}
-        return await tools.call("wait_run", args, work)
+        result = await tools.call("wait_run", args, work)
+        await log_wait(ctx, result)
+        return result
 
     @tool(READ_ONLY)
     async def tail_metrics(
@@ -404,43 +442,46 @@ def build_server(workspace: Path | str, read_only: bool = False, settings: Path 
 
     @tool(READ_ONLY)
     async def compare_runs(run_a: RunId, run_b: RunId) -> CompareResult:
-        """What differs (config, code), then b vs a per metric: loss at equal tokens, speed, memory
-        (better/worse/no difference at the runs' noise)."""
+        """Config and code differences, then b vs a: loss at equal tokens, speed, memory, each
+        better/worse/no difference at the runs' noise."""
         args = {"run_a": run_a, "run_b": run_b}
         return await tools.call("compare_runs", args, lambda: compare.compare_runs(tools.ws, run_a, run_b))
 
     @tool(DESTRUCTIVE)
     async def stop_run(run_id: RunId) -> StopRunResult:
-        """Stop a run and all its processes; its checkpoints stay for resume_checkpoint."""
+        """Stop a run and all its processes; checkpoints stay."""
         return await tools.call("stop_run", {"run_id": run_id}, lambda: run_ops.stop_run(tools.ws, run_id))
 
     @tool(READ_ONLY)
     async def list_checkpoints(run_id: RunId) -> CheckpointList:
-        """The complete checkpoints of a run (interrupted saves are never listed)."""
+        """A run's complete checkpoints (never an interrupted save)."""
         return await tools.call(
             "list_checkpoints", {"run_id": run_id}, lambda: run_ops.list_checkpoints(tools.ws, run_id)
         )
 
-    @tool(ADDITIVE)
+    @tool(ADDITIVE_HUB)
     async def resume_checkpoint(
         run_id: RunId,
         step: Step = None,
         nproc: Annotated[int | None, Field(strict=True, description="Default: as the run.")] = None,
         code: Annotated[
             Literal["checkpoint", "head"],
-            Field(description="checkpoint: the code the run ran; head: the recipe now."),
+            Field(description="checkpoint: the run's code; head: the recipe now."),
         ] = "checkpoint",
         overrides: Annotated[
             dict[str, Any] | None,
             Field(description='e.g. {"train.max_steps": 400}'),
         ] = None,
+        ctx: Context | None = None,
     ) -> LaunchRunResult:
         """Continue a run from a checkpoint as a new run (its config + overrides)."""
         args = {"run_id": run_id, "step": step, "nproc": nproc, "code": code, "overrides": overrides}
-        return await tools.call(
+        result = await tools.call(
             "resume_checkpoint", args,
             lambda: run_ops.resume_checkpoint(tools.ws, run_id, step, nproc, overrides=overrides, code=code),
         )
+        await log_launched(ctx, result, f"resuming {run_id}")
+        return result
 
     # ---------------------------------------------------------------------------------------
     # Models: export, sample, evaluate (each loads the recipe in the run sandbox)
@@ -470,7 +511,7 @@ def build_server(workspace: Path | str, read_only: bool = False, settings: Path 
     @tool(READ_ONLY)
     async def sample(
         run_id: RunId,
-        prompts: Annotated[list[str], Field(description=f"At most {MAX_PROMPTS} texts to continue.")],
+        prompts: Annotated[list[str], Field(description=f"At most {MAX_PROMPTS} texts.")],
         step: Step = None,
         max_new_tokens: Annotated[int, Field(strict=True, description=f"1-{MAX_NEW_TOKENS}.")] = 64,
         temperature: Annotated[float, Field(strict=True, description="0: greedy.")] = 0.0,
@@ -512,6 +553,11 @@ def build_server(workspace: Path | str, read_only: bool = False, settings: Path 
         run_dir = _resource(lambda: tools.ws.run_dir(run_id))
         return redact(run_ops._tail_text(run_dir / rd.CONSOLE_LOG, 20_000) or "")
 
+    @mcp.resource("run://{run_id}/status", mime_type="application/json",
+                  description="A run's status, latest metrics, ETA and checkpoints (get_run), as JSON.")
+    def run_status(run_id: str) -> str:
+        return redact_model(_resource(lambda: run_ops.get_run(tools.ws, run_id))).model_dump_json()
+
     @mcp.resource("run://{run_id}/loss.png", mime_type="image/png",
                   description="The loss curve (and learning rate) of a run's history, each resume marked.")
     def run_loss_png(run_id: str) -> bytes:
@@ -523,8 +569,9 @@ def build_server(workspace: Path | str, read_only: bool = False, settings: Path 
     workflows.register_completions(mcp, tools.ws)
 
     for registered in mcp._tool_manager.list_tools():
-        _compact_schema(registered.parameters)
-        _compact_schema(registered.fn_metadata.output_schema, output=True)
+        for schema, output in ((registered.parameters, False), (registered.fn_metadata.output_schema, True)):
+            _compact_schema(schema, output)
+            _inline_single_use_definitions(schema)
     return mcp
 
 
@@ -539,37 +586,90 @@ def package_version() -> str:
 
 
 def _compact_schema(schema: Any, output: bool = False, names: bool = False) -> None:
-    """Make a tool's JSON schema smaller without changing what it accepts: every tool's schemas
-    are sent to the agent in each session.
+    """Make a tool's JSON schema smaller without changing what it accepts, and portable: every
+    tool's schemas are sent to the agent in each session, and some clients reject type arrays.
 
-    Drops the ``title`` pydantic gives every schema (the key's name again, in Title Case),
-    ``additionalProperties: true`` (JSON Schema's default) and ``default: null`` (an annotation:
-    leaving the key out means the same), and writes ``anyOf: [{type: T, items: I}, {type: null}]``
-    as ``type: [T, "null"], items: I`` (``items`` applies to arrays only). In output schemas (which
-    describe what the server sends: every key, always) it also drops ``required`` lists and
-    defaults. ``names`` marks a mapping of property names, which are kept as they are.
+    Drops the ``title`` pydantic gives every schema (the key's name again, in Title Case) and
+    ``additionalProperties: true`` (what JSON Schema assumes). An optional argument whose
+    default is null (``anyOf: [{type: T}, {type: null}]``, default null) becomes plain
+    ``{type: T}`` without the default: leaving it out means null. In output schemas
+    (which describe what the server sends: every key, always) it also drops ``required`` lists and
+    defaults, and keeps a nullable value's ``anyOf``, since null is sent. An empty default
+    (``[]``, ``{}``, ``""``) is left out of input schemas too: leaving the argument out means it. A value of any type
+    (``{}``) is said so with ``anyOf``, so that every property has a validation keyword.
+    ``names`` marks a mapping of property names, which are kept as they are.
     """
     if isinstance(schema, dict):
         if not names:
             if isinstance(schema.get("title"), str):
                 del schema["title"]
-            if schema.get("additionalProperties") is True:
+            if schema.get("additionalProperties") is True:  # what JSON Schema assumes
                 del schema["additionalProperties"]
-            if "default" in schema and (output or schema["default"] is None):
+            if not output and schema.get("default", ...) in ([], {}, ""):  # nothing given means that
                 del schema["default"]
-            if output and isinstance(schema.get("required"), list):  # the server sends every key, always
-                del schema["required"]
+            if output:
+                schema.pop("default", None)
+                if isinstance(schema.get("required"), list):  # the server sends every key, always
+                    del schema["required"]
         for key, value in schema.items():  # children first: an option may become plain {type}
             _compact_schema(value, output, names=not names and key in ("properties", "$defs"))
-        options = schema.get("anyOf") if not names else None
-        if (isinstance(options, list) and len(options) == 2 and {"type": "null"} in options
-                and all(set(o) <= {"type", "items"} and isinstance(o.get("type"), str) for o in options)):
-            (kept,) = [o for o in options if o != {"type": "null"}]
-            del schema["anyOf"]
-            schema.update(kept, type=[kept["type"], "null"])
+        if names:
+            for name, value in schema.items():
+                if isinstance(value, dict) and not VALIDATION_KEYWORDS & set(value):
+                    value["anyOf"] = [{"type": t} for t in JSON_TYPES]
+            return
+        options = schema.get("anyOf")
+        if (not output and schema.get("default", ...) is None and isinstance(options, list) and len(options) == 2
+                and {"type": "null"} in options and all(isinstance(o, dict) for o in options)):
+            del schema["anyOf"], schema["default"]
+            schema.update(next(o for o in options if o != {"type": "null"}))
     elif isinstance(schema, list):
         for item in schema:
             _compact_schema(item, output)
+
+
+def _inline_single_use_definitions(schema: Any) -> None:
+    """Write each ``$defs`` entry that one ``$ref`` uses in that place: the same schema, read
+    top to bottom and shorter."""
+    if not isinstance(schema, dict) or not isinstance(schema.get("$defs"), dict):
+        return
+    refs: list[dict[str, Any]] = []
+
+    def collect(node: Any) -> None:
+        if isinstance(node, dict):
+            if isinstance(node.get("$ref"), str):
+                refs.append(node)
+            for value in node.values():
+                collect(value)
+        elif isinstance(node, list):
+            for item in node:
+                collect(item)
+
+    collect(schema)
+    definitions = schema["$defs"]
+    uses = Counter(ref["$ref"] for ref in refs)
+    for ref in refs:
+        name = ref["$ref"].removeprefix("#/$defs/")
+        if uses[ref["$ref"]] == 1 and name in definitions and f'"#/$defs/{name}"' not in json.dumps(definitions[name]):
+            del ref["$ref"]
+            ref.update(definitions.pop(name))
+    if not definitions:
+        del schema["$defs"]
+
+
+VALIDATION_KEYWORDS = frozenset({"type", "enum", "const", "anyOf", "oneOf", "allOf", "not", "$ref"})
+JSON_TYPES = ("string", "number", "boolean", "object", "array", "null")
+
+
+def _serve_session_methods(mcp: MCPServer, live: LiveRuns) -> None:
+    """The 2025-11-25 session methods MCPServer leaves unserved: resources/subscribe and
+    resources/unsubscribe (for which the server then advertises ``resources.subscribe``) and
+    logging/setLevel. MCPServer registers its handlers on its low-level server and offers no
+    public way to add these; this is the one place that reaches that server."""
+    lowlevel = mcp._lowlevel_server
+    lowlevel.add_request_handler("resources/subscribe", SubscribeRequestParams, live.subscribe)
+    lowlevel.add_request_handler("resources/unsubscribe", UnsubscribeRequestParams, live.unsubscribe)
+    lowlevel.add_request_handler("logging/setLevel", SetLevelRequestParams, clients.set_level)
 
 
 def _add_skill_resource(mcp: MCPServer, name: str, description: str) -> None:

@@ -30,3 +30,45 @@ def test_the_drift_report_names_added_removed_and_changed_tools():
         "- a: removed",
         "~ b: description, inputSchema changed",
     ]
+
+
+VALIDATION_KEYWORDS = {"type", "enum", "const", "anyOf", "oneOf", "allOf", "not", "$ref"}
+
+
+def property_schemas(schema, path: str):
+    """Every (path, schema) of a property in ``schema``, at any depth."""
+    if isinstance(schema, dict):
+        for name, value in (schema.get("properties") or {}).items():
+            yield f"{path}.{name}", value
+        for key, value in schema.items():
+            yield from property_schemas(value, f"{path}/{key}")
+    elif isinstance(schema, list):
+        for item in schema:
+            yield from property_schemas(item, path)
+
+
+def type_arrays(schema, path: str):
+    if isinstance(schema, dict):
+        if isinstance(schema.get("type"), list):
+            yield path
+        for key, value in schema.items():
+            yield from type_arrays(value, f"{path}/{key}")
+    elif isinstance(schema, list):
+        for item in schema:
+            yield from type_arrays(item, path)
+
+
+def test_the_tool_schemas_are_portable_no_type_arrays_and_every_property_validated():
+    tools = current_schemas()
+    arrays = [p for tool in tools for kind in ("inputSchema", "outputSchema")
+              for p in type_arrays(tool.get(kind, {}), f"{tool['name']}:{kind}")]
+    assert arrays == []
+    unvalidated = [p for tool in tools for kind in ("inputSchema", "outputSchema")
+                   for p, schema in property_schemas(tool.get(kind, {}), f"{tool['name']}:{kind}")
+                   if not VALIDATION_KEYWORDS & set(schema)]
+    assert unvalidated == []
+    nullable_step = {"anyOf": [{"type": "integer"}, {"type": "null"}]}
+    wait_run = next(tool for tool in tools if tool["name"] == "wait_run")
+    assert wait_run["outputSchema"]["properties"]["step"] == nullable_step  # null is sent: said so
+    assert wait_run["inputSchema"]["properties"]["until_step"] == {  # null is the default: left out
+        "description": "Return once it is logged; default: the end.", "type": "integer"}

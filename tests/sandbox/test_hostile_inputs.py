@@ -238,12 +238,14 @@ def test_poisoned_run_output_is_read_and_changes_nothing(ctx):
         result = ctx.client.call(tool, arguments)
         assert not result.is_error, (tool, error_text(result)[:300])
     assert ctx.client.read_resource(f"run://{POISONED_RUN}/loss.png").contents[0].blob
+    assert ctx.client.read_resource(f"run://{POISONED_RUN}/status").contents[0].text
     assert ctx.hash() == ctx.before
 
 
 @pytest.mark.parametrize("uri", [
     "run://..%2F..%2Fetc/log", "run://..%2Foutside/metrics", f"run://{RUN_ID}%00/log",
     "run://20260101-000000-lm-link/log", "run://loop/metrics", "run://nonexistent/loss.png",
+    "run://..%2F..%2Fetc/status", "run://20260101-000000-lm-link/status", "run://loop/status",
     "skill://..%2F..%2Fetc%2Fpasswd", "file:///etc/passwd",
 ])
 def test_a_hostile_resource_is_refused(ctx, uri):
