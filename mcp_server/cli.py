@@ -611,7 +611,7 @@ def cmd_plot(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from mcp_server.operations import waiting
+    from mcp_server.limits import DEFAULT_WAIT_S, MAX_WAIT_S
 
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument(
@@ -750,7 +750,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("run_id")
     p.add_argument("--until-step", type=int, metavar="N", help="return once step N is logged (default: the end)")
     p.add_argument("--timeout", type=float, metavar="S",
-                   help=f"give up after S seconds (default {waiting.DEFAULT_WAIT_S}, at most {waiting.MAX_WAIT_S})")
+                   help=f"give up after S seconds (default {DEFAULT_WAIT_S}, at most {MAX_WAIT_S})")
 
     p = add("estimate", cmd_estimate, "memory and step time per process before a run, from the model on the meta "
             "device; with --device-memory-gib, whether it fits and which changes would (estimate_run)")

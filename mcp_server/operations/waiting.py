@@ -14,6 +14,7 @@ import anyio
 
 from engine import run_dir as rd
 from engine import server_record as sr
+from mcp_server.limits import DEFAULT_WAIT_S, MAX_WAIT_S
 from mcp_server.models import WaitRunResult
 from engine.errors import BadInput
 from mcp_server.operations.runs import _bounded_record
@@ -21,10 +22,6 @@ from sandbox import slurm as slurm_jobs
 from sandbox.environment import run_environment
 from sandbox.workspace import Workspace
 
-# MCP clients give up on a call after about 60 s (some even while progress arrives): by default
-# a wait returns before that, with the run's status so far, and the agent calls again.
-DEFAULT_WAIT_S = 45
-MAX_WAIT_S = 600
 POLL_S = 0.5
 SLURM_POLL_S = 15.0  # squeue/sacct at most this often while waiting on a SLURM job
 
