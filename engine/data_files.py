@@ -301,6 +301,22 @@ def confined_file(path: Path, root: Path | None = None) -> Path | None:
     return real if real.is_file() else None
 
 
+def json_value(data: bytes, where: str, what: str, line_numbers: bool = False) -> Any:
+    """``data`` parsed as JSON. Text that is not JSON in UTF-8, nests too deep to parse, or holds
+    a lone surrogate no tokenizer takes (``"\\ud800"``) is a :class:`ConfigError` naming
+    ``where`` (and the line, with ``line_numbers``) and ``what`` was expected."""
+    try:
+        value = json.loads(data.decode("utf-8"))
+        json.dumps(value, ensure_ascii=False).encode("utf-8")  # a lone surrogate fails here
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{where}{f':{e.lineno}' if line_numbers else ''}: not {what} ({e.msg})") from None
+    except UnicodeError as e:
+        raise ConfigError(f"{where}: not JSON text in UTF-8 ({type(e).__name__})") from None
+    except RecursionError:
+        raise ConfigError(f"{where}: JSON nested too deep to read") from None
+    return value
+
+
 def jsonl_records(path: Path, name: str) -> Iterator[tuple[str, dict[str, Any]]]:
     """``(where, record)`` for each non-blank line of a ``.jsonl`` data file, ``where`` being
     ``name:line``. A line that is not a JSON object in UTF-8 — or nests too deep to parse, or
@@ -311,15 +327,7 @@ def jsonl_records(path: Path, name: str) -> Iterator[tuple[str, dict[str, Any]]]
             if not line.strip():
                 continue
             where = f"{name}:{line_number}"
-            try:
-                record = json.loads(line.decode("utf-8"))
-                json.dumps(record, ensure_ascii=False).encode("utf-8")  # a lone surrogate ("\ud800") fails here
-            except json.JSONDecodeError as e:
-                raise ConfigError(f"{where}: not a JSON object ({e.msg})") from None
-            except UnicodeError as e:
-                raise ConfigError(f"{where}: not JSON text in UTF-8 ({type(e).__name__})") from None
-            except RecursionError:
-                raise ConfigError(f"{where}: JSON nested too deep to read") from None
+            record = json_value(line, where, "a JSON object")
             if not isinstance(record, dict):
                 raise ConfigError(f"{where}: a record must be a JSON object, got {type(record).__name__}")
             yield where, record

@@ -27,13 +27,12 @@ Torch-free.
 from __future__ import annotations
 
 import itertools
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
 from engine.config import ConfigError
-from engine.data_files import HUB_DATASETS_VARIABLE, bound_hub_path, data_files, jsonl_records
+from engine.data_files import HUB_DATASETS_VARIABLE, bound_hub_path, data_files, json_value, jsonl_records
 
 FILE_SUFFIXES = {".jsonl", ".json", ".parquet", ".csv", ".tsv"}
 
@@ -87,14 +86,7 @@ def _json_rows(path: Path, name: str) -> Iterator[tuple[str, dict[str, Any]]]:
     if not head.startswith(b"["):
         yield from jsonl_records(path, name)
         return
-    try:
-        array = json.loads(path.read_bytes().decode("utf-8"))
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"{name}:{e.lineno}: not a JSON array ({e.msg})") from None
-    except UnicodeError as e:
-        raise ConfigError(f"{name}: not JSON text in UTF-8 ({type(e).__name__})") from None
-    except RecursionError:
-        raise ConfigError(f"{name}: JSON nested too deep to read") from None
+    array = json_value(path.read_bytes(), name, "a JSON array", line_numbers=True)
     for index, record in enumerate(array, 1):
         if not isinstance(record, dict):
             raise ConfigError(f"{name}:[{index}]: a record must be a JSON object, got {type(record).__name__}")
