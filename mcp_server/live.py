@@ -21,6 +21,8 @@ accepted, never updated.
 
 from __future__ import annotations
 
+import stat
+
 import contextlib
 import re
 import time
@@ -226,9 +228,13 @@ def _live(uris: Any) -> list[tuple[str, str, str]]:
 
 
 def _stat(path: Path) -> tuple[int, int] | None:
+    """Size and time of a run's file or folder; a link (the run may plant one to watch a host
+    file) counts as absent."""
     try:
-        info = path.stat()
+        info = path.stat(follow_symlinks=False)
     except OSError:
+        return None
+    if stat.S_ISLNK(info.st_mode):
         return None
     return info.st_size, info.st_mtime_ns
 

@@ -123,6 +123,7 @@ def register_completions(mcp: MCPServer, ws: Workspace) -> None:
         if isinstance(ref, PromptReference) and ref.name == "finetune" and argument.name == "name":
             return Completion(values=[])  # a new recipe's name: nothing to complete from
         prefix = str(argument.value or "")
-        values = [v for v in _choices(ws, str(argument.name)) if v.startswith(prefix)]
+        # A name with control characters (a folder an agent made) is not offered: not echoed raw.
+        values = [v for v in _choices(ws, str(argument.name)) if v.startswith(prefix) and v.isprintable()]
         return Completion(values=values[:MAX_COMPLETIONS], total=len(values),
                           has_more=len(values) > MAX_COMPLETIONS)

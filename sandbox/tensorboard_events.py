@@ -147,9 +147,8 @@ class EventFiles:
         return events
 
     def _read(self, path: Path, limit: int) -> bytes:
-        try:
-            fd = os.open(path, os.O_RDONLY | _NO_FOLLOW)
-        except OSError:
+        fd = _open_beneath(self.run_dir, path.relative_to(self.run_dir))
+        if fd is None:
             return b""
         try:
             if not stat.S_ISREG(os.fstat(fd).st_mode):
@@ -158,3 +157,24 @@ class EventFiles:
             return os.read(fd, min(limit, MAX_EVENT_RECORD_BYTES + 16))
         finally:
             os.close(fd)
+
+
+def _open_beneath(root: Path, relative: Path) -> int | None:
+    """``root/relative`` opened for reading one name at a time, following no link on the way:
+    a folder the run swaps for a link after the search is refused, not read through."""
+    flags = os.O_RDONLY | _NO_FOLLOW
+    try:
+        fd = os.open(root, flags | os.O_DIRECTORY)
+    except OSError:
+        return None
+    try:
+        for name in relative.parts[:-1]:
+            inner = os.open(name, flags | os.O_DIRECTORY, dir_fd=fd)
+            os.close(fd)
+            fd = inner
+        opened = os.open(relative.parts[-1], flags, dir_fd=fd)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    return opened
