@@ -16,7 +16,7 @@ module is read as text and never imported here, so ``skills/`` still imports no 
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 
 import libcst as cst
@@ -80,21 +80,44 @@ def _body(path: Path) -> list[cst.BaseStatement]:
     return [statement for statement in body if not _is_import(statement)]
 
 
-def definitions(path: Path, names: Sequence[str] | None = None) -> str:
+class _Renamed(cst.CSTTransformer):
+    """Names replaced by the recipe's own (a parameter, a function, a constant by an expression):
+    every Name node but an attribute's or a keyword argument's, never text in strings."""
+
+    def __init__(self, renamed: Mapping[str, str]):
+        self.renamed = {old: cst.parse_expression(new) for old, new in renamed.items()}
+
+    def leave_Attribute(self, original: cst.Attribute, updated: cst.Attribute) -> cst.Attribute:
+        return updated.with_changes(attr=original.attr)  # the object may be renamed, the attribute never
+
+    def leave_Arg(self, original: cst.Arg, updated: cst.Arg) -> cst.Arg:
+        return updated.with_changes(keyword=original.keyword)
+
+    def leave_Name(self, original: cst.Name, updated: cst.Name) -> cst.BaseExpression:
+        return self.renamed.get(original.value, updated)  # type: ignore[return-value]
+
+
+def definitions(path: Path, names: Sequence[str] | None = None, renamed: Mapping[str, str] | None = None) -> str:
     """The code of the module's top-level statements that define ``names`` (all of them when
-    None), in the module's order, as :func:`skills.codemod_kit.insert_definitions` takes it."""
+    None), in the module's order, as :func:`skills.codemod_kit.insert_definitions` takes it.
+    ``renamed`` maps a name of the module to the recipe's code for it (an identifier, or an
+    expression where the name is only read). Comments above a definition are the module's own
+    and stay there."""
     chosen = []
     wanted = set(names) if names is not None else None
     found: set[str] = set()
     for statement in _body(path):
         bound = _bound(statement)
         if wanted is None or bound & wanted:
-            chosen.append(statement)
+            chosen.append(statement.with_changes(leading_lines=[]))
             found |= bound
     missing = sorted((wanted or set()) - found)
     if missing:
         raise LookupError(f"{path.name} defines no {', '.join(missing)}")
-    return cst.Module(body=chosen).code
+    module = cst.Module(body=chosen)
+    if renamed:
+        module = module.visit(_Renamed(renamed))
+    return module.code
 
 
 def imports(path: Path) -> list[tuple[str, str | None]]:

@@ -128,3 +128,44 @@ def test_skills_copy_from_these_modules_not_from_strings():
     assert definitions.FIND_BLOCKS == copied.definitions(definitions.BLOCKS_MODULE, ["find_blocks"])
     source = (Path(definitions.__file__).parents[1] / "muon" / "codemod.py").read_text()
     assert "class MuonWithAdamW" not in source and "copied.definitions(OPTIMIZER_MODULE" in source
+
+
+def _packing():
+    import importlib.util
+
+    path = Path(copied.__file__).parents[1] / "sequence-packing" / "packing.py"
+    spec = importlib.util.spec_from_file_location("sequence_packing_module", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_first_fit_decreasing_fills_bins_to_capacity_and_places_every_item_once():
+    packing = _packing()
+    lengths = [7, 5, 4, 3, 3, 2, 1, 1]
+    bins = packing.first_fit_decreasing(lengths, 8)
+    assert sorted(i for b in bins for i in b) == list(range(len(lengths)))
+    assert all(sum(lengths[i] for i in b) <= 8 for b in bins)
+    assert len(bins) == 4  # 26 positions in bins of 8: the optimum
+    with pytest.raises(ValueError, match="a sequence of 9 positions does not fit in rows of 8"):
+        packing.first_fit_decreasing([9], 8)
+
+
+def test_collated_pairs_restart_positions_per_piece_and_ignore_the_padding():
+    packing = _packing()
+    pieces = [torch.tensor([1, 2, 3, 4]), torch.tensor([5, 6, 7])]
+    rows = packing.pack_pairs(pieces, 8)
+    assert len(rows) == 1
+    batch = packing.collate_pairs(rows, 8, 0)
+    assert batch["input_ids"].tolist() == [[1, 2, 3, 5, 6, 0, 0, 0]]
+    assert batch["labels"].tolist() == [[2, 3, 4, 6, 7, -100, -100, -100]]
+    assert batch["position_ids"].tolist() == [[0, 1, 2, 0, 1, 0, 1, 2]]
+
+
+def test_copied_renames_names_not_text_in_strings(tmp_path: Path):
+    module = tmp_path / "helpers.py"
+    module.write_text('def collate(rows, seq_len):\n    """Rows of ``seq_len``."""\n    return rows.seq_len + seq_len\n')
+    code = copied.definitions(module, renamed={"collate": "collate_packed", "seq_len": "max_len"})
+    assert "def collate_packed(rows, max_len):" in code
+    assert "rows.seq_len + max_len" in code and "Rows of ``seq_len``" in code
