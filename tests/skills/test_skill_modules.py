@@ -169,3 +169,19 @@ def test_copied_renames_names_not_text_in_strings(tmp_path: Path):
     code = copied.definitions(module, renamed={"collate": "collate_packed", "seq_len": "max_len"})
     assert "def collate_packed(rows, max_len):" in code
     assert "rows.seq_len + max_len" in code and "Rows of ``seq_len``" in code
+
+
+HELPER_MODULES = sorted(Path(copied.__file__).parents[1].glob("*/helpers.py"))
+
+
+@pytest.mark.parametrize("path", HELPER_MODULES, ids=lambda p: p.parent.name)
+def test_each_skills_helpers_module_imports_on_its_own_and_defines_what_it_copies(path: Path):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(f"helpers_{path.parent.name.replace('-', '_')}", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)  # every import it names resolves here
+    code = copied.definitions(path)
+    defined = [line.split("(")[0][4:] for line in code.splitlines() if line.startswith("def ")]
+    assert defined and all(callable(getattr(module, name)) for name in defined)
