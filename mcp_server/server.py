@@ -312,8 +312,8 @@ def build_server(workspace: Path | str, read_only: bool = False, settings: Path 
             Field(description='Dotted keys: {"train.max_steps": 500}.'),
         ] = None,
         skills: Annotated[
-            list[Any] | None,
-            Field(description='Names, or {"name": ..., "params": {...}}.'),
+            list[str | dict[str, Any]] | None,
+            Field(description="Names, or {name, params}."),
         ] = None,
         ctx: Context | None = None,
     ) -> ScaffoldResult:
@@ -442,7 +442,7 @@ def build_server(workspace: Path | str, read_only: bool = False, settings: Path 
             bool, Field(strict=True, description="Also the runs it was resumed from.")
         ] = False,
     ) -> MetricsTail:
-        """The latest metrics records of a run; truncated: more matched than n."""
+        """The latest metrics records of a run."""
         args = {"run_id": run_id, "n": n, "after_step": after_step, "follow_resumes": follow_resumes}
         return await tools.call(
             "tail_metrics", args, lambda: run_ops.tail_metrics(tools.ws, run_id, n, after_step, follow_resumes)
