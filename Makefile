@@ -12,7 +12,7 @@ PYTEST_WORKERS ?= 2
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install sandbox demo test test-fast lint bench clean
+.PHONY: install sandbox browser demo test test-fast lint bench clean
 
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -34,10 +34,23 @@ sandbox:
 	    echo "bubblewrap is not installed (install the bubblewrap package): runs fall back to partial isolation"; \
 	  fi; }
 
+# Headless Chromium (Debian's chromium, and a font) for the run view's browser test,
+# tests/mcp/test_run_view.py. Installed where this runs as root with apt-get; never fails the
+# build: without it the browser tests skip and say why.
+browser:
+	@command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+	      chromium fonts-dejavu-core >/dev/null) \
+	      || echo "chromium could not be installed: the run view's browser tests skip"; \
+	  else \
+	    echo "chromium is not installed (install the chromium package): the run view's browser tests skip"; \
+	  fi; }
+
 demo: $(STAMP) sandbox
 	$(BIN)/python examples/demo.py
 
-test: $(STAMP) sandbox lint
+test: $(STAMP) sandbox browser lint
 	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 # ruff (pyflakes, pycodestyle) over the tree; mypy over the contracts between the layers.
@@ -46,7 +59,7 @@ lint: $(STAMP)
 	$(BIN)/python -m mypy
 
 # The quick part of the suite: no torchrun launches, no runs longer than a few seconds.
-test-fast: $(STAMP) sandbox
+test-fast: $(STAMP) sandbox browser
 	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) --dist loadfile -m "not multiprocess and not slow" $(PYTEST_ARGS)
 
 # CPU benchmarks, each printing ratios against a peer measured in the same run (~15 min).
