@@ -30,6 +30,7 @@ from mcp.server.apps import APP_MIME_TYPE, EXTENSION_ID
 from mcp.shared.exceptions import MCPError
 
 from mcp_server import run_view
+from mcp_server.operations.runs import MAX_TAIL_RECORDS
 from mcp_server.server import build_server
 from tests.mcp.browser import Browser, Page, find_chromium
 from tests.mcp.conftest import ToolSession, closing_cleanly, git
@@ -245,7 +246,7 @@ def test_the_view_draws_a_finished_run_its_loss_points_tokens_per_s_and_status(s
     time.sleep(2.5)  # longer than the view's poll: an ended run is read once, then no more
     assert page.evaluate(RELAYED, where=IN_HOST) == [
         {"name": "get_run", "arguments": {"run_id": run_id}},
-        {"name": "tail_metrics", "arguments": {"run_id": run_id, "n": 200, "follow_resumes": True}},
+        {"name": "tail_metrics", "arguments": {"run_id": run_id, "n": MAX_TAIL_RECORDS, "follow_resumes": True}},
     ]
     screenshot = os.environ.get(SCREENSHOT_VARIABLE)
     if screenshot:
@@ -291,3 +292,15 @@ def test_a_tool_error_is_shown_in_the_view_as_its_text(open_view):
     assert state["note"] == ("Error executing tool get_run: not_found: no run 'no-such-run' in this workspace; "
                              "list_runs shows the runs")
     assert (state["status"], state["points"], state["failureShown"]) == ("–", 0, False)
+
+
+def test_a_long_run_shows_its_latest_records_and_says_the_rest_are_left_out(session, open_view):
+    run_id = launch(session, "--steps", "250")
+    assert session.wait_for_run(run_id)["status"] == "completed"
+    tail = session.ok("tail_metrics", run_id=run_id, n=MAX_TAIL_RECORDS, follow_resumes=True)
+    assert tail["truncated"] and tail["records"][-1]["step"] == 250  # more than one read returns
+    page = open_view("get_run", run_id=run_id)
+    state = view(page, lambda s: s["status"] == "completed" and s["points"] > 0, "a long completed run")
+    assert state["points"] == len(tail["records"]) and state["step"] == "250"
+    assert state["note"] == f"records left out: the view reads at most {MAX_TAIL_RECORDS} at a time"
+    assert len(vertices(state["curve"])) == len(tail["records"]) and state["circles"] == []  # a line only
