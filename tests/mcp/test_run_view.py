@@ -207,6 +207,21 @@ def test_get_run_and_wait_run_point_to_the_view_which_the_server_serves_as_an_mc
     assert re.findall(r"innerHTML|outerHTML|insertAdjacentHTML|document\.write", contents.text) == []
 
 
+def test_a_2025_11_25_client_sees_the_same_binding_where_that_era_has_no_extensions_capability(workspace):
+    async def main() -> tuple[str, Any, dict[str, Any], str | None]:
+        apps = advertise(EXTENSION_ID, {"mimeTypes": [APP_MIME_TYPE]})
+        async with Client(build_server(workspace), mode="legacy", extensions=[apps]) as client:
+            tools = (await client.list_tools()).tools
+            (contents,) = (await client.read_resource(run_view.RESOURCE_URI)).contents
+            return (client.protocol_version, client.server_capabilities.extensions,
+                    {tool.name: tool.meta for tool in tools if tool.meta}, contents.mime_type)
+
+    with start_blocking_portal() as portal:
+        version, extensions, bound, mime_type = portal.call(main)
+    assert version == "2025-11-25" and extensions is None  # not in that revision's capabilities
+    assert bound == {name: run_view.TOOL_META for name in ("get_run", "wait_run")} and mime_type == APP_MIME_TYPE
+
+
 def test_the_text_result_is_complete_for_a_client_without_apps(session, workspace):
     run_id = launch(session, "--steps", "2")
     with_apps = session.wait_for_run(run_id)
