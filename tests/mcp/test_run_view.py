@@ -5,7 +5,7 @@ speaks the MCP Apps protocol to the view in a sandboxed iframe and relays the vi
 through a small HTTP bridge in this file, to an in-process MCP client session of the real
 server on a real workspace, whose runs are real runs of a script (scripts/logged_steps.py):
 the view draws a finished run, follows a live one until it ends, and shows a failed run's
-error as text. Set TRAINWRIGHT_RUN_VIEW_SCREENSHOT=PATH to keep a picture of a finished run's
+error as text; one slow test views a run of the causal_lm template (steps of max_steps, speed). Set TRAINWRIGHT_RUN_VIEW_SCREENSHOT=PATH to keep a picture of a finished run's
 view. The browser tests skip with the reason where Chromium is not installed (``make browser``).
 """
 
@@ -33,7 +33,7 @@ from mcp_server import run_view
 from mcp_server.operations.runs import MAX_TAIL_RECORDS
 from mcp_server.server import build_server
 from tests.mcp.browser import Browser, Page, find_chromium
-from tests.mcp.conftest import ToolSession, closing_cleanly, git
+from tests.mcp.conftest import SHORT_RUN, ToolSession, closing_cleanly, git, tiny_config
 
 # The server's log messages are of the 2025-11-25 era, which the SDK marks deprecated.
 pytestmark = pytest.mark.filterwarnings("ignore::mcp.shared.exceptions.MCPDeprecationWarning")
@@ -50,6 +50,8 @@ VIEW_STATE = """({
   step: document.getElementById('step').textContent,
   loss: document.getElementById('loss').textContent,
   tokensPerS: document.getElementById('tokens-per-s').textContent,
+  speed: document.getElementById('speed').textContent,
+  eta: document.getElementById('eta').textContent,
   points: Number(document.getElementById('chart').dataset.points),
   circles: [...document.querySelectorAll('#chart circle.point')].map(c => [Number(c.getAttribute('cx')), Number(c.getAttribute('cy'))]),
   curve: document.querySelector('#chart path.curve')?.getAttribute('d') ?? null,
@@ -319,3 +321,16 @@ def test_a_long_run_shows_its_latest_records_and_says_the_rest_are_left_out(sess
     assert state["points"] == len(tail["records"]) and state["step"] == "250"
     assert state["note"] == f"records left out: the view reads at most {MAX_TAIL_RECORDS} at a time"
     assert len(vertices(state["curve"])) == len(tail["records"]) and state["circles"] == []  # a line only
+
+
+@pytest.mark.slow
+def test_the_view_of_a_recipe_run_shows_the_engines_steps_of_max_steps_tokens_per_s_and_speed(session, open_view):
+    recipe = session.ok("scaffold_recipe", template="causal_lm", name="lm", config=tiny_config(**SHORT_RUN))["path"]
+    run_id = session.ok("launch_run", recipe=recipe)["run_id"]
+    info = session.wait_for_run(run_id)
+    assert info["status"] == "completed" and info["step"] == info["max_steps"] == 6
+    page = open_view("get_run", run_id=run_id)
+    state = view(page, lambda s: s["status"] == "completed" and s["points"] == 6, "a completed recipe run")
+    assert state["step"] == "6 / 6" and state["speed"] == info["speed"] and state["eta"] == "–"
+    rate = info["latest"]["tokens_per_s"]
+    assert state["tokensPerS"] == f"{rate:,.0f}" and state["loss"] == f"{info['latest']['loss']:.4g}"
