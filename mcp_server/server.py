@@ -67,7 +67,7 @@ from mcp_server.operations import compare, estimate, recipe_info, waiting
 from mcp_server.operations import recipes as recipe_ops
 from mcp_server.operations import runs as run_ops
 from mcp_server.operations import skills as skill_ops
-from mcp_server import clients, workflows
+from mcp_server import clients, run_view, workflows
 from mcp_server.live import LiveRuns
 from sandbox.audit import AuditLog
 from sandbox import redact as redaction
@@ -252,17 +252,19 @@ def build_server(workspace: Path | str, read_only: bool = False, settings: Path 
     bus = InMemorySubscriptionBus()
     live = LiveRuns(ws, bus)
     mcp = AuditedServer("trainwright", instructions=INSTRUCTIONS, version=package_version(), log_level="WARNING",
-                        subscriptions=bus, lifespan=live.running, middleware=[live.listen_middleware])
+                        subscriptions=bus, lifespan=live.running, middleware=[live.listen_middleware],
+                        extensions=[run_view.extension()])
     mcp.tools = tools
     _serve_session_methods(mcp, live)
 
-    def tool(annotations: ToolAnnotations):
+    def tool(annotations: ToolAnnotations, meta: dict[str, Any] | None = None):
         if read_only and not annotations.read_only_hint:
             return lambda fn: fn  # --read-only: tools that change something are not served
 
         def register(fn):
-            # The docstring is what the agent reads: without its source indentation.
-            return mcp.tool(annotations=annotations, description=inspect.cleandoc(fn.__doc__ or ""))(fn)
+            # The docstring is what the agent reads: without its source indentation and line breaks.
+            description = inspect.cleandoc(fn.__doc__ or "").replace("\n", " ")
+            return mcp.tool(annotations=annotations, description=description, meta=meta)(fn)
 
         return register
 
@@ -288,8 +290,8 @@ def build_server(workspace: Path | str, read_only: bool = False, settings: Path 
         dry_run: Annotated[bool, Field(strict=True, description="Only return the diff; change nothing.")] = False,
         target: Annotated[str | None, Field(description="The model to act on: self._model, file.py:LINE.")] = None,
     ) -> ApplySkillResult:
-        """Write a skill's pattern into a recipe's code as one git commit; idempotent; a refusal
-        says what works."""
+        """Write a skill's pattern into a recipe's code as one git commit; a refusal says what
+        works."""
         args = {"skill": skill, "recipe": recipe, "params": params, "dry_run": dry_run, "target": target}
         return await tools.call("apply_skill", args, lambda: skill_ops.apply_skill(
             tools.ws, skill, recipe, skill_ops.with_target(params, target), dry_run))
@@ -332,8 +334,7 @@ def build_server(workspace: Path | str, read_only: bool = False, settings: Path 
 
     @tool(READ_ONLY_HUB)
     async def describe_recipe(recipe: RecipePath) -> RecipeDescription:
-        """Every config key of a recipe or template (type, default, value, description), skills
-        applied, Hub models."""
+        """Every config key of a recipe or template, skills applied, Hub models."""
         return await tools.call(
             "describe_recipe", {"recipe": recipe}, lambda: recipe_info.describe_recipe(tools.ws, recipe)
         )
@@ -399,12 +400,12 @@ def build_server(workspace: Path | str, read_only: bool = False, settings: Path 
         """The workspace's runs, newest first: status, step, loss, mean tokens/s."""
         return await tools.call("list_runs", {"limit": limit}, lambda: run_ops.list_runs(tools.ws, limit))
 
-    @tool(READ_ONLY)
+    @tool(READ_ONLY, meta=run_view.TOOL_META)
     async def get_run(run_id: RunId) -> RunInfo:
         """A run's status, metrics, speed, ETA, checkpoints; a failed run's console end."""
         return await tools.call("get_run", {"run_id": run_id}, lambda: run_ops.get_run(tools.ws, run_id))
 
-    @tool(READ_ONLY)
+    @tool(READ_ONLY, meta=run_view.TOOL_META)
     async def wait_run(
         run_id: RunId,
         until_step: Annotated[
@@ -450,8 +451,8 @@ def build_server(workspace: Path | str, read_only: bool = False, settings: Path 
 
     @tool(READ_ONLY)
     async def compare_runs(run_a: RunId, run_b: RunId) -> CompareResult:
-        """Config and code differences, then b vs a: loss at equal tokens, speed, memory, each
-        better/worse/no difference at the runs' noise."""
+        """Config and code differences, then b vs a (loss at equal tokens, speed, memory) judged
+        at the runs' noise."""
         args = {"run_a": run_a, "run_b": run_b}
         return await tools.call("compare_runs", args, lambda: compare.compare_runs(tools.ws, run_a, run_b))
 
@@ -462,7 +463,7 @@ def build_server(workspace: Path | str, read_only: bool = False, settings: Path 
 
     @tool(READ_ONLY)
     async def list_checkpoints(run_id: RunId) -> CheckpointList:
-        """A run's complete checkpoints (never an interrupted save)."""
+        """A run's complete checkpoints (no interrupted save)."""
         return await tools.call(
             "list_checkpoints", {"run_id": run_id}, lambda: run_ops.list_checkpoints(tools.ws, run_id)
         )
