@@ -12,9 +12,11 @@ the file without such attributes), listing what it saw.
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import libcst as cst
 
+from skills.codemod_kit import copied
 from skills.codemod_kit.definitions import _pending, insert_definitions
 from skills.codemod_kit.edits import Edits
 from skills.codemod_kit.reach import ModelShape
@@ -31,61 +33,17 @@ NAMES = {
 # ``AutoModelForImageTextToText``, ``AutoModelForVision2Seq``).
 _VISION_LANGUAGE_CLASS = re.compile(r"Llava|VL|Vision|ImageTextToText|ConditionalGeneration|Idefics|Pali|Blip")
 
-HELPER = '''
-def vision_language_parts(
-    model: torch.nn.Module, skill: str, parts: list[str], every: bool = False
-) -> dict[str, torch.nn.Module]:
-    """The parts of a vision-language model, found by module name (the shallowest match): the
-    ``vision_tower`` (or ``visual``, ``vision_model``, ``vision_encoder``, ``image_encoder``), the
-    ``projector`` (``multi_modal_projector``, ``mm_projector``, ``merger``, ``connector``,
-    ``aligner``) and the ``language_model`` (``llm``, ``text_model``). Returns ``parts`` (with
-    ``every``, all parts found); one of ``parts`` that the model lacks is an error listing the
-    modules it has. (Written by the SKILL skill.)
-    """
-    names = {
-        "vision_tower": ("vision_tower", "visual", "vision_model", "vision_encoder", "image_encoder"),
-        "projector": ("multi_modal_projector", "mm_projector", "projector", "merger", "connector", "aligner"),
-        "language_model": ("language_model", "llm", "text_model"),
-    }
-    found = {}
-    for part, candidates in names.items():
-        matches = [(n.count("."), n, m) for n, m in model.named_modules() if n.rsplit(".", 1)[-1] in candidates]
-        if matches:
-            found[part] = min(matches, key=lambda match: match[:2])[2]
-    missing = [part for part in parts if part not in found]
-    if missing:
-        seen = [n for n, _ in model.named_modules() if n and n.count(".") < 2]
-        raise ValueError(
-            f"{skill}: {type(model).__name__} has no {' or '.join(missing)} (a module named one of "
-            f"{[n for part in missing for n in names[part]]}); its modules: {seen[:16]}"
-        )
-    return found if every else {part: found[part] for part in parts}
+# The helpers are a real module (emitted/vision_language.py), copied into the recipe once per file.
+HELPERS_MODULE = Path(__file__).parent / "emitted" / "vision_language.py"
 
 
-def vision_language_parameters(model: torch.nn.Module, skill: str, parts: list[str]) -> list[torch.nn.Parameter]:
-    """The parameters of the chosen parts of a vision-language model. The language model has its
-    output head too (``lm_head``, outside ``language_model`` in transformers' classes); a part
-    nested in another (Qwen2-VL's ``visual.merger``) keeps its parameters out of the outer one.
-    (Written by the SKILL skill.)
-    """
-    found = vision_language_parts(model, skill, parts, every=True)
-    depth = {id(m): n.count(".") for n, m in model.named_modules()}
-    owner = {}
-    for part, module in sorted(found.items(), key=lambda item: depth[id(item[1])]):  # inner parts last
-        owner.update((id(p), part) for p in module.parameters())
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    for parameter in head.parameters() if head is not None else ():
-        owner.setdefault(id(parameter), "language_model")
-    return [p for p in model.parameters() if owner.get(id(p)) in parts]
-'''
-
-
-def ensure_helper(recipe: Recipe, edits: Edits, skill: str, near: cst.CSTNode) -> None:
+def ensure_helper(recipe: Recipe, edits: Edits, near: cst.CSTNode) -> None:
     """Write ``vision_language_parts``/``vision_language_parameters`` once into the file."""
     if recipe.defines("vision_language_parts") or _pending(edits, "vision_language_parts"):
         return
-    edits.add_import("torch")
-    insert_definitions(recipe, edits, HELPER.replace("SKILL", skill), near)
+    insert_definitions(recipe, edits, copied.definitions(HELPERS_MODULE), near)
+    for name in copied.imports(HELPERS_MODULE):
+        edits.add_import(*name)
 
 
 def is_vision_language(found: ModelShape) -> bool:

@@ -128,7 +128,7 @@ def apply(recipe: Recipe, params: Params) -> Edits | AlreadyApplied:
     extra = f", target={reach.target_code(found, target)}" if target is not None else ""
     calls = []
     if params.parts:
-        vlm.ensure_helper(recipe, edits, SKILL, model.statement)
+        vlm.ensure_helper(recipe, edits, model.statement)
         calls.append(templates.statement(
             recipe.module,
             f'frozen_parts = vision_language_parameters({{model}}, "{SKILL}", {templates.literal(params.parts)})',

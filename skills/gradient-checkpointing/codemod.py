@@ -183,7 +183,7 @@ def _both_towers(recipe: Recipe, params: Params, model, found: reach.ModelShape)
     edits = Edits(recipe)
     ensure_find_blocks(recipe, edits, model.statement)
     insert_definitions(recipe, edits, copied.definitions(HELPERS_MODULE), model.statement)
-    vlm.ensure_helper(recipe, edits, SKILL, model.statement)
+    vlm.ensure_helper(recipe, edits, model.statement)
     for name in copied.imports(HELPERS_MODULE):
         edits.add_import(*name)
     every = f", every={params.every}" if params.every != 1 else ""

@@ -143,7 +143,7 @@ def apply(recipe: Recipe, params: Params) -> Edits | AlreadyApplied:
     )
     edits = Edits(recipe)
     only_trainable_parameters(recipe, edits, SKILL)
-    vlm.ensure_helper(recipe, edits, SKILL, model.statement)
+    vlm.ensure_helper(recipe, edits, model.statement)
     insert_definitions(recipe, edits, HELPER, model.statement)
     edits.add_import("torch")
     call = templates.statement(
