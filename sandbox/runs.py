@@ -32,7 +32,7 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import asdict, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Iterator, Mapping
 
@@ -52,7 +52,8 @@ from sandbox.processes import RUN_ID_VARIABLE, apply_limits, descendants, end_pr
 from sandbox.provenance import CodeOrigin, snapshot_digest, snapshot_files, write_snapshot
 from sandbox.scripts import ScriptLaunch, script_command
 
-__all__ = ["LaunchRefused", "RunLimits", "check_capacity", "check_launch", "engine_command", "start_run", "stop_run"]
+__all__ = ["LaunchPlan", "LaunchRefused", "RunLimits", "check_capacity", "check_launch", "engine_command", "start_run",
+           "stop_run"]
 
 CHECK_TIMEOUT_S = 180
 MAX_CHECK_ERROR_CHARS = 2000
@@ -270,135 +271,177 @@ def _create_run_dir(workspace: Path, runs_root: Path, recipe_label: str,
     raise RuntimeError("could not find a free run id")
 
 
-def start_run(
-    workspace: Path,
-    runs_root: Path,
-    code_dir: Path,
-    recipe_label: str,
-    nproc: int,
-    overrides: dict[str, Any],
-    verdict: LaunchVerdict | None,
-    origin: CodeOrigin,
-    code_from: str = "recipe",
-    resumed_from: rd.ResumedFrom | None = None,
-    recorded_config: bool = False,
-    limits: RunLimits = RunLimits(),
-    threads: int | None = None,
-    warnings: list[str] | None = None,
-    expected_digest: str | None = None,
-    nodes: Nodes = Nodes(),
-    joins: Path | None = None,
-    target: str = "local",
-    models: ModelBinding = ModelBinding(),
-    script: ScriptLaunch | None = None,
-) -> sr.ServerRecord:
-    """Create the run directory with a snapshot of ``code_dir`` and the server's record of the
-    run, and spawn its supervisor; return the server's first record.
+@dataclass(frozen=True)
+class LaunchPlan:
+    """One launch as checked, which :func:`start_run` starts: built once by each caller — a
+    launch, a resume, a run of a script, a node joining a run, a SLURM job.
 
-    ``verdict`` is :func:`check_launch`'s (None for a script); ``recorded_config``: the engine starts from the
-    verdict's config kept in the run's own run.json (a resume, a joining node), not from the
-    recipe's ``config.yaml``; ``threads`` pins the run's thread count (a resume
-    passes the original run's); ``expected_digest``: :func:`~sandbox.provenance.snapshot_digest`
-    of ``code_dir`` when it was checked; a snapshot that differs starts nothing. The run's
-    sandbox shows the workspace read-only without git's, trainwright's and other runs' folders,
-    its own run directory read-write, and its code snapshot read-only; what it shows is recorded
-    in the server's record (``sandbox``), which the supervisor reads. Refused with :class:`LaunchRefused` when the workspace's caps
-    on concurrent runs or processes would be exceeded.
-
-    ``nodes``: this machine's node of a run over several (:mod:`sandbox.nodes`); the run gets
-    the host's network, recorded as such. ``joins``: node 0's run directory, for a node with
-    ``node_rank`` > 0: its processes run node 0's snapshot (``code_dir``) and write there.
+    ``code_dir``: the code the run executes a snapshot of (for a node that ``joins``, node 0's
+    snapshot, run as it is); ``verdict``: :func:`check_launch`'s (None for a script);
+    ``recorded_config``: the engine starts from the verdict's config kept in the run's own
+    run.json (a resume, a joining node), not from the recipe's ``config.yaml``; ``threads`` pins
+    the run's thread count (a resume passes the original run's); ``expected_digest``:
+    :func:`~sandbox.provenance.snapshot_digest` of ``code_dir`` when it was checked, a snapshot
+    that differs starts nothing. ``nodes``: this machine's node of a run over several
+    (:mod:`sandbox.nodes`); ``joins``: node 0's run directory, for a node with ``node_rank`` > 0.
     ``target="slurm"``: the run directory is made, nothing is started (:mod:`sandbox.slurm`
-    writes and submits the job). ``models``: the Hub models the run loads (:mod:`sandbox.hub`),
-    recorded, and shown read-only in its sandbox. ``script``: a run of the user's own script
-    (:mod:`sandbox.scripts`) in ``code_dir``, not of a recipe: no verdict, its own command.
+    writes and submits the job). ``models``: the Hub models the run loads (:mod:`sandbox.hub`).
+    ``script``: a run of the user's own script (:mod:`sandbox.scripts`), not of a recipe.
     """
-    threads = threads or threads_per_process(nproc, limits.threads_per_process)
-    if nodes.multi and target == "local":
+
+    code_dir: Path
+    recipe_label: str
+    nproc: int
+    origin: CodeOrigin
+    overrides: dict[str, Any] = field(default_factory=dict)
+    verdict: LaunchVerdict | None = None
+    code_from: str = "recipe"
+    resumed_from: rd.ResumedFrom | None = None
+    recorded_config: bool = False
+    limits: RunLimits = RunLimits()
+    threads: int | None = None
+    warnings: tuple[str, ...] = ()
+    expected_digest: str | None = None
+    nodes: Nodes = Nodes()
+    joins: Path | None = None
+    target: str = "local"
+    models: ModelBinding = ModelBinding()
+    script: ScriptLaunch | None = None
+
+
+def start_run(workspace: Path, runs_root: Path, plan: LaunchPlan) -> sr.ServerRecord:
+    """Create the run directory with a snapshot of ``plan.code_dir`` and the server's record of
+    the run, and spawn its supervisor; return the server's first record.
+
+    The run's sandbox shows the workspace read-only without git's, trainwright's and other runs'
+    folders, its own run directory read-write, and its code snapshot read-only; what it shows is
+    recorded in the server's record (``sandbox``), which the supervisor reads. Refused with
+    :class:`LaunchRefused` when the workspace's caps on concurrent runs or processes would be
+    exceeded; a refusal leaves nothing behind.
+    """
+    workspace, runs_root = Path(workspace), Path(runs_root)
+    limits = plan.limits
+    if plan.nodes.multi and plan.target == "local":
         limits = replace(limits, network="shared")  # the nodes must reach each other
-    warnings = list(warnings or [])
+    threads = plan.threads or threads_per_process(plan.nproc, limits.threads_per_process)
+    record = _first_record(workspace, plan, limits, threads)
+    files = _snapshot_files(plan)
+    runs_root.mkdir(parents=True, exist_ok=True)
+    with capacity_lock(runs_root):  # two launches at once cannot both take the last place
+        if plan.target == "local":  # a SLURM job runs on the cluster's nodes
+            check_capacity(sr.records_root(workspace), plan.nproc, limits)
+        run_id, run_dir, folder = _create_run_dir(workspace, runs_root, plan.recipe_label, record)
+    try:
+        snapshot, digest = _write_snapshot(plan, run_dir, files)
+    except BaseException:
+        shutil.rmtree(run_dir, ignore_errors=True)  # nothing started: leave nothing behind
+        shutil.rmtree(folder, ignore_errors=True)
+        raise
+    prepared = _prepared(workspace, plan, run_id, run_dir, snapshot, digest)
+    sr.update_record(folder, **prepared)
+    rd.update_run(run_dir, **prepared)
+    if plan.target != "local":
+        return sr.read_record(folder)
+    return _spawn_supervisor(workspace, plan, limits, threads, run_id, run_dir, folder, snapshot)
+
+
+def _first_record(workspace: Path, plan: LaunchPlan, limits: RunLimits, threads: int) -> sr.ServerRecord:
+    """The server's record of the run before its directory exists (its id still ``pending``)."""
+    warnings = list(plan.warnings)
+    origin = plan.origin
     if origin.recipe_dirty:
         warnings.append(
             f"the recipe had uncommitted changes ({', '.join(origin.dirty_files[:5])}); the run uses "
             f"them, and {rd.SNAPSHOT_DIRNAME}/{rd.UNCOMMITTED_PATCH} in its run directory holds the "
             f"diff against {(origin.git_commit or '')[:10]}"
         )
+    verdict, nodes, script = plan.verdict, plan.nodes, plan.script
     record = sr.ServerRecord(
         id="pending",
-        recipe=recipe_label,
-        code_from=code_from,
+        recipe=plan.recipe_label,
+        code_from=plan.code_from,
         git_commit=origin.git_commit,
         recipe_dirty=origin.recipe_dirty,
         dirty_files=origin.dirty_files,
-        overrides=overrides,
+        overrides=plan.overrides,
         config=verdict.config if verdict is not None else None,
         config_changes=verdict.config_changes if verdict is not None else {},
         data=verdict.data if verdict is not None else None,
-        nproc=nproc,
-        world_size=nproc * nodes.nnodes,
-        target=target,
+        nproc=plan.nproc,
+        world_size=plan.nproc * nodes.nnodes,
+        target=plan.target,
         nnodes=nodes.nnodes,
         node_rank=nodes.node_rank if nodes.multi else None,
         rdzv_endpoint=nodes.rdzv_endpoint,
-        joins=joins.name if joins is not None else None,
+        joins=plan.joins.name if plan.joins is not None else None,
         created_at=rd.utc_now(),
-        resumed_from=resumed_from,
+        resumed_from=plan.resumed_from,
         limits=asdict(limits),
         threads_per_process=threads,
         workspace=str(workspace),
         warnings=warnings,
-        hub_models=list(models.models),
+        hub_models=list(plan.models.models),
     )
     if script is not None:
         record = record.model_copy(update=dict(kind=rd.SCRIPT, script=script.script, script_args=script.args,
                                                resume_arg=script.resume_arg))
-    if joins is not None:
-        files = []
-    elif script is not None and script.alone:
-        files = [Path(script.script)]
-    else:
-        files = snapshot_files(code_dir)  # refused before any write when it cannot be held
-    if joins is None and code_from != "checkpoint" and Path(rd.UNCOMMITTED_PATCH) in files:
+    return record
+
+
+def _snapshot_files(plan: LaunchPlan) -> list[Path]:
+    """The files of the run's snapshot (none for a joining node, which runs node 0's); refused
+    before any write when they cannot be held."""
+    if plan.joins is not None:
+        return []
+    if plan.script is not None and plan.script.alone:
+        return [Path(plan.script.script)]
+    files = snapshot_files(plan.code_dir)
+    if plan.code_from != "checkpoint" and Path(rd.UNCOMMITTED_PATCH) in files:
         # Only a snapshot's own record of uncommitted changes may have that name: a recipe's file
         # would read as a diff the run never had.
-        raise BadInput(f"{recipe_label}/{rd.UNCOMMITTED_PATCH}: a run's snapshot keeps the recipe's uncommitted "
-                       "changes under that name; rename the file")
-    runs_root = Path(runs_root)
-    runs_root.mkdir(parents=True, exist_ok=True)
-    with capacity_lock(runs_root):  # two launches at once cannot both take the last place
-        if target == "local":  # a SLURM job runs on the cluster's nodes
-            check_capacity(sr.records_root(workspace), nproc, limits)
-        run_id, run_dir, folder = _create_run_dir(Path(workspace), runs_root, recipe_label, record)
-    try:
-        # A joining node runs node 0's snapshot as it is (checked by the caller).
-        snapshot = write_snapshot(code_dir, run_dir, None, files) if joins is None else Path(code_dir)
-        digest = snapshot_digest(snapshot)
-        if expected_digest is not None and digest != expected_digest:
-            raise BadInput(
-                f"the code of {recipe_label} changed after it was checked (the check's verdict, config and "
-                "data summary would not describe the run); launch again once it stops changing"
-            )
-        if joins is None and code_from != "checkpoint" and origin.patch:
-            (snapshot / rd.UNCOMMITTED_PATCH).write_text(origin.patch)
-            digest = snapshot_digest(snapshot)  # the recorded digest covers the patch too
-    except BaseException:
-        shutil.rmtree(run_dir, ignore_errors=True)  # nothing started: leave nothing behind
-        shutil.rmtree(folder, ignore_errors=True)
-        raise
-    resume_path = Path(resumed_from.path) if resumed_from else None
-    visible = [Path(workspace), snapshot] + [p for p in (resume_path,) if p is not None]
-    visible += models.read_only()
-    engine_dir = joins if joins is not None else run_dir  # one folder for every node's checkpoint shards
+        raise BadInput(f"{plan.recipe_label}/{rd.UNCOMMITTED_PATCH}: a run's snapshot keeps the recipe's "
+                       "uncommitted changes under that name; rename the file")
+    return files
+
+
+def _write_snapshot(plan: LaunchPlan, run_dir: Path, files: list[Path]) -> tuple[Path, str]:
+    """The run's code snapshot, written (a joining node runs node 0's snapshot as it is, checked
+    by the caller), and its digest; refused when the code changed since it was checked."""
+    snapshot = write_snapshot(plan.code_dir, run_dir, None, files) if plan.joins is None else Path(plan.code_dir)
+    digest = snapshot_digest(snapshot)
+    if plan.expected_digest is not None and digest != plan.expected_digest:
+        raise BadInput(
+            f"the code of {plan.recipe_label} changed after it was checked (the check's verdict, config and "
+            "data summary would not describe the run); launch again once it stops changing"
+        )
+    if plan.joins is None and plan.code_from != "checkpoint" and plan.origin.patch:
+        (snapshot / rd.UNCOMMITTED_PATCH).write_text(plan.origin.patch)
+        digest = snapshot_digest(snapshot)  # the recorded digest covers the patch too
+    return snapshot, digest
+
+
+def _prepared(workspace: Path, plan: LaunchPlan, run_id: str, run_dir: Path, snapshot: Path,
+              digest: str) -> dict[str, Any]:
+    """What both records get once the snapshot is written: where it is, the command the
+    supervisor runs and what the run's sandbox shows."""
+    resume_path = Path(plan.resumed_from.path) if plan.resumed_from else None
+    visible = [workspace, snapshot] + [p for p in (resume_path,) if p is not None]
+    visible += plan.models.read_only()
+    engine_dir = plan.joins if plan.joins is not None else run_dir  # one folder for every node's shards
+    nodes = plan.nodes
     rdzv_id = nodes.rdzv_id or run_id
-    prepared = dict(
-        snapshot=snapshot.relative_to(workspace).as_posix() if snapshot.is_relative_to(workspace) else str(snapshot),
-        snapshot_digest=digest,
+    if plan.script is None:
         # A resume (or a joining node) starts from the config its check resolved, kept in its own
         # run.json: the run.json it came from may have changed since the check read it.
-        command=engine_command(snapshot, engine_dir, nproc, override_args(overrides), resume_path,
-                               run_dir / rd.RUN_JSON if recorded_config else None,
-                               nodes=nodes, rdzv_id=rdzv_id) if script is None
-        else script_command(snapshot / script.script, script.args, nproc, nodes, rdzv_id),
+        command = engine_command(snapshot, engine_dir, plan.nproc, override_args(plan.overrides), resume_path,
+                                 run_dir / rd.RUN_JSON if plan.recorded_config else None,
+                                 nodes=nodes, rdzv_id=rdzv_id)
+    else:
+        command = script_command(snapshot / plan.script.script, plan.script.args, plan.nproc, nodes, rdzv_id)
+    return dict(
+        snapshot=snapshot.relative_to(workspace).as_posix() if snapshot.is_relative_to(workspace) else str(snapshot),
+        snapshot_digest=digest,
+        command=command,
         rdzv_id=rdzv_id if nodes.multi else None,
         sandbox=rd.SandboxView(
             bwrap=bwrap.find_bwrap(), read_only=[str(p) for p in visible],
@@ -406,24 +449,23 @@ def start_run(
             hidden=[str(p) for p in hidden_state(workspace)],
         ),
     )
-    sr.update_record(folder, **prepared)
-    rd.update_run(run_dir, **prepared)
-    if target != "local":
-        return sr.read_record(folder)
+
+
+def _spawn_supervisor(workspace: Path, plan: LaunchPlan, limits: RunLimits, threads: int, run_id: str,
+                      run_dir: Path, folder: Path, snapshot: Path) -> sr.ServerRecord:
+    """``python -m sandbox.supervise FOLDER`` in a session of its own, with the run's
+    environment; the record with its pid and identity."""
     extra = {THREADS_VARIABLE: str(threads), RUN_ID_VARIABLE: run_id, WORKSPACE_VARIABLE: str(workspace),
-             "PYTHONDONTWRITEBYTECODE": "1", **models.env()}
-    if script is not None:
+             "PYTHONDONTWRITEBYTECODE": "1", **plan.models.env()}
+    if plan.script is not None:
         # The script imports its own modules from its snapshot (PYTHONSAFEPATH keeps the folder
         # of the script off sys.path, as for a recipe), then what the environment has.
         extra["PYTHONPATH"] = os.pathsep.join(p for p in (str(snapshot), os.environ.get("PYTHONPATH", "")) if p)
-    if not nodes.multi or nodes.local_endpoint:
+    if not plan.nodes.multi or plan.nodes.local_endpoint:
         # Every process of the run is on this machine: the collectives stay on loopback (also
         # with a shared network, where the host's name need not resolve).
         extra.update(LOOPBACK_ENV)
-    env = run_environment(
-        extra=extra,
-        pass_env=limits.pass_env,
-    )
+    env = run_environment(extra=extra, pass_env=limits.pass_env)
     with open(run_dir / rd.CONSOLE_LOG, "ab") as console:
         process = subprocess.Popen(
             [sys.executable, "-m", "sandbox.supervise", str(folder)],

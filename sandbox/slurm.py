@@ -23,18 +23,18 @@ import shlex
 import shutil
 import subprocess
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
 
 from engine import run_dir as rd
 from engine import server_record as sr
 from engine.errors import BadInput
-from engine.seams import LaunchVerdict
-from sandbox.config import RunLimits
 from sandbox.environment import run_environment
 from sandbox.nodes import DEFAULT_RDZV_PORT, Nodes
-from sandbox.provenance import CodeOrigin
+
+if TYPE_CHECKING:  # sandbox.runs is imported when a job starts: it costs the server nothing before
+    from sandbox.runs import LaunchPlan
 
 SCRIPT_NAME = "job.sbatch"
 COMMAND_TIMEOUT_S = 10.0
@@ -270,40 +270,24 @@ def cancel(folder: Path, env: Mapping[str, str]) -> sr.ServerRecord:
                    reason=f"cancelled (scancel {job})" if job else "stopped by request")
 
 
-def start_job(
-    workspace: Path,
-    runs_root: Path,
-    code_dir: Path,
-    recipe_label: str,
-    nproc: int,
-    overrides: dict[str, Any],
-    verdict: LaunchVerdict,
-    origin: CodeOrigin,
-    nnodes: int,
-    rdzv_id: str | None,
-    options: SlurmOptions,
-    limits: RunLimits,
-    warnings: list[str] | None = None,
-    expected_digest: str | None = None,
-) -> tuple[sr.ServerRecord, str]:
-    """A run as a SLURM job: its run directory and snapshot (:func:`~sandbox.runs.start_run`),
-    the job script in it, and the job submitted when ``sbatch`` is on PATH and the server's
-    settings allow it (``runs.slurm``); returns the record and the script. A job that sbatch
-    refuses leaves nothing behind."""
+def start_job(workspace: Path, runs_root: Path, plan: LaunchPlan, options: SlurmOptions) -> tuple[sr.ServerRecord, str]:
+    """A run as a SLURM job: its run directory and snapshot (:func:`~sandbox.runs.start_run`
+    with ``plan`` as a SLURM target), the job script in it, and the job submitted when
+    ``sbatch`` is on PATH and the server's settings allow it (``runs.slurm``); returns the record
+    and the script. A job that sbatch refuses leaves nothing behind."""
     from engine.config import override_args
     from sandbox.runs import engine_args, start_run
 
     endpoint_shown = f"<first node>:{options.rdzv_port}"
-    record = start_run(
-        workspace, runs_root, code_dir, recipe_label, nproc, overrides, verdict, origin=origin, limits=limits,
-        warnings=warnings, expected_digest=expected_digest, target="slurm",
-        nodes=Nodes(nnodes=nnodes, rdzv_endpoint=endpoint_shown, rdzv_id=rdzv_id),
-    )
+    rdzv_id, limits = plan.nodes.rdzv_id, plan.limits
+    plan = replace(plan, target="slurm",
+                   nodes=Nodes(nnodes=plan.nodes.nnodes, rdzv_endpoint=endpoint_shown, rdzv_id=rdzv_id))
+    record = start_run(workspace, runs_root, plan)
     run_dir = Path(runs_root) / record.id
     folder = sr.record_dir(workspace, record.id)
     record = _record(folder, record, rdzv_id=rdzv_id or record.id, rdzv_endpoint=endpoint_shown)
     snapshot = run_dir / rd.SNAPSHOT_DIRNAME
-    args = engine_args(snapshot, run_dir, override_args(overrides))
+    args = engine_args(snapshot, run_dir, override_args(plan.overrides))
     text = job_script(record, run_dir, options, sys.executable, args)
     script = run_dir / SCRIPT_NAME
     tmp = script.with_name(f".{SCRIPT_NAME}.tmp")

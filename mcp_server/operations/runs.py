@@ -147,17 +147,7 @@ def launch_run(
     if args is not None or resume_arg is not None:
         raise BadInput(f"args and resume_arg are for a training script; {ws.label(source.code_dir)!r} is a recipe, "
                        "whose config is set by overrides")
-    if target == "slurm":
-        options = slurm_jobs.check_options(slurm)
-        rdzv = dict(rdzv or {})
-        if set(rdzv) - {"id"}:
-            raise BadInput("with target slurm the rendezvous is on the job's first node: leave rdzv endpoint and "
-                           "node_rank out (slurm rdzv_port sets its port)")
-        nodes = check_nodes(nnodes, {"endpoint": "localhost", **rdzv} if nnodes > 1 else rdzv)
-    else:
-        if slurm:
-            raise BadInput("slurm settings are for target slurm: pass target='slurm' too, or leave them out")
-        nodes = check_nodes(nnodes, rdzv)
+    nodes, options = _checked_target(nnodes, rdzv, target, slurm)
     recipe_dir = ws.recipe(recipe)
     nproc = _check_nproc(nproc)
     flat = _checked_overrides(ws, overrides)
@@ -184,18 +174,29 @@ def launch_run(
         hub.verify(models, ws.root, verdict.config)
     warnings = [*warnings, *_skipped_data(verdict.data)]
     label = ws.label(ws.recipe(recipe))
-    if target == "slurm":
-        record, script = slurm_jobs.start_job(
-            ws.root, ws.real_dir(ws.runs_dir), recipe_dir, label, nproc, flat, verdict, origin,
-            nodes.nnodes, nodes.rdzv_id, options, limits, warnings=warnings, expected_digest=checked,
-        )
-        return _launch_result(ws, record, slurm_script=script)
-    record = sandbox_runs.start_run(
-        ws.root, ws.real_dir(ws.runs_dir), recipe_dir, label, nproc, flat, verdict,
-        origin=origin, limits=limits, warnings=warnings, expected_digest=checked,
-        nodes=nodes, joins=joins, recorded_config=first is not None, models=models,
+    plan = sandbox_runs.LaunchPlan(
+        recipe_dir, label, nproc, origin, flat, verdict, limits=limits, warnings=tuple(warnings),
+        expected_digest=checked, nodes=nodes, joins=joins, recorded_config=first is not None, models=models,
     )
-    return _launch_result(ws, record)
+    if options is not None:  # target slurm
+        record, script = slurm_jobs.start_job(ws.root, ws.real_dir(ws.runs_dir), plan, options)
+        return _launch_result(ws, record, slurm_script=script)
+    return _launch_result(ws, sandbox_runs.start_run(ws.root, ws.real_dir(ws.runs_dir), plan))
+
+
+def _checked_target(nnodes: int, rdzv: dict[str, Any] | None, target: str, slurm: dict[str, Any] | None,
+                    ) -> tuple[Nodes, slurm_jobs.SlurmOptions | None]:
+    """The nodes of a run, and its SLURM options for target slurm (None: local)."""
+    if target == "slurm":
+        options = slurm_jobs.check_options(slurm)
+        rendezvous = dict(rdzv or {})
+        if set(rendezvous) - {"id"}:
+            raise BadInput("with target slurm the rendezvous is on the job's first node: leave rdzv endpoint and "
+                           "node_rank out (slurm rdzv_port sets its port)")
+        return check_nodes(nnodes, {"endpoint": "localhost", **rendezvous} if nnodes > 1 else rendezvous), options
+    if slurm:
+        raise BadInput("slurm settings are for target slurm: pass target='slurm' too, or leave them out")
+    return check_nodes(nnodes, rdzv), None
 
 
 def launch_script(
@@ -211,11 +212,9 @@ def launch_script(
     limits, warnings = ws.run_limits_and_warnings() if limits is None else (limits, [])
     sandbox_runs.check_capacity(sr.records_root(ws.root), nproc, limits)
     code = source.code_dir / source.script if source.alone else source.code_dir
-    record = sandbox_runs.start_run(
-        ws.root, ws.real_dir(ws.runs_dir), source.code_dir, ws.label(code), nproc, {}, None,
-        origin=recipe_origin(ws.root, code), limits=limits, warnings=warnings, script=launch,
-    )
-    return _launch_result(ws, record)
+    plan = sandbox_runs.LaunchPlan(source.code_dir, ws.label(code), nproc, recipe_origin(ws.root, code),
+                                   limits=limits, warnings=tuple(warnings), script=launch)
+    return _launch_result(ws, sandbox_runs.start_run(ws.root, ws.real_dir(ws.runs_dir), plan))
 
 
 def _hub_models(ws: Workspace, value: Any, dataset: Any, limits: sandbox_runs.RunLimits,
@@ -356,18 +355,13 @@ def resume_checkpoint(
     _check_steps_left(source, chosen_step, verdict.config)
     warnings = [*warnings, *_data_drift(source, verdict.data)]
     same_shape = nproc == source.nproc and not limits.threads_per_process
-    record = sandbox_runs.start_run(
-        ws.root, ws.real_dir(ws.runs_dir), code_dir, source.recipe, nproc, flat, verdict,
-        origin=origin, code_from=code,
+    plan = sandbox_runs.LaunchPlan(
+        code_dir, source.recipe, nproc, origin, flat, verdict, code_from=code,
         resumed_from=rd.ResumedFrom(run_id=source.id, step=chosen_step, path=str(checkpoint)),
-        recorded_config=True,
-        limits=limits,
-        warnings=warnings,
-        threads=source.threads_per_process if same_shape else None,
-        expected_digest=checked,
-        models=models,
+        recorded_config=True, limits=limits, warnings=tuple(warnings),
+        threads=source.threads_per_process if same_shape else None, expected_digest=checked, models=models,
     )
-    return _launch_result(ws, record)
+    return _launch_result(ws, sandbox_runs.start_run(ws.root, ws.real_dir(ws.runs_dir), plan))
 
 
 def _chosen_checkpoint(run_dir: Path, source: rd.RunRecord, step: object) -> tuple[int, Path]:
@@ -419,14 +413,13 @@ def _resume_script(
     limits, warnings = ws.run_limits_and_warnings() if limits is None else (limits, [])
     sandbox_runs.check_capacity(sr.records_root(ws.root), nproc, limits)
     assert launch_from.script is not None
-    record = sandbox_runs.start_run(
-        ws.root, ws.real_dir(ws.runs_dir), launch_from.code_dir, source.recipe, nproc, {}, None,
-        origin=origin, code_from=code,
+    plan = sandbox_runs.LaunchPlan(
+        launch_from.code_dir, source.recipe, nproc, origin, code_from=code,
         resumed_from=rd.ResumedFrom(run_id=source.id, step=chosen_step, path=str(checkpoint)),
-        limits=limits, warnings=warnings,
+        limits=limits, warnings=tuple(warnings),
         script=scripts.ScriptLaunch(launch_from.script, args, source.resume_arg, launch_from.alone),
     )
-    return _launch_result(ws, record)
+    return _launch_result(ws, sandbox_runs.start_run(ws.root, ws.real_dir(ws.runs_dir), plan))
 
 
 def _skipped_data(counted: rd.DataSummary | None) -> list[str]:

@@ -204,8 +204,8 @@ def test_a_resume_takes_the_commit_and_provenance_from_the_servers_record(tmp_pa
         resolved = {**seen["config"], "train": {"max_steps": 8}}  # the override, as the engine resolves it
         return LaunchVerdict(config=resolved)
 
-    def start(*args, origin, **kwargs):
-        seen["origin"] = origin
+    def start(workspace, runs_root, plan):
+        seen["origin"] = plan.origin
         raise BadInput("not started in this test")
 
     monkeypatch.setattr(sandbox_runs, "check_launch", check)

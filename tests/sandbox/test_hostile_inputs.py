@@ -371,8 +371,8 @@ def test_a_link_the_parent_run_left_among_its_checkpoints_is_not_resumed(tmp_pat
     def check_launch(*args, **kwargs):
         return LaunchVerdict(config={"train": {"max_steps": 4}})
 
-    def start_run(*args, **kwargs):
-        bound.append(Path(kwargs["resumed_from"].path))
+    def start_run(workspace, runs_root, plan):
+        bound.append(Path(plan.resumed_from.path))
         raise RuntimeError("not started")
 
     monkeypatch.setattr(sandbox_runs, "check_launch", check_launch)
