@@ -23,6 +23,10 @@ MAX_ARGUMENTS_CHARS = 100_000  # the arguments of one tool call, as JSON
 # a wait returns before that, with the run's status so far, and the agent calls again.
 DEFAULT_WAIT_S = 45
 MAX_WAIT_S = 600
+# `trainwright ab`: an A/B is short (2 × rounds runs); the first logging window of each run is its
+# warm-up, and a speed verdict needs two windows after it.
+AB_DEFAULT_ROUNDS, AB_MAX_ROUNDS = 2, 10
+AB_MIN_STEPS, AB_MAX_STEPS = 3, 1000
 
 
 def bounded(text: str, limit: int) -> tuple[str, bool]:
