@@ -175,16 +175,16 @@ def _pair(runs: list[AbRun], round_number: int) -> tuple[str, str] | None:
 def _wait(ws: Workspace, run_id: str, steps: int, say: Progress) -> str:
     """The run's final status, once it ended; a line on the way now and then; Ctrl-C stops it."""
     run_dir = ws.run_dir(run_id)
-    last_said = time.monotonic()
+    last_said, last_step = time.monotonic(), None
     try:
         while True:
             _, record = run_ops.run_view(ws, run_id)
             if record.effective_status() in rd.FINAL_STATUSES and not record.supervisor_alive():
                 return run_ops.get_run(ws, run_id).status
-            if time.monotonic() - last_said >= PROGRESS_EVERY_S:
-                latest = rd.latest_metrics(run_dir / rd.METRICS_JSONL) or {}
-                say(f"  {run_id}: step {latest.get('step', 0)}/{steps}")
-                last_said = time.monotonic()
+            step = (rd.latest_metrics(run_dir / rd.METRICS_JSONL) or {}).get("step")
+            if step != last_step and time.monotonic() - last_said >= PROGRESS_EVERY_S:
+                say(f"  {run_id}: step {step}/{steps}")
+                last_said, last_step = time.monotonic(), step
             time.sleep(POLL_S)
     except KeyboardInterrupt:
         say(f"stopping run {run_id}…")
