@@ -18,6 +18,7 @@ import pytest
 
 from engine import run_dir as rd
 from engine import server_record as sr
+from engine.config import overrides_to_dict
 from engine.errors import BadInput, NotFound
 from mcp_server import cli
 from mcp_server.operations import recipes as recipe_ops
@@ -118,8 +119,12 @@ def test_note_puts_the_verdict_into_the_skill_commits_note(measured, workspace):
     assert block[1].startswith("  loss no difference ×1 (") and block[1].endswith(" bit-equal")
     assert [line.split()[0] for line in block[1:5]] == ["loss", "tokens_per_s", "step_time_s", "peak_mem_mb"]
     assert block[4].startswith("  peak_mem_mb better ×0.")
-    assert block[5] == ("  command: trainwright ab gradient-checkpointing recipes/lm --steps 4 --rounds 2 "
-                        + " ".join(f"--set {item}" for item in HEAVY) + " --note")
+    command = block[5].removeprefix("  command: ").split(" ")
+    assert command[:8] == ["trainwright", "ab", "gradient-checkpointing", "recipes/lm", "--steps", "4", "--rounds", "2"]
+    assert command[-1] == "--note"
+    # The overrides as they were read (a later value of a key wins): the command runs the same A/B again.
+    assert overrides_to_dict(command[9:-1:2]) == overrides_to_dict(list(HEAVY))
+    assert command[8:-1:2] == ["--set"] * len(overrides_to_dict(list(HEAVY)))
     assert "A/B of" not in (git(workspace, "notes", "--ref=trainwright", "show", result["commit_a"]))
 
 
@@ -166,4 +171,5 @@ def test_launch_run_takes_the_commit_over_mcp(workspace):
         session.ok("stop_run", run_id=started["run_id"])
         refused = session.error("launch_run", recipe="recipes/lm", commit="no-such-rev")
     assert started["code"] == f"code at commit {git(workspace, 'rev-parse', commit + '^').strip()[:10]}"
-    assert refused.startswith("not_found: no commit 'no-such-rev'")
+    assert refused == ("Error executing tool launch_run: not_found: no commit 'no-such-rev' in the workspace's repository; "
+                       "`git log` lists them")
