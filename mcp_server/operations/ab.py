@@ -57,7 +57,9 @@ def ab(
     progress: Progress | None = None,
 ) -> AbResult:
     """Run the recipe without and with ``skill`` (its commit's parent, then its commit),
-    interleaved over ``rounds``, and compare; everything is checked before the first run."""
+    interleaved over ``rounds``, and compare. What the A/B itself takes (skill, recipe, steps,
+    rounds, the overrides' form, the commits) is checked before the first run, and the first
+    run's launch check refuses a bad config key before anything is written."""
     say = progress or (lambda _: None)
     check_name(skill, "skill")
     skill_library.get_skill(skill)  # an unknown skill is not_found, with the valid names
@@ -91,6 +93,7 @@ def ab(
         f"{rounds} round(s) of {steps} steps, order {' '.join(s for r in range(rounds) for s in _order(r))}")
 
     runs: list[AbRun] = []
+    per_round: list[AbRound] = []
     outcome: Literal["completed", "failed", "stopped"] = "completed"
     error = None
     for index in range(rounds):
@@ -106,16 +109,10 @@ def ab(
                 break
         if outcome != "completed":
             break
-        pair = _pair(runs, index + 1)
-        if pair is not None:
-            say(f"round {index + 1}: " + "; ".join(_short(m) for m in compare.compare_runs(ws, *pair).metrics))
-
-    per_round = []
-    for index in range(rounds):
-        pair = _pair(runs, index + 1)
-        if pair is not None:
-            per_round.append(AbRound(round=index + 1, run_a=pair[0], run_b=pair[1],
-                                     metrics=compare.compare_runs(ws, *pair).metrics))
+        run_a, run_b = (next(r.run_id for r in runs if r.round == index + 1 and r.side == side) for side in "ab")
+        per_round.append(AbRound(round=index + 1, run_a=run_a, run_b=run_b,
+                                 metrics=compare.compare_runs(ws, run_a, run_b).metrics))
+        say(f"round {index + 1}: " + "; ".join(_short(m) for m in per_round[-1].metrics))
     result = AbResult(skill=applied, recipe=label, commit_a=commit_a, commit_b=commit_b, steps=steps, rounds=rounds,
                       command=command, runs=runs, per_round=per_round, differences=[], verdict=[], left_out=[],
                       remarks=remarks, outcome=outcome, error=error)
@@ -165,11 +162,6 @@ def _skill_commit(repo: Any, recipe_dir: Any, skill: str, label: str) -> tuple[s
 
 def _order(index: int) -> tuple[str, str]:
     return ("a", "b") if index % 2 == 0 else ("b", "a")
-
-
-def _pair(runs: list[AbRun], round_number: int) -> tuple[str, str] | None:
-    sides = {r.side: r.run_id for r in runs if r.round == round_number and r.status == rd.COMPLETED}
-    return (sides["a"], sides["b"]) if len(sides) == 2 else None
 
 
 def _wait(ws: Workspace, run_id: str, steps: int, say: Progress) -> str:
