@@ -31,7 +31,15 @@ from pydantic import Field
 import skills as skill_library
 from engine import run_dir as rd
 from engine.errors import TrainwrightError
-from mcp_server.limits import MAX_ARGUMENTS_CHARS, MAX_ERROR_CHARS, MAX_RESULT_CHARS, bounded, json_chars
+from mcp_server.limits import (
+    DEFAULT_TAIL_RECORDS,
+    MAX_ARGUMENTS_CHARS,
+    MAX_ERROR_CHARS,
+    MAX_RESULT_CHARS,
+    MAX_TAIL_RECORDS,
+    bounded,
+    json_chars,
+)
 from mcp_server.models import (
     ApplySkillResult,
     CheckpointList,
@@ -429,7 +437,7 @@ def build_server(workspace: Path | str, read_only: bool = False, settings: Path 
         run_id: RunId,
         n: Annotated[
             int, Field(strict=True, description="1-200.")
-        ] = run_ops.DEFAULT_TAIL_RECORDS,
+        ] = DEFAULT_TAIL_RECORDS,
         after_step: Annotated[
             int | None, Field(strict=True, description="Only records after this step.")
         ] = None,
@@ -547,7 +555,7 @@ def build_server(workspace: Path | str, read_only: bool = False, settings: Path 
     @mcp.resource("run://{run_id}/metrics", mime_type="application/json",
                   description="The latest metrics records (at most 200) of a run's history across resumes, as JSON.")
     def run_metrics(run_id: str) -> str:
-        tail = _resource(lambda: run_ops.tail_metrics(tools.ws, run_id, run_ops.MAX_TAIL_RECORDS, follow_resumes=True))
+        tail = _resource(lambda: run_ops.tail_metrics(tools.ws, run_id, MAX_TAIL_RECORDS, follow_resumes=True))
         return redact_model(tail).model_dump_json()
 
     @mcp.resource("run://{run_id}/log", mime_type="text/plain",
