@@ -79,7 +79,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     try:
         result = runs.launch_run(ws, args.recipe, nproc=args.nproc, overrides=args.overrides, nnodes=args.nnodes,
                                  rdzv=rdzv or None, target=args.target, slurm=slurm or None, progress=bar,
-                                 args=getattr(args, "script_args", None) or None, resume_arg=args.resume_arg)
+                                 args=getattr(args, "script_args", None) or None, resume_arg=args.resume_arg,
+                                 commit=args.commit)
     finally:
         bar.close()
     if args.target == "slurm":  # the job runs on the cluster: `status` follows it
@@ -344,12 +345,46 @@ def cmd_compare(args: argparse.Namespace) -> int:
 def _compare_text(r) -> str:
     lines = [f"b {r.run_b} against a {r.run_a}"]
     lines += [f"  differs  {d}" for d in r.differences] or ["  differs  nothing in config or code"]
-    for m in r.metrics:
-        numbers = f" {m.a:,.6g} → {m.b:,.6g}" if m.a is not None and m.b is not None else ""
-        ratio = f" (×{m.ratio:.3g})" if m.ratio is not None else ""
-        lines.append(f"  {m.metric:<12} {m.verdict:<13}{numbers}{ratio}: {m.evidence}")
+    lines += [f"  {m.metric:<12} {m.verdict:<13}{_metric_line(m, numbers_only=True)}: {m.evidence}" for m in r.metrics]
     lines += [f"  left out {why}" for why in r.left_out]
     return "\n".join(lines)
+
+
+def cmd_ab(args: argparse.Namespace) -> int:
+    from mcp_server.operations import ab
+
+    def progress(line: str) -> None:
+        print(line, file=sys.stderr, flush=True)
+
+    result = ab.ab(_workspace(args), args.skill, args.recipe, args.steps, args.rounds, args.overrides,
+                   nproc=args.nproc, note=args.note, progress=progress)
+    _emit(args, result, _ab_text)
+    return {"completed": EXIT_OK, "stopped": EXIT_STOPPED}.get(result.outcome, EXIT_FAILED)
+
+
+def _ab_text(r) -> str:
+    lines = [f"A/B of {r.skill} on {r.recipe}: a = {r.commit_a[:10]} (before it), b = {r.commit_b[:10]} (its commit), "
+             f"{r.rounds} round(s) of {r.steps} steps",
+             "  order    " + " ".join(f"{run.side}:{run.run_id}" for run in r.runs)]
+    for rnd in r.per_round:
+        lines.append(f"  round {rnd.round}  " + "; ".join(_metric_line(m) for m in rnd.metrics))
+    if r.verdict:
+        lines.append(f"verdict, b against a over {len(r.per_round)} round(s):")
+        lines += [f"  {m.metric:<12} {m.verdict:<13}{_metric_line(m, numbers_only=True)}: {m.evidence}" for m in r.verdict]
+    lines += [f"  differs  {d}" for d in r.differences]
+    lines += [f"  left out {why}" for why in r.left_out]
+    lines += [f"  remark   {remark}" for remark in r.remarks]
+    if r.error:
+        lines.append(f"  error    {r.error}")
+    if r.note_written:
+        lines.append(f"the verdict is in the note of {r.commit_b[:10]}: git log --notes=trainwright -1 {r.commit_b[:10]}")
+    return "\n".join(lines)
+
+
+def _metric_line(m, numbers_only: bool = False) -> str:
+    numbers = f" {m.a:,.6g} → {m.b:,.6g}" if m.a is not None and m.b is not None else ""
+    ratio = f" (×{m.ratio:.3g})" if m.ratio is not None else ""
+    return numbers + ratio if numbers_only else f"{m.metric} {m.verdict}{numbers}{ratio}"
 
 
 def cmd_stop(args: argparse.Namespace) -> int:
@@ -612,7 +647,10 @@ def cmd_plot(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from mcp_server.limits import DEFAULT_TAIL_RECORDS, DEFAULT_WAIT_S, MAX_TAIL_RECORDS, MAX_WAIT_S
+    from mcp_server.limits import (
+        AB_DEFAULT_ROUNDS, AB_MAX_ROUNDS, AB_MAX_STEPS, AB_MIN_STEPS, DEFAULT_TAIL_RECORDS, DEFAULT_WAIT_S,
+        MAX_TAIL_RECORDS, MAX_WAIT_S,
+    )
 
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument(
@@ -708,6 +746,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.usage = "%(prog)s RECIPE [options] [-- SCRIPT_ARG ...]"
     p.add_argument("--resume-arg", metavar="OPTION", help="a script's option that takes a checkpoint path, "
                    "given with = (--resume-arg=--resume): `trainwright resume` passes the checkpoint with it")
+    p.add_argument("--commit", metavar="REV", help="run the recipe as this commit holds it (a commit id, HEAD~1, "
+                   "SHA^), not as the folder is now")
     launch_options(p, 1)
     nodes = p.add_argument_group("several nodes (docs/scaling.md)")
     nodes.add_argument("--nnodes", type=int, default=1, help="nodes of the run; --nproc processes on each (default 1)")
@@ -768,6 +808,22 @@ def build_parser() -> argparse.ArgumentParser:
             "(loss at equal tokens, tokens/s, step time, peak memory) at the noise of their windows (compare_runs)")
     p.add_argument("run_a")
     p.add_argument("run_b")
+
+    p = add("ab", cmd_ab, "a skill's effect, measured: the recipe at the skill's commit (b) against the commit "
+            "before it (a), same config, runs interleaved a b b a ..., then compare_runs over the rounds")
+    p.add_argument("skill", help="a skill applied to the recipe (its newest commit with Skill-Applied: SKILL is b)")
+    p.add_argument("recipe", help="recipe folder, relative to the workspace, or its name")
+    p.add_argument("--steps", type=int, required=True, metavar="N",
+                   help=f"train.max_steps of every run ({AB_MIN_STEPS}-{AB_MAX_STEPS}; train.log_every defaults to "
+                   "N/10, and no checkpoints are saved)")
+    p.add_argument("--rounds", type=int, default=AB_DEFAULT_ROUNDS, metavar="R",
+                   help=f"rounds of one a and one b run (default {AB_DEFAULT_ROUNDS}; 1-{AB_MAX_ROUNDS})")
+    p.add_argument("--nproc", type=int, default=1, help="processes (FSDP2 ranks) of each run")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config value of every run (repeatable)")
+    p.add_argument("--note", action="store_true", help="append the verdict and the command to the skill commit's "
+                   "git note (git log --notes=trainwright)")
+    settings_option(p)
 
     p = add("stop", cmd_stop, "stop a run and all its processes (stop_run)")
     p.add_argument("run_id")

@@ -25,6 +25,10 @@ DEFAULT_WAIT_S = 45
 MAX_WAIT_S = 600
 DEFAULT_TAIL_RECORDS = 10  # ≈ 4 KB as an agent reads it: a default result stays under 8 KB
 MAX_TAIL_RECORDS = 200
+# `trainwright ab`: an A/B is short (2 × rounds runs); the first logging window of each run is its
+# warm-up, and a speed verdict needs two windows after it.
+AB_DEFAULT_ROUNDS, AB_MAX_ROUNDS = 2, 10
+AB_MIN_STEPS, AB_MAX_STEPS = 3, 1000
 
 
 def bounded(text: str, limit: int) -> tuple[str, bool]:

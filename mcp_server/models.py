@@ -327,6 +327,41 @@ class CompareResult(BaseModel):
     left_out: list[str]
 
 
+class AbRun(BaseModel):
+    round: int
+    side: Literal["a", "b"]  # a: the commit before the skill's; b: the skill's commit
+    run_id: str
+    status: str
+
+
+class AbRound(BaseModel):
+    round: int
+    run_a: str
+    run_b: str
+    metrics: list[MetricVerdict]  # this round's pair alone (compare_runs)
+
+
+class AbResult(BaseModel):
+    """``trainwright ab``: a skill's effect, its commit (b) against the commit before it (a)."""
+
+    skill: str  # name@version, from the commit's Skill-Applied trailer
+    recipe: str
+    commit_a: str
+    commit_b: str
+    steps: int
+    rounds: int
+    command: str
+    runs: list[AbRun]  # in launch order
+    per_round: list[AbRound]
+    differences: list[str]
+    verdict: list[MetricVerdict]  # over every round: compare_groups
+    left_out: list[str]
+    remarks: list[str]
+    outcome: Literal["completed", "failed", "stopped"]
+    error: str | None = None
+    note_written: bool = False
+
+
 class EstimateChange(BaseModel):
     change: str = Field(max_length=200)
     peak_gib: float

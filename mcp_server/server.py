@@ -319,7 +319,7 @@ def build_server(workspace: Path | str, read_only: bool = False, settings: Path 
         ] = None,
         ctx: Context | None = None,
     ) -> ScaffoldResult:
-        """Create recipes/<name>/ from a template and config (a commit; a commit per skill);
+        """Create recipes/<name>/ from a template and config (a commit, then one per skill);
         a bad key or skill writes nothing."""
         if ctx is not None:
             await ctx.report_progress(0, 2, "checking the config and skills")
@@ -359,9 +359,10 @@ def build_server(workspace: Path | str, read_only: bool = False, settings: Path 
         nnodes: Annotated[int, Field(strict=True, description="Nodes.")] = 1,
         rdzv: Annotated[dict[str, Any], Field(description="nnodes>1: endpoint host:port, id, node_rank.")] = {},
         target: Annotated[Literal["local", "slurm"], Field(description="slurm: sbatch job.")] = "local",
-        slurm: Annotated[dict[str, Any], Field(description="slurm: partition, time, gpus_per_node.")] = {},
+        slurm: Annotated[dict[str, Any], Field(description="partition, time, gpus_per_node.")] = {},
         args: Annotated[list[str], Field(description="Script's command line.")] = [],
         resume_arg: Annotated[str, Field(description="Script option for a checkpoint path.")] = "",
+        commit: Annotated[str, Field(description="Run this commit's code (sha, sha^).")] = "",
         ctx: Context | None = None,
     ) -> LaunchRunResult:
         """Run a snapshot of a recipe or .py script (JSON lines with a step: metrics); returns
@@ -369,10 +370,10 @@ def build_server(workspace: Path | str, read_only: bool = False, settings: Path 
         if ctx is not None:
             await ctx.report_progress(0, 2, "checking the recipe and config")
         call_args = {"recipe": recipe, "nproc": nproc, "overrides": overrides, "nnodes": nnodes, "rdzv": rdzv,
-                     "target": target, "slurm": slurm, "args": args, "resume_arg": resume_arg}
+                     "target": target, "slurm": slurm, "args": args, "resume_arg": resume_arg, "commit": commit}
         result = await tools.call("launch_run", call_args, lambda: run_ops.launch_run(
             tools.ws, recipe, nproc, overrides, nnodes=nnodes, rdzv=rdzv, target=target, slurm=slurm,
-            progress=download_progress(ctx), args=args or None, resume_arg=resume_arg or None))
+            progress=download_progress(ctx), args=args or None, resume_arg=resume_arg or None, commit=commit or None))
         if ctx is not None:
             await ctx.report_progress(2, 2, f"started {result.run_id}")
         await log_launched(ctx, result, recipe)
@@ -463,7 +464,7 @@ def build_server(workspace: Path | str, read_only: bool = False, settings: Path 
 
     @tool(READ_ONLY)
     async def list_checkpoints(run_id: RunId) -> CheckpointList:
-        """A run's complete checkpoints (no interrupted save)."""
+        """A run's complete checkpoints."""
         return await tools.call(
             "list_checkpoints", {"run_id": run_id}, lambda: run_ops.list_checkpoints(tools.ws, run_id)
         )

@@ -68,10 +68,14 @@ and wait_run until it ends.
 sequence-packing; a CUDA GPU: flash-attention, liger-kernel, mixed-precision; many steps of one \
 shape: torch-compile). get_skill(name) for each: its "When to use" must fit.
 3. apply_skill(skill, recipe={recipe}, dry_run=true) to read the diff, then apply it (one commit \
-per skill).
-4. launch_run(recipe={recipe}) with the baseline's overrides; wait_run(run_id) until it ends; get_run(run_id): compare \
-speed with the baseline's. The machine may be noisy: run each twice, interleaved, and claim a \
-gain only when it is larger than the spread.
+per skill); note its commit C.
+4. Measure each skill as an A/B, its commit against the one before it, with the same overrides O \
+(the baseline's, with train.log_every a tenth of train.max_steps): launch_run(recipe={recipe}, \
+overrides=O, commit="C^") (a: without it) and wait_run(run_id) until it ends; launch_run(recipe={recipe}, \
+overrides=O, commit="C") (b: with it) and wait_run; then b again and a again, in that order, so \
+that the machine's load falls on both. compare_runs(run_a, run_b) for each pair: claim a gain only \
+when both pairs say better. (From a shell, `trainwright ab SKILL {recipe} --steps 30 --note` runs \
+the same A/B and writes its verdict into the skill commit's git note.)
 5. Keep a skill that helped; for one that did not, say so to the user (git revert its commit)."""
 
 

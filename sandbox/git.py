@@ -23,10 +23,11 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import git
 
-from engine.errors import BadInput
+from engine.errors import BadInput, NotFound
 from engine.server_record import GIT_COMMIT
 from sandbox.environment import looks_secret
 from sandbox.redact import secret_values
@@ -352,3 +353,49 @@ def path_commits(repo: git.Repo, path: Path, limit: int = 200, rev: str | None =
                 trailers.append((key.strip(), value.strip()))
         found.append(PathCommit(sha=sha, subject=subject, committed_at=committed_at, trailers=trailers))
     return found
+
+
+def resolve_commit(repo: git.Repo, rev: object) -> str:
+    """The full id of the commit ``rev`` names: a commit id (short or full), or a ref or
+    revision such as ``HEAD~1`` or ``<sha>^`` (its parent). Never read as an option."""
+    if not isinstance(rev, str) or not rev.strip() or rev.startswith("-") or len(rev) > 200 or not rev.isprintable():
+        raise GitRefused(f"commit must be a commit id or revision (abc1234, HEAD~1, <sha>^), got {rev!r}")
+    try:
+        sha = repo.git.rev_parse("--verify", "--quiet", "--end-of-options", f"{rev}^{{commit}}").strip()
+    except git.GitCommandError:
+        sha = ""
+    if not COMMIT_ID.fullmatch(sha):
+        raise NotFound(f"no commit {rev!r} in the workspace's repository; `git log` lists them")
+    return sha
+
+
+@dataclass
+class TreeFile:
+    path: str  # relative to the folder asked for
+    size: int
+    link: bool
+    read: Callable[[], bytes]
+
+
+def tree_files(repo: git.Repo, sha: str, folder: Path) -> list[TreeFile] | None:
+    """The files under ``folder`` as commit ``sha`` holds them (submodules left out); None when
+    the commit has no such folder."""
+    commit = repo.commit(sha)
+    rel = _rel(repo, folder)
+    try:
+        tree = commit.tree / rel if rel not in ("", ".") else commit.tree
+    except KeyError:
+        return None
+    if tree.type != "tree":
+        return None
+    found = []
+    for item in tree.traverse():
+        if not isinstance(item, git.Blob):  # a submodule's commit has no files here
+            continue
+        path = Path(str(item.path)).relative_to(str(tree.path)).as_posix() if tree.path else str(item.path)
+        found.append(TreeFile(path=path, size=item.size, link=item.mode == 0o120000, read=_reader(item)))
+    return found
+
+
+def _reader(blob: git.Blob) -> Callable[[], bytes]:
+    return lambda: blob.data_stream.read()

@@ -9,19 +9,24 @@ when it is launched, and the engine imports it from there, so
 - nothing a run does can leave bytecode, caches or outputs in the recipe folder.
 
 The run records the commit the code was taken at and whether the recipe had uncommitted
-changes; those changes are saved as ``uncommitted.patch`` beside the snapshot's files.
+changes; those changes are saved as ``uncommitted.patch`` beside the snapshot's files. A run
+may also execute the recipe as an earlier commit holds it (:func:`code_at_commit`: an A/B of a
+skill runs its commit and the commit before it), with nothing uncommitted.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import shutil
+import tempfile
 from dataclasses import dataclass, field
-from pathlib import Path
+from pathlib import Path, PurePosixPath
+from typing import Iterator
 
 from engine import run_dir as rd
-from engine.errors import BadInput
+from engine.errors import BadInput, NotFound
 from sandbox import git as sandbox_git
 
 # The snapshot holds code and configuration. Data belongs in data.paths (read from the
@@ -73,6 +78,54 @@ def recipe_origin(workspace: Path, recipe_dir: Path) -> CodeOrigin:
     dirty += [name for name in sandbox_git.ignored_files(repo, recipe_dir) if (root / name).resolve() in copied]
     patch = sandbox_git.diff_against_head(repo, recipe_dir, dirty) if dirty else ""
     return CodeOrigin(git_commit=commit, recipe_dirty=bool(dirty), dirty_files=dirty[:MAX_DIRTY_SHOWN], patch=patch)
+
+
+@contextlib.contextmanager
+def code_at_commit(workspace: Path, recipe_dir: Path, rev: str) -> Iterator[tuple[Path, CodeOrigin]]:
+    """The files of ``recipe_dir`` as commit ``rev`` holds them, in a temporary folder of the
+    recipe's name (removed afterwards), and their origin: that commit, nothing uncommitted.
+
+    Only what a snapshot would hold is written (:func:`snapshot_files`' rules: a link or an
+    oversized file among the code is refused, other links and large files are left out), within
+    the snapshot's bounds, and never outside the folder."""
+    repo = sandbox_git.open_repo(workspace)
+    if repo is None:
+        raise sandbox_git.GitRefused("the workspace is not a git repository, so no commit holds the recipe's code")
+    sha = sandbox_git.resolve_commit(repo, rev)
+    files = sandbox_git.tree_files(repo, sha, recipe_dir)
+    name = Path(recipe_dir).name
+    if files is None or not any(f.path == "recipe.py" and not f.link for f in files):
+        raise NotFound(f"commit {sha[:10]} holds no recipe at {name!r} (no recipe.py there); "
+                       "`git log -- RECIPE` lists the commits that do")
+    folder = Path(tempfile.mkdtemp(prefix="trainwright-commit-"))
+    try:
+        destination = folder / name
+        destination.mkdir()
+        total = 0
+        if len(files) > MAX_SNAPSHOT_FILES:
+            raise BadInput(f"the recipe at commit {sha[:10]} holds more than {MAX_SNAPSHOT_FILES} files; keep data "
+                           "outside it (data.paths)")
+        for item in files:
+            parts = PurePosixPath(item.path).parts
+            if any(part in ("", ".", "..") for part in parts) or len(parts) > MAX_SNAPSHOT_DEPTH:
+                raise BadInput(f"commit {sha[:10]} holds a file the snapshot cannot (a path of {len(parts)} parts "
+                               f"or a '..' in {item.path[:120]!r})")
+            code = item.path.endswith(".py") or parts[-1] == "config.yaml"
+            if code and (item.link or item.size > MAX_SNAPSHOT_FILE_BYTES):
+                raise BadInput(f"{item.path} in the recipe at commit {sha[:10]} is a link or larger than "
+                               f"{MAX_SNAPSHOT_FILE_BYTES // 2**20} MiB, so a run's snapshot cannot hold it")
+            if item.link or item.size > MAX_SNAPSHOT_FILE_BYTES:
+                continue  # a snapshot of the folder leaves it out too
+            total += item.size
+            if total > MAX_SNAPSHOT_BYTES:
+                raise BadInput(f"the recipe at commit {sha[:10]} holds more than {MAX_SNAPSHOT_BYTES // 2**20} MiB of "
+                               "small files; keep data outside it (data.paths)")
+            target = destination.joinpath(*parts)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_bytes(item.read())
+        yield destination, CodeOrigin(git_commit=sha, recipe_dirty=False)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def snapshot_files(source: Path) -> list[Path]:

@@ -48,8 +48,18 @@ STEP_WORK_KEYS = ("data.batch_size", "data.seq_len", "train.grad_accum")
 
 
 def compare_runs(ws: Workspace, run_a: str, run_b: str) -> CompareResult:
-    dir_a, record_a = run_view(ws, run_a)
-    dir_b, record_b = run_view(ws, run_b)
+    return compare_groups(ws, [run_a], [run_b])
+
+
+def compare_groups(ws: Workspace, runs_a: list[str], runs_b: list[str]) -> CompareResult:
+    """b against a where each side is one run or several of the same config (the rounds of an
+    A/B, :mod:`mcp_server.operations.ab`). The differences are those of each side's first run;
+    a side's loss curve is the mean of its runs' (bit-equal runs: that curve, unchanged); its
+    speed windows are pooled over its runs (each run's warm-up left out), so the noise bound
+    holds the load's changes between rounds; its peak is the largest any of them measured."""
+    views_a = [run_view(ws, run) for run in runs_a]
+    views_b = [run_view(ws, run) for run in runs_b]
+    (dir_a, record_a), (dir_b, record_b) = views_a[0], views_b[0]
     config_a, config_b = _flat(record_a.config or {}), _flat(record_b.config or {})
     differences = _code_differences(ws, record_a, record_b, dir_a, dir_b) + [
         f"{key}: {_shown(config_a.get(key, '(absent)'))} → {_shown(config_b.get(key, '(absent)'))}"
@@ -62,26 +72,35 @@ def compare_runs(ws: Workspace, run_a: str, run_b: str) -> CompareResult:
     if why_not_loss:
         left_out.append(f"loss, eval_loss: {why_not_loss}")
     else:
-        records_a, records_b = history.chain_records(ws, run_a)[0], history.chain_records(ws, run_b)[0]
+        chains_a = [history.chain_records(ws, run)[0] for run in runs_a]
+        chains_b = [history.chain_records(ws, run)[0] for run in runs_b]
         for metric in ("loss", "eval_loss"):
-            verdict = compare_curves(metric, _curve(records_a, metric), _curve(records_b, metric))
+            verdict = compare_curves(metric, _pooled_curve([_curve(r, metric) for r in chains_a]),
+                                     _pooled_curve([_curve(r, metric) for r in chains_b]))
             if verdict is None:
                 left_out.append(f"{metric}: not logged by both runs over common tokens")
             else:
                 metrics.append(verdict)
 
-    own_a, own_b = rd.read_all_metrics(dir_a / rd.METRICS_JSONL), rd.read_all_metrics(dir_b / rd.METRICS_JSONL)
-    metrics.append(compare_windows("tokens_per_s", _windows(own_a, "tokens_per_s"),
-                                   _windows(own_b, "tokens_per_s"), higher_is_better=True))
+    own_a = [rd.read_all_metrics(folder / rd.METRICS_JSONL) for folder, _ in views_a]
+    own_b = [rd.read_all_metrics(folder / rd.METRICS_JSONL) for folder, _ in views_b]
+
+    def windows(own: list[list[dict[str, Any]]], key: str) -> list[float]:
+        return [value for records in own for value in _windows(records, key)]
+
+    metrics.append(compare_windows("tokens_per_s", windows(own_a, "tokens_per_s"),
+                                   windows(own_b, "tokens_per_s"), higher_is_better=True))
     differing_work = [key for key in STEP_WORK_KEYS if config_a.get(key) != config_b.get(key)]
     if differing_work:
         left_out.append(f"step_time_s: the steps hold different work ({', '.join(differing_work)} differ)")
     else:
-        metrics.append(compare_windows("step_time_s", _windows(own_a, "step_time_s"),
-                                       _windows(own_b, "step_time_s"), higher_is_better=False))
-    metrics.append(compare_peaks(_peaks(own_a), _peaks(own_b)))
-    return _fit(CompareResult(run_a=record_a.id, run_b=record_b.id, differences=differences,
-                              metrics=metrics, left_out=left_out))
+        metrics.append(compare_windows("step_time_s", windows(own_a, "step_time_s"),
+                                       windows(own_b, "step_time_s"), higher_is_better=False))
+    metrics.append(compare_peaks(_peaks([r for records in own_a for r in records]),
+                                 _peaks([r for records in own_b for r in records])))
+    return _fit(CompareResult(run_a=", ".join(record.id for _, record in views_a),
+                              run_b=", ".join(record.id for _, record in views_b),
+                              differences=differences, metrics=metrics, left_out=left_out))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -183,6 +202,16 @@ def _curve(records: list[dict[str, Any]], metric: str) -> list[tuple[float, floa
         if value is not None and tokens is not None:
             curve[float(tokens)] = value
     return sorted(curve.items())
+
+
+def _pooled_curve(curves: list[list[tuple[float, float]]]) -> list[tuple[float, float]]:
+    """One curve of a side's runs: the first when they are all equal, else their mean at every
+    point of any of them inside the range they share."""
+    if all(curve == curves[0] for curve in curves[1:]) or any(not curve for curve in curves):
+        return curves[0] if all(curves) else []
+    low, high = max(c[0][0] for c in curves), min(c[-1][0] for c in curves)
+    grid = sorted({x for curve in curves for x, _ in curve if low <= x <= high})
+    return [(x, statistics.fmean(_interpolate(curve, x) for curve in curves)) for x in grid]
 
 
 def _peaks(records: list[dict[str, Any]]) -> tuple[float, list[float]] | None:

@@ -49,7 +49,9 @@ from sandbox import slurm as slurm_jobs
 from sandbox.environment import run_environment
 from sandbox.nodes import Nodes, check_allowed, check_nodes
 from sandbox.paths import confine_config
-from sandbox.provenance import CodeOrigin, check_snapshot_unchanged, code_description, recipe_origin, snapshot_digest
+from sandbox.provenance import (
+    CodeOrigin, check_snapshot_unchanged, code_at_commit, code_description, recipe_origin, snapshot_digest,
+)
 from sandbox.workspace import RunSource, Workspace
 
 MAX_NPROC = max(8, os.cpu_count() or 1)
@@ -123,11 +125,13 @@ def launch_run(
     progress: hub.Progress | None = None,
     args: list[str] | None = None,
     resume_arg: str | None = None,
+    commit: str | None = None,
 ) -> LaunchRunResult:
     """Check, then start a run of a snapshot of the recipe as it is now (uncommitted changes
-    included, and said so); ``limits`` default to the workspace's settings. ``recipe`` may also
-    name the user's own training script (:func:`launch_script`), which takes ``args`` and
-    ``resume_arg``.
+    included, and said so), or as ``commit`` holds it (a commit id or revision such as
+    ``<sha>^``: :func:`~sandbox.provenance.code_at_commit`); ``limits`` default to the
+    workspace's settings. ``recipe`` may also name the user's own training script
+    (:func:`launch_script`), which takes ``args`` and ``resume_arg``.
 
     ``nnodes`` > 1 starts this machine's node of a run over several, meeting at ``rdzv``
     (``endpoint``, ``id``, ``node_rank``; :mod:`sandbox.nodes`); ``target="slurm"`` makes the
@@ -138,6 +142,8 @@ def launch_run(
         raise BadInput(f"target must be one of {', '.join(TARGETS)}, got {target!r}")
     source = ws.run_source(recipe)
     if source.script is not None:
+        if commit:
+            raise BadInput("commit runs a recipe as a commit holds it; a script runs as it is now")
         if overrides:
             raise BadInput("overrides set a recipe's config keys; a script takes its command line as args")
         if nnodes != 1 or rdzv or target != "local" or slurm:
@@ -148,13 +154,28 @@ def launch_run(
         raise BadInput(f"args and resume_arg are for a training script; {ws.label(source.code_dir)!r} is a recipe, "
                        "whose config is set by overrides")
     nodes, options = _checked_target(nnodes, rdzv, target, slurm)
+    if commit and nodes.node_rank > 0:
+        raise BadInput("a joining node runs node 0's code: leave commit out")
     recipe_dir = ws.recipe(recipe)
     nproc = _check_nproc(nproc)
     flat = _checked_overrides(ws, overrides)
+    with contextlib.ExitStack() as code:
+        if commit:
+            recipe_dir, origin = code.enter_context(code_at_commit(ws.root, recipe_dir, commit))
+        else:
+            origin = recipe_origin(ws.root, recipe_dir)
+        return _launch_recipe(ws, recipe, recipe_dir, origin, nproc, flat, limits, nodes, target,
+                              options, progress)
+
+
+def _launch_recipe(ws: Workspace, recipe: str, recipe_dir: Path, origin: CodeOrigin, nproc: int,
+                   flat: dict[str, Any], limits: sandbox_runs.RunLimits | None, nodes: Nodes, target: str,
+                   options: slurm_jobs.SlurmOptions | None, progress: hub.Progress | None) -> LaunchRunResult:
+    """:func:`launch_run` of a recipe whose code is in ``recipe_dir`` (the recipe folder, or a
+    commit's copy of it) and comes from ``origin``."""
     limits, warnings = ws.run_limits_and_warnings() if limits is None else (limits, [])
     joins = None
     first: sr.ServerRecord | None = None
-    origin = recipe_origin(ws.root, recipe_dir)
     if target == "local":
         check_allowed(nodes, limits)
         if nodes.node_rank > 0:

@@ -77,6 +77,17 @@ def test_peak_memory_within_the_noise_is_no_difference_and_names_each_process():
     assert "RSS per process [990, 1,000] MB vs [690, 700] MB" in lower.evidence
 
 
+def test_a_sides_runs_pool_into_one_curve_bit_equal_ones_unchanged():
+    curve = [(100.0, 5.1), (200.0, 4.3), (300.0, 3.7)]
+    assert compare._pooled_curve([curve, list(curve), list(curve)]) == curve  # not (3·y)/3: still bit-equal
+    other = [(150.0, 4.9), (250.0, 4.1), (350.0, 3.0)]
+    assert compare._pooled_curve([curve, other]) == [(150.0, pytest.approx((4.7 + 4.9) / 2)),
+                                                      (200.0, pytest.approx((4.3 + 4.5) / 2)),
+                                                      (250.0, pytest.approx((4.0 + 4.1) / 2)),
+                                                      (300.0, pytest.approx((3.7 + 3.55) / 2))]
+    assert compare._pooled_curve([curve, []]) == []
+
+
 # ---------------------------------------------------------------------------------------------
 # Real runs
 # ---------------------------------------------------------------------------------------------

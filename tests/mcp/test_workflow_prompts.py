@@ -44,7 +44,8 @@ def test_the_workflows_are_listed_with_their_arguments(session):
     ("finetune", {"model": "org/tiny-qwen@main", "data": "data/chats.parquet"},
      ["describe_recipe", "scaffold_recipe", "apply_skill", "launch_run", "wait_run", "tail_metrics",
       "evaluate", "export_checkpoint"]),
-    ("speed_up", {"recipe": "recipes/lm"}, ["list_runs", "get_run", "list_skills", "get_skill", "apply_skill"]),
+    ("speed_up", {"recipe": "recipes/lm"}, ["list_runs", "get_run", "list_skills", "get_skill", "apply_skill",
+                                            "compare_runs"]),
     ("diagnose_run", {"run_id": "20260101-000000-lm-0000"}, ["get_run", "tail_metrics", "list_checkpoints",
                                                             "resume_checkpoint"]),
 ])
@@ -106,3 +107,10 @@ def test_recipes_and_templates_complete_from_the_workspace_and_the_library(sessi
         t["name"] for t in session.ok("list_templates")["templates"])
     assert complete(session, finetune, "template", "s") == ["sft"]
     assert complete(session, finetune, "name", "") == []
+
+
+def test_speed_up_measures_each_skill_as_an_interleaved_a_b_of_its_commit(session):
+    text = prompt_text(session, "speed_up", recipe="recipes/lm")
+    without, with_it = text.index('commit="C^") (a: without it)'), text.index('commit="C") (b: with it)')
+    assert without < with_it < text.index("then b again and a again") < text.index("compare_runs(run_a, run_b)")
+    assert '`trainwright ab SKILL "recipes/lm" --steps 30 --note`' in text
