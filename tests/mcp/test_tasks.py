@@ -1,0 +1,223 @@
+"""Long calls as MCP tasks (the ``io.modelcontextprotocol/tasks`` extension, 2026-07-28), through
+a real SDK client that declares the extension, against the real server and real runs of the
+template's tiny model: a ``wait_run`` task polled to completion answers what a plain call
+answers; a cancelled wait leaves its run running; an ``export_checkpoint`` task writes the export;
+bad task ids, clients that did not declare the extension, and one task too many are refused."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Literal
+
+import anyio
+import pytest
+from mcp import Client
+from mcp.client.extension import ClaimContext, ClientExtension, ResultClaim
+from mcp.shared.exceptions import MCPError
+from mcp_types import CallToolResult, Result
+from pydantic import ConfigDict, TypeAdapter
+
+from mcp_server.server import build_server
+from mcp_server.tasks import (IDENTIFIER, MAX_LIVE_TASKS, POLL_INTERVAL_MS, TTL_MS, CancelTaskRequest,
+                              GetTaskRequest, TaskParams, UpdateTaskParams, UpdateTaskRequest)
+from tests.mcp.conftest import ENDLESS_RUN, SHORT_RUN, connect, process_group_alive, stdio_parameters, tiny_config
+from tests.sandbox.helpers import make_workspace
+
+pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]
+ANY = TypeAdapter(dict[str, Any])
+
+
+class CreatedTask(Result):
+    """A ``CreateTaskResult``: the task's seed state."""
+
+    model_config = ConfigDict(extra="allow")
+    result_type: Literal["task"] = "task"
+    task_id: str
+    status: str
+    ttl_ms: int | None = None
+    poll_interval_ms: int | None = None
+
+
+async def get_task(session, task_id: str) -> dict[str, Any]:
+    return await session.send_request(GetTaskRequest(params=TaskParams(taskId=task_id)), ANY)
+
+
+async def poll(session, task_id: str, timeout: float = 240) -> dict[str, Any]:
+    """tasks/get until the task is terminal (at the server's poll interval, faster here)."""
+    with anyio.fail_after(timeout):
+        while (task := await get_task(session, task_id))["status"] == "working":
+            await anyio.sleep(0.2)
+    return task
+
+
+async def resolve(created: CreatedTask, ctx: ClaimContext) -> CallToolResult:
+    task = await poll(ctx.session, created.task_id)
+    assert task["status"] == "completed", task
+    return CallToolResult.model_validate(task["result"])
+
+
+class Tasks(ClientExtension):
+    """The client side of the extension: declared on every request; a task is polled to its end."""
+
+    identifier = IDENTIFIER
+
+    def claims(self):
+        return (ResultClaim(result_type="task", model=CreatedTask, resolve=resolve),)
+
+
+def tasks_client(target: Any) -> Client:
+    return Client(target, extensions=[Tasks()])
+
+
+async def start(client: Client, tool: str, **arguments: Any) -> CreatedTask:
+    created = await client.session.call_tool(tool, arguments, allow_claimed=True)
+    assert isinstance(created, CreatedTask), created
+    return created
+
+
+def plain(result: CallToolResult) -> dict[str, Any]:
+    """A tool result as the wire carries it, without the serverInfo stamp of the answer."""
+    dumped = result.model_dump(by_alias=True, mode="json", exclude_none=True)
+    dumped.pop("_meta", None)
+    return dumped
+
+
+def without_wait_time(dumped: dict[str, Any]) -> dict[str, Any]:
+    structured = {k: v for k, v in dumped["structuredContent"].items() if k != "waited_s"}
+    text = {k: v for k, v in json.loads(dumped["content"][0]["text"]).items() if k != "waited_s"}
+    return {**dumped, "structuredContent": structured, "content": [{**dumped["content"][0], "text": text}]}
+
+
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory) -> Path:
+    return make_workspace(tmp_path_factory.mktemp("tasks") / "ws")  # recipes/lm: the template
+
+
+def launch(workspace: Path, **config: Any) -> str:
+    with connect("memory", workspace) as client:
+        return client.ok("launch_run", recipe="lm", overrides=tiny_config(**config))["run_id"]
+
+
+def test_a_wait_run_task_polled_to_completion_answers_as_a_plain_call_and_an_export_task_writes_the_export(workspace):
+    run_id = launch(workspace, **SHORT_RUN)
+
+    async def main() -> None:
+        async with tasks_client(build_server(workspace)) as client:
+            assert client.protocol_version == "2026-07-28"
+            assert IDENTIFIER in client.server_capabilities.extensions
+            created = await start(client, "wait_run", run_id=run_id, timeout_s=240.0)
+            assert created.status == "working" and len(created.task_id) >= 22
+            assert (created.ttl_ms, created.poll_interval_ms) == (TTL_MS, POLL_INTERVAL_MS)
+            task = await poll(client.session, created.task_id)
+            assert task["status"] == "completed" and task["result"]["structuredContent"]["reason"] == "ended"
+            assert task["result"]["structuredContent"]["status"] == "completed"
+            assert task == await get_task(client.session, created.task_id)  # a result is kept
+            # The same call, plain: the same answer (but for the seconds it waited).
+            async with Client(build_server(workspace)) as plain_client:
+                answer = await plain_client.call_tool("wait_run", {"run_id": run_id, "timeout_s": 240.0})
+            assert without_wait_time(task["result"]) == without_wait_time(plain(answer))
+            # The SDK's claim resolution: call_tool polls the task and returns its result.
+            resolved = await client.call_tool("wait_run", {"run_id": run_id})
+            assert without_wait_time(plain(resolved)) == without_wait_time(plain(answer))
+
+            exported = await start(client, "export_checkpoint", run_id=run_id, to="exports/lm", step=3)
+            task = await poll(client.session, exported.task_id)
+            assert task["status"] == "completed" and not task["result"].get("isError"), task
+            export = task["result"]["structuredContent"]
+            assert (export["step"], export["path"]) == (3, "exports/lm")
+            for name, size in export["files"].items():
+                assert (workspace / "exports" / "lm" / name).stat().st_size == size
+            # A tool error is a completed task whose result says so (the folder is not empty now).
+            again = await poll(client.session, (await start(client, "export_checkpoint", run_id=run_id,
+                                                                to="exports/lm")).task_id)
+            assert again["status"] == "completed" and again["result"]["isError"] is True
+            assert "bad_input:" in again["result"]["content"][0]["text"]
+
+    anyio.run(main)
+
+
+def test_a_cancelled_wait_task_leaves_the_run_running_and_one_task_too_many_is_refused(workspace):
+    run_id = launch(workspace, **ENDLESS_RUN)
+    with connect("memory", workspace) as tools:
+        tools.wait_for_step(run_id, 1)
+        pgid = tools.ok("get_run", run_id=run_id)["pgid"]
+
+        async def main() -> None:
+            async with tasks_client(build_server(workspace)) as client:
+                created = await start(client, "wait_run", run_id=run_id, timeout_s=600.0)
+                assert await client.session.send_request(
+                    CancelTaskRequest(params=TaskParams(taskId=created.task_id)), ANY) == {"resultType": "complete"}
+                task = await get_task(client.session, created.task_id)
+                assert task["status"] == "cancelled" and "run goes on" in task["statusMessage"]
+                assert "result" not in task
+                await anyio.sleep(2)  # the run keeps logging
+                running = [await start(client, "wait_run", run_id=run_id, timeout_s=600.0)
+                           for _ in range(MAX_LIVE_TASKS)]
+                with pytest.raises(MCPError) as refused:
+                    await start(client, "wait_run", run_id=run_id, timeout_s=600.0)
+                assert refused.value.error.code == -32602
+                assert str(refused.value) == (f"limits: at most {MAX_LIVE_TASKS} tasks working at once; wait "
+                                              "for one to end (tasks/get) or tasks/cancel one")
+                # tasks/update: nothing is asked of the client; acknowledged
+                update = UpdateTaskRequest(params=UpdateTaskParams(taskId=running[0].task_id, inputResponses={}))
+                assert await client.session.send_request(update, ANY) == {"resultType": "complete"}
+                for each in running:
+                    await client.session.send_request(CancelTaskRequest(params=TaskParams(taskId=each.task_id)), ANY)
+                await start(client, "wait_run", run_id=run_id, timeout_s=1.0)  # room again
+
+        anyio.run(main)
+        info = tools.ok("get_run", run_id=run_id)
+        assert info["status"] == "running" and info["step"] > 1 and process_group_alive(pgid)
+        assert tools.ok("stop_run", run_id=run_id)["status"] == "stopped"
+
+
+def test_bad_task_ids_and_clients_without_the_extension_are_refused(workspace):
+    async def main() -> None:
+        async with tasks_client(build_server(workspace)) as client:
+            for task_id in ("nope", "x" * 200):
+                for request in (GetTaskRequest, CancelTaskRequest):
+                    with pytest.raises(MCPError) as unknown:
+                        await client.session.send_request(request(params=TaskParams(taskId=task_id)), ANY)
+                    assert unknown.value.error.code == -32602
+                    assert str(unknown.value).startswith("not_found: no task '")
+                    assert "forgotten 60 minutes after it was created" in str(unknown.value)
+            with pytest.raises(MCPError) as too_long:  # the params' schema: at most 200 characters
+                await client.session.send_request(
+                    GetTaskRequest(params=TaskParams.model_construct(task_id="y" * 201)), ANY)
+            assert too_long.value.error.code == -32602
+            with pytest.raises(MCPError) as gone:
+                await client.session.send_request(
+                    GetTaskRequest.model_construct(method="tasks/result", params=TaskParams(taskId="nope")), ANY)
+            assert gone.value.error.code == -32601  # the extension has no tasks/result
+        # Without the extension: today's answers (no task), and the task methods are refused.
+        async with Client(build_server(workspace)) as client:
+            result = await client.call_tool("wait_run", {"run_id": "nope"})
+            assert result.is_error and result.content[0].text.startswith("Error executing tool wait_run: not_found: no run 'nope'")
+            with pytest.raises(MCPError) as undeclared:
+                await client.session.send_request(GetTaskRequest(params=TaskParams(taskId="nope")), ANY)
+            assert undeclared.value.error.code == -32021
+        async with tasks_client(build_server(workspace)) as client:  # a tool that is not a task
+            listing = await client.call_tool("list_runs", {})
+            assert not listing.is_error
+        async with Client(build_server(workspace), mode="legacy", extensions=[Tasks()]) as client:
+            assert client.protocol_version == "2025-11-25"  # SEP-2663: no tasks in this era
+            result = await client.call_tool("wait_run", {"run_id": "nope"})
+            assert result.is_error and result.content[0].text.startswith("Error executing tool wait_run: not_found: no run 'nope'")
+            with pytest.raises(MCPError) as legacy:
+                await client.session.send_request(GetTaskRequest(params=TaskParams(taskId="nope")), ANY)
+            assert legacy.value.error.code == -32601
+
+    anyio.run(main)
+
+
+def test_over_stdio_a_task_is_created_and_polled(workspace):
+    async def main() -> None:
+        async with tasks_client(stdio_parameters(workspace)) as client:
+            assert client.protocol_version == "2026-07-28"
+            created = await start(client, "wait_run", run_id="nope")
+            task = await poll(client.session, created.task_id, timeout=30)
+            assert task["status"] == "completed" and task["result"]["isError"] is True
+            assert task["result"]["content"][0]["text"].startswith("Error executing tool wait_run: not_found: no run 'nope'")
+
+    anyio.run(main)
