@@ -253,7 +253,7 @@ def build_server(workspace: Path | str, read_only: bool = False, settings: Path 
             yield state
 
     mcp = AuditedServer("trainwright", instructions=INSTRUCTIONS, version=package_version(), log_level="WARNING",
-                        subscriptions=bus, lifespan=lifespan, middleware=[live.listen_middleware],
+                        subscriptions=bus, lifespan=lifespan, middleware=[live.listen_middleware, tasks.legacy],
                         extensions=[tasks])
     mcp.tools = tools
     tasks.has_tool = lambda name: mcp._tool_manager.get_tool(name) is not None

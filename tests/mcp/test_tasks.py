@@ -21,7 +21,8 @@ from pydantic import ConfigDict, TypeAdapter
 from engine import run_dir as rd
 from mcp_server.server import build_server
 from mcp_server.tasks import (IDENTIFIER, MAX_LIVE_TASKS, POLL_INTERVAL_MS, TTL_MS, CancelTaskRequest,
-                              GetTaskRequest, TaskParams, UpdateTaskParams, UpdateTaskRequest)
+                              GetTaskRequest, ListTasksRequest, TaskParams, TaskResultRequest, UpdateTaskParams,
+                              UpdateTaskRequest)
 from tests.mcp.conftest import ENDLESS_RUN, SHORT_RUN, connect, process_group_alive, stdio_parameters, tiny_config
 from tests.sandbox.helpers import make_workspace
 
@@ -75,8 +76,20 @@ class Tasks(ClientExtension):
         return (ResultClaim(result_type="task", model=CreatedTask, resolve=resolve),)
 
 
+async def legacy_call(client: Client, tool: str, arguments: dict[str, Any], ttl: int | None = None) -> dict[str, Any]:
+    """A 2025-11-25 task-augmented tools/call (``params.task``). The SDK's client validates a
+    2025-11-25 tools/call answer as a CallToolResult, so this one goes to its dispatcher as it is."""
+    task = {} if ttl is None else {"ttl": ttl}
+    return await client.session._dispatcher.send_raw_request(
+        "tools/call", {"name": tool, "arguments": arguments, "task": task}, {})
+
+
 def tasks_client(target: Any) -> Client:
     return Client(target, extensions=[Tasks()])
+
+
+def tasks_client_mode(target: Any, mode: str) -> Client:
+    return Client(target, mode=mode, extensions=[Tasks()])
 
 
 async def start(client: Client, tool: str, **arguments: Any) -> CreatedTask:
@@ -190,6 +203,56 @@ def cancel_and_overfill(tools, workspace: Path, run_id: str) -> None:
     assert rd.pid_alive(record.pid) and process_group_alive(record.child_pgid)
 
 
+@pytest.mark.slow
+def test_a_2025_session_gets_the_tasks_of_its_revision_and_sees_only_its_own(workspace):
+    run_id = launch(workspace, **SHORT_RUN)
+
+    async def main() -> None:
+        async with Client(build_server(workspace), mode="legacy") as client, \
+                Client(build_server(workspace), mode="legacy") as other:
+            assert client.protocol_version == "2025-11-25"
+            capability = client.server_capabilities.tasks
+            assert capability.list is not None and capability.cancel is not None
+            assert capability.requests.tools.call is not None
+            executions = {tool.name: tool.execution for tool in (await client.list_tools()).tools}
+            assert {name for name, e in executions.items() if e and e.task_support == "optional"} == {
+                "wait_run", "export_checkpoint", "evaluate"}
+            created = (await legacy_call(client, "wait_run", {"run_id": run_id, "timeout_s": 240.0}, ttl=60_000))["task"]
+            assert created["status"] == "working" and created["ttl"] == 60_000
+            assert created["pollInterval"] == POLL_INTERVAL_MS
+            listed = await client.session.send_request(ListTasksRequest(), ANY)
+            assert [task["taskId"] for task in listed["tasks"]] == [created["taskId"]]
+            result_request = TaskResultRequest(params=TaskParams(taskId=created["taskId"]))
+            with anyio.fail_after(240):
+                answer = await client.session.send_request(result_request, ANY)  # waits for the end
+            assert answer["_meta"]["io.modelcontextprotocol/related-task"] == {"taskId": created["taskId"]}
+            assert answer["structuredContent"]["reason"] == "ended"
+            task = await get_task(client.session, created["taskId"])
+            assert task["status"] == "completed" and "result" not in task
+            answer.pop("_meta")
+            again = plain(await client.call_tool("wait_run", {"run_id": run_id, "timeout_s": 240.0}))
+            assert again.pop("resultType") == "complete"  # the SDK's model says it; no 2025-11-25 wire does
+            assert without_wait_time(answer) == without_wait_time(again)
+            with pytest.raises(MCPError) as finished:
+                await client.session.send_request(CancelTaskRequest(params=TaskParams(taskId=created["taskId"])), ANY)
+            assert finished.value.error.code == -32602 and str(finished.value).endswith("is completed already")
+            # Another session sees none of it.
+            assert (await other.session.send_request(ListTasksRequest(), ANY))["tasks"] == []
+            with pytest.raises(MCPError) as hidden:
+                await get_task(other.session, created["taskId"])
+            assert hidden.value.error.code == -32602
+            # A wait cancelled: the cancelled task comes back; its result is refused.
+            waiting = (await legacy_call(client, "wait_run", {"run_id": run_id, "until_step": 10**6}))["task"]
+            cancelled = await client.session.send_request(
+                CancelTaskRequest(params=TaskParams(taskId=waiting["taskId"])), ANY)
+            assert cancelled["status"] == "cancelled" and cancelled["taskId"] == waiting["taskId"]
+            with pytest.raises(MCPError) as no_result:
+                await client.session.send_request(TaskResultRequest(params=TaskParams(taskId=waiting["taskId"])), ANY)
+            assert str(no_result.value).endswith("was cancelled: it has no result")
+
+    anyio.run(main)
+
+
 def test_bad_task_ids_and_clients_without_the_extension_are_refused(workspace):
     async def main() -> None:
         async with tasks_client(build_server(workspace)) as client:
@@ -219,23 +282,38 @@ def test_bad_task_ids_and_clients_without_the_extension_are_refused(workspace):
             listing = await client.call_tool("list_runs", {})
             assert not listing.is_error
         async with Client(build_server(workspace), mode="legacy", extensions=[Tasks()]) as client:
-            assert client.protocol_version == "2025-11-25"  # SEP-2663: no tasks in this era
-            result = await client.call_tool("wait_run", {"run_id": "nope"})
-            assert result.is_error and result.content[0].text.startswith("Error executing tool wait_run: not_found: no run 'nope'")
+            assert client.protocol_version == "2025-11-25"  # SEP-2663: no extension in this era
+            result = await client.call_tool("wait_run", {"run_id": "nope"})  # no params.task: no task
+            assert result.is_error and "not_found: no run 'nope'" in result.content[0].text
             with pytest.raises(MCPError) as legacy:
                 await client.session.send_request(GetTaskRequest(params=TaskParams(taskId="nope")), ANY)
-            assert legacy.value.error.code == -32601
-
+            assert legacy.value.error.code == -32602 and str(legacy.value).startswith("not_found: no task 'nope'")
+            with pytest.raises(MCPError) as not_a_task:
+                await legacy_call(client, "list_runs", {})
+            assert not_a_task.value.error.code == -32601
+            assert "does not run as a task" in str(not_a_task.value)
+            with pytest.raises(MCPError) as removed:
+                await client.session.send_request(
+                    UpdateTaskRequest(params=UpdateTaskParams(taskId="nope", inputResponses={})), ANY)
+            assert removed.value.error.code == -32601  # tasks/update is the extension's
     anyio.run(main)
 
 
-def test_over_stdio_a_task_is_created_and_polled(workspace):
+@pytest.mark.parametrize("mode", ["legacy", "auto"])
+def test_over_stdio_a_task_is_created_and_polled_in_either_era(workspace, mode):
     async def main() -> None:
-        async with tasks_client(stdio_parameters(workspace)) as client:
+        async with tasks_client_mode(stdio_parameters(workspace), mode) as client:
+            if mode == "legacy":
+                assert client.protocol_version == "2025-11-25"
+                created = (await legacy_call(client, "wait_run", {"run_id": "nope"}))["task"]
+                answer = await client.session.send_request(
+                    TaskResultRequest(params=TaskParams(taskId=created["taskId"])), ANY)
+                assert answer["isError"] is True and "not_found: no run 'nope'" in answer["content"][0]["text"]
+                return
             assert client.protocol_version == "2026-07-28"
             created = await start(client, "wait_run", run_id="nope")
             task = await poll(client.session, created.task_id, timeout=30)
             assert task["status"] == "completed" and task["result"]["isError"] is True
-            assert task["result"]["content"][0]["text"].startswith("Error executing tool wait_run: not_found: no run 'nope'")
+            assert "not_found: no run 'nope'" in task["result"]["content"][0]["text"]
 
     anyio.run(main)
