@@ -146,17 +146,14 @@ class ApplySkillResult(BaseModel):
     version: str
     recipe: str  # the file changed
     changed: bool
-    already_applied: bool = Field(description="Nothing to do.")
+    already_applied: bool  # the skill was there: nothing changed
     dry_run: bool
     params: dict[str, Any] = Field(description="With defaults.")
     diff: str = Field(description="Unified diff (git apply).")
     diff_truncated: bool = False
     commit: str | None = Field(None, description="None for dry runs.")
     message: str = ""
-    acts_on: str = Field(
-        "",
-        description="What the change acts on.",
-    )
+    acts_on: str = ""  # what the change acts on (the name says it: no description in the schema)
 
 
 class TemplateInfo(BaseModel):

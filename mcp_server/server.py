@@ -283,7 +283,7 @@ def build_server(workspace: Path | str, read_only: bool = False, settings: Path 
         """A skill's SKILL.md and parameter schema."""
         return await tools.call("get_skill", {"name": name}, lambda: skill_ops.get_skill(name))
 
-    @tool(IDEMPOTENT_CHANGE)
+    @tool(IDEMPOTENT_CHANGE)  # idempotent: the annotation says it, the description need not
     async def apply_skill(
         skill: Annotated[str, Field(description="A skill name from list_skills.")],
         recipe: Annotated[str, Field(description="recipes/<name>, the name, or a .py script.")],
@@ -291,8 +291,8 @@ def build_server(workspace: Path | str, read_only: bool = False, settings: Path 
         dry_run: Annotated[bool, Field(strict=True, description="Only return the diff; change nothing.")] = False,
         target: Annotated[str | None, Field(description="The model to act on: self._model, file.py:LINE.")] = None,
     ) -> ApplySkillResult:
-        """Write a skill's pattern into a recipe's code as one git commit; idempotent; a refusal
-        says what works."""
+        """Write a skill's pattern into a recipe's code as one git commit; a refusal says what
+        works."""
         args = {"skill": skill, "recipe": recipe, "params": params, "dry_run": dry_run, "target": target}
         return await tools.call("apply_skill", args, lambda: skill_ops.apply_skill(
             tools.ws, skill, recipe, skill_ops.with_target(params, target), dry_run))
@@ -358,7 +358,7 @@ def build_server(workspace: Path | str, read_only: bool = False, settings: Path 
             dict[str, Any] | None,
             Field(description='Config: {"train.max_steps": 100}.'),
         ] = None,
-        nnodes: Annotated[int, Field(strict=True, description="Nodes.")] = 1,
+        nnodes: Annotated[int, Field(strict=True)] = 1,
         rdzv: Annotated[dict[str, Any], Field(description="nnodes>1: endpoint host:port, id, node_rank.")] = {},
         target: Annotated[Literal["local", "slurm"], Field(description="slurm: sbatch job.")] = "local",
         slurm: Annotated[dict[str, Any], Field(description="slurm: partition, time, gpus_per_node.")] = {},
@@ -384,7 +384,7 @@ def build_server(workspace: Path | str, read_only: bool = False, settings: Path 
     async def estimate_run(
         recipe: RecipePath,
         overrides: Annotated[dict[str, Any] | None, Field(description="As launch_run's.")] = None,
-        nproc: Annotated[int, Field(strict=True, description="Processes.")] = 1,
+        nproc: Annotated[int, Field(strict=True)] = 1,
         device: Annotated[Literal["cpu", "cuda"], Field(description="Device class.")] = "cpu",
         device_memory_gib: Annotated[float | None, Field(description="Per process: does it fit?")] = None,
     ) -> EstimateResult:

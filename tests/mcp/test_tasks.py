@@ -317,3 +317,15 @@ def test_over_stdio_a_task_is_created_and_polled_in_either_era(workspace, mode):
             assert "not_found: no run 'nope'" in task["result"]["content"][0]["text"]
 
     anyio.run(main)
+
+
+@pytest.mark.parametrize("mode", ["legacy", "auto"])
+def test_the_tool_list_with_task_support_fits_the_agent_budget_in_either_era(workspace, mode):
+    async def main() -> None:
+        async with Client(build_server(workspace), mode=mode) as client:
+            listing = await client.list_tools()
+            assert len(listing.model_dump_json(by_alias=True, exclude_none=True).encode()) <= 20_000
+            supported = {tool.name for tool in listing.tools if tool.execution is not None}
+            assert supported == ({"wait_run", "export_checkpoint", "evaluate"} if mode == "legacy" else set())
+
+    anyio.run(main)
