@@ -20,7 +20,7 @@ from pydantic import ConfigDict, TypeAdapter
 
 from engine import run_dir as rd
 from mcp_server.server import build_server
-from mcp_server.tasks import (IDENTIFIER, MAX_LIVE_TASKS, POLL_INTERVAL_MS, TTL_MS, CancelTaskRequest,
+from mcp_server.tasks import (IDENTIFIER, MAX_KEPT_TASKS, MAX_LIVE_TASKS, POLL_INTERVAL_MS, TTL_MS, CancelTaskRequest,
                               GetTaskRequest, ListTasksRequest, TaskParams, TaskResultRequest, UpdateTaskParams,
                               UpdateTaskRequest)
 from tests.mcp.conftest import ENDLESS_RUN, SHORT_RUN, connect, process_group_alive, stdio_parameters, tiny_config
@@ -122,7 +122,7 @@ def launch(workspace: Path, **config: Any) -> str:
 
 
 @pytest.mark.slow
-def test_a_wait_run_task_polled_to_completion_answers_as_a_plain_call_and_an_export_task_writes_the_export(workspace):
+def test_a_wait_run_task_polled_to_completion_answers_as_a_plain_call_and_export_and_evaluate_tasks_complete(workspace):
     run_id = launch(workspace, **SHORT_RUN)
 
     async def main() -> None:
@@ -151,6 +151,10 @@ def test_a_wait_run_task_polled_to_completion_answers_as_a_plain_call_and_an_exp
             assert (export["step"], export["path"]) == (3, "exports/lm")
             for name, size in export["files"].items():
                 assert (workspace / "exports" / "lm" / name).stat().st_size == size
+            evaluated = await poll(client.session, (await start(client, "evaluate", run_id=run_id, step=3)).task_id)
+            assert evaluated["status"] == "completed" and not evaluated["result"].get("isError"), evaluated
+            assert evaluated["result"]["structuredContent"]["step"] == 3
+            assert 0 < evaluated["result"]["structuredContent"]["eval_loss"] < 6.0
             # A tool error is a completed task whose result says so (the folder is not empty now).
             again = await poll(client.session, (await start(client, "export_checkpoint", run_id=run_id,
                                                                 to="exports/lm")).task_id)
@@ -220,8 +224,17 @@ def test_a_2025_session_gets_the_tasks_of_its_revision_and_sees_only_its_own(wor
             created = (await legacy_call(client, "wait_run", {"run_id": run_id, "timeout_s": 240.0}, ttl=60_000))["task"]
             assert created["status"] == "working" and created["ttl"] == 60_000
             assert created["pollInterval"] == POLL_INTERVAL_MS
-            listed = await client.session.send_request(ListTasksRequest(), ANY)
-            assert [task["taskId"] for task in listed["tasks"]] == [created["taskId"]]
+            # A wait cancelled while the run goes on (it was launched a moment ago): the cancelled
+            # task comes back; its result is refused.
+            waiting = (await legacy_call(client, "wait_run", {"run_id": run_id, "until_step": 10**6}))["task"]
+            cancelled = await client.session.send_request(
+                CancelTaskRequest(params=TaskParams(taskId=waiting["taskId"])), ANY)
+            assert cancelled["status"] == "cancelled" and cancelled["taskId"] == waiting["taskId"]
+            with pytest.raises(MCPError) as no_result:
+                await client.session.send_request(TaskResultRequest(params=TaskParams(taskId=waiting["taskId"])), ANY)
+            assert str(no_result.value).endswith("was cancelled: it has no result")
+            listed = await client.session.send_request(ListTasksRequest(), ANY)  # newest first
+            assert [task["taskId"] for task in listed["tasks"]] == [waiting["taskId"], created["taskId"]]
             result_request = TaskResultRequest(params=TaskParams(taskId=created["taskId"]))
             with anyio.fail_after(240):
                 answer = await client.session.send_request(result_request, ANY)  # waits for the end
@@ -241,14 +254,6 @@ def test_a_2025_session_gets_the_tasks_of_its_revision_and_sees_only_its_own(wor
             with pytest.raises(MCPError) as hidden:
                 await get_task(other.session, created["taskId"])
             assert hidden.value.error.code == -32602
-            # A wait cancelled: the cancelled task comes back; its result is refused.
-            waiting = (await legacy_call(client, "wait_run", {"run_id": run_id, "until_step": 10**6}))["task"]
-            cancelled = await client.session.send_request(
-                CancelTaskRequest(params=TaskParams(taskId=waiting["taskId"])), ANY)
-            assert cancelled["status"] == "cancelled" and cancelled["taskId"] == waiting["taskId"]
-            with pytest.raises(MCPError) as no_result:
-                await client.session.send_request(TaskResultRequest(params=TaskParams(taskId=waiting["taskId"])), ANY)
-            assert str(no_result.value).endswith("was cancelled: it has no result")
 
     anyio.run(main)
 
@@ -327,5 +332,34 @@ def test_the_tool_list_with_task_support_fits_the_agent_budget_in_either_era(wor
             assert len(listing.model_dump_json(by_alias=True, exclude_none=True).encode()) <= 20_000
             supported = {tool.name for tool in listing.tools if tool.execution is not None}
             assert supported == ({"wait_run", "export_checkpoint", "evaluate"} if mode == "legacy" else set())
+
+    anyio.run(main)
+
+
+def test_tasks_are_forgotten_after_their_ttl_the_oldest_beyond_the_bound_and_a_sessions_with_it(workspace):
+    server = build_server(workspace)
+    (extension,) = server._extensions
+
+    async def main() -> None:
+        async with tasks_client(server) as client:
+            first = await start(client, "wait_run", run_id="nope")
+            await poll(client.session, first.task_id, timeout=30)
+            extension.tasks[first.task_id].created -= TTL_MS / 1000 + 1  # an hour and a second ago
+            with pytest.raises(MCPError) as expired:
+                await get_task(client.session, first.task_id)
+            assert expired.value.error.code == -32602 and "forgotten 60 minutes after" in str(expired.value)
+            created = [await start(client, "wait_run", run_id="nope") for _ in range(MAX_KEPT_TASKS + 1)]
+            for each in created[1:]:
+                await poll(client.session, each.task_id, timeout=30)
+            with pytest.raises(MCPError):  # the oldest finished one made room
+                await get_task(client.session, created[0].task_id)
+            assert len(extension.tasks) == MAX_KEPT_TASKS
+        extension.tasks.clear()
+        async with Client(server, mode="legacy") as legacy:
+            task = (await legacy_call(legacy, "wait_run", {"run_id": "nope"}))["task"]
+            assert list(extension.tasks) == [task["taskId"]]
+        with anyio.fail_after(5):  # the session ended: its tasks with it
+            while extension.tasks:
+                await anyio.sleep(0.05)
 
     anyio.run(main)
