@@ -25,8 +25,9 @@ with ``params.task`` of any other tool is ``-32601`` (its ``taskSupport`` is for
 
 Bounds: at most :data:`MAX_LIVE_TASKS` tasks working at once per 2025-11-25 session (beyond:
 ``-32602``), and of :data:`MAX_KEPT_TASKS` the oldest finished one is forgotten; a task and its
-result are kept :data:`TTL_MS` from its creation (or the shorter ``ttl`` a 2025-11-25 request asks
-for), then forgotten; task ids are 128 random bits (``secrets``). A session sees only its own
+result are kept :data:`TTL_MS` from its creation (or the shorter ``ttl``, at least
+:data:`MIN_TTL_MS`, a 2025-11-25 request asks for), then forgotten once it has ended (a task that
+is still working is not: each tool bounds its own time); task ids are 128 random bits (``secrets``). A session sees only its own
 tasks, and tasks end with it. A 2026-07-28 client has no session: its tasks are the server's (one
 client over stdio), held to the same bounds together, found only by their unguessable id (the
 extension has no ``tasks/list``); the two eras never see each other's tasks. Cancelling a
@@ -71,6 +72,7 @@ TASK_TOOLS = frozenset({"wait_run", "export_checkpoint", "evaluate"})
 MAX_LIVE_TASKS = 8
 MAX_KEPT_TASKS = 64
 TTL_MS = 3_600_000  # an hour from creation
+MIN_TTL_MS = 60_000  # the least a 2025-11-25 request's ttl gets
 POLL_INTERVAL_MS = 2_000
 LEGACY_CAPABILITY: dict[str, Any] = {"list": {}, "cancel": {}, "requests": {"tools": {"call": {}}}}
 TaskStatus = Literal["working", "completed", "failed", "cancelled"]
@@ -149,7 +151,7 @@ class Task:
         self.updated = self.created
 
     def expired(self, now: float) -> bool:
-        return now > self.created + self.ttl_ms / 1000
+        return self.status != "working" and now > self.created + self.ttl_ms / 1000
 
     def settle(self, status: TaskStatus, message: str | None = None, **outcome: Any) -> None:
         if self.status != "working":  # terminal states never change
@@ -315,7 +317,7 @@ class TasksExtension(Extension):
             raise MCPError(METHOD_NOT_FOUND, f"{shown} does not run as a task (its execution.taskSupport is "
                            "forbidden); call it without params.task")
         ttl = asked.get("ttl") if isinstance(asked, dict) else None
-        ttl_ms = min(ttl, TTL_MS) if isinstance(ttl, int) and not isinstance(ttl, bool) and ttl > 0 else TTL_MS
+        ttl_ms = min(max(ttl, MIN_TTL_MS), TTL_MS) if isinstance(ttl, int) and not isinstance(ttl, bool) else TTL_MS
         state = clients.client_state(ctx.session)
         if state not in self._sessions:  # its tasks end with it
             self._sessions.add(state)
@@ -355,8 +357,8 @@ class TasksExtension(Extension):
         if task is None or task.owner is not owner:
             shown = task_id if len(task_id) <= 40 and task_id.isprintable() else \
                 task_id[:40].encode("unicode_escape").decode() + "…"
-            raise MCPError(INVALID_PARAMS, f"not_found: no task {shown!r} (unknown, or forgotten "
-                           f"{TTL_MS // 60_000} minutes after it was created)")
+            raise MCPError(INVALID_PARAMS, f"not_found: no task {shown!r} (unknown, or forgotten: a "
+                           f"task is kept {TTL_MS // 60_000} minutes at most)")
         return task
 
     async def get(self, ctx: ServerRequestContext[Any, Any], params: TaskParams) -> dict[str, Any]:
@@ -398,6 +400,4 @@ class TasksExtension(Extension):
     def _forget_expired(self) -> None:
         now = time.time()
         for task_id in [i for i, task in self.tasks.items() if task.expired(now)]:
-            task = self.tasks.pop(task_id)
-            task.settle("failed", "expired", error={"code": INTERNAL_ERROR, "message": "task expired"})
-            task.scope.cancel()
+            del self.tasks[task_id]
