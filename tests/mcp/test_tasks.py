@@ -364,3 +364,48 @@ def test_tasks_are_forgotten_after_their_ttl_the_oldest_beyond_the_bound_and_a_s
                 await anyio.sleep(0.05)
 
     anyio.run(main)
+
+
+def test_over_streamable_http_a_task_is_created_and_fetched_in_either_era(workspace, tmp_path):
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    import httpx2 as httpx
+    from mcp.client.streamable_http import streamable_http_client
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {"PATH": "/usr/bin:/bin", "XDG_STATE_HOME": str(tmp_path / "state"), "HOME": str(tmp_path)}
+    process = subprocess.Popen([sys.executable, "-m", "mcp_server.cli", "serve", "--http", str(port), "--no-auth",
+                                "--workspace", str(workspace)], env=env, stdout=subprocess.DEVNULL,
+                               stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}/mcp"
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                httpx.get(url, timeout=1)
+                break
+            except httpx.TransportError:
+                time.sleep(0.2)
+
+        async def main() -> None:
+            async with tasks_client_mode(streamable_http_client(url), "auto") as client:
+                assert client.protocol_version == "2026-07-28"
+                created = await start(client, "wait_run", run_id="nope")
+                task = await poll(client.session, created.task_id, timeout=30)
+                assert task["status"] == "completed" and "no run 'nope'" in task["result"]["content"][0]["text"]
+            async with Client(streamable_http_client(url), mode="legacy") as client:
+                assert client.server_capabilities.tasks is not None
+                created = (await legacy_call(client, "wait_run", {"run_id": "nope"}))["task"]
+                answer = await client.session.send_request(
+                    TaskResultRequest(params=TaskParams(taskId=created["taskId"])), ANY)
+                assert answer["isError"] is True and "no run 'nope'" in answer["content"][0]["text"]
+
+        anyio.run(main)
+    finally:
+        process.terminate()
+        process.wait(timeout=10)
