@@ -115,7 +115,7 @@ class MetricsTail(BaseModel):
     run_id: str
     status: str
     records: list[dict[str, Any]]
-    truncated: bool = Field(description="More matched than returned.")
+    truncated: bool  # more matched than n: tail_metrics' description says it
     resumes: list[ResumePoint] = Field([], description="Where each run took over.")
 
 

@@ -358,7 +358,7 @@ def build_server(workspace: Path | str, read_only: bool = False, settings: Path 
             dict[str, Any] | None,
             Field(description='Config: {"train.max_steps": 100}.'),
         ] = None,
-        nnodes: Annotated[int, Field(strict=True)] = 1,
+        nnodes: Annotated[int, Field(strict=True, description="Nodes.")] = 1,
         rdzv: Annotated[dict[str, Any], Field(description="nnodes>1: endpoint host:port, id, node_rank.")] = {},
         target: Annotated[Literal["local", "slurm"], Field(description="slurm: sbatch job.")] = "local",
         slurm: Annotated[dict[str, Any], Field(description="slurm: partition, time, gpus_per_node.")] = {},
@@ -384,7 +384,7 @@ def build_server(workspace: Path | str, read_only: bool = False, settings: Path 
     async def estimate_run(
         recipe: RecipePath,
         overrides: Annotated[dict[str, Any] | None, Field(description="As launch_run's.")] = None,
-        nproc: Annotated[int, Field(strict=True)] = 1,
+        nproc: Annotated[int, Field(strict=True, description="Processes.")] = 1,
         device: Annotated[Literal["cpu", "cuda"], Field(description="Device class.")] = "cpu",
         device_memory_gib: Annotated[float | None, Field(description="Per process: does it fit?")] = None,
     ) -> EstimateResult:
