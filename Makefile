@@ -12,7 +12,11 @@ PYTEST_WORKERS ?= 2
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install sandbox demo test test-fast lint bench clean
+# Node 22 and the MCP test tools (the conformance suite, the Inspector) that
+# tests/mcp/test_conformance.py runs, at the versions pinned in tests/mcp/node/package-lock.json.
+MCP_TOOLS := $(VENV)/node22
+
+.PHONY: install sandbox browser mcp-tools demo test test-fast lint bench clean
 
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -34,10 +38,36 @@ sandbox:
 	    echo "bubblewrap is not installed (install the bubblewrap package): runs fall back to partial isolation"; \
 	  fi; }
 
+# Installed from the npm registry with npm ci (no install scripts) where npm is; never fails the
+# build: without them their tests skip with the reason. Again only when the lock file changes.
+mcp-tools:
+	@if ! command -v npm >/dev/null 2>&1; then \
+	  echo "npm is not installed: the MCP conformance and Inspector --strict tests skip"; \
+	elif ! { [ -f $(MCP_TOOLS)/.installed ] && cmp -s tests/mcp/node/package-lock.json $(MCP_TOOLS)/package-lock.json; }; then \
+	  rm -f $(MCP_TOOLS)/.installed && mkdir -p $(MCP_TOOLS) \
+	  && cp tests/mcp/node/package.json tests/mcp/node/package-lock.json $(MCP_TOOLS)/ \
+	  && npm ci --prefix $(MCP_TOOLS) --ignore-scripts --no-audit --no-fund --loglevel=error \
+	  && touch $(MCP_TOOLS)/.installed \
+	  || echo "the MCP test tools could not be installed in $(MCP_TOOLS): their tests skip"; \
+	fi
+
+# Headless Chromium (Debian's chromium, and a font) for the run view's browser test,
+# tests/mcp/test_run_view.py. Installed where this runs as root with apt-get; never fails the
+# build: without it the browser tests skip and say why.
+browser:
+	@command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+	      chromium fonts-dejavu-core >/dev/null) \
+	      || echo "chromium could not be installed: the run view's browser tests skip"; \
+	  else \
+	    echo "chromium is not installed (install the chromium package): the run view's browser tests skip"; \
+	  fi; }
+
 demo: $(STAMP) sandbox
 	$(BIN)/python examples/demo.py
 
-test: $(STAMP) sandbox lint
+test: $(STAMP) sandbox browser mcp-tools lint
 	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 # ruff (pyflakes, pycodestyle) over the tree; mypy over the contracts between the layers.
@@ -46,7 +76,7 @@ lint: $(STAMP)
 	$(BIN)/python -m mypy
 
 # The quick part of the suite: no torchrun launches, no runs longer than a few seconds.
-test-fast: $(STAMP) sandbox
+test-fast: $(STAMP) sandbox browser
 	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) --dist loadfile -m "not multiprocess and not slow" $(PYTEST_ARGS)
 
 # CPU benchmarks, each printing ratios against a peer measured in the same run (~15 min).

@@ -67,3 +67,7 @@ def error_kind(error: BaseException) -> ErrorKind:
 
 def exit_code_for(error: BaseException) -> int:
     return EXIT_CODES[error_kind(error)]
+
+
+class LaunchRefused(BadInput):
+    """The engine refused the launch (bad config, bad recipe); nothing was written."""

@@ -24,9 +24,8 @@ import traceback
 from pathlib import Path
 from typing import NoReturn
 
-from engine.errors import BadInput
-
-EXIT_OK, EXIT_FAILED, EXIT_CONFIG = 0, 1, 2
+from engine.errors import EXIT_BAD_INPUT, EXIT_OK, EXIT_RUN_FAILED, BadInput
+from engine.seams import ConfigField, LaunchRefusal, LaunchVerdict
 
 
 class RecipeError(BadInput):
@@ -128,30 +127,29 @@ def main(argv: list[str] | None = None) -> int:
         # OSError: data the config names that cannot be read (a missing file, a folder).
         message = str(e) if isinstance(e, TrainwrightError) else f"cannot read the data: {e}"
         if args.check:
-            print(json.dumps({"ok": False, "error": message}))
+            print(LaunchRefusal(error=message).model_dump_json())
         elif int(os.environ.get("RANK", "0")) == 0:
             print(f"error: {message}", file=sys.stderr)
-        return EXIT_CONFIG
+        return EXIT_BAD_INPUT
     if args.check:
         from engine.config import config_changes, describe_fields
 
-        verdict = {
-            "ok": True,
-            "config": config.model_dump(mode="json"),
-            "config_changes": config_changes(config),
-            "fields": describe_fields(config),
-            "data": data.model_dump(mode="json") if data is not None else None,
-        }
+        verdict = LaunchVerdict(
+            config=config.model_dump(mode="json"),
+            config_changes=config_changes(config),
+            fields=[ConfigField.model_validate(field) for field in describe_fields(config)],
+            data=data,
+        )
         if args.estimate:
             from engine.estimate import estimate
 
             try:
-                verdict["estimate"] = estimate(recipe_class, config, world_size, args.estimate, args.device_memory_gib)
+                verdict.estimate = estimate(recipe_class, config, world_size, args.estimate, args.device_memory_gib)
             except Exception as e:  # the recipe's code on the meta device: say what it could not do
                 traceback.print_exc()
-                print(json.dumps({"ok": False, "error": f"the estimate failed: {type(e).__name__}: {e}"[:1000]}))
-                return EXIT_FAILED
-        print(json.dumps(verdict))
+                print(LaunchRefusal(error=f"the estimate failed: {type(e).__name__}: {e}"[:1000]).model_dump_json())
+                return EXIT_RUN_FAILED
+        print(verdict.model_dump_json())
         return EXIT_OK
     return train(recipe_class, config, args)
 
@@ -213,7 +211,7 @@ def train(recipe_class, config, args: argparse.Namespace) -> int:
             return 130
         from engine.config import ConfigError
 
-        return EXIT_CONFIG if isinstance(e, ConfigError) else EXIT_FAILED
+        return EXIT_BAD_INPUT if isinstance(e, ConfigError) else EXIT_RUN_FAILED
     finally:
         if dist.is_initialized():
             shutdown_distributed(synchronize=finished)

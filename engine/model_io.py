@@ -32,9 +32,8 @@ from pathlib import Path
 from typing import Any
 
 from engine import run_dir as rd
-from engine.errors import BadInput, NotFound, TrainwrightError
+from engine.errors import EXIT_BAD_INPUT, EXIT_OK, EXIT_RUN_FAILED, BadInput, NotFound, TrainwrightError
 
-EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT = 0, 1, 2
 MAX_PROMPTS = 8
 MAX_NEW_TOKENS = 512
 MAX_PROMPT_CHARS = 4000
@@ -311,7 +310,7 @@ def main(argv: list[str] | None = None) -> int:
             raise
         traceback.print_exc()
         result = {"ok": False, "kind": "failed", "error": f"{type(e).__name__}: {e}"[:2000]}
-        code = EXIT_FAILED
+        code = EXIT_RUN_FAILED
     text = json.dumps(result, default=str)
     if args.result is None:
         print(text)

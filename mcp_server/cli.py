@@ -251,23 +251,25 @@ def _format_record(record: dict[str, Any]) -> str:
 
 def cmd_tail(args: argparse.Namespace) -> int:
     from engine import run_dir as rd
+    from mcp_server.limits import MAX_TAIL_RECORDS
     from mcp_server.operations import runs
 
     ws = _workspace(args)
-    result = runs.tail_metrics(ws, args.run_id, n=args.n, follow_resumes=args.follow_resumes)
+    result = runs.tail_metrics(ws, args.run_id, n=args.n, after_step=args.after_step,
+                               follow_resumes=args.follow_resumes)
     if not args.json:
         for point in result.resumes:
             print(f"(steps after {point.step}: run {point.run_id})", flush=True)
     if args.json and not args.follow:
         print(result.model_dump_json())
         return EXIT_OK
-    last_step = None
+    last_step = args.after_step
     for record in result.records:
         print(json.dumps(record) if args.json else _format_record(record), flush=True)
         last_step = record.get("step", last_step)
     while args.follow:
         time.sleep(1.0)
-        more = runs.tail_metrics(ws, args.run_id, n=runs.MAX_TAIL_RECORDS, after_step=last_step)
+        more = runs.tail_metrics(ws, args.run_id, n=MAX_TAIL_RECORDS, after_step=last_step)
         for record in more.records:
             print(json.dumps(record) if args.json else _format_record(record), flush=True)
             last_step = record.get("step", last_step)
@@ -289,8 +291,7 @@ def cmd_wait(args: argparse.Namespace) -> int:
         if not args.json:
             print(now.progress_message(), file=sys.stderr, flush=True)
 
-    timeout = waiting.DEFAULT_WAIT_S if args.timeout is None else args.timeout
-    result = anyio.run(lambda: waiting.wait_run(ws, args.run_id, args.until_step, timeout, progress))
+    result = anyio.run(lambda: waiting.wait_run(ws, args.run_id, args.until_step, args.timeout, progress))
 
     def text(r) -> str:
         where = f"step {r.step if r.step is not None else '-'}/{r.max_steps or '?'}"
@@ -611,7 +612,7 @@ def cmd_plot(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from mcp_server.limits import DEFAULT_WAIT_S, MAX_WAIT_S
+    from mcp_server.limits import DEFAULT_TAIL_RECORDS, DEFAULT_WAIT_S, MAX_TAIL_RECORDS, MAX_WAIT_S
 
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument(
@@ -741,7 +742,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = add("tail", cmd_tail, "the latest metrics records of a run (tail_metrics)")
     p.add_argument("run_id")
-    p.add_argument("-n", type=int, default=20, help="records to show (at most 200)")
+    p.add_argument("-n", type=int, default=DEFAULT_TAIL_RECORDS,
+                   help=f"records to show (default {DEFAULT_TAIL_RECORDS}, at most {MAX_TAIL_RECORDS})")
+    p.add_argument("--after-step", type=int, metavar="N", help="only records after step N")
     p.add_argument("--follow", action="store_true", help="keep printing new records until the run ends")
     p.add_argument("--follow-resumes", action="store_true",
                    help="the history across resumes: the runs it was resumed from, up to each resume step")
@@ -749,7 +752,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = add("wait", cmd_wait, "wait until a run reaches a step or ends (wait_run); exit 124 on timeout")
     p.add_argument("run_id")
     p.add_argument("--until-step", type=int, metavar="N", help="return once step N is logged (default: the end)")
-    p.add_argument("--timeout", type=float, metavar="S",
+    p.add_argument("--timeout", type=float, metavar="S", default=DEFAULT_WAIT_S,
                    help=f"give up after S seconds (default {DEFAULT_WAIT_S}, at most {MAX_WAIT_S})")
 
     p = add("estimate", cmd_estimate, "memory and step time per process before a run, from the model on the meta "

@@ -23,6 +23,8 @@ MAX_ARGUMENTS_CHARS = 100_000  # the arguments of one tool call, as JSON
 # a wait returns before that, with the run's status so far, and the agent calls again.
 DEFAULT_WAIT_S = 45
 MAX_WAIT_S = 600
+DEFAULT_TAIL_RECORDS = 10  # ≈ 4 KB as an agent reads it: a default result stays under 8 KB
+MAX_TAIL_RECORDS = 200
 
 
 def bounded(text: str, limit: int) -> tuple[str, bool]:

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_serializer
+from pydantic import BaseModel, ConfigDict, Field
 
 from engine.run_dir import HubModel, ResumedFrom, RunStatus
+from engine.seams import ConfigField
 
 
 
@@ -214,23 +215,6 @@ class ReviewResult(BaseModel):
     commits: list[ReviewCommit]
 
 
-class ConfigField(BaseModel):
-    key: str
-    type: str
-    default: Any = None
-    value: Any = Field(None, description="From config.yaml; absent: the default.")
-    description: str = ""
-
-    @model_serializer(mode="wrap")
-    def _value_only_when_set(self, handler: Any) -> dict[str, Any]:
-        # Most keys of a recipe keep their default: saying it twice would take a tenth of the
-        # result, which then cuts every description (the result stays under 8 KB).
-        data = handler(self)
-        if data.get("value") == data.get("default"):
-            data.pop("value", None)
-        return data
-
-
 class RecipeSkill(BaseModel):
     skill: str
     params: str | None = Field(None, description="JSON.")
@@ -243,7 +227,7 @@ class RecipeDescription(BaseModel):
     last_commit: str | None = None
     skills: list[RecipeSkill] = Field(description="Applied, oldest first.")
     fields: list[ConfigField]
-    cut: bool = Field(False, description="Cut to fit.")
+    cut: bool = False  # cut to fit the agent budget (the name says it)
     hub_models: list[str] = []  # org/name@<commit>
 
 

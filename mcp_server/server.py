@@ -32,7 +32,15 @@ from pydantic import Field
 import skills as skill_library
 from engine import run_dir as rd
 from engine.errors import TrainwrightError
-from mcp_server.limits import MAX_ARGUMENTS_CHARS, MAX_ERROR_CHARS, MAX_RESULT_CHARS, bounded, json_chars
+from mcp_server.limits import (
+    DEFAULT_TAIL_RECORDS,
+    MAX_ARGUMENTS_CHARS,
+    MAX_ERROR_CHARS,
+    MAX_RESULT_CHARS,
+    MAX_TAIL_RECORDS,
+    bounded,
+    json_chars,
+)
 from mcp_server.models import (
     ApplySkillResult,
     CheckpointList,
@@ -60,7 +68,7 @@ from mcp_server.operations import compare, estimate, recipe_info, waiting
 from mcp_server.operations import recipes as recipe_ops
 from mcp_server.operations import runs as run_ops
 from mcp_server.operations import skills as skill_ops
-from mcp_server import clients, workflows
+from mcp_server import clients, run_view, workflows
 from mcp_server.live import LiveRuns
 from mcp_server.tasks import TasksExtension
 from sandbox.audit import AuditLog
@@ -254,18 +262,19 @@ def build_server(workspace: Path | str, read_only: bool = False, settings: Path 
 
     mcp = AuditedServer("trainwright", instructions=INSTRUCTIONS, version=package_version(), log_level="WARNING",
                         subscriptions=bus, lifespan=lifespan, middleware=[live.listen_middleware, tasks.legacy],
-                        extensions=[tasks])
+                        extensions=[run_view.extension(), tasks])
     mcp.tools = tools
     tasks.has_tool = lambda name: mcp._tool_manager.get_tool(name) is not None
     _serve_session_methods(mcp, live)
 
-    def tool(annotations: ToolAnnotations):
+    def tool(annotations: ToolAnnotations, meta: dict[str, Any] | None = None):
         if read_only and not annotations.read_only_hint:
             return lambda fn: fn  # --read-only: tools that change something are not served
 
         def register(fn):
-            # The docstring is what the agent reads: without its source indentation.
-            return mcp.tool(annotations=annotations, description=inspect.cleandoc(fn.__doc__ or ""))(fn)
+            # The docstring is what the agent reads: without its source indentation and line breaks.
+            description = inspect.cleandoc(fn.__doc__ or "").replace("\n", " ")
+            return mcp.tool(annotations=annotations, description=description, meta=meta)(fn)
 
         return register
 
@@ -315,8 +324,8 @@ def build_server(workspace: Path | str, read_only: bool = False, settings: Path 
             Field(description='Dotted keys: {"train.max_steps": 500}.'),
         ] = None,
         skills: Annotated[
-            list[Any] | None,
-            Field(description='Names, or {"name": ..., "params": {...}}.'),
+            list[str | dict[str, Any]] | None,
+            Field(description="Names, or {name, params}."),
         ] = None,
         ctx: Context | None = None,
     ) -> ScaffoldResult:
@@ -335,8 +344,7 @@ def build_server(workspace: Path | str, read_only: bool = False, settings: Path 
 
     @tool(READ_ONLY_HUB)
     async def describe_recipe(recipe: RecipePath) -> RecipeDescription:
-        """Every config key of a recipe or template (type, default, value, description), skills
-        applied, Hub models."""
+        """Every config key of a recipe or template, skills applied, Hub models."""
         return await tools.call(
             "describe_recipe", {"recipe": recipe}, lambda: recipe_info.describe_recipe(tools.ws, recipe)
         )
@@ -402,12 +410,12 @@ def build_server(workspace: Path | str, read_only: bool = False, settings: Path 
         """The workspace's runs, newest first: status, step, loss, mean tokens/s."""
         return await tools.call("list_runs", {"limit": limit}, lambda: run_ops.list_runs(tools.ws, limit))
 
-    @tool(READ_ONLY)
+    @tool(READ_ONLY, meta=run_view.TOOL_META)
     async def get_run(run_id: RunId) -> RunInfo:
         """A run's status, metrics, speed, ETA, checkpoints; a failed run's console end."""
         return await tools.call("get_run", {"run_id": run_id}, lambda: run_ops.get_run(tools.ws, run_id))
 
-    @tool(READ_ONLY)
+    @tool(READ_ONLY, meta=run_view.TOOL_META)
     async def wait_run(
         run_id: RunId,
         until_step: Annotated[
@@ -437,7 +445,7 @@ def build_server(workspace: Path | str, read_only: bool = False, settings: Path 
         run_id: RunId,
         n: Annotated[
             int, Field(strict=True, description="1-200.")
-        ] = run_ops.DEFAULT_TAIL_RECORDS,
+        ] = DEFAULT_TAIL_RECORDS,
         after_step: Annotated[
             int | None, Field(strict=True, description="Only records after this step.")
         ] = None,
@@ -445,7 +453,7 @@ def build_server(workspace: Path | str, read_only: bool = False, settings: Path 
             bool, Field(strict=True, description="Also the runs it was resumed from.")
         ] = False,
     ) -> MetricsTail:
-        """The latest metrics records of a run; truncated: more matched than n."""
+        """The latest metrics records of a run."""
         args = {"run_id": run_id, "n": n, "after_step": after_step, "follow_resumes": follow_resumes}
         return await tools.call(
             "tail_metrics", args, lambda: run_ops.tail_metrics(tools.ws, run_id, n, after_step, follow_resumes)
@@ -453,8 +461,8 @@ def build_server(workspace: Path | str, read_only: bool = False, settings: Path 
 
     @tool(READ_ONLY)
     async def compare_runs(run_a: RunId, run_b: RunId) -> CompareResult:
-        """Config and code differences, then b vs a: loss at equal tokens, speed, memory, each
-        better/worse/no difference at the runs' noise."""
+        """Config and code differences, then b vs a (loss at equal tokens, speed, memory) judged
+        at the runs' noise."""
         args = {"run_a": run_a, "run_b": run_b}
         return await tools.call("compare_runs", args, lambda: compare.compare_runs(tools.ws, run_a, run_b))
 
@@ -465,7 +473,7 @@ def build_server(workspace: Path | str, read_only: bool = False, settings: Path 
 
     @tool(READ_ONLY)
     async def list_checkpoints(run_id: RunId) -> CheckpointList:
-        """A run's complete checkpoints (never an interrupted save)."""
+        """A run's complete checkpoints (no interrupted save)."""
         return await tools.call(
             "list_checkpoints", {"run_id": run_id}, lambda: run_ops.list_checkpoints(tools.ws, run_id)
         )
@@ -555,7 +563,7 @@ def build_server(workspace: Path | str, read_only: bool = False, settings: Path 
     @mcp.resource("run://{run_id}/metrics", mime_type="application/json",
                   description="The latest metrics records (at most 200) of a run's history across resumes, as JSON.")
     def run_metrics(run_id: str) -> str:
-        tail = _resource(lambda: run_ops.tail_metrics(tools.ws, run_id, run_ops.MAX_TAIL_RECORDS, follow_resumes=True))
+        tail = _resource(lambda: run_ops.tail_metrics(tools.ws, run_id, MAX_TAIL_RECORDS, follow_resumes=True))
         return redact_model(tail).model_dump_json()
 
     @mcp.resource("run://{run_id}/log", mime_type="text/plain",

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import json
 import os
 import secrets
 import select
@@ -41,7 +40,8 @@ from engine import run_dir as rd
 from engine import server_record as sr
 from engine.config import override_args
 from engine.data_files import WORKSPACE_VARIABLE
-from engine.errors import BadInput
+from engine.errors import BadInput, LaunchRefused
+from engine.seams import LaunchVerdict, read_verdict
 from sandbox import bwrap
 from sandbox.config import RunLimits, capacity
 from sandbox.environment import THREADS_VARIABLE, run_environment, threads_per_process
@@ -56,10 +56,6 @@ __all__ = ["LaunchRefused", "RunLimits", "check_capacity", "check_launch", "engi
 
 CHECK_TIMEOUT_S = 180
 MAX_CHECK_ERROR_CHARS = 2000
-
-
-class LaunchRefused(BadInput):
-    """The engine refused the launch (bad config, bad recipe); nothing was written."""
 
 
 def engine_command(
@@ -104,7 +100,7 @@ def check_launch(
     read_only: list[Path] | None = None,
     models: ModelBinding = ModelBinding(),
     estimate: tuple[str, float | None] | None = None,
-) -> dict[str, Any]:
+) -> LaunchVerdict:
     """Validate a launch with the engine itself; return its verdict: the resolved ``config``,
     ``config_changes`` (keys that differ from the code defaults) and the ``data`` summary
     (with ``estimate`` = (device, its memory in GiB or None): also the run's ``estimate``).
@@ -114,7 +110,8 @@ def check_launch(
     and allow-listed environment, where possible without network, in a session of its own.
     Its output is read from pipes as it comes (:class:`_Tail`), so a helper that keeps them open
     cannot hold the check; when its main process exits (or times out) every process it started
-    is ended. The verdict's fields are checked: recipe code can print a verdict of its own.
+    is ended. The verdict is validated (:func:`engine.seams.read_verdict`): recipe code can print
+    a verdict of its own.
     """
     command = [sys.executable, "-m", "engine.launch", str(recipe_dir), "--check", "--nproc", str(nproc)]
     if config_json is not None:
@@ -138,54 +135,11 @@ def check_launch(
         raise LaunchRefused(f"the engine could not be started to check the recipe: {e}") from None
     except subprocess.TimeoutExpired:
         raise LaunchRefused(f"checking the recipe took over {CHECK_TIMEOUT_S} s") from None
-    for line in reversed(stdout.strip().splitlines()):
-        try:
-            verdict = json.loads(line)
-        except (ValueError, RecursionError):  # not JSON, or nested too deep for the parser
-            continue
-        if isinstance(verdict, dict) and "ok" in verdict:
-            return _checked_verdict(verdict)
-    last = (stderr.strip().splitlines() or ["no output"])[-1]
-    raise LaunchRefused(f"the engine could not check the recipe: {last[:MAX_CHECK_ERROR_CHARS]}")
-
-
-def _checked_verdict(verdict: dict[str, Any]) -> dict[str, Any]:
-    """The verdict, whose fields are checked: it is printed by the process that imported the
-    recipe, so recipe code can print one of its own."""
-    if verdict["ok"] is not True:
-        error = verdict.get("error")
-        raise LaunchRefused(error[:MAX_CHECK_ERROR_CHARS] if isinstance(error, str) else "the launch check failed "
-                            "and gave no reason")
-    fields = verdict.get("fields", [])
-    valid = {
-        "config": isinstance(verdict.get("config"), dict),
-        "config_changes": isinstance(verdict.get("config_changes", {}), dict),
-        "fields": isinstance(fields, list) and all(_valid_field(field) for field in fields),
-        "data": verdict.get("data") is None or _valid_summary(verdict["data"]),
-    }
-    wrong = next((key for key, ok in valid.items() if not ok), None)
-    if wrong is not None:
-        raise LaunchRefused(f"the launch check's verdict has no valid {wrong!r}: the recipe's code printed a "
-                            "verdict of its own, or the engine it imports is not trainwright's")
+    verdict = read_verdict(stdout)
+    if verdict is None:
+        last = (stderr.strip().splitlines() or ["no output"])[-1]
+        raise LaunchRefused(f"the engine could not check the recipe: {last[:MAX_CHECK_ERROR_CHARS]}")
     return verdict
-
-
-FIELD_KEYS = frozenset({"key", "type", "default", "value", "description"})
-
-
-def _valid_field(field: Any) -> bool:
-    """One config key of the verdict (engine.config.describe_fields): key and type as text, a
-    description as text when given, nothing else."""
-    return (isinstance(field, dict) and set(field) <= FIELD_KEYS and isinstance(field.get("key"), str)
-            and isinstance(field.get("type"), str) and isinstance(field.get("description", ""), str))
-
-
-def _valid_summary(data: Any) -> bool:
-    try:
-        rd.DataSummary.model_validate(data)
-    except ValueError:  # pydantic's ValidationError
-        return False
-    return True
 
 
 def run_contained(
@@ -323,7 +277,7 @@ def start_run(
     recipe_label: str,
     nproc: int,
     overrides: dict[str, Any],
-    verdict: dict[str, Any],
+    verdict: LaunchVerdict | None,
     origin: CodeOrigin,
     code_from: str = "recipe",
     resumed_from: rd.ResumedFrom | None = None,
@@ -341,7 +295,7 @@ def start_run(
     """Create the run directory with a snapshot of ``code_dir`` and the server's record of the
     run, and spawn its supervisor; return the server's first record.
 
-    ``verdict`` is :func:`check_launch`'s; ``recorded_config``: the engine starts from the
+    ``verdict`` is :func:`check_launch`'s (None for a script); ``recorded_config``: the engine starts from the
     verdict's config kept in the run's own run.json (a resume, a joining node), not from the
     recipe's ``config.yaml``; ``threads`` pins the run's thread count (a resume
     passes the original run's); ``expected_digest``: :func:`~sandbox.provenance.snapshot_digest`
@@ -377,9 +331,9 @@ def start_run(
         recipe_dirty=origin.recipe_dirty,
         dirty_files=origin.dirty_files,
         overrides=overrides,
-        config=verdict.get("config"),
-        config_changes=verdict.get("config_changes") or {},
-        data=verdict.get("data"),
+        config=verdict.config if verdict is not None else None,
+        config_changes=verdict.config_changes if verdict is not None else {},
+        data=verdict.data if verdict is not None else None,
         nproc=nproc,
         world_size=nproc * nodes.nnodes,
         target=target,

@@ -30,6 +30,7 @@ from typing import Any, Mapping
 from engine import run_dir as rd
 from engine import server_record as sr
 from engine.errors import BadInput
+from engine.seams import LaunchVerdict
 from sandbox.config import RunLimits
 from sandbox.environment import run_environment
 from sandbox.nodes import DEFAULT_RDZV_PORT, Nodes
@@ -276,7 +277,7 @@ def start_job(
     recipe_label: str,
     nproc: int,
     overrides: dict[str, Any],
-    verdict: dict[str, Any],
+    verdict: LaunchVerdict,
     origin: CodeOrigin,
     nnodes: int,
     rdzv_id: str | None,

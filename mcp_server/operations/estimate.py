@@ -40,7 +40,7 @@ def estimate_run(ws: Workspace, recipe: str, overrides: Overrides = None, nproc:
                          limits, None)
     verdict = sandbox_runs.check_launch(ws.root, recipe_dir, nproc, override_args(flat), limits=limits, models=models,
                                         estimate=(device, device_memory_gib))
-    figures = _figures(verdict.get("estimate"))
+    figures = _figures(verdict.estimate)
     shown: dict[str, Any] = figures.model_dump(exclude={"fits", "changes"})
     shown = {"recipe": ws.label(recipe_dir), "nproc": nproc, "device": device, **shown}
     return EstimateResult(fits=figures.fits, estimate=shown, changes=[c.model_dump() for c in figures.changes])

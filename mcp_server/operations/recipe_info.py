@@ -17,7 +17,6 @@ from engine import server_record as sr
 from engine.errors import BadInput, NotFound
 from mcp_server.limits import AGENT_BUDGET_CHARS, bounded, json_chars, text_bytes
 from mcp_server.models import (
-    ConfigField,
     RecipeDescription,
     RecipeList,
     RecipeSkill,
@@ -73,7 +72,7 @@ def describe_recipe(ws: Workspace, recipe: str) -> RecipeDescription:
             raise
         verdict = check_launch(ws.root, source, 1, [], limits=ws.run_limits())
         return _fit(RecipeDescription(recipe=f"template {recipe}", template=recipe, skills=[],
-                                      fields=[ConfigField(**f) for f in verdict.get("fields", [])]))
+                                      fields=verdict.fields))
     limits = ws.run_limits()
     models = hub.bind(ws.root, hub.recipe_config(recipe_dir, {}),
                       dataset=hub.recipe_config(recipe_dir, {}, hub.DATASET_KEY), allow_pickled=limits.allow_pickled_weights,
@@ -83,7 +82,7 @@ def describe_recipe(ws: Workspace, recipe: str) -> RecipeDescription:
     described = RecipeDescription(
         recipe=ws.label(recipe_dir), template=template, last_commit=last_commit,
         hub_models=[hub_model_shown(m) for m in models.models],
-        skills=skills[-MAX_SKILLS_SHOWN:], fields=[ConfigField(**f) for f in verdict.get("fields", [])],
+        skills=skills[-MAX_SKILLS_SHOWN:], fields=verdict.fields,
         cut=len(skills) > MAX_SKILLS_SHOWN,
     )
     return _fit(described)

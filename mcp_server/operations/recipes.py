@@ -155,7 +155,7 @@ def scaffold_recipe(
     models = hub.bind(ws.root, hub.model_value(flat), dataset=hub.config_value(flat, hub.DATASET_KEY),
                       allow_pickled=limits.allow_pickled_weights,
                       remote_code=limits.trust_remote_code, progress=progress)
-    confine_config(ws.root, check_launch(ws.root, source, 1, items, limits=limits, models=models)["config"])
+    confine_config(ws.root, check_launch(ws.root, source, 1, items, limits=limits, models=models).config)
 
     with ws.changing():
         return _scaffold_locked(ws, source, template, name, flat, specs)

@@ -20,7 +20,15 @@ from engine import run_dir as rd
 from engine import server_record as sr
 from engine.config import Overrides, override_args, overrides_to_dict
 from engine.errors import BadInput, NotFound
-from mcp_server.limits import AGENT_BUDGET_CHARS, bounded, bounded_mapping, cut_strings, json_chars
+from mcp_server.limits import (
+    AGENT_BUDGET_CHARS,
+    DEFAULT_TAIL_RECORDS,
+    MAX_TAIL_RECORDS,
+    bounded,
+    bounded_mapping,
+    cut_strings,
+    json_chars,
+)
 from mcp_server.models import (
     CheckpointInfo,
     CheckpointList,
@@ -45,8 +53,6 @@ from sandbox.provenance import CodeOrigin, check_snapshot_unchanged, code_descri
 from sandbox.workspace import RunSource, Workspace
 
 MAX_NPROC = max(8, os.cpu_count() or 1)
-MAX_TAIL_RECORDS = 200
-DEFAULT_TAIL_RECORDS = 10  # ≈ 4 KB as an agent reads it: a default result stays under 8 KB
 MAX_LIST_RUNS = 100
 CONSOLE_TAIL_BYTES = 1500
 MAX_LISTED_CHECKPOINTS = 50
@@ -173,10 +179,10 @@ def launch_run(
         config_json = stack.enter_context(_config_file(first)) if first is not None else None
         verdict = sandbox_runs.check_launch(ws.root, recipe_dir, nproc * nodes.nnodes, override_args(flat),
                                             config_json=config_json, limits=limits, models=models)
-    confine_config(ws.root, verdict["config"])
+    confine_config(ws.root, verdict.config)
     if target == "local":
-        hub.verify(models, ws.root, verdict["config"])
-    warnings = [*warnings, *_skipped_data(verdict.get("data"))]
+        hub.verify(models, ws.root, verdict.config)
+    warnings = [*warnings, *_skipped_data(verdict.data)]
     label = ws.label(ws.recipe(recipe))
     if target == "slurm":
         record, script = slurm_jobs.start_job(
@@ -206,7 +212,7 @@ def launch_script(
     sandbox_runs.check_capacity(sr.records_root(ws.root), nproc, limits)
     code = source.code_dir / source.script if source.alone else source.code_dir
     record = sandbox_runs.start_run(
-        ws.root, ws.real_dir(ws.runs_dir), source.code_dir, ws.label(code), nproc, {}, {},
+        ws.root, ws.real_dir(ws.runs_dir), source.code_dir, ws.label(code), nproc, {}, None,
         origin=recipe_origin(ws.root, code), limits=limits, warnings=warnings, script=launch,
     )
     return _launch_result(ws, record)
@@ -345,10 +351,10 @@ def resume_checkpoint(
         verdict = sandbox_runs.check_launch(
             ws.root, code_dir, nproc, override_args(flat), config_json=config_json, limits=limits, models=models
         )
-    confine_config(ws.root, verdict["config"])
-    hub.verify(models, ws.root, verdict["config"])
-    _check_steps_left(source, chosen_step, verdict["config"])
-    warnings = [*warnings, *_data_drift(source, verdict.get("data"))]
+    confine_config(ws.root, verdict.config)
+    hub.verify(models, ws.root, verdict.config)
+    _check_steps_left(source, chosen_step, verdict.config)
+    warnings = [*warnings, *_data_drift(source, verdict.data)]
     same_shape = nproc == source.nproc and not limits.threads_per_process
     record = sandbox_runs.start_run(
         ws.root, ws.real_dir(ws.runs_dir), code_dir, source.recipe, nproc, flat, verdict,
@@ -414,7 +420,7 @@ def _resume_script(
     sandbox_runs.check_capacity(sr.records_root(ws.root), nproc, limits)
     assert launch_from.script is not None
     record = sandbox_runs.start_run(
-        ws.root, ws.real_dir(ws.runs_dir), launch_from.code_dir, source.recipe, nproc, {}, {},
+        ws.root, ws.real_dir(ws.runs_dir), launch_from.code_dir, source.recipe, nproc, {}, None,
         origin=origin, code_from=code,
         resumed_from=rd.ResumedFrom(run_id=source.id, step=chosen_step, path=str(checkpoint)),
         limits=limits, warnings=warnings,
@@ -423,9 +429,9 @@ def _resume_script(
     return _launch_result(ws, record)
 
 
-def _skipped_data(counted: dict[str, Any] | None) -> list[str]:
+def _skipped_data(counted: rd.DataSummary | None) -> list[str]:
     """A warning that names the data files the run will not read, and why."""
-    skipped = rd.DataSummary.model_validate(counted).skipped if counted else []
+    skipped = counted.skipped if counted is not None else []
     if not skipped:
         return []
     return [f"data: {len(skipped) if not skipped[-1].startswith('…') else 'more than 10'} file(s) of the "
@@ -444,11 +450,10 @@ def _check_steps_left(source: rd.RunRecord, step: int, config: dict[str, Any]) -
         )
 
 
-def _data_drift(source: rd.RunRecord, counted: dict[str, Any] | None) -> list[str]:
+def _data_drift(source: rd.RunRecord, now: rd.DataSummary | None) -> list[str]:
     """A warning when a resume would train on other data than the run it continues."""
-    if source.data is None or counted is None:
+    if source.data is None or now is None:
         return []
-    now = rd.DataSummary.model_validate(counted)
     before = source.data
     if (now.fingerprint, now.documents, now.tokens) == (before.fingerprint, before.documents, before.tokens):
         return []

@@ -2,52 +2,17 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import libcst as cst
 
-from skills.codemod_kit import templates
+from skills.codemod_kit import copied, templates
 from skills.codemod_kit.edits import Edits
 from skills.codemod_kit.recipe import Recipe
 
-FIND_BLOCKS = '''
-def find_blocks(
-    model: torch.nn.Module, skill: str, target: torch.nn.Module | None = None, warn=None
-) -> tuple[str, list[torch.nn.Module]]:
-    """The repeated blocks of a model and where they are (``"LlamaForCausalLM.model.layers"``):
-    the children of ``target`` when it is an ``nn.ModuleList``/``nn.Sequential`` (``[target]``
-    for another module), else those of the model's largest ``nn.ModuleList`` or ``nn.Sequential``
-    of modules of one class: Hugging Face decoder layers, nanoGPT's ``transformer.h``, a U-Net's
-    down blocks. A model without blocks is an error (``warn`` instead, when given: the run goes
-    on without the change), never a change that quietly does nothing.
-    """
-    names = {id(m): n for n, m in model.named_modules()}
-
-    def place(module: torch.nn.Module) -> str:
-        name = names.get(id(module), "")
-        return f"{type(model).__name__}.{name}" if name else type(model).__name__
-
-    if target is not None:
-        if isinstance(target, (torch.nn.ModuleList, torch.nn.Sequential)):
-            return place(target), list(target)
-        return place(target), [target]
-    containers = [
-        m
-        for m in model.modules()
-        if (isinstance(m, torch.nn.ModuleList) and len(m) > 0)
-        or (isinstance(m, torch.nn.Sequential) and len(m) > 1 and len({type(c) for c in m}) == 1)
-    ]
-    if containers:
-        largest = max(containers, key=lambda m: sum(p.numel() for p in m.parameters()))
-        return place(largest), list(largest)
-    message = (
-        f"{skill}: {type(model).__name__} has no repeated blocks (an nn.ModuleList, or an "
-        "nn.Sequential of modules of one class), so the change does nothing; name the module to "
-        f"act on with the skill's target parameter"
-    )
-    if warn is None:
-        raise ValueError(message)
-    warn(message)
-    return "", []
-'''
+# find_blocks is a real module (emitted/blocks.py), copied into the recipe once per file.
+BLOCKS_MODULE = Path(__file__).parent / "emitted" / "blocks.py"
+FIND_BLOCKS = copied.definitions(BLOCKS_MODULE, ["find_blocks"])
 
 
 def insert_definitions(

@@ -7,12 +7,14 @@ them) and every ``torch.optim`` constructor (handed only trainable parameters).
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from typing import Literal
 
 import libcst as cst
 from pydantic import Field, model_validator
 
-from skills.codemod_kit import vlm
+from skills.codemod_kit import copied, vlm
 from skills.codemod_kit import (
     AlreadyApplied,
     Edits,
@@ -64,54 +66,8 @@ class Params(SkillParams):
         return self
 
 
-HELPER = '''
-def freeze_parameters(
-    model: torch.nn.Module,
-    embeddings: bool = True,
-    first_blocks: int = 0,
-    patterns: list[str] = (),
-    target: torch.nn.Module | None = None,
-    warn=None,
-    parameters=(),
-) -> int:
-    """Freeze part of a model: with ``requires_grad=False`` no gradient is computed or stored for
-    a parameter, and the optimizer, which is handed only trainable parameters, never changes it.
-    Freezes every ``nn.Embedding`` (with ``embeddings``), the first ``first_blocks`` transformer
-    blocks (of ``target`` when given), and the parameters whose names match one of the fnmatch
-    ``patterns``, and the given ``parameters``. Returns the number of values it froze (those the
-    recipe had frozen already are not counted). (Written by the freeze skill.)
-    """
-    chosen: dict[int, torch.nn.Parameter] = {id(p): p for p in parameters}
-    if embeddings:
-        for module in model.modules():
-            if isinstance(module, torch.nn.Embedding):
-                chosen.update((id(p), p) for p in module.parameters())
-    where, blocks = find_blocks(model, "freeze", target, warn) if first_blocks else ("", [])
-    for block in blocks[:first_blocks]:
-        chosen.update((id(p), p) for p in block.parameters())
-    for name, parameter in model.named_parameters():
-        if any(fnmatch.fnmatchcase(name, pattern) for pattern in patterns):
-            chosen[id(parameter)] = parameter
-    if not chosen:
-        raise ValueError(
-            f"freeze_parameters: nothing matched (embeddings={embeddings}, "
-            f"first_blocks={first_blocks}, patterns={list(patterns)})"
-        )
-    already = sum(p.numel() for p in chosen.values() if not p.requires_grad)
-    for parameter in chosen.values():
-        parameter.requires_grad_(False)
-    frozen = sum(p.numel() for p in chosen.values()) - already
-    total = sum(p.numel() for p in model.parameters())
-    blocks_part = f", the first {min(first_blocks, len(blocks))} of {len(blocks)} blocks of {where}" if blocks else ""
-    if frozen == 0:
-        print(f"freeze: nothing new frozen: the {already:,} parameter values chosen ({len(chosen)} tensors"
-              f"{blocks_part}) were frozen already, by the recipe", flush=True)
-        return 0
-    before = f"; {already:,} of those chosen were frozen already" if already else ""
-    print(f"freeze: froze {frozen:,} of {total:,} parameter values ({len(chosen)} tensors{blocks_part}{before})",
-          flush=True)
-    return frozen
-'''
+# What it writes is a real module beside this file (helpers.py), copied into the recipe.
+HELPERS_MODULE = Path(__file__).with_name("helpers.py")
 
 
 def _existing_freeze(recipe: Recipe):
@@ -166,9 +122,9 @@ def apply(recipe: Recipe, params: Params) -> Edits | AlreadyApplied:
     edits = Edits(recipe)
     only_trainable_parameters(recipe, edits, SKILL)
     ensure_find_blocks(recipe, edits, model.statement)
-    insert_definitions(recipe, edits, HELPER, model.statement)
-    edits.add_import("fnmatch")
-    edits.add_import("torch")
+    insert_definitions(recipe, edits, copied.definitions(HELPERS_MODULE), model.statement)
+    for name in copied.imports(HELPERS_MODULE):
+        edits.add_import(*name)
     extra = f", target={reach.target_code(found, target)}" if target is not None else ""
     calls = []
     if params.parts:

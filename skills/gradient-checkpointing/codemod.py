@@ -11,9 +11,11 @@ helper goes next to the file's other top-level definitions.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from pydantic import Field
 
-from skills.codemod_kit import frameworks, vlm
+from skills.codemod_kit import copied, frameworks, vlm
 from skills.codemod_kit import (
     AlreadyApplied,
     Edits,
@@ -28,7 +30,6 @@ from skills.codemod_kit import (
 )
 
 SKILL = "gradient-checkpointing"
-WRAPPER_MODULE = "torch.distributed.algorithms._checkpoint.checkpoint_wrapper"
 
 
 class Params(SkillParams):
@@ -61,29 +62,8 @@ CHECKPOINT_CALLS = (
 )
 CHECKPOINT_METHODS = ("gradient_checkpointing_enable", "activation_checkpointing_enable")
 
-HELPER = '''
-def checkpoint_blocks(
-    model: torch.nn.Module, every: int = 1, target: torch.nn.Module | None = None, warn=None
-) -> int:
-    """Activation checkpointing: keep only each block's input in the forward pass and recompute
-    the block's activations during backward (one extra forward of compute for a peak activation
-    memory of about one block instead of all of them). Non-reentrant checkpointing works with
-    keyword arguments, FSDP2 and torch.compile. Call it after tensor parallelism and before
-    torch.compile, fully_shard and other wrappers, so that those see the wrapped blocks.
-    Returns the number of wrapped blocks. (Written by the gradient-checkpointing skill.)
-    """
-    where, blocks = find_blocks(model, "gradient-checkpointing", target, warn)
-    chosen = {id(block) for index, block in enumerate(blocks) if index % every == 0}
-    if not chosen:
-        return 0
-    apply_activation_checkpointing(
-        model,
-        checkpoint_wrapper_fn=lambda block: checkpoint_wrapper(block, checkpoint_impl=CheckpointImpl.NO_REENTRANT),
-        check_fn=lambda module: id(module) in chosen,
-    )
-    print(f"gradient-checkpointing: wrapped {len(chosen)} of {len(blocks)} blocks of {where}", flush=True)
-    return len(chosen)
-'''
+# What it writes is a real module beside this file (helpers.py), copied into the recipe.
+HELPERS_MODULE = Path(__file__).with_name("helpers.py")
 
 
 def apply(recipe: Recipe, params: Params) -> Edits | AlreadyApplied:
@@ -137,10 +117,9 @@ def apply(recipe: Recipe, params: Params) -> Edits | AlreadyApplied:
             "or leave activation memory as it is: checkpointing pays off on deep stacks of blocks",
         )
     ensure_find_blocks(recipe, edits, model.statement)
-    insert_definitions(recipe, edits, HELPER, model.statement)
-    for name in ("CheckpointImpl", "apply_activation_checkpointing", "checkpoint_wrapper"):
-        edits.add_import(WRAPPER_MODULE, name)
-    edits.add_import("torch")
+    insert_definitions(recipe, edits, copied.definitions(HELPERS_MODULE), model.statement)
+    for name in copied.imports(HELPERS_MODULE):
+        edits.add_import(*name)
     # torch.nn.Transformer has two stacks of built-in layers: checkpoint both
     targets = [target] if target is not None or not found.containers or not all(c.builtin for c in found.containers) \
         else found.containers
@@ -203,10 +182,10 @@ def _both_towers(recipe: Recipe, params: Params, model, found: reach.ModelShape)
     towers = vlm.check_parts(recipe, SKILL, found, ["vision_tower", "language_model"], "give `target`")
     edits = Edits(recipe)
     ensure_find_blocks(recipe, edits, model.statement)
-    insert_definitions(recipe, edits, HELPER, model.statement)
+    insert_definitions(recipe, edits, copied.definitions(HELPERS_MODULE), model.statement)
     vlm.ensure_helper(recipe, edits, SKILL, model.statement)
-    for name in ("CheckpointImpl", "apply_activation_checkpointing", "checkpoint_wrapper"):
-        edits.add_import(WRAPPER_MODULE, name)
+    for name in copied.imports(HELPERS_MODULE):
+        edits.add_import(*name)
     every = f", every={params.every}" if params.every != 1 else ""
     find = templates.statement(
         recipe.module,

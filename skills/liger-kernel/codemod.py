@@ -10,10 +10,12 @@ forward for the summed loss instead (``shift_labels=``, ``num_items_in_batch=1``
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import libcst as cst
 from pydantic import Field
 
-from skills.codemod_kit import pointing
+from skills.codemod_kit import copied, pointing
 from skills.codemod_kit import AlreadyApplied, Edits, Recipe, SkillParams, anchors, insert_definitions, templates
 from skills.codemod_kit.anchors import keyword, positional
 from skills.codemod_kit.gpu_guard import add_class_attribute, in_engine, insert_kernel_stage, require_hf_model, warn_argument
@@ -39,49 +41,8 @@ class Params(SkillParams):
     target: str | None = pointing.target_field()
 
 
-HELPER = '''
-def apply_liger_kernels(
-    model: torch.nn.Module,
-    rope: bool = True,
-    swiglu: bool = True,
-    rms_norm: bool = True,
-    fused_linear_cross_entropy: bool = True,
-    warn: Callable[[str], None] | None = None,
-) -> bool:
-    """Liger's Triton kernels for the model's family (``model.config.model_type``: Llama,
-    Mistral, Qwen, Gemma, ...), patched into the model in place: fused RMSNorm, SwiGLU MLP and
-    rotary embeddings, and with ``fused_linear_cross_entropy`` a forward that, in training,
-    computes the loss from the last hidden states and the output head's weight chunk by chunk
-    without materialising the logits (it then takes ``labels=`` or ``shift_labels=`` and returns
-    ``.loss``). Call it on the plain model, before LoRA, tensor parallelism and FSDP2 wrap it.
-    Needs a CUDA GPU and the liger-kernel package; without them the model is left as it is and
-    ``warn`` says so once. Returns whether the fused loss is on. (Written by the liger-kernel skill.)
-    """
-    warn = warn or (lambda message: print(f"warning: {message}", flush=True))
-    unchanged = "training continues with the model's own modules"
-    if not torch.cuda.is_available():
-        warn(f"liger-kernel: no CUDA GPU, so Liger's Triton kernels are off; {unchanged}")
-        return False
-    if importlib.util.find_spec("liger_kernel") is None:
-        warn(f"liger-kernel: the liger_kernel package is not installed (pip install liger-kernel); {unchanged}")
-        return False
-    from liger_kernel.transformers import _apply_liger_kernel_to_instance
-    from liger_kernel.transformers.monkey_patch import MODEL_TYPE_TO_APPLY_LIGER_FN
-
-    model_type = getattr(getattr(model, "config", None), "model_type", None)
-    if model_type not in MODEL_TYPE_TO_APPLY_LIGER_FN:
-        warn(f"liger-kernel: Liger has no kernels for model type {model_type!r}; {unchanged}")
-        return False
-    _apply_liger_kernel_to_instance(
-        model=model,
-        rope=rope,
-        swiglu=swiglu,
-        rms_norm=rms_norm,
-        cross_entropy=False,
-        fused_linear_cross_entropy=fused_linear_cross_entropy,
-    )
-    return fused_linear_cross_entropy
-'''
+# What it writes is a real module beside this file (helpers.py), copied into the recipe.
+HELPERS_MODULE = Path(__file__).with_name("helpers.py")
 
 ALREADY = ("apply_liger_kernels", "._apply_liger_kernel_to_instance", "._apply_liger_kernel")
 
@@ -126,10 +87,9 @@ def apply(recipe: Recipe, params: Params) -> Edits | AlreadyApplied:
     )
     call = f"apply_liger_kernels({arguments})"
     insert_kernel_stage(recipe, edits, model, f"self.{FLAG} = {call}" if routed_through_engine else call)
-    insert_definitions(recipe, edits, HELPER, model.statement)
-    edits.add_import("importlib.util")
-    edits.add_import("torch")
-    edits.add_import("typing", "Callable")
+    insert_definitions(recipe, edits, copied.definitions(HELPERS_MODULE), model.statement)
+    for name in copied.imports(HELPERS_MODULE):
+        edits.add_import(*name)
     edits.notes.append("the kernels run on CUDA GPUs with liger-kernel installed; elsewhere the run warns and continues")
     kernels = [name for name, on in (("RoPE", params.rope), ("SwiGLU", params.swiglu), ("RMSNorm", params.rms_norm)) if on]
     if fused:

@@ -7,9 +7,11 @@ wrapping stages: tensor parallelism cannot follow, and FSDP2 shards the adapted 
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from pydantic import Field
 
-from skills.codemod_kit import pointing, vlm
+from skills.codemod_kit import copied, pointing, vlm
 from skills.codemod_kit import (
     AlreadyApplied,
     Edits,
@@ -39,49 +41,8 @@ class Params(SkillParams):
     target: str | None = pointing.target_field()
 
 
-HELPER = '''
-def apply_lora(
-    model: torch.nn.Module,
-    rank: int = 8,
-    alpha: float = 16,
-    dropout: float = 0.0,
-    target_modules: list[str] | None = None,
-) -> int:
-    """LoRA (Hu et al., 2021) with peft: freeze the model and learn a low-rank update
-    ``(alpha / rank) * B @ A`` next to each targeted linear layer. ``B`` starts at zero, so
-    training starts from the model as it is; only the adapters are trainable, which cuts
-    gradient and optimizer memory to a small fraction. The adapters are injected in place: the
-    model keeps its class and attributes. Without ``target_modules``, every ``nn.Linear`` inside
-    the model's repeated blocks is adapted. Returns the number of trainable (adapter) values.
-    (Written by the lora skill.)
-    """
-    linears = sorted(name for name, module in model.named_modules() if isinstance(module, torch.nn.Linear))
-    if target_modules is None:
-        where, blocks = find_blocks(model, "lora", warn=lambda message: None)
-        target_modules = sorted(
-            {
-                name.rsplit(".", 1)[-1]
-                for block in blocks
-                for name, module in block.named_modules()
-                if isinstance(module, torch.nn.Linear)
-            }
-        )
-    if not target_modules:
-        raise ValueError(
-            f"lora: no nn.Linear layer to adapt in {type(model).__name__}; its linear layers are "
-            f"{linears or 'none'}: name them with target_modules"
-        )
-    config = LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=dropout, target_modules=target_modules)
-    inject_adapter_in_model(config, model)
-    adapted = [name for name, module in model.named_modules() if hasattr(module, "lora_A")]
-    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    print(
-        f"lora: adapted {len(adapted)} linear layers ({', '.join(target_modules)}) of "
-        f"{type(model).__name__}; {trainable:,} trainable values",
-        flush=True,
-    )
-    return trainable
-'''
+# What it writes is a real module beside this file (helpers.py), copied into the recipe.
+HELPERS_MODULE = Path(__file__).with_name("helpers.py")
 
 TENSOR_PARALLEL_CALLS = (".parallelize_module", "apply_tensor_parallel")
 
@@ -104,10 +65,9 @@ def apply(recipe: Recipe, params: Params) -> Edits | AlreadyApplied:
     only_trainable_parameters(recipe, edits, SKILL)
     if params.target_modules is None:
         ensure_find_blocks(recipe, edits, model.statement)
-    insert_definitions(recipe, edits, HELPER, model.statement)
-    edits.add_import("torch")
-    edits.add_import("peft", "LoraConfig")
-    edits.add_import("peft", "inject_adapter_in_model")
+    insert_definitions(recipe, edits, copied.definitions(HELPERS_MODULE), model.statement)
+    for name in copied.imports(HELPERS_MODULE):
+        edits.add_import(*name)
     alpha = int(params.alpha) if float(params.alpha).is_integer() else params.alpha
     call = templates.statement(
         recipe.module,

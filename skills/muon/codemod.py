@@ -9,10 +9,12 @@ engine's default optimizer gets a ``prepare_optimizer`` that returns one.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import libcst as cst
 from pydantic import Field
 
-from skills.codemod_kit import pointing
+from skills.codemod_kit import copied, pointing
 from skills.codemod_kit import (
     AlreadyApplied,
     Edits,
@@ -52,274 +54,9 @@ class Params(SkillParams):
     target: str | None = pointing.target_field()
 
 
-NEWTON_SCHULZ = '''
-NEWTON_SCHULZ_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
-
-
-def newton_schulz_torch(matrix: torch.Tensor, steps: int = 5) -> torch.Tensor:
-    """Muon's orthogonalization: the quintic Newton-Schulz iteration of torch.optim.Muon (same
-    coefficients, bfloat16, the same operations), which maps a matrix ``U S Vᵀ`` to about
-    ``U S' Vᵀ`` with ``S'`` near 1: the nearest semi-orthogonal matrix, every direction scaled
-    alike. (Written by the muon skill.)
-    """
-    a, b, c = NEWTON_SCHULZ_COEFFICIENTS
-    x = matrix.bfloat16()
-    transposed = x.size(0) > x.size(1)
-    if transposed:
-        x = x.T
-    x = x / x.norm().clamp(min=1e-7)  # spectral norm at most 1
-    for _ in range(steps):
-        gram = x @ x.T
-        x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
-    return x.T if transposed else x
-'''
-
-NEWTON_SCHULZ_CHOICE = '''
-def newton_schulz(matrix: torch.Tensor, steps: int = 5) -> torch.Tensor:
-    """Orthogonalize ``matrix`` with the faster Newton-Schulz implementation for its shape on this
-    device: the Triton kernel or torch's matmuls (measured once per shape on CUDA GPUs); torch's
-    elsewhere. (Written by the muon skill.)
-    """
-    if matrix.is_cuda and triton is not None:
-        key = (tuple(matrix.shape), matrix.device, steps)
-        if key not in FASTER_NEWTON_SCHULZ:
-            FASTER_NEWTON_SCHULZ[key] = faster_newton_schulz(matrix, steps)
-        return FASTER_NEWTON_SCHULZ[key](matrix, steps)
-    return newton_schulz_torch(matrix, steps)
-'''
-
-NEWTON_SCHULZ_TORCH_ONLY = '''
-def newton_schulz(matrix: torch.Tensor, steps: int = 5) -> torch.Tensor:
-    """Orthogonalize ``matrix`` (Muon's Newton-Schulz iteration). (Written by the muon skill.)"""
-    return newton_schulz_torch(matrix, steps)
-'''
-
-TRITON_KERNEL = '''
-try:  # the Triton kernel is optional: without triton (CPUs), torch's matmuls are used
-    import triton
-    import triton.language as tl
-except ImportError:
-    triton = None
-
-FASTER_NEWTON_SCHULZ: dict[tuple, Callable[[torch.Tensor, int], torch.Tensor]] = {}
-
-if triton is not None:
-
-    @triton.autotune(
-        configs=[
-            triton.Config({"BLOCK": 128, "BLOCK_K": 64}, num_warps=8, num_stages=3),
-            triton.Config({"BLOCK": 128, "BLOCK_K": 32}, num_warps=4, num_stages=4),
-            triton.Config({"BLOCK": 64, "BLOCK_K": 64}, num_warps=4, num_stages=4),
-            triton.Config({"BLOCK": 64, "BLOCK_K": 32}, num_warps=4, num_stages=3),
-        ],
-        key=["M", "K"],
-    )
-    @triton.jit
-    def symmetric_matmul_kernel(
-        x_ptr, add_ptr, out_ptr, M, K, stride_xm, stride_xk, stride_om, stride_on, alpha, beta,
-        HAS_ADD: tl.constexpr, BLOCK: tl.constexpr, BLOCK_K: tl.constexpr,
-    ):
-        """out = alpha * x @ xᵀ (+ beta * add): the result is symmetric, so only the tiles on and
-        above the diagonal are computed, and each is stored twice (as itself and transposed)."""
-        row_block = tl.program_id(0)
-        col_block = tl.program_id(1)
-        if row_block > col_block:
-            return
-        rows = row_block * BLOCK + tl.arange(0, BLOCK)
-        cols = col_block * BLOCK + tl.arange(0, BLOCK)
-        inner = tl.arange(0, BLOCK_K)
-        acc = tl.zeros((BLOCK, BLOCK), dtype=tl.float32)
-        for k in range(0, tl.cdiv(K, BLOCK_K)):
-            ks = k * BLOCK_K + inner
-            left = tl.load(
-                x_ptr + rows[:, None] * stride_xm + ks[None, :] * stride_xk,
-                mask=(rows[:, None] < M) & (ks[None, :] < K), other=0.0,
-            )
-            right = tl.load(
-                x_ptr + cols[:, None] * stride_xm + ks[None, :] * stride_xk,
-                mask=(cols[:, None] < M) & (ks[None, :] < K), other=0.0,
-            )
-            acc = tl.dot(left, tl.trans(right), acc)
-        acc = acc * alpha
-        inside = (rows[:, None] < M) & (cols[None, :] < M)
-        if HAS_ADD:
-            added = tl.load(add_ptr + rows[:, None] * stride_om + cols[None, :] * stride_on, mask=inside, other=0.0)
-            acc += beta * added.to(tl.float32)
-        tile = acc.to(out_ptr.dtype.element_ty)
-        tl.store(out_ptr + rows[:, None] * stride_om + cols[None, :] * stride_on, tile, mask=inside)
-        if row_block < col_block:
-            mirrored = out_ptr + cols[:, None] * stride_om + rows[None, :] * stride_on
-            tl.store(mirrored, tl.trans(tile), mask=tl.trans(inside))
-
-
-def symmetric_matmul(
-    x: torch.Tensor, out: torch.Tensor, alpha: float = 1.0, beta: float = 0.0, add: torch.Tensor | None = None
-) -> torch.Tensor:
-    """``out = alpha * x @ x.T + beta * add`` with the Triton kernel (``add`` must be symmetric,
-    of ``out``'s shape and strides). (Written by the muon skill.)"""
-    rows, inner = x.shape
-    grid = lambda meta: (triton.cdiv(rows, meta["BLOCK"]), triton.cdiv(rows, meta["BLOCK"]))  # noqa: E731
-    symmetric_matmul_kernel[grid](
-        x, add if add is not None else out, out, rows, inner, x.stride(0), x.stride(1),
-        out.stride(0), out.stride(1), alpha, beta, HAS_ADD=add is not None,
-    )
-    return out
-
-
-def newton_schulz_triton(matrix: torch.Tensor, steps: int = 5) -> torch.Tensor:
-    """``newton_schulz_torch`` with the two symmetric products (``x @ x.T`` and ``gram @ gram``)
-    in the Triton kernel, which computes half of each. (Written by the muon skill.)"""
-    a, b, c = NEWTON_SCHULZ_COEFFICIENTS
-    x = matrix.bfloat16()
-    transposed = x.size(0) > x.size(1)
-    if transposed:
-        x = x.T
-    x = (x / x.norm().clamp(min=1e-7)).contiguous()
-    gram = x.new_empty((x.size(0), x.size(0)))
-    polynomial = torch.empty_like(gram)
-    for _ in range(steps):
-        symmetric_matmul(x, gram)
-        symmetric_matmul(gram, polynomial, alpha=c, beta=b, add=gram)
-        x = torch.addmm(x, polynomial, x, beta=a)
-    return x.T if transposed else x
-
-
-def faster_newton_schulz(matrix: torch.Tensor, steps: int) -> Callable[[torch.Tensor, int], torch.Tensor]:
-    """Time torch's and the Triton Newton-Schulz on this matrix (after a warm-up that also
-    autotunes the kernel) and return the faster. The timings are summed over the processes, so
-    that every rank makes the same choice and computes the same update. (Written by the muon skill.)
-    """
-    candidates = (newton_schulz_torch, newton_schulz_triton)
-    timings = []
-    for candidate in candidates:
-        try:
-            candidate(matrix, steps)
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(3):
-                candidate(matrix, steps)
-            end.record()
-            torch.cuda.synchronize(matrix.device)
-            timings.append(start.elapsed_time(end))
-        except Exception as error:  # a kernel that does not compile here is not a reason to stop
-            print(f"warning: muon: {candidate.__name__} failed ({error}); using torch's matmuls", flush=True)
-            timings.append(float("inf"))
-    total = torch.tensor(timings, device=matrix.device)
-    if torch.distributed.is_initialized():
-        torch.distributed.all_reduce(total)
-    return candidates[int(torch.argmin(total))]
-'''
-
-OPTIMIZER = '''
-def orthogonalize(update: torch.Tensor, steps: int = 5) -> torch.Tensor:
-    """Muon's orthogonalized update. A DTensor (an FSDP2 or tensor-parallel shard) is gathered
-    whole first and the result is sharded like it again: Newton-Schulz needs the whole matrix,
-    and each process then computes what one process would. (Written by the muon skill.)"""
-    if isinstance(update, DTensor):
-        whole = newton_schulz(update.full_tensor(), steps)
-        return distribute_tensor(whole, update.device_mesh, update.placements, src_data_rank=None)
-    return newton_schulz(update, steps)
-
-
-def local_part(tensor: torch.Tensor) -> torch.Tensor:
-    """What this process holds of a tensor: a DTensor's local shard (in-place updates of it reach
-    the DTensor), any other tensor itself."""
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
-
-
-class MuonWithAdamW(torch.optim.Optimizer):
-    """Muon for the 2-D weight matrices of the transformer blocks, AdamW for every other
-    parameter (embeddings, output head, norms, biases), in one optimizer: one state dict for
-    checkpoints and one learning rate for schedules.
-
-    Muon (Jordan et al., 2024) keeps a Nesterov momentum of each matrix's gradient and steps
-    along its orthogonalization (``newton_schulz``), so that every direction of the update moves
-    by the same amount. The step is scaled by ``0.2 * sqrt(max(rows, cols))``, which gives it the
-    RMS of an AdamW step (Liu et al., 2025, "Muon is Scalable for LLM Training"), so both kinds
-    of parameters share ``lr`` and ``weight_decay`` (decoupled), and schedules that set
-    ``group["lr"]`` drive both. The Muon step is torch.optim.Muon's with
-    ``adjust_lr_fn="match_rms_adamw"``; the AdamW step is torch.optim.AdamW's. Under FSDP2 or
-    tensor parallelism each matrix is gathered before it is orthogonalized (``orthogonalize``).
-    Only trainable parameters are optimized. (Written by the muon skill.)
-    """
-
-    def __init__(
-        self,
-        model: torch.nn.Module,
-        lr: float = 1e-3,
-        betas: tuple[float, float] = (0.9, 0.999),
-        eps: float = 1e-8,
-        weight_decay: float = 0.01,
-        momentum: float = 0.95,
-        nesterov: bool = True,
-        ns_steps: int = 5,
-    ):
-        where, blocks = find_blocks(model, "muon")
-        matrices = {id(p) for block in blocks for p in block.parameters() if p.ndim == 2}
-        if not matrices:
-            raise ValueError(f"muon: the blocks of {where} hold no 2-D weight matrix; keep AdamW")
-        trainable = [p for p in model.parameters() if p.requires_grad]
-        groups = [
-            {"params": [p for p in trainable if id(p) in matrices], "algorithm": "muon"},
-            {"params": [p for p in trainable if id(p) not in matrices], "algorithm": "adamw"},
-        ]
-        defaults = dict(
-            lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
-            ns_steps=ns_steps,
-        )
-        super().__init__([group for group in groups if group["params"]], defaults)
-
-    @torch.no_grad()
-    def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for group in self.param_groups:
-            if group["algorithm"] == "muon":
-                self._muon_step(group)
-            else:
-                self._adamw_step(group)
-        return loss
-
-    def _muon_step(self, group: dict) -> None:
-        lr, momentum = group["lr"], group["momentum"]
-        for p in group["params"]:
-            if p.grad is None:
-                continue
-            state = self.state[p]
-            if not state:
-                state["momentum_buffer"] = torch.zeros_like(p)
-            buffer = state["momentum_buffer"]
-            buffer.lerp_(p.grad, 1 - momentum)
-            update = p.grad.lerp(buffer, momentum) if group["nesterov"] else buffer
-            update = orthogonalize(update, group["ns_steps"])
-            rms_like_adamw = 0.2 * math.sqrt(max(p.shape))
-            p.mul_(1 - lr * group["weight_decay"])
-            p.add_(update, alpha=-lr * rms_like_adamw)
-
-    def _adamw_step(self, group: dict) -> None:
-        lr, (beta1, beta2), eps = group["lr"], group["betas"], group["eps"]
-        for p in group["params"]:
-            if p.grad is None:
-                continue
-            state = self.state[p]
-            if not state:
-                state["step"] = torch.tensor(0.0)
-                state["exp_avg"] = torch.zeros_like(p)
-                state["exp_avg_sq"] = torch.zeros_like(p)
-            state["step"] += 1
-            step = float(state["step"])
-            # Element-wise: each process updates its own shard, without DTensor dispatch.
-            param, grad = local_part(p), local_part(p.grad)
-            exp_avg, exp_avg_sq = local_part(state["exp_avg"]), local_part(state["exp_avg_sq"])
-            param.mul_(1 - lr * group["weight_decay"])
-            exp_avg.lerp_(grad, 1 - beta1)
-            exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-            bias_correction1, bias_correction2 = 1 - beta1**step, 1 - beta2**step
-            denominator = (exp_avg_sq.sqrt() / bias_correction2**0.5).add_(eps)
-            param.addcdiv_(exp_avg, denominator, value=-lr / bias_correction1)
-'''
+# The optimizer and the Triton kernel are real modules beside this file, copied into the recipe.
+OPTIMIZER_MODULE = Path(__file__).with_name("muon_optimizer.py")
+TRITON_MODULE = Path(__file__).with_name("muon_triton.py")
 
 METHOD = '''
 class _:
@@ -394,14 +131,16 @@ def apply(recipe: Recipe, params: Params) -> Edits | AlreadyApplied:
         anchor = adam[0]
     statement = recipe.top_level_statement(anchor)
     ensure_find_blocks(recipe, edits, statement)
-    code = NEWTON_SCHULZ + (TRITON_KERNEL + NEWTON_SCHULZ_CHOICE if params.triton else NEWTON_SCHULZ_TORCH_ONLY)
-    insert_definitions(recipe, edits, code + OPTIMIZER, statement)
-    edits.add_import("math")
-    edits.add_import("torch")
-    edits.add_import("torch.distributed.tensor", "DTensor")
-    edits.add_import("torch.distributed.tensor", "distribute_tensor")
-    if params.triton:
-        edits.add_import("typing", "Callable")
+    if params.triton:  # the kernel's newton_schulz, which chooses per shape, for the torch-only one
+        code = (copied.definitions(OPTIMIZER_MODULE, ["NEWTON_SCHULZ_COEFFICIENTS", "newton_schulz_torch"])
+                + copied.definitions(TRITON_MODULE)
+                + copied.definitions(OPTIMIZER_MODULE, ["orthogonalize", "local_part", "MuonWithAdamW"]))
+    else:
+        code = copied.definitions(OPTIMIZER_MODULE)
+    insert_definitions(recipe, edits, code, statement)
+    for module in (OPTIMIZER_MODULE, TRITON_MODULE) if params.triton else (OPTIMIZER_MODULE,):
+        for name in copied.imports(module):
+            edits.add_import(*name)
     return edits
 
 

@@ -8,11 +8,13 @@ activation checkpointing, ``torch.compile`` and FSDP2.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Literal
 
+import libcst as cst
 from pydantic import Field, field_validator
 
-from skills.codemod_kit import pointing
+from skills.codemod_kit import copied, pointing
 from skills.codemod_kit import (
     AlreadyApplied,
     Edits,
@@ -58,46 +60,36 @@ class Params(SkillParams):
         return plan
 
 
-HELPER = '''
-def apply_tensor_parallel(model: torch.nn.Module, tp_mesh: DeviceMesh, warn=None) -> int:
-    """Tensor parallelism (Megatron-LM style) inside every transformer block, over ``tp_mesh``.
+# apply_tensor_parallel is a real module beside this file (helpers.py), copied into the recipe
+# with its plan set to the skill's.
+HELPERS_MODULE = Path(__file__).with_name("helpers.py")
 
-    Column-wise layers split their output features, so each rank computes a slice of the
-    attention heads and of the MLP; row-wise layers split their input features and all-reduce
-    their output: one all-reduce in attention and one in the MLP per block. Embeddings, norms
-    and the output head stay replicated. Hugging Face attention reshapes with
-    ``view(..., -1, head_dim)``, so each rank runs num_heads / tp heads without a config change;
-    the head counts must divide by the tp size. Call it before activation checkpointing,
-    torch.compile and fully_shard. Returns the number of sharded blocks. (Written by the
-    tensor-parallel skill.)
-    """
-    tp = tp_mesh.size()
-    if tp == 1:
-        return 0
-    config = model.config
-    for name in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
-        value = getattr(config, name, None)
-        if value is not None and value % tp:
-            raise ValueError(f"tensor parallel: {name}={value} does not divide by tp={tp}")
-    where, blocks = find_blocks(model, "tensor-parallel", warn=warn)
-    for block in blocks:
-        parallelize_module(block, tp_mesh, PLAN)
-    if blocks:
-        print(f"tensor-parallel: sharded {len(blocks)} blocks of {where} over tp={tp}", flush=True)
-    return len(blocks)
-'''
+
+class _Plan(cst.CSTTransformer):
+    """``plan = {...}`` in apply_tensor_parallel, given the skill's plan."""
+
+    def __init__(self, plan: cst.BaseExpression):
+        self.plan = plan
+        self.replaced = 0
+
+    def leave_Assign(self, original: cst.Assign, updated: cst.Assign) -> cst.Assign:
+        target = updated.targets[0].target if len(updated.targets) == 1 else None
+        if isinstance(target, cst.Name) and target.value == "plan":
+            self.replaced += 1
+            return updated.with_changes(value=self.plan)
+        return updated
 
 
 def _helper(plan: dict[str, str]) -> str:
     styles = {"colwise": "ColwiseParallel()", "rowwise": "RowwiseParallel()"}
-    entries = "".join(f"        {templates.literal(k)}: {styles[v]},\n" for k, v in plan.items())
-    return HELPER.replace(
-        "    for block in blocks:\n        parallelize_module(block, tp_mesh, PLAN)\n",
-        "    for block in blocks:\n        parallelize_module(block, tp_mesh, plan)\n",
-    ).replace(
-        "    where, blocks = find_blocks(",
-        "    plan = {\n" + entries + "    }\n    where, blocks = find_blocks(",
-    )
+    # One entry a line; libcst indents the lines of a parenthesized value by the block's indent.
+    entries = "".join(f"    {templates.literal(k)}: {styles[v]},\n" for k, v in plan.items())
+    code = cst.parse_module(copied.definitions(HELPERS_MODULE, ["apply_tensor_parallel"]))
+    setting = _Plan(cst.parse_expression("{\n" + entries + "}"))
+    code = code.visit(setting)
+    if setting.replaced != 1:  # helpers.py no longer assigns plan once: the copy would not use it
+        raise AssertionError(f"{HELPERS_MODULE.name}: apply_tensor_parallel assigns plan {setting.replaced} times")
+    return code.code
 
 
 LORA_CALLS = ("peft.get_peft_model", "peft.inject_adapter_in_model", "apply_lora")

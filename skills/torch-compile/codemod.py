@@ -6,11 +6,13 @@ else the model construction; the call goes after activation checkpointing and be
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from typing import Literal
 
 from pydantic import Field
 
-from skills.codemod_kit import frameworks
+from skills.codemod_kit import copied, frameworks
 from skills.codemod_kit.anchors import keyword
 from skills.codemod_kit import (
     AlreadyApplied,
@@ -50,28 +52,8 @@ class Params(SkillParams):
     )
 
 
-HELPER = '''
-def compile_blocks(
-    model: torch.nn.Module,
-    mode: str = "default",
-    fullgraph: bool = False,
-    dynamic: bool | None = None,
-    target: torch.nn.Module | None = None,
-    warn=None,
-) -> int:
-    """Compile every transformer block with torch.compile, in place (``Module.compile``), so
-    parameter names and checkpoints stay as they are. Identical blocks share one compiled graph,
-    and FSDP2 still shards and overlaps block by block. The first steps are slow while the
-    graphs compile. Call it after activation checkpointing and before fully_shard and other
-    wrappers. Returns the number of compiled blocks. (Written by the torch-compile skill.)
-    """
-    where, blocks = find_blocks(model, "torch-compile", target, warn)
-    for block in blocks:
-        block.compile(mode=mode, fullgraph=fullgraph, dynamic=dynamic)
-    if blocks:
-        print(f"torch-compile: compiled {len(blocks)} blocks of {where}", flush=True)
-    return len(blocks)
-'''
+# What it writes is a real module beside this file (helpers.py), copied into the recipe.
+HELPERS_MODULE = Path(__file__).with_name("helpers.py")
 
 def _existing(recipe: Recipe):
     """``torch.compile(...)``, our helper, a library's ``compile_model``, or ``<module>.compile(...)``
@@ -138,8 +120,9 @@ def apply(recipe: Recipe, params: Params) -> Edits | AlreadyApplied:
                 f"compile (one of {reach.submodules(found)})",
             )
         ensure_find_blocks(recipe, edits, model.statement)
-        insert_definitions(recipe, edits, HELPER, model.statement)
-        edits.add_import("torch")
+        insert_definitions(recipe, edits, copied.definitions(HELPERS_MODULE), model.statement)
+        for name in copied.imports(HELPERS_MODULE):
+            edits.add_import(*name)
         call = templates.statement(
             recipe.module,
             f"compile_blocks({{model}}, {', '.join(options)}{gpu_guard.warn_argument(recipe, model)})",

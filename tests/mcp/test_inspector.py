@@ -3,7 +3,8 @@
 The Inspector is an npm package run with `npx`; the first run downloads it (about 20 s), so
 each command gets a timeout. Version 0.15.0 is the last one that runs on Node 20 (later
 versions need Node 22); set TRAINWRIGHT_INSPECTOR to use another. Skipped, with the reason,
-where npx is not installed.
+where npx is not installed. Inspector 2.12 on Node 22 (its ``--strict`` schema check) runs in
+tests/mcp/test_conformance.py.
 """
 
 from __future__ import annotations

@@ -50,6 +50,7 @@ def test_scaffold_recipe_commits_the_recipe_then_one_commit_per_skill(client, wo
         ({"config": {"train.max_stpes": 3}}, "unknown config key 'train.max_stpes' (did you mean 'train.max_steps'?)"),
         ({"skills": ["gradient-checkpoint"]}, "no skill named 'gradient-checkpoint'"),
         ({"skills": [{"name": "lora", "params": "r=8"}]}, "params of skill 'lora' must be a mapping"),
+        ({"skills": [3]}, "skills.0.str\n  Input should be a valid string"),  # the schema: names or objects
         ({"template": "seq2seq"}, "unknown template 'seq2seq'; templates: causal_lm, dpo, sft, vlm"),
         ({"name": "../escape"}, "recipe name '../escape' is not a plain name"),
         ({"config": {"data.paths": ["/etc/passwd"]}}, "resolves outside the workspace"),

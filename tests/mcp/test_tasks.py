@@ -338,7 +338,7 @@ def test_the_tool_list_with_task_support_fits_the_agent_budget_in_either_era(wor
 
 def test_tasks_are_forgotten_after_their_ttl_the_oldest_beyond_the_bound_and_a_sessions_with_it(workspace):
     server = build_server(workspace)
-    (extension,) = server._extensions
+    (extension,) = [e for e in server._extensions if e.identifier == IDENTIFIER]
 
     async def main() -> None:
         async with tasks_client(server) as client:

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 
+from engine.seams import LaunchVerdict
 from engine import run_dir as rd
 from engine import server_record as sr
 from engine.errors import BadInput
@@ -201,7 +202,7 @@ def test_a_resume_takes_the_commit_and_provenance_from_the_servers_record(tmp_pa
     def check(workspace, recipe_dir, nproc, overrides, config_json=None, **kwargs):
         seen["config"] = rd.RunRecord.model_validate_json(Path(config_json).read_bytes()).config
         resolved = {**seen["config"], "train": {"max_steps": 8}}  # the override, as the engine resolves it
-        return {"ok": True, "config": resolved, "config_changes": {}, "data": None}
+        return LaunchVerdict(config=resolved)
 
     def start(*args, origin, **kwargs):
         seen["origin"] = origin

@@ -119,4 +119,4 @@ def test_a_malformed_verdict_from_the_check_is_a_refusal(tmp_path, monkeypatch):
             sandbox_runs.check_launch(tmp_path, tmp_path, 1, [])
         assert len(str(refused.value)) <= sandbox_runs.MAX_CHECK_ERROR_CHARS, verdict
     monkeypatch.setattr(sandbox_runs, "run_contained", lambda *args, **kwargs: (json.dumps(good) + "\n", ""))
-    assert sandbox_runs.check_launch(tmp_path, tmp_path, 1, []) == good
+    assert sandbox_runs.check_launch(tmp_path, tmp_path, 1, []).model_dump() == {**good, "estimate": None}

@@ -316,7 +316,7 @@ def test_a_helper_forked_during_the_check_does_not_outlive_it(check_ws):
         "class Forking(CausalLM):\n    pass\n"
     ))
     verdict = sandbox_runs.check_launch(check_ws, check_ws / "recipes" / "forking", 1, list(TINY))
-    assert verdict["config"]["model"]["hidden_size"] == 64
+    assert verdict.config["model"]["hidden_size"] == 64
     deadline = time.monotonic() + 5
     while processes_with_argument(token) and time.monotonic() < deadline:
         time.sleep(0.1)

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from engine.seams import LaunchVerdict
 from engine import run_dir as rd
 from mcp_server.operations import runs as run_ops
 from sandbox import runs as sandbox_runs
@@ -40,7 +41,7 @@ def ws(tmp_path, monkeypatch):
         from engine.launch import load_recipe_class, resolve_config
 
         config = resolve_config(load_recipe_class(recipe_dir), recipe_dir, overrides, config_json)
-        return {"ok": True, "config": config.model_dump(mode="json"), "config_changes": {}, "data": None}
+        return LaunchVerdict(config=config.model_dump(mode="json"))
 
     monkeypatch.setattr(sandbox_runs, "check_launch", check)
     return Workspace.open(make_workspace(tmp_path / "ws"))

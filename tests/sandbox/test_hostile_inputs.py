@@ -17,6 +17,8 @@ import time
 from pathlib import Path
 
 import pytest
+
+from engine.seams import LaunchVerdict
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 from mcp.shared.exceptions import MCPError
@@ -367,7 +369,7 @@ def test_a_link_the_parent_run_left_among_its_checkpoints_is_not_resumed(tmp_pat
     bound = []
 
     def check_launch(*args, **kwargs):
-        return {"ok": True, "config": {"train": {"max_steps": 4}}, "config_changes": {}, "data": None}
+        return LaunchVerdict(config={"train": {"max_steps": 4}})
 
     def start_run(*args, **kwargs):
         bound.append(Path(kwargs["resumed_from"].path))

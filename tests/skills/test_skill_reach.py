@@ -3,6 +3,7 @@ never do nothing quietly at run time."""
 
 from __future__ import annotations
 
+import importlib
 import textwrap
 from pathlib import Path
 
@@ -10,6 +11,7 @@ import pytest
 import torch
 
 from skills import SkillRefused, apply_skill
+from skills.codemod_kit import copied
 from skills.codemod_kit.definitions import FIND_BLOCKS
 from skills.registry import skill as find_skill
 
@@ -91,7 +93,11 @@ def _helpers(*names: str) -> dict:
     namespace = {"torch": torch}
     exec(FIND_BLOCKS, namespace)
     for name in names:
-        exec(find_skill(name).codemod.HELPER, namespace)
+        codemod = find_skill(name).codemod
+        for module, imported in copied.imports(codemod.HELPERS_MODULE):
+            namespace[imported or module.split(".")[0]] = getattr(importlib.import_module(module), imported) \
+                if imported else importlib.import_module(module.split(".")[0])
+        exec(copied.definitions(codemod.HELPERS_MODULE), namespace)
     return namespace
 
 

@@ -1,0 +1,51 @@
+"""What the lora skill writes into a recipe: skills/lora/codemod.py copies these definitions
+with libcst (skills/codemod_kit/copied.py). A real module, so that ruff lints it and tests import it.
+"""
+
+import torch
+from peft import LoraConfig, inject_adapter_in_model
+
+from skills.codemod_kit.emitted.blocks import find_blocks  # written by ensure_find_blocks
+
+
+def apply_lora(
+    model: torch.nn.Module,
+    rank: int = 8,
+    alpha: float = 16,
+    dropout: float = 0.0,
+    target_modules: list[str] | None = None,
+) -> int:
+    """LoRA (Hu et al., 2021) with peft: freeze the model and learn a low-rank update
+    ``(alpha / rank) * B @ A`` next to each targeted linear layer. ``B`` starts at zero, so
+    training starts from the model as it is; only the adapters are trainable, which cuts
+    gradient and optimizer memory to a small fraction. The adapters are injected in place: the
+    model keeps its class and attributes. Without ``target_modules``, every ``nn.Linear`` inside
+    the model's repeated blocks is adapted. Returns the number of trainable (adapter) values.
+    (Written by the lora skill.)
+    """
+    linears = sorted(name for name, module in model.named_modules() if isinstance(module, torch.nn.Linear))
+    if target_modules is None:
+        where, blocks = find_blocks(model, "lora", warn=lambda message: None)
+        target_modules = sorted(
+            {
+                name.rsplit(".", 1)[-1]
+                for block in blocks
+                for name, module in block.named_modules()
+                if isinstance(module, torch.nn.Linear)
+            }
+        )
+    if not target_modules:
+        raise ValueError(
+            f"lora: no nn.Linear layer to adapt in {type(model).__name__}; its linear layers are "
+            f"{linears or 'none'}: name them with target_modules"
+        )
+    config = LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=dropout, target_modules=target_modules)
+    inject_adapter_in_model(config, model)
+    adapted = [name for name, module in model.named_modules() if hasattr(module, "lora_A")]
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    print(
+        f"lora: adapted {len(adapted)} linear layers ({', '.join(target_modules)}) of "
+        f"{type(model).__name__}; {trainable:,} trainable values",
+        flush=True,
+    )
+    return trainable
