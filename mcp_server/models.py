@@ -116,7 +116,7 @@ class MetricsTail(BaseModel):
     run_id: str
     status: str
     records: list[dict[str, Any]]
-    truncated: bool = Field(description="More matched than returned.")
+    truncated: bool  # more matched than n: tail_metrics' description says it
     resumes: list[ResumePoint] = Field([], description="Where each run took over.")
 
 
@@ -147,17 +147,14 @@ class ApplySkillResult(BaseModel):
     version: str
     recipe: str  # the file changed
     changed: bool
-    already_applied: bool = Field(description="Nothing to do.")
+    already_applied: bool  # the skill was there: nothing changed
     dry_run: bool
     params: dict[str, Any] = Field(description="With defaults.")
     diff: str = Field(description="Unified diff (git apply).")
     diff_truncated: bool = False
     commit: str | None = Field(None, description="None for dry runs.")
     message: str = ""
-    acts_on: str = Field(
-        "",
-        description="What the change acts on.",
-    )
+    acts_on: str = ""  # what the change acts on (the name says it: no description in the schema)
 
 
 class TemplateInfo(BaseModel):
@@ -230,7 +227,7 @@ class RecipeDescription(BaseModel):
     last_commit: str | None = None
     skills: list[RecipeSkill] = Field(description="Applied, oldest first.")
     fields: list[ConfigField]
-    cut: bool = Field(False, description="Cut to fit.")
+    cut: bool = False  # cut to fit the agent budget (the name says it)
     hub_models: list[str] = []  # org/name@<commit>
 
 

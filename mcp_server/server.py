@@ -11,12 +11,13 @@ separate processes.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import json
 import logging
 from collections import Counter
 from pathlib import Path
-from typing import Annotated, Any, Callable, Literal
+from typing import Annotated, Any, AsyncIterator, Callable, Literal
 
 import anyio
 from mcp.server.mcpserver import Context, MCPServer
@@ -69,6 +70,7 @@ from mcp_server.operations import runs as run_ops
 from mcp_server.operations import skills as skill_ops
 from mcp_server import clients, run_view, workflows
 from mcp_server.live import LiveRuns
+from mcp_server.tasks import TasksExtension
 from sandbox.audit import AuditLog
 from sandbox import redact as redaction
 from sandbox.config import trusted_limits
@@ -251,10 +253,18 @@ def build_server(workspace: Path | str, read_only: bool = False, settings: Path 
     tools = Tools(ws)
     bus = InMemorySubscriptionBus()
     live = LiveRuns(ws, bus)
+    tasks = TasksExtension()
+
+    @contextlib.asynccontextmanager
+    async def lifespan(server: Any) -> AsyncIterator[dict[str, Any]]:
+        async with live.running(server) as state, tasks.running():
+            yield state
+
     mcp = AuditedServer("trainwright", instructions=INSTRUCTIONS, version=package_version(), log_level="WARNING",
-                        subscriptions=bus, lifespan=live.running, middleware=[live.listen_middleware],
-                        extensions=[run_view.extension()])
+                        subscriptions=bus, lifespan=lifespan, middleware=[live.listen_middleware, tasks.legacy],
+                        extensions=[run_view.extension(), tasks])
     mcp.tools = tools
+    tasks.has_tool = lambda name: mcp._tool_manager.get_tool(name) is not None
     _serve_session_methods(mcp, live)
 
     def tool(annotations: ToolAnnotations, meta: dict[str, Any] | None = None):
@@ -282,7 +292,7 @@ def build_server(workspace: Path | str, read_only: bool = False, settings: Path 
         """A skill's SKILL.md and parameter schema."""
         return await tools.call("get_skill", {"name": name}, lambda: skill_ops.get_skill(name))
 
-    @tool(IDEMPOTENT_CHANGE)
+    @tool(IDEMPOTENT_CHANGE)  # idempotent: the annotation says it, the description need not
     async def apply_skill(
         skill: Annotated[str, Field(description="A skill name from list_skills.")],
         recipe: Annotated[str, Field(description="recipes/<name>, the name, or a .py script.")],

@@ -198,7 +198,7 @@ def test_get_run_and_wait_run_point_to_the_view_which_the_server_serves_as_an_mc
     bound = {name: tool.meta for name, tool in tools.items() if tool.meta}
     assert bound == {"get_run": {"ui": {"resourceUri": "ui://trainwright/run"}},
                      "wait_run": {"ui": {"resourceUri": "ui://trainwright/run"}}}
-    assert session.client.server_capabilities.extensions == {EXTENSION_ID: {}}
+    assert session.client.server_capabilities.extensions == {EXTENSION_ID: {}, "io.modelcontextprotocol/tasks": {}}
     (contents,) = session.portal.call(session.client.read_resource, run_view.RESOURCE_URI).contents
     assert contents.mime_type == APP_MIME_TYPE
     assert contents.text == (Path(run_view.__file__).with_name("run_view.html")).read_text()
