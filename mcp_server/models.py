@@ -95,9 +95,7 @@ class RunInfo(BaseModel):
     warnings: list[str] = []
     network_isolated: bool | None = None
     network_note: str | None = None
-    isolation: str | None = Field(
-        None, description="full: bubblewrap; else see isolation_note."
-    )
+    isolation: str | None = None  # full (bubblewrap), partial or none: isolation_note says why
     isolation_note: str | None = None
     limits: dict[str, Any] | None = None
     nodes: str | None = None

@@ -329,8 +329,8 @@ def build_server(workspace: Path | str, read_only: bool = False, settings: Path 
         ] = None,
         ctx: Context | None = None,
     ) -> ScaffoldResult:
-        """Create recipes/<name>/ from a template and config (a commit, then one per skill);
-        a bad key or skill writes nothing."""
+        """Create recipes/<name>/ from a template as a commit (one more per skill); a bad key
+        or skill writes nothing."""
         if ctx is not None:
             await ctx.report_progress(0, 2, "checking the config and skills")
         args = {"template": template, "name": name, "config": config, "skills": skills}
@@ -397,8 +397,8 @@ def build_server(workspace: Path | str, read_only: bool = False, settings: Path 
         device: Annotated[Literal["cpu", "cuda"], Field(description="Device class.")] = "cpu",
         device_memory_gib: Annotated[float | None, Field(description="Per process: does it fit?")] = None,
     ) -> EstimateResult:
-        """Memory and step time per process before launch_run; if over device_memory_gib,
-        changes that fit."""
+        """Memory and step time per process before launch_run; over device_memory_gib, changes
+        that fit."""
         args = {"recipe": recipe, "overrides": overrides, "nproc": nproc, "device": device,
                 "device_memory_gib": device_memory_gib}
         return await tools.call("estimate_run", args, lambda: estimate.estimate_run(
@@ -462,8 +462,8 @@ def build_server(workspace: Path | str, read_only: bool = False, settings: Path 
 
     @tool(READ_ONLY)
     async def compare_runs(run_a: RunId, run_b: RunId) -> CompareResult:
-        """Config and code differences, then b vs a (loss at equal tokens, speed, memory) judged
-        at the runs' noise."""
+        """b vs a: config and code differences, loss at equal tokens, speed, memory, judged at
+        the runs' noise."""
         args = {"run_a": run_a, "run_b": run_b}
         return await tools.call("compare_runs", args, lambda: compare.compare_runs(tools.ws, run_a, run_b))
 
