@@ -92,27 +92,7 @@ def ab(
     say(f"A/B of {applied} on {label}: a = {commit_a[:10]} (before it), b = {commit_b[:10]} (its commit); "
         f"{rounds} round(s) of {steps} steps, order {' '.join(s for r in range(rounds) for s in _order(r))}")
 
-    runs: list[AbRun] = []
-    per_round: list[AbRound] = []
-    outcome: Literal["completed", "failed", "stopped"] = "completed"
-    error = None
-    for index in range(rounds):
-        for side in _order(index):
-            launched = run_ops.launch_run(ws, label, nproc, config, commit=commits[side])
-            say(f"round {index + 1}/{rounds} {side}: run {launched.run_id} ({launched.code})")
-            status = _wait(ws, launched.run_id, steps, say)
-            runs.append(AbRun(round=index + 1, side=side, run_id=launched.run_id, status=status))
-            if status != rd.COMPLETED:
-                outcome = "stopped" if status == rd.STOPPED else "failed"
-                info = run_ops.get_run(ws, launched.run_id)
-                error = f"run {launched.run_id} ({side}) {status}" + (f": {info.error}" if info.error else "")
-                break
-        if outcome != "completed":
-            break
-        run_a, run_b = (next(r.run_id for r in runs if r.round == index + 1 and r.side == side) for side in "ab")
-        per_round.append(AbRound(round=index + 1, run_a=run_a, run_b=run_b,
-                                 metrics=compare.compare_runs(ws, run_a, run_b).metrics))
-        say(f"round {index + 1}: " + "; ".join(_short(m) for m in per_round[-1].metrics))
+    runs, per_round, outcome, error = _run_rounds(ws, label, nproc, config, commits, rounds, steps, say)
     result = AbResult(skill=applied, recipe=label, commit_a=commit_a, commit_b=commit_b, steps=steps, rounds=rounds,
                       command=command, runs=runs, per_round=per_round, differences=[], verdict=[], left_out=[],
                       remarks=remarks, outcome=outcome, error=error)
@@ -127,6 +107,30 @@ def ab(
         if not written:
             result.remarks.append(f"the note on {commit_b[:10]} could not be written (git refused or its lock was held)")
     return result
+
+
+def _run_rounds(ws: Workspace, label: str, nproc: int, config: dict[str, Any], commits: dict[str, str], rounds: int,
+                steps: int, say: Progress) -> tuple[list[AbRun], list[AbRound], Literal["completed", "failed", "stopped"],
+                                                   str | None]:
+    """The runs, one at a time in the order of :func:`_order`, each round compared when it ends;
+    the first run that does not complete ends the A/B (its outcome and error)."""
+    runs: list[AbRun] = []
+    per_round: list[AbRound] = []
+    for index in range(rounds):
+        for side in _order(index):
+            launched = run_ops.launch_run(ws, label, nproc, config, commit=commits[side])
+            say(f"round {index + 1}/{rounds} {side}: run {launched.run_id} ({launched.code})")
+            status = _wait(ws, launched.run_id, steps, say)
+            runs.append(AbRun(round=index + 1, side=side, run_id=launched.run_id, status=status))
+            if status != rd.COMPLETED:
+                info = run_ops.get_run(ws, launched.run_id)
+                error = f"run {launched.run_id} ({side}) {status}" + (f": {info.error}" if info.error else "")
+                return runs, per_round, "stopped" if status == rd.STOPPED else "failed", error
+        run_a, run_b = (next(r.run_id for r in runs if r.round == index + 1 and r.side == side) for side in "ab")
+        per_round.append(AbRound(round=index + 1, run_a=run_a, run_b=run_b,
+                                 metrics=compare.compare_runs(ws, run_a, run_b).metrics))
+        say(f"round {index + 1}: " + "; ".join(_short(m) for m in per_round[-1].metrics))
+    return runs, per_round, "completed", None
 
 
 def note_text(result: AbResult) -> str:
