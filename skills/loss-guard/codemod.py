@@ -50,7 +50,7 @@ class _:
 
     @cached_property
     def loss_guard(self) -> LossGuard:
-        return LossGuard({arguments})
+        return LossGuard()
 '''
 
 GUARD_NAMES = ("LossGuard", "loss_guard", "isfinite", "isnan", "isinf")
@@ -61,6 +61,24 @@ def _arguments(params: Params) -> str:
         f"max_bad_steps={params.max_bad_steps}, spike_factor={params.spike_factor}, "
         f"warmup_steps={params.warmup_steps}"
     )
+
+
+class _GuardArguments(cst.CSTTransformer):
+    """``LossGuard()`` calls given the skill's arguments."""
+
+    def __init__(self, params: Params):
+        call = cst.parse_expression(f"LossGuard({_arguments(params)})")
+        assert isinstance(call, cst.Call)
+        self.args = call.args
+
+    def leave_Call(self, original: cst.Call, updated: cst.Call) -> cst.Call:
+        if isinstance(updated.func, cst.Name) and updated.func.value == "LossGuard":
+            return updated.with_changes(args=self.args)
+        return updated
+
+
+def _with_arguments(members: cst.BaseStatement, params: Params) -> cst.BaseStatement:
+    return members.visit(_GuardArguments(params))  # type: ignore[return-value]
 
 
 def apply(recipe: Recipe, params: Params) -> Edits | AlreadyApplied:
@@ -84,7 +102,7 @@ def _apply_to_engine(recipe: Recipe, params: Params, engine: cst.ClassDef) -> Ed
     edits = Edits(recipe)
     if not recipe.defines("LossGuard"):
         insert_definitions(recipe, edits, GUARD_CLASS, engine)
-    methods = templates.statements(recipe.module, HOOK.replace("{arguments}", _arguments(params)))[0]
+    methods = _with_arguments(templates.statements(recipe.module, HOOK)[0], params)
     new_members = [
         m.with_changes(leading_lines=[cst.EmptyLine(indent=False)])
         for m in methods.body.body  # type: ignore[attr-defined]
@@ -170,7 +188,7 @@ CACHED_GUARD = '''
 class _:
     @cached_property
     def loss_guard(self) -> LossGuard:
-        return LossGuard({arguments})
+        return LossGuard()
 '''
 
 
@@ -178,7 +196,7 @@ def _add_cached_guard(recipe: Recipe, edits: Edits, params: Params, cls: cst.Cla
     """A ``loss_guard`` cached_property on the class: created on first use, kept across calls."""
     if "loss_guard" in recipe.methods(cls):
         return
-    members = templates.statements(recipe.module, CACHED_GUARD.replace("{arguments}", _arguments(params)))[0]
+    members = _with_arguments(templates.statements(recipe.module, CACHED_GUARD)[0], params)
     new_members = [m.with_changes(leading_lines=[cst.EmptyLine(indent=False)]) for m in members.body.body]  # type: ignore[attr-defined]
     edits.replace(cls.body, lambda updated, new=new_members: updated.with_changes(body=[*updated.body, *new]))
     edits.add_import("functools", "cached_property")
