@@ -69,6 +69,10 @@ CASES = [
     (["estimate", "recipes/lm", "--device-memory-gib", "0"], EXIT_BAD_INPUT, "device_memory_gib must be"),
     (["estimate", "recipes/lm", "--nproc", "0"], EXIT_BAD_INPUT, "nproc must be"),
     (["evaluate", NO_RUN, "--data", "/etc/passwd"], EXIT_BAD_INPUT, "outside the workspace"),
+    (["ab", "loss-guard", "recipes/nope", "--steps", "5"], EXIT_NOT_FOUND, "no recipe"),
+    (["ab", "no-such-skill", "recipes/lm", "--steps", "5"], EXIT_NOT_FOUND, "no skill named"),
+    (["ab", "loss-guard", "recipes/lm", "--steps", "1"], EXIT_BAD_INPUT, "steps must be between 3 and 1000"),
+    (["ab", "loss-guard", "recipes/lm", "--steps", "5"], EXIT_BAD_INPUT, "is not applied to recipes/lm"),
 ]
 
 
