@@ -121,11 +121,15 @@ def apply(recipe: Recipe, params: Params) -> Edits | AlreadyApplied:
         ))
     edits = Edits(recipe)
     only_trainable_parameters(recipe, edits, SKILL)
-    ensure_find_blocks(recipe, edits, model.statement)
+    if params.first_blocks:  # a script that freezes no blocks gets no find_blocks
+        ensure_find_blocks(recipe, edits, model.statement)
     insert_definitions(recipe, edits, copied.definitions(HELPERS_MODULE), model.statement)
     for name in copied.imports(HELPERS_MODULE):
         edits.add_import(*name)
-    extra = f", target={reach.target_code(found, target)}" if target is not None else ""
+    extra = ""
+    if params.first_blocks:
+        where = f", {reach.target_code(found, target)}" if target is not None else ""
+        extra = f', found_blocks=find_blocks({{model}}, "{SKILL}"{where}{gpu_guard.warn_argument(recipe, model)})'
     calls = []
     if params.parts:
         vlm.ensure_helper(recipe, edits, model.statement)
@@ -138,8 +142,7 @@ def apply(recipe: Recipe, params: Params) -> Edits | AlreadyApplied:
     calls.append(templates.statement(
         recipe.module,
         f"freeze_parameters({{model}}, embeddings={params.embeddings}, "
-        f"first_blocks={params.first_blocks}, patterns={templates.literal(params.patterns)}{extra}"
-        f"{gpu_guard.warn_argument(recipe, model)})",
+        f"first_blocks={params.first_blocks}, patterns={templates.literal(params.patterns)}{extra})",
         model=model.target,
     ))
     stages.insert_stage(recipe, edits, model, stages.FREEZE, calls)

@@ -6,31 +6,29 @@ import fnmatch
 
 import torch
 
-from skills.codemod_kit.emitted.blocks import find_blocks  # written by ensure_find_blocks
-
 
 def freeze_parameters(
     model: torch.nn.Module,
     embeddings: bool = True,
     first_blocks: int = 0,
     patterns: list[str] = (),
-    target: torch.nn.Module | None = None,
-    warn=None,
+    found_blocks: tuple[str, list[torch.nn.Module]] = ("", []),
     parameters=(),
 ) -> int:
     """Freeze part of a model: with ``requires_grad=False`` no gradient is computed or stored for
     a parameter, and the optimizer, which is handed only trainable parameters, never changes it.
-    Freezes every ``nn.Embedding`` (with ``embeddings``), the first ``first_blocks`` transformer
-    blocks (of ``target`` when given), and the parameters whose names match one of the fnmatch
-    ``patterns``, and the given ``parameters``. Returns the number of values it froze (those the
-    recipe had frozen already are not counted). (Written by the freeze skill.)
+    Freezes every ``nn.Embedding`` (with ``embeddings``), the first ``first_blocks`` of
+    ``found_blocks`` (what ``find_blocks`` returns: where the blocks are, and the blocks), the
+    parameters whose names match one of the fnmatch ``patterns``, and the given ``parameters``.
+    Returns the number of values it froze (those the recipe had frozen already are not counted).
+    (Written by the freeze skill.)
     """
     chosen: dict[int, torch.nn.Parameter] = {id(p): p for p in parameters}
     if embeddings:
         for module in model.modules():
             if isinstance(module, torch.nn.Embedding):
                 chosen.update((id(p), p) for p in module.parameters())
-    where, blocks = find_blocks(model, "freeze", target, warn) if first_blocks else ("", [])
+    where, blocks = found_blocks
     for block in blocks[:first_blocks]:
         chosen.update((id(p), p) for p in block.parameters())
     for name, parameter in model.named_parameters():

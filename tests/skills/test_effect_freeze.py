@@ -31,3 +31,12 @@ def test_frozen_parameters_do_not_change_and_are_not_in_the_optimizer(tmp_path: 
     assert in_optimizer == trainable
     assert set(optimizer["state"]) == trainable
     assert records[-1]["loss"] < records[0]["loss"]
+
+
+def test_freeze_writes_find_blocks_only_when_it_freezes_blocks(tmp_path: Path):
+    embeddings_only = (template_with(["freeze"], tmp_path / "embeddings") / "recipe.py").read_text()
+    with_blocks = (template_with(["freeze"], tmp_path / "blocks", {"freeze": {"first_blocks": 1}}) / "recipe.py").read_text()
+
+    assert "def find_blocks(" not in embeddings_only and "find_blocks(" not in embeddings_only
+    assert with_blocks.count("def find_blocks(") == 1
+    assert 'found_blocks=find_blocks(model, "freeze", warn=self.warn)' in with_blocks

@@ -41,7 +41,7 @@ def test_template_model_stages_land_in_the_same_order_whatever_the_application_o
         "model = build_model(self.config.model, self.tokenizer.vocab_size, self.config.data.seq_len)",
         "model = model.to(self.device)",
         'apply_tensor_parallel(model, self.dist.mesh["tp"], warn=self.warn)',
-        "freeze_parameters(model, embeddings=True, first_blocks=0, patterns=[], warn=self.warn)",
+        "freeze_parameters(model, embeddings=True, first_blocks=0, patterns=[])",
         'model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})',
         'compile_blocks(model, mode="default", warn=self.warn)',
         "model = apply_fsdp(model, self.dist, self.config.parallel)",
