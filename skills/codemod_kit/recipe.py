@@ -4,16 +4,22 @@ One visitor pass records every node's parent and collects calls, assignments, de
 imports. Names are qualified through the file's imports (``nn.Linear`` → ``torch.nn.Linear`` after
 ``import torch.nn as nn``), which is what anchors are matched on: not text, and without libcst's
 full scope analysis, which costs more than a whole skill application may take.
+
+A source is parsed, indexed and (when a message needs a line) positioned once: libcst trees are
+immutable, so the recipes of several skill applications to the same text share one ``_Parsed``
+(parsing and positions were two thirds of an application's time on large scripts).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Mapping
 
 import libcst as cst
-from libcst.metadata import MetadataWrapper, PositionProvider
+from libcst.metadata import CodeRange, MetadataWrapper, PositionProvider
 
 from skills.errors import SkillRefused
 
@@ -134,6 +140,20 @@ def dotted_name(node: cst.BaseExpression | cst.Attribute | cst.Name) -> str:
     return ""
 
 
+class _Parsed:
+    """One source's tree, its index and (computed when first asked) its nodes' positions."""
+
+    def __init__(self, source: str):
+        self.module = cst.parse_module(source)
+        self.index = _index(self.module)
+        self.positions: Mapping[cst.CSTNode, CodeRange] | None = None
+
+
+@functools.lru_cache(maxsize=8)  # the skills applied in turn to one file, and the files it imports
+def _parsed(source: str) -> _Parsed:
+    return _Parsed(source)  # a syntax error is raised, and not cached
+
+
 class Recipe:
     """The recipe file a codemod works on: its tree, an index, and helpers to query them."""
 
@@ -141,13 +161,13 @@ class Recipe:
         self.path = Path(path)
         self.source = source
         try:
-            self.module = cst.parse_module(source)
+            self._parsed = _parsed(source)
         except cst.ParserSyntaxError as e:
             raise SkillRefused(
                 f"{self.path.name} does not parse (line {e.raw_line}: {e.message}); fix it first"
             ) from None
-        self._index = _index(self.module)
-        self._positions = None
+        self.module = self._parsed.module
+        self._index = self._parsed.index
 
     # --- basic queries -------------------------------------------------------------------------
 
@@ -211,16 +231,19 @@ class Recipe:
 
     def line(self, node: cst.CSTNode) -> int:
         """1-based line of ``node`` (computed on demand: positions are only needed for messages)."""
-        if self._positions is None:
-            self._positions = MetadataWrapper(self.module, unsafe_skip_copy=True).resolve(PositionProvider)
-        position = self._positions.get(node)
+        position = self._positions().get(node)
         return position.start.line if position is not None else 0
 
     def span(self, node: cst.CSTNode) -> tuple[int, int]:
         """First and last 1-based lines of ``node``."""
-        self.line(node)
-        position = self._positions.get(node)  # type: ignore[union-attr]
+        position = self._positions().get(node)
         return (position.start.line, position.end.line) if position is not None else (0, 0)
+
+    def _positions(self) -> Mapping[cst.CSTNode, CodeRange]:
+        parsed = self._parsed
+        if parsed.positions is None:
+            parsed.positions = MetadataWrapper(self.module, unsafe_skip_copy=True).resolve(PositionProvider)
+        return parsed.positions
 
     def where(self, node: cst.CSTNode) -> str:
         return f"{self.name}:{self.line(node)}"
