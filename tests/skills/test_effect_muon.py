@@ -5,7 +5,8 @@
 - one step of ``MuonWithAdamW`` is torch.optim.Muon (``adjust_lr_fn="match_rms_adamw"``) on the
   matrices plus torch.optim.AdamW on the rest, bit for bit;
 - two FSDP2 processes (each matrix gathered before Newton-Schulz) match one process;
-- at a tuned learning rate each, Muon ends lower than AdamW (the lrs from bench/muon_vs_adamw.py).
+- at a tuned learning rate each (the lrs from bench/muon_vs_adamw.py's 150-step sweep), Muon is
+  lower than AdamW after 30 steps, in training and evaluation loss.
 """
 
 from __future__ import annotations
@@ -169,22 +170,24 @@ def test_two_fsdp_processes_match_one_process_and_resume_on_one(tmp_path: Path, 
 
 
 # The best learning rates of `python bench/muon_vs_adamw.py` (AdamW: 3e-4, 1e-3, 3e-3, 1e-2;
-# Muon: 3e-3, 1e-2, 3e-2), at its settings: the template's model, 150 steps, seed 0.
-MUON_LR, ADAMW_LR = 1e-2, 1e-3
+# Muon: 3e-3, 1e-2, 3e-2), at its settings: the template's model, 150 steps, seed 0. The test runs
+# the first 30 of those steps (about 35 s instead of 250 s on 2 cores; the README's figures are the
+# bench's 150): there Muon's losses were 0.86x AdamW's (final 2.57 vs 2.98, eval 2.48 vs 2.91).
+MUON_LR, ADAMW_LR, TEST_STEPS = 1e-2, 1e-3, 30
 
 
 @pytest.mark.slow
 def test_muon_ends_lower_than_adamw_at_their_tuned_learning_rates(capsys):
-    command = [PYTHON, str(REPO / "bench" / "muon_vs_adamw.py"), "--adamw-lrs", str(ADAMW_LR), "--muon-lrs", str(MUON_LR)]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=1200)
+    command = [PYTHON, str(REPO / "bench" / "muon_vs_adamw.py"), "--steps", str(TEST_STEPS),
+               "--adamw-lrs", str(ADAMW_LR), "--muon-lrs", str(MUON_LR)]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=600)
 
-    summary = json.loads(result.stdout.strip().splitlines()[-1])
-    best = summary["best"]
+    assert result.returncode == 0, result.stderr[-2000:]
+    best = json.loads(result.stdout.strip().splitlines()[-1])["best"]
     with capsys.disabled():
-        print(f"\n[muon] 150 steps: AdamW (lr {ADAMW_LR}) final {best['adamw']['final_loss']:.4f} eval "
+        print(f"\n[muon] {TEST_STEPS} steps: AdamW (lr {ADAMW_LR}) final {best['adamw']['final_loss']:.4f} eval "
               f"{best['adamw']['eval_loss']:.4f}; Muon (lr {MUON_LR}) final {best['muon']['final_loss']:.4f} eval "
               f"{best['muon']['eval_loss']:.4f}")
-    assert result.returncode == 0, result.stderr[-2000:]
     assert best["muon"]["final_loss"] < best["adamw"]["final_loss"]
     assert best["muon"]["eval_loss"] < best["adamw"]["eval_loss"]
 
