@@ -85,6 +85,14 @@ def launch(
     return subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
 
 
+def traced_not_generated(monkeypatch) -> None:
+    """Runs launched after this compile with ``aot_eager``: dynamo traces and AOTAutograd
+    differentiates the compiled blocks (through checkpointing, LoRA and autocast) without
+    inductor's C++ code generation, 40 of a 56 s every-skill template run on 2 cores with a cold
+    cache. Inductor itself is proven by tests/skills/test_effect_torch_compile.py."""
+    monkeypatch.setenv("TORCH_COMPILE_OVERRIDE_BACKENDS", ">=0:aot_eager")
+
+
 def run_metrics(cwd: Path, result: subprocess.CompletedProcess | None = None) -> list[dict]:
     """The metrics records of the only run under ``cwd/runs``."""
     from engine import run_dir as rd

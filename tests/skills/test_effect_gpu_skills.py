@@ -33,6 +33,7 @@ from tests.skills.skill_helpers import (
     run_dir,
     run_metrics,
     template_with,
+    traced_not_generated,
     train,
 )
 
@@ -80,7 +81,10 @@ def test_hf_trainer_script_with_both_kernels_trains_and_prints_one_warning_each(
 
 
 @pytest.mark.slow
-def test_every_skill_applies_after_and_before_the_gpu_skills_and_the_template_trains(tmp_path: Path, documents: Path):
+def test_every_skill_applies_after_and_before_the_gpu_skills_and_the_template_trains(
+    tmp_path: Path, documents: Path, monkeypatch
+):
+    traced_not_generated(monkeypatch)
     skills = ["liger-kernel", "flash-attention", "muon", "mixed-precision", "gradient-checkpointing", "loss-guard",
               "sequence-packing", "torch-compile", "freeze"]
     recipe = template_with(skills, tmp_path / "recipe")

@@ -15,6 +15,7 @@ from tests.skills.skill_helpers import (
     copy_recipe,
     on_documents,
     run_script,
+    traced_not_generated,
     target_file,
     template_with,
     train,
@@ -86,17 +87,10 @@ ALL_BUT_TENSOR_PARALLEL = ("sequence-packing", "torch-compile", "loss-guard", "l
                            "freeze", "mixed-precision")
 
 
-# Dynamo traces and AOTAutograd differentiates the compiled blocks (through checkpointing, LoRA
-# and autocast); inductor's C++ code generation, 40 of this run's 56 s alone on 2 cores with
-# a cold cache, is what tests/skills/test_effect_torch_compile.py proves on the template.
-TRACED_NOT_GENERATED = {"TORCH_COMPILE_OVERRIDE_BACKENDS": ">=0:aot_eager"}
-
-
 @pytest.mark.slow
 def test_template_with_every_skill_but_tensor_parallel_trains(tmp_path: Path, documents: Path, monkeypatch):
     recipe = template_with(ALL_BUT_TENSOR_PARALLEL, tmp_path / "recipe")
-    for name, value in TRACED_NOT_GENERATED.items():
-        monkeypatch.setenv(name, value)
+    traced_not_generated(monkeypatch)
 
     records = train(recipe, tmp_path / "run", "train.max_steps=3", "optim.lr=1e-2", *on_documents(documents))
 
