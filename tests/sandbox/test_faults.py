@@ -27,9 +27,9 @@ from sandbox.workspace import Workspace
 from tests.sandbox.helpers import derived_recipe, make_workspace, wait_final, wait_step
 from tests.support import TINY, losses, wait_for
 
-STEPS = 48
+STEPS = 32
 SCHEDULE = [*TINY, f"train.max_steps={STEPS}", "checkpoint.every=2", "checkpoint.keep_last=100"]
-KILLS = 10
+KILLS = 6
 
 
 @pytest.fixture
@@ -62,7 +62,7 @@ def kill_engine(run_dir: Path) -> None:
 
 
 @pytest.mark.slow
-def test_sigkill_at_ten_random_points_resumes_bit_identical_every_time(ws):
+def test_sigkill_at_six_random_points_resumes_bit_identical_every_time(ws):
     seed = int(os.environ.get("TW_FAULT_SEED", time.time_ns() % 10**6))  # set it to replay a failure
     rng = random.Random(seed)
     seed_note = f"(TW_FAULT_SEED={seed})"
@@ -102,7 +102,7 @@ def test_sigkill_at_ten_random_points_resumes_bit_identical_every_time(ws):
         assert min(curve) == first + 1
         assert curve == {s: expected[s] for s in curve}, f"segment from step {first} (kill {kill}) {seed_note}"
     assert max(losses(segments[-1][0])) == STEPS
-    assert mid_save_kills >= 3, f"only {mid_save_kills} of {KILLS // 2} kills landed inside a save"
+    assert mid_save_kills >= 2, f"only {mid_save_kills} of {KILLS // 2} kills landed inside a save"
     for segment, _, _ in segments:  # an interrupted save is never listed as a checkpoint
         assert all((p / rd.DCP_METADATA).is_file() for _, p in rd.list_checkpoints(segment))
 
