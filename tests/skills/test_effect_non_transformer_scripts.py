@@ -13,6 +13,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 
 from skills import SkillRefused, apply_skill, list_skills
 from tests.skills.effect_probe import Effects, run_script
@@ -160,10 +161,15 @@ def test_a_change_that_would_not_act_is_refused_with_why_and_what_works(script, 
 
 
 @pytest.mark.parametrize(("script", "skill", "params"), list(ACTS), ids=lambda v: "-".join(map(str, v)) if isinstance(v, tuple) else str(v))
-def test_a_change_that_is_made_acts_when_the_script_runs(script, skill, params, tmp_path: Path):
+def test_a_change_that_is_made_acts_when_the_script_runs(script, skill, params, tmp_path: Path, monkeypatch):
     path = _copy(script, tmp_path)
 
     result = apply_skill(skill, path, _params(params))
+    # oneDNN's LSTM refused a bfloat16 primitive at times, only in the full suite (CI, stop 30:
+    # "could not create a primitive descriptor for the LSTM forward propagation primitive"; alone
+    # it always ran): the LSTM here runs ATen's own kernels, in bfloat16 under autocast all the same.
+    if script == "char_lstm":
+        monkeypatch.setattr(torch.backends.mkldnn, "enabled", False)
     effects = run_script(path)
 
     assert result.changed and result.acts_on
