@@ -121,15 +121,14 @@ def apply(recipe: Recipe, params: Params) -> Edits | AlreadyApplied:
         ))
     edits = Edits(recipe)
     only_trainable_parameters(recipe, edits, SKILL)
+    extra = ""
     if params.first_blocks:  # a script that freezes no blocks gets no find_blocks
         ensure_find_blocks(recipe, edits, model.statement)
+        target_arg = f", {reach.target_code(found, target)}" if target is not None else ""
+        extra = f', found_blocks=find_blocks({{model}}, "{SKILL}"{target_arg}{gpu_guard.warn_argument(recipe, model)})'
     insert_definitions(recipe, edits, copied.definitions(HELPERS_MODULE), model.statement)
     for name in copied.imports(HELPERS_MODULE):
         edits.add_import(*name)
-    extra = ""
-    if params.first_blocks:
-        where = f", {reach.target_code(found, target)}" if target is not None else ""
-        extra = f', found_blocks=find_blocks({{model}}, "{SKILL}"{where}{gpu_guard.warn_argument(recipe, model)})'
     calls = []
     if params.parts:
         vlm.ensure_helper(recipe, edits, model.statement)

@@ -15,9 +15,9 @@ from tests.skills.skill_helpers import (
     copy_recipe,
     on_documents,
     run_script,
-    traced_not_generated,
     target_file,
     template_with,
+    traced_not_generated,
     train,
 )
 
