@@ -35,6 +35,16 @@ EXIT_TIMEOUT = 124  # `trainwright wait`: the timeout passed before the run got 
 EXIT_STOPPED = 130
 
 EXIT_CODES: dict[str, int] = {"bad_input": EXIT_BAD_INPUT, "not_found": EXIT_NOT_FOUND, "internal": EXIT_INTERNAL}
+# Every exit code of the CLI and what it means: the one table its help and docs are written from.
+EXIT_MEANINGS: dict[int, str] = {
+    EXIT_OK: "success",
+    EXIT_RUN_FAILED: "the run failed",
+    EXIT_BAD_INPUT: "bad input or refused (the message says what to change)",
+    EXIT_NOT_FOUND: "not found (unknown run, recipe, checkpoint, skill, template)",
+    EXIT_INTERNAL: "internal error (a trainwright bug)",
+    EXIT_TIMEOUT: "wait: the timeout passed first",
+    EXIT_STOPPED: "stopped or interrupted",
+}
 
 
 class TrainwrightError(Exception):
