@@ -1,32 +1,40 @@
 """The ``trainwright`` command line: the CLI twin of every MCP tool, for people and CI agents.
 
-Every command takes ``--workspace DIR`` (default: the current directory) and ``--json`` (one
-JSON object on stdout, the same object the MCP tool returns). Exit codes:
+Each tool's subcommand is generated from its declaration (:data:`mcp_server.declarations.TOOLS`):
+the same arguments, defaults, limits and help, one :func:`run_tool` for all of them; how a
+result reads in a terminal is :mod:`mcp_server.terminal`'s. Only what a terminal needs beyond
+the tool is written here: following a run's console (``run``, ``resume`` without ``--detach``),
+``tail --follow``, the exit code of a run's outcome, and the commands with no tool (``serve``,
+``review``, ``audit``, ``plot``, ``ab``).
 
-    0  success            2  bad input or refused (the message says what to change)
-    1  the run failed     3  not found (unknown run, recipe, checkpoint, skill, template)
-   70  internal error   124  wait: the timeout passed first
-  130  stopped or interrupted
+Every command takes ``--workspace DIR`` (default: the current directory) and ``--json`` (one
+JSON object on stdout, the same object the MCP tool returns). Exit codes: the one table,
+:data:`engine.errors.EXIT_MEANINGS`.
 """
 
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import sys
 import time
+import types
+import typing
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Literal
 
-from pydantic import BaseModel
+from pydantic import BaseModel, ValidationError
+from pydantic.fields import FieldInfo
 
-from engine.run_dir import DataSummary
-from engine.errors import EXIT_INTERNAL, EXIT_OK, EXIT_STOPPED, EXIT_TIMEOUT, BadInput, TrainwrightError
-from engine.errors import EXIT_RUN_FAILED as EXIT_FAILED
+from engine.errors import (EXIT_INTERNAL, EXIT_MEANINGS, EXIT_OK, EXIT_RUN_FAILED, EXIT_STOPPED, EXIT_TIMEOUT,
+                           BadInput, TrainwrightError)
+from mcp_server import terminal
+from mcp_server.declarations import TOOLS, Cli, Report, ToolSpec
 
-EPILOG = """exit codes: 0 success, 1 the run failed, 2 bad input or refused, 3 not found,
-70 internal error (a bug), 124 (wait) the timeout passed first, 130 stopped or interrupted.
-Every command accepts --workspace DIR and --json."""
+EPILOG = ("exit codes: " + ", ".join(f"{code} {meaning}" for code, meaning in EXIT_MEANINGS.items())
+          + ". Every command accepts --workspace DIR and --json.")
+GROUPS = {"skills": "list or show skills"}  # commands with actions (trainwright skills list)
 
 
 def _workspace(args: argparse.Namespace):
@@ -54,70 +62,95 @@ class _DownloadBar:
             self.bar.close()
 
 
+class _WaitLines:
+    """A run's progress while waiting on it: a line on stderr per new step (none with --json)."""
+
+    def __init__(self, quiet: bool):
+        self.quiet = quiet
+
+    async def __call__(self, now: Any) -> None:
+        if not self.quiet:
+            print(now.progress_message(), file=sys.stderr, flush=True)
+
+
 def _emit(args: argparse.Namespace, result: BaseModel, text: Callable[[Any], str]) -> None:
-    if args.json:
-        print(result.model_dump_json())
-    else:
-        print(text(result))
+    print(result.model_dump_json() if args.json else text(result))
 
 
 # ---------------------------------------------------------------------------------------------
-# Runs
+# A tool's command
 # ---------------------------------------------------------------------------------------------
 
 
-def cmd_run(args: argparse.Namespace) -> int:
-    from mcp_server.operations import runs
-
-    ws = _workspace(args)
-    rdzv = {key: value for key, value in (("endpoint", args.rdzv_endpoint), ("id", args.rdzv_id),
-                                          ("node_rank", args.node_rank)) if value is not None}
-    slurm = {key: value for key, value in (("partition", args.partition), ("time", args.time),
-                                           ("gpus_per_node", args.gpus_per_node), ("rdzv_port", args.rdzv_port))
-             if value is not None}
+def run_tool(args: argparse.Namespace) -> int:
+    """Any tool's command: the command line read into the tool's arguments model, the operation
+    run with a progress bar, the result printed (or followed, :data:`AFTER`)."""
+    spec: ToolSpec = args.spec
+    ws = _workspace(args) if spec.workspace else None
+    inputs = tool_arguments(spec, args)
+    if spec.stages is not None and not args.json:
+        print(f"{spec.stages.start}…", file=sys.stderr, flush=True)
     bar = _DownloadBar()
     try:
-        result = runs.launch_run(ws, args.recipe, nproc=args.nproc, overrides=args.overrides, nnodes=args.nnodes,
-                                 rdzv=rdzv or None, target=args.target, slurm=slurm or None, progress=bar,
-                                 args=getattr(args, "script_args", None) or None, resume_arg=args.resume_arg,
-                                 commit=args.commit)
+        result = spec.run(ws, inputs, Report(download=bar, observe=_WaitLines(args.json)))
+        if inspect.iscoroutine(result):
+            import anyio
+
+            result = anyio.run(lambda: result)
     finally:
         bar.close()
-    if args.target == "slurm":  # the job runs on the cluster: `status` follows it
-        _emit(args, result, _job_text)
+    after = AFTER.get(spec.name)
+    if after is not None:
+        return after(args, ws, result)
+    _emit(args, result, terminal.TEXT[spec.name])
+    return EXIT_OK
+
+
+def tool_arguments(spec: ToolSpec, args: argparse.Namespace) -> Any:
+    """The parsed command line as the tool's arguments model (a value the model refuses is bad
+    input, as over MCP)."""
+    given: dict[str, Any] = {}
+    for name, field in spec.args.model_fields.items():
+        cli = cli_of(field)
+        if cli.after_dashes:
+            value: Any = getattr(args, "script_args", None) or []
+        elif cli.keys is not None:
+            value = {key: getattr(args, _dest(option.flag)) for key, option in cli.keys.items()
+                     if getattr(args, _dest(option.flag)) is not None}
+        else:
+            value = getattr(args, name)
+            if cli.key_values and value is not None:
+                from engine.config import overrides_to_dict
+
+                value = overrides_to_dict(value)
+        if value is not None or field.is_required():
+            given[name] = value
+    try:
+        return spec.args.model_validate(given)
+    except ValidationError as e:
+        problems = "; ".join(f"{'.'.join(str(p) for p in err['loc'])}: {err['msg']}" for err in e.errors())
+        raise BadInput(f"{' '.join(spec.command)}: {problems}") from None
+
+
+def cli_of(field: FieldInfo) -> Cli:
+    return next((m for m in field.metadata if isinstance(m, Cli)), Cli())
+
+
+def _dest(flag: str) -> str:
+    return flag.lstrip("-").replace("-", "_")
+
+
+def _after_launch(args: argparse.Namespace, ws: Any, result: Any) -> int:
+    """Detached: print the handle. Foreground: stream the console, then print the outcome. A
+    SLURM job runs on the cluster: ``status`` follows it."""
+    if getattr(args, "target", "local") == "slurm":
+        _emit(args, result, terminal.job_text)
         return EXIT_OK
-    return _after_launch(args, ws, result)
-
-
-def _job_text(r) -> str:
-    lines = [f"run {r.run_id} → {r.run_dir}: {r.nodes}"]
-    lines.extend(f"  warning {w}" for w in r.warnings)
-    if r.status != "stopped":  # submitted
-        lines.append(f"  `trainwright status {r.run_id}` follows the job (squeue/sacct); `trainwright stop` cancels it")
-    return "\n".join(lines)
-
-
-def cmd_resume(args: argparse.Namespace) -> int:
-    from mcp_server.operations import runs
-
-    ws = _workspace(args)
-    bar = _DownloadBar()
-    try:
-        result = runs.resume_checkpoint(
-            ws, args.run_id, step=args.step, nproc=args.nproc, overrides=args.overrides, code=args.code, progress=bar
-        )
-    finally:
-        bar.close()
-    return _after_launch(args, ws, result)
-
-
-def _after_launch(args, ws, result) -> int:
-    """Detached: print the handle. Foreground: stream the console, then print the outcome."""
     if args.detach:
-        _emit(args, result, lambda r: _launch_text(r) + f"\n`trainwright status {r.run_id}` shows how it goes")
+        _emit(args, result, lambda r: terminal.launch_text(r) + f"\n`trainwright status {r.run_id}` shows how it goes")
         return EXIT_OK
     if not args.json:
-        print(_launch_text(result), flush=True)
+        print(terminal.launch_text(result), flush=True)
     code = _follow_run(ws, result.run_id, echo=not args.json)
     if args.json:
         from mcp_server.operations import runs
@@ -127,41 +160,19 @@ def _after_launch(args, ws, result) -> int:
     return code
 
 
-def _launch_text(r) -> str:
-    lines = [f"started run {r.run_id} → {r.run_dir}", f"  code   {r.code}"]
-    if r.data:
-        lines.append(f"  {DataSummary.model_validate(r.data).describe()}")
-    if r.config_changes:
-        lines.append("  config " + ", ".join(f"{k}={json.dumps(v)}" for k, v in r.config_changes.items()))
-    lines.extend(f"  warning {w}" for w in r.warnings)
-    return "\n".join(lines)
-
-
-def _follow_run(ws, run_id: str, echo: bool) -> int:
-    """Print the run's console output until it ends; Ctrl-C stops the run."""
+def _follow_run(ws: Any, run_id: str, echo: bool) -> int:
+    """Print the run's console output until it ends; Ctrl-C stops the run (twice: leaves it)."""
     from engine import run_dir as rd
     from mcp_server.operations import runs
 
-    run_dir = ws.run_dir(run_id)
-    console = run_dir / rd.CONSOLE_LOG
+    console = ws.run_dir(run_id) / rd.CONSOLE_LOG
     offset = 0
     stopping = False
     while True:
         try:
             _, record = runs.run_view(ws, run_id)
             ended = record.effective_status() in rd.FINAL_STATUSES and not record.supervisor_alive()
-            chunk = b""
-            f = rd.open_run_output(console)  # not through a link the run left
-            if f is not None:
-                with f:
-                    f.seek(offset)
-                    chunk = f.read()
-            if not ended:  # whole lines only, so that redaction sees every line whole
-                chunk = chunk[: chunk.rfind(b"\n") + 1]
-            offset += len(chunk)
-            if chunk and echo:
-                sys.stdout.write(chunk.decode("utf-8", errors="replace"))
-                sys.stdout.flush()
+            offset = _echo_console(console, offset, whole_lines=not ended, echo=echo)
             if ended:
                 break
             time.sleep(0.3)
@@ -171,307 +182,79 @@ def _follow_run(ws, run_id: str, echo: bool) -> int:
             stopping = True
             print("\nstopping the run (Ctrl-C again to leave it running in the background)…", file=sys.stderr)
             runs.stop_run(ws, run_id)
-    info = runs.get_run(ws, run_id)
-    return {rd.COMPLETED: EXIT_OK, rd.STOPPED: EXIT_STOPPED}.get(info.status, EXIT_FAILED)
+    return _outcome(runs.get_run(ws, run_id).status)
 
 
-def cmd_runs(args: argparse.Namespace) -> int:
-    from mcp_server.operations import runs
+def _echo_console(console: Path, offset: int, whole_lines: bool, echo: bool) -> int:
+    """Print what the console log gained since ``offset`` (whole lines only while the run goes
+    on, so that redaction sees every line whole); return the new offset."""
+    from engine import run_dir as rd
 
-    result = runs.list_runs(_workspace(args), limit=args.limit)
-
-    def text(r) -> str:
-        if not r.runs:
-            return "no runs yet; `trainwright run RECIPE` starts one"
-        lines = [f"{'run id':<40} {'status':<10} {'step':>11} {'loss':>8} {'mean tok/s':>10}  recipe"]
-        for s in r.runs:
-            step = f"{s.step or 0}/{s.max_steps or '?'}"
-            loss = f"{s.loss:.4f}" if isinstance(s.loss, float) else "-"
-            speed = f"{s.mean_tokens_per_s:,.0f}" if isinstance(s.mean_tokens_per_s, float) else "-"
-            lines.append(f"{s.run_id:<40} {s.status:<10} {step:>11} {loss:>8} {speed:>10}  {s.recipe}")
-        lines.append("mean tok/s: supervised tokens/s over the steps after the warm-up (the first logging window)")
-        return "\n".join(lines)
-
-    _emit(args, result, text)
-    return EXIT_OK
+    chunk = b""
+    f = rd.open_run_output(console)  # not through a link the run left
+    if f is not None:
+        with f:
+            f.seek(offset)
+            chunk = f.read()
+    if whole_lines:
+        chunk = chunk[: chunk.rfind(b"\n") + 1]
+    if chunk and echo:
+        sys.stdout.write(chunk.decode("utf-8", errors="replace"))
+        sys.stdout.flush()
+    return offset + len(chunk)
 
 
-def cmd_status(args: argparse.Namespace) -> int:
-    from mcp_server.operations import runs
-
-    result = runs.get_run(_workspace(args), args.run_id)
-
-    def text(r) -> str:
-        lines = [f"run {r.run_id}: {r.status}", f"  recipe     {r.recipe}", f"  code       {r.code}"]
-        lines.append(f"  processes  {r.world_size or r.nproc}")
-        if r.nodes:
-            lines.append(f"  nodes      {r.nodes}")
-        if r.data:
-            lines.append(f"  {DataSummary.model_validate(r.data).describe()}")
-        if r.config_changes:
-            lines.append("  config     " + ", ".join(f"{k}={json.dumps(v)}" for k, v in r.config_changes.items()))
-        if r.isolation:
-            lines.append(f"  isolation  {r.isolation} ({r.isolation_note})")
-        if r.step is not None:
-            lines.append(f"  step       {r.step}/{r.max_steps if r.max_steps is not None else '?'}")
-        if r.latest:
-            lines.append(f"  latest     {_format_record(r.latest)}")
-        if r.speed:
-            lines.append(f"  speed      {r.speed}")
-        if r.eta_s is not None:
-            lines.append(f"  eta        {r.eta_s:.0f} s")
-        if r.checkpoints:
-            lines.append(f"  checkpoints steps {', '.join(str(c.step) for c in r.checkpoints)}")
-        lines.extend(f"  metrics    {destination}" for destination in r.metrics_destinations)
-        if r.network_note:
-            lines.append(f"  network    {r.network_note}")
-        if r.error:
-            lines.append(f"  error      {r.error}")
-        for warning in r.warnings:
-            lines.append(f"  warning    {warning}")
-        if r.console_tail:
-            lines.append("  console.log (end):")
-            lines.extend("    " + line for line in r.console_tail.splitlines()[-20:])
-        return "\n".join(lines)
-
-    _emit(args, result, text)
-    return EXIT_OK
+def _outcome(status: str | None) -> int:
+    """A run's final status as an exit code."""
+    return {"completed": EXIT_OK, "stopped": EXIT_STOPPED}.get(status or "", EXIT_RUN_FAILED)
 
 
-def _format_record(record: dict[str, Any]) -> str:
-    # The record's rates are its logging window's: named so (the run's mean is get_run's speed).
-    keys = {"loss": "loss", "eval_loss": "eval_loss", "lr": "lr", "grad_norm": "grad_norm",
-            "tokens_per_s": "window tokens_per_s", "step_time_s": "window step_time_s"}
-    parts = [f"step {record.get('step')}"]
-    for key, label in keys.items():
-        value = record.get(key)
-        if isinstance(value, float):
-            parts.append(f"{label} {value:.4g}")
-    return " | ".join(parts)
-
-
-def cmd_tail(args: argparse.Namespace) -> int:
+def _after_tail(args: argparse.Namespace, ws: Any, result: Any) -> int:
+    """Print the records (one JSON object each with --json --follow), then with --follow the
+    new ones until the run ends."""
     from engine import run_dir as rd
     from mcp_server.limits import MAX_TAIL_RECORDS
     from mcp_server.operations import runs
 
-    ws = _workspace(args)
-    result = runs.tail_metrics(ws, args.run_id, n=args.n, after_step=args.after_step,
-                               follow_resumes=args.follow_resumes)
-    if not args.json:
-        for point in result.resumes:
-            print(f"(steps after {point.step}: run {point.run_id})", flush=True)
     if args.json and not args.follow:
         print(result.model_dump_json())
         return EXIT_OK
-    last_step = args.after_step
-    for record in result.records:
-        print(json.dumps(record) if args.json else _format_record(record), flush=True)
-        last_step = record.get("step", last_step)
+    if not args.json:
+        for point in result.resumes:
+            print(f"(steps after {point.step}: run {point.run_id})", flush=True)
+    last_step = _print_records(args, result.records, args.after_step)
     while args.follow:
         time.sleep(1.0)
         more = runs.tail_metrics(ws, args.run_id, n=MAX_TAIL_RECORDS, after_step=last_step)
-        for record in more.records:
-            print(json.dumps(record) if args.json else _format_record(record), flush=True)
-            last_step = record.get("step", last_step)
+        last_step = _print_records(args, more.records, last_step)
         if more.status in rd.FINAL_STATUSES:
             break
     return EXIT_OK
 
 
-def cmd_wait(args: argparse.Namespace) -> int:
-    """Wait for a step or the end of a run; each new step is a line on stderr (unless --json)."""
-    import anyio
+def _print_records(args: argparse.Namespace, records: list[dict[str, Any]], last_step: int | None) -> int | None:
+    for record in records:
+        print(json.dumps(record) if args.json else terminal.format_record(record), flush=True)
+        last_step = record.get("step", last_step)
+    return last_step
 
-    from engine import run_dir as rd
-    from mcp_server.operations import waiting
 
-    ws = _workspace(args)
-
-    async def progress(now: waiting.Observation) -> None:
-        if not args.json:
-            print(now.progress_message(), file=sys.stderr, flush=True)
-
-    result = anyio.run(lambda: waiting.wait_run(ws, args.run_id, args.until_step, args.timeout, progress))
-
-    def text(r) -> str:
-        where = f"step {r.step if r.step is not None else '-'}/{r.max_steps or '?'}"
-        line = {"reached_step": f"run {r.run_id} reached {where} ({r.status})",
-                "ended": f"run {r.run_id} ended: {r.status} at {where}",
-                "timeout": f"run {r.run_id} still {r.status} at {where} after {r.waited_s:.0f} s"}[r.reason]
-        return line + (f"\n  error      {r.error}" if r.error else "")
-
-    _emit(args, result, text)
+def _after_wait(args: argparse.Namespace, ws: Any, result: Any) -> int:
+    _emit(args, result, terminal.wait_text)
     if result.reason == "timeout":
         return EXIT_TIMEOUT
-    if result.reason == "ended":
-        outcomes: dict[str, int] = {rd.COMPLETED: EXIT_OK, rd.STOPPED: EXIT_STOPPED}
-        return outcomes.get(result.status, EXIT_FAILED)
-    return EXIT_OK
+    return _outcome(result.status) if result.reason == "ended" else EXIT_OK
 
 
-def cmd_estimate(args: argparse.Namespace) -> int:
-    from mcp_server.operations import estimate
-
-    result = estimate.estimate_run(_workspace(args), args.recipe, args.overrides, args.nproc, args.device,
-                                   args.device_memory_gib)
-    _emit(args, result, _estimate_text)
-    return EXIT_OK
-
-
-def _estimate_text(r) -> str:
-    e = r.estimate
-    memory = ", ".join(f"{k} {v:.3g}" for k, v in e["memory_gib"].items() if k != "peak_gib")
-    fits = "" if r.fits is None else ("; fits" if r.fits else "; does NOT fit")
-    lines = [f"{e['recipe']} on {e['nproc']} × {e['device']}, per process:",
-             f"  parameters  {e['params']:,} ({e['trainable']:,} trainable); checkpointed blocks {e['checkpointed_blocks']}",
-             f"  peak memory {e['memory_gib']['peak_gib']:.3g} GiB ({memory}){fits}",
-             f"  activations {e['activations_source']}"]
-    if e["step_time_s"] is not None:
-        lines.append(f"  step time   {e['step_time_s']:.3g} s ({e['flops_per_token']:,.0f} FLOPs/token; {e['time_source']})")
-    lines += [f"  change      {c['change']}: {c['peak_gib']:.3g} GiB{'' if c['fits'] else ' (does not fit)'}"
-              for c in r.changes]
-    return "\n".join(lines)
-
-
-def cmd_compare(args: argparse.Namespace) -> int:
-    from mcp_server.operations import compare
-
-    result = compare.compare_runs(_workspace(args), args.run_a, args.run_b)
-    _emit(args, result, _compare_text)
-    return EXIT_OK
-
-
-def _compare_text(r) -> str:
-    lines = [f"b {r.run_b} against a {r.run_a}"]
-    lines += [f"  differs  {d}" for d in r.differences] or ["  differs  nothing in config or code"]
-    lines += [f"  {m.metric:<12} {m.verdict:<13}{_metric_line(m, numbers_only=True)}: {m.evidence}" for m in r.metrics]
-    lines += [f"  left out {why}" for why in r.left_out]
-    return "\n".join(lines)
-
-
-def cmd_ab(args: argparse.Namespace) -> int:
-    from mcp_server.operations import ab
-
-    def progress(line: str) -> None:
-        print(line, file=sys.stderr, flush=True)
-
-    result = ab.ab(_workspace(args), args.skill, args.recipe, args.steps, args.rounds, args.overrides,
-                   nproc=args.nproc, note=args.note, progress=progress)
-    _emit(args, result, _ab_text)
-    return {"completed": EXIT_OK, "stopped": EXIT_STOPPED}.get(result.outcome, EXIT_FAILED)
-
-
-def _ab_text(r) -> str:
-    lines = [f"A/B of {r.skill} on {r.recipe}: a = {r.commit_a[:10]} (before it), b = {r.commit_b[:10]} (its commit), "
-             f"{r.rounds} round(s) of {r.steps} steps",
-             "  order    " + " ".join(f"{run.side}:{run.run_id}" for run in r.runs)]
-    for rnd in r.per_round:
-        lines.append(f"  round {rnd.round}  " + "; ".join(_metric_line(m) for m in rnd.metrics))
-    if r.verdict:
-        lines.append(f"verdict, b against a over {len(r.per_round)} round(s):")
-        lines += [f"  {m.metric:<12} {m.verdict:<13}{_metric_line(m, numbers_only=True)}: {m.evidence}" for m in r.verdict]
-    lines += [f"  differs  {d}" for d in r.differences]
-    lines += [f"  left out {why}" for why in r.left_out]
-    lines += [f"  remark   {remark}" for remark in r.remarks]
-    if r.error:
-        lines.append(f"  error    {r.error}")
-    if r.note_written:
-        lines.append(f"the verdict is in the note of {r.commit_b[:10]}: git log --notes=trainwright -1 {r.commit_b[:10]}")
-    return "\n".join(lines)
-
-
-def _metric_line(m, numbers_only: bool = False) -> str:
-    numbers = f" {m.a:,.6g} → {m.b:,.6g}" if m.a is not None and m.b is not None else ""
-    ratio = f" (×{m.ratio:.3g})" if m.ratio is not None else ""
-    return numbers + ratio if numbers_only else f"{m.metric} {m.verdict}{numbers}{ratio}"
-
-
-def cmd_stop(args: argparse.Namespace) -> int:
-    from mcp_server.operations import runs
-
-    result = runs.stop_run(_workspace(args), args.run_id)
-    _emit(args, result, lambda r: f"run {r.run_id}: {r.status}")
-    return EXIT_OK
-
-
-def cmd_checkpoints(args: argparse.Namespace) -> int:
-    from mcp_server.operations import runs
-
-    result = runs.list_checkpoints(_workspace(args), args.run_id)
-    _emit(
-        args,
-        result,
-        lambda r: "\n".join(f"step {c.step:>8}  {c.path}" for c in r.checkpoints)
-        or f"run {r.run_id} has no complete checkpoint yet",
-    )
-    return EXIT_OK
+# What a command does with its result beyond printing it.
+AFTER: dict[str, Callable[[argparse.Namespace, Any, Any], int]] = {
+    "launch_run": _after_launch, "resume_checkpoint": _after_launch, "tail_metrics": _after_tail,
+    "wait_run": _after_wait,
+}
 
 
 # ---------------------------------------------------------------------------------------------
-# Models: export, sample, evaluate
-# ---------------------------------------------------------------------------------------------
-
-
-def cmd_export(args: argparse.Namespace) -> int:
-    from mcp_server.operations import model_tools
-
-    if not args.json:
-        print(f"exporting run {args.run_id} in the sandbox…", file=sys.stderr, flush=True)
-    result = model_tools.export_checkpoint(_workspace(args), args.run_id, args.to, args.step, args.lora)
-
-    def text(r) -> str:
-        lines = [f"exported run {r.run_id} step {r.step} → {r.path} ({r.parameters:,} parameters"
-                 + (f", LoRA {r.lora}" if r.lora else "") + ")"]
-        lines += [f"  {size:>12,}  {name}" for name, size in r.files.items()]
-        return "\n".join(lines)
-
-    _emit(args, result, text)
-    return EXIT_OK
-
-
-def cmd_sample(args: argparse.Namespace) -> int:
-    from mcp_server.operations import model_tools
-
-    result = model_tools.sample(_workspace(args), args.run_id, args.prompts, args.step,
-                                args.max_new_tokens, args.temperature)
-
-    def text(r) -> str:
-        lines = []
-        for item in r.samples:
-            lines.append(f"--- {item.prompt!r} ({item.new_tokens} tokens, stopped at {item.stopped})")
-            if item.input is not None:
-                lines.append(f"    with {item.input}")
-            lines.append(item.prompt + item.completion)
-            if item.expected is not None:
-                lines.append(f"    expected: {item.expected}")
-        return "\n".join(lines)
-
-    _emit(args, result, text)
-    return EXIT_OK
-
-
-def cmd_evaluate(args: argparse.Namespace) -> int:
-    from mcp_server.operations import model_tools
-
-    result = model_tools.evaluate(_workspace(args), args.run_id, args.step, args.data)
-
-    def text(r) -> str:
-        loss = f"{r.eval_loss:.4f}" if r.eval_loss is not None else "not finite"
-        split = "held-out split" if r.split == "held_out" else "data given"
-        size = (f"{r.examples:,} example(s) of the {split}" if r.examples is not None else f"the {split}")
-        if r.tokens is not None:
-            size += f", {r.tokens:,} tokens ({r.loss_tokens if r.loss_tokens is not None else r.tokens:,} loss tokens)"
-        parts = [f"run {r.run_id} step {r.step}: eval_loss {loss} over {size}"]
-        parts += [f"{key} {value:.4g}" for key, value in r.metrics.items()]
-        return " | ".join(parts) + "".join(f"\nwarning: {w}" for w in r.warnings)
-
-    _emit(args, result, text)
-    return EXIT_OK
-
-
-# ---------------------------------------------------------------------------------------------
-# Server, skills, recipes, review
+# Commands with no tool: serve, review, audit, plot, ab
 # ---------------------------------------------------------------------------------------------
 
 
@@ -485,121 +268,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def cmd_skills_list(args: argparse.Namespace) -> int:
-    from mcp_server.operations import skills
-
-    result = skills.list_skills()
-    _emit(args, result, lambda r: "\n".join(
-        f"{s.name:<24} {s.version:<7} {'GPU ' if s.requires_gpu else ''}{s.description.split('. ')[0]}"
-        for s in r.skills))
-    return EXIT_OK
-
-
-def cmd_skills_show(args: argparse.Namespace) -> int:
-    from mcp_server.operations import skills
-
-    result = skills.get_skill(args.name)
-    _emit(args, result, lambda r: r.skill_md)
-    return EXIT_OK
-
-
-def cmd_templates(args: argparse.Namespace) -> int:
-    from mcp_server.operations import recipes
-
-    result = recipes.list_templates()
-    _emit(args, result, lambda r: "\n".join(f"{t.name:<16} {t.description}" for t in r.templates))
-    return EXIT_OK
-
-
-def _key_values(items: list[str]) -> dict[str, Any]:
-    """``["a.b=1", "c=[x]"]`` → ``{"a.b": 1, "c": ["x"]}``: the engine's one override reader."""
-    from engine.config import overrides_to_dict
-
-    return overrides_to_dict(items)
-
-
-def cmd_scaffold(args: argparse.Namespace) -> int:
-    from mcp_server.operations import recipes
-
-    bar = _DownloadBar()
-    try:
-        result = recipes.scaffold_recipe(
-            _workspace(args), args.template, args.name, _key_values(args.config), args.skill, progress=bar
-        )
-    finally:
-        bar.close()
-    _emit(args, result, lambda r: "\n".join(
-        [f"created {r.path} (commit {r.commit[:10]})"]
-        + [f"applied {s.skill}" + (f" (commit {s.commit[:10]})" if s.commit else " (already there)") for s in r.skills]))
-    return EXIT_OK
-
-
-def cmd_recipes(args: argparse.Namespace) -> int:
-    from mcp_server.operations import recipe_info
-
-    result = recipe_info.list_recipes(_workspace(args))
-
-    def text(r) -> str:
-        if not r.recipes:
-            return "no recipes yet; `trainwright scaffold TEMPLATE NAME` creates one"
-        lines = [f"{'recipe':<32} {'template':<12} {'skills':>6} {'runs':>5}  last commit"]
-        for x in r.recipes:
-            last = f"{x.last_commit[:10]} {x.last_change}" if x.last_commit else "(not committed)"
-            lines.append(f"{x.path:<32} {x.template or '-':<12} {x.skills:>6} {x.runs:>5}  {last[:80]}")
-        if r.truncated:
-            lines.append("(more recipes were left out)")
-        return "\n".join(lines)
-
-    _emit(args, result, text)
-    return EXIT_OK
-
-
-def cmd_describe(args: argparse.Namespace) -> int:
-    from mcp_server.operations import recipe_info
-
-    result = recipe_info.describe_recipe(_workspace(args), args.recipe)
-
-    def shown(value: Any) -> str:
-        return json.dumps(value) if not isinstance(value, str) else value
-
-    def text(r) -> str:
-        lines = [f"recipe {r.recipe}" + (f" (from template {r.template})" if r.template else "")]
-        for skill in r.skills:
-            lines.append(f"  skill  {skill.skill} {skill.params or ''} (commit {skill.commit[:10]})")
-        lines.append(f"{'key':<32} {'type':<24} {'value':<16} default  description")
-        for f in r.fields:
-            value = shown(f.value) + (" *" if f.value != f.default else "")
-            lines.append(f"{f.key:<32} {f.type[:24]:<24} {value[:16]:<16} {shown(f.default)[:8]:<8} {f.description}")
-        lines.append("* differs from the code default" + ("; descriptions were cut to fit" if r.cut else ""))
-        return "\n".join(lines)
-
-    _emit(args, result, text)
-    return EXIT_OK
-
-
-def cmd_apply(args: argparse.Namespace) -> int:
-    from mcp_server.operations import skills
-
-    params = skills.with_target(_key_values(args.param), args.target)
-    result = skills.apply_skill(_workspace(args), args.skill, args.recipe, params, dry_run=args.dry_run)
-
-    def text(r) -> str:
-        if r.already_applied:
-            return f"{r.skill} is already applied to {r.recipe}: nothing to do"
-        head = "would change" if r.dry_run else "changed"
-        commit = f" (commit {r.commit[:10]})" if r.commit else ""
-        acts_on = f"\nacts on: {r.acts_on}" if r.acts_on else ""
-        return f"{r.diff}\n{r.skill}@{r.version} {head} {r.recipe}{commit}{acts_on}"
-
-    _emit(args, result, text)
-    return EXIT_OK
-
-
 def cmd_review(args: argparse.Namespace) -> int:
     from mcp_server.operations import review
 
-    result = review.review(_workspace(args), args.base)
-    _emit(args, result, review.format_review)
+    _emit(args, review.review(_workspace(args), args.base), review.format_review)
     return EXIT_OK
 
 
@@ -641,24 +313,28 @@ def cmd_plot(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_ab(args: argparse.Namespace) -> int:
+    from mcp_server.operations import ab
+
+    def progress(line: str) -> None:
+        print(line, file=sys.stderr, flush=True)
+
+    result = ab.ab(_workspace(args), args.skill, args.recipe, args.steps, args.rounds, args.overrides,
+                   nproc=args.nproc, note=args.note, progress=progress)
+    _emit(args, result, terminal.ab_text)
+    return {"completed": EXIT_OK, "stopped": EXIT_STOPPED}.get(result.outcome, EXIT_RUN_FAILED)
+
+
 # ---------------------------------------------------------------------------------------------
 # Parser
 # ---------------------------------------------------------------------------------------------
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from mcp_server.limits import (
-        AB_DEFAULT_ROUNDS, AB_MAX_ROUNDS, AB_MAX_STEPS, AB_MIN_STEPS, DEFAULT_TAIL_RECORDS, DEFAULT_WAIT_S,
-        MAX_TAIL_RECORDS, MAX_WAIT_S,
-    )
-
     common = argparse.ArgumentParser(add_help=False)
-    common.add_argument(
-        "--workspace", default=".", metavar="DIR",
-        help="the workspace folder (default: the current directory)",
-    )
+    common.add_argument("--workspace", default=".", metavar="DIR",
+                        help="the workspace folder (default: the current directory)")
     common.add_argument("--json", action="store_true", help="print one JSON object")
-
     parser = argparse.ArgumentParser(
         prog="trainwright",
         description="Train models with skills as reviewable commits, real FSDP2 runs and "
@@ -666,29 +342,138 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=EPILOG,
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    _add_serve(sub, common)
+    groups: dict[str, Any] = {}
+    for spec in TOOLS:
+        add_tool_command(_group(sub, groups, spec), spec, common)
+    _add_terminal_commands(sub, common)
+    return parser
 
-    def add(name: str, func, help: str, **kwargs) -> argparse.ArgumentParser:
-        p = sub.add_parser(name, parents=[common], help=help, description=help, epilog=EPILOG, **kwargs)
-        p.set_defaults(func=func)
-        return p
 
-    def launch_options(p: argparse.ArgumentParser, nproc_default) -> None:
-        p.add_argument("--nproc", type=int, default=nproc_default, help="processes (FSDP2 ranks)")
-        p.add_argument(
-            "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-            help="override a config value, e.g. --set train.max_steps=50 (repeatable)",
-        )
-        p.add_argument("--detach", action="store_true", help="start it and return at once")
-        settings_option(p)
+def _group(sub: Any, groups: dict[str, Any], spec: ToolSpec) -> Any:
+    """The subparsers a tool's command goes in: the top level, or its group's (``skills``)."""
+    if len(spec.command) == 1:
+        return sub
+    name = spec.command[0]
+    if name not in groups:
+        twins = ", ".join(s.name for s in TOOLS if s.command[0] == name)
+        group = sub.add_parser(name, help=f"{GROUPS[name]} ({twins})")
+        groups[name] = group.add_subparsers(dest=f"{name}_command", required=True, metavar="ACTION")
+    return groups[name]
 
-    def settings_option(p: argparse.ArgumentParser) -> None:
-        p.add_argument(
-            "--config", dest="settings", metavar="FILE",
-            help="trusted settings (runs: limits); default $XDG_CONFIG_HOME/trainwright/config.yaml "
-            "(~/.config/trainwright/config.yaml). The workspace's .trainwright/config.yaml may only tighten them",
-        )
 
-    p = add("serve", cmd_serve, "serve the MCP tools (stdio by default)")
+def add_tool_command(sub: Any, spec: ToolSpec, common: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """``spec``'s subcommand: one argument per field of its arguments model (:func:`add_field`),
+    and the options only a terminal needs (:data:`TERMINAL_OPTIONS`)."""
+    help_line = f"{spec.help} ({spec.name})"
+    p = sub.add_parser(spec.command[-1], parents=[common], help=help_line,
+                       description=f"{help_line}. {spec.description}", epilog=EPILOG)
+    p.set_defaults(func=run_tool, spec=spec)
+    hints = typing.get_type_hints(spec.args)
+    groups: dict[str, argparse._ArgumentGroup] = {}
+    for name, field in spec.args.model_fields.items():
+        group_name = cli_of(field).group
+        if group_name is not None and group_name not in groups:
+            groups[group_name] = p.add_argument_group(group_name)
+        add_field(groups.get(group_name or "", p), name, field, hints[name])
+    for add_option in TERMINAL_OPTIONS.get(spec.name, ()):
+        add_option(p)
+    if any(cli_of(field).after_dashes for field in spec.args.model_fields.values()):
+        p.usage = "%(prog)s RECIPE [options] [-- SCRIPT_ARG ...]"
+    return p
+
+
+def add_field(p: Any, name: str, field: FieldInfo, hint: Any) -> None:
+    """One field of a tool's arguments as a command-line argument: a required one positional
+    (unless it has a ``flag``), an optional one ``--its-name`` with the tool's default."""
+    cli = cli_of(field)
+    if cli.after_dashes:
+        return  # trainwright run SCRIPT [OPTIONS] -- ARGS (split_script_args)
+    if cli.keys is not None:
+        for option in cli.keys.values():
+            p.add_argument(option.flag, type=option.type, metavar=option.metavar, help=_escaped(option.help))
+        return
+    kwargs: dict[str, Any] = {"help": _help(field, cli)}
+    if cli.metavar:
+        kwargs["metavar"] = cli.metavar
+    choices = _choices(hint)
+    if choices:
+        kwargs["choices"] = choices
+    if field.is_required() and cli.flag is None:
+        p.add_argument(name, **kwargs)
+        return
+    kwargs.update(_value_kwargs(field, cli, hint))
+    flags = [cli.flag] if cli.flag else ["--" + name.replace("_", "-")]
+    p.add_argument(*flags, dest=name, **kwargs)
+
+
+def _value_kwargs(field: FieldInfo, cli: Cli, hint: Any) -> dict[str, Any]:
+    """How an option takes its value: a flag, once per item, or one value of the field's type."""
+    if field.is_required():
+        kind: dict[str, Any] = {"required": True}
+    else:
+        kind = {"default": None if cli.repeat else field.default}
+    if cli.repeat:
+        return {**kind, "action": "append"}
+    if _base(hint) is bool:
+        return {"action": "store_true", "default": field.default}
+    return {**kind, "type": _base(hint)}
+
+
+def _base(hint: Any) -> Any:
+    """The type argparse reads a field's value as: ``int | None`` → ``int``; a Literal → ``str``
+    (its values are the choices)."""
+    if typing.get_origin(hint) is Literal:
+        return str
+    options = [a for a in typing.get_args(hint) if a is not type(None)]
+    if typing.get_origin(hint) in (typing.Union, types.UnionType) and len(options) == 1:
+        return _base(options[0])
+    return hint if hint in (int, float, str, bool) else str
+
+
+def _choices(hint: Any) -> tuple[Any, ...] | None:
+    return typing.get_args(hint) if typing.get_origin(hint) is Literal else None
+
+
+def _help(field: FieldInfo, cli: Cli) -> str:
+    text = " ".join(part for part in (field.description or "", cli.more) if part)
+    default = field.default if not field.is_required() else None
+    if default not in (None, "", [], {}, False):
+        text += f" (default {default})"
+    return _escaped(text)
+
+
+def _escaped(text: str) -> str:
+    return text.replace("%", "%%")  # argparse formats help with %
+
+
+# Options only a terminal needs: --detach (a tool call always returns at once), --config (the
+# server's settings are the server's), --follow (a client subscribes to run://<id>/metrics).
+def _detach_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--detach", action="store_true", help="start it and return at once")
+
+
+def _settings_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--config", dest="settings", metavar="FILE",
+        help="trusted settings (runs: limits); default $XDG_CONFIG_HOME/trainwright/config.yaml "
+        "(~/.config/trainwright/config.yaml). The workspace's .trainwright/config.yaml may only tighten them",
+    )
+
+
+def _follow_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--follow", action="store_true", help="keep printing new records until the run ends")
+
+
+TERMINAL_OPTIONS: dict[str, tuple[Callable[[argparse.ArgumentParser], None], ...]] = {
+    "launch_run": (_detach_option, _settings_option),
+    "resume_checkpoint": (_detach_option, _settings_option),
+    "tail_metrics": (_follow_option,),
+}
+
+
+def _add_serve(sub: Any, common: argparse.ArgumentParser) -> None:
+    p = _add_command(sub, common, "serve", cmd_serve, "serve the MCP tools (stdio by default)")
     p.add_argument("--http", type=int, metavar="PORT",
                    help="serve streamable HTTP on http://127.0.0.1:PORT/mcp; requests need the bearer token "
                    "printed at start (also in $XDG_STATE_HOME/trainwright/http-token, default "
@@ -696,121 +481,36 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-auth", action="store_true",
                    help="with --http: accept requests without the token (any local user can then call the tools)")
     p.add_argument("--read-only", action="store_true", help="serve only tools that change nothing")
-    settings_option(p)
+    _settings_option(p)
 
-    skills_parser = sub.add_parser("skills", help="list or show skills (list_skills, get_skill)")
-    skills_sub = skills_parser.add_subparsers(dest="skills_command", required=True, metavar="ACTION")
-    p = skills_sub.add_parser("list", parents=[common], help="list the skills", epilog=EPILOG)
-    p.set_defaults(func=cmd_skills_list)
-    p = skills_sub.add_parser("show", parents=[common], help="print a skill's SKILL.md", epilog=EPILOG)
-    p.add_argument("name")
-    p.set_defaults(func=cmd_skills_show)
 
-    add("templates", cmd_templates, "list recipe templates (list_templates)")
+def _add_command(sub: Any, common: argparse.ArgumentParser, name: str, func: Callable[[argparse.Namespace], int],
+                 help: str) -> argparse.ArgumentParser:
+    p = sub.add_parser(name, parents=[common], help=help, description=help, epilog=EPILOG)
+    p.set_defaults(func=func)
+    return p
 
-    p = add("scaffold", cmd_scaffold, "create recipes/NAME from a template, as a commit (scaffold_recipe)")
-    p.add_argument("template")
-    p.add_argument("name")
-    p.add_argument("--config", action="append", default=[], metavar="KEY=VALUE",
-                   help="config value written to config.yaml, e.g. --config train.max_steps=500")
-    p.add_argument("--skill", action="append", default=[], metavar="SKILL",
-                   help="apply this skill after scaffolding, as its own commit (repeatable)")
 
-    add("recipes", cmd_recipes, "list the workspace's recipes: template, last commit, skills, runs (list_recipes)")
-
-    p = add("describe", cmd_describe, "every config key of a recipe, its template and skills (describe_recipe)")
-    p.add_argument("recipe", help="recipe folder, relative to the workspace, or its name")
-
-    p = add("apply", cmd_apply, "apply a skill to a recipe folder or script, as one commit (apply_skill)")
-    p.add_argument("skill")
-    p.add_argument("recipe", help="recipe folder or .py script, relative to the workspace")
-    p.add_argument("--param", action="append", default=[], metavar="KEY=VALUE", help="skill parameter")
-    p.add_argument("--dry-run", action="store_true", help="print the diff; change nothing")
-    p.add_argument("--target", metavar="EXPR", help="the model to act on (self._model, file.py:LINE): "
-                   "a refusal lists the candidates it saw")
-
-    p = add("review", cmd_review, "each agent commit since BASE: skill, diff stat, runs and outcomes")
+def _add_terminal_commands(sub: Any, common: argparse.ArgumentParser) -> None:
+    p = _add_command(sub, common, "review", cmd_review, "each agent commit since BASE: skill, diff stat, runs and "
+                     "outcomes")
     p.add_argument("base", nargs="?", help="a commit or ref (default: the whole history)")
-
-    p = add("audit", cmd_audit, "the latest tool calls from .trainwright/audit.jsonl, oldest first")
+    p = _add_command(sub, common, "audit", cmd_audit, "the latest tool calls from .trainwright/audit.jsonl, "
+                     "oldest first")
     p.add_argument("-n", type=int, default=20, help="entries to show (default 20)")
-
-    p = add("plot", cmd_plot, "write a PNG of a run's loss curve, across resumes (each one marked)")
+    p = _add_command(sub, common, "plot", cmd_plot, "write a PNG of a run's loss curve, across resumes (each one "
+                     "marked)")
     p.add_argument("run_id")
     p.add_argument("-o", "--output", help="output file (default: RUN_ID-loss.png)")
+    _add_ab(sub, common)
 
-    p = add("run", cmd_run, "launch a training run of a recipe folder or of a Python script (launch_run)")
-    p.add_argument("recipe", help="recipe folder (with recipe.py), or a training script (a .py file, or a folder "
-                   "with a train.py), relative to the workspace; a script's own command line follows -- at the "
-                   "end (trainwright run train.py --nproc 2 -- --epochs 3)")
-    p.usage = "%(prog)s RECIPE [options] [-- SCRIPT_ARG ...]"
-    p.add_argument("--resume-arg", metavar="OPTION", help="a script's option that takes a checkpoint path, "
-                   "given with = (--resume-arg=--resume): `trainwright resume` passes the checkpoint with it")
-    p.add_argument("--commit", metavar="REV", help="run the recipe as this commit holds it (a commit id, HEAD~1, "
-                   "SHA^), not as the folder is now")
-    launch_options(p, 1)
-    nodes = p.add_argument_group("several nodes (docs/scaling.md)")
-    nodes.add_argument("--nnodes", type=int, default=1, help="nodes of the run; --nproc processes on each (default 1)")
-    nodes.add_argument("--rdzv-endpoint", metavar="HOST:PORT",
-                       help="c10d rendezvous on the first node, reachable from every node (nnodes > 1)")
-    nodes.add_argument("--rdzv-id", metavar="ID", help="rendezvous id (default: node 0's run id; required "
-                       "with --node-rank > 0: node 0's run id)")
-    nodes.add_argument("--node-rank", type=int, metavar="N", help="0 starts the run (default), others join it")
-    nodes.add_argument("--target", choices=("local", "slurm"), default="local",
-                       help="local: start here (default); slurm: write runs/<id>/job.sbatch and submit it with sbatch")
-    nodes.add_argument("--partition", help="with --target slurm: the partition")
-    nodes.add_argument("--time", help="with --target slurm: the time limit (default 01:00:00)")
-    nodes.add_argument("--gpus-per-node", type=int, metavar="N", help="with --target slurm: GPUs per node "
-                       "(default: --nproc)")
-    nodes.add_argument("--rdzv-port", type=int, metavar="PORT", help="with --target slurm: the rendezvous port "
-                       "on the job's first node (default 29400)")
 
-    p = add("resume", cmd_resume, "continue a run from its checkpoint as a new run (resume_checkpoint)")
-    p.add_argument("run_id")
-    p.add_argument("--step", type=int, help="checkpoint step (default: the latest complete one)")
-    p.add_argument(
-        "--code", choices=("checkpoint", "head"), default="checkpoint",
-        help="checkpoint: the code the run ran (default); head: the recipe as it is now",
-    )
-    launch_options(p, None)
+def _add_ab(sub: Any, common: argparse.ArgumentParser) -> None:
+    from mcp_server.limits import AB_DEFAULT_ROUNDS, AB_MAX_ROUNDS, AB_MAX_STEPS, AB_MIN_STEPS
 
-    p = add("runs", cmd_runs, "list runs, newest first (list_runs)")
-    p.add_argument("--limit", type=int, default=20, help="at most this many runs, newest first (1-100)")
-
-    p = add("status", cmd_status, "status, latest metrics and checkpoints of a run (get_run)")
-    p.add_argument("run_id")
-
-    p = add("tail", cmd_tail, "the latest metrics records of a run (tail_metrics)")
-    p.add_argument("run_id")
-    p.add_argument("-n", type=int, default=DEFAULT_TAIL_RECORDS,
-                   help=f"records to show (default {DEFAULT_TAIL_RECORDS}, at most {MAX_TAIL_RECORDS})")
-    p.add_argument("--after-step", type=int, metavar="N", help="only records after step N")
-    p.add_argument("--follow", action="store_true", help="keep printing new records until the run ends")
-    p.add_argument("--follow-resumes", action="store_true",
-                   help="the history across resumes: the runs it was resumed from, up to each resume step")
-
-    p = add("wait", cmd_wait, "wait until a run reaches a step or ends (wait_run); exit 124 on timeout")
-    p.add_argument("run_id")
-    p.add_argument("--until-step", type=int, metavar="N", help="return once step N is logged (default: the end)")
-    p.add_argument("--timeout", type=float, metavar="S", default=DEFAULT_WAIT_S,
-                   help=f"give up after S seconds (default {DEFAULT_WAIT_S}, at most {MAX_WAIT_S})")
-
-    p = add("estimate", cmd_estimate, "memory and step time per process before a run, from the model on the meta "
-            "device; with --device-memory-gib, whether it fits and which changes would (estimate_run)")
-    p.add_argument("recipe", help="recipe folder, relative to the workspace, or its name")
-    p.add_argument("--nproc", type=int, default=1, help="processes (FSDP2 ranks)")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a config value, e.g. --set model.num_layers=24 (repeatable)")
-    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="the device class (default cpu)")
-    p.add_argument("--device-memory-gib", type=float, metavar="GIB", help="the memory of one device to fit in")
-
-    p = add("compare", cmd_compare, "b against a: config and code differences, then a verdict per metric "
-            "(loss at equal tokens, tokens/s, step time, peak memory) at the noise of their windows (compare_runs)")
-    p.add_argument("run_a")
-    p.add_argument("run_b")
-
-    p = add("ab", cmd_ab, "a skill's effect, measured: the recipe at the skill's commit (b) against the commit "
-            "before it (a), same config, runs interleaved a b b a ..., then compare_runs over the rounds")
+    p = _add_command(sub, common, "ab", cmd_ab, "a skill's effect, measured: the recipe at the skill's commit (b) "
+                     "against the commit before it (a), same config, runs interleaved a b b a ..., then "
+                     "compare_runs over the rounds")
     p.add_argument("skill", help="a skill applied to the recipe (its newest commit with Skill-Applied: SKILL is b)")
     p.add_argument("recipe", help="recipe folder, relative to the workspace, or its name")
     p.add_argument("--steps", type=int, required=True, metavar="N",
@@ -823,35 +523,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="override a config value of every run (repeatable)")
     p.add_argument("--note", action="store_true", help="append the verdict and the command to the skill commit's "
                    "git note (git log --notes=trainwright)")
-    settings_option(p)
+    _settings_option(p)
 
-    p = add("stop", cmd_stop, "stop a run and all its processes (stop_run)")
-    p.add_argument("run_id")
 
-    p = add("checkpoints", cmd_checkpoints, "complete checkpoints of a run (list_checkpoints)")
-    p.add_argument("run_id")
-
-    p = add("export", cmd_export, "write a checkpoint as a Hugging Face model folder (export_checkpoint)")
-    p.add_argument("run_id")
-    p.add_argument("--to", required=True, metavar="DIR", help="a new or empty folder in the workspace")
-    p.add_argument("--step", type=int, help="checkpoint step (default: the latest complete one)")
-    p.add_argument("--lora", choices=("merged", "adapter"), default="merged",
-                   help="LoRA runs: adapters merged into the weights (default) or a peft adapter folder")
-
-    p = add("sample", cmd_sample, "continue prompts with a checkpoint's model (sample)")
-    p.add_argument("run_id")
-    p.add_argument("--prompt", dest="prompts", action="append", required=True, metavar="TEXT",
-                   help="text to continue (repeatable, at most 8)")
-    p.add_argument("--step", type=int, help="checkpoint step (default: the latest complete one)")
-    p.add_argument("--max-new-tokens", type=int, default=64, help="at most this many new tokens each (1-512)")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 (default): greedy")
-
-    p = add("evaluate", cmd_evaluate, "eval loss and task metrics of a checkpoint (evaluate)")
-    p.add_argument("run_id")
-    p.add_argument("--step", type=int, help="checkpoint step (default: the latest complete one)")
-    p.add_argument("--data", action="append", metavar="PATH",
-                   help="evaluate on these files or folders (repeatable; default: the run's held-out split)")
-    return parser
+# ---------------------------------------------------------------------------------------------
+# Entry
+# ---------------------------------------------------------------------------------------------
 
 
 class RedactedStream:

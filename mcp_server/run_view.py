@@ -17,9 +17,10 @@ from __future__ import annotations
 
 from functools import lru_cache
 from importlib.resources import files
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from mcp.server.apps import Apps
+if TYPE_CHECKING:
+    from mcp.server.apps import Apps
 
 RESOURCE_URI = "ui://trainwright/run"
 # What get_run and wait_run carry in tools/list: the one definition of the binding.
@@ -35,6 +36,8 @@ def page() -> str:
 
 def extension() -> Apps:
     """The Apps extension of the server: the ``ui://`` page, and the capability it advertises."""
+    from mcp.server.apps import Apps  # the server's alone: the CLI reads TOOL_META without the SDK
+
     apps = Apps()
     apps.add_html_resource(
         RESOURCE_URI, page(), name="run_view", title="trainwright run",

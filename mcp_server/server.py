@@ -1,7 +1,9 @@
-"""The MCP binding: ``trainwright serve`` exposes the operations as tools and resources.
+"""The MCP binding: ``trainwright serve`` serves :data:`mcp_server.declarations.TOOLS` as MCP
+tools, and the workspace's resources and prompts.
 
-Each tool is a thin, typed function whose docstring is what the agent reads; the work is done
-by ``mcp_server.operations``. Every call goes through :meth:`Tools.call`, which turns input
+Each tool is generated from its declaration (:func:`mcp_tool`): the arguments model's fields
+are its parameters, the spec's description is what the agent reads; the work is done by
+``mcp_server.operations``. Every call goes through :meth:`Tools.call`, which turns input
 errors into tool errors with an actionable message (cut to a bounded length), refuses a result
 too large for an agent's context, and appends the call to the audit log. Calls that the SDK
 rejects before they reach a tool (unknown tool, arguments that fail the schema, arguments too
@@ -12,67 +14,38 @@ separate processes.
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import json
 import logging
+import typing
 from collections import Counter
 from pathlib import Path
-from typing import Annotated, Any, AsyncIterator, Callable, Literal
+from typing import Any, AsyncIterator, Callable
 
 import anyio
 from mcp.server.mcpserver import Context, MCPServer
 from mcp.server.mcpserver.exceptions import ResourceError, ToolError
+from mcp.server.mcpserver.resources import FunctionResource
+from mcp.server.mcpserver.tools import Tool
 from mcp.server.session import ServerSession
 from mcp.server.subscriptions import InMemorySubscriptionBus
 from mcp.shared.exceptions import MCPError
 from mcp_types import (INVALID_PARAMS, SetLevelRequestParams, SubscribeRequestParams, ToolAnnotations,
                        UnsubscribeRequestParams)
-from pydantic import Field
 
 import skills as skill_library
 from engine import run_dir as rd
 from engine.errors import TrainwrightError
-from mcp_server.limits import (
-    DEFAULT_TAIL_RECORDS,
-    MAX_ARGUMENTS_CHARS,
-    MAX_ERROR_CHARS,
-    MAX_RESULT_CHARS,
-    MAX_TAIL_RECORDS,
-    bounded,
-    json_chars,
-)
-from mcp_server.models import (
-    ApplySkillResult,
-    CheckpointList,
-    CompareResult,
-    EstimateResult,
-    EvaluateResult,
-    ExportResult,
-    LaunchRunResult,
-    MetricsTail,
-    RecipeDescription,
-    RecipeList,
-    RunInfo,
-    RunList,
-    SampleResult,
-    ScaffoldResult,
-    SkillDetail,
-    SkillList,
-    StopRunResult,
-    TemplateList,
-    WaitRunResult,
-)
-from engine.model_io import MAX_NEW_TOKENS, MAX_PROMPTS
-from mcp_server.operations import model_tools as model_ops
-from mcp_server.operations import compare, estimate, recipe_info, waiting
-from mcp_server.operations import recipes as recipe_ops
-from mcp_server.operations import runs as run_ops
-from mcp_server.operations import skills as skill_ops
 from mcp_server import clients, run_view, workflows
+from mcp_server.declarations import TOOLS, Report, ToolSpec
+from mcp_server.limits import MAX_ARGUMENTS_CHARS, MAX_ERROR_CHARS, MAX_RESULT_CHARS, MAX_TAIL_RECORDS, bounded, json_chars
 from mcp_server.live import LiveRuns
+from mcp_server.operations import runs as run_ops
+from mcp_server.operations import waiting
 from mcp_server.tasks import TasksExtension
-from sandbox.audit import AuditLog
 from sandbox import redact as redaction
+from sandbox.audit import AuditLog
 from sandbox.config import trusted_limits
 from sandbox.git import ensure_repo
 from sandbox.redact import printable, redact, redact_model, shown
@@ -96,27 +69,11 @@ resume → wait.
 Runs outlive this server; list_runs shows them all. Errors say what to change.
 """
 
-# idempotentHint and destructiveHint mean something only for tools that change something (the
-# MCP spec), so a read-only tool says neither.
-READ_ONLY = ToolAnnotations(readOnlyHint=True, openWorldHint=False)
-ADDITIVE = ToolAnnotations(readOnlyHint=False, destructiveHint=False, openWorldHint=False)
-IDEMPOTENT_CHANGE = ToolAnnotations(readOnlyHint=False, destructiveHint=False, idempotentHint=True, openWorldHint=False)
-DESTRUCTIVE = ToolAnnotations(readOnlyHint=False, destructiveHint=True, idempotentHint=True, openWorldHint=False)
-# Tools that download a model or data set the config names by Hub id reach the Hugging Face Hub:
-# open world (the spec's default, so the key is left out).
-READ_ONLY_HUB = ToolAnnotations(readOnlyHint=True)
-ADDITIVE_HUB = ToolAnnotations(readOnlyHint=False, destructiveHint=False)
-
 logger = logging.getLogger(__name__)
 
 
 class AuditedToolError(ToolError):
     """A tool error that :meth:`Tools.call` has already written to the audit log."""
-
-
-RunId = Annotated[str, Field()]
-RecipePath = Annotated[str, Field(description="recipes/<name>, or the name.")]
-Step = Annotated[int | None, Field(strict=True, description="Default: latest.")]
 
 
 def session_of(ctx: Context | None) -> ServerSession | None:
@@ -127,38 +84,42 @@ def session_of(ctx: Context | None) -> ServerSession | None:
         return None
 
 
-def download_progress(ctx: Context | None) -> Callable[[float, float | None, str], None] | None:
+class DownloadProgress:
     """For work in a worker thread: a Hub model's download (bytes) as progress notifications
     between 0 and 1 (of the call's 2), each one higher than the last, as MCP requires; and as an
     info log message at each tenth."""
-    if ctx is None:
-        return None
-    last = [0.0]
 
-    def report(done: float, total: float | None, message: str) -> None:
-        value = round(min(0.99, done / total), 4) if total else last[0]
-        if value <= last[0]:
+    def __init__(self, ctx: Context):
+        self.ctx = ctx
+        self.last = 0.0
+
+    def __call__(self, done: float, total: float | None, message: str) -> None:
+        value = round(min(0.99, done / total), 4) if total else self.last
+        if value <= self.last:
             return
-        tenth_reached = int(value * 10) > int(last[0] * 10)
-        last[0] = value
+        tenth_reached = int(value * 10) > int(self.last * 10)
+        self.last = value
         try:
-            anyio.from_thread.run(ctx.report_progress, value, 2, message)
+            anyio.from_thread.run(self.ctx.report_progress, value, 2, message)
             if tenth_reached:
-                anyio.from_thread.run(clients.log, session_of(ctx), "info", f"{message} ({value:.0%})")
+                anyio.from_thread.run(clients.log, session_of(self.ctx), "info", f"{message} ({value:.0%})")
         except Exception:  # a client gone away: the download goes on
             logger.debug("progress notification failed", exc_info=True)
 
-    return report
+
+def download_progress(ctx: Context | None) -> DownloadProgress | None:
+    return DownloadProgress(ctx) if ctx is not None else None
 
 
-async def log_launched(ctx: Context | None, result: LaunchRunResult, source: str) -> None:
-    await clients.log(session_of(ctx), "info", f"run {result.run_id} launched ({source})")
+class WaitProgress:
+    """A run's progress while a tool waits on it, as the call's progress notifications."""
 
+    def __init__(self, ctx: Context | None):
+        self.ctx = ctx
 
-async def log_wait(ctx: Context | None, result: WaitRunResult) -> None:
-    if result.reason == "ended":
-        await clients.log(session_of(ctx), clients.ENDED_LEVELS.get(result.status, "info"),
-                          f"run {result.run_id} {result.status}" + (f": {result.error}" if result.error else ""))
+    async def __call__(self, now: waiting.Observation) -> None:
+        if self.ctx is not None:
+            await self.ctx.report_progress(now.step or 0, now.max_steps, now.progress_message())
 
 
 class Tools:
@@ -201,11 +162,64 @@ class Tools:
         self.audit.record(tool, arguments, "error", error=message)
         raise AuditedToolError(message) from None
 
+    async def run(self, spec: ToolSpec, arguments: dict[str, Any], ctx: Context | None) -> Any:
+        """One MCP call of ``spec``: its arguments validated into its model, its stages sent as
+        progress, its operation run through :meth:`call`, its announcement sent as a log message."""
+        args = spec.args.model_validate(arguments)
+        report = Report(download=download_progress(ctx), observe=WaitProgress(ctx))
+        stages = spec.stages
+        if ctx is not None and stages is not None:
+            await ctx.report_progress(0, stages.total, stages.start)
+        result = await self.call(spec.name, args.model_dump(), functools.partial(spec.run, self.ws, args, report))
+        if ctx is not None and stages is not None:
+            await ctx.report_progress(stages.total, stages.total, stages.end.format(**dict(result)))
+        announced = spec.announce(args, result) if spec.announce is not None else None
+        if announced is not None:
+            message, status = announced
+            await clients.log(session_of(ctx), clients.ENDED_LEVELS.get(status or "", "info"), message)
+        return result
+
+
+def mcp_tool(spec: ToolSpec, tools: Tools) -> Tool:
+    """``spec`` as an MCP tool: its arguments model's fields are the tool's parameters (the
+    schema compacted, :func:`_compact_schema`), its result model the output schema."""
+    hints = spec.hints
+    annotations = ToolAnnotations(readOnlyHint=hints.read_only, destructiveHint=hints.destructive,
+                                  idempotentHint=hints.idempotent, openWorldHint=hints.open_world)
+    tool = Tool.from_function(_tool_function(spec, tools), name=spec.name, description=spec.description,
+                              annotations=annotations, meta=spec.meta)
+    for schema, output in ((tool.parameters, False), (tool.fn_metadata.output_schema, True)):
+        _compact_schema(schema, output)
+        _inline_single_use_definitions(schema)
+    return tool
+
+
+def _tool_function(spec: ToolSpec, tools: Tools) -> Callable[..., Any]:
+    """The function the SDK calls: a signature of the arguments model's fields (each annotated
+    with its ``Field``, as the SDK reads parameters) and the request's context."""
+
+    async def call(ctx: Context | None = None, **arguments: Any) -> Any:
+        return await tools.run(spec, arguments, ctx)
+
+    hints = typing.get_type_hints(spec.args, include_extras=True)
+    parameters = [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, annotation=hints[name],
+                                    default=inspect.Parameter.empty if field.is_required() else field.default)
+                  for name, field in spec.args.model_fields.items()]
+    parameters.append(inspect.Parameter("ctx", inspect.Parameter.KEYWORD_ONLY, default=None,
+                                        annotation=Context | None))
+    call.__signature__ = inspect.Signature(parameters, return_annotation=spec.result)  # type: ignore[attr-defined]
+    call.__annotations__ = {**{p.name: p.annotation for p in parameters}, "return": spec.result}
+    call.__name__ = call.__qualname__ = spec.name
+    return call
+
 
 class AuditedServer(MCPServer):
     """The MCP server, with every call audited, also those refused before a tool runs."""
 
-    tools: Tools
+    def __init__(self, tools: Tools, served: list[ToolSpec], **settings: Any):
+        super().__init__(tools=[mcp_tool(spec, tools) for spec in served], **settings)
+        self.tools = tools
+        self.tool_names = frozenset(spec.name for spec in served)
 
     async def call_tool(self, name: str, arguments: dict[str, Any], context: Context | None = None):
         size = json_chars(arguments)
@@ -213,7 +227,7 @@ class AuditedServer(MCPServer):
             message = f"bad_input: the arguments are too large ({size:,} characters, at most {MAX_ARGUMENTS_CHARS:,})"
             self.tools.audit.record(str(name)[:100], {"size": size}, "error", error=message)
             raise ToolError(message)
-        if self._tool_manager.get_tool(name) is None:
+        if name not in self.tool_names:
             cut = name if len(name) <= 80 else name[:80] + "…"
             message = printable(f"not_found: unknown tool {cut!r}; tools: "
                                 f"{', '.join(sorted(t.name for t in await self.list_tools()))}")
@@ -243,356 +257,74 @@ class AuditedServer(MCPServer):
 
 
 def build_server(workspace: Path | str, read_only: bool = False, settings: Path | str | None = None) -> MCPServer:
-    """The server of one workspace; ``settings``: the trusted settings file (``serve --config``)."""
+    """The server of one workspace; ``settings``: the trusted settings file (``serve --config``);
+    ``read_only``: only the tools that change nothing (their annotations say so)."""
     redaction.reload()  # the values of this server's secrets, compiled once per start
     ws = Workspace.open(workspace, settings)
     trusted_limits(ws.settings)  # a missing or broken settings file stops the start
     if not read_only:
         ensure_repo(ws.root)
         ws.prepare_state()
-    tools = Tools(ws)
+    served = [spec for spec in TOOLS if spec.hints.read_only or not read_only]
     bus = InMemorySubscriptionBus()
     live = LiveRuns(ws, bus)
-    tasks = TasksExtension()
-
-    @contextlib.asynccontextmanager
-    async def lifespan(server: Any) -> AsyncIterator[dict[str, Any]]:
-        async with live.running(server) as state, tasks.running():
-            yield state
-
-    mcp = AuditedServer("trainwright", instructions=INSTRUCTIONS, version=package_version(), log_level="WARNING",
-                        subscriptions=bus, lifespan=lifespan, middleware=[live.listen_middleware, tasks.legacy],
-                        extensions=[run_view.extension(), tasks])
-    mcp.tools = tools
-    tasks.has_tool = lambda name: mcp._tool_manager.get_tool(name) is not None
+    tasks = TasksExtension(has_tool=frozenset(spec.name for spec in served).__contains__)
+    mcp = AuditedServer(Tools(ws), served, name="trainwright", instructions=INSTRUCTIONS, version=package_version(),
+                        log_level="WARNING", subscriptions=bus, lifespan=functools.partial(_lifespan, live, tasks),
+                        middleware=[live.listen_middleware, tasks.legacy], extensions=[run_view.extension(), tasks])
     _serve_session_methods(mcp, live)
+    Resources(ws).register(mcp)
+    workflows.register_prompts(mcp)
+    workflows.register_completions(mcp, ws)
+    return mcp
 
-    def tool(annotations: ToolAnnotations, meta: dict[str, Any] | None = None):
-        if read_only and not annotations.read_only_hint:
-            return lambda fn: fn  # --read-only: tools that change something are not served
 
-        def register(fn):
-            # The docstring is what the agent reads: without its source indentation and line breaks.
-            description = inspect.cleandoc(fn.__doc__ or "").replace("\n", " ")
-            return mcp.tool(annotations=annotations, description=description, meta=meta)(fn)
+@contextlib.asynccontextmanager
+async def _lifespan(live: LiveRuns, tasks: TasksExtension, server: Any) -> AsyncIterator[dict[str, Any]]:
+    async with live.running(server) as state, tasks.running():
+        yield state
 
-        return register
 
-    # ---------------------------------------------------------------------------------------
-    # Skills
-    # ---------------------------------------------------------------------------------------
+class Resources:
+    """The workspace's resources: each skill's SKILL.md, and a run's metrics, log, status and
+    loss curve (``run://<id>/...``)."""
 
-    @tool(READ_ONLY)
-    async def list_skills() -> SkillList:
-        """The skills apply_skill can write; get_skill explains one."""
-        return await tools.call("list_skills", {}, skill_ops.list_skills)
+    def __init__(self, ws: Workspace):
+        self.ws = ws
 
-    @tool(READ_ONLY)
-    async def get_skill(name: Annotated[str, Field(description="A skill name from list_skills.")]) -> SkillDetail:
-        """A skill's SKILL.md and parameter schema."""
-        return await tools.call("get_skill", {"name": name}, lambda: skill_ops.get_skill(name))
+    def register(self, mcp: MCPServer) -> None:
+        for info in skill_library.list_skill_cards():
+            mcp.add_resource(FunctionResource.from_function(
+                functools.partial(_skill_md, info.name), uri=f"skill://{info.name}", name=info.name,
+                description=info.description, mime_type="text/markdown"))
+        mcp.resource("run://{run_id}/metrics", mime_type="application/json", description="The latest metrics "
+                     "records (at most 200) of a run's history across resumes, as JSON.")(self.run_metrics)
+        mcp.resource("run://{run_id}/log", mime_type="text/plain",
+                     description="The end of a run's console log (at most 20 kB).")(self.run_log)
+        mcp.resource("run://{run_id}/status", mime_type="application/json", description="A run's status, "
+                     "latest metrics, ETA and checkpoints (get_run), as JSON.")(self.run_status)
+        mcp.resource("run://{run_id}/loss.png", mime_type="image/png", description="The loss curve (and "
+                     "learning rate) of a run's history, each resume marked.")(self.run_loss_png)
 
-    @tool(IDEMPOTENT_CHANGE)  # idempotent: the annotation says it, the description need not
-    async def apply_skill(
-        skill: Annotated[str, Field(description="A skill name from list_skills.")],
-        recipe: Annotated[str, Field(description="recipes/<name>, the name, or a .py script.")],
-        params: Annotated[dict[str, Any] | None, Field(description="Skill parameters (see get_skill).")] = None,
-        dry_run: Annotated[bool, Field(strict=True, description="Only return the diff; change nothing.")] = False,
-        target: Annotated[str | None, Field(description="The model to act on: self._model, file.py:LINE.")] = None,
-    ) -> ApplySkillResult:
-        """Write a skill's pattern into a recipe's code as one git commit; a refusal says what
-        works."""
-        args = {"skill": skill, "recipe": recipe, "params": params, "dry_run": dry_run, "target": target}
-        return await tools.call("apply_skill", args, lambda: skill_ops.apply_skill(
-            tools.ws, skill, recipe, skill_ops.with_target(params, target), dry_run))
-
-    # ---------------------------------------------------------------------------------------
-    # Recipes
-    # ---------------------------------------------------------------------------------------
-
-    @tool(READ_ONLY)
-    async def list_templates() -> TemplateList:
-        """The templates scaffold_recipe can copy."""
-        return await tools.call("list_templates", {}, recipe_ops.list_templates)
-
-    @tool(ADDITIVE_HUB)
-    async def scaffold_recipe(
-        template: Annotated[str, Field(description="A template name from list_templates.")],
-        name: Annotated[str, Field(description="The new recipes/<name>/.")],
-        config: Annotated[
-            dict[str, Any] | None,
-            Field(description='Dotted keys: {"train.max_steps": 500}.'),
-        ] = None,
-        skills: Annotated[
-            list[str | dict[str, Any]] | None,
-            Field(description="Names, or {name, params}."),
-        ] = None,
-        ctx: Context | None = None,
-    ) -> ScaffoldResult:
-        """Create recipes/<name>/ from a template as a commit (one more per skill); a bad key
-        or skill writes nothing."""
-        if ctx is not None:
-            await ctx.report_progress(0, 2, "checking the config and skills")
-        args = {"template": template, "name": name, "config": config, "skills": skills}
-        result = await tools.call(
-            "scaffold_recipe", args,
-            lambda: recipe_ops.scaffold_recipe(tools.ws, template, name, config, skills, progress=download_progress(ctx)),
-        )
-        if ctx is not None:
-            await ctx.report_progress(2, 2, "scaffolded")
-        return result
-
-    @tool(READ_ONLY_HUB)
-    async def describe_recipe(recipe: RecipePath) -> RecipeDescription:
-        """Every config key of a recipe or template, skills applied, Hub models."""
-        return await tools.call(
-            "describe_recipe", {"recipe": recipe}, lambda: recipe_info.describe_recipe(tools.ws, recipe)
-        )
-
-    @tool(READ_ONLY)
-    async def list_recipes() -> RecipeList:
-        """The workspace's recipes: template, last commit, skills, runs."""
-        return await tools.call("list_recipes", {}, lambda: recipe_info.list_recipes(tools.ws))
-
-    # ---------------------------------------------------------------------------------------
-    # Runs
-    # ---------------------------------------------------------------------------------------
-
-    @tool(ADDITIVE_HUB)
-    async def launch_run(
-        recipe: Annotated[str, Field(description="Recipe folder, or a .py script.")],
-        nproc: Annotated[int, Field(strict=True, description="Processes per node.")] = 1,
-        overrides: Annotated[
-            dict[str, Any] | None,
-            Field(description='Config: {"train.max_steps": 100}.'),
-        ] = None,
-        nnodes: Annotated[int, Field(strict=True, description="Nodes.")] = 1,
-        rdzv: Annotated[dict[str, Any], Field(description="nnodes>1: endpoint host:port, id, node_rank.")] = {},
-        target: Annotated[Literal["local", "slurm"], Field(description="slurm: sbatch job.")] = "local",
-        slurm: Annotated[dict[str, Any], Field(description="partition, time, gpus_per_node.")] = {},
-        args: Annotated[list[str], Field(description="Script's command line.")] = [],
-        resume_arg: Annotated[str, Field(description="Script option for a checkpoint path.")] = "",
-        commit: Annotated[str, Field(description="Run this commit's code (sha, sha^).")] = "",
-        ctx: Context | None = None,
-    ) -> LaunchRunResult:
-        """Run a snapshot of a recipe or .py script (JSON lines with a step: metrics); returns
-        run_id at once, or writes nothing on error."""
-        if ctx is not None:
-            await ctx.report_progress(0, 2, "checking the recipe and config")
-        call_args = {"recipe": recipe, "nproc": nproc, "overrides": overrides, "nnodes": nnodes, "rdzv": rdzv,
-                     "target": target, "slurm": slurm, "args": args, "resume_arg": resume_arg, "commit": commit}
-        result = await tools.call("launch_run", call_args, lambda: run_ops.launch_run(
-            tools.ws, recipe, nproc, overrides, nnodes=nnodes, rdzv=rdzv, target=target, slurm=slurm,
-            progress=download_progress(ctx), args=args or None, resume_arg=resume_arg or None, commit=commit or None))
-        if ctx is not None:
-            await ctx.report_progress(2, 2, f"started {result.run_id}")
-        await log_launched(ctx, result, recipe)
-        return result
-
-    @tool(READ_ONLY_HUB)
-    async def estimate_run(
-        recipe: RecipePath,
-        overrides: Annotated[dict[str, Any] | None, Field(description="As launch_run's.")] = None,
-        nproc: Annotated[int, Field(strict=True, description="Processes.")] = 1,
-        device: Annotated[Literal["cpu", "cuda"], Field(description="Device class.")] = "cpu",
-        device_memory_gib: Annotated[float | None, Field(description="Per process: does it fit?")] = None,
-    ) -> EstimateResult:
-        """Memory and step time per process before launch_run; over device_memory_gib, changes
-        that fit."""
-        args = {"recipe": recipe, "overrides": overrides, "nproc": nproc, "device": device,
-                "device_memory_gib": device_memory_gib}
-        return await tools.call("estimate_run", args, lambda: estimate.estimate_run(
-            tools.ws, recipe, overrides, nproc, device, device_memory_gib))
-
-    @tool(READ_ONLY)
-    async def list_runs(
-        limit: Annotated[int, Field(strict=True, description="1-100.")] = 20,
-    ) -> RunList:
-        """The workspace's runs, newest first: status, step, loss, mean tokens/s."""
-        return await tools.call("list_runs", {"limit": limit}, lambda: run_ops.list_runs(tools.ws, limit))
-
-    @tool(READ_ONLY, meta=run_view.TOOL_META)
-    async def get_run(run_id: RunId) -> RunInfo:
-        """A run's status, metrics, speed, ETA, checkpoints; a failed run's console end."""
-        return await tools.call("get_run", {"run_id": run_id}, lambda: run_ops.get_run(tools.ws, run_id))
-
-    @tool(READ_ONLY, meta=run_view.TOOL_META)
-    async def wait_run(
-        run_id: RunId,
-        until_step: Annotated[
-            int | None, Field(strict=True, description="Return once it is logged; default: the end.")
-        ] = None,
-        timeout_s: Annotated[
-            float, Field(strict=True, description=f"At most {waiting.MAX_WAIT_S}.")
-        ] = waiting.DEFAULT_WAIT_S,
-        ctx: Context | None = None,
-    ) -> WaitRunResult:
-        """Wait until a run logs until_step, ends, or timeout_s passes (reason)."""
-
-        async def progress(now: waiting.Observation) -> None:
-            if ctx is not None:
-                await ctx.report_progress(now.step or 0, now.max_steps, now.progress_message())
-
-        async def work() -> WaitRunResult:
-            return await waiting.wait_run(tools.ws, run_id, until_step, timeout_s, progress)
-
-        args = {"run_id": run_id, "until_step": until_step, "timeout_s": timeout_s}
-        result = await tools.call("wait_run", args, work)
-        await log_wait(ctx, result)
-        return result
-
-    @tool(READ_ONLY)
-    async def tail_metrics(
-        run_id: RunId,
-        n: Annotated[
-            int, Field(strict=True, description="1-200.")
-        ] = DEFAULT_TAIL_RECORDS,
-        after_step: Annotated[
-            int | None, Field(strict=True, description="Only records after this step.")
-        ] = None,
-        follow_resumes: Annotated[
-            bool, Field(strict=True, description="Also the runs it was resumed from.")
-        ] = False,
-    ) -> MetricsTail:
-        """The latest metrics records of a run."""
-        args = {"run_id": run_id, "n": n, "after_step": after_step, "follow_resumes": follow_resumes}
-        return await tools.call(
-            "tail_metrics", args, lambda: run_ops.tail_metrics(tools.ws, run_id, n, after_step, follow_resumes)
-        )
-
-    @tool(READ_ONLY)
-    async def compare_runs(run_a: RunId, run_b: RunId) -> CompareResult:
-        """b vs a: config and code differences, loss at equal tokens, speed, memory, judged at
-        the runs' noise."""
-        args = {"run_a": run_a, "run_b": run_b}
-        return await tools.call("compare_runs", args, lambda: compare.compare_runs(tools.ws, run_a, run_b))
-
-    @tool(DESTRUCTIVE)
-    async def stop_run(run_id: RunId) -> StopRunResult:
-        """Stop a run and all its processes; checkpoints stay."""
-        return await tools.call("stop_run", {"run_id": run_id}, lambda: run_ops.stop_run(tools.ws, run_id))
-
-    @tool(READ_ONLY)
-    async def list_checkpoints(run_id: RunId) -> CheckpointList:
-        """A run's complete checkpoints."""
-        return await tools.call(
-            "list_checkpoints", {"run_id": run_id}, lambda: run_ops.list_checkpoints(tools.ws, run_id)
-        )
-
-    @tool(ADDITIVE_HUB)
-    async def resume_checkpoint(
-        run_id: RunId,
-        step: Step = None,
-        nproc: Annotated[int | None, Field(strict=True, description="Default: as the run.")] = None,
-        code: Annotated[
-            Literal["checkpoint", "head"],
-            Field(description="checkpoint: the run's code; head: the recipe now."),
-        ] = "checkpoint",
-        overrides: Annotated[
-            dict[str, Any] | None,
-            Field(description='e.g. {"train.max_steps": 400}'),
-        ] = None,
-        ctx: Context | None = None,
-    ) -> LaunchRunResult:
-        """Continue a run from a checkpoint as a new run (its config + overrides)."""
-        args = {"run_id": run_id, "step": step, "nproc": nproc, "code": code, "overrides": overrides}
-        result = await tools.call(
-            "resume_checkpoint", args,
-            lambda: run_ops.resume_checkpoint(tools.ws, run_id, step, nproc, overrides=overrides, code=code),
-        )
-        await log_launched(ctx, result, f"resuming {run_id}")
-        return result
-
-    # ---------------------------------------------------------------------------------------
-    # Models: export, sample, evaluate (each loads the recipe in the run sandbox)
-    # ---------------------------------------------------------------------------------------
-
-    async def in_sandbox(ctx: Context | None, tool_name: str, args: dict[str, Any], work: Callable[[], Any]):
-        if ctx is not None:
-            await ctx.report_progress(0, 1, "loading the checkpoint in the sandbox")
-        result = await tools.call(tool_name, args, work)
-        if ctx is not None:
-            await ctx.report_progress(1, 1, "done")
-        return result
-
-    @tool(ADDITIVE)
-    async def export_checkpoint(
-        run_id: RunId,
-        to: Annotated[str, Field(description="A new or empty folder in the workspace.")],
-        step: Step = None,
-        lora: Annotated[Literal["merged", "adapter"], Field(description="LoRA runs: merged weights or a peft adapter.")] = "merged",
-        ctx: Context | None = None,
-    ) -> ExportResult:
-        """Write a checkpoint as a Hugging Face folder (weights, config, tokenizer)."""
-        args = {"run_id": run_id, "to": to, "step": step, "lora": lora}
-        return await in_sandbox(ctx, "export_checkpoint", args,
-                                lambda: model_ops.export_checkpoint(tools.ws, run_id, to, step, lora))
-
-    @tool(READ_ONLY)
-    async def sample(
-        run_id: RunId,
-        prompts: Annotated[list[str], Field(description=f"At most {MAX_PROMPTS} texts.")],
-        step: Step = None,
-        max_new_tokens: Annotated[int, Field(strict=True, description=f"1-{MAX_NEW_TOKENS}.")] = 64,
-        temperature: Annotated[float, Field(strict=True, description="0: greedy.")] = 0.0,
-        ctx: Context | None = None,
-    ) -> SampleResult:
-        """Continue prompts with a checkpoint's model."""
-        args = {"run_id": run_id, "prompts": prompts, "step": step, "max_new_tokens": max_new_tokens,
-                "temperature": temperature}
-        return await in_sandbox(ctx, "sample", args, lambda: model_ops.sample(
-            tools.ws, run_id, prompts, step, max_new_tokens, temperature))
-
-    @tool(READ_ONLY)
-    async def evaluate(
-        run_id: RunId,
-        step: Step = None,
-        data: Annotated[list[str] | None, Field(description="Files; default: the held-out split.")] = None,
-        ctx: Context | None = None,
-    ) -> EvaluateResult:
-        """A checkpoint's eval loss and the recipe's task metrics."""
-        args = {"run_id": run_id, "step": step, "data": data}
-        return await in_sandbox(ctx, "evaluate", args, lambda: model_ops.evaluate(tools.ws, run_id, step, data))
-
-    # ---------------------------------------------------------------------------------------
-    # Resources
-    # ---------------------------------------------------------------------------------------
-
-    for info in skill_library.list_skill_cards():
-        _add_skill_resource(mcp, info.name, info.description)
-
-    @mcp.resource("run://{run_id}/metrics", mime_type="application/json",
-                  description="The latest metrics records (at most 200) of a run's history across resumes, as JSON.")
-    def run_metrics(run_id: str) -> str:
-        tail = _resource(lambda: run_ops.tail_metrics(tools.ws, run_id, MAX_TAIL_RECORDS, follow_resumes=True))
+    def run_metrics(self, run_id: str) -> str:
+        tail = _resource(lambda: run_ops.tail_metrics(self.ws, run_id, MAX_TAIL_RECORDS, follow_resumes=True))
         return redact_model(tail).model_dump_json()
 
-    @mcp.resource("run://{run_id}/log", mime_type="text/plain",
-                  description="The end of a run's console log (at most 20 kB).")
-    def run_log(run_id: str) -> str:
-        run_dir = _resource(lambda: tools.ws.run_dir(run_id))
+    def run_log(self, run_id: str) -> str:
+        run_dir = _resource(lambda: self.ws.run_dir(run_id))
         return redact(run_ops._tail_text(run_dir / rd.CONSOLE_LOG, 20_000) or "")
 
-    @mcp.resource("run://{run_id}/status", mime_type="application/json",
-                  description="A run's status, latest metrics, ETA and checkpoints (get_run), as JSON.")
-    def run_status(run_id: str) -> str:
-        return redact_model(_resource(lambda: run_ops.get_run(tools.ws, run_id))).model_dump_json()
+    def run_status(self, run_id: str) -> str:
+        return redact_model(_resource(lambda: run_ops.get_run(self.ws, run_id))).model_dump_json()
 
-    @mcp.resource("run://{run_id}/loss.png", mime_type="image/png",
-                  description="The loss curve (and learning rate) of a run's history, each resume marked.")
-    def run_loss_png(run_id: str) -> bytes:
+    def run_loss_png(self, run_id: str) -> bytes:
         from mcp_server.plot import history_png
 
-        return _resource(lambda: history_png(tools.ws, run_id))
+        return _resource(lambda: history_png(self.ws, run_id))
 
-    workflows.register_prompts(mcp)
-    workflows.register_completions(mcp, tools.ws)
 
-    for registered in mcp._tool_manager.list_tools():
-        for schema, output in ((registered.parameters, False), (registered.fn_metadata.output_schema, True)):
-            _compact_schema(schema, output)
-            _inline_single_use_definitions(schema)
-    return mcp
+def _skill_md(name: str) -> str:
+    return skill_library.get_skill(name).skill_md
 
 
 def package_version() -> str:
@@ -690,12 +422,6 @@ def _serve_session_methods(mcp: MCPServer, live: LiveRuns) -> None:
     lowlevel.add_request_handler("resources/subscribe", SubscribeRequestParams, live.subscribe)
     lowlevel.add_request_handler("resources/unsubscribe", UnsubscribeRequestParams, live.unsubscribe)
     lowlevel.add_request_handler("logging/setLevel", SetLevelRequestParams, clients.set_level)
-
-
-def _add_skill_resource(mcp: MCPServer, name: str, description: str) -> None:
-    @mcp.resource(f"skill://{name}", name=name, description=description, mime_type="text/markdown")
-    def skill_md() -> str:
-        return skill_library.get_skill(name).skill_md
 
 
 def _resource(work: Callable[[], Any]) -> Any:

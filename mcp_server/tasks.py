@@ -64,11 +64,11 @@ from mcp_types.version import MODERN_PROTOCOL_VERSIONS
 from pydantic import BaseModel, Field
 
 from mcp_server import clients
+from mcp_server.declarations import TASK_TOOLS  # the tools declared with task=True
 
 IDENTIFIER = "io.modelcontextprotocol/tasks"
 LEGACY_VERSION = "2025-11-25"  # the one handshake revision with (experimental) tasks
 RELATED_TASK = "io.modelcontextprotocol/related-task"
-TASK_TOOLS = frozenset({"wait_run", "export_checkpoint", "evaluate"})
 MAX_LIVE_TASKS = 8
 MAX_KEPT_TASKS = 64
 TTL_MS = 3_600_000  # an hour from creation

@@ -1,12 +1,13 @@
 """Every MCP tool has a CLI twin that takes the same parameters with the same defaults.
 
-The twins are written apart (``mcp_server/server.py``, ``mcp_server/cli.py``), so they drift:
-``tail`` showed 20 records and ``tail_metrics`` 10, ``resume`` took ``--set`` and
-``resume_checkpoint`` no overrides. This test reads both surfaces as a user sees them — the
-server's ``tools/list`` and the CLI's argparse tree — and fails on any parameter that one has
-and the other lacks, or a default they disagree on. :data:`TWINS` names each tool's command
-and the CLI's name for a parameter where it differs; :data:`CLI_ONLY` what only a terminal
-needs. Both are the whole list: a new tool or option fails here until it is placed.
+Both are generated from one declaration per tool (``mcp_server/declarations.py``); when they
+were written apart they drifted (``tail`` showed 20 records and ``tail_metrics`` 10, ``resume``
+took ``--set`` and ``resume_checkpoint`` no overrides). This test reads both surfaces as a user
+sees them — the server's ``tools/list`` and the CLI's argparse tree — and fails on any
+parameter that one has and the other lacks, or a default they disagree on. :data:`TWINS` names
+each tool's command and where the CLI spells a parameter otherwise (an object as several
+options, a script's command line after ``--``); :data:`CLI_ONLY` what only a terminal needs.
+Both are the whole list: a new tool or option fails here until it is placed.
 """
 
 from __future__ import annotations
@@ -27,10 +28,10 @@ TWINS: dict[str, tuple[tuple[str, ...], dict[str, str | tuple[str, ...]]]] = {
     "list_skills": (("skills", "list"), {}),
     "get_skill": (("skills", "show"), {}),
     "list_templates": (("templates",), {}),
-    "scaffold_recipe": (("scaffold",), {"skills": "skill"}),
+    "scaffold_recipe": (("scaffold",), {}),
     "list_recipes": (("recipes",), {}),
     "describe_recipe": (("describe",), {}),
-    "apply_skill": (("apply",), {"params": "param"}),
+    "apply_skill": (("apply",), {}),
     "launch_run": (("run",), {
         "rdzv": ("rdzv_endpoint", "rdzv_id", "node_rank"),
         "slurm": ("partition", "time", "gpus_per_node", "rdzv_port"),
@@ -40,7 +41,7 @@ TWINS: dict[str, tuple[tuple[str, ...], dict[str, str | tuple[str, ...]]]] = {
     "list_runs": (("runs",), {}),
     "get_run": (("status",), {}),
     "tail_metrics": (("tail",), {}),
-    "wait_run": (("wait",), {"timeout_s": "timeout"}),
+    "wait_run": (("wait",), {}),
     "estimate_run": (("estimate",), {}),
     "compare_runs": (("compare",), {}),
     "stop_run": (("stop",), {}),
