@@ -9,7 +9,7 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-from skills.codemod_kit.emitted.blocks import find_blocks  # written by ensure_find_blocks
+from engine.blocks import find_blocks  # written by ensure_find_blocks
 
 
 def apply_tensor_parallel(model: torch.nn.Module, tp_mesh: DeviceMesh, warn=None) -> int:
