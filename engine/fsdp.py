@@ -1,4 +1,5 @@
-"""FSDP2: ``fully_shard`` each transformer block (a Hugging Face model's own decoder layers), then the root.
+"""FSDP2: ``fully_shard`` each transformer block (``engine.blocks.find_blocks``: a Hugging Face model's own
+decoder layers, the blocks every skill acts on), then the root.
 
 Sharding per block lets FSDP2 all-gather one block's parameters while the previous block
 computes, and frees them after; the root call picks up what is left (embeddings, final norm,
@@ -13,6 +14,7 @@ from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
+from engine.blocks import find_blocks
 from engine.config import ParallelConfig
 from engine.distributed import DistInfo
 
@@ -20,33 +22,13 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 def transformer_blocks(model: nn.Module) -> list[nn.Module]:
-    """The repeated blocks of a model: the modules of the classes a Hugging Face model names in
-    ``_no_split_modules`` (its own decoder layers: ``Qwen2DecoderLayer``, ``Gemma2DecoderLayer``,
-    ...; items of a ``ModuleList``, the outermost where they nest), else the children of its
-    largest ``nn.ModuleList``.
-
-    The second works for nanoGPT (``transformer.h``) and most hand-written transformers without
-    naming the block class.
+    """The blocks sharded one by one: those ``engine.blocks.find_blocks`` finds, the copy every
+    block-wise skill writes into a recipe (a Hugging Face model's own layers by
+    ``_no_split_modules``, else the children of its largest ``nn.ModuleList`` or same-class
+    ``nn.Sequential``), so FSDP2's units are the blocks the skills checkpointed, compiled or
+    sharded. A model without blocks has none: it is sharded at the root only.
     """
-    named = set(getattr(model, "_no_split_modules", None) or ())
-    if named:
-        # Only repeated ones (items of a ModuleList): a class named there for another reason (an
-        # attention module kept whole, a vision embedding) is no block.
-        listed = {id(c) for m in model.modules() if isinstance(m, nn.ModuleList) for c in m}
-        blocks: list[nn.Module] = []
-        inside: set[int] = set()
-        for module in model.modules():  # parents come before their children
-            if id(module) in inside:
-                continue
-            if type(module).__name__ in named and id(module) in listed:
-                blocks.append(module)
-                inside.update(id(m) for m in module.modules())
-        if blocks:
-            return blocks
-    lists = [m for m in model.modules() if isinstance(m, nn.ModuleList) and len(m) > 0]
-    if not lists:
-        return []
-    return list(max(lists, key=lambda m: sum(p.numel() for p in m.parameters())))
+    return find_blocks(model, "fsdp", warn=lambda message: None)[1]
 
 
 def has_tensor_parallel_params(model: nn.Module) -> bool:

@@ -8,8 +8,9 @@ copy is generated.
 
 A module written to be copied holds a docstring, imports and top-level statements. Its imports
 are not copied: those of third-party modules are returned by :func:`imports` for the codemod to
-add (``Edits.add_import``); those of trainwright's own modules (``skills.…``) and relative ones
-name definitions the codemod copies as well, or has already written (``find_blocks``). The
+add (``Edits.add_import``); those of trainwright's own modules (``skills.…``, ``engine.…``) and
+relative ones name definitions the codemod copies as well, or has already written
+(``find_blocks``, from ``engine/blocks.py``). The
 module is read as text and never imported here, so ``skills/`` still imports no torch.
 """
 
@@ -21,7 +22,7 @@ from pathlib import Path
 
 import libcst as cst
 
-FIRST_PARTY = ("skills",)
+FIRST_PARTY = ("skills", "engine")
 
 
 @functools.lru_cache(maxsize=None)

@@ -10,8 +10,9 @@ from skills.codemod_kit import copied, templates
 from skills.codemod_kit.edits import Edits
 from skills.codemod_kit.recipe import Recipe
 
-# find_blocks is a real module (emitted/blocks.py), copied into the recipe once per file.
-BLOCKS_MODULE = Path(__file__).parent / "emitted" / "blocks.py"
+# find_blocks is the engine's own definition (engine/blocks.py: FSDP2 shards the blocks it finds),
+# read as text and copied into the recipe once per file.
+BLOCKS_MODULE = Path(__file__).parents[2] / "engine" / "blocks.py"
 FIND_BLOCKS = copied.definitions(BLOCKS_MODULE, ["find_blocks"])
 
 

@@ -369,7 +369,12 @@ def describe_blocks(found: ModelShape, target: Container | None = None) -> str:
             return f"`{_join(model, target.path)}` as one block"
         return f"{_count(target)} of `{_join(model, target.path)}`"
     if found.hf:
-        return f"the decoder layers of {found.name} (counted at run time)"
+        from skills.codemod_kit import vlm  # (vlm imports this module)
+
+        # The layers its _no_split_modules names (find_blocks): a vision-language model's both towers'.
+        layers = "the layers of the vision tower and of the language model" if vlm.is_vision_language(found) \
+            else "the decoder layers"
+        return f"{layers} of {found.name} (counted at run time)"
     if not found.containers:
         inside = f" (inside {', '.join(f'`{_join(model, p)}`' for p in found.opaque)})" if found.opaque else ""
         return (

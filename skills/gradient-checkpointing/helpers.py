@@ -9,7 +9,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
 )
 import torch
 
-from skills.codemod_kit.emitted.blocks import find_blocks  # written by ensure_find_blocks
+from engine.blocks import find_blocks  # written by ensure_find_blocks
 
 
 def checkpoint_blocks(

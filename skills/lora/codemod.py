@@ -97,10 +97,10 @@ def _targets(recipe: Recipe, found: reach.ModelShape, params: Params) -> str:
             )
         count = sum(1 for p in found.linears if any(p == t or p.endswith("." + t) for t in matched))
         return f"adapts {', '.join(matched)} ({count} linear layer{'s' if count != 1 else ''} in the code)"
-    if found.hf and vlm.is_vision_language(found):  # peft matches the names in both towers
+    if found.hf and vlm.is_vision_language(found):  # find_blocks: the layers of both towers
         return (
-            f"adapts every nn.Linear in the language model's decoder layers of {found.name}, and the "
-            "vision tower's linear layers of the same names (named at run time)"
+            f"adapts every nn.Linear in the layers of the vision tower and of the language model of "
+            f"{found.name} (named at run time)"
         )
     if found.hf:
         return f"adapts every nn.Linear in the decoder layers of {found.name} (named at run time)"

@@ -5,7 +5,7 @@ with libcst (skills/codemod_kit/copied.py). A real module, so that ruff lints it
 import torch
 from peft import LoraConfig, inject_adapter_in_model
 
-from skills.codemod_kit.emitted.blocks import find_blocks  # written by ensure_find_blocks
+from engine.blocks import find_blocks  # written by ensure_find_blocks
 
 
 def apply_lora(

@@ -8,7 +8,7 @@ import math
 import torch
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from skills.codemod_kit.emitted.blocks import find_blocks  # written by ensure_find_blocks
+from engine.blocks import find_blocks  # written by ensure_find_blocks
 
 
 NEWTON_SCHULZ_COEFFICIENTS = (3.4445, -4.7750, 2.0315)

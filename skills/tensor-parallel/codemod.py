@@ -128,6 +128,7 @@ def apply(recipe: Recipe, params: Params) -> Edits | AlreadyApplied:
     edits = Edits(recipe)
     ensure_find_blocks(recipe, edits, model.statement)
     insert_definitions(recipe, edits, _helper(params.plan), model.statement)
+    edits.add_import("fnmatch", "fnmatch")
     edits.add_import("torch")
     edits.add_import("torch.distributed.device_mesh", "DeviceMesh")
     for name in sorted({"colwise": "ColwiseParallel", "rowwise": "RowwiseParallel"}[v] for v in params.plan.values()):

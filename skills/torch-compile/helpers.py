@@ -4,7 +4,7 @@ with libcst (skills/codemod_kit/copied.py). A real module, so that ruff lints it
 
 import torch
 
-from skills.codemod_kit.emitted.blocks import find_blocks  # written by ensure_find_blocks
+from engine.blocks import find_blocks  # written by ensure_find_blocks
 
 
 def compile_blocks(

@@ -1,8 +1,8 @@
 """The code skills write, as real modules: run on their own, and copied into recipes by libcst.
 
-``skills/muon/muon_optimizer.py``, ``skills/muon/muon_triton.py`` and
-``skills/codemod_kit/emitted/blocks.py`` are what the muon skill and every skill acting on a
-model's blocks write into a recipe (``skills/codemod_kit/copied.py`` copies their definitions).
+``skills/muon/muon_optimizer.py``, ``skills/muon/muon_triton.py`` and ``engine/blocks.py`` (the
+engine's own definition of the blocks, which FSDP2 shards by) are what the muon skill and every
+skill acting on a model's blocks write into a recipe (``skills/codemod_kit/copied.py`` copies their definitions).
 Here they are imported and run as they are; the golden diffs of ``test_skill_codemods.py`` check
 what the copies look like in a recipe.
 """
@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from skills.codemod_kit import copied
-from skills.codemod_kit.emitted.blocks import find_blocks
+from engine.blocks import find_blocks
 from skills.muon import muon_optimizer
 
 
@@ -95,7 +95,7 @@ def test_copied_takes_the_named_definitions_in_file_order_and_leaves_imports_to_
         import math
         from typing import Callable
 
-        from skills.codemod_kit.emitted.blocks import find_blocks
+        from engine.blocks import find_blocks
         from .sibling import other
 
         try:  # optional
