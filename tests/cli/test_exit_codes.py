@@ -119,3 +119,17 @@ def test_every_command_has_a_case_in_the_table():
     covered = {args[0] for args, _, _ in CASES}
     # `templates` takes no input that could be wrong; `serve` is the server itself.
     assert commands - covered <= {"serve", "templates"}, f"commands without an exit-code case: {commands - covered}"
+
+
+def test_the_readme_table_and_the_cli_help_list_every_exit_code_of_the_one_table():
+    from pathlib import Path
+
+    from engine.errors import EXIT_MEANINGS
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text(encoding="utf-8")
+    section = readme.split("## Errors and exit codes", 1)[1].split("\n## ", 1)[0]
+    rows = {int(line.split("|")[1]) for line in section.splitlines() if line.startswith("| ") and
+            line.split("|")[1].strip().isdigit()}
+    assert rows == set(EXIT_MEANINGS)
+    epilog = cli.build_parser().epilog or ""
+    assert all(f"{code} {meaning}" in epilog for code, meaning in EXIT_MEANINGS.items())
