@@ -74,12 +74,7 @@ def ab(
     if repo is None:
         raise sandbox_git.GitRefused("the workspace is not a git repository: an A/B runs a skill's commit and the "
                                      "commit before it")
-    applied, commit_b, later = _skill_commit(repo, recipe_dir, skill, label)
-    parents = repo.commit(commit_b).parents
-    if not parents or sandbox_git.tree_files(repo, parents[0].hexsha, recipe_dir) is None:
-        raise BadInput(f"{applied} was applied in the first commit of {label} ({commit_b[:10]}): no commit holds the "
-                       "recipe without it")
-    commit_a = parents[0].hexsha
+    applied, commit_a, commit_b, later = _commits(repo, recipe_dir, skill, label)
     config = {"train.log_every": max(1, steps // WINDOWS), "checkpoint.every": 0, "checkpoint.at_end": False,
               **given, "train.max_steps": steps}
     remarks = []
@@ -96,16 +91,21 @@ def ab(
     result = AbResult(skill=applied, recipe=label, commit_a=commit_a, commit_b=commit_b, steps=steps, rounds=rounds,
                       command=command, runs=runs, per_round=per_round, differences=[], verdict=[], left_out=[],
                       remarks=remarks, outcome=outcome, error=error)
-    if not per_round:
-        return result
-    pooled = compare.compare_groups(ws, [r.run_a for r in per_round], [r.run_b for r in per_round])
+    return _verdict(ws, result, note) if per_round else result
+
+
+def _verdict(ws: Workspace, result: AbResult, note: bool) -> AbResult:
+    """``result`` with the rounds compared as two groups (b against a); with ``note``, a
+    completed A/B's verdict appended to the skill commit's note."""
+    pooled = compare.compare_groups(ws, [r.run_a for r in result.per_round], [r.run_b for r in result.per_round])
     result = result.model_copy(update={"differences": pooled.differences, "verdict": pooled.metrics,
                                        "left_out": pooled.left_out})
-    if note and outcome == "completed":
-        written = sandbox_git.add_note(ws.root, commit_b, note_text(result))
+    if note and result.outcome == "completed":
+        written = sandbox_git.add_note(ws.root, result.commit_b, note_text(result))
         result = result.model_copy(update={"note_written": written})
         if not written:
-            result.remarks.append(f"the note on {commit_b[:10]} could not be written (git refused or its lock was held)")
+            result.remarks.append(f"the note on {result.commit_b[:10]} could not be written (git refused or its "
+                                  "lock was held)")
     return result
 
 
@@ -150,6 +150,17 @@ def _short(m: MetricVerdict) -> str:
     if m.evidence.startswith("bit-equal"):
         text += " bit-equal"
     return text
+
+
+def _commits(repo: Any, recipe_dir: Any, skill: str, label: str) -> tuple[str, str, str, int]:
+    """The skill as applied, the commit before it (a), its commit (b), and how many later
+    commits changed the recipe."""
+    applied, commit_b, later = _skill_commit(repo, recipe_dir, skill, label)
+    parents = repo.commit(commit_b).parents
+    if not parents or sandbox_git.tree_files(repo, parents[0].hexsha, recipe_dir) is None:
+        raise BadInput(f"{applied} was applied in the first commit of {label} ({commit_b[:10]}): no commit holds the "
+                       "recipe without it")
+    return applied, parents[0].hexsha, commit_b, later
 
 
 def _skill_commit(repo: Any, recipe_dir: Any, skill: str, label: str) -> tuple[str, str, int]:

@@ -347,18 +347,7 @@ def resume_checkpoint(
     chosen_step, checkpoint = _chosen_checkpoint(source_dir, source, step)
     if not source.config:
         raise NotFound(f"run {run_id} recorded no config, so it cannot be resumed")
-    if code == "checkpoint":
-        if not source.started_by_server:
-            raise BadInput(f"run {run_id} was not started by this server, so nothing says which code it ran or "
-                           "that its snapshot is unchanged; resume it with code='head'")
-        code_dir = source_dir / rd.SNAPSHOT_DIRNAME
-        if not (code_dir / "recipe.py").is_file():
-            raise BadInput(f"run {run_id} kept no snapshot of its code; resume it with code='head'")
-        check_snapshot_unchanged(source, code_dir)  # before the check imports it
-        origin = CodeOrigin(source.git_commit, source.recipe_dirty, source.dirty_files)
-    else:
-        code_dir = ws.recipe(source.recipe)
-        origin = recipe_origin(ws.root, code_dir)
+    code_dir, origin = _resumed_code(ws, source_dir, source, code)
     nproc = _check_nproc(source.nproc if nproc is None else nproc)
     flat = _checked_overrides(ws, overrides)
     limits, warnings = ws.run_limits_and_warnings() if limits is None else (limits, [])
@@ -383,6 +372,22 @@ def resume_checkpoint(
         threads=source.threads_per_process if same_shape else None, expected_digest=checked, models=models,
     )
     return _launch_result(ws, sandbox_runs.start_run(ws.root, ws.real_dir(ws.runs_dir), plan))
+
+
+def _resumed_code(ws: Workspace, source_dir: Path, source: sr.ServerRecord, code: str) -> tuple[Path, CodeOrigin]:
+    """The code a resume runs, and where it came from: the run's own snapshot (unchanged since
+    the run, checked before the launch check imports it), or the recipe as it is now."""
+    if code == "head":
+        code_dir = ws.recipe(source.recipe)
+        return code_dir, recipe_origin(ws.root, code_dir)
+    if not source.started_by_server:
+        raise BadInput(f"run {source.id} was not started by this server, so nothing says which code it ran or "
+                       "that its snapshot is unchanged; resume it with code='head'")
+    code_dir = source_dir / rd.SNAPSHOT_DIRNAME
+    if not (code_dir / "recipe.py").is_file():
+        raise BadInput(f"run {source.id} kept no snapshot of its code; resume it with code='head'")
+    check_snapshot_unchanged(source, code_dir)
+    return code_dir, CodeOrigin(source.git_commit, source.recipe_dirty, source.dirty_files)
 
 
 def _chosen_checkpoint(run_dir: Path, source: rd.RunRecord, step: object) -> tuple[int, Path]:
