@@ -48,7 +48,7 @@ from sandbox.runs import run_contained
 RESULT_NAME = "result.json"
 MAX_RESULT_BYTES = 1 << 20
 MAX_STDERR_CHARS = 1500
-__all__ = ["ModelProcessFailed", "run_model_io"]  # ModelProcessFailed: engine.seams', raised here
+__all__ = ["ModelProcessFailed", "run_model_io"]  # ModelProcessFailed is engine.seams'; callers import it from here
 
 # Each model process loads a whole model: at most runs.max_concurrent_runs of them at once in
 # this server (an agent calling sample in a loop without waiting gets a refusal, not a process).
