@@ -16,14 +16,14 @@ else CPU, full precision, no tensor parallelism), loads the model of the checkpo
 
 It runs recipe code, so trainwright starts it in the run sandbox (``sandbox.model_process``),
 where the only writable places are ``--to`` and the folder of ``--result``: the result is one
-JSON object written to ``--result`` (stdout without it), ``{"ok": true, ...}`` or
-``{"ok": false, "kind": "bad_input" | "not_found", "error": ...}``.
+JSON object written to ``--result`` (stdout without it), one of :mod:`engine.seams`' models: an
+``ExportOutcome``, ``SampleOutcome`` or ``EvaluateOutcome`` (``{"ok": true, ...}``), or a
+``ModelRefusal`` (``{"ok": false, "kind": "bad_input" | "not_found" | "failed", "error": ...}``).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import sys
@@ -33,10 +33,24 @@ from typing import Any
 
 from engine import run_dir as rd
 from engine.errors import EXIT_BAD_INPUT, EXIT_OK, EXIT_RUN_FAILED, BadInput, NotFound, TrainwrightError
+from engine.seams import (
+    MAX_COMPLETION_CHARS,
+    MAX_ERROR_CHARS,
+    MAX_METRIC_NAME_CHARS,
+    MAX_METRICS,
+    MAX_NAME_CHARS,
+    MAX_NEW_TOKENS,
+    MAX_PROMPT_CHARS,
+    MAX_PROMPTS,
+    MAX_SHOWN_CHARS,
+    EvaluateOutcome,
+    ExportOutcome,
+    GeneratedSample,
+    ModelOutcome,
+    ModelRefusal,
+    SampleOutcome,
+)
 
-MAX_PROMPTS = 8
-MAX_NEW_TOKENS = 512
-MAX_PROMPT_CHARS = 4000
 # Below this, logits / temperature overflow (inf, then NaN probabilities): 0 is greedy.
 MIN_TEMPERATURE = 0.01
 # One process computes what a run computed on many: the same weights in full precision.
@@ -108,7 +122,7 @@ def load_model_weights(model, checkpoint: Path) -> None:
 
 
 def export(run_dir: Path, step: int, to: Path, lora: str = "merged", max_shard_size: str = "2GB",
-           final_dir: Path | None = None) -> dict[str, Any]:
+           final_dir: Path | None = None) -> ExportOutcome:
     from engine import hf_export
 
     if lora not in hf_export.LORA_CHOICES:
@@ -116,11 +130,12 @@ def export(run_dir: Path, step: int, to: Path, lora: str = "merged", max_shard_s
     engine = load_engine(run_dir, step)
     written = hf_export.export(engine.hf_model(), engine.hf_processing(), Path(to), lora=lora,
                                max_shard_size=max_shard_size, final_dir=final_dir)
-    return {"step": step, **written}
+    tokenizer = written.pop("tokenizer")
+    return ExportOutcome(step=step, tokenizer=None if tokenizer is None else tokenizer[:MAX_NAME_CHARS], **written)
 
 
 def sample(run_dir: Path, step: int, prompts: list[str], max_new_tokens: int = 64,
-           temperature: float = 0.0, seed: int = 0) -> dict[str, Any]:
+           temperature: float = 0.0, seed: int = 0) -> SampleOutcome:
     import torch
 
     from engine.hf_export import set_special_tokens, text_tokenizer
@@ -158,14 +173,14 @@ def sample(run_dir: Path, step: int, prompts: list[str], max_new_tokens: int = 6
             )
         new = output[0, ids.shape[1]:].tolist()
         ended = tokenizer.eos_token_id is not None and tokenizer.eos_token_id in new
-        samples.append({
-            "prompt": prompt,
-            **{key: about[key] for key in ("input", "expected") if isinstance(about.get(key), str)},
-            "completion": tokenizer.decode(new, skip_special_tokens=True),
-            "new_tokens": len(new),
-            "stopped": "eos" if ended else "max_new_tokens",
-        })
-    return {"step": step, "temperature": temperature, "chat": chat, "samples": samples}
+        # What the recipe shows beside a sample is its data's (an answer may be long): cut here,
+        # the server cuts it further to its share of the result.
+        shown = {key: about[key][:MAX_SHOWN_CHARS] for key in ("input", "expected") if isinstance(about.get(key), str)}
+        samples.append(GeneratedSample(
+            prompt=prompt, **shown, completion=tokenizer.decode(new, skip_special_tokens=True)[:MAX_COMPLETION_CHARS],
+            new_tokens=len(new), stopped="eos" if ended else "max_new_tokens",
+        ))
+    return SampleOutcome(step=step, temperature=temperature, chat=chat, samples=samples)
 
 
 def check_sample_request(prompts: Any, max_new_tokens: Any, temperature: Any) -> None:
@@ -209,7 +224,7 @@ def evaluation_overrides(config_fields: dict[str, Any], data: list[str] | None) 
     return overrides
 
 
-def evaluate(run_dir: Path, step: int, data: list[str] | None = None) -> dict[str, Any]:
+def evaluate(run_dir: Path, step: int, data: list[str] | None = None) -> EvaluateOutcome:
     import torch
 
     record = rd.read_run(run_dir)
@@ -222,19 +237,21 @@ def evaluate(run_dir: Path, step: int, data: list[str] | None = None) -> dict[st
     loss = engine.evaluate()
     engine.model.eval()
     with torch.no_grad():
-        metrics = {str(k): float(v) for k, v in engine.task_metrics().items()}
-    split = split_summary(engine, record, data)
-    return {
-        "step": step,
-        "eval_loss": loss,
-        "perplexity": math.exp(loss) if loss < 50 else None,
-        "batches": len(engine.eval_batches),
-        "split": "data" if data else "held_out",
-        **split,
-        "scored_tokens": scored,
-        "data": list(data) if data else None,
-        "metrics": metrics,
-    }
+        computed = {str(k)[:MAX_METRIC_NAME_CHARS]: float(v) for k, v in engine.task_metrics().items()}
+    # The first MAX_METRICS finite ones, in the recipe's order.
+    metrics = dict(list((k, v) for k, v in computed.items() if math.isfinite(v))[:MAX_METRICS])
+    finite_loss = float(loss) if math.isfinite(loss) else None
+    return EvaluateOutcome(
+        step=step,
+        eval_loss=finite_loss,
+        perplexity=math.exp(finite_loss) if finite_loss is not None and finite_loss < 50 else None,
+        batches=len(engine.eval_batches),
+        split="data" if data else "held_out",
+        **split_summary(engine, record, data),
+        scored_tokens=scored,
+        data=list(data) if data else None,
+        metrics=metrics,
+    )
 
 
 def split_summary(engine: Any, record: rd.RunRecord, data: list[str] | None) -> dict[str, Any]:
@@ -289,7 +306,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def run(args: argparse.Namespace) -> dict[str, Any]:
+def run(args: argparse.Namespace) -> ModelOutcome:
     if args.action == "export":
         return export(args.run_dir, args.step, args.to, args.lora, args.max_shard_size, args.final_dir)
     if args.action == "sample":
@@ -299,19 +316,20 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    result: ModelOutcome | ModelRefusal
     try:
-        result, code = {"ok": True, **run(args)}, EXIT_OK
+        result, code = run(args), EXIT_OK
     except (TrainwrightError, OSError) as e:
-        kind = e.kind if isinstance(e, TrainwrightError) else "bad_input"
+        kind = "bad_input" if isinstance(e, OSError) else "failed" if e.kind == "internal" else e.kind
         message = str(e) if isinstance(e, TrainwrightError) else f"cannot read the data: {e}"
-        result, code = {"ok": False, "kind": kind, "error": message[:2000]}, EXIT_BAD_INPUT
+        result, code = ModelRefusal(kind=kind, error=message[:MAX_ERROR_CHARS]), EXIT_BAD_INPUT
     except BaseException as e:  # recipe code failed (DCP's CheckpointException is a BaseException)
         if isinstance(e, (KeyboardInterrupt, SystemExit)):
             raise
         traceback.print_exc()
-        result = {"ok": False, "kind": "failed", "error": f"{type(e).__name__}: {e}"[:2000]}
+        result = ModelRefusal(kind="failed", error=f"{type(e).__name__}: {e}"[:MAX_ERROR_CHARS])
         code = EXIT_RUN_FAILED
-    text = json.dumps(result, default=str)
+    text = result.model_dump_json()
     if args.result is None:
         print(text)
     else:

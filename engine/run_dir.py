@@ -285,7 +285,41 @@ class HubModel(BaseModel):
     repo_type: Literal["model", "dataset"] = Field("model", description="model.pretrained_path or data.dataset.")
 
 
-class RunRecord(BaseModel):
+class RunFacts(BaseModel):
+    """The facts of a run that its record keeps and ``get_run`` shows (``mcp_server.models.RunInfo``
+    derives from this class): each declared once, here."""
+
+    status: RunStatus = STARTING
+    kind: RunKind = Field(
+        "recipe",
+        description="recipe: an Engine subclass run by the engine; script: the user's own Python script, run as it "
+        "is (its JSON lines on stdout are its metrics).",
+    )
+    recipe: str = Field("", description="The recipe as launched, relative to the workspace.")
+    snapshot: str | None = Field(None, description="The folder of the code that ran (runs/<id>/recipe).")
+    git_commit: str | None = Field(None, description="HEAD when the code was taken (None outside git).")
+    recipe_dirty: bool | None = Field(
+        None, description="The recipe had uncommitted changes (the run used them; see uncommitted.patch)."
+    )
+    nproc: int = Field(1, description="Processes asked for.")
+    world_size: int | None = Field(None, description="Processes that ran.")
+    created_at: str | None = None
+    started_at: str | None = None
+    ended_at: str | None = None
+    exit_code: int | None = None
+    error: str | None = Field(None, description="Why the run failed.")
+    resumed_from: ResumedFrom | None = None
+    overrides: dict[str, Any] = Field({}, description="Config overrides given at launch, dotted keys.")
+    config_changes: dict[str, Any] = Field({}, description="Every key whose value differs from the code default.")
+    limits: dict[str, Any] = Field({}, description="The limits the run was started with.")
+    warnings: list[str] = []
+    network_isolated: bool | None = None
+    network_note: str | None = None
+    isolation: IsolationLevel | None = Field(None, description="The sandbox actually in force.")
+    isolation_note: str | None = Field(None, description="What the isolation level is missing, if anything.")
+
+
+class RunRecord(RunFacts):
     """run.json: everything known about one run. Each writer updates only its own fields:
     the launcher creates it, the supervisor records processes and the outcome, rank 0 of the
     engine records the resolved config, its start, errors and warnings."""
@@ -293,15 +327,8 @@ class RunRecord(BaseModel):
     model_config = ConfigDict(extra="ignore", validate_assignment=True)
 
     id: str = Field(description="The run id: <UTC time>-<recipe>-<random>.")
-    recipe: str = Field("", description="The recipe as launched, relative to the workspace.")
-    snapshot: str | None = Field(None, description="The folder of the code that ran (runs/<id>/recipe).")
     snapshot_digest: str | None = Field(
         None, description="sha256 of the snapshot's files as written at launch; a resume of its code checks it."
-    )
-    kind: RunKind = Field(
-        "recipe",
-        description="recipe: an Engine subclass run by the engine; script: the user's own Python script, run as it "
-        "is (its JSON lines on stdout are its metrics).",
     )
     script: str | None = Field(
         None, max_length=MAX_SCRIPT_ARG_CHARS, description="kind script: the file that ran, relative to the snapshot."
@@ -318,45 +345,24 @@ class RunRecord(BaseModel):
         description="recipe: the recipe folder at launch; checkpoint: the code of the run resumed "
         "from; head: the recipe folder at resume time.",
     )
-    git_commit: str | None = Field(None, description="HEAD when the code was taken (None outside git).")
-    recipe_dirty: bool | None = Field(
-        None, description="The recipe had uncommitted changes (the run used them; see uncommitted.patch)."
-    )
     dirty_files: list[str] = Field([], description="Uncommitted files of the recipe (at most 20).")
-    overrides: dict[str, Any] = Field({}, description="Config overrides given at launch, dotted keys.")
     config: dict[str, Any] | None = Field(None, description="The resolved config (defaults <- config.yaml <- overrides).")
-    config_changes: dict[str, Any] = Field({}, description="Every key whose value differs from the code default.")
     data: DataSummary | None = Field(None, description="What the run trains on, counted before it started.")
-    nproc: int = Field(1, description="Processes asked for.")
-    world_size: int | None = Field(None, description="Processes that ran.")
     threads_per_process: int | None = Field(None, description="OMP_NUM_THREADS of every process.")
-    status: RunStatus = STARTING
     stop_requested: bool = False
     reason: str | None = Field(None, description="Why the run stopped, when it was stopped.")
-    error: str | None = Field(None, description="Why the run failed.")
-    exit_code: int | None = None
     final_step: int | None = None
     pid: int | None = Field(None, description="The supervisor (or the engine's rank 0 without one).")
     engine_pid: int | None = None
     child_pgid: int | None = None
-    created_at: str | None = None
     supervisor_started_at: str | None = None
-    started_at: str | None = None
-    ended_at: str | None = None
-    resumed_from: ResumedFrom | None = None
-    limits: dict[str, Any] = Field({}, description="The limits the run was started with.")
     workspace: str | None = None
     command: list[str] = []
-    network_isolated: bool | None = None
-    network_note: str | None = None
-    isolation: IsolationLevel | None = Field(None, description="The sandbox actually in force.")
-    isolation_note: str | None = Field(None, description="What the isolation level is missing, if anything.")
     sandbox: SandboxView | None = None
     hub_models: list[HubModel] = Field([], description="Models and data sets loaded by Hub id: repo, revision and commit.")
     metrics_destinations: list[MetricsDestination] = Field(
         [], description="Where the engine sent the metrics (metrics.jsonl, TensorBoard, W&B, MLflow, trackio)."
     )
-    warnings: list[str] = []
     nnodes: int = Field(1, description="Nodes (machines) of the run; nproc processes on each.")
     node_rank: int | None = Field(None, description="This node's place among nnodes (0 creates the run, others join it).")
     rdzv_endpoint: str | None = Field(None, description="host:port of torchrun's c10d rendezvous (nnodes > 1).")

@@ -1,10 +1,18 @@
-"""What the engine's processes hand to the server: the launch check's verdict.
+"""What the engine's processes hand to the server: the launch check's verdict and the model
+process's result.
 
 ``python -m engine.launch RECIPE --check`` prints one JSON line, a :class:`LaunchVerdict` or a
 :class:`LaunchRefusal`; the server (``sandbox.runs.check_launch``) reads it with
-:func:`read_verdict`, the one parser of that line. The line is printed by a process that
-imported the recipe's code, so the server validates it as untrusted input: strict models, no
-field the engine does not write, a refusal naming the field that is wrong.
+:func:`read_verdict`, the one parser of that line.
+
+``python -m engine.model_io export|sample|evaluate`` writes one JSON object, an
+:class:`ExportOutcome`, :class:`SampleOutcome` or :class:`EvaluateOutcome` (one per action), or
+a :class:`ModelRefusal`; the server (``sandbox.model_process``) reads it with
+:func:`read_model_result`, the one parser of that file.
+
+Both are written by a process that imported the recipe's code, so the server validates them as
+untrusted input: strict models, no field the engine does not write, every text and count
+bounded, a refusal naming the field that is wrong.
 
 Torch-free (stdlib and pydantic), like :mod:`engine.run_dir`: the server imports it.
 """
@@ -12,11 +20,11 @@ Torch-free (stdlib and pydantic), like :mod:`engine.run_dir`: the server imports
 from __future__ import annotations
 
 import json
-from typing import Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_serializer, model_validator
 
-from engine.errors import LaunchRefused
+from engine.errors import BadInput, LaunchRefused
 from engine.run_dir import DataSummary
 
 MAX_ERROR_CHARS = 2000  # a refusal's reason as the server shows it
@@ -96,3 +104,142 @@ def read_verdict(stdout: str) -> LaunchVerdict | None:
             raise LaunchRefused(f"the launch check's verdict has no valid {wrong!r}: the recipe's code printed a "
                                 "verdict of its own, or the engine it imports is not trainwright's") from None
     return None
+
+
+# ---------------------------------------------------------------------------------------------
+# The model process's result (engine.model_io, read by sandbox.model_process)
+# ---------------------------------------------------------------------------------------------
+
+MAX_PROMPTS = 8
+MAX_PROMPT_CHARS = 4000
+MAX_NEW_TOKENS = 512
+MAX_COMPLETION_CHARS = 128 * MAX_NEW_TOKENS  # the decoded text of at most MAX_NEW_TOKENS tokens
+MAX_SHOWN_CHARS = 4000  # what a recipe shows beside a sample (Engine.sample_inputs), cut by the engine
+MAX_METRICS = 40  # task_metrics() kept, in the recipe's order
+MAX_METRIC_NAME_CHARS = 100
+MAX_NAME_CHARS = 100  # a tokenizer's class name
+MAX_PATH_CHARS = 4096
+MAX_DATA_PATHS = 20
+MAX_COUNT = 2**63 - 1
+
+Count = Annotated[int, Field(ge=0, le=MAX_COUNT)]
+
+
+class ModelProcessFailed(BadInput):
+    """The recipe's code failed while its model was loaded or asked; the message has its error."""
+
+
+class _Seam(BaseModel):
+    # Strict: a JSON value of another type is refused, not coerced; NaN and infinities too.
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+
+
+class ModelRefusal(_Seam):
+    """The model process refused (``bad_input``, ``not_found``) or the recipe's code failed
+    (``failed``); ``error`` says why."""
+
+    ok: Literal[False] = False
+    kind: Literal["bad_input", "not_found", "failed"]
+    error: str = Field(max_length=MAX_ERROR_CHARS)
+
+
+class ExportOutcome(_Seam):
+    """A Hugging Face folder written (``engine.hf_export.export``)."""
+
+    action: ClassVar[str] = "export"
+    ok: Literal[True] = True
+    step: Count
+    lora: Literal["merged", "adapter"] | None = None
+    lora_layers: Count = 0
+    base_model: str | None = Field(None, max_length=MAX_PATH_CHARS)  # an adapter's base, as adapter_config names it
+    tokenizer: str | None = Field(None, max_length=MAX_NAME_CHARS)
+    parameters: Count
+
+
+class GeneratedSample(_Seam):
+    """One prompt and its continuation; ``input`` and ``expected`` are what the recipe shows
+    beside it (``Engine.sample_inputs``)."""
+
+    prompt: str = Field(max_length=MAX_PROMPT_CHARS)
+    input: str | None = Field(None, max_length=MAX_SHOWN_CHARS)
+    expected: str | None = Field(None, max_length=MAX_SHOWN_CHARS)
+    completion: str = Field(max_length=MAX_COMPLETION_CHARS)
+    new_tokens: Annotated[int, Field(ge=0, le=MAX_NEW_TOKENS)]
+    stopped: Literal["eos", "max_new_tokens"]
+
+
+class SampleOutcome(_Seam):
+    """Continuations of the prompts, in their order."""
+
+    action: ClassVar[str] = "sample"
+    ok: Literal[True] = True
+    step: Count
+    temperature: Annotated[float, Field(ge=0, le=5)]
+    chat: bool
+    samples: list[GeneratedSample] = Field(max_length=MAX_PROMPTS)
+
+
+class EvaluateOutcome(_Seam):
+    """The eval loss of a checkpoint (None: not finite) and the recipe's task metrics (finite
+    values only); ``examples``, ``tokens``, ``loss_tokens``: the split as its data summary
+    counts it (None: the recipe counts no data)."""
+
+    action: ClassVar[str] = "evaluate"
+    ok: Literal[True] = True
+    step: Count
+    eval_loss: float | None
+    perplexity: Annotated[float, Field(ge=0)] | None
+    batches: Count
+    split: Literal["held_out", "data"]
+    examples: Count | None = None
+    tokens: Count | None = None
+    loss_tokens: Count | None = None
+    scored_tokens: Count
+    data: list[Annotated[str, Field(max_length=MAX_PATH_CHARS)]] | None = Field(None, max_length=MAX_DATA_PATHS)
+    metrics: dict[Annotated[str, Field(max_length=MAX_METRIC_NAME_CHARS)], float] = Field({}, max_length=MAX_METRICS)
+
+
+ModelOutcome = ExportOutcome | SampleOutcome | EvaluateOutcome
+OUTCOMES: dict[str, type[ExportOutcome] | type[SampleOutcome] | type[EvaluateOutcome]] = {
+    model.action: model for model in (ExportOutcome, SampleOutcome, EvaluateOutcome)}
+# The names a refusal may show: a field's, never a key the recipe chose (a metric's name).
+_FIELD_NAMES = frozenset(name for model in (ModelRefusal, GeneratedSample, *OUTCOMES.values()) for name in model.model_fields)
+
+
+def read_model_result(action: str, written: bytes) -> ModelOutcome | ModelRefusal | None:
+    """The model process's result for ``action`` from what it wrote (one JSON object with
+    ``ok``), or None when it wrote none. A result or refusal with a field that is not the
+    engine's (a wrong type, a field it does not write, one missing, a text or count beyond its
+    bound) is raised as :class:`ModelProcessFailed` naming the field."""
+    try:
+        written_object = json.loads(written)
+    except (ValueError, RecursionError):  # not JSON, or nested too deep for the parser
+        return None
+    if not (isinstance(written_object, dict) and "ok" in written_object):
+        return None
+    model = ModelRefusal if written_object["ok"] is not True else OUTCOMES[action]
+    try:
+        return model.model_validate(written_object)
+    except ValidationError as e:
+        raise ModelProcessFailed(f"the {action} result {_what_is_wrong(e)}: the recipe's code wrote a result of its "
+                                 "own, or the engine it imports is not trainwright's; nothing was changed") from None
+
+
+def _what_is_wrong(error: ValidationError) -> str:
+    """The first error, naming its field by its dotted place (``samples.0.completion``): up to
+    the first part that is not a field's name or a list index (a key the recipe chose, such as a
+    metric's name, is not shown), or, for a field the engine does not write, that name, cut."""
+    first = error.errors()[0]
+    loc = list(first["loc"])
+    extra = first["type"] == "extra_forbidden" and bool(loc)
+    parts = []
+    for part in loc[:-1] if extra else loc:
+        if not (isinstance(part, int) or part in _FIELD_NAMES):
+            break
+        parts.append(str(part))
+    if extra:
+        return f"has a field the engine does not write: {'.'.join([*parts, str(loc[-1])[:40]])!r}"
+    field = ".".join(parts) or "result"
+    if first["type"] == "missing":
+        return f"has no {field!r}"
+    return f"has no valid {field!r} ({first['msg'][:200]})"

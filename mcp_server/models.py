@@ -7,6 +7,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from engine import run_dir as rd
 from engine.run_dir import HubModel, ResumedFrom, RunStatus
 from engine.seams import ConfigField
 
@@ -63,26 +64,24 @@ class RunList(BaseModel):
     truncated: bool = Field(False, description="Older ones left out.")
 
 
-class RunInfo(BaseModel):
+def _without_the_records_descriptions(schema: dict[str, Any]) -> None:
+    # The descriptions of RunFacts' fields document run.json; get_run's output schema is sent in
+    # every session's tools/list (at most 20 KB in all), so it goes without them.
+    for name in rd.RunFacts.model_fields:
+        schema.get("properties", {}).get(name, {}).pop("description", None)
+
+
+class RunInfo(rd.RunFacts):
+    # The fields of RunFacts as the run's record holds them (status: the effective one; error,
+    # overrides, config_changes and warnings bounded; resumed_from's path relative to the
+    # workspace), and what get_run adds. A comment, not a docstring: a docstring would be the
+    # output schema's description, which every tools/list carries.
+
+    model_config = ConfigDict(json_schema_extra=_without_the_records_descriptions)
+
     run_id: str
-    status: RunStatus
-    kind: str = "recipe"  # or script (RunRecord.kind)
-    recipe: str
     run_dir: str
     code: str
-    git_commit: str | None = None
-    recipe_dirty: bool | None = None
-    snapshot: str | None = None
-    nproc: int | None = None
-    world_size: int | None = None
-    created_at: str | None = None
-    started_at: str | None = None
-    ended_at: str | None = None
-    exit_code: int | None = None
-    error: str | None = None
-    resumed_from: ResumedFrom | None = None
-    overrides: dict[str, Any] = {}
-    config_changes: dict[str, Any] = {}
     data: dict[str, Any] | None = None
     step: int | None = None
     max_steps: int | None = None
@@ -92,14 +91,14 @@ class RunInfo(BaseModel):
     checkpoints: list[CheckpointInfo] = []
     metrics_destinations: list[str] = []
     console_tail: str | None = None
-    warnings: list[str] = []
-    network_isolated: bool | None = None
-    network_note: str | None = None
-    isolation: str | None = None  # full (bubblewrap), partial or none: isolation_note says why
-    isolation_note: str | None = None
-    limits: dict[str, Any] | None = None
     nodes: str | None = None
     hub_models: list[str] = []  # org/name@<commit>
+
+    @classmethod
+    def of(cls, record: rd.RunFacts, **shown: Any) -> RunInfo:
+        """What get_run shows of ``record``: its :class:`~engine.run_dir.RunFacts` as recorded,
+        unless ``shown`` gives them as shown, and the fields get_run adds."""
+        return cls(**{**{name: getattr(record, name) for name in rd.RunFacts.model_fields}, **shown})
 
 
 class StopRunResult(BaseModel):

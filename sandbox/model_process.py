@@ -7,13 +7,12 @@ own, and every process it started is ended when it ends. It sees the workspace r
 (without ``.git/``, ``.trainwright/`` and ``runs/``), the run's ``run.json``, code snapshot and
 one checkpoint read-only, and may write only into the folders the caller names (an export's
 staging folder) and a fresh result folder, from which the host reads one bounded JSON file
-without following links.
+without following links, validated as :mod:`engine.seams`' model of the action's result.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import secrets
 import shutil
@@ -23,12 +22,22 @@ import sys
 import tempfile
 import threading
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Iterator, Literal, overload
 
 from engine import run_dir as rd
 from engine import server_record as sr
 from engine.data_files import WORKSPACE_VARIABLE
 from engine.errors import BadInput, NotFound
+from engine.seams import (
+    MAX_ERROR_CHARS,
+    EvaluateOutcome,
+    ExportOutcome,
+    ModelOutcome,
+    ModelProcessFailed,
+    ModelRefusal,
+    SampleOutcome,
+    read_model_result,
+)
 from sandbox.config import RunLimits
 from sandbox.environment import THREADS_VARIABLE, run_environment, threads_per_process
 from sandbox.hub import recorded_binding
@@ -39,11 +48,7 @@ from sandbox.runs import run_contained
 RESULT_NAME = "result.json"
 MAX_RESULT_BYTES = 1 << 20
 MAX_STDERR_CHARS = 1500
-
-
-class ModelProcessFailed(BadInput):
-    """The recipe's code failed while its model was loaded or asked; the message has its error."""
-
+__all__ = ["ModelProcessFailed", "run_model_io"]  # ModelProcessFailed is engine.seams'; callers import it from here
 
 # Each model process loads a whole model: at most runs.max_concurrent_runs of them at once in
 # this server (an agent calling sample in a loop without waiting gets a refusal, not a process).
@@ -67,6 +72,15 @@ def _slot(limits: RunLimits) -> Iterator[None]:
             _running -= 1
 
 
+@overload
+def run_model_io(workspace: Path, run_dir: Path, action: Literal["export"], step: int, arguments: list[str],
+                 limits: RunLimits, timeout_s: float, writable: list[Path] | None = None) -> ExportOutcome: ...
+@overload
+def run_model_io(workspace: Path, run_dir: Path, action: Literal["sample"], step: int, arguments: list[str],
+                 limits: RunLimits, timeout_s: float, writable: list[Path] | None = None) -> SampleOutcome: ...
+@overload
+def run_model_io(workspace: Path, run_dir: Path, action: Literal["evaluate"], step: int, arguments: list[str],
+                 limits: RunLimits, timeout_s: float, writable: list[Path] | None = None) -> EvaluateOutcome: ...
 def run_model_io(
     workspace: Path,
     run_dir: Path,
@@ -76,16 +90,17 @@ def run_model_io(
     limits: RunLimits,
     timeout_s: float,
     writable: list[Path] | None = None,
-) -> dict[str, Any]:
+) -> ModelOutcome:
     """Run ``python -m engine.model_io ACTION RUN_DIR --step STEP ARGUMENTS`` in the sandbox and
-    return its result (``ok`` removed); its refusals are raised as :class:`BadInput` or
-    :class:`NotFound`, a failure of the recipe's code as :class:`ModelProcessFailed`."""
+    return its result, validated (:func:`engine.seams.read_model_result`); its refusals are
+    raised as :class:`BadInput` or :class:`NotFound`, a failure of the recipe's code or a result
+    that is not the engine's as :class:`ModelProcessFailed`."""
     with _slot(limits):
         return _run_model_io(workspace, run_dir, action, step, arguments, limits, timeout_s, writable)
 
 
 def _run_model_io(workspace: Path, run_dir: Path, action: str, step: int, arguments: list[str],
-                  limits: RunLimits, timeout_s: float, writable: list[Path] | None) -> dict[str, Any]:
+                  limits: RunLimits, timeout_s: float, writable: list[Path] | None) -> ModelOutcome:
     workspace, run_dir = Path(workspace), Path(run_dir)
     models = recorded_binding(_recorded_models(workspace, run_dir))
     checkpoint = run_dir / rd.CHECKPOINTS_DIRNAME / rd.checkpoint_dir_name(step)
@@ -116,22 +131,26 @@ def _run_model_io(workspace: Path, run_dir: Path, action: str, step: int, argume
         finally:
             for fd in bound:
                 os.close(fd)
-        result = _read_result(result_file)
+        written = _read_result(result_file)
     finally:
         shutil.rmtree(out_dir, ignore_errors=True)
+    if written is None:
+        result = None
+    elif len(written) > MAX_RESULT_BYTES:
+        raise ModelProcessFailed(f"the recipe's code failed during {action}: its result is over {MAX_RESULT_BYTES} bytes")
+    else:
+        result = read_model_result(action, written)
     if result is None:
         # Redacted before the cut: a server secret cut in two would no longer be found by its value.
         last = redact("\n".join(stderr.strip().splitlines()[-8:]))[-MAX_STDERR_CHARS:]
         raise ModelProcessFailed(f"{action} ended without a result; its last output:\n{last or '(none)'}")
-    if not result.get("ok"):
-        error = redact(str(result.get("error")))[:2000]
-        kind = result.get("kind")
-        if kind == "not_found":
+    if isinstance(result, ModelRefusal):
+        error = redact(result.error)[:MAX_ERROR_CHARS]
+        if result.kind == "not_found":
             raise NotFound(error)
-        if kind == "bad_input":
+        if result.kind == "bad_input":
             raise BadInput(error)
         raise ModelProcessFailed(f"the recipe's code failed during {action}: {error}")
-    result.pop("ok")
     return result
 
 
@@ -167,8 +186,9 @@ def _open_run_files(run_dir: Path, step: int) -> tuple[int, int]:
     return opened[1], opened[3]
 
 
-def _read_result(path: Path) -> dict[str, Any] | None:
-    """The result file, opened without following a link, at most ``MAX_RESULT_BYTES``."""
+def _read_result(path: Path) -> bytes | None:
+    """The result file as written, opened without following a link: its first
+    ``MAX_RESULT_BYTES + 1`` bytes (more: it is too large), or None when there is none."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
     except OSError:
@@ -176,11 +196,4 @@ def _read_result(path: Path) -> dict[str, Any] | None:
     with os.fdopen(fd, "rb") as f:
         if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
             return None
-        data = f.read(MAX_RESULT_BYTES + 1)
-    if len(data) > MAX_RESULT_BYTES:
-        return {"ok": False, "kind": "failed", "error": f"its result is over {MAX_RESULT_BYTES} bytes"}
-    try:
-        result = json.loads(data)
-    except (ValueError, RecursionError):  # not JSON, or nested too deep for the parser
-        return None
-    return result if isinstance(result, dict) else None
+        return f.read(MAX_RESULT_BYTES + 1)

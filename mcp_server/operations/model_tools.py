@@ -16,12 +16,12 @@ import shutil
 import stat
 import time
 from pathlib import Path
-from typing import Any
 
 from engine import run_dir as rd
 from engine import server_record as sr
 from engine.errors import BadInput, NotFound
 from engine.model_io import check_sample_request
+from engine.seams import GeneratedSample
 from mcp_server.limits import AGENT_BUDGET_CHARS, json_chars
 from mcp_server.models import EvaluateResult, ExportResult, Sample, SampleResult
 from sandbox.model_process import ModelProcessFailed, run_model_io
@@ -37,7 +37,6 @@ EVALUATE_TIMEOUT_S = 1800
 LORA_CHOICES = ("merged", "adapter")
 MAX_LISTED_FILES = 40
 MAX_DATA_PATHS = 20
-MAX_METRICS = 40
 MAX_FILE_NAME_CHARS = 120
 STAGING_MARK = ".partial-export-"
 # A staging folder's name carries when it was made: one older than an export may take was left
@@ -134,7 +133,6 @@ def export_checkpoint(
             ["--to", str(staging), "--lora", lora, "--max-shard-size", max_shard_size, "--final-dir", str(destination)],
             ws.run_limits(), EXPORT_TIMEOUT_S, writable=[staging],
         )
-        lora_done = result.get("lora") if result.get("lora") in LORA_CHOICES else None
         _check_written(parent_fd, staging_name, ws.run_limits().max_export_bytes)
         try:
             with contextlib.suppress(FileNotFoundError):
@@ -157,8 +155,8 @@ def export_checkpoint(
         if parent_fd is not None:
             os.close(parent_fd)
     return ExportResult(
-        run_id=run_id, step=step, path=relative.as_posix(), lora=lora_done,
-        tokenizer=_text(result.get("tokenizer")), parameters=_count(result.get("parameters")),
+        run_id=run_id, step=step, path=relative.as_posix(), lora=result.lora, tokenizer=result.tokenizer,
+        parameters=result.parameters,
         files={_text(name, MAX_FILE_NAME_CHARS): size for name, size in files[:MAX_LISTED_FILES]},
     )
 
@@ -185,21 +183,9 @@ def _open_checked_dir(folder: Path, label: str) -> int:
     return fd
 
 
-# What the model process returns is the recipe's to write (its code runs in that process):
-# every field is checked and bounded here.
-
-
-def _text(value: Any, limit: int = 100) -> str | None:
-    """A string of the model process's result, cut to ``limit`` characters (None stays None)."""
-    if value is None:
-        return None
-    text = value if isinstance(value, str) else repr(value)[:limit]
+def _text(text: str, limit: int) -> str:
+    """``text`` cut to ``limit`` characters (a file name the recipe's code chose)."""
     return text if len(text) <= limit else text[: limit - 1] + "…"
-
-
-def _count(value: Any) -> int:
-    """A count of the model process's result: a non-negative integer, else 0."""
-    return value if isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 2**63 else 0
 
 
 EXPORT_FILE_MODE, EXPORT_DIR_MODE = 0o644, 0o755
@@ -247,29 +233,27 @@ def sample(
     arguments = [f"--prompt={prompt}" for prompt in prompts]
     arguments += ["--max-new-tokens", str(max_new_tokens), "--temperature", repr(float(temperature))]
     result = run_model_io(ws.root, run_dir, "sample", step, arguments, ws.run_limits(), SAMPLE_TIMEOUT_S)
-    samples = result.get("samples")
-    samples = [item for item in samples if isinstance(item, dict)] if isinstance(samples, list) else []
-    return SampleResult(run_id=run_id, step=step, chat=result.get("chat") is True,
-                        samples=_bounded_samples(samples[:len(prompts)]))
+    if len(result.samples) != len(prompts):
+        raise ModelProcessFailed(f"the sample result has {len(result.samples)} samples for {len(prompts)} prompts: "
+                                 "the recipe's code wrote a result of its own; nothing was changed")
+    return SampleResult(run_id=run_id, step=step, chat=result.chat, samples=_bounded_samples(result.samples))
 
 
-def _bounded_samples(samples: list[dict[str, Any]]) -> list[Sample]:
-    """The samples, each prompt and completion cut to its share of the result budget."""
+def _bounded_samples(samples: list[GeneratedSample]) -> list[Sample]:
+    """The samples, each text cut to its share of the result budget."""
     share = (AGENT_BUDGET_CHARS - 1200) // max(1, len(samples))
     kept = []
     for item in samples:
         # Redacted before the cut: a secret cut in two would no longer be found by its value.
-        prompt, prompt_cut = _fit(redact(str(item.get("prompt", ""))), min(300, share // 4))
+        prompt, prompt_cut = _fit(redact(item.prompt), min(300, share // 4))
         # What the recipe added (an image's name) and the data's answer: its code wrote them, so cut too.
-        shown, shown_cut = (_fit(redact(item["input"]), min(200, share // 8))
-                            if isinstance(item.get("input"), str) else (None, False))
-        expected, expected_cut = (_fit(redact(item["expected"]), min(300, share // 4))
-                                  if isinstance(item.get("expected"), str) else (None, False))
+        shown, shown_cut = _fit(redact(item.input), min(200, share // 8)) if item.input is not None else (None, False)
+        expected, expected_cut = (_fit(redact(item.expected), min(300, share // 4))
+                                  if item.expected is not None else (None, False))
         rest = share - json_chars(prompt) - json_chars(shown) - json_chars(expected) - 80  # the completion's share
-        completion, completion_cut = _fit(redact(str(item.get("completion", ""))), rest)
-        stopped = item.get("stopped") if item.get("stopped") in ("eos", "max_new_tokens") else "max_new_tokens"
-        kept.append(Sample(prompt=prompt, completion=completion, new_tokens=_count(item.get("new_tokens")),
-                           stopped=stopped, cut=prompt_cut or completion_cut or shown_cut or expected_cut,
+        completion, completion_cut = _fit(redact(item.completion), rest)
+        kept.append(Sample(prompt=prompt, completion=completion, new_tokens=item.new_tokens, stopped=item.stopped,
+                           cut=prompt_cut or completion_cut or shown_cut or expected_cut,
                            input=shown, expected=expected))
     return kept
 
@@ -299,18 +283,12 @@ def evaluate(ws: Workspace, run_id: str, step: int | None = None, data: list[str
     run_dir, step = checkpoint_of(ws, run_id, step)
     arguments = [f"--data={path}" for path in resolved] if paths else []
     result = run_model_io(ws.root, run_dir, "evaluate", step, arguments, ws.run_limits(), EVALUATE_TIMEOUT_S)
-    reported = result.get("metrics")
-    found: dict = reported if isinstance(reported, dict) else {}
-    metrics = {str(k)[:100]: float(v) for k, v in list(found.items())[:MAX_METRICS] if rd.finite_number(v) is not None}
-    examples = _count(result["examples"]) if result.get("examples") is not None else None
     split = "data" if paths else "held_out"
     return EvaluateResult(
-        run_id=run_id, step=step, eval_loss=rd.finite_number(result.get("eval_loss")),
-        perplexity=rd.finite_number(result.get("perplexity")), split=split, examples=examples,
-        tokens=_count(result["tokens"]) if result.get("tokens") is not None else None,
-        loss_tokens=_count(result["loss_tokens"]) if result.get("loss_tokens") is not None else None,
-        scored_tokens=_count(result.get("scored_tokens")),
-        metrics=metrics, warnings=small_sample_warnings(examples, split),
+        run_id=run_id, step=step, eval_loss=result.eval_loss, perplexity=result.perplexity, split=split,
+        examples=result.examples, tokens=result.tokens, loss_tokens=result.loss_tokens,
+        scored_tokens=result.scored_tokens, metrics=result.metrics,
+        warnings=small_sample_warnings(result.examples, split),
     )
 
 

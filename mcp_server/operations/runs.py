@@ -507,27 +507,20 @@ def get_run(ws: Workspace, run_id: str) -> RunInfo:
     console_tail = None
     if status == rd.FAILED:
         console_tail = _tail_text(run_dir / rd.CONSOLE_LOG, CONSOLE_TAIL_BYTES)
-    return _bounded_fields(RunInfo(
-        hub_models=_hub_shown(record),
-        run_id=record.id,
+    return _bounded_fields(RunInfo.of(
+        record,
+        # The record's facts as shown:
         status=status,
-        kind=record.kind,
-        recipe=record.recipe,
-        run_dir=ws.label(run_dir),
-        code=code_description(record),
-        git_commit=record.git_commit,
-        recipe_dirty=record.recipe_dirty,
-        snapshot=record.snapshot,
-        nproc=record.nproc,
-        world_size=record.world_size,
-        created_at=record.created_at,
-        started_at=record.started_at,
-        ended_at=record.ended_at,
-        exit_code=record.exit_code,
         error=error,
         resumed_from=_resumed_from(ws, record),
         overrides=bounded_mapping(record.overrides, MAX_CONFIG_CHARS),
         config_changes=bounded_mapping(record.config_changes, MAX_CONFIG_CHARS),
+        warnings=_shown_warnings(record.warnings + ([slurm_note] if slurm_note else [])),
+        # What get_run adds:
+        hub_models=_hub_shown(record),
+        run_id=record.id,
+        run_dir=ws.label(run_dir),
+        code=code_description(record),
         data=_data(record),
         step=latest.get("step") if latest else None,
         max_steps=record.max_steps,
@@ -540,12 +533,6 @@ def get_run(ws: Workspace, run_id: str) -> RunInfo:
         ],
         metrics_destinations=[_destination(ws, d) for d in record.metrics_destinations[:MAX_DESTINATIONS]],
         console_tail=console_tail,
-        warnings=_shown_warnings(record.warnings + ([slurm_note] if slurm_note else [])),
-        network_isolated=record.network_isolated,
-        network_note=record.network_note,
-        isolation=record.isolation,
-        isolation_note=record.isolation_note,
-        limits=record.limits or None,
         nodes=_nodes(record),
     ))
 

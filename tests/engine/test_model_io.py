@@ -19,6 +19,7 @@ import torch
 from engine import run_dir as rd
 from engine import model_io
 from engine.distributed import DistInfo
+from engine.seams import ExportOutcome
 from tests.support import TINY, copy_template, engine_command, engine_env, new_run_dirs
 
 pytestmark = pytest.mark.slow
@@ -81,7 +82,7 @@ def test_the_export_loads_with_from_pretrained_and_gives_the_same_logits(runs, e
     from transformers import AutoModelForCausalLM
 
     folder, result = exported
-    assert result == {"step": 4, "lora": None, "lora_layers": 0, "tokenizer": "TokenizersBackend", "parameters": 119360}
+    assert result == ExportOutcome(step=4, lora=None, lora_layers=0, tokenizer="TokenizersBackend", parameters=119360)
     index = json.loads((folder / "model.safetensors.index.json").read_text())
     shards = sorted(set(index["weight_map"].values()))
     assert len(shards) > 1 and all((folder / shard).is_file() for shard in shards)
@@ -142,7 +143,7 @@ def test_a_recipe_started_from_the_export_continues_with_the_loss_of_the_resumed
     assert loss_fresh == loss_resumed and eval_fresh == eval_resumed
     # ... and model_io's evaluate reports the eval loss the run logged at step 4.
     logged = [r["eval_loss"] for r in rd.read_all_metrics(run / rd.METRICS_JSONL) if r.get("step") == 4 and "eval_loss" in r]
-    assert model_io.evaluate(run, 4)["eval_loss"] == pytest.approx(logged[0], rel=1e-12) == eval_resumed
+    assert model_io.evaluate(run, 4).eval_loss == pytest.approx(logged[0], rel=1e-12) == eval_resumed
 
 
 def test_a_lora_run_exports_merged_weights_or_a_peft_adapter(runs, tmp_path, monkeypatch):
@@ -155,7 +156,7 @@ def test_a_lora_run_exports_merged_weights_or_a_peft_adapter(runs, tmp_path, mon
     merged = model_io.export(run, 4, tmp_path / "merged")
     adapter = model_io.export(run, 4, tmp_path / "staging", lora="adapter", final_dir=tmp_path / "adapter")
     (tmp_path / "staging").rename(tmp_path / "adapter")
-    assert (merged["lora"], merged["lora_layers"], adapter["lora"]) == ("merged", 14, "adapter")
+    assert (merged.lora, merged.lora_layers, adapter.lora) == ("merged", 14, "adapter")
     assert {"adapter_config.json", "adapter_model.safetensors", "tokenizer.json", "base"} <= {
         p.name for p in (tmp_path / "adapter").iterdir()}
 
@@ -184,8 +185,8 @@ def test_a_lora_run_exports_merged_weights_or_a_peft_adapter(runs, tmp_path, mon
 def test_sample_is_greedy_and_bounded_and_evaluate_needs_held_out_data(runs):
     first = model_io.sample(runs[0], 4, ["the model ", "loss"], max_new_tokens=12)
     again = model_io.sample(runs[0], 4, ["the model "], max_new_tokens=12)
-    assert first["samples"][0] == again["samples"][0] and all(1 <= s["new_tokens"] <= 12 for s in first["samples"])
-    assert first["chat"] is False
+    assert first.samples[0] == again.samples[0] and all(1 <= s.new_tokens <= 12 for s in first.samples)
+    assert first.chat is False
     with pytest.raises(model_io.BadInput, match="at most 8 prompts"):
         model_io.sample(runs[0], 4, ["a"] * 9)
     with pytest.raises(model_io.NotFound, match="no complete checkpoint at step 3"):
@@ -214,5 +215,5 @@ def test_sample_renders_prompts_as_user_turns_when_the_tokenizer_has_a_chat_temp
     chat = model_io.sample(runs[0], 4, ["hi"], max_new_tokens=8)
     monkeypatch.setattr(engine.launch, "load_recipe_class", load)
     plain = model_io.sample(runs[0], 4, ["<user>hi<bot>"], max_new_tokens=8)
-    assert chat["chat"] is True and plain["chat"] is False
-    assert chat["samples"][0]["completion"] == plain["samples"][0]["completion"]  # the same tokens in
+    assert chat.chat is True and plain.chat is False
+    assert chat.samples[0].completion == plain.samples[0].completion  # the same tokens in

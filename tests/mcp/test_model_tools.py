@@ -53,13 +53,14 @@ def test_sample_and_evaluate_answer_with_bounded_results(session):
 
 
 def test_sample_results_are_cut_to_the_agent_budget():
+    from engine.seams import GeneratedSample
     from mcp_server.operations.model_tools import _bounded_samples
 
-    raw = [{"prompt": "p" * 4000, "completion": "\x01é" * 2000, "new_tokens": 512, "stopped": "max_new_tokens"}] * 8
+    raw = [GeneratedSample(prompt="p" * 4000, completion="\x01é" * 2000, new_tokens=512, stopped="max_new_tokens")] * 8
     samples = [s.model_dump() for s in _bounded_samples(raw)]
     assert text_size({"run_id": "x" * 40, "step": 1, "samples": samples}) < AGENT_BUDGET_CHARS
     assert all(s["cut"] and s["completion"].startswith("\x01é") and s["completion"].endswith("…") for s in samples)
-    short = [{"prompt": "a", "completion": "b", "new_tokens": 1, "stopped": "eos"}]
+    short = [GeneratedSample(prompt="a", completion="b", new_tokens=1, stopped="eos")]
     assert [s.model_dump() for s in _bounded_samples(short)] == [
         {"prompt": "a", "completion": "b", "new_tokens": 1, "stopped": "eos", "cut": False, "input": None, "expected": None}]
 

@@ -17,6 +17,7 @@ import pytest
 
 from engine import run_dir as rd
 from engine.errors import BadInput, NotFound
+from engine.seams import ExportOutcome, GeneratedSample
 from mcp_server.operations import model_tools
 from sandbox.workspace import Workspace
 from tests.sandbox.helpers import fake_run, make_workspace, tree_hash
@@ -43,7 +44,7 @@ def stand_in(root, run_dir, action, step, arguments, limits, timeout_s, writable
     (staging / "config.json").write_text("{}")
     for attack in DURING:
         attack(staging)
-    return {"lora": None, "tokenizer": None, "parameters": 1}
+    return ExportOutcome(step=step, lora=None, tokenizer=None, parameters=1)
 
 
 @pytest.fixture(autouse=True)
@@ -147,35 +148,103 @@ def test_the_smallest_and_largest_temperatures_are_taken():
 
 
 # What the model process hands back is the recipe's to write (its code runs in that process and
-# can replace the result file): the server takes it as untrusted input.
-HOSTILE_RESULTS = {
-    "sample": [{"samples": "not a list"}, {"samples": [42, None, "x"]},
-               {"samples": [{"prompt": 1, "completion": None, "new_tokens": "many", "stopped": ["eos"]}] * 5000},
-               {"samples": [{"completion": "c" * 900_000, "new_tokens": 10**30, "stopped": "x" * 10**5}]}],
-    "evaluate": [{"metrics": [1, 2], "tokens": "x", "eval_loss": "nan"},
-                 {"metrics": {"k" * 10**5: 1.0, "b": "x", "c": 10**400}, "tokens": -5, "perplexity": True}],
-    "export": [{"lora": "x" * 10**5, "tokenizer": ["a"] * 10**4, "parameters": "many"},
-               {"lora": {"a": 1}, "tokenizer": "t" * 10**5, "parameters": 10**40}],
-}
+# can replace the result file): the server reads it through engine.seams.read_model_result, which
+# refuses anything that is not the engine's result, naming the field, before anything is kept.
+SAMPLED = {"ok": True, "step": 4, "temperature": 0.0, "chat": False,
+           "samples": [{"prompt": "p", "completion": "c", "new_tokens": 1, "stopped": "eos"}]}
+EVALUATED = {"ok": True, "step": 4, "eval_loss": 1.5, "perplexity": 4.48, "batches": 1, "split": "held_out",
+             "examples": 40, "tokens": 400, "loss_tokens": 400, "scored_tokens": 400, "data": None, "metrics": {"acc": 0.5}}
+EXPORTED = {"ok": True, "step": 4, "lora": None, "lora_layers": 0, "tokenizer": "T", "parameters": 10}
 
 
-@pytest.mark.parametrize("action, index", [(a, i) for a, results in HOSTILE_RESULTS.items() for i in range(len(results))])
-def test_a_hostile_result_from_the_model_process_gives_a_bounded_answer(ws, monkeypatch, action, index):
-    from mcp_server.limits import AGENT_BUDGET_CHARS, json_chars
+def one_sample(**fields) -> dict:
+    return {**SAMPLED, "samples": [{**SAMPLED["samples"][0], **fields}]}
 
-    def hostile(root, run_dir, act, step, arguments, limits, timeout_s, writable=None):
-        assert act == action
-        if writable:  # an export: a file whose name is as long as a path may be
-            deep = writable[0] / (("d" * 200 + "/") * 18)
-            deep.mkdir(parents=True)
-            (deep / ("f" * 200)).write_text("x")
-        return HOSTILE_RESULTS[action][index]
 
-    monkeypatch.setattr(model_tools, "run_model_io", hostile)
+FORGED_RESULTS = [  # (action, what the process wrote, what the refusal says)
+    ("sample", {**SAMPLED, "samples": "not a list"}, "no valid 'samples' (Input should be a valid list)"),
+    ("sample", {**SAMPLED, "samples": [42]}, "no valid 'samples.0'"),
+    ("sample", one_sample(new_tokens="many"), "no valid 'samples.0.new_tokens' (Input should be a valid integer)"),
+    ("sample", one_sample(new_tokens=10**30), "no valid 'samples.0.new_tokens'"),
+    ("sample", one_sample(stopped=["eos"]), "no valid 'samples.0.stopped'"),
+    ("sample", one_sample(completion="c" * 900_000), "no valid 'samples.0.completion' (String should have at most"),
+    ("sample", one_sample(expected={"a": 1}), "no valid 'samples.0.expected'"),
+    ("sample", one_sample(shell="rm -rf /"), "a field the engine does not write: 'samples.0.shell'"),
+    ("sample", {**SAMPLED, "samples": SAMPLED["samples"] * 9}, "no valid 'samples' (List should have at most 8"),
+    ("sample", {**SAMPLED, "samples": SAMPLED["samples"] * 2}, "2 samples for 1 prompts"),
+    ("sample", {k: v for k, v in SAMPLED.items() if k != "chat"}, "has no 'chat'"),
+    ("evaluate", {**EVALUATED, "metrics": [1, 2]}, "no valid 'metrics' (Input should be a valid dictionary)"),
+    ("evaluate", {**EVALUATED, "metrics": {"k" * 10**5: 1.0}}, "no valid 'metrics' (String should have at most 100"),
+    ("evaluate", {**EVALUATED, "metrics": {"b": "x"}}, "no valid 'metrics' (Input should be a valid number)"),
+    ("evaluate", {**EVALUATED, "metrics": {str(i): 1.0 for i in range(41)}}, "no valid 'metrics'"),
+    ("evaluate", {**EVALUATED, "eval_loss": "nan"}, "no valid 'eval_loss'"),
+    ("evaluate", {**EVALUATED, "eval_loss": float("nan")}, "no valid 'eval_loss' (Input should be a finite number)"),
+    ("evaluate", {**EVALUATED, "tokens": -5}, "no valid 'tokens'"),
+    ("evaluate", {**EVALUATED, "perplexity": True}, "no valid 'perplexity'"),
+    ("evaluate", {k: v for k, v in EVALUATED.items() if k != "eval_loss"}, "has no 'eval_loss'"),
+    ("export", {**EXPORTED, "lora": "x" * 10**5}, "no valid 'lora'"),
+    ("export", {**EXPORTED, "tokenizer": ["a"] * 10**4}, "no valid 'tokenizer'"),
+    ("export", {**EXPORTED, "tokenizer": "t" * 10**5}, "no valid 'tokenizer' (String should have at most 100"),
+    ("export", {**EXPORTED, "parameters": 10**40}, "no valid 'parameters'"),
+    ("export", {**EXPORTED, "parameters": "many"}, "no valid 'parameters'"),
+    ("export", {k: v for k, v in EXPORTED.items() if k != "parameters"}, "has no 'parameters'"),
+    ("export", {**EXPORTED, "files": {"../../etc/passwd": 1}}, "a field the engine does not write: 'files'"),
+    ("export", {"ok": False, "kind": "rm -rf", "error": "x"}, "no valid 'kind'"),
+    ("export", {"ok": False, "kind": "bad_input", "error": "e" * 10**5}, "no valid 'error'"),
+    ("sample", {"ok": "yes", "kind": "bad_input", "error": "e"}, "no valid 'ok' (Input should be False)"),
+]
+
+
+@pytest.mark.parametrize("action, forged, message", FORGED_RESULTS, ids=[f"{a}-{i}" for i, (a, _, _) in enumerate(FORGED_RESULTS)])
+def test_a_forged_result_from_the_model_process_is_refused_naming_its_field_and_changes_nothing(
+        ws, monkeypatch, action, forged, message):
+    import json
+
+    from sandbox import model_process
+
+    def forging(command, workspace, visible, writable, env, limits, timeout_s, mark, bound_fds=None):
+        assert command[command.index("-m") + 2] == action
+        for folder in writable[1:]:  # an export's staging folder, written as if exported
+            (folder / "config.json").write_text("{}")
+        Path(command[command.index("--result") + 1]).write_text(json.dumps(forged))
+        return "", ""
+
+    monkeypatch.setattr(model_tools, "run_model_io", model_process.run_model_io)  # the real reader
+    monkeypatch.setattr(model_process, "run_contained", forging)
     call = {"sample": lambda: model_tools.sample(ws, "r1", ["p"]), "evaluate": lambda: model_tools.evaluate(ws, "r1"),
-            "export": lambda: model_tools.export_checkpoint(ws, "r1", f"exports/m{index}")}[action]
-    result = call()
-    assert json_chars(result.model_dump(mode="json")) < AGENT_BUDGET_CHARS
+            "export": lambda: model_tools.export_checkpoint(ws, "r1", "exports/deep/m")}[action]
+    before = tree_hash(ws.root)
+    with pytest.raises(model_process.ModelProcessFailed) as refused:
+        call()
+    assert f"the {action} result " in str(refused.value) and message in str(refused.value), str(refused.value)
+    assert len(str(refused.value)) < 600
+    assert tree_hash(ws.root) == before and not (ws.root / "exports").exists()
+
+
+@pytest.mark.parametrize("action, written", [("sample", SAMPLED), ("evaluate", EVALUATED), ("export", EXPORTED)])
+def test_the_engines_result_passes_the_reader_that_refuses_forged_ones(ws, monkeypatch, action, written):
+    import json
+
+    from sandbox import model_process
+
+    def writing(command, workspace, visible, writable, env, limits, timeout_s, mark, bound_fds=None):
+        for folder in writable[1:]:
+            (folder / "config.json").write_text("{}")
+        Path(command[command.index("--result") + 1]).write_text(json.dumps(written))
+        return "", ""
+
+    monkeypatch.setattr(model_tools, "run_model_io", model_process.run_model_io)
+    monkeypatch.setattr(model_process, "run_contained", writing)
+    result = {"sample": lambda: model_tools.sample(ws, "r1", ["p"]), "evaluate": lambda: model_tools.evaluate(ws, "r1"),
+              "export": lambda: model_tools.export_checkpoint(ws, "r1", "exports/m")}[action]()
+    shown = result.model_dump(mode="json")
+    if action == "sample":
+        assert shown["samples"] == [{"prompt": "p", "completion": "c", "new_tokens": 1, "stopped": "eos", "cut": False,
+                                     "input": None, "expected": None}]
+    elif action == "evaluate":
+        assert (shown["eval_loss"], shown["metrics"], shown["examples"], shown["warnings"]) == (1.5, {"acc": 0.5}, 40, [])
+    else:
+        assert (shown["tokenizer"], shown["parameters"], shown["files"]) == ("T", 10, {"config.json": 2})
 
 
 def test_a_destination_under_a_file_is_a_clear_refusal(ws):
@@ -302,8 +371,8 @@ def test_samples_with_an_input_and_an_expected_answer_stay_in_the_agent_budget()
     # The recipe's code writes input and expected too: they take from each sample's share.
     from mcp_server.limits import AGENT_BUDGET_CHARS, json_chars
 
-    raw = [{"prompt": "p" * 5000, "completion": "\x01" * 90_000, "input": "\x02" * 5000, "expected": "\x03" * 5000,
-            "new_tokens": 1, "stopped": "eos"}] * 8
+    raw = [GeneratedSample(prompt="p" * 4000, completion="\x01" * 65_536, input="\x02" * 4000, expected="\x03" * 4000,
+                           new_tokens=1, stopped="eos")] * 8
     samples = model_tools._bounded_samples(raw)
     assert all(s.cut and s.input.endswith("…") and s.expected.endswith("…") and s.completion for s in samples)
     assert json_chars({"run_id": "x" * 40, "step": 1, "samples": [s.model_dump() for s in samples]}) < AGENT_BUDGET_CHARS
@@ -316,11 +385,11 @@ def test_a_secret_in_a_completion_is_redacted_before_the_cut_can_split_it(monkey
     monkeypatch.setenv("TW_ATTACK_TOKEN", secret)
     redaction.reload()
     try:
-        (plain,) = model_tools._bounded_samples([{"prompt": "p", "completion": "x" * 20_000}])
+        (plain,) = model_tools._bounded_samples([sampled("x" * 20_000)])
         kept = len(plain.completion) - 1  # where the cut falls ("…" added)
         for inside in range(8, len(secret)):  # the cut falls inside the secret
             completion = "x" * (kept - inside) + secret + "x" * 20_000
-            (sample,) = model_tools._bounded_samples([{"prompt": "p", "completion": completion}])
+            (sample,) = model_tools._bounded_samples([sampled(completion)])
             assert secret[:8] not in redaction.redact_model(sample).completion, inside
     finally:
         monkeypatch.delenv("TW_ATTACK_TOKEN")
@@ -376,11 +445,10 @@ def test_what_a_recipe_shows_beside_a_sample_is_redacted_bounded_and_typed(monke
     monkeypatch.setenv("TW_ATTACK_TOKEN", secret)
     redaction.reload()
     try:
-        (shown, plain, odd) = model_tools._bounded_samples([
-            {"prompt": "a", "completion": " red circle", "input": "held-out image " + secret + "x" * 5000,
-             "expected": "a red circle " + secret + "y" * 50_000},
-            {"prompt": "p", "completion": "c"},
-            {"prompt": "p", "completion": "c", "input": ["not", "text"], "expected": {"a": 1}},
+        (shown, plain) = model_tools._bounded_samples([
+            sampled(" red circle", prompt="a", input="held-out image " + secret + "x" * 3900,
+                    expected="a red circle " + secret + "y" * 3900),
+            sampled("c"),
         ])
     finally:
         monkeypatch.delenv("TW_ATTACK_TOKEN")
@@ -389,4 +457,8 @@ def test_what_a_recipe_shows_beside_a_sample_is_redacted_bounded_and_typed(monke
     assert shown.expected.startswith("a red circle ") and len(shown.expected) <= 300
     assert secret[:12] not in shown.input + shown.expected
     assert plain.input is None and plain.expected is None and not plain.cut
-    assert odd.input is None and odd.expected is None
+    # Anything but text there is not the engine's result: refused as it is read (FORGED_RESULTS).
+
+
+def sampled(completion: str, prompt: str = "p", **shown) -> GeneratedSample:
+    return GeneratedSample(prompt=prompt, completion=completion, new_tokens=1, stopped="eos", **shown)

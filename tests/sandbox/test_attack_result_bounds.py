@@ -83,6 +83,7 @@ def test_output_nested_too_deep_for_json_is_no_verdict_and_no_result(tmp_path, m
     the agent as 'internal: a trainwright bug'. It is read as what it is: no verdict, no result."""
     import pytest
 
+    from engine.seams import read_model_result
     from sandbox import model_process
     from sandbox import runs as sandbox_runs
 
@@ -92,7 +93,7 @@ def test_output_nested_too_deep_for_json_is_no_verdict_and_no_result(tmp_path, m
         sandbox_runs.check_launch(tmp_path, tmp_path, 1, [])
     result = tmp_path / "result.json"
     result.write_text(deep)
-    assert model_process._read_result(result) is None
+    assert read_model_result("sample", model_process._read_result(result)) is None
 
 
 def test_a_malformed_verdict_from_the_check_is_a_refusal(tmp_path, monkeypatch):

@@ -216,8 +216,8 @@ def test_a_vlm_run_evaluates_on_given_images_and_fingerprinted_them(tmp_path, mo
     assert data_files.data_fingerprint() != counted.fingerprint
 
     result = model_io.evaluate(run, 2, data=["set"])
-    assert result["batches"] >= 1 and result["tokens"] > 0 and result["eval_loss"] > 0
-    assert set(result["metrics"]) == {"caption_accuracy"}
+    assert result.batches >= 1 and result.tokens > 0 and result.eval_loss > 0
+    assert set(result.metrics) == {"caption_accuracy"}
     data_files.forget_listed()
 
 

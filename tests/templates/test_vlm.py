@@ -272,11 +272,12 @@ def test_the_export_is_a_hugging_face_vlm_that_captions_held_out_images(workspac
         assert said == record["caption"]
 
     evaluated = model_io.evaluate(run, 40)
-    assert evaluated["metrics"] == {"caption_accuracy": 1.0} and evaluated["eval_loss"] < 0.5
-    sampled = model_io.sample(run, 40, ["a", "a"])["samples"]
-    assert [s["input"] for s in sampled] == [f"held-out image data.jsonl:{i}" for i in range(1, 61)
-                                              if vlm.is_eval_document(f"data.jsonl:{i}", 0.25)][:2]
-    assert all("a" + s["completion"] == s["expected"] and s["stopped"] == "eos" for s in sampled), sampled
+    assert evaluated.metrics == {"caption_accuracy": 1.0} and evaluated.eval_loss is not None
+    assert evaluated.eval_loss < 0.5
+    sampled = model_io.sample(run, 40, ["a", "a"]).samples
+    assert [s.input for s in sampled] == [f"held-out image data.jsonl:{i}" for i in range(1, 61)
+                                          if vlm.is_eval_document(f"data.jsonl:{i}", 0.25)][:2]
+    assert all("a" + s.completion == s.expected and s.stopped == "eos" for s in sampled), sampled
 
 
 def test_a_stage_two_run_starts_from_an_exported_run(workspace, captioned):
