@@ -20,7 +20,7 @@ from typing import Annotated, Any, Awaitable, Callable, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from engine.model_io import MAX_NEW_TOKENS, MAX_PROMPTS
+from engine.seams import MAX_NEW_TOKENS, MAX_PROMPTS
 from mcp_server.run_view import TOOL_META as RUN_VIEW
 from mcp_server.limits import DEFAULT_TAIL_RECORDS, DEFAULT_WAIT_S, MAX_TAIL_RECORDS, MAX_WAIT_S
 from mcp_server.models import (
