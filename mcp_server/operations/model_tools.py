@@ -1,7 +1,7 @@
 """Model operations: export a checkpoint as a Hugging Face folder, sample from it, evaluate it.
 
 Each loads the run's recipe, so each runs ``python -m engine.model_io`` in the run sandbox
-(:mod:`sandbox.model_process`), never in this process; what comes back is a bounded result.
+(:mod:`runner.model_process`), never in this process; what comes back is a bounded result.
 An export is written into a staging folder beside its destination and renamed into place when
 complete: a failed or interrupted export leaves nothing at ``to``.
 """
@@ -24,12 +24,12 @@ from engine.model_io import check_sample_request
 from engine.seams import GeneratedSample
 from mcp_server.limits import AGENT_BUDGET_CHARS, json_chars
 from mcp_server.models import EvaluateResult, ExportResult, Sample, SampleResult
-from sandbox.model_process import ModelProcessFailed, run_model_io
-from sandbox.paths import RESERVED_DIRS, PathRefused, confine, refuse_reserved
-from sandbox.provenance import check_snapshot_unchanged
+from runner.model_process import ModelProcessFailed, run_model_io
+from workspace.paths import RESERVED_DIRS, PathRefused, confine, refuse_reserved
+from runner.provenance import check_snapshot_unchanged
 from sandbox.redact import redact
-from sandbox.scripts import DOCS_PAGE
-from sandbox.workspace import RECIPES_DIRNAME, Workspace
+from runner.scripts import DOCS_PAGE
+from workspace.workspace import RECIPES_DIRNAME, Workspace
 
 EXPORT_TIMEOUT_S = 1800
 SAMPLE_TIMEOUT_S = 600
@@ -88,27 +88,7 @@ def export_checkpoint(
     """Write a checkpoint as a Hugging Face folder at ``to`` (new, or an empty folder)."""
     if lora not in LORA_CHOICES:
         raise BadInput(f"lora must be one of {', '.join(LORA_CHOICES)}, got {lora!r}")
-    destination = confine(ws.root, to, "to", must_exist=False)
-    relative = destination.relative_to(ws.root)
-    if not relative.parts:
-        raise PathRefused("to is the workspace itself; give a new folder inside it, e.g. exports/my_model")
-    if relative.parts[0] in RESERVED_DIRS:
-        raise PathRefused(f"to {relative.as_posix()!r} is inside {relative.parts[0]}/, which holds trainwright's "
-                          "or git's own state; export elsewhere, e.g. exports/my_model")
-    if relative.parts[0] == RECIPES_DIRNAME:
-        # A model there would be copied into every run's code snapshot and leave the recipe dirty.
-        raise PathRefused(f"to {relative.as_posix()!r} is inside {RECIPES_DIRNAME}/, which holds recipe code; "
-                          "export elsewhere, e.g. exports/my_model")
-    if any(STAGING_MARK in part for part in relative.parts):  # one on the way would be removed as abandoned
-        raise PathRefused(f"to {relative.as_posix()!r} is named like the staging folder of an export; "
-                          "give another name")
-    for part in relative.parts:
-        if len(os.fsencode(part)) > MAX_NAME_BYTES:
-            raise PathRefused(f"to has a folder name too long for the filesystem ({len(os.fsencode(part))} bytes, "
-                              f"at most {MAX_NAME_BYTES}); give a shorter name")
-    if destination.exists() and (not destination.is_dir() or any(destination.iterdir())):
-        raise BadInput(f"to {ws.label(destination)!r} exists and is not an empty folder; "
-                       "give a new folder (nothing was changed)")
+    destination, relative = _checked_destination(ws, to)
     run_dir, step = checkpoint_of(ws, run_id, step)
     parent, name = destination.parent, destination.name
     missing = [p for p in [parent, *parent.parents] if not p.exists()]
@@ -159,6 +139,33 @@ def export_checkpoint(
         parameters=result.parameters,
         files={_text(name, MAX_FILE_NAME_CHARS): size for name, size in files[:MAX_LISTED_FILES]},
     )
+
+
+def _checked_destination(ws: Workspace, to: str) -> tuple[Path, Path]:
+    """The folder an export writes (and its path in the workspace): new or empty, not in the
+    workspace's own state, recipes or another export's staging folder, each name short enough."""
+    destination = confine(ws.root, to, "to", must_exist=False)
+    relative = destination.relative_to(ws.root)
+    if not relative.parts:
+        raise PathRefused("to is the workspace itself; give a new folder inside it, e.g. exports/my_model")
+    if relative.parts[0] in RESERVED_DIRS:
+        raise PathRefused(f"to {relative.as_posix()!r} is inside {relative.parts[0]}/, which holds trainwright's "
+                          "or git's own state; export elsewhere, e.g. exports/my_model")
+    if relative.parts[0] == RECIPES_DIRNAME:
+        # A model there would be copied into every run's code snapshot and leave the recipe dirty.
+        raise PathRefused(f"to {relative.as_posix()!r} is inside {RECIPES_DIRNAME}/, which holds recipe code; "
+                          "export elsewhere, e.g. exports/my_model")
+    if any(STAGING_MARK in part for part in relative.parts):  # one on the way would be removed as abandoned
+        raise PathRefused(f"to {relative.as_posix()!r} is named like the staging folder of an export; "
+                          "give another name")
+    for part in relative.parts:
+        if len(os.fsencode(part)) > MAX_NAME_BYTES:
+            raise PathRefused(f"to has a folder name too long for the filesystem ({len(os.fsencode(part))} bytes, "
+                              f"at most {MAX_NAME_BYTES}); give a shorter name")
+    if destination.exists() and (not destination.is_dir() or any(destination.iterdir())):
+        raise BadInput(f"to {ws.label(destination)!r} exists and is not an empty folder; "
+                       "give a new folder (nothing was changed)")
+    return destination, relative
 
 
 def _remove_abandoned_staging(parent_fd: int) -> None:
