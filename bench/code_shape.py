@@ -22,7 +22,7 @@ import textwrap
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("engine", "sandbox", "mcp_server", "skills", "trainwright")
+PACKAGES = ("engine", "sandbox", "workspace", "runner", "mcp_server", "skills", "trainwright")
 
 
 def python_files(package: str) -> list[Path]:

@@ -28,7 +28,7 @@ from mcp_server.cli import _compare_text  # noqa: E402
 from mcp_server.operations import compare  # noqa: E402
 from mcp_server.operations import recipes as recipe_ops  # noqa: E402
 from mcp_server.operations import runs as run_ops  # noqa: E402
-from sandbox.workspace import Workspace  # noqa: E402
+from workspace.workspace import Workspace  # noqa: E402
 from tests.skills.skill_helpers import write_documents  # noqa: E402
 from tests.support import TINY  # noqa: E402
 

@@ -3,7 +3,7 @@
 A run's speed must not depend on whether it has saved a checkpoint yet, nor on how it was
 started. For each template (``causal_lm``, ``sft``) this runs, interleaved over rounds:
 
-- ``sandbox every=K``: launched as the server launches (``sandbox.runs.start_run``: the
+- ``sandbox every=K``: launched as the server launches (``runner.lifecycle.start_run``: the
   supervisor, the allow-listed environment, bubblewrap), saving every ``K`` steps;
 - ``sandbox every=0``: the same, without checkpoints;
 - ``direct every=K`` and ``direct every=0``: ``python -m engine.launch`` in a subprocess with
@@ -41,10 +41,11 @@ sys.path.insert(0, str(REPO))
 
 from engine import run_dir as rd  # noqa: E402
 from engine.config import overrides_to_dict  # noqa: E402
-from sandbox import bwrap, git as sandbox_git  # noqa: E402
-from sandbox import runs as sandbox_runs  # noqa: E402
-from sandbox.config import RunLimits  # noqa: E402
-from sandbox.provenance import CodeOrigin  # noqa: E402
+from sandbox import bwrap  # noqa: E402
+from workspace import git as workspace_git  # noqa: E402
+from runner import lifecycle as run_lifecycle  # noqa: E402
+from workspace.settings import RunLimits  # noqa: E402
+from runner.provenance import CodeOrigin  # noqa: E402
 from tests.support import wait_for  # noqa: E402
 
 PEER_GOAL = 0.90
@@ -57,15 +58,15 @@ def workspace(root: Path, templates: list[str]) -> Path:
         recipe = root / "recipes" / name
         shutil.copytree(REPO / "recipes_template" / name, recipe, ignore=shutil.ignore_patterns("__pycache__"))
         paths.append(recipe)
-    sandbox_git.commit_paths(sandbox_git.ensure_repo(root), paths, "add recipes", [])
+    workspace_git.commit_paths(workspace_git.ensure_repo(root), paths, "add recipes", [])
     return root
 
 
 def sandboxed(root: Path, template: str, overrides: list[str], threads: int) -> Path:
     limits = RunLimits(threads_per_process=threads)
     recipe = root / "recipes" / template
-    verdict = sandbox_runs.check_launch(root, recipe, 1, overrides, limits=limits)
-    record = sandbox_runs.start_run(root, root / "runs", recipe, f"recipes/{template}", 1,
+    verdict = run_lifecycle.check_launch(root, recipe, 1, overrides, limits=limits)
+    record = run_lifecycle.start_run(root, root / "runs", recipe, f"recipes/{template}", 1,
                                     overrides_to_dict(overrides), verdict,
                                     origin=CodeOrigin(git_commit=None, recipe_dirty=None), limits=limits)
     run_dir = root / "runs" / record.id

@@ -37,11 +37,12 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from engine import run_dir as rd  # noqa: E402
-from sandbox import bwrap, git as sandbox_git  # noqa: E402
-from sandbox import runs as sandbox_runs  # noqa: E402
-from sandbox.config import RunLimits  # noqa: E402
+from sandbox import bwrap  # noqa: E402
+from workspace import git as workspace_git  # noqa: E402
+from runner import lifecycle as run_lifecycle  # noqa: E402
+from workspace.settings import RunLimits  # noqa: E402
 from engine.config import overrides_to_dict  # noqa: E402
-from sandbox.provenance import CodeOrigin  # noqa: E402
+from runner.provenance import CodeOrigin  # noqa: E402
 from tests.support import wait_for  # noqa: E402
 
 TEMPLATE = REPO / "recipes_template" / "causal_lm"
@@ -52,7 +53,7 @@ START_GOAL_S, SPEED_GOAL = 1.0, 0.98
 def workspace(root: Path) -> Path:
     recipe = root / "recipes" / "lm"
     shutil.copytree(TEMPLATE, recipe, ignore=shutil.ignore_patterns("__pycache__"))
-    sandbox_git.commit_paths(sandbox_git.ensure_repo(root), [recipe], "add recipe lm", [])
+    workspace_git.commit_paths(workspace_git.ensure_repo(root), [recipe], "add recipe lm", [])
     return root
 
 
@@ -71,10 +72,10 @@ def one_run(root: Path, peer: str, overrides: list[str], nproc: int, threads: in
     limits = RunLimits(threads_per_process=threads)
     recipe = root / "recipes" / "lm"
     started = time.perf_counter()
-    verdict = sandbox_runs.check_launch(root, recipe, nproc, overrides, limits=limits)
+    verdict = run_lifecycle.check_launch(root, recipe, nproc, overrides, limits=limits)
     check_s = time.perf_counter() - started
     started = time.perf_counter()
-    record = sandbox_runs.start_run(root, root / "runs", recipe, "recipes/lm", nproc, overrides_to_dict(overrides),
+    record = run_lifecycle.start_run(root, root / "runs", recipe, "recipes/lm", nproc, overrides_to_dict(overrides),
                                     verdict, origin=CodeOrigin(git_commit=None, recipe_dirty=None), limits=limits)
     run_dir = root / "runs" / record.id
     wait_for(lambda: engine_started(run_dir, record.id), 300, 0.01)

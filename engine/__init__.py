@@ -4,15 +4,27 @@ Small and explicit, one concept per file:
 
 - ``launch``          the entry point: ``python -m engine.launch RECIPE_DIR [--set key=value ...]``
 - ``config``          the base configuration models and the ``--set`` / YAML layering
-- ``distributed``     process group, device and the (dp, tp) device mesh
-- ``blocks``          ``find_blocks``: a model's repeated blocks (FSDP2's and every skill's)
-- ``fsdp``            FSDP2 ``fully_shard`` per transformer block and on the root
+- ``distributed``     process group, device and the (dp, sp, tp) device mesh
+- ``blocks``          a model's repeated blocks: the one definition FSDP2 and the skills use
+- ``fsdp``            FSDP2 ``fully_shard`` per block and on the root
+- ``sequence_parallel`` Ulysses all-to-all attention
 - ``grad_clip``       gradient clipping that works across DTensor meshes
 - ``checkpoint``      DCP checkpoints that are published atomically
 - ``engine``          the ``Engine`` base class: lifecycle and training loop
 - ``metrics``         the aggregating metric logger and its backends
 - ``flops``           model FLOPs per token and MFU
+- ``memory``          a process's peak memory, the one definition
+- ``estimate``        a run's memory and step time before it starts
+- ``chat``            chat templates as they are: tokens and the assistant mask
+- ``data_files``      the data files a run may read, confined and listed
+- ``data_formats``    file kinds and record formats (Alpaca, ShareGPT, parquet, CSV, ...)
+- ``model_io``        export, sample, evaluate: ``python -m engine.model_io``
+- ``hf_export``       a trained model as a Hugging Face folder
+- ``openmp``          the OpenMP wait policy of every run process (torch-free)
 - ``run_dir``         the on-disk run directory format (torch-free; the server reads it)
+- ``server_record``   the server's own record of a run (torch-free)
+- ``seams``           what the engine's processes hand the server, validated on read (torch-free)
+- ``errors``          the one error family (stdlib only)
 
 Importing this package must not import torch: the MCP server imports ``engine.run_dir``.
 """

@@ -30,7 +30,7 @@ WORKSPACE_VARIABLE = "TRAINWRIGHT_WORKSPACE"
 # Every data file this process listed: resolved path -> SHA-256 of its bytes when last listed.
 _LEDGER: dict[Path, str] = {}
 # Set by the server for a run, a launch check or a model process that loads a model by Hub id
-# (sandbox/hub.py): JSON {name as given: snapshot folder}, the folders bound read-only.
+# (runner/hub.py): JSON {name as given: snapshot folder}, the folders bound read-only.
 HUB_MODELS_VARIABLE = "TRAINWRIGHT_HUB_MODELS"
 HUB_DATASETS_VARIABLE = "TRAINWRIGHT_HUB_DATASETS"  # likewise for data.dataset
 # What the listings of this process left out: the name shown -> why (an extension the recipe does

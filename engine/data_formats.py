@@ -13,7 +13,7 @@ File kinds (``data.paths``; a folder gives its files of these kinds):
 
 ``data.dataset`` (with ``data.subset``, ``data.split``) names a data set for
 ``datasets.load_dataset``: a workspace folder (its data files, or a ``save_to_disk`` folder), or a
-Hub id: the snapshot trainwright's server downloaded and bound for the run (sandbox/hub.py), or
+Hub id: the snapshot trainwright's server downloaded and bound for the run (runner/hub.py), or
 outside the server one found in the local Hugging Face datasets cache (``HF_DATASETS_OFFLINE`` honoured; a run's
 sandbox has no network). Every workspace file read is confined and fingerprinted as
 :func:`engine.data_files.data_files` does.
@@ -177,7 +177,7 @@ def _load_dataset(dataset: str, subset: str | None, split: str | None):
     import datasets
 
     bound = bound_hub_path(HUB_DATASETS_VARIABLE, dataset)
-    if bound is not None:  # a Hub data set the server downloaded, bound read-only (sandbox/hub.py)
+    if bound is not None:  # a Hub data set the server downloaded, bound read-only (runner/hub.py)
         try:
             return datasets.load_dataset(bound, subset, split=split or "train", streaming=True)
         except (FileNotFoundError, ValueError) as e:

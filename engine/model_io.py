@@ -14,7 +14,7 @@ else CPU, full precision, no tensor parallelism), loads the model of the checkpo
   documents of ``PATH``: ``data.paths`` with every document held out) and the recipe's
   ``task_metrics()``.
 
-It runs recipe code, so trainwright starts it in the run sandbox (``sandbox.model_process``),
+It runs recipe code, so trainwright starts it in the run sandbox (``runner.model_process``),
 where the only writable places are ``--to`` and the folder of ``--result``: the result is one
 JSON object written to ``--result`` (stdout without it), one of :mod:`engine.seams`' models: an
 ``ExportOutcome``, ``SampleOutcome`` or ``EvaluateOutcome`` (``{"ok": true, ...}``), or a

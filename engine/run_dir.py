@@ -272,7 +272,7 @@ class SandboxView(BaseModel):
 
 
 class HubModel(BaseModel):
-    """A model (or data set) a run loads by Hub id, as the server resolved it (sandbox/hub.py)."""
+    """A model (or data set) a run loads by Hub id, as the server resolved it (runner/hub.py)."""
 
     model_config = ConfigDict(extra="ignore")
 

@@ -2,12 +2,12 @@
 process's result.
 
 ``python -m engine.launch RECIPE --check`` prints one JSON line, a :class:`LaunchVerdict` or a
-:class:`LaunchRefusal`; the server (``sandbox.runs.check_launch``) reads it with
+:class:`LaunchRefusal`; the server (``runner.lifecycle.check_launch``) reads it with
 :func:`read_verdict`, the one parser of that line.
 
 ``python -m engine.model_io export|sample|evaluate`` writes one JSON object, an
 :class:`ExportOutcome`, :class:`SampleOutcome` or :class:`EvaluateOutcome` (one per action), or
-a :class:`ModelRefusal`; the server (``sandbox.model_process``) reads it with
+a :class:`ModelRefusal`; the server (``runner.model_process``) reads it with
 :func:`read_model_result`, the one parser of that file.
 
 Both are written by a process that imported the recipe's code, so the server validates them as
@@ -107,7 +107,7 @@ def read_verdict(stdout: str) -> LaunchVerdict | None:
 
 
 # ---------------------------------------------------------------------------------------------
-# The model process's result (engine.model_io, read by sandbox.model_process)
+# The model process's result (engine.model_io, read by runner.model_process)
 # ---------------------------------------------------------------------------------------------
 
 MAX_PROMPTS = 8

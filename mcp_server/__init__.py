@@ -1,10 +1,19 @@
 """The agent-facing side of trainwright.
 
+- ``declarations`` every tool declared once: arguments, result, hints, operation
 - ``operations/``  one function per tool, pydantic in and out (skills, recipes, runs)
 - ``models``       the result models
-- ``server``       the MCP binding (``trainwright serve``)
+- ``limits``       bounds on what a tool takes and returns
+- ``server``       the MCP binding of the declarations (``trainwright serve``), resources
+- ``http_auth``    streamable HTTP with a bearer token (``serve --http``)
+- ``live``         live runs as resources: subscriptions and the poll of run directories
+- ``tasks``        long calls as MCP tasks
+- ``clients``      what the server keeps per client, and its log messages to it
+- ``run_view``     the MCP App view of a run (``ui://trainwright/run``)
 - ``workflows``    the workflows as MCP prompts, and completions of their arguments
-- ``cli``          the ``trainwright`` command line, a twin of every tool
+- ``plot``         a run's loss curve as a PNG
+- ``cli``          the ``trainwright`` command line, generated from the declarations
+- ``terminal``     how each tool's result reads in a terminal
 
 This package never imports torch: the engine runs in separate processes.
 """

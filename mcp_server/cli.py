@@ -38,7 +38,7 @@ GROUPS = {"skills": "list or show skills"}  # commands with actions (trainwright
 
 
 def _workspace(args: argparse.Namespace):
-    from sandbox.workspace import Workspace
+    from workspace.workspace import Workspace
 
     return Workspace.open(args.workspace, getattr(args, "settings", None))
 
@@ -277,7 +277,7 @@ def cmd_review(args: argparse.Namespace) -> int:
 
 def cmd_audit(args: argparse.Namespace) -> int:
     """The latest entries of ``.trainwright/audit.jsonl``: every tool call, oldest first."""
-    from sandbox.audit import AuditLog
+    from workspace.audit import AuditLog
 
     if args.n < 1:
         raise BadInput("-n must be at least 1")

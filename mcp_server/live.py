@@ -42,7 +42,7 @@ from engine import server_record as sr
 from engine.errors import TrainwrightError
 from mcp_server import clients
 from sandbox.redact import shown
-from sandbox.workspace import Workspace
+from workspace.workspace import Workspace
 
 POLL_S = 0.5
 STATUS_RECHECK_S = 2.0  # a supervisor that dies changes no file: its run's status is read this often

@@ -45,11 +45,11 @@ from mcp_server.operations import runs as run_ops
 from mcp_server.operations import waiting
 from mcp_server.tasks import TasksExtension
 from sandbox import redact as redaction
-from sandbox.audit import AuditLog
-from sandbox.config import trusted_limits
-from sandbox.git import ensure_repo
+from workspace.audit import AuditLog
+from workspace.settings import trusted_limits
+from workspace.git import ensure_repo
 from sandbox.redact import printable, redact, redact_model, shown
-from sandbox.workspace import Workspace
+from workspace.workspace import Workspace
 
 INSTRUCTIONS = """\
 trainwright trains models in this workspace. The loop: scaffold → apply → launch → wait → stop →

@@ -18,7 +18,7 @@ import skills as skill_library
 from mcp_server.operations import recipe_info
 from mcp_server.operations import recipes as recipe_ops
 from sandbox.redact import printable
-from sandbox.workspace import Workspace
+from workspace.workspace import Workspace
 
 MAX_COMPLETIONS = 100  # completion/complete returns at most 100 values
 MAX_ARGUMENT_CHARS = 300  # a prompt argument is a name, an id or a path: longer is cut

@@ -8,13 +8,13 @@ A run is started in three moves, so that a bad request leaves nothing behind:
    is ended when it ends;
 2. ``start_run`` creates the server's record of the run (``.trainwright/runs/<id>/``, see
    :mod:`engine.server_record`) and ``runs/<id>/run.json`` (the run's copy, which it may
-   rewrite), and spawns ``python -m sandbox.supervise`` in its own session, which starts the
-   engine (``torchrun`` when ``nproc > 1``) in a process group of its own, with the limits of :class:`~sandbox.config.RunLimits`, writes its output
+   rewrite), and spawns ``python -m runner.supervise`` in its own session, which starts the
+   engine (``torchrun`` when ``nproc > 1``) in a process group of its own, with the limits of :class:`~workspace.settings.RunLimits`, writes its output
    to ``console.log`` and records the outcome;
 3. the caller gets the run id at once: nothing waits for the run.
 
 ``stop_run`` asks the supervisor to end every process of the run and record ``stopped``; when
-the supervisor is gone it ends them itself (see :mod:`sandbox.processes`). Every process it
+the supervisor is gone it ends them itself (see :mod:`runner.processes`). Every process it
 signals is one the server or the supervisor started, recognised by its recorded identity
 (pid, start time and session), never by a number the run wrote.
 """
@@ -43,14 +43,14 @@ from engine.data_files import WORKSPACE_VARIABLE
 from engine.errors import BadInput, LaunchRefused
 from engine.seams import LaunchVerdict, read_verdict
 from sandbox import bwrap
-from sandbox.config import RunLimits, capacity
+from workspace.settings import RunLimits, capacity
 from sandbox.environment import THREADS_VARIABLE, run_environment, threads_per_process
-from sandbox.hub import ModelBinding
+from runner.hub import ModelBinding
 from sandbox.network import LOOPBACK_ENV
-from sandbox.nodes import Nodes, torchrun_args
-from sandbox.processes import RUN_ID_VARIABLE, apply_limits, descendants, end_processes, marked
-from sandbox.provenance import CodeOrigin, snapshot_digest, snapshot_files, write_snapshot
-from sandbox.scripts import ScriptLaunch, script_command
+from runner.nodes import Nodes, torchrun_args
+from runner.processes import RUN_ID_VARIABLE, apply_limits, descendants, end_processes, marked
+from runner.provenance import CodeOrigin, snapshot_digest, snapshot_files, write_snapshot
+from runner.scripts import ScriptLaunch, script_command
 
 __all__ = ["LaunchPlan", "LaunchRefused", "RunLimits", "check_capacity", "check_launch", "engine_command", "start_run",
            "stop_run"]
@@ -281,12 +281,12 @@ class LaunchPlan:
     ``recorded_config``: the engine starts from the verdict's config kept in the run's own
     run.json (a resume, a joining node), not from the recipe's ``config.yaml``; ``threads`` pins
     the run's thread count (a resume passes the original run's); ``expected_digest``:
-    :func:`~sandbox.provenance.snapshot_digest` of ``code_dir`` when it was checked, a snapshot
+    :func:`~runner.provenance.snapshot_digest` of ``code_dir`` when it was checked, a snapshot
     that differs starts nothing. ``nodes``: this machine's node of a run over several
-    (:mod:`sandbox.nodes`); ``joins``: node 0's run directory, for a node with ``node_rank`` > 0.
-    ``target="slurm"``: the run directory is made, nothing is started (:mod:`sandbox.slurm`
-    writes and submits the job). ``models``: the Hub models the run loads (:mod:`sandbox.hub`).
-    ``script``: a run of the user's own script (:mod:`sandbox.scripts`), not of a recipe.
+    (:mod:`runner.nodes`); ``joins``: node 0's run directory, for a node with ``node_rank`` > 0.
+    ``target="slurm"``: the run directory is made, nothing is started (:mod:`runner.slurm`
+    writes and submits the job). ``models``: the Hub models the run loads (:mod:`runner.hub`).
+    ``script``: a run of the user's own script (:mod:`runner.scripts`), not of a recipe.
     """
 
     code_dir: Path
@@ -453,7 +453,7 @@ def _prepared(workspace: Path, plan: LaunchPlan, run_id: str, run_dir: Path, sna
 
 def _spawn_supervisor(workspace: Path, plan: LaunchPlan, limits: RunLimits, threads: int, run_id: str,
                       run_dir: Path, folder: Path, snapshot: Path) -> sr.ServerRecord:
-    """``python -m sandbox.supervise FOLDER`` in a session of its own, with the run's
+    """``python -m runner.supervise FOLDER`` in a session of its own, with the run's
     environment; the record with its pid and identity."""
     extra = {THREADS_VARIABLE: str(threads), RUN_ID_VARIABLE: run_id, WORKSPACE_VARIABLE: str(workspace),
              "PYTHONDONTWRITEBYTECODE": "1", **plan.models.env()}
@@ -468,7 +468,7 @@ def _spawn_supervisor(workspace: Path, plan: LaunchPlan, limits: RunLimits, thre
     env = run_environment(extra=extra, pass_env=limits.pass_env)
     with open(run_dir / rd.CONSOLE_LOG, "ab") as console:
         process = subprocess.Popen(
-            [sys.executable, "-m", "sandbox.supervise", str(folder)],
+            [sys.executable, "-m", "runner.supervise", str(folder)],
             cwd=workspace,
             env=env,
             stdin=subprocess.DEVNULL,

@@ -38,12 +38,12 @@ from engine.seams import (
     SampleOutcome,
     read_model_result,
 )
-from sandbox.config import RunLimits
+from workspace.settings import RunLimits
 from sandbox.environment import THREADS_VARIABLE, run_environment, threads_per_process
-from sandbox.hub import recorded_binding
-from sandbox.processes import RUN_ID_VARIABLE
+from runner.hub import recorded_binding
+from runner.processes import RUN_ID_VARIABLE
 from sandbox.redact import redact
-from sandbox.runs import run_contained
+from runner.lifecycle import run_contained
 
 RESULT_NAME = "result.json"
 MAX_RESULT_BYTES = 1 << 20

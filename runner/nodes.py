@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from engine.errors import BadInput
-from sandbox.config import RunLimits
+from workspace.settings import RunLimits
 
 MAX_NNODES = 1024
 DEFAULT_RDZV_PORT = 29400  # torchrun's own default for c10d

@@ -27,7 +27,7 @@ from typing import Iterator
 
 from engine import run_dir as rd
 from engine.errors import BadInput, NotFound
-from sandbox import git as sandbox_git
+from workspace import git as workspace_git
 
 # The snapshot holds code and configuration. Data belongs in data.paths (read from the
 # workspace); large files are not copied, so a recipe folder that keeps data is not duplicated
@@ -62,11 +62,11 @@ class CodeOrigin:
 def recipe_origin(workspace: Path, recipe_dir: Path) -> CodeOrigin:
     """HEAD and the recipe's uncommitted changes, now (``recipe_dir``: a recipe or script
     folder, or a script file run alone)."""
-    repo = sandbox_git.open_repo(workspace)
+    repo = workspace_git.open_repo(workspace)
     if repo is None:
         return CodeOrigin(git_commit=None, recipe_dirty=None)
-    commit = sandbox_git.head_commit(workspace)
-    dirty = sandbox_git.uncommitted(repo, recipe_dir)
+    commit = workspace_git.head_commit(workspace)
+    dirty = workspace_git.uncommitted(repo, recipe_dir)
     # The snapshot copies what git ignores too (a .gitignore or .git/info/exclude rule): code and
     # config among those run, and no commit holds them. (Ignored data is not code: not counted.)
     if Path(recipe_dir).is_file():  # a script run of the file alone
@@ -74,9 +74,9 @@ def recipe_origin(workspace: Path, recipe_dir: Path) -> CodeOrigin:
     else:
         copied = {(Path(recipe_dir) / f).resolve() for f in snapshot_files(recipe_dir)
                   if f.suffix == ".py" or f.name == "config.yaml"}
-    root = sandbox_git.worktree(repo)
-    dirty += [name for name in sandbox_git.ignored_files(repo, recipe_dir) if (root / name).resolve() in copied]
-    patch = sandbox_git.diff_against_head(repo, recipe_dir, dirty) if dirty else ""
+    root = workspace_git.worktree(repo)
+    dirty += [name for name in workspace_git.ignored_files(repo, recipe_dir) if (root / name).resolve() in copied]
+    patch = workspace_git.diff_against_head(repo, recipe_dir, dirty) if dirty else ""
     return CodeOrigin(git_commit=commit, recipe_dirty=bool(dirty), dirty_files=dirty[:MAX_DIRTY_SHOWN], patch=patch)
 
 
@@ -88,11 +88,11 @@ def code_at_commit(workspace: Path, recipe_dir: Path, rev: str) -> Iterator[tupl
     Only what a snapshot would hold is written (:func:`snapshot_files`' rules: a link or an
     oversized file among the code is refused, other links and large files are left out), within
     the snapshot's bounds, and never outside the folder."""
-    repo = sandbox_git.open_repo(workspace)
+    repo = workspace_git.open_repo(workspace)
     if repo is None:
-        raise sandbox_git.GitRefused("the workspace is not a git repository, so no commit holds the recipe's code")
-    sha = sandbox_git.resolve_commit(repo, rev)
-    files = sandbox_git.tree_files(repo, sha, recipe_dir)
+        raise workspace_git.GitRefused("the workspace is not a git repository, so no commit holds the recipe's code")
+    sha = workspace_git.resolve_commit(repo, rev)
+    files = workspace_git.tree_files(repo, sha, recipe_dir)
     name = Path(recipe_dir).name
     if files is None or not any(f.path == "recipe.py" and not f.link for f in files):
         raise NotFound(f"commit {sha[:10]} holds no recipe at {name!r} (no recipe.py there); "

@@ -1,7 +1,7 @@
 """Runs of the user's own training script: its command, its arguments, its metrics.
 
 A script run (``launch_run`` on a ``.py`` file, or on a folder whose ``train.py`` is not a
-recipe) runs the script as it is, in the sandbox of every run (:mod:`sandbox.runs`), from a
+recipe) runs the script as it is, in the sandbox of every run (:mod:`runner.lifecycle`), from a
 snapshot of its code: the file alone, or the folder it is the ``train.py`` of. Nothing imports
 it first (there is no launch check: running it is the only way to know what it does). It runs
 with its run directory as its working directory (the workspace is read-only; ``checkpoints/``
@@ -31,8 +31,8 @@ from pydantic import ValidationError
 
 from engine import run_dir as rd
 from engine.errors import BadInput
-from sandbox.nodes import Nodes, torchrun_args
-from sandbox.tensorboard_events import EventFiles
+from runner.nodes import Nodes, torchrun_args
+from runner.tensorboard_events import EventFiles
 
 SCRIPT_NAME = "train.py"
 DOCS_PAGE = "docs/script-to-recipe.md"
@@ -248,7 +248,7 @@ def copy_output(source: BinaryIO, console: BinaryIO, metrics: ScriptMetrics | No
 
 
 class EventScalars:
-    """Scalars of a script's TensorBoard event files (:mod:`sandbox.tensorboard_events`) as
+    """Scalars of a script's TensorBoard event files (:mod:`runner.tensorboard_events`) as
     metrics records: the values of one step, from consecutive events, make one record."""
 
     def __init__(self, run_dir: Path, metrics: ScriptMetrics):

@@ -31,10 +31,10 @@ from engine import run_dir as rd
 from engine import server_record as sr
 from engine.errors import BadInput
 from sandbox.environment import run_environment
-from sandbox.nodes import DEFAULT_RDZV_PORT, Nodes
+from runner.nodes import DEFAULT_RDZV_PORT, Nodes
 
-if TYPE_CHECKING:  # sandbox.runs is imported when a job starts: it costs the server nothing before
-    from sandbox.runs import LaunchPlan
+if TYPE_CHECKING:  # runner.lifecycle is imported when a job starts: it costs the server nothing before
+    from runner.lifecycle import LaunchPlan
 
 SCRIPT_NAME = "job.sbatch"
 COMMAND_TIMEOUT_S = 10.0
@@ -271,12 +271,12 @@ def cancel(folder: Path, env: Mapping[str, str]) -> sr.ServerRecord:
 
 
 def start_job(workspace: Path, runs_root: Path, plan: LaunchPlan, options: SlurmOptions) -> tuple[sr.ServerRecord, str]:
-    """A run as a SLURM job: its run directory and snapshot (:func:`~sandbox.runs.start_run`
+    """A run as a SLURM job: its run directory and snapshot (:func:`~runner.lifecycle.start_run`
     with ``plan`` as a SLURM target), the job script in it, and the job submitted when
     ``sbatch`` is on PATH and the server's settings allow it (``runs.slurm``); returns the record
     and the script. A job that sbatch refuses leaves nothing behind."""
     from engine.config import override_args
-    from sandbox.runs import engine_args, start_run
+    from runner.lifecycle import engine_args, start_run
 
     endpoint_shown = f"<first node>:{options.rdzv_port}"
     rdzv_id, limits = plan.nodes.rdzv_id, plan.limits

@@ -1,6 +1,6 @@
-"""The supervisor of one run: ``python -m sandbox.supervise RECORD_DIR``.
+"""The supervisor of one run: ``python -m runner.supervise RECORD_DIR``.
 
-Started in a session of its own by :func:`sandbox.runs.start_run`, it outlives whoever started
+Started in a session of its own by :func:`runner.lifecycle.start_run`, it outlives whoever started
 it. Everything it acts on comes from the server's record of the run (``RECORD_DIR``, see
 :mod:`engine.server_record`), never from the run directory its run writes. It becomes a child
 subreaper and spawns the engine command of that record inside the bubblewrap sandbox
@@ -33,12 +33,12 @@ from pathlib import Path
 from engine import run_dir as rd
 from engine import server_record as sr
 from sandbox import bwrap
-from sandbox.git import add_note
+from workspace.git import add_note
 from sandbox.network import LOOPBACK_ENV, isolate_network
-from sandbox.processes import apply_limits, become_subreaper, children, descendants, end_processes, marked
-from sandbox.provenance import code_description
-from sandbox.runs import group_alive, kill_group
-from sandbox.scripts import EventScalars, ScriptMetrics, copy_output, open_metrics_for_append
+from runner.processes import apply_limits, become_subreaper, children, descendants, end_processes, marked
+from runner.provenance import code_description
+from runner.lifecycle import group_alive, kill_group
+from runner.scripts import EventScalars, ScriptMetrics, copy_output, open_metrics_for_append
 
 
 EVENT_FILES_EVERY_S = 2.0  # how often a script's TensorBoard event files are read
@@ -196,7 +196,7 @@ class Supervisor:
 
     def start_reading_output(self) -> None:
         """A thread that copies the script's output to the console and its metrics lines to
-        metrics.jsonl (:mod:`sandbox.scripts`: bounded, numbers only)."""
+        metrics.jsonl (:mod:`runner.scripts`: bounded, numbers only)."""
         assert self.child is not None and self.child.stdout is not None
         metrics_file = open_metrics_for_append(self.run_dir / rd.METRICS_JSONL)
         if metrics_file is None:
@@ -329,7 +329,7 @@ def _describe_exit(code: int) -> str:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) != 1:
-        print("usage: python -m sandbox.supervise RECORD_DIR", file=sys.stderr)
+        print("usage: python -m runner.supervise RECORD_DIR", file=sys.stderr)
         return 2
     return Supervisor(Path(argv[0])).run()
 

@@ -3,7 +3,7 @@
 A script that logs with ``SummaryWriter.add_scalar`` (or any writer of TensorBoard's format)
 writes ``*tfevents*`` files somewhere under its working directory, its run directory. The
 supervisor reads their scalars as they come and records them like the script's JSON lines
-(:class:`sandbox.scripts.ScriptMetrics`): one record per step, each tag a key (``loss/train``
+(:class:`runner.scripts.ScriptMetrics`): one record per step, each tag a key (``loss/train``
 becomes ``loss_train``).
 
 The files are the run's, so they are untrusted input read outside the sandbox: found without

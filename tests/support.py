@@ -104,7 +104,7 @@ def start_engine(cwd: Path, recipe: Path, *overrides: str, nproc: int = 1) -> tu
 def kill_group(process: subprocess.Popen) -> None:
     """SIGKILL ``process``'s group and every process below it: torchrun's workers may sit in
     groups of their own, and once their parent is dead they could no longer be found."""
-    from sandbox.processes import descendants
+    from runner.processes import descendants
 
     below = descendants(process.pid)
     try:

@@ -2,7 +2,7 @@
 
 A script run by trainwright (``launch_run`` on a ``.py`` file) reports its metrics by printing
 JSON lines with a ``step``; :func:`track` prints one. The run's supervisor, outside the
-sandbox, reads them (``sandbox/scripts.py``), so there is one reader of a script's metrics,
+sandbox, reads them (``runner/scripts.py``), so there is one reader of a script's metrics,
 whichever way it prints them. Outside a trainwright run it does nothing, so the script runs
 unchanged wherever trainwright is installed. Stdlib only: it is imported by the script.
 """
@@ -16,7 +16,7 @@ import sys
 
 __all__ = ["track"]
 
-# Every run process has it (sandbox.processes.RUN_ID_VARIABLE): the mark of the run.
+# Every run process has it (runner.processes.RUN_ID_VARIABLE): the mark of the run.
 _RUN_ID_VARIABLE = "TRAINWRIGHT_RUN_ID"
 
 

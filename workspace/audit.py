@@ -16,8 +16,8 @@ from typing import Any, Iterator
 from engine import run_dir as rd
 from sandbox.environment import looks_secret
 from sandbox.redact import redact
-from sandbox.paths import PathRefused
-from sandbox.workspace import open_real_dir, open_state_file
+from workspace.paths import PathRefused
+from workspace.workspace import open_real_dir, open_state_file
 
 AUDIT_FILENAME = "audit.jsonl"
 MAX_VALUE_CHARS = 500

@@ -72,7 +72,7 @@ class RunLimits:
     max_total_processes: int | None = None  # per workspace, summed over running runs; None: 4 x CPU cores
     multi_node: bool = False  # runs over several nodes (they need the host's network)
     slurm: bool = False  # submit SLURM jobs (they run outside this sandbox)
-    allow_pickled_weights: bool = False  # Hub models with .bin/.pt weights (sandbox/hub.py)
+    allow_pickled_weights: bool = False  # Hub models with .bin/.pt weights (runner/hub.py)
     trust_remote_code: bool = False  # fetch a Hub model repo's Python files
     max_export_bytes: int | None = None  # an export's files in all; None: no cap
 

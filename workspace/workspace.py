@@ -31,10 +31,10 @@ from typing import Iterator
 from engine import run_dir as rd
 from engine import server_record as sr
 from engine.errors import BadInput, NotFound
-from sandbox.config import RunLimits, effective_limits
-from sandbox.paths import PathRefused, check_name, confine, refuse_reserved
-from sandbox.provenance import MAX_SNAPSHOT_FILE_BYTES
-from sandbox.scripts import SCRIPT_NAME, neither_recipe_nor_script
+from workspace.settings import RunLimits, effective_limits
+from workspace.paths import PathRefused, check_name, confine, refuse_reserved
+from runner.provenance import MAX_SNAPSHOT_FILE_BYTES
+from runner.scripts import SCRIPT_NAME, neither_recipe_nor_script
 
 RECIPES_DIRNAME = "recipes"
 STATE_DIRNAME = ".trainwright"
@@ -167,7 +167,7 @@ class Workspace:
     def run_limits_and_warnings(self) -> tuple[RunLimits, list[str]]:
         """The limits for the next run: the trusted settings, tightened by the workspace's
         ``.trainwright/config.yaml``, and a warning for each setting there that was ignored
-        because it would loosen them (see sandbox.config)."""
+        because it would loosen them (see workspace.settings)."""
         return effective_limits(self.settings, self.state_dir)
 
     def _confine_recipe(self, value: object) -> Path:

@@ -1,1 +1,14 @@
-"""The operations behind the MCP tools and the CLI commands: one function per tool."""
+"""The operations behind the MCP tools and the CLI commands: one function per tool.
+
+- ``skills``       list, show, apply a skill (one reviewable commit)
+- ``recipes``      list templates, scaffold a recipe from one
+- ``recipe_info``  a recipe's config keys, the workspace's recipes
+- ``runs``         launch, list, inspect, tail, stop, list checkpoints, resume
+- ``waiting``      wait until a run reaches a step or ends
+- ``history``      a run's history across resumes, as one metrics series
+- ``estimate``     a run's memory and step time before it starts
+- ``compare``      what differs between two runs, judged at their noise
+- ``ab``           ``trainwright ab``: a skill's commit against its parent, measured
+- ``model_tools``  export, sample, evaluate a checkpoint
+- ``review``       ``trainwright review``: what the agent changed and what it produced
+"""

@@ -1,6 +1,6 @@
 """``trainwright ab SKILL RECIPE --steps N``: a skill's effect as a measured verdict.
 
-A run executes a snapshot of the recipe at a commit (:mod:`sandbox.provenance`), and
+A run executes a snapshot of the recipe at a commit (:mod:`runner.provenance`), and
 ``apply_skill`` writes a skill as one commit of its own. So the skill's effect is the difference
 between two commits of the same recipe: **b**, the skill's commit (the newest commit of the
 recipe whose ``Skill-Applied`` trailer names the skill), and **a**, its parent, the code just
@@ -33,9 +33,9 @@ from mcp_server.limits import AB_DEFAULT_ROUNDS, AB_MAX_ROUNDS, AB_MAX_STEPS, AB
 from mcp_server.models import AbResult, AbRound, AbRun, MetricVerdict
 from mcp_server.operations import compare
 from mcp_server.operations import runs as run_ops
-from sandbox import git as sandbox_git
-from sandbox.paths import check_name
-from sandbox.workspace import Workspace
+from workspace import git as workspace_git
+from workspace.paths import check_name
+from workspace.workspace import Workspace
 
 DEFAULT_ROUNDS, MAX_ROUNDS, MIN_STEPS, MAX_STEPS = AB_DEFAULT_ROUNDS, AB_MAX_ROUNDS, AB_MIN_STEPS, AB_MAX_STEPS
 WINDOWS = 10  # logging windows per run, unless train.log_every is set
@@ -70,9 +70,9 @@ def ab(
     if "train.max_steps" in given:
         raise BadInput("--steps sets train.max_steps of every run of the A/B: leave it out of the overrides")
     run_ops._check_nproc(nproc)
-    repo = sandbox_git.open_repo(ws.root)
+    repo = workspace_git.open_repo(ws.root)
     if repo is None:
-        raise sandbox_git.GitRefused("the workspace is not a git repository: an A/B runs a skill's commit and the "
+        raise workspace_git.GitRefused("the workspace is not a git repository: an A/B runs a skill's commit and the "
                                      "commit before it")
     applied, commit_a, commit_b, later = _commits(repo, recipe_dir, skill, label)
     config = {"train.log_every": max(1, steps // WINDOWS), "checkpoint.every": 0, "checkpoint.at_end": False,
@@ -80,7 +80,7 @@ def ab(
     remarks = []
     if later:
         remarks.append(f"{later} later commit(s) of {label} are in neither run: b is {applied}'s own commit")
-    if sandbox_git.uncommitted(repo, recipe_dir):
+    if workspace_git.uncommitted(repo, recipe_dir):
         remarks.append(f"the uncommitted changes in {label} are in neither run: each runs a commit's files")
     command = _command(skill, label, steps, rounds, given, nproc, note)
     commits = {"a": commit_a, "b": commit_b}
@@ -101,7 +101,7 @@ def _verdict(ws: Workspace, result: AbResult, note: bool) -> AbResult:
     result = result.model_copy(update={"differences": pooled.differences, "verdict": pooled.metrics,
                                        "left_out": pooled.left_out})
     if note and result.outcome == "completed":
-        written = sandbox_git.add_note(ws.root, result.commit_b, note_text(result))
+        written = workspace_git.add_note(ws.root, result.commit_b, note_text(result))
         result = result.model_copy(update={"note_written": written})
         if not written:
             result.remarks.append(f"the note on {result.commit_b[:10]} could not be written (git refused or its "
@@ -157,7 +157,7 @@ def _commits(repo: Any, recipe_dir: Any, skill: str, label: str) -> tuple[str, s
     commits changed the recipe."""
     applied, commit_b, later = _skill_commit(repo, recipe_dir, skill, label)
     parents = repo.commit(commit_b).parents
-    if not parents or sandbox_git.tree_files(repo, parents[0].hexsha, recipe_dir) is None:
+    if not parents or workspace_git.tree_files(repo, parents[0].hexsha, recipe_dir) is None:
         raise BadInput(f"{applied} was applied in the first commit of {label} ({commit_b[:10]}): no commit holds the "
                        "recipe without it")
     return applied, parents[0].hexsha, commit_b, later
@@ -166,7 +166,7 @@ def _commits(repo: Any, recipe_dir: Any, skill: str, label: str) -> tuple[str, s
 def _skill_commit(repo: Any, recipe_dir: Any, skill: str, label: str) -> tuple[str, str, int]:
     """The skill's trailer value (name@version), its newest commit of the recipe, and how many
     commits of the recipe came after it."""
-    for later, commit in enumerate(sandbox_git.path_commits(repo, recipe_dir)):
+    for later, commit in enumerate(workspace_git.path_commits(repo, recipe_dir)):
         for key, value in commit.trailers:
             if key == "Skill-Applied" and value.split("@")[0] == skill:
                 return value, commit.sha, later

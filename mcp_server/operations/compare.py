@@ -35,8 +35,8 @@ from mcp_server.limits import AGENT_BUDGET_CHARS, json_chars
 from mcp_server.models import CompareResult, MetricVerdict, Verdict
 from mcp_server.operations import history
 from mcp_server.operations.runs import run_view
-from sandbox import git as sandbox_git
-from sandbox.workspace import Workspace
+from workspace import git as workspace_git
+from workspace.workspace import Workspace
 
 MIN_SPEED_NOISE = 0.03
 MEMORY_NOISE = 0.03
@@ -260,10 +260,10 @@ def _code_differences(ws: Workspace, a: sr.ServerRecord, b: sr.ServerRecord, dir
 
 def _skills(ws: Workspace, record: rd.RunRecord) -> list[str]:
     """Skills applied to the run's recipe, from the trailers of the commits up to its commit."""
-    repo = sandbox_git.open_repo(ws.root)
+    repo = workspace_git.open_repo(ws.root)
     if repo is None or not record.git_commit or not sr.GIT_COMMIT.fullmatch(record.git_commit) or not record.recipe:
         return []  # run.json is the run's to write: only a commit id is passed to git
-    commits = sandbox_git.path_commits(repo, ws.root / record.recipe, rev=record.git_commit)
+    commits = workspace_git.path_commits(repo, ws.root / record.recipe, rev=record.git_commit)
     return [value for commit in reversed(commits) for key, value in commit.trailers if key == "Skill-Applied"]
 
 

@@ -17,9 +17,9 @@ from engine.config import Overrides, override_args
 from engine.errors import BadInput
 from mcp_server.models import EstimateFigures, EstimateResult
 from mcp_server.operations.runs import _check_nproc, _checked_overrides, _hub_models
-from sandbox import hub
-from sandbox import runs as sandbox_runs
-from sandbox.workspace import Workspace
+from runner import hub
+from runner import lifecycle as run_lifecycle
+from workspace.workspace import Workspace
 
 DEVICES = ("cpu", "cuda")
 MAX_DEVICE_MEMORY_GIB = 1 << 20
@@ -38,7 +38,7 @@ def estimate_run(ws: Workspace, recipe: str, overrides: Overrides = None, nproc:
     limits = ws.run_limits()
     models = _hub_models(ws, hub.recipe_config(recipe_dir, flat), hub.recipe_config(recipe_dir, flat, hub.DATASET_KEY),
                          limits, None)
-    verdict = sandbox_runs.check_launch(ws.root, recipe_dir, nproc, override_args(flat), limits=limits, models=models,
+    verdict = run_lifecycle.check_launch(ws.root, recipe_dir, nproc, override_args(flat), limits=limits, models=models,
                                         estimate=(device, device_memory_gib))
     figures = _figures(verdict.estimate)
     shown: dict[str, Any] = figures.model_dump(exclude={"fits", "changes"})
@@ -50,5 +50,5 @@ def _figures(value: Any) -> EstimateFigures:
     try:
         return EstimateFigures.model_validate(value)
     except ValidationError as e:  # printed by a process that imported the recipe: never quoted
-        raise sandbox_runs.LaunchRefused(f"the launch check gave no valid estimate ({e.error_count()} errors): the recipe's "
+        raise run_lifecycle.LaunchRefused(f"the launch check gave no valid estimate ({e.error_count()} errors): the recipe's "
                             "code printed a verdict of its own, or the engine it imports is not trainwright's") from None

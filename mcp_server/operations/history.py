@@ -13,7 +13,7 @@ from typing import Any
 
 from engine import run_dir as rd
 from engine import server_record as sr
-from sandbox.workspace import NotFound, Workspace
+from workspace.workspace import NotFound, Workspace
 
 MAX_CHAIN_RUNS = 20
 MAX_RECORDS_READ = 20_000  # per run of the chain

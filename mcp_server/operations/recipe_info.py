@@ -23,12 +23,12 @@ from mcp_server.models import (
     RecipeSummary,
     hub_model_shown,
 )
-from sandbox import git as sandbox_git
-from sandbox.paths import RESERVED_DIRS
-from sandbox import hub
-from sandbox.runs import check_launch
-from sandbox.scripts import DOCS_PAGE
-from sandbox.workspace import Workspace
+from workspace import git as workspace_git
+from workspace.paths import RESERVED_DIRS
+from runner import hub
+from runner.lifecycle import check_launch
+from runner.scripts import DOCS_PAGE
+from workspace.workspace import Workspace
 
 MAX_DESCRIBE_BYTES = 7_800  # the result as an agent reads it: under 8 KB
 DESCRIPTION_LIMITS = (160, 80, 60, 40, 30, 20, 0)  # characters kept per description, tried in turn
@@ -43,10 +43,10 @@ SKIPPED_FOLDERS = frozenset({"__pycache__", "node_modules", "site-packages"})
 
 def _history(ws: Workspace, recipe_dir: Path) -> tuple[str | None, str | None, str | None, list[RecipeSkill]]:
     """(template, last commit, its subject, skills applied oldest first) from the git history."""
-    repo = sandbox_git.open_repo(ws.root)
+    repo = workspace_git.open_repo(ws.root)
     if repo is None:
         return None, None, None, []
-    commits = sandbox_git.path_commits(repo, recipe_dir)
+    commits = workspace_git.path_commits(repo, recipe_dir)
     template, skills = None, []
     for commit in reversed(commits):  # oldest first
         trailers = dict(commit.trailers)

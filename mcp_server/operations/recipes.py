@@ -18,11 +18,11 @@ from engine.errors import BadInput, NotFound
 import skills as skill_library
 from mcp_server.models import AppliedSkill, ScaffoldResult, TemplateInfo, TemplateList
 from mcp_server.operations import skills as skill_ops
-from sandbox import git as sandbox_git
-from sandbox.paths import PathRefused, check_name, confine, confine_config
-from sandbox import hub
-from sandbox.runs import check_launch
-from sandbox.workspace import RECIPES_DIRNAME, Workspace, open_real_dir
+from workspace import git as workspace_git
+from workspace.paths import PathRefused, check_name, confine, confine_config
+from runner import hub
+from runner.lifecycle import check_launch
+from workspace.workspace import RECIPES_DIRNAME, Workspace, open_real_dir
 
 TEMPLATES_ROOT = Path(recipes_template.__file__).resolve().parent
 SCAFFOLD_TOOL = "scaffold_recipe"
@@ -166,7 +166,7 @@ def _restore(path: Path, content: bytes | None) -> None:
     if content is None:
         path.unlink(missing_ok=True)
     else:
-        sandbox_git.write_text_atomic(path, content)
+        workspace_git.write_text_atomic(path, content)
 
 
 def _scaffold_locked(ws: Workspace, source: Path, template: str, name: str, flat: dict[str, Any],
@@ -174,7 +174,7 @@ def _scaffold_locked(ws: Workspace, source: Path, template: str, name: str, flat
     destination = ws.recipes_dir / name
     if destination.exists():
         raise BadInput(f"recipes/{name} already exists; choose another name")
-    repo = sandbox_git.ensure_repo(ws.root)
+    repo = workspace_git.ensure_repo(ws.root)
     # Everything is written through a descriptor of the real recipes/ folder (a link there is
     # refused), so a recipes/ swapped for a link meanwhile never receives the files.
     recipes_fd = open_real_dir(ws.recipes_dir, create=True)
@@ -187,13 +187,13 @@ def _scaffold_locked(ws: Workspace, source: Path, template: str, name: str, flat
                 raise PathRefused("recipes/ was replaced while the recipe was being written; nothing was committed")
             gitignore = ws.root / ".gitignore"
             before = gitignore.read_bytes() if gitignore.is_file() and not gitignore.is_symlink() else None
-            ignore = sandbox_git.ignore_own_folders(repo, ws.root)  # runs/, exports/ stay out of commits
-            sha = sandbox_git.commit_paths(
+            ignore = workspace_git.ignore_own_folders(repo, ws.root)  # runs/, exports/ stay out of commits
+            sha = workspace_git.commit_paths(
                 repo,
                 [destination, *([ignore] if ignore else [])],
                 f"recipe({name}): scaffold from template {template}",
                 [
-                    (sandbox_git.TOOL_TRAILER, SCAFFOLD_TOOL),
+                    (workspace_git.TOOL_TRAILER, SCAFFOLD_TOOL),
                     ("Scaffolded-From", template),
                     ("Recipe-Config", json.dumps(flat, sort_keys=True, separators=(",", ":"))),
                 ],

@@ -8,9 +8,9 @@ from collections import defaultdict
 from engine import run_dir as rd
 from engine import server_record as sr
 from mcp_server.models import ReviewCommit, ReviewResult, ReviewRun
-from sandbox import git as sandbox_git
-from sandbox.provenance import code_description
-from sandbox.workspace import Workspace
+from workspace import git as workspace_git
+from runner.provenance import code_description
+from workspace.workspace import Workspace
 
 
 def _runs_by_commit(ws: Workspace) -> dict[str, list[ReviewRun]]:
@@ -37,18 +37,18 @@ def _runs_by_commit(ws: Workspace) -> dict[str, list[ReviewRun]]:
 
 
 def review(ws: Workspace, base: str | None = None) -> ReviewResult:
-    repo = sandbox_git.open_repo(ws.root)
+    repo = workspace_git.open_repo(ws.root)
     if repo is None:
-        raise sandbox_git.GitRefused("the workspace is not a git repository: there is nothing to review")
+        raise workspace_git.GitRefused("the workspace is not a git repository: there is nothing to review")
     runs = _runs_by_commit(ws)
     commits = []
-    for commit in sandbox_git.agent_commits(repo, base):
+    for commit in workspace_git.agent_commits(repo, base):
         trailers = commit.trailers
         commits.append(
             ReviewCommit(
                 sha=commit.sha,
                 subject=commit.subject,
-                tool=trailers.get(sandbox_git.TOOL_TRAILER, ""),
+                tool=trailers.get(workspace_git.TOOL_TRAILER, ""),
                 skill=trailers.get("Skill-Applied") or trailers.get("Scaffolded-From"),
                 params=trailers.get("Skill-Params") or trailers.get("Recipe-Config"),
                 files_changed=commit.files_changed,

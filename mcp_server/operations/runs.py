@@ -42,17 +42,17 @@ from mcp_server.models import (
     hub_model_shown,
 )
 from mcp_server.operations import history
-from sandbox import hub
-from sandbox import runs as sandbox_runs
-from sandbox import scripts
-from sandbox import slurm as slurm_jobs
+from runner import hub
+from runner import lifecycle as run_lifecycle
+from runner import scripts
+from runner import slurm as slurm_jobs
 from sandbox.environment import run_environment
-from sandbox.nodes import Nodes, check_allowed, check_nodes
-from sandbox.paths import confine_config
-from sandbox.provenance import (
+from runner.nodes import Nodes, check_allowed, check_nodes
+from workspace.paths import confine_config
+from runner.provenance import (
     CodeOrigin, check_snapshot_unchanged, code_at_commit, code_description, recipe_origin, snapshot_digest,
 )
-from sandbox.workspace import RunSource, Workspace
+from workspace.workspace import RunSource, Workspace
 
 MAX_NPROC = max(8, os.cpu_count() or 1)
 MAX_LIST_RUNS = 100
@@ -117,7 +117,7 @@ def launch_run(
     recipe: str,
     nproc: int = 1,
     overrides: Overrides = None,
-    limits: sandbox_runs.RunLimits | None = None,
+    limits: run_lifecycle.RunLimits | None = None,
     nnodes: int = 1,
     rdzv: dict[str, Any] | None = None,
     target: str = "local",
@@ -129,15 +129,15 @@ def launch_run(
 ) -> LaunchRunResult:
     """Check, then start a run of a snapshot of the recipe as it is now (uncommitted changes
     included, and said so), or as ``commit`` holds it (a commit id or revision such as
-    ``<sha>^``: :func:`~sandbox.provenance.code_at_commit`); ``limits`` default to the
+    ``<sha>^``: :func:`~runner.provenance.code_at_commit`); ``limits`` default to the
     workspace's settings. ``recipe`` may also name the user's own training script
     (:func:`launch_script`), which takes ``args`` and ``resume_arg``.
 
     ``nnodes`` > 1 starts this machine's node of a run over several, meeting at ``rdzv``
-    (``endpoint``, ``id``, ``node_rank``; :mod:`sandbox.nodes`); ``target="slurm"`` makes the
+    (``endpoint``, ``id``, ``node_rank``; :mod:`runner.nodes`); ``target="slurm"`` makes the
     run a SLURM job over ``nnodes`` nodes instead (``slurm``: partition, time, gpus_per_node,
-    rdzv_port; :mod:`sandbox.slurm`). A ``model.pretrained_path`` that is a Hub id is downloaded
-    first (:mod:`sandbox.hub`), with ``progress`` called on the way."""
+    rdzv_port; :mod:`runner.slurm`). A ``model.pretrained_path`` that is a Hub id is downloaded
+    first (:mod:`runner.hub`), with ``progress`` called on the way."""
     if target not in TARGETS:
         raise BadInput(f"target must be one of {', '.join(TARGETS)}, got {target!r}")
     source = ws.run_source(recipe)
@@ -169,7 +169,7 @@ def launch_run(
 
 
 def _launch_recipe(ws: Workspace, recipe: str, recipe_dir: Path, origin: CodeOrigin, nproc: int,
-                   flat: dict[str, Any], limits: sandbox_runs.RunLimits | None, nodes: Nodes, target: str,
+                   flat: dict[str, Any], limits: run_lifecycle.RunLimits | None, nodes: Nodes, target: str,
                    options: slurm_jobs.SlurmOptions | None, progress: hub.Progress | None) -> LaunchRunResult:
     """:func:`launch_run` of a recipe whose code is in ``recipe_dir`` (the recipe folder, or a
     commit's copy of it) and comes from ``origin``."""
@@ -181,28 +181,28 @@ def _launch_recipe(ws: Workspace, recipe: str, recipe_dir: Path, origin: CodeOri
         if nodes.node_rank > 0:
             joins, recipe_dir, first = _joined_run(ws, nodes, ws.label(recipe_dir), flat)
             origin = CodeOrigin(first.git_commit, first.recipe_dirty, first.dirty_files)
-        sandbox_runs.check_capacity(sr.records_root(ws.root), nproc, limits)  # before the check's cost; again at start
+        run_lifecycle.check_capacity(sr.records_root(ws.root), nproc, limits)  # before the check's cost; again at start
     checked = snapshot_digest(recipe_dir)  # the check imports the recipe: it may change itself
     models = _hub_models(ws, hub.recipe_config(recipe_dir, flat), hub.recipe_config(recipe_dir, flat, hub.DATASET_KEY),
                          limits, progress) if target == "local" \
         else hub.ModelBinding()
     with contextlib.ExitStack() as stack:
         config_json = stack.enter_context(_config_file(first)) if first is not None else None
-        verdict = sandbox_runs.check_launch(ws.root, recipe_dir, nproc * nodes.nnodes, override_args(flat),
+        verdict = run_lifecycle.check_launch(ws.root, recipe_dir, nproc * nodes.nnodes, override_args(flat),
                                             config_json=config_json, limits=limits, models=models)
     confine_config(ws.root, verdict.config)
     if target == "local":
         hub.verify(models, ws.root, verdict.config)
     warnings = [*warnings, *_skipped_data(verdict.data)]
     label = ws.label(ws.recipe(recipe))
-    plan = sandbox_runs.LaunchPlan(
+    plan = run_lifecycle.LaunchPlan(
         recipe_dir, label, nproc, origin, flat, verdict, limits=limits, warnings=tuple(warnings),
         expected_digest=checked, nodes=nodes, joins=joins, recorded_config=first is not None, models=models,
     )
     if options is not None:  # target slurm
         record, script = slurm_jobs.start_job(ws.root, ws.real_dir(ws.runs_dir), plan, options)
         return _launch_result(ws, record, slurm_script=script)
-    return _launch_result(ws, sandbox_runs.start_run(ws.root, ws.real_dir(ws.runs_dir), plan))
+    return _launch_result(ws, run_lifecycle.start_run(ws.root, ws.real_dir(ws.runs_dir), plan))
 
 
 def _checked_target(nnodes: int, rdzv: dict[str, Any] | None, target: str, slurm: dict[str, Any] | None,
@@ -222,23 +222,23 @@ def _checked_target(nnodes: int, rdzv: dict[str, Any] | None, target: str, slurm
 
 def launch_script(
     ws: Workspace, source: RunSource, nproc: int, args: object, resume_arg: object,
-    limits: sandbox_runs.RunLimits | None = None,
+    limits: run_lifecycle.RunLimits | None = None,
 ) -> LaunchRunResult:
-    """Start a run of the user's own script (:mod:`sandbox.scripts`) from a snapshot of it as
+    """Start a run of the user's own script (:mod:`runner.scripts`) from a snapshot of it as
     it is now, in the sandbox and with the limits of every run; nothing imports it first."""
     assert source.script is not None
     nproc = _check_nproc(nproc)
     launch = scripts.ScriptLaunch(source.script, scripts.check_args(args), scripts.check_resume_arg(resume_arg),
                                   source.alone)
     limits, warnings = ws.run_limits_and_warnings() if limits is None else (limits, [])
-    sandbox_runs.check_capacity(sr.records_root(ws.root), nproc, limits)
+    run_lifecycle.check_capacity(sr.records_root(ws.root), nproc, limits)
     code = source.code_dir / source.script if source.alone else source.code_dir
-    plan = sandbox_runs.LaunchPlan(source.code_dir, ws.label(code), nproc, recipe_origin(ws.root, code),
+    plan = run_lifecycle.LaunchPlan(source.code_dir, ws.label(code), nproc, recipe_origin(ws.root, code),
                                    limits=limits, warnings=tuple(warnings), script=launch)
-    return _launch_result(ws, sandbox_runs.start_run(ws.root, ws.real_dir(ws.runs_dir), plan))
+    return _launch_result(ws, run_lifecycle.start_run(ws.root, ws.real_dir(ws.runs_dir), plan))
 
 
-def _hub_models(ws: Workspace, value: Any, dataset: Any, limits: sandbox_runs.RunLimits,
+def _hub_models(ws: Workspace, value: Any, dataset: Any, limits: run_lifecycle.RunLimits,
                 progress: hub.Progress | None, recorded: list[rd.HubModel] | None = None) -> hub.ModelBinding:
     """The Hub model ``value`` and data set ``dataset`` name (where they name one), downloaded
     as the trusted settings allow."""
@@ -327,7 +327,7 @@ def resume_checkpoint(
     step: int | None = None,
     nproc: int | None = None,
     overrides: Overrides = None,
-    limits: sandbox_runs.RunLimits | None = None,
+    limits: run_lifecycle.RunLimits | None = None,
     code: str = "checkpoint",
     progress: hub.Progress | None = None,
 ) -> LaunchRunResult:
@@ -351,13 +351,13 @@ def resume_checkpoint(
     nproc = _check_nproc(source.nproc if nproc is None else nproc)
     flat = _checked_overrides(ws, overrides)
     limits, warnings = ws.run_limits_and_warnings() if limits is None else (limits, [])
-    sandbox_runs.check_capacity(sr.records_root(ws.root), nproc, limits)
+    run_lifecycle.check_capacity(sr.records_root(ws.root), nproc, limits)
     checked = snapshot_digest(code_dir)
     model = hub.model_value(flat) or hub.model_value(source.config)
     dataset = hub.config_value(flat, hub.DATASET_KEY) or hub.config_value(source.config, hub.DATASET_KEY)
     models = _hub_models(ws, model, dataset, limits, progress, recorded=source.hub_models)
     with _config_file(source) as config_json:
-        verdict = sandbox_runs.check_launch(
+        verdict = run_lifecycle.check_launch(
             ws.root, code_dir, nproc, override_args(flat), config_json=config_json, limits=limits, models=models
         )
     confine_config(ws.root, verdict.config)
@@ -365,13 +365,13 @@ def resume_checkpoint(
     _check_steps_left(source, chosen_step, verdict.config)
     warnings = [*warnings, *_data_drift(source, verdict.data)]
     same_shape = nproc == source.nproc and not limits.threads_per_process
-    plan = sandbox_runs.LaunchPlan(
+    plan = run_lifecycle.LaunchPlan(
         code_dir, source.recipe, nproc, origin, flat, verdict, code_from=code,
         resumed_from=rd.ResumedFrom(run_id=source.id, step=chosen_step, path=str(checkpoint)),
         recorded_config=True, limits=limits, warnings=tuple(warnings),
         threads=source.threads_per_process if same_shape else None, expected_digest=checked, models=models,
     )
-    return _launch_result(ws, sandbox_runs.start_run(ws.root, ws.real_dir(ws.runs_dir), plan))
+    return _launch_result(ws, run_lifecycle.start_run(ws.root, ws.real_dir(ws.runs_dir), plan))
 
 
 def _resumed_code(ws: Workspace, source_dir: Path, source: sr.ServerRecord, code: str) -> tuple[Path, CodeOrigin]:
@@ -410,7 +410,7 @@ def _chosen_checkpoint(run_dir: Path, source: rd.RunRecord, step: object) -> tup
 
 def _resume_script(
     ws: Workspace, source_dir: Path, source: sr.ServerRecord, step: object, nproc: int | None,
-    overrides: Overrides, limits: sandbox_runs.RunLimits | None, code: str,
+    overrides: Overrides, limits: run_lifecycle.RunLimits | None, code: str,
 ) -> LaunchRunResult:
     """A new run of a script run's script with the checkpoint's path after its ``resume_arg``
     (the script reads its own checkpoint; how well it continues is the script's doing)."""
@@ -437,15 +437,15 @@ def _resume_script(
                                else launch_from.code_dir)
     nproc = _check_nproc(source.nproc if nproc is None else nproc)
     limits, warnings = ws.run_limits_and_warnings() if limits is None else (limits, [])
-    sandbox_runs.check_capacity(sr.records_root(ws.root), nproc, limits)
+    run_lifecycle.check_capacity(sr.records_root(ws.root), nproc, limits)
     assert launch_from.script is not None
-    plan = sandbox_runs.LaunchPlan(
+    plan = run_lifecycle.LaunchPlan(
         launch_from.code_dir, source.recipe, nproc, origin, code_from=code,
         resumed_from=rd.ResumedFrom(run_id=source.id, step=chosen_step, path=str(checkpoint)),
         limits=limits, warnings=tuple(warnings),
         script=scripts.ScriptLaunch(launch_from.script, args, source.resume_arg, launch_from.alone),
     )
-    return _launch_result(ws, sandbox_runs.start_run(ws.root, ws.real_dir(ws.runs_dir), plan))
+    return _launch_result(ws, run_lifecycle.start_run(ws.root, ws.real_dir(ws.runs_dir), plan))
 
 
 def _skipped_data(counted: rd.DataSummary | None) -> list[str]:
@@ -693,7 +693,7 @@ def stop_run(ws: Workspace, run_id: str) -> StopRunResult:
     if record.target == "slurm":
         slurm_jobs.cancel(ws.record_dir(run_id), run_environment())
     else:
-        sandbox_runs.stop_run(ws.record_dir(run_id))
+        run_lifecycle.stop_run(ws.record_dir(run_id))
     info = get_run(ws, run_id)
     return StopRunResult(
         run_id=info.run_id, status=info.status, step=info.step, error=info.error,

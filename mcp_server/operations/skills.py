@@ -12,10 +12,10 @@ from mcp_server.limits import (
     AGENT_BUDGET_CHARS, MAX_DIFF_CHARS, MAX_DOC_CHARS, MAX_RESULT_CHARS, bounded, json_chars, text_bytes,
 )
 from mcp_server.models import ApplySkillResult, SkillDetail, SkillList, SkillSummary
-from sandbox import git as sandbox_git
-from sandbox.paths import check_name
-from sandbox.scripts import DOCS_PAGE
-from sandbox.workspace import Workspace
+from workspace import git as workspace_git
+from workspace.paths import check_name
+from runner.scripts import DOCS_PAGE
+from workspace.workspace import Workspace
 
 APPLY_TOOL = "apply_skill"
 
@@ -120,11 +120,11 @@ def _apply(ws: Workspace, info, recipe_path: Path, params, dry_run: bool, commit
     target = resolve_target(recipe_path)
     if not dry_run:
         remove_interrupted_writes(target)
-    repo = sandbox_git.open_repo(ws.root) if commit else None
+    repo = workspace_git.open_repo(ws.root) if commit else None
     if repo is not None and not dry_run:
-        sandbox_git.require_clean(repo, recipe_path, f"recipe {ws.label(recipe_path)}")
-        sandbox_git.require_not_ignored(repo, target, f"recipe {ws.label(target)}")
-    diff_root = sandbox_git.worktree(repo) if repo is not None else ws.root
+        workspace_git.require_clean(repo, recipe_path, f"recipe {ws.label(recipe_path)}")
+        workspace_git.require_not_ignored(repo, target, f"recipe {ws.label(target)}")
+    diff_root = workspace_git.worktree(repo) if repo is not None else ws.root
     trial = skill_library.apply_skill(info.name, recipe_path, params or {}, dry_run=True, diff_root=diff_root)
     planned = _result(ws, info, trial, dry_run, sha="0" * 40 if trial.changed and repo is not None else None)
     size = json_chars(planned.model_dump(mode="json"))
@@ -140,12 +140,12 @@ def _apply(ws: Workspace, info, recipe_path: Path, params, dry_run: bool, commit
             "(no git repository: the change was not committed)"
         return _result(ws, info, result, dry_run, sha=None)
     try:
-        sha = sandbox_git.commit_paths(
+        sha = workspace_git.commit_paths(
             repo,
             [target],
             f"skill({info.name}): apply to {ws.label(recipe_path)}",
             [
-                (sandbox_git.TOOL_TRAILER, APPLY_TOOL),
+                (workspace_git.TOOL_TRAILER, APPLY_TOOL),
                 ("Skill-Applied", f"{info.name}@{info.version}"),
                 ("Skill-Params", json.dumps(result.params, sort_keys=True, separators=(",", ":"))),
             ],

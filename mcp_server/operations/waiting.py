@@ -18,9 +18,9 @@ from mcp_server.limits import DEFAULT_WAIT_S, MAX_WAIT_S
 from mcp_server.models import WaitRunResult
 from engine.errors import BadInput
 from mcp_server.operations.runs import _bounded_record
-from sandbox import slurm as slurm_jobs
+from runner import slurm as slurm_jobs
 from sandbox.environment import run_environment
-from sandbox.workspace import Workspace
+from workspace.workspace import Workspace
 
 POLL_S = 0.5
 SLURM_POLL_S = 15.0  # squeue/sacct at most this often while waiting on a SLURM job

@@ -23,7 +23,7 @@ from engine.errors import BadInput, NotFound
 from mcp_server import cli
 from mcp_server.operations import recipes as recipe_ops
 from mcp_server.operations import runs as run_ops
-from sandbox.workspace import Workspace
+from workspace.workspace import Workspace
 from tests.mcp.conftest import connect
 from tests.support import TINY
 

@@ -78,7 +78,7 @@ CASES = [
 
 @pytest.fixture(scope="module")
 def workspace(tmp_path_factory):
-    from sandbox.workspace import Workspace
+    from workspace.workspace import Workspace
 
     root = make_workspace(tmp_path_factory.mktemp("exit-codes") / "ws")
     Workspace.open(root).prepare_state()  # as a server leaves it: .trainwright/ and its lock

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from engine import run_dir as rd
-from sandbox import git as sandbox_git
+from workspace import git as workspace_git
 
 SCRIPT = Path(__file__).parents[1] / "mcp" / "scripts" / "mlp_train.py"
 
@@ -31,7 +31,7 @@ def trainwright(workspace, *args, script_args=()):
 def workspace(tmp_path_factory):
     root = tmp_path_factory.mktemp("cli-script")
     shutil.copyfile(SCRIPT, root / "train.py")
-    sandbox_git.commit_paths(sandbox_git.ensure_repo(root), [root / "train.py"], "a training script", [])
+    workspace_git.commit_paths(workspace_git.ensure_repo(root), [root / "train.py"], "a training script", [])
     return root
 
 

@@ -138,7 +138,7 @@ def test_latest_metrics_keep_each_keys_latest_value(tmp_path):
 
 def test_get_run_latest_shows_the_loss_under_a_recipes_own_record(tmp_path):
     from mcp_server.operations.runs import get_run
-    from sandbox.workspace import Workspace
+    from workspace.workspace import Workspace
 
     ws = Workspace.open(tmp_path)
     run_id = "20260101-000000-dpo-abcd"

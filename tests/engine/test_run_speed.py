@@ -8,7 +8,7 @@ import json
 import pytest
 
 from engine import run_dir as rd
-from sandbox.supervise import run_note
+from runner.supervise import run_note
 from tests.sandbox.helpers import fake_run, make_workspace
 
 # A run whose warm-up window is slow and whose last window is fast: steps 1-5 at 500 tokens/s,
@@ -83,7 +83,7 @@ def test_the_git_note_gives_the_mean_and_the_last_window_by_name(tmp_path):
 
 def test_get_run_and_list_runs_give_both_speeds(tmp_path):
     from mcp_server.operations import runs
-    from sandbox.workspace import Workspace
+    from workspace.workspace import Workspace
 
     root = make_workspace(tmp_path / "ws")
     write_windows(fake_run(root, "20260101-000000-lm-speed"))
@@ -100,7 +100,7 @@ def test_get_run_and_list_runs_give_both_speeds(tmp_path):
 def test_review_names_the_mean_and_the_last_window(tmp_path):
     from mcp_server.models import ReviewCommit, ReviewResult
     from mcp_server.operations import review
-    from sandbox.workspace import Workspace
+    from workspace.workspace import Workspace
 
     root = make_workspace(tmp_path / "ws")
     write_windows(fake_run(root, "20260101-000000-lm-speed", git_commit="a" * 40))

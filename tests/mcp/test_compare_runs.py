@@ -17,7 +17,7 @@ from mcp_server import cli
 from mcp_server.operations import compare
 from mcp_server.operations import recipes as recipe_ops
 from mcp_server.operations import runs as run_ops
-from sandbox.workspace import Workspace
+from workspace.workspace import Workspace
 from tests.mcp.conftest import connect
 from tests.skills.skill_helpers import write_documents
 from tests.support import TINY, finished_run

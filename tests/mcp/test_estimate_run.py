@@ -16,7 +16,7 @@ from mcp_server import cli
 from mcp_server.operations import estimate
 from mcp_server.operations import recipes as recipe_ops
 from mcp_server.operations import runs as run_ops
-from sandbox.workspace import Workspace
+from workspace.workspace import Workspace
 from tests.support import finished_run
 
 # Weights and activations well above the process floor (torch and the data: about 450 MB).

@@ -10,7 +10,7 @@ import shutil
 
 import pytest
 
-from sandbox import git as sandbox_git
+from workspace import git as workspace_git
 from tests.mcp.conftest import connect
 from tests.support import REPO
 from tests.sandbox.helpers import make_workspace
@@ -34,7 +34,7 @@ def session(tmp_path_factory):
     for name in RUNS:
         shutil.copytree(REPO / "recipes_template" / name, workspace / "recipes" / name,
                         ignore=shutil.ignore_patterns("__pycache__"))
-    sandbox_git.commit_paths(sandbox_git.ensure_repo(workspace), [workspace / "recipes"], "add sft and dpo", [])
+    workspace_git.commit_paths(workspace_git.ensure_repo(workspace), [workspace / "recipes"], "add sft and dpo", [])
     with connect("memory", workspace) as client:
         runs = {name: client.ok("launch_run", recipe=name, overrides=overrides)["run_id"]
                 for name, overrides in RUNS.items()}

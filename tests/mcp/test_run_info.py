@@ -8,7 +8,7 @@ from engine import run_dir as rd
 from engine import server_record as sr
 from mcp_server.models import RunInfo
 from mcp_server.operations import runs
-from sandbox.workspace import Workspace
+from workspace.workspace import Workspace
 from tests.sandbox.helpers import fake_run, make_workspace
 
 # Shown otherwise than recorded: the effective status; error, overrides, config_changes and

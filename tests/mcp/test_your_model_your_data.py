@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from sandbox import git as sandbox_git
+from workspace import git as workspace_git
 from tests.mcp.conftest import connect
 from tests.model_families import CHATML, tiny_model_folder
 from tests.sandbox.helpers import make_workspace
@@ -27,7 +27,7 @@ def test_a_local_model_folder_fine_tunes_with_lora_on_parquet_then_evaluates_and
     (workspace / "data").mkdir()
     rows = [{"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": a}]} for q, a in QUESTIONS]
     pq.write_table(pa.Table.from_pylist(rows), workspace / "data" / "train.parquet")
-    sandbox_git.commit_paths(sandbox_git.ensure_repo(workspace), [workspace / "models", workspace / "data"],
+    workspace_git.commit_paths(workspace_git.ensure_repo(workspace), [workspace / "models", workspace / "data"],
                              "add a model and its data", [])
     config = {
         "model.pretrained_path": "models/tiny-qwen", "data.paths": ["data/train.parquet"], "data.seq_len": 64,

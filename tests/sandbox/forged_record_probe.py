@@ -17,7 +17,7 @@ from pathlib import Path
 
 from engine import run_dir as rd
 from mcp_server.operations import runs as run_ops
-from sandbox.workspace import Workspace
+from workspace.workspace import Workspace
 from tests.sandbox.helpers import make_workspace, supervise
 from tests.support import wait_for
 

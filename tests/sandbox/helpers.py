@@ -18,8 +18,8 @@ from mcp import Client
 
 from engine import run_dir as rd
 from engine import server_record as sr
-from sandbox import git as sandbox_git
-from sandbox import processes
+from workspace import git as workspace_git
+from runner import processes
 from tests.support import TEMPLATE, TINY, wait_for
 
 AUDIT = Path(".trainwright") / "audit.jsonl"
@@ -30,8 +30,8 @@ def make_workspace(root: Path, config_yaml: str | None = "runs:\n  threads_per_p
     root.mkdir(parents=True, exist_ok=True)
     recipe = root / "recipes" / "lm"
     shutil.copytree(TEMPLATE, recipe, ignore=shutil.ignore_patterns("__pycache__"))
-    repo = sandbox_git.ensure_repo(root)
-    sandbox_git.commit_paths(repo, [recipe], "add recipe lm", [])
+    repo = workspace_git.ensure_repo(root)
+    workspace_git.commit_paths(repo, [recipe], "add recipe lm", [])
     if config_yaml is not None:
         (root / ".trainwright").mkdir(exist_ok=True)
         (root / ".trainwright" / "config.yaml").write_text(config_yaml)
@@ -214,15 +214,15 @@ def derived_recipe(workspace: Path, name: str, body: str) -> Path:
     shutil.copy(TEMPLATE / "recipe.py", recipe / "base_recipe.py")
     shutil.copy(TEMPLATE / "config.yaml", recipe / "config.yaml")
     (recipe / "recipe.py").write_text(f'"""A test recipe: {name}."""\n\nfrom base_recipe import CausalLM\n\n{body}')
-    repo = sandbox_git.open_repo(workspace)
-    sandbox_git.commit_paths(repo, [recipe], f"add recipe {name}", [])
+    repo = workspace_git.open_repo(workspace)
+    workspace_git.commit_paths(repo, [recipe], f"add recipe {name}", [])
     return recipe
 
 
 def supervise(run_dir: Path, command: list[str], limits: dict[str, Any] | None = None,
               run_id: str = "20260101-000000-sup-0000", env: dict[str, str] | None = None, timeout: float = 60,
               sandbox: dict[str, Any] | None = None):
-    """Run ``python -m sandbox.supervise`` on a run whose command is ``command`` (no engine, no torch);
+    """Run ``python -m runner.supervise`` on a run whose command is ``command`` (no engine, no torch);
     ``sandbox`` is run.json's ``sandbox`` section (default: the supervisor's own choice)."""
     import subprocess
     import sys
@@ -238,7 +238,7 @@ def supervise(run_dir: Path, command: list[str], limits: dict[str, Any] | None =
     sr.create_record(folder, record)
     with open(run_dir / rd.CONSOLE_LOG, "ab") as console:
         process = subprocess.Popen(
-            [sys.executable, "-m", "sandbox.supervise", str(folder)],
+            [sys.executable, "-m", "runner.supervise", str(folder)],
             env=run_environment(extra={processes.RUN_ID_VARIABLE: run_id, **(env or {})}),
             stdout=console, stderr=subprocess.STDOUT, start_new_session=True,
         )

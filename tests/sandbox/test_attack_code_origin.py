@@ -31,7 +31,7 @@ def _tiny(**extra):
 def test_workspace_packages_do_not_replace_the_supervisor_or_the_engine(tmp_path):
     root = make_workspace(tmp_path / "ws")
     marker = tmp_path / "shadowed"
-    for package in ("sandbox", "engine"):
+    for package in ("sandbox", "runner", "workspace", "engine"):
         (root / package).mkdir()
         (root / package / "__init__.py").write_text(SHADOW.format(marker=str(marker)))
     with live_client(build_server(root)) as client:

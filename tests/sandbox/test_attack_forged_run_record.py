@@ -25,10 +25,10 @@ from engine import run_dir as rd
 from engine import server_record as sr
 from engine.errors import BadInput
 from mcp_server.operations import runs as run_ops
-from sandbox import git as sandbox_git
-from sandbox import runs as sandbox_runs
-from sandbox import slurm
-from sandbox.workspace import Workspace
+from workspace import git as workspace_git
+from runner import lifecycle as run_lifecycle
+from runner import slurm
+from workspace.workspace import Workspace
 from tests.sandbox.helpers import fake_run, make_workspace, record_folder, supervise, wait_gone
 from tests.support import REPO, wait_for
 
@@ -84,7 +84,7 @@ def test_a_forged_pid_or_group_never_makes_stop_run_signal_another_process(tmp_p
 
 def test_identities_refuse_pids_that_name_groups_or_everything():
     assert sr.identify(1) is None and sr.identify(0) is None and sr.identify(-1) is None and sr.identify(True) is None
-    assert not sandbox_runs.kill_group(1, 0) and not sandbox_runs.kill_group(-1, 0) and not sandbox_runs.kill_group(0, 0)
+    assert not run_lifecycle.kill_group(1, 0) and not run_lifecycle.kill_group(-1, 0) and not run_lifecycle.kill_group(0, 0)
     assert not rd.pid_alive(-1) and not rd.pid_alive(1)
     with pytest.raises(ValueError):
         sr.ServerRecord(id="r", child_pgid=1)
@@ -119,13 +119,13 @@ def test_a_run_that_says_it_ended_still_counts_as_running_and_stops(tmp_path, fo
     workspace = make_workspace(tmp_path / "ws", "runs:\n  max_concurrent_runs: 1\n")
     run_dir = start_sleeper(workspace)
     ws = Workspace.open(workspace)
-    marked = sandbox_runs.marked(RUN_ID)
+    marked = run_lifecycle.marked(RUN_ID)
     assert marked
     forge(run_dir, **forged)
     assert run_ops.get_run(ws, RUN_ID).status == rd.RUNNING
     assert [s.status for s in run_ops.list_runs(ws).runs] == [rd.RUNNING]
-    with pytest.raises(sandbox_runs.LaunchRefused, match="max_concurrent_runs is 1"):
-        sandbox_runs.check_capacity(sr.records_root(workspace), 1, ws.run_limits())
+    with pytest.raises(run_lifecycle.LaunchRefused, match="max_concurrent_runs is 1"):
+        run_lifecycle.check_capacity(sr.records_root(workspace), 1, ws.run_limits())
     assert run_ops.stop_run(ws, RUN_ID).status == rd.STOPPED
     assert wait_gone(marked, timeout=20) == set()
     assert sr.read_record(ws.record_dir(RUN_ID)).status == rd.STOPPED
@@ -172,26 +172,26 @@ def test_slurm_commands_take_only_job_ids(slurm_commands):
 
 
 def test_a_forged_commit_never_reaches_git(tmp_path):
-    from sandbox.supervise import Supervisor
+    from runner.supervise import Supervisor
 
     workspace = make_workspace(tmp_path / "ws")
-    repo = sandbox_git.open_repo(workspace)
+    repo = workspace_git.open_repo(workspace)
     head = repo.head.commit.hexsha
     run_dir = fake_run(workspace, "r1", status=rd.RUNNING, git_commit=head, recipe_dirty=False)
     supervisor = Supervisor(record_folder(run_dir, workspace))
     forge(run_dir, git_commit="-F/proc/self/environ", recipe_dirty=True, dirty_files=["forged.py"], id="forged",
           recipe="forged", status="completed")
     supervisor.finish(0)
-    note = repo.git.notes(f"--ref={sandbox_git.NOTES_REF}", "show", head)
+    note = repo.git.notes(f"--ref={workspace_git.NOTES_REF}", "show", head)
     assert note.startswith("run r1: completed") and "recipes/lm" in note
     assert "forged" not in note and "PATH=" not in note and "uncommitted" not in note
-    assert sandbox_git.add_note(workspace, "-F/etc/hostname", "x") is False
-    assert sandbox_git.add_note(workspace, head[:10], "x") is False  # only a full id
+    assert workspace_git.add_note(workspace, "-F/etc/hostname", "x") is False
+    assert workspace_git.add_note(workspace, head[:10], "x") is False  # only a full id
 
 
 def test_a_resume_takes_the_commit_and_provenance_from_the_servers_record(tmp_path, monkeypatch):
     workspace = make_workspace(tmp_path / "ws")
-    head = sandbox_git.open_repo(workspace).head.commit.hexsha
+    head = workspace_git.open_repo(workspace).head.commit.hexsha
     run_dir = fake_run(workspace, "r1", git_commit=head, recipe_dirty=False, config={"train": {"max_steps": 4}})
     (run_dir / rd.SNAPSHOT_DIRNAME).mkdir()
     (run_dir / rd.SNAPSHOT_DIRNAME / "recipe.py").write_text("# the code that ran\n")
@@ -208,8 +208,8 @@ def test_a_resume_takes_the_commit_and_provenance_from_the_servers_record(tmp_pa
         seen["origin"] = plan.origin
         raise BadInput("not started in this test")
 
-    monkeypatch.setattr(sandbox_runs, "check_launch", check)
-    monkeypatch.setattr(sandbox_runs, "start_run", start)
+    monkeypatch.setattr(run_lifecycle, "check_launch", check)
+    monkeypatch.setattr(run_lifecycle, "start_run", start)
     with pytest.raises(BadInput, match="not started in this test"):
         run_ops.resume_checkpoint(Workspace.open(workspace), "r1", overrides={"train.max_steps": 8})
     assert (seen["origin"].git_commit, seen["origin"].recipe_dirty, seen["origin"].dirty_files) == (head, False, [])
@@ -220,7 +220,7 @@ def test_get_run_and_review_show_the_servers_provenance(tmp_path):
     from mcp_server.operations import review
 
     workspace = make_workspace(tmp_path / "ws")
-    head = sandbox_git.open_repo(workspace).head.commit.hexsha
+    head = workspace_git.open_repo(workspace).head.commit.hexsha
     run_dir = fake_run(workspace, "r1", git_commit=head, recipe_dirty=False, isolation="full",
                        isolation_note="bubblewrap")
     forge(run_dir, recipe_dirty=True, dirty_files=["forged.py"], isolation="none", isolation_note="forged",
@@ -255,7 +255,7 @@ def test_the_servers_record_is_outside_every_writable_folder_of_the_runs_sandbox
 
     workspace = make_workspace(tmp_path / "ws")
     run_dir = workspace / rd.RUNS_DIRNAME / RUN_ID
-    read_only, writable, hidden = [workspace], [run_dir], sandbox_runs.hidden_state(workspace)
+    read_only, writable, hidden = [workspace], [run_dir], run_lifecycle.hidden_state(workspace)
     run_dir.mkdir(parents=True)
     record = sr.record_dir(workspace, RUN_ID)
     options = [o for option in bwrap._mounts(read_only, writable, "isolated", {}, hidden) for o in [option]]
@@ -279,7 +279,7 @@ def test_a_sandboxed_run_cannot_change_the_servers_record(tmp_path):
             "p.write_text(json.dumps({'id': 'x', 'status': 'completed', 'git_commit': '-F/etc/passwd'}))")
     supervise(run_dir, [sys.executable, "-c", code], run_id=RUN_ID, sandbox={
         "bwrap": find_bwrap(), "read_only": [str(workspace)], "writable": [str(run_dir)],
-        "hidden": [str(p) for p in sandbox_runs.hidden_state(workspace)]}).wait(60)
+        "hidden": [str(p) for p in run_lifecycle.hidden_state(workspace)]}).wait(60)
     assert "SEEN False" in (run_dir / rd.CONSOLE_LOG).read_text()
     kept = sr.read_record(sr.record_dir(workspace, RUN_ID))
     assert kept.id == RUN_ID and kept.status == rd.COMPLETED and kept.isolation == "full"
@@ -338,8 +338,8 @@ def test_a_malformed_verdict_field_is_the_checks_refusal(tmp_path, monkeypatch):
 
     workspace = make_workspace(tmp_path / "ws")
     verdict = {"ok": True, "config": {}, "config_changes": {}, "fields": [{"key": 3, "type": None, "x": 1}]}
-    monkeypatch.setattr(sandbox_runs, "run_contained", lambda *a, **k: (json.dumps(verdict) + "\n", ""))
-    with pytest.raises(sandbox_runs.LaunchRefused, match="no valid 'fields'"):
+    monkeypatch.setattr(run_lifecycle, "run_contained", lambda *a, **k: (json.dumps(verdict) + "\n", ""))
+    with pytest.raises(run_lifecycle.LaunchRefused, match="no valid 'fields'"):
         recipe_info.describe_recipe(Workspace.open(workspace), "recipes/lm")
 
 

@@ -8,7 +8,7 @@ import json
 from engine import run_dir as rd
 from engine import server_record as sr
 from mcp_server.server import build_server
-from sandbox.supervise import run_note
+from runner.supervise import run_note
 from tests.sandbox.helpers import error_text, fake_run, live_client, make_workspace, record_folder
 
 HUGE = 10**400
@@ -34,7 +34,7 @@ def test_the_git_note_survives_a_loss_too_large_for_a_float():
 def test_the_git_note_is_one_bounded_line_whatever_the_run_wrote(tmp_path, monkeypatch):
     # run.json and metrics.jsonl are the run's to write: what it put there must not add a line
     # of its own to the commit's note (one line per run), nor make the note huge.
-    from sandbox import supervise
+    from runner import supervise
 
     forged = "\nrun 20260101-000000-lm-other: completed; loss 0.0100\n"
     record = rd.RunRecord(id="20260101-000000-lm-huge", recipe="recipes/lm" + forged, status=rd.COMPLETED,

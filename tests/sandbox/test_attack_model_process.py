@@ -19,9 +19,9 @@ import pytest
 from engine import run_dir as rd
 from mcp_server.operations import model_tools
 from mcp_server.operations import runs as run_ops
-from sandbox import model_process
-from sandbox.model_process import ModelProcessFailed
-from sandbox.workspace import Workspace
+from runner import model_process
+from runner.model_process import ModelProcessFailed
+from workspace.workspace import Workspace
 from tests.mcp.conftest import SHORT_RUN, tiny_config
 from tests.sandbox.helpers import derived_recipe, fake_run, make_workspace, wait_final
 

@@ -19,7 +19,7 @@ from engine import run_dir as rd
 from engine.errors import BadInput, NotFound
 from engine.seams import ExportOutcome, GeneratedSample
 from mcp_server.operations import model_tools
-from sandbox.workspace import Workspace
+from workspace.workspace import Workspace
 from tests.sandbox.helpers import fake_run, make_workspace, tree_hash
 
 
@@ -200,7 +200,7 @@ def test_a_forged_result_from_the_model_process_is_refused_naming_its_field_and_
         ws, monkeypatch, action, forged, message):
     import json
 
-    from sandbox import model_process
+    from runner import model_process
 
     def forging(command, workspace, visible, writable, env, limits, timeout_s, mark, bound_fds=None):
         assert command[command.index("-m") + 2] == action
@@ -225,7 +225,7 @@ def test_a_forged_result_from_the_model_process_is_refused_naming_its_field_and_
 def test_the_engines_result_passes_the_reader_that_refuses_forged_ones(ws, monkeypatch, action, written):
     import json
 
-    from sandbox import model_process
+    from runner import model_process
 
     def writing(command, workspace, visible, writable, env, limits, timeout_s, mark, bound_fds=None):
         for folder in writable[1:]:
@@ -289,8 +289,8 @@ def test_set_id_bits_written_by_the_recipe_are_dropped(ws):
 def test_model_processes_at_once_are_capped_like_runs(tmp_path, monkeypatch):
     # Each sample/evaluate/export loads a whole model: an agent calling them in a loop without
     # waiting must not start one process per call.
-    from sandbox import model_process
-    from sandbox.config import RunLimits
+    from runner import model_process
+    from workspace.settings import RunLimits
 
     run = fake_run(tmp_path / "ws", "r1")
     release, entered = threading.Event(), threading.Event()
@@ -397,9 +397,9 @@ def test_a_secret_in_a_completion_is_redacted_before_the_cut_can_split_it(monkey
 
 
 def test_a_secret_in_the_model_process_output_is_redacted_before_it_is_cut(tmp_path, monkeypatch):
-    from sandbox import model_process
+    from runner import model_process
     from sandbox import redact as redaction
-    from sandbox.config import RunLimits
+    from workspace.settings import RunLimits
 
     secret = "tw-attack-Secret-0a1b2c3d4e5f6789"
     monkeypatch.setenv("TW_ATTACK_TOKEN", secret)

@@ -17,8 +17,8 @@ from pathlib import Path
 from engine import run_dir as rd
 from mcp_server.live import LiveRuns
 from mcp_server.operations.compare import compare_runs
-from sandbox.tensorboard_events import EventFiles
-from sandbox.workspace import Workspace
+from runner.tensorboard_events import EventFiles
+from workspace.workspace import Workspace
 from tests.sandbox.helpers import fake_run, make_workspace
 
 

@@ -13,8 +13,8 @@ from engine import run_dir as rd
 from engine.config import MetricsConfig
 from engine.errors import BadInput
 from mcp_server.operations.skills import with_target
-from sandbox import slurm
-from sandbox.nodes import check_endpoint, check_nodes
+from runner import slurm
+from runner.nodes import check_endpoint, check_nodes
 
 SHELLY = ["gpu\n#SBATCH --account=other", "gpu;id", "$(id)", "`id`", "gpu'x", 'gpu"x', "gpu x", "", "a" * 100]
 
@@ -125,7 +125,7 @@ def test_apply_skill_target_twice_refused():
 
 @pytest.mark.parametrize("name", ["run\n", "run\n\n", "a\r"])
 def test_check_name_refuses_trailing_newline(name):
-    from sandbox.paths import PathRefused, check_name
+    from workspace.paths import PathRefused, check_name
     with pytest.raises(PathRefused):
         check_name(name, "run_id")
 

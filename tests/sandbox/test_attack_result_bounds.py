@@ -44,8 +44,8 @@ def test_a_check_that_prints_without_end_costs_bounded_memory_and_no_disk(tmp_pa
     import threading
     import time
 
-    from sandbox.config import RunLimits
-    from sandbox.runs import MAX_CHECK_OUTPUT_BYTES, run_contained
+    from workspace.settings import RunLimits
+    from runner.lifecycle import MAX_CHECK_OUTPUT_BYTES, run_contained
 
     root = make_workspace(tmp_path / "ws")
     script = (
@@ -84,13 +84,13 @@ def test_output_nested_too_deep_for_json_is_no_verdict_and_no_result(tmp_path, m
     import pytest
 
     from engine.seams import read_model_result
-    from sandbox import model_process
-    from sandbox import runs as sandbox_runs
+    from runner import model_process
+    from runner import lifecycle as run_lifecycle
 
     deep = "[" * 100_000
-    monkeypatch.setattr(sandbox_runs, "run_contained", lambda *args, **kwargs: (deep + "\n", "the last words\n"))
-    with pytest.raises(sandbox_runs.LaunchRefused, match="could not check the recipe: the last words"):
-        sandbox_runs.check_launch(tmp_path, tmp_path, 1, [])
+    monkeypatch.setattr(run_lifecycle, "run_contained", lambda *args, **kwargs: (deep + "\n", "the last words\n"))
+    with pytest.raises(run_lifecycle.LaunchRefused, match="could not check the recipe: the last words"):
+        run_lifecycle.check_launch(tmp_path, tmp_path, 1, [])
     result = tmp_path / "result.json"
     result.write_text(deep)
     assert read_model_result("sample", model_process._read_result(result)) is None
@@ -102,7 +102,7 @@ def test_a_malformed_verdict_from_the_check_is_a_refusal(tmp_path, monkeypatch):
     bug' (KeyError: 'error', KeyError: 'config', a ValidationError writing run.json)."""
     import pytest
 
-    from sandbox import runs as sandbox_runs
+    from runner import lifecycle as run_lifecycle
 
     good = {"ok": True, "config": {"train": {}}, "config_changes": {}, "data": None, "fields": []}
     forged = [
@@ -115,9 +115,9 @@ def test_a_malformed_verdict_from_the_check_is_a_refusal(tmp_path, monkeypatch):
         {**good, "fields": [1, 2]},
     ]
     for verdict in forged:
-        monkeypatch.setattr(sandbox_runs, "run_contained", lambda *args, **kwargs: (json.dumps(verdict) + "\n", ""))
-        with pytest.raises(sandbox_runs.LaunchRefused) as refused:
-            sandbox_runs.check_launch(tmp_path, tmp_path, 1, [])
-        assert len(str(refused.value)) <= sandbox_runs.MAX_CHECK_ERROR_CHARS, verdict
-    monkeypatch.setattr(sandbox_runs, "run_contained", lambda *args, **kwargs: (json.dumps(good) + "\n", ""))
-    assert sandbox_runs.check_launch(tmp_path, tmp_path, 1, []).model_dump() == {**good, "estimate": None}
+        monkeypatch.setattr(run_lifecycle, "run_contained", lambda *args, **kwargs: (json.dumps(verdict) + "\n", ""))
+        with pytest.raises(run_lifecycle.LaunchRefused) as refused:
+            run_lifecycle.check_launch(tmp_path, tmp_path, 1, [])
+        assert len(str(refused.value)) <= run_lifecycle.MAX_CHECK_ERROR_CHARS, verdict
+    monkeypatch.setattr(run_lifecycle, "run_contained", lambda *args, **kwargs: (json.dumps(good) + "\n", ""))
+    assert run_lifecycle.check_launch(tmp_path, tmp_path, 1, []).model_dump() == {**good, "estimate": None}

@@ -15,7 +15,7 @@ import pytest
 
 from engine import run_dir as rd
 from mcp_server.operations import model_tools
-from sandbox.workspace import Workspace
+from workspace.workspace import Workspace
 from tests.sandbox.helpers import fake_run, make_workspace, record_folder
 
 SECRET = "host-secret-line-0123456789\n"
@@ -90,8 +90,8 @@ def test_a_run_json_that_is_not_a_record_is_refused_without_echoing_it(run):
 
 
 def test_the_supervisor_notes_the_outcome_on_the_commit_it_was_started_with(tmp_path):
-    from sandbox.git import NOTES_REF, open_repo
-    from sandbox.supervise import Supervisor
+    from workspace.git import NOTES_REF, open_repo
+    from runner.supervise import Supervisor
 
     workspace, other = make_workspace(tmp_path / "ws"), make_workspace(tmp_path / "other")
     head = open_repo(workspace).head.commit.hexsha

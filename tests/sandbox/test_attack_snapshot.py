@@ -68,12 +68,12 @@ def test_a_recipe_folder_the_snapshot_refuses_leaves_no_run_behind(tmp_path, sha
 def test_a_recipe_file_cannot_pose_as_the_record_of_uncommitted_changes(tmp_path):
     """runs/<id>/recipe/uncommitted.patch is what a reviewer reads as the diff a run had: a
     committed file of that name in a clean recipe would be copied there as a fake one."""
-    from sandbox import git as sandbox_git
+    from workspace import git as workspace_git
 
     root = make_workspace(tmp_path / "ws")
     fake = root / "recipes" / "lm" / "uncommitted.patch"
     fake.write_text("--- a/recipe.py\n+++ b/recipe.py\n@@ -1 +1 @@\n-harmless\n+harmless\n")
-    sandbox_git.commit_paths(sandbox_git.open_repo(root), [fake], "a file named like the record", [])
+    workspace_git.commit_paths(workspace_git.open_repo(root), [fake], "a file named like the record", [])
     with live_client(build_server(root)) as client:
         result = client.call("launch_run", {"recipe": "recipes/lm", "overrides": {"train.max_steps": 1}})
     message = error_text(result)

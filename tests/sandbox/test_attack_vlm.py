@@ -225,7 +225,7 @@ def test_what_sample_shows_of_a_caption_is_bounded(workspace):
     """sample names each held-out image's caption beside its completion: 8 captions of 150,000
     characters made the model process's result too large (over 1 MB), so sample failed."""
     from engine.distributed import DistInfo
-    from sandbox.model_process import MAX_RESULT_BYTES
+    from runner.model_process import MAX_RESULT_BYTES
 
     (workspace / "data.jsonl").write_text("".join(
         json.dumps({"image": "images/ok.png", "caption": "a long caption " * 10_000}) + "\n" for _ in range(4)))
@@ -292,7 +292,7 @@ def test_launch_run_refuses_a_decompression_bomb_with_its_line_and_changes_nothi
     import shutil
 
     from mcp_server.server import build_server
-    from sandbox import git as sandbox_git
+    from workspace import git as workspace_git
     from tests.sandbox.helpers import error_text, live_client, make_workspace, tree_hash
 
     root = make_workspace(tmp_path / "ws")
@@ -301,7 +301,7 @@ def test_launch_run_refuses_a_decompression_bomb_with_its_line_and_changes_nothi
     (root / "set" / "images").mkdir(parents=True)
     (root / "set" / "images" / "bomb.png").write_bytes(_png_header(30000, 30000))
     (root / "set" / "data.jsonl").write_text(json.dumps({"image": "images/bomb.png", "caption": "a bomb"}) + "\n")
-    sandbox_git.commit_paths(sandbox_git.ensure_repo(root), [root / "recipes" / "vlm", root / "set"], "vlm", [])
+    workspace_git.commit_paths(workspace_git.ensure_repo(root), [root / "recipes" / "vlm", root / "set"], "vlm", [])
     with live_client(build_server(root)) as client:
         before = tree_hash(root)
         result = client.call("launch_run", {"recipe": "recipes/vlm", "overrides": {"data.paths": ["set"]}})

@@ -9,7 +9,7 @@ import pytest
 
 from mcp_server.cli import main as cli_main
 from mcp_server.server import build_server
-from sandbox.audit import AuditLog
+from workspace.audit import AuditLog
 from tests.sandbox.helpers import AUDIT, error_text, fake_run, live_client, make_workspace
 
 SECRET = "s3cr3t-value-that-must-never-be-logged"

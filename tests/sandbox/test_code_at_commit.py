@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from engine.errors import BadInput, NotFound
-from sandbox.git import GitRefused
-from sandbox.provenance import MAX_SNAPSHOT_FILE_BYTES, code_at_commit
+from workspace.git import GitRefused
+from runner.provenance import MAX_SNAPSHOT_FILE_BYTES, code_at_commit
 
 
 def git(root: Path, *args: str) -> str:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from sandbox.config import ConfigRefused, RunLimits, load_run_limits
+from workspace.settings import ConfigRefused, RunLimits, load_run_limits
 
 
 def write(tmp_path, text):

@@ -9,9 +9,9 @@ import pytest
 
 from engine import run_dir as rd
 from mcp_server.operations import runs as run_ops
-from sandbox import git as sandbox_git
+from workspace import git as workspace_git
 from engine.errors import BadInput
-from sandbox.workspace import Workspace
+from workspace.workspace import Workspace
 from tests.sandbox.helpers import make_workspace, run_overrides
 
 
@@ -28,7 +28,7 @@ def test_a_path_in_the_recipes_own_config_yaml_is_checked_after_merging(workspac
     root, outside = workspace
     config = root / "recipes" / "lm" / "config.yaml"
     config.write_text(config.read_text() + f"data:\n  source: files\n  paths: [{outside}]\n")
-    sandbox_git.commit_paths(sandbox_git.open_repo(root), [config], "point the data outside", [])
+    workspace_git.commit_paths(workspace_git.open_repo(root), [config], "point the data outside", [])
     # The engine's launch check reads the merged config's data paths, confined: refused there.
     with pytest.raises(BadInput, match="leads outside the workspace"):
         run_ops.launch_run(Workspace.open(root), "recipes/lm", 1, run_overrides("train.max_steps=2"))
@@ -41,7 +41,7 @@ def test_a_committed_link_in_a_data_folder_that_leads_out_is_refused_with_a_clea
     data.mkdir()
     (data / "inside.txt").write_text("an ordinary document " * 50)
     os.symlink(outside / "secret.txt", data / "leak.txt")
-    sandbox_git.commit_paths(sandbox_git.open_repo(root), [data], "data with a link", [])
+    workspace_git.commit_paths(workspace_git.open_repo(root), [data], "data with a link", [])
     ws = Workspace.open(root)
     # The launch check counts the data it would read (the data summary), so the link is found
     # before a run directory exists.

@@ -28,9 +28,9 @@ from engine import server_record as sr
 from mcp_server.operations import runs as run_ops
 from mcp_server.server import build_server
 from sandbox import bwrap
-from sandbox import runs as sandbox_runs
-from sandbox.config import ConfigRefused, RunLimits, limits_from_mapping
-from sandbox.workspace import Workspace
+from runner import lifecycle as run_lifecycle
+from workspace.settings import ConfigRefused, RunLimits, limits_from_mapping
+from workspace.workspace import Workspace
 from tests.sandbox.helpers import (
     derived_recipe, fake_run, live_client, make_workspace, processes_with_argument, supervise, tree_hash,
     wait_final,
@@ -301,7 +301,7 @@ def test_the_check_gets_the_runs_memory_limit(check_ws):
     ))
     ws = Workspace.open(check_ws)
     before = tree_hash(check_ws)
-    with pytest.raises(sandbox_runs.LaunchRefused, match="Cannot allocate memory|MemoryError"):
+    with pytest.raises(run_lifecycle.LaunchRefused, match="Cannot allocate memory|MemoryError"):
         run_ops.launch_run(ws, "recipes/greedy", 1, list(TINY))
     assert tree_hash(check_ws) == before and not (check_ws / "runs").exists()
 
@@ -315,7 +315,7 @@ def test_a_helper_forked_during_the_check_does_not_outlive_it(check_ws):
         "                 stderr=subprocess.DEVNULL)\n\n\n"
         "class Forking(CausalLM):\n    pass\n"
     ))
-    verdict = sandbox_runs.check_launch(check_ws, check_ws / "recipes" / "forking", 1, list(TINY))
+    verdict = run_lifecycle.check_launch(check_ws, check_ws / "recipes" / "forking", 1, list(TINY))
     assert verdict.config["model"]["hidden_size"] == 64
     deadline = time.monotonic() + 5
     while processes_with_argument(token) and time.monotonic() < deadline:
@@ -332,7 +332,7 @@ def test_a_helper_holding_stdout_does_not_make_the_check_wait(check_ws):
         "class Holding(CausalLM):\n    pass\n"
     ))
     started = time.monotonic()
-    sandbox_runs.check_launch(check_ws, check_ws / "recipes" / "holding", 1, list(TINY))
+    run_lifecycle.check_launch(check_ws, check_ws / "recipes" / "holding", 1, list(TINY))
     assert time.monotonic() - started < 40, "the check waited for a helper that held its output"
     assert processes_with_argument(token) == set()
 
@@ -348,7 +348,7 @@ def test_a_launch_over_the_cap_on_concurrent_runs_is_refused_naming_the_running_
         fake_run(workspace, f"20260101-00000{i}-lm-busy", status=rd.RUNNING, pid=os.getpid())
     fake_run(workspace, "20260101-000009-lm-done")
     before = tree_hash(workspace)
-    with pytest.raises(sandbox_runs.LaunchRefused) as refused:
+    with pytest.raises(run_lifecycle.LaunchRefused) as refused:
         run_ops.launch_run(Workspace.open(workspace), "recipes/lm", 1, list(TINY))
     message = str(refused.value)
     assert "runs.max_concurrent_runs is 2" in message
@@ -365,14 +365,14 @@ def test_a_launch_over_the_cap_on_processes_is_refused(tmp_path):
     fake_run(workspace, "20260101-000002-lm-stale", status=rd.STARTING, pid=None, nproc=3,
              created_at=an_hour_ago)  # never got a supervisor
     records = sr.records_root(workspace)
-    with pytest.raises(sandbox_runs.LaunchRefused, match=r"to 5 training processes and runs.max_total_processes is 4"):
-        sandbox_runs.check_capacity(records, 2, Workspace.open(workspace).run_limits())
-    sandbox_runs.check_capacity(records, 1, Workspace.open(workspace).run_limits())  # 4 fits
+    with pytest.raises(run_lifecycle.LaunchRefused, match=r"to 5 training processes and runs.max_total_processes is 4"):
+        run_lifecycle.check_capacity(records, 2, Workspace.open(workspace).run_limits())
+    run_lifecycle.check_capacity(records, 1, Workspace.open(workspace).run_limits())  # 4 fits
 
 
 def test_the_caps_default_from_the_core_count_and_are_checked():
     cores = len(os.sched_getaffinity(0))
-    assert sandbox_runs.capacity(RunLimits()) == (2 * cores, 4 * cores)
+    assert run_lifecycle.capacity(RunLimits()) == (2 * cores, 4 * cores)
     assert limits_from_mapping({"max_concurrent_runs": 3, "max_total_processes": 5}).max_total_processes == 5
     for bad in (0, -1, "two", 1.5, True):
         with pytest.raises(ConfigRefused, match="runs.max_concurrent_runs"):

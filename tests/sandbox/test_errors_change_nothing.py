@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from mcp_server.server import build_server
-from sandbox import git as sandbox_git
+from workspace import git as workspace_git
 from tests.sandbox.helpers import AUDIT, error_text, live_client, make_workspace, tree_hash
 from tests.support import TEMPLATE
 
@@ -21,7 +21,7 @@ def root(tmp_path):
 
 
 def _head(root):
-    return sandbox_git.open_repo(root).head.commit.hexsha
+    return workspace_git.open_repo(root).head.commit.hexsha
 
 
 def _last_audit(root):
@@ -45,7 +45,7 @@ def _refused(root, tool, arguments, expect):
     assert expect in error_text(result), error_text(result)[:500]
     assert _worktree_hash(root) == before, "the workspace changed"
     assert _head(root) == head, "a commit was made"
-    assert sandbox_git.open_repo(root).git.status("--porcelain") == ""
+    assert workspace_git.open_repo(root).git.status("--porcelain") == ""
     entry = _last_audit(root)
     assert entry["tool"] == tool and entry["outcome"] == "error" and "commit" not in entry
 
@@ -57,7 +57,7 @@ def test_a_result_too_large_is_refused_before_anything_is_committed(root):
 
 def test_a_git_ignored_file_is_refused_before_it_is_written(root):
     (root / ".gitignore").write_text((root / ".gitignore").read_text() + "scratch/\n")
-    sandbox_git.commit_paths(sandbox_git.open_repo(root), [root / ".gitignore"], "ignore scratch", [])
+    workspace_git.commit_paths(workspace_git.open_repo(root), [root / ".gitignore"], "ignore scratch", [])
     (root / "scratch").mkdir()
     shutil.copy(TEMPLATE / "recipe.py", root / "scratch" / "train.py")
     _refused(root, "apply_skill", {"skill": "gradient-checkpointing", "recipe": "scratch/train.py"}, "ignored by git")

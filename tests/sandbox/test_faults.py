@@ -22,8 +22,8 @@ import pytest
 from engine.seams import LaunchVerdict
 from engine import run_dir as rd
 from mcp_server.operations import runs as run_ops
-from sandbox import runs as sandbox_runs
-from sandbox.workspace import Workspace
+from runner import lifecycle as run_lifecycle
+from workspace.workspace import Workspace
 from tests.sandbox.helpers import derived_recipe, make_workspace, wait_final, wait_step
 from tests.support import TINY, losses, wait_for
 
@@ -43,7 +43,7 @@ def ws(tmp_path, monkeypatch):
         config = resolve_config(load_recipe_class(recipe_dir), recipe_dir, overrides, config_json)
         return LaunchVerdict(config=config.model_dump(mode="json"))
 
-    monkeypatch.setattr(sandbox_runs, "check_launch", check)
+    monkeypatch.setattr(run_lifecycle, "check_launch", check)
     return Workspace.open(make_workspace(tmp_path / "ws"))
 
 
@@ -183,7 +183,7 @@ def slow_fsync(fd):  # widen the window between the temporary file and its renam
     real_fsync(fd)
 os.fsync = slow_fsync
 from mcp_server.operations.skills import apply_skill
-from sandbox.workspace import Workspace
+from workspace.workspace import Workspace
 print(apply_skill(Workspace.open(sys.argv[1]), "gradient-checkpointing", "recipes/lm").commit, flush=True)
 """
 

@@ -11,9 +11,9 @@ import pytest
 
 from mcp_server.operations import recipes as recipe_ops
 from mcp_server.operations import skills as skill_ops
-from sandbox import git as sandbox_git
+from workspace import git as workspace_git
 from sandbox import redact as redaction
-from sandbox.workspace import Workspace
+from workspace.workspace import Workspace
 from tests.sandbox.helpers import make_workspace
 
 
@@ -49,7 +49,7 @@ def test_apply_skill_and_scaffold_run_no_hook(workspace):
 def test_git_gets_the_server_secrets_blanked():
     os.environ["STRIPE_SK"] = "stripe-secret-value-42"
     try:
-        scrubbed = sandbox_git.scrubbed_environment()
+        scrubbed = workspace_git.scrubbed_environment()
     finally:
         del os.environ["STRIPE_SK"]
     assert scrubbed["STRIPE_SK"] == ""

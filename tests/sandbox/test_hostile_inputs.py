@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 from mcp.shared.exceptions import MCPError
 
 from mcp_server.server import build_server
-from sandbox import git as sandbox_git
+from workspace import git as workspace_git
 from tests.sandbox.helpers import (
     AUDIT, derived_recipe, error_text, fake_run, live_client, make_workspace, processes_with_argument, tree_hash,
 )
@@ -98,7 +98,7 @@ def ctx(tmp_path_factory):
     with open(poisoned / "metrics.jsonl", "a") as f:
         f.write('{"step": "abc"}\n{"step": 9, "x": ' + "[" * 100_000 + "]" * 100_000 + "}\n" + "z" * (2 << 20))
     (root / ".gitignore").write_text((root / ".gitignore").read_text() + "ignored/\n")
-    sandbox_git.commit_paths(sandbox_git.open_repo(root), [root / ".gitignore"], "ignore ignored/", [])
+    workspace_git.commit_paths(workspace_git.open_repo(root), [root / ".gitignore"], "ignore ignored/", [])
     (root / "ignored").mkdir()
     shutil.copy(TEMPLATE / "recipe.py", root / "ignored" / "train.py")
     os.symlink(outside / "runs" / RUN_ID.replace("abcd", "0u75"), root / "runs" / "20260101-000000-lm-link")
@@ -356,8 +356,8 @@ def test_generated_skill_params_are_refused(ctx, params):
 
 def test_a_link_the_parent_run_left_among_its_checkpoints_is_not_resumed(tmp_path, monkeypatch):
     from mcp_server.operations import runs as run_ops
-    from sandbox import runs as sandbox_runs
-    from sandbox.workspace import Workspace
+    from runner import lifecycle as run_lifecycle
+    from workspace.workspace import Workspace
     from engine import run_dir as rd
 
     root = make_workspace(tmp_path / "ws")
@@ -375,8 +375,8 @@ def test_a_link_the_parent_run_left_among_its_checkpoints_is_not_resumed(tmp_pat
         bound.append(Path(plan.resumed_from.path))
         raise RuntimeError("not started")
 
-    monkeypatch.setattr(sandbox_runs, "check_launch", check_launch)
-    monkeypatch.setattr(sandbox_runs, "start_run", start_run)
+    monkeypatch.setattr(run_lifecycle, "check_launch", check_launch)
+    monkeypatch.setattr(run_lifecycle, "start_run", start_run)
     try:
         run_ops.resume_checkpoint(Workspace.open(root), parent.name, step=2, code="head")
     except RuntimeError:

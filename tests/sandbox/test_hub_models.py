@@ -1,4 +1,4 @@
-"""Models by Hub id (sandbox/hub.py) against a Hub endpoint served on 127.0.0.1: download with
+"""Models by Hub id (runner/hub.py) against a Hub endpoint served on 127.0.0.1: download with
 progress, resume after a dropped connection, gated and missing repos, pickled weights, the disk
 check, offline use of the cache, and the binding a run's sandbox gets."""
 
@@ -13,7 +13,7 @@ import pytest
 from engine import run_dir as rd
 from engine.data_files import HUB_MODELS_VARIABLE, hub_model_path
 from engine.errors import BadInput, NotFound
-from sandbox import hub
+from runner import hub
 from tests.fake_hub import FakeHub, tiny_llama_folder
 
 

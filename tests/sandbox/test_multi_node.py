@@ -21,9 +21,9 @@ import pytest
 
 from engine import run_dir as rd
 from mcp_server.operations import runs as run_ops
-from sandbox.config import RunLimits
-from sandbox.processes import marked
-from sandbox.workspace import Workspace
+from workspace.settings import RunLimits
+from runner.processes import marked
+from workspace.workspace import Workspace
 from tests.sandbox.helpers import make_workspace
 from tests.support import TINY, engine_command, engine_env, kill_group, losses, wait_for
 

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 
 from engine.errors import BadInput
-from sandbox.config import RunLimits, tighten
-from sandbox.nodes import check_allowed, check_endpoint, check_nodes
-from sandbox.runs import engine_command
+from workspace.settings import RunLimits, tighten
+from runner.nodes import check_allowed, check_endpoint, check_nodes
+from runner.lifecycle import engine_command
 
 RECIPE, RUN = Path("/ws/runs/r0/recipe"), Path("/ws/runs/r0")
 

@@ -9,8 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sandbox.paths import PathRefused, check_name, confine, confine_config
-from sandbox.workspace import NotFound, Workspace
+from workspace.paths import PathRefused, check_name, confine, confine_config
+from workspace.workspace import NotFound, Workspace
 from tests.support import copy_template
 
 

@@ -32,12 +32,12 @@ from engine import server_record as sr
 from engine.errors import TrainwrightError
 from mcp_server.operations import model_tools, recipe_info, review, waiting
 from mcp_server.operations import runs as run_ops
-from sandbox import git as sandbox_git
-from sandbox import runs as sandbox_runs
-from sandbox.model_process import ModelProcessFailed
-from sandbox.processes import RUN_ID_VARIABLE, alive
-from sandbox.supervise import Supervisor
-from sandbox.workspace import Workspace
+from workspace import git as workspace_git
+from runner import lifecycle as run_lifecycle
+from runner.model_process import ModelProcessFailed
+from runner.processes import RUN_ID_VARIABLE, alive
+from runner.supervise import Supervisor
+from workspace.workspace import Workspace
 from tests.sandbox.helpers import make_workspace
 
 SECRET = f"HOST-SECRET-{secrets.token_hex(8)}"
@@ -83,10 +83,10 @@ PLANTS = st.lists(st.sampled_from([
 def setting(tmp_path_factory):
     root = tmp_path_factory.mktemp("prop")
     workspace = make_workspace(root / "ws")
-    repo = sandbox_git.open_repo(workspace)
+    repo = workspace_git.open_repo(workspace)
     (workspace / "recipes" / "lm" / "NOTES.md").write_text("tuned\n")
-    head = sandbox_git.commit_paths(repo, [workspace / "recipes" / "lm" / "NOTES.md"], "tune",
-                                    [(sandbox_git.TOOL_TRAILER, "apply_skill")])
+    head = workspace_git.commit_paths(repo, [workspace / "recipes" / "lm" / "NOTES.md"], "tune",
+                                    [(workspace_git.TOOL_TRAILER, "apply_skill")])
     secret = root / "secret.txt"
     secret.write_text(SECRET + "\n")
     (root / "host-dir").mkdir()
@@ -226,12 +226,12 @@ def test_a_run_that_rewrites_its_run_directory_cannot_steer_any_tool(setting, mo
     workspace, head, secret = setting
 
     def refused(*args, **kwargs):
-        raise sandbox_runs.LaunchRefused("no launch check in this test")
+        raise run_lifecycle.LaunchRefused("no launch check in this test")
 
     def no_model(*args, **kwargs):
         raise ModelProcessFailed("no model process in this test")
 
-    monkeypatch.setattr(sandbox_runs, "check_launch", refused)
+    monkeypatch.setattr(run_lifecycle, "check_launch", refused)
     monkeypatch.setattr(model_tools, "run_model_io", no_model)
     bystander = _sleeper()
     supervisor = _sleeper()
@@ -247,7 +247,7 @@ def test_a_run_that_rewrites_its_run_directory_cannot_steer_any_tool(setting, mo
         shown = _call_every_tool(ws, run_id)
         # The git note and the review: the server's values.
         Supervisor(ws.record_dir(run_id)).write_git_note(sr.read_record(ws.record_dir(run_id)))
-        note = sandbox_git.open_repo(workspace).git.notes(f"--ref={sandbox_git.NOTES_REF}", "show", head)
+        note = workspace_git.open_repo(workspace).git.notes(f"--ref={workspace_git.NOTES_REF}", "show", head)
         line = next(x for x in note.splitlines() if x.startswith(f"run {run_id}:"))
         assert "recipe recipes/lm" in line and f"commit {head[:10]}" in line and "forged" not in line
         runs = [r for c in review.review(ws).commits if c.sha == head for r in c.runs if r.run_id == run_id]

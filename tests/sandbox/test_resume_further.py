@@ -7,7 +7,7 @@ import pytest
 
 from engine.errors import BadInput
 from mcp_server.operations import runs as run_ops
-from sandbox.workspace import Workspace
+from workspace.workspace import Workspace
 from tests.sandbox.helpers import fake_run, make_workspace, tree_hash
 
 

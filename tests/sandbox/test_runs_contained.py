@@ -12,8 +12,8 @@ import pytest
 
 from engine import run_dir as rd
 from mcp_server.server import build_server
-from sandbox import git as sandbox_git
-from sandbox import processes
+from workspace import git as workspace_git
+from runner import processes
 from tests.sandbox.helpers import (
     AUDIT, derived_recipe, error_text, host_pid, live_client, make_workspace, run_pids, wait_final, wait_gone,
     wait_step,
@@ -141,5 +141,5 @@ def test_four_runs_launched_at_once_complete_with_distinct_ids_and_no_crosstalk(
         assert f"run {run_id}" in console and not any(other in console for other in run_ids if other != run_id)
     assert curves[0] == curves[1] and curves[2] == curves[3], "the same seed trains the same, bit for bit"
     assert curves[0] != curves[2]
-    note = sandbox_git.note(sandbox_git.open_repo(workspace), records[0].git_commit)
+    note = workspace_git.note(workspace_git.open_repo(workspace), records[0].git_commit)
     assert all(f"run {run_id}: completed" in note for run_id in run_ids), "every run's note was written"

@@ -13,7 +13,7 @@ import pytest
 
 from engine import run_dir as rd
 from mcp_server.server import build_server
-from sandbox import git as sandbox_git
+from workspace import git as workspace_git
 from tests.sandbox.helpers import live_client, make_workspace, wait_final
 from tests.sandbox.test_containment import HOSTILE, SECRET, Listener, needs_bwrap
 
@@ -35,7 +35,7 @@ def script_run(tmp_path_factory):
         f"PORT, UNIX, ABSTRACT, SERVER_PID = {tcp.address[1]}, {unix.address!r}, {abstract_name!r}, {os.getpid()}\n"
         f"WORKSPACE = {str(workspace)!r}\n"
         + PROBE)
-    sandbox_git.commit_paths(sandbox_git.ensure_repo(workspace), [workspace / "probe.py"], "a probe script", [])
+    workspace_git.commit_paths(workspace_git.ensure_repo(workspace), [workspace / "probe.py"], "a probe script", [])
     os.environ["TW_CONTAIN_SERVICE_TOKEN"] = SECRET
     try:
         with live_client(build_server(workspace)) as client:

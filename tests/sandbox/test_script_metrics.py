@@ -1,5 +1,5 @@
 """A script's output as metrics: untrusted input read by the supervisor outside the sandbox
-(sandbox/scripts.py). Lines are bounded, only finite numbers are kept, records are bounded in
+(runner/scripts.py). Lines are bounded, only finite numbers are kept, records are bounded in
 number, and a link planted at metrics.jsonl is never written through."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import os
 import pytest
 
 from engine import run_dir as rd
-from sandbox import scripts
-from sandbox.processes import RUN_ID_VARIABLE
+from runner import scripts
+from runner.processes import RUN_ID_VARIABLE
 
 import trainwright
 
@@ -100,7 +100,7 @@ def test_track_prints_a_metrics_line_in_a_run_and_nothing_outside(monkeypatch, c
 def test_tensorboard_scalars_are_read_as_records_one_per_step(tmp_path):
     from torch.utils.tensorboard import SummaryWriter
 
-    from sandbox.tensorboard_events import EventFiles
+    from runner.tensorboard_events import EventFiles
 
     writer = SummaryWriter(str(tmp_path / "runs" / "exp"))
     for step in (1, 2, 3):
@@ -125,7 +125,7 @@ def test_tensorboard_scalars_are_read_as_records_one_per_step(tmp_path):
 def test_event_files_that_are_links_or_malformed_give_nothing(tmp_path):
     import struct
 
-    from sandbox.tensorboard_events import EventFiles
+    from runner.tensorboard_events import EventFiles
 
     (tmp_path / "outside").mkdir()
     target = tmp_path / "outside" / "events.out.tfevents.1"

@@ -10,8 +10,8 @@ import pytest
 
 from mcp_server.operations import recipes as recipe_ops
 from mcp_server.server import build_server
-from sandbox.paths import PathRefused
-from sandbox.workspace import Workspace
+from workspace.paths import PathRefused
+from workspace.workspace import Workspace
 from tests.sandbox.helpers import AUDIT, error_text, live_client, make_workspace, tree_hash
 
 

@@ -13,8 +13,9 @@ import time
 import pytest
 
 from engine import run_dir as rd
-from sandbox import network, processes
-from sandbox.runs import stop_run
+from sandbox import network
+from runner import processes
+from runner.lifecycle import stop_run
 from tests.sandbox.helpers import record_folder, supervise, wait_final, wait_gone
 from tests.support import wait_for
 

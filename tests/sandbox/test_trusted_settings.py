@@ -12,8 +12,8 @@ import pytest
 from engine import run_dir as rd
 from mcp_server.operations import runs as run_ops
 from mcp_server.server import build_server
-from sandbox.config import ConfigRefused, RunLimits, effective_limits, tighten, user_config_path
-from sandbox.workspace import Workspace
+from workspace.settings import ConfigRefused, RunLimits, effective_limits, tighten, user_config_path
+from workspace.workspace import Workspace
 from tests.sandbox.helpers import make_workspace, run_overrides, wait_final
 
 
@@ -95,11 +95,11 @@ def test_the_readme_and_the_module_show_the_real_defaults():
 
     import yaml
 
-    import sandbox.config
-    from sandbox.config import limits_from_mapping
+    import workspace.settings
+    from workspace.settings import limits_from_mapping
 
     readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
     block = re.search(r"```yaml\n(runs:\n.*?)```", readme, re.S).group(1)
     assert limits_from_mapping(yaml.safe_load(block)["runs"]) == RunLimits()
-    doc = re.search(r"\n(    runs:\n.*?)\n\"\"\"", sandbox.config.__doc__ + '\n"""', re.S).group(1)
+    doc = re.search(r"\n(    runs:\n.*?)\n\"\"\"", workspace.settings.__doc__ + '\n"""', re.S).group(1)
     assert limits_from_mapping(yaml.safe_load(doc.replace("\n    ", "\n").strip())["runs"]) == RunLimits()

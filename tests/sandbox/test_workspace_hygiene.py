@@ -13,7 +13,7 @@ import pytest
 from engine.errors import BadInput
 from mcp_server.operations import model_tools
 from mcp_server.operations import recipes as recipe_ops
-from sandbox.workspace import Workspace
+from workspace.workspace import Workspace
 from tests.mcp.conftest import git, tiny_config
 
 
@@ -71,7 +71,7 @@ def test_exported_files_are_0644_and_folders_0755_whatever_the_recipe_set(tmp_pa
 
 
 def test_the_export_cap_is_a_trusted_setting(tmp_path):
-    from sandbox.config import limits_from_mapping
+    from workspace.settings import limits_from_mapping
 
     assert limits_from_mapping({"max_export_bytes": "2GiB"}).max_export_bytes == 2 * 2**30
     assert limits_from_mapping({}).max_export_bytes is None

@@ -19,7 +19,7 @@ from engine.server_record import NOT_STARTED_BY_SERVER
 import torch
 
 from mcp_server.operations.runs import get_run
-from sandbox.workspace import Workspace
+from workspace.workspace import Workspace
 from skills import apply_skill
 from tests.skills.skill_helpers import (
     PYTHON,

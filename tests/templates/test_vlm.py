@@ -205,7 +205,7 @@ def test_it_scaffolds_checks_and_describes_within_the_budget(tmp_path):
     from mcp_server.operations.recipes import list_templates, scaffold_recipe
     from engine.config import describe_fields
     from mcp_server.limits import text_bytes
-    from sandbox.workspace import Workspace
+    from workspace.workspace import Workspace
 
     assert "vlm" in {t.name for t in list_templates().templates}
     ws = Workspace.open(tmp_path)

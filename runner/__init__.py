@@ -1,0 +1,16 @@
+"""Runs outside the engine: checked, started under a supervisor, followed and stopped.
+
+- ``lifecycle``    the launch check, ``LaunchPlan`` and ``start_run``, capacity, ``stop_run``
+- ``supervise``    the per-run supervisor process (``python -m runner.supervise RECORD_DIR``)
+- ``processes``    every process of a run, found and ended together
+- ``provenance``   the code snapshot a run executes, and where that code came from
+- ``hub``          models and data sets by Hub id: downloaded by the server, bound read-only
+- ``scripts``      runs of the user's own training script: command, arguments, metrics lines
+- ``tensorboard_events`` a script's TensorBoard scalars, read as its metrics
+- ``nodes``        runs over several nodes: c10d rendezvous settings
+- ``slurm``        runs as SLURM jobs: the job script, sbatch, squeue/sacct, scancel
+- ``model_process`` the sandboxed process that exports, samples or evaluates a checkpoint
+
+Standard library, GitPython and pydantic only: the MCP server imports this package; the
+engine runs in the processes it starts.
+"""
