@@ -186,7 +186,7 @@ def mcp_tool(spec: ToolSpec, tools: Tools) -> Tool:
     hints = spec.hints
     annotations = ToolAnnotations(readOnlyHint=hints.read_only, destructiveHint=hints.destructive,
                                   idempotentHint=hints.idempotent, openWorldHint=hints.open_world)
-    tool = Tool.from_function(_tool_function(spec, tools), name=spec.name, description=spec.description,
+    tool = Tool.from_function(ToolFunction(spec, tools), name=spec.name, description=spec.description,
                               annotations=annotations, meta=spec.meta)
     for schema, output in ((tool.parameters, False), (tool.fn_metadata.output_schema, True)):
         _compact_schema(schema, output)
@@ -194,23 +194,25 @@ def mcp_tool(spec: ToolSpec, tools: Tools) -> Tool:
     return tool
 
 
-def _tool_function(spec: ToolSpec, tools: Tools) -> Callable[..., Any]:
-    """The function the SDK calls: a signature of the arguments model's fields (each annotated
-    with its ``Field``, as the SDK reads parameters) and the request's context."""
+class ToolFunction:
+    """What the SDK calls for one tool: a callable whose signature is the arguments model's
+    fields (each annotated with its ``Field``, as the SDK reads parameters) and the request's
+    context; a call goes to :meth:`Tools.run`."""
 
-    async def call(ctx: Context | None = None, **arguments: Any) -> Any:
-        return await tools.run(spec, arguments, ctx)
+    def __init__(self, spec: ToolSpec, tools: Tools):
+        self.spec, self.tools = spec, tools
+        hints = typing.get_type_hints(spec.args, include_extras=True)
+        parameters = [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, annotation=hints[name],
+                                        default=inspect.Parameter.empty if field.is_required() else field.default)
+                      for name, field in spec.args.model_fields.items()]
+        parameters.append(inspect.Parameter("ctx", inspect.Parameter.KEYWORD_ONLY, default=None,
+                                            annotation=Context | None))
+        self.__signature__ = inspect.Signature(parameters, return_annotation=spec.result)
+        self.__annotations__ = {**{p.name: p.annotation for p in parameters}, "return": spec.result}
+        self.__name__ = self.__qualname__ = spec.name
 
-    hints = typing.get_type_hints(spec.args, include_extras=True)
-    parameters = [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, annotation=hints[name],
-                                    default=inspect.Parameter.empty if field.is_required() else field.default)
-                  for name, field in spec.args.model_fields.items()]
-    parameters.append(inspect.Parameter("ctx", inspect.Parameter.KEYWORD_ONLY, default=None,
-                                        annotation=Context | None))
-    call.__signature__ = inspect.Signature(parameters, return_annotation=spec.result)  # type: ignore[attr-defined]
-    call.__annotations__ = {**{p.name: p.annotation for p in parameters}, "return": spec.result}
-    call.__name__ = call.__qualname__ = spec.name
-    return call
+    async def __call__(self, ctx: Context | None = None, **arguments: Any) -> Any:
+        return await self.tools.run(self.spec, arguments, ctx)
 
 
 class AuditedServer(MCPServer):
