@@ -66,9 +66,9 @@ def sandboxed(root: Path, template: str, overrides: list[str], threads: int) -> 
     limits = RunLimits(threads_per_process=threads)
     recipe = root / "recipes" / template
     verdict = run_lifecycle.check_launch(root, recipe, 1, overrides, limits=limits)
-    record = run_lifecycle.start_run(root, root / "runs", recipe, f"recipes/{template}", 1,
-                                    overrides_to_dict(overrides), verdict,
-                                    origin=CodeOrigin(git_commit=None, recipe_dirty=None), limits=limits)
+    plan = run_lifecycle.LaunchPlan(recipe, f"recipes/{template}", 1, CodeOrigin(git_commit=None, recipe_dirty=None),
+                                    overrides_to_dict(overrides), verdict, limits=limits)
+    record = run_lifecycle.start_run(root, root / "runs", plan)
     run_dir = root / "runs" / record.id
     final = wait_for(lambda: (r := rd.read_run(run_dir)).status in rd.FINAL_STATUSES
                      and not rd.pid_alive(r.pid) and r, 1800, 0.2)

@@ -75,8 +75,9 @@ def one_run(root: Path, peer: str, overrides: list[str], nproc: int, threads: in
     verdict = run_lifecycle.check_launch(root, recipe, nproc, overrides, limits=limits)
     check_s = time.perf_counter() - started
     started = time.perf_counter()
-    record = run_lifecycle.start_run(root, root / "runs", recipe, "recipes/lm", nproc, overrides_to_dict(overrides),
-                                    verdict, origin=CodeOrigin(git_commit=None, recipe_dirty=None), limits=limits)
+    plan = run_lifecycle.LaunchPlan(recipe, "recipes/lm", nproc, CodeOrigin(git_commit=None, recipe_dirty=None),
+                                    overrides_to_dict(overrides), verdict, limits=limits)
+    record = run_lifecycle.start_run(root, root / "runs", plan)
     run_dir = root / "runs" / record.id
     wait_for(lambda: engine_started(run_dir, record.id), 300, 0.01)
     first_line_s = time.perf_counter() - started
