@@ -366,8 +366,9 @@ def add_tool_command(sub: Any, spec: ToolSpec, common: argparse.ArgumentParser) 
     """``spec``'s subcommand: one argument per field of its arguments model (:func:`add_field`),
     and the options only a terminal needs (:data:`TERMINAL_OPTIONS`)."""
     help_line = f"{spec.help} ({spec.name})"
+    same = spec.description.rstrip(".").lower() == spec.help.lower()
     p = sub.add_parser(spec.command[-1], parents=[common], help=help_line,
-                       description=f"{help_line}. {spec.description}", epilog=EPILOG)
+                       description=help_line if same else f"{help_line}. {spec.description}", epilog=EPILOG)
     p.set_defaults(func=run_tool, spec=spec)
     hints = typing.get_type_hints(spec.args)
     groups: dict[str, argparse._ArgumentGroup] = {}
@@ -394,8 +395,8 @@ def add_field(p: Any, name: str, field: FieldInfo, hint: Any) -> None:
             p.add_argument(option.flag, type=option.type, metavar=option.metavar, help=_escaped(option.help))
         return
     kwargs: dict[str, Any] = {"help": _help(field, cli)}
-    if cli.metavar:
-        kwargs["metavar"] = cli.metavar
+    if cli.metavar or _base(hint) in (int, float):
+        kwargs["metavar"] = cli.metavar or {int: "N", float: "X"}[_base(hint)]
     choices = _choices(hint)
     if choices:
         kwargs["choices"] = choices
@@ -438,7 +439,7 @@ def _choices(hint: Any) -> tuple[Any, ...] | None:
 def _help(field: FieldInfo, cli: Cli) -> str:
     text = " ".join(part for part in (field.description or "", cli.more) if part)
     default = field.default if not field.is_required() else None
-    if default not in (None, "", [], {}, False):
+    if default is not None and not isinstance(default, bool) and default not in ("", [], {}):
         text += f" (default {default})"
     return _escaped(text)
 

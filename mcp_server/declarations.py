@@ -114,7 +114,7 @@ class ToolArgs(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
-RunId = Annotated[str, Field()]
+RunId = Annotated[str, Field(), Cli(more="A run id (`trainwright runs` lists them).")]
 RecipePath = Annotated[str, Field(description="recipes/<name>, or the name.")]
 Step = Annotated[int | None, Field(strict=True, description="Default: latest."),
                  Cli(metavar="N", more="The checkpoint's step.")]
