@@ -83,7 +83,7 @@ def run_environment(
     env["PYTHONUNBUFFERED"] = "1"
     apply_wait_policy(env)  # OpenMP threads sleep while they wait (engine/openmp.py says why)
     # Runs and checks start in the workspace; Python would put that folder first on sys.path
-    # for ``python -m``, so a ``sandbox/`` or ``engine/`` package written there would run in
+    # for ``python -m``, so a ``runner/`` or ``engine/`` package written there would run in
     # place of trainwright's, and a recipe could import workspace code that no snapshot holds.
     # The recipe's own folder is put on sys.path by the engine. (Python >= 3.11; torchrun's
     # workers inherit it.)
