@@ -115,8 +115,8 @@ def tool_arguments(spec: ToolSpec, args: argparse.Namespace) -> Any:
         if cli.after_dashes:
             value: Any = getattr(args, "script_args", None) or []
         elif cli.keys is not None:
-            value = {key: getattr(args, _dest(option.flag)) for key, option in cli.keys.items()
-                     if getattr(args, _dest(option.flag)) is not None}
+            given_keys = {key: getattr(args, _dest(option.flag)) for key, option in cli.keys.items()}
+            value = {key: v for key, v in given_keys.items() if v is not None}
         else:
             value = getattr(args, name)
             if cli.key_values and value is not None:

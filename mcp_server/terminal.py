@@ -207,11 +207,6 @@ def checkpoints_text(r) -> str:
             or f"run {r.run_id} has no complete checkpoint yet")
 
 
-def tail_text(r) -> str:
-    lines = [f"(steps after {point.step}: run {point.run_id})" for point in r.resumes]
-    return "\n".join(lines + [format_record(record) for record in r.records])
-
-
 # ---------------------------------------------------------------------------------------------
 # Models
 # ---------------------------------------------------------------------------------------------
@@ -247,12 +242,13 @@ def evaluate_text(r) -> str:
     return " | ".join(parts) + "".join(f"\nwarning: {w}" for w in r.warnings)
 
 
+# The tools whose command only prints its result; run, resume, tail and wait do more
+# (mcp_server.cli.AFTER) with launch_text, format_record and wait_text.
 TEXT: dict[str, Callable[[Any], str]] = {
     "list_skills": skills_text, "get_skill": skill_text, "apply_skill": apply_text,
     "list_templates": templates_text, "scaffold_recipe": scaffold_text, "describe_recipe": describe_text,
-    "list_recipes": recipes_text, "launch_run": launch_text, "estimate_run": estimate_text,
-    "list_runs": runs_text, "get_run": status_text, "wait_run": wait_text, "tail_metrics": tail_text,
-    "compare_runs": compare_text, "stop_run": stop_text, "list_checkpoints": checkpoints_text,
-    "resume_checkpoint": launch_text, "export_checkpoint": export_text, "sample": sample_text,
+    "list_recipes": recipes_text, "estimate_run": estimate_text, "list_runs": runs_text,
+    "get_run": status_text, "compare_runs": compare_text, "stop_run": stop_text,
+    "list_checkpoints": checkpoints_text, "export_checkpoint": export_text, "sample": sample_text,
     "evaluate": evaluate_text,
 }

@@ -113,3 +113,11 @@ def test_a_tool_and_its_cli_twin_take_the_same_parameters_with_the_same_defaults
             assert same, f"{tool}({name}) defaults to {tool_default!r}, `trainwright {' '.join(path)}` to {cli_default!r}"
     extra = set(options) - covered - CLI_ONLY.get(path, set())
     assert not extra, f"`trainwright {' '.join(path)}` has options {sorted(extra)} that {tool} does not take"
+
+
+def test_every_tool_command_prints_its_result_or_follows_it():
+    from mcp_server import cli, terminal
+    from mcp_server.declarations import TOOLS
+
+    for spec in TOOLS:
+        assert (spec.name in terminal.TEXT) != (spec.name in cli.AFTER), spec.name
