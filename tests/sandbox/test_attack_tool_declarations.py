@@ -1,0 +1,48 @@
+"""The one declaration per tool (mcp_server/declarations.py, Tools.run): what a run writes into
+its run directory reaches a client's log line only escaped and redacted, and a call with a key
+the tool does not take is refused, not dropped."""
+
+from __future__ import annotations
+
+import anyio
+import pytest
+from mcp import Client
+from mcp_types import LoggingMessageNotificationParams
+
+from engine import run_dir as rd
+from mcp_server.server import build_server
+from tests.sandbox.helpers import fake_run, make_workspace
+from tests.sandbox.test_attack_forged_run_record import forge
+
+pytestmark = pytest.mark.filterwarnings("ignore::mcp.shared.exceptions.MCPDeprecationWarning")
+TOKEN = "ghp_0123456789abcdefghijABCDEFGHIJ"
+
+
+def test_a_forged_run_error_reaches_the_wait_run_log_line_escaped_and_redacted(tmp_path):
+    root = make_workspace(tmp_path / "ws")
+    # The server's record says why (as the supervisor wrote it, from the run's own output);
+    # run.json, which the run can rewrite, says something else.
+    run_dir = fake_run(root, "broken", status=rd.FAILED, error=f"oops\x1b]0;owned\x07\x1b[2J\r{TOKEN}\x00")
+    forge(run_dir, error="FORGED by the run")
+    messages: list[LoggingMessageNotificationParams] = []
+
+    async def on_log(params: LoggingMessageNotificationParams) -> None:
+        messages.append(params)
+
+    async def main() -> None:
+        async with Client(build_server(root), mode="legacy", logging_callback=on_log) as client:
+            await client.set_logging_level("info")
+            result = await client.call_tool("wait_run", {"run_id": "broken", "timeout_s": 1})
+            assert result.structured_content["reason"] == "ended"
+            assert TOKEN not in str(result.structured_content)
+            await anyio.sleep(0.2)
+
+    anyio.run(main)
+    lines = [m.data for m in messages]
+    assert len(lines) == 1, lines
+    line = lines[0]
+    assert line.startswith("run broken failed: oops")
+    assert TOKEN not in line and "***" in line
+    assert not any(ord(c) < 32 and c not in "\n\t" for c in line), repr(line)
+    assert "\\x1b" in line
+    assert "FORGED" not in line
