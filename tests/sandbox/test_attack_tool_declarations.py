@@ -1,6 +1,5 @@
 """The one declaration per tool (mcp_server/declarations.py, Tools.run): what a run writes into
-its run directory reaches a client's log line only escaped and redacted, and a call with a key
-the tool does not take is refused, not dropped."""
+its run directory reaches a client's log line only escaped and redacted."""
 
 from __future__ import annotations
 
