@@ -19,8 +19,9 @@ of those after it; no-checkpoint runs as fast as checkpointed ones and as the di
     python bench/first_checkpoint.py [--rounds 2] [--steps 30] [--log-every 5] [--every 10]
                                      [--templates causal_lm sft] [--set KEY=VALUE ...]
 
-``GOMP_SPINCOUNT=300000 python bench/first_checkpoint.py`` measures the behaviour before runs got
-``OMP_WAIT_POLICY=PASSIVE``: libgomp's default spin count, kept because the user set it.
+``GOMP_SPINCOUNT=300000 python bench/first_checkpoint.py`` measures libgomp's default spin count
+without the engine's governor (``engine/openmp.py``): a spin count the user sets is kept and not
+governed.
 """
 
 from __future__ import annotations

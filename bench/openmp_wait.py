@@ -1,15 +1,22 @@
-"""How OpenMP threads wait, measured: a hand-written training loop of the template's model with
-libgomp's default (spinning), with ``OMP_WAIT_POLICY=PASSIVE`` (what every run gets,
-``engine/openmp.py``), and spinning with a second OpenMP team kept alive on another thread (what a
-first checkpoint used to do by a side effect: libgomp then counts more threads than CPUs and
-throttles its spinning).
+"""How OpenMP threads wait, measured on a quiet machine and beside a competing CPU-bound process.
 
-Each peer is a fresh subprocess with all cores' threads; peers are interleaved, the order reversed
-every round. Printed per round: tokens/s and user CPU seconds per step (the work a step costs,
-spinning included) after ``--warmup`` steps, and the load average. Spinning costs nothing on an
-idle machine and a lot on a shared one, so read the rounds with their load.
+Peers, each a fresh subprocess with one thread per core, training the template's model on the
+same batches (``bench/throughput.py``'s peers):
 
-    python bench/openmp_wait.py [--rounds 3] [--steps 15] [--warmup 3]
+- ``loop``: a hand-written PyTorch loop under libgomp's default policy (threads spin
+  300,000 times between parallel regions before they sleep);
+- ``loop passive``: the same loop under ``OMP_WAIT_POLICY=PASSIVE`` (a waiting thread sleeps at once);
+- ``loop spin=N``: the same loop under ``GOMP_SPINCOUNT=N`` for each ``--spin-counts`` value;
+- ``engine``: ``python -m engine.launch`` on the template, under the policy every run gets
+  (``engine/openmp.py``).
+
+Each peer runs twice per round: on the machine as it is (``quiet``), and with one competing
+CPU-bound process (a single-threaded busy loop) started just before it and killed after it
+(``busy``). Peers are interleaved, the order reversed every round. Printed: every round's
+tokens/s with the load average, the medians, and the ratios the wait policy is judged by:
+the engine against the loop under the default policy in both cases.
+
+    python bench/openmp_wait.py [--rounds 3] [--steps 30] [--warmup 5] [--spin-counts 10000,100000]
 """
 
 from __future__ import annotations
@@ -17,88 +24,83 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import statistics
 import subprocess
 import sys
-import threading
-import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-PEERS = {
-    "spin": {},
-    "passive": {"OMP_WAIT_POLICY": "PASSIVE"},
-    "spin + 2nd team": {"SECOND_TEAM": "1"},
-}
+POLICY_VARIABLES = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
+COMPETITOR = [sys.executable, "-c", "while True: pass"]
 
 
-def worker(steps: int, warmup: int) -> dict:
+def peers(spin_counts: list[int]) -> dict[str, tuple[str, dict[str, str]]]:
+    """name -> (worker, environment additions). The engine sets its own policy."""
+    table = {"loop": ("hand", {}), "loop passive": ("hand", {"OMP_WAIT_POLICY": "PASSIVE"})}
+    table.update({f"loop spin={n}": ("hand", {"GOMP_SPINCOUNT": str(n)}) for n in spin_counts})
+    table["engine"] = ("engine", {})
+    return table
+
+
+def worker(kind: str, steps: int, warmup: int) -> dict:
     sys.path.insert(0, str(REPO / "bench"))
-    import torch
-    import torch.nn.functional as F
-    from throughput import batches_and_model, tokens
+    from throughput import run_engine, run_hand
 
-    if os.environ.get("SECOND_TEAM"):
-        done = threading.Event()
+    return (run_engine if kind == "engine" else run_hand)(steps, warmup, False)
 
-        def second_team() -> None:
-            torch.ones(1 << 22).mul_(2).sum()  # a parallel region: this thread gets its own team
-            done.wait()
 
-        threading.Thread(target=second_team, daemon=True).start()
-    config, model, batches = batches_and_model(steps)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=config.optim.lr, fused=True)
-    timed_tokens, start, cpu = 0, 0.0, 0.0
-    for step, batch in enumerate(batches, 1):
-        if step == warmup + 1:
-            start, cpu = time.perf_counter(), resource.getrusage(resource.RUSAGE_SELF).ru_utime
-        logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False).logits
-        loss = F.cross_entropy(logits.flatten(0, 1).float(), batch["labels"].flatten(), ignore_index=-100)
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        if step > warmup:
-            timed_tokens += tokens(batch)
-    timed = steps - warmup
-    return {"tokens_per_s": timed_tokens / (time.perf_counter() - start),
-            "user_cpu_per_step": (resource.getrusage(resource.RUSAGE_SELF).ru_utime - cpu) / timed,
-            "threads": torch.get_num_threads()}
+def measure(kind: str, extra: dict[str, str], busy: bool, steps: int, warmup: int) -> float:
+    env = {k: v for k, v in os.environ.items() if k not in POLICY_VARIABLES}
+    env.update({"OMP_NUM_THREADS": str(len(os.sched_getaffinity(0))), **extra})
+    competitor = subprocess.Popen(COMPETITOR) if busy else None
+    try:
+        out = subprocess.run([sys.executable, __file__, "--worker", kind, "--steps", str(steps),
+                              "--warmup", str(warmup)], env=env, capture_output=True, text=True, cwd=REPO)
+    finally:
+        if competitor is not None:
+            competitor.kill()
+            competitor.wait()
+    if out.returncode != 0:
+        raise SystemExit(f"{kind} failed:\n{out.stderr[-3000:]}")
+    return float(json.loads(out.stdout.strip().splitlines()[-1])["tokens_per_s"])
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=15)
-    parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--spin-counts", default="10000,100000",
+                        help="GOMP_SPINCOUNT values to measure the loop under (comma-separated; empty: none)")
+    parser.add_argument("--worker", choices=("hand", "engine"), help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.steps % args.warmup:
+        parser.error("--steps must be a multiple of --warmup (the engine logs every --warmup steps)")
     if args.worker:
-        print(json.dumps(worker(args.steps, args.warmup)))
+        print(json.dumps(worker(args.worker, args.steps, args.warmup)))
         return 0
-    threads = str(len(os.sched_getaffinity(0)))
-    results: dict[str, list[dict]] = {peer: [] for peer in PEERS}
+    table = peers([int(n) for n in args.spin_counts.split(",") if n.strip()])
+    cases = [(name, busy) for busy in (False, True) for name in table]
+    results: dict[tuple[str, bool], list[float]] = {case: [] for case in cases}
     for round_ in range(args.rounds):
-        for peer in (list(PEERS) if round_ % 2 == 0 else list(PEERS)[::-1]):
-            env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
-            env.update({"OMP_NUM_THREADS": threads, **PEERS[peer]})
+        for name, busy in (cases if round_ % 2 == 0 else cases[::-1]):
             load = os.getloadavg()[0]
-            out = subprocess.run([sys.executable, __file__, "--worker", "--steps", str(args.steps),
-                                  "--warmup", str(args.warmup)], env=env, capture_output=True, text=True)
-            if out.returncode != 0:
-                raise SystemExit(f"{peer} failed:\n{out.stderr[-3000:]}")
-            result = json.loads(out.stdout.strip().splitlines()[-1])
-            results[peer].append(result)
-            print(f"round {round_ + 1}: {peer:<16} {result['tokens_per_s']:>7,.0f} tokens/s  "
-                  f"user CPU {result['user_cpu_per_step']:.2f} s/step  ({result['threads']} threads, "
-                  f"load {load:.1f})", flush=True)
-    print()
-    for peer, rows in results.items():
-        speed = statistics.median(r["tokens_per_s"] for r in rows)
-        cpu = statistics.median(r["user_cpu_per_step"] for r in rows)
-        print(f"{peer:<16} median {speed:>7,.0f} tokens/s, {cpu:.2f} s user CPU per step")
-    spin, passive = (statistics.median(r["tokens_per_s"] for r in results[p]) for p in ("spin", "passive"))
-    print(f"\npassive / spin: {passive / spin:.2f}x tokens/s; load average at end {os.getloadavg()[0]:.2f}")
+            kind, extra = table[name]
+            speed = measure(kind, extra, busy, args.steps, args.warmup)
+            results[(name, busy)].append(speed)
+            print(f"round {round_ + 1}: {'busy' if busy else 'quiet'}  {name:<18} {speed:>7,.0f} tokens/s "
+                  f"(load {load:.1f})", flush=True)
+    median = {case: statistics.median(values) for case, values in results.items()}
+    print(f"\n{'peer':<20}{'quiet':>10}{'busy':>10}   tokens/s, median of {args.rounds} rounds")
+    for name in table:
+        print(f"{name:<20}{median[(name, False)]:>10,.0f}{median[(name, True)]:>10,.0f}")
+    for busy in (False, True):
+        case = "busy" if busy else "quiet"
+        ratio = median[("engine", busy)] / median[("loop", busy)]
+        goal = "≥ 0.90" if busy else "≥ 0.97"
+        print(f"{case}: engine / loop (default policy): {ratio:.3f}  (goal {goal})")
+    print(f"busy: engine / loop passive: {median[('engine', True)] / median[('loop passive', True)]:.3f}")
+    print(f"load average at end: {os.getloadavg()[0]:.2f}")
     return 0
 
 

@@ -20,7 +20,7 @@ Small and explicit, one concept per file:
 - ``data_formats``    file kinds and record formats (Alpaca, ShareGPT, parquet, CSV, ...)
 - ``model_io``        export, sample, evaluate: ``python -m engine.model_io``
 - ``hf_export``       a trained model as a Hugging Face folder
-- ``openmp``          the OpenMP wait policy of every run process (torch-free)
+- ``openmp``          how a run's OpenMP threads wait: spinning, throttled beside competitors
 - ``run_dir``         the on-disk run directory format (torch-free; the server reads it)
 - ``server_record``   the server's own record of a run (torch-free)
 - ``seams``           what the engine's processes hand the server, validated on read (torch-free)

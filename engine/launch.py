@@ -171,6 +171,12 @@ def train(recipe_class, config, args: argparse.Namespace) -> int:
     from engine.distributed import init_distributed, shutdown_distributed
 
     dist_info = init_distributed(config.parallel.tp, config.parallel.sp)
+    if dist_info.device.type == "cpu":
+        import torch
+
+        from engine.openmp import govern_waits
+
+        govern_waits(torch.get_num_threads())  # spin on free cores, throttle beside competitors
     run_dir = _open_run_dir(args, recipe_class, dist_info)
     # Under a supervisor (which passes --run-dir) the final status is the supervisor's to record,
     # once every process has exited; the engine only records what it knows: error, last step.
@@ -271,7 +277,7 @@ def exit_without_finalizing(code: int) -> NoReturn:
 
 
 if __name__ == "__main__":
-    from engine.openmp import apply_wait_policy
+    from engine.openmp import prepare_wait_policy
 
-    apply_wait_policy()  # before anything imports torch: libgomp reads it once, as it loads
+    prepare_wait_policy()  # before anything imports torch: libgomp reads it once, as it loads
     exit_without_finalizing(main())

@@ -342,7 +342,7 @@ def main(argv: list[str] | None = None) -> int:
 if __name__ == "__main__":
     sys.stdout.flush()
     from engine.launch import exit_without_finalizing
-    from engine.openmp import apply_wait_policy
+    from engine.openmp import prepare_wait_policy
 
-    apply_wait_policy()  # before anything imports torch: libgomp reads it once, as it loads
+    prepare_wait_policy()  # before anything imports torch: libgomp reads it once, as it loads
     exit_without_finalizing(main())

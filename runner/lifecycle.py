@@ -41,6 +41,7 @@ from engine import server_record as sr
 from engine.config import override_args
 from engine.data_files import WORKSPACE_VARIABLE
 from engine.errors import BadInput, LaunchRefused
+from engine.openmp import sleep_while_waiting
 from engine.seams import LaunchVerdict, read_verdict
 from sandbox import bwrap
 from workspace.settings import RunLimits, capacity
@@ -466,6 +467,8 @@ def _spawn_supervisor(workspace: Path, plan: LaunchPlan, limits: RunLimits, thre
         # with a shared network, where the host's name need not resolve).
         extra.update(LOOPBACK_ENV)
     env = run_environment(extra=extra, pass_env=limits.pass_env)
+    if plan.script is not None:
+        sleep_while_waiting(env)  # the engine governs its threads' waits; a script's cannot be
     with open(run_dir / rd.CONSOLE_LOG, "ab") as console:
         process = subprocess.Popen(
             [sys.executable, "-m", "runner.supervise", str(folder)],

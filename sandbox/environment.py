@@ -10,10 +10,9 @@ string such as a GPU UUID in ``CUDA_VISIBLE_DEVICES``).
 
 Every run also gets ``OMP_NUM_THREADS`` set explicitly (from the server's environment, the
 config, or CPU cores / processes), and the value is recorded in ``run.json``, so a resumed run
-computes with the same thread count: on CPU that is what makes a resume bit-identical. It
-gets ``OMP_WAIT_POLICY=PASSIVE`` unless the user sets ``OMP_WAIT_POLICY`` or ``GOMP_SPINCOUNT``:
-OpenMP threads that spin while they wait run a step at a fifth of its speed wherever anything
-else computes on the machine (:mod:`engine.openmp`).
+computes with the same thread count: on CPU that is what makes a resume bit-identical. How its
+OpenMP threads wait is the engine's to decide (:mod:`engine.openmp`); a run of the user's own
+script gets ``OMP_WAIT_POLICY=PASSIVE`` from its launcher (:func:`engine.openmp.sleep_while_waiting`).
 
 ``PYTHONSAFEPATH`` keeps the working directory (the workspace) off ``sys.path``: a run imports
 trainwright from its installation and the recipe from its snapshot, nothing else from the
@@ -26,8 +25,6 @@ import fnmatch
 import os
 import re
 from typing import Iterable, Mapping
-
-from engine.openmp import apply_wait_policy
 
 ALLOWED = (
     "PATH", "HOME", "USER", "LOGNAME", "SHELL", "LANG", "LC_*", "TZ", "TERM", "TMPDIR",
@@ -81,7 +78,6 @@ def run_environment(
             # string) is a secret whatever its variable is called: only runs.pass_env lets it in.
             env[name] = value
     env["PYTHONUNBUFFERED"] = "1"
-    apply_wait_policy(env)  # OpenMP threads sleep while they wait (engine/openmp.py says why)
     # Runs and checks start in the workspace; Python would put that folder first on sys.path
     # for ``python -m``, so a ``runner/`` or ``engine/`` package written there would run in
     # place of trainwright's, and a recipe could import workspace code that no snapshot holds.
