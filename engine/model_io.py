@@ -342,7 +342,10 @@ def main(argv: list[str] | None = None) -> int:
 if __name__ == "__main__":
     sys.stdout.flush()
     from engine.launch import exit_without_finalizing
-    from engine.openmp import prepare_wait_policy
+    from engine.openmp import govern_waits, prepare_wait_policy
 
     prepare_wait_policy()  # before anything imports torch: libgomp reads it once, as it loads
+    import torch
+
+    govern_waits(torch.get_num_threads())
     exit_without_finalizing(main())
