@@ -130,8 +130,9 @@ class WaitGovernor:
     def __init__(self, threads: int, cores: int, read_wait: Callable[[], int | None] = run_queue_wait_ns,
                  hold: Callable[[threading.Event], None] = hold_team, interval_s: float = INTERVAL_S):
         self.threads = threads
-        # Teams of `threads` each until libgomp manages more threads than there are cores.
-        self.teams = max(1, math.ceil(cores / threads))
+        # Enough idle teams that libgomp manages more threads than there are cores, even counting
+        # only the `threads - 1` workers each team adds to the thread that leads it.
+        self.teams = max(1, math.ceil((cores + 1) / max(1, threads - 1)))
         self.read_wait, self.hold, self.interval_s = read_wait, hold, interval_s
         self.decision = WaitDecision()
         self.changes = 0

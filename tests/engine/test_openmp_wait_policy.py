@@ -88,9 +88,9 @@ def test_the_governor_holds_enough_idle_teams_to_outnumber_the_cores_while_throt
         release.wait()
         ended.set()
 
-    governor = WaitGovernor(threads=2, cores=5, read_wait=lambda: None, hold=hold)
-    assert governor.teams == 3  # 2 + 3 × 2 threads > 5 cores
-    governor.window(waited_ns=int(0.4e9), seconds=0.5)  # 40% of 2 threads' time waited
+    governor = WaitGovernor(threads=3, cores=5, read_wait=lambda: None, hold=hold)
+    assert governor.teams == 3  # 3 + 3 × 2 workers > 5 cores
+    governor.window(waited_ns=int(0.6e9), seconds=0.5)  # 40% of 3 threads' time waited
     deadline = time.monotonic() + 10
     while len(held) < 3 and time.monotonic() < deadline:
         time.sleep(0.01)
