@@ -122,7 +122,10 @@ def main(argv: list[str] | None = None) -> int:
 
             if rd.checkpoint_step(args.resume_from) is None or not (args.resume_from / rd.DCP_METADATA).is_file():
                 raise ConfigError(f"--resume-from {args.resume_from} is not a complete checkpoint")
-        data = _count_data(recipe_class, config) if args.check else None
+        # A direct start (no launcher counted the data) counts it too, to refuse before a run exists.
+        data = _count_data(recipe_class, config) if args.check or args.run_dir is None else None
+        if data is not None and data.nothing_to_train():
+            raise ConfigError(data.nothing_to_train())
     except (TrainwrightError, OSError) as e:
         # OSError: data the config names that cannot be read (a missing file, a folder).
         message = str(e) if isinstance(e, TrainwrightError) else f"cannot read the data: {e}"
@@ -151,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
                 return EXIT_RUN_FAILED
         print(verdict.model_dump_json())
         return EXIT_OK
-    return train(recipe_class, config, args)
+    return train(recipe_class, config, args, data)
 
 
 def _count_data(recipe_class, config):
@@ -164,7 +167,8 @@ def _count_data(recipe_class, config):
     return summary.model_copy(update={"fingerprint": data_fingerprint(), "skipped": skipped_report()})
 
 
-def train(recipe_class, config, args: argparse.Namespace) -> int:
+def train(recipe_class, config, args: argparse.Namespace, data=None) -> int:
+    """Train; ``data``: the data summary already counted, if it was."""
     import torch.distributed as dist
 
     from engine import run_dir as rd
@@ -194,7 +198,7 @@ def train(recipe_class, config, args: argparse.Namespace) -> int:
             engine_pid=os.getpid(),
         )
         if record.data is None:  # started without a launcher that counted it
-            summary = _count_data(recipe_class, config)
+            summary = data if data is not None else _count_data(recipe_class, config)
             if summary is not None:
                 record = rd.update_run(run_dir, data=summary)
         print(f"run {run_dir.name}: {dist_info.world_size} process(es) on {dist_info.device.type}", flush=True)

@@ -220,7 +220,25 @@ class DataSummary(BaseModel):
     dropped_why: str | None = Field(None, max_length=500, description="Why, with counts.")
     train_loss_tokens: int | None = None
     eval_loss_tokens: int | None = None
+    seq_len_to_keep: int | None = Field(
+        None, description="The data.seq_len at which every example dropped for its length would have tokens to learn."
+    )
     skipped: list[str] = Field([], description="Files of the folders and globs given that were not read, and why.")
+
+    def nothing_to_train(self) -> str | None:
+        """Why a run on this data would train on nothing (a launch refuses it), or None."""
+        if self.train_documents > 0:
+            return None
+        read = self.documents + (self.dropped or 0)
+        if self.eval_documents:
+            return (f"nothing to train on: all {_count(self.eval_documents, 'usable example')} of the data fall in "
+                    f"the held-out split; lower data.eval_fraction or add data")
+        if not read:
+            return "nothing to train on: the data has no examples; check data.paths / data.dataset"
+        advice = (f"; data.seq_len={self.seq_len_to_keep} would keep those cut by length"
+                  if self.seq_len_to_keep else "")
+        return (f"nothing to train on: all {_count(read, 'example')} read were left out "
+                f"({self.dropped_why or 'nothing in them to learn'}){advice}")
 
     def describe(self) -> str:
         """One line, for the console, notes and reviews."""

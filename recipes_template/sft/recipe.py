@@ -172,6 +172,12 @@ def encode_example(tokenizer, conversation, seq_len: int, where: str = "a conver
     return piece, None, tokens.shape[0] > seq_len + 1
 
 
+def seq_len_to_learn(tokenizer, conversation, where: str = "a conversation") -> int:
+    """The smallest ``data.seq_len`` at which the example keeps a token to learn."""
+    tokens, mask = encode_conversation(tokenizer, as_example(conversation), where)
+    return int(mask[1:].nonzero()[0, 0]) + 1
+
+
 # =============================================================================================
 # The built-in instruction set: generated tasks whose answers can be checked
 # =============================================================================================
@@ -392,7 +398,7 @@ class SFT(Engine):
         tokenizer = load_tokenizer(config.model.pretrained_path, cfg.chat_template)
         counts = {True: [0, 0, 0], False: [0, 0, 0]}  # held out? -> [conversations, tokens, loss tokens]
         names, masks, dropped = set(), set(), {}
-        truncated = 0
+        truncated = keep = 0
         examples, formats = load_conversations(cfg)
         for name, example in examples:
             piece, why, cut = encode_example(tokenizer, example, cfg.seq_len, name)
@@ -400,6 +406,7 @@ class SFT(Engine):
             names.add(name.split(":", 1)[0])
             if piece is None:
                 dropped[why] = dropped.get(why, 0) + 1
+                keep = max(keep, seq_len_to_learn(tokenizer, example, name) if cut else 0)
                 continue
             masks.add(mask_method(tokenizer, example))
             counted = counts[is_eval_document(name, cfg.eval_fraction)]
@@ -425,6 +432,7 @@ class SFT(Engine):
             truncated=truncated,
             dropped=sum(dropped.values()),
             dropped_why="; ".join(f"{n}: {why}" for why, n in sorted(dropped.items())) or None,
+            seq_len_to_keep=keep or None,
         )
 
     @cached_property

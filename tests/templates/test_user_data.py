@@ -319,3 +319,62 @@ def test_a_hub_data_set_not_in_the_local_cache_is_refused_offline(workspace):
     with pytest.raises(ConfigError, match=r"^data.dataset 'nobody/nothing' \(subset None, split 'train'\) could not be "
                        r"loaded \(HF_DATASETS_OFFLINE is set: only the local cache is looked at\).*give a workspace folder"):
         sft.load_conversations(sft.SFTDataConfig(dataset="nobody/nothing"))
+
+
+def test_data_that_leaves_nothing_to_train_is_refused_at_the_launch_check_with_the_seq_len_that_keeps_it(
+        workspace):
+    """Every example longer than data.seq_len before its answer: the check refuses, saying how many
+    were left out, why, and the data.seq_len that keeps them; then that seq_len is accepted."""
+    long_question = "word " * 60
+    write_jsonl(workspace / "long.jsonl", [
+        {"messages": [{"role": "user", "content": long_question + q}, {"role": "assistant", "content": a}]}
+        for q, a in QUESTIONS
+    ])
+    recipe = workspace / "recipes" / "sft"
+    shutil.copytree(Path(sft.__file__).parent, recipe)
+    sets = ["model.pretrained_path=models/tiny-qwen", 'data.paths=["long.jsonl"]', f"data.seq_len={SEQ_LEN}"]
+    refused = launch_check(workspace, recipe, sets)
+    config = sft.SFTConfig.model_validate(
+        {"model": {"pretrained_path": "models/tiny-qwen"}, "data": {"paths": ["long.jsonl"], "seq_len": SEQ_LEN}})
+    summary = sft.SFT.summarize_data(config)
+    tokenizer = sft.load_tokenizer("models/tiny-qwen", None)
+    needed = max(sft.seq_len_to_learn(tokenizer, {"messages": m}) for m in
+                 ([{"role": "user", "content": long_question + q}, {"role": "assistant", "content": a}]
+                  for q, a in QUESTIONS))
+    assert needed > SEQ_LEN and summary.seq_len_to_keep == needed
+    assert refused == {"ok": False, "error": (
+        f"nothing to train on: all 5 examples read were left out (5: every assistant token lies past "
+        f"data.seq_len={SEQ_LEN}); data.seq_len={needed} would keep those cut by length")}
+    kept = launch_check(workspace, recipe, [*sets[:2], f"data.seq_len={needed}"])
+    assert kept["ok"] is True and kept["data"]["train_documents"] + kept["data"]["eval_documents"] == 5
+    assert kept["data"]["dropped"] == 0
+
+
+def test_data_with_no_answer_anywhere_is_refused_naming_why_and_a_direct_start_writes_no_run(workspace):
+    write_jsonl(workspace / "empty.jsonl", [
+        {"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": " "}]} for q, _ in QUESTIONS])
+    recipe = workspace / "recipes" / "sft"
+    shutil.copytree(Path(sft.__file__).parent, recipe)
+    sets = ["model.pretrained_path=models/tiny-qwen", 'data.paths=["empty.jsonl"]']
+    assert launch_check(workspace, recipe, sets)["error"] == (
+        "nothing to train on: all 5 examples read were left out (5: no assistant answer (empty or missing))")
+    out = launch_check(workspace, recipe, sets, check=False)
+    assert out.returncode == 2 and "error: nothing to train on: all 5 examples" in out.stderr
+    assert not (workspace / "runs").exists()
+
+
+def launch_check(workspace: Path, recipe: Path, sets: list[str], check: bool = True):
+    import os
+    import subprocess
+    import sys
+
+    command = [sys.executable, "-m", "engine.launch", str(recipe), *(["--check"] if check else [])]
+    for item in sets:
+        command += ["--set", item]
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2]), "OMP_NUM_THREADS": "1",
+           "HF_HUB_OFFLINE": "1"}
+    out = subprocess.run(command, cwd=workspace, env=env, capture_output=True, text=True, timeout=300)
+    if not check:
+        return out
+    verdict = json.loads(out.stdout.strip().splitlines()[-1])
+    return {"ok": verdict["ok"], "error": verdict.get("error")} if not verdict["ok"] else verdict
