@@ -48,6 +48,7 @@ TASKS = Path("/proc/self/task")
 INTERVAL_S = 0.5
 BUSY_ABOVE = 0.10  # of the team's thread-time spent waiting on the run queue: another process competes
 QUIET_BELOW = 0.03
+PRINTED_CHANGES = 10  # console lines: a machine whose load comes and goes would fill console.log
 QUIET_WINDOWS = 4  # windows in a row under QUIET_BELOW before the threads spin again (2 s)
 
 
@@ -164,9 +165,12 @@ class WaitGovernor:
             return
         self._set_throttled(self.decision.throttled)
         self.changes += 1
+        if self.changes > PRINTED_CHANGES:
+            return
+        more = "; further changes are not printed" if self.changes == PRINTED_CHANGES else ""
         state = ("another process competes for the cores: OpenMP threads now sleep while they wait"
                  if self.decision.throttled else "the cores are free again: OpenMP threads spin while they wait")
-        print(f"openmp: {state} ({share:.0%} of their time waited on the run queue)", file=sys.stderr, flush=True)
+        print(f"openmp: {state} ({share:.0%} of their time waited on the run queue){more}", file=sys.stderr, flush=True)
 
     def _set_throttled(self, throttled: bool) -> None:
         if throttled and self._release is None:
