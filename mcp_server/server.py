@@ -48,7 +48,7 @@ from sandbox import redact as redaction
 from workspace.audit import AuditLog
 from workspace.settings import trusted_limits
 from workspace.git import ensure_repo
-from sandbox.redact import printable, redact, redact_model, shown
+from sandbox.redact import printable, redact_model, shown
 from workspace.workspace import Workspace
 
 INSTRUCTIONS = """\
@@ -314,7 +314,7 @@ class Resources:
 
     def run_log(self, run_id: str) -> str:
         run_dir = _resource(lambda: self.ws.run_dir(run_id))
-        return redact(run_ops._tail_text(run_dir / rd.CONSOLE_LOG, 20_000) or "")
+        return shown(run_ops._tail_text(run_dir / rd.CONSOLE_LOG, 20_000) or "")  # escapes escaped: raw in console.log
 
     def run_status(self, run_id: str) -> str:
         return redact_model(_resource(lambda: run_ops.get_run(self.ws, run_id))).model_dump_json()

@@ -167,22 +167,36 @@ def redact(text: str) -> str:
     return current().text(text)
 
 
-# C0 and C1 control characters but newline and tab, DEL, and the bidirectional-text controls:
-# a run's output, metric names, file names and run.json reach a person's terminal, where
+# What never reaches a reader as it is. C0 and C1 control characters but newline and tab, and
+# DEL: a run's output, metric names, file names and run.json reach a person's terminal, where
 # ``ESC [2J`` clears the screen, OSC 0 sets the window title, OSC 52 writes the clipboard and
-# OSC 8 makes a link, and a carriage return or a bidi override hides what is printed.
-_CONTROLS = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069]")
+# OSC 8 makes a link, and a carriage return hides what is printed. And every invisible
+# character: Unicode's format characters (category Cf: the bidirectional controls and marks
+# that reorder or hide text, zero-width spaces and joiners, the tag block U+E0000-E007F that
+# spells words no one sees), the line and paragraph separators, the variation selectors (which
+# can carry a byte each after a visible character) and the Hangul fillers. An agent reads what
+# a person cannot: text that says nothing on screen can still instruct it.
+INVISIBLE_RANGES = (
+    "\x00-\x08\x0b-\x1f\x7f-\x9f\u00ad\u0600-\u0605\u061c\u06dd\u070f\u0890-\u0891\u08e2"
+    "\u115f\u1160\u180e\u200b-\u200f\u2028-\u202e\u2060-\u2064\u2066-\u206f\u3164\ufe00-\ufe0f"
+    "\ufeff\uffa0\ufff9-\ufffb\U000110bd\U000110cd\U00013430-\U0001343f\U0001bca0-\U0001bca3"
+    "\U0001d173-\U0001d17a\U000e0001\U000e0020-\U000e007f\U000e0100-\U000e01ef"
+)
+_CONTROLS = re.compile(f"[{INVISIBLE_RANGES}]")
+# In JSON text (a result serialized), the C0 controls but newline and tab appear escaped.
+_CONTROLS_IN_JSON = re.compile(rf"[{INVISIBLE_RANGES}]|\\u00[01][0-9a-fA-F]|\\[rbf]")
 
 
 def _escaped(match: re.Match) -> str:
     code = ord(match.group(0))
-    return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}"
+    return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}" if code < 0x10000 else f"\\U{code:08x}"
 
 
 def printable(text: str) -> str:
-    """``text`` as shown to a person (the CLI's output, tool error messages): every control
-    character but newline and tab written as its escape (``\\x1b``), so none acts on the
-    terminal. The one sanitiser of shown text."""
+    """``text`` as shown to a person or an agent (the CLI's output, tool results and errors,
+    resources, log messages): every control and invisible character but newline and tab written
+    as its escape (``\\x1b``, ``\\u200e``, ``\\U000e0041``), so none acts on a terminal or hides
+    in the text. The one sanitiser of shown text."""
     return _CONTROLS.sub(_escaped, text) if _CONTROLS.search(text) else text
 
 
@@ -195,12 +209,29 @@ def redact_value(value: Any) -> Any:
     return current().value(value)
 
 
+def shown_value(value: Any, depth: int = 0) -> Any:
+    """``value`` with every string in it (keys included, any nesting, inside pydantic models too)
+    passed through :func:`shown`. A model is copied with its cleaned fields, not validated again:
+    an escape may make a string longer than its field allows."""
+    if isinstance(value, str):
+        return shown(value)
+    if depth > 64:
+        return value
+    if hasattr(type(value), "model_fields") and hasattr(value, "model_copy"):  # a pydantic model
+        fields = type(value).model_fields
+        return value.model_copy(update={name: shown_value(getattr(value, name), depth + 1) for name in fields})
+    if isinstance(value, dict):
+        return {shown_value(k, depth + 1): shown_value(v, depth + 1) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(shown_value(v, depth + 1) for v in value)
+    return value
+
+
 def redact_model(model: Any) -> Any:
-    """A pydantic result with every string inside it redacted (the same model class). Most
-    results hold no secret: one search over their JSON says so, and they are returned as they are."""
-    redactor = current()
-    if not redactor.may_hold_secrets(model.model_dump_json()):
+    """A pydantic result with every string inside it redacted and made printable (:func:`shown`;
+    the same model class). Most results hold neither a secret nor a control character: one search
+    over their JSON says so, and they are returned as they are."""
+    json_text = model.model_dump_json()
+    if not current().may_hold_secrets(json_text) and not _CONTROLS_IN_JSON.search(json_text):
         return model
-    dumped = model.model_dump()
-    cleaned = redactor.value(dumped)
-    return model if cleaned == dumped else type(model).model_validate(cleaned)
+    return shown_value(model)
