@@ -170,6 +170,9 @@ class ServerRecord(rd.RunRecord):
         return self.status if self.supervisor.alive() else rd.FAILED
 
 
+SUPERVISOR_GONE = "the run's supervisor is gone without recording an outcome (killed?)"
+
+
 def _age_s(stamp: str | None) -> float:
     try:
         created = _dt.datetime.fromisoformat(stamp or "")

@@ -549,6 +549,13 @@ def stop_run(folder: Path, timeout_s: float | None = None) -> sr.ServerRecord:
     record = sr.read_record(folder)
     if record.status in rd.FINAL_STATUSES:
         return record
+    if record.effective_status() == rd.FAILED:
+        # The supervisor is gone without recording an outcome: the run has ended, and failed.
+        # Whatever it left running is ended; its outcome stays a failure, not a stop by request.
+        end_processes(run_processes(record), grace_s=0.0)
+        fields = dict(status=rd.FAILED, ended_at=rd.utc_now(), error=record.error or sr.SUPERVISOR_GONE)
+        sr.mirror_to_report(record.run_dir, **fields)
+        return sr.update_record(folder, **fields)
     record = sr.update_record(folder, stop_requested=True)
     sr.mirror_to_report(record.run_dir, stop_requested=True)
     grace = float(record.limits.get("stop_grace_s") or 10.0)

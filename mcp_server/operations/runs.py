@@ -501,7 +501,7 @@ def get_run(ws: Workspace, run_id: str) -> RunInfo:
     latest = rd.latest_metrics(run_dir / rd.METRICS_JSONL)
     error = record.error or record.reason
     if status == rd.FAILED and record.status != rd.FAILED:
-        error = error or "the run's supervisor is gone without recording an outcome (killed?)"
+        error = error or sr.SUPERVISOR_GONE
     if error is not None:
         error = bounded(str(error), MAX_ERROR_CHARS)[0]
     console_tail = None

@@ -390,3 +390,27 @@ def test_booleans_are_not_numbers(tmp_path, tool, arguments):
     with live_client(build_server(workspace)) as client:
         result = client.call(tool, arguments)
     assert result.is_error and "bad_input" in error_text(result)
+
+
+def test_stop_keeps_the_failure_of_a_run_whose_supervisor_is_gone_and_ends_what_it_left(tmp_path):
+    """A supervisor killed without recording an outcome: the run has failed. ``stop`` ends the
+    processes it left (marked with the run's id) and records that failure, not "stopped by request"."""
+    from runner.processes import RUN_ID_VARIABLE
+
+    workspace = make_workspace(tmp_path / "ws")
+    leftover = subprocess.Popen(SLEEPER, stdout=subprocess.DEVNULL, env={**os.environ, RUN_ID_VARIABLE: RUN_ID})
+    try:
+        dead = subprocess.Popen([sys.executable, "-c", "pass"])
+        dead.wait()
+        fake_run(workspace, RUN_ID, status=rd.RUNNING, pid=dead.pid)
+        ws = Workspace.open(workspace)
+        assert run_ops.get_run(ws, RUN_ID).status == rd.FAILED
+        stopped = run_ops.stop_run(ws, RUN_ID)
+        assert (stopped.status, stopped.error) == (rd.FAILED, sr.SUPERVISOR_GONE)
+        assert leftover.wait(timeout=10) is not None
+        record = sr.read_record(sr.record_dir(workspace, RUN_ID))
+        assert (record.status, record.error, record.reason) == (rd.FAILED, sr.SUPERVISOR_GONE, None)
+        assert rd.read_run(workspace / rd.RUNS_DIRNAME / RUN_ID).status == rd.FAILED
+        assert run_ops.stop_run(ws, RUN_ID).status == rd.FAILED  # and again: nothing changes
+    finally:
+        leftover.kill()
