@@ -6,6 +6,11 @@ import io
 import math
 from typing import Any, Sequence
 
+# Values beyond this are left out of a picture (and said so): a run may log any finite float,
+# and one of ±1e308 overflows the axis range (its span is infinite). The run view
+# (run_view.html, MAX_PLOTTED) draws by the same bound.
+MAX_PLOTTED = 1e15
+
 
 def loss_curve_figure(records: list[dict[str, Any]], title: str, resumes: Sequence[tuple[int, str]] = ()):
     """Training loss per step, evaluation loss as points, learning rate on a second axis, and a
@@ -15,7 +20,8 @@ def loss_curve_figure(records: list[dict[str, Any]], title: str, resumes: Sequen
     matplotlib.use("Agg")
     from matplotlib import pyplot as plt
     from matplotlib.ticker import MaxNLocator
-    train, evals, lrs = _series(records, "loss"), _series(records, "eval_loss"), _series(records, "lr")
+    (train, left_train), (evals, left_evals), (lrs, left_lrs) = (
+        _series(records, key) for key in ("loss", "eval_loss", "lr"))
     figure, axis = plt.subplots(figsize=(7, 4), dpi=100)
     handles = []
     if train:
@@ -38,6 +44,10 @@ def loss_curve_figure(records: list[dict[str, Any]], title: str, resumes: Sequen
         lr_axis.set_ylabel("learning rate", color="tab:gray")
     if not train:
         axis.text(0.5, 0.5, "no metrics yet", ha="center", va="center", transform=axis.transAxes)
+    left_out = left_train + left_evals + left_lrs
+    if left_out:
+        axis.text(0.01, 0.01, f"{left_out} value(s) beyond ±{MAX_PLOTTED:.0e} not drawn", transform=axis.transAxes,
+                  fontsize=7, color="tab:red", va="bottom")
     axis.set_title(title, fontsize=10)
     if handles:
         legend_axis.legend(handles=handles, loc="upper right")  # on the top axis: drawn last
@@ -65,9 +75,10 @@ def history_png(ws, run_id: str) -> bytes:
     return loss_curve_png(records, title, resumes)
 
 
-def _series(records: list[dict[str, Any]], key: str) -> list[tuple[int, float]]:
-    """``(step, value)`` for the records where ``key`` is a finite number (run output may hold anything)."""
-    points = []
+def _series(records: list[dict[str, Any]], key: str) -> tuple[list[tuple[int, float]], int]:
+    """``(step, value)`` for the records where ``key`` is a finite number (run output may hold
+    anything) within ±:data:`MAX_PLOTTED`, and how many finite values were beyond it."""
+    points, beyond = [], 0
     for record in records:
         value, step = record.get(key), record.get("step")
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not isinstance(step, int):
@@ -75,7 +86,12 @@ def _series(records: list[dict[str, Any]], key: str) -> list[tuple[int, float]]:
         try:
             value = float(value)
         except OverflowError:
+            beyond += 1
             continue
-        if math.isfinite(value) and abs(step) < 2**53:
+        if not math.isfinite(value) or abs(step) >= 2**53:
+            continue
+        if abs(value) > MAX_PLOTTED:
+            beyond += 1
+        else:
             points.append((step, value))
-    return points
+    return points, beyond

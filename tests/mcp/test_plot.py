@@ -39,3 +39,41 @@ def test_each_resume_is_a_vertical_line_named_by_the_run_that_took_over():
 
 def test_an_empty_history_still_gives_a_picture():
     assert loss_curve_png([], "run y").startswith(b"\x89PNG\r\n\x1a\n")
+
+
+def test_finite_extreme_values_are_left_out_and_said_so_through_the_resource_and_the_cli(tmp_path):
+    """±1e308 made run://<id>/loss.png fail (-32603) and `trainwright plot` exit 70."""
+    import json
+
+    import anyio
+    from mcp import Client
+
+    from mcp_server import cli
+    from mcp_server.server import build_server
+    from tests.sandbox.helpers import fake_run, make_workspace
+
+    root = make_workspace(tmp_path / "ws")
+    run_dir = fake_run(root, "extreme", steps=0, checkpoints=())
+    rows = [{"step": 1, "loss": 3.0, "lr": 1e308}, {"step": 2, "loss": 1e308, "eval_loss": -1e308},
+            {"step": 3, "loss": -1e308}, {"step": 4, "loss": 2.0}]
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    figure = loss_curve_figure(rows, "run extreme")
+    try:
+        figure.canvas.draw()
+        axis = figure.axes[0]
+        assert [list(line.get_ydata()) for line in axis.get_lines()] == [[3.0, 2.0]]
+        assert "4 value(s) beyond ±1e+15 not drawn" in [t.get_text() for t in axis.texts]
+    finally:
+        plt.close(figure)
+
+    async def read() -> bytes:
+        async with Client(build_server(root), mode="legacy") as client:
+            result = await client.read_resource("run://extreme/loss.png")
+            import base64
+
+            return base64.b64decode(result.contents[0].blob)
+
+    assert anyio.run(read).startswith(b"\x89PNG\r\n\x1a\n")
+    out = tmp_path / "loss.png"
+    assert cli.main(["plot", "extreme", "-o", str(out), "--workspace", str(root)]) == 0
+    assert out.read_bytes().startswith(b"\x89PNG\r\n\x1a\n")

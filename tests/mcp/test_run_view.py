@@ -334,3 +334,20 @@ def test_the_view_of_a_recipe_run_shows_the_engines_steps_of_max_steps_tokens_pe
     assert state["step"] == "6 / 6" and state["speed"] == info["speed"] and state["eta"] == "–"
     rate = info["latest"]["tokens_per_s"]
     assert state["tokensPerS"] == f"{rate:,.0f}" and state["loss"] == f"{info['latest']['loss']:.4g}"
+
+
+def test_finite_extreme_losses_are_left_out_of_the_curve_and_said_so(open_view, workspace):
+    """A run may log any finite float: ±1e308 made the curve's coordinates NaN. They are not drawn,
+    the note says how many, and the rest of the curve is drawn as usual."""
+    from tests.sandbox.helpers import fake_run
+
+    run_dir = fake_run(workspace, "extreme", steps=0, checkpoints=())
+    losses = [3.0, 1e308, 2.5, -1e308, 2.0, 1.5]
+    with open(run_dir / "metrics.jsonl", "w") as f:
+        f.writelines(json.dumps({"step": step, "loss": loss}) + "\n" for step, loss in enumerate(losses, 1))
+    page = open_view("get_run", run_id="extreme")
+    state = view(page, lambda s: s["points"] == 4 and s["note"] != "", "the finite losses drawn")
+    assert state["note"] == "2 loss value(s) beyond ±1e15 not drawn"
+    assert len(state["circles"]) == 4 and "NaN" not in state["curve"]
+    ys = [y for _, y in state["circles"]]
+    assert ys == sorted(ys)  # 3.0, 2.5, 2.0, 1.5: each lower on the page than the last
