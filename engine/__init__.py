@@ -10,6 +10,7 @@ Small and explicit, one concept per file:
 - ``sequence_parallel`` Ulysses all-to-all attention
 - ``grad_clip``       gradient clipping that works across DTensor meshes
 - ``checkpoint``      DCP checkpoints that are published atomically
+- ``checkpoint_manifest`` what verifies a checkpoint: its files' sizes and SHA-256 (torch-free)
 - ``engine``          the ``Engine`` base class: lifecycle and training loop
 - ``metrics``         the aggregating metric logger and its backends
 - ``flops``           model FLOPs per token and MFU

@@ -32,7 +32,9 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.checkpoint.stateful import Stateful
 
+from engine import checkpoint_manifest as manifest
 from engine import run_dir as rd
+from engine.errors import BadInput
 
 
 class ModelOptimizerState(Stateful):
@@ -126,7 +128,7 @@ class CheckpointSaveError(RuntimeError):
     """A checkpoint could not be written; the previous complete checkpoint is untouched."""
 
 
-def _root_cause(error: BaseException) -> BaseException:
+def root_cause(error: BaseException) -> BaseException:
     """The error behind DCP's wrapper (it gathers each rank's exception and traceback)."""
     seen = set()
     while id(error) not in seen:
@@ -153,7 +155,7 @@ def _free_bytes(path: Path) -> int | None:
 
 def _describe_save_failure(step: int, error: BaseException, previous: int | None, free: int | None) -> str:
     """One line for run.json: what failed, in words a user acts on, and what is left."""
-    cause = _root_cause(error)
+    cause = root_cause(error)
     if isinstance(cause, OSError) and cause.errno is not None:
         what = f"{cause.strerror or os.strerror(cause.errno)} (errno {cause.errno})"
     else:
@@ -194,6 +196,7 @@ class Checkpointer:
             dcp.save(states, checkpoint_id=str(partial))
             _barrier()
             if self.is_main:
+                manifest.write_manifest(partial)  # last: what verifies the files above
                 if final.exists():  # a re-save of the same step: replace it safely
                     self._trash(final)
                 os.rename(partial, final)
@@ -225,12 +228,37 @@ class Checkpointer:
             self._trash(path)
 
 
-def load_checkpoint(path: Path, states: dict[str, Any]) -> None:
-    """Load a complete checkpoint into ``states`` (DCP reshards to this run's world size)."""
+class CheckpointCorrupt(BadInput):
+    """A checkpoint's files are not as they were saved (or cannot be loaded): which file, and
+    which earlier checkpoint is good."""
+
+
+def verify_checkpoint(path: Path) -> None:
+    """Every file of the checkpoint at ``path`` as its manifest says, digests included; else
+    :class:`CheckpointCorrupt`."""
     path = Path(path)
-    if rd.checkpoint_step(path) is None or not (path / rd.DCP_METADATA).is_file():
-        raise FileNotFoundError(f"{path} is not a complete checkpoint (step-<N> with {rd.DCP_METADATA})")
-    dcp.load(states, checkpoint_id=str(path))
+    step = rd.checkpoint_step(path)
+    if step is None or not (path / rd.DCP_METADATA).is_file():
+        raise CheckpointCorrupt(f"{path.name} is not a complete checkpoint (step-<N> with {rd.DCP_METADATA})")
+    why = manifest.problem(path, full=True)
+    if why is not None:
+        raise CheckpointCorrupt(rd.corrupt_checkpoint_message(path.parent.parent, step, why, full=True))
+
+
+def load_checkpoint(path: Path, states: dict[str, Any]) -> None:
+    """Load a complete, verified checkpoint into ``states`` (DCP reshards to this run's world
+    size); one that does not verify or load is :class:`CheckpointCorrupt`, in one line."""
+    path = Path(path)
+    verify_checkpoint(path)
+    try:
+        dcp.load(states, checkpoint_id=str(path))
+    except BaseException as e:  # DCP's CheckpointException (a BaseException) wraps the cause
+        if isinstance(e, (KeyboardInterrupt, SystemExit)):
+            raise
+        cause = root_cause(e)
+        what = f"{type(cause).__name__}: {cause}".splitlines()[0][:300]
+        raise CheckpointCorrupt(rd.corrupt_checkpoint_message(
+            path.parent.parent, rd.checkpoint_step(path) or 0, f"it cannot be loaded ({what})", full=True)) from e
 
 
 def _barrier() -> None:

@@ -219,9 +219,9 @@ def train(recipe_class, config, args: argparse.Namespace, data=None) -> int:
             rd.update_run(run_dir, error=f"{type(e).__name__}: {e}"[:2000], **outcome)
         if isinstance(e, KeyboardInterrupt):
             return 130
-        from engine.config import ConfigError
+        from engine.errors import BadInput  # a config the recipe refused, a corrupt checkpoint
 
-        return EXIT_BAD_INPUT if isinstance(e, ConfigError) else EXIT_RUN_FAILED
+        return EXIT_BAD_INPUT if isinstance(e, BadInput) else EXIT_RUN_FAILED
     finally:
         if dist.is_initialized():
             shutdown_distributed(synchronize=finished)

@@ -101,15 +101,16 @@ def load_model_weights(model, checkpoint: Path) -> None:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
-    from engine.checkpoint import _root_cause
+    from engine.checkpoint import root_cause, verify_checkpoint
 
+    verify_checkpoint(checkpoint)  # every file as saved, or CheckpointCorrupt naming the file
     state = get_model_state_dict(model)
     try:
         dcp.load({"model_optim": {"model": state}}, checkpoint_id=str(checkpoint))
     except BaseException as e:  # DCP's CheckpointException (a BaseException) wraps the cause
         if isinstance(e, (KeyboardInterrupt, SystemExit)):
             raise
-        cause = _root_cause(e)
+        cause = root_cause(e)
         what = f"{type(cause).__name__}: {cause}".splitlines()[0][:500]
         raise BadInput(f"the model in checkpoint {checkpoint.name} of run {checkpoint.parent.parent.name} "
                        f"cannot be loaded into the recipe's model ({what})") from e

@@ -44,6 +44,9 @@ from typing import Annotated, Any, BinaryIO, Iterator, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from engine import checkpoint_manifest as manifest
+from engine.errors import BadInput, NotFound
+
 RUNS_DIRNAME = "runs"
 RUN_JSON = "run.json"
 METRICS_JSONL = "metrics.jsonl"
@@ -95,10 +98,21 @@ def checkpoint_step(path: Path) -> int | None:
 
 
 def list_checkpoints(run_dir: Path) -> list[tuple[int, Path]]:
-    """Complete checkpoints of a run, oldest first.
+    """Complete checkpoints of a run, oldest first: published (:func:`published_checkpoints`),
+    and every file of each there at the size its manifest says (:mod:`engine.checkpoint_manifest`)."""
+    return [(step, path) for step, path in published_checkpoints(run_dir) if manifest.problem(path, full=False) is None]
 
-    A checkpoint counts only when it was published under its final name and DCP's metadata is
-    in it; a save that was interrupted lives under a ``.partial-`` name and is never listed.
+
+def unusable_checkpoints(run_dir: Path) -> list[tuple[int, str]]:
+    """The published checkpoints that are not complete, with what is wrong with each."""
+    found = ((step, manifest.problem(path, full=False)) for step, path in published_checkpoints(run_dir))
+    return [(step, why) for step, why in found if why is not None]
+
+
+def published_checkpoints(run_dir: Path) -> list[tuple[int, Path]]:
+    """Checkpoints published under their final name with DCP's metadata in them, oldest first.
+
+    A save that was interrupted lives under a ``.partial-`` name and is never listed.
     Nothing is followed through a link: run code writes this folder, and a link (the folder,
     a ``step-`` entry, or its ``.metadata``) could lead a resume (whose sandbox binds the
     checkpoint by path) to another run's files, or make the listing say whether a host path
@@ -172,6 +186,41 @@ def run_checkpoints(run_dir: Path, kind: RunKind) -> list[tuple[int, Path]]:
 def latest_checkpoint(run_dir: Path) -> tuple[int, Path] | None:
     checkpoints = list_checkpoints(run_dir)
     return checkpoints[-1] if checkpoints else None
+
+
+def corrupt_checkpoint_message(run_dir: Path, step: int, why: str, full: bool = False) -> str:
+    """Why the checkpoint at ``step`` cannot be used, and the latest earlier one that can (its
+    files checked by size; with ``full``, by digest too)."""
+    earlier = [(s, path) for s, path in list_checkpoints(run_dir) if s < step]
+    good = next((s for s, path in reversed(earlier) if not full or manifest.problem(path, full=True) is None), None)
+    run_id = Path(run_dir).name
+    then = (f"the latest good checkpoint before it is step {good} (resume_checkpoint(run_id={run_id!r}, step={good}))"
+            if good is not None else "there is no good checkpoint before it")
+    return f"checkpoint {checkpoint_dir_name(step)} of run {run_id} is corrupt: {why}; {then}"
+
+
+def choose_checkpoint(run_dir: Path, kind: RunKind, step: object) -> tuple[int, Path]:
+    """The checkpoint of the run at ``step`` (None: the latest complete one), as its kind defines
+    them; a step whose checkpoint is not complete is refused with what is wrong and which
+    earlier one is good."""
+    run_id = Path(run_dir).name
+    checkpoints = run_checkpoints(run_dir, kind)
+    if step is not None and (isinstance(step, bool) or not isinstance(step, int)):
+        raise BadInput(f"step must be an integer, got {step!r}")
+    by_step = dict(checkpoints)
+    if step is None and checkpoints:
+        return checkpoints[-1]
+    if step in by_step:
+        return step, by_step[step]
+    unusable = dict(unusable_checkpoints(run_dir)) if kind != SCRIPT else {}
+    if step in unusable:
+        raise BadInput(corrupt_checkpoint_message(run_dir, step, unusable[step]))
+    if not checkpoints:
+        broken = (f" ({len(unusable)} not complete: {corrupt_checkpoint_message(run_dir, max(unusable), unusable[max(unusable)])})"
+                  if unusable else "")
+        raise NotFound(f"run {run_id} has no complete checkpoint{broken}; list_checkpoints shows them as they come")
+    raise NotFound(f"run {run_id} has no complete checkpoint at step {step}; "
+                   f"available steps: {', '.join(str(s) for s, _ in checkpoints[-20:])}")
 
 
 # ---------------------------------------------------------------------------------------------

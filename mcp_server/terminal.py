@@ -203,8 +203,9 @@ def stop_text(r) -> str:
 
 
 def checkpoints_text(r) -> str:
-    return ("\n".join(f"step {c.step:>8}  {c.path}" for c in r.checkpoints)
-            or f"run {r.run_id} has no complete checkpoint yet")
+    listed = ("\n".join(f"step {c.step:>8}  {c.path}" for c in r.checkpoints)
+              or f"run {r.run_id} has no complete checkpoint yet")
+    return "\n".join([listed, *(f"not complete: {why}" for why in r.unusable)])
 
 
 # ---------------------------------------------------------------------------------------------

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from engine import run_dir as rd
 from engine import server_record as sr
-from engine.errors import BadInput, NotFound
+from engine.errors import BadInput
 from engine.model_io import check_sample_request
 from engine.seams import GeneratedSample
 from mcp_server.limits import AGENT_BUDGET_CHARS, json_chars
@@ -62,18 +62,7 @@ def checkpoint_of(ws: Workspace, run_id: str, step: int | None) -> tuple[Path, i
         raise BadInput(f"run {run_id} ran a script, whose checkpoints are in its own format: export_checkpoint, "
                        f"sample and evaluate rebuild a recipe's Engine and read the engine's checkpoints; "
                        f"{DOCS_PAGE} says how to make the script a recipe")
-    checkpoints = rd.list_checkpoints(run_dir)
-    if not checkpoints:
-        raise NotFound(f"run {run_id} has no complete checkpoint yet; list_checkpoints shows them as they come")
-    if step is None:
-        chosen = checkpoints[-1][0]
-    elif isinstance(step, bool) or not isinstance(step, int):
-        raise BadInput(f"step must be an integer, got {step!r}")
-    elif step not in dict(checkpoints):
-        raise NotFound(f"run {run_id} has no complete checkpoint at step {step}; "
-                       f"available steps: {', '.join(str(s) for s, _ in checkpoints[-20:])}")
-    else:
-        chosen = step
+    chosen, _ = rd.choose_checkpoint(run_dir, rd.RECIPE, step)  # its digests: in the model process
     snapshot = run_dir / rd.SNAPSHOT_DIRNAME
     if not (snapshot / "recipe.py").is_file():
         raise BadInput(f"run {run_id} kept no snapshot of its code, so its model cannot be rebuilt")

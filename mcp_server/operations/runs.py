@@ -16,6 +16,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from engine import checkpoint_manifest
 from engine import run_dir as rd
 from engine import server_record as sr
 from engine.config import Overrides, override_args, overrides_to_dict
@@ -58,6 +59,7 @@ MAX_NPROC = max(8, os.cpu_count() or 1)
 MAX_LIST_RUNS = 100
 CONSOLE_TAIL_BYTES = 1500
 MAX_LISTED_CHECKPOINTS = 50
+MAX_UNUSABLE_SHOWN = 10  # list_checkpoints' checkpoints that are not complete, newest
 MAX_DESTINATIONS = 10
 MAX_RUN_INFO_CHECKPOINTS = 10
 MAX_ERROR_CHARS = 1000
@@ -391,21 +393,14 @@ def _resumed_code(ws: Workspace, source_dir: Path, source: sr.ServerRecord, code
 
 
 def _chosen_checkpoint(run_dir: Path, source: rd.RunRecord, step: object) -> tuple[int, Path]:
-    """The checkpoint of the run at ``step`` (None: the latest), as its kind defines them."""
-    checkpoints = rd.run_checkpoints(run_dir, source.kind)
-    if not checkpoints:
-        raise NotFound(f"run {source.id} has no complete checkpoint to resume from")
-    if step is None:
-        return checkpoints[-1]
-    if isinstance(step, bool) or not isinstance(step, int):
-        raise BadInput(f"step must be an integer, got {step!r}")
-    by_step = dict(checkpoints)
-    if step not in by_step:
-        raise NotFound(
-            f"run {source.id} has no complete checkpoint at step {step}; "
-            f"available steps: {', '.join(str(s) for s, _ in checkpoints)}"
-        )
-    return step, by_step[step]
+    """The checkpoint of the run at ``step`` (None: the latest), as its kind defines them; an
+    engine checkpoint is verified file by file, digests included, before a run is started on it."""
+    chosen_step, checkpoint = rd.choose_checkpoint(run_dir, source.kind, step)
+    if source.kind != rd.SCRIPT:
+        why = checkpoint_manifest.problem(checkpoint, full=True)
+        if why is not None:
+            raise BadInput(rd.corrupt_checkpoint_message(run_dir, chosen_step, why, full=True))
+    return chosen_step, checkpoint
 
 
 def _resume_script(
@@ -708,4 +703,6 @@ def list_checkpoints(ws: Workspace, run_id: str) -> CheckpointList:
         run_id=run_id,
         checkpoints=[CheckpointInfo(step=s, path=ws.label(p)) for s, p in checkpoints[-MAX_LISTED_CHECKPOINTS:]],
         truncated=len(checkpoints) > MAX_LISTED_CHECKPOINTS,
+        unusable=[f"{rd.checkpoint_dir_name(step)}: {why}" for step, why in
+                  (rd.unusable_checkpoints(run_dir) if record.kind != rd.SCRIPT else [])[-MAX_UNUSABLE_SHOWN:]],
     )

@@ -9,6 +9,7 @@ import sys
 import pytest
 
 from engine import run_dir as rd
+from engine.checkpoint_manifest import write_manifest
 
 
 def write_metrics(path, steps):
@@ -71,6 +72,7 @@ def test_only_published_checkpoints_with_metadata_count(tmp_path):
         (checkpoints / name).mkdir(parents=True)
         if complete:
             (checkpoints / name / rd.DCP_METADATA).write_bytes(b"x")
+            write_manifest(checkpoints / name)
     assert [s for s, _ in rd.list_checkpoints(tmp_path)] == [10, 20]
     assert rd.latest_checkpoint(tmp_path)[0] == 20
 

@@ -17,6 +17,7 @@ from mcp.shared.exceptions import MCPError
 from mcp_types import LoggingMessageNotificationParams, ResourceUpdatedNotification
 
 from engine import run_dir as rd
+from engine.checkpoint_manifest import write_manifest
 from engine import server_record as sr
 from mcp_server.live import MAX_SUBSCRIPTIONS, POLL_S
 from mcp_server.server import build_server
@@ -88,6 +89,7 @@ def test_a_2025_session_hears_of_each_step_coalesced_a_checkpoint_and_the_end_th
             checkpoint = workspace / rd.RUNS_DIRNAME / "live" / rd.CHECKPOINTS_DIRNAME / rd.checkpoint_dir_name(13)
             checkpoint.mkdir(parents=True)
             (checkpoint / rd.DCP_METADATA).write_bytes(b"")
+            write_manifest(checkpoint)
             assert await updates.next() == "run://live/metrics"
             end_run(workspace, "live")
             assert await updates.next() == "run://live/metrics"

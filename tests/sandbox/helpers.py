@@ -17,6 +17,7 @@ from anyio.from_thread import start_blocking_portal
 from mcp import Client
 
 from engine import run_dir as rd
+from engine.checkpoint_manifest import write_manifest
 from engine import server_record as sr
 from workspace import git as workspace_git
 from runner import processes
@@ -65,6 +66,7 @@ def fake_run(workspace: Path, run_id: str, status: str = rd.COMPLETED, steps: in
         checkpoint = run_dir / rd.CHECKPOINTS_DIRNAME / rd.checkpoint_dir_name(step)
         checkpoint.mkdir(parents=True)
         (checkpoint / rd.DCP_METADATA).write_bytes(b"")
+        write_manifest(checkpoint)  # what makes a published checkpoint complete
     (run_dir / rd.CONSOLE_LOG).write_text("step 1\n")
     return run_dir
 

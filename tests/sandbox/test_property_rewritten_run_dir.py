@@ -28,6 +28,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from engine import run_dir as rd
+from engine.checkpoint_manifest import write_manifest
 from engine import server_record as sr
 from engine.errors import TrainwrightError
 from mcp_server.operations import model_tools, recipe_info, review, waiting
@@ -186,6 +187,7 @@ def _new_run(workspace: Path, head: str, supervisor: subprocess.Popen) -> tuple[
     checkpoint = run_dir / rd.CHECKPOINTS_DIRNAME / rd.checkpoint_dir_name(2)
     checkpoint.mkdir()
     (checkpoint / rd.DCP_METADATA).write_bytes(b"")
+    write_manifest(checkpoint)
     (run_dir / rd.METRICS_JSONL).write_text('{"step": 1, "loss": 2.5}\n{"step": 2, "loss": 2.0}\n')
     (run_dir / rd.CONSOLE_LOG).write_text("step 2\n")
     return run_id, run_dir

@@ -1,0 +1,129 @@
+"""What verifies a checkpoint: its manifest, each file's size and SHA-256 (torch-free; the server
+reads it).
+
+A save writes its files, then (rank 0, after every rank is done) ``manifest.json``: the path,
+size and SHA-256 of every file in the checkpoint folder, written last, before the folder is
+published under its final name (:mod:`engine.checkpoint`). A checkpoint is complete only with a
+manifest whose files are all there at their sizes (:func:`problem` with ``full=False``: a stat
+per file, cheap enough for every listing); before its tensors are loaded — a resume, an export,
+a sample, an evaluation — every file's digest is checked too (``full=True``: SHA-256 reads
+~1.4 GB/s on one core here). So a flipped byte, a truncated or missing file, a manifest that
+was cut or rewritten are each named, instead of a resume that trains on NaN or a raw
+``CheckpointException``.
+
+The manifest is written by the run, so it guards against faults (disks, copies, kills), not
+against the run's own code, which could write a matching manifest for any bytes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import stat
+from pathlib import Path, PurePosixPath
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+MANIFEST = "manifest.json"
+MANIFEST_FORMAT = 1
+MAX_MANIFEST_BYTES = 1 << 20
+MAX_FILES = 10_000
+_CHUNK = 1 << 20
+
+
+class ManifestFile(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    path: str = Field(max_length=500)
+    bytes: int = Field(ge=0)
+    sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
+
+
+class Manifest(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    format: int
+    files: list[ManifestFile] = Field(max_length=MAX_FILES)
+
+
+def sha256_of(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def write_manifest(folder: Path) -> Manifest:
+    """Write ``folder/manifest.json`` for every file under ``folder`` (atomically, synced)."""
+    folder = Path(folder)
+    files = []
+    for path in sorted(p for p in folder.rglob("*") if p.is_file() and not p.is_symlink()):
+        relative = path.relative_to(folder).as_posix()
+        if relative == MANIFEST:
+            continue
+        files.append(ManifestFile(path=relative, bytes=path.stat().st_size, sha256=sha256_of(path)))
+    manifest = Manifest(format=MANIFEST_FORMAT, files=files)
+    temporary = folder / (MANIFEST + ".tmp")
+    with open(temporary, "w") as f:
+        f.write(manifest.model_dump_json(indent=1))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(temporary, folder / MANIFEST)
+    return manifest
+
+
+def read_manifest(folder: Path) -> Manifest | str:
+    """The folder's manifest, or why it cannot be read (never through a link, bounded)."""
+    path = Path(folder) / MANIFEST
+    try:
+        info = os.lstat(path)
+    except FileNotFoundError:
+        return f"{MANIFEST} is missing (the save did not finish, or it was removed)"
+    except OSError as e:
+        return f"{MANIFEST} cannot be read ({e.strerror})"
+    if not stat.S_ISREG(info.st_mode):
+        return f"{MANIFEST} is not a regular file"
+    if info.st_size > MAX_MANIFEST_BYTES:
+        return f"{MANIFEST} is {info.st_size:,} bytes (at most {MAX_MANIFEST_BYTES:,})"
+    try:
+        return Manifest.model_validate(json.loads(path.read_bytes()))
+    except (OSError, ValueError, ValidationError) as e:
+        first = e.errors()[0]["msg"] if isinstance(e, ValidationError) else type(e).__name__
+        return f"{MANIFEST} is damaged ({first})"
+
+
+def _plain(relative: str) -> bool:
+    parts = PurePosixPath(relative).parts
+    return bool(parts) and not relative.startswith("/") and all(p not in ("", ".", "..") for p in parts)
+
+
+def problem(folder: Path, full: bool) -> str | None:
+    """None when every file of the checkpoint in ``folder`` is as its manifest says (sizes; with
+    ``full``, digests too); else what is wrong, naming the file."""
+    manifest = read_manifest(folder)
+    if isinstance(manifest, str):
+        return manifest
+    for entry in manifest.files:
+        if not _plain(entry.path):
+            return f"{MANIFEST} names a file outside the checkpoint ({entry.path[:80]!r})"
+        path = Path(folder) / entry.path
+        try:
+            info = os.lstat(path)
+        except OSError:
+            return f"{entry.path} is missing"
+        if not stat.S_ISREG(info.st_mode):
+            return f"{entry.path} is not a regular file"
+        if info.st_size != entry.bytes:
+            return f"{entry.path} has {info.st_size:,} bytes, {entry.bytes:,} when it was saved"
+    if full:
+        for entry in manifest.files:
+            try:
+                found = sha256_of(Path(folder) / entry.path)
+            except OSError as e:
+                return f"{entry.path} cannot be read ({e.strerror})"
+            if found != entry.sha256:
+                return (f"{entry.path} does not match the digest it was saved with "
+                        f"(sha256 {found[:12]}…, saved {entry.sha256[:12]}…)")
+    return None
