@@ -32,7 +32,7 @@ from pydantic import ValidationError
 from engine import run_dir as rd
 from engine.errors import BadInput
 from runner.nodes import Nodes, torchrun_args
-from runner.tensorboard_events import EventFiles
+from runner.tensorboard_events import UNREAD, EventFiles
 
 SCRIPT_NAME = "train.py"
 DOCS_PAGE = "docs/script-to-recipe.md"
@@ -249,20 +249,37 @@ def copy_output(source: BinaryIO, console: BinaryIO, metrics: ScriptMetrics | No
 
 class EventScalars:
     """Scalars of a script's TensorBoard event files (:mod:`runner.tensorboard_events`) as
-    metrics records: the values of one step, from consecutive events, make one record."""
+    metrics records: the values of one step, from consecutive events, make one record (of at
+    most ``MAX_METRIC_KEYS`` keys: later new tags of that step are dropped)."""
 
     def __init__(self, run_dir: Path, metrics: ScriptMetrics):
         self.files = EventFiles(run_dir)
         self.metrics = metrics
         self.pending: dict[str, Any] | None = None
+        self.unread = 0
+        self.lock = threading.Lock()  # the supervisor's reading thread, then its final look
 
     def poll(self, final: bool = False) -> None:
         """Record what the files hold now; ``final``: the script has ended, its last step too."""
+        with self.lock:
+            self._poll(final)
+
+    def _poll(self, final: bool) -> None:
         for step, values in self.files.new_scalars():
+            unread = int(values.pop(UNREAD, 0))
+            if unread and not self.unread:
+                print(f"[trainwright] a TensorBoard scalar at step {step} is a tensor that is not one float or "
+                      "double: not recorded (further ones neither)", flush=True)
+            self.unread += unread
             if self.pending is not None and self.pending["step"] != step:
                 self.metrics.add(checked_record(self.pending))
                 self.pending = None
-            self.pending = {**(self.pending or {}), **values, "step": step}
+            if self.pending is None:
+                self.pending = {"step": step}
+            for key, value in values.items():
+                if key in self.pending or len(self.pending) <= MAX_METRIC_KEYS:
+                    self.pending[key] = value
+            self.pending["step"] = step
         if final and self.pending is not None:
             self.metrics.add(checked_record(self.pending))
             self.pending = None

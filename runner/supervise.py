@@ -159,7 +159,10 @@ class Supervisor:
         grace = float(limits.get("stop_grace_s") or 10.0)
         started = time.monotonic()
         term_sent_at: float | None = None
-        events_read_at = started
+        # The event files are the run's: read on a thread of their own, so that no amount of them
+        # delays the limits enforced here.
+        events_done = threading.Event()
+        events_reader = self.start_reading_events(events_done)
         while True:
             try:
                 code = self.child.wait(timeout=0.5)
@@ -167,9 +170,6 @@ class Supervisor:
             except subprocess.TimeoutExpired:
                 pass
             now = time.monotonic()
-            if self.event_scalars is not None and now - events_read_at > EVENT_FILES_EVERY_S:
-                self.event_scalars.poll()
-                events_read_at = now
             if wall and now - started > float(wall) and self.stop_reason is None:
                 print(f"[trainwright] wall-time limit of {wall} s reached: stopping the run", flush=True)
                 self.request_stop(f"wall-time limit of {wall} s reached")
@@ -181,9 +181,26 @@ class Supervisor:
         self.end_leftovers(grace)
         if self.output_reader is not None:
             self.output_reader.join(timeout=10)  # every writer of the pipe is gone by now
-        if self.event_scalars is not None:
-            self.event_scalars.poll(final=True)
+        events_done.set()
+        if events_reader is not None:
+            events_reader.join(timeout=EVENT_FILES_EVERY_S * 5)
+        if self.event_scalars is not None and (events_reader is None or not events_reader.is_alive()):
+            self.event_scalars.poll(final=True)  # one more bounded look, and the last step's record
         return self.finish(code)
+
+    def start_reading_events(self, done: threading.Event) -> threading.Thread | None:
+        """A thread that reads a script's TensorBoard event files every ``EVENT_FILES_EVERY_S``."""
+        scalars = self.event_scalars
+        if scalars is None:
+            return None
+
+        def read() -> None:
+            while not done.wait(EVENT_FILES_EVERY_S):
+                scalars.poll()
+
+        reader = threading.Thread(target=read, name="event-files", daemon=True)
+        reader.start()
+        return reader
 
     @property
     def script_run(self) -> bool:

@@ -11,6 +11,13 @@ following links, at most ``MAX_EVENT_FILES`` of them, no record over ``MAX_EVENT
 at most ``MAX_READ_BYTES`` read per look, and parsed here by a few lines of protobuf decoding
 of the only fields used (an event's step, its summary values' tag and ``simple_value``), with
 no protobuf library: anything else in a record is skipped, a malformed record ends that file.
+Scalars come as ``simple_value`` (``add_scalar``) or as a one-element float or double tensor
+(``add_scalar(new_style=True)``, ``tf.summary.scalar`` in Keras and JAX writers); a tensor under
+the scalars plugin that is not one float or double is counted as unread, never guessed at.
+
+A look reads at most ``MAX_READ_BYTES`` and ``MAX_EVENTS_PER_LOOK`` events in all (the rest wait
+for the next look), so the work of one look is bounded whatever the run writes; the supervisor
+looks from a thread of its own, apart from the limits it enforces.
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ MAX_EVENT_FILES = 16
 MAX_SEARCH_DEPTH = 4
 MAX_EVENT_RECORD_BYTES = 1 << 20
 MAX_READ_BYTES = 4 << 20
+MAX_EVENTS_PER_LOOK = 20_000
 _EVENT_FILE = re.compile(r"tfevents")
 _TAG_CHARACTERS = re.compile(r"[^A-Za-z0-9_]+")
 _NO_FOLLOW = os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
@@ -77,24 +85,74 @@ def _fields(message: bytes) -> Iterator[tuple[int, int, int | bytes]]:
             raise Malformed(f"wire type {wire} is not used by event files")
 
 
+DT_FLOAT, DT_DOUBLE = 1, 2
+UNREAD = "\0unread"  # the key under which event_scalars counts scalar tensors it cannot read
+
+
+def _tensor_scalar(tensor: bytes) -> float | None:
+    """The value of a one-element float or double ``TensorProto`` (``dtype`` field 1,
+    ``tensor_content`` 4, ``float_val`` 5, ``double_val`` 6), or None."""
+    dtype, values = None, []
+    for number, wire, value in _fields(tensor):
+        if number == 1 and wire == 0:
+            dtype = value
+        elif number == 4 and wire == 2 and isinstance(value, bytes):
+            values.append(("content", value))
+        elif number == 5 and isinstance(value, bytes):  # packed (wire 2) or one (wire 5) float
+            values.append(("<f", value))
+        elif number == 6 and isinstance(value, bytes):
+            values.append(("<d", value))
+    if dtype not in (DT_FLOAT, DT_DOUBLE) or len(values) != 1:
+        return None
+    kind, raw = values[0]
+    fmt = {"content": "<f" if dtype == DT_FLOAT else "<d"}.get(kind, kind)
+    return struct.unpack(fmt, raw)[0] if len(raw) == struct.calcsize(fmt) else None
+
+
+def _plugin(metadata: bytes) -> str | None:
+    """``SummaryMetadata.plugin_data.plugin_name`` (fields 1 and 1)."""
+    for number, wire, plugin_data in _fields(metadata):
+        if number == 1 and wire == 2 and isinstance(plugin_data, bytes):
+            for inner, inner_wire, name in _fields(plugin_data):
+                if inner == 1 and inner_wire == 2 and isinstance(name, bytes):
+                    return name.decode("utf-8", errors="replace")
+    return None
+
+
+def _summary_value(summary_value: bytes) -> tuple[str | None, float | None, bool]:
+    """``(tag, scalar, unread)`` of one ``Summary.Value`` (``tag`` 1, ``simple_value`` 2,
+    ``metadata`` 9, ``tensor`` 8); ``unread``: a scalar tensor that is not one float or double."""
+    tag, scalar, tensor, plugin = None, None, None, None
+    for field, field_wire, item in _fields(summary_value):
+        if field == 1 and field_wire == 2 and isinstance(item, bytes):
+            tag = item.decode("utf-8", errors="replace")
+        elif field == 2 and field_wire == 5 and isinstance(item, bytes):
+            scalar = struct.unpack("<f", item)[0]
+        elif field == 8 and field_wire == 2 and isinstance(item, bytes):
+            tensor = item
+        elif field == 9 and field_wire == 2 and isinstance(item, bytes):
+            plugin = _plugin(item)
+    if scalar is None and tensor is not None and plugin in (None, "scalars"):
+        scalar = _tensor_scalar(tensor)
+        return tag, scalar, scalar is None and plugin == "scalars"
+    return tag, scalar, False
+
+
 def event_scalars(event: bytes) -> tuple[int, dict[str, float]] | None:
     """The step of a TensorBoard ``Event`` and its scalar values by tag (``Event.step`` is field
-    2, ``Event.summary`` field 5; ``Summary.value`` field 1; ``Value.tag`` 1, ``simple_value`` 2),
-    or None when it has none."""
-    step, values = 0, {}
+    2, ``Event.summary`` field 5; ``Summary.value`` field 1), or None when it has none; scalar
+    tensors it cannot read are counted under :data:`UNREAD`."""
+    step, values = 0, {}  # type: tuple[int, dict[str, float]]
     for number, wire, value in _fields(event):
         if number == 2 and wire == 0 and isinstance(value, int):
             step = value - (1 << 64) if value >= 1 << 63 else value
         elif number == 5 and wire == 2 and isinstance(value, bytes):
             for inner, inner_wire, summary_value in _fields(value):
                 if inner == 1 and inner_wire == 2 and isinstance(summary_value, bytes):
-                    tag, scalar = None, None
-                    for field, field_wire, item in _fields(summary_value):
-                        if field == 1 and field_wire == 2 and isinstance(item, bytes):
-                            tag = item.decode("utf-8", errors="replace")
-                        elif field == 2 and field_wire == 5 and isinstance(item, bytes):
-                            scalar = struct.unpack("<f", item)[0]
-                    if tag is not None and scalar is not None:
+                    tag, scalar, unread = _summary_value(summary_value)
+                    if unread:
+                        values[UNREAD] = values.get(UNREAD, 0) + 1
+                    elif tag is not None and scalar is not None:
                         values[_TAG_CHARACTERS.sub("_", tag).strip("_")[:64] or "value"] = scalar
     return (step, values) if values else None
 
@@ -122,12 +180,12 @@ class EventFiles:
         events: list[tuple[int, dict[str, float]]] = []
         budget = MAX_READ_BYTES
         for path in self._find():
-            if path in self.ended or budget <= 0:
+            if path in self.ended or budget <= 0 or len(events) >= MAX_EVENTS_PER_LOOK:
                 continue
             data = self._read(path, budget)
             budget -= len(data)
             used = 0
-            while used + 12 <= len(data):
+            while used + 12 <= len(data) and len(events) < MAX_EVENTS_PER_LOOK:
                 (length,) = struct.unpack("<Q", data[used:used + 8])
                 if length > MAX_EVENT_RECORD_BYTES:
                     self.ended.add(path)

@@ -223,9 +223,10 @@ def derived_recipe(workspace: Path, name: str, body: str) -> Path:
 
 def supervise(run_dir: Path, command: list[str], limits: dict[str, Any] | None = None,
               run_id: str = "20260101-000000-sup-0000", env: dict[str, str] | None = None, timeout: float = 60,
-              sandbox: dict[str, Any] | None = None):
+              sandbox: dict[str, Any] | None = None, **record_fields: Any):
     """Run ``python -m runner.supervise`` on a run whose command is ``command`` (no engine, no torch);
-    ``sandbox`` is run.json's ``sandbox`` section (default: the supervisor's own choice)."""
+    ``sandbox`` is run.json's ``sandbox`` section (default: the supervisor's own choice);
+    ``record_fields``: more fields of the server's record (``kind="script"``, ...)."""
     import subprocess
     import sys
 
@@ -234,7 +235,8 @@ def supervise(run_dir: Path, command: list[str], limits: dict[str, Any] | None =
     workspace = _workspace_of(run_dir)
     record = sr.ServerRecord(id=run_id, command=command, limits=limits or {},
                              workspace=str(workspace), recipe="none", run_dir=str(run_dir),
-                             sandbox=rd.SandboxView.model_validate(sandbox) if sandbox is not None else None)
+                             sandbox=rd.SandboxView.model_validate(sandbox) if sandbox is not None else None,
+                             **record_fields)
     rd.create_run(run_dir, record)
     folder = sr.record_dir(workspace, run_id)
     sr.create_record(folder, record)
