@@ -131,14 +131,16 @@ class ScriptMetrics:
     integer ``step`` (0 to ``MAX_STEP``); of its other keys, those that are short names with a
     finite number as value are kept (at most ``MAX_METRIC_KEYS``), the rest dropped. A record
     with nothing but its step, one whose step is below the last record's (a process of a
-    multi-process run printing late, or again), or a copy of the previous one is not written;
-    after ``MAX_SCRIPT_METRIC_RECORDS`` records nothing more is, and the console says so once.
+    multi-process run printing late, or again), or a copy of the previous one is not written; one
+    at the last record's step adds its values to that record (one record per step: a trainer's
+    end-of-training summary logs the last step again); after ``MAX_SCRIPT_METRIC_RECORDS`` records nothing more is, and the console says so once.
     """
 
     def __init__(self, metrics_file: BinaryIO):
         self.out = metrics_file
         self.written = 0
         self.last: dict[str, Any] | None = None
+        self.last_offset = 0  # where the last record's line starts
         self.full = False
         self.lock = threading.Lock()
 
@@ -157,11 +159,24 @@ class ScriptMetrics:
             return None
         if self.last is not None and record["step"] < self.last["step"]:
             return None
+        if self.last is not None and record["step"] == self.last["step"]:
+            # More values of the step just written (a trainer's end-of-training summary logs at
+            # the last step again): the step's one record is rewritten with them.
+            merged = {**self.last, **record}
+            merged = checked_record(merged) or self.last
+            if merged != self.last:
+                self.out.truncate(self.last_offset)
+                self.out.seek(self.last_offset)
+                self.out.write(json.dumps(_as_metric_record(merged)).encode() + b"\n")
+                self.out.flush()
+                self.last = merged
+            return None
         if self.written >= MAX_SCRIPT_METRIC_RECORDS:
             if self.full:
                 return None
             self.full = True
             return f"[trainwright] {MAX_SCRIPT_METRIC_RECORDS} metrics records written: later ones are not recorded"
+        self.last_offset = self.out.seek(0, os.SEEK_END)
         self.out.write(json.dumps(_as_metric_record(record)).encode() + b"\n")
         self.out.flush()
         self.written += 1

@@ -85,7 +85,9 @@ def test_a_plain_script_gets_two_skills_then_runs_watched_and_stopped(client, wo
     picture, mime = client.read_bytes(f"run://{run_id}/loss.png")
     assert mime == "image/png" and picture.startswith(b"\x89PNG")
 
-    assert client.ok("get_run", run_id=run_id)["kind"] == "script"
+    info = client.ok("get_run", run_id=run_id)
+    assert info["kind"] == "script"
+    assert info["started_at"] and info["started_at"] >= info["created_at"]  # the supervisor records a script's start
     stopped = client.ok("stop_run", run_id=run_id)
     assert stopped["status"] == "stopped"
     report, record, console = run_files(workspace, run_id)

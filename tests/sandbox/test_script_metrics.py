@@ -45,11 +45,11 @@ def test_records_are_appended_in_order_once_each_and_bounded_in_number(monkeypat
                  b'{"step": 1, "loss": 9.0}', b'{"step": 2, "tokens_seen": 1.5, "loss": 1.5}'):
         metrics.feed(line)
     assert [json.loads(x) for x in out.getvalue().splitlines()] == [
-        {"step": 1, "loss": 3.0}, {"step": 2, "loss": 2.0}, {"step": 2, "loss": 1.5}]
-    monkeypatch.setattr(scripts, "MAX_SCRIPT_METRIC_RECORDS", 3)
-    assert metrics.feed(b'{"step": 3, "loss": 1.0}') == "[trainwright] 3 metrics records written: later ones are not recorded"
+        {"step": 1, "loss": 3.0}, {"step": 2, "loss": 1.5}]  # step 2's later values rewrite its one record
+    monkeypatch.setattr(scripts, "MAX_SCRIPT_METRIC_RECORDS", 2)
+    assert metrics.feed(b'{"step": 3, "loss": 1.0}') == "[trainwright] 2 metrics records written: later ones are not recorded"
     assert metrics.feed(b'{"step": 4, "loss": 1.0}') is None
-    assert len(out.getvalue().splitlines()) == 3
+    assert len(out.getvalue().splitlines()) == 2
 
 
 def test_output_is_copied_whole_and_a_long_line_is_never_a_metrics_line():
@@ -139,3 +139,18 @@ def test_event_files_that_are_links_or_malformed_give_nothing(tmp_path):
     (run / "events.out.tfevents.3").write_bytes(struct.pack("<Q", 4) + b"\0" * 4 + b"\x0f\xff\xff\xff" + b"\0" * 4)
     (run / "events.out.tfevents.4").write_bytes(struct.pack("<Q", 1 << 40) + b"\0" * 20)
     assert EventFiles(run).new_scalars() == []
+
+
+def test_a_summary_at_the_last_step_adds_to_that_steps_record_instead_of_making_a_second(tmp_path):
+    """A trainer's end-of-training summary logs at the last step again: one record per step."""
+    path = tmp_path / "metrics.jsonl"
+    metrics = scripts.ScriptMetrics(scripts.open_metrics_for_append(path))
+    for line in (b'{"step": 1, "loss": 2.0}', b'{"step": 2, "loss": 1.5, "lr": 0.1}',
+                 b'{"step": 2, "train_loss": 1.75, "train_runtime": 12.5}', b'{"step": 2, "loss": 1.5}'):
+        metrics.feed(line)
+    assert [json.loads(line) for line in path.read_text().splitlines()] == [
+        {"step": 1, "loss": 2.0},
+        {"step": 2, "loss": 1.5, "lr": 0.1, "train_loss": 1.75, "train_runtime": 12.5},
+    ]
+    metrics.feed(b'{"step": 3, "loss": 1.25}')
+    assert json.loads(path.read_text().splitlines()[-1]) == {"step": 3, "loss": 1.25}
