@@ -148,11 +148,11 @@ class Supervisor:
             self.record_fields(pid=os.getpid(), **containment, status=rd.FAILED,
                                error=f"the engine could not be started: {e}", ended_at=rd.utc_now())
             return 1
-        now = rd.utc_now()
+        stamp = rd.utc_now()
         self.record_fields(
             pid=os.getpid(), child_pgid=self.child.pid, status=rd.RUNNING,
-            supervisor_started_at=now, **containment,
-            **({"started_at": now} if self.script_run else {}),  # the engine records its own start
+            supervisor_started_at=stamp, **containment,
+            **({"started_at": stamp} if self.script_run else {}),  # the engine records its own start
         )
         if self.stop_reason is not None:  # a stop that arrived before the child existed
             self.terminate()
