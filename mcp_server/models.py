@@ -45,7 +45,7 @@ class CheckpointList(BaseModel):
     run_id: str
     checkpoints: list[CheckpointInfo] = Field(description="Oldest first (the newest 100).")
     truncated: bool = Field(False, description="Older ones left out.")
-    unusable: list[str] = Field([], description="Published checkpoints not complete, and why (the newest 10).")
+    unusable: list[str] = Field([], description="Not complete, and why.")
 
 
 class RunSummary(BaseModel):

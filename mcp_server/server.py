@@ -222,6 +222,7 @@ class AuditedServer(MCPServer):
         super().__init__(tools=[mcp_tool(spec, tools) for spec in served], **settings)
         self.tools = tools
         self.tool_names = frozenset(spec.name for spec in served)
+        self.parameters = {spec.name: tuple(spec.args.model_fields) for spec in served}
 
     async def call_tool(self, name: str, arguments: dict[str, Any], context: Context | None = None):
         size = json_chars(arguments)
@@ -234,6 +235,13 @@ class AuditedServer(MCPServer):
             message = printable(f"not_found: unknown tool {cut!r}; tools: "
                                 f"{', '.join(sorted(t.name for t in await self.list_tools()))}")
             self.tools.audit.record(str(name)[:100], arguments, "error", error=message)
+            raise ToolError(message)
+        unknown = sorted(set(arguments) - set(self.parameters[name]))
+        if unknown:  # never answered as if it were not given (sample's images, a misspelt option)
+            shown_names = ", ".join(repr(k if len(k) <= 40 else k[:40] + "…") for k in unknown[:5])
+            message = printable(f"bad_input: {name} takes no argument {shown_names}; its parameters: "
+                                f"{', '.join(self.parameters[name])}")
+            self.tools.audit.record(str(name)[:100], {"unknown": unknown[:5]}, "error", error=message)
             raise ToolError(message)
         try:
             return await super().call_tool(name, arguments, context)

@@ -45,3 +45,25 @@ def test_a_forged_run_error_reaches_the_wait_run_log_line_escaped_and_redacted(t
     assert not any(ord(c) < 32 and c not in "\n\t" for c in line), repr(line)
     assert "\\x1b" in line
     assert "FORGED" not in line
+
+
+def test_an_argument_a_tool_does_not_take_is_refused_naming_it_and_the_tools_parameters(tmp_path):
+    """``sample(..., images=[...])`` was answered as if no image had been given."""
+    root = make_workspace(tmp_path / "ws")
+    fake_run(root, "r1")
+
+    async def main() -> list[str]:
+        async with Client(build_server(root), mode="legacy") as client:
+            texts = []
+            for name, arguments in (("sample", {"run_id": "r1", "prompts": ["hi"], "images": ["cat.png"]}),
+                                    ("list_runs", {"limit": 5, "statuss": "running"})):
+                result = await client.call_tool(name, arguments)
+                assert result.is_error
+                texts.append(result.content[0].text)
+            assert not (await client.call_tool("list_runs", {})).is_error
+            return texts
+
+    sample, list_runs = anyio.run(main)
+    assert sample == ("bad_input: sample takes no argument 'images'; its parameters: "
+                      "run_id, prompts, step, max_new_tokens, temperature")
+    assert list_runs == "bad_input: list_runs takes no argument 'statuss'; its parameters: limit"
