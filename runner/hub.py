@@ -73,6 +73,14 @@ def hub_ref(value: object, workspace: Path, repo_type: str = "model") -> HubRef 
         return None
     if os.path.lexists(Path(workspace) / value.split("@")[0]) or os.path.lexists(Path(workspace) / value):
         return None
+    from huggingface_hub.errors import HFValidationError
+    from huggingface_hub.utils import validate_repo_id
+
+    try:
+        validate_repo_id(match["repo"])  # the one definition of a repo id: huggingface_hub's
+    except HFValidationError as e:
+        raise BadInput(f"{value!r} is shaped like a Hub id, which huggingface_hub refuses ({e}); name a repo "
+                       "as org/name[@revision], or a folder in the workspace") from None
     return HubRef(value, match["repo"], match["revision"], repo_type)
 
 
@@ -234,6 +242,11 @@ def resolve(ref: HubRef, *, commit: str | None = None, allow_pickled: bool = Fal
         if _offline(env):
             path = snapshot_download(ref.repo_id, repo_type=ref.repo_type, revision=revision, cache_dir=cache,
                                      local_files_only=True)
+            # What the cache holds is checked as a download would be: pickled weights, a repo
+            # that is not a model.
+            cached = [(p.relative_to(path).as_posix(), p.stat().st_size) for p in Path(path).rglob("*") if p.is_file()]
+            if ref.repo_type == "model":
+                _select(cached, ref, allow_pickled, remote_code)
             return _model(ref, revision, Path(path), _folder_bytes(Path(path)))
         api = HfApi(endpoint=endpoint, token=token)
         info: Any = (api.dataset_info if ref.repo_type == "dataset" else api.model_info)(
@@ -244,7 +257,7 @@ def resolve(ref: HubRef, *, commit: str | None = None, allow_pickled: bool = Fal
         siblings = [(s.rfilename, s.size) for s in (info.siblings or [])]
         selection = (_select_data(siblings, ref) if ref.repo_type == "dataset"
                      else _select(siblings, ref, allow_pickled, remote_code))
-        _check_disk(cache, selection.total_bytes, shown)
+        _check_disk(cache, _missing_bytes(api, ref, sha, cache, selection), shown)
         if progress is not None:
             progress(0.0, float(selection.total_bytes) or None,
                      f"downloading {shown}: {len(selection.files)} files, {selection.total_bytes / 2**20:,.1f} MiB")
@@ -275,11 +288,28 @@ def resolve(ref: HubRef, *, commit: str | None = None, allow_pickled: bool = Fal
         ) from None
     except hf_errors.HfHubHTTPError as e:
         raise BadInput(f"the Hub refused {shown}: {str(e).splitlines()[0][:300]}") from None
-    except OSError as e:  # the network, or the cache's disk
-        raise BadInput(f"{shown} could not be downloaded: {type(e).__name__}: {str(e)[:300]}") from None
+    except _transport_errors() as e:  # the network, or the cache's disk
+        where = f" at {endpoint}" if endpoint else ""
+        raise BadInput(f"{shown} could not be downloaded: the Hub{where} cannot be reached or the cache cannot be "
+                       f"written ({type(e).__name__}: {str(e)[:300]}); check the network and HF_ENDPOINT, or use a "
+                       "model already in the cache with HF_HUB_OFFLINE=1") from None
     if revision != sha:
         _remember_revision(Path(path), revision, sha)
     return _model(ref, sha, Path(path), selection.total_bytes)
+
+
+def _transport_errors() -> tuple[type[BaseException], ...]:
+    """What a download raises when the Hub cannot be reached or the cache cannot be written:
+    OSError, and the HTTP client's errors (httpx2 for huggingface_hub 2, httpx before)."""
+    import importlib
+
+    found: list[type[BaseException]] = [OSError]
+    for client in ("httpx2", "httpx"):
+        try:
+            found.append(importlib.import_module(client).HTTPError)
+        except (ImportError, AttributeError):
+            pass
+    return tuple(found)
 
 
 def _remember_revision(snapshot: Path, revision: str, sha: str) -> None:
@@ -307,7 +337,23 @@ def _folder_bytes(folder: Path) -> int:
     return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
 
 
+def _missing_bytes(api: Any, ref: HubRef, sha: str, cache: Path, selection: _Selection) -> int:
+    """The bytes a download of ``selection`` would fetch: what the cache lacks
+    (``snapshot_download(dry_run=True)`` says which files), or all of it where it cannot say."""
+    from huggingface_hub import snapshot_download
+
+    try:
+        planned = snapshot_download(ref.repo_id, repo_type=ref.repo_type, revision=sha, cache_dir=cache,
+                                    allow_patterns=selection.files, endpoint=api.endpoint, token=api.token,
+                                    dry_run=True)
+        return sum(int(f.file_size or 0) for f in planned if getattr(f, "will_download", True))
+    except Exception:  # an older huggingface_hub, or the dry run failed: count every file
+        return selection.total_bytes
+
+
 def _check_disk(cache: Path, needed: int, shown: str) -> None:
+    if needed == 0:  # everything is in the cache already
+        return
     existing = cache
     while not existing.exists() and existing != existing.parent:
         existing = existing.parent

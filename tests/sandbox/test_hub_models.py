@@ -106,7 +106,7 @@ def test_a_repo_larger_than_the_free_disk_is_refused_before_anything_is_fetched(
     monkeypatch.setattr(shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(10**9, 10**9, 1000))
     with pytest.raises(BadInput, match=r"org/tiny needs 0.00 GiB and the Hugging Face cache .* has 0.00 GiB free"):
         hub.resolve(ref("org/tiny", tmp_path))
-    assert not any(path.endswith("/model.safetensors") for _, path, _ in fake_hub.requests)
+    assert not any(method == "GET" and path.endswith("/model.safetensors") for method, path, _ in fake_hub.requests)
 
 
 def test_offline_the_cache_answers_without_a_request(fake_hub, tmp_path, monkeypatch):
@@ -216,3 +216,56 @@ def test_hostile_hub_shaped_values_never_reach_the_hub(fake_hub, tmp_path):
         assert hub.hub_ref(value, tmp_path) is None, value
         assert hub.bind(tmp_path, value, dataset=value).models == ()
     assert fake_hub.requests == []
+
+
+def test_offline_a_cached_snapshot_of_pickled_weights_still_needs_the_trusted_setting(fake_hub, tmp_path, monkeypatch):
+    hub.resolve(ref("org/pickled", tmp_path), allow_pickled=True)  # in the cache, as another run left it
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(BadInput, match=r"only pickled weights \(pytorch_model.bin\).*runs.allow_pickled_weights"):
+        hub.resolve(ref("org/pickled", tmp_path))
+    assert (Path(hub.resolve(ref("org/pickled", tmp_path), allow_pickled=True).path) / "pytorch_model.bin").is_file()
+
+
+def test_an_id_huggingface_hub_refuses_is_bad_input_and_the_two_agree_on_every_id(tmp_path):
+    from huggingface_hub.errors import HFValidationError
+    from huggingface_hub.utils import validate_repo_id
+
+    ids = ["org--x/name", "org/na--me", "org/name-", "org/-name", "org/.name", "org/name.", "o/n", "org_x/na.me",
+           "Org-1/Name_2.v3", "a" * 96 + "/b", "a" * 97 + "/b", "org/" + "n" * 96, "org/" + "n" * 97, "org/n_-_x"]
+    for value in ids:
+        try:
+            validate_repo_id(value)
+            valid = True
+        except HFValidationError:
+            valid = False
+        try:
+            shaped = hub.hub_ref(value, tmp_path)
+        except BadInput as e:
+            assert not valid, value
+            assert str(e).startswith(f"{value!r} is shaped like a Hub id, which huggingface_hub refuses ("), value
+            continue
+        assert (shaped is not None) == valid or (shaped is None and not valid), value
+    with pytest.raises(BadInput, match="Cannot have -- or .. in repo_id"):
+        hub.hub_ref("org--x/name", tmp_path)
+
+
+def test_an_unreachable_hub_is_bad_input_that_says_what_to_do(fake_hub, tmp_path, monkeypatch):
+    import socket
+
+    with socket.socket() as closed:  # a port on this machine nothing listens on
+        closed.bind(("127.0.0.1", 0))
+        port = closed.getsockname()[1]
+    monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{port}")
+    with pytest.raises(BadInput) as refused:
+        hub.resolve(ref("org/tiny", tmp_path))
+    message = str(refused.value)
+    assert message.startswith(f"org/tiny could not be downloaded: the Hub at http://127.0.0.1:{port} cannot be reached")
+    assert message.endswith("check the network and HF_ENDPOINT, or use a model already in the cache with HF_HUB_OFFLINE=1")
+
+
+def test_a_model_already_in_the_cache_is_not_refused_for_the_disk_it_would_not_use(fake_hub, tmp_path, monkeypatch):
+    import shutil
+
+    first = hub.resolve(ref("org/tiny", tmp_path))
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(10**9, 10**9, 1000))
+    assert hub.resolve(ref("org/tiny", tmp_path)).commit == first.commit
