@@ -11,6 +11,7 @@ a client that cannot send headers, and says so.
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
 import os
@@ -18,6 +19,8 @@ import secrets
 import sys
 from pathlib import Path
 from typing import Any, Awaitable, Callable, Mapping
+
+from mcp_server.limits import HTTP_HEADER_TIMEOUT_S, MAX_HTTP_CONNECTIONS
 
 TOKEN_FILENAME = "http-token"
 HOST = "127.0.0.1"
@@ -91,4 +94,56 @@ def serve_http(server, port: int, auth: bool = True) -> None:
     else:
         print(f"trainwright: serving MCP at {url} WITHOUT authentication (--no-auth): "
               "every local user and process can call its tools", file=sys.stderr, flush=True)
-    uvicorn.Server(uvicorn.Config(app, host=HOST, port=port, log_level="warning")).run()
+    uvicorn.Server(uvicorn.Config(app, host=HOST, port=port, log_level="warning", http=bounded_protocol())).run()
+
+
+def bounded_protocol() -> type:
+    """uvicorn's h11 protocol, with a connection closed when its request's headers have not all
+    arrived :data:`HTTP_HEADER_TIMEOUT_S` after it opened (or after its last response), and one
+    beyond :data:`MAX_HTTP_CONNECTIONS` closed at once: half-sent requests cannot hold the
+    server's file descriptors (uvicorn times out only idle keep-alive connections)."""
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    class BoundedH11Protocol(H11Protocol):
+        header_timer: asyncio.TimerHandle | None = None
+
+        def connection_made(self, transport) -> None:  # type: ignore[override]
+            super().connection_made(transport)
+            if len(self.connections) > MAX_HTTP_CONNECTIONS:
+                transport.close()
+                return
+            self.arm()
+
+        def data_received(self, data: bytes) -> None:
+            if self.waiting_for_headers() and self.header_timer is None:
+                self.arm()
+            super().data_received(data)
+            if not self.waiting_for_headers():
+                self.disarm()
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            self.arm()  # the next request's headers are timed from here (and keep-alive as uvicorn does)
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self.disarm()
+            super().connection_lost(exc)
+
+        def waiting_for_headers(self) -> bool:
+            return self.cycle is None or self.cycle.response_complete
+
+        def arm(self) -> None:
+            self.disarm()
+            self.header_timer = self.loop.call_later(HTTP_HEADER_TIMEOUT_S, self.headers_too_slow)
+
+        def disarm(self) -> None:
+            if self.header_timer is not None:
+                self.header_timer.cancel()
+                self.header_timer = None
+
+        def headers_too_slow(self) -> None:
+            self.header_timer = None
+            if self.waiting_for_headers() and not self.transport.is_closing():
+                self.transport.close()
+
+    return BoundedH11Protocol

@@ -83,3 +83,41 @@ def test_with_the_token_the_tools_are_served(served):
         with portal.wrap_async_context_manager(Client(streamable_http_client(url, http_client=http_client))) as client:
             tools = portal.call(client.list_tools).tools
     assert "launch_run" in {t.name for t in tools}
+
+
+def test_half_sent_requests_are_closed_after_the_header_timeout_and_never_starve_the_server(served):
+    """Connections that send part of a request's headers and wait held a file descriptor each
+    for ever (520 of them starved a server limited to 512 files)."""
+    from mcp_server.limits import HTTP_HEADER_TIMEOUT_S, MAX_HTTP_CONNECTIONS
+
+    url, _, _ = served
+    port = int(url.split(":")[2].split("/")[0])
+    half_sent = []
+    for _ in range(MAX_HTTP_CONNECTIONS + 20):
+        connection = socket.create_connection(("127.0.0.1", port), timeout=5)
+        connection.sendall(b"POST /mcp HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: ")  # the headers never end
+        half_sent.append(connection)
+    try:
+        time.sleep(1)
+        # Beyond the bound, connections are closed at once; a client still gets its answer.
+        closed_at_once = sum(_closed(c, wait_s=0.2) for c in half_sent)
+        assert closed_at_once >= 20
+        started = time.monotonic()
+        while time.monotonic() - started < HTTP_HEADER_TIMEOUT_S + 10 and not all(_closed(c, 0.1) for c in half_sent):
+            time.sleep(0.5)
+        assert all(_closed(c, 0.1) for c in half_sent), "half-sent requests are still open"
+        assert httpx.post(url, json=INITIALIZE, headers=HEADERS, timeout=10).status_code == 401  # answered
+    finally:
+        for connection in half_sent:
+            connection.close()
+
+
+def _closed(connection: socket.socket, wait_s: float) -> bool:
+    """Whether the server closed ``connection`` (it reads an end of file or a reset)."""
+    connection.settimeout(wait_s)
+    try:
+        return connection.recv(1) == b""
+    except socket.timeout:
+        return False
+    except OSError:
+        return True
