@@ -142,17 +142,6 @@ def root_cause(error: BaseException) -> BaseException:
     return error
 
 
-LOW_SPACE_BYTES = 1 << 20
-
-
-def _free_bytes(path: Path) -> int | None:
-    try:
-        info = os.statvfs(path)
-    except OSError:
-        return None
-    return info.f_bavail * info.f_frsize
-
-
 def _describe_save_failure(step: int, error: BaseException, previous: int | None, free: int | None) -> str:
     """One line for run.json: what failed, in words a user acts on, and what is left."""
     cause = root_cause(error)
@@ -160,7 +149,7 @@ def _describe_save_failure(step: int, error: BaseException, previous: int | None
         what = f"{cause.strerror or os.strerror(cause.errno)} (errno {cause.errno})"
     else:
         what = f"{type(cause).__name__}: {cause}".splitlines()[0]
-        if free is not None and free < LOW_SPACE_BYTES:
+        if free is not None and free < rd.LOW_SPACE_BYTES:
             # torch's zip writer reports a full disk as a position mismatch, not as ENOSPC.
             what = f"No space left on device ({free:,} bytes free where checkpoints are written; {what})"
     kept = (
@@ -203,7 +192,7 @@ class Checkpointer:
                 _fsync_dir(self.root)
                 self._prune()
         except BaseException as e:
-            free = _free_bytes(self.root)  # before the partial folder is removed
+            free = rd.free_bytes(self.root)  # before the partial folder is removed
             if self.is_main:
                 shutil.rmtree(partial, ignore_errors=True)
             if isinstance(e, (KeyboardInterrupt, SystemExit)):

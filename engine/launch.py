@@ -16,6 +16,8 @@ refuse a bad launch before they create a run directory, and to describe a recipe
 from __future__ import annotations
 
 import argparse
+import contextlib
+import errno
 import importlib.util
 import json
 import os
@@ -216,11 +218,14 @@ def train(recipe_class, config, args: argparse.Namespace, data=None) -> int:
         if dist_info.is_main:
             traceback.print_exc()
             outcome = {} if supervised else {"status": rd.FAILED, "ended_at": rd.utc_now()}
-            rd.update_run(run_dir, error=f"{type(e).__name__}: {e}"[:2000], **outcome)
+            error = f"{type(e).__name__}: {e}"
+            if isinstance(e, OSError) and e.errno == errno.ENOSPC:  # where, and how much is left there
+                error = rd.no_space_message(e.filename or run_dir, error)
+            with contextlib.suppress(OSError):  # on a full disk the supervisor says it (runner/supervise.py)
+                rd.update_run(run_dir, error=error[:2000], **outcome)
         if isinstance(e, KeyboardInterrupt):
             return 130
-        from engine.errors import BadInput  # a config the recipe refused, a corrupt checkpoint
-
+        # Bad input: a config the recipe refused, a corrupt checkpoint.
         return EXIT_BAD_INPUT if isinstance(e, BadInput) else EXIT_RUN_FAILED
     finally:
         if dist.is_initialized():

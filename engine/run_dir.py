@@ -87,6 +87,29 @@ def new_run_id(recipe_name: str) -> str:
     return f"{stamp}-{safe_name}-{secrets.token_hex(2)}"
 
 
+LOW_SPACE_BYTES = 1 << 20  # below this, a failed write is taken for a full disk
+
+
+def free_bytes(path: Path | str) -> int | None:
+    """The bytes free for this user on the file system of ``path`` (or of its nearest existing
+    parent), or None where it cannot be told."""
+    path = Path(path)
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    try:
+        info = os.statvfs(path)
+    except OSError:
+        return None
+    return info.f_bavail * info.f_frsize
+
+
+def no_space_message(path: Path | str, what: str) -> str:
+    """One line for a run that failed on a full disk: where, and how much is free there."""
+    free = free_bytes(path)
+    shown = f"{free:,} bytes free" if free is not None else "free space unknown"
+    return f"no space left on the device of {path} ({shown}): {what}; free some space, then resume from the last checkpoint"
+
+
 def checkpoint_dir_name(step: int) -> str:
     return f"step-{step:08d}"
 

@@ -272,7 +272,7 @@ class Supervisor:
         else:
             fields["status"] = rd.FAILED
             # The engine's own message (the run wrote it: text to show, bounded, nothing more).
-            fields["error"] = _reported_error(self.run_dir) or _describe_exit(code)
+            fields["error"] = failure_error(_reported_error(self.run_dir), code, self.run_dir)
             if record.nnodes > 1:  # the usual cause is elsewhere: say where to look
                 fields["error"] = (
                     f"node {record.node_rank} of a run over {record.nnodes} nodes failed; a run over several nodes "
@@ -334,6 +334,18 @@ def _reported_error(run_dir: Path) -> str | None:
     except (OSError, ValueError):
         return None
     return _CONTROL.sub(" ", error)[:2000] if error else None
+
+
+def failure_error(reported: str | None, code: int, run_dir: Path, free: int | None = None) -> str:
+    """Why a run failed: what the engine reported, else its exit, named as a full disk where the
+    run directory's disk is (nearly) full (the engine may not have been able to say so)."""
+    if reported:
+        return reported
+    free = rd.free_bytes(run_dir) if free is None else free
+    if free is not None and free < rd.LOW_SPACE_BYTES:
+        return f"no space left on the device of {run_dir} ({free:,} bytes free): {_describe_exit(code)}; " \
+               "free some space, then resume from the last checkpoint"
+    return _describe_exit(code)
 
 
 def _describe_exit(code: int) -> str:

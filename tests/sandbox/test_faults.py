@@ -223,3 +223,41 @@ def test_a_server_killed_during_apply_skill_leaves_the_recipe_as_before_or_as_af
     assert list(target.parent.glob(".recipe.py.*.tmp")) == []
     status = subprocess.run(["git", "status", "--porcelain"], cwd=ws.root, capture_output=True, text=True).stdout
     assert status == "", status
+
+
+FILLS_BETWEEN_CHECKPOINTS = '''import errno
+import os
+
+
+class FillsUp(CausalLM):
+    """The disk fills at step 3, between checkpoints: writing the step's metrics fails as on a full disk."""
+
+    def log_step(self, *args, **kwargs):
+        if self.state.step >= 3:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(self.run_dir / "metrics.jsonl"))
+        return super().log_step(*args, **kwargs)
+'''
+
+
+def test_a_disk_that_fills_between_checkpoints_is_named_with_where_and_how_much_is_free(ws):
+    recipe = "recipes/" + derived_recipe(ws.root, "fillsup", FILLS_BETWEEN_CHECKPOINTS).name
+    launched = run_ops.launch_run(ws, recipe, 1, [*TINY, "train.max_steps=6", "train.log_every=1",
+                                                  "checkpoint.every=2"])
+    run_dir = ws.runs_dir / launched.run_id
+    assert wait_final(run_dir).status == rd.FAILED
+    error = run_ops.get_run(ws, launched.run_id).error
+    assert error.startswith(f"no space left on the device of {run_dir / 'metrics.jsonl'} ("), error
+    assert " bytes free): OSError: [Errno 28] No space left on device" in error
+    assert error.endswith("free some space, then resume from the last checkpoint")
+
+
+def test_a_failure_with_no_word_from_the_engine_on_a_full_disk_is_named_by_the_supervisor(tmp_path):
+    """On a full disk the engine may not be able to write its error: the supervisor looks."""
+    from runner.supervise import failure_error
+
+    assert failure_error(None, 1, tmp_path, free=4096) == (
+        f"no space left on the device of {tmp_path} (4,096 bytes free): the run's main process exited with "
+        "status 1; see console.log; free some space, then resume from the last checkpoint")
+    assert failure_error(None, 1, tmp_path, free=10 * rd.LOW_SPACE_BYTES) == (
+        "the run's main process exited with status 1; see console.log")
+    assert failure_error("ValueError: the engine's own words", 1, tmp_path, free=0) == "ValueError: the engine's own words"
