@@ -21,6 +21,7 @@ directory, so load from the export's folder or pass the base model yourself.
 from __future__ import annotations
 
 import copy
+import json
 import os
 import sys
 from pathlib import Path
@@ -101,17 +102,35 @@ def export(
         result["lora"] = "adapter"
         result["base_model"] = _save_adapter(model, out, final_dir, max_shard_size)
         if processing is not None and (out / ADAPTER_BASE_DIRNAME).is_dir():
-            processing.save_pretrained(out / ADAPTER_BASE_DIRNAME)  # the base folder loads on its own too
+            save_processing(processing, out / ADAPTER_BASE_DIRNAME)  # the base folder loads on its own too
     else:
         if layers:
             unload_lora(model, merge=True)
             result["lora"] = "merged"
         model.save_pretrained(out, max_shard_size=max_shard_size)
     if processing is not None:
-        processing.save_pretrained(out)
+        save_processing(processing, out)
     result["tokenizer"] = type(processing).__name__ if processing is not None else None
     result["parameters"] = sum(p.numel() for p in model.parameters())
     return result
+
+
+# What loading puts into a tokenizer's or processor's saved config: how it was loaded here, not
+# what it is (``from_pretrained(..., local_files_only=True)`` writes them back out).
+LOAD_TIME_KEYS = ("local_files_only", "is_local", "_commit_hash", "cache_dir", "force_download", "token")
+
+
+def save_processing(processing: Any, out: Path) -> None:
+    """``processing.save_pretrained(out)``, with the load-time keys left out of its config files."""
+    processing.save_pretrained(out)
+    for name in ("tokenizer_config.json", "processor_config.json", "preprocessor_config.json"):
+        path = Path(out) / name
+        if not path.is_file():
+            continue
+        config = json.loads(path.read_text())
+        if isinstance(config, dict) and any(key in config for key in LOAD_TIME_KEYS):
+            cleaned = {key: value for key, value in config.items() if key not in LOAD_TIME_KEYS}
+            path.write_text(json.dumps(cleaned, indent=2, ensure_ascii=False) + "\n")
 
 
 def adapter_base_reference(base: str, final_dir: Path) -> str:
