@@ -132,7 +132,7 @@ class NoArgs(ToolArgs):
 
 
 class GetSkillArgs(ToolArgs):
-    name: Annotated[str, Field(description="A skill name from list_skills.")]
+    skill: Annotated[str, Field(description="A skill name from list_skills.")]
 
 
 class ApplySkillArgs(ToolArgs):
@@ -324,7 +324,7 @@ def _list_skills(ws: Any, a: NoArgs, report: Report) -> SkillList:
 def _get_skill(ws: Any, a: GetSkillArgs, report: Report) -> SkillDetail:
     from mcp_server.operations import skills
 
-    return skills.get_skill(a.name)
+    return skills.get_skill(a.skill)
 
 
 def _apply_skill(ws: Any, a: ApplySkillArgs, report: Report) -> ApplySkillResult:

@@ -66,7 +66,7 @@ peak memory and warnings. No run yet: launch_run(recipe={recipe}, overrides={{"t
 and wait_run until it ends.
 2. list_skills(): pick the ones the run's figures call for (padding_frac above 0.3: \
 sequence-packing; a CUDA GPU: flash-attention, liger-kernel, mixed-precision; many steps of one \
-shape: torch-compile). get_skill(name) for each: its "When to use" must fit.
+shape: torch-compile). get_skill(skill) for each: its "When to use" must fit.
 3. apply_skill(skill, recipe={recipe}, dry_run=true) to read the diff, then apply it (one commit \
 per skill); note its commit C.
 4. Measure each skill as an A/B, its commit against the one before it, with the same overrides O \

@@ -58,14 +58,14 @@ def test_the_inspector_lists_every_tool_with_its_schemas(npx, workspace):
     listing = inspect(npx, workspace, "--method", "tools/list", timeout=FIRST_RUN_TIMEOUT_S)
     tools = {tool["name"]: tool for tool in listing["tools"]}
     assert set(tools) == TOOLS
-    assert tools["get_skill"]["inputSchema"]["required"] == ["name"]
+    assert tools["get_skill"]["inputSchema"]["required"] == ["skill"]
     assert tools["stop_run"]["annotations"]["destructiveHint"] is True
     assert all(tool["outputSchema"]["type"] == "object" for tool in tools.values())
 
 
 def test_the_inspector_calls_a_tool_and_gets_structured_content(npx, workspace):
     result = inspect(npx, workspace, "--method", "tools/call", "--tool-name", "get_skill",
-                     "--tool-arg", "name=gradient-checkpointing")
+                     "--tool-arg", "skill=gradient-checkpointing")
     assert result["isError"] is False
     assert result["structuredContent"]["name"] == "gradient-checkpointing"
     assert result["structuredContent"]["skill_md"].startswith("---\nname: gradient-checkpointing\n")

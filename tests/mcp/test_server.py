@@ -185,7 +185,7 @@ from mcp_server.server import build_server
 async def main():
     async with Client(build_server(sys.argv[1])) as client:
         await client.list_tools()
-        for name, arguments in [("list_skills", {}), ("get_skill", {"name": "gradient-checkpointing"}),
+        for name, arguments in [("list_skills", {}), ("get_skill", {"skill": "gradient-checkpointing"}),
                                 ("list_templates", {}), ("list_runs", {})]:
             assert not (await client.call_tool(name, arguments)).is_error, name
 

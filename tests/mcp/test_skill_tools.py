@@ -33,7 +33,7 @@ def test_list_skills_names_each_skill_with_a_description_and_version(client):
 
 
 def test_get_skill_returns_the_skill_md_and_its_parameter_schema(client):
-    skill = client.ok("get_skill", name=SKILL)
+    skill = client.ok("get_skill", skill=SKILL)
     assert skill["name"] == SKILL
     assert skill["skill_md"].startswith("---\nname: gradient-checkpointing\n")
     assert skill["params_schema"]["type"] == "object"
@@ -42,12 +42,12 @@ def test_get_skill_returns_the_skill_md_and_its_parameter_schema(client):
 
 def test_the_skill_resource_is_the_skill_md(client):
     assert f"skill://{SKILL}" in client.resources()
-    assert client.read_text(f"skill://{SKILL}") == client.ok("get_skill", name=SKILL)["skill_md"]
+    assert client.read_text(f"skill://{SKILL}") == client.ok("get_skill", skill=SKILL)["skill_md"]
 
 
 def test_an_unknown_skill_is_a_tool_error_that_lists_the_skills(client, recipe):
     for message in (
-        client.error("get_skill", name="gradient-checkpoint"),
+        client.error("get_skill", skill="gradient-checkpoint"),
         client.error("apply_skill", skill="gradient-checkpoint", recipe=recipe),
     ):
         assert "no skill named 'gradient-checkpoint'" in message

@@ -20,7 +20,7 @@ def client(tmp_path_factory):
     ("get_run", {}, "bad_input"),
     ("get_run", {"run_id": 5}, "bad_input"),
     ("list_runs", {"limit": "many"}, "bad_input"),
-    ("get_skill", {"name": "x" * 200_000}, "bad_input"),
+    ("get_skill", {"skill": "x" * 200_000}, "bad_input"),
     ("get_run", {"run_id": "20260101-000000-lm-none"}, "not_found"),
 ])
 def test_every_refusal_names_its_kind(client, tool, arguments, kind):

@@ -36,7 +36,7 @@ def calls(workspace, monkeypatch):
             "unknown": client.call("delete_everything", {"api_key": SECRET}),
             "params": client.call("apply_skill", {"skill": "gradient-checkpointing", "recipe": "recipes/lm",
                                                   "params": {"api_key": SECRET, "note": GITHUB_TOKEN}, "dry_run": True}),
-            "huge": client.call("get_skill", {"name": "x" * 200_000}),
+            "huge": client.call("get_skill", {"skill": "x" * 200_000}),
         }
     return results, AuditLog(workspace / ".trainwright").tail(100)
 
@@ -51,7 +51,7 @@ def test_every_call_is_one_entry_with_its_outcome(calls):
     assert "not a plain name" in entries[1]["error"]
     assert "valid integer" in entries[2]["error"]
     assert "unknown tool" in entries[3]["error"]
-    assert entries[5]["arguments"] == {"size": 200_011} and "too large" in entries[5]["error"]
+    assert entries[5]["arguments"] == {"size": 200_012} and "too large" in entries[5]["error"]
     for entry in entries:
         assert entry["time"].endswith("+00:00")
 
@@ -68,9 +68,9 @@ def test_secrets_are_redacted_in_the_log_and_in_what_the_agent_sees(calls, works
 
 def test_long_values_are_cut_in_the_log(workspace):
     log = AuditLog(workspace / ".trainwright")
-    log.record("get_skill", {"name": "y" * 10_000, "items": list(range(500))}, "error", error="z" * 10_000)
+    log.record("get_skill", {"skill": "y" * 10_000, "items": list(range(500))}, "error", error="z" * 10_000)
     entry = log.tail(1)[0]
-    assert len(entry["arguments"]["name"]) <= 501 and len(entry["arguments"]["items"]) == 50
+    assert len(entry["arguments"]["skill"]) <= 501 and len(entry["arguments"]["items"]) == 50
     assert len(entry["error"]) <= 501
 
 

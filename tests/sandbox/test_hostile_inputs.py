@@ -133,7 +133,7 @@ WRONG_TYPES = [5, -1, 1.5, True, None, [], ["lm"], {}, {"path": "lm"}]
 BAD_COUNTS = [0, -1, -(2**63), 2**63, 10**30, 1.5, "two", "", None, [], {}]
 
 CASES: list[tuple[str, dict]] = []
-CASES += [("get_skill", {"name": v}) for v in BAD_NAMES + WRONG_TYPES]
+CASES += [("get_skill", {"skill": v}) for v in BAD_NAMES + WRONG_TYPES]
 CASES += [("apply_skill", {"skill": SKILL, "recipe": v, "dry_run": True}) for v in BAD_PATHS + WRONG_TYPES]
 CASES += [("apply_skill", {"skill": SKILL, "recipe": v}) for v in BAD_PATHS[:12]]
 CASES += [("apply_skill", {"skill": v, "recipe": "recipes/lm"}) for v in BAD_NAMES + WRONG_TYPES]
@@ -229,8 +229,8 @@ def test_a_refused_path_says_why(ctx):
     assert "NUL" in ctx.assert_refused("launch_run", {"recipe": "recipes/lm\x00"})
     assert "not a plain name" in ctx.assert_refused("get_run", {"run_id": "../x"})
     assert ".git/" in ctx.assert_refused("apply_skill", {"skill": SKILL, "recipe": ".git", "dry_run": True})
-    assert "longer than 128" in ctx.assert_refused("get_skill", {"name": "x" * 5000})
-    assert "arguments are too large" in ctx.assert_refused("get_skill", {"name": HUGE})
+    assert "longer than 128" in ctx.assert_refused("get_skill", {"skill": "x" * 5000})
+    assert "arguments are too large" in ctx.assert_refused("get_skill", {"skill": HUGE})
     assert "unknown tool" in ctx.assert_refused("x" * 5000, {})
 
 
@@ -323,7 +323,7 @@ def test_generated_names_are_refused(ctx, name, tool):
 
     if tool == "get_skill":
         assume(name not in {s.name for s in skills.list_skills()})
-        ctx.assert_refused("get_skill", {"name": name})
+        ctx.assert_refused("get_skill", {"skill": name})
     else:
         ctx.assert_refused("scaffold_recipe", {"template": name, "name": "fresh"} if name != "causal_lm" else {"template": "causal_lm", "name": "../x"})
 
@@ -341,7 +341,7 @@ def test_generated_out_of_range_numbers_are_refused(ctx, nproc, n, limit):
 
 @SETTINGS
 @given(value=ANY_JSON.filter(lambda v: not isinstance(v, str)),
-       tool_and_key=st.sampled_from([("get_skill", "name"), ("get_run", "run_id"), ("launch_run", "recipe"),
+       tool_and_key=st.sampled_from([("get_skill", "skill"), ("get_run", "run_id"), ("launch_run", "recipe"),
                                      ("list_checkpoints", "run_id"), ("stop_run", "run_id")]))
 def test_generated_wrong_types_are_refused(ctx, value, tool_and_key):
     tool, key = tool_and_key

@@ -51,7 +51,7 @@ def test_tools_that_change_something_are_not_served_and_nothing_changes(workspac
             result = client.call(tool, arguments)
             assert result.is_error and "unknown tool" in error_text(result), tool
         for tool, arguments in {
-            "list_skills": {}, "get_skill": {"name": "lora"}, "list_templates": {}, "list_runs": {},
+            "list_skills": {}, "get_skill": {"skill": "lora"}, "list_templates": {}, "list_runs": {},
             "get_run": {"run_id": RUN_ID}, "tail_metrics": {"run_id": RUN_ID}, "list_checkpoints": {"run_id": RUN_ID},
             "describe_recipe": {"recipe": "recipes/lm"}, "list_recipes": {},
             "wait_run": {"run_id": RUN_ID, "timeout_s": 1},

@@ -76,7 +76,7 @@ def test_stop_run_on_a_finished_run_is_bounded_too(client):
 
 
 @pytest.mark.parametrize("tool, arguments", [
-    ("list_skills", {}), ("list_templates", {}), ("get_skill", {"name": "lora"}),
+    ("list_skills", {}), ("list_templates", {}), ("get_skill", {"skill": "lora"}),
     ("apply_skill", {"skill": "gradient-checkpointing", "recipe": "recipes/lm", "dry_run": True}),
 ])
 def test_the_other_tools_are_bounded(client, tool, arguments):
@@ -91,7 +91,7 @@ def test_the_run_log_resource_is_bounded(client):
 @pytest.mark.parametrize("tool, arguments", [
     ("list_runs", {}), ("get_run", {"run_id": BIG}), ("tail_metrics", {"run_id": BIG}),
     ("list_checkpoints", {"run_id": BIG}), ("list_skills", {}), ("list_templates", {}),
-    *[("get_skill", {"name": name}) for name in ("muon", "lora", "sequence-packing", "flash-attention")],
+    *[("get_skill", {"skill": name}) for name in ("muon", "lora", "sequence-packing", "flash-attention")],
     *[("apply_skill", {"skill": name, "recipe": "recipes/lm", "dry_run": True})
       for name in ("muon", "sequence-packing", "loss-guard", "tensor-parallel")],
 ])
