@@ -352,12 +352,16 @@ def pretrained_model_keys(config: BaseModel) -> dict[str, Any]:
 
 
 def _pretrained_config(path: str) -> dict[str, Any] | None:
-    """The config.json of a local model folder (confined like every data path), or None."""
-    from engine.data_files import confined_file
+    """The config.json of a local model folder (confined like every data path), or of the
+    snapshot the server bound for a Hub id; None where there is none."""
+    from engine.data_files import HUB_MODELS_VARIABLE, bound_hub_path, confined_file
 
     try:
         config_file = confined_file(Path(path) / "config.json")
         if config_file is None:
+            bound = bound_hub_path(HUB_MODELS_VARIABLE, path)  # in the Hugging Face cache, bound read-only
+            config_file = Path(bound) / "config.json" if bound is not None else None
+        if config_file is None or not config_file.is_file():
             return None
         with open(config_file, "rb") as f:
             data = json.loads(f.read(MAX_PRETRAINED_CONFIG_BYTES))

@@ -63,3 +63,26 @@ def test_a_config_json_outside_the_workspace_is_not_read(tmp_path, monkeypatch):
     config = build_config(recipe_class.config_class, None, {"model.num_layers": 2,
                                                             "model.pretrained_path": str(outside)})
     assert config_changes(config)["model.num_layers"] == 2
+
+
+def test_a_hub_id_the_server_bound_shows_the_models_keys_as_a_folder_does(tmp_path, monkeypatch):
+    """With model.pretrained_path a Hub id, run.json recorded the template's sizes (128 / 344)
+    while the model trained was 64 / 160."""
+    from engine.data_files import HUB_MODELS_VARIABLE
+    from engine.launch import load_recipe_class
+
+    monkeypatch.delenv("TRAINWRIGHT_WORKSPACE", raising=False)
+    snapshot = tmp_path / "hf" / "hub" / "models--org--tiny" / "snapshots" / ("a" * 40)
+    snapshot.mkdir(parents=True)
+    (snapshot / "config.json").write_text(json.dumps({**PRETRAINED, "hidden_size": 64, "intermediate_size": 160}))
+    monkeypatch.setenv(HUB_MODELS_VARIABLE, json.dumps({"org/tiny": str(snapshot)}))
+    recipe_class = load_recipe_class(REPO / "recipes_template" / "sft")
+    config = build_config(recipe_class.config_class, None, {"model.pretrained_path": "org/tiny"})
+    changes = config_changes(config)
+    assert (changes["model.hidden_size"], changes["model.intermediate_size"]) == (64, 160)
+    fields = {f["key"]: f for f in describe_fields(config)}
+    assert fields["model.hidden_size"]["description"].startswith(
+        "unused: model.pretrained_path is set, so the model's config.json gives 64")
+    monkeypatch.delenv(HUB_MODELS_VARIABLE)  # not bound: nothing to read, the recipe's keys stand
+    assert "model.intermediate_size" not in config_changes(config) or \
+        config_changes(config)["model.intermediate_size"] != 160
