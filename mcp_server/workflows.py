@@ -36,23 +36,25 @@ def finetune(
     template: Annotated[str, Field(description="sft (default), dpo, causal_lm or vlm.")] = "sft",
     name: Annotated[str, Field(description="The recipe's name (default: finetune).")] = "finetune",
 ) -> str:
-    recipe = _quoted(f"recipes/{name.strip()}")
+    recipe, exported = _quoted(f"recipes/{name.strip()}"), _quoted(f"exports/{name.strip()}")
     model, data, template, name = _quoted(model), _quoted(data), _quoted(template), _quoted(name)
     return f"""Fine-tune {model} on {data} with trainwright's {template} template, step by step:
 1. describe_recipe(recipe={template}): read the config keys, and which data formats it reads.
 2. scaffold_recipe(template={template}, name={name}, config={{"model.pretrained_path": {model}, \
-"data.paths": [{data}], "train.max_steps": 20}}); for a Hub data set id use "data.dataset": \
-{data} instead of data.paths. Read the data summary in the result (format, mask, loss_tokens, \
-dropped): set data.format or data.columns if they are not what the user meant.
+"data.paths": [{data}], "train.max_steps": 20, "train.log_every": 2}}); for a Hub data set id use \
+"data.dataset": {data} instead of data.paths.
 3. apply_skill(skill="lora", recipe={recipe}) for a model of more than ~100 M \
 parameters, and apply_skill(skill="gradient-checkpointing", ...) when memory is short \
 (list_skills() has the others).
-4. launch_run(recipe={recipe}) as a short smoke run; wait_run(run_id, until_step=5), \
-then tail_metrics(run_id): the loss must fall and not be nan.
-5. resume_checkpoint(run_id, step, overrides={{"train.max_steps": N}}) or launch_run with \
+4. launch_run(recipe={recipe}) as a short smoke run, then get_run(run_id): read its data summary \
+(data: format, mask, loss_tokens, dropped) and set data.format or data.columns if they are not what \
+the user meant. wait_run(run_id) until it ends, then tail_metrics(run_id): the loss must fall and \
+not be nan.
+5. resume_checkpoint(run_id, overrides={{"train.max_steps": N}}) or launch_run with \
 overrides for the full run; wait_run(run_id) until it ends (call again on reason "timeout").
 6. evaluate(run_id) for held-out loss and task metrics (note their sample count), \
-sample(run_id, prompts) to read answers, and export_checkpoint(run_id) for a Hugging Face folder.
+sample(run_id, prompts) to read answers, and export_checkpoint(run_id, to={exported}) for a \
+Hugging Face folder.
 Stop and report the error text to the user if a step fails twice."""
 
 

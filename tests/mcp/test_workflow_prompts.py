@@ -114,3 +114,39 @@ def test_speed_up_measures_each_skill_as_an_interleaved_a_b_of_its_commit(sessio
     without, with_it = text.index('commit="C^") (a: without it)'), text.index('commit="C") (b: with it)')
     assert without < with_it < text.index("then b again and a again") < text.index("compare_runs(run_a, run_b)")
     assert '`trainwright ab SKILL "recipes/lm" --steps 30 --note`' in text
+
+
+@pytest.mark.slow
+def test_the_finetune_prompts_calls_succeed_as_written_and_what_it_says_to_read_is_there(tmp_path):
+    """The prompt's own scaffold config, run: the data summary it sends the agent to is in
+    get_run, the smoke run logs enough records to see the loss fall, the export it names works."""
+    import json
+    import shutil
+
+    from tests.model_families import tiny_model_folder
+
+    workspace = make_workspace(tmp_path / "ws")
+    tiny_model_folder(workspace / "models" / "tiny", "qwen2")
+    (workspace / "data").mkdir()
+    chats = [{"messages": [{"role": "user", "content": f"What is {a} + {b}?"},
+                           {"role": "assistant", "content": str(a + b)}]} for a in range(8) for b in range(8)]
+    (workspace / "data" / "chats.jsonl").write_text("".join(json.dumps(c) + "\n" for c in chats))
+    with connect("memory", workspace) as session:
+        text = prompt_text(session, "finetune", model="models/tiny", data="data/chats.jsonl", name="chat")
+        config = json.loads(re.search(r"scaffold_recipe\(template=\"sft\", name=\"chat\", config=(\{.*?\})\);",
+                                      text).group(1))
+        assert session.ok("describe_recipe", recipe="sft")["fields"]
+        assert session.ok("scaffold_recipe", template="sft", name="chat", config=config)["path"] == "recipes/chat"
+        assert 'launch_run(recipe="recipes/chat")' in text
+        run_id = session.ok("launch_run", recipe="recipes/chat")["run_id"]
+        info = session.wait_for_run(run_id)
+        assert info["status"] == "completed", info
+        data = session.ok("get_run", run_id=run_id)["data"]
+        assert (data["format"], data["mask"], data["dropped"]) == ("messages", "turn_render", 0) and data["loss_tokens"]
+        records = session.ok("tail_metrics", run_id=run_id)["records"]
+        assert len(records) >= 5 and records[-1]["loss"] < records[0]["loss"]  # "the loss must fall" can be read
+        to = re.search(r"export_checkpoint\(run_id, to=\"([^\"]+)\"\)", text).group(1)
+        assert to == "exports/chat"
+        assert session.ok("export_checkpoint", run_id=run_id, to=to)["path"].endswith("exports/chat")
+        assert (workspace / "exports" / "chat" / "config.json").is_file()
+        shutil.rmtree(workspace / "exports")
