@@ -9,13 +9,19 @@ came from, the skills applied to it — comes from the trailers of the commits t
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
+import json
 import os
-from collections import Counter
+import sys
+import threading
+from collections import Counter, OrderedDict
+from concurrent.futures import Future
 from pathlib import Path
 
 from engine import server_record as sr
 from engine.errors import BadInput, NotFound
-from mcp_server.limits import AGENT_BUDGET_CHARS, bounded, json_chars, text_bytes
+from mcp_server.limits import AGENT_BUDGET_CHARS, MAX_CONCURRENT_CHECKS, bounded, json_chars, text_bytes
 from mcp_server.models import (
     RecipeDescription,
     RecipeList,
@@ -70,22 +76,100 @@ def describe_recipe(ws: Workspace, recipe: str) -> RecipeDescription:
         if source is None:
             _refuse_a_script(ws, recipe)
             raise
-        verdict = check_launch(ws.root, source, 1, [], limits=ws.run_limits())
-        return _fit(RecipeDescription(recipe=f"template {recipe}", template=recipe, skills=[],
-                                      fields=verdict.fields))
+        fields = checked_fields(ws.root, source, ws.run_limits(), None)
+        return _fit(RecipeDescription(recipe=f"template {recipe}", template=recipe, skills=[], fields=fields))
     limits = ws.run_limits()
     models = hub.bind(ws.root, hub.recipe_config(recipe_dir, {}),
                       dataset=hub.recipe_config(recipe_dir, {}, hub.DATASET_KEY), allow_pickled=limits.allow_pickled_weights,
                       remote_code=limits.trust_remote_code)
-    verdict = check_launch(ws.root, recipe_dir, 1, [], limits=limits, models=models)
+    fields = checked_fields(ws.root, recipe_dir, limits, models)
     template, last_commit, _, skills = _history(ws, recipe_dir)
     described = RecipeDescription(
         recipe=ws.label(recipe_dir), template=template, last_commit=last_commit,
         hub_models=[hub_model_shown(m) for m in models.models],
-        skills=skills[-MAX_SKILLS_SHOWN:], fields=verdict.fields,
+        skills=skills[-MAX_SKILLS_SHOWN:], fields=fields,
         cut=len(skills) > MAX_SKILLS_SHOWN,
     )
     return _fit(described)
+
+
+# The launch check costs a sandboxed process that imports torch (~2.6 s alone); a recipe that has
+# not changed has the same config keys. So the keys are kept by a digest of everything the check
+# reads (the recipe folder's files, the engine's code, the trusted limits, the bound Hub models,
+# the interpreter), at most MAX_CACHED_CHECKS of them; callers of one recipe share one check in
+# flight, and at most MAX_CONCURRENT_CHECKS checks run at once (more callers wait, in turn).
+MAX_CACHED_CHECKS = 64
+MAX_HASHED_FILES, MAX_HASHED_BYTES = 500, 20 * 2**20
+_checked: OrderedDict[str, list] = OrderedDict()
+_in_flight: dict[str, Future] = {}
+_checked_lock = threading.Lock()
+_check_slots = threading.BoundedSemaphore(MAX_CONCURRENT_CHECKS)
+_engine_digest: list[str] = []
+
+
+def checked_fields(workspace: Path, folder: Path, limits, models) -> list:
+    """The config keys of the recipe (or template) in ``folder``, from the launch check or the
+    cache of an unchanged one."""
+    key = _check_key(folder, limits, models)
+    bound = {"models": models} if models is not None else {}
+    if key is None:  # too large to hash: checked each time
+        with _check_slots:
+            return check_launch(workspace, folder, 1, [], limits=limits, **bound).fields
+    with _checked_lock:
+        if key in _checked:
+            _checked.move_to_end(key)
+            return _checked[key]
+        future = _in_flight.get(key)
+        owner = future is None
+        if owner:
+            future = _in_flight[key] = Future()
+    assert future is not None
+    if not owner:
+        return future.result()
+    try:
+        with _check_slots:
+            fields = check_launch(workspace, folder, 1, [], limits=limits, **bound).fields
+        with _checked_lock:
+            _checked[key] = fields
+            while len(_checked) > MAX_CACHED_CHECKS:
+                _checked.popitem(last=False)
+        future.set_result(fields)
+        return fields
+    except BaseException as e:
+        future.set_exception(e)
+        raise
+    finally:
+        with _checked_lock:
+            _in_flight.pop(key, None)
+
+
+def _check_key(folder: Path, limits, models) -> str | None:
+    """A digest of what the launch check of ``folder`` depends on, or None (too many bytes)."""
+    digest = hashlib.sha256()
+    files = sorted(p for p in Path(folder).rglob("*") if p.is_file() and "__pycache__" not in p.parts)
+    if len(files) > MAX_HASHED_FILES:
+        return None
+    total = 0
+    for path in files:
+        try:
+            data = path.read_bytes()
+        except OSError:
+            return None
+        total += len(data)
+        if total > MAX_HASHED_BYTES:
+            return None
+        digest.update(f"{path.relative_to(folder).as_posix()}\0{len(data)}\0".encode() + data)
+    if not _engine_digest:
+        engine = Path(sr.__file__).parent
+        code = hashlib.sha256(sys.executable.encode())
+        for path in sorted(engine.rglob("*.py")):
+            code.update(path.read_bytes())
+        _engine_digest.append(code.hexdigest())
+    digest.update(_engine_digest[0].encode())
+    digest.update(json.dumps(dataclasses.asdict(limits), sort_keys=True, default=str).encode())
+    bound = [m.model_dump(mode="json") for m in models.models] if models is not None else []
+    digest.update(json.dumps(bound, sort_keys=True, default=str).encode())
+    return digest.hexdigest()
 
 
 def _refuse_a_script(ws: Workspace, recipe: str) -> None:
