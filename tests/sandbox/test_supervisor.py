@@ -13,6 +13,7 @@ import time
 import pytest
 
 from engine import run_dir as rd
+from engine import server_record as sr
 from sandbox import network
 from runner import processes
 from runner.lifecycle import stop_run
@@ -139,7 +140,7 @@ def test_stop_when_the_supervisor_is_gone_still_ends_the_run(tmp_path):
     os.kill(supervisor.pid, signal.SIGKILL)
     supervisor.wait()
     record = stop_run(record_folder(run_dir))
-    assert record.status == rd.STOPPED
+    assert (record.status, record.error) == (rd.FAILED, sr.SUPERVISOR_GONE)  # the failure stays; its processes end
     assert wait_gone(marked, timeout=10) == set()
 
 
