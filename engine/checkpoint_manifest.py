@@ -25,6 +25,8 @@ from pathlib import Path, PurePosixPath
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from engine.run_files import open_beneath
+
 MANIFEST = "manifest.json"
 MANIFEST_FORMAT = 1
 MAX_MANIFEST_BYTES = 1 << 20
@@ -74,56 +76,82 @@ def write_manifest(folder: Path) -> Manifest:
     return manifest
 
 
-def read_manifest(folder: Path) -> Manifest | str:
-    """The folder's manifest, or why it cannot be read (never through a link, bounded)."""
-    path = Path(folder) / MANIFEST
-    try:
-        info = os.lstat(path)
-    except FileNotFoundError:
-        return f"{MANIFEST} is missing (the save did not finish, or it was removed)"
-    except OSError as e:
-        return f"{MANIFEST} cannot be read ({e.strerror})"
-    if not stat.S_ISREG(info.st_mode):
-        return f"{MANIFEST} is not a regular file"
-    if info.st_size > MAX_MANIFEST_BYTES:
-        return f"{MANIFEST} is {info.st_size:,} bytes (at most {MAX_MANIFEST_BYTES:,})"
-    try:
-        return Manifest.model_validate(json.loads(path.read_bytes()))
-    except (OSError, ValueError, ValidationError) as e:
-        first = e.errors()[0]["msg"] if isinstance(e, ValidationError) else type(e).__name__
-        return f"{MANIFEST} is damaged ({first})"
-
-
 def _plain(relative: str) -> bool:
     parts = PurePosixPath(relative).parts
     return bool(parts) and not relative.startswith("/") and all(p not in ("", ".", "..") for p in parts)
 
 
-def problem(folder: Path, full: bool) -> str | None:
-    """None when every file of the checkpoint in ``folder`` is as its manifest says (sizes; with
-    ``full``, digests too); else what is wrong, naming the file."""
-    manifest = read_manifest(folder)
-    if isinstance(manifest, str):
-        return manifest
-    for entry in manifest.files:
-        if not _plain(entry.path):
-            return f"{MANIFEST} names a file outside the checkpoint ({entry.path[:80]!r})"
-        path = Path(folder) / entry.path
-        try:
-            info = os.lstat(path)
-        except OSError:
-            return f"{entry.path} is missing"
+def _beneath(folder: Path, name: str) -> int | None:
+    """``folder/name`` opened from the run directory (``folder``'s grandparent, which the server
+    made), one name at a time and following no link: the run writes everything below it."""
+    folder = Path(folder)
+    return open_beneath(folder.parent.parent, PurePosixPath(folder.parent.name, folder.name, name))
+
+
+def read_manifest(folder: Path) -> Manifest | str:
+    """The folder's manifest, or why it cannot be read (never through a link, bounded)."""
+    fd = _beneath(folder, MANIFEST)
+    if fd is None:
+        return f"{MANIFEST} is missing (the save did not finish, or it was removed)"
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            return f"{MANIFEST} is not a regular file"
+        if info.st_size > MAX_MANIFEST_BYTES:
+            return f"{MANIFEST} is {info.st_size:,} bytes (at most {MAX_MANIFEST_BYTES:,})"
+        data = os.read(fd, MAX_MANIFEST_BYTES + 1)
+    except OSError as e:
+        return f"{MANIFEST} cannot be read ({e.strerror})"
+    finally:
+        os.close(fd)
+    try:
+        return Manifest.model_validate(json.loads(data))
+    except (ValueError, ValidationError) as e:
+        first = e.errors()[0]["msg"] if isinstance(e, ValidationError) else type(e).__name__
+        return f"{MANIFEST} is damaged ({first})"
+
+
+def _file_problem(folder: Path, entry: ManifestFile, full: bool) -> str | None:
+    """What is wrong with one file of the manifest, or None. Opened beneath the run directory
+    without following a link: a name the run turned into a link (or put under one) is missing,
+    never a host file's size or digest."""
+    if not _plain(entry.path):
+        return f"{MANIFEST} names a file outside the checkpoint ({entry.path[:80]!r})"
+    fd = _beneath(folder, entry.path)
+    if fd is None:  # a link, or a name under one, is not there as far as the checkpoint goes
+        return f"{entry.path} is missing"
+    try:
+        info = os.fstat(fd)
         if not stat.S_ISREG(info.st_mode):
             return f"{entry.path} is not a regular file"
         if info.st_size != entry.bytes:
             return f"{entry.path} has {info.st_size:,} bytes, {entry.bytes:,} when it was saved"
-    if full:
-        for entry in manifest.files:
-            try:
-                found = sha256_of(Path(folder) / entry.path)
-            except OSError as e:
-                return f"{entry.path} cannot be read ({e.strerror})"
-            if found != entry.sha256:
+        if full:
+            digest = hashlib.sha256()
+            while chunk := os.read(fd, _CHUNK):
+                digest.update(chunk)
+            if digest.hexdigest() != entry.sha256:
                 return (f"{entry.path} does not match the digest it was saved with "
-                        f"(sha256 {found[:12]}…, saved {entry.sha256[:12]}…)")
+                        f"(sha256 {digest.hexdigest()[:12]}…, saved {entry.sha256[:12]}…)")
+    except OSError as e:
+        return f"{entry.path} cannot be read ({e.strerror})"
+    finally:
+        os.close(fd)
+    return None
+
+
+def problem(folder: Path, full: bool) -> str | None:
+    """None when every file of the checkpoint in ``folder`` (``runs/<id>/checkpoints/step-N``) is
+    as its manifest says (sizes; with ``full``, digests too); else what is wrong, naming the file."""
+    manifest = read_manifest(folder)
+    if isinstance(manifest, str):
+        return manifest
+    for entry in manifest.files:  # every size first: a missing file is named before any digest is read
+        why = _file_problem(folder, entry, full=False)
+        if why is not None:
+            return why
+    for entry in manifest.files if full else ():
+        why = _file_problem(folder, entry, full=True)
+        if why is not None:
+            return why
     return None

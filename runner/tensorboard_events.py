@@ -29,6 +29,8 @@ import struct
 from pathlib import Path
 from typing import Iterator
 
+from engine.run_files import open_beneath
+
 MAX_EVENT_FILES = 16
 MAX_SEARCH_DEPTH = 4
 MAX_EVENT_RECORD_BYTES = 1 << 20
@@ -36,7 +38,6 @@ MAX_READ_BYTES = 4 << 20
 MAX_EVENTS_PER_LOOK = 20_000
 _EVENT_FILE = re.compile(r"tfevents")
 _TAG_CHARACTERS = re.compile(r"[^A-Za-z0-9_]+")
-_NO_FOLLOW = os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 
 
 class Malformed(ValueError):
@@ -205,7 +206,7 @@ class EventFiles:
         return events
 
     def _read(self, path: Path, limit: int) -> bytes:
-        fd = _open_beneath(self.run_dir, path.relative_to(self.run_dir))
+        fd = open_beneath(self.run_dir, path.relative_to(self.run_dir))
         if fd is None:
             return b""
         try:
@@ -215,24 +216,3 @@ class EventFiles:
             return os.read(fd, min(limit, MAX_EVENT_RECORD_BYTES + 16))
         finally:
             os.close(fd)
-
-
-def _open_beneath(root: Path, relative: Path) -> int | None:
-    """``root/relative`` opened for reading one name at a time, following no link on the way:
-    a folder the run swaps for a link after the search is refused, not read through."""
-    flags = os.O_RDONLY | _NO_FOLLOW
-    try:
-        fd = os.open(root, flags | os.O_DIRECTORY)
-    except OSError:
-        return None
-    try:
-        for name in relative.parts[:-1]:
-            inner = os.open(name, flags | os.O_DIRECTORY, dir_fd=fd)
-            os.close(fd)
-            fd = inner
-        opened = os.open(relative.parts[-1], flags, dir_fd=fd)
-    except OSError:
-        return None
-    finally:
-        os.close(fd)
-    return opened

@@ -414,3 +414,32 @@ def test_stop_keeps_the_failure_of_a_run_whose_supervisor_is_gone_and_ends_what_
         assert run_ops.stop_run(ws, RUN_ID).status == rd.FAILED  # and again: nothing changes
     finally:
         leftover.kill()
+
+
+def test_a_checkpoint_manifest_never_makes_the_server_read_or_size_a_host_file_through_a_link(tmp_path):
+    """The manifest is the run's: a file it names under a folder the run made a link (or a link
+    itself) is missing to the server, never stat-ed or hashed where it leads. Before, the size of
+    any host file reached list_checkpoints.unusable, and a matching manifest listed it."""
+    import hashlib
+
+    from engine.checkpoint_manifest import MANIFEST, write_manifest
+
+    host = tmp_path / "host"
+    host.mkdir()
+    (host / "secret").write_bytes(b"s" * 12_345)
+    workspace = make_workspace(tmp_path / "ws")
+    run_dir = fake_run(workspace, "r1", checkpoints=(2, 4))
+    for step, size, digest in ((2, 1, "0" * 64), (4, 12_345, hashlib.sha256(b"s" * 12_345).hexdigest())):
+        checkpoint = run_dir / rd.CHECKPOINTS_DIRNAME / rd.checkpoint_dir_name(step)
+        (checkpoint / "sub").symlink_to(host)
+        (checkpoint / "direct").symlink_to(host / "secret")
+        write_manifest(checkpoint)
+        manifest = json.loads((checkpoint / MANIFEST).read_text())
+        manifest["files"] += [{"path": "sub/secret", "bytes": size, "sha256": digest}]
+        (checkpoint / MANIFEST).write_text(json.dumps(manifest))
+    (run_dir / rd.CHECKPOINTS_DIRNAME / rd.checkpoint_dir_name(2) / "sub").unlink()
+    (run_dir / rd.CHECKPOINTS_DIRNAME / rd.checkpoint_dir_name(2) / "sub").symlink_to(host / "secret")
+    listed = run_ops.list_checkpoints(Workspace.open(workspace), "r1")
+    assert listed.checkpoints == []
+    assert listed.unusable == ["step-00000002: sub/secret is missing", "step-00000004: sub/secret is missing"]
+    assert "12,345" not in " ".join(listed.unusable)
