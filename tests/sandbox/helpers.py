@@ -247,3 +247,39 @@ def supervise(run_dir: Path, command: list[str], limits: dict[str, Any] | None =
             stdout=console, stderr=subprocess.STDOUT, start_new_session=True,
         )
     return process
+
+
+# TensorBoard event files as a script writes them, built by hand (the CRCs are not checked).
+def protobuf_varint(value: int) -> bytes:
+    out = b""
+    while True:
+        byte, value = value & 0x7F, value >> 7
+        out += bytes([byte | (0x80 if value else 0)])
+        if not value:
+            return out
+
+
+def protobuf_field(number: int, payload: bytes) -> bytes:
+    """A length-delimited protobuf field."""
+    return protobuf_varint(number << 3 | 2) + protobuf_varint(len(payload)) + payload
+
+
+def tfrecord(event: bytes) -> bytes:
+    import struct
+
+    return struct.pack("<Q", len(event)) + b"\0" * 4 + event + b"\0" * 4
+
+
+def scalar_event(step: int, tag: str, value: float) -> bytes:
+    """One TFRecord of a TensorBoard Event holding one ``simple_value`` scalar."""
+    import struct
+
+    summary_value = protobuf_field(1, tag.encode()) + b"\x15" + struct.pack("<f", value)
+    return tfrecord(b"\x10" + protobuf_varint(step) + protobuf_field(5, protobuf_field(1, summary_value)))
+
+
+def tensor_event(step: int, tag: str, tensor: bytes, plugin: str = "scalars") -> bytes:
+    """One TFRecord of a TensorBoard Event holding a ``TensorProto`` value under ``plugin``."""
+    metadata = protobuf_field(1, protobuf_field(1, plugin.encode()))
+    summary_value = protobuf_field(1, tag.encode()) + protobuf_field(9, metadata) + protobuf_field(8, tensor)
+    return tfrecord(b"\x10" + protobuf_varint(step) + protobuf_field(5, protobuf_field(1, summary_value)))

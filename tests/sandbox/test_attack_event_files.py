@@ -16,35 +16,9 @@ from engine import run_dir as rd
 from runner import scripts
 from runner.processes import end_processes, marked
 from runner.tensorboard_events import MAX_EVENTS_PER_LOOK, EventFiles, event_scalars
-from tests.sandbox.helpers import make_workspace, supervise, wait_final
-
-
-def varint(n: int) -> bytes:
-    out = b""
-    while True:
-        byte, n = n & 0x7F, n >> 7
-        out += bytes([byte | (0x80 if n else 0)])
-        if not n:
-            return out
-
-
-def record(event: bytes) -> bytes:
-    return struct.pack("<Q", len(event)) + b"\0" * 4 + event + b"\0" * 4
-
-
-def field(number: int, payload: bytes) -> bytes:
-    return varint(number << 3 | 2) + varint(len(payload)) + payload
-
-
-def scalar_event(step: int, tag: str, value: float) -> bytes:
-    summary_value = field(1, tag.encode()) + b"\x15" + struct.pack("<f", value)
-    return record(b"\x10" + varint(step) + field(5, field(1, summary_value)))
-
-
-def tensor_event(step: int, tag: str, tensor: bytes, plugin: str = "scalars") -> bytes:
-    metadata = field(1, field(1, plugin.encode()))
-    summary_value = field(1, tag.encode()) + field(9, metadata) + field(8, tensor)
-    return record(b"\x10" + varint(step) + field(5, field(1, summary_value)))
+from tests.sandbox.helpers import (
+    make_workspace, protobuf_field, scalar_event, supervise, tensor_event, wait_final,
+)
 
 
 def test_one_look_reads_a_bounded_number_of_events_and_a_step_keeps_a_bounded_number_of_tags(tmp_path):
@@ -74,7 +48,7 @@ def test_scalars_written_as_tensors_are_read_and_an_unreadable_one_is_said_once(
     writer.add_scalar("loss", 0.5, 1, new_style=True)
     writer.add_scalar("loss", 0.25, 2, new_style=True, double_precision=True)
     writer.close()
-    dt_double_content = b"\x08\x02" + field(4, struct.pack("<d", 0.125))   # tf.summary.scalar, float64
+    dt_double_content = b"\x08\x02" + protobuf_field(4, struct.pack("<d", 0.125))   # tf.summary.scalar, float64
     dt_float_val = b"\x08\x01" + b"\x2d" + struct.pack("<f", 2.0)          # one float_val
     dt_int32 = b"\x08\x03" + b"\x38\x07"                                   # an int32: not read
     (tmp_path / "zz").mkdir()  # read after tb/: its steps come later
@@ -97,7 +71,7 @@ HOSTILE = f"""
 import os, signal, struct, sys, time
 signal.signal(signal.SIGTERM, signal.SIG_IGN)
 sys.path.insert(0, {str(Path(__file__).resolve().parents[2])!r})
-from tests.sandbox.test_attack_event_files import scalar_event
+from tests.sandbox.helpers import scalar_event
 os.makedirs("logs", exist_ok=True)
 files = [open(f"logs/events.out.tfevents.{{i}}", "ab") for i in range(16)]
 tag = 0

@@ -10,7 +10,6 @@ output"). No real run is started: the files are planted in a fake run's director
 from __future__ import annotations
 
 import os
-import struct
 import threading
 from pathlib import Path
 
@@ -19,7 +18,7 @@ from mcp_server.live import LiveRuns
 from mcp_server.operations.compare import compare_runs
 from runner.tensorboard_events import EventFiles
 from workspace.workspace import Workspace
-from tests.sandbox.helpers import fake_run, make_workspace
+from tests.sandbox.helpers import fake_run, make_workspace, scalar_event
 
 
 def _bounded(call, seconds: float = 5.0):
@@ -39,24 +38,6 @@ def _bounded(call, seconds: float = 5.0):
     if "error" in result:
         raise result["error"]  # type: ignore[misc]
     return result.get("value")
-
-
-def _varint(value: int) -> bytes:
-    out = b""
-    while True:
-        byte, value = value & 0x7F, value >> 7
-        out += bytes([byte | (0x80 if value else 0)])
-        if not value:
-            return out
-
-
-def _event_record(step: int, tag: str, value: float) -> bytes:
-    """One TFRecord of a TensorBoard Event holding one scalar (the CRCs are not checked)."""
-    tag_bytes = tag.encode()
-    summary_value = b"\x0a" + _varint(len(tag_bytes)) + tag_bytes + b"\x15" + struct.pack("<f", value)
-    summary = b"\x0a" + _varint(len(summary_value)) + summary_value
-    event = b"\x10" + _varint(step) + b"\x2a" + _varint(len(summary)) + summary
-    return struct.pack("<Q", len(event)) + b"\0" * 4 + event + b"\0" * 4
 
 
 def _script_run(workspace: Path, run_id: str) -> Path:
@@ -103,7 +84,7 @@ def test_fifos_and_links_planted_in_a_script_run_neither_block_nor_leak(tmp_path
     outside = tmp_path / "outside"
     outside.mkdir()
     host_events = outside / "events.out.tfevents.1.host.1.0"
-    host_events.write_bytes(_event_record(7, "leaked", 1234.5))
+    host_events.write_bytes(scalar_event(7, "leaked", 1234.5))
     host_metrics = outside / "metrics.jsonl"
     host_metrics.write_text("".join(f'{{"step": {s}, "tokens_per_s": 999, "step_time_s": 1, "peak_mem_mb": 4242}}\n'
                                     for s in range(1, 9)))
@@ -137,7 +118,7 @@ def test_fifos_and_links_planted_in_a_script_run_neither_block_nor_leak(tmp_path
         assert events == [], f"the event reader read through a link or FIFO: {events}"
 
     # The reader does read a real events file in the run directory (the check above is not vacuous).
-    (run_a / "logs" / "events.out.tfevents.4.real.1.0").write_bytes(_event_record(5, "loss/train", 2.5))
+    (run_a / "logs" / "events.out.tfevents.4.real.1.0").write_bytes(scalar_event(5, "loss/train", 2.5))
     assert _bounded(lambda: EventFiles(run_a).new_scalars()) == [(5, {"loss_train": 2.5})]
 
 
@@ -153,7 +134,7 @@ def test_an_events_folder_swapped_for_a_link_after_the_search_is_not_read_throug
     name = "events.out.tfevents.9.host.1.0"
     outside = tmp_path / "outside"  # e.g. another run's log folder
     outside.mkdir()
-    (outside / name).write_bytes(_event_record(3, "other_runs_secret", 42.0))
+    (outside / name).write_bytes(scalar_event(3, "other_runs_secret", 42.0))
     logs = run / "logs"
     logs.mkdir()
     (logs / name).write_bytes(b"")  # a real, empty events file: what the search finds
