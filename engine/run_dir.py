@@ -103,9 +103,10 @@ def free_bytes(path: Path | str) -> int | None:
     return info.f_bavail * info.f_frsize
 
 
-def no_space_message(path: Path | str, what: str) -> str:
-    """One line for a run that failed on a full disk: where, and how much is free there."""
-    free = free_bytes(path)
+def no_space_message(path: Path | str, what: str, free: int | None = None) -> str:
+    """One line for a run that failed on a full disk: where, and how much is free there
+    (``free``: as already measured; else measured now)."""
+    free = free_bytes(path) if free is None else free
     shown = f"{free:,} bytes free" if free is not None else "free space unknown"
     return f"no space left on the device of {path} ({shown}): {what}; free some space, then resume from the last checkpoint"
 

@@ -343,8 +343,7 @@ def failure_error(reported: str | None, code: int, run_dir: Path, free: int | No
         return reported
     free = rd.free_bytes(run_dir) if free is None else free
     if free is not None and free < rd.LOW_SPACE_BYTES:
-        return f"no space left on the device of {run_dir} ({free:,} bytes free): {_describe_exit(code)}; " \
-               "free some space, then resume from the last checkpoint"
+        return rd.no_space_message(run_dir, _describe_exit(code), free)
     return _describe_exit(code)
 
 

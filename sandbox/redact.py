@@ -24,7 +24,7 @@ import math
 import os
 import re
 from collections import Counter
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 from sandbox.environment import looks_secret
 
@@ -131,17 +131,9 @@ class Redactor:
             or URL_CREDENTIALS.search(json_text) or _has_credential(json_text)
         )
 
-    def value(self, value: Any, depth: int = 0) -> Any:
+    def value(self, value: Any) -> Any:
         """``value`` with every string in it (keys included, any nesting) redacted."""
-        if isinstance(value, str):
-            return self.text(value)
-        if depth > 64:
-            return value
-        if isinstance(value, dict):
-            return {self.value(k, depth + 1): self.value(v, depth + 1) for k, v in value.items()}
-        if isinstance(value, (list, tuple)):
-            return type(value)(self.value(v, depth + 1) for v in value)
-        return value
+        return map_strings(value, self.text)
 
 
 _current: Redactor | None = None
@@ -209,21 +201,21 @@ def redact_value(value: Any) -> Any:
     return current().value(value)
 
 
-def shown_value(value: Any, depth: int = 0) -> Any:
-    """``value`` with every string in it (keys included, any nesting, inside pydantic models too)
-    passed through :func:`shown`. A model is copied with its cleaned fields, not validated again:
-    an escape may make a string longer than its field allows."""
+def map_strings(value: Any, change: Callable[[str], str], depth: int = 0) -> Any:
+    """``value`` with ``change`` applied to every string in it: keys included, any nesting, inside
+    pydantic models too. A model is copied with its changed fields, not validated again (an
+    escape may make a string longer than its field allows)."""
     if isinstance(value, str):
-        return shown(value)
+        return change(value)
     if depth > 64:
         return value
     if hasattr(type(value), "model_fields") and hasattr(value, "model_copy"):  # a pydantic model
         fields = type(value).model_fields
-        return value.model_copy(update={name: shown_value(getattr(value, name), depth + 1) for name in fields})
+        return value.model_copy(update={name: map_strings(getattr(value, name), change, depth + 1) for name in fields})
     if isinstance(value, dict):
-        return {shown_value(k, depth + 1): shown_value(v, depth + 1) for k, v in value.items()}
+        return {map_strings(k, change, depth + 1): map_strings(v, change, depth + 1) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return type(value)(shown_value(v, depth + 1) for v in value)
+        return type(value)(map_strings(v, change, depth + 1) for v in value)
     return value
 
 
@@ -234,4 +226,4 @@ def redact_model(model: Any) -> Any:
     json_text = model.model_dump_json()
     if not current().may_hold_secrets(json_text) and not _CONTROLS_IN_JSON.search(json_text):
         return model
-    return shown_value(model)
+    return map_strings(model, shown)
