@@ -10,6 +10,7 @@ came from, the skills applied to it — comes from the trailers of the commits t
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import os
@@ -104,7 +105,6 @@ _checked: OrderedDict[str, list] = OrderedDict()
 _in_flight: dict[str, Future] = {}
 _checked_lock = threading.Lock()
 _check_slots = threading.BoundedSemaphore(MAX_CONCURRENT_CHECKS)
-_engine_digest: list[str] = []
 
 
 def checked_fields(workspace: Path, folder: Path, limits, models) -> list:
@@ -144,32 +144,36 @@ def checked_fields(workspace: Path, folder: Path, limits, models) -> list:
 
 
 def _check_key(folder: Path, limits, models) -> str | None:
-    """A digest of what the launch check of ``folder`` depends on, or None (too many bytes)."""
-    digest = hashlib.sha256()
-    files = sorted(p for p in Path(folder).rglob("*") if p.is_file() and "__pycache__" not in p.parts)
-    if len(files) > MAX_HASHED_FILES:
-        return None
-    total = 0
-    for path in files:
+    """A digest of what the launch check of ``folder`` depends on, or None: a folder too large to
+    hash, or one with a link in it (what it leads to may change unseen)."""
+    digest, total = hashlib.sha256(), 0
+    for count, path in enumerate(sorted(Path(folder).rglob("*"))):
+        if count >= MAX_HASHED_FILES or path.is_symlink():
+            return None
+        if "__pycache__" in path.parts or not path.is_file():
+            continue
         try:
+            total += path.stat().st_size
+            if total > MAX_HASHED_BYTES:
+                return None
             data = path.read_bytes()
         except OSError:
             return None
-        total += len(data)
-        if total > MAX_HASHED_BYTES:
-            return None
         digest.update(f"{path.relative_to(folder).as_posix()}\0{len(data)}\0".encode() + data)
-    if not _engine_digest:
-        engine = Path(sr.__file__).parent
-        code = hashlib.sha256(sys.executable.encode())
-        for path in sorted(engine.rglob("*.py")):
-            code.update(path.read_bytes())
-        _engine_digest.append(code.hexdigest())
-    digest.update(_engine_digest[0].encode())
+    digest.update(_engine_code_digest().encode())
     digest.update(json.dumps(dataclasses.asdict(limits), sort_keys=True, default=str).encode())
     bound = [m.model_dump(mode="json") for m in models.models] if models is not None else []
     digest.update(json.dumps(bound, sort_keys=True, default=str).encode())
     return digest.hexdigest()
+
+
+@functools.cache
+def _engine_code_digest() -> str:
+    """The engine's code and the interpreter that runs the check (read once per server)."""
+    code = hashlib.sha256(sys.executable.encode())
+    for path in sorted(Path(sr.__file__).parent.rglob("*.py")):
+        code.update(path.read_bytes())
+    return code.hexdigest()
 
 
 def _refuse_a_script(ws: Workspace, recipe: str) -> None:

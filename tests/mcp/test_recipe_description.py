@@ -156,3 +156,22 @@ def test_an_unchanged_recipe_is_described_from_the_cache_and_callers_share_one_c
     changed = recipe_info.describe_recipe(ws, "cached")
     assert len(calls) == 2
     assert {f.key: f.value for f in changed.fields}["train.max_steps"] == 9
+
+
+def test_a_recipe_with_a_link_in_it_is_checked_each_time_never_answered_stale(tmp_path, monkeypatch):
+    """What a link in the recipe leads to can change while the recipe's own files do not: such
+    a recipe is never answered from the cache (and nothing behind the link is read for its key)."""
+    from mcp_server.operations import recipe_info
+    from mcp_server.operations.recipes import scaffold_recipe
+    from tests.sandbox.helpers import make_workspace
+    from workspace.workspace import Workspace
+
+    ws = Workspace.open(make_workspace(tmp_path / "ws"))
+    scaffold_recipe(ws, "causal_lm", "linked", {})
+    (tmp_path / "outside.py").write_text("# changed behind the recipe's back\n")
+    (ws.root / "recipes" / "linked" / "extra.py").symlink_to(tmp_path / "outside.py")
+    calls = []
+    real = recipe_info.check_launch
+    monkeypatch.setattr(recipe_info, "check_launch", lambda *a, **k: calls.append(1) or real(*a, **k))
+    first = recipe_info.describe_recipe(ws, "linked")
+    assert recipe_info.describe_recipe(ws, "linked") == first and len(calls) == 2
