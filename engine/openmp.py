@@ -89,11 +89,6 @@ def prepare_wait_policy(environ: MutableMapping[str, str] | None = None) -> None
         environ[WAIT_POLICY_VARIABLE] = PASSIVE
 
 
-def governable(environ: MutableMapping[str, str] | None = None) -> bool:
-    """Whether this process's waits are the governor's to decide (after :func:`prepare_wait_policy`)."""
-    return not user_chose(os.environ if environ is None else environ)
-
-
 @dataclass
 class WaitDecision:
     """Whether libgomp is throttled, from one window's share of time waited on the run queue."""
@@ -137,7 +132,6 @@ class WaitGovernor:
         self.read_wait, self.hold, self.interval_s = read_wait, hold, interval_s
         self.decision = WaitDecision()
         self.changes = 0
-        self._stop = threading.Event()
         self._release: threading.Event | None = None
         self._thread = threading.Thread(target=self._watch, name="openmp-wait-governor", daemon=True)
 
@@ -145,13 +139,10 @@ class WaitGovernor:
         self._thread.start()
         return self
 
-    def stop(self) -> None:
-        self._stop.set()
-        self._set_throttled(False)
-
     def _watch(self) -> None:
         last = self.read_wait(), time.monotonic()
-        while last[0] is not None and not self._stop.wait(self.interval_s):
+        while last[0] is not None:
+            time.sleep(self.interval_s)
             now = self.read_wait(), time.monotonic()
             if now[0] is None:
                 return
@@ -186,7 +177,7 @@ class WaitGovernor:
 def govern_waits(threads: int) -> WaitGovernor | None:
     """Start a :class:`WaitGovernor` for a CPU process computing with ``threads`` threads, where its
     waits are the governor's to decide; None where they are not (or a team of one never waits)."""
-    if threads < 2 or not governable() or run_queue_wait_ns() is None:
+    if threads < 2 or user_chose(os.environ) or run_queue_wait_ns() is None:
         return None
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or threads)
     return WaitGovernor(threads, cores).start()
