@@ -24,10 +24,10 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from mcp_server.cli import _compare_text  # noqa: E402
 from mcp_server.operations import compare  # noqa: E402
 from mcp_server.operations import recipes as recipe_ops  # noqa: E402
 from mcp_server.operations import runs as run_ops  # noqa: E402
+from mcp_server.terminal import compare_text  # noqa: E402
 from workspace.workspace import Workspace  # noqa: E402
 from tests.skills.skill_helpers import write_documents  # noqa: E402
 from tests.support import TINY  # noqa: E402
@@ -49,7 +49,7 @@ def pair(ws: Workspace, a: tuple[str, list[str]], b: tuple[str, list[str]]) -> N
     print(f"\nload average {os.getloadavg()[0]:.2f}", flush=True)
     started = [run_ops.launch_run(ws, recipe, 1, overrides).run_id for recipe, overrides in (a, b)]
     run_a, run_b = (finished(ws, run_id) for run_id in started)
-    print(_compare_text(compare.compare_runs(ws, run_a, run_b)), flush=True)
+    print(compare_text(compare.compare_runs(ws, run_a, run_b)), flush=True)
 
 
 def main() -> None:

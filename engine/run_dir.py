@@ -490,7 +490,7 @@ class RunRecord(RunFacts):
 
 
 @contextlib.contextmanager
-def _locked(run_dir: Path, lock_name: str = ".run.json.lock") -> Iterator[None]:
+def locked(run_dir: Path, lock_name: str = ".run.json.lock") -> Iterator[None]:
     lock_path = Path(run_dir) / lock_name
     with os.fdopen(_open_lock(lock_path), "rb") as lock_file:
         fcntl.flock(lock_file, fcntl.LOCK_EX)
@@ -578,7 +578,7 @@ def create_run(run_dir: Path, record: RunRecord) -> None:
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=False)
     (run_dir / CHECKPOINTS_DIRNAME).mkdir()
-    with _locked(run_dir):
+    with locked(run_dir):
         _write_record(run_dir, record)
 
 
@@ -588,7 +588,7 @@ def update_run(run_dir: Path, **fields: Any) -> RunRecord:
     if unknown:
         raise TypeError(f"RunRecord has no field {sorted(unknown)[0]!r}")
     run_dir = Path(run_dir)
-    with _locked(run_dir):
+    with locked(run_dir):
         record = read_run(run_dir)
         record = RunRecord.model_validate({**record.model_dump(), **fields})
         _write_record(run_dir, record)
@@ -598,7 +598,7 @@ def update_run(run_dir: Path, **fields: Any) -> RunRecord:
 def append_warning(run_dir: Path, message: str) -> RunRecord:
     """Add ``message`` to the run's warnings (once), under the lock."""
     run_dir = Path(run_dir)
-    with _locked(run_dir):
+    with locked(run_dir):
         record = read_run(run_dir)
         message = message[:MAX_WARNING_CHARS]
         if message not in record.warnings and len(record.warnings) < MAX_WARNINGS:

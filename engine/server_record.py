@@ -221,7 +221,7 @@ def create_record(folder: Path, record: ServerRecord) -> None:
     folder = Path(folder)
     _real_dirs(folder.parent, 2)
     os.mkdir(folder, 0o755)
-    with rd._locked(folder, _RECORD_LOCK):
+    with rd.locked(folder, _RECORD_LOCK):
         _write(folder, record)
 
 
@@ -242,7 +242,7 @@ def update_record(folder: Path, **fields: Any) -> ServerRecord:
     if unknown:
         raise TypeError(f"ServerRecord has no field {sorted(unknown)[0]!r}")
     folder = Path(folder)
-    with rd._locked(folder, _RECORD_LOCK):
+    with rd.locked(folder, _RECORD_LOCK):
         record = read_record(folder)
         record = ServerRecord.model_validate({**record.model_dump(), **fields})
         _write(folder, record)

@@ -322,7 +322,7 @@ class Resources:
 
     def run_log(self, run_id: str) -> str:
         run_dir = _resource(lambda: self.ws.run_dir(run_id))
-        return shown(run_ops._tail_text(run_dir / rd.CONSOLE_LOG, 20_000) or "")  # escapes escaped: raw in console.log
+        return shown(run_ops.tail_text(run_dir / rd.CONSOLE_LOG, 20_000) or "")  # escapes escaped: raw in console.log
 
     def run_status(self, run_id: str) -> str:
         return redact_model(_resource(lambda: run_ops.get_run(self.ws, run_id))).model_dump_json()

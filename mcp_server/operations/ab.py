@@ -66,10 +66,10 @@ def ab(
     steps, rounds = _bounded("steps", steps, MIN_STEPS, MAX_STEPS), _bounded("rounds", rounds, 1, MAX_ROUNDS)
     recipe_dir = ws.recipe(recipe)
     label = ws.label(recipe_dir)
-    given = run_ops._checked_overrides(ws, overrides)
+    given = run_ops.checked_overrides(ws, overrides)
     if "train.max_steps" in given:
         raise BadInput("--steps sets train.max_steps of every run of the A/B: leave it out of the overrides")
-    run_ops._check_nproc(nproc)
+    run_ops.check_nproc(nproc)
     repo = workspace_git.open_repo(ws.root)
     if repo is None:
         raise workspace_git.GitRefused("the workspace is not a git repository: an A/B runs a skill's commit and the "

@@ -16,7 +16,7 @@ from pydantic import ValidationError
 from engine.config import Overrides, override_args
 from engine.errors import BadInput
 from mcp_server.models import EstimateFigures, EstimateResult
-from mcp_server.operations.runs import _check_nproc, _checked_overrides, _hub_models
+from mcp_server.operations.runs import check_nproc, checked_overrides, bind_hub_models
 from runner import hub
 from runner import lifecycle as run_lifecycle
 from workspace.workspace import Workspace
@@ -33,10 +33,10 @@ def estimate_run(ws: Workspace, recipe: str, overrides: Overrides = None, nproc:
             device_memory_gib, (int, float)) or not 0 < device_memory_gib <= MAX_DEVICE_MEMORY_GIB):
         raise BadInput(f"device_memory_gib must be a number of GiB above 0, got {device_memory_gib!r}")
     recipe_dir = ws.recipe(recipe)
-    nproc = _check_nproc(nproc)
-    flat = _checked_overrides(ws, overrides)
+    nproc = check_nproc(nproc)
+    flat = checked_overrides(ws, overrides)
     limits = ws.run_limits()
-    models = _hub_models(ws, hub.recipe_config(recipe_dir, flat), hub.recipe_config(recipe_dir, flat, hub.DATASET_KEY),
+    models = bind_hub_models(ws, hub.recipe_config(recipe_dir, flat), hub.recipe_config(recipe_dir, flat, hub.DATASET_KEY),
                          limits, None)
     verdict = run_lifecycle.check_launch(ws.root, recipe_dir, nproc, override_args(flat), limits=limits, models=models,
                                         estimate=(device, device_memory_gib))

@@ -95,7 +95,7 @@ def _config_file(record: sr.ServerRecord):
         shutil.rmtree(folder, ignore_errors=True)
 
 
-def _check_nproc(nproc: object) -> int:
+def check_nproc(nproc: object) -> int:
     if isinstance(nproc, bool) or not isinstance(nproc, int):
         raise BadInput(f"nproc must be an integer, got {nproc!r}")
     if not 1 <= nproc <= MAX_NPROC:
@@ -103,7 +103,7 @@ def _check_nproc(nproc: object) -> int:
     return nproc
 
 
-def _checked_overrides(ws: Workspace, overrides: Overrides) -> dict[str, Any]:
+def checked_overrides(ws: Workspace, overrides: Overrides) -> dict[str, Any]:
     """Flat overrides, with every value that names a file confined to the workspace (the merged
     config the engine resolves is confined again, whatever its nesting)."""
     flat = overrides_to_dict(overrides)
@@ -159,8 +159,8 @@ def launch_run(
     if commit and nodes.node_rank > 0:
         raise BadInput("a joining node runs node 0's code: leave commit out")
     recipe_dir = ws.recipe(recipe)
-    nproc = _check_nproc(nproc)
-    flat = _checked_overrides(ws, overrides)
+    nproc = check_nproc(nproc)
+    flat = checked_overrides(ws, overrides)
     with contextlib.ExitStack() as code:
         if commit:
             recipe_dir, origin = code.enter_context(code_at_commit(ws.root, recipe_dir, commit))
@@ -185,7 +185,7 @@ def _launch_recipe(ws: Workspace, recipe: str, recipe_dir: Path, origin: CodeOri
             origin = CodeOrigin(first.git_commit, first.recipe_dirty, first.dirty_files)
         run_lifecycle.check_capacity(sr.records_root(ws.root), nproc, limits)  # before the check's cost; again at start
     checked = snapshot_digest(recipe_dir)  # the check imports the recipe: it may change itself
-    models = _hub_models(ws, hub.recipe_config(recipe_dir, flat), hub.recipe_config(recipe_dir, flat, hub.DATASET_KEY),
+    models = bind_hub_models(ws, hub.recipe_config(recipe_dir, flat), hub.recipe_config(recipe_dir, flat, hub.DATASET_KEY),
                          limits, progress) if target == "local" \
         else hub.ModelBinding()
     with contextlib.ExitStack() as stack:
@@ -229,7 +229,7 @@ def launch_script(
     """Start a run of the user's own script (:mod:`runner.scripts`) from a snapshot of it as
     it is now, in the sandbox and with the limits of every run; nothing imports it first."""
     assert source.script is not None
-    nproc = _check_nproc(nproc)
+    nproc = check_nproc(nproc)
     launch = scripts.ScriptLaunch(source.script, scripts.check_args(args), scripts.check_resume_arg(resume_arg),
                                   source.alone)
     limits, warnings = ws.run_limits_and_warnings() if limits is None else (limits, [])
@@ -240,7 +240,7 @@ def launch_script(
     return _launch_result(ws, run_lifecycle.start_run(ws.root, ws.real_dir(ws.runs_dir), plan))
 
 
-def _hub_models(ws: Workspace, value: Any, dataset: Any, limits: run_lifecycle.RunLimits,
+def bind_hub_models(ws: Workspace, value: Any, dataset: Any, limits: run_lifecycle.RunLimits,
                 progress: hub.Progress | None, recorded: list[rd.HubModel] | None = None) -> hub.ModelBinding:
     """The Hub model ``value`` and data set ``dataset`` name (where they name one), downloaded
     as the trusted settings allow."""
@@ -350,14 +350,14 @@ def resume_checkpoint(
     if not source.config:
         raise NotFound(f"run {run_id} recorded no config, so it cannot be resumed")
     code_dir, origin = _resumed_code(ws, source_dir, source, code)
-    nproc = _check_nproc(source.nproc if nproc is None else nproc)
-    flat = _checked_overrides(ws, overrides)
+    nproc = check_nproc(source.nproc if nproc is None else nproc)
+    flat = checked_overrides(ws, overrides)
     limits, warnings = ws.run_limits_and_warnings() if limits is None else (limits, [])
     run_lifecycle.check_capacity(sr.records_root(ws.root), nproc, limits)
     checked = snapshot_digest(code_dir)
     model = hub.model_value(flat) or hub.model_value(source.config)
     dataset = hub.config_value(flat, hub.DATASET_KEY) or hub.config_value(source.config, hub.DATASET_KEY)
-    models = _hub_models(ws, model, dataset, limits, progress, recorded=source.hub_models)
+    models = bind_hub_models(ws, model, dataset, limits, progress, recorded=source.hub_models)
     with _config_file(source) as config_json:
         verdict = run_lifecycle.check_launch(
             ws.root, code_dir, nproc, override_args(flat), config_json=config_json, limits=limits, models=models
@@ -430,7 +430,7 @@ def _resume_script(
             raise BadInput(f"{source.recipe!r} is a recipe now, not the script run {source.id} ran; launch it anew")
         origin = recipe_origin(ws.root, launch_from.code_dir / launch_from.script if launch_from.alone
                                else launch_from.code_dir)
-    nproc = _check_nproc(source.nproc if nproc is None else nproc)
+    nproc = check_nproc(source.nproc if nproc is None else nproc)
     limits, warnings = ws.run_limits_and_warnings() if limits is None else (limits, [])
     run_lifecycle.check_capacity(sr.records_root(ws.root), nproc, limits)
     assert launch_from.script is not None
@@ -501,7 +501,7 @@ def get_run(ws: Workspace, run_id: str) -> RunInfo:
         error = bounded(str(error), MAX_ERROR_CHARS)[0]
     console_tail = None
     if status == rd.FAILED:
-        console_tail = _tail_text(run_dir / rd.CONSOLE_LOG, CONSOLE_TAIL_BYTES)
+        console_tail = tail_text(run_dir / rd.CONSOLE_LOG, CONSOLE_TAIL_BYTES)
     return _bounded_fields(RunInfo.of(
         record,
         # The record's facts as shown:
@@ -520,7 +520,7 @@ def get_run(ws: Workspace, run_id: str) -> RunInfo:
         step=latest.get("step") if latest else None,
         max_steps=record.max_steps,
         eta_s=_number(latest.get("eta_s")) if latest and status == rd.RUNNING else None,
-        latest=_bounded_record(latest) if latest else None,
+        latest=bounded_record(latest) if latest else None,
         speed=_speed_text(rd.read_run_speed(run_dir, record)),
         checkpoints=[
             CheckpointInfo(step=s, path=ws.label(p))
@@ -566,7 +566,7 @@ def _shown_warnings(warnings: list[str]) -> list[str]:
     return shown
 
 
-def _bounded_record(record: dict[str, Any]) -> dict[str, Any]:
+def bounded_record(record: dict[str, Any]) -> dict[str, Any]:
     """A metrics record as returned to an agent: a recipe may log large values; those are cut."""
     if json_chars(record) <= MAX_RECORD_CHARS:
         return record
@@ -583,7 +583,7 @@ def _bounded_record(record: dict[str, Any]) -> dict[str, Any]:
     return kept
 
 
-def _tail_text(path: Path, max_bytes: int) -> str | None:
+def tail_text(path: Path, max_bytes: int) -> str | None:
     f = rd.open_run_output(path)  # not through a link the run left (it could name a host file)
     if f is None:
         return None
@@ -665,7 +665,7 @@ def tail_metrics(
     kept: list[dict[str, Any]] = []
     budget = AGENT_BUDGET_CHARS - 1000
     for record in reversed(records):
-        record = _bounded_record(record)
+        record = bounded_record(record)
         budget -= json_chars(record) + 2
         if budget < 0:
             truncated = True

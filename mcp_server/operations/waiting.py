@@ -17,7 +17,7 @@ from engine import server_record as sr
 from mcp_server.limits import DEFAULT_WAIT_S, MAX_WAIT_S
 from mcp_server.models import WaitRunResult
 from engine.errors import BadInput
-from mcp_server.operations.runs import _bounded_record
+from mcp_server.operations.runs import bounded_record
 from runner import slurm as slurm_jobs
 from sandbox.environment import run_environment
 from workspace.workspace import Workspace
@@ -103,6 +103,6 @@ async def wait_run(
             continue
         return WaitRunResult(
             run_id=run_id, reason=reason, status=now.status, step=now.step, max_steps=now.max_steps,
-            waited_s=round(waited, 2), latest=_bounded_record(now.latest) if now.latest else None,
+            waited_s=round(waited, 2), latest=bounded_record(now.latest) if now.latest else None,
             error=now.error,
         )

@@ -42,13 +42,13 @@ def insert_definitions(
 def ensure_find_blocks(recipe: Recipe, edits: Edits, near: cst.CSTNode) -> None:
     """Make ``find_blocks(model, skill, target, warn)`` available: one copy in the file, shared
     by every skill that acts on the blocks."""
-    if recipe.defines("find_blocks") or _pending(edits, "find_blocks"):
+    if recipe.defines("find_blocks") or pending_definition(edits, "find_blocks"):
         return
     edits.add_import("torch")
     insert_definitions(recipe, edits, FIND_BLOCKS, near)
 
 
-def _pending(edits: Edits, name: str) -> bool:
+def pending_definition(edits: Edits, name: str) -> bool:
     for statements in list(edits.before.values()) + list(edits.after.values()):
         for statement in statements:
             if isinstance(statement, (cst.FunctionDef, cst.ClassDef)) and statement.name.value == name:

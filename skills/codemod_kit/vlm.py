@@ -17,7 +17,7 @@ from pathlib import Path
 import libcst as cst
 
 from skills.codemod_kit import copied
-from skills.codemod_kit.definitions import _pending, insert_definitions
+from skills.codemod_kit.definitions import pending_definition, insert_definitions
 from skills.codemod_kit.edits import Edits
 from skills.codemod_kit.reach import ModelShape
 from skills.codemod_kit.recipe import Recipe
@@ -39,7 +39,7 @@ HELPERS_MODULE = Path(__file__).parent / "emitted" / "vision_language.py"
 
 def ensure_helper(recipe: Recipe, edits: Edits, near: cst.CSTNode) -> None:
     """Write ``vision_language_parts``/``vision_language_parameters`` once into the file."""
-    if recipe.defines("vision_language_parts") or _pending(edits, "vision_language_parts"):
+    if recipe.defines("vision_language_parts") or pending_definition(edits, "vision_language_parts"):
         return
     insert_definitions(recipe, edits, copied.definitions(HELPERS_MODULE), near)
     for name in copied.imports(HELPERS_MODULE):

@@ -116,7 +116,7 @@ def test_console_and_metrics_the_run_replaced_by_links_or_fifos_are_not_read(tmp
         (run / name).symlink_to(victim) if plant == "link" else os.mkfifo(run / name)
     ws = Workspace.open(workspace)
     shown = (run_ops.get_run(ws, "r1").model_dump_json() + run_ops.tail_metrics(ws, "r1").model_dump_json()
-             + str(run_ops._tail_text(run / rd.CONSOLE_LOG, 20_000)) + str(rd.read_all_metrics(run / rd.METRICS_JSONL)))
+             + str(run_ops.tail_text(run / rd.CONSOLE_LOG, 20_000)) + str(rd.read_all_metrics(run / rd.METRICS_JSONL)))
     assert "host-secret" not in shown
 
 
