@@ -4,7 +4,7 @@ liger-kernel + flash-attention (and + sequence-packing).
 Each variant is a copy of the causal_lm template with skills applied by ``skills.apply_skill``,
 trained by ``torchrun -m engine.launch`` (``python -m engine.launch`` for one process) on random
 tokens (``data.source=random``: documents of 16 to 2 × seq_len tokens, so unpacked rows carry
-padding). The engine logs tokens/s (supervised tokens), MFU (known GPUs: engine/flops.py) and peak
+padding). The engine logs tokens/s (tokens read, padding left out), MFU (known GPUs: engine/flops.py) and peak
 memory to metrics.jsonl; this prints their medians after the warm-up steps, the ratios to the plain
 variant, and every warning a run recorded (a kernel that stayed off says why). Then, with a CUDA
 GPU and triton, the muon skill's Newton-Schulz: torch's matmuls against its Triton kernel on the

@@ -108,7 +108,7 @@ def run_template(workspace: Path, peer: str, steps: int, warmup: int) -> dict:
     records = rd.read_all_metrics(run / rd.METRICS_JSONL)
     shutil.rmtree(run)
     timed = [r for r in records if r["step"] > warmup]
-    return {"tokens": [r["tokens_per_s"] * r["step_time_s"] for r in timed],
+    return {"tokens": [r["loss_tokens_per_s"] * r["step_time_s"] for r in timed],
             "seconds": [r["step_time_s"] for r in timed]}
 
 

@@ -85,7 +85,7 @@ def engine_worker(recipe_dir: Path, total_steps: int) -> None:
         start = time.perf_counter()
         ctx = engine.train_step()
         # Without taking the batch: TRL's Trainer takes it before on_step_begin.
-        report_step(ctx.num_tokens, time.perf_counter() - start - ctx.timings["data_s"])
+        report_step(ctx.num_loss_tokens, time.perf_counter() - start - ctx.timings["data_s"])
 
 
 def trl_worker(total_steps: int) -> None:

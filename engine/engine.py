@@ -53,14 +53,16 @@ class TrainState(Stateful):
     """Progress that a checkpoint carries besides model, optimizer, scheduler and data."""
 
     step: int = 0
-    tokens_seen: int = 0
+    tokens_seen: int = 0  # tokens the model read (padding left out)
+    loss_tokens_seen: int = 0  # the tokens of those that the loss is over
 
     def state_dict(self) -> dict[str, Any]:
-        return {"step": self.step, "tokens_seen": self.tokens_seen}
+        return {"step": self.step, "tokens_seen": self.tokens_seen, "loss_tokens_seen": self.loss_tokens_seen}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.step = int(state_dict["step"])
         self.tokens_seen = int(state_dict["tokens_seen"])
+        self.loss_tokens_seen = int(state_dict["loss_tokens_seen"])
 
 
 @dataclass
@@ -68,12 +70,33 @@ class StepContext:
     """What one optimizer step produced; handed to hooks such as ``before_optimizer_step``."""
 
     step: int  # the step being taken (1-based: the first step is 1)
-    num_tokens: int  # supervised tokens in the global batch
+    num_tokens: int  # tokens the model read in the global batch: positions less padding
     num_positions: int  # token positions processed in the global batch (padding included)
     loss: torch.Tensor  # global mean loss of the step (a 0-d tensor, not yet synchronised)
     grad_norm: torch.Tensor | None = None  # total gradient norm, after backward
     timings: dict[str, float] = field(default_factory=dict)
     num_padding: int = 0  # padding positions in the global batch (``Engine.count_padding``)
+    num_loss_tokens: int = 0  # tokens the loss is over in the global batch (``Engine.count_loss_tokens``)
+
+
+@dataclass
+class Window:
+    """The training steps since the last logged one, summed; what ``log_step`` reports."""
+
+    elapsed: float = 0.0  # their seconds, evaluations and saves inside the window left out
+    steps: int = 0
+    tokens: int = 0  # tokens read (``StepContext.num_tokens``)
+    loss_tokens: int = 0  # tokens the loss was over (``StepContext.num_loss_tokens``)
+    positions: int = 0  # positions computed, padding included (what MFU counts)
+
+    def add(self, ctx: StepContext) -> None:
+        self.steps += 1
+        self.tokens += ctx.num_tokens
+        self.loss_tokens += ctx.num_loss_tokens
+        self.positions += ctx.num_positions
+
+    def per_second(self, count: int) -> float:
+        return count / self.elapsed if self.elapsed > 0 else 0.0
 
 
 class Engine:
@@ -154,9 +177,10 @@ class Engine:
         """The *sum* of per-token losses of a micro-batch (the engine normalises it)."""
         raise NotImplementedError("a recipe must define compute_loss()")
 
-    def count_tokens(self, batch: Batch) -> int:
-        """Supervised tokens in a micro-batch: labels that are not ``IGNORE_INDEX``. What
-        ``tokens_per_s``, ``tokens_seen`` and ``padding_frac`` count."""
+    def count_loss_tokens(self, batch: Batch) -> int:
+        """Tokens the loss is over in a micro-batch: labels that are not ``IGNORE_INDEX``. What
+        ``loss_tokens_per_s`` and ``loss_tokens_seen`` count (``tokens_per_s`` and ``tokens_seen``
+        count every position that is not padding: an SFT prompt is read, not learnt)."""
         return int((batch["labels"] != IGNORE_INDEX).sum())
 
     def count_padding(self, batch: Batch) -> int:
@@ -177,8 +201,8 @@ class Engine:
     def count_loss_units(self, batch: Batch) -> int:
         """What ``compute_loss`` sums over in a micro-batch; the engine divides the global sum by
         their global number. Default: the supervised tokens. A recipe whose loss is a sum over
-        something else (preference pairs) overrides this, and ``count_tokens`` still counts tokens."""
-        return self.count_tokens(batch)
+        something else (preference pairs) overrides this, and ``count_loss_tokens`` still counts tokens."""
+        return self.count_loss_tokens(batch)
 
     def flops_per_token(self) -> float | None:
         """Training FLOPs per token, for MFU. Recipes with attention should add its term."""
@@ -366,25 +390,21 @@ class Engine:
     def do_train(self) -> None:
         cfg = self.config
         self.model.train()
-        window_start = time.perf_counter()
-        window_tokens = window_positions = window_steps = 0
+        window_start, window = time.perf_counter(), Window()
         # Evaluations and checkpoints inside a window are not training time (an evaluation of a
         # compiled model compiles its own graphs first): their seconds are left out of the
         # window's, and the steps around them keep theirs.
         window_paused = 0.0
         while self.state.step < cfg.train.max_steps:
             ctx = self.train_step()
-            window_tokens += ctx.num_tokens
-            window_positions += ctx.num_positions
-            window_steps += 1
+            window.add(ctx)
             step = self.state.step
 
             if step % cfg.train.log_every == 0 or step == cfg.train.max_steps:
                 self._synchronize()
-                elapsed = time.perf_counter() - window_start - window_paused
-                self.log_step(ctx, elapsed, window_tokens, window_positions, window_steps)
-                window_start = time.perf_counter()
-                window_tokens = window_positions = window_steps = 0
+                window.elapsed = time.perf_counter() - window_start - window_paused
+                self.log_step(ctx, window)
+                window_start, window = time.perf_counter(), Window()
                 window_paused = 0.0
 
             if cfg.train.eval_every and step % cfg.train.eval_every == 0 and self.eval_batches:
@@ -417,7 +437,7 @@ class Engine:
         ]
         counts = torch.tensor(
             [
-                sum(self.count_tokens(mb) for mb in micro_batches),
+                sum(self.count_loss_tokens(mb) for mb in micro_batches),
                 sum(mb["input_ids"].numel() for mb in micro_batches),
                 sum(self.count_loss_units(mb) for mb in micro_batches),
                 sum(self.count_padding(mb) for mb in micro_batches),
@@ -425,7 +445,7 @@ class Engine:
             dtype=torch.int64,
             device=self.device,
         )
-        num_tokens, num_positions, loss_units, num_padding = (int(x) for x in dp_all_reduce_sum(counts, self.dist))
+        num_loss_tokens, num_positions, loss_units, num_padding = (int(x) for x in dp_all_reduce_sum(counts, self.dist))
         timings["data_s"] = time.perf_counter() - start
 
         start = time.perf_counter()
@@ -443,11 +463,12 @@ class Engine:
         start = time.perf_counter()
         ctx = StepContext(
             step=self.state.step + 1,
-            num_tokens=num_tokens,
+            num_tokens=num_positions - num_padding,
             num_positions=num_positions,
             loss=loss,
             timings=timings,
             num_padding=num_padding,
+            num_loss_tokens=num_loss_tokens,
         )
         ctx.grad_norm = clip_grad_norm(self.model.parameters(), self.config.train.max_grad_norm)
         if self.before_optimizer_step(ctx):
@@ -455,7 +476,8 @@ class Engine:
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
         self.state.step += 1
-        self.state.tokens_seen += num_tokens
+        self.state.tokens_seen += ctx.num_tokens
+        self.state.loss_tokens_seen += num_loss_tokens
         timings["optim_s"] = time.perf_counter() - start
         return ctx
 
@@ -480,27 +502,28 @@ class Engine:
     # Metrics
     # ----------------------------------------------------------------------------------------
 
-    def log_step(
-        self, ctx: StepContext, elapsed: float, tokens: int, positions: int, steps: int
-    ) -> None:
-        step_time = elapsed / max(1, steps)
+    def log_step(self, ctx: StepContext, window: Window) -> None:
+        """Log the record of ``window``, whose last step is ``ctx``."""
+        step_time = window.elapsed / max(1, window.steps)
         peaks = gathered_peaks(self.device, self.dist)
         record = rd.MetricRecord(
             step=self.state.step,
             loss=float(ctx.loss),
             lr=self.scheduler.get_last_lr()[0],
             grad_norm=float(ctx.grad_norm) if ctx.grad_norm is not None else None,
-            tokens_per_s=tokens / elapsed if elapsed > 0 else 0.0,
+            tokens_per_s=window.per_second(window.tokens),
+            loss_tokens_per_s=window.per_second(window.loss_tokens),
             step_time_s=step_time,
             peak_mem_mb=busiest_peak_mb(peaks),
             **peaks,
             **{k: round(v, 6) for k, v in ctx.timings.items()},
             tokens_seen=self.state.tokens_seen,
+            loss_tokens_seen=self.state.loss_tokens_seen,
             padding_frac=ctx.num_padding / max(1, ctx.num_positions),
             eta_s=step_time * (self.config.train.max_steps - self.state.step),
         )
-        if self._flops_per_token and self._peak_flops and elapsed > 0:
-            achieved = self._flops_per_token * positions / elapsed
+        if self._flops_per_token and self._peak_flops and window.elapsed > 0:
+            achieved = self._flops_per_token * window.per_second(window.positions)
             record.mfu = achieved / (self._peak_flops * self.dist.world_size)
         self.logger.log(record.model_dump(exclude_none=True))
         self.suggest_skills(record)

@@ -234,7 +234,7 @@ def evaluate(run_dir: Path, step: int, data: list[str] | None = None) -> Evaluat
     if not engine.eval_batches:
         raise BadInput("the recipe has no evaluation data (prepare_eval_data() returned nothing: "
                        "no documents held out?); pass data=[files] to evaluate on")
-    scored = sum(engine.count_tokens(batch) for batch in engine.eval_batches)
+    scored = sum(engine.count_loss_tokens(batch) for batch in engine.eval_batches)
     loss = engine.evaluate()
     engine.model.eval()
     with torch.no_grad():

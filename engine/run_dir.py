@@ -625,7 +625,10 @@ class MetricRecord(BaseModel):
     eval_loss: float | str | None = Field(None, description="Mean loss on the evaluation batches.")
     lr: float | None = Field(None, description="Learning rate after the step.")
     grad_norm: float | str | None = Field(None, description="Total gradient norm before clipping.")
-    tokens_per_s: float | None = Field(None, description="Supervised tokens per second, window average.")
+    tokens_per_s: float | None = Field(
+        None, description="Tokens the model read per second (every position but padding; an SFT prompt counts), window average.")
+    loss_tokens_per_s: float | None = Field(
+        None, description="Tokens the loss is over per second (the labels: an SFT reply, not its prompt), window average.")
     step_time_s: float | None = Field(None, description="Seconds per step, window average.")
     data_s: float | None = Field(None, description="Last step: seconds to get the batch.")
     fwd_bwd_s: float | None = Field(None, description="Last step: seconds of forward and backward.")
@@ -636,7 +639,8 @@ class MetricRecord(BaseModel):
     rss_peak_mb: list[float] | None = Field(None, description="Each process's CPU RSS high-water mark (VmHWM), rank order.")
     cuda_max_allocated_mb: list[float] | None = Field(None, description="Each process's CUDA max allocated memory.")
     cuda_max_reserved_mb: list[float] | None = Field(None, description="Each process's CUDA max reserved memory.")
-    tokens_seen: int | None = Field(None, description="Supervised tokens trained on so far.")
+    tokens_seen: int | None = Field(None, description="Tokens the model read so far (padding left out), as tokens_per_s counts them.")
+    loss_tokens_seen: int | None = Field(None, description="Tokens the loss was over so far, as loss_tokens_per_s counts them.")
     padding_frac: float | None = Field(None, description="Share of the last step's positions that were padding (masked prompt tokens are not).")
     eta_s: float | None = Field(None, description="Seconds left at the window's pace.")
     mfu: float | None = Field(None, description="Model FLOPs utilisation (where the peak is known).")
@@ -767,7 +771,7 @@ class RunSpeed(BaseModel):
     the mean over its training steps after the warm-up, and the last logging window's."""
 
     mean_tokens_per_s: float | None = Field(
-        None, description="Supervised tokens/s over the training steps after the warm-up (total tokens / total time)."
+        None, description="Tokens read per second (tokens_per_s: padding left out) over the training steps after the warm-up (total tokens / total time)."
     )
     last_window_tokens_per_s: float | None = Field(None, description="The last logging window's tokens/s.")
     measured_steps: int = Field(0, description="Training steps the mean is over.")

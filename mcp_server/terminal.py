@@ -101,7 +101,7 @@ def runs_text(r) -> str:
         loss = f"{s.loss:.4f}" if isinstance(s.loss, float) else "-"
         speed = f"{s.mean_tokens_per_s:,.0f}" if isinstance(s.mean_tokens_per_s, float) else "-"
         lines.append(f"{s.run_id:<40} {s.status:<10} {step:>11} {loss:>8} {speed:>10}  {s.recipe}")
-    lines.append("mean tok/s: supervised tokens/s over the steps after the warm-up (the first logging window)")
+    lines.append("mean tok/s: tokens read per second (padding left out) over the steps after the warm-up (the first logging window)")
     return "\n".join(lines)
 
 

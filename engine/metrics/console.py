@@ -15,7 +15,7 @@ def format_duration(seconds: float) -> str:
 
 # Keys the line shows in its own form, or leaves to metrics.jsonl (timings, counters).
 SHOWN = frozenset({
-    "step", "loss", "eval_loss", "lr", "grad_norm", "tokens_per_s", "mfu", "peak_mem_mb", "eta_s", "step_time_s",
+    "step", "loss", "eval_loss", "lr", "grad_norm", "tokens_per_s", "loss_tokens_per_s", "loss_tokens_seen", "mfu", "peak_mem_mb", "eta_s", "step_time_s",
     "tokens_seen", "padding_frac", "data_s", "fwd_bwd_s", "optim_s", "time",
 })
 MAX_EXTRA = 6
@@ -40,6 +40,10 @@ class ConsoleBackend:
             parts.append(f"gnorm {record['grad_norm']:.3f}")
         if "tokens_per_s" in record:
             parts.append(f"{record['tokens_per_s']:,.0f} tok/s")
+            # Where the loss is over fewer tokens than were read (an SFT prompt), both are said.
+            loss_rate = record.get("loss_tokens_per_s")
+            if isinstance(loss_rate, (int, float)) and loss_rate < record["tokens_per_s"]:
+                parts[-1] += f" ({loss_rate:,.0f} loss tok/s)"
         if record.get("mfu") is not None:
             parts.append(f"mfu {record['mfu']:.1%}")
         if "peak_mem_mb" in record:

@@ -41,7 +41,7 @@ from engine.config import ConfigError, DataConfig, EngineConfig, Section
 from engine.data_files import confined_path
 from engine.data_formats import read_examples
 from engine.distributed import dp_all_reduce_sum
-from engine.engine import IGNORE_INDEX, Engine, StepContext
+from engine.engine import IGNORE_INDEX, Engine, StepContext, Window
 from engine.flops import non_embedding_params, transformer_flops_per_token
 from engine.fsdp import apply_fsdp
 from engine.run_dir import DataSummary
@@ -413,7 +413,7 @@ class DPO(Engine):
             counted = counts[is_eval_document(name, cfg.eval_fraction)]
             counted[0] += 1
             counted[1] += 2 * len(prompt) + len(chosen) + len(rejected)  # both rows
-            counted[2] += len(chosen) + len(rejected)  # the loss's, and what tokens_seen counts in training
+            counted[2] += len(chosen) + len(rejected)  # the loss's, and what loss_tokens_seen counts in training
         return DataSummary(
             source=cfg.source,
             paths=cfg.paths[:20],
@@ -462,8 +462,8 @@ class DPO(Engine):
         return [next(stream) for _ in range(self.config.train.eval_batches)]
 
     def count_loss_units(self, batch: dict[str, torch.Tensor]) -> int:
-        """The loss is a mean over pairs; ``count_tokens`` (the engine's) still counts the tokens
-        of both answers, so ``tokens_per_s`` compares with other recipes."""
+        """The loss is a mean over pairs; ``count_loss_tokens`` (the engine's) still counts the
+        tokens of both answers, so ``loss_tokens_per_s`` compares with other recipes."""
         return batch["input_ids"].shape[0] // 2
 
     def compute_loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -480,8 +480,8 @@ class DPO(Engine):
             ]).double()
         return loss.sum()
 
-    def log_step(self, ctx: StepContext, elapsed: float, tokens: int, positions: int, steps: int) -> None:
-        super().log_step(ctx, elapsed, tokens, positions, steps)
+    def log_step(self, ctx: StepContext, window: Window) -> None:
+        super().log_step(ctx, window)
         sums = dp_all_reduce_sum(self.preference_sums, self.dist).clone()  # reduced in place
         self.preference_sums.zero_()
         accuracy, margin, chosen, rejected = (float(x) for x in sums[:4] / sums[4].clamp(min=1))

@@ -130,7 +130,7 @@ def test_a_window_counts_its_training_steps_only_not_the_evaluations_and_saves_i
     def train_step():
         clock[0] += 1.0
         fake.state.step += 1
-        return SimpleNamespace(num_tokens=100, num_positions=128)
+        return SimpleNamespace(num_tokens=100, num_loss_tokens=60, num_positions=128)
 
     def evaluate():
         clock[0] += 50.0
@@ -145,7 +145,7 @@ def test_a_window_counts_its_training_steps_only_not_the_evaluations_and_saves_i
         config=config, state=SimpleNamespace(step=0), model=SimpleNamespace(train=lambda: None),
         train_step=train_step, evaluate=evaluate, save_checkpoint=save_checkpoint, eval_batches=[{}],
         logger=SimpleNamespace(log=lambda record: None), _synchronize=lambda: None,
-        log_step=lambda ctx, elapsed, tokens, positions, steps: windows.append((elapsed, tokens, steps)),
+        log_step=lambda ctx, window: windows.append((window.elapsed, window.tokens, window.steps)),
     )
     Engine.do_train(fake)
     assert windows == [(4.0, 400, 4)] * 3

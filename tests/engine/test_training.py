@@ -46,7 +46,7 @@ def test_a_run_writes_the_run_directory_of_the_contract(reference):
     assert record.config["train"]["max_steps"] == STEPS
     assert [s for s, _ in rd.list_checkpoints(reference)] == [4, 8, 12, 16]
     first = rd.read_all_metrics(reference / rd.METRICS_JSONL)[0]
-    for key in ("step", "loss", "lr", "grad_norm", "tokens_per_s", "step_time_s", "peak_mem_mb",
+    for key in ("step", "loss", "lr", "grad_norm", "tokens_per_s", "loss_tokens_per_s", "step_time_s", "peak_mem_mb",
                 "data_s", "fwd_bwd_s", "optim_s", "rss_peak_mb"):
         assert key in first, key
     for record in rd.read_all_metrics(reference / rd.METRICS_JSONL):

@@ -40,20 +40,20 @@ def test_packing_removes_padding_and_fills_each_step_with_more_tokens(tmp_path: 
         return statistics.mean(r["padding_frac"] for r in records)
 
     def useful_tokens_per_s(records):
-        return statistics.median(r["tokens_per_s"] for r in records[1:])  # the first step warms up
+        return statistics.median(r["loss_tokens_per_s"] for r in records[1:])  # the first step warms up
 
     speedup = useful_tokens_per_s(packed) / useful_tokens_per_s(padded)
     with capsys.disabled():
         print(
             f"\n[sequence-packing] padding {padding(padded):.1%} -> {padding(packed):.1%}; useful tokens/s "
             f"{useful_tokens_per_s(padded):,.0f} -> {useful_tokens_per_s(packed):,.0f} ({speedup:.2f}x); "
-            f"tokens per step {padded[0]['tokens_seen']:,} -> {packed[0]['tokens_seen']:,}"
+            f"tokens per step {padded[0]['loss_tokens_seen']:,} -> {packed[0]['loss_tokens_seen']:,}"
         )
     assert padding(padded) > 0.3
     assert padding(packed) < 0.05
     # Each packed step learns from more tokens in the same positions. Its speed is a benchmark's
     # to claim (bench/throughput.py, peers interleaved), not a timed test's: printed above.
-    assert packed[0]["tokens_seen"] > 1.2 * padded[0]["tokens_seen"]
+    assert packed[0]["loss_tokens_seen"] > 1.2 * padded[0]["loss_tokens_seen"]
 
 
 def per_token_losses(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

@@ -31,4 +31,5 @@ def test_two_sequence_parallel_processes_match_one_process_on_packed_rows(tmp_pa
     assert max(norm_differences) < 1e-3
     # Both runs read the same rows: the same supervised tokens at every step.
     assert [a["tokens_seen"] for a in one] == [b["tokens_seen"] for b in two]
+    assert [a["loss_tokens_seen"] for a in one] == [b["loss_tokens_seen"] for b in two]
     assert [a["padding_frac"] for a in one] == [b["padding_frac"] for b in two]

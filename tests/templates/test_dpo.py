@@ -145,9 +145,15 @@ def test_tokens_count_both_answers_tokens_while_the_loss_is_a_mean_over_pairs(re
 
     config = build_config(dpo.DPOConfig, None, list(SCHEDULE))
     stream = dpo.DPO(config, DistInfo(0, 1, 0, torch.device("cpu"), None)).prepare_data()
-    answer_tokens = [int((next(stream)["labels"] != -100).sum()) for _ in range(8)]
+    batches = [next(stream) for _ in range(8)]
+    answer_tokens = [int((batch["labels"] != -100).sum()) for batch in batches]
+    pad = dpo.DPO(config, DistInfo(0, 1, 0, torch.device("cpu"), None)).tokenizer.pad_token_id
+    read_tokens = [int(((batch["input_ids"] != pad) | (batch["labels"] != -100)).sum()) for batch in batches]
     records = [r for r in rd.read_all_metrics(reference / rd.METRICS_JSONL) if "tokens_seen" in r]
-    assert [r["tokens_seen"] for r in records] == [sum(answer_tokens[:i]) for i in range(1, 9)]
+    assert [r["loss_tokens_seen"] for r in records] == [sum(answer_tokens[:i]) for i in range(1, 9)]
+    # tokens_seen counts what the model read: prompts too (twice, once per answer), not padding.
+    assert [r["tokens_seen"] for r in records] == [sum(read_tokens[:i]) for i in range(1, 9)]
+    assert all(r["tokens_seen"] > r["loss_tokens_seen"] for r in records)
     assert min(answer_tokens) >= 2 * 2 * 4  # 4 pairs of answers of >= 2 tokens (content, end of turn)
     record = rd.read_run(reference)
     assert record.data.train_tokens + record.data.eval_tokens == record.data.tokens
