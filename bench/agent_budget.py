@@ -70,7 +70,7 @@ async def measure() -> dict[str, Any]:
             await call("list_skills", "list_skills")
             skills = [s["name"] for s in (await client.call_tool("list_skills", {})).structured_content["skills"]]
             for name in skills:
-                await call(f"get_skill {name}", "get_skill", name=name)
+                await call(f"get_skill {name}", "get_skill", skill=name)
             recipe = (await call("scaffold_recipe (+loss-guard)", "scaffold_recipe", template="causal_lm",
                                  name="lm", config=SMALL, skills=["loss-guard"]))["path"]
             await call("apply_skill dry_run", "apply_skill", skill="gradient-checkpointing", recipe=recipe,

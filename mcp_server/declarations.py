@@ -160,6 +160,11 @@ class RecipeArgs(ToolArgs):
     recipe: RecipePath
 
 
+class DescribeArgs(RecipeArgs):
+    keys: Annotated[list[str], Field(description="Only these keys or sections, described whole."),
+                    Cli(flag="--key", metavar="KEY", repeat=True, more="A dotted key or its start (train); repeatable.")] = []
+
+
 class LaunchRunArgs(ToolArgs):
     recipe: Annotated[str, Field(description="Recipe folder, or a .py script."),
                       Cli(more="A training script is a .py file or a folder with a train.py, relative to the "
@@ -345,10 +350,10 @@ def _scaffold_recipe(ws: Any, a: ScaffoldArgs, report: Report) -> ScaffoldResult
     return recipes.scaffold_recipe(ws, a.template, a.name, a.config, a.skills, progress=report.download)
 
 
-def _describe_recipe(ws: Any, a: RecipeArgs, report: Report) -> RecipeDescription:
+def _describe_recipe(ws: Any, a: DescribeArgs, report: Report) -> RecipeDescription:
     from mcp_server.operations import recipe_info
 
-    return recipe_info.describe_recipe(ws, a.recipe)
+    return recipe_info.describe_recipe(ws, a.recipe, a.keys)
 
 
 def _list_recipes(ws: Any, a: NoArgs, report: Report) -> RecipeList:
@@ -474,7 +479,7 @@ TOOLS: tuple[ToolSpec, ...] = (
              ("scaffold",), "create recipes/NAME from a template, as a commit", ScaffoldArgs, ScaffoldResult,
              ADDITIVE_HUB, _scaffold_recipe, stages=Stages("checking the config and skills", "scaffolded", 2)),
     ToolSpec("describe_recipe", "Every config key of a recipe or template, skills applied, Hub models.",
-             ("describe",), "every config key of a recipe, its template and skills", RecipeArgs,
+             ("describe",), "every config key of a recipe, its template and skills", DescribeArgs,
              RecipeDescription, READ_ONLY_HUB, _describe_recipe),
     ToolSpec("list_recipes", "The workspace's recipes: template, last commit, skills, runs.",
              ("recipes",), "list the workspace's recipes: template, last commit, skills, runs", NoArgs, RecipeList,

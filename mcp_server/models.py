@@ -225,7 +225,7 @@ class RecipeDescription(BaseModel):
     last_commit: str | None = None
     skills: list[RecipeSkill] = Field(description="Applied, oldest first.")
     fields: list[ConfigField]
-    cut: bool = False  # cut to fit the agent budget (the name says it)
+    cut: str | None = None  # what was cut to fit the agent budget, and how to read it whole
     hub_models: list[str] = []  # org/name@<commit>
 
 

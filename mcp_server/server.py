@@ -184,7 +184,8 @@ def mcp_tool(spec: ToolSpec, tools: Tools) -> Tool:
     """``spec`` as an MCP tool: its arguments model's fields are the tool's parameters (the
     schema compacted, :func:`_compact_schema`), its result model the output schema."""
     hints = spec.hints
-    annotations = ToolAnnotations(readOnlyHint=hints.read_only, destructiveHint=hints.destructive,
+    # readOnlyHint false is the spec's default, left out as openWorldHint true is (bytes of tools/list).
+    annotations = ToolAnnotations(readOnlyHint=hints.read_only or None, destructiveHint=hints.destructive,
                                   idempotentHint=hints.idempotent, openWorldHint=hints.open_world)
     tool = Tool.from_function(ToolFunction(spec, tools), name=spec.name, description=spec.description,
                               annotations=annotations, meta=spec.meta)

@@ -65,7 +65,7 @@ def describe_text(r) -> str:
     for f in r.fields:
         value = _value(f.value) + (" *" if f.value != f.default else "")
         lines.append(f"{f.key:<32} {f.type[:24]:<24} {value[:16]:<16} {_value(f.default)[:8]:<8} {f.description}")
-    lines.append("* differs from the code default" + ("; descriptions were cut to fit" if r.cut else ""))
+    lines.append("* differs from the code default" + (f"; cut to fit: {r.cut}" if r.cut else ""))
     return "\n".join(lines)
 
 

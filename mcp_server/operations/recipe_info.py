@@ -40,6 +40,7 @@ from workspace.workspace import Workspace
 MAX_DESCRIBE_BYTES = 7_800  # the result as an agent reads it: under 8 KB
 DESCRIPTION_LIMITS = (160, 80, 60, 40, 30, 20, 0)  # characters kept per description, tried in turn
 MAX_SKILLS_SHOWN = 50
+MAX_KEYS_ASKED = 50  # describe_recipe(keys=...)
 MAX_RECIPES = 100
 MAX_SUMMARY_FIELD_CHARS = 200  # a folder name, a commit subject
 MAX_SEARCH_DEPTH = 4
@@ -66,10 +67,12 @@ def _history(ws: Workspace, recipe_dir: Path) -> tuple[str | None, str | None, s
     return template, commits[0].sha, commits[0].subject, skills
 
 
-def describe_recipe(ws: Workspace, recipe: str) -> RecipeDescription:
+def describe_recipe(ws: Workspace, recipe: str, keys: list[str] | None = None) -> RecipeDescription:
     """Every config key of a recipe (from the engine's check), its template and skills; a
     template's name (no recipe of that name in the workspace) describes the template, before a
-    recipe is scaffolded from it."""
+    recipe is scaffolded from it. ``keys``: only the keys equal to one of them or under it
+    (``train`` is every ``train.*`` key), so a description cut to fit reads whole."""
+    prefixes = _key_prefixes(keys)
     try:
         recipe_dir = ws.recipe(recipe)
     except NotFound:
@@ -77,19 +80,20 @@ def describe_recipe(ws: Workspace, recipe: str) -> RecipeDescription:
         if source is None:
             _refuse_a_script(ws, recipe)
             raise
-        fields = checked_fields(ws.root, source, ws.run_limits(), None)
+        fields = _selected(checked_fields(ws.root, source, ws.run_limits(), None), prefixes)
         return _fit(RecipeDescription(recipe=f"template {recipe}", template=recipe, skills=[], fields=fields))
     limits = ws.run_limits()
     models = hub.bind(ws.root, hub.recipe_config(recipe_dir, {}),
                       dataset=hub.recipe_config(recipe_dir, {}, hub.DATASET_KEY), allow_pickled=limits.allow_pickled_weights,
                       remote_code=limits.trust_remote_code)
-    fields = checked_fields(ws.root, recipe_dir, limits, models)
+    fields = _selected(checked_fields(ws.root, recipe_dir, limits, models), prefixes)
     template, last_commit, _, skills = _history(ws, recipe_dir)
     described = RecipeDescription(
         recipe=ws.label(recipe_dir), template=template, last_commit=last_commit,
         hub_models=[hub_model_shown(m) for m in models.models],
         skills=skills[-MAX_SKILLS_SHOWN:], fields=fields,
-        cut=len(skills) > MAX_SKILLS_SHOWN,
+        cut=f"the first {len(skills) - MAX_SKILLS_SHOWN} skills applied (list_recipes counts them)"
+        if len(skills) > MAX_SKILLS_SHOWN else None,
     )
     return _fit(described)
 
@@ -198,20 +202,52 @@ def _template(name: str) -> Path | None:
         return None
 
 
+def _key_prefixes(keys: list[str] | None) -> tuple[str, ...]:
+    if not keys:
+        return ()
+    if len(keys) > MAX_KEYS_ASKED:
+        raise BadInput(f"keys: at most {MAX_KEYS_ASKED}, got {len(keys)}")
+    cleaned = tuple(k.strip().strip(".") for k in keys)
+    if not all(cleaned):
+        raise BadInput("keys: an empty key; give dotted keys or their start (train, train.lr)")
+    return cleaned
+
+
+def _selected(fields: list, prefixes: tuple[str, ...]) -> list:
+    if not prefixes:
+        return fields
+    def under(key: str, prefix: str) -> bool:
+        return key == prefix or key.startswith(prefix + ".")
+
+    unknown = [p for p in prefixes if not any(under(f.key, p) for f in fields)]
+    if unknown:
+        known = sorted({f.key.split(".")[0] for f in fields})
+        raise BadInput(f"keys: no config key is or starts with {', '.join(unknown)[:200]}; "
+                       f"the sections are {', '.join(known)}")
+    return [f for f in fields if any(under(f.key, p) for p in prefixes)]
+
+
 def _fit(described: RecipeDescription) -> RecipeDescription:
     """Cut descriptions (then, if need be, the last fields) until the result fits the budget."""
     if text_bytes(described.model_dump(mode="json")) <= MAX_DESCRIBE_BYTES:
         return described
     fields = described.fields
+    earlier = f"{described.cut}; " if described.cut else ""
     for limit in DESCRIPTION_LIMITS:
         fields = [f.model_copy(update={"description": _cut(f.description, limit)}) for f in described.fields]
-        candidate = described.model_copy(update={"fields": fields, "cut": True})
+        cut = (f"{earlier}descriptions cut to {limit} characters" if limit else f"{earlier}descriptions left out")
+        candidate = described.model_copy(update={"fields": fields, "cut": f"{cut}; {READ_WHOLE}"})
         if text_bytes(candidate.model_dump(mode="json")) <= MAX_DESCRIBE_BYTES:
             return candidate
+    total = len(fields)
     while fields and text_bytes(candidate.model_dump(mode="json")) > MAX_DESCRIBE_BYTES:
         fields = fields[:-1]
-        candidate = candidate.model_copy(update={"fields": fields})
+        candidate = candidate.model_copy(update={
+            "fields": fields, "cut": f"{earlier}descriptions left out, the last {total - len(fields)} keys too; {READ_WHOLE}"})
     return candidate
+
+
+READ_WHOLE = "keys=[a section or key, e.g. \"train\"] describes those keys whole"
 
 
 def _cut(text: str, limit: int) -> str:

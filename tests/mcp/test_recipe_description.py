@@ -41,7 +41,7 @@ def test_describe_recipe_lists_every_config_key_its_template_and_skills(client, 
     (skill,) = result["skills"]
     assert skill["skill"].startswith("loss-guard") and skill["commit"] == head(workspace)
     assert json.loads(skill["params"])["max_bad_steps"] == 5
-    assert result["last_commit"] == head(workspace) and result["cut"] is False
+    assert result["last_commit"] == head(workspace) and result.get("cut") is None
     assert text_bytes(result) < 8 * 1024  # as the agent reads it
     # Describing a recipe leaves nothing behind (no bytecode, no run).
     assert git(workspace, "status", "--porcelain", "--ignored") == status_before
@@ -99,11 +99,32 @@ def test_long_descriptions_are_cut_to_keep_the_result_small_and_say_so():
 
     fitted = _fit(described)
 
-    assert fitted.cut is True
+    assert fitted.cut is not None and "keys=" in fitted.cut  # what was cut, and how to read it whole
     assert text_bytes(fitted.model_dump(mode="json")) <= MAX_DESCRIBE_BYTES < 8 * 1024
     assert [f.key for f in fitted.fields] == [f.key for f in fields]  # every key stays
     assert all(f.description.endswith("…") or f.description == "" for f in fitted.fields)
-    assert _fit(RecipeDescription(recipe="r", skills=[], fields=fields[:2], cut=False)).cut is False
+    assert _fit(RecipeDescription(recipe="r", skills=[], fields=fields[:2])).cut is None
+
+
+def test_keys_describe_a_section_whole_where_the_whole_recipe_is_cut(client, workspace):
+    """The sft template's descriptions are cut to fit 8 KB; keys=[...] reads the ones asked for
+    whole (the finding: ~25 characters with no way to read the rest)."""
+    from engine.config import describe_fields
+    from recipes_template.sft import recipe as sft
+
+    whole = {f["key"]: f["description"] for f in describe_fields(sft.SFTConfig())}
+    everything = client.ok("describe_recipe", recipe="sft")
+    assert "keys=" in everything["cut"]
+    shortened = [f["key"] for f in everything["fields"] if f.get("description") != whole[f["key"]]]
+    assert any(key.startswith("data.") for key in shortened)
+
+    data = client.ok("describe_recipe", recipe="sft", keys=["data", "optim.lr"])
+    assert data.get("cut") is None
+    assert {f["key"]: f["description"] for f in data["fields"]} == {
+        key: text for key, text in whole.items() if key.startswith("data.") or key == "optim.lr"}
+    error = client.error("describe_recipe", recipe="sft", keys=["data", "train.lr"])  # one unknown key
+    assert "train.lr" in error and "sections are" in error and "data" in error
+    assert "empty key" in client.error("describe_recipe", recipe="sft", keys=[" "])
 
 
 @pytest.mark.parametrize("template", ["dpo"])

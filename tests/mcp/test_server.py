@@ -38,7 +38,8 @@ def test_every_tool_is_listed_with_annotations_and_an_output_schema(client):
     assert set(tools) == TOOLS
     for name, tool in tools.items():
         hints = tool.annotations
-        assert hints.read_only_hint is (name in READ_ONLY_TOOLS), name
+        # True, or left out: false is the MCP spec's default (ToolAnnotations.readOnlyHint).
+        assert hints.read_only_hint is (True if name in READ_ONLY_TOOLS else None), name
         if name in READ_ONLY_TOOLS:  # both hints mean something only for tools that change things
             assert hints.idempotent_hint is None and hints.destructive_hint is None, name
         else:
