@@ -150,3 +150,70 @@ def test_the_finetune_prompts_calls_succeed_as_written_and_what_it_says_to_read_
         assert session.ok("export_checkpoint", run_id=run_id, to=to)["path"].endswith("exports/chat")
         assert (workspace / "exports" / "chat" / "config.json").is_file()
         shutil.rmtree(workspace / "exports")
+
+
+def _called(text: str, tool: str) -> str:
+    """The argument text of the first ``tool(...)`` call the prompt names."""
+    start = text.index(f"{tool}(") + len(tool) + 1
+    depth, end = 1, start
+    while depth:
+        depth += {"(": 1, ")": -1}.get(text[end], 0)
+        end += 1
+    return text[start:end - 1]
+
+
+@pytest.mark.slow
+def test_the_speed_up_and_diagnose_run_prompts_calls_succeed_as_written(tmp_path):
+    """Each call the two prompts name, run as written on a small recipe: the figures speed_up
+    sends the agent to read are in get_run, its A/B of a skill commit runs and compares, and
+    diagnose_run's reads and resume work on the run."""
+    import json
+
+    from tests.support import TINY
+
+    workspace = make_workspace(tmp_path / "ws")
+    with connect("memory", workspace) as session:
+        sizes = dict(item.split("=", 1) for item in TINY)
+        config = {key: json.loads(value) if value[0].isdigit() else value for key, value in sizes.items()}
+        session.ok("scaffold_recipe", template="causal_lm", name="fast",
+                   config={**config, "checkpoint.every": 10, "data.source": "random"})
+        text = prompt_text(session, "speed_up", recipe="recipes/fast")
+
+        # 1. No run yet: the prompt's own smoke run; then the figures it names.
+        assert session.ok("list_runs")["runs"] == []
+        overrides = json.loads(re.search(r'launch_run\(recipe="recipes/fast", overrides=(\{.*?\})\)', text).group(1))
+        assert overrides == {"train.max_steps": 30}
+        baseline = session.ok("launch_run", recipe="recipes/fast", overrides=overrides)["run_id"]
+        assert session.wait_for_run(baseline)["status"] == "completed"
+        info = session.ok("get_run", run_id=baseline)
+        assert "tokens/s" in info["speed"] and "warnings" in info
+        assert {"padding_frac", "peak_mem_mb"} <= set(info["latest"])
+
+        # 2-3. The skills, one's card, its dry run and its commit C.
+        assert {"sequence-packing", "torch-compile", "flash-attention"} <= {s["name"] for s in session.ok("list_skills")["skills"]}
+        assert "When to use" in session.ok("get_skill", skill="sequence-packing")["skill_md"]
+        assert _called(text, "apply_skill") == 'skill, recipe="recipes/fast", dry_run=true'
+        assert session.ok("apply_skill", skill="sequence-packing", recipe="recipes/fast", dry_run=True)["diff"]
+        commit = session.ok("apply_skill", skill="sequence-packing", recipe="recipes/fast")["commit"]
+
+        # 4. The A/B: the commit before C (a) and C (b), the same overrides; compared.
+        ab = {"train.max_steps": 10, "train.log_every": 1}
+        run_a = session.ok("launch_run", recipe="recipes/fast", overrides=ab, commit=f"{commit}^")["run_id"]
+        assert session.wait_for_run(run_a)["status"] == "completed"
+        run_b = session.ok("launch_run", recipe="recipes/fast", overrides=ab, commit=commit)["run_id"]
+        assert session.wait_for_run(run_b)["status"] == "completed"
+        compared = session.ok("compare_runs", run_a=run_a, run_b=run_b)
+        assert compared["metrics"] and any("sequence-packing" in str(d) for d in compared.values())
+
+        # diagnose_run, on the baseline: each read and the resume it names.
+        text = prompt_text(session, "diagnose_run", run_id=baseline)
+        assert session.ok("get_run", run_id=baseline)["status"] == "completed"
+        assert _called(text, "tail_metrics") == f'run_id="{baseline}", follow_resumes=true'
+        assert session.ok("tail_metrics", run_id=baseline, follow_resumes=True)["records"]
+        png, mime = session.read_bytes(f"run://{baseline}/loss.png")
+        assert mime == "image/png" and png.startswith(b"\x89PNG")
+        steps = [c["step"] for c in session.ok("list_checkpoints", run_id=baseline)["checkpoints"]]
+        assert steps[-1] == 30 and len(steps) >= 2  # the recipe keeps the last ones
+        assert "resume_checkpoint(run_id, step)" in text
+        resumed = session.ok("resume_checkpoint", run_id=baseline, step=steps[0])["run_id"]
+        assert session.wait_for_run(resumed)["status"] == "completed"
