@@ -62,6 +62,18 @@ class _DownloadBar:
             self.bar.close()
 
 
+def _said_once() -> Callable[[str], None]:
+    """A wait in line, said once on stderr (not a line a second)."""
+    said: set[str] = set()
+
+    def say(message: str) -> None:
+        if message not in said:
+            said.add(message)
+            print(message, file=sys.stderr, flush=True)
+
+    return say
+
+
 class _WaitLines:
     """A run's progress while waiting on it: a line on stderr per new step (none with --json)."""
 
@@ -92,7 +104,7 @@ def run_tool(args: argparse.Namespace) -> int:
         print(f"{spec.stages.start}…", file=sys.stderr, flush=True)
     bar = _DownloadBar()
     try:
-        result = spec.run(ws, inputs, Report(download=bar, observe=_WaitLines(args.json)))
+        result = spec.run(ws, inputs, Report(download=bar, observe=_WaitLines(args.json), waiting=_said_once()))
         if inspect.iscoroutine(result):
             import anyio
 

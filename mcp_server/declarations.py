@@ -278,11 +278,13 @@ class EvaluateArgs(ToolArgs):
 
 @dataclass
 class Report:
-    """How a tool's long work tells its caller how far it got: a Hub download's bytes (called
-    from the worker thread the operation runs in) and a run's progress while waiting on it."""
+    """How a tool's long work tells its caller how far it got: a Hub download's bytes and a
+    wait in line (each called from the worker thread the operation runs in), and a run's progress
+    while waiting on it."""
 
     download: Callable[[float, float | None, str], None] | None = None
     observe: Callable[[Any], Awaitable[None]] | None = None
+    waiting: Callable[[str], None] | None = None
 
 
 @dataclass(frozen=True)
@@ -353,7 +355,7 @@ def _scaffold_recipe(ws: Any, a: ScaffoldArgs, report: Report) -> ScaffoldResult
 def _describe_recipe(ws: Any, a: DescribeArgs, report: Report) -> RecipeDescription:
     from mcp_server.operations import recipe_info
 
-    return recipe_info.describe_recipe(ws, a.recipe, a.keys)
+    return recipe_info.describe_recipe(ws, a.recipe, a.keys, waiting=report.waiting)
 
 
 def _list_recipes(ws: Any, a: NoArgs, report: Report) -> RecipeList:

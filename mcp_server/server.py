@@ -99,12 +99,25 @@ class DownloadProgress:
             return
         tenth_reached = int(value * 10) > int(self.last * 10)
         self.last = value
+        self._send(value, message, tenth_reached)
+
+    def waiting(self, message: str) -> None:
+        """A wait in line (no bytes to count): the same message with a progress value a step
+        higher each time, as MCP requires, kept under a tenth of the call."""
+        if self.last < WAITING_PROGRESS_CEILING:
+            self.last = round(self.last + WAITING_PROGRESS_STEP, 4)
+            self._send(self.last, message, log=False)
+
+    def _send(self, value: float, message: str, log: bool) -> None:
         try:
             anyio.from_thread.run(self.ctx.report_progress, value, 2, message)
-            if tenth_reached:
+            if log:
                 anyio.from_thread.run(clients.log, session_of(self.ctx), "info", f"{message} ({value:.0%})")
-        except Exception:  # a client gone away: the download goes on
+        except Exception:  # a client gone away: the work goes on
             logger.debug("progress notification failed", exc_info=True)
+
+
+WAITING_PROGRESS_STEP, WAITING_PROGRESS_CEILING = 0.001, 0.1
 
 
 def download_progress(ctx: Context | None) -> DownloadProgress | None:
@@ -166,7 +179,9 @@ class Tools:
         """One MCP call of ``spec``: its arguments validated into its model, its stages sent as
         progress, its operation run through :meth:`call`, its announcement sent as a log message."""
         args = spec.args.model_validate(arguments)
-        report = Report(download=download_progress(ctx), observe=WaitProgress(ctx))
+        download = download_progress(ctx)
+        report = Report(download=download, observe=WaitProgress(ctx),
+                        waiting=download.waiting if download is not None else None)
         stages = spec.stages
         if ctx is not None and stages is not None:
             await ctx.report_progress(0, stages.total, stages.start)

@@ -9,6 +9,7 @@ came from, the skills applied to it — comes from the trailers of the commits t
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import hashlib
@@ -16,8 +17,9 @@ import json
 import os
 import sys
 import threading
-from collections import Counter, OrderedDict
-from concurrent.futures import Future
+from collections import Counter, OrderedDict, deque
+from collections.abc import Callable
+from concurrent.futures import Future  # its result(timeout) raises TimeoutError (3.11)
 from pathlib import Path
 
 from engine import server_record as sr
@@ -67,7 +69,8 @@ def _history(ws: Workspace, recipe_dir: Path) -> tuple[str | None, str | None, s
     return template, commits[0].sha, commits[0].subject, skills
 
 
-def describe_recipe(ws: Workspace, recipe: str, keys: list[str] | None = None) -> RecipeDescription:
+def describe_recipe(ws: Workspace, recipe: str, keys: list[str] | None = None,
+                    waiting: Callable[[str], None] | None = None) -> RecipeDescription:
     """Every config key of a recipe (from the engine's check), its template and skills; a
     template's name (no recipe of that name in the workspace) describes the template, before a
     recipe is scaffolded from it. ``keys``: only the keys equal to one of them or under it
@@ -80,13 +83,13 @@ def describe_recipe(ws: Workspace, recipe: str, keys: list[str] | None = None) -
         if source is None:
             _refuse_a_script(ws, recipe)
             raise
-        fields = _selected(checked_fields(ws.root, source, ws.run_limits(), None), prefixes)
+        fields = _selected(checked_fields(ws.root, source, ws.run_limits(), None, waiting), prefixes)
         return _fit(RecipeDescription(recipe=f"template {recipe}", template=recipe, skills=[], fields=fields))
     limits = ws.run_limits()
     models = hub.bind(ws.root, hub.recipe_config(recipe_dir, {}),
                       dataset=hub.recipe_config(recipe_dir, {}, hub.DATASET_KEY), allow_pickled=limits.allow_pickled_weights,
                       remote_code=limits.trust_remote_code)
-    fields = _selected(checked_fields(ws.root, recipe_dir, limits, models), prefixes)
+    fields = _selected(checked_fields(ws.root, recipe_dir, limits, models, waiting), prefixes)
     template, last_commit, _, skills = _history(ws, recipe_dir)
     described = RecipeDescription(
         recipe=ws.label(recipe_dir), template=template, last_commit=last_commit,
@@ -108,16 +111,62 @@ MAX_HASHED_FILES, MAX_HASHED_BYTES = 500, 20 * 2**20
 _checked: OrderedDict[str, list] = OrderedDict()
 _in_flight: dict[str, Future] = {}
 _checked_lock = threading.Lock()
-_check_slots = threading.BoundedSemaphore(MAX_CONCURRENT_CHECKS)
+WAIT_NOTE_EVERY_S = 1.0  # a waiting caller hears how far it is, this often
 
 
-def checked_fields(workspace: Path, folder: Path, limits, models) -> list:
+class FifoSlots:
+    """At most ``size`` holders at once; the others wait in the order they came, each told every
+    WAIT_NOTE_EVERY_S how many are ahead of it (``waiting``, called without the lock held)."""
+
+    def __init__(self, size: int):
+        self.size, self.holders = size, 0
+        self.queue: deque[object] = deque()
+        self.changed = threading.Condition()
+
+    @contextlib.contextmanager
+    def held(self, waiting: Callable[[str], None] | None = None):
+        me = object()
+        with self.changed:
+            self.queue.append(me)
+        try:
+            while True:
+                with self.changed:
+                    if not self._mine(me):
+                        self.changed.wait(WAIT_NOTE_EVERY_S)
+                    if self._mine(me):
+                        self.queue.popleft()
+                        self.holders += 1
+                        break
+                    ahead = self.queue.index(me) + self.holders
+                if waiting is not None:
+                    waiting(f"waiting for a config check: {ahead} ahead (at most {self.size} run at once)")
+        except BaseException:
+            with self.changed:
+                self.queue.remove(me)
+                self.changed.notify_all()
+            raise
+        try:
+            yield
+        finally:
+            with self.changed:
+                self.holders -= 1
+                self.changed.notify_all()
+
+    def _mine(self, me: object) -> bool:
+        return self.holders < self.size and self.queue[0] is me
+
+
+check_slots = FifoSlots(MAX_CONCURRENT_CHECKS)
+
+
+def checked_fields(workspace: Path, folder: Path, limits, models,
+                   waiting: Callable[[str], None] | None = None) -> list:
     """The config keys of the recipe (or template) in ``folder``, from the launch check or the
-    cache of an unchanged one."""
+    cache of an unchanged one; ``waiting`` hears, while the caller waits for a check, how far it is."""
     key = _check_key(folder, limits, models)
     bound = {"models": models} if models is not None else {}
     if key is None:  # too large to hash: checked each time
-        with _check_slots:
+        with check_slots.held(waiting):
             return check_launch(workspace, folder, 1, [], limits=limits, **bound).fields
     with _checked_lock:
         if key in _checked:
@@ -129,9 +178,14 @@ def checked_fields(workspace: Path, folder: Path, limits, models) -> list:
             future = _in_flight[key] = Future()
     assert future is not None
     if not owner:
-        return future.result()
+        while True:
+            try:
+                return future.result(timeout=WAIT_NOTE_EVERY_S)
+            except TimeoutError:
+                if waiting is not None:
+                    waiting("waiting for the check of this recipe that another call started")
     try:
-        with _check_slots:
+        with check_slots.held(waiting):
             fields = check_launch(workspace, folder, 1, [], limits=limits, **bound).fields
         with _checked_lock:
             _checked[key] = fields

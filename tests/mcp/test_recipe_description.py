@@ -196,3 +196,68 @@ def test_a_recipe_with_a_link_in_it_is_checked_each_time_never_answered_stale(tm
     monkeypatch.setattr(recipe_info, "check_launch", lambda *a, **k: calls.append(1) or real(*a, **k))
     first = recipe_info.describe_recipe(ws, "linked")
     assert recipe_info.describe_recipe(ws, "linked") == first and len(calls) == 2
+
+
+def test_callers_beyond_the_check_slots_wait_in_the_order_they_came_and_hear_how_far_they_are(monkeypatch):
+    import threading
+    import time
+
+    from mcp_server.operations import recipe_info
+
+    monkeypatch.setattr(recipe_info, "WAIT_NOTE_EVERY_S", 0.05)
+    slots, order, notes = recipe_info.FifoSlots(1), [], {i: [] for i in range(4)}
+    release = threading.Event()
+
+    def caller(i: int) -> None:
+        with slots.held(notes[i].append):
+            order.append(i)
+            if i == 0:
+                release.wait(10)
+
+    threads = []
+    for i in range(4):  # 0 holds the slot; 1, 2, 3 queue in that order
+        threads.append(threading.Thread(target=caller, args=(i,)))
+        threads[-1].start()
+        time.sleep(0.2)
+    release.set()
+    for thread in threads:
+        thread.join(10)
+    assert order == [0, 1, 2, 3]
+    assert notes[0] == [] and notes[3]  # the holder waited for nothing
+    assert "3 ahead" in notes[3][0] and "at most 1 run at once" in notes[3][0]
+    assert slots.holders == 0 and not slots.queue
+
+
+def test_a_described_recipe_waiting_for_a_check_sends_progress_to_the_mcp_caller(tmp_path, monkeypatch):
+    """A caller past MAX_CONCURRENT_CHECKS (here the one slot is held) waits, and is told so in
+    progress notifications, not left silent until the answer."""
+    import threading
+
+    from mcp_server.operations import recipe_info
+    from tests.mcp.conftest import connect
+    from tests.sandbox.helpers import make_workspace
+
+    monkeypatch.setattr(recipe_info, "WAIT_NOTE_EVERY_S", 0.05)
+    monkeypatch.setattr(recipe_info, "check_slots", recipe_info.FifoSlots(1))
+    busy, release = threading.Event(), threading.Event()
+
+    def hold_the_slot() -> None:
+        with recipe_info.check_slots.held():
+            busy.set()
+            release.wait(30)
+
+    blocker = threading.Thread(target=hold_the_slot)
+    blocker.start()
+    busy.wait(10)
+    threading.Timer(1.0, release.set).start()
+    try:
+        with connect("memory", make_workspace(tmp_path / "ws")) as client:
+            progress: list = []
+            assert client.ok("describe_recipe", progress, recipe="dpo")["fields"]
+    finally:
+        release.set()
+        blocker.join(10)
+    waits = [p for p in progress if "waiting for a config check: 1 ahead" in (p[2] or "")]
+    assert waits, progress
+    values = [p[0] for p in progress]
+    assert values == sorted(values) and len(set(values)) == len(values)  # each one higher, as MCP requires
