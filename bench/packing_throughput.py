@@ -58,20 +58,53 @@ SEQ_LEN, BATCH = 256, 8
 WORDS = "the quick brown fox jumps over a lazy dog while small cats sleep under warm blankets".split()
 
 
-def write_documents(path: Path, count: int) -> None:
-    """``count`` documents of 4-45 words, one JSON record a line (always the same ones)."""
-    rng = random.Random(0)
+def write_documents(path: Path, count: int, source: str = "words") -> None:
+    """``count`` documents, one JSON record a line (always the same ones). ``words``: 4-45 words
+    of a fixed list; ``stdlib``: top-level definitions of the Python standard library of 32 to
+    1,024 bytes (documents this benchmark did not shape: their lengths are the library's), taken
+    in the order of their files."""
+    if source == "stdlib":
+        texts = stdlib_definitions(count)
+    else:
+        rng = random.Random(0)
+        texts = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(4, 45))) for _ in range(count)]
     with open(path, "w") as f:
-        for _ in range(count):
-            f.write(json.dumps({"text": " ".join(rng.choice(WORDS) for _ in range(rng.randint(4, 45)))}) + "\n")
+        for text in texts:
+            f.write(json.dumps({"text": text}) + "\n")
 
 
-def prepare(workspace: Path, documents: int) -> None:
+def stdlib_definitions(count: int, low: int = 32, high: int = 1024) -> list[str]:
+    """The first ``count`` top-level functions and classes of the standard library (its .py
+    files in sorted order, tests left out) whose source is ``low`` to ``high`` bytes."""
+    import ast
+    import sysconfig
+
+    root = Path(sysconfig.get_paths()["stdlib"])
+    found: list[str] = []
+    for path in sorted(root.rglob("*.py")):
+        if {"test", "tests", "idle_test", "site-packages"} & set(path.relative_to(root).parts):
+            continue
+        try:
+            source = path.read_text()
+            tree = ast.parse(source)
+        except (SyntaxError, UnicodeDecodeError, ValueError):
+            continue
+        for node in tree.body:
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                text = ast.get_source_segment(source, node) or ""
+                if low <= len(text.encode()) <= high:
+                    found.append(text)
+                    if len(found) == count:
+                        return found
+    return found
+
+
+def prepare(workspace: Path, documents: int, source: str = "words") -> None:
     """The documents and one copy of the template per skill set, in ``workspace``."""
     sys.path.insert(0, str(REPO))
     from skills import apply_skill
 
-    write_documents(workspace / "docs.jsonl", documents)
+    write_documents(workspace / "docs.jsonl", documents, source)
     for peer, skills in SKILLS.items():
         recipe = workspace / peer
         shutil.copytree(TEMPLATE, recipe, ignore=shutil.ignore_patterns("__pycache__", "runs"))
@@ -223,6 +256,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--documents", type=int, default=4000)
+    parser.add_argument("--source", choices=("words", "stdlib"), default="words",
+                        help="words: 4-45 words of a fixed list; stdlib: the standard library's "
+                             "top-level definitions of 32-1,024 bytes")
     parser.add_argument("--peers", nargs="+", choices=PEERS, default=list(PEERS))
     parser.add_argument("--worker", choices=PEERS, help=argparse.SUPPRESS)
     parser.add_argument("--workspace", type=Path, help=argparse.SUPPRESS)
@@ -237,8 +273,9 @@ def main() -> None:
     results: dict[str, list[dict]] = {peer: [] for peer in peers}
     with tempfile.TemporaryDirectory() as tmp:
         workspace = Path(tmp)
-        prepare(workspace, args.documents)
-        print(f"{args.documents} documents of 4-45 words, rows of {SEQ_LEN}, batch {BATCH}, "
+        prepare(workspace, args.documents, args.source)
+        what = "of 4-45 words" if args.source == "words" else "of the standard library (32-1,024 bytes)"
+        print(f"{args.documents} documents {what}, rows of {SEQ_LEN}, batch {BATCH}, "
               f"{args.steps} steps ({args.warmup} untimed), {args.threads} threads; "
               f"load average at start: {os.getloadavg()[0]:.2f}", flush=True)
         for round_index in range(args.rounds):

@@ -488,12 +488,16 @@ class Engine:
 
     @torch.no_grad()
     def evaluate(self) -> float:
+        """Mean loss over the evaluation batches. Compiled modules run eagerly here: without
+        gradients they would compile a graph of their own (a recompilation that stalls the run
+        in its middle, tens of seconds on CPU) for a few batches."""
         self.model.eval()
         totals = torch.zeros(2, dtype=torch.float64, device=self.device)
-        for batch in self.eval_batches or []:
-            batch = self.to_device(batch)
-            totals[0] += self.compute_loss(batch).double()
-            totals[1] += self.count_loss_units(batch)
+        with torch.compiler.set_stance("force_eager"):
+            for batch in self.eval_batches or []:
+                batch = self.to_device(batch)
+                totals[0] += self.compute_loss(batch).double()
+                totals[1] += self.count_loss_units(batch)
         dp_all_reduce_sum(totals, self.dist)
         self.model.train()
         return float(totals[0] / totals[1].clamp(min=1))
