@@ -223,10 +223,20 @@ def corrupt_checkpoint_message(run_dir: Path, step: int, why: str, full: bool = 
     return f"checkpoint {checkpoint_dir_name(step)} of run {run_id} is corrupt: {why}; {then}"
 
 
-def choose_checkpoint(run_dir: Path, kind: RunKind, step: object) -> tuple[int, Path]:
+def choose_checkpoint(run_dir: Path, kind: RunKind, step: object, verified: bool = False) -> tuple[int, Path]:
     """The checkpoint of the run at ``step`` (None: the latest complete one), as its kind defines
     them; a step whose checkpoint is not complete is refused with what is wrong and which
-    earlier one is good."""
+    earlier one is good. ``verified``: an engine checkpoint's digests are checked too (every
+    byte read), before a run or a model is built on it."""
+    chosen = _choose_checkpoint(run_dir, kind, step)
+    if verified and kind != SCRIPT:
+        why = manifest.problem(chosen[1], full=True)
+        if why is not None:
+            raise BadInput(corrupt_checkpoint_message(run_dir, chosen[0], why, full=True))
+    return chosen
+
+
+def _choose_checkpoint(run_dir: Path, kind: RunKind, step: object) -> tuple[int, Path]:
     run_id = Path(run_dir).name
     checkpoints = run_checkpoints(run_dir, kind)
     if step is not None and (isinstance(step, bool) or not isinstance(step, int)):

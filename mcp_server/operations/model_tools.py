@@ -62,7 +62,9 @@ def checkpoint_of(ws: Workspace, run_id: str, step: int | None) -> tuple[Path, i
         raise BadInput(f"run {run_id} ran a script, whose checkpoints are in its own format: export_checkpoint, "
                        f"sample and evaluate rebuild a recipe's Engine and read the engine's checkpoints; "
                        f"{DOCS_PAGE} says how to make the script a recipe")
-    chosen, _ = rd.choose_checkpoint(run_dir, rd.RECIPE, step)  # its digests: in the model process
+    # Its digests here, where the run's other checkpoints are in view (the good one before a bad
+    # one is named), and again in the model process as it reads it.
+    chosen, _ = rd.choose_checkpoint(run_dir, rd.RECIPE, step, verified=True)
     snapshot = run_dir / rd.SNAPSHOT_DIRNAME
     if not (snapshot / "recipe.py").is_file():
         raise BadInput(f"run {run_id} kept no snapshot of its code, so its model cannot be rebuilt")

@@ -16,7 +16,6 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from engine import checkpoint_manifest
 from engine import run_dir as rd
 from engine import server_record as sr
 from engine.config import Overrides, override_args, overrides_to_dict
@@ -395,12 +394,7 @@ def _resumed_code(ws: Workspace, source_dir: Path, source: sr.ServerRecord, code
 def _chosen_checkpoint(run_dir: Path, source: rd.RunRecord, step: object) -> tuple[int, Path]:
     """The checkpoint of the run at ``step`` (None: the latest), as its kind defines them; an
     engine checkpoint is verified file by file, digests included, before a run is started on it."""
-    chosen_step, checkpoint = rd.choose_checkpoint(run_dir, source.kind, step)
-    if source.kind != rd.SCRIPT:
-        why = checkpoint_manifest.problem(checkpoint, full=True)
-        if why is not None:
-            raise BadInput(rd.corrupt_checkpoint_message(run_dir, chosen_step, why, full=True))
-    return chosen_step, checkpoint
+    return rd.choose_checkpoint(run_dir, source.kind, step, verified=True)
 
 
 def _resume_script(

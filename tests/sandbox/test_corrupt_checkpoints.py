@@ -103,3 +103,25 @@ def test_the_engine_refuses_a_corrupt_checkpoint_it_is_given_directly(trained, t
     assert record.error.endswith("the latest good checkpoint before it is step 2 "
                                  f"(resume_checkpoint(run_id={run_dir.name!r}, step=2))")
     assert not (resumed / rd.METRICS_JSONL).exists() or rd.read_all_metrics(resumed / rd.METRICS_JSONL) == []
+
+
+def test_export_sample_and_evaluate_refuse_flipped_bytes_and_write_nothing(trained):
+    """The digests are checked before a model is built from a checkpoint: flipped bytes (sizes
+    intact, so the listing keeps it) are refused by each reader, naming the file, and export
+    writes no folder; the good checkpoint before it still serves."""
+    space, run_dir = trained
+    flip_bytes(checkpoint(run_dir, 6) / DATA)
+    readers = {
+        "export": lambda step: model_tools.export_checkpoint(space, run_dir.name, "exports/bad", step=step),
+        "sample": lambda step: model_tools.sample(space, run_dir.name, ["hello"], step=step, max_new_tokens=2),
+        "evaluate": lambda step: model_tools.evaluate(space, run_dir.name, step=step),
+    }
+    for name, read in readers.items():
+        for step in (None, 6):  # the latest, and by its step
+            with pytest.raises(BadInput) as refused:
+                read(step)
+            assert f"checkpoint step-00000006 of run {run_dir.name} is corrupt: {DATA} does not match" \
+                in str(refused.value), name
+            assert "step=4" in str(refused.value), name
+    assert not (space.root / "exports").exists()
+    assert model_tools.export_checkpoint(space, run_dir.name, "exports/good", step=4).path.endswith("exports/good")
