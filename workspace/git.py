@@ -23,14 +23,35 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
-
-import git
+from typing import TYPE_CHECKING, Callable
 
 from engine.errors import BadInput, NotFound
 from engine.server_record import GIT_COMMIT
 from sandbox.environment import looks_secret
 from sandbox.redact import secret_values
+
+
+def _lazy(name: str):
+    """``name`` imported at the first use of one of its attributes (importlib's LazyLoader):
+    GitPython costs ~30 ms, and the server answers initialize and tools/list without it."""
+    import importlib.util
+    import sys
+
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.find_spec(name)
+    assert spec is not None and spec.loader is not None, name
+    spec.loader = importlib.util.LazyLoader(spec.loader)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+if TYPE_CHECKING:
+    import git
+else:
+    git = _lazy("git")
 
 NOTES_REF = "trainwright"
 AGENT_NAME = "trainwright"
