@@ -231,10 +231,10 @@ def run_trainer(workspace: Path, peer: str, steps: int, warmup: int) -> dict:
 
 def measure(workspace: Path, peer: str, steps: int, warmup: int, threads: int) -> dict:
     sys.path.insert(0, str(REPO))
-    from engine.openmp import apply_wait_policy
+    from engine.openmp import prepare_wait_policy
 
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), TORCH_LOGS="recompiles")
-    apply_wait_policy(env)  # every peer's OpenMP threads wait as a run's do (the engine sets it itself)
+    prepare_wait_policy(env)  # every peer starts with a run's OpenMP wait policy (the engine sets its own)
     out = subprocess.run(
         [sys.executable, __file__, "--worker", peer, "--workspace", str(workspace), "--steps", str(steps),
          "--warmup", str(warmup)],

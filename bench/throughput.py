@@ -189,10 +189,10 @@ def run_trainer(steps: int, warmup: int, checkpoints: bool) -> dict:
 
 def measure(peer: str, steps: int, warmup: int) -> dict:
     sys.path.insert(0, str(REPO))
-    from engine.openmp import apply_wait_policy
+    from engine.openmp import prepare_wait_policy
 
     env = dict(os.environ)
-    apply_wait_policy(env)  # every peer's OpenMP threads wait as a run's do (the engine sets it itself)
+    prepare_wait_policy(env)  # every peer starts with a run's OpenMP wait policy (the engine sets its own)
     out = subprocess.run(
         [sys.executable, __file__, "--worker", peer, "--steps", str(steps), "--warmup", str(warmup)],
         capture_output=True, text=True, cwd=REPO, env=env,
