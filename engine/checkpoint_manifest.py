@@ -23,21 +23,21 @@ import os
 import stat
 from pathlib import Path, PurePosixPath
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from engine.run_files import open_beneath
 
 MANIFEST = "manifest.json"
 MANIFEST_FORMAT = 1
 MAX_MANIFEST_BYTES = 1 << 20
-MAX_FILES = 10_000
+MAX_FILES = 4_096  # a DCP checkpoint holds a file per rank and its metadata
 _CHUNK = 1 << 20
 
 
 class ManifestFile(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
-    path: str = Field(max_length=500)
+    path: str = Field(max_length=500, pattern=r"^[^\x00]+$")
     bytes: int = Field(ge=0)
     sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
 
@@ -47,6 +47,15 @@ class Manifest(BaseModel):
 
     format: int
     files: list[ManifestFile] = Field(max_length=MAX_FILES)
+
+    @model_validator(mode="after")
+    def _each_file_once(self) -> "Manifest":
+        # A file named twice would be read twice: a manifest of one file named thousands of
+        # times had the server hash it thousands of times.
+        paths = [entry.path for entry in self.files]
+        if len(set(paths)) != len(paths):
+            raise ValueError("a file is named more than once")
+        return self
 
 
 def sha256_of(path: Path) -> str:
@@ -106,7 +115,7 @@ def read_manifest(folder: Path) -> Manifest | str:
         os.close(fd)
     try:
         return Manifest.model_validate(json.loads(data))
-    except (ValueError, ValidationError) as e:
+    except (ValueError, ValidationError, RecursionError) as e:  # "[" * 100_000 is a RecursionError
         first = e.errors()[0]["msg"] if isinstance(e, ValidationError) else type(e).__name__
         return f"{MANIFEST} is damaged ({first})"
 
@@ -126,10 +135,11 @@ def _file_problem(folder: Path, entry: ManifestFile, full: bool) -> str | None:
             return f"{entry.path} is not a regular file"
         if info.st_size != entry.bytes:
             return f"{entry.path} has {info.st_size:,} bytes, {entry.bytes:,} when it was saved"
-        if full:
-            digest = hashlib.sha256()
-            while chunk := os.read(fd, _CHUNK):
+        if full:  # never past the size it was saved with: a file the run grows meanwhile differs
+            digest, left = hashlib.sha256(), entry.bytes + 1
+            while left > 0 and (chunk := os.read(fd, min(_CHUNK, left))):
                 digest.update(chunk)
+                left -= len(chunk)
             if digest.hexdigest() != entry.sha256:
                 return (f"{entry.path} does not match the digest it was saved with "
                         f"(sha256 {digest.hexdigest()[:12]}…, saved {entry.sha256[:12]}…)")

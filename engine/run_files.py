@@ -24,7 +24,7 @@ def open_beneath(root: Path | str, relative: Path | str, directory: bool = False
     flags = os.O_RDONLY | NO_FOLLOW
     try:
         fd = os.open(root, flags | os.O_DIRECTORY)
-    except OSError:
+    except (OSError, ValueError):
         return None
     try:
         for name in parts[:-1]:
@@ -32,7 +32,7 @@ def open_beneath(root: Path | str, relative: Path | str, directory: bool = False
             os.close(fd)
             fd = inner
         return os.open(parts[-1], flags | (os.O_DIRECTORY if directory else 0), dir_fd=fd)
-    except OSError:
+    except (OSError, ValueError):  # ValueError: a NUL in a name the run wrote
         return None
     finally:
         os.close(fd)

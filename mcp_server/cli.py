@@ -15,6 +15,7 @@ JSON object on stdout, the same object the MCP tool returns). Exit codes: the on
 from __future__ import annotations
 
 import argparse
+import contextlib
 import inspect
 import json
 import sys
@@ -186,6 +187,7 @@ def _follow_run(ws: Any, run_id: str, echo: bool) -> int:
             ended = record.effective_status() in rd.FINAL_STATUSES and not record.supervisor_alive()
             offset = _echo_console(console, offset, whole_lines=not ended, echo=echo)
             if ended:
+                _echo_rest(console, offset, echo)
                 break
             time.sleep(0.3)
         except KeyboardInterrupt:
@@ -197,9 +199,28 @@ def _follow_run(ws: Any, run_id: str, echo: bool) -> int:
     return _outcome(runs.get_run(ws, run_id).status)
 
 
+ECHO_CHUNK_BYTES = 1 << 20
+ECHO_AFTER_END_BYTES = 64 << 20  # what an ended run's console still shows, at most
+
+
+def _echo_rest(console: Path, offset: int, echo: bool) -> None:
+    """The console's remaining output once the run has ended, up to ECHO_AFTER_END_BYTES."""
+    start = offset
+    while offset - start < ECHO_AFTER_END_BYTES:
+        moved = _echo_console(console, offset, whole_lines=False, echo=echo)
+        if moved == offset:
+            return
+        offset = moved
+    with contextlib.suppress(OSError):
+        left = console.lstat().st_size - offset  # the name itself: never what a link names
+        if left > 0 and echo:
+            print(f"\n… console.log has {left:,} more bytes", file=sys.stderr)
+
+
 def _echo_console(console: Path, offset: int, whole_lines: bool, echo: bool) -> int:
-    """Print what the console log gained since ``offset`` (whole lines only while the run goes
-    on, so that redaction sees every line whole); return the new offset."""
+    """Print what the console log gained since ``offset``, at most ECHO_CHUNK_BYTES a call (whole
+    lines only while the run goes on, so that redaction sees every line whole, unless one line
+    fills the chunk); return the new offset."""
     from engine import run_dir as rd
 
     chunk = b""
@@ -207,8 +228,8 @@ def _echo_console(console: Path, offset: int, whole_lines: bool, echo: bool) -> 
     if f is not None:
         with f:
             f.seek(offset)
-            chunk = f.read()
-    if whole_lines:
+            chunk = f.read(ECHO_CHUNK_BYTES)  # a run can make its console.log any size (sparse)
+    if whole_lines and len(chunk) < ECHO_CHUNK_BYTES:
         chunk = chunk[: chunk.rfind(b"\n") + 1]
     if chunk and echo:
         sys.stdout.write(chunk.decode("utf-8", errors="replace"))

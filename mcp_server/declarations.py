@@ -22,7 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from engine.seams import MAX_NEW_TOKENS, MAX_PROMPTS
 from mcp_server.run_view import TOOL_META as RUN_VIEW
-from mcp_server.limits import DEFAULT_TAIL_RECORDS, DEFAULT_WAIT_S, MAX_TAIL_RECORDS, MAX_WAIT_S
+from mcp_server.limits import DEFAULT_TAIL_RECORDS, DEFAULT_WAIT_S, MAX_DESCRIBE_THREADS, MAX_TAIL_RECORDS, MAX_WAIT_S
 from mcp_server.models import (
     ApplySkillResult,
     CheckpointList,
@@ -313,6 +313,7 @@ class ToolSpec:
     meta: dict[str, Any] | None = None
     stages: Stages | None = None
     task: bool = False  # also runs as an MCP task (mcp_server.tasks)
+    threads: int | None = None  # at most this many calls hold a worker thread (None: the server's pool)
     workspace: bool = True  # False: needs no workspace (the skill and template catalogues)
     announce: Callable[[Any, Any], tuple[str, str | None] | None] | None = None  # a client log line
 
@@ -482,7 +483,7 @@ TOOLS: tuple[ToolSpec, ...] = (
              ADDITIVE_HUB, _scaffold_recipe, stages=Stages("checking the config and skills", "scaffolded", 2)),
     ToolSpec("describe_recipe", "Every config key of a recipe or template, skills applied, Hub models.",
              ("describe",), "every config key of a recipe, its template and skills", DescribeArgs,
-             RecipeDescription, READ_ONLY_HUB, _describe_recipe),
+             RecipeDescription, READ_ONLY_HUB, _describe_recipe, threads=MAX_DESCRIBE_THREADS),
     ToolSpec("list_recipes", "The workspace's recipes: template, last commit, skills, runs.",
              ("recipes",), "list the workspace's recipes: template, last commit, skills, runs", NoArgs, RecipeList,
              READ_ONLY, _list_recipes),

@@ -17,6 +17,7 @@ import json
 import os
 import secrets
 import sys
+import time
 from pathlib import Path
 from typing import Any, Awaitable, Callable, Mapping
 
@@ -99,20 +100,25 @@ def serve_http(server, port: int, auth: bool = True) -> None:
 
 def bounded_protocol() -> type:
     """uvicorn's h11 protocol, with a connection closed when its request's headers have not all
-    arrived :data:`HTTP_HEADER_TIMEOUT_S` after it opened (or after its last response), and one
-    beyond :data:`MAX_HTTP_CONNECTIONS` closed at once: half-sent requests cannot hold the
-    server's file descriptors (uvicorn times out only idle keep-alive connections)."""
+    arrived :data:`HTTP_HEADER_TIMEOUT_S` after it opened (or after its last response), and
+    beyond :data:`MAX_HTTP_CONNECTIONS` the oldest connection still waiting for its headers closed
+    (the new one, when every other is serving a request): half-sent requests cannot hold the
+    server's file descriptors, nor can anyone without the token keep its holder out by holding
+    connections open (uvicorn times out only idle keep-alive connections)."""
     from uvicorn.protocols.http.h11_impl import H11Protocol
 
     class BoundedH11Protocol(H11Protocol):
         header_timer: asyncio.TimerHandle | None = None
+        opened = 0.0
 
         def connection_made(self, transport) -> None:  # type: ignore[override]
             super().connection_made(transport)
-            if len(self.connections) > MAX_HTTP_CONNECTIONS:
-                transport.close()
-                return
+            self.opened = time.monotonic()
             self.arm()
+            if len(self.connections) > MAX_HTTP_CONNECTIONS:
+                idle = [c for c in self.connections if c is not self and isinstance(c, BoundedH11Protocol)
+                        and c.waiting_for_headers() and not c.transport.is_closing()]
+                (min(idle, key=lambda c: c.opened).transport if idle else transport).close()
 
         def data_received(self, data: bytes) -> None:
             if self.waiting_for_headers() and self.header_timer is None:

@@ -20,6 +20,9 @@ MAX_RESULT_CHARS = 60_000  # ≈ 15–20k tokens of JSON, when the caller asks f
 MAX_ERROR_CHARS = 2_000  # an error message (it may echo the caller's input)
 MAX_ARGUMENTS_CHARS = 100_000  # the arguments of one tool call, as JSON
 MAX_CONCURRENT_CHECKS = 2  # describe_recipe's launch-check processes at once; more callers wait in turn
+# describe_recipe calls holding a worker thread at once (waiting for a check blocks it); more wait
+# on the event loop, so the other tools keep the rest of the server's threads.
+MAX_DESCRIBE_THREADS = 8
 HTTP_HEADER_TIMEOUT_S = 10  # serve --http: a request's headers must have arrived by then
 MAX_HTTP_CONNECTIONS = 128  # serve --http: open connections; one more is closed at once
 # MCP clients give up on a call after about 60 s (some even while progress arrives): by default

@@ -25,7 +25,7 @@ from typing import Any, AsyncIterator, Callable
 
 import anyio
 from mcp.server.mcpserver import Context, MCPServer
-from mcp.server.mcpserver.exceptions import ResourceError, ToolError
+from mcp.server.mcpserver.exceptions import ResourceError, ToolError, UnexpectedToolError
 from mcp.server.mcpserver.resources import FunctionResource
 from mcp.server.mcpserver.tools import Tool
 from mcp.server.session import ServerSession
@@ -141,24 +141,26 @@ class Tools:
     def __init__(self, workspace: Workspace):
         self.ws = workspace
         self.audit = AuditLog(workspace.state_dir, hold=True)
+        self.limiters: dict[str, anyio.CapacityLimiter] = {}
 
-    async def call(self, tool: str, arguments: dict[str, Any], work: Callable[[], Any]) -> Any:
-        """Run ``work`` (in a worker thread; a coroutine function on the event loop); map errors
-        to tool errors; audit the call."""
+    async def call(self, tool: str, arguments: dict[str, Any], work: Callable[[], Any],
+                   threads: int | None = None) -> Any:
+        """Run ``work`` (in a worker thread, at most ``threads`` of them for this tool; a coroutine
+        function on the event loop); map errors to tool errors; audit the call."""
         try:
             if inspect.iscoroutinefunction(work):
                 result = await work()
             else:
-                result = await anyio.to_thread.run_sync(work)
+                result = await anyio.to_thread.run_sync(work, limiter=self._limiter(tool, threads))
+            if hasattr(result, "model_dump"):  # run output (console, metrics) may print a server secret
+                result = redact_model(result)
+            size = json_chars(result.model_dump(mode="json")) if hasattr(result, "model_dump") else 0
         except TrainwrightError as e:
             self.refuse(tool, arguments, f"{e.kind}: {e}")
         except Exception as e:  # a bug: the agent still gets a message, the log the traceback
             logger.exception("tool %s failed", tool)
             self.refuse(tool, arguments, f"internal: a trainwright bug ({type(e).__name__}: {e}); "
                         "the server log has the traceback")
-        if hasattr(result, "model_dump"):  # run output (console, metrics) may print a server secret
-            result = redact_model(result)
-        size = json_chars(result.model_dump(mode="json")) if hasattr(result, "model_dump") else 0
         if size > MAX_RESULT_CHARS:
             self.refuse(tool, arguments, f"bad_input: the result is too large ({size:,} characters, at most "
                         f"{MAX_RESULT_CHARS:,}); ask for less (a smaller n or limit)")
@@ -168,6 +170,14 @@ class Tools:
             run_id=getattr(result, "run_id", None),
         )
         return result
+
+    def _limiter(self, tool: str, threads: int | None) -> anyio.CapacityLimiter | None:
+        """The tool's own limiter (its waiting calls hold no thread of the server's pool)."""
+        if threads is None:
+            return None
+        if tool not in self.limiters:
+            self.limiters[tool] = anyio.CapacityLimiter(threads)
+        return self.limiters[tool]
 
     def refuse(self, tool: str, arguments: dict[str, Any], message: str) -> None:
         """Audit the failed call and raise its tool error (the message redacted and bounded)."""
@@ -185,7 +195,8 @@ class Tools:
         stages = spec.stages
         if ctx is not None and stages is not None:
             await ctx.report_progress(0, stages.total, stages.start)
-        result = await self.call(spec.name, args.model_dump(), functools.partial(spec.run, self.ws, args, report))
+        result = await self.call(spec.name, args.model_dump(), functools.partial(spec.run, self.ws, args, report),
+                                 threads=spec.threads)
         if ctx is not None and stages is not None:
             await ctx.report_progress(stages.total, stages.total, stages.end.format(**dict(result)))
         announced = spec.announce(args, result) if spec.announce is not None else None
@@ -264,6 +275,12 @@ class AuditedServer(MCPServer):
         except ToolError as e:
             if isinstance(e.__cause__, AuditedToolError):
                 raise
+            if isinstance(e, UnexpectedToolError):  # a crash outside Tools.call: not the agent's input
+                logger.error("tool %s failed", name, exc_info=e.__cause__ or e)
+                message = printable(f"internal: a trainwright bug in {str(name)[:100]} "
+                                    f"({type(e.__cause__ or e).__name__}); the server log has the traceback")
+                self.tools.audit.record(str(name)[:100], arguments, "error", error=message)
+                raise ToolError(message) from None
             text = shown(str(e))  # schema validation: it may echo the input
             prefix = printable(f"Error executing tool {name}: ")
             message = prefix + "bad_input: " + (text[len(prefix):] if text.startswith(prefix) else text)

@@ -33,6 +33,7 @@ from engine.run_files import open_beneath
 
 MAX_EVENT_FILES = 16
 MAX_SEARCH_DEPTH = 4
+MAX_SCANNED_ENTRIES = 10_000  # names looked at per look, in all folders
 MAX_EVENT_RECORD_BYTES = 1 << 20
 MAX_READ_BYTES = 4 << 20
 MAX_EVENTS_PER_LOOK = 20_000
@@ -167,13 +168,33 @@ class EventFiles:
         self.ended: set[Path] = set()
 
     def _find(self) -> list[Path]:
+        """At most MAX_EVENT_FILES event files, among the first MAX_SCANNED_ENTRIES names of the
+        run directory's tree (a run can fill it with files that are not event files)."""
         found: list[Path] = []
-        for folder, dirs, files in os.walk(self.run_dir):  # os.walk does not follow links to folders
-            depth = len(Path(folder).relative_to(self.run_dir).parts)
-            dirs[:] = sorted(d for d in dirs if depth < MAX_SEARCH_DEPTH and not d.startswith("."))
-            found += [Path(folder) / name for name in sorted(files) if _EVENT_FILE.search(name)]
-            if len(found) >= MAX_EVENT_FILES:
-                break
+        seen = 0
+        folders = [(self.run_dir, 0)]  # breadth first, each folder's names in order
+        while folders and len(found) < MAX_EVENT_FILES and seen < MAX_SCANNED_ENTRIES:
+            folder, depth = folders.pop(0)
+            entries = []
+            try:
+                with os.scandir(folder) as listing:
+                    for entry in listing:
+                        seen += 1
+                        if seen > MAX_SCANNED_ENTRIES:
+                            break
+                        entries.append(entry)
+            except OSError:
+                continue
+            for entry in sorted(entries, key=lambda e: e.name):
+                try:
+                    is_folder = entry.is_dir(follow_symlinks=False)
+                    is_file = entry.is_file(follow_symlinks=False)
+                except OSError:
+                    continue
+                if is_folder and depth < MAX_SEARCH_DEPTH and not entry.name.startswith("."):
+                    folders.append((Path(entry.path), depth + 1))
+                elif is_file and _EVENT_FILE.search(entry.name):
+                    found.append(Path(entry.path))
         return found[:MAX_EVENT_FILES]
 
     def new_scalars(self) -> list[tuple[int, dict[str, float]]]:

@@ -166,13 +166,17 @@ def redact(text: str) -> str:
 # character: Unicode's format characters (category Cf: the bidirectional controls and marks
 # that reorder or hide text, zero-width spaces and joiners, the tag block U+E0000-E007F that
 # spells words no one sees), the line and paragraph separators, the variation selectors (which
-# can carry a byte each after a visible character) and the Hangul fillers. An agent reads what
-# a person cannot: text that says nothing on screen can still instruct it.
+# can carry a byte each after a visible character), the Hangul fillers, and every other code
+# point Unicode calls default-ignorable (DerivedCoreProperties: U+034F, U+17B4-17B5, the
+# Mongolian selectors, U+FFF0-FFF8, all of U+E0000-E0FFF). And lone surrogates (category Cs),
+# which JSON can carry and no UTF-8 encoder writes. An agent reads what a person cannot: text
+# that says nothing on screen can still instruct it.
 INVISIBLE_RANGES = (
     "\x00-\x08\x0b-\x1f\x7f-\x9f\u00ad\u0600-\u0605\u061c\u06dd\u070f\u0890-\u0891\u08e2"
     "\u115f\u1160\u180e\u200b-\u200f\u2028-\u202e\u2060-\u2064\u2066-\u206f\u3164\ufe00-\ufe0f"
     "\ufeff\uffa0\ufff9-\ufffb\U000110bd\U000110cd\U00013430-\U0001343f\U0001bca0-\U0001bca3"
-    "\U0001d173-\U0001d17a\U000e0001\U000e0020-\U000e007f\U000e0100-\U000e01ef"
+    "\U0001d173-\U0001d17a\u034f\u17b4\u17b5\u180b-\u180f\u2065\ufff0-\ufff8\ud800-\udfff"
+    "\U000e0000-\U000e0fff"
 )
 _CONTROLS = re.compile(f"[{INVISIBLE_RANGES}]")
 # In JSON text (a result serialized), the C0 controls but newline and tab appear escaped.
@@ -223,7 +227,10 @@ def redact_model(model: Any) -> Any:
     """A pydantic result with every string inside it redacted and made printable (:func:`shown`;
     the same model class). Most results hold neither a secret nor a control character: one search
     over their JSON says so, and they are returned as they are."""
-    json_text = model.model_dump_json()
+    try:
+        json_text = model.model_dump_json()
+    except ValueError:  # a lone surrogate a run wrote (JSON allows "\ud800"; UTF-8 does not)
+        return map_strings(model, shown)
     if not current().may_hold_secrets(json_text) and not _CONTROLS_IN_JSON.search(json_text):
         return model
     return map_strings(model, shown)

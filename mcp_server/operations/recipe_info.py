@@ -205,7 +205,7 @@ def _check_key(folder: Path, limits, models) -> str | None:
     """A digest of what the launch check of ``folder`` depends on, or None: a folder too large to
     hash, or one with a link in it (what it leads to may change unseen)."""
     digest, total = hashlib.sha256(), 0
-    for count, path in enumerate(sorted(Path(folder).rglob("*"))):
+    for count, path in enumerate(_bounded_tree(Path(folder), MAX_HASHED_FILES + 1)):
         if count >= MAX_HASHED_FILES or path.is_symlink():
             return None
         if "__pycache__" in path.parts or not path.is_file():
@@ -223,6 +223,17 @@ def _check_key(folder: Path, limits, models) -> str | None:
     bound = [m.model_dump(mode="json") for m in models.models] if models is not None else []
     digest.update(json.dumps(bound, sort_keys=True, default=str).encode())
     return digest.hexdigest()
+
+
+def _bounded_tree(folder: Path, limit: int) -> list[Path]:
+    """The paths under ``folder``, sorted, or the first ``limit`` found (then it is too large to
+    hash anyway): never a listing of everything in a folder an agent filled."""
+    found: list[Path] = []
+    for root, dirs, files in os.walk(folder):  # links to folders are listed, not followed
+        found += [Path(root) / name for name in dirs + files]
+        if len(found) >= limit:
+            return found[:limit]
+    return sorted(found)
 
 
 @functools.cache

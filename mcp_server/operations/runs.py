@@ -585,7 +585,7 @@ def tail_text(path: Path, max_bytes: int) -> str | None:
         f.seek(0, os.SEEK_END)
         size = f.tell()
         f.seek(max(0, size - max_bytes))
-        data = f.read()
+        data = f.read(max_bytes)  # the run may grow the file meanwhile: never more than asked
     text = data.decode("utf-8", errors="replace")
     if size > max_bytes:
         text = "…" + text.split("\n", 1)[-1]

@@ -121,3 +121,23 @@ def _closed(connection: socket.socket, wait_s: float) -> bool:
         return False
     except OSError:
         return True
+
+
+def test_connections_held_open_by_someone_without_the_token_never_keep_its_holder_out(served):
+    """Anyone on the machine can open MAX_HTTP_CONNECTIONS sockets and send nothing: the new
+    connection was the one closed, so the token's holder was refused for as long as they were
+    held. Now the oldest one still waiting for its headers makes room."""
+    from mcp_server.limits import MAX_HTTP_CONNECTIONS
+
+    url, token_file, _ = served
+    port = int(url.split(":")[2].split("/")[0])
+    held = [socket.create_connection(("127.0.0.1", port), timeout=5) for _ in range(MAX_HTTP_CONNECTIONS + 5)]
+    try:
+        time.sleep(0.5)
+        token = token_file.read_text().strip()
+        answer = httpx.post(url, json=INITIALIZE, headers={**HEADERS, "Authorization": f"Bearer {token}"}, timeout=10)
+        assert answer.status_code == 200
+        assert sum(_closed(c, wait_s=0.1) for c in held) >= 6  # the oldest made room, new ones included
+    finally:
+        for connection in held:
+            connection.close()
