@@ -192,6 +192,21 @@ def git(workspace: Path, *args: str) -> str:
     return result.stdout.strip()
 
 
+def run_note(workspace: Path, commit: str, run_id: str, timeout: float = 30) -> str:
+    """The trainwright git note of ``commit`` once it has ``run_id``'s line: the supervisor
+    writes it after it records the exit code (what wait_for_run waits for), so it may come a
+    moment later."""
+    deadline = time.monotonic() + timeout
+    while True:
+        result = subprocess.run(["git", "notes", "--ref=trainwright", "show", commit], cwd=workspace,
+                                capture_output=True, text=True)
+        if result.returncode == 0 and f"run {run_id}:" in result.stdout:
+            return result.stdout.strip()
+        if time.monotonic() > deadline:
+            raise AssertionError(f"no note of run {run_id} on {commit} within {timeout} s: {result.stdout[-500:]}")
+        time.sleep(0.2)
+
+
 def head(workspace: Path) -> str:
     return git(workspace, "rev-parse", "HEAD")
 

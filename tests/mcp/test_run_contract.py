@@ -18,7 +18,7 @@ import subprocess
 import pytest
 
 from engine import run_dir as rd
-from tests.mcp.conftest import connect, git, head, tiny_config
+from tests.mcp.conftest import connect, git, head, run_note, tiny_config
 from tests.support import losses
 
 pytestmark = pytest.mark.slow
@@ -107,9 +107,9 @@ def test_resume_runs_the_checkpoints_code_even_after_head_moved(client, workspac
 
     review = client.ok("list_runs")  # both resumes are listed as runs of the recipe
     assert {same["run_id"], at_head["run_id"]} <= {r["run_id"] for r in review["runs"]}
-    note = git(workspace, "notes", "--ref=trainwright", "show", scaffold["commit"])
+    note = run_note(workspace, scaffold["commit"], same["run_id"])
     assert f"run {same['run_id']}: completed" in note and "with that run's code" in note
-    note = git(workspace, "notes", "--ref=trainwright", "show", applied["commit"])
+    note = run_note(workspace, applied["commit"], at_head["run_id"])
     assert f"run {at_head['run_id']}: completed" in note
 
 
@@ -124,7 +124,7 @@ def test_a_dirty_launch_runs_the_changes_and_says_so(client, workspace):
     patch = (workspace / info["snapshot"] / rd.UNCOMMITTED_PATCH).read_text()
     assert "+# a local experiment" in patch
     assert (workspace / info["snapshot"] / "recipe.py").read_text().endswith("# a local experiment\n")
-    note = git(workspace, "notes", "--ref=trainwright", "show", head(workspace))
+    note = run_note(workspace, head(workspace), launched["run_id"])
     assert f"run {launched['run_id']}: completed" in note and "+ uncommitted changes" in note
     git(workspace, "checkout", "--", "recipes/lm/recipe.py")
 

@@ -18,7 +18,7 @@ import pytest
 
 from engine import run_dir as rd
 from engine import server_record as sr
-from tests.mcp.conftest import connect, git, head, is_finite_number
+from tests.mcp.conftest import connect, git, head, is_finite_number, run_note
 from tests.sandbox.helpers import AUDIT
 
 pytestmark = pytest.mark.slow
@@ -97,7 +97,7 @@ def test_a_plain_script_gets_two_skills_then_runs_watched_and_stopped(client, wo
     snapshot = (workspace / "runs" / run_id / rd.SNAPSHOT_DIRNAME / "train.py").read_text()
     assert snapshot == (workspace / "train.py").read_text() and "autocast" in snapshot
     assert '{"step": 1, "loss": ' in console and "[trainwright] isolation: full" in console
-    note = git(workspace, "notes", "--ref=trainwright", "show", commit)
+    note = run_note(workspace, commit, run_id)
     assert f"run {run_id}: stopped" in note and "script train.py, 1 process(es)" in note
 
 
