@@ -23,7 +23,7 @@ import random
 import shutil
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -234,11 +234,25 @@ def verify_checkpoint(path: Path) -> None:
         raise CheckpointCorrupt(rd.corrupt_checkpoint_message(path.parent.parent, step, why, full=True))
 
 
-def load_checkpoint(path: Path, states: dict[str, Any]) -> None:
+def saved_keys(path: Path) -> set[str] | None:
+    """The flattened keys a checkpoint holds (``train.step``, ...), from its DCP metadata; None
+    when it cannot be read (the load that follows then says why)."""
+    try:
+        return set(dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata)
+    except Exception:  # noqa: BLE001 — a damaged .metadata is the load's to report, naming the file
+        return None
+
+
+def load_checkpoint(path: Path, states: dict[str, Any],
+                    before_load: Callable[[set[str] | None], None] | None = None) -> None:
     """Load a complete, verified checkpoint into ``states`` (DCP reshards to this run's world
-    size); one that does not verify or load is :class:`CheckpointCorrupt`, in one line."""
+    size); one that does not verify or load is :class:`CheckpointCorrupt`, in one line.
+    ``before_load`` is told the keys the verified checkpoint holds (:func:`saved_keys`) before
+    ``states`` are read: a state can leave out a key an older checkpoint lacks."""
     path = Path(path)
     verify_checkpoint(path)
+    if before_load is not None:
+        before_load(saved_keys(path))
     try:
         dcp.load(states, checkpoint_id=str(path))
     except BaseException as e:  # DCP's CheckpointException (a BaseException) wraps the cause

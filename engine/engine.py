@@ -55,14 +55,19 @@ class TrainState(Stateful):
     step: int = 0
     tokens_seen: int = 0  # tokens the model read (padding left out)
     loss_tokens_seen: int = 0  # the tokens of those that the loss is over
+    # False while a checkpoint saved before loss_tokens_seen existed is loaded (DCP loads only
+    # the keys the state names, and refuses one the checkpoint lacks).
+    with_loss_tokens: bool = field(default=True, repr=False, compare=False)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"step": self.step, "tokens_seen": self.tokens_seen, "loss_tokens_seen": self.loss_tokens_seen}
+        state = {"step": self.step, "tokens_seen": self.tokens_seen}
+        return {**state, "loss_tokens_seen": self.loss_tokens_seen} if self.with_loss_tokens else state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.step = int(state_dict["step"])
         self.tokens_seen = int(state_dict["tokens_seen"])
-        self.loss_tokens_seen = int(state_dict["loss_tokens_seen"])
+        # Before loss_tokens_seen, tokens_seen counted the loss's tokens: it is that count.
+        self.loss_tokens_seen = int(state_dict.get("loss_tokens_seen", state_dict["tokens_seen"]))
 
 
 @dataclass
@@ -573,7 +578,13 @@ class Engine:
         return self.checkpointer.save(self.state.step, self.checkpoint_states())
 
     def load_checkpoint(self, path: Path) -> None:
-        load_checkpoint(path, self.checkpoint_states())
+        def before_load(saved: set[str] | None) -> None:
+            self.state.with_loss_tokens = saved is None or "train.loss_tokens_seen" in saved
+
+        try:
+            load_checkpoint(path, self.checkpoint_states(), before_load)
+        finally:
+            self.state.with_loss_tokens = True
         if self.dist.is_main:
             print(f"resumed from {path} at step {self.state.step}", flush=True)
 
