@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from tests.fake_hub import FakeHub, tiny_llama_folder
-from tests.mcp.conftest import connect, git
+from tests.mcp.conftest import connect, git, run_note
 
 pytestmark = pytest.mark.slow  # three short runs and a resume (about 100 s on an idle machine)
 
@@ -81,7 +81,7 @@ def test_the_run_trains_the_bound_snapshot_in_its_sandbox_and_records_the_commit
     assert record["config"]["model"]["pretrained_path"] == "org/tiny-llama"
     hidden = json.loads((model_folder / "config.json").read_text())["hidden_size"]
     assert hidden == 32  # the tiny model's own size, not the recipe's
-    note = git(workspace, "log", "--notes=trainwright", "-1", "--format=%N")
+    note = run_note(workspace, git(workspace, "rev-parse", "HEAD"), started["run_id"])
     assert f"model org/tiny-llama@{commit[:12]}" in note
     described = client.ok("describe_recipe", recipe="recipes/hub_lm")
     assert described["hub_models"] == [f"org/tiny-llama@{commit}"]

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from engine import run_dir as rd
-from tests.mcp.conftest import ENDLESS_RUN, connect, git, process_group_alive, tiny_config
+from tests.mcp.conftest import ENDLESS_RUN, connect, git, process_group_alive, run_note, tiny_config
 from tests.support import wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]
@@ -67,7 +67,7 @@ def test_a_restarted_server_sees_the_true_status_of_runs_that_went_on_without_it
         assert stopped["status"] == "stopped"
         assert not rd.pid_alive(record.pid) and not process_group_alive(record.child_pgid)
 
-    notes = git(tmp_path, "log", "--notes=trainwright", "-1", "--format=%N")
+    notes = run_note(tmp_path, git(tmp_path, "rev-parse", "HEAD"), short["run_id"])
     assert f"run {short['run_id']}: completed; step 8/8" in notes
     wait_for(lambda: f"run {endless['run_id']}: stopped" in git(tmp_path, "log", "--notes=trainwright", "-1",
                                                                    "--format=%N"), timeout=30)
