@@ -3,6 +3,7 @@ with libcst (skills/codemod_kit/copied.py). A real module, so that ruff lints it
 """
 
 import importlib.util
+import inspect
 
 import torch
 from typing import Callable
@@ -33,19 +34,15 @@ def apply_liger_kernels(
     if importlib.util.find_spec("liger_kernel") is None:
         warn(f"liger-kernel: the liger_kernel package is not installed (pip install liger-kernel); {unchanged}")
         return False
-    from liger_kernel.transformers import _apply_liger_kernel_to_instance
     from liger_kernel.transformers.monkey_patch import MODEL_TYPE_TO_APPLY_LIGER_FN
 
     model_type = getattr(getattr(model, "config", None), "model_type", None)
     if model_type not in MODEL_TYPE_TO_APPLY_LIGER_FN:
         warn(f"liger-kernel: Liger has no kernels for model type {model_type!r}; {unchanged}")
         return False
-    _apply_liger_kernel_to_instance(
-        model=model,
-        rope=rope,
-        swiglu=swiglu,
-        rms_norm=rms_norm,
-        cross_entropy=False,
-        fused_linear_cross_entropy=fused_linear_cross_entropy,
-    )
+    apply = MODEL_TYPE_TO_APPLY_LIGER_FN[model_type]  # Liger's public apply_liger_kernel_to_<type>
+    options = {"rope": rope, "swiglu": swiglu, "rms_norm": rms_norm, "cross_entropy": False,
+               "fused_linear_cross_entropy": fused_linear_cross_entropy}
+    accepted = inspect.signature(apply).parameters  # each model type takes its own subset
+    apply(model=model, **{name: value for name, value in options.items() if name in accepted})
     return fused_linear_cross_entropy

@@ -104,8 +104,8 @@ def fake_liger(tmp_path: Path, monkeypatch):
     package = tmp_path / "site" / "liger_kernel"
     (package / "transformers").mkdir(parents=True)
     (package / "__init__.py").write_text(LIGER_STUB)
-    (package / "transformers" / "__init__.py").write_text("from liger_kernel import _apply_liger_kernel_to_instance\n")
-    (package / "transformers" / "monkey_patch.py").write_text("MODEL_TYPE_TO_APPLY_LIGER_FN = {'llama': None}\n")
+    (package / "transformers" / "__init__.py").write_text("")
+    (package / "transformers" / "monkey_patch.py").write_text(LIGER_APPLY_STUB)
     monkeypatch.syspath_prepend(str(tmp_path / "site"))
     importlib.invalidate_caches()
     yield
@@ -128,8 +128,15 @@ def test_liger_guard_names_the_missing_package_when_a_gpu_is_there(tmp_path: Pat
 
 LIGER_STUB = '''
 calls = []
-def _apply_liger_kernel_to_instance(model, **kwargs):
-    calls.append((model, kwargs))
+'''
+# Liger's public apply_liger_kernel_to_llama, with its signature (each model type takes its own).
+LIGER_APPLY_STUB = '''
+import liger_kernel
+def apply_liger_kernel_to_llama(rope=True, cross_entropy=False, fused_linear_cross_entropy=True, rms_norm=True,
+                                swiglu=True, model=None):
+    liger_kernel.calls.append((model, dict(rope=rope, swiglu=swiglu, rms_norm=rms_norm, cross_entropy=cross_entropy,
+                                           fused_linear_cross_entropy=fused_linear_cross_entropy)))
+MODEL_TYPE_TO_APPLY_LIGER_FN = {'llama': apply_liger_kernel_to_llama}
 '''
 
 
@@ -153,14 +160,14 @@ def test_the_template_asks_liger_for_the_summed_loss_it_computes_itself(tmp_path
     """Real liger-kernel, on CPU: its forward, asked as the template asks (shift_labels,
     num_items_in_batch=1), gives the template's summed loss. In evaluation mode Liger computes it
     from the logits (torch only); in training its fused kernel (GPU: test_gpu_kernels.py)."""
-    from liger_kernel.transformers import _apply_liger_kernel_to_instance
+    from liger_kernel.transformers import apply_liger_kernel_to_llama  # the template's model is a Llama
 
     module = load_recipe_module(template_with(["liger-kernel"], tmp_path / "liger"))
     template = template_with([], tmp_path / "plain")
     plain = initial_template_model(template).eval()
     patched = initial_template_model(template).eval()
-    _apply_liger_kernel_to_instance(model=patched, rope=False, swiglu=False, rms_norm=False,
-                                    fused_linear_cross_entropy=True)
+    apply_liger_kernel_to_llama(model=patched, rope=False, swiglu=False, rms_norm=False,
+                                fused_linear_cross_entropy=True)
     pieces = [torch.arange(33) % 256, torch.arange(9) % 256]
     batch = module.collate(pieces, 32, 257)
 
