@@ -125,6 +125,9 @@ def test_keys_describe_a_section_whole_where_the_whole_recipe_is_cut(client, wor
     error = client.error("describe_recipe", recipe="sft", keys=["data", "train.lr"])  # one unknown key
     assert "train.lr" in error and "sections are" in error and "data" in error
     assert "empty key" in client.error("describe_recipe", recipe="sft", keys=[" "])
+    # A key is refused by its length before it is compared with every config key (a direct call
+    # with a 100 MB key took 18 s of CPU; MCP arguments are capped at 100,000 characters anyway).
+    assert "at most 200 characters" in client.error("describe_recipe", recipe="sft", keys=["a" * 1_000])
 
 
 @pytest.mark.parametrize("template", ["dpo"])
