@@ -35,7 +35,7 @@ _CHUNK = 1 << 20
 
 
 class ManifestFile(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
+    model_config = ConfigDict(defer_build=True, extra="forbid", strict=True)
 
     path: str = Field(max_length=500, pattern=r"^[^\x00]+$")
     bytes: int = Field(ge=0)
@@ -43,7 +43,7 @@ class ManifestFile(BaseModel):
 
 
 class Manifest(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
+    model_config = ConfigDict(defer_build=True, extra="forbid", strict=True)
 
     format: int
     files: list[ManifestFile] = Field(max_length=MAX_FILES)

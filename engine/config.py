@@ -27,7 +27,7 @@ class ConfigError(BadInput):
 class Section(BaseModel):
     """Base of every config section: unknown keys are errors, and assignments are validated."""
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    model_config = ConfigDict(defer_build=True, extra="forbid", validate_assignment=True)
 
     def undescribed(self) -> set[str]:
         """Fields that ``describe_fields`` leaves out as things stand (they are still valid keys):

@@ -266,6 +266,7 @@ def _choose_checkpoint(run_dir: Path, kind: RunKind, step: object) -> tuple[int,
 
 # The checkpoint a run continues. (A comment, not a docstring: tools' schemas would repeat it.)
 class ResumedFrom(BaseModel):
+    model_config = ConfigDict(defer_build=True)
 
     run_id: str
     step: int
@@ -278,6 +279,7 @@ class DataSummary(BaseModel):
     per split, and the tokenizer that counted them. ``tokens`` counts every token of the
     examples as trained on (cut to the sequence length); ``loss_tokens`` those the loss is over
     (an SFT's assistant turns, a preference pair's answers), None when that is every token."""
+    model_config = ConfigDict(defer_build=True)
 
     source: str
     paths: list[str] = []
@@ -355,6 +357,7 @@ MAX_SCRIPT_ARGS, MAX_SCRIPT_ARG_CHARS, MAX_SCRIPT_ARG_NAME_CHARS = 64, 1000, 100
 
 class MetricsDestination(BaseModel):
     """Where a run's metrics went: one per metrics backend the engine opened."""
+    model_config = ConfigDict(defer_build=True)
 
     kind: str = Field(description="jsonl, tensorboard, wandb, mlflow or trackio.")
     location: str = Field(description="A file or folder, a tracking URI or a web address.")
@@ -365,6 +368,7 @@ class MetricsDestination(BaseModel):
 class SandboxView(BaseModel):
     """What a run's sandbox shows: read-only and writable folders, folders hidden inside them,
     and the bubblewrap it ran under (None: no sandbox)."""
+    model_config = ConfigDict(defer_build=True)
 
     bwrap: str | None = None
     read_only: list[str] = []
@@ -375,7 +379,7 @@ class SandboxView(BaseModel):
 class HubModel(BaseModel):
     """A model (or data set) a run loads by Hub id, as the server resolved it (runner/hub.py)."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(defer_build=True, extra="ignore")
 
     given: str = Field(description="model.pretrained_path as given: org/name or org/name@revision.")
     repo_id: str
@@ -389,6 +393,7 @@ class HubModel(BaseModel):
 class RunFacts(BaseModel):
     """The facts of a run that its record keeps and ``get_run`` shows (``mcp_server.models.RunInfo``
     derives from this class): each declared once, here."""
+    model_config = ConfigDict(defer_build=True)
 
     status: RunStatus = STARTING
     kind: RunKind = Field(
@@ -628,7 +633,7 @@ class MetricRecord(BaseModel):
     recipe may log more keys; they are kept as they are. Non-finite floats are written as the
     strings "nan", "inf", "-inf" (JSON has no NaN)."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(defer_build=True, extra="allow")
 
     step: int = Field(description="Optimizer steps taken when the record was logged.")
     loss: float | str | None = Field(None, description="Mean training loss per supervised token of the step.")
@@ -779,6 +784,7 @@ def latest_metrics(path: Path) -> dict[str, Any] | None:
 class RunSpeed(BaseModel):
     """A run's speed, the one definition every reader shows (note, review, get_run, list_runs):
     the mean over its training steps after the warm-up, and the last logging window's."""
+    model_config = ConfigDict(defer_build=True)
 
     mean_tokens_per_s: float | None = Field(
         None, description="Tokens read per second (tokens_per_s: padding left out) over the training steps after the warm-up (total tokens / total time)."

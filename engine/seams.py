@@ -31,6 +31,7 @@ MAX_ERROR_CHARS = 2000  # a refusal's reason as the server shows it
 
 
 class ConfigField(BaseModel):
+    model_config = ConfigDict(defer_build=True)
     # One leaf key of a recipe's config (engine.config.describe_fields), as describe_recipe
     # shows it; keys it does not know are dropped. A comment, not a docstring: a docstring would
     # be its description in describe_recipe's output schema, which every tools/list carries.
@@ -63,7 +64,7 @@ class LaunchVerdict(BaseModel):
     defaults, every key described, the data summary (None: the recipe counts no data) and, with
     ``--estimate``, the run's estimate (``mcp_server.models.EstimateResult``)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(defer_build=True, extra="forbid")
 
     ok: Literal[True] = True
     config: dict[str, Any]
@@ -76,7 +77,7 @@ class LaunchVerdict(BaseModel):
 class LaunchRefusal(BaseModel):
     """A launch the engine refuses, and why (the message says what to change)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(defer_build=True, extra="forbid")
 
     ok: Literal[False] = False
     error: str
@@ -131,7 +132,7 @@ class ModelProcessFailed(BadInput):
 
 class _Seam(BaseModel):
     # Strict: a JSON value of another type is refused, not coerced; NaN and infinities too.
-    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+    model_config = ConfigDict(defer_build=True, extra="forbid", strict=True, allow_inf_nan=False)
 
 
 class ModelRefusal(_Seam):

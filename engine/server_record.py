@@ -29,7 +29,7 @@ import stat
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from engine import run_dir as rd
 from engine.errors import BadInput
@@ -62,6 +62,7 @@ class ProcessIdentity(BaseModel):
     started (``/proc/<pid>/stat`` field 22, in clock ticks since boot) and its session. A pid
     alone may be reused by any other process once the run's has ended; the three together
     are not."""
+    model_config = ConfigDict(defer_build=True)
 
     pid: int = Field(gt=1)
     start_ticks: int = Field(ge=0)

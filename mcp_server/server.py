@@ -47,7 +47,7 @@ from mcp_server.tasks import TasksExtension
 from sandbox import redact as redaction
 from workspace.audit import AuditLog
 from workspace.settings import trusted_limits
-from workspace.git import ensure_repo
+from workspace.git import ensure_workspace_repo
 from sandbox.redact import printable, redact_model, shown
 from workspace.workspace import Workspace
 
@@ -306,7 +306,7 @@ def build_server(workspace: Path | str, read_only: bool = False, settings: Path 
     ws = Workspace.open(workspace, settings)
     trusted_limits(ws.settings)  # a missing or broken settings file stops the start
     if not read_only:
-        ensure_repo(ws.root)
+        ensure_workspace_repo(ws.root)
         ws.prepare_state()
     served = [spec for spec in TOOLS if spec.hints.read_only or not read_only]
     bus = InMemorySubscriptionBus()
@@ -337,8 +337,10 @@ class Resources:
 
     def register(self, mcp: MCPServer) -> None:
         for info in skill_library.list_skill_cards():
-            mcp.add_resource(FunctionResource.from_function(
-                functools.partial(_skill_md, info.name), uri=f"skill://{info.name}", name=info.name,
+            # The constructor, not from_function: a function of no arguments needs no validate_call
+            # (~1 ms of pydantic per skill at every start).
+            mcp.add_resource(FunctionResource(
+                fn=functools.partial(_skill_md, info.name), uri=f"skill://{info.name}", name=info.name,
                 description=info.description, mime_type="text/markdown"))
         mcp.resource("run://{run_id}/metrics", mime_type="application/json", description="The latest metrics "
                      "records (at most 200) of a run's history across resumes, as JSON.")(self.run_metrics)

@@ -203,6 +203,35 @@ def test_the_server_answers_without_importing_torch(tmp_path):
     assert json.loads(result.stdout.splitlines()[-1]) == []
 
 
+COLD_START_PROBE = """
+import json, sys, anyio
+from mcp import Client
+from mcp_server.server import build_server
+
+async def main():
+    async with Client(build_server(sys.argv[1])) as client:
+        await client.list_tools()
+        await client.list_resources()
+
+anyio.run(main)
+print(json.dumps(sorted(m for m in ("git.repo", "torch") if m in sys.modules)))  # `git` itself is a lazy stub
+"""
+
+
+def test_a_workspace_with_its_repository_starts_without_gitpython(tmp_path):
+    """The cold start (bench/mcp_startup.py) skips GitPython (~30 ms) when the workspace's own
+    repository is there; the first start, which initialises it, needs it."""
+    first = subprocess.run([sys.executable, "-c", COLD_START_PROBE, str(tmp_path)], capture_output=True, text=True,
+                           timeout=120)
+    assert first.returncode == 0, first.stderr
+    assert "git.repo" in json.loads(first.stdout.splitlines()[-1])
+    assert (tmp_path / ".git" / "HEAD").is_file()
+    again = subprocess.run([sys.executable, "-c", COLD_START_PROBE, str(tmp_path)], capture_output=True, text=True,
+                           timeout=120)
+    assert again.returncode == 0, again.stderr
+    assert json.loads(again.stdout.splitlines()[-1]) == []
+
+
 @pytest.mark.parametrize("module", ["mcp_server.server", "mcp_server.cli", "mcp_server.operations.runs"])
 def test_importing_the_server_modules_does_not_import_torch(module):
     probe = f"import sys, {module}; print('torch' in sys.modules, 'transformers' in sys.modules)"
