@@ -90,7 +90,8 @@ def run_engine(steps: int, warmup: int, checkpoints: bool) -> dict:
         records = rd.read_all_metrics(run / rd.METRICS_JSONL)
     timed = [r for r in records if r["step"] > warmup]
     seconds = sum(r["step_time_s"] * warmup for r in timed)
-    total_tokens = sum(r["tokens_per_s"] * r["step_time_s"] * warmup for r in timed)
+    # The tokens the loss is over, as the other peers count them (labels != -100).
+    total_tokens = sum(r["loss_tokens_per_s"] * r["step_time_s"] * warmup for r in timed)
     return {"tokens_per_s": total_tokens / seconds, "final_loss": records[-1]["loss"]}
 
 
