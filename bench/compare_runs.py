@@ -26,6 +26,7 @@ sys.path.insert(0, str(REPO))
 
 from mcp_server.operations import compare  # noqa: E402
 from mcp_server.operations import recipes as recipe_ops  # noqa: E402
+from mcp_server.operations import launch as launching  # noqa: E402
 from mcp_server.operations import runs as run_ops  # noqa: E402
 from mcp_server.terminal import compare_text  # noqa: E402
 from workspace.workspace import Workspace  # noqa: E402
@@ -47,7 +48,7 @@ def finished(ws: Workspace, run_id: str) -> str:
 
 def pair(ws: Workspace, a: tuple[str, list[str]], b: tuple[str, list[str]]) -> None:
     print(f"\nload average {os.getloadavg()[0]:.2f}", flush=True)
-    started = [run_ops.launch_run(ws, recipe, 1, overrides).run_id for recipe, overrides in (a, b)]
+    started = [launching.launch_run(ws, recipe, 1, overrides).run_id for recipe, overrides in (a, b)]
     run_a, run_b = (finished(ws, run_id) for run_id in started)
     print(compare_text(compare.compare_runs(ws, run_a, run_b)), flush=True)
 

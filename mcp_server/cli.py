@@ -183,7 +183,7 @@ def _follow_run(ws: Any, run_id: str, echo: bool) -> int:
     stopping = False
     while True:
         try:
-            _, record = runs.run_view(ws, run_id)
+            _, record = runs.server_view(ws, run_id)
             ended = record.effective_status() in rd.FINAL_STATUSES and not record.supervisor_alive()
             offset = _echo_console(console, offset, whole_lines=not ended, echo=echo)
             if ended:

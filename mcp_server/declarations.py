@@ -366,11 +366,11 @@ def _list_recipes(ws: Any, a: NoArgs, report: Report) -> RecipeList:
 
 
 def _launch_run(ws: Any, a: LaunchRunArgs, report: Report) -> LaunchRunResult:
-    from mcp_server.operations import runs
+    from mcp_server.operations import launch
 
-    return runs.launch_run(ws, a.recipe, a.nproc, a.overrides, nnodes=a.nnodes, rdzv=a.rdzv or None,
-                           target=a.target, slurm=a.slurm or None, progress=report.download,
-                           args=a.args or None, resume_arg=a.resume_arg or None, commit=a.commit or None)
+    return launch.launch_run(ws, a.recipe, a.nproc, a.overrides, nnodes=a.nnodes, rdzv=a.rdzv or None,
+                             target=a.target, slurm=a.slurm or None, progress=report.download,
+                             args=a.args or None, resume_arg=a.resume_arg or None, commit=a.commit or None)
 
 
 def _estimate_run(ws: Any, a: EstimateArgs, report: Report) -> EstimateResult:
@@ -422,10 +422,10 @@ def _list_checkpoints(ws: Any, a: RunArgs, report: Report) -> CheckpointList:
 
 
 def _resume_checkpoint(ws: Any, a: ResumeArgs, report: Report) -> LaunchRunResult:
-    from mcp_server.operations import runs
+    from mcp_server.operations import launch
 
-    return runs.resume_checkpoint(ws, a.run_id, a.step, a.nproc, overrides=a.overrides, code=a.code,
-                                  progress=report.download)
+    return launch.resume_checkpoint(ws, a.run_id, a.step, a.nproc, overrides=a.overrides, code=a.code,
+                                    progress=report.download)
 
 
 def _export_checkpoint(ws: Any, a: ExportArgs, report: Report) -> ExportResult:

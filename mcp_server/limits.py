@@ -18,6 +18,7 @@ MAX_DIFF_CHARS = 5_000
 MAX_DOC_CHARS = 6_000
 MAX_RESULT_CHARS = 60_000  # ≈ 15–20k tokens of JSON, when the caller asks for more
 MAX_ERROR_CHARS = 2_000  # an error message (it may echo the caller's input)
+MAX_RUN_ERROR_CHARS = 1_000  # a run's error as get_run shows it (its console tail says more)
 MAX_ARGUMENTS_CHARS = 100_000  # the arguments of one tool call, as JSON
 MAX_CONCURRENT_CHECKS = 2  # describe_recipe's launch-check processes at once; more callers wait in turn
 # describe_recipe calls holding a worker thread at once (waiting for a check blocks it); more wait

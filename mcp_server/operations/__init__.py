@@ -3,7 +3,9 @@
 - ``skills``       list, show, apply a skill (one reviewable commit)
 - ``recipes``      list templates, scaffold a recipe from one
 - ``recipe_info``  a recipe's config keys, the workspace's recipes
-- ``runs``         launch, list, inspect, tail, stop, list checkpoints, resume
+- ``launch``       start a run: every way (recipe, commit, script, resume, joining node, SLURM
+                   job) is a ``Launch``, checked into a plan by one pipeline, then started
+- ``runs``         read runs: list, inspect, tail, stop, list checkpoints; a launch's result
 - ``waiting``      wait until a run reaches a step or ends
 - ``history``      a run's history across resumes, as one metrics series
 - ``estimate``     a run's memory and step time before it starts

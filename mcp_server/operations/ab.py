@@ -32,6 +32,7 @@ from engine.errors import BadInput
 from mcp_server.limits import AB_DEFAULT_ROUNDS, AB_MAX_ROUNDS, AB_MAX_STEPS, AB_MIN_STEPS
 from mcp_server.models import AbResult, AbRound, AbRun, MetricVerdict
 from mcp_server.operations import compare
+from mcp_server.operations import launch as launching
 from mcp_server.operations import runs as run_ops
 from workspace import git as workspace_git
 from workspace.paths import check_name
@@ -66,10 +67,10 @@ def ab(
     steps, rounds = _bounded("steps", steps, MIN_STEPS, MAX_STEPS), _bounded("rounds", rounds, 1, MAX_ROUNDS)
     recipe_dir = ws.recipe(recipe)
     label = ws.label(recipe_dir)
-    given = run_ops.checked_overrides(ws, overrides)
+    given = launching.checked_overrides(ws, overrides)
     if "train.max_steps" in given:
         raise BadInput("--steps sets train.max_steps of every run of the A/B: leave it out of the overrides")
-    run_ops.check_nproc(nproc)
+    launching.check_nproc(nproc)
     repo = workspace_git.open_repo(ws.root)
     if repo is None:
         raise workspace_git.GitRefused("the workspace is not a git repository: an A/B runs a skill's commit and the "
@@ -118,7 +119,7 @@ def _run_rounds(ws: Workspace, label: str, nproc: int, config: dict[str, Any], c
     per_round: list[AbRound] = []
     for index in range(rounds):
         for side in _order(index):
-            launched = run_ops.launch_run(ws, label, nproc, config, commit=commits[side])
+            launched = launching.launch_run(ws, label, nproc, config, commit=commits[side])
             say(f"round {index + 1}/{rounds} {side}: run {launched.run_id} ({launched.code})")
             status = _wait(ws, launched.run_id, steps, say)
             runs.append(AbRun(round=index + 1, side=side, run_id=launched.run_id, status=status))
@@ -185,7 +186,7 @@ def _wait(ws: Workspace, run_id: str, steps: int, say: Progress) -> str:
     last_said, last_step = time.monotonic(), None
     try:
         while True:
-            _, record = run_ops.run_view(ws, run_id)
+            _, record = run_ops.server_view(ws, run_id)
             if record.effective_status() in rd.FINAL_STATUSES and not record.supervisor_alive():
                 return run_ops.get_run(ws, run_id).status
             step = (rd.latest_metrics(run_dir / rd.METRICS_JSONL) or {}).get("step")

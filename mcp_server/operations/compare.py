@@ -34,7 +34,7 @@ from engine import server_record as sr
 from mcp_server.limits import AGENT_BUDGET_CHARS, json_chars
 from mcp_server.models import CompareResult, MetricVerdict, Verdict
 from mcp_server.operations import history
-from mcp_server.operations.runs import run_view
+from mcp_server.operations.runs import server_view
 from workspace import git as workspace_git
 from workspace.workspace import Workspace
 
@@ -57,8 +57,8 @@ def compare_groups(ws: Workspace, runs_a: list[str], runs_b: list[str]) -> Compa
     a side's loss curve is the mean of its runs' (bit-equal runs: that curve, unchanged); its
     speed windows are pooled over its runs (each run's warm-up left out), so the noise bound
     holds the load's changes between rounds; its peak is the largest any of them measured."""
-    views_a = [run_view(ws, run) for run in runs_a]
-    views_b = [run_view(ws, run) for run in runs_b]
+    views_a = [server_view(ws, run) for run in runs_a]
+    views_b = [server_view(ws, run) for run in runs_b]
     (dir_a, record_a), (dir_b, record_b) = views_a[0], views_b[0]
     config_a, config_b = _flat(record_a.config or {}), _flat(record_b.config or {})
     differences = _code_differences(ws, record_a, record_b, dir_a, dir_b) + [

@@ -16,7 +16,7 @@ from pydantic import ValidationError
 from engine.config import Overrides, override_args
 from engine.errors import BadInput
 from mcp_server.models import EstimateFigures, EstimateResult
-from mcp_server.operations.runs import check_nproc, checked_overrides, bind_hub_models
+from mcp_server.operations.launch import bind_hub_models, check_nproc, checked_overrides
 from runner import hub
 from runner import lifecycle as run_lifecycle
 from workspace.workspace import Workspace

@@ -22,7 +22,7 @@ from engine.config import overrides_to_dict
 from engine.errors import BadInput, NotFound
 from mcp_server import cli
 from mcp_server.operations import recipes as recipe_ops
-from mcp_server.operations import runs as run_ops
+from mcp_server.operations import launch as launching
 from workspace.workspace import Workspace
 from tests.mcp.conftest import connect
 from tests.support import TINY
@@ -155,12 +155,12 @@ def test_launch_run_at_a_commit_refuses_what_no_commit_holds(workspace):
     ws = Workspace.open(workspace)
     before = state(workspace)
     with pytest.raises(NotFound, match="no commit 'no-such-rev'"):
-        run_ops.launch_run(ws, "recipes/lm", overrides=list(TINY), commit="no-such-rev")
+        launching.launch_run(ws, "recipes/lm", overrides=list(TINY), commit="no-such-rev")
     first = git(workspace, "rev-list", "--max-parents=0", "HEAD").strip()
     with pytest.raises(NotFound, match=f"commit {first[:10]} holds no recipe at 'lm'"):
-        run_ops.launch_run(ws, "recipes/lm", overrides=list(TINY), commit=first)
+        launching.launch_run(ws, "recipes/lm", overrides=list(TINY), commit=first)
     with pytest.raises(BadInput, match="commit must be a commit id or revision"):
-        run_ops.launch_run(ws, "recipes/lm", commit="--output=/tmp/x")
+        launching.launch_run(ws, "recipes/lm", commit="--output=/tmp/x")
     assert state(workspace) == before
 
 

@@ -16,7 +16,7 @@ import pytest
 from mcp_server import cli
 from mcp_server.operations import compare
 from mcp_server.operations import recipes as recipe_ops
-from mcp_server.operations import runs as run_ops
+from mcp_server.operations import launch as launching
 from workspace.workspace import Workspace
 from tests.mcp.conftest import connect
 from tests.skills.skill_helpers import write_documents
@@ -104,7 +104,7 @@ def runs(tmp_path_factory) -> tuple[Workspace, dict[str, str]]:
     for name, recipe, extra in (("plain", "plain", ()), ("seed", "plain", ("train.seed=7",)),
                                 ("ckpt", "ckpt", ()),
                                 ("docs", "plain", ("data.source=files", f"data.paths=[{docs}]"))):
-        ids[name] = finished_run(ws, run_ops.launch_run(ws, f"recipes/{recipe}", 1, [*HEAVY, *extra]).run_id)
+        ids[name] = finished_run(ws, launching.launch_run(ws, f"recipes/{recipe}", 1, [*HEAVY, *extra]).run_id)
     return ws, ids
 
 

@@ -15,6 +15,7 @@ from engine.errors import BadInput
 from mcp_server import cli
 from mcp_server.operations import estimate
 from mcp_server.operations import recipes as recipe_ops
+from mcp_server.operations import launch as launching
 from mcp_server.operations import runs as run_ops
 from workspace.workspace import Workspace
 from tests.support import finished_run
@@ -39,7 +40,7 @@ def ws(tmp_path_factory) -> Workspace:
 
 
 def measured_peak_mb(ws: Workspace, recipe: str, overrides: list[str]) -> float:
-    run_id = finished_run(ws, run_ops.launch_run(ws, recipe, 1, overrides).run_id)
+    run_id = finished_run(ws, launching.launch_run(ws, recipe, 1, overrides).run_id)
     return max(r["peak_mem_mb"] for r in run_ops.tail_metrics(ws, run_id, 200).records if "peak_mem_mb" in r)
 
 

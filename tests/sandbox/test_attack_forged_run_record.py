@@ -24,6 +24,7 @@ from engine.seams import LaunchVerdict
 from engine import run_dir as rd
 from engine import server_record as sr
 from engine.errors import BadInput
+from mcp_server.operations import launch as launching
 from mcp_server.operations import runs as run_ops
 from workspace import git as workspace_git
 from runner import lifecycle as run_lifecycle
@@ -211,7 +212,7 @@ def test_a_resume_takes_the_commit_and_provenance_from_the_servers_record(tmp_pa
     monkeypatch.setattr(run_lifecycle, "check_launch", check)
     monkeypatch.setattr(run_lifecycle, "start_run", start)
     with pytest.raises(BadInput, match="not started in this test"):
-        run_ops.resume_checkpoint(Workspace.open(workspace), "r1", overrides={"train.max_steps": 8})
+        launching.resume_checkpoint(Workspace.open(workspace), "r1", overrides={"train.max_steps": 8})
     assert (seen["origin"].git_commit, seen["origin"].recipe_dirty, seen["origin"].dirty_files) == (head, False, [])
     assert seen["config"] == {"train": {"max_steps": 4}}  # the server's config, not the rewritten one
 
@@ -245,7 +246,7 @@ def test_a_run_the_server_did_not_start_is_shown_as_its_claim_and_never_acted_on
     with pytest.raises(BadInput, match="not started by this server"):
         run_ops.stop_run(ws, "r1")
     with pytest.raises(BadInput, match="not started by this server"):
-        run_ops.resume_checkpoint(ws, "r1")
+        launching.resume_checkpoint(ws, "r1")
 
 
 def test_the_servers_record_is_outside_every_writable_folder_of_the_runs_sandbox(tmp_path):

@@ -18,7 +18,7 @@ import pytest
 
 from engine import run_dir as rd
 from mcp_server.operations import model_tools
-from mcp_server.operations import runs as run_ops
+from mcp_server.operations import launch as launching
 from runner import model_process
 from runner.model_process import ModelProcessFailed
 from workspace.workspace import Workspace
@@ -77,7 +77,7 @@ def hostile(tmp_path_factory):
     derived_recipe(workspace, "hostile", body)
     fake_run(workspace, "other")
     ws = Workspace.open(workspace)
-    run_id = run_ops.launch_run(ws, "hostile", overrides=tiny_config(**SHORT_RUN)).run_id
+    run_id = launching.launch_run(ws, "hostile", overrides=tiny_config(**SHORT_RUN)).run_id
     assert wait_final(ws.run_dir(run_id)).status == rd.COMPLETED
     return ws, run_id
 

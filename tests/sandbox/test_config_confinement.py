@@ -8,7 +8,7 @@ import os
 import pytest
 
 from engine import run_dir as rd
-from mcp_server.operations import runs as run_ops
+from mcp_server.operations import launch as launching
 from workspace import git as workspace_git
 from engine.errors import BadInput
 from workspace.workspace import Workspace
@@ -31,7 +31,7 @@ def test_a_path_in_the_recipes_own_config_yaml_is_checked_after_merging(workspac
     workspace_git.commit_paths(workspace_git.open_repo(root), [config], "point the data outside", [])
     # The engine's launch check reads the merged config's data paths, confined: refused there.
     with pytest.raises(BadInput, match="leads outside the workspace"):
-        run_ops.launch_run(Workspace.open(root), "recipes/lm", 1, run_overrides("train.max_steps=2"))
+        launching.launch_run(Workspace.open(root), "recipes/lm", 1, run_overrides("train.max_steps=2"))
     assert not (root / rd.RUNS_DIRNAME).exists() or not any((root / rd.RUNS_DIRNAME).iterdir())
 
 
@@ -46,6 +46,6 @@ def test_a_committed_link_in_a_data_folder_that_leads_out_is_refused_with_a_clea
     # The launch check counts the data it would read (the data summary), so the link is found
     # before a run directory exists.
     with pytest.raises(BadInput, match="leads outside the workspace") as refused:
-        run_ops.launch_run(ws, "recipes/lm", 1, run_overrides("train.max_steps=2", "data.source=files", "data.paths=[data]"))
+        launching.launch_run(ws, "recipes/lm", 1, run_overrides("train.max_steps=2", "data.source=files", "data.paths=[data]"))
     assert "leak.txt" in str(refused.value)
     assert not (root / rd.RUNS_DIRNAME).exists() or not any((root / rd.RUNS_DIRNAME).iterdir())

@@ -25,6 +25,7 @@ import pytest
 
 from engine import run_dir as rd
 from engine import server_record as sr
+from mcp_server.operations import launch as launching
 from mcp_server.operations import runs as run_ops
 from mcp_server.server import build_server
 from sandbox import bwrap
@@ -302,7 +303,7 @@ def test_the_check_gets_the_runs_memory_limit(check_ws):
     ws = Workspace.open(check_ws)
     before = tree_hash(check_ws)
     with pytest.raises(run_lifecycle.LaunchRefused, match="Cannot allocate memory|MemoryError"):
-        run_ops.launch_run(ws, "recipes/greedy", 1, list(TINY))
+        launching.launch_run(ws, "recipes/greedy", 1, list(TINY))
     assert tree_hash(check_ws) == before and not (check_ws / "runs").exists()
 
 
@@ -349,7 +350,7 @@ def test_a_launch_over_the_cap_on_concurrent_runs_is_refused_naming_the_running_
     fake_run(workspace, "20260101-000009-lm-done")
     before = tree_hash(workspace)
     with pytest.raises(run_lifecycle.LaunchRefused) as refused:
-        run_ops.launch_run(Workspace.open(workspace), "recipes/lm", 1, list(TINY))
+        launching.launch_run(Workspace.open(workspace), "recipes/lm", 1, list(TINY))
     message = str(refused.value)
     assert "runs.max_concurrent_runs is 2" in message
     assert "20260101-000000-lm-busy" in message and "20260101-000001-lm-busy" in message

@@ -18,6 +18,7 @@ from engine import run_dir as rd
 from engine.checkpoint_manifest import MANIFEST
 from engine.errors import BadInput, NotFound
 from mcp_server.operations import model_tools
+from mcp_server.operations import launch as launching
 from mcp_server.operations import runs as run_ops
 from tests.sandbox.helpers import wait_final
 from tests.sandbox.test_faults import ws  # noqa: F401 (the fixture)
@@ -29,7 +30,7 @@ DATA = "__0_0.distcp"
 
 @pytest.fixture
 def trained(ws):  # noqa: F811
-    run_id = run_ops.launch_run(ws, "recipes/lm", 1, SCHEDULE).run_id
+    run_id = launching.launch_run(ws, "recipes/lm", 1, SCHEDULE).run_id
     run_dir = ws.runs_dir / run_id
     assert wait_final(run_dir).status == rd.COMPLETED
     assert [s for s, _ in rd.list_checkpoints(run_dir)] == [2, 4, 6]
@@ -52,14 +53,14 @@ def test_flipped_bytes_are_refused_at_resume_naming_the_file_and_the_good_checkp
     flip_bytes(checkpoint(run_dir, 6) / DATA)
     assert [s for s, _ in rd.list_checkpoints(run_dir)] == [2, 4, 6]  # sizes alone cannot tell
     with pytest.raises(BadInput) as refused:
-        run_ops.resume_checkpoint(space, run_dir.name, overrides={"train.max_steps": 8})
+        launching.resume_checkpoint(space, run_dir.name, overrides={"train.max_steps": 8})
     message = str(refused.value)
     assert message.startswith(f"checkpoint step-00000006 of run {run_dir.name} is corrupt: {DATA} does not match "
                               "the digest it was saved with (sha256 ")
     assert message.endswith(f"the latest good checkpoint before it is step 4 "
                             f"(resume_checkpoint(run_id={run_dir.name!r}, step=4))")
     assert [p.name for p in space.runs_dir.iterdir()] == [run_dir.name]  # no run was started
-    resumed = run_ops.resume_checkpoint(space, run_dir.name, step=4, overrides={"train.max_steps": 8})
+    resumed = launching.resume_checkpoint(space, run_dir.name, step=4, overrides={"train.max_steps": 8})
     assert wait_final(space.runs_dir / resumed.run_id).status == rd.COMPLETED
 
 
@@ -79,9 +80,9 @@ def test_a_truncated_or_missing_file_or_manifest_makes_a_checkpoint_incomplete(t
     assert unusable[6].startswith(f"{DATA} has 100 bytes, ") and unusable[6].endswith(" when it was saved")
     with pytest.raises(BadInput, match=r"^checkpoint step-00000004 of run .* is corrupt: __0_0.distcp is missing; "
                                        r"there is no good checkpoint before it$"):
-        run_ops.resume_checkpoint(space, run_dir.name, step=4)
+        launching.resume_checkpoint(space, run_dir.name, step=4)
     with pytest.raises(NotFound, match=r"has no complete checkpoint \(3 not complete: checkpoint step-00000006"):
-        run_ops.resume_checkpoint(space, run_dir.name)
+        launching.resume_checkpoint(space, run_dir.name)
     with pytest.raises(BadInput, match=r"corrupt: __0_0.distcp has 100 bytes"):
         model_tools.sample(space, run_dir.name, ["hello"], step=6)
 

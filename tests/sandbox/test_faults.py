@@ -21,6 +21,7 @@ import pytest
 
 from engine.seams import LaunchVerdict
 from engine import run_dir as rd
+from mcp_server.operations import launch as launching
 from mcp_server.operations import runs as run_ops
 from runner import lifecycle as run_lifecycle
 from workspace.workspace import Workspace
@@ -66,8 +67,8 @@ def test_sigkill_at_six_random_points_resumes_bit_identical_every_time(ws):
     seed = int(os.environ.get("TW_FAULT_SEED", time.time_ns() % 10**6))  # set it to replay a failure
     rng = random.Random(seed)
     seed_note = f"(TW_FAULT_SEED={seed})"
-    reference = ws.runs_dir / run_ops.launch_run(ws, "recipes/lm", 1, SCHEDULE).run_id
-    run_dir = ws.runs_dir / run_ops.launch_run(ws, "recipes/lm", 1, SCHEDULE).run_id
+    reference = ws.runs_dir / launching.launch_run(ws, "recipes/lm", 1, SCHEDULE).run_id
+    run_dir = ws.runs_dir / launching.launch_run(ws, "recipes/lm", 1, SCHEDULE).run_id
     start, mid_save_kills = 0, 0
     segments: list[tuple[Path, int, int]] = []
     for kill in range(KILLS):
@@ -87,7 +88,7 @@ def test_sigkill_at_six_random_points_resumes_bit_identical_every_time(ws):
         segments.append((run_dir, start, kill))
         checkpoint = rd.latest_checkpoint(run_dir)
         assert checkpoint is not None and checkpoint[0] > start, f"kill {kill} made no progress {seed_note}"
-        resumed = run_ops.resume_checkpoint(ws, run_dir.name)
+        resumed = launching.resume_checkpoint(ws, run_dir.name)
         assert resumed.resumed_from.step == checkpoint[0]
         run_dir, start = ws.runs_dir / resumed.run_id, checkpoint[0]
     assert wait_final(run_dir).status == rd.COMPLETED
@@ -145,7 +146,7 @@ def test_a_full_disk_during_a_save_fails_the_run_clearly_and_keeps_the_previous_
     recipe = "recipes/lm"
     if how == "injected":
         recipe = "recipes/" + derived_recipe(ws.root, "fulldisk", FAILING_FSYNC).name
-    launched = run_ops.launch_run(ws, recipe, 1, FULL_DISK_SCHEDULE)
+    launched = launching.launch_run(ws, recipe, 1, FULL_DISK_SCHEDULE)
     run_dir = ws.runs_dir / launched.run_id
     checkpoints = run_dir / rd.CHECKPOINTS_DIRNAME
     mounted = False
@@ -164,7 +165,7 @@ def test_a_full_disk_during_a_save_fails_the_run_clearly_and_keeps_the_previous_
         assert [c.step for c in info.checkpoints] == [2]
         assert partial_steps(run_dir) == [], "the half-written checkpoint was removed"
 
-        resumed = run_ops.resume_checkpoint(ws, launched.run_id, step=2)
+        resumed = launching.resume_checkpoint(ws, launched.run_id, step=2)
         resumed_dir = ws.runs_dir / resumed.run_id
         assert wait_final(resumed_dir).status == rd.COMPLETED, rd.read_run(resumed_dir).error
         before, after = losses(run_dir), losses(resumed_dir)
@@ -241,7 +242,7 @@ class FillsUp(CausalLM):
 
 def test_a_disk_that_fills_between_checkpoints_is_named_with_where_and_how_much_is_free(ws):
     recipe = "recipes/" + derived_recipe(ws.root, "fillsup", FILLS_BETWEEN_CHECKPOINTS).name
-    launched = run_ops.launch_run(ws, recipe, 1, [*TINY, "train.max_steps=6", "train.log_every=1",
+    launched = launching.launch_run(ws, recipe, 1, [*TINY, "train.max_steps=6", "train.log_every=1",
                                                   "checkpoint.every=2"])
     run_dir = ws.runs_dir / launched.run_id
     assert wait_final(run_dir).status == rd.FAILED

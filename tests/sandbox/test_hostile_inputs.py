@@ -355,7 +355,7 @@ def test_generated_skill_params_are_refused(ctx, params):
 
 
 def test_a_link_the_parent_run_left_among_its_checkpoints_is_not_resumed(tmp_path, monkeypatch):
-    from mcp_server.operations import runs as run_ops
+    from mcp_server.operations import launch as launching
     from runner import lifecycle as run_lifecycle
     from workspace.workspace import Workspace
     from engine import run_dir as rd
@@ -378,7 +378,7 @@ def test_a_link_the_parent_run_left_among_its_checkpoints_is_not_resumed(tmp_pat
     monkeypatch.setattr(run_lifecycle, "check_launch", check_launch)
     monkeypatch.setattr(run_lifecycle, "start_run", start_run)
     try:
-        run_ops.resume_checkpoint(Workspace.open(root), parent.name, step=2, code="head")
+        launching.resume_checkpoint(Workspace.open(root), parent.name, step=2, code="head")
     except RuntimeError:
         pass
     except Exception:

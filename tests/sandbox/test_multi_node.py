@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from engine import run_dir as rd
+from mcp_server.operations import launch as launching
 from mcp_server.operations import runs as run_ops
 from workspace.settings import RunLimits
 from runner.processes import marked
@@ -73,8 +74,8 @@ def test_two_nodes_match_one_node_and_a_dead_node_fails_the_run_leaving_no_proce
 def _two_nodes(ws: Workspace, reference_runs: Path, t0: float) -> None:
     runs = ws.runs_dir
     rdzv = {"endpoint": f"127.0.0.1:{free_port()}"}
-    first = run_ops.launch_run(ws, "recipes/lm", 1, OVERRIDES, limits=LIMITS, nnodes=2, rdzv=rdzv)
-    second = run_ops.launch_run(ws, "recipes/lm", 1, None, limits=LIMITS, nnodes=2,
+    first = launching.launch_run(ws, "recipes/lm", 1, OVERRIDES, limits=LIMITS, nnodes=2, rdzv=rdzv)
+    second = launching.launch_run(ws, "recipes/lm", 1, None, limits=LIMITS, nnodes=2,
                                 rdzv={**rdzv, "id": first.run_id, "node_rank": 1})
     print(f"\nlaunched in {time.monotonic() - t0:.1f} s")
     assert second.nodes.startswith(f"2 node(s) x 1 process(es), this is node 1 (joins run {first.run_id})")

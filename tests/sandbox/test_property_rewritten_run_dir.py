@@ -32,6 +32,7 @@ from engine.checkpoint_manifest import write_manifest
 from engine import server_record as sr
 from engine.errors import TrainwrightError
 from mcp_server.operations import model_tools, recipe_info, review, waiting
+from mcp_server.operations import launch as launching
 from mcp_server.operations import runs as run_ops
 from workspace import git as workspace_git
 from runner import lifecycle as run_lifecycle
@@ -205,8 +206,8 @@ def _call_every_tool(ws: Workspace, run_id: str) -> list[str]:
         lambda: anyio.run(waiting.wait_run, ws, run_id, None, 0.05),
         lambda: review.review(ws),
         lambda: recipe_info.list_recipes(ws),
-        lambda: run_ops.resume_checkpoint(ws, run_id),
-        lambda: run_ops.resume_checkpoint(ws, run_id, code="head"),
+        lambda: launching.resume_checkpoint(ws, run_id),
+        lambda: launching.resume_checkpoint(ws, run_id, code="head"),
         lambda: model_tools.export_checkpoint(ws, run_id, f"exports/{secrets.token_hex(4)}"),
         lambda: model_tools.sample(ws, run_id, ["hello"]),
         lambda: model_tools.evaluate(ws, run_id),

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from engine.errors import BadInput
-from mcp_server.operations import runs as run_ops
+from mcp_server.operations import launch as launching
 from workspace.workspace import Workspace
 from tests.sandbox.helpers import fake_run, make_workspace, tree_hash
 
@@ -16,13 +16,13 @@ def test_resuming_a_finished_run_with_nothing_left_is_bad_input_that_says_how_to
     run_dir = fake_run(root, "20260101-000000-lm-done", steps=4, checkpoints=(2, 4))
     before = tree_hash(root)
     with pytest.raises(BadInput) as refused:
-        run_ops.resume_checkpoint(Workspace.open(root), run_dir.name, code="head")
+        launching.resume_checkpoint(Workspace.open(root), run_dir.name, code="head")
     message = str(refused.value)
     assert "checkpoint at step 4 has nothing left to train (train.max_steps is 4)" in message
     assert 'pass overrides {"train.max_steps": 8}' in message
     # An override that still leaves nothing to do is refused the same way.
     with pytest.raises(BadInput, match=r"train.max_steps is 3\)"):
-        run_ops.resume_checkpoint(Workspace.open(root), run_dir.name, overrides={"train.max_steps": 3}, code="head")
+        launching.resume_checkpoint(Workspace.open(root), run_dir.name, overrides={"train.max_steps": 3}, code="head")
     assert tree_hash(root) == before
 
 

@@ -10,6 +10,7 @@ import sys
 import pytest
 
 from engine import run_dir as rd
+from mcp_server.operations import launch as launching
 from mcp_server.operations import runs as run_ops
 from mcp_server.server import build_server
 from workspace.settings import ConfigRefused, RunLimits, effective_limits, tighten, user_config_path
@@ -82,7 +83,7 @@ def test_a_run_gets_the_trusted_limits_and_records_the_ignored_setting(tmp_path)
     trusted = tmp_path / "trusted.yaml"
     trusted.write_text("runs:\n  network: isolated\n")
     ws = Workspace.open(root, trusted)
-    result = run_ops.launch_run(ws, "recipes/lm", 1, run_overrides("train.max_steps=1"))
+    result = launching.launch_run(ws, "recipes/lm", 1, run_overrides("train.max_steps=1"))
     record = wait_final(root / rd.RUNS_DIRNAME / result.run_id)
     assert record.limits["network"] == "isolated" and record.limits["max_open_files"] == 2048
     info = run_ops.get_run(ws, result.run_id)
