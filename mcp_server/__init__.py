@@ -1,6 +1,7 @@
 """The agent-facing side of trainwright.
 
 - ``declarations`` every tool declared once: arguments, result, hints, operation
+- ``arguments``    each tool's arguments model, and how the terminal spells a field
 - ``operations/``  one function per tool, pydantic in and out (skills, recipes, runs)
 - ``models``       the result models
 - ``limits``       bounds on what a tool takes and returns
@@ -13,6 +14,7 @@
 - ``workflows``    the workflows as MCP prompts, and completions of their arguments
 - ``plot``         a run's loss curve as a PNG
 - ``cli``          the ``trainwright`` command line, generated from the declarations
+- ``following``    what the command line prints of a run as it goes, and its outcome as an exit code
 - ``terminal``     how each tool's result reads in a terminal
 
 This package never imports torch: the engine runs in separate processes.

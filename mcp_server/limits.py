@@ -30,6 +30,7 @@ MAX_HTTP_CONNECTIONS = 128  # serve --http: open connections; one more is closed
 # a wait returns before that, with the run's status so far, and the agent calls again.
 DEFAULT_WAIT_S = 45
 MAX_WAIT_S = 600
+MAX_LIST_RUNS = 100  # list_runs' limit
 DEFAULT_TAIL_RECORDS = 10  # ≈ 4 KB as an agent reads it: a default result stays under 8 KB
 MAX_TAIL_RECORDS = 200
 # `trainwright ab`: an A/B is short (2 × rounds runs); the first logging window of each run is its

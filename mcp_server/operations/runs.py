@@ -21,6 +21,7 @@ from engine.errors import BadInput
 from mcp_server.limits import (
     AGENT_BUDGET_CHARS,
     DEFAULT_TAIL_RECORDS,
+    MAX_LIST_RUNS,
     MAX_RUN_ERROR_CHARS,
     MAX_TAIL_RECORDS,
     bounded,
@@ -47,7 +48,6 @@ from runner.provenance import code_description
 from sandbox.environment import run_environment
 from workspace.workspace import Workspace
 
-MAX_LIST_RUNS = 100
 CONSOLE_TAIL_BYTES = 1500
 MAX_LISTED_CHECKPOINTS = 50
 MAX_UNUSABLE_SHOWN = 10  # list_checkpoints' checkpoints that are not complete, newest

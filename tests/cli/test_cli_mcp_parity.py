@@ -116,8 +116,8 @@ def test_a_tool_and_its_cli_twin_take_the_same_parameters_with_the_same_defaults
 
 
 def test_every_tool_command_prints_its_result_or_follows_it():
-    from mcp_server import cli, terminal
+    from mcp_server import following, terminal
     from mcp_server.declarations import TOOLS
 
     for spec in TOOLS:
-        assert (spec.name in terminal.TEXT) != (spec.name in cli.AFTER), spec.name
+        assert (spec.name in terminal.TEXT) != (spec.name in following.AFTER), spec.name

@@ -89,16 +89,16 @@ def test_the_console_tail_is_never_more_than_asked_even_when_the_run_grows_it_me
 
 
 def test_the_cli_reads_a_console_without_an_end_of_line_in_bounded_chunks_and_moves_on(tmp_path, capsys):
-    from mcp_server import cli
+    from mcp_server import following
 
     console = tmp_path / rd.CONSOLE_LOG
     with open(console, "wb") as f:
-        f.truncate(3 * cli.ECHO_CHUNK_BYTES + 5)  # sparse, no newline anywhere
-    offset = cli._echo_console(console, 0, whole_lines=True, echo=False)
-    assert offset == cli.ECHO_CHUNK_BYTES  # one chunk, printed though it holds no whole line
-    cli._echo_rest(console, offset, echo=True)
+        f.truncate(3 * following.ECHO_CHUNK_BYTES + 5)  # sparse, no newline anywhere
+    offset = following.echo_console(console, 0, whole_lines=True, echo=False)
+    assert offset == following.ECHO_CHUNK_BYTES  # one chunk, printed though it holds no whole line
+    following.echo_rest(console, offset, echo=True)
     captured = capsys.readouterr()
-    assert len(captured.out) == 2 * cli.ECHO_CHUNK_BYTES + 5 and captured.err == ""
+    assert len(captured.out) == 2 * following.ECHO_CHUNK_BYTES + 5 and captured.err == ""
 
 
 def test_a_lone_surrogate_in_a_metrics_record_is_shown_escaped_not_an_error(tmp_path):

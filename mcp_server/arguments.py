@@ -1,0 +1,214 @@
+"""Every tool's arguments: a pydantic model per tool whose fields carry the descriptions,
+defaults and limits an agent reads, and :class:`Cli`, where a terminal spells a field otherwise
+than by its name. :mod:`mcp_server.declarations` pairs each with its tool; the MCP binding and the
+CLI are generated from both."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from engine.seams import MAX_NEW_TOKENS, MAX_PROMPTS
+from mcp_server.limits import DEFAULT_TAIL_RECORDS, DEFAULT_WAIT_S, MAX_LIST_RUNS, MAX_TAIL_RECORDS, MAX_WAIT_S
+
+
+# ---------------------------------------------------------------------------------------------
+# How a field is spelled on the command line
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Option:
+    """One command-line option for a key of an object argument (``rdzv.endpoint`` is
+    ``--rdzv-endpoint``)."""
+
+    flag: str
+    help: str
+    type: type = str
+    metavar: str | None = None
+
+
+@dataclass(frozen=True)
+class Cli:
+    """Where the terminal spells a field otherwise than by its name. Without one, a required
+    field is a positional argument and an optional one ``--the-name``.
+
+    ``flag``: the option's name (``--set``); ``repeat``: given once per item (a list, or with
+    ``key_values`` a mapping written ``KEY=VALUE``, read by :func:`engine.config.overrides_to_dict`);
+    ``more``: what the terminal's help says beyond the description; ``keys``: an object written as
+    one option per key; ``after_dashes``: the command line after ``--``; ``group``: the help
+    section."""
+
+    flag: str | None = None
+    metavar: str | None = None
+    more: str = ""
+    repeat: bool = False
+    key_values: bool = False
+    keys: dict[str, Option] | None = None
+    after_dashes: bool = False
+    group: str | None = None
+
+
+class ToolArgs(BaseModel):
+    """A tool's arguments, as both faces validate them."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+RunId = Annotated[str, Field(), Cli(more="A run id (`trainwright runs` lists them).")]
+RecipePath = Annotated[str, Field(description="recipes/<name>, or the name.")]
+Step = Annotated[int | None, Field(strict=True, description="Default: latest."),
+                 Cli(metavar="N", more="The checkpoint's step.")]
+KeyValues = Cli(flag="--set", metavar="KEY=VALUE", repeat=True, key_values=True,
+                more="Repeatable: --set train.max_steps=50.")
+
+
+# ---------------------------------------------------------------------------------------------
+# Arguments
+# ---------------------------------------------------------------------------------------------
+
+
+class NoArgs(ToolArgs):
+    pass
+
+
+class GetSkillArgs(ToolArgs):
+    skill: Annotated[str, Field(description="A skill name from list_skills.")]
+
+
+class ApplySkillArgs(ToolArgs):
+    skill: Annotated[str, Field(description="A skill name from list_skills.")]
+    recipe: Annotated[str, Field(description="recipes/<name>, the name, or a .py script.")]
+    params: Annotated[dict[str, Any] | None, Field(description="Skill parameters (see get_skill)."),
+                      Cli(flag="--param", metavar="KEY=VALUE", repeat=True, key_values=True)] = None
+    dry_run: Annotated[bool, Field(strict=True, description="Only return the diff; change nothing.")] = False
+    target: Annotated[str | None, Field(description="The model to act on: self._model, file.py:LINE."),
+                      Cli(metavar="EXPR", more="A refusal lists the candidates it saw.")] = None
+
+
+class ScaffoldArgs(ToolArgs):
+    template: Annotated[str, Field(description="A template name from list_templates.")]
+    name: Annotated[str, Field(description="The new recipes/<name>/.")]
+    config: Annotated[dict[str, Any] | None, Field(description='Dotted keys: {"train.max_steps": 500}.'),
+                      Cli(flag="--config", metavar="KEY=VALUE", repeat=True, key_values=True,
+                          more="Written to config.yaml; repeatable.")] = None
+    skills: Annotated[list[str | dict[str, Any]] | None, Field(description="Names, or {name, params}."),
+                      Cli(flag="--skill", metavar="SKILL", repeat=True,
+                          more="Each applied after scaffolding, as its own commit.")] = None
+
+
+class RecipeArgs(ToolArgs):
+    recipe: RecipePath
+
+
+class DescribeArgs(RecipeArgs):
+    keys: Annotated[list[str], Field(description="Only these keys or sections, described whole."),
+                    Cli(flag="--key", metavar="KEY", repeat=True, more="A dotted key or its start (train); repeatable.")] = []
+
+
+class LaunchRunArgs(ToolArgs):
+    recipe: Annotated[str, Field(description="Recipe folder, or a .py script."),
+                      Cli(more="A training script is a .py file or a folder with a train.py, relative to the "
+                          "workspace; its own command line follows -- at the end.")]
+    nproc: Annotated[int, Field(strict=True, description="Processes per node.")] = 1
+    overrides: Annotated[dict[str, Any] | None, Field(description='Config: {"train.max_steps": 100}.'),
+                         KeyValues] = None
+    nnodes: Annotated[int, Field(strict=True, description="Nodes."),
+                      Cli(group="several nodes (docs/scaling.md)", more="--nproc processes on each.")] = 1
+    rdzv: Annotated[dict[str, Any], Field(description="nnodes>1: endpoint host:port, id, node_rank."),
+                    Cli(group="several nodes (docs/scaling.md)", keys={
+                        "endpoint": Option("--rdzv-endpoint", "c10d rendezvous on the first node, reachable "
+                                           "from every node (nnodes > 1)", metavar="HOST:PORT"),
+                        "id": Option("--rdzv-id", "rendezvous id (default: node 0's run id; required with "
+                                     "--node-rank > 0: node 0's run id)", metavar="ID"),
+                        "node_rank": Option("--node-rank", "0 starts the run (default), others join it",
+                                            int, "N")})] = {}
+    target: Annotated[Literal["local", "slurm"], Field(description="slurm: sbatch job."),
+                      Cli(group="several nodes (docs/scaling.md)",
+                          more="local: start here; slurm: write runs/<id>/job.sbatch and submit it.")] = "local"
+    slurm: Annotated[dict[str, Any], Field(description="partition, time, gpus_per_node."),
+                     Cli(group="several nodes (docs/scaling.md)", keys={
+                         "partition": Option("--partition", "with --target slurm: the partition"),
+                         "time": Option("--time", "with --target slurm: the time limit (default 01:00:00)"),
+                         "gpus_per_node": Option("--gpus-per-node", "with --target slurm: GPUs per node "
+                                                 "(default: --nproc)", int, "N"),
+                         "rdzv_port": Option("--rdzv-port", "with --target slurm: the rendezvous port on the "
+                                             "job's first node (default 29400)", int, "PORT")})] = {}
+    args: Annotated[list[str], Field(description="Script's command line."), Cli(after_dashes=True)] = []
+    resume_arg: Annotated[str, Field(description="Script option for a checkpoint path."),
+                          Cli(metavar="OPTION", more="Given with = (--resume-arg=--resume): `trainwright "
+                              "resume` passes the checkpoint with it.")] = ""
+    commit: Annotated[str, Field(description="Run this commit's code (sha, sha^)."),
+                      Cli(metavar="REV", more="Not the folder as it is now.")] = ""
+
+
+class EstimateArgs(ToolArgs):
+    recipe: RecipePath
+    overrides: Annotated[dict[str, Any] | None, Field(description="As launch_run's."), KeyValues] = None
+    nproc: Annotated[int, Field(strict=True, description="Processes.")] = 1
+    device: Annotated[Literal["cpu", "cuda"], Field(description="Device class.")] = "cpu"
+    device_memory_gib: Annotated[float | None, Field(description="Per process: does it fit?"),
+                                 Cli(metavar="GIB", more="The memory of one device.")] = None
+
+
+class ListRunsArgs(ToolArgs):
+    limit: Annotated[int, Field(strict=True, description=f"1-{MAX_LIST_RUNS}.")] = 20
+
+
+class RunArgs(ToolArgs):
+    run_id: RunId
+
+
+class WaitRunArgs(ToolArgs):
+    run_id: RunId
+    until_step: Annotated[int | None, Field(strict=True, description="Return once it is logged; default: the end."),
+                          Cli(metavar="N")] = None
+    timeout_s: Annotated[float, Field(strict=True, description=f"At most {MAX_WAIT_S}."),
+                         Cli(flag="--timeout", metavar="S", more="Exit 124 when it passes first.")] = DEFAULT_WAIT_S
+
+
+class TailArgs(ToolArgs):
+    run_id: RunId
+    n: Annotated[int, Field(strict=True, description=f"1-{MAX_TAIL_RECORDS}."), Cli(flag="-n")] = DEFAULT_TAIL_RECORDS
+    after_step: Annotated[int | None, Field(strict=True, description="Only records after this step."),
+                          Cli(metavar="N")] = None
+    follow_resumes: Annotated[bool, Field(strict=True, description="Also the runs it was resumed from.")] = False
+
+
+class CompareArgs(ToolArgs):
+    run_a: RunId
+    run_b: RunId
+
+
+class ResumeArgs(ToolArgs):
+    run_id: RunId
+    step: Step = None
+    nproc: Annotated[int | None, Field(strict=True, description="Default: as the run.")] = None
+    code: Annotated[Literal["checkpoint", "head"],
+                    Field(description="checkpoint: the run's code; head: the recipe now.")] = "checkpoint"
+    overrides: Annotated[dict[str, Any] | None, Field(description='e.g. {"train.max_steps": 400}'), KeyValues] = None
+
+
+class ExportArgs(ToolArgs):
+    run_id: RunId
+    to: Annotated[str, Field(description="A new or empty folder in the workspace."), Cli(flag="--to", metavar="DIR")]
+    step: Step = None
+    lora: Annotated[Literal["merged", "adapter"], Field(description="LoRA runs: merged weights or a peft adapter.")] = "merged"
+
+
+class SampleArgs(ToolArgs):
+    run_id: RunId
+    prompts: Annotated[list[str], Field(description=f"At most {MAX_PROMPTS} texts."),
+                       Cli(flag="--prompt", metavar="TEXT", repeat=True, more="Repeatable.")]
+    step: Step = None
+    max_new_tokens: Annotated[int, Field(strict=True, description=f"1-{MAX_NEW_TOKENS}.")] = 64
+    temperature: Annotated[float, Field(strict=True, description="0: greedy.")] = 0.0
+
+
+class EvaluateArgs(ToolArgs):
+    run_id: RunId
+    step: Step = None
+    data: Annotated[list[str] | None, Field(description="Files; default: the held-out split."),
+                    Cli(metavar="PATH", repeat=True, more="Files or folders; repeatable.")] = None
