@@ -3,7 +3,8 @@
 ``python -m engine.launch RECIPE --check --estimate DEVICE [--device-memory-gib G]`` adds an
 ``estimate`` to the launch check's verdict (the server runs it sandboxed, like every check). The
 recipe's own ``prepare_model()`` builds the model on the meta device — its skills applied, no
-weights allocated — and one forward of a micro-batch of the recipe's shapes runs on it, counting
+weights allocated; a Hugging Face model it loads with ``from_pretrained`` is built from its
+config, its weights never read (:func:`weights_not_loaded`) — and one forward of a micro-batch of the recipe's shapes runs on it, counting
 the bytes autograd saves for backward (:class:`SavedBytes`). So the activation figure is
 **measured on the meta device at the run's full sequence length**, not extrapolated, and it sees
 what the recipe's code does (gradient checkpointing wrappers, frozen towers, LoRA).
@@ -28,11 +29,12 @@ device is here, else ``metrics.peak_tflops`` × :data:`ASSUMED_MFU`, named in ``
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 from torch import nn
@@ -258,7 +260,7 @@ def measure_shape(recipe_class, config, nproc: int) -> Shape:
     batch = next(batches)
     floor = rss_now_bytes()
     engine.device = torch.device("meta")
-    with torch.device("meta"):
+    with torch.device("meta"), weights_not_loaded():
         engine.model = engine.prepare_model()
     engine.model.train()
     # Fake tensors over the meta ones: code that asks a tensor for a value (a mask check in
@@ -279,6 +281,34 @@ def measure_shape(recipe_class, config, nproc: int) -> Shape:
         checkpointed_blocks=checkpointed, blocks=blocks, flops_per_token=engine.flops_per_token(),
         positions_per_step=positions, floor_bytes=floor,
     )
+
+
+@contextlib.contextmanager
+def weights_not_loaded() -> Iterator[None]:
+    """A Hugging Face model the recipe loads with ``from_pretrained`` (a folder, a Hub snapshot)
+    is built from its config instead: on the meta device no weights are read, and loading them
+    there is refused by transformers. What changes the model's shape or kernels is kept
+    (``config``, ``dtype``, ``attn_implementation``); the rest of the call is about loading."""
+    try:
+        from transformers import AutoConfig, PreTrainedModel
+    except ImportError:  # a recipe without transformers loads no Hugging Face model
+        yield
+        return
+
+    def from_config(cls, path, *args, config=None, **kwargs):
+        if config is None or isinstance(config, (str, os.PathLike)):
+            config = AutoConfig.from_pretrained(config or path, trust_remote_code=kwargs.get("trust_remote_code", False))
+        chosen = {k: kwargs[k] for k in ("dtype", "torch_dtype", "attn_implementation") if kwargs.get(k) is not None}
+        if chosen.get("dtype") == "auto" or chosen.get("torch_dtype") == "auto":
+            chosen.pop("dtype", None), chosen.pop("torch_dtype", None)
+        return cls._from_config(config, **chosen)
+
+    original = PreTrainedModel.__dict__["from_pretrained"]
+    PreTrainedModel.from_pretrained = classmethod(from_config)  # type: ignore[method-assign, assignment]
+    try:
+        yield
+    finally:
+        PreTrainedModel.from_pretrained = original  # type: ignore[method-assign]
 
 
 def _fake_parameters(model: nn.Module, fake: FakeTensorMode) -> None:

@@ -59,6 +59,32 @@ def test_the_parameters_are_the_models_own(ws):
     assert result.estimate["checkpointed_blocks"] == "0 of 4"
 
 
+@pytest.mark.parametrize("family", ["qwen2", "llama", "gemma2"])
+def test_a_model_the_recipe_loads_from_a_folder_is_built_from_its_config_without_its_weights(ws, family):
+    import transformers
+    from tests.model_families import tiny_model_folder
+
+    folder = tiny_model_folder(ws.root / "models" / family, family, hidden_size=64, intermediate_size=128)
+    expected = transformers.AutoModelForCausalLM.from_pretrained(folder).num_parameters()
+    (folder / "model.safetensors").write_bytes(b"not weights")  # never read: the estimate needs the config only
+    result = estimate.estimate_run(ws, "recipes/chat", [f"model.pretrained_path=models/{family}", "data.seq_len=64"])
+    assert result.estimate["params"] == result.estimate["trainable"] == expected
+    assert result.estimate["memory_gib"]["activations"] > 0
+
+
+@pytest.mark.slow
+def test_the_estimate_of_a_model_from_a_folder_is_near_the_measured_peak_rss(ws):
+    from tests.model_families import tiny_model_folder
+
+    tiny_model_folder(ws.root / "models" / "medium", "qwen2", hidden_size=256, intermediate_size=688,
+                      num_hidden_layers=4)
+    overrides = [*MEDIUM, "model.pretrained_path=models/medium"]
+    estimated = peak_mb(estimate.estimate_run(ws, "recipes/chat", overrides))
+    measured = measured_peak_mb(ws, "recipes/chat", overrides)
+    print(f"\nqwen2 from a folder: estimated {estimated:,.0f} MB, measured {measured:,.0f} MB ({estimated / measured:.2f})")
+    assert abs(estimated / measured - 1) < TOLERANCE
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("recipe, shape", [
     ("recipes/plain", []), ("recipes/chat", []), ("recipes/captions", ["data.seq_len=64", "data.batch_size=16"]),
