@@ -270,7 +270,8 @@ def measure_shape(recipe_class, config, nproc: int) -> Shape:
     with FakeTensorMode(allow_non_fake_inputs=True) as fake:
         _fake_parameters(engine.model, fake)
         fake_batch = {k: (fake.from_tensor(v.to("meta")) if isinstance(v, torch.Tensor) else v) for k, v in batch.items()}
-        counter, checkpointed, blocks = measure_saved_bytes(engine, fake_batch)
+        with fused_attention():
+            counter, checkpointed, blocks = measure_saved_bytes(engine, fake_batch)
     unique = {id(p): p for p in engine.model.parameters()}.values()
     positions = sum(v.numel() for k, v in batch.items() if k == "input_ids") * config.train.grad_accum
     per_block = [counter.per_block[i] for i in range(blocks)]
@@ -309,6 +310,46 @@ def weights_not_loaded() -> Iterator[None]:
         yield
     finally:
         PreTrainedModel.from_pretrained = original  # type: ignore[method-assign]
+
+
+class _FusedAttention(torch.autograd.Function):
+    """Scaled dot-product attention as a fused kernel keeps it for backward (flash or
+    memory-efficient on a GPU, the flash kernel on a CPU): its inputs, its output and one
+    log-sum-exp per query row, never the S×S attention weights — only a mask, when one is given
+    (a boolean mask as the float one it becomes: measured on the CPU kernel of torch 2.13). On
+    the meta device SDPA takes the math path, which saves the weights: at 4k tokens about 3× a
+    run's real activations."""
+
+    @staticmethod
+    def forward(ctx, query, key, value, mask):  # type: ignore[override]
+        output = query.new_empty((*query.shape[:-1], value.shape[-1]))
+        log_sum_exp = query.new_empty(query.shape[:-1], dtype=torch.float32)
+        kept = [query, key, value, output, log_sum_exp]
+        if mask is not None:
+            kept.append(mask.new_empty(mask.shape, dtype=query.dtype) if mask.dtype == torch.bool else mask)
+        ctx.save_for_backward(*kept)
+        return output
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]  # the estimate runs forward only
+        query, key, value = ctx.saved_tensors[:3]
+        return torch.zeros_like(query), torch.zeros_like(key), torch.zeros_like(value), None
+
+
+@contextlib.contextmanager
+def fused_attention() -> Iterator[None]:
+    """``F.scaled_dot_product_attention`` counted as a fused kernel (:class:`_FusedAttention`)
+    while the forward is measured; a model's own eager attention is counted as it is."""
+    original = torch.nn.functional.scaled_dot_product_attention
+
+    def sdpa(query, key, value, attn_mask=None, *args, **kwargs):
+        return _FusedAttention.apply(query, key, value, attn_mask)
+
+    torch.nn.functional.scaled_dot_product_attention = sdpa
+    try:
+        yield
+    finally:
+        torch.nn.functional.scaled_dot_product_attention = original
 
 
 def _fake_parameters(model: nn.Module, fake: FakeTensorMode) -> None:
