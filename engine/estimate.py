@@ -161,6 +161,8 @@ class Shape:
     flops_per_token: float | None
     positions_per_step: int  # per process
     floor_bytes: int
+    measured_length: int = 0  # tokens per row of the measured micro-batch (data.seq_len)
+    data_length: int = 0  # tokens per row of the data's first micro-batch
 
 
 def estimate_memory(shape: Shape, nproc: int, parallel: Any, device: str, checkpointing: bool | None = None,
@@ -258,6 +260,8 @@ def measure_shape(recipe_class, config, nproc: int) -> Shape:
     batches = engine.prepare_data()
     engine.prepare_eval_data()
     batch = next(batches)
+    data_length = _row_length(batch)
+    batch = at_full_length(batch, config.data.seq_len)
     floor = rss_now_bytes()
     engine.device = torch.device("meta")
     with torch.device("meta"), weights_not_loaded():
@@ -280,8 +284,31 @@ def measure_shape(recipe_class, config, nproc: int) -> Shape:
         saved_bytes=counter.total, largest_saved=counter.largest,
         block_saved=[b[0] for b in per_block], block_inputs=[b[1] for b in per_block],
         checkpointed_blocks=checkpointed, blocks=blocks, flops_per_token=engine.flops_per_token(),
-        positions_per_step=positions, floor_bytes=floor,
+        positions_per_step=positions, floor_bytes=floor, measured_length=_row_length(batch), data_length=data_length,
     )
+
+
+def _row_length(batch: dict[str, Any]) -> int:
+    ids = batch.get("input_ids")
+    return int(ids.shape[-1]) if isinstance(ids, torch.Tensor) and ids.dim() >= 2 else 0
+
+
+def at_full_length(batch: dict[str, Any], seq_len: int) -> dict[str, Any]:
+    """``batch`` with every row ``seq_len`` tokens long, as the longest batch the run can see: a
+    collator that pads to the batch's longest example makes short batches of short data, and an
+    estimate "at data.seq_len" must not measure those. Only shapes matter (the forward runs on
+    fake tensors): each dimension of a per-row tensor that is the rows' length becomes
+    ``seq_len`` (masks of L × L included); other tensors (images) stay as they are."""
+    rows, length = (batch["input_ids"].shape[0], _row_length(batch)) if _row_length(batch) else (0, 0)
+    if not length or length >= seq_len:
+        return batch
+    grown: dict[str, Any] = {}
+    for key, value in batch.items():
+        if isinstance(value, torch.Tensor) and value.dim() >= 2 and value.shape[0] == rows and length in value.shape[1:]:
+            shape = [value.shape[0], *(seq_len if n == length else n for n in value.shape[1:])]
+            value = torch.zeros(shape, dtype=value.dtype, device=value.device)
+        grown[key] = value
+    return grown
 
 
 @contextlib.contextmanager
@@ -366,6 +393,15 @@ def _fake_parameters(model: nn.Module, fake: FakeTensorMode) -> None:
                 module._buffers[name] = fake.from_tensor(buffer)
 
 
+def _activations_source(shape: Shape) -> str:
+    said = (f"saved tensors of one micro-batch's forward on the meta device, measured at {shape.measured_length:,} "
+            "tokens per row (data.seq_len)")
+    if shape.data_length and shape.data_length < shape.measured_length:
+        said += (f"; this data's first batch is {shape.data_length:,} tokens long: a batch padded to its longest "
+                 "example takes less")
+    return said
+
+
 def estimate(recipe_class, config, nproc: int, device: str, device_memory_gib: float | None) -> dict[str, Any]:
     """The ``estimate`` of the launch check's verdict (mcp_server.models.EstimateResult)."""
     shape = measure_shape(recipe_class, config, nproc)
@@ -377,7 +413,7 @@ def estimate(recipe_class, config, nproc: int, device: str, device_memory_gib: f
         "params": shape.params, "trainable": shape.trainable,
         "checkpointed_blocks": f"{shape.checkpointed_blocks} of {shape.blocks}",
         "memory_gib": memory,
-        "activations_source": "saved tensors of one micro-batch's forward on the meta device (measured, full length)",
+        "activations_source": _activations_source(shape),
         "flops_per_token": shape.flops_per_token, "step_time_s": seconds, "time_source": time_source,
         "fits": None, "changes": [],
     }

@@ -72,6 +72,16 @@ def test_a_model_the_recipe_loads_from_a_folder_is_built_from_its_config_without
     assert result.estimate["memory_gib"]["activations"] > 0
 
 
+def test_the_estimate_is_at_data_seq_len_though_the_data_is_shorter(ws):
+    """The sft collator pads a batch to its longest example; the data's examples are far shorter
+    than data.seq_len, and the estimate is still at data.seq_len (the longest batch the run can
+    see), saying so."""
+    short, long = (estimate.estimate_run(ws, "recipes/chat", [f"data.seq_len={n}"]) for n in (256, 1024))
+    assert long.estimate["memory_gib"]["activations"] > 3 * short.estimate["memory_gib"]["activations"]
+    assert "measured at 1,024 tokens per row (data.seq_len)" in long.estimate["activations_source"]
+    assert "this data's first batch is" in long.estimate["activations_source"]
+
+
 @pytest.mark.slow
 def test_the_estimate_of_a_model_from_a_folder_is_near_the_measured_peak_rss(ws):
     from tests.model_families import tiny_model_folder
