@@ -123,7 +123,8 @@ class SkillPlan:
 def plan_skill(name: str, recipe: Path, params: dict[str, Any] | None = None,
                diff_root: Path | None = None) -> SkillPlan:
     """What skill ``name`` would change in a recipe folder (its ``recipe.py``) or a ``.py``
-    training script, and the diff; reads the recipe, writes nothing.
+    training script, and the diff; reads the recipe, writes nothing. A target that
+    :func:`resolve_target` gave (the file itself) is taken as it is.
 
     A recipe that already holds the pattern gives a plan that changes nothing. Raises
     ``UnknownSkill``, ``InvalidParams``, ``RecipeNotFound`` or ``SkillRefused`` (all

@@ -110,17 +110,17 @@ def _apply(ws: Workspace, info: skill_library.SkillCard, recipe_path: Path, para
     committed. An error means nothing changed: everything that can refuse (git state, a
     git-ignored target, a result too large to return) is checked before a file is written, and
     a commit that fails puts the files back (``workspace.git.commit_files``)."""
-    from skills.apply import plan_skill  # libcst: imported on first use
+    from skills.apply import plan_skill, resolve_target  # libcst: imported on first use
 
+    target = resolve_target(recipe_path)  # the file the plan reads: resolved here, once
+    if not dry_run:
+        remove_interrupted_writes(target)  # a write killed earlier; none runs now (the change lock)
     repo = workspace_git.open_repo(ws.root) if commit else None
     if repo is not None and not dry_run:
         workspace_git.require_clean(repo, recipe_path, f"recipe {ws.label(recipe_path)}")
+        workspace_git.require_not_ignored(repo, target, f"recipe {ws.label(target)}")
     diff_root = workspace_git.worktree(repo) if repo is not None else ws.root
-    plan = plan_skill(info.name, recipe_path, params or {}, diff_root=diff_root)
-    if not dry_run:
-        remove_interrupted_writes(plan.target)
-        if repo is not None:
-            workspace_git.require_not_ignored(repo, plan.target, f"recipe {ws.label(plan.target)}")
+    plan = plan_skill(info.name, target, params or {}, diff_root=diff_root)
     planned = _result(ws, plan, dry_run, plan.message(written=False),
                       sha="0" * 40 if plan.changed and repo is not None else None)
     size = json_chars(planned.model_dump(mode="json"))
