@@ -1,10 +1,10 @@
-"""``apply_skill``: run a skill's codemod on a recipe, check the result, diff it, write it atomically."""
+"""A skill applied to a recipe: :func:`plan_skill` runs the codemod, checks that the result parses
+and diffs it, writing nothing; :func:`apply_skill` writes the plan's files (atomically)."""
 
 from __future__ import annotations
 
 import difflib
-import os
-import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +16,7 @@ from skills.codemod_kit.outcome import AlreadyApplied
 from skills.codemod_kit.recipe import Recipe
 from skills.errors import InvalidParams, RecipeNotFound, SkillError
 from skills.registry import skill as find_skill
+from workspace.files import write_files
 
 
 class ApplyResult(BaseModel):
@@ -83,37 +84,51 @@ def unified_diff(old: str, new: str, relative: str) -> str:
     return "".join(out)
 
 
-def write_atomically(path: Path, text: str) -> None:
-    """Write to a temporary file in the same folder, then ``os.replace``: readers see the old file
-    or the new one, never a partial one. The file's permissions are kept."""
-    mode = path.stat().st_mode & 0o7777
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8", newline="") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, mode)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+@dataclass(frozen=True)
+class SkillPlan:
+    """What applying a skill to a recipe would do, computed without writing anything (as LibCST's
+    ``transform_module`` returns a result): the caller decides whether to write it."""
+
+    skill: str
+    version: str
+    target: Path  # the file the codemod worked on
+    params: dict[str, Any]  # validated, with defaults
+    files: dict[Path, str]  # the new source of each file the skill changes ({} when it changes nothing)
+    diff: str  # unified diff, a/ b/ paths relative to diff_root ("" when nothing changes)
+    reason: str = ""  # why nothing changes (the skill is already applied)
+    acts_on: str = ""  # what the change acts on ("wraps 4 blocks of `model.layers`"); "" when unchanged
+    notes: tuple[str, ...] = ()  # the codemod's notes on the change
+
+    @property
+    def changed(self) -> bool:
+        return bool(self.files)
+
+    def message(self, written: bool) -> str:
+        """One line on the plan: what changed (``written``) or would change, or why nothing does."""
+        if not self.changed:
+            return f"{self.skill} is already applied to {self.target.name}: {self.reason}"
+        lines = self.diff.splitlines()
+        added = sum(1 for line in lines if line.startswith("+") and not line.startswith("+++"))
+        removed = sum(1 for line in lines if line.startswith("-") and not line.startswith("---"))
+        notes = "".join(f"; {note}" for note in ([self.acts_on] if self.acts_on else []) + list(self.notes))
+        verb = "changed" if written else "would change"
+        return f"{self.skill} {verb} {self.target.name} (+{added} -{removed} lines){notes}"
+
+    def result(self, written: bool) -> ApplyResult:
+        return ApplyResult(skill=self.skill, version=self.version, changed=self.changed,
+                           already_applied=not self.changed, target=str(self.target), diff=self.diff,
+                           params=self.params, message=self.message(written), acts_on=self.acts_on)
 
 
-def apply_skill(
-    name: str,
-    recipe: Path,
-    params: dict[str, Any] | None = None,
-    dry_run: bool = False,
-    diff_root: Path | None = None,
-) -> ApplyResult:
-    """Apply skill ``name`` to a recipe folder (its ``recipe.py``) or a ``.py`` training script.
+def plan_skill(name: str, recipe: Path, params: dict[str, Any] | None = None,
+               diff_root: Path | None = None) -> SkillPlan:
+    """What skill ``name`` would change in a recipe folder (its ``recipe.py``) or a ``.py``
+    training script, and the diff; reads the recipe, writes nothing. A target that
+    :func:`resolve_target` gave (the file itself) is taken as it is.
 
-    Idempotent: a recipe that already holds the pattern is reported with ``changed=False,
-    already_applied=True``. Raises ``UnknownSkill``, ``InvalidParams`` or ``SkillRefused``
-    (all ``SkillError``) with a one-line message; on any error the file is untouched. With
-    ``dry_run`` only the diff is returned. The diff's paths are relative to ``diff_root``
+    A recipe that already holds the pattern gives a plan that changes nothing. Raises
+    ``UnknownSkill``, ``InvalidParams``, ``RecipeNotFound`` or ``SkillRefused`` (all
+    ``SkillError``) with a one-line message. The diff's paths are relative to ``diff_root``
     (default: the target's folder), so ``git apply`` run there accepts it.
     """
     found = find_skill(name)
@@ -128,28 +143,41 @@ def apply_skill(
 
     with open(target, encoding="utf-8", newline="") as f:
         source = f.read()
-    parsed = Recipe(target, source)
-    outcome = codemod.apply(parsed, validated)
+    outcome = codemod.apply(Recipe(target, source), validated)
 
-    result = dict(skill=name, version=found.version, target=str(target), params=validated.model_dump(mode="json"))
+    plan = dict(skill=name, version=found.version, target=target, params=validated.model_dump(mode="json"))
     if isinstance(outcome, AlreadyApplied):
-        return ApplyResult(**result, changed=False, already_applied=True, diff="",
-                           message=f"{name} is already applied to {target.name}: {outcome.reason}")
+        return SkillPlan(**plan, files={}, diff="", reason=outcome.reason)
     assert isinstance(outcome, Edits), f"{name}: apply() must return Edits or AlreadyApplied"
     new_source = outcome.apply().code
     if new_source == source:
-        return ApplyResult(**result, changed=False, already_applied=True, diff="",
-                           message=f"{name} is already applied to {target.name}: nothing to change")
+        return SkillPlan(**plan, files={}, diff="", reason="nothing to change")
     _check_parses(name, target, new_source)
-    diff = unified_diff(source, new_source, relative)
+    return SkillPlan(**plan, files={target: new_source}, diff=unified_diff(source, new_source, relative),
+                     acts_on=outcome.acts_on, notes=tuple(outcome.notes))
+
+
+def apply_skill(
+    name: str,
+    recipe: Path,
+    params: dict[str, Any] | None = None,
+    dry_run: bool = False,
+    diff_root: Path | None = None,
+) -> ApplyResult:
+    """Apply skill ``name`` to a recipe folder (its ``recipe.py``) or a ``.py`` training script:
+    :func:`plan_skill`, then (unless ``dry_run``) each changed file written atomically, with no
+    commit (the ``apply_skill`` tool commits through ``workspace.git.commit_files``).
+
+    Idempotent: a recipe that already holds the pattern is reported with ``changed=False,
+    already_applied=True``. Raises ``UnknownSkill``, ``InvalidParams`` or ``SkillRefused``
+    (all ``SkillError``) with a one-line message; on any error the file is untouched. With
+    ``dry_run`` only the diff is returned. The diff's paths are relative to ``diff_root``
+    (default: the target's folder), so ``git apply`` run there accepts it.
+    """
+    plan = plan_skill(name, recipe, params, diff_root)
     if not dry_run:
-        write_atomically(target, new_source)
-    notes = "".join(f"; {note}" for note in ([outcome.acts_on] if outcome.acts_on else []) + outcome.notes)
-    verb = "would change" if dry_run else "changed"
-    added = sum(1 for line in diff.splitlines() if line.startswith("+") and not line.startswith("+++"))
-    removed = sum(1 for line in diff.splitlines() if line.startswith("-") and not line.startswith("---"))
-    return ApplyResult(**result, changed=True, already_applied=False, diff=diff, acts_on=outcome.acts_on,
-                       message=f"{name} {verb} {target.name} (+{added} -{removed} lines){notes}")
+        write_files(plan.files)
+    return plan.result(written=not dry_run)
 
 
 def _check_parses(name: str, target: Path, code: str) -> None:

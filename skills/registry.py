@@ -164,6 +164,11 @@ def list_skill_cards() -> list[SkillCard]:
     return [s.card() for _, s in sorted(_discover().items())]
 
 
+def get_skill_card(name: str) -> SkillCard:
+    """One skill's card, from its SKILL.md alone (no codemod is loaded); raises ``UnknownSkill``."""
+    return skill(name).card()
+
+
 def get_skill(name: str) -> SkillInfo:
     """One skill; raises ``UnknownSkill`` (its message lists the valid names)."""
     return skill(name).info()

@@ -3,7 +3,8 @@
 - ``paths``        path confinement: every path or name a tool takes is checked here
 - ``workspace``    the workspace: its root, recipes, runs, change lock, run limits
 - ``settings``     the trusted settings (outside the workspace): the limits and containment of runs
-- ``git``          commits with trailers, notes on commits, dirty checks
+- ``files``        atomic writes, and files put back as they were when a change fails
+- ``git``          commits with trailers (a change written and committed, or put back), notes, dirty checks
 - ``audit``        the audit log of every tool call
 
 Standard library, GitPython and PyYAML only: the MCP server imports this package.

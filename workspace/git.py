@@ -1,10 +1,12 @@
 """Git operations on the workspace: the record humans review.
 
-Every change an agent makes is one commit of exactly the files it changed, with trailers that
-say which tool produced it (``Trainwright-Tool``) and with what (``Skill-Applied``,
-``Skill-Params``, ``Scaffolded-From``). Every run records the commit it was launched from,
-and when it ends a note under ``refs/notes/trainwright`` on that commit records its outcome,
-so ``git log --notes=trainwright`` shows what each agent commit produced.
+Every change an agent makes is one commit of exactly the files it changed (:func:`commit_files`
+writes them and commits, or puts them back), with trailers that say which tool produced it
+(``Trainwright-Tool``) and with what (``Skill-Applied``, ``Skill-Params``, ``Scaffolded-From``,
+``Recipe-Config``): their names are this module's ``*_TRAILER`` constants. Every run records
+the commit it was launched from, and when it ends a note under ``refs/notes/trainwright`` on
+that commit records its outcome, so ``git log --notes=trainwright`` shows what each agent
+commit produced.
 
 Git runs with the workspace's own settings, which an agent can edit with its own tools. So
 every git command trainwright runs goes through :func:`_harden`: hooks off
@@ -14,13 +16,13 @@ every git command trainwright runs goes through :func:`_harden`: hooks off
 
 from __future__ import annotations
 
-import contextlib
 import fcntl
 import itertools
+import json
 import os
 import random
-import tempfile
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
@@ -29,6 +31,7 @@ from engine.errors import BadInput, NotFound
 from engine.server_record import GIT_COMMIT
 from sandbox.environment import looks_secret
 from sandbox.redact import secret_values
+from workspace.files import as_before_on_failure, write_atomically, write_files
 
 
 def _lazy(name: str):
@@ -56,7 +59,14 @@ else:
 NOTES_REF = "trainwright"
 AGENT_NAME = "trainwright"
 AGENT_EMAIL = "trainwright@localhost"
-TOOL_TRAILER = "Trainwright-Tool"
+# The trailers of an agent's commit, by these names alone: written by the tools (commit_files,
+# commit_paths), read back by review, describe_recipe, compare_runs and ab (path_commits,
+# agent_commits; both parse git's own trailer output in _log).
+TOOL_TRAILER = "Trainwright-Tool"  # the tool that made the commit
+SKILL_APPLIED_TRAILER = "Skill-Applied"  # <skill>@<version> (:func:`skill_applied`)
+SKILL_PARAMS_TRAILER = "Skill-Params"  # the skill's validated params, compact JSON (:func:`compact_json`)
+SCAFFOLDED_FROM_TRAILER = "Scaffolded-From"  # the template a recipe was scaffolded from
+RECIPE_CONFIG_TRAILER = "Recipe-Config"  # the overrides a recipe was scaffolded with, compact JSON
 # trainwright's own folders in a workspace: never committed (runs, exports and the server's state).
 OWN_FOLDERS = ("runs/", "exports/", ".trainwright/")
 WORKSPACE_GITIGNORE = "".join(f"{folder}\n" for folder in OWN_FOLDERS) + "__pycache__/\n"
@@ -152,22 +162,8 @@ def ignore_own_folders(repo: git.Repo, root: Path) -> Path | None:
     if path.exists() and repo.git.status("--porcelain", "--", _rel(repo, path)).strip():
         return None
     prefix = "" if not text or text.endswith("\n") else "\n"
-    write_text_atomic(path, text + prefix + "# trainwright's own folders\n" + "".join(f"{f}\n" for f in missing))
+    write_atomically(path, text + prefix + "# trainwright's own folders\n" + "".join(f"{f}\n" for f in missing))
     return path
-
-
-def write_text_atomic(path: Path, text: str | bytes) -> None:
-    """``text`` into ``path`` through a temporary file beside it and a rename."""
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(text.encode() if isinstance(text, str) else text)
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
 
 
 def head_commit(root: Path) -> str | None:
@@ -234,11 +230,49 @@ def require_not_ignored(repo: git.Repo, path: Path, what: str) -> None:
         )
 
 
+def skill_applied(skill: str, version: str) -> str:
+    """The value of a :data:`SKILL_APPLIED_TRAILER`: ``<skill>@<version>``."""
+    return f"{skill}@{version}"
+
+
+def applied_skill_name(value: str) -> str:
+    """The skill a :data:`SKILL_APPLIED_TRAILER` value names (its version left off)."""
+    return value.split("@")[0]
+
+
+def compact_json(value: object) -> str:
+    """A trailer's JSON value (:data:`SKILL_PARAMS_TRAILER`, :data:`RECIPE_CONFIG_TRAILER`): keys
+    sorted, no spaces, on one line."""
+    return json.dumps(value, sort_keys=True, separators=(",", ":"))
+
+
+def _parse_trailers(text: str) -> list[tuple[str, str]]:
+    """``(key, value)`` pairs of git's ``%(trailers:only,unfold)`` output, in order (a trailer
+    given twice is listed twice)."""
+    found = []
+    for line in text.splitlines():
+        key, sep, value = line.partition(":")
+        if sep:
+            found.append((key.strip(), value.strip()))
+    return found
+
+
+def commit_files(repo: git.Repo, files: Mapping[Path, str | bytes], message: str,
+                 trailers: list[tuple[str, str]]) -> str:
+    """Write each of ``files`` (path → new content) atomically and commit exactly those files, as
+    one commit with ``trailers``; return its sha. On any failure (a write, git refusing the
+    commit, an interruption) every file is put back as it was: nothing is lost, nothing is left
+    half-written, nothing is committed."""
+    with as_before_on_failure(files):
+        write_files(files)
+        return commit_paths(repo, list(files), message, trailers)
+
+
 def commit_paths(repo: git.Repo, paths: list[Path], message: str, trailers: list[tuple[str, str]]) -> str:
     """Commit exactly ``paths`` (whatever else is staged stays staged); return the new sha.
 
     When git refuses, the paths are unstaged again and :class:`GitRefused` says why; the caller
-    puts its files back (see ``rollback`` in the operations).
+    puts its files back (:func:`commit_files` does both).
     """
     rel = [_rel(repo, p) for p in paths]
     args = ["-q", "-m", message.rstrip("\n") + "\n"]
@@ -321,36 +355,6 @@ class AgentCommit:
     note: str | None
 
 
-def agent_commits(repo: git.Repo, base: str | None, limit: int = 200) -> list[AgentCommit]:
-    """Commits since ``base`` (exclusive; all when None) made through trainwright's tools."""
-    if base is not None and (not isinstance(base, str) or base.startswith("-") or not base.strip()):
-        raise GitRefused(f"base must be a commit or ref, got {base!r}")
-    rev = f"{base}..HEAD" if base else "HEAD"
-    try:
-        commits = list(repo.iter_commits(rev, max_count=limit))
-    except (git.GitCommandError, ValueError) as e:
-        raise GitRefused(f"cannot read the history from {base or 'the start'}: {e}") from None
-    found = []
-    for commit in commits:
-        trailers = dict(commit.trailers_dict) if hasattr(commit, "trailers_dict") else {}
-        flat = {k: v[-1] if isinstance(v, list) else v for k, v in trailers.items()}
-        if TOOL_TRAILER not in flat:
-            continue
-        stats = commit.stats.total
-        found.append(
-            AgentCommit(
-                sha=commit.hexsha,
-                subject=commit.summary if isinstance(commit.summary, str) else commit.summary.decode(),
-                trailers=flat,
-                files_changed=stats.get("files", 0),
-                insertions=stats.get("insertions", 0),
-                deletions=stats.get("deletions", 0),
-                note=note(repo, commit.hexsha),
-            )
-        )
-    return found
-
-
 @dataclass
 class PathCommit:
     sha: str
@@ -363,24 +367,54 @@ def path_commits(repo: git.Repo, path: Path, limit: int = 200, rev: str | None =
     """The newest ``limit`` commits that touch ``path`` (in the history of ``rev``, default
     HEAD), newest first, with their trailers (one ``git log``; a trailer that occurs twice is
     listed twice)."""
-    fields = "%H%x1f%s%x1f%cI%x1f%(trailers:only,unfold)%x1e"
     try:
-        out = repo.git.log(f"--max-count={limit}", f"--format={fields}", *([rev] if rev else []), "--",
-                           _rel(repo, path))
+        return _log(repo, limit, rev, _rel(repo, path))
     except git.GitCommandError:  # no commits yet
         return []
+
+
+def _log(repo: git.Repo, limit: int, rev: str | None, path: str | None = None) -> list[PathCommit]:
+    """The newest ``limit`` commits of ``rev`` (default HEAD), of ``path`` when given, newest
+    first, with their trailers: one ``git log``, the one reader of commits' trailers."""
+    fields = "%H%x1f%s%x1f%cI%x1f%(trailers:only,unfold)%x1e"
+    out = repo.git.log(f"--max-count={limit}", f"--format={fields}", *([rev] if rev else []), "--",
+                       *([path] if path is not None else []))
     found = []
     for entry in out.split("\x1e"):
         parts = entry.strip("\n").split("\x1f")
         if len(parts) != 4:
             continue
         sha, subject, committed_at, trailer_text = parts
-        trailers = []
-        for line in trailer_text.splitlines():
-            key, sep, value = line.partition(":")
-            if sep:
-                trailers.append((key.strip(), value.strip()))
-        found.append(PathCommit(sha=sha, subject=subject, committed_at=committed_at, trailers=trailers))
+        found.append(PathCommit(sha=sha, subject=subject, committed_at=committed_at,
+                                trailers=_parse_trailers(trailer_text)))
+    return found
+
+
+def agent_commits(repo: git.Repo, base: str | None, limit: int = 200) -> list[AgentCommit]:
+    """Commits since ``base`` (exclusive; all when None) made through trainwright's tools."""
+    if base is not None and (not isinstance(base, str) or base.startswith("-") or not base.strip()):
+        raise GitRefused(f"base must be a commit or ref, got {base!r}")
+    try:
+        commits = _log(repo, limit, f"{base}..HEAD" if base else "HEAD")
+    except git.GitCommandError as e:
+        raise GitRefused(f"cannot read the history from {base or 'the start'}: {e}") from None
+    found = []
+    for commit in commits:
+        trailers = dict(commit.trailers)  # a trailer given twice: its last value
+        if TOOL_TRAILER not in trailers:
+            continue
+        stats = repo.commit(commit.sha).stats.total
+        found.append(
+            AgentCommit(
+                sha=commit.sha,
+                subject=commit.subject,
+                trailers=trailers,
+                files_changed=stats.get("files", 0),
+                insertions=stats.get("insertions", 0),
+                deletions=stats.get("deletions", 0),
+                note=note(repo, commit.sha),
+            )
+        )
     return found
 
 

@@ -169,7 +169,7 @@ def _skill_commit(repo: Any, recipe_dir: Any, skill: str, label: str) -> tuple[s
     commits of the recipe came after it."""
     for later, commit in enumerate(workspace_git.path_commits(repo, recipe_dir)):
         for key, value in commit.trailers:
-            if key == "Skill-Applied" and value.split("@")[0] == skill:
+            if key == workspace_git.SKILL_APPLIED_TRAILER and workspace_git.applied_skill_name(value) == skill:
                 return value, commit.sha, later
     raise BadInput(f"{skill} is not applied to {label} (no commit of it has a Skill-Applied: {skill} trailer), so no "
                    f"commit holds its change to measure; apply it first (`trainwright apply {skill} {label}`, or "

@@ -264,7 +264,8 @@ def _skills(ws: Workspace, record: rd.RunRecord) -> list[str]:
     if repo is None or not record.git_commit or not sr.GIT_COMMIT.fullmatch(record.git_commit) or not record.recipe:
         return []  # run.json is the run's to write: only a commit id is passed to git
     commits = workspace_git.path_commits(repo, ws.root / record.recipe, rev=record.git_commit)
-    return [value for commit in reversed(commits) for key, value in commit.trailers if key == "Skill-Applied"]
+    return [value for commit in reversed(commits) for key, value in commit.trailers
+            if key == workspace_git.SKILL_APPLIED_TRAILER]
 
 
 def _snapshot_files(folder: Path, limit: int = 200) -> dict[str, str]:

@@ -61,9 +61,10 @@ def _history(ws: Workspace, recipe_dir: Path) -> tuple[str | None, str | None, s
     template, skills = None, []
     for commit in reversed(commits):  # oldest first
         trailers = dict(commit.trailers)
-        template = trailers.get("Scaffolded-From", template)
-        if "Skill-Applied" in trailers:
-            skills.append(RecipeSkill(skill=trailers["Skill-Applied"], params=trailers.get("Skill-Params"),
+        template = trailers.get(workspace_git.SCAFFOLDED_FROM_TRAILER, template)
+        if workspace_git.SKILL_APPLIED_TRAILER in trailers:
+            skills.append(RecipeSkill(skill=trailers[workspace_git.SKILL_APPLIED_TRAILER],
+                                      params=trailers.get(workspace_git.SKILL_PARAMS_TRAILER),
                                       commit=commit.sha))
     if not commits:
         return template, None, None, skills

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import ast
-import json
 import os
 import shutil
 import tempfile
@@ -19,6 +18,7 @@ import skills as skill_library
 from mcp_server.models import AppliedSkill, ScaffoldResult, TemplateInfo, TemplateList
 from mcp_server.operations import skills as skill_ops
 from workspace import git as workspace_git
+from workspace.files import put_back
 from workspace.paths import PathRefused, check_name, confine, confine_config
 from runner import hub
 from runner.lifecycle import check_launch
@@ -161,14 +161,6 @@ def scaffold_recipe(
         return _scaffold_locked(ws, source, template, name, flat, specs)
 
 
-def _restore(path: Path, content: bytes | None) -> None:
-    """Put ``path`` back as it was (``None``: it did not exist)."""
-    if content is None:
-        path.unlink(missing_ok=True)
-    else:
-        workspace_git.write_text_atomic(path, content)
-
-
 def _scaffold_locked(ws: Workspace, source: Path, template: str, name: str, flat: dict[str, Any],
                      specs: list[tuple[str, dict[str, Any]]]) -> ScaffoldResult:
     destination = ws.recipes_dir / name
@@ -194,14 +186,14 @@ def _scaffold_locked(ws: Workspace, source: Path, template: str, name: str, flat
                 f"recipe({name}): scaffold from template {template}",
                 [
                     (workspace_git.TOOL_TRAILER, SCAFFOLD_TOOL),
-                    ("Scaffolded-From", template),
-                    ("Recipe-Config", json.dumps(flat, sort_keys=True, separators=(",", ":"))),
+                    (workspace_git.SCAFFOLDED_FROM_TRAILER, template),
+                    (workspace_git.RECIPE_CONFIG_TRAILER, workspace_git.compact_json(flat)),
                 ],
             )
         except BaseException:
             shutil.rmtree(held / name, ignore_errors=True)  # an error means nothing changed
             if ignore is not None:
-                _restore(gitignore, before)
+                put_back(gitignore, before)
             raise
     finally:
         os.close(recipes_fd)

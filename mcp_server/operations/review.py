@@ -49,8 +49,10 @@ def review(ws: Workspace, base: str | None = None) -> ReviewResult:
                 sha=commit.sha,
                 subject=commit.subject,
                 tool=trailers.get(workspace_git.TOOL_TRAILER, ""),
-                skill=trailers.get("Skill-Applied") or trailers.get("Scaffolded-From"),
-                params=trailers.get("Skill-Params") or trailers.get("Recipe-Config"),
+                skill=trailers.get(workspace_git.SKILL_APPLIED_TRAILER)
+                or trailers.get(workspace_git.SCAFFOLDED_FROM_TRAILER),
+                params=trailers.get(workspace_git.SKILL_PARAMS_TRAILER)
+                or trailers.get(workspace_git.RECIPE_CONFIG_TRAILER),
                 files_changed=commit.files_changed,
                 insertions=commit.insertions,
                 deletions=commit.deletions,

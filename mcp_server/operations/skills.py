@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import skills as skill_library
 from engine.errors import BadInput
@@ -13,9 +12,13 @@ from mcp_server.limits import (
 )
 from mcp_server.models import ApplySkillResult, SkillDetail, SkillList, SkillSummary
 from workspace import git as workspace_git
+from workspace.files import remove_interrupted_writes, write_files
 from workspace.paths import check_name
 from runner.scripts import DOCS_PAGE
 from workspace.workspace import Workspace
+
+if TYPE_CHECKING:
+    from skills.apply import SkillPlan
 
 APPLY_TOOL = "apply_skill"
 
@@ -92,85 +95,72 @@ def with_target(params: dict[str, Any] | None, target: str | None) -> dict[str, 
     return {**(params or {}), "target": target}
 
 
-def _checked(ws: Workspace, skill: str, recipe: str, params: dict[str, Any] | None):
+def _checked(ws: Workspace, skill: str, recipe: str,
+             params: dict[str, Any] | None) -> tuple[skill_library.SkillCard, Path]:
     check_name(skill, "skill")
-    info = skill_library.get_skill(skill)
+    info = skill_library.get_skill_card(skill)
     if params is not None and not isinstance(params, dict):
         raise BadInput("params must be a mapping of parameter names to values")
     return info, ws.recipe_or_script(recipe)
 
 
-def remove_interrupted_writes(target: Path) -> list[Path]:
-    """Temporary files that an atomic write of ``target`` left when its process was killed.
+def _apply(ws: Workspace, info: skill_library.SkillCard, recipe_path: Path, params: dict[str, Any] | None,
+           dry_run: bool, commit: bool) -> ApplySkillResult:
+    """The skill's plan (the codemod, run once), then unless a dry run its files written and
+    committed. An error means nothing changed: everything that can refuse (git state, a
+    git-ignored target, a result too large to return) is checked before a file is written, and
+    a commit that fails puts the files back (``workspace.git.commit_files``)."""
+    from skills.apply import plan_skill, resolve_target  # libcst: imported on first use
 
-    Only call this under the workspace's change lock: then no write is in progress.
-    """
-    leftovers = sorted(target.parent.glob(f".{target.name}.*.tmp"))
-    for path in leftovers:
-        path.unlink(missing_ok=True)
-    return leftovers
-
-
-def _apply(ws: Workspace, info, recipe_path: Path, params, dry_run: bool, commit: bool) -> ApplySkillResult:
-    """An error means nothing changed: everything that can refuse (git state, a git-ignored
-    target, a result too large to return) is checked on a dry run before the file is written,
-    and a commit that fails puts the file back."""
-    from skills.apply import resolve_target, write_atomically  # libcst: imported on first use
-
-    target = resolve_target(recipe_path)
+    target = resolve_target(recipe_path)  # the file the plan reads: resolved here, once
     if not dry_run:
-        remove_interrupted_writes(target)
+        remove_interrupted_writes(target)  # a write killed earlier; none runs now (the change lock)
     repo = workspace_git.open_repo(ws.root) if commit else None
     if repo is not None and not dry_run:
         workspace_git.require_clean(repo, recipe_path, f"recipe {ws.label(recipe_path)}")
         workspace_git.require_not_ignored(repo, target, f"recipe {ws.label(target)}")
     diff_root = workspace_git.worktree(repo) if repo is not None else ws.root
-    trial = skill_library.apply_skill(info.name, recipe_path, params or {}, dry_run=True, diff_root=diff_root)
-    planned = _result(ws, info, trial, dry_run, sha="0" * 40 if trial.changed and repo is not None else None)
+    plan = plan_skill(info.name, target, params or {}, diff_root=diff_root)
+    planned = _result(ws, plan, dry_run, plan.message(written=False),
+                      sha="0" * 40 if plan.changed and repo is not None else None)
     size = json_chars(planned.model_dump(mode="json"))
     if size > MAX_RESULT_CHARS:
         raise BadInput(f"the result would be too large ({size:,} characters, at most {MAX_RESULT_CHARS:,}): "
                          "give shorter params; nothing was changed")
-    if dry_run or not trial.changed:
-        return _result(ws, info, trial, dry_run, sha=None)
-    original = target.read_bytes()
-    result = skill_library.apply_skill(info.name, recipe_path, params or {}, dry_run=False, diff_root=diff_root)
+    if dry_run or not plan.changed:
+        return _result(ws, plan, dry_run, plan.message(written=False), sha=None)
+    message = plan.message(written=True)
     if repo is None:
-        result.message = (result.message + " " if result.message else "") + \
-            "(no git repository: the change was not committed)"
-        return _result(ws, info, result, dry_run, sha=None)
-    try:
-        sha = workspace_git.commit_paths(
-            repo,
-            [target],
-            f"skill({info.name}): apply to {ws.label(recipe_path)}",
-            [
-                (workspace_git.TOOL_TRAILER, APPLY_TOOL),
-                ("Skill-Applied", f"{info.name}@{info.version}"),
-                ("Skill-Params", json.dumps(result.params, sort_keys=True, separators=(",", ":"))),
-            ],
-        )
-    except BaseException:
-        write_atomically(target, original.decode("utf-8"))  # the file as it was
-        raise
+        write_files(plan.files)
+        return _result(ws, plan, dry_run, f"{message} (no git repository: the change was not committed)", sha=None)
+    sha = workspace_git.commit_files(
+        repo,
+        plan.files,
+        f"skill({info.name}): apply to {ws.label(recipe_path)}",
+        [
+            (workspace_git.TOOL_TRAILER, APPLY_TOOL),
+            (workspace_git.SKILL_APPLIED_TRAILER, workspace_git.skill_applied(plan.skill, plan.version)),
+            (workspace_git.SKILL_PARAMS_TRAILER, workspace_git.compact_json(plan.params)),
+        ],
+    )
     if recipe_path.is_file():  # the user's own script: say what runs it
-        result.message += f"; launch_run(recipe={ws.label(recipe_path)!r}) runs the script as it is ({DOCS_PAGE})"
-    return _result(ws, info, result, dry_run, sha=sha)
+        message += f"; launch_run(recipe={ws.label(recipe_path)!r}) runs the script as it is ({DOCS_PAGE})"
+    return _result(ws, plan, dry_run, message, sha=sha)
 
 
-def _result(ws: Workspace, info, result, dry_run: bool, sha: str | None) -> ApplySkillResult:
-    diff, diff_truncated = bounded(result.diff, MAX_DIFF_CHARS)
+def _result(ws: Workspace, plan: SkillPlan, dry_run: bool, message: str, sha: str | None) -> ApplySkillResult:
+    diff, diff_truncated = bounded(plan.diff, MAX_DIFF_CHARS)
     return ApplySkillResult(
-        skill=info.name,
-        version=info.version,
-        recipe=ws.label(Path(result.target)),
-        changed=result.changed,
-        already_applied=result.already_applied,
+        skill=plan.skill,
+        version=plan.version,
+        recipe=ws.label(plan.target),
+        changed=plan.changed,
+        already_applied=not plan.changed,
         dry_run=dry_run,
-        params=result.params,
+        params=plan.params,
         diff=diff,
         diff_truncated=diff_truncated,
         commit=sha,
-        message=result.message,
-        acts_on=result.acts_on,
+        message=message,
+        acts_on=plan.acts_on,
     )

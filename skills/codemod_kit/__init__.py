@@ -3,8 +3,8 @@ order of model stages, edits and imports, helper definitions, and outcomes.
 
 A codemod (``skills/<name>/codemod.py``) defines ``Params`` (a ``SkillParams`` model) and
 ``apply(recipe, params) -> Edits | AlreadyApplied``; it raises ``SkillRefused`` when it cannot
-apply. ``skills.apply.apply_skill`` does the rest: validation, parsing the result, the diff and
-the atomic write.
+apply. ``skills.apply.plan_skill`` does the rest: validation, parsing the result and the diff
+(``apply_skill`` writes the plan atomically; the MCP tool commits it).
 """
 
 from skills.codemod_kit import anchors, gpu_guard, reach, stages, templates, vlm
