@@ -24,7 +24,7 @@ to read runs without paying for a torch import.
 run.json lives in the run directory, which the run's own processes may write: it is the run's
 report (its step, warnings, where its metrics went, its view of its status), never a reason for
 the server to act. What the server and the run's supervisor decide is kept in the server's
-record of the run (:mod:`engine.server_record`), outside every sandbox's writable folders.
+record of the run (:mod:`runner.server_record`), outside every sandbox's writable folders.
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """Runs outside the engine: checked, started under a supervisor, followed and stopped.
 
 - ``lifecycle``    the launch check, ``LaunchPlan`` and ``start_run``, capacity, ``stop_run``
+- ``server_record`` the server's own record of a run, written by the server and the supervisor
 - ``supervise``    the per-run supervisor process (``python -m runner.supervise RECORD_DIR``)
 - ``processes``    every process of a run, found and ended together
 - ``provenance``   the code snapshot a run executes, and where that code came from

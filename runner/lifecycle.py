@@ -7,7 +7,7 @@ A run is started in three moves, so that a bad request leaves nothing behind:
    raises :class:`LaunchRefused` with the engine's message; every process the check started
    is ended when it ends;
 2. ``start_run`` creates the server's record of the run (``.trainwright/runs/<id>/``, see
-   :mod:`engine.server_record`) and ``runs/<id>/run.json`` (the run's copy, which it may
+   :mod:`runner.server_record`) and ``runs/<id>/run.json`` (the run's copy, which it may
    rewrite), and spawns ``python -m runner.supervise`` in its own session, which starts the
    engine (``torchrun`` when ``nproc > 1``) in a process group of its own, with the limits of :class:`~workspace.settings.RunLimits`, writes its output
    to ``console.log`` and records the outcome;
@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any, Iterator, Mapping
 
 from engine import run_dir as rd
-from engine import server_record as sr
+from runner import server_record as sr
 from engine.config import override_args
 from engine.data_files import WORKSPACE_VARIABLE
 from engine.errors import BadInput, LaunchRefused
@@ -497,7 +497,7 @@ def capacity_lock(runs_root: Path) -> Iterator[None]:
 
 def running_runs(records: Path) -> list[sr.ServerRecord]:
     """The server's records of the workspace's runs that are starting or running here
-    (``records``: :func:`engine.server_record.records_root`). A run counts while the supervisor
+    (``records``: :func:`runner.server_record.records_root`). A run counts while the supervisor
     the server started lives, whatever its run directory says."""
     found = []
     try:

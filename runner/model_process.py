@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Iterator, Literal, overload
 
 from engine import run_dir as rd
-from engine import server_record as sr
+from runner import server_record as sr
 from engine.data_files import WORKSPACE_VARIABLE
 from engine.errors import BadInput, NotFound
 from engine.seams import (

@@ -2,7 +2,7 @@
 
 Started in a session of its own by :func:`runner.lifecycle.start_run`, it outlives whoever started
 it. Everything it acts on comes from the server's record of the run (``RECORD_DIR``, see
-:mod:`engine.server_record`), never from the run directory its run writes. It becomes a child
+:mod:`runner.server_record`), never from the run directory its run writes. It becomes a child
 subreaper and spawns the engine command of that record inside the bubblewrap sandbox
 (:mod:`sandbox.bwrap`: its own user, PID and network namespaces, a mount view of the paths in
 the record's ``sandbox``), in a new process group, with the resource limits of ``limits``. Where the sandbox cannot be made it falls back to moving itself into a
@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 
 from engine import run_dir as rd
-from engine import server_record as sr
+from runner import server_record as sr
 from sandbox import bwrap
 from workspace.git import add_note
 from sandbox.network import LOOPBACK_ENV, isolate_network

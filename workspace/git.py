@@ -19,6 +19,7 @@ import fcntl
 import itertools
 import os
 import random
+import re
 import tempfile
 import time
 from dataclasses import dataclass
@@ -26,7 +27,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
 from engine.errors import BadInput, NotFound
-from engine.server_record import GIT_COMMIT
 from sandbox.environment import looks_secret
 from sandbox.redact import secret_values
 
@@ -62,7 +62,7 @@ OWN_FOLDERS = ("runs/", "exports/", ".trainwright/")
 WORKSPACE_GITIGNORE = "".join(f"{folder}\n" for folder in OWN_FOLDERS) + "__pycache__/\n"
 # Settings given on every git command line (``git -c ...``): they win over the repository's.
 SAFE_CONFIG = ("core.hooksPath=/dev/null", "core.fsmonitor=false", "core.untrackedCache=false")
-COMMIT_ID = GIT_COMMIT  # a full commit id, SHA-1 or SHA-256
+COMMIT_ID = re.compile(r"^[0-9a-f]{40}([0-9a-f]{24})?$")  # a full commit id, SHA-1 or SHA-256, as git prints it
 
 
 class GitRefused(BadInput):

@@ -3,7 +3,7 @@
 Each function is one tool (and one CLI command). They read the runs on disk, so they see every
 run as it is, also runs started before this process: what the server decided and saw from the
 server's record of each run, what the run reported from its run directory (untrusted:
-:func:`engine.server_record.view`).
+:func:`runner.server_record.view`).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from engine import run_dir as rd
-from engine import server_record as sr
+from runner import server_record as sr
 from engine.config import Overrides, override_args, overrides_to_dict
 from engine.errors import BadInput, NotFound
 from mcp_server.limits import (
@@ -72,7 +72,7 @@ MAX_DATA_PATHS_SHOWN = 5
 
 
 def run_view(ws: Workspace, run_id: object) -> tuple[Path, sr.ServerRecord]:
-    """The run directory and the run as the server knows it (:func:`engine.server_record.view`)."""
+    """The run directory and the run as the server knows it (:func:`runner.server_record.view`)."""
     run_dir = ws.run_dir(run_id)
     try:
         return run_dir, sr.view(ws.root, run_dir)

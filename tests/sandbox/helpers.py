@@ -18,7 +18,7 @@ from mcp import Client
 
 from engine import run_dir as rd
 from engine.checkpoint_manifest import write_manifest
-from engine import server_record as sr
+from runner import server_record as sr
 from workspace import git as workspace_git
 from runner import processes
 from tests.support import TEMPLATE, TINY, wait_for

@@ -1,5 +1,5 @@
 """A run may rewrite its own run.json (it is in the run directory, the one folder the run
-writes). The server decides from its own record of the run (engine.server_record), so nothing a
+writes). The server decides from its own record of the run (runner.server_record), so nothing a
 run writes there makes the server signal a process it did not start, read a host file into a
 git note, call a run that trains "completed", run SLURM commands with the run's arguments, or
 show a reviewer provenance the run chose.
@@ -22,7 +22,7 @@ import pytest
 
 from engine.seams import LaunchVerdict
 from engine import run_dir as rd
-from engine import server_record as sr
+from runner import server_record as sr
 from engine.errors import BadInput
 from mcp_server.operations import runs as run_ops
 from workspace import git as workspace_git
@@ -100,7 +100,7 @@ def test_identities_refuse_pids_that_name_groups_or_everything():
 def test_a_server_in_a_container_knows_its_own_processes():
     """In a container (a PID namespace whose session leader is outside it) /proc shows session
     0 for every process: a live process there is still a process, and still signalled."""
-    probe = ("import os, signal; from engine import server_record as sr; me = sr.identify(os.getpid()); "
+    probe = ("import os, signal; from runner import server_record as sr; me = sr.identify(os.getpid()); "
              "print('PROBE', me is not None and me.session == 0 and me.alive() and me.send_signal(0))")
     done = subprocess.run(["unshare", "--pid", "--fork", "--mount-proc", "sh", "-c", '"$0" -c "$1"',
                            sys.executable, probe], cwd=REPO, capture_output=True, text=True, timeout=60)

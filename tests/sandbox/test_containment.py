@@ -24,7 +24,7 @@ import time
 import pytest
 
 from engine import run_dir as rd
-from engine import server_record as sr
+from runner import server_record as sr
 from mcp_server.operations import runs as run_ops
 from mcp_server.server import build_server
 from sandbox import bwrap

@@ -29,7 +29,7 @@ from hypothesis import strategies as st
 
 from engine import run_dir as rd
 from engine.checkpoint_manifest import write_manifest
-from engine import server_record as sr
+from runner import server_record as sr
 from engine.errors import TrainwrightError
 from mcp_server.operations import model_tools, recipe_info, review, waiting
 from mcp_server.operations import runs as run_ops

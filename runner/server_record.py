@@ -33,6 +33,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from engine import run_dir as rd
 from engine.errors import BadInput
+from workspace.git import COMMIT_ID
 
 STATE_DIRNAME = ".trainwright"
 RECORDS_DIRNAME = "runs"
@@ -43,7 +44,6 @@ MAX_RECORD_BYTES = 16 * 2**20
 # launcher died in between): it is not running.
 STARTING_GRACE_S = 60.0
 
-GIT_COMMIT = re.compile(r"^[0-9a-f]{40}([0-9a-f]{24})?$")  # SHA-1 or SHA-256, as git prints it
 SLURM_JOB_ID = re.compile(r"^\d{1,20}(_\d{1,20})?$")
 
 # The fields of a run's view that come from its own report (run.json), not from the server.
@@ -139,7 +139,7 @@ class ServerRecord(rd.RunRecord):
     @field_validator("git_commit")
     @classmethod
     def _commit_is_a_sha(cls, value: str | None) -> str | None:
-        if value is not None and not GIT_COMMIT.fullmatch(value):
+        if value is not None and not COMMIT_ID.fullmatch(value):
             raise ValueError("git_commit must be a full commit id (40 or 64 lower-case hex digits)")
         return value
 
