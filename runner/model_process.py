@@ -41,9 +41,8 @@ from engine.seams import (
 from workspace.settings import RunLimits
 from sandbox.environment import THREADS_VARIABLE, run_environment, threads_per_process
 from runner.hub import recorded_binding
-from runner.processes import RUN_ID_VARIABLE
+from runner.processes import RUN_ID_VARIABLE, run_contained
 from sandbox.redact import redact
-from runner.lifecycle import run_contained
 
 RESULT_NAME = "result.json"
 MAX_RESULT_BYTES = 1 << 20

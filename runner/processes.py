@@ -8,7 +8,10 @@ session of its own, and a recipe may start helpers that detach. Two marks find t
 - the supervisor is a child subreaper (``PR_SET_CHILD_SUBREAPER``), so a process that detaches
   is re-parented to the supervisor and stays its descendant.
 
-:func:`end_processes` sends SIGTERM, waits, then SIGKILL to whatever is left.
+:func:`end_processes` sends SIGTERM, waits, then SIGKILL to whatever is left; :func:`kill_group`
+signals a process group the caller started. :func:`run_contained` runs recipe code outside a run
+(the launch check, a model process) in the sandbox with a run's limits, and ends every process
+it started.
 """
 
 from __future__ import annotations
@@ -17,10 +20,19 @@ import ctypes
 import os
 import resource
 import signal
+import subprocess
 import sys
 import time
+from dataclasses import asdict
 from pathlib import Path
-from typing import Iterable
+from typing import TYPE_CHECKING, Iterable, Mapping
+
+from engine import run_dir as rd
+from sandbox.contained import run_in_sandbox
+from workspace.settings import RunLimits
+
+if TYPE_CHECKING:
+    from runner.server_record import ServerRecord
 
 RUN_ID_VARIABLE = "TRAINWRIGHT_RUN_ID"
 PR_SET_CHILD_SUBREAPER = 36
@@ -155,3 +167,65 @@ def apply_limits(limits: dict) -> None:
         _set_limit(resource.RLIMIT_NPROC, int(limits["max_processes"]))
     if limits.get("max_memory_bytes"):
         _set_limit(resource.RLIMIT_AS, int(limits["max_memory_bytes"]))
+
+
+def kill_group(pgid: int | None, sig: int) -> bool:
+    """Signal the process group ``pgid``, which the caller started; False when there is no such
+    group. Never 0, 1 or below (they name the caller's own group, init's, or every process)."""
+    if not isinstance(pgid, int) or pgid <= 1:
+        return False
+    try:
+        os.killpg(pgid, sig)
+        return True
+    except (ProcessLookupError, PermissionError):
+        return False
+
+
+def run_processes(record: ServerRecord) -> set[int]:
+    """The live processes of a run: those marked with its id, and its supervisor."""
+    pids = marked(record.id) if record.id else set()
+    if record.supervisor is not None and record.supervisor.alive():
+        pids.add(record.supervisor.pid)
+    return pids
+
+
+def hidden_state(workspace: Path) -> list[Path]:
+    """Folders of the workspace a run never sees: git's, trainwright's and the runs'."""
+    return [Path(workspace) / name for name in (".git", ".trainwright", rd.RUNS_DIRNAME)]
+
+
+def run_contained(
+    command: list[str],
+    workspace: Path,
+    read_only: list[Path],
+    writable: list[Path],
+    env: dict[str, str],
+    limits: RunLimits,
+    timeout_s: float,
+    mark: str,
+    bound_fds: Mapping[Path | str, int] | None = None,
+) -> tuple[str, str]:
+    """Run ``command`` as recipe code runs outside a run (:func:`sandbox.contained.run_in_sandbox`):
+    seeing ``read_only`` and ``writable`` (the workspace's state folders hidden), in the network
+    and with the resource limits of ``limits``, with the environment ``env`` (which carries
+    ``mark``); when it exits (or ``timeout_s`` passes: ``subprocess.TimeoutExpired``) every
+    process it started or that carries ``mark`` is ended. Returns the ends of its stdout and
+    stderr."""
+    rlimits = asdict(limits)
+    return run_in_sandbox(
+        command, workspace, read_only, writable, env, hidden=hidden_state(workspace), network=limits.network,
+        timeout_s=timeout_s, set_limits=lambda: apply_limits(rlimits), end=lambda process: _end_contained(process, mark),
+        bound_fds=bound_fds,
+    )
+
+
+def _end_contained(process: subprocess.Popen, mark: str) -> None:
+    """End the process group of a contained command (in the sandbox: bwrap, whose init takes
+    every process of the sandbox with it) and whatever else carries its mark or descends from it."""
+    left = descendants(process.pid) | marked(mark)
+    kill_group(process.pid, signal.SIGKILL)
+    try:
+        process.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        pass
+    end_processes(left | marked(mark), grace_s=0)

@@ -35,9 +35,10 @@ from runner import server_record as sr
 from sandbox import bwrap
 from workspace.git import add_note
 from sandbox.network import LOOPBACK_ENV, isolate_network
-from runner.processes import apply_limits, become_subreaper, children, descendants, end_processes, marked
+from runner.processes import (
+    apply_limits, become_subreaper, children, descendants, end_processes, kill_group, marked,
+)
 from runner.provenance import code_description
-from runner.lifecycle import group_alive, kill_group
 from runner.scripts import EventScalars, ScriptMetrics, copy_output, open_metrics_for_append
 
 
@@ -252,9 +253,10 @@ class Supervisor:
 
     def end_leftovers(self, grace: float) -> None:
         """The engine is gone; make sure none of its workers or helpers linger."""
-        if self.child is not None and group_alive(self.child.pid):
-            # In the sandbox, bwrap is gone once the engine's main process has exited, and its
-            # init (which the kernel then kills) takes every process of the sandbox with it.
+        if self.child is not None:
+            # A group that is gone is not signalled. In the sandbox, bwrap is gone once the
+            # engine's main process has exited, and its init (which the kernel then kills) takes
+            # every process of the sandbox with it.
             kill_group(self.child.pid, signal.SIGTERM)
         left = self.leftovers()
         if left:

@@ -44,6 +44,7 @@ from mcp_server.models import (
 from mcp_server.operations import history
 from runner import hub
 from runner import lifecycle as run_lifecycle
+from runner.capacity import check_capacity
 from runner import scripts
 from runner import slurm as slurm_jobs
 from sandbox.environment import run_environment
@@ -182,7 +183,7 @@ def _launch_recipe(ws: Workspace, recipe: str, recipe_dir: Path, origin: CodeOri
         if nodes.node_rank > 0:
             joins, recipe_dir, first = _joined_run(ws, nodes, ws.label(recipe_dir), flat)
             origin = CodeOrigin(first.git_commit, first.recipe_dirty, first.dirty_files)
-        run_lifecycle.check_capacity(sr.records_root(ws.root), nproc, limits)  # before the check's cost; again at start
+        check_capacity(sr.records_root(ws.root), nproc, limits)  # before the check's cost; again at start
     checked = snapshot_digest(recipe_dir)  # the check imports the recipe: it may change itself
     models = bind_hub_models(ws, hub.recipe_config(recipe_dir, flat), hub.recipe_config(recipe_dir, flat, hub.DATASET_KEY),
                          limits, progress) if target == "local" \
@@ -232,7 +233,7 @@ def launch_script(
     launch = scripts.ScriptLaunch(source.script, scripts.check_args(args), scripts.check_resume_arg(resume_arg),
                                   source.alone)
     limits, warnings = ws.run_limits_and_warnings() if limits is None else (limits, [])
-    run_lifecycle.check_capacity(sr.records_root(ws.root), nproc, limits)
+    check_capacity(sr.records_root(ws.root), nproc, limits)
     code = source.code_dir / source.script if source.alone else source.code_dir
     plan = run_lifecycle.LaunchPlan(source.code_dir, ws.label(code), nproc, recipe_origin(ws.root, code),
                                    limits=limits, warnings=tuple(warnings), script=launch)
@@ -352,7 +353,7 @@ def resume_checkpoint(
     nproc = check_nproc(source.nproc if nproc is None else nproc)
     flat = checked_overrides(ws, overrides)
     limits, warnings = ws.run_limits_and_warnings() if limits is None else (limits, [])
-    run_lifecycle.check_capacity(sr.records_root(ws.root), nproc, limits)
+    check_capacity(sr.records_root(ws.root), nproc, limits)
     checked = snapshot_digest(code_dir)
     model = hub.model_value(flat) or hub.model_value(source.config)
     dataset = hub.config_value(flat, hub.DATASET_KEY) or hub.config_value(source.config, hub.DATASET_KEY)
@@ -426,7 +427,7 @@ def _resume_script(
                                else launch_from.code_dir)
     nproc = check_nproc(source.nproc if nproc is None else nproc)
     limits, warnings = ws.run_limits_and_warnings() if limits is None else (limits, [])
-    run_lifecycle.check_capacity(sr.records_root(ws.root), nproc, limits)
+    check_capacity(sr.records_root(ws.root), nproc, limits)
     assert launch_from.script is not None
     plan = run_lifecycle.LaunchPlan(
         launch_from.code_dir, source.recipe, nproc, origin, code_from=code,
