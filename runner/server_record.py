@@ -13,7 +13,9 @@ A run has two records with two owners:
 
 Every decision (stop, capacity, status, notes, resume, joins, SLURM, review) reads the server's
 record; :func:`view` gives tools the server's record with the few fields that are the run's own
-(:data:`REPORTED_FIELDS`) taken from its report. A ``ServerRecord`` is a ``RunRecord`` (the same
+taken from its report. Each field declares its writer (:class:`engine.run_dir.Owner`, in
+``Annotated``); :data:`REPORTED_FIELDS` and what a run the server did not start shows are
+derived from those declarations. A ``ServerRecord`` is a ``RunRecord`` (the same
 fields and meanings) plus the identities of the processes the server started.
 
 Torch-free (stdlib and pydantic): the server imports it.
@@ -27,7 +29,7 @@ import re
 import signal
 import stat
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
@@ -46,11 +48,6 @@ STARTING_GRACE_S = 60.0
 
 SLURM_JOB_ID = re.compile(r"^\d{1,20}(_\d{1,20})?$")
 
-# The fields of a run's view that come from its own report (run.json), not from the server.
-REPORTED_FIELDS = ("metrics_destinations", "started_at", "final_step", "engine_pid")
-# The data summary is the run's own count when it reports one (the engine counts again when the
-# data changed after the check): text and numbers to show, never acted on.
-REPORTED_WHEN_GIVEN = ("data",)
 NOT_STARTED_BY_SERVER = (
     "this run was not started by trainwright's server (it has no record in .trainwright/runs/): its status "
     "and provenance are only what its own run.json says, and the server never signals or resumes it as its code"
@@ -127,12 +124,14 @@ class ServerRecord(rd.RunRecord):
     (see the module docstring). Written only outside the sandbox; every value that becomes an
     argument of a command is checked here when it is written and when it is read."""
 
-    run_dir: str | None = Field(None, description="The run directory (where the run writes).")
-    supervisor: ProcessIdentity | None = Field(None, description="The supervisor the server started.")
-    engine_group: ProcessIdentity | None = Field(
+    run_dir: Annotated[str | None, rd.SERVER_ONLY] = Field(None, description="The run directory (where the run writes).")
+    supervisor: Annotated[ProcessIdentity | None, rd.SERVER_ONLY] = Field(
+        None, description="The supervisor the server started."
+    )
+    engine_group: Annotated[ProcessIdentity | None, rd.SERVER_ONLY] = Field(
         None, description="The leader of the engine's process group (bwrap in the sandbox), started by the supervisor."
     )
-    started_by_server: bool = Field(
+    started_by_server: Annotated[bool, rd.SERVER] = Field(
         True, description="False only in a view of a run that has no server record (its report alone)."
     )
 
@@ -172,6 +171,27 @@ class ServerRecord(rd.RunRecord):
 
 
 SUPERVISOR_GONE = "the run's supervisor is gone without recording an outcome (killed?)"
+
+
+def _owners() -> dict[str, rd.Owner]:
+    """Each field's :class:`~engine.run_dir.Owner`, as the field declares it."""
+    owners = {}
+    for name, info in ServerRecord.model_fields.items():
+        declared = [m for m in info.metadata if isinstance(m, rd.Owner)]
+        if len(declared) != 1:
+            raise TypeError(f"ServerRecord.{name} must declare its owner once (Annotated[..., Owner(...)])")
+        owners[name] = declared[0]
+    return owners
+
+
+OWNERS = _owners()
+# The fields of a run's view that come from its own report (run.json), not from the server; and
+# those that come from it when it gives one (the data summary: the engine counts again when the
+# data changed after the check).
+REPORTED_FIELDS = tuple(n for n, o in OWNERS.items() if o.writer == "run" and not o.when_given)
+REPORTED_WHEN_GIVEN = tuple(n for n, o in OWNERS.items() if o.writer == "run" and o.when_given)
+# Lists of the server's entries, then the run's own.
+MERGED_FIELDS = tuple(n for n, o in OWNERS.items() if o.writer == "both")
 
 
 def _age_s(stamp: str | None) -> float:
@@ -295,8 +315,9 @@ def merge(record: ServerRecord, report: rd.RunRecord | None) -> ServerRecord:
         return record
     update: dict[str, Any] = {name: getattr(report, name) for name in REPORTED_FIELDS}
     update.update({name: getattr(report, name) for name in REPORTED_WHEN_GIVEN if getattr(report, name) is not None})
-    known = set(record.warnings)
-    update["warnings"] = [*record.warnings, *(w for w in report.warnings if w not in known)]
+    for name in MERGED_FIELDS:
+        known = set(getattr(record, name))
+        update[name] = [*getattr(record, name), *(w for w in getattr(report, name) if w not in known)]
     return record.model_copy(update=update)
 
 
@@ -305,18 +326,13 @@ def report(run_dir: Path | str) -> rd.RunRecord | None:
     return _report(Path(run_dir))
 
 
-_SERVER_OWNED_BLANK: dict[str, Any] = {
-    "git_commit": None, "recipe_dirty": None, "dirty_files": [], "snapshot_digest": None, "isolation": None,
-    "isolation_note": None, "network_isolated": None, "network_note": None, "pid": None, "child_pgid": None,
-    "engine_pid": None, "target": "local", "slurm_job_id": None, "slurm_script": None, "slurm_state": None,
-    "slurm_checked_at": None, "limits": {}, "command": [], "sandbox": None, "workspace": None, "joins": None,
-    "stop_requested": False, "resumed_from": None, "hub_models": [], "script_args": [], "resume_arg": None,
-}
-
-
 def _unverified(run_dir: Path) -> ServerRecord:
     report = rd.read_run(run_dir)
-    data = {**report.model_dump(), **_SERVER_OWNED_BLANK, "id": run_dir.name, "started_by_server": False,
+    # What only the server can vouch for (no processes, no commit, no isolation, no SLURM job) is
+    # each field's default.
+    blank = {name: ServerRecord.model_fields[name].get_default(call_default_factory=True)
+             for name, owner in OWNERS.items() if owner.needs_record}
+    data = {**report.model_dump(), **blank, "id": run_dir.name, "started_by_server": False,
             "warnings": [NOT_STARTED_BY_SERVER, *report.warnings][: rd.MAX_WARNINGS]}
     return ServerRecord.model_validate(data)
 
