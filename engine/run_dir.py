@@ -41,7 +41,7 @@ import stat
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any, BinaryIO, Iterator, Literal
+from typing import Annotated, Any, BinaryIO, Callable, Iterator, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
@@ -523,12 +523,19 @@ class RunRecord(RunFacts):
         return steps if isinstance(steps, int) else None
 
     def effective_status(self) -> RunStatus:
-        """The run's true status: a live status whose supervising process is gone is ``failed``."""
-        if self.status in FINAL_STATUSES:
-            return self.status
-        if self.pid and not pid_alive(self.pid):
-            return FAILED
-        return self.status
+        """The run's status as its report alone tells it (:func:`run_status`): the process
+        recorded in ``pid`` (the supervisor, or the engine's rank 0 without one) watches it."""
+        return run_status(self.status, lambda: pid_alive(self.pid) if self.pid else None)
+
+
+def run_status(recorded: RunStatus, watcher_alive: Callable[[], bool | None]) -> RunStatus:
+    """A run's status, the one rule every record follows: a final status stands; a live one
+    stands while the process that watches the run lives, and is ``failed`` once that process is
+    gone without recording an outcome. ``watcher_alive`` (asked only for a live status): None
+    when no process here watches the run (its recorded status stands)."""
+    if recorded in FINAL_STATUSES or watcher_alive() is not False:
+        return recorded
+    return FAILED
 
 
 @contextlib.contextmanager
@@ -926,7 +933,11 @@ def read_all_metrics(path: Path, max_bytes: int = METRICS_WINDOW_BYTES) -> list[
 
 
 def pid_alive(pid: int | None) -> bool:
-    if not isinstance(pid, int) or pid <= 1:  # 0, -1 and negatives name groups or everything
+    """Whether the process ``pid`` is running: the one definition of a process's liveness
+    (:mod:`runner.processes` and the server's record of a run's processes call it). A zombie
+    counts as gone (its exit status only waits to be collected); 0, 1 and negative numbers name
+    groups, init or every process, never a run's process."""
+    if not isinstance(pid, int) or pid <= 1:
         return False
     try:
         os.kill(pid, 0)
@@ -934,13 +945,8 @@ def pid_alive(pid: int | None) -> bool:
         return False
     except PermissionError:
         return True
-    # A zombie is dead for our purposes: its exit status is only waiting to be collected.
     try:
         with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return True
-
-
-def effective_status(record: RunRecord) -> RunStatus:
-    return record.effective_status()
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except (OSError, IndexError):
+        return True  # no /proc (not Linux): kill() found it

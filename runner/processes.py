@@ -11,7 +11,7 @@ session of its own, and a recipe may start helpers that detach. Two marks find t
 :func:`end_processes` sends SIGTERM, waits, then SIGKILL to whatever is left; :func:`kill_group`
 signals a process group the caller started. :func:`run_contained` runs recipe code outside a run
 (the launch check, a model process) in the sandbox with a run's limits, and ends every process
-it started.
+it started. Whether a process lives is :func:`engine.run_dir.pid_alive`, the one definition.
 """
 
 from __future__ import annotations
@@ -47,14 +47,13 @@ def become_subreaper() -> bool:
     return libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
 
 
-def _stat(pid: int) -> tuple[int, str] | None:
-    """``(parent pid, state)`` of a process, or None when it is gone."""
+def _parent(pid: int) -> int | None:
+    """The parent of a process, or None when it is gone."""
     try:
         text = (_PROC / str(pid) / "stat").read_text()
     except OSError:
         return None
-    fields = text.rsplit(")", 1)[1].split()
-    return int(fields[1]), fields[0]
+    return int(text.rsplit(")", 1)[1].split()[1])
 
 
 def _all_pids() -> list[int]:
@@ -66,16 +65,16 @@ def _all_pids() -> list[int]:
 
 def children(pid: int) -> set[int]:
     """The live processes whose parent is ``pid``."""
-    return {other for other in _all_pids() if (stat := _stat(other)) is not None and stat[0] == pid}
+    return {other for other in _all_pids() if _parent(other) == pid}
 
 
 def descendants(pid: int) -> set[int]:
     """Every live process below ``pid`` in the process tree."""
     children: dict[int, list[int]] = {}
     for other in _all_pids():
-        stat = _stat(other)
-        if stat is not None:
-            children.setdefault(stat[0], []).append(other)
+        parent = _parent(other)
+        if parent is not None:
+            children.setdefault(parent, []).append(other)
     found: set[int] = set()
     stack = [pid]
     while stack:
@@ -102,20 +101,6 @@ def marked(run_id: str) -> set[int]:
     return found
 
 
-def alive(pid: int) -> bool:
-    """Running (a zombie only waits to be collected: it counts as gone)."""
-    stat = _stat(pid)
-    if stat is None:
-        if not sys.platform.startswith("linux"):
-            try:
-                os.kill(pid, 0)
-                return True
-            except OSError:
-                return False
-        return False
-    return stat[1] != "Z"
-
-
 def _reap(pids: Iterable[int]) -> None:
     """Collect the exit status of those of ``pids`` that are our children."""
     for pid in pids:
@@ -128,7 +113,7 @@ def _reap(pids: Iterable[int]) -> None:
 def end_processes(pids: Iterable[int], grace_s: float = 5.0) -> set[int]:
     """SIGTERM ``pids``, wait up to ``grace_s``, SIGKILL the rest; return those still alive."""
     # Never 0, 1 or below: kill() would signal a group, init, or every process.
-    pids = {p for p in pids if isinstance(p, int) and p > 1 and p != os.getpid() and alive(p)}
+    pids = {p for p in pids if isinstance(p, int) and p > 1 and p != os.getpid() and rd.pid_alive(p)}
     for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
         for pid in pids:
             try:
@@ -138,7 +123,7 @@ def end_processes(pids: Iterable[int], grace_s: float = 5.0) -> set[int]:
         deadline = time.monotonic() + wait_s
         while True:
             _reap(pids)
-            pids = {p for p in pids if alive(p)}
+            pids = {p for p in pids if rd.pid_alive(p)}
             if not pids or time.monotonic() > deadline:
                 break
             time.sleep(0.05)

@@ -100,9 +100,10 @@ class ProcessIdentity(BaseModel):
 
 
 def identify(pid: int | None) -> ProcessIdentity | None:
-    """The identity of the live process ``pid``, or None (gone, a zombie, or not a process id
-    the server could have started: 0, 1 and negative numbers name groups or every process)."""
-    if not isinstance(pid, int) or isinstance(pid, bool) or pid <= 1:
+    """The identity of the live process ``pid`` (:func:`engine.run_dir.pid_alive`), or None
+    (gone, a zombie, or not a process id the server could have started: 0, 1 and negative
+    numbers name groups or every process)."""
+    if pid is None or not rd.pid_alive(pid):
         return None
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
@@ -111,10 +112,10 @@ def identify(pid: int | None) -> ProcessIdentity | None:
         return None
     fields = text.rsplit(")", 1)[-1].split()
     try:
-        state, session, start_ticks = fields[0], int(fields[3]), int(fields[19])
+        session, start_ticks = int(fields[3]), int(fields[19])
     except (IndexError, ValueError):
         return None
-    if state in ("Z", "X") or session < 0:
+    if session < 0:
         return None
     return ProcessIdentity(pid=pid, start_ticks=start_ticks, session=session)
 
@@ -160,14 +161,20 @@ class ServerRecord(rd.RunRecord):
         return self.supervisor is not None and self.supervisor.alive()
 
     def effective_status(self) -> rd.RunStatus:
-        """The run's status as the server knows it: final only from the supervisor's (or the
-        server's) own record of the outcome; running while the supervisor it started lives;
-        failed once that supervisor is gone without recording one."""
-        if self.status in rd.FINAL_STATUSES or not self.started_by_server or self.target != "local":
-            return self.status
-        if self.supervisor is None:
-            return rd.STARTING if _age_s(self.created_at) < STARTING_GRACE_S else rd.FAILED
-        return self.status if self.supervisor.alive() else rd.FAILED
+        """The run's status as the server knows it (:func:`engine.run_dir.run_status`): final only
+        from the supervisor's (or the server's) own record of the outcome; live while the
+        supervisor the server started lives (before one is recorded: for
+        ``STARTING_GRACE_S`` after the record was made); failed once it is gone without
+        recording one. A run the server did not start here (its report alone, a SLURM job) is
+        what its record says."""
+        return rd.run_status(self.status, self._watcher_alive)
+
+    def _watcher_alive(self) -> bool | None:
+        if not self.started_by_server or self.target != "local":
+            return None
+        if self.supervisor is None:  # the launcher has not recorded it yet, or died first
+            return _age_s(self.created_at) < STARTING_GRACE_S
+        return self.supervisor.alive()
 
 
 SUPERVISOR_GONE = "the run's supervisor is gone without recording an outcome (killed?)"

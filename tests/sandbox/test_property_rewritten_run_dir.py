@@ -36,7 +36,8 @@ from mcp_server.operations import runs as run_ops
 from workspace import git as workspace_git
 from runner import lifecycle as run_lifecycle
 from runner.model_process import ModelProcessFailed
-from runner.processes import RUN_ID_VARIABLE, alive
+from engine.run_dir import pid_alive as alive
+from runner.processes import RUN_ID_VARIABLE
 from runner.supervise import Supervisor
 from workspace.workspace import Workspace
 from tests.sandbox.helpers import make_workspace
