@@ -350,6 +350,8 @@ def _count(n: int, noun: str) -> str:
 
 IsolationLevel = Literal["full", "partial", "none"]
 RunKind = Literal["recipe", "script"]
+CodeFrom = Literal["recipe", "checkpoint", "head"]
+RunTarget = Literal["local", "slurm"]
 RECIPE: RunKind = "recipe"
 SCRIPT: RunKind = "script"
 # A script's arguments become arguments of its command: bounded in number and length.
@@ -473,7 +475,7 @@ class RunRecord(RunFacts):
         None, max_length=MAX_SCRIPT_ARG_NAME_CHARS,
         description="kind script: the option that takes a checkpoint's path on resume (e.g. --resume); None: no resume.",
     )
-    code_from: Annotated[Literal["recipe", "checkpoint", "head"], SERVER] = Field(
+    code_from: Annotated[CodeFrom, SERVER] = Field(
         "recipe",
         description="recipe: the recipe folder at launch; checkpoint: the code of the run resumed "
         "from; head: the recipe folder at resume time.",
@@ -503,7 +505,7 @@ class RunRecord(RunFacts):
     joins: Annotated[str | None, SERVER_ONLY] = Field(
         None, description="The run (node 0's) whose directory this node's processes write into: checkpoints need one folder."
     )
-    target: Annotated[Literal["local", "slurm"], SERVER_ONLY] = Field("local", description="local: started here; slurm: an sbatch job.")
+    target: Annotated[RunTarget, SERVER_ONLY] = Field("local", description="local: started here; slurm: an sbatch job.")
     slurm_script: Annotated[str | None, SERVER_ONLY] = Field(None, description="The job script, relative to the run directory (target slurm).")
     slurm_job_id: Annotated[str | None, SERVER_ONLY] = Field(None, description="The SLURM job id, once submitted.")
     slurm_state: Annotated[str | None, SERVER_ONLY] = Field(None, description="The job's last state from squeue/sacct (PENDING, RUNNING, ...).")

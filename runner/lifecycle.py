@@ -188,7 +188,7 @@ class LaunchPlan:
     origin: CodeOrigin
     overrides: dict[str, Any] = field(default_factory=dict)
     verdict: LaunchVerdict | None = None
-    code_from: str = "recipe"
+    code_from: rd.CodeFrom = "recipe"
     resumed_from: rd.ResumedFrom | None = None
     recorded_config: bool = False
     limits: RunLimits = RunLimits()
@@ -197,7 +197,7 @@ class LaunchPlan:
     expected_digest: str | None = None
     nodes: Nodes = Nodes()
     joins: Path | None = None
-    target: str = "local"
+    target: rd.RunTarget = "local"
     models: ModelBinding = ModelBinding()
     script: ScriptLaunch | None = None
 
@@ -392,7 +392,7 @@ def stop_run(folder: Path, timeout_s: float | None = None) -> sr.ServerRecord:
         return sr.update_record(folder, **fields)
     record = sr.update_record(folder, stop_requested=True)
     sr.mirror_to_report(record.run_dir, stop_requested=True)
-    grace = float(record.limits.get("stop_grace_s") or 10.0)
+    grace = record.run_limits().stop_grace_s
     timeout_s = grace + 20.0 if timeout_s is None else timeout_s
     supervisor = record.supervisor
     if supervisor is not None and supervisor.send_signal(signal.SIGTERM):

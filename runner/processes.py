@@ -23,7 +23,6 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterable, Mapping
 
@@ -141,17 +140,17 @@ def _set_limit(which: int, value: int) -> None:
             resource.setrlimit(which, (min(value, hard), hard))
 
 
-def apply_limits(limits: dict) -> None:
-    """The resource limits of ``limits`` (a run's ``RunLimits`` as a dict) on this process.
+def apply_limits(limits: RunLimits) -> None:
+    """The resource limits of a run's ``limits`` on this process.
 
     Runs in a child between fork and exec; it calls only ``setrlimit``, which takes no lock.
     """
-    if limits.get("max_open_files"):
-        _set_limit(resource.RLIMIT_NOFILE, int(limits["max_open_files"]))
-    if limits.get("max_processes"):
-        _set_limit(resource.RLIMIT_NPROC, int(limits["max_processes"]))
-    if limits.get("max_memory_bytes"):
-        _set_limit(resource.RLIMIT_AS, int(limits["max_memory_bytes"]))
+    if limits.max_open_files:
+        _set_limit(resource.RLIMIT_NOFILE, limits.max_open_files)
+    if limits.max_processes:
+        _set_limit(resource.RLIMIT_NPROC, limits.max_processes)
+    if limits.max_memory_bytes:
+        _set_limit(resource.RLIMIT_AS, limits.max_memory_bytes)
 
 
 def kill_group(pgid: int | None, sig: int) -> bool:
@@ -196,10 +195,9 @@ def run_contained(
     ``mark``); when it exits (or ``timeout_s`` passes: ``subprocess.TimeoutExpired``) every
     process it started or that carries ``mark`` is ended. Returns the ends of its stdout and
     stderr."""
-    rlimits = asdict(limits)
     return run_in_sandbox(
         command, workspace, read_only, writable, env, hidden=hidden_state(workspace), network=limits.network,
-        timeout_s=timeout_s, set_limits=lambda: apply_limits(rlimits), end=lambda process: _end_contained(process, mark),
+        timeout_s=timeout_s, set_limits=lambda: apply_limits(limits), end=lambda process: _end_contained(process, mark),
         bound_fds=bound_fds,
     )
 

@@ -24,6 +24,7 @@ Torch-free (stdlib and pydantic): the server imports it.
 from __future__ import annotations
 
 import datetime as _dt
+import functools
 import os
 import re
 import signal
@@ -31,11 +32,12 @@ import stat
 from pathlib import Path
 from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, field_validator
 
 from engine import run_dir as rd
 from engine.errors import BadInput
 from workspace.git import COMMIT_ID
+from workspace.settings import RunLimits
 
 STATE_DIRNAME = ".trainwright"
 RECORDS_DIRNAME = "runs"
@@ -157,6 +159,11 @@ class ServerRecord(rd.RunRecord):
             raise ValueError("a process id of a run is above 1")
         return value
 
+    def run_limits(self) -> RunLimits:
+        """The limits the run was started with, read back into their model (the record keeps
+        them as JSON in ``limits``; a key it lacks has the settings' default)."""
+        return _limits_model().validate_python(self.limits)
+
     def supervisor_alive(self) -> bool:
         return self.supervisor is not None and self.supervisor.alive()
 
@@ -178,6 +185,11 @@ class ServerRecord(rd.RunRecord):
 
 
 SUPERVISOR_GONE = "the run's supervisor is gone without recording an outcome (killed?)"
+
+
+@functools.cache
+def _limits_model() -> TypeAdapter[RunLimits]:
+    return TypeAdapter(RunLimits)  # built on first use: the server's start does not pay for it
 
 
 def _owners() -> dict[str, rd.Owner]:

@@ -52,7 +52,7 @@ class Supervisor:
         if not self.record.run_dir:
             raise ValueError(f"the server's record in {record_dir} names no run directory")
         self.run_dir = Path(self.record.run_dir)
-        self.limits = self.record.limits
+        self.limits = self.record.run_limits()
         self.stop_reason: str | None = None
         self.child: subprocess.Popen | None = None
         self.sandboxed = False
@@ -83,7 +83,7 @@ class Supervisor:
     def contain(self) -> tuple[list[str], dict]:
         """Subreaper and sandbox; returns the command to spawn and what was achieved, for run.json."""
         become_subreaper()
-        network = self.limits.get("network", "isolated")
+        network = self.limits.network
         workspace = self.record.workspace
         view = self.record.sandbox
         if view is None:  # a record made without a launcher's view: the workspace, read-only
@@ -158,8 +158,8 @@ class Supervisor:
         if self.stop_reason is not None:  # a stop that arrived before the child existed
             self.terminate()
 
-        wall = limits.get("wall_time_s")
-        grace = float(limits.get("stop_grace_s") or 10.0)
+        wall = limits.wall_time_s
+        grace = limits.stop_grace_s
         started = time.monotonic()
         term_sent_at: float | None = None
         # The event files are the run's: read on a thread of their own, so that no amount of them
@@ -173,9 +173,9 @@ class Supervisor:
             except subprocess.TimeoutExpired:
                 pass
             now = time.monotonic()
-            if wall and now - started > float(wall) and self.stop_reason is None:
-                print(f"[trainwright] wall-time limit of {wall} s reached: stopping the run", flush=True)
-                self.request_stop(f"wall-time limit of {wall} s reached")
+            if wall and now - started > wall and self.stop_reason is None:
+                print(f"[trainwright] wall-time limit of {_seconds(wall)} s reached: stopping the run", flush=True)
+                self.request_stop(f"wall-time limit of {_seconds(wall)} s reached")
             if self.stop_reason is not None:
                 term_sent_at = term_sent_at or now
                 if now - term_sent_at > grace:
@@ -347,6 +347,11 @@ def failure_error(reported: str | None, code: int, run_dir: Path, free: int | No
     if free is not None and free < rd.LOW_SPACE_BYTES:
         return rd.no_space_message(run_dir, _describe_exit(code), free)
     return _describe_exit(code)
+
+
+def _seconds(value: float) -> str:
+    """``100`` for 100.0 s, ``2.5`` for 2.5 s."""
+    return f"{value:.0f}" if float(value).is_integer() else str(value)
 
 
 def _describe_exit(code: int) -> str:

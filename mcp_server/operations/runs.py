@@ -368,7 +368,7 @@ def resume_checkpoint(
     warnings = [*warnings, *_data_drift(source, verdict.data)]
     same_shape = nproc == source.nproc and not limits.threads_per_process
     plan = run_lifecycle.LaunchPlan(
-        code_dir, source.recipe, nproc, origin, flat, verdict, code_from=code,
+        code_dir, source.recipe, nproc, origin, flat, verdict, code_from="checkpoint" if code == "checkpoint" else "head",
         resumed_from=rd.ResumedFrom(run_id=source.id, step=chosen_step, path=str(checkpoint)),
         recorded_config=True, limits=limits, warnings=tuple(warnings),
         threads=source.threads_per_process if same_shape else None, expected_digest=checked, models=models,
@@ -430,7 +430,7 @@ def _resume_script(
     check_capacity(sr.records_root(ws.root), nproc, limits)
     assert launch_from.script is not None
     plan = run_lifecycle.LaunchPlan(
-        launch_from.code_dir, source.recipe, nproc, origin, code_from=code,
+        launch_from.code_dir, source.recipe, nproc, origin, code_from="checkpoint" if code == "checkpoint" else "head",
         resumed_from=rd.ResumedFrom(run_id=source.id, step=chosen_step, path=str(checkpoint)),
         limits=limits, warnings=tuple(warnings),
         script=scripts.ScriptLaunch(launch_from.script, args, source.resume_arg, launch_from.alone),
