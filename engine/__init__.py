@@ -24,7 +24,6 @@ Small and explicit, one concept per file:
 - ``openmp``          how a run's OpenMP threads wait: spinning, throttled beside competitors
 - ``run_dir``         the on-disk run directory format (torch-free; the server reads it)
 - ``run_files``       opening what a run wrote: beneath a folder, following no link (torch-free)
-- ``server_record``   the server's own record of a run (torch-free)
 - ``seams``           what the engine's processes hand the server, validated on read (torch-free)
 - ``errors``          the one error family (stdlib only)
 

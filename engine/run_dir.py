@@ -24,7 +24,7 @@ to read runs without paying for a torch import.
 run.json lives in the run directory, which the run's own processes may write: it is the run's
 report (its step, warnings, where its metrics went, its view of its status), never a reason for
 the server to act. What the server and the run's supervisor decide is kept in the server's
-record of the run (:mod:`engine.server_record`), outside every sandbox's writable folders.
+record of the run (:mod:`runner.server_record`), outside every sandbox's writable folders.
 """
 
 from __future__ import annotations
@@ -39,8 +39,9 @@ import re
 import secrets
 import stat
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any, BinaryIO, Iterator, Literal
+from typing import Annotated, Any, BinaryIO, Callable, Iterator, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
@@ -349,6 +350,8 @@ def _count(n: int, noun: str) -> str:
 
 IsolationLevel = Literal["full", "partial", "none"]
 RunKind = Literal["recipe", "script"]
+CodeFrom = Literal["recipe", "checkpoint", "head"]
+RunTarget = Literal["local", "slurm"]
 RECIPE: RunKind = "recipe"
 SCRIPT: RunKind = "script"
 # A script's arguments become arguments of its command: bounded in number and length.
@@ -390,97 +393,123 @@ class HubModel(BaseModel):
     repo_type: Literal["model", "dataset"] = Field("model", description="model.pretrained_path or data.dataset.")
 
 
+# Who writes each field of a run's records, declared on the field (``Annotated[type, SERVER]``).
+@dataclass(frozen=True)
+class Owner:
+    """The writer of a field of a run's records; a view of a run (:func:`runner.server_record.view`)
+    takes each field from its writer's record.
+
+    ``writer``: ``server`` (the server and the run's supervisor, in the server's record, which
+    every decision reads; run.json has a copy for the run's information), ``run`` (the run's own
+    report in run.json: text and numbers to show, never acted on) or ``both`` (a list: the
+    server's entries, then the run's own that differ). ``when_given``: the run's value only when
+    it reports one. ``needs_record``: a fact only the server can vouch for (a process, the
+    commit, the isolation, the limits, a SLURM job): a run the server did not start shows the
+    field's default.
+    """
+
+    writer: Literal["server", "run", "both"]
+    when_given: bool = False
+    needs_record: bool = False
+
+
+SERVER = Owner("server")
+SERVER_ONLY = Owner("server", needs_record=True)
+REPORTED = Owner("run")
+
+
 class RunFacts(BaseModel):
     """The facts of a run that its record keeps and ``get_run`` shows (``mcp_server.models.RunInfo``
     derives from this class): each declared once, here."""
     model_config = ConfigDict(defer_build=True)
 
-    status: RunStatus = STARTING
-    kind: RunKind = Field(
+    status: Annotated[RunStatus, SERVER] = STARTING
+    kind: Annotated[RunKind, SERVER] = Field(
         "recipe",
         description="recipe: an Engine subclass run by the engine; script: the user's own Python script, run as it "
         "is (its JSON lines on stdout are its metrics).",
     )
-    recipe: str = Field("", description="The recipe as launched, relative to the workspace.")
-    snapshot: str | None = Field(None, description="The folder of the code that ran (runs/<id>/recipe).")
-    git_commit: str | None = Field(None, description="HEAD when the code was taken (None outside git).")
-    recipe_dirty: bool | None = Field(
+    recipe: Annotated[str, SERVER] = Field("", description="The recipe as launched, relative to the workspace.")
+    snapshot: Annotated[str | None, SERVER] = Field(None, description="The folder of the code that ran (runs/<id>/recipe).")
+    git_commit: Annotated[str | None, SERVER_ONLY] = Field(None, description="HEAD when the code was taken (None outside git).")
+    recipe_dirty: Annotated[bool | None, SERVER_ONLY] = Field(
         None, description="The recipe had uncommitted changes (the run used them; see uncommitted.patch)."
     )
-    nproc: int = Field(1, description="Processes asked for.")
-    world_size: int | None = Field(None, description="Processes that ran.")
-    created_at: str | None = None
-    started_at: str | None = None
-    ended_at: str | None = None
-    exit_code: int | None = None
-    error: str | None = Field(None, description="Why the run failed.")
-    resumed_from: ResumedFrom | None = None
-    overrides: dict[str, Any] = Field({}, description="Config overrides given at launch, dotted keys.")
-    config_changes: dict[str, Any] = Field({}, description="Every key whose value differs from the code default.")
-    limits: dict[str, Any] = Field({}, description="The limits the run was started with.")
-    warnings: list[str] = []
-    network_isolated: bool | None = None
-    network_note: str | None = None
-    isolation: IsolationLevel | None = Field(None, description="The sandbox actually in force.")
-    isolation_note: str | None = Field(None, description="What the isolation level is missing, if anything.")
+    nproc: Annotated[int, SERVER] = Field(1, description="Processes asked for.")
+    world_size: Annotated[int | None, SERVER] = Field(None, description="Processes that ran.")
+    created_at: Annotated[str | None, SERVER] = None
+    started_at: Annotated[str | None, REPORTED] = None
+    ended_at: Annotated[str | None, SERVER] = None
+    exit_code: Annotated[int | None, SERVER] = None
+    error: Annotated[str | None, SERVER] = Field(None, description="Why the run failed.")
+    resumed_from: Annotated[ResumedFrom | None, SERVER_ONLY] = None
+    overrides: Annotated[dict[str, Any], SERVER] = Field({}, description="Config overrides given at launch, dotted keys.")
+    config_changes: Annotated[dict[str, Any], SERVER] = Field({}, description="Every key whose value differs from the code default.")
+    limits: Annotated[dict[str, Any], SERVER_ONLY] = Field({}, description="The limits the run was started with.")
+    warnings: Annotated[list[str], Owner("both")] = []
+    network_isolated: Annotated[bool | None, SERVER_ONLY] = None
+    network_note: Annotated[str | None, SERVER_ONLY] = None
+    isolation: Annotated[IsolationLevel | None, SERVER_ONLY] = Field(None, description="The sandbox actually in force.")
+    isolation_note: Annotated[str | None, SERVER_ONLY] = Field(None, description="What the isolation level is missing, if anything.")
 
 
 class RunRecord(RunFacts):
-    """run.json: everything known about one run. Each writer updates only its own fields:
-    the launcher creates it, the supervisor records processes and the outcome, rank 0 of the
-    engine records the resolved config, its start, errors and warnings."""
+    """run.json: everything known about one run. Each writer updates only its own fields (each
+    declares its :class:`Owner`): the launcher creates it, the supervisor records processes and
+    the outcome, rank 0 of the engine records the resolved config, its start, errors and
+    warnings."""
 
     model_config = ConfigDict(extra="ignore", validate_assignment=True)
 
-    id: str = Field(description="The run id: <UTC time>-<recipe>-<random>.")
-    snapshot_digest: str | None = Field(
+    id: Annotated[str, SERVER] = Field(description="The run id: <UTC time>-<recipe>-<random>.")
+    snapshot_digest: Annotated[str | None, SERVER_ONLY] = Field(
         None, description="sha256 of the snapshot's files as written at launch; a resume of its code checks it."
     )
-    script: str | None = Field(
+    script: Annotated[str | None, SERVER] = Field(
         None, max_length=MAX_SCRIPT_ARG_CHARS, description="kind script: the file that ran, relative to the snapshot."
     )
-    script_args: list[Annotated[str, Field(max_length=MAX_SCRIPT_ARG_CHARS)]] = Field(
+    script_args: Annotated[list[Annotated[str, Field(max_length=MAX_SCRIPT_ARG_CHARS)]], SERVER_ONLY] = Field(
         [], max_length=MAX_SCRIPT_ARGS, description="kind script: the arguments it was given."
     )
-    resume_arg: str | None = Field(
+    resume_arg: Annotated[str | None, SERVER_ONLY] = Field(
         None, max_length=MAX_SCRIPT_ARG_NAME_CHARS,
         description="kind script: the option that takes a checkpoint's path on resume (e.g. --resume); None: no resume.",
     )
-    code_from: Literal["recipe", "checkpoint", "head"] = Field(
+    code_from: Annotated[CodeFrom, SERVER] = Field(
         "recipe",
         description="recipe: the recipe folder at launch; checkpoint: the code of the run resumed "
         "from; head: the recipe folder at resume time.",
     )
-    dirty_files: list[str] = Field([], description="Uncommitted files of the recipe (at most 20).")
-    config: dict[str, Any] | None = Field(None, description="The resolved config (defaults <- config.yaml <- overrides).")
-    data: DataSummary | None = Field(None, description="What the run trains on, counted before it started.")
-    threads_per_process: int | None = Field(None, description="OMP_NUM_THREADS of every process.")
-    stop_requested: bool = False
-    reason: str | None = Field(None, description="Why the run stopped, when it was stopped.")
-    final_step: int | None = None
-    pid: int | None = Field(None, description="The supervisor (or the engine's rank 0 without one).")
-    engine_pid: int | None = None
-    child_pgid: int | None = None
-    supervisor_started_at: str | None = None
-    workspace: str | None = None
-    command: list[str] = []
-    sandbox: SandboxView | None = None
-    hub_models: list[HubModel] = Field([], description="Models and data sets loaded by Hub id: repo, revision and commit.")
-    metrics_destinations: list[MetricsDestination] = Field(
+    dirty_files: Annotated[list[str], SERVER_ONLY] = Field([], description="Uncommitted files of the recipe (at most 20).")
+    config: Annotated[dict[str, Any] | None, SERVER] = Field(None, description="The resolved config (defaults <- config.yaml <- overrides).")
+    data: Annotated[DataSummary | None, Owner("run", when_given=True)] = Field(None, description="What the run trains on, counted before it started.")
+    threads_per_process: Annotated[int | None, SERVER] = Field(None, description="OMP_NUM_THREADS of every process.")
+    stop_requested: Annotated[bool, SERVER_ONLY] = False
+    reason: Annotated[str | None, SERVER] = Field(None, description="Why the run stopped, when it was stopped.")
+    final_step: Annotated[int | None, REPORTED] = None
+    pid: Annotated[int | None, SERVER_ONLY] = Field(None, description="The supervisor (or the engine's rank 0 without one).")
+    engine_pid: Annotated[int | None, Owner("run", needs_record=True)] = None
+    child_pgid: Annotated[int | None, SERVER_ONLY] = None
+    supervisor_started_at: Annotated[str | None, SERVER] = None
+    workspace: Annotated[str | None, SERVER_ONLY] = None
+    command: Annotated[list[str], SERVER_ONLY] = []
+    sandbox: Annotated[SandboxView | None, SERVER_ONLY] = None
+    hub_models: Annotated[list[HubModel], SERVER_ONLY] = Field([], description="Models and data sets loaded by Hub id: repo, revision and commit.")
+    metrics_destinations: Annotated[list[MetricsDestination], REPORTED] = Field(
         [], description="Where the engine sent the metrics (metrics.jsonl, TensorBoard, W&B, MLflow, trackio)."
     )
-    nnodes: int = Field(1, description="Nodes (machines) of the run; nproc processes on each.")
-    node_rank: int | None = Field(None, description="This node's place among nnodes (0 creates the run, others join it).")
-    rdzv_endpoint: str | None = Field(None, description="host:port of torchrun's c10d rendezvous (nnodes > 1).")
-    rdzv_id: str | None = Field(None, description="The rendezvous id every node of the run passes (default: node 0's run id).")
-    joins: str | None = Field(
+    nnodes: Annotated[int, SERVER] = Field(1, description="Nodes (machines) of the run; nproc processes on each.")
+    node_rank: Annotated[int | None, SERVER] = Field(None, description="This node's place among nnodes (0 creates the run, others join it).")
+    rdzv_endpoint: Annotated[str | None, SERVER] = Field(None, description="host:port of torchrun's c10d rendezvous (nnodes > 1).")
+    rdzv_id: Annotated[str | None, SERVER] = Field(None, description="The rendezvous id every node of the run passes (default: node 0's run id).")
+    joins: Annotated[str | None, SERVER_ONLY] = Field(
         None, description="The run (node 0's) whose directory this node's processes write into: checkpoints need one folder."
     )
-    target: Literal["local", "slurm"] = Field("local", description="local: started here; slurm: an sbatch job.")
-    slurm_script: str | None = Field(None, description="The job script, relative to the run directory (target slurm).")
-    slurm_job_id: str | None = Field(None, description="The SLURM job id, once submitted.")
-    slurm_state: str | None = Field(None, description="The job's last state from squeue/sacct (PENDING, RUNNING, ...).")
-    slurm_checked_at: str | None = Field(None, description="When squeue/sacct were last asked.")
+    target: Annotated[RunTarget, SERVER_ONLY] = Field("local", description="local: started here; slurm: an sbatch job.")
+    slurm_script: Annotated[str | None, SERVER_ONLY] = Field(None, description="The job script, relative to the run directory (target slurm).")
+    slurm_job_id: Annotated[str | None, SERVER_ONLY] = Field(None, description="The SLURM job id, once submitted.")
+    slurm_state: Annotated[str | None, SERVER_ONLY] = Field(None, description="The job's last state from squeue/sacct (PENDING, RUNNING, ...).")
+    slurm_checked_at: Annotated[str | None, SERVER_ONLY] = Field(None, description="When squeue/sacct were last asked.")
 
     @field_validator("overrides", mode="before")
     @classmethod
@@ -496,12 +525,19 @@ class RunRecord(RunFacts):
         return steps if isinstance(steps, int) else None
 
     def effective_status(self) -> RunStatus:
-        """The run's true status: a live status whose supervising process is gone is ``failed``."""
-        if self.status in FINAL_STATUSES:
-            return self.status
-        if self.pid and not pid_alive(self.pid):
-            return FAILED
-        return self.status
+        """The run's status as its report alone tells it (:func:`run_status`): the process
+        recorded in ``pid`` (the supervisor, or the engine's rank 0 without one) watches it."""
+        return run_status(self.status, lambda: pid_alive(self.pid) if self.pid else None)
+
+
+def run_status(recorded: RunStatus, watcher_alive: Callable[[], bool | None]) -> RunStatus:
+    """A run's status, the one rule every record follows: a final status stands; a live one
+    stands while the process that watches the run lives, and is ``failed`` once that process is
+    gone without recording an outcome. ``watcher_alive`` (asked only for a live status): None
+    when no process here watches the run (its recorded status stands)."""
+    if recorded in FINAL_STATUSES or watcher_alive() is not False:
+        return recorded
+    return FAILED
 
 
 @contextlib.contextmanager
@@ -899,7 +935,11 @@ def read_all_metrics(path: Path, max_bytes: int = METRICS_WINDOW_BYTES) -> list[
 
 
 def pid_alive(pid: int | None) -> bool:
-    if not isinstance(pid, int) or pid <= 1:  # 0, -1 and negatives name groups or everything
+    """Whether the process ``pid`` is running: the one definition of a process's liveness
+    (:mod:`runner.processes` and the server's record of a run's processes call it). A zombie
+    counts as gone (its exit status only waits to be collected); 0, 1 and negative numbers name
+    groups, init or every process, never a run's process."""
+    if not isinstance(pid, int) or pid <= 1:
         return False
     try:
         os.kill(pid, 0)
@@ -907,13 +947,8 @@ def pid_alive(pid: int | None) -> bool:
         return False
     except PermissionError:
         return True
-    # A zombie is dead for our purposes: its exit status is only waiting to be collected.
     try:
         with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return True
-
-
-def effective_status(record: RunRecord) -> RunStatus:
-    return record.effective_status()
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except (OSError, IndexError):
+        return True  # no /proc (not Linux): kill() found it

@@ -38,7 +38,7 @@ from mcp.shared.exceptions import MCPError
 from mcp_types import INVALID_PARAMS, EmptyResult, SubscribeRequestParams, UnsubscribeRequestParams
 
 from engine import run_dir as rd
-from engine import server_record as sr
+from runner import server_record as sr
 from engine.errors import TrainwrightError
 from mcp_server import clients
 from sandbox.redact import shown

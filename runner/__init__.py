@@ -1,8 +1,10 @@
 """Runs outside the engine: checked, started under a supervisor, followed and stopped.
 
-- ``lifecycle``    the launch check, ``LaunchPlan`` and ``start_run``, capacity, ``stop_run``
+- ``lifecycle``    the launch check, ``LaunchPlan`` and ``start_run``, ``stop_run``
+- ``capacity``     the workspace's caps on concurrent runs and processes, checked before a launch
+- ``server_record`` the server's own record of a run, written by the server and the supervisor
 - ``supervise``    the per-run supervisor process (``python -m runner.supervise RECORD_DIR``)
-- ``processes``    every process of a run, found and ended together
+- ``processes``    every process of a run, found, signalled and ended together; recipe code run outside a run
 - ``provenance``   the code snapshot a run executes, and where that code came from
 - ``hub``          models and data sets by Hub id: downloaded by the server, bound read-only
 - ``scripts``      runs of the user's own training script: command, arguments, metrics lines

@@ -7,7 +7,7 @@ A run is started in three moves, so that a bad request leaves nothing behind:
    raises :class:`LaunchRefused` with the engine's message; every process the check started
    is ended when it ends;
 2. ``start_run`` creates the server's record of the run (``.trainwright/runs/<id>/``, see
-   :mod:`engine.server_record`) and ``runs/<id>/run.json`` (the run's copy, which it may
+   :mod:`runner.server_record`) and ``runs/<id>/run.json`` (the run's copy, which it may
    rewrite), and spawns ``python -m runner.supervise`` in its own session, which starts the
    engine (``torchrun`` when ``nproc > 1``) in a process group of its own, with the limits of :class:`~workspace.settings.RunLimits`, writes its output
    to ``console.log`` and records the outcome;
@@ -21,40 +21,36 @@ signals is one the server or the supervisor started, recognised by its recorded 
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import os
 import secrets
-import select
 import shutil
 import signal
 import subprocess
 import sys
-import threading
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any, Iterator, Mapping
+from typing import Any
 
 from engine import run_dir as rd
-from engine import server_record as sr
+from runner import server_record as sr
 from engine.config import override_args
 from engine.data_files import WORKSPACE_VARIABLE
 from engine.errors import BadInput, LaunchRefused
 from engine.openmp import sleep_while_waiting
 from engine.seams import LaunchVerdict, read_verdict
 from sandbox import bwrap
-from workspace.settings import RunLimits, capacity
+from workspace.settings import RunLimits
 from sandbox.environment import THREADS_VARIABLE, run_environment, threads_per_process
 from runner.hub import ModelBinding
 from sandbox.network import LOOPBACK_ENV
 from runner.nodes import Nodes, torchrun_args
-from runner.processes import RUN_ID_VARIABLE, apply_limits, descendants, end_processes, marked
+from runner.capacity import capacity_lock, check_capacity
+from runner.processes import RUN_ID_VARIABLE, end_processes, hidden_state, run_contained, run_processes
 from runner.provenance import CodeOrigin, snapshot_digest, snapshot_files, write_snapshot
 from runner.scripts import ScriptLaunch, script_command
 
-__all__ = ["LaunchPlan", "LaunchRefused", "RunLimits", "check_capacity", "check_launch", "engine_command", "start_run",
-           "stop_run"]
+__all__ = ["LaunchPlan", "LaunchRefused", "RunLimits", "check_launch", "engine_command", "start_run", "stop_run"]
 
 CHECK_TIMEOUT_S = 180
 MAX_CHECK_ERROR_CHARS = 2000
@@ -110,9 +106,9 @@ def check_launch(
     The check imports the recipe, so it runs as the run will: in the sandbox (seeing
     ``read_only``, default the workspace, and nothing writable), with the run's resource limits
     and allow-listed environment, where possible without network, in a session of its own.
-    Its output is read from pipes as it comes (:class:`_Tail`), so a helper that keeps them open
-    cannot hold the check; when its main process exits (or times out) every process it started
-    is ended. The verdict is validated (:func:`engine.seams.read_verdict`): recipe code can print
+    Its output is read from pipes as it comes (:func:`runner.processes.run_contained`), so a
+    helper that keeps them open cannot hold the check; when its main process exits (or times out)
+    every process it started is ended. The verdict is validated (:func:`engine.seams.read_verdict`): recipe code can print
     a verdict of its own.
     """
     command = [sys.executable, "-m", "engine.launch", str(recipe_dir), "--check", "--nproc", str(nproc)]
@@ -142,110 +138,6 @@ def check_launch(
         last = (stderr.strip().splitlines() or ["no output"])[-1]
         raise LaunchRefused(f"the engine could not check the recipe: {last[:MAX_CHECK_ERROR_CHARS]}")
     return verdict
-
-
-def run_contained(
-    command: list[str],
-    workspace: Path,
-    read_only: list[Path],
-    writable: list[Path],
-    env: dict[str, str],
-    limits: RunLimits,
-    timeout_s: float,
-    mark: str,
-    bound_fds: Mapping[Path | str, int] | None = None,
-) -> tuple[str, str]:
-    """Run ``command`` as recipe code runs outside a run: in the sandbox seeing ``read_only`` and
-    ``writable`` (the workspace's state folders hidden), where possible without network, with
-    ``limits`` and the environment ``env`` (which carries ``mark``), in a session of its own;
-    when it exits (or ``timeout_s`` passes: ``subprocess.TimeoutExpired``) every process it
-    started is ended. Returns the ends of its stdout and stderr (pipes
-    read as they come, keeping the last 4 MiB: a helper that keeps them open cannot hold it). ``bound_fds``: read-only paths shown from
-    descriptors (:func:`sandbox.bwrap.wrap`)."""
-    bound_fds = bound_fds or {}
-    wrapped = bwrap.wrap(command, read_only, writable, network=limits.network, cwd=workspace, environ=env,
-                         hidden=hidden_state(workspace), bound_fds=bound_fds)
-    command = wrapped.command
-    if wrapped.sandboxed and limits.network == "isolated":
-        env.update(LOOPBACK_ENV)
-    elif not wrapped.sandboxed and limits.network == "isolated":
-        command = [sys.executable, "-m", "sandbox.network", "--", *command]
-    rlimits = asdict(limits)
-    out, err = _Tail(), _Tail()
-    try:
-        try:
-            process = subprocess.Popen(
-                command, cwd=workspace, env=env, stdin=subprocess.DEVNULL, stdout=out.write_end,
-                stderr=err.write_end, start_new_session=True, preexec_fn=lambda: apply_limits(rlimits),
-                pass_fds=tuple(bound_fds.values()) if wrapped.sandboxed else (),
-            )
-        finally:
-            out.close_write_end()
-            err.close_write_end()
-        try:
-            process.wait(timeout=timeout_s)
-        finally:
-            _end_check(process, mark)
-    finally:
-        out.finish()
-        err.finish()
-    return out.text(), err.text()
-
-
-MAX_CHECK_OUTPUT_BYTES = 4 * 2**20
-
-
-class _Tail:
-    """The last ``MAX_CHECK_OUTPUT_BYTES`` a process writes to a pipe, read by a thread as it
-    comes: a recipe that prints without end costs bounded memory and no disk. ``finish`` stops
-    reading once the process and everything it started are ended (a descendant that kept the
-    pipe open cannot hold the caller)."""
-
-    def __init__(self) -> None:
-        self.read_end, self.write_end = os.pipe()
-        os.set_blocking(self.read_end, False)
-        self._kept = bytearray()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._drain, daemon=True)
-        self._thread.start()
-
-    def close_write_end(self) -> None:
-        os.close(self.write_end)
-
-    def _drain(self) -> None:
-        while not self._stop.is_set():
-            if not select.select([self.read_end], [], [], 0.2)[0]:
-                continue
-            try:
-                chunk = os.read(self.read_end, 1 << 16)
-            except BlockingIOError:
-                continue
-            if not chunk:
-                return
-            self._kept += chunk
-            if len(self._kept) > 2 * MAX_CHECK_OUTPUT_BYTES:
-                del self._kept[:-MAX_CHECK_OUTPUT_BYTES]
-
-    def finish(self) -> None:
-        self._thread.join(timeout=5)  # the end of the output: every writer is gone
-        self._stop.set()
-        self._thread.join()
-        os.close(self.read_end)
-
-    def text(self) -> str:
-        return bytes(self._kept[-MAX_CHECK_OUTPUT_BYTES:]).decode("utf-8", errors="replace")
-
-
-def _end_check(process: subprocess.Popen, mark: str) -> None:
-    """End the check's process group (in the sandbox: bwrap, whose init takes every process of
-    the sandbox with it) and whatever else carries the check's mark or descends from it."""
-    left = descendants(process.pid) | marked(mark)
-    kill_group(process.pid, signal.SIGKILL)
-    try:
-        process.wait(timeout=10)
-    except subprocess.TimeoutExpired:
-        pass
-    end_processes(left | marked(mark), grace_s=0)
 
 
 def _create_run_dir(workspace: Path, runs_root: Path, recipe_label: str,
@@ -296,7 +188,7 @@ class LaunchPlan:
     origin: CodeOrigin
     overrides: dict[str, Any] = field(default_factory=dict)
     verdict: LaunchVerdict | None = None
-    code_from: str = "recipe"
+    code_from: rd.CodeFrom = "recipe"
     resumed_from: rd.ResumedFrom | None = None
     recorded_config: bool = False
     limits: RunLimits = RunLimits()
@@ -305,7 +197,7 @@ class LaunchPlan:
     expected_digest: str | None = None
     nodes: Nodes = Nodes()
     joins: Path | None = None
-    target: str = "local"
+    target: rd.RunTarget = "local"
     models: ModelBinding = ModelBinding()
     script: ScriptLaunch | None = None
 
@@ -484,64 +376,6 @@ def _spawn_supervisor(workspace: Path, plan: LaunchPlan, limits: RunLimits, thre
     return sr.update_record(folder, pid=process.pid, supervisor=identity)
 
 
-@contextlib.contextmanager
-def capacity_lock(runs_root: Path) -> Iterator[None]:
-    """An exclusive lock on the runs folder, held while a launch counts and creates its run."""
-    fd = os.open(runs_root, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
-    finally:
-        os.close(fd)
-
-
-def running_runs(records: Path) -> list[sr.ServerRecord]:
-    """The server's records of the workspace's runs that are starting or running here
-    (``records``: :func:`engine.server_record.records_root`). A run counts while the supervisor
-    the server started lives, whatever its run directory says."""
-    found = []
-    try:
-        names = sorted(os.listdir(records))
-    except OSError:
-        return []
-    for name in names:
-        try:
-            record = sr.read_record(Path(records) / name)
-        except (OSError, ValueError):
-            continue
-        if record.target != "local":  # a SLURM job runs on the cluster's nodes
-            continue
-        if record.effective_status() in (rd.STARTING, rd.RUNNING):
-            found.append(record)
-    return found
-
-
-def hidden_state(workspace: Path) -> list[Path]:
-    """Folders of the workspace a run never sees: git's, trainwright's and the runs'."""
-    return [Path(workspace) / name for name in (".git", ".trainwright", rd.RUNS_DIRNAME)]
-
-
-def check_capacity(records: Path, nproc: int, limits: RunLimits) -> None:
-    """Refuse a launch of ``nproc`` processes that would exceed the workspace's caps
-    (``runs.max_concurrent_runs``, ``runs.max_total_processes``); ``records``: the server's
-    records of the workspace's runs."""
-    running = running_runs(records)
-    max_runs, max_processes = capacity(limits)
-    busy = sum(r.nproc for r in running)
-    names = ", ".join(f"{r.id} ({r.nproc} process(es))" for r in running[:20])
-    if len(running) >= max_runs:
-        raise LaunchRefused(
-            f"{len(running)} runs are already running in this workspace and runs.max_concurrent_runs "
-            f"is {max_runs}: {names}; stop one (stop_run) or wait for one to end"
-        )
-    if busy + nproc > max_processes:
-        raise LaunchRefused(
-            f"this launch would bring the workspace to {busy + nproc} training processes and "
-            f"runs.max_total_processes is {max_processes}; running: {names or 'none'}; "
-            "stop a run (stop_run), wait, or launch with fewer processes"
-        )
-
-
 def stop_run(folder: Path, timeout_s: float | None = None) -> sr.ServerRecord:
     """End every process of the run whose server record is in ``folder`` and record
     ``stopped``. Returns the final record. Only processes the server or the supervisor started
@@ -558,7 +392,7 @@ def stop_run(folder: Path, timeout_s: float | None = None) -> sr.ServerRecord:
         return sr.update_record(folder, **fields)
     record = sr.update_record(folder, stop_requested=True)
     sr.mirror_to_report(record.run_dir, stop_requested=True)
-    grace = float(record.limits.get("stop_grace_s") or 10.0)
+    grace = record.run_limits().stop_grace_s
     timeout_s = grace + 20.0 if timeout_s is None else timeout_s
     supervisor = record.supervisor
     if supervisor is not None and supervisor.send_signal(signal.SIGTERM):
@@ -583,33 +417,3 @@ def stop_run(folder: Path, timeout_s: float | None = None) -> sr.ServerRecord:
     fields = dict(status=rd.STOPPED, ended_at=rd.utc_now(), reason="stopped by request")
     sr.mirror_to_report(record.run_dir, **fields)
     return sr.update_record(folder, **fields)
-
-
-def run_processes(record: sr.ServerRecord) -> set[int]:
-    """The live processes of a run: those marked with its id, and its supervisor."""
-    pids = marked(record.id) if record.id else set()
-    if record.supervisor is not None and record.supervisor.alive():
-        pids.add(record.supervisor.pid)
-    return pids
-
-
-def kill_group(pgid: int | None, sig: int) -> bool:
-    """Signal the process group ``pgid``, which the caller started; never 0, 1 or below (they
-    name the caller's own group, init's, or every process)."""
-    if not isinstance(pgid, int) or pgid <= 1:
-        return False
-    try:
-        os.killpg(pgid, sig)
-        return True
-    except (ProcessLookupError, PermissionError):
-        return False
-
-
-def group_alive(pgid: int | None) -> bool:
-    if not isinstance(pgid, int) or pgid <= 1:
-        return False
-    try:
-        os.killpg(pgid, 0)
-        return True
-    except (ProcessLookupError, PermissionError):
-        return False

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Iterator, Literal, overload
 
 from engine import run_dir as rd
-from engine import server_record as sr
+from runner import server_record as sr
 from engine.data_files import WORKSPACE_VARIABLE
 from engine.errors import BadInput, NotFound
 from engine.seams import (
@@ -41,9 +41,8 @@ from engine.seams import (
 from workspace.settings import RunLimits
 from sandbox.environment import THREADS_VARIABLE, run_environment, threads_per_process
 from runner.hub import recorded_binding
-from runner.processes import RUN_ID_VARIABLE
+from runner.processes import RUN_ID_VARIABLE, run_contained
 from sandbox.redact import redact
-from runner.lifecycle import run_contained
 
 RESULT_NAME = "result.json"
 MAX_RESULT_BYTES = 1 << 20

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping
 
 from engine import run_dir as rd
-from engine import server_record as sr
+from runner import server_record as sr
 from engine.errors import BadInput
 from sandbox.environment import run_environment
 from runner.nodes import DEFAULT_RDZV_PORT, Nodes

@@ -2,7 +2,7 @@
 
 Started in a session of its own by :func:`runner.lifecycle.start_run`, it outlives whoever started
 it. Everything it acts on comes from the server's record of the run (``RECORD_DIR``, see
-:mod:`engine.server_record`), never from the run directory its run writes. It becomes a child
+:mod:`runner.server_record`), never from the run directory its run writes. It becomes a child
 subreaper and spawns the engine command of that record inside the bubblewrap sandbox
 (:mod:`sandbox.bwrap`: its own user, PID and network namespaces, a mount view of the paths in
 the record's ``sandbox``), in a new process group, with the resource limits of ``limits``. Where the sandbox cannot be made it falls back to moving itself into a
@@ -31,13 +31,14 @@ import time
 from pathlib import Path
 
 from engine import run_dir as rd
-from engine import server_record as sr
+from runner import server_record as sr
 from sandbox import bwrap
 from workspace.git import add_note
 from sandbox.network import LOOPBACK_ENV, isolate_network
-from runner.processes import apply_limits, become_subreaper, children, descendants, end_processes, marked
+from runner.processes import (
+    apply_limits, become_subreaper, children, descendants, end_processes, kill_group, marked,
+)
 from runner.provenance import code_description
-from runner.lifecycle import group_alive, kill_group
 from runner.scripts import EventScalars, ScriptMetrics, copy_output, open_metrics_for_append
 
 
@@ -51,7 +52,7 @@ class Supervisor:
         if not self.record.run_dir:
             raise ValueError(f"the server's record in {record_dir} names no run directory")
         self.run_dir = Path(self.record.run_dir)
-        self.limits = self.record.limits
+        self.limits = self.record.run_limits()
         self.stop_reason: str | None = None
         self.child: subprocess.Popen | None = None
         self.sandboxed = False
@@ -82,7 +83,7 @@ class Supervisor:
     def contain(self) -> tuple[list[str], dict]:
         """Subreaper and sandbox; returns the command to spawn and what was achieved, for run.json."""
         become_subreaper()
-        network = self.limits.get("network", "isolated")
+        network = self.limits.network
         workspace = self.record.workspace
         view = self.record.sandbox
         if view is None:  # a record made without a launcher's view: the workspace, read-only
@@ -157,8 +158,8 @@ class Supervisor:
         if self.stop_reason is not None:  # a stop that arrived before the child existed
             self.terminate()
 
-        wall = limits.get("wall_time_s")
-        grace = float(limits.get("stop_grace_s") or 10.0)
+        wall = limits.wall_time_s
+        grace = limits.stop_grace_s
         started = time.monotonic()
         term_sent_at: float | None = None
         # The event files are the run's: read on a thread of their own, so that no amount of them
@@ -172,9 +173,9 @@ class Supervisor:
             except subprocess.TimeoutExpired:
                 pass
             now = time.monotonic()
-            if wall and now - started > float(wall) and self.stop_reason is None:
-                print(f"[trainwright] wall-time limit of {wall} s reached: stopping the run", flush=True)
-                self.request_stop(f"wall-time limit of {wall} s reached")
+            if wall and now - started > wall and self.stop_reason is None:
+                print(f"[trainwright] wall-time limit of {_seconds(wall)} s reached: stopping the run", flush=True)
+                self.request_stop(f"wall-time limit of {_seconds(wall)} s reached")
             if self.stop_reason is not None:
                 term_sent_at = term_sent_at or now
                 if now - term_sent_at > grace:
@@ -252,9 +253,10 @@ class Supervisor:
 
     def end_leftovers(self, grace: float) -> None:
         """The engine is gone; make sure none of its workers or helpers linger."""
-        if self.child is not None and group_alive(self.child.pid):
-            # In the sandbox, bwrap is gone once the engine's main process has exited, and its
-            # init (which the kernel then kills) takes every process of the sandbox with it.
+        if self.child is not None:
+            # A group that is gone is not signalled. In the sandbox, bwrap is gone once the
+            # engine's main process has exited, and its init (which the kernel then kills) takes
+            # every process of the sandbox with it.
             kill_group(self.child.pid, signal.SIGTERM)
         left = self.leftovers()
         if left:
@@ -345,6 +347,11 @@ def failure_error(reported: str | None, code: int, run_dir: Path, free: int | No
     if free is not None and free < rd.LOW_SPACE_BYTES:
         return rd.no_space_message(run_dir, _describe_exit(code), free)
     return _describe_exit(code)
+
+
+def _seconds(value: float) -> str:
+    """``100`` for 100.0 s, ``2.5`` for 2.5 s."""
+    return f"{value:.0f}" if float(value).is_integer() else str(value)
 
 
 def _describe_exit(code: int) -> str:

@@ -21,6 +21,7 @@ import itertools
 import json
 import os
 import random
+import re
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -28,7 +29,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
 from engine.errors import BadInput, NotFound
-from engine.server_record import GIT_COMMIT
 from sandbox.environment import looks_secret
 from sandbox.redact import secret_values
 from workspace.files import as_before_on_failure, write_atomically, write_files
@@ -72,7 +72,7 @@ OWN_FOLDERS = ("runs/", "exports/", ".trainwright/")
 WORKSPACE_GITIGNORE = "".join(f"{folder}\n" for folder in OWN_FOLDERS) + "__pycache__/\n"
 # Settings given on every git command line (``git -c ...``): they win over the repository's.
 SAFE_CONFIG = ("core.hooksPath=/dev/null", "core.fsmonitor=false", "core.untrackedCache=false")
-COMMIT_ID = GIT_COMMIT  # a full commit id, SHA-1 or SHA-256
+COMMIT_ID = re.compile(r"^[0-9a-f]{40}([0-9a-f]{24})?$")  # a full commit id, SHA-1 or SHA-256, as git prints it
 
 
 class GitRefused(BadInput):

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Iterator
 
 from engine import run_dir as rd
-from engine import server_record as sr
+from runner import server_record as sr
 from engine.errors import BadInput, NotFound
 from workspace.settings import RunLimits, effective_limits
 from workspace.paths import PathRefused, check_name, confine, refuse_reserved
@@ -244,7 +244,7 @@ class Workspace:
         return confine(self.root, path, "run")
 
     def record_dir(self, run_id: str) -> Path:
-        """The folder of the server's record of a run (engine.server_record)."""
+        """The folder of the server's record of a run (runner.server_record)."""
         return sr.record_dir(self.root, run_id)
 
     def run_ids(self) -> list[str]:

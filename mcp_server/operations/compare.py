@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from engine import run_dir as rd
-from engine import server_record as sr
+from runner import server_record as sr
 from mcp_server.limits import AGENT_BUDGET_CHARS, json_chars
 from mcp_server.models import CompareResult, MetricVerdict, Verdict
 from mcp_server.operations import history
@@ -261,7 +261,7 @@ def _code_differences(ws: Workspace, a: sr.ServerRecord, b: sr.ServerRecord, dir
 def _skills(ws: Workspace, record: rd.RunRecord) -> list[str]:
     """Skills applied to the run's recipe, from the trailers of the commits up to its commit."""
     repo = workspace_git.open_repo(ws.root)
-    if repo is None or not record.git_commit or not sr.GIT_COMMIT.fullmatch(record.git_commit) or not record.recipe:
+    if repo is None or not record.git_commit or not workspace_git.COMMIT_ID.fullmatch(record.git_commit) or not record.recipe:
         return []  # run.json is the run's to write: only a commit id is passed to git
     commits = workspace_git.path_commits(repo, ws.root / record.recipe, rev=record.git_commit)
     return [value for commit in reversed(commits) for key, value in commit.trailers

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from engine import run_dir as rd
-from engine import server_record as sr
+from runner import server_record as sr
 from workspace.workspace import NotFound, Workspace
 
 MAX_CHAIN_RUNS = 20

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from engine import run_dir as rd
-from engine import server_record as sr
+from runner import server_record as sr
 from engine.config import Overrides, override_args, overrides_to_dict
 from engine.errors import BadInput, NotFound
 from engine.seams import LaunchVerdict
@@ -37,6 +37,7 @@ from runner import hub
 from runner import lifecycle as run_lifecycle
 from runner import scripts
 from runner import slurm as slurm_jobs
+from runner.capacity import check_capacity
 from runner.nodes import Nodes, check_allowed, check_nodes
 from runner.provenance import CodeOrigin, check_snapshot_unchanged, code_at_commit, recipe_origin, snapshot_digest
 from workspace.paths import confine_config
@@ -73,7 +74,7 @@ class Launch:
     nproc: int
     overrides: dict[str, Any] = field(default_factory=dict)
     script: scripts.ScriptLaunch | None = None
-    code_from: str = "recipe"
+    code_from: rd.CodeFrom = "recipe"
     resumed_from: rd.ResumedFrom | None = None
     continues: sr.ServerRecord | None = None
     nodes: Nodes = Nodes()
@@ -96,7 +97,7 @@ def plan(ws: Workspace, launch: Launch, limits: RunLimits, warnings: list[str],
     (:func:`run_limits`), ``warnings`` what choosing them said."""
     local = launch.slurm is None
     if local:  # a SLURM job runs on the cluster's nodes, under its own limits
-        run_lifecycle.check_capacity(sr.records_root(ws.root), launch.nproc, limits)  # again at start
+        check_capacity(sr.records_root(ws.root), launch.nproc, limits)  # again at start
     if launch.script is not None:
         return run_lifecycle.LaunchPlan(launch.code_dir, launch.label, launch.nproc, launch.origin,
                                         code_from=launch.code_from, resumed_from=launch.resumed_from, limits=limits,
@@ -280,7 +281,7 @@ def resume_checkpoint(
     limits, warnings = run_limits(ws, limits)
     same_shape = nproc == source.nproc and not limits.threads_per_process
     request = Launch(
-        code_dir, source.recipe, origin, nproc, flat, code_from=code,
+        code_dir, source.recipe, origin, nproc, flat, code_from=_code_from(code),
         resumed_from=rd.ResumedFrom(run_id=source.id, step=chosen_step, path=str(checkpoint)), continues=source,
         hub_values=(hub.model_value(flat) or hub.model_value(source.config),
              hub.config_value(flat, hub.DATASET_KEY) or hub.config_value(source.config, hub.DATASET_KEY)),
@@ -288,6 +289,11 @@ def resume_checkpoint(
         review=_resume_review(source, chosen_step),
     )
     return start(ws, plan(ws, request, limits, warnings, progress))
+
+
+def _code_from(code: str) -> rd.CodeFrom:
+    """``resume_checkpoint``'s ``code`` (checked against :data:`CODE_CHOICES`) as the record says it."""
+    return "checkpoint" if code == "checkpoint" else "head"
 
 
 def _resumed_code(ws: Workspace, source_dir: Path, source: sr.ServerRecord, code: str) -> tuple[Path, CodeOrigin]:
@@ -334,7 +340,7 @@ def _script_resume(ws: Workspace, source_dir: Path, source: sr.ServerRecord, ste
     assert launch_from.script is not None
     return Launch(
         launch_from.code_dir, source.recipe, origin, check_nproc(source.nproc if nproc is None else nproc),
-        code_from=code, resumed_from=rd.ResumedFrom(run_id=source.id, step=chosen_step, path=str(checkpoint)),
+        code_from=_code_from(code), resumed_from=rd.ResumedFrom(run_id=source.id, step=chosen_step, path=str(checkpoint)),
         script=scripts.ScriptLaunch(launch_from.script, args, source.resume_arg, launch_from.alone),
     )
 

@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 from engine import run_dir as rd
-from engine import server_record as sr
+from runner import server_record as sr
 from engine.errors import BadInput
 from engine.model_io import check_sample_request
 from engine.seams import GeneratedSample

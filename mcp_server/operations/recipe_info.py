@@ -22,7 +22,7 @@ from collections.abc import Callable
 from concurrent.futures import Future  # its result(timeout) raises TimeoutError (3.11)
 from pathlib import Path
 
-from engine import server_record as sr
+from runner import server_record as sr
 from engine.errors import BadInput, NotFound
 from mcp_server.limits import AGENT_BUDGET_CHARS, MAX_CONCURRENT_CHECKS, bounded, json_chars, text_bytes
 from mcp_server.models import (

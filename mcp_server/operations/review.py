@@ -6,7 +6,7 @@ import json
 from collections import defaultdict
 
 from engine import run_dir as rd
-from engine import server_record as sr
+from runner import server_record as sr
 from mcp_server.models import ReviewCommit, ReviewResult, ReviewRun
 from workspace import git as workspace_git
 from runner.provenance import code_description

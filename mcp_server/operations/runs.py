@@ -4,7 +4,7 @@ Each function is one tool (and one CLI command), or a reader other tools use
 (:func:`server_view`, :func:`tail_text`, :func:`bounded_record`). They read the runs on disk,
 so they see every run as it is, also runs started before this process: what the server decided
 and saw from the server's record of each run, what the run reported from its run directory
-(untrusted: :func:`engine.server_record.view`). Starting runs is
+(untrusted: :func:`runner.server_record.view`). Starting runs is
 :mod:`mcp_server.operations.launch`.
 """
 
@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from engine import run_dir as rd
-from engine import server_record as sr
+from runner import server_record as sr
 from engine.errors import BadInput
 from mcp_server.limits import (
     AGENT_BUDGET_CHARS,
@@ -63,7 +63,7 @@ MAX_DATA_PATHS_SHOWN = 5
 
 
 def server_view(ws: Workspace, run_id: object) -> tuple[Path, sr.ServerRecord]:
-    """The run directory and the run as the server knows it (:func:`engine.server_record.view`)."""
+    """The run directory and the run as the server knows it (:func:`runner.server_record.view`)."""
     run_dir = ws.run_dir(run_id)
     try:
         return run_dir, sr.view(ws.root, run_dir)

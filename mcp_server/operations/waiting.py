@@ -13,7 +13,7 @@ from typing import Any, Awaitable, Callable
 import anyio
 
 from engine import run_dir as rd
-from engine import server_record as sr
+from runner import server_record as sr
 from mcp_server.limits import DEFAULT_WAIT_S, MAX_WAIT_S
 from mcp_server.models import WaitRunResult
 from engine.errors import BadInput

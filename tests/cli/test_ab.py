@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from engine import run_dir as rd
-from engine import server_record as sr
+from runner import server_record as sr
 from engine.config import overrides_to_dict
 from engine.errors import BadInput, NotFound
 from mcp_server import cli

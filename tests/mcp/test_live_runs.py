@@ -18,7 +18,7 @@ from mcp_types import LoggingMessageNotificationParams, ResourceUpdatedNotificat
 
 from engine import run_dir as rd
 from engine.checkpoint_manifest import write_manifest
-from engine import server_record as sr
+from runner import server_record as sr
 from mcp_server.live import MAX_SUBSCRIPTIONS, POLL_S
 from mcp_server.server import build_server
 from tests.sandbox.helpers import fake_run, make_workspace

@@ -5,7 +5,7 @@ holds it. No process is started here."""
 from __future__ import annotations
 
 from engine import run_dir as rd
-from engine import server_record as sr
+from runner import server_record as sr
 from mcp_server.models import RunInfo
 from mcp_server.operations import runs
 from workspace.workspace import Workspace

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from engine import run_dir as rd
-from engine import server_record as sr
+from runner import server_record as sr
 from tests.mcp.conftest import connect, git, head, is_finite_number, run_note
 from tests.sandbox.helpers import AUDIT
 

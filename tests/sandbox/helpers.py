@@ -18,7 +18,7 @@ from mcp import Client
 
 from engine import run_dir as rd
 from engine.checkpoint_manifest import write_manifest
-from engine import server_record as sr
+from runner import server_record as sr
 from workspace import git as workspace_git
 from runner import processes
 from tests.support import TEMPLATE, TINY, wait_for
@@ -166,9 +166,9 @@ def run_pids(run_dir: Path) -> set[int]:
     """Every live process of a run: the supervisor, its descendants, and those marked with its id."""
     record = rd.read_run(run_dir)
     pids = processes.marked(record.id)
-    if record.pid and processes.alive(record.pid):
+    if record.pid and rd.pid_alive(record.pid):
         pids |= {record.pid} | processes.descendants(record.pid)
-    return {p for p in pids if processes.alive(p)}
+    return {p for p in pids if rd.pid_alive(p)}
 
 
 def host_pid(run_dir: Path, pid_in_run: int) -> int:
@@ -201,11 +201,11 @@ def processes_with_argument(token: str) -> set[int]:
 def wait_gone(pids: set[int], timeout: float = 30) -> set[int]:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        left = {p for p in pids if processes.alive(p)}
+        left = {p for p in pids if rd.pid_alive(p)}
         if not left:
             return set()
         time.sleep(0.1)
-    return {p for p in pids if processes.alive(p)}
+    return {p for p in pids if rd.pid_alive(p)}
 
 
 def derived_recipe(workspace: Path, name: str, body: str) -> Path:

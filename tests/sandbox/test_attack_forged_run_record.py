@@ -1,5 +1,5 @@
 """A run may rewrite its own run.json (it is in the run directory, the one folder the run
-writes). The server decides from its own record of the run (engine.server_record), so nothing a
+writes). The server decides from its own record of the run (runner.server_record), so nothing a
 run writes there makes the server signal a process it did not start, read a host file into a
 git note, call a run that trains "completed", run SLURM commands with the run's arguments, or
 show a reviewer provenance the run chose.
@@ -22,12 +22,14 @@ import pytest
 
 from engine.seams import LaunchVerdict
 from engine import run_dir as rd
-from engine import server_record as sr
+from runner import server_record as sr
 from engine.errors import BadInput
 from mcp_server.operations import launch as launching
 from mcp_server.operations import runs as run_ops
 from workspace import git as workspace_git
 from runner import lifecycle as run_lifecycle
+from runner import processes
+from runner.capacity import check_capacity
 from runner import slurm
 from workspace.workspace import Workspace
 from tests.sandbox.helpers import fake_run, make_workspace, record_folder, supervise, wait_gone
@@ -85,7 +87,7 @@ def test_a_forged_pid_or_group_never_makes_stop_run_signal_another_process(tmp_p
 
 def test_identities_refuse_pids_that_name_groups_or_everything():
     assert sr.identify(1) is None and sr.identify(0) is None and sr.identify(-1) is None and sr.identify(True) is None
-    assert not run_lifecycle.kill_group(1, 0) and not run_lifecycle.kill_group(-1, 0) and not run_lifecycle.kill_group(0, 0)
+    assert not processes.kill_group(1, 0) and not processes.kill_group(-1, 0) and not processes.kill_group(0, 0)
     assert not rd.pid_alive(-1) and not rd.pid_alive(1)
     with pytest.raises(ValueError):
         sr.ServerRecord(id="r", child_pgid=1)
@@ -101,7 +103,7 @@ def test_identities_refuse_pids_that_name_groups_or_everything():
 def test_a_server_in_a_container_knows_its_own_processes():
     """In a container (a PID namespace whose session leader is outside it) /proc shows session
     0 for every process: a live process there is still a process, and still signalled."""
-    probe = ("import os, signal; from engine import server_record as sr; me = sr.identify(os.getpid()); "
+    probe = ("import os, signal; from runner import server_record as sr; me = sr.identify(os.getpid()); "
              "print('PROBE', me is not None and me.session == 0 and me.alive() and me.send_signal(0))")
     done = subprocess.run(["unshare", "--pid", "--fork", "--mount-proc", "sh", "-c", '"$0" -c "$1"',
                            sys.executable, probe], cwd=REPO, capture_output=True, text=True, timeout=60)
@@ -120,13 +122,13 @@ def test_a_run_that_says_it_ended_still_counts_as_running_and_stops(tmp_path, fo
     workspace = make_workspace(tmp_path / "ws", "runs:\n  max_concurrent_runs: 1\n")
     run_dir = start_sleeper(workspace)
     ws = Workspace.open(workspace)
-    marked = run_lifecycle.marked(RUN_ID)
+    marked = processes.marked(RUN_ID)
     assert marked
     forge(run_dir, **forged)
     assert run_ops.get_run(ws, RUN_ID).status == rd.RUNNING
     assert [s.status for s in run_ops.list_runs(ws).runs] == [rd.RUNNING]
     with pytest.raises(run_lifecycle.LaunchRefused, match="max_concurrent_runs is 1"):
-        run_lifecycle.check_capacity(sr.records_root(workspace), 1, ws.run_limits())
+        check_capacity(sr.records_root(workspace), 1, ws.run_limits())
     assert run_ops.stop_run(ws, RUN_ID).status == rd.STOPPED
     assert wait_gone(marked, timeout=20) == set()
     assert sr.read_record(ws.record_dir(RUN_ID)).status == rd.STOPPED
@@ -256,7 +258,7 @@ def test_the_servers_record_is_outside_every_writable_folder_of_the_runs_sandbox
 
     workspace = make_workspace(tmp_path / "ws")
     run_dir = workspace / rd.RUNS_DIRNAME / RUN_ID
-    read_only, writable, hidden = [workspace], [run_dir], run_lifecycle.hidden_state(workspace)
+    read_only, writable, hidden = [workspace], [run_dir], processes.hidden_state(workspace)
     run_dir.mkdir(parents=True)
     record = sr.record_dir(workspace, RUN_ID)
     options = [o for option in bwrap._mounts(read_only, writable, "isolated", {}, hidden) for o in [option]]
@@ -280,7 +282,7 @@ def test_a_sandboxed_run_cannot_change_the_servers_record(tmp_path):
             "p.write_text(json.dumps({'id': 'x', 'status': 'completed', 'git_commit': '-F/etc/passwd'}))")
     supervise(run_dir, [sys.executable, "-c", code], run_id=RUN_ID, sandbox={
         "bwrap": find_bwrap(), "read_only": [str(workspace)], "writable": [str(run_dir)],
-        "hidden": [str(p) for p in run_lifecycle.hidden_state(workspace)]}).wait(60)
+        "hidden": [str(p) for p in processes.hidden_state(workspace)]}).wait(60)
     assert "SEEN False" in (run_dir / rd.CONSOLE_LOG).read_text()
     kept = sr.read_record(sr.record_dir(workspace, RUN_ID))
     assert kept.id == RUN_ID and kept.status == rd.COMPLETED and kept.isolation == "full"

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 from engine import run_dir as rd
-from engine import server_record as sr
+from runner import server_record as sr
 from mcp_server.server import build_server
 from runner.supervise import run_note
 from tests.sandbox.helpers import error_text, fake_run, live_client, make_workspace, record_folder

@@ -45,7 +45,8 @@ def test_a_check_that_prints_without_end_costs_bounded_memory_and_no_disk(tmp_pa
     import time
 
     from workspace.settings import RunLimits
-    from runner.lifecycle import MAX_CHECK_OUTPUT_BYTES, run_contained
+    from runner.processes import run_contained
+    from sandbox.contained import MAX_OUTPUT_BYTES as MAX_CHECK_OUTPUT_BYTES
 
     root = make_workspace(tmp_path / "ws")
     script = (

@@ -24,13 +24,14 @@ import time
 import pytest
 
 from engine import run_dir as rd
-from engine import server_record as sr
+from runner import server_record as sr
 from mcp_server.operations import launch as launching
 from mcp_server.operations import runs as run_ops
 from mcp_server.server import build_server
 from sandbox import bwrap
 from runner import lifecycle as run_lifecycle
-from workspace.settings import ConfigRefused, RunLimits, limits_from_mapping
+from runner.capacity import check_capacity
+from workspace.settings import ConfigRefused, RunLimits, capacity, limits_from_mapping
 from workspace.workspace import Workspace
 from tests.sandbox.helpers import (
     derived_recipe, fake_run, live_client, make_workspace, processes_with_argument, supervise, tree_hash,
@@ -367,13 +368,13 @@ def test_a_launch_over_the_cap_on_processes_is_refused(tmp_path):
              created_at=an_hour_ago)  # never got a supervisor
     records = sr.records_root(workspace)
     with pytest.raises(run_lifecycle.LaunchRefused, match=r"to 5 training processes and runs.max_total_processes is 4"):
-        run_lifecycle.check_capacity(records, 2, Workspace.open(workspace).run_limits())
-    run_lifecycle.check_capacity(records, 1, Workspace.open(workspace).run_limits())  # 4 fits
+        check_capacity(records, 2, Workspace.open(workspace).run_limits())
+    check_capacity(records, 1, Workspace.open(workspace).run_limits())  # 4 fits
 
 
 def test_the_caps_default_from_the_core_count_and_are_checked():
     cores = len(os.sched_getaffinity(0))
-    assert run_lifecycle.capacity(RunLimits()) == (2 * cores, 4 * cores)
+    assert capacity(RunLimits()) == (2 * cores, 4 * cores)
     assert limits_from_mapping({"max_concurrent_runs": 3, "max_total_processes": 5}).max_total_processes == 5
     for bad in (0, -1, "two", 1.5, True):
         with pytest.raises(ConfigRefused, match="runs.max_concurrent_runs"):

@@ -29,7 +29,7 @@ from hypothesis import strategies as st
 
 from engine import run_dir as rd
 from engine.checkpoint_manifest import write_manifest
-from engine import server_record as sr
+from runner import server_record as sr
 from engine.errors import TrainwrightError
 from mcp_server.operations import model_tools, recipe_info, review, waiting
 from mcp_server.operations import launch as launching
@@ -37,7 +37,8 @@ from mcp_server.operations import runs as run_ops
 from workspace import git as workspace_git
 from runner import lifecycle as run_lifecycle
 from runner.model_process import ModelProcessFailed
-from runner.processes import RUN_ID_VARIABLE, alive
+from engine.run_dir import pid_alive as alive
+from runner.processes import RUN_ID_VARIABLE
 from runner.supervise import Supervisor
 from workspace.workspace import Workspace
 from tests.sandbox.helpers import make_workspace

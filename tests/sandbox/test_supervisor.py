@@ -13,7 +13,7 @@ import time
 import pytest
 
 from engine import run_dir as rd
-from engine import server_record as sr
+from runner import server_record as sr
 from sandbox import network
 from runner import processes
 from runner.lifecycle import stop_run

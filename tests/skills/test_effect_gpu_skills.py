@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.server_record import NOT_STARTED_BY_SERVER
+from runner.server_record import NOT_STARTED_BY_SERVER
 import torch
 
 from mcp_server.operations.runs import get_run

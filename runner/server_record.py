@@ -13,7 +13,9 @@ A run has two records with two owners:
 
 Every decision (stop, capacity, status, notes, resume, joins, SLURM, review) reads the server's
 record; :func:`view` gives tools the server's record with the few fields that are the run's own
-(:data:`REPORTED_FIELDS`) taken from its report. A ``ServerRecord`` is a ``RunRecord`` (the same
+taken from its report. Each field declares its writer (:class:`engine.run_dir.Owner`, in
+``Annotated``); :data:`REPORTED_FIELDS` and what a run the server did not start shows are
+derived from those declarations. A ``ServerRecord`` is a ``RunRecord`` (the same
 fields and meanings) plus the identities of the processes the server started.
 
 Torch-free (stdlib and pydantic): the server imports it.
@@ -22,17 +24,20 @@ Torch-free (stdlib and pydantic): the server imports it.
 from __future__ import annotations
 
 import datetime as _dt
+import functools
 import os
 import re
 import signal
 import stat
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, field_validator
 
 from engine import run_dir as rd
 from engine.errors import BadInput
+from workspace.git import COMMIT_ID
+from workspace.settings import RunLimits
 
 STATE_DIRNAME = ".trainwright"
 RECORDS_DIRNAME = "runs"
@@ -43,14 +48,8 @@ MAX_RECORD_BYTES = 16 * 2**20
 # launcher died in between): it is not running.
 STARTING_GRACE_S = 60.0
 
-GIT_COMMIT = re.compile(r"^[0-9a-f]{40}([0-9a-f]{24})?$")  # SHA-1 or SHA-256, as git prints it
 SLURM_JOB_ID = re.compile(r"^\d{1,20}(_\d{1,20})?$")
 
-# The fields of a run's view that come from its own report (run.json), not from the server.
-REPORTED_FIELDS = ("metrics_destinations", "started_at", "final_step", "engine_pid")
-# The data summary is the run's own count when it reports one (the engine counts again when the
-# data changed after the check): text and numbers to show, never acted on.
-REPORTED_WHEN_GIVEN = ("data",)
 NOT_STARTED_BY_SERVER = (
     "this run was not started by trainwright's server (it has no record in .trainwright/runs/): its status "
     "and provenance are only what its own run.json says, and the server never signals or resumes it as its code"
@@ -103,9 +102,10 @@ class ProcessIdentity(BaseModel):
 
 
 def identify(pid: int | None) -> ProcessIdentity | None:
-    """The identity of the live process ``pid``, or None (gone, a zombie, or not a process id
-    the server could have started: 0, 1 and negative numbers name groups or every process)."""
-    if not isinstance(pid, int) or isinstance(pid, bool) or pid <= 1:
+    """The identity of the live process ``pid`` (:func:`engine.run_dir.pid_alive`), or None
+    (gone, a zombie, or not a process id the server could have started: 0, 1 and negative
+    numbers name groups or every process)."""
+    if pid is None or not rd.pid_alive(pid):
         return None
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
@@ -114,10 +114,10 @@ def identify(pid: int | None) -> ProcessIdentity | None:
         return None
     fields = text.rsplit(")", 1)[-1].split()
     try:
-        state, session, start_ticks = fields[0], int(fields[3]), int(fields[19])
+        session, start_ticks = int(fields[3]), int(fields[19])
     except (IndexError, ValueError):
         return None
-    if state in ("Z", "X") or session < 0:
+    if session < 0:
         return None
     return ProcessIdentity(pid=pid, start_ticks=start_ticks, session=session)
 
@@ -127,19 +127,21 @@ class ServerRecord(rd.RunRecord):
     (see the module docstring). Written only outside the sandbox; every value that becomes an
     argument of a command is checked here when it is written and when it is read."""
 
-    run_dir: str | None = Field(None, description="The run directory (where the run writes).")
-    supervisor: ProcessIdentity | None = Field(None, description="The supervisor the server started.")
-    engine_group: ProcessIdentity | None = Field(
+    run_dir: Annotated[str | None, rd.SERVER_ONLY] = Field(None, description="The run directory (where the run writes).")
+    supervisor: Annotated[ProcessIdentity | None, rd.SERVER_ONLY] = Field(
+        None, description="The supervisor the server started."
+    )
+    engine_group: Annotated[ProcessIdentity | None, rd.SERVER_ONLY] = Field(
         None, description="The leader of the engine's process group (bwrap in the sandbox), started by the supervisor."
     )
-    started_by_server: bool = Field(
+    started_by_server: Annotated[bool, rd.SERVER] = Field(
         True, description="False only in a view of a run that has no server record (its report alone)."
     )
 
     @field_validator("git_commit")
     @classmethod
     def _commit_is_a_sha(cls, value: str | None) -> str | None:
-        if value is not None and not GIT_COMMIT.fullmatch(value):
+        if value is not None and not COMMIT_ID.fullmatch(value):
             raise ValueError("git_commit must be a full commit id (40 or 64 lower-case hex digits)")
         return value
 
@@ -157,21 +159,58 @@ class ServerRecord(rd.RunRecord):
             raise ValueError("a process id of a run is above 1")
         return value
 
+    def run_limits(self) -> RunLimits:
+        """The limits the run was started with, read back into their model (the record keeps
+        them as JSON in ``limits``; a key it lacks has the settings' default)."""
+        return _limits_model().validate_python(self.limits)
+
     def supervisor_alive(self) -> bool:
         return self.supervisor is not None and self.supervisor.alive()
 
     def effective_status(self) -> rd.RunStatus:
-        """The run's status as the server knows it: final only from the supervisor's (or the
-        server's) own record of the outcome; running while the supervisor it started lives;
-        failed once that supervisor is gone without recording one."""
-        if self.status in rd.FINAL_STATUSES or not self.started_by_server or self.target != "local":
-            return self.status
-        if self.supervisor is None:
-            return rd.STARTING if _age_s(self.created_at) < STARTING_GRACE_S else rd.FAILED
-        return self.status if self.supervisor.alive() else rd.FAILED
+        """The run's status as the server knows it (:func:`engine.run_dir.run_status`): final only
+        from the supervisor's (or the server's) own record of the outcome; live while the
+        supervisor the server started lives (before one is recorded: for
+        ``STARTING_GRACE_S`` after the record was made); failed once it is gone without
+        recording one. A run the server did not start here (its report alone, a SLURM job) is
+        what its record says."""
+        return rd.run_status(self.status, self._watcher_alive)
+
+    def _watcher_alive(self) -> bool | None:
+        if not self.started_by_server or self.target != "local":
+            return None
+        if self.supervisor is None:  # the launcher has not recorded it yet, or died first
+            return _age_s(self.created_at) < STARTING_GRACE_S
+        return self.supervisor.alive()
 
 
 SUPERVISOR_GONE = "the run's supervisor is gone without recording an outcome (killed?)"
+
+
+@functools.cache
+def _limits_model() -> TypeAdapter[RunLimits]:
+    return TypeAdapter(RunLimits)  # built on first use: the server's start does not pay for it
+
+
+def _owners() -> dict[str, rd.Owner]:
+    """Each field's :class:`~engine.run_dir.Owner`, as the field declares it."""
+    owners = {}
+    for name, info in ServerRecord.model_fields.items():
+        declared = [m for m in info.metadata if isinstance(m, rd.Owner)]
+        if len(declared) != 1:
+            raise TypeError(f"ServerRecord.{name} must declare its owner once (Annotated[..., Owner(...)])")
+        owners[name] = declared[0]
+    return owners
+
+
+OWNERS = _owners()
+# The fields of a run's view that come from its own report (run.json), not from the server; and
+# those that come from it when it gives one (the data summary: the engine counts again when the
+# data changed after the check).
+REPORTED_FIELDS = tuple(n for n, o in OWNERS.items() if o.writer == "run" and not o.when_given)
+REPORTED_WHEN_GIVEN = tuple(n for n, o in OWNERS.items() if o.writer == "run" and o.when_given)
+# Lists of the server's entries, then the run's own.
+MERGED_FIELDS = tuple(n for n, o in OWNERS.items() if o.writer == "both")
 
 
 def _age_s(stamp: str | None) -> float:
@@ -295,8 +334,9 @@ def merge(record: ServerRecord, report: rd.RunRecord | None) -> ServerRecord:
         return record
     update: dict[str, Any] = {name: getattr(report, name) for name in REPORTED_FIELDS}
     update.update({name: getattr(report, name) for name in REPORTED_WHEN_GIVEN if getattr(report, name) is not None})
-    known = set(record.warnings)
-    update["warnings"] = [*record.warnings, *(w for w in report.warnings if w not in known)]
+    for name in MERGED_FIELDS:
+        known = set(getattr(record, name))
+        update[name] = [*getattr(record, name), *(w for w in getattr(report, name) if w not in known)]
     return record.model_copy(update=update)
 
 
@@ -305,18 +345,13 @@ def report(run_dir: Path | str) -> rd.RunRecord | None:
     return _report(Path(run_dir))
 
 
-_SERVER_OWNED_BLANK: dict[str, Any] = {
-    "git_commit": None, "recipe_dirty": None, "dirty_files": [], "snapshot_digest": None, "isolation": None,
-    "isolation_note": None, "network_isolated": None, "network_note": None, "pid": None, "child_pgid": None,
-    "engine_pid": None, "target": "local", "slurm_job_id": None, "slurm_script": None, "slurm_state": None,
-    "slurm_checked_at": None, "limits": {}, "command": [], "sandbox": None, "workspace": None, "joins": None,
-    "stop_requested": False, "resumed_from": None, "hub_models": [], "script_args": [], "resume_arg": None,
-}
-
-
 def _unverified(run_dir: Path) -> ServerRecord:
     report = rd.read_run(run_dir)
-    data = {**report.model_dump(), **_SERVER_OWNED_BLANK, "id": run_dir.name, "started_by_server": False,
+    # What only the server can vouch for (no processes, no commit, no isolation, no SLURM job) is
+    # each field's default.
+    blank = {name: ServerRecord.model_fields[name].get_default(call_default_factory=True)
+             for name, owner in OWNERS.items() if owner.needs_record}
+    data = {**report.model_dump(), **blank, "id": run_dir.name, "started_by_server": False,
             "warnings": [NOT_STARTED_BY_SERVER, *report.warnings][: rd.MAX_WARNINGS]}
     return ServerRecord.model_validate(data)
 
