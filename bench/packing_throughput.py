@@ -125,6 +125,7 @@ def data_settings() -> list[str]:
 
 def run_template(workspace: Path, peer: str, steps: int, warmup: int) -> dict:
     from engine import run_dir as rd
+    from engine import run_metrics
 
     sets = [*data_settings(), f"train.max_steps={steps}", "train.log_every=1", "checkpoint.every=0",
             "checkpoint.at_end=false", "metrics.tensorboard=false", "train.eval_every=0"]
@@ -138,7 +139,7 @@ def run_template(workspace: Path, peer: str, steps: int, warmup: int) -> dict:
         raise SystemExit(f"{peer} failed:\n{out.stdout[-2000:]}\n{out.stderr[-3000:]}")
     sys.stderr.write(out.stderr)  # dynamo's recompilation lines, counted by measure()
     (run,) = set(runs.glob("*")) - before
-    records = rd.read_all_metrics(run / rd.METRICS_JSONL)
+    records = run_metrics.read_all_metrics(run / rd.METRICS_JSONL)
     shutil.rmtree(run)
     timed = [r for r in records if r["step"] > warmup]
     return {"tokens": [r["loss_tokens_per_s"] * r["step_time_s"] for r in timed],

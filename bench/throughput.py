@@ -77,6 +77,7 @@ def tokens(batch) -> int:
 
 def run_engine(steps: int, warmup: int, checkpoints: bool) -> dict:
     from engine import run_dir as rd
+    from engine import run_metrics
 
     with tempfile.TemporaryDirectory() as tmp:
         sets = [f"train.max_steps={steps}", f"train.log_every={warmup}",
@@ -87,7 +88,7 @@ def run_engine(steps: int, warmup: int, checkpoints: bool) -> dict:
             command += ["--set", item]
         subprocess.run(command, cwd=tmp, check=True, capture_output=True)
         (run,) = (Path(tmp) / rd.RUNS_DIRNAME).iterdir()
-        records = rd.read_all_metrics(run / rd.METRICS_JSONL)
+        records = run_metrics.read_all_metrics(run / rd.METRICS_JSONL)
     timed = [r for r in records if r["step"] > warmup]
     seconds = sum(r["step_time_s"] * warmup for r in timed)
     # The tokens the loss is over, as the other peers count them (labels != -100).

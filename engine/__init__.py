@@ -22,8 +22,10 @@ Small and explicit, one concept per file:
 - ``model_io``        export, sample, evaluate: ``python -m engine.model_io``
 - ``hf_export``       a trained model as a Hugging Face folder
 - ``openmp``          how a run's OpenMP threads wait: spinning, throttled beside competitors
-- ``run_dir``         the on-disk run directory format (torch-free; the server reads it)
-- ``run_files``       opening what a run wrote: beneath a folder, following no link (torch-free)
+- ``run_dir``         the on-disk run directory format: run.json's ``RunRecord`` (torch-free; the server reads it)
+- ``run_checkpoints`` a run's checkpoints: names, which are complete, the one chooser (torch-free)
+- ``run_metrics``     metrics.jsonl: ``MetricRecord``, its bounded readers, a run's speed (torch-free)
+- ``run_files``       opening and writing run files: following no link, locked, atomic (torch-free)
 - ``seams``           what the engine's processes hand the server, validated on read (torch-free)
 - ``errors``          the one error family (stdlib only)
 

@@ -34,6 +34,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 
 from engine import checkpoint_manifest as manifest
 from engine import run_dir as rd
+from engine import run_checkpoints
 from engine.errors import BadInput
 
 
@@ -174,8 +175,8 @@ class Checkpointer:
         self.is_main = is_main
 
     def save(self, step: int, states: dict[str, Any]) -> Path:
-        final = self.root / rd.checkpoint_dir_name(step)
-        partial = self.root / (rd.PARTIAL_PREFIX + final.name)
+        final = self.root / run_checkpoints.checkpoint_dir_name(step)
+        partial = self.root / (run_checkpoints.PARTIAL_PREFIX + final.name)
         if self.is_main:
             self.root.mkdir(parents=True, exist_ok=True)
             if partial.exists():  # left by an earlier attempt that was interrupted
@@ -197,7 +198,7 @@ class Checkpointer:
                 shutil.rmtree(partial, ignore_errors=True)
             if isinstance(e, (KeyboardInterrupt, SystemExit)):
                 raise
-            previous = rd.latest_checkpoint(self.root.parent)
+            previous = run_checkpoints.latest_checkpoint(self.root.parent)
             raise CheckpointSaveError(
                 _describe_save_failure(step, e, previous[0] if previous else None, free)
             ) from e
@@ -205,14 +206,14 @@ class Checkpointer:
         return final
 
     def _trash(self, path: Path) -> None:
-        trash = path.with_name(rd.TRASH_PREFIX + path.name)
+        trash = path.with_name(run_checkpoints.TRASH_PREFIX + path.name)
         shutil.rmtree(trash, ignore_errors=True)
         os.rename(path, trash)
         shutil.rmtree(trash, ignore_errors=True)
 
     def _prune(self) -> None:
         run_dir = self.root.parent
-        complete = rd.list_checkpoints(run_dir)
+        complete = run_checkpoints.list_checkpoints(run_dir)
         for _, path in complete[: max(0, len(complete) - self.keep_last)]:
             self._trash(path)
 
@@ -226,12 +227,12 @@ def verify_checkpoint(path: Path) -> None:
     """Every file of the checkpoint at ``path`` as its manifest says, digests included; else
     :class:`CheckpointCorrupt`."""
     path = Path(path)
-    step = rd.checkpoint_step(path)
-    if step is None or not (path / rd.DCP_METADATA).is_file():
-        raise CheckpointCorrupt(f"{path.name} is not a complete checkpoint (step-<N> with {rd.DCP_METADATA})")
+    step = run_checkpoints.checkpoint_step(path)
+    if step is None or not (path / run_checkpoints.DCP_METADATA).is_file():
+        raise CheckpointCorrupt(f"{path.name} is not a complete checkpoint (step-<N> with {run_checkpoints.DCP_METADATA})")
     why = manifest.problem(path, full=True)
     if why is not None:
-        raise CheckpointCorrupt(rd.corrupt_checkpoint_message(path.parent.parent, step, why, full=True))
+        raise CheckpointCorrupt(run_checkpoints.corrupt_checkpoint_message(path.parent.parent, step, why, full=True))
 
 
 def saved_keys(path: Path) -> set[str] | None:
@@ -260,8 +261,8 @@ def load_checkpoint(path: Path, states: dict[str, Any],
             raise
         cause = root_cause(e)
         what = f"{type(cause).__name__}: {cause}".splitlines()[0][:300]
-        raise CheckpointCorrupt(rd.corrupt_checkpoint_message(
-            path.parent.parent, rd.checkpoint_step(path) or 0, f"it cannot be loaded ({what})", full=True)) from e
+        raise CheckpointCorrupt(run_checkpoints.corrupt_checkpoint_message(
+            path.parent.parent, run_checkpoints.checkpoint_step(path) or 0, f"it cannot be loaded ({what})", full=True)) from e
 
 
 def _barrier() -> None:

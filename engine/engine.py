@@ -28,6 +28,8 @@ from torch import nn
 from torch.distributed.checkpoint.stateful import Stateful
 
 from engine import run_dir as rd
+from engine import run_checkpoints
+from engine import run_metrics
 from engine.checkpoint import Checkpointer, ModelOptimizerState, RNGState, SchedulerState, load_checkpoint
 from engine.config import ConfigError, EngineConfig
 from engine.data_files import changed_since_listed, data_fingerprint, forget_listed
@@ -426,7 +428,7 @@ class Engine:
 
     def after_train(self) -> None:
         if self.config.checkpoint.at_end and self.checkpointer is not None:
-            final = rd.checkpoint_dir_name(self.state.step)
+            final = run_checkpoints.checkpoint_dir_name(self.state.step)
             if not (self.checkpointer.root / final).exists():
                 self.save_checkpoint()
 
@@ -515,7 +517,7 @@ class Engine:
         """Log the record of ``window``, whose last step is ``ctx``."""
         step_time = window.elapsed / max(1, window.steps)
         peaks = gathered_peaks(self.device, self.dist)
-        record = rd.MetricRecord(
+        record = run_metrics.MetricRecord(
             step=self.state.step,
             loss=float(ctx.loss),
             lr=self.scheduler.get_last_lr()[0],
@@ -537,7 +539,7 @@ class Engine:
         self.logger.log(record.model_dump(exclude_none=True))
         self.suggest_skills(record)
 
-    def suggest_skills(self, record: rd.MetricRecord) -> None:
+    def suggest_skills(self, record: run_metrics.MetricRecord) -> None:
         """Once per run, the skill that fits what a step measured: sequence-packing when over
         30% of the positions were padding, gradient-checkpointing when the peak memory is over
         85% of what the process may use (a warning: console and ``get_run``)."""

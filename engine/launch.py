@@ -120,9 +120,9 @@ def main(argv: list[str] | None = None) -> int:
         recipe_class.validate_config(config, world_size)
         check_backends(config.metrics)
         if args.resume_from is not None:
-            from engine import run_dir as rd
+            from engine import run_checkpoints
 
-            if rd.checkpoint_step(args.resume_from) is None or not (args.resume_from / rd.DCP_METADATA).is_file():
+            if run_checkpoints.checkpoint_step(args.resume_from) is None or not (args.resume_from / run_checkpoints.DCP_METADATA).is_file():
                 raise ConfigError(f"--resume-from {args.resume_from} is not a complete checkpoint")
         # A direct start (no launcher counted the data) counts it too, to refuse before a run exists.
         data = _count_data(recipe_class, config) if args.check or args.run_dir is None else None

@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from engine import run_dir as rd
+from engine import run_checkpoints
 from engine.errors import EXIT_BAD_INPUT, EXIT_OK, EXIT_RUN_FAILED, BadInput, NotFound, TrainwrightError
 from engine.seams import (
     MAX_COMPLETION_CHARS,
@@ -64,8 +65,8 @@ SINGLE_PROCESS = {
 
 
 def checkpoint_path(run_dir: Path, step: int) -> Path:
-    path = Path(run_dir) / rd.CHECKPOINTS_DIRNAME / rd.checkpoint_dir_name(step)
-    if not (path / rd.DCP_METADATA).is_file():
+    path = Path(run_dir) / rd.CHECKPOINTS_DIRNAME / run_checkpoints.checkpoint_dir_name(step)
+    if not (path / run_checkpoints.DCP_METADATA).is_file():
         raise NotFound(f"run {Path(run_dir).name} has no complete checkpoint at step {step}")
     return path
 

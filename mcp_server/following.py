@@ -133,10 +133,10 @@ def echo_console(console: Path, offset: int, whole_lines: bool, echo: bool) -> i
     """Print what the console log gained since ``offset``, at most ECHO_CHUNK_BYTES a call (whole
     lines only while the run goes on, so that redaction sees every line whole, unless one line
     fills the chunk); return the new offset."""
-    from engine import run_dir as rd
+    from engine import run_metrics
 
     chunk = b""
-    f = rd.open_run_output(console)  # not through a link the run left
+    f = run_metrics.open_run_output(console)  # not through a link the run left
     if f is not None:
         with f:
             f.seek(offset)

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Iterator, Literal, overload
 
 from engine import run_dir as rd
+from engine import run_checkpoints
 from runner import server_record as sr
 from engine.data_files import WORKSPACE_VARIABLE
 from engine.errors import BadInput, NotFound
@@ -102,7 +103,7 @@ def _run_model_io(workspace: Path, run_dir: Path, action: str, step: int, argume
                   limits: RunLimits, timeout_s: float, writable: list[Path] | None) -> ModelOutcome:
     workspace, run_dir = Path(workspace), Path(run_dir)
     models = recorded_binding(_recorded_models(workspace, run_dir))
-    checkpoint = run_dir / rd.CHECKPOINTS_DIRNAME / rd.checkpoint_dir_name(step)
+    checkpoint = run_dir / rd.CHECKPOINTS_DIRNAME / run_checkpoints.checkpoint_dir_name(step)
     out_dir = Path(tempfile.mkdtemp(prefix="trainwright-model-"))
     try:
         result_file = out_dir / RESULT_NAME
@@ -172,7 +173,7 @@ def _open_run_files(run_dir: Path, step: int) -> tuple[int, int]:
         opened.append(os.open(run_dir, flags | os.O_DIRECTORY))
         opened.append(os.open(rd.RUN_JSON, flags | os.O_PATH, dir_fd=opened[0]))
         opened.append(os.open(rd.CHECKPOINTS_DIRNAME, flags | os.O_DIRECTORY, dir_fd=opened[0]))
-        opened.append(os.open(rd.checkpoint_dir_name(step), flags | os.O_DIRECTORY, dir_fd=opened[2]))
+        opened.append(os.open(run_checkpoints.checkpoint_dir_name(step), flags | os.O_DIRECTORY, dir_fd=opened[2]))
         if not stat.S_ISREG(os.fstat(opened[1]).st_mode):
             raise NotADirectoryError(f"{rd.RUN_JSON} is not a file")
     except OSError as e:

@@ -30,6 +30,7 @@ from typing import Any, BinaryIO
 from pydantic import ValidationError
 
 from engine import run_dir as rd
+from engine import run_metrics
 from engine.errors import BadInput
 from runner.nodes import Nodes, torchrun_args
 from runner.tensorboard_events import UNREAD, EventFiles
@@ -185,11 +186,11 @@ class ScriptMetrics:
 
 
 def _as_metric_record(record: dict[str, Any]) -> dict[str, Any]:
-    """``record`` as a :class:`~engine.run_dir.MetricRecord` line; a value of the wrong type
+    """``record`` as a :class:`~engine.run_metrics.MetricRecord` line; a value of the wrong type
     for one of its fields (``tokens_seen`` is an integer) is left out."""
     for _ in range(2):
         try:
-            return rd.MetricRecord(**record).model_dump(exclude_none=True)
+            return run_metrics.MetricRecord(**record).model_dump(exclude_none=True)
         except ValidationError as e:
             wrong = {str(error["loc"][0]) for error in e.errors() if error["loc"]}
             record = {key: value for key, value in record.items() if key == "step" or key not in wrong}
@@ -220,7 +221,7 @@ def checked_record(value: object) -> dict[str, Any] | None:
     for key, number in value.items():
         if len(record) > MAX_METRIC_KEYS:
             break
-        finite = rd.finite_number(number)
+        finite = run_metrics.finite_number(number)
         if (key == "step" or finite is None or not isinstance(key, str) or not 0 < len(key) <= MAX_METRIC_KEY_CHARS
                 or not key.isidentifier()):
             continue

@@ -35,6 +35,7 @@ from typing import Annotated, Any
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, field_validator
 
 from engine import run_dir as rd
+from engine import run_files
 from engine.errors import BadInput
 from workspace.git import COMMIT_ID
 from workspace.settings import RunLimits
@@ -253,7 +254,7 @@ def _real_dirs(path: Path, depth: int) -> None:
 
 
 def _write(folder: Path, record: ServerRecord) -> None:
-    rd.write_json_atomic(folder / RECORD_JSON, record.model_dump(mode="json"))
+    run_files.write_json_atomic(folder / RECORD_JSON, record.model_dump(mode="json"))
 
 
 def create_record(folder: Path, record: ServerRecord) -> None:
@@ -261,14 +262,14 @@ def create_record(folder: Path, record: ServerRecord) -> None:
     folder = Path(folder)
     _real_dirs(folder.parent, 2)
     os.mkdir(folder, 0o755)
-    with rd.locked(folder, _RECORD_LOCK):
+    with run_files.locked(folder, _RECORD_LOCK):
         _write(folder, record)
 
 
 def read_record(folder: Path) -> ServerRecord:
     """The server's record in ``folder``. FileNotFoundError when there is none; OSError when it
     cannot be read; ValueError when it is not a record (never quoting it)."""
-    data = rd.read_bounded(Path(folder) / RECORD_JSON, MAX_RECORD_BYTES, f"the server's record of {Path(folder).name}")
+    data = run_files.read_bounded(Path(folder) / RECORD_JSON, MAX_RECORD_BYTES, f"the server's record of {Path(folder).name}")
     try:
         return ServerRecord.model_validate_json(data)
     except ValidationError as e:
@@ -282,7 +283,7 @@ def update_record(folder: Path, **fields: Any) -> ServerRecord:
     if unknown:
         raise TypeError(f"ServerRecord has no field {sorted(unknown)[0]!r}")
     folder = Path(folder)
-    with rd.locked(folder, _RECORD_LOCK):
+    with run_files.locked(folder, _RECORD_LOCK):
         record = read_record(folder)
         record = ServerRecord.model_validate({**record.model_dump(), **fields})
         _write(folder, record)

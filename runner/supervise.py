@@ -31,6 +31,7 @@ import time
 from pathlib import Path
 
 from engine import run_dir as rd
+from engine import run_metrics
 from runner import server_record as sr
 from sandbox import bwrap
 from workspace.git import add_note
@@ -293,19 +294,19 @@ class Supervisor:
             return
         shown = sr.merge(record, sr.report(self.run_dir))  # the data it counted, from its report
         add_note(Path(record.workspace), record.git_commit,
-                 run_note(shown, rd.latest_metrics(self.run_dir / rd.METRICS_JSONL),
-                          rd.read_run_speed(self.run_dir, shown)))
+                 run_note(shown, run_metrics.latest_metrics(self.run_dir / rd.METRICS_JSONL),
+                          run_metrics.read_run_speed(self.run_dir, shown)))
 
 
-def run_note(record: rd.RunRecord, latest: dict | None, speed: rd.RunSpeed | None = None) -> str:
-    """One line per run on its commit: outcome, speed (:func:`engine.run_dir.run_speed`), code,
+def run_note(record: rd.RunRecord, latest: dict | None, speed: run_metrics.RunSpeed | None = None) -> str:
+    """One line per run on its commit: outcome, speed (:func:`engine.run_metrics.run_speed`), code,
     config, data."""
     parts = [f"run {record.id}: {record.status}"]
     if latest:
         parts.append(f"step {latest.get('step')}/{record.max_steps or '?'}")
         loss = latest.get("loss")
-        if rd.finite_number(loss) is not None:
-            parts.append(f"loss {rd.finite_number(loss):.4f}")
+        if run_metrics.finite_number(loss) is not None:
+            parts.append(f"loss {run_metrics.finite_number(loss):.4f}")
         elif isinstance(loss, str):  # metrics.jsonl writes non-finite losses as "nan" / "inf"
             parts.append(f"loss {loss[:20]} (not finite)")
     if speed is not None and speed.describe():

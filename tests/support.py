@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 from engine import run_dir as rd
+from engine import run_metrics
 
 REPO = Path(__file__).resolve().parent.parent
 TEMPLATE = REPO / "recipes_template" / "causal_lm"
@@ -120,7 +121,7 @@ def kill_group(process: subprocess.Popen) -> None:
 
 
 def losses(run_dir: Path) -> dict[int, float]:
-    return {r["step"]: r["loss"] for r in rd.read_all_metrics(run_dir / rd.METRICS_JSONL) if "loss" in r}
+    return {r["step"]: r["loss"] for r in run_metrics.read_all_metrics(run_dir / rd.METRICS_JSONL) if "loss" in r}
 
 
 def wait_for(predicate, timeout: float = 300, interval: float = 0.05):

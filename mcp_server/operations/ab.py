@@ -27,6 +27,7 @@ from typing import Any, Callable, Literal
 
 import skills as skill_library
 from engine import run_dir as rd
+from engine import run_metrics
 from engine.config import Overrides
 from engine.errors import BadInput
 from mcp_server.limits import AB_DEFAULT_ROUNDS, AB_MAX_ROUNDS, AB_MAX_STEPS, AB_MIN_STEPS
@@ -189,7 +190,7 @@ def _wait(ws: Workspace, run_id: str, steps: int, say: Progress) -> str:
             _, record = run_ops.server_view(ws, run_id)
             if record.effective_status() in rd.FINAL_STATUSES and not record.supervisor_alive():
                 return run_ops.get_run(ws, run_id).status
-            step = (rd.latest_metrics(run_dir / rd.METRICS_JSONL) or {}).get("step")
+            step = (run_metrics.latest_metrics(run_dir / rd.METRICS_JSONL) or {}).get("step")
             if step != last_step and time.monotonic() - last_said >= PROGRESS_EVERY_S:
                 say(f"  {run_id}: step {step}/{steps}")
                 last_said, last_step = time.monotonic(), step

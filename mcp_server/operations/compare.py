@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from engine import run_dir as rd
+from engine import run_metrics
 from runner import server_record as sr
 from mcp_server.limits import AGENT_BUDGET_CHARS, json_chars
 from mcp_server.models import CompareResult, MetricVerdict, Verdict
@@ -82,8 +83,8 @@ def compare_groups(ws: Workspace, runs_a: list[str], runs_b: list[str]) -> Compa
             else:
                 metrics.append(verdict)
 
-    own_a = [rd.read_all_metrics(folder / rd.METRICS_JSONL) for folder, _ in views_a]
-    own_b = [rd.read_all_metrics(folder / rd.METRICS_JSONL) for folder, _ in views_b]
+    own_a = [run_metrics.read_all_metrics(folder / rd.METRICS_JSONL) for folder, _ in views_a]
+    own_b = [run_metrics.read_all_metrics(folder / rd.METRICS_JSONL) for folder, _ in views_b]
 
     def windows(own: list[list[dict[str, Any]]], key: str) -> list[float]:
         return [value for records in own for value in _windows(records, key)]
@@ -182,13 +183,13 @@ def compare_peaks(peaks_a: tuple[float, list[float]] | None, peaks_b: tuple[floa
 
 
 def _training(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    return [r for r in records if rd.finite_number(r.get("tokens_per_s")) is not None
-            and rd.finite_number(r.get("step_time_s")) is not None]
+    return [r for r in records if run_metrics.finite_number(r.get("tokens_per_s")) is not None
+            and run_metrics.finite_number(r.get("step_time_s")) is not None]
 
 
 def _windows(records: list[dict[str, Any]], key: str) -> list[float]:
     """The values of ``key`` in the training windows after the first (the warm-up)."""
-    values = [rd.finite_number(r.get(key)) for r in _training(records)[1:]]
+    values = [run_metrics.finite_number(r.get(key)) for r in _training(records)[1:]]
     return [v for v in values if v is not None]
 
 
@@ -198,7 +199,7 @@ def _curve(records: list[dict[str, Any]], metric: str) -> list[tuple[float, floa
     tokens_at = {r["step"]: r["tokens_seen"] for r in records if isinstance(r.get("tokens_seen"), int)}
     curve: dict[float, float] = {}
     for record in records:
-        value, tokens = rd.finite_number(record.get(metric)), tokens_at.get(record["step"])
+        value, tokens = run_metrics.finite_number(record.get(metric)), tokens_at.get(record["step"])
         if value is not None and tokens is not None:
             curve[float(tokens)] = value
     return sorted(curve.items())
@@ -215,13 +216,13 @@ def _pooled_curve(curves: list[list[tuple[float, float]]]) -> list[tuple[float, 
 
 
 def _peaks(records: list[dict[str, Any]]) -> tuple[float, list[float]] | None:
-    peaks = [v for v in (rd.finite_number(r.get("peak_mem_mb")) for r in records) if v is not None]
+    peaks = [v for v in (run_metrics.finite_number(r.get("peak_mem_mb")) for r in records) if v is not None]
     if not peaks:
         return None
     per_rank: list[float] = []
     for record in records:
         ranks = record.get("rss_peak_mb")
-        if isinstance(ranks, list) and all(rd.finite_number(v) is not None for v in ranks):
+        if isinstance(ranks, list) and all(run_metrics.finite_number(v) is not None for v in ranks):
             per_rank = [max(old, new) for old, new in zip(per_rank, ranks)] if len(per_rank) == len(ranks) else ranks
     return max(peaks), per_rank
 

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from engine import run_dir as rd
+from engine import run_metrics
 from runner import server_record as sr
 from workspace.workspace import NotFound, Workspace
 
@@ -67,7 +68,7 @@ def segment_records(segment: Segment, need: int, after_step: int | None = None) 
     path = segment.run_dir / rd.METRICS_JSONL
     wanted = max(need, 1)
     while True:
-        records, truncated = rd.read_metrics_tail(path, wanted, lower)
+        records, truncated = run_metrics.read_metrics_tail(path, wanted, lower)
         until = segment.until_step
         kept = [r for r in records if (step := _step(r)) is not None and (until is None or step <= until)]
         if len(kept) >= need or not truncated or wanted >= MAX_RECORDS_READ:

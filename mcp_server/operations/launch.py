@@ -27,6 +27,8 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from engine import run_dir as rd
+from engine import run_checkpoints
+from engine import run_files
 from runner import server_record as sr
 from engine.config import Overrides, override_args, overrides_to_dict
 from engine.errors import BadInput, NotFound
@@ -272,7 +274,7 @@ def resume_checkpoint(
     source_dir, source = server_view(ws, run_id)
     if source.kind == rd.SCRIPT:
         return launch(ws, _script_resume(ws, source_dir, source, step, nproc, overrides, code), limits)
-    chosen_step, checkpoint = rd.choose_checkpoint(source_dir, source.kind, step, verified=True)
+    chosen_step, checkpoint = run_checkpoints.choose_checkpoint(source_dir, source.kind, step, verified=True)
     if not source.config:
         raise NotFound(f"run {run_id} recorded no config, so it cannot be resumed")
     code_dir, origin = _resumed_code(ws, source_dir, source, code)
@@ -322,7 +324,7 @@ def _script_resume(ws: Workspace, source_dir: Path, source: sr.ServerRecord, ste
     if overrides:
         raise BadInput("overrides set a recipe's config keys; a script run is resumed with the args it was launched with")
     scripts.check_resumable(source)  # refused, saying how, without a resume_arg
-    chosen_step, checkpoint = rd.choose_checkpoint(source_dir, source.kind, step, verified=True)
+    chosen_step, checkpoint = run_checkpoints.choose_checkpoint(source_dir, source.kind, step, verified=True)
     args = scripts.resume_args(source, checkpoint)
     if code == "checkpoint":
         code_dir = source_dir / rd.SNAPSHOT_DIRNAME
@@ -438,7 +440,7 @@ def _config_file(record: sr.ServerRecord | None) -> Iterator[Path | None]:
     folder = Path(tempfile.mkdtemp(prefix="trainwright-config-"))
     try:
         path = folder / rd.RUN_JSON
-        rd.write_json_atomic(path, rd.RunRecord(id=record.id, config=record.config).model_dump(mode="json"))
+        run_files.write_json_atomic(path, rd.RunRecord(id=record.id, config=record.config).model_dump(mode="json"))
         yield path
     finally:
         shutil.rmtree(folder, ignore_errors=True)

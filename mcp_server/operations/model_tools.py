@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 from engine import run_dir as rd
+from engine import run_checkpoints
 from runner import server_record as sr
 from engine.errors import BadInput
 from engine.model_io import check_sample_request
@@ -64,7 +65,7 @@ def checkpoint_of(ws: Workspace, run_id: str, step: int | None) -> tuple[Path, i
                        f"{DOCS_PAGE} says how to make the script a recipe")
     # Its digests here, where the run's other checkpoints are in view (the good one before a bad
     # one is named), and again in the model process as it reads it.
-    chosen, _ = rd.choose_checkpoint(run_dir, rd.RECIPE, step, verified=True)
+    chosen, _ = run_checkpoints.choose_checkpoint(run_dir, rd.RECIPE, step, verified=True)
     snapshot = run_dir / rd.SNAPSHOT_DIRNAME
     if not (snapshot / "recipe.py").is_file():
         raise BadInput(f"run {run_id} kept no snapshot of its code, so its model cannot be rebuilt")

@@ -6,6 +6,7 @@ import json
 from collections import defaultdict
 
 from engine import run_dir as rd
+from engine import run_metrics
 from runner import server_record as sr
 from mcp_server.models import ReviewCommit, ReviewResult, ReviewRun
 from workspace import git as workspace_git
@@ -22,11 +23,11 @@ def _runs_by_commit(ws: Workspace) -> dict[str, list[ReviewRun]]:
             continue
         if not record.git_commit:
             continue
-        last = rd.latest_metrics(ws.runs_dir / run_id / rd.METRICS_JSONL) or {}
-        speed = rd.read_run_speed(ws.runs_dir / run_id, record)
+        last = run_metrics.latest_metrics(ws.runs_dir / run_id / rd.METRICS_JSONL) or {}
+        speed = run_metrics.read_run_speed(ws.runs_dir / run_id, record)
         by_commit[record.git_commit].append(
             ReviewRun(run_id=run_id, status=record.effective_status(), step=last.get("step"),
-                      loss=rd.finite_number(last.get("loss")),
+                      loss=run_metrics.finite_number(last.get("loss")),
                       mean_tokens_per_s=speed.mean_tokens_per_s if speed else None,
                       last_window_tokens_per_s=speed.last_window_tokens_per_s if speed else None,
                       speed=speed.describe() if speed else None,

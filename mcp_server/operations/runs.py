@@ -16,6 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from engine import run_dir as rd
+from engine import run_checkpoints
+from engine import run_metrics
 from runner import server_record as sr
 from engine.errors import BadInput
 from mcp_server.limits import (
@@ -138,7 +140,7 @@ def get_run(ws: Workspace, run_id: str) -> RunInfo:
         _, slurm_note = slurm_jobs.refresh(ws.record_dir(run_id), run_environment())
     _, record = server_view(ws, run_id)
     status = record.effective_status()
-    latest = rd.latest_metrics(run_dir / rd.METRICS_JSONL)
+    latest = run_metrics.latest_metrics(run_dir / rd.METRICS_JSONL)
     error = record.error or record.reason
     if status == rd.FAILED and record.status != rd.FAILED:
         error = error or sr.SUPERVISOR_GONE
@@ -166,10 +168,10 @@ def get_run(ws: Workspace, run_id: str) -> RunInfo:
         max_steps=record.max_steps,
         eta_s=_number(latest.get("eta_s")) if latest and status == rd.RUNNING else None,
         latest=bounded_record(latest) if latest else None,
-        speed=_speed_text(rd.read_run_speed(run_dir, record)),
+        speed=_speed_text(run_metrics.read_run_speed(run_dir, record)),
         checkpoints=[
             CheckpointInfo(step=s, path=ws.label(p))
-            for s, p in rd.run_checkpoints(run_dir, record.kind)[-MAX_RUN_INFO_CHECKPOINTS:]
+            for s, p in run_checkpoints.run_checkpoints(run_dir, record.kind)[-MAX_RUN_INFO_CHECKPOINTS:]
         ],
         metrics_destinations=[_destination(ws, d) for d in record.metrics_destinations[:MAX_DESTINATIONS]],
         console_tail=console_tail,
@@ -229,7 +231,7 @@ def bounded_record(record: dict[str, Any]) -> dict[str, Any]:
 
 
 def tail_text(path: Path, max_bytes: int) -> str | None:
-    f = rd.open_run_output(path)  # not through a link the run left (it could name a host file)
+    f = run_metrics.open_run_output(path)  # not through a link the run left (it could name a host file)
     if f is None:
         return None
     with f:
@@ -261,8 +263,8 @@ def list_runs(ws: Workspace, limit: int = 20) -> RunList:
 def _summary(ws: Workspace, run_id: str) -> RunSummary:
     run_dir = ws.runs_dir / run_id
     record = sr.view(ws.root, run_dir)
-    latest = rd.latest_metrics(run_dir / rd.METRICS_JSONL)
-    speed = rd.read_run_speed(run_dir, record)
+    latest = run_metrics.latest_metrics(run_dir / rd.METRICS_JSONL)
+    speed = run_metrics.read_run_speed(run_dir, record)
     return RunSummary(
         run_id=run_id,
         status=record.effective_status(),
@@ -276,7 +278,7 @@ def _summary(ws: Workspace, run_id: str) -> RunSummary:
     )
 
 
-def _speed_text(speed: rd.RunSpeed | None) -> str | None:
+def _speed_text(speed: run_metrics.RunSpeed | None) -> str | None:
     return speed.describe() or None if speed is not None else None
 
 
@@ -286,7 +288,7 @@ def _rounded(value: float | None) -> float | None:
 
 def _number(value: Any) -> float | None:
     """A finite number from run output, or None (a recipe may log anything)."""
-    return rd.finite_number(value)
+    return run_metrics.finite_number(value)
 
 
 def tail_metrics(
@@ -305,7 +307,7 @@ def tail_metrics(
         records, truncated, chain = history.chain_tail(ws, run_id, n, after_step)
         resumes = [ResumePoint(run_id=s.run_id, step=s.after_step) for s in chain if s.after_step is not None]
     else:
-        records, truncated = rd.read_metrics_tail(run_dir / rd.METRICS_JSONL, n, after_step)
+        records, truncated = run_metrics.read_metrics_tail(run_dir / rd.METRICS_JSONL, n, after_step)
     # Keep the newest records that fit the result budget (an agent's client rejects more).
     kept: list[dict[str, Any]] = []
     budget = AGENT_BUDGET_CHARS - 1000
@@ -343,11 +345,11 @@ def stop_run(ws: Workspace, run_id: str) -> StopRunResult:
 
 def list_checkpoints(ws: Workspace, run_id: str) -> CheckpointList:
     run_dir, record = server_view(ws, run_id)
-    checkpoints = rd.run_checkpoints(run_dir, record.kind)
+    checkpoints = run_checkpoints.run_checkpoints(run_dir, record.kind)
     return CheckpointList(
         run_id=run_id,
         checkpoints=[CheckpointInfo(step=s, path=ws.label(p)) for s, p in checkpoints[-MAX_LISTED_CHECKPOINTS:]],
         truncated=len(checkpoints) > MAX_LISTED_CHECKPOINTS,
-        unusable=[f"{rd.checkpoint_dir_name(step)}: {why}" for step, why in
-                  (rd.unusable_checkpoints(run_dir) if record.kind != rd.SCRIPT else [])[-MAX_UNUSABLE_SHOWN:]],
+        unusable=[f"{run_checkpoints.checkpoint_dir_name(step)}: {why}" for step, why in
+                  (run_checkpoints.unusable_checkpoints(run_dir) if record.kind != rd.SCRIPT else [])[-MAX_UNUSABLE_SHOWN:]],
     )

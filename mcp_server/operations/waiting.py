@@ -13,6 +13,7 @@ from typing import Any, Awaitable, Callable
 import anyio
 
 from engine import run_dir as rd
+from engine import run_metrics
 from runner import server_record as sr
 from mcp_server.limits import DEFAULT_WAIT_S, MAX_WAIT_S
 from mcp_server.models import WaitRunResult
@@ -37,7 +38,7 @@ class Observation:
 
     def progress_message(self) -> str:
         message = f"step {self.step if self.step is not None else 0}/{self.max_steps or '?'}"
-        loss = rd.finite_number((self.latest or {}).get("loss"))
+        loss = run_metrics.finite_number((self.latest or {}).get("loss"))
         if loss is not None:
             message += f", loss {loss:.4f}"
         return message if not self.ended else f"{message} ({self.status})"
@@ -54,7 +55,7 @@ def observe(ws: Workspace, run_id: str) -> Observation:
     _, record = server_view(ws, run_id)
     status = record.effective_status()
     ended = status in rd.FINAL_STATUSES and (record.exit_code is not None or not record.supervisor_alive())
-    latest = rd.latest_metrics(run_dir / rd.METRICS_JSONL)
+    latest = run_metrics.latest_metrics(run_dir / rd.METRICS_JSONL)
     step = latest.get("step") if latest else None
     error = record.error or record.reason
     return Observation(

@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from engine import run_dir as rd
+from engine import run_metrics
 from engine.config import ConfigError
 from engine.launch import main
 from engine.metrics.optional import loopback_only
@@ -70,7 +71,7 @@ def run(tmp_path_factory):
 def expected_values(run_dir: Path) -> dict[tuple[int, str], float]:
     """(step, key) → value of every number in metrics.jsonl."""
     values = {}
-    for record in rd.read_all_metrics(run_dir / rd.METRICS_JSONL):
+    for record in run_metrics.read_all_metrics(run_dir / rd.METRICS_JSONL):
         for key, value in record.items():
             if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
                 values[(record["step"], key)] = float(value)

@@ -17,6 +17,8 @@ import pytest
 import torch
 
 from engine import run_dir as rd
+from engine import run_checkpoints
+from engine import run_metrics
 from engine import model_io
 from engine.distributed import DistInfo
 from engine.seams import ExportOutcome
@@ -129,7 +131,7 @@ def test_a_recipe_started_from_the_export_continues_with_the_loss_of_the_resumed
     record = rd.read_run(run)
     dist = DistInfo(0, 1, 0, torch.device("cpu"), None)
     resumed = recipe_class(build_config(recipe_class.config_class, None, {}, base=record.config), dist,
-                           resume_from=run / rd.CHECKPOINTS_DIRNAME / rd.checkpoint_dir_name(4))
+                           resume_from=run / rd.CHECKPOINTS_DIRNAME / run_checkpoints.checkpoint_dir_name(4))
     fresh = recipe_class(build_config(recipe_class.config_class, None, {"model.pretrained_path": str(exported[0])},
                                       base=record.config), dist)
     resumed.before_train()
@@ -142,7 +144,7 @@ def test_a_recipe_started_from_the_export_continues_with_the_loss_of_the_resumed
           f"eval loss {eval_resumed!r} / {eval_fresh!r}")
     assert loss_fresh == loss_resumed and eval_fresh == eval_resumed
     # ... and model_io's evaluate reports the eval loss the run logged at step 4.
-    logged = [r["eval_loss"] for r in rd.read_all_metrics(run / rd.METRICS_JSONL) if r.get("step") == 4 and "eval_loss" in r]
+    logged = [r["eval_loss"] for r in run_metrics.read_all_metrics(run / rd.METRICS_JSONL) if r.get("step") == 4 and "eval_loss" in r]
     assert model_io.evaluate(run, 4).eval_loss == pytest.approx(logged[0], rel=1e-12) == eval_resumed
 
 

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import torch
 
-from engine import run_dir as rd
+from engine import run_metrics
 from engine.engine import IGNORE_INDEX, Engine
 from engine.metrics.console import ConsoleBackend
 
@@ -42,20 +42,20 @@ def test_masked_prompt_tokens_are_not_padding():
 def test_a_run_suggests_packing_above_30_percent_padding_and_checkpointing_near_its_memory_limit_once():
     said: list[str] = []
     fake = SimpleNamespace(device=torch.device("cpu"), warn=said.append)
-    record = rd.MetricRecord(step=5, loss=1.0, padding_frac=0.45, peak_mem_mb=10.0)
+    record = run_metrics.MetricRecord(step=5, loss=1.0, padding_frac=0.45, peak_mem_mb=10.0)
     Engine.suggest_skills(fake, record)
     assert said == ["45% of the positions of step 5 were padding: the sequence-packing skill fills each row with "
                     "whole examples (apply_skill sequence-packing)"]
     said.clear()
-    Engine.suggest_skills(fake, rd.MetricRecord(step=6, loss=1.0, padding_frac=0.2, peak_mem_mb=10.0))
-    Engine.suggest_skills(fake, rd.MetricRecord(step=7, loss=1.0, padding_frac=0.6, peak_mem_mb=10.0))  # said already
+    Engine.suggest_skills(fake, run_metrics.MetricRecord(step=6, loss=1.0, padding_frac=0.2, peak_mem_mb=10.0))
+    Engine.suggest_skills(fake, run_metrics.MetricRecord(step=7, loss=1.0, padding_frac=0.6, peak_mem_mb=10.0))  # said already
     assert said == []
     import engine.engine as engine_module
 
     limit = engine_module._memory_limit_mb(torch.device("cpu"))
     assert limit and limit > 0
-    Engine.suggest_skills(fake, rd.MetricRecord(step=8, loss=1.0, padding_frac=0.0, peak_mem_mb=0.9 * limit))
-    Engine.suggest_skills(fake, rd.MetricRecord(step=9, loss=1.0, padding_frac=0.0, peak_mem_mb=0.95 * limit))
+    Engine.suggest_skills(fake, run_metrics.MetricRecord(step=8, loss=1.0, padding_frac=0.0, peak_mem_mb=0.9 * limit))
+    Engine.suggest_skills(fake, run_metrics.MetricRecord(step=9, loss=1.0, padding_frac=0.0, peak_mem_mb=0.95 * limit))
     assert len(said) == 1 and said[0].startswith("peak memory") and "gradient-checkpointing" in said[0]
 
 

@@ -9,6 +9,8 @@ import sys
 import pytest
 
 from engine import run_dir as rd
+from engine import run_checkpoints
+from engine import run_metrics
 from engine.checkpoint_manifest import write_manifest
 
 
@@ -22,7 +24,7 @@ def write_metrics(path, steps):
 def test_tail_returns_the_last_n_records_in_order(tmp_path, block_size):
     path = tmp_path / "metrics.jsonl"
     write_metrics(path, range(1, 101))
-    records, truncated = rd.read_metrics_tail(path, 5, block_size=block_size)
+    records, truncated = run_metrics.read_metrics_tail(path, 5, block_size=block_size)
     assert [r["step"] for r in records] == [96, 97, 98, 99, 100]
     assert truncated is True
 
@@ -31,10 +33,10 @@ def test_tail_returns_the_last_n_records_in_order(tmp_path, block_size):
 def test_tail_after_step_returns_only_newer_records(tmp_path, block_size):
     path = tmp_path / "metrics.jsonl"
     write_metrics(path, range(1, 101))
-    records, truncated = rd.read_metrics_tail(path, 50, after_step=97, block_size=block_size)
+    records, truncated = run_metrics.read_metrics_tail(path, 50, after_step=97, block_size=block_size)
     assert [r["step"] for r in records] == [98, 99, 100]
     assert truncated is False
-    records, truncated = rd.read_metrics_tail(path, 2, after_step=90, block_size=block_size)
+    records, truncated = run_metrics.read_metrics_tail(path, 2, after_step=90, block_size=block_size)
     assert [r["step"] for r in records] == [99, 100]
     assert truncated is True
 
@@ -42,7 +44,7 @@ def test_tail_after_step_returns_only_newer_records(tmp_path, block_size):
 def test_tail_of_a_short_file_is_the_whole_file_untruncated(tmp_path):
     path = tmp_path / "metrics.jsonl"
     write_metrics(path, [1, 2, 3])
-    records, truncated = rd.read_metrics_tail(path, 20, block_size=5)
+    records, truncated = run_metrics.read_metrics_tail(path, 20, block_size=5)
     assert [r["step"] for r in records] == [1, 2, 3]
     assert truncated is False
 
@@ -52,12 +54,12 @@ def test_tail_skips_a_line_that_is_still_being_written(tmp_path):
     write_metrics(path, [1, 2])
     with open(path, "a") as f:
         f.write('{"step": 3, "lo')
-    records, _ = rd.read_metrics_tail(path, 10)
+    records, _ = run_metrics.read_metrics_tail(path, 10)
     assert [r["step"] for r in records] == [1, 2]
 
 
 def test_tail_of_a_missing_file_is_empty(tmp_path):
-    assert rd.read_metrics_tail(tmp_path / "none.jsonl", 5) == ([], False)
+    assert run_metrics.read_metrics_tail(tmp_path / "none.jsonl", 5) == ([], False)
 
 
 def test_only_published_checkpoints_with_metadata_count(tmp_path):
@@ -71,10 +73,10 @@ def test_only_published_checkpoints_with_metadata_count(tmp_path):
     ]:
         (checkpoints / name).mkdir(parents=True)
         if complete:
-            (checkpoints / name / rd.DCP_METADATA).write_bytes(b"x")
+            (checkpoints / name / run_checkpoints.DCP_METADATA).write_bytes(b"x")
             write_manifest(checkpoints / name)
-    assert [s for s, _ in rd.list_checkpoints(tmp_path)] == [10, 20]
-    assert rd.latest_checkpoint(tmp_path)[0] == 20
+    assert [s for s, _ in run_checkpoints.list_checkpoints(tmp_path)] == [10, 20]
+    assert run_checkpoints.latest_checkpoint(tmp_path)[0] == 20
 
 
 def test_update_run_merges_fields(tmp_path):
@@ -134,8 +136,8 @@ def test_latest_metrics_keep_each_keys_latest_value(tmp_path):
         for record in ({"step": 10, "loss": 0.9, "eval_loss": 1.5}, {"step": 10, "reward_accuracy": 0.5},
                        {"step": 20, "loss": 0.7}, {"step": 20, "reward_accuracy": 0.75}):
             f.write(json.dumps(record) + "\n")
-    assert rd.latest_metrics(path) == {"step": 20, "loss": 0.7, "eval_loss": 1.5, "reward_accuracy": 0.75}
-    assert rd.latest_metrics(tmp_path / "none.jsonl") is None
+    assert run_metrics.latest_metrics(path) == {"step": 20, "loss": 0.7, "eval_loss": 1.5, "reward_accuracy": 0.75}
+    assert run_metrics.latest_metrics(tmp_path / "none.jsonl") is None
 
 
 def test_get_run_latest_shows_the_loss_under_a_recipes_own_record(tmp_path):

@@ -1,4 +1,4 @@
-"""A run's speed has one definition (engine.run_dir.run_speed): the mean over its training steps
+"""A run's speed has one definition (engine.run_metrics.run_speed): the mean over its training steps
 after the warm-up window, and the last window's, each named as what it is wherever it is shown."""
 
 from __future__ import annotations
@@ -8,6 +8,7 @@ import json
 import pytest
 
 from engine import run_dir as rd
+from engine import run_metrics
 from runner.supervise import run_note
 from tests.sandbox.helpers import fake_run, make_workspace
 
@@ -32,7 +33,7 @@ def expected_mean() -> float:
 
 
 def test_the_mean_is_tokens_over_time_after_the_warm_up_window():
-    speed = rd.run_speed(records())
+    speed = run_metrics.run_speed(records())
     assert speed is not None
     assert speed.mean_tokens_per_s == pytest.approx(expected_mean())
     assert speed.mean_tokens_per_s == pytest.approx(5 * (1000 * 1 + 3 * 250 * 4 + 10000 * 0.1) / 65.5)
@@ -44,22 +45,22 @@ def test_the_mean_is_tokens_over_time_after_the_warm_up_window():
 
 
 def test_one_window_is_its_own_mean_and_says_the_warm_up_is_in_it():
-    speed = rd.run_speed([{"step": 4, "tokens_per_s": 300.0, "step_time_s": 0.5}])
+    speed = run_metrics.run_speed([{"step": 4, "tokens_per_s": 300.0, "step_time_s": 0.5}])
     assert speed is not None and speed.mean_tokens_per_s == 300.0 and speed.warmup_steps == 0
     assert "includes it" in speed.describe()
 
 
 def test_no_training_record_no_speed_and_run_output_cannot_break_it():
-    assert rd.run_speed([]) is None
-    assert rd.run_speed([{"step": 3, "loss": 1.0}]) is None
+    assert run_metrics.run_speed([]) is None
+    assert run_metrics.run_speed([{"step": 3, "loss": 1.0}]) is None
     hostile = [{"step": 1, "tokens_per_s": "inf", "step_time_s": 1.0}, {"step": 2, "tokens_per_s": 10**400,
                "step_time_s": 1.0}, {"step": "3", "tokens_per_s": 1.0, "step_time_s": 1.0},
                {"step": 4, "tokens_per_s": -5.0, "step_time_s": 1.0}]
-    assert rd.run_speed(hostile) is None
+    assert run_metrics.run_speed(hostile) is None
 
 
 def test_a_resumed_run_counts_its_first_window_from_the_step_it_resumed_after():
-    speed = rd.run_speed([{"step": 25, "tokens_per_s": 100.0, "step_time_s": 1.0},
+    speed = run_metrics.run_speed([{"step": 25, "tokens_per_s": 100.0, "step_time_s": 1.0},
                           {"step": 30, "tokens_per_s": 200.0, "step_time_s": 1.0}], start_step=20)
     assert speed is not None and (speed.warmup_steps, speed.measured_steps) == (5, 5)
 
@@ -75,7 +76,7 @@ def test_the_git_note_gives_the_mean_and_the_last_window_by_name(tmp_path):
     run_dir = fake_run(root, "20260101-000000-lm-speed")
     write_windows(run_dir)
     record = rd.read_run(run_dir)
-    note = run_note(record, rd.latest_metrics(run_dir / rd.METRICS_JSONL), rd.read_run_speed(run_dir, record))
+    note = run_note(record, run_metrics.latest_metrics(run_dir / rd.METRICS_JSONL), run_metrics.read_run_speed(run_dir, record))
     assert f"; mean {expected_mean():,.0f} tokens/s over 25 step(s) (first 5 step(s) of warm-up excluded); " \
            "last window 10,000 tokens/s; " in note
     assert "; 10,000 tokens/s" not in note  # the last window is never given as the run's speed
@@ -89,7 +90,7 @@ def test_get_run_and_list_runs_give_both_speeds(tmp_path):
     write_windows(fake_run(root, "20260101-000000-lm-speed"))
     ws = Workspace(root)
     info = runs.get_run(ws, "20260101-000000-lm-speed")
-    assert info.speed == rd.run_speed(records()).describe()
+    assert info.speed == run_metrics.run_speed(records()).describe()
     assert info.speed.startswith(f"mean {expected_mean():,.0f} tokens/s over 25 step(s)")
     assert info.speed.endswith("last window 10,000 tokens/s")
     summary = runs.list_runs(ws).runs[0]

@@ -13,6 +13,8 @@ import signal
 import pytest
 
 from engine import run_dir as rd
+from engine import run_checkpoints
+from engine import run_metrics
 from tests.support import (
     TINY,
     copy_template,
@@ -44,12 +46,12 @@ def test_a_run_writes_the_run_directory_of_the_contract(reference):
     assert record.status == rd.COMPLETED
     assert record.world_size == 1
     assert record.config["train"]["max_steps"] == STEPS
-    assert [s for s, _ in rd.list_checkpoints(reference)] == [4, 8, 12, 16]
-    first = rd.read_all_metrics(reference / rd.METRICS_JSONL)[0]
+    assert [s for s, _ in run_checkpoints.list_checkpoints(reference)] == [4, 8, 12, 16]
+    first = run_metrics.read_all_metrics(reference / rd.METRICS_JSONL)[0]
     for key in ("step", "loss", "lr", "grad_norm", "tokens_per_s", "loss_tokens_per_s", "step_time_s", "peak_mem_mb",
                 "data_s", "fwd_bwd_s", "optim_s", "rss_peak_mb"):
         assert key in first, key
-    for record in rd.read_all_metrics(reference / rd.METRICS_JSONL):
+    for record in run_metrics.read_all_metrics(reference / rd.METRICS_JSONL):
         if "loss" in record:  # on a CPU, the busiest process's peak is its resident set's
             assert len(record["rss_peak_mb"]) == 1 and record["peak_mem_mb"] == max(record["rss_peak_mb"])
             assert "cuda_max_allocated_mb" not in record
@@ -66,7 +68,7 @@ def test_loss_falls(reference):
 def test_keep_last_prunes_old_checkpoints(workspace):
     root, recipe = workspace
     run = run_engine(root, recipe, *TINY, "train.max_steps=6", "checkpoint.every=2", "checkpoint.keep_last=2")
-    assert [s for s, _ in rd.list_checkpoints(run)] == [4, 6]
+    assert [s for s, _ in run_checkpoints.list_checkpoints(run)] == [4, 6]
     leftovers = [p.name for p in (run / rd.CHECKPOINTS_DIRNAME).iterdir() if p.name.startswith(".")]
     assert leftovers == []
 
@@ -92,7 +94,7 @@ def test_sigkill_at_a_random_step_then_resume_is_bit_identical(workspace, defaul
 
     last_logged = max(losses(run))
     assert last_logged < 10, "the kill landed before the run finished"
-    step, checkpoint = rd.latest_checkpoint(run)
+    step, checkpoint = run_checkpoints.latest_checkpoint(run)
     assert step <= last_logged
     resumed = run_engine(root, recipe, *DEFAULT_SIZE, resume_from=checkpoint)
 
@@ -105,14 +107,14 @@ def test_a_kill_during_a_checkpoint_save_leaves_it_ignored_and_resume_is_bit_ide
 ):
     root, recipe = workspace
     process, run = start_engine(root, recipe, *DEFAULT_SIZE)
-    partial = run / rd.CHECKPOINTS_DIRNAME / (rd.PARTIAL_PREFIX + rd.checkpoint_dir_name(6))
+    partial = run / rd.CHECKPOINTS_DIRNAME / (run_checkpoints.PARTIAL_PREFIX + run_checkpoints.checkpoint_dir_name(6))
     wait_for(partial.exists, timeout=300, interval=0.001)
     os.killpg(process.pid, signal.SIGKILL)
     process.wait()
 
     assert partial.exists(), "the kill landed while step 6 was being saved"
-    assert [s for s, _ in rd.list_checkpoints(run)] == [2, 4], "the half-written checkpoint is not listed"
-    resumed = run_engine(root, recipe, *DEFAULT_SIZE, resume_from=rd.latest_checkpoint(run)[1])
+    assert [s for s, _ in run_checkpoints.list_checkpoints(run)] == [2, 4], "the half-written checkpoint is not listed"
+    resumed = run_engine(root, recipe, *DEFAULT_SIZE, resume_from=run_checkpoints.latest_checkpoint(run)[1])
     assert losses(resumed) == {s: v for s, v in losses(default_size_reference).items() if s > 4}
 
 
@@ -121,7 +123,7 @@ def test_two_processes_match_one_and_their_checkpoint_resumes_on_one(workspace, 
     root, recipe = workspace
     two = run_engine(root, recipe, *SCHEDULE, nproc=2)
     assert rd.read_run(two).world_size == 2
-    peaks = [r["rss_peak_mb"] for r in rd.read_all_metrics(two / rd.METRICS_JSONL) if "loss" in r]
+    peaks = [r["rss_peak_mb"] for r in run_metrics.read_all_metrics(two / rd.METRICS_JSONL) if "loss" in r]
     assert peaks and all(len(p) == 2 and all(mb > 50 for mb in p) for p in peaks)  # each process's own
     one_curve, two_curve = losses(reference), losses(two)
     assert sorted(two_curve) == sorted(one_curve)
@@ -129,7 +131,7 @@ def test_two_processes_match_one_and_their_checkpoint_resumes_on_one(workspace, 
     print(f"\n2 vs 1 process: max relative loss difference {max(relative.values()):.1e} over {STEPS} steps")
     assert max(relative.values()) <= 1e-4, relative
 
-    checkpoint = dict(rd.list_checkpoints(two))[8]
+    checkpoint = dict(run_checkpoints.list_checkpoints(two))[8]
     resharded = run_engine(root, recipe, *SCHEDULE, resume_from=checkpoint)
     resumed_curve = losses(resharded)
     assert sorted(resumed_curve) == list(range(9, STEPS + 1))

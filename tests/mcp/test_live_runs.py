@@ -17,6 +17,7 @@ from mcp.shared.exceptions import MCPError
 from mcp_types import LoggingMessageNotificationParams, ResourceUpdatedNotification
 
 from engine import run_dir as rd
+from engine import run_checkpoints
 from engine.checkpoint_manifest import write_manifest
 from runner import server_record as sr
 from mcp_server.live import MAX_SUBSCRIPTIONS, POLL_S
@@ -86,9 +87,9 @@ def test_a_2025_session_hears_of_each_step_coalesced_a_checkpoint_and_the_end_th
             assert await updates.next() == "run://live/metrics"
             await anyio.sleep(QUIET_S)
             assert len(updates.uris) in (3, 4)
-            checkpoint = workspace / rd.RUNS_DIRNAME / "live" / rd.CHECKPOINTS_DIRNAME / rd.checkpoint_dir_name(13)
+            checkpoint = workspace / rd.RUNS_DIRNAME / "live" / rd.CHECKPOINTS_DIRNAME / run_checkpoints.checkpoint_dir_name(13)
             checkpoint.mkdir(parents=True)
-            (checkpoint / rd.DCP_METADATA).write_bytes(b"")
+            (checkpoint / run_checkpoints.DCP_METADATA).write_bytes(b"")
             write_manifest(checkpoint)
             assert await updates.next() == "run://live/metrics"
             end_run(workspace, "live")

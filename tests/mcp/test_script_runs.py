@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from engine import run_dir as rd
+from engine import run_metrics
 from runner import server_record as sr
 from tests.mcp.conftest import connect, git, head, is_finite_number, run_note
 from tests.sandbox.helpers import AUDIT
@@ -149,8 +150,8 @@ def test_script_checkpoints_are_listed_and_a_resume_passes_the_path_after_resume
     checkpoint = str(workspace / first["run_dir"] / "checkpoints" / "ckpt_3.pt")
     assert record.script_args == ["--steps", "6", "--save-every", "3", "--resume", checkpoint]
     assert record.code_from == "checkpoint" and record.kind == "script"
-    original = rd.read_all_metrics(workspace / first["run_dir"] / rd.METRICS_JSONL)
-    continued = rd.read_all_metrics(workspace / second["run_dir"] / rd.METRICS_JSONL)
+    original = run_metrics.read_all_metrics(workspace / first["run_dir"] / rd.METRICS_JSONL)
+    continued = run_metrics.read_all_metrics(workspace / second["run_dir"] / rd.METRICS_JSONL)
     # The script restores its own state: the continued losses are the original's, bit for bit.
     assert [r["step"] for r in continued] == [4, 5, 6] and continued == original[3:]
     console = (workspace / second["run_dir"] / rd.CONSOLE_LOG).read_text()

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from engine import run_dir as rd
+from engine import run_metrics
 from tests.mcp.conftest import ENDLESS_RUN, connect, git, process_group_alive, run_note, tiny_config
 from tests.support import wait_for
 
@@ -48,7 +49,7 @@ def test_a_restarted_server_sees_the_true_status_of_runs_that_went_on_without_it
     # No server now. The short run ends; the endless one goes on.
     short_dir, endless_dir = tmp_path / short["run_dir"], tmp_path / endless["run_dir"]
     wait_for(lambda: rd.read_run(short_dir).exit_code is not None, timeout=300, interval=0.3)
-    wait_for(lambda: rd.read_metrics_tail(endless_dir / rd.METRICS_JSONL, 1)[0][-1]["step"] > step_seen,
+    wait_for(lambda: run_metrics.read_metrics_tail(endless_dir / rd.METRICS_JSONL, 1)[0][-1]["step"] > step_seen,
              timeout=120, interval=0.3)
 
     with connect("stdio", tmp_path) as second:

@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 from engine import run_dir as rd
+from engine import run_files
 from mcp_server.operations import runs as run_ops
 from workspace.workspace import Workspace
 from tests.sandbox.helpers import make_workspace, supervise
@@ -32,7 +33,7 @@ def main(workdir: str, pid: str, child_pgid: str) -> int:
               {"stop_grace_s": 1}, run_id=RUN_ID)
     wait_for(lambda: "STARTED" in (run_dir / rd.CONSOLE_LOG).read_text(), timeout=60)
     forged = {"pid": None if pid == "null" else int(pid), "child_pgid": None if child_pgid == "null" else int(child_pgid)}
-    rd.write_json_atomic(run_dir / rd.RUN_JSON, {**json.loads((run_dir / rd.RUN_JSON).read_text()), **forged,
+    run_files.write_json_atomic(run_dir / rd.RUN_JSON, {**json.loads((run_dir / rd.RUN_JSON).read_text()), **forged,
                                                   "status": rd.RUNNING})
     error = None
     try:

@@ -17,6 +17,8 @@ from anyio.from_thread import start_blocking_portal
 from mcp import Client
 
 from engine import run_dir as rd
+from engine import run_checkpoints
+from engine import run_metrics
 from engine.checkpoint_manifest import write_manifest
 from runner import server_record as sr
 from workspace import git as workspace_git
@@ -63,9 +65,9 @@ def fake_run(workspace: Path, run_id: str, status: str = rd.COMPLETED, steps: in
         for step in range(1, steps + 1):
             f.write(json.dumps({"step": step, "loss": 5.0 - 0.1 * step}) + "\n")
     for step in checkpoints:
-        checkpoint = run_dir / rd.CHECKPOINTS_DIRNAME / rd.checkpoint_dir_name(step)
+        checkpoint = run_dir / rd.CHECKPOINTS_DIRNAME / run_checkpoints.checkpoint_dir_name(step)
         checkpoint.mkdir(parents=True)
-        (checkpoint / rd.DCP_METADATA).write_bytes(b"")
+        (checkpoint / run_checkpoints.DCP_METADATA).write_bytes(b"")
         write_manifest(checkpoint)  # what makes a published checkpoint complete
     (run_dir / rd.CONSOLE_LOG).write_text("step 1\n")
     return run_dir
@@ -152,7 +154,7 @@ def wait_final(run_dir: Path, timeout: float = 300) -> rd.RunRecord:
 
 def wait_step(run_dir: Path, step: int, timeout: float = 300) -> None:
     def reached():
-        latest, _ = rd.read_metrics_tail(run_dir / rd.METRICS_JSONL, 1)
+        latest, _ = run_metrics.read_metrics_tail(run_dir / rd.METRICS_JSONL, 1)
         if latest and latest[-1].get("step", 0) >= step:
             return True
         record = rd.read_run(run_dir)

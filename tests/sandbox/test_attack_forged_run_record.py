@@ -22,6 +22,8 @@ import pytest
 
 from engine.seams import LaunchVerdict
 from engine import run_dir as rd
+from engine import run_checkpoints
+from engine import run_files
 from runner import server_record as sr
 from engine.errors import BadInput
 from mcp_server.operations import launch as launching
@@ -45,7 +47,7 @@ def forge(run_dir: Path, **fields) -> None:
         current = json.loads((run_dir / rd.RUN_JSON).read_text())
     except (OSError, ValueError):
         current = {}
-    rd.write_json_atomic(run_dir / rd.RUN_JSON, {**current, **fields})
+    run_files.write_json_atomic(run_dir / rd.RUN_JSON, {**current, **fields})
 
 
 def start_sleeper(workspace: Path, limits: dict | None = None) -> Path:
@@ -330,9 +332,9 @@ def test_list_checkpoints_follows_no_link_inside_a_checkpoint(tmp_path, target):
         host.write_text("x")
     workspace = make_workspace(tmp_path / "ws")
     run_dir = fake_run(workspace, "r1", checkpoints=(2,))
-    planted = run_dir / rd.CHECKPOINTS_DIRNAME / rd.checkpoint_dir_name(8)
+    planted = run_dir / rd.CHECKPOINTS_DIRNAME / run_checkpoints.checkpoint_dir_name(8)
     planted.mkdir()
-    (planted / rd.DCP_METADATA).symlink_to(host)
+    (planted / run_checkpoints.DCP_METADATA).symlink_to(host)
     assert [c.step for c in run_ops.list_checkpoints(Workspace.open(workspace), "r1").checkpoints] == [2]
 
 
@@ -433,15 +435,15 @@ def test_a_checkpoint_manifest_never_makes_the_server_read_or_size_a_host_file_t
     workspace = make_workspace(tmp_path / "ws")
     run_dir = fake_run(workspace, "r1", checkpoints=(2, 4))
     for step, size, digest in ((2, 1, "0" * 64), (4, 12_345, hashlib.sha256(b"s" * 12_345).hexdigest())):
-        checkpoint = run_dir / rd.CHECKPOINTS_DIRNAME / rd.checkpoint_dir_name(step)
+        checkpoint = run_dir / rd.CHECKPOINTS_DIRNAME / run_checkpoints.checkpoint_dir_name(step)
         (checkpoint / "sub").symlink_to(host)
         (checkpoint / "direct").symlink_to(host / "secret")
         write_manifest(checkpoint)
         manifest = json.loads((checkpoint / MANIFEST).read_text())
         manifest["files"] += [{"path": "sub/secret", "bytes": size, "sha256": digest}]
         (checkpoint / MANIFEST).write_text(json.dumps(manifest))
-    (run_dir / rd.CHECKPOINTS_DIRNAME / rd.checkpoint_dir_name(2) / "sub").unlink()
-    (run_dir / rd.CHECKPOINTS_DIRNAME / rd.checkpoint_dir_name(2) / "sub").symlink_to(host / "secret")
+    (run_dir / rd.CHECKPOINTS_DIRNAME / run_checkpoints.checkpoint_dir_name(2) / "sub").unlink()
+    (run_dir / rd.CHECKPOINTS_DIRNAME / run_checkpoints.checkpoint_dir_name(2) / "sub").symlink_to(host / "secret")
     listed = run_ops.list_checkpoints(Workspace.open(workspace), "r1")
     assert listed.checkpoints == []
     assert listed.unusable == ["step-00000002: sub/secret is missing", "step-00000004: sub/secret is missing"]

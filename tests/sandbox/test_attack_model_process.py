@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from engine import run_dir as rd
+from engine import run_checkpoints
 from mcp_server.operations import model_tools
 from mcp_server.operations import launch as launching
 from runner import model_process
@@ -97,7 +98,7 @@ def test_an_export_runs_the_recipe_where_it_reaches_only_its_staging_folder(host
     ws, run_id = hostile
     # A run still running writes its checkpoints folder: between the server's check (a real
     # folder) and the sandbox's start it can put a link to a host folder in its place.
-    checkpoint = ws.run_dir(run_id) / rd.CHECKPOINTS_DIRNAME / rd.checkpoint_dir_name(3)
+    checkpoint = ws.run_dir(run_id) / rd.CHECKPOINTS_DIRNAME / run_checkpoints.checkpoint_dir_name(3)
     host_folder = tmp_path / "host-folder"
     shutil.copytree(checkpoint, host_folder)  # a loadable checkpoint, so the export completes
     (host_folder / "secret.txt").write_text("host secret")

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from engine import run_dir as rd
+from engine import run_checkpoints
 from engine.errors import BadInput, NotFound
 from engine.seams import ExportOutcome, GeneratedSample
 from mcp_server.operations import model_tools
@@ -322,8 +323,8 @@ def test_model_processes_at_once_are_capped_like_runs(tmp_path, monkeypatch):
 
 def test_a_step_that_is_a_link_incomplete_or_absent_is_not_found(ws, tmp_path):
     checkpoints = ws.run_dir("r1") / rd.CHECKPOINTS_DIRNAME
-    (checkpoints / rd.checkpoint_dir_name(2) / rd.DCP_METADATA).unlink()  # an interrupted save
-    (checkpoints / rd.checkpoint_dir_name(9)).symlink_to(checkpoints / rd.checkpoint_dir_name(4))
+    (checkpoints / run_checkpoints.checkpoint_dir_name(2) / run_checkpoints.DCP_METADATA).unlink()  # an interrupted save
+    (checkpoints / run_checkpoints.checkpoint_dir_name(9)).symlink_to(checkpoints / run_checkpoints.checkpoint_dir_name(4))
     for step in (2, 9, 3, -1, 10**30):
         with pytest.raises(NotFound, match="available steps: 4$"):
             model_tools.sample(ws, "r1", ["x"], step=step)

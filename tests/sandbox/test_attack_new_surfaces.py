@@ -14,6 +14,7 @@ import threading
 from pathlib import Path
 
 from engine import run_dir as rd
+from engine import run_checkpoints
 from mcp_server.live import LiveRuns
 from mcp_server.operations.compare import compare_runs
 from runner.tensorboard_events import EventFiles
@@ -112,7 +113,7 @@ def test_fifos_and_links_planted_in_a_script_run_neither_block_nor_leak(tmp_path
     assert "4242" not in shown and "999" not in shown, "compare_runs read metrics through a link out of the run"
 
     for run in (run_a, run_b):
-        listed = _bounded(lambda: rd.run_checkpoints(run, rd.SCRIPT))
+        listed = _bounded(lambda: run_checkpoints.run_checkpoints(run, rd.SCRIPT))
         assert listed == [(100, run / rd.CHECKPOINTS_DIRNAME / "ckpt_100.pt")]
         events = _bounded(lambda: EventFiles(run).new_scalars())
         assert events == [], f"the event reader read through a link or FIFO: {events}"

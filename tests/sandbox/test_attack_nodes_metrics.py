@@ -10,6 +10,7 @@ import pytest
 from pydantic import ValidationError
 
 from engine import run_dir as rd
+from engine import run_checkpoints
 from engine.config import MetricsConfig
 from engine.errors import BadInput
 from mcp_server.operations.skills import with_target
@@ -132,5 +133,5 @@ def test_check_name_refuses_trailing_newline(name):
 
 def test_names_with_a_trailing_newline_are_not_runs_or_checkpoints():
     assert not rd.RUN_ID_PATTERN.fullmatch("run\n")
-    assert rd.checkpoint_step(Path("step-00000001\n")) is None
-    assert rd.checkpoint_step(Path("step-00000001")) == 1
+    assert run_checkpoints.checkpoint_step(Path("step-00000001\n")) is None
+    assert run_checkpoints.checkpoint_step(Path("step-00000001")) == 1

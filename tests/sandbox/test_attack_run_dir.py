@@ -14,6 +14,8 @@ from pathlib import Path
 import pytest
 
 from engine import run_dir as rd
+from engine import run_checkpoints
+from engine import run_metrics
 from mcp_server.operations import model_tools
 from workspace.workspace import Workspace
 from tests.sandbox.helpers import fake_run, make_workspace, record_folder
@@ -116,7 +118,7 @@ def test_console_and_metrics_the_run_replaced_by_links_or_fifos_are_not_read(tmp
         (run / name).symlink_to(victim) if plant == "link" else os.mkfifo(run / name)
     ws = Workspace.open(workspace)
     shown = (run_ops.get_run(ws, "r1").model_dump_json() + run_ops.tail_metrics(ws, "r1").model_dump_json()
-             + str(run_ops.tail_text(run / rd.CONSOLE_LOG, 20_000)) + str(rd.read_all_metrics(run / rd.METRICS_JSONL)))
+             + str(run_ops.tail_text(run / rd.CONSOLE_LOG, 20_000)) + str(run_metrics.read_all_metrics(run / rd.METRICS_JSONL)))
     assert "host-secret" not in shown
 
 
@@ -125,4 +127,4 @@ def test_a_checkpoints_folder_replaced_by_a_link_holds_no_checkpoint(tmp_path):
     run = fake_run(tmp_path / "ws", "r1", checkpoints=())
     (run / rd.CHECKPOINTS_DIRNAME).rmdir()
     (run / rd.CHECKPOINTS_DIRNAME).symlink_to(elsewhere / rd.CHECKPOINTS_DIRNAME)
-    assert rd.list_checkpoints(run) == []
+    assert run_checkpoints.list_checkpoints(run) == []

@@ -18,14 +18,16 @@ import pytest
 
 from engine import checkpoint_manifest as manifest
 from engine import run_dir as rd
+from engine import run_checkpoints
+from engine import run_metrics
 from mcp_server.operations import runs as run_ops
 from tests.sandbox.helpers import fake_run, live_client, make_workspace
 
 
 def checkpoint_with(run_dir: Path, step: int, text: str) -> Path:
-    folder = run_dir / rd.CHECKPOINTS_DIRNAME / rd.checkpoint_dir_name(step)
+    folder = run_dir / rd.CHECKPOINTS_DIRNAME / run_checkpoints.checkpoint_dir_name(step)
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / rd.DCP_METADATA).write_bytes(b"meta")
+    (folder / run_checkpoints.DCP_METADATA).write_bytes(b"meta")
     (folder / manifest.MANIFEST).write_text(text)
     return folder
 
@@ -37,7 +39,7 @@ def entry(path: str, data: bytes) -> dict:
 @pytest.mark.parametrize("text, why", [
     ("[" * 100_000, "damaged (RecursionError)"),
     (json.dumps({"format": 1, "files": [entry("a\x00b", b"")]}), "damaged (String should match pattern"),
-    (json.dumps({"format": 1, "files": [entry(rd.DCP_METADATA, b"meta")] * 4_000}), "named more than once"),
+    (json.dumps({"format": 1, "files": [entry(run_checkpoints.DCP_METADATA, b"meta")] * 4_000}), "named more than once"),
 ])
 def test_a_hostile_manifest_makes_its_checkpoint_unusable_not_the_tools_fail(tmp_path, text, why):
     root = make_workspace(tmp_path / "ws")
@@ -83,7 +85,7 @@ def test_the_console_tail_is_never_more_than_asked_even_when_the_run_grows_it_me
             result = super().seek(offset, whence)
             return 100 if whence == os.SEEK_END else result
 
-    monkeypatch.setattr(rd, "open_run_output", lambda path: Growing(b"a\n" * (5 << 20)))
+    monkeypatch.setattr(run_metrics, "open_run_output", lambda path: Growing(b"a\n" * (5 << 20)))
     text = run_ops.tail_text(tmp_path / "console.log", 20)
     assert text is not None and len(text) <= 21
 

@@ -15,6 +15,8 @@ from pathlib import Path
 import pytest
 
 from engine import run_dir as rd
+from engine import run_checkpoints
+from engine import run_metrics
 from engine.checkpoint_manifest import MANIFEST
 from engine.errors import BadInput, NotFound
 from mcp_server.operations import model_tools
@@ -33,7 +35,7 @@ def trained(ws):  # noqa: F811
     run_id = launching.launch_run(ws, "recipes/lm", 1, SCHEDULE).run_id
     run_dir = ws.runs_dir / run_id
     assert wait_final(run_dir).status == rd.COMPLETED
-    assert [s for s, _ in rd.list_checkpoints(run_dir)] == [2, 4, 6]
+    assert [s for s, _ in run_checkpoints.list_checkpoints(run_dir)] == [2, 4, 6]
     return ws, run_dir
 
 
@@ -45,13 +47,13 @@ def flip_bytes(path: Path) -> None:
 
 
 def checkpoint(run_dir: Path, step: int) -> Path:
-    return run_dir / rd.CHECKPOINTS_DIRNAME / rd.checkpoint_dir_name(step)
+    return run_dir / rd.CHECKPOINTS_DIRNAME / run_checkpoints.checkpoint_dir_name(step)
 
 
 def test_flipped_bytes_are_refused_at_resume_naming_the_file_and_the_good_checkpoint_before(trained):
     space, run_dir = trained
     flip_bytes(checkpoint(run_dir, 6) / DATA)
-    assert [s for s, _ in rd.list_checkpoints(run_dir)] == [2, 4, 6]  # sizes alone cannot tell
+    assert [s for s, _ in run_checkpoints.list_checkpoints(run_dir)] == [2, 4, 6]  # sizes alone cannot tell
     with pytest.raises(BadInput) as refused:
         launching.resume_checkpoint(space, run_dir.name, overrides={"train.max_steps": 8})
     message = str(refused.value)
@@ -70,11 +72,11 @@ def test_a_truncated_or_missing_file_or_manifest_makes_a_checkpoint_incomplete(t
         f.truncate(100)
     (checkpoint(run_dir, 4) / DATA).unlink()
     (checkpoint(run_dir, 2) / MANIFEST).write_text('{"format": 1, "files": [{"path": "../x", "bytes": 1')
-    assert rd.list_checkpoints(run_dir) == [] and rd.latest_checkpoint(run_dir) is None
+    assert run_checkpoints.list_checkpoints(run_dir) == [] and run_checkpoints.latest_checkpoint(run_dir) is None
     listed = run_ops.list_checkpoints(space, run_dir.name)
     assert listed.checkpoints == [] and [u.split(":")[0] for u in listed.unusable] == [
         "step-00000002", "step-00000004", "step-00000006"]
-    unusable = dict(rd.unusable_checkpoints(run_dir))
+    unusable = dict(run_checkpoints.unusable_checkpoints(run_dir))
     assert unusable[2].startswith(f"{MANIFEST} is damaged (")
     assert unusable[4] == f"{DATA} is missing"
     assert unusable[6].startswith(f"{DATA} has 100 bytes, ") and unusable[6].endswith(" when it was saved")
@@ -103,7 +105,7 @@ def test_the_engine_refuses_a_corrupt_checkpoint_it_is_given_directly(trained, t
                                    f"{DATA} does not match the digest")
     assert record.error.endswith("the latest good checkpoint before it is step 2 "
                                  f"(resume_checkpoint(run_id={run_dir.name!r}, step=2))")
-    assert not (resumed / rd.METRICS_JSONL).exists() or rd.read_all_metrics(resumed / rd.METRICS_JSONL) == []
+    assert not (resumed / rd.METRICS_JSONL).exists() or run_metrics.read_all_metrics(resumed / rd.METRICS_JSONL) == []
 
 
 def test_export_sample_and_evaluate_refuse_flipped_bytes_and_write_nothing(trained):

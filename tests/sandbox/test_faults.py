@@ -21,6 +21,7 @@ import pytest
 
 from engine.seams import LaunchVerdict
 from engine import run_dir as rd
+from engine import run_checkpoints
 from mcp_server.operations import launch as launching
 from mcp_server.operations import runs as run_ops
 from runner import lifecycle as run_lifecycle
@@ -54,7 +55,7 @@ def partial_steps(run_dir: Path) -> list[int]:
         names = os.listdir(root)
     except FileNotFoundError:
         return []
-    return [int(n.rsplit("-", 1)[1]) for n in names if n.startswith(rd.PARTIAL_PREFIX + "step-")]
+    return [int(n.rsplit("-", 1)[1]) for n in names if n.startswith(run_checkpoints.PARTIAL_PREFIX + "step-")]
 
 
 def kill_engine(run_dir: Path) -> None:
@@ -86,7 +87,7 @@ def test_sigkill_at_six_random_points_resumes_bit_identical_every_time(ws):
         record = wait_final(run_dir)
         assert record.status == rd.FAILED and "SIGKILL" in record.error, record
         segments.append((run_dir, start, kill))
-        checkpoint = rd.latest_checkpoint(run_dir)
+        checkpoint = run_checkpoints.latest_checkpoint(run_dir)
         assert checkpoint is not None and checkpoint[0] > start, f"kill {kill} made no progress {seed_note}"
         resumed = launching.resume_checkpoint(ws, run_dir.name)
         assert resumed.resumed_from.step == checkpoint[0]
@@ -105,7 +106,7 @@ def test_sigkill_at_six_random_points_resumes_bit_identical_every_time(ws):
     assert max(losses(segments[-1][0])) == STEPS
     assert mid_save_kills >= 2, f"only {mid_save_kills} of {KILLS // 2} kills landed inside a save"
     for segment, _, _ in segments:  # an interrupted save is never listed as a checkpoint
-        assert all((p / rd.DCP_METADATA).is_file() for _, p in rd.list_checkpoints(segment))
+        assert all((p / run_checkpoints.DCP_METADATA).is_file() for _, p in run_checkpoints.list_checkpoints(segment))
 
 
 FULL_DISK_SCHEDULE = [*TINY, "train.max_steps=10", "checkpoint.every=2", "checkpoint.keep_last=5"]

@@ -359,13 +359,14 @@ def test_a_link_the_parent_run_left_among_its_checkpoints_is_not_resumed(tmp_pat
     from runner import lifecycle as run_lifecycle
     from workspace.workspace import Workspace
     from engine import run_dir as rd
+    from engine import run_checkpoints
 
     root = make_workspace(tmp_path / "ws")
     victim = fake_run(root, "20260101-000000-lm-vict")  # another run: hidden from every run's sandbox
     parent = fake_run(root, "20260101-000000-lm-prnt", checkpoints=(4,))
     # What the parent's recipe code can do: its run directory is writable in its sandbox.
-    link = parent / rd.CHECKPOINTS_DIRNAME / rd.checkpoint_dir_name(2)
-    os.symlink(victim / rd.CHECKPOINTS_DIRNAME / rd.checkpoint_dir_name(2), link)
+    link = parent / rd.CHECKPOINTS_DIRNAME / run_checkpoints.checkpoint_dir_name(2)
+    os.symlink(victim / rd.CHECKPOINTS_DIRNAME / run_checkpoints.checkpoint_dir_name(2), link)
     bound = []
 
     def check_launch(*args, **kwargs):

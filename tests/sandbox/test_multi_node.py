@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from engine import run_dir as rd
+from engine import run_checkpoints
 from mcp_server.operations import launch as launching
 from mcp_server.operations import runs as run_ops
 from workspace.settings import RunLimits
@@ -89,7 +90,7 @@ def _two_nodes(ws: Workspace, reference_runs: Path, t0: float) -> None:
     # Both nodes write into node 0's run: the metrics, and each rank's checkpoint shard.
     assert rd.read_run(first_dir).world_size == 2
     assert not (second_dir / rd.METRICS_JSONL).exists()
-    step, checkpoint = rd.list_checkpoints(first_dir)[0]
+    step, checkpoint = run_checkpoints.list_checkpoints(first_dir)[0]
     assert sorted(p.name for p in checkpoint.glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
     for run_dir in (first_dir, second_dir):
         record = rd.read_run(run_dir)

@@ -10,6 +10,7 @@ import time
 import pytest
 
 from engine import run_dir as rd
+from engine import run_metrics
 from mcp_server.server import build_server
 from tests.sandbox.helpers import error_text, fake_run, live_client, make_workspace
 
@@ -81,7 +82,7 @@ def test_a_long_line_costs_a_bounded_read(tmp_path):
         f.write(b"y" * (64 << 20))
     start = time.monotonic()
     for _ in range(10):
-        assert rd.read_metrics_tail(path, 20)[0] == []  # only the window at the end is read
-    assert rd.read_all_metrics(path) == []
+        assert run_metrics.read_metrics_tail(path, 20)[0] == []  # only the window at the end is read
+    assert run_metrics.read_all_metrics(path) == []
     assert time.monotonic() - start < 5
-    assert rd.read_metrics_tail(path, 20, max_bytes=1 << 30)[0] == [{"step": 1, "loss": 2.0}]
+    assert run_metrics.read_metrics_tail(path, 20, max_bytes=1 << 30)[0] == [{"step": 1, "loss": 2.0}]

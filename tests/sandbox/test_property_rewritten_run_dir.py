@@ -28,6 +28,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from engine import run_dir as rd
+from engine import run_checkpoints
 from engine.checkpoint_manifest import write_manifest
 from runner import server_record as sr
 from engine.errors import TrainwrightError
@@ -93,7 +94,7 @@ def setting(tmp_path_factory):
     secret = root / "secret.txt"
     secret.write_text(SECRET + "\n")
     (root / "host-dir").mkdir()
-    (root / "host-dir" / rd.DCP_METADATA).write_text(SECRET)
+    (root / "host-dir" / run_checkpoints.DCP_METADATA).write_text(SECRET)
     return workspace, head, secret
 
 
@@ -155,14 +156,14 @@ def _plant(run_dir: Path, plants: list[str], secret: Path) -> None:
             os.rename(checkpoints, run_dir / "kept-checkpoints")
             checkpoints.symlink_to(host_dir)
         elif plant == "step-link":
-            target = run_dir / rd.CHECKPOINTS_DIRNAME / rd.checkpoint_dir_name(99)
+            target = run_dir / rd.CHECKPOINTS_DIRNAME / run_checkpoints.checkpoint_dir_name(99)
             if (run_dir / rd.CHECKPOINTS_DIRNAME).is_dir() and not (run_dir / rd.CHECKPOINTS_DIRNAME).is_symlink():
                 target.symlink_to(host_dir)
         elif plant == "metadata-link":
-            step = run_dir / rd.CHECKPOINTS_DIRNAME / rd.checkpoint_dir_name(98)
+            step = run_dir / rd.CHECKPOINTS_DIRNAME / run_checkpoints.checkpoint_dir_name(98)
             if (run_dir / rd.CHECKPOINTS_DIRNAME).is_dir() and not (run_dir / rd.CHECKPOINTS_DIRNAME).is_symlink():
                 step.mkdir()
-                (step / rd.DCP_METADATA).symlink_to(secret)
+                (step / run_checkpoints.DCP_METADATA).symlink_to(secret)
         elif plant == "snapshot-link":
             snapshot = run_dir / rd.SNAPSHOT_DIRNAME
             os.rename(snapshot, run_dir / "kept-snapshot")
@@ -186,9 +187,9 @@ def _new_run(workspace: Path, head: str, supervisor: subprocess.Popen) -> tuple[
     sr.create_record(sr.record_dir(workspace, run_id), record)
     (run_dir / rd.SNAPSHOT_DIRNAME).mkdir()
     (run_dir / rd.SNAPSHOT_DIRNAME / "recipe.py").write_text("# the code that ran\n")
-    checkpoint = run_dir / rd.CHECKPOINTS_DIRNAME / rd.checkpoint_dir_name(2)
+    checkpoint = run_dir / rd.CHECKPOINTS_DIRNAME / run_checkpoints.checkpoint_dir_name(2)
     checkpoint.mkdir()
-    (checkpoint / rd.DCP_METADATA).write_bytes(b"")
+    (checkpoint / run_checkpoints.DCP_METADATA).write_bytes(b"")
     write_manifest(checkpoint)
     (run_dir / rd.METRICS_JSONL).write_text('{"step": 1, "loss": 2.5}\n{"step": 2, "loss": 2.0}\n')
     (run_dir / rd.CONSOLE_LOG).write_text("step 2\n")

@@ -11,6 +11,7 @@ import threading
 import pytest
 
 from engine import run_dir as rd
+from engine import run_checkpoints
 from mcp_server.server import build_server
 from workspace import git as workspace_git
 from runner import processes
@@ -113,7 +114,7 @@ def test_stop_run_ends_torchrun_its_workers_and_what_they_detached(workspace):
     assert stopped["status"] == rd.STOPPED and stopped["error"] == "stopped by request"
     assert wait_gone(pids, timeout=5) == set(), "processes outlived stop_run"
     assert processes.marked(run_id) == set()
-    assert rd.list_checkpoints(run_dir) == [] or all(s >= 0 for s, _ in rd.list_checkpoints(run_dir))
+    assert run_checkpoints.list_checkpoints(run_dir) == [] or all(s >= 0 for s, _ in run_checkpoints.list_checkpoints(run_dir))
 
 
 @pytest.mark.slow

@@ -96,10 +96,11 @@ def traced_not_generated(monkeypatch) -> None:
 def run_metrics(cwd: Path, result: subprocess.CompletedProcess | None = None) -> list[dict]:
     """The metrics records of the only run under ``cwd/runs``."""
     from engine import run_dir as rd
+    from engine import run_metrics
 
     runs = sorted((cwd / "runs").iterdir())
     assert len(runs) == 1, f"expected one run, found {[r.name for r in runs]}"
-    return [r for r in rd.read_all_metrics(runs[0] / rd.METRICS_JSONL) if "loss" in r]
+    return [r for r in run_metrics.read_all_metrics(runs[0] / rd.METRICS_JSONL) if "loss" in r]
 
 
 def run_dir(cwd: Path) -> Path:
@@ -166,9 +167,9 @@ def load_recipe_module(recipe: Path):
 
 def final_checkpoint(cwd: Path, tmp: Path) -> dict:
     """The last complete checkpoint of the only run under ``cwd``, as nested dicts."""
-    from engine import run_dir as rd
+    from engine import run_checkpoints
 
-    step, path = rd.latest_checkpoint(run_dir(cwd))
+    step, path = run_checkpoints.latest_checkpoint(run_dir(cwd))
     return load_checkpoint(path, tmp)
 
 

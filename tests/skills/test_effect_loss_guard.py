@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from engine import run_dir as rd
+from engine import run_checkpoints
 from tests.skills.skill_helpers import (
     SMALL_RUN,
     launch,
@@ -45,7 +46,7 @@ def test_a_nan_step_is_skipped_with_parameters_unchanged_and_training_goes_on(tm
 
     losses = [float("nan") if r["loss"] is None else float(r["loss"]) for r in records]  # NaN is not JSON
     assert math.isnan(losses[2]) and all(math.isfinite(x) for x in losses[:2] + losses[3:])
-    checkpoints = dict(rd.list_checkpoints(run_dir(tmp_path / "run")))
+    checkpoints = dict(run_checkpoints.list_checkpoints(run_dir(tmp_path / "run")))
     before, skipped, after = (load_checkpoint(checkpoints[s], tmp_path)["model_optim"] for s in (2, 3, 4))
     for name, weight in before["model"].items():
         assert torch.equal(skipped["model"][name], weight), f"{name} changed on the skipped step"

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine import run_dir as rd
+from engine import run_checkpoints
 from tests.skills.skill_helpers import (
     PYTHON,
     REPO,
@@ -140,7 +140,7 @@ def test_a_resumed_muon_run_continues_bit_identically(tmp_path: Path, documents:
     recipe = template_with(["muon"], tmp_path / "muon")
     settings = (*STEPS, *on_documents(documents), "checkpoint.every=3")
     whole = train(recipe, tmp_path / "whole", *settings)
-    step, checkpoint = rd.list_checkpoints(run_dir(tmp_path / "whole"))[0]
+    step, checkpoint = run_checkpoints.list_checkpoints(run_dir(tmp_path / "whole"))[0]
 
     resumed = resume(recipe, tmp_path / "resumed", checkpoint, *settings)
 
@@ -156,7 +156,7 @@ def test_two_fsdp_processes_match_one_process_and_resume_on_one(tmp_path: Path, 
 
     one = train(recipe, tmp_path / "one", *STEPS, *data, *sharded)
     two = train(recipe, tmp_path / "two", *STEPS, *data, nproc=2)
-    _, checkpoint = rd.list_checkpoints(run_dir(tmp_path / "two"))[0]
+    _, checkpoint = run_checkpoints.list_checkpoints(run_dir(tmp_path / "two"))[0]
     resharded = resume(recipe, tmp_path / "resharded", checkpoint, *STEPS, *data)
 
     differences = [abs(a["loss"] - b["loss"]) for a, b in zip(one, two)]

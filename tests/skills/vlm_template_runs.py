@@ -96,6 +96,7 @@ def write_captions(folder: Path, count: int = 48) -> None:
 
 def run_variant(name: str, workdir: Path) -> dict:
     from engine import run_dir as rd
+    from engine import run_metrics
     from skills import apply_skill
     from tests.skills.effect_probe import run_script
 
@@ -118,7 +119,7 @@ def run_variant(name: str, workdir: Path) -> dict:
         os.environ.pop(key, None)
     effects = run_script(runner)
     runs = sorted((folder / "runs").iterdir())
-    records = [r for r in rd.read_all_metrics(runs[-1] / rd.METRICS_JSONL) if "loss" in r]
+    records = [r for r in run_metrics.read_all_metrics(runs[-1] / rd.METRICS_JSONL) if "loss" in r]
     record = json.loads((runs[-1] / "run.json").read_text())
     engine = effects.globals["captured"][0]
     optimizer = engine.optimizer

@@ -12,6 +12,8 @@ import pytest
 import torch
 
 from engine import run_dir as rd
+from engine import run_checkpoints
+from engine import run_metrics
 from recipes_template.dpo import recipe as dpo
 from tests.support import REPO, losses, run_engine
 
@@ -133,7 +135,7 @@ def test_a_run_starts_at_log_2_and_logs_reward_metrics(reference):
     assert record.status == rd.COMPLETED and record.data.documents == 200
     curve = losses(reference)
     assert curve[1] == pytest.approx(math.log(2), abs=1e-6)  # the policy is its reference at step 1
-    rewards = [r for r in rd.read_all_metrics(reference / rd.METRICS_JSONL) if "reward_accuracy" in r]
+    rewards = [r for r in run_metrics.read_all_metrics(reference / rd.METRICS_JSONL) if "reward_accuracy" in r]
     assert [r["step"] for r in rewards] == list(range(1, 9))
     assert all(0 <= r["reward_accuracy"] <= 1 and "reward_margin" in r for r in rewards)
     assert rewards[0]["reward_margin"] == 0 and rewards[-1]["reward_margin"] > 0
@@ -149,7 +151,7 @@ def test_tokens_count_both_answers_tokens_while_the_loss_is_a_mean_over_pairs(re
     answer_tokens = [int((batch["labels"] != -100).sum()) for batch in batches]
     pad = dpo.DPO(config, DistInfo(0, 1, 0, torch.device("cpu"), None)).tokenizer.pad_token_id
     read_tokens = [int(((batch["input_ids"] != pad) | (batch["labels"] != -100)).sum()) for batch in batches]
-    records = [r for r in rd.read_all_metrics(reference / rd.METRICS_JSONL) if "tokens_seen" in r]
+    records = [r for r in run_metrics.read_all_metrics(reference / rd.METRICS_JSONL) if "tokens_seen" in r]
     assert [r["loss_tokens_seen"] for r in records] == [sum(answer_tokens[:i]) for i in range(1, 9)]
     # tokens_seen counts what the model read: prompts too (twice, once per answer), not padding.
     assert [r["tokens_seen"] for r in records] == [sum(read_tokens[:i]) for i in range(1, 9)]
@@ -158,13 +160,13 @@ def test_tokens_count_both_answers_tokens_while_the_loss_is_a_mean_over_pairs(re
     record = rd.read_run(reference)
     assert record.data.train_tokens + record.data.eval_tokens == record.data.tokens
     # The loss is still a mean over the pairs (log 2 at step 1 above); rewards average over pairs.
-    rewards = [r for r in rd.read_all_metrics(reference / rd.METRICS_JSONL) if "chosen_reward" in r]
+    rewards = [r for r in run_metrics.read_all_metrics(reference / rd.METRICS_JSONL) if "chosen_reward" in r]
     assert all(abs(r["reward_margin"] - (r["chosen_reward"] - r["rejected_reward"])) < 1e-6 for r in rewards)
 
 
 def test_resume_is_bit_identical(workspace, reference):
     root, recipe = workspace
-    (_, checkpoint), *_ = rd.list_checkpoints(reference)
+    (_, checkpoint), *_ = run_checkpoints.list_checkpoints(reference)
     resumed = run_engine(root, recipe, *SCHEDULE, resume_from=checkpoint)
     assert losses(resumed) == {s: v for s, v in losses(reference).items() if s > 4}
 

@@ -12,6 +12,8 @@ import pytest
 import torch
 
 from engine import run_dir as rd
+from engine import run_checkpoints
+from engine import run_metrics
 from engine.config import ConfigError
 from engine.engine import IGNORE_INDEX
 from engine.launch import load_recipe_class
@@ -140,7 +142,7 @@ def test_a_run_learns_and_records_its_data(reference):
 
 def test_resume_is_bit_identical(workspace, reference):
     root, recipe = workspace
-    (_, checkpoint), *_ = rd.list_checkpoints(reference)
+    (_, checkpoint), *_ = run_checkpoints.list_checkpoints(reference)
     resumed = run_engine(root, recipe, *SCHEDULE, resume_from=checkpoint)
     expected = {s: v for s, v in losses(reference).items() if s > 4}
     assert losses(resumed) == expected
@@ -163,8 +165,8 @@ def test_packing_and_lora_apply_and_run(workspace, reference):
     for skill in ("sequence-packing", "lora"):
         assert apply_skill(skill, recipe).changed
     run = run_engine(root, recipe, *SMALL, "train.max_steps=3", "checkpoint.every=0", "checkpoint.at_end=false")
-    records = [r for r in rd.read_all_metrics(run / rd.METRICS_JSONL) if "loss" in r]
-    unpacked = [r for r in rd.read_all_metrics(reference / rd.METRICS_JSONL) if "loss" in r][:3]
+    records = [r for r in run_metrics.read_all_metrics(run / rd.METRICS_JSONL) if "loss" in r]
+    unpacked = [r for r in run_metrics.read_all_metrics(reference / rd.METRICS_JSONL) if "loss" in r][:3]
     # padding_frac counts padding only (not the masked prompts): packing takes it out.
     assert len(records) == 3
 

@@ -16,6 +16,8 @@ import torch
 
 from engine import model_io
 from engine import run_dir as rd
+from engine import run_checkpoints
+from engine import run_metrics
 from engine.config import ConfigError
 from engine.data_files import DataPathRefused
 from engine.engine import IGNORE_INDEX
@@ -179,7 +181,7 @@ def test_the_align_stage_changes_only_the_projector(reference):
 
 def test_resume_is_bit_identical(workspace, reference):
     root, recipe = workspace
-    (_, checkpoint), *_ = rd.list_checkpoints(reference)
+    (_, checkpoint), *_ = run_checkpoints.list_checkpoints(reference)
     resumed = run_engine(root, recipe, *SCHEDULE, resume_from=checkpoint)
     expected = {s: v for s, v in losses(reference).items() if s > 4}
     assert losses(resumed) == expected
@@ -192,7 +194,7 @@ def test_two_processes_match_one(workspace, reference):
                      nproc=2)
     one, both = losses(reference), losses(two)
     # Every rank captions at the evaluation (the model is sharded), rank 0 logs it.
-    (scores,) = [r for r in rd.read_all_metrics(two / rd.METRICS_JSONL) if "caption_accuracy" in r]
+    (scores,) = [r for r in run_metrics.read_all_metrics(two / rd.METRICS_JSONL) if "caption_accuracy" in r]
     assert scores["step"] == 8 and set(scores) == {"step", "caption_accuracy", "shape_accuracy", "colour_accuracy",
                                                    "position_accuracy"}
     assert sorted(both) == sorted(one)
@@ -257,7 +259,7 @@ def test_the_export_is_a_hugging_face_vlm_that_captions_held_out_images(workspac
 
     root, _ = workspace
     run, folder = captioned
-    logged = [r for r in rd.read_all_metrics(run / rd.METRICS_JSONL) if "caption_accuracy" in r]
+    logged = [r for r in run_metrics.read_all_metrics(run / rd.METRICS_JSONL) if "caption_accuracy" in r]
     assert logged == [{"step": 40, "caption_accuracy": 1.0}]  # logged at the evaluation
     model_io.export(run, 40, root / "exported")
     model = LlavaForConditionalGeneration.from_pretrained(root / "exported")
