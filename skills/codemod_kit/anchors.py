@@ -122,7 +122,7 @@ def _model_kind(recipe: Recipe, call: cst.Call, depth: int = 0, target: str = ""
                     if kind:
                         kinds.add(kind)
                 elif isinstance(inner, (cst.Name, cst.Attribute)):
-                    kinds.update(c.kind for c in _constructions(recipe, function, dotted_name(inner)))
+                    kinds.update(c.kind for c in constructions_of(recipe, function, dotted_name(inner)))
         if kinds:
             return "hf" if kinds == {"hf"} else "custom" if "custom" in kinds else "factory"
     if parts[0] in _LIBRARY_ROOTS and parts[-1] != "create_model":
@@ -139,7 +139,8 @@ def _model_kind(recipe: Recipe, call: cst.Call, depth: int = 0, target: str = ""
     return None
 
 
-def _constructions(recipe: Recipe, function: cst.FunctionDef, name: str) -> list[ModelAnchor]:
+def constructions_of(recipe: Recipe, function: cst.FunctionDef, name: str) -> list[ModelAnchor]:
+    """The model constructions inside ``function`` that assign ``name`` (``model = X(...)``)."""
     return [c for c in _all_constructions(recipe) if c.target_code == name and recipe.is_inside(c.statement, function)]
 
 
@@ -280,7 +281,7 @@ def model_candidates(recipe: Recipe) -> list[ModelAnchor]:
         for ret in recipe.returns_of(function):
             inner_value = unwrap_chain(ret.value) if ret.value is not None else None
             if isinstance(inner_value, (cst.Name, cst.Attribute)):
-                inners = _constructions(recipe, function, dotted_name(inner_value))
+                inners = constructions_of(recipe, function, dotted_name(inner_value))
                 if name in recipe.top_level_functions() and inners and all(_only_builds(recipe, i) for i in inners):
                     builders.update(id(i) for i in inners)
                     continue

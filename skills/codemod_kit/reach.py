@@ -142,7 +142,7 @@ def _hf_class(recipe: Recipe, call: cst.Call) -> str:
         for ret in recipe.returns_of(function):
             inner = anchors.unwrap_chain(ret.value) if ret.value is not None else None
             if isinstance(inner, (cst.Name, cst.Attribute)):  # model = X(...); ...; return model
-                built = [c.call for c in anchors._constructions(recipe, function, dotted_name(inner))]
+                built = [c.call for c in anchors.constructions_of(recipe, function, dotted_name(inner))]
                 inner = built[0] if len(built) == 1 else inner
             if isinstance(inner, cst.Call) and recipe.call_name(inner).startswith("transformers."):
                 found = _hf_class(recipe, inner)
