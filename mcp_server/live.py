@@ -39,6 +39,7 @@ from mcp_types import INVALID_PARAMS, EmptyResult, SubscribeRequestParams, Unsub
 
 from engine import run_dir as rd
 from runner import server_record as sr
+from workspace.workspace import RECORD_JSON
 from engine.errors import TrainwrightError
 from mcp_server import clients
 from sandbox.redact import shown
@@ -211,7 +212,7 @@ class LiveRuns:
             return None
         files = {"metrics": _stat(run_dir / rd.METRICS_JSONL), "log": _stat(run_dir / rd.CONSOLE_LOG),
                  "checkpoints": _stat(run_dir / rd.CHECKPOINTS_DIRNAME)}
-        status_files = (_stat(run_dir / rd.RUN_JSON), _stat(self.ws.record_dir(run_id) / sr.RECORD_JSON))
+        status_files = (_stat(run_dir / rd.RUN_JSON), _stat(self.ws.record_dir(run_id) / RECORD_JSON))
         now = time.monotonic()
         if before is not None and before.status_files == status_files and now - before.status_read_at < STATUS_RECHECK_S:
             return Observed(files, before.status, status_files, before.status_read_at)

@@ -34,7 +34,7 @@ def capacity_lock(runs_root: Path) -> Iterator[None]:
 
 def running_runs(records: Path) -> list[sr.ServerRecord]:
     """The server's records of the workspace's runs that are starting or running here
-    (``records``: :func:`runner.server_record.records_root`). A run counts while the supervisor
+    (``records``: :func:`workspace.workspace.records_root`). A run counts while the supervisor
     the server started lives, whatever its run directory says."""
     found = []
     try:

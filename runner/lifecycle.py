@@ -34,6 +34,7 @@ from typing import Any
 
 from engine import run_dir as rd
 from runner import server_record as sr
+from workspace.workspace import record_dir, records_root
 from engine.config import override_args
 from engine.data_files import WORKSPACE_VARIABLE
 from engine.errors import BadInput, LaunchRefused
@@ -147,7 +148,7 @@ def _create_run_dir(workspace: Path, runs_root: Path, recipe_label: str,
     for _ in range(20):
         run_id = rd.new_run_id(Path(recipe_label).name)
         run_dir = Path(runs_root) / run_id
-        folder = sr.record_dir(workspace, run_id)
+        folder = record_dir(workspace, run_id)
         if folder.exists() or os.path.lexists(run_dir):
             continue
         first = record.model_copy(update={"id": run_id, "run_dir": str(run_dir)})
@@ -222,7 +223,7 @@ def start_run(workspace: Path, runs_root: Path, plan: LaunchPlan) -> sr.ServerRe
     runs_root.mkdir(parents=True, exist_ok=True)
     with capacity_lock(runs_root):  # two launches at once cannot both take the last place
         if plan.target == "local":  # a SLURM job runs on the cluster's nodes
-            check_capacity(sr.records_root(workspace), plan.nproc, limits)
+            check_capacity(records_root(workspace), plan.nproc, limits)
         run_id, run_dir, folder = _create_run_dir(workspace, runs_root, plan.recipe_label, record)
     try:
         snapshot, digest = _write_snapshot(plan, run_dir, files)

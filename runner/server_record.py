@@ -39,10 +39,8 @@ from engine import run_files
 from engine.errors import BadInput
 from workspace.git import COMMIT_ID
 from workspace.settings import RunLimits
+from workspace.workspace import RECORD_JSON, record_dir
 
-STATE_DIRNAME = ".trainwright"
-RECORDS_DIRNAME = "runs"
-RECORD_JSON = "record.json"
 _RECORD_LOCK = ".record.json.lock"
 MAX_RECORD_BYTES = 16 * 2**20
 # A run whose supervisor has not been recorded this long after its creation never got one (the
@@ -229,15 +227,6 @@ def _age_s(stamp: str | None) -> float:
 # ---------------------------------------------------------------------------------------------
 
 
-def records_root(workspace: Path | str) -> Path:
-    """``<workspace>/.trainwright/runs``: the server's records of the workspace's runs."""
-    return Path(workspace) / STATE_DIRNAME / RECORDS_DIRNAME
-
-
-def record_dir(workspace: Path | str, run_id: str) -> Path:
-    return records_root(workspace) / run_id
-
-
 def _real_dirs(path: Path, depth: int) -> None:
     """Create the last ``depth`` folders of ``path`` where missing; refuse a link or anything but
     a folder in their place (the agent can write the workspace)."""
@@ -357,8 +346,3 @@ def _unverified(run_dir: Path) -> ServerRecord:
     return ServerRecord.model_validate(data)
 
 
-def has_record(workspace: Path | str, run_id: str) -> bool:
-    try:
-        return stat.S_ISREG(os.lstat(record_dir(workspace, run_id) / RECORD_JSON).st_mode)
-    except OSError:
-        return False

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any, Mapping
 
 from engine import run_dir as rd
 from runner import server_record as sr
+from workspace.workspace import record_dir
 from engine.errors import BadInput
 from sandbox.environment import run_environment
 from runner.nodes import DEFAULT_RDZV_PORT, Nodes
@@ -284,7 +285,7 @@ def start_job(workspace: Path, runs_root: Path, plan: LaunchPlan, options: Slurm
                    nodes=Nodes(nnodes=plan.nodes.nnodes, rdzv_endpoint=endpoint_shown, rdzv_id=rdzv_id))
     record = start_run(workspace, runs_root, plan)
     run_dir = Path(runs_root) / record.id
-    folder = sr.record_dir(workspace, record.id)
+    folder = record_dir(workspace, record.id)
     record = _record(folder, record, rdzv_id=rdzv_id or record.id, rdzv_endpoint=endpoint_shown)
     snapshot = run_dir / rd.SNAPSHOT_DIRNAME
     args = engine_args(snapshot, run_dir, override_args(plan.overrides))

@@ -29,7 +29,6 @@ from pathlib import Path
 from typing import Iterator
 
 from engine import run_dir as rd
-from runner import server_record as sr
 from engine.errors import BadInput, NotFound
 from workspace.settings import RunLimits, effective_limits
 from workspace.paths import PathRefused, check_name, confine, refuse_reserved
@@ -38,6 +37,10 @@ from runner.scripts import SCRIPT_NAME, neither_recipe_nor_script
 
 RECIPES_DIRNAME = "recipes"
 STATE_DIRNAME = ".trainwright"
+# <workspace>/.trainwright/runs/<id>/record.json: the server's record of each run
+# (runner.server_record), where no run's sandbox can write.
+RECORDS_DIRNAME = "runs"
+RECORD_JSON = "record.json"
 CHANGE_LOCK = "changes.lock"
 
 
@@ -239,13 +242,13 @@ class Workspace:
         check_name(run_id, "run_id")
         path = self.runs_dir / str(run_id)
         if not (path.is_dir() and not path.is_symlink()
-                and (sr.has_record(self.root, str(run_id)) or (path / rd.RUN_JSON).is_file())):
+                and (has_record(self.root, str(run_id)) or (path / rd.RUN_JSON).is_file())):
             raise NotFound(f"no run {run_id!r} in this workspace; list_runs shows the runs")
         return confine(self.root, path, "run")
 
     def record_dir(self, run_id: str) -> Path:
         """The folder of the server's record of a run (runner.server_record)."""
-        return sr.record_dir(self.root, run_id)
+        return record_dir(self.root, run_id)
 
     def run_ids(self) -> list[str]:
         """Ids of the runs in ``runs/``, newest first (links that lead elsewhere are not runs)."""
@@ -255,7 +258,23 @@ class Workspace:
             (
                 p.name for p in self.runs_dir.iterdir()
                 if not p.is_symlink() and rd.RUN_ID_PATTERN.fullmatch(p.name) and p.is_dir()
-                and (sr.has_record(self.root, p.name) or (p / rd.RUN_JSON).is_file())
+                and (has_record(self.root, p.name) or (p / rd.RUN_JSON).is_file())
             ),
             reverse=True,
         )
+
+
+def records_root(workspace: Path | str) -> Path:
+    """``<workspace>/.trainwright/runs``: the server's records of the workspace's runs."""
+    return Path(workspace) / STATE_DIRNAME / RECORDS_DIRNAME
+
+
+def record_dir(workspace: Path | str, run_id: str) -> Path:
+    return records_root(workspace) / run_id
+
+
+def has_record(workspace: Path | str, run_id: str) -> bool:
+    try:
+        return stat.S_ISREG(os.lstat(record_dir(workspace, run_id) / RECORD_JSON).st_mode)
+    except OSError:
+        return False

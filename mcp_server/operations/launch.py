@@ -30,6 +30,7 @@ from engine import run_dir as rd
 from engine import run_checkpoints
 from engine import run_files
 from runner import server_record as sr
+from workspace.workspace import records_root
 from engine.config import Overrides, override_args, overrides_to_dict
 from engine.errors import BadInput, NotFound
 from engine.seams import LaunchVerdict
@@ -99,7 +100,7 @@ def plan(ws: Workspace, launch: Launch, limits: RunLimits, warnings: list[str],
     (:func:`run_limits`), ``warnings`` what choosing them said."""
     local = launch.slurm is None
     if local:  # a SLURM job runs on the cluster's nodes, under its own limits
-        check_capacity(sr.records_root(ws.root), launch.nproc, limits)  # again at start
+        check_capacity(records_root(ws.root), launch.nproc, limits)  # again at start
     if launch.script is not None:
         return run_lifecycle.LaunchPlan(launch.code_dir, launch.label, launch.nproc, launch.origin,
                                         code_from=launch.code_from, resumed_from=launch.resumed_from, limits=limits,

@@ -19,6 +19,7 @@ from engine import run_dir as rd
 from engine import run_checkpoints
 from engine import run_metrics
 from runner import server_record as sr
+from workspace.workspace import has_record
 from engine.errors import BadInput
 from mcp_server.limits import (
     AGENT_BUDGET_CHARS,
@@ -134,7 +135,7 @@ def _resumed_from(ws: Workspace, record: rd.RunRecord) -> rd.ResumedFrom | None:
 def get_run(ws: Workspace, run_id: str) -> RunInfo:
     run_dir = ws.run_dir(run_id)
     slurm_note = None
-    if sr.has_record(ws.root, run_id):
+    if has_record(ws.root, run_id):
         # A SLURM job the server submitted: ask squeue/sacct (bounded; what they cannot say is a
         # warning, not an error).
         _, slurm_note = slurm_jobs.refresh(ws.record_dir(run_id), run_environment())

@@ -14,7 +14,7 @@ import anyio
 
 from engine import run_dir as rd
 from engine import run_metrics
-from runner import server_record as sr
+from workspace.workspace import has_record
 from mcp_server.limits import DEFAULT_WAIT_S, MAX_WAIT_S
 from mcp_server.models import WaitRunResult
 from engine.errors import BadInput
@@ -50,7 +50,7 @@ def observe(ws: Workspace, run_id: str) -> Observation:
     from mcp_server.operations.runs import server_view
 
     run_dir = ws.run_dir(run_id)
-    if sr.has_record(ws.root, run_id):  # a SLURM job the server submitted; other runs: as is
+    if has_record(ws.root, run_id):  # a SLURM job the server submitted; other runs: as is
         slurm_jobs.refresh(ws.record_dir(run_id), run_environment(), min_interval_s=SLURM_POLL_S)
     _, record = server_view(ws, run_id)
     status = record.effective_status()

@@ -18,6 +18,7 @@ import pytest
 
 from engine import run_dir as rd
 from runner import server_record as sr
+from workspace.workspace import record_dir, records_root
 from engine.config import overrides_to_dict
 from engine.errors import BadInput, NotFound
 from mcp_server import cli
@@ -52,7 +53,7 @@ def state(root: Path) -> tuple[str, str, str, list[str], list[str]]:
     """What bad input must leave unchanged: HEAD, git status, the notes, runs and records."""
     notes = subprocess.run(["git", "notes", "--ref=trainwright", "list"], cwd=root, capture_output=True, text=True)
     runs = sorted(p.name for p in (root / rd.RUNS_DIRNAME).iterdir()) if (root / rd.RUNS_DIRNAME).is_dir() else []
-    records = sr.records_root(root)
+    records = records_root(root)
     return (git(root, "rev-parse", "HEAD"), git(root, "status", "--porcelain"), notes.stdout, runs,
             sorted(p.name for p in records.iterdir()) if records.is_dir() else [])
 
@@ -93,7 +94,7 @@ def test_the_runs_take_turns_a_b_b_a_each_after_the_last_ended(measured, workspa
     _, result, progress = measured
     order = [(r["round"], r["side"]) for r in result["runs"]]
     assert order == [(1, "a"), (1, "b"), (2, "b"), (2, "a")]
-    records = [sr.read_record(sr.record_dir(workspace, r["run_id"])) for r in result["runs"]]
+    records = [sr.read_record(record_dir(workspace, r["run_id"])) for r in result["runs"]]
     for before, after in zip(records, records[1:]):
         assert before.ended_at is not None and after.created_at is not None
         assert before.ended_at <= after.created_at  # one at a time: the next starts after the last ended

@@ -20,6 +20,7 @@ from engine import run_dir as rd
 from engine import run_checkpoints
 from engine.checkpoint_manifest import write_manifest
 from runner import server_record as sr
+from workspace.workspace import record_dir
 from mcp_server.live import MAX_SUBSCRIPTIONS, POLL_S
 from mcp_server.server import build_server
 from tests.sandbox.helpers import fake_run, make_workspace
@@ -43,7 +44,7 @@ def log_step(workspace: Path, run_id: str, step: int) -> None:
 
 def end_run(workspace: Path, run_id: str, status: str = rd.COMPLETED) -> None:
     rd.update_run(workspace / rd.RUNS_DIRNAME / run_id, status=status)
-    sr.update_record(sr.record_dir(workspace, run_id), status=status)
+    sr.update_record(record_dir(workspace, run_id), status=status)
 
 
 class Updates:

@@ -19,6 +19,7 @@ import pytest
 from engine import run_dir as rd
 from engine import run_metrics
 from runner import server_record as sr
+from workspace.workspace import record_dir
 from tests.mcp.conftest import connect, git, head, is_finite_number, run_note
 from tests.sandbox.helpers import AUDIT
 
@@ -57,7 +58,7 @@ def state(workspace: Path) -> tuple[str, str, str]:
 
 def run_files(workspace: Path, run_id: str) -> tuple[rd.RunRecord, sr.ServerRecord, str]:
     run_dir = workspace / "runs" / run_id
-    return (rd.read_run(run_dir), sr.read_record(sr.record_dir(workspace, run_id)),
+    return (rd.read_run(run_dir), sr.read_record(record_dir(workspace, run_id)),
             (run_dir / rd.CONSOLE_LOG).read_text())
 
 

@@ -21,6 +21,7 @@ from engine import run_checkpoints
 from engine import run_metrics
 from engine.checkpoint_manifest import write_manifest
 from runner import server_record as sr
+from workspace.workspace import record_dir
 from workspace import git as workspace_git
 from runner import processes
 from tests.support import TEMPLATE, TINY, wait_for
@@ -58,7 +59,7 @@ def fake_run(workspace: Path, run_id: str, status: str = rd.COMPLETED, steps: in
         # A live pid is recorded as that process's identity; a dead one as an identity no
         # process has.
         supervisor = (sr.identify(pid) or sr.ProcessIdentity(pid=pid, start_ticks=0, session=pid)) if pid else None
-        sr.create_record(sr.record_dir(workspace, run_id),
+        sr.create_record(record_dir(workspace, run_id),
                          sr.ServerRecord.model_validate({**values, "run_dir": str(run_dir),
                                                          "workspace": str(workspace), "supervisor": supervisor}))
     with open(run_dir / rd.METRICS_JSONL, "w") as f:
@@ -77,8 +78,8 @@ def record_folder(run_dir: Path, workspace: Path | None = None) -> Path:
     """The folder of the server's record of the run in ``run_dir`` (for :func:`supervise`'s
     runs, whose id need not be the folder's name: the workspace is found as it chose it)."""
     if workspace is not None:
-        return sr.record_dir(workspace, run_dir.name)
-    return sr.record_dir(_workspace_of(run_dir), rd.read_run(run_dir).id)
+        return record_dir(workspace, run_dir.name)
+    return record_dir(_workspace_of(run_dir), rd.read_run(run_dir).id)
 
 
 def _workspace_of(run_dir: Path) -> Path:
@@ -240,7 +241,7 @@ def supervise(run_dir: Path, command: list[str], limits: dict[str, Any] | None =
                              sandbox=rd.SandboxView.model_validate(sandbox) if sandbox is not None else None,
                              **record_fields)
     rd.create_run(run_dir, record)
-    folder = sr.record_dir(workspace, run_id)
+    folder = record_dir(workspace, run_id)
     sr.create_record(folder, record)
     with open(run_dir / rd.CONSOLE_LOG, "ab") as console:
         process = subprocess.Popen(

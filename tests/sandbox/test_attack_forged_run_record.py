@@ -25,6 +25,7 @@ from engine import run_dir as rd
 from engine import run_checkpoints
 from engine import run_files
 from runner import server_record as sr
+from workspace.workspace import RECORD_JSON, record_dir, records_root
 from engine.errors import BadInput
 from mcp_server.operations import launch as launching
 from mcp_server.operations import runs as run_ops
@@ -130,7 +131,7 @@ def test_a_run_that_says_it_ended_still_counts_as_running_and_stops(tmp_path, fo
     assert run_ops.get_run(ws, RUN_ID).status == rd.RUNNING
     assert [s.status for s in run_ops.list_runs(ws).runs] == [rd.RUNNING]
     with pytest.raises(run_lifecycle.LaunchRefused, match="max_concurrent_runs is 1"):
-        check_capacity(sr.records_root(workspace), 1, ws.run_limits())
+        check_capacity(records_root(workspace), 1, ws.run_limits())
     assert run_ops.stop_run(ws, RUN_ID).status == rd.STOPPED
     assert wait_gone(marked, timeout=20) == set()
     assert sr.read_record(ws.record_dir(RUN_ID)).status == rd.STOPPED
@@ -262,7 +263,7 @@ def test_the_servers_record_is_outside_every_writable_folder_of_the_runs_sandbox
     run_dir = workspace / rd.RUNS_DIRNAME / RUN_ID
     read_only, writable, hidden = [workspace], [run_dir], processes.hidden_state(workspace)
     run_dir.mkdir(parents=True)
-    record = sr.record_dir(workspace, RUN_ID)
+    record = record_dir(workspace, RUN_ID)
     options = [o for option in bwrap._mounts(read_only, writable, "isolated", {}, hidden) for o in [option]]
     binds = [Path(o[-1]) for o in options if o[0] == "--bind"]
     assert binds == [run_dir] and not any(bwrap.under(record, b) for b in binds)
@@ -278,7 +279,7 @@ def test_a_sandboxed_run_cannot_change_the_servers_record(tmp_path):
         pytest.skip(f"bubblewrap cannot run here: {probe(find_bwrap())}")
     workspace = make_workspace(tmp_path / "ws")
     run_dir = workspace / rd.RUNS_DIRNAME / RUN_ID
-    record = sr.record_dir(workspace, RUN_ID) / sr.RECORD_JSON
+    record = record_dir(workspace, RUN_ID) / RECORD_JSON
     code = (f"import json, os, pathlib; p = pathlib.Path({str(record)!r}); print('SEEN', p.exists(), flush=True); "
             "p.parent.mkdir(parents=True, exist_ok=True); "
             "p.write_text(json.dumps({'id': 'x', 'status': 'completed', 'git_commit': '-F/etc/passwd'}))")
@@ -286,7 +287,7 @@ def test_a_sandboxed_run_cannot_change_the_servers_record(tmp_path):
         "bwrap": find_bwrap(), "read_only": [str(workspace)], "writable": [str(run_dir)],
         "hidden": [str(p) for p in processes.hidden_state(workspace)]}).wait(60)
     assert "SEEN False" in (run_dir / rd.CONSOLE_LOG).read_text()
-    kept = sr.read_record(sr.record_dir(workspace, RUN_ID))
+    kept = sr.read_record(record_dir(workspace, RUN_ID))
     assert kept.id == RUN_ID and kept.status == rd.COMPLETED and kept.isolation == "full"
 
 
@@ -413,7 +414,7 @@ def test_stop_keeps_the_failure_of_a_run_whose_supervisor_is_gone_and_ends_what_
         stopped = run_ops.stop_run(ws, RUN_ID)
         assert (stopped.status, stopped.error) == (rd.FAILED, sr.SUPERVISOR_GONE)
         assert leftover.wait(timeout=10) is not None
-        record = sr.read_record(sr.record_dir(workspace, RUN_ID))
+        record = sr.read_record(record_dir(workspace, RUN_ID))
         assert (record.status, record.error, record.reason) == (rd.FAILED, sr.SUPERVISOR_GONE, None)
         assert rd.read_run(workspace / rd.RUNS_DIRNAME / RUN_ID).status == rd.FAILED
         assert run_ops.stop_run(ws, RUN_ID).status == rd.FAILED  # and again: nothing changes

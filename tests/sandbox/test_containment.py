@@ -24,7 +24,7 @@ import time
 import pytest
 
 from engine import run_dir as rd
-from runner import server_record as sr
+from workspace.workspace import records_root
 from mcp_server.operations import launch as launching
 from mcp_server.operations import runs as run_ops
 from mcp_server.server import build_server
@@ -366,7 +366,7 @@ def test_a_launch_over_the_cap_on_processes_is_refused(tmp_path):
     an_hour_ago = (datetime.datetime.now(datetime.timezone.utc) - datetime.timedelta(hours=1)).isoformat()
     fake_run(workspace, "20260101-000002-lm-stale", status=rd.STARTING, pid=None, nproc=3,
              created_at=an_hour_ago)  # never got a supervisor
-    records = sr.records_root(workspace)
+    records = records_root(workspace)
     with pytest.raises(run_lifecycle.LaunchRefused, match=r"to 5 training processes and runs.max_total_processes is 4"):
         check_capacity(records, 2, Workspace.open(workspace).run_limits())
     check_capacity(records, 1, Workspace.open(workspace).run_limits())  # 4 fits

@@ -31,6 +31,7 @@ from engine import run_dir as rd
 from engine import run_checkpoints
 from engine.checkpoint_manifest import write_manifest
 from runner import server_record as sr
+from workspace.workspace import record_dir
 from engine.errors import TrainwrightError
 from mcp_server.operations import model_tools, recipe_info, review, waiting
 from mcp_server.operations import launch as launching
@@ -184,7 +185,7 @@ def _new_run(workspace: Path, head: str, supervisor: subprocess.Popen) -> tuple[
         pid=supervisor.pid, supervisor=sr.identify(supervisor.pid),
     )
     rd.create_run(run_dir, rd.RunRecord.model_validate(record.model_dump()))
-    sr.create_record(sr.record_dir(workspace, run_id), record)
+    sr.create_record(record_dir(workspace, run_id), record)
     (run_dir / rd.SNAPSHOT_DIRNAME).mkdir()
     (run_dir / rd.SNAPSHOT_DIRNAME / "recipe.py").write_text("# the code that ran\n")
     checkpoint = run_dir / rd.CHECKPOINTS_DIRNAME / run_checkpoints.checkpoint_dir_name(2)
