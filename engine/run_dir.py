@@ -241,7 +241,7 @@ class HubModel(BaseModel):
 # Who writes each field of a run's records, declared on the field (``Annotated[type, SERVER]``).
 @dataclass(frozen=True)
 class Owner:
-    """The writer of a field of a run's records; a view of a run (:func:`runner.server_record.view`)
+    """The writer of a field of a run's records; a view of a run (:func:`runner.server_record.known_run`)
     takes each field from its writer's record.
 
     ``writer``: ``server`` (the server and the run's supervisor, in the server's record, which

@@ -95,7 +95,7 @@ def follow_run(ws: Any, run_id: str, echo: bool) -> int:
     stopping = False
     while True:
         try:
-            _, record = runs.server_view(ws, run_id)
+            _, record = runs.known_run(ws, run_id)
             ended = record.effective_status() in rd.FINAL_STATUSES and not record.supervisor_alive()
             offset = echo_console(console, offset, whole_lines=not ended, echo=echo)
             if ended:

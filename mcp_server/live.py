@@ -217,7 +217,7 @@ class LiveRuns:
         if before is not None and before.status_files == status_files and now - before.status_read_at < STATUS_RECHECK_S:
             return Observed(files, before.status, status_files, before.status_read_at)
         try:
-            status: str = sr.view(self.ws.root, run_dir).effective_status()
+            status: str = sr.known_run(self.ws.root, run_dir).effective_status()
         except (OSError, ValueError):
             status = before.status if before is not None else "unknown"
         return Observed(files, status, status_files, now)

@@ -157,7 +157,7 @@ def _run_model_io(workspace: Path, run_dir: Path, action: str, step: int, argume
 def _recorded_models(workspace: Path, run_dir: Path) -> list[rd.HubModel]:
     """The Hub models of the server's record of the run (never the run's own run.json)."""
     try:
-        return sr.view(workspace, run_dir).hub_models
+        return sr.known_run(workspace, run_dir).hub_models
     except (OSError, ValueError, BadInput):  # the model process says what is wrong with run.json
         return []
 

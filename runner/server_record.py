@@ -12,7 +12,7 @@ A run has two records with two owners:
   isolation it got, the target and SLURM job, the limits, the parent run, and the outcome.
 
 Every decision (stop, capacity, status, notes, resume, joins, SLURM, review) reads the server's
-record; :func:`view` gives tools the server's record with the few fields that are the run's own
+record; :func:`known_run` gives tools the server's record with the few fields that are the run's own
 taken from its report. Each field declares its writer (:class:`engine.run_dir.Owner`, in
 ``Annotated``); :data:`REPORTED_FIELDS` and what a run the server did not start shows are
 derived from those declarations. A ``ServerRecord`` is a ``RunRecord`` (the same
@@ -134,7 +134,7 @@ class ServerRecord(rd.RunRecord):
         None, description="The leader of the engine's process group (bwrap in the sandbox), started by the supervisor."
     )
     started_by_server: Annotated[bool, rd.SERVER] = Field(
-        True, description="False only in a view of a run that has no server record (its report alone)."
+        True, description="False only for a run that has no server record (its report alone)."
     )
 
     @field_validator("git_commit")
@@ -303,7 +303,7 @@ def _report(run_dir: Path) -> rd.RunRecord | None:
         return None
 
 
-def view(workspace: Path | str, run_dir: Path | str) -> ServerRecord:
+def known_run(workspace: Path | str, run_dir: Path | str) -> ServerRecord:
     """A run as tools show it and decide on it: the server's record, with the fields that are
     the run's own report (:data:`REPORTED_FIELDS`, and its warnings after the server's) from its
     run.json when that can be read. A run the server did not start (no record: the engine run

@@ -187,7 +187,7 @@ def _wait(ws: Workspace, run_id: str, steps: int, say: Progress) -> str:
     last_said, last_step = time.monotonic(), None
     try:
         while True:
-            _, record = run_ops.server_view(ws, run_id)
+            _, record = run_ops.known_run(ws, run_id)
             if record.effective_status() in rd.FINAL_STATUSES and not record.supervisor_alive():
                 return run_ops.get_run(ws, run_id).status
             step = (run_metrics.latest_metrics(run_dir / rd.METRICS_JSONL) or {}).get("step")

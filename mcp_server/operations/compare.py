@@ -35,7 +35,7 @@ from runner import server_record as sr
 from mcp_server.limits import AGENT_BUDGET_CHARS, json_chars
 from mcp_server.models import CompareResult, MetricVerdict, Verdict
 from mcp_server.operations import history
-from mcp_server.operations.runs import server_view
+from mcp_server.operations.runs import known_run
 from workspace import git as workspace_git
 from workspace.workspace import Workspace
 
@@ -58,9 +58,9 @@ def compare_groups(ws: Workspace, runs_a: list[str], runs_b: list[str]) -> Compa
     a side's loss curve is the mean of its runs' (bit-equal runs: that curve, unchanged); its
     speed windows are pooled over its runs (each run's warm-up left out), so the noise bound
     holds the load's changes between rounds; its peak is the largest any of them measured."""
-    views_a = [server_view(ws, run) for run in runs_a]
-    views_b = [server_view(ws, run) for run in runs_b]
-    (dir_a, record_a), (dir_b, record_b) = views_a[0], views_b[0]
+    known_a = [known_run(ws, run) for run in runs_a]
+    known_b = [known_run(ws, run) for run in runs_b]
+    (dir_a, record_a), (dir_b, record_b) = known_a[0], known_b[0]
     config_a, config_b = _flat(record_a.config or {}), _flat(record_b.config or {})
     differences = _code_differences(ws, record_a, record_b, dir_a, dir_b) + [
         f"{key}: {_shown(config_a.get(key, '(absent)'))} → {_shown(config_b.get(key, '(absent)'))}"
@@ -83,8 +83,8 @@ def compare_groups(ws: Workspace, runs_a: list[str], runs_b: list[str]) -> Compa
             else:
                 metrics.append(verdict)
 
-    own_a = [run_metrics.read_all_metrics(folder / rd.METRICS_JSONL) for folder, _ in views_a]
-    own_b = [run_metrics.read_all_metrics(folder / rd.METRICS_JSONL) for folder, _ in views_b]
+    own_a = [run_metrics.read_all_metrics(folder / rd.METRICS_JSONL) for folder, _ in known_a]
+    own_b = [run_metrics.read_all_metrics(folder / rd.METRICS_JSONL) for folder, _ in known_b]
 
     def windows(own: list[list[dict[str, Any]]], key: str) -> list[float]:
         return [value for records in own for value in _windows(records, key)]
@@ -99,8 +99,8 @@ def compare_groups(ws: Workspace, runs_a: list[str], runs_b: list[str]) -> Compa
                                        windows(own_b, "step_time_s"), higher_is_better=False))
     metrics.append(compare_peaks(_peaks([r for records in own_a for r in records]),
                                  _peaks([r for records in own_b for r in records])))
-    return _fit(CompareResult(run_a=", ".join(record.id for _, record in views_a),
-                              run_b=", ".join(record.id for _, record in views_b),
+    return _fit(CompareResult(run_a=", ".join(record.id for _, record in known_a),
+                              run_b=", ".join(record.id for _, record in known_b),
                               differences=differences, metrics=metrics, left_out=left_out))
 
 

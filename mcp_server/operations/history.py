@@ -39,7 +39,7 @@ def resume_chain(ws: Workspace, run_id: str) -> list[Segment]:
     while current is not None and len(newest_first) < MAX_CHAIN_RUNS:
         try:
             run_dir = ws.run_dir(current)
-            record = sr.view(ws.root, run_dir)  # the parent run is the server's record of it
+            record = sr.known_run(ws.root, run_dir)  # the parent run is the server's record of it
         except (NotFound, OSError, ValueError):
             if not newest_first:
                 raise

@@ -35,7 +35,7 @@ from engine.config import Overrides, override_args, overrides_to_dict
 from engine.errors import BadInput, NotFound
 from engine.seams import LaunchVerdict
 from mcp_server.models import LaunchRunResult
-from mcp_server.operations.runs import launch_result, server_view
+from mcp_server.operations.runs import launch_result, known_run
 from runner import hub
 from runner import lifecycle as run_lifecycle
 from runner import scripts
@@ -229,7 +229,7 @@ def joining_node(ws: Workspace, request: Launch) -> Launch:
     """``request`` for a node with node_rank > 0: node 0's snapshot, run as it is, with node
     0's config (its run is the one this node joins)."""
     nodes = request.nodes
-    run_dir, first = server_view(ws, nodes.rdzv_id)
+    run_dir, first = known_run(ws, nodes.rdzv_id)
     mismatch = [
         f"{name} {mine!r} (node 0: {theirs!r})"
         for name, mine, theirs in (("nnodes", nodes.nnodes, first.nnodes), ("rdzv endpoint", nodes.rdzv_endpoint,
@@ -272,7 +272,7 @@ def resume_checkpoint(
     """
     if code not in CODE_CHOICES:
         raise BadInput(f"code must be one of {', '.join(CODE_CHOICES)}, got {code!r}")
-    source_dir, source = server_view(ws, run_id)
+    source_dir, source = known_run(ws, run_id)
     if source.kind == rd.SCRIPT:
         return launch(ws, _script_resume(ws, source_dir, source, step, nproc, overrides, code), limits)
     chosen_step, checkpoint = run_checkpoints.choose_checkpoint(source_dir, source.kind, step, verified=True)

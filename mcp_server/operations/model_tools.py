@@ -52,7 +52,7 @@ def checkpoint_of(ws: Workspace, run_id: str, step: int | None) -> tuple[Path, i
     run_dir = ws.run_dir(run_id)
     try:
         rd.read_run(run_dir)  # the model process rebuilds the recipe from the config there
-        record = sr.view(ws.root, run_dir)  # the snapshot's digest is the server's
+        record = sr.known_run(ws.root, run_dir)  # the snapshot's digest is the server's
     except (OSError, ValueError) as e:  # the run writes its run.json: a link, a FIFO, anything
         why = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
         raise BadInput(f"run {run_id}'s {rd.RUN_JSON} cannot be read ({why}), so its model cannot be rebuilt") from None

@@ -363,7 +363,7 @@ def _runs_per_recipe(ws: Workspace) -> Counter:
     counts: Counter = Counter()
     for run_id in ws.run_ids()[:MAX_RUNS_COUNTED]:
         try:
-            counts[sr.view(ws.root, ws.runs_dir / run_id).recipe] += 1
+            counts[sr.known_run(ws.root, ws.runs_dir / run_id).recipe] += 1
         except (OSError, ValueError):
             continue
     return counts

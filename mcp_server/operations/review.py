@@ -18,7 +18,7 @@ def _runs_by_commit(ws: Workspace) -> dict[str, list[ReviewRun]]:
     by_commit: dict[str, list[ReviewRun]] = defaultdict(list)
     for run_id in ws.run_ids():
         try:
-            record = sr.view(ws.root, ws.runs_dir / run_id)  # the commit is the server's, not the run's
+            record = sr.known_run(ws.root, ws.runs_dir / run_id)  # the commit is the server's, not the run's
         except (OSError, ValueError):
             continue
         if not record.git_commit:

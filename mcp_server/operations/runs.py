@@ -1,10 +1,10 @@
 """Reading runs: list, inspect, tail, stop, list checkpoints; and the result a launch returns.
 
 Each function is one tool (and one CLI command), or a reader other tools use
-(:func:`server_view`, :func:`tail_text`, :func:`bounded_record`). They read the runs on disk,
+(:func:`known_run`, :func:`tail_text`, :func:`bounded_record`). They read the runs on disk,
 so they see every run as it is, also runs started before this process: what the server decided
 and saw from the server's record of each run, what the run reported from its run directory
-(untrusted: :func:`runner.server_record.view`). Starting runs is
+(untrusted: :func:`runner.server_record.known_run`). Starting runs is
 :mod:`mcp_server.operations.launch`.
 """
 
@@ -65,11 +65,11 @@ MAX_FIELD_CHARS = 300
 MAX_DATA_PATHS_SHOWN = 5
 
 
-def server_view(ws: Workspace, run_id: object) -> tuple[Path, sr.ServerRecord]:
-    """The run directory and the run as the server knows it (:func:`runner.server_record.view`)."""
+def known_run(ws: Workspace, run_id: object) -> tuple[Path, sr.ServerRecord]:
+    """The run directory and the run as the server knows it (:func:`runner.server_record.known_run`)."""
     run_dir = ws.run_dir(run_id)
     try:
-        return run_dir, sr.view(ws.root, run_dir)
+        return run_dir, sr.known_run(ws.root, run_dir)
     except (OSError, ValueError) as e:  # no server record, and a run.json that is not one
         why = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
         raise BadInput(f"run {run_id} cannot be read ({why[:300]})") from None
@@ -139,7 +139,7 @@ def get_run(ws: Workspace, run_id: str) -> RunInfo:
         # A SLURM job the server submitted: ask squeue/sacct (bounded; what they cannot say is a
         # warning, not an error).
         _, slurm_note = slurm_jobs.refresh(ws.record_dir(run_id), run_environment())
-    _, record = server_view(ws, run_id)
+    _, record = known_run(ws, run_id)
     status = record.effective_status()
     latest = run_metrics.latest_metrics(run_dir / rd.METRICS_JSONL)
     error = record.error or record.reason
@@ -263,7 +263,7 @@ def list_runs(ws: Workspace, limit: int = 20) -> RunList:
 
 def _summary(ws: Workspace, run_id: str) -> RunSummary:
     run_dir = ws.runs_dir / run_id
-    record = sr.view(ws.root, run_dir)
+    record = sr.known_run(ws.root, run_dir)
     latest = run_metrics.latest_metrics(run_dir / rd.METRICS_JSONL)
     speed = run_metrics.read_run_speed(run_dir, record)
     return RunSummary(
@@ -321,7 +321,7 @@ def tail_metrics(
         kept.append(record)
     kept.reverse()
     return MetricsTail(
-        run_id=run_id, status=server_view(ws, run_id)[1].effective_status(), records=kept, truncated=truncated,
+        run_id=run_id, status=known_run(ws, run_id)[1].effective_status(), records=kept, truncated=truncated,
         resumes=resumes,
     )
 
@@ -329,7 +329,7 @@ def tail_metrics(
 def stop_run(ws: Workspace, run_id: str) -> StopRunResult:
     """Stop the run (a SLURM job the server submitted: scancel); the result is small (get_run
     has the rest). Only a run this server started can be stopped by it."""
-    _, record = server_view(ws, run_id)
+    _, record = known_run(ws, run_id)
     if not record.started_by_server:
         raise BadInput(f"run {run_id} was not started by this server, which knows none of its processes; "
                        "stop it where it was started")
@@ -345,7 +345,7 @@ def stop_run(ws: Workspace, run_id: str) -> StopRunResult:
 
 
 def list_checkpoints(ws: Workspace, run_id: str) -> CheckpointList:
-    run_dir, record = server_view(ws, run_id)
+    run_dir, record = known_run(ws, run_id)
     checkpoints = run_checkpoints.run_checkpoints(run_dir, record.kind)
     return CheckpointList(
         run_id=run_id,

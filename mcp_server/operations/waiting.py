@@ -47,12 +47,12 @@ class Observation:
 def observe(ws: Workspace, run_id: str) -> Observation:
     """The run as it is now. It has ended once its status is final and its supervisor has
     recorded the exit code (or is gone)."""
-    from mcp_server.operations.runs import server_view
+    from mcp_server.operations.runs import known_run
 
     run_dir = ws.run_dir(run_id)
     if has_record(ws.root, run_id):  # a SLURM job the server submitted; other runs: as is
         slurm_jobs.refresh(ws.record_dir(run_id), run_environment(), min_interval_s=SLURM_POLL_S)
-    _, record = server_view(ws, run_id)
+    _, record = known_run(ws, run_id)
     status = record.effective_status()
     ended = status in rd.FINAL_STATUSES and (record.exit_code is not None or not record.supervisor_alive())
     latest = run_metrics.latest_metrics(run_dir / rd.METRICS_JSONL)

@@ -35,7 +35,7 @@ def test_get_run_shows_every_fact_as_the_servers_record_holds_it(tmp_path):
              limits={"max_memory_bytes": 1 << 30}, network_isolated=True, network_note="no network",
              isolation="partial", isolation_note="no user namespace", overrides={"train.max_steps": 4},
              config_changes={"train.max_steps": 4}, warnings=["a warning"])
-    record = sr.view(root, root / rd.RUNS_DIRNAME / run_id)
+    record = sr.known_run(root, root / rd.RUNS_DIRNAME / run_id)
     shown = runs.get_run(Workspace.open(root), run_id)
     for name in set(rd.RunFacts.model_fields) - SHOWN_OTHERWISE:
         assert getattr(shown, name) == getattr(record, name), name
