@@ -29,6 +29,15 @@ def test_no_function_of_the_mcp_and_cli_bindings_is_over_60_lines():
     assert [f for f in shape.long_functions(60) if f[1] == "mcp_server"] == []
 
 
+def test_no_file_of_the_run_side_is_over_500_lines():
+    """Issue 35: the MCP and CLI bindings, the runner and the run directory's modules stay files a
+    reader takes in whole."""
+    files = [*ROOT.glob("mcp_server/**/*.py"), *ROOT.glob("runner/*.py"),
+             *(ROOT / "engine" / name for name in ("run_dir.py", "run_checkpoints.py", "run_metrics.py", "run_files.py"))]
+    long = {str(f.relative_to(ROOT)): n for f in files if (n := len(f.read_text(encoding="utf-8").splitlines())) > 500}
+    assert long == {}
+
+
 def test_under_3_percent_of_skills_is_code_inside_strings():
     inside, total, per_file = shape.code_in_strings()
     assert inside / total < 0.03, per_file
