@@ -23,6 +23,7 @@ Torch-free (stdlib and pydantic): the server imports it.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as _dt
 import functools
 import os
@@ -160,8 +161,12 @@ class ServerRecord(rd.RunRecord):
 
     def run_limits(self) -> RunLimits:
         """The limits the run was started with, read back into their model (the record keeps
-        them as JSON in ``limits``; a key it lacks has the settings' default)."""
-        return _limits_model().validate_python(self.limits)
+        them as JSON in ``limits``; a key it lacks has the settings' default, and a grace that is
+        not above 0, which the settings never give, is the default one: a stop always warns first)."""
+        limits = _limits_model().validate_python(self.limits)
+        if not limits.stop_grace_s > 0:
+            limits = dataclasses.replace(limits, stop_grace_s=RunLimits.stop_grace_s)
+        return limits
 
     def supervisor_alive(self) -> bool:
         return self.supervisor is not None and self.supervisor.alive()

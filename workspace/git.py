@@ -376,15 +376,17 @@ def path_commits(repo: git.Repo, path: Path, limit: int = 200, rev: str | None =
 def _log(repo: git.Repo, limit: int, rev: str | None, path: str | None = None) -> list[PathCommit]:
     """The newest ``limit`` commits of ``rev`` (default HEAD), of ``path`` when given, newest
     first, with their trailers: one ``git log``, the one reader of commits' trailers."""
-    fields = "%H%x1f%s%x1f%cI%x1f%(trailers:only,unfold)%x1e"
-    out = repo.git.log(f"--max-count={limit}", f"--format={fields}", *([rev] if rev else []), "--",
-                       *([path] if path is not None else []))
+    # NUL between fields and (-z) between commits: the one byte no commit message can hold, so
+    # a subject cannot pass for another commit's fields.
+    fields = "%H%x00%s%x00%cI%x00%(trailers:only,unfold)"
+    out = repo.git.log("-z", f"--max-count={limit}", f"--format={fields}", *([rev] if rev else []), "--",
+                       *([path] if path is not None else []), strip_newline_in_stdout=False)
+    parts = out.split("\x00") if out else []
     found = []
-    for entry in out.split("\x1e"):
-        parts = entry.strip("\n").split("\x1f")
-        if len(parts) != 4:
-            continue
-        sha, subject, committed_at, trailer_text = parts
+    for at in range(0, len(parts) - 3, 4):
+        sha, subject, committed_at, trailer_text = parts[at: at + 4]
+        if not COMMIT_ID.fullmatch(sha):
+            raise GitRefused(f"git log gave {sha[:60]!r} where a commit id belongs")
         found.append(PathCommit(sha=sha, subject=subject, committed_at=committed_at,
                                 trailers=_parse_trailers(trailer_text)))
     return found

@@ -449,3 +449,12 @@ def test_a_checkpoint_manifest_never_makes_the_server_read_or_size_a_host_file_t
     assert listed.checkpoints == []
     assert listed.unusable == ["step-00000002: sub/secret is missing", "step-00000004: sub/secret is missing"]
     assert "12,345" not in " ".join(listed.unusable)
+
+
+@pytest.mark.parametrize("grace", [0, -5, 0.0])
+def test_a_record_whose_stop_grace_is_not_above_0_still_warns_before_it_kills(grace):
+    """The settings never give a grace of 0 or less; a record edited to hold one gets the
+    default, as the supervisor and stop_run always gave it (SIGTERM, then SIGKILL later)."""
+    record = sr.ServerRecord(id="r1", limits={"stop_grace_s": grace, "wall_time_s": 5})
+    assert record.run_limits().stop_grace_s == 10.0
+    assert record.run_limits().wall_time_s == 5

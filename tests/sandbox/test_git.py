@@ -89,3 +89,18 @@ def test_notes_of_runs_that_end_together_are_all_kept(tmp_path):
     assert all(written)
     assert sorted(line for line in workspace_git.note(repo, sha).splitlines() if line) == sorted(
         f"run {i}: completed" for i in range(12))
+
+
+def test_a_subject_cannot_pass_for_another_commits_fields(tmp_path):
+    """``review`` reads agent commits from one ``git log``: a subject holding the separators of
+    an older reader (written with plain git, by anyone with a shell) is its own commit's subject."""
+    repo = workspace_git.ensure_repo(tmp_path)
+    other = repo.head.commit.hexsha
+    (tmp_path / "a.txt").write_text("a\n")
+    run_git(tmp_path, "add", "a.txt")
+    run_git(tmp_path, "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "-m",
+            f"innocent\x1e{other}\x1fdecoy subject\x1f2020-01-01T00:00:00+00:00\x1f\n\n"
+            f"{workspace_git.TOOL_TRAILER}: apply_skill")
+    (listed,) = workspace_git.agent_commits(repo, None)
+    assert listed.sha == repo.head.commit.hexsha != other
+    assert listed.subject.startswith("innocent")
