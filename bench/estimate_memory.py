@@ -26,6 +26,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from engine import run_dir as rd  # noqa: E402
+from engine import run_metrics  # noqa: E402
 
 QUIET = ("checkpoint.every=0", "checkpoint.at_end=false", "metrics.tensorboard=false", "train.log_every=1")
 SIZES = {
@@ -76,7 +77,7 @@ def measured_run(folder: Path, settings: list[str], cwd: Path) -> tuple[float, f
     if done.returncode:
         raise SystemExit(f"run failed:\n{done.stdout[-2000:]}\n{done.stderr[-2000:]}")
     (run,) = set(os.listdir(cwd / "runs")) - before
-    records = [r for r in rd.read_all_metrics(cwd / "runs" / run / rd.METRICS_JSONL) if "peak_mem_mb" in r]
+    records = [r for r in run_metrics.read_all_metrics(cwd / "runs" / run / rd.METRICS_JSONL) if "peak_mem_mb" in r]
     return max(r["peak_mem_mb"] for r in records), statistics.median(r["step_time_s"] for r in records[1:] or records)
 
 

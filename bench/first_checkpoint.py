@@ -41,6 +41,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from engine import run_dir as rd  # noqa: E402
+from engine import run_metrics  # noqa: E402
 from engine.config import overrides_to_dict  # noqa: E402
 from sandbox import bwrap  # noqa: E402
 from workspace import git as workspace_git  # noqa: E402
@@ -98,7 +99,7 @@ def direct(root: Path, template: str, overrides: list[str], threads: int) -> Pat
 
 
 def windows(run_dir: Path) -> list[tuple[int, float]]:
-    return [(m["step"], m["tokens_per_s"]) for m in rd.read_all_metrics(run_dir / rd.METRICS_JSONL)
+    return [(m["step"], m["tokens_per_s"]) for m in run_metrics.read_all_metrics(run_dir / rd.METRICS_JSONL)
             if m.get("tokens_per_s") is not None]
 
 

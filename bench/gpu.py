@@ -35,6 +35,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from engine import run_dir as rd  # noqa: E402  (torch-free)
+from engine import run_metrics  # noqa: E402
 from skills import apply_skill  # noqa: E402
 
 TEMPLATE = REPO / "recipes_template" / "causal_lm"
@@ -79,7 +80,7 @@ def launch(recipe: Path, workdir: Path, nproc: int, settings: list[str], timeout
 
 
 def summarize(run: Path, warmup: int) -> dict:
-    records = [r for r in rd.read_all_metrics(run / rd.METRICS_JSONL) if "tokens_per_s" in r]
+    records = [r for r in run_metrics.read_all_metrics(run / rd.METRICS_JSONL) if "tokens_per_s" in r]
     timed = [r for r in records if r["step"] > warmup] or records[-1:]
     mfu = [r["mfu"] for r in timed if r.get("mfu") is not None]
     return {

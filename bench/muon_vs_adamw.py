@@ -30,6 +30,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from engine import run_dir as rd  # noqa: E402  (torch-free)
+from engine import run_metrics  # noqa: E402
 from skills import apply_skill  # noqa: E402
 
 TEMPLATE = REPO / "recipes_template" / "causal_lm"
@@ -50,7 +51,7 @@ def run(recipe: Path, workdir: Path, steps: int, lr: float, extra: list[str]) ->
     if result.returncode != 0:
         raise RuntimeError(f"{recipe.name} lr {lr} failed:\n{result.stderr[-2000:]}")
     (run_path,) = (workdir / rd.RUNS_DIRNAME).iterdir()
-    records = rd.read_all_metrics(run_path / rd.METRICS_JSONL)
+    records = run_metrics.read_all_metrics(run_path / rd.METRICS_JSONL)
     losses = [r["loss"] for r in records if "loss" in r]
     evals = [r["eval_loss"] for r in records if "eval_loss" in r]
     return {"lr": lr, "final_loss": statistics.mean(losses[-10:]), "eval_loss": evals[-1],

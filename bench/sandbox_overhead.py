@@ -37,6 +37,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from engine import run_dir as rd  # noqa: E402
+from engine import run_metrics  # noqa: E402
 from sandbox import bwrap  # noqa: E402
 from workspace import git as workspace_git  # noqa: E402
 from runner import lifecycle as run_lifecycle  # noqa: E402
@@ -87,7 +88,7 @@ def one_run(root: Path, peer: str, overrides: list[str], nproc: int, threads: in
                      and not rd.pid_alive(r.pid) and r, 900, 0.1)
     if final.status != rd.COMPLETED:
         raise SystemExit(f"{peer}: run {final.id} {final.status}: {final.error}")
-    speeds = [m["tokens_per_s"] for m in rd.read_all_metrics(run_dir / rd.METRICS_JSONL)[1:]]
+    speeds = [m["tokens_per_s"] for m in run_metrics.read_all_metrics(run_dir / rd.METRICS_JSONL)[1:]]
     return {"peer": peer, "isolation": final.isolation, "check_s": check_s, "first_line_s": first_line_s,
             "first_metrics_s": first_metrics_s, "tokens_per_s": statistics.median(speeds)}
 
