@@ -299,9 +299,10 @@ def at_full_length(batch: dict[str, Any], seq_len: int) -> dict[str, Any]:
     estimate "at data.seq_len" must not measure those. Only shapes matter (the forward runs on
     fake tensors): each dimension of a per-row tensor that is the rows' length becomes
     ``seq_len`` (masks of L × L included); other tensors (images) stay as they are."""
-    rows, length = (batch["input_ids"].shape[0], _row_length(batch)) if _row_length(batch) else (0, 0)
+    length = _row_length(batch)
     if not length or length >= seq_len:
         return batch
+    rows = batch["input_ids"].shape[0]
     grown: dict[str, Any] = {}
     for key, value in batch.items():
         if isinstance(value, torch.Tensor) and value.dim() >= 2 and value.shape[0] == rows and length in value.shape[1:]:

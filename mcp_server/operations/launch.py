@@ -204,9 +204,11 @@ def launch_run(
             code_dir, origin = code.enter_context(code_at_commit(ws.root, recipe_dir, commit))
         else:
             code_dir, origin = recipe_dir, recipe_origin(ws.root, recipe_dir)
+        binds_here = options is None and nodes.node_rank == 0  # a joining node binds node 0's; a job's nodes their own
+        hub_values = (hub.recipe_config(code_dir, flat), hub.recipe_config(code_dir, flat, hub.DATASET_KEY)) \
+            if binds_here else None
         request = Launch(code_dir, ws.label(recipe_dir), origin, nproc, flat, nodes=nodes, slurm=options,
-                         hub_values=(hub.recipe_config(code_dir, flat), hub.recipe_config(code_dir, flat, hub.DATASET_KEY)),
-                         review=skipped_data)
+                         hub_values=hub_values, review=skipped_data)
         if nodes.node_rank > 0:
             limits, warnings = run_limits(ws, limits)
             check_allowed(nodes, limits)  # before node 0's run is read
