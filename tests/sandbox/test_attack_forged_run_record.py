@@ -458,3 +458,21 @@ def test_a_record_whose_stop_grace_is_not_above_0_still_warns_before_it_kills(gr
     record = sr.ServerRecord(id="r1", limits={"stop_grace_s": grace, "wall_time_s": 5})
     assert record.run_limits().stop_grace_s == 10.0
     assert record.run_limits().wall_time_s == 5
+
+
+def test_a_run_that_rewrites_its_run_json_changes_no_limit_or_shape_the_server_acts_on(tmp_path):
+    """The limits a stop and a wall-time kill use, and the shape a resume copies (processes,
+    threads), are the server's record's: a run that rewrites its own run.json (its directory is
+    writable in its sandbox) with a zero grace, the host network, no wall time, more processes
+    and threads, changes none of them (their writers are declared: engine.run_dir.Owner)."""
+    workspace = make_workspace(tmp_path / "ws")
+    limits = {"stop_grace_s": 30.0, "network": "isolated", "wall_time_s": 60.0}
+    run_dir = fake_run(workspace, RUN_ID, limits=limits, threads_per_process=2)
+    forged = rd.read_run(run_dir).model_dump(mode="json")
+    forged.update(limits={"stop_grace_s": 0, "network": "shared", "wall_time_s": None}, nproc=8, world_size=8,
+                  threads_per_process=64)
+    run_files.write_json_atomic(run_dir / rd.RUN_JSON, forged)
+    known = sr.known_run(workspace, run_dir)
+    assert (known.run_limits().stop_grace_s, known.run_limits().network, known.run_limits().wall_time_s) == \
+        (30.0, "isolated", 60.0)
+    assert (known.nproc, known.threads_per_process) == (1, 2)
