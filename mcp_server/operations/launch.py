@@ -182,13 +182,7 @@ def launch_run(
         raise BadInput(f"target must be one of {', '.join(TARGETS)}, got {target!r}")
     source = ws.run_source(recipe)
     if source.script is not None:
-        if commit:
-            raise BadInput("commit runs a recipe as a commit holds it; a script runs as it is now")
-        if overrides:
-            raise BadInput("overrides set a recipe's config keys; a script takes its command line as args")
-        if nnodes != 1 or rdzv or target != "local" or slurm:
-            raise BadInput("a script runs on this machine (nproc processes under torchrun); nnodes, rdzv and "
-                           f"target slurm are for recipes ({scripts.DOCS_PAGE})")
+        _check_script_arguments(commit, overrides, nnodes != 1 or rdzv or target != "local" or slurm)
         return launch(ws, script_launch(ws, source, nproc, args, resume_arg), limits)
     if args is not None or resume_arg is not None:
         raise BadInput(f"args and resume_arg are for a training script; {ws.label(source.code_dir)!r} is a recipe, "
@@ -214,6 +208,17 @@ def launch_run(
             check_allowed(nodes, limits)  # before node 0's run is read
             return start(ws, plan(ws, joining_node(ws, request), limits, warnings, progress))
         return launch(ws, request, limits, progress)
+
+
+def _check_script_arguments(commit: str | None, overrides: Overrides, elsewhere: object) -> None:
+    """A script runs as it is now, on this machine, with its own command line."""
+    if commit:
+        raise BadInput("commit runs a recipe as a commit holds it; a script runs as it is now")
+    if overrides:
+        raise BadInput("overrides set a recipe's config keys; a script takes its command line as args")
+    if elsewhere:
+        raise BadInput("a script runs on this machine (nproc processes under torchrun); nnodes, rdzv and "
+                       f"target slurm are for recipes ({scripts.DOCS_PAGE})")
 
 
 def script_launch(ws: Workspace, source: RunSource, nproc: int, args: object, resume_arg: object) -> Launch:
