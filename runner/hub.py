@@ -137,8 +137,10 @@ def _select_data(siblings: Iterable[tuple[str, int | None]], ref: HubRef) -> _Se
 
 
 def _select(siblings: Iterable[tuple[str, int | None]], ref: HubRef, allow_pickled: bool,
-            remote_code: bool) -> _Selection:
-    """The repo files a run needs, with their total size; refuses a repo without usable weights."""
+            remote_code: bool, with_weights: bool = True) -> _Selection:
+    """The repo files a run needs, with their total size; refuses a repo without usable weights.
+    ``with_weights=False``: the config, tokenizer and code only (an estimate builds the model from
+    its config)."""
     files = list(siblings)
     names = [name for name, _ in files]
     safe = [n for n in names if n.endswith(WEIGHT_SAFE)]
@@ -158,7 +160,7 @@ def _select(siblings: Iterable[tuple[str, int | None]], ref: HubRef, allow_pickl
     top = [n for n in names if "/" not in n]  # subfolders hold other formats (onnx/, original/)
     support = [n for n in top if n.endswith(SUPPORT_SUFFIXES)]
     code = [n for n in top if n.endswith(".py")] if remote_code else []
-    weights = [n for n in weights if n in top]
+    weights = [n for n in weights if n in top] if with_weights else []
     chosen = sorted(set(weights) | set(support) | set(code))
     if not any(n == "config.json" for n in chosen):
         raise BadInput(f"{ref.given} has no config.json: it is not a transformers model repo (files: "
@@ -226,9 +228,11 @@ def _bar_class(callback: Progress | None, label: str, expected: int) -> type[_Pr
 
 
 def resolve(ref: HubRef, *, commit: str | None = None, allow_pickled: bool = False, remote_code: bool = False,
-            progress: Progress | None = None, environ: Mapping[str, str] | None = None) -> rd.HubModel:
+            progress: Progress | None = None, environ: Mapping[str, str] | None = None,
+            weights: bool = True) -> rd.HubModel:
     """Download (or find in the cache) the files of ``ref`` a run needs and return where they
-    are. ``commit``: the exact commit to load (a resume passes the one its run recorded)."""
+    are. ``commit``: the exact commit to load (a resume passes the one its run recorded);
+    ``weights=False``: a model's files but its weights (:func:`_select`)."""
     from huggingface_hub import HfApi, snapshot_download
     from huggingface_hub import errors as hf_errors
 
@@ -246,7 +250,7 @@ def resolve(ref: HubRef, *, commit: str | None = None, allow_pickled: bool = Fal
             # that is not a model.
             cached = [(p.relative_to(path).as_posix(), p.stat().st_size) for p in Path(path).rglob("*") if p.is_file()]
             if ref.repo_type == "model":
-                _select(cached, ref, allow_pickled, remote_code)
+                _select(cached, ref, allow_pickled, remote_code, weights)
             return _model(ref, revision, Path(path), _folder_bytes(Path(path)))
         api = HfApi(endpoint=endpoint, token=token)
         info: Any = (api.dataset_info if ref.repo_type == "dataset" else api.model_info)(
@@ -256,7 +260,7 @@ def resolve(ref: HubRef, *, commit: str | None = None, allow_pickled: bool = Fal
             raise BadInput(f"the Hub gave no commit {commit or ''} for {shown} (got {sha[:50]!r})")
         siblings = [(s.rfilename, s.size) for s in (info.siblings or [])]
         selection = (_select_data(siblings, ref) if ref.repo_type == "dataset"
-                     else _select(siblings, ref, allow_pickled, remote_code))
+                     else _select(siblings, ref, allow_pickled, remote_code, weights))
         _check_disk(cache, _missing_bytes(api, ref, sha, cache, selection), shown)
         if progress is not None:
             progress(0.0, float(selection.total_bytes) or None,
@@ -399,10 +403,11 @@ def recipe_config(recipe_dir: Path, overrides: Mapping[str, Any], key: str = MOD
 
 
 def bind(workspace: Path, value: Any, *, dataset: Any = None, recorded: Iterable[rd.HubModel] = (),
-         allow_pickled: bool = False, remote_code: bool = False, progress: Progress | None = None) -> ModelBinding:
+         allow_pickled: bool = False, remote_code: bool = False, progress: Progress | None = None,
+         weights: bool = True) -> ModelBinding:
     """The binding of the Hub model ``value`` and the Hub data set ``dataset`` name, where they
     name one (downloaded as needed). ``recorded``: a resumed run's, whose commits are loaded
-    again."""
+    again; ``weights=False``: the model's config and tokenizer only."""
     recorded = list(recorded)
     bound = []
     for ref in (hub_ref(value, workspace), hub_ref(dataset, workspace, "dataset")):
@@ -410,7 +415,7 @@ def bind(workspace: Path, value: Any, *, dataset: Any = None, recorded: Iterable
             continue
         commit = next((m.commit for m in recorded if m.given == ref.given and m.repo_type == ref.repo_type), None)
         bound.append(resolve(ref, commit=commit, allow_pickled=allow_pickled, remote_code=remote_code,
-                             progress=progress))
+                             progress=progress, weights=weights))
     return ModelBinding(tuple(bound))
 
 

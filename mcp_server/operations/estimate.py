@@ -36,8 +36,9 @@ def estimate_run(ws: Workspace, recipe: str, overrides: Overrides = None, nproc:
     nproc = check_nproc(nproc)
     flat = checked_overrides(ws, overrides)
     limits = ws.run_limits()
+    # The model is built from its config on the meta device: its weights are never downloaded.
     models = bind_hub_models(ws, hub.recipe_config(recipe_dir, flat), hub.recipe_config(recipe_dir, flat, hub.DATASET_KEY),
-                         limits, None)
+                             limits, None, weights=False)
     verdict = run_lifecycle.check_launch(ws.root, recipe_dir, nproc, override_args(flat), limits=limits, models=models,
                                         estimate=(device, device_memory_gib))
     figures = _figures(verdict.estimate)

@@ -376,13 +376,13 @@ def checked_overrides(ws: Workspace, overrides: Overrides) -> dict[str, Any]:
     return flat
 
 
-def bind_hub_models(ws: Workspace, value: Any, dataset: Any, limits: RunLimits,
-                    progress: hub.Progress | None, recorded: list[rd.HubModel] | None = None) -> hub.ModelBinding:
+def bind_hub_models(ws: Workspace, value: Any, dataset: Any, limits: RunLimits, progress: hub.Progress | None,
+                    recorded: list[rd.HubModel] | None = None, weights: bool = True) -> hub.ModelBinding:
     """The Hub model ``value`` and data set ``dataset`` name (where they name one), downloaded
-    as the trusted settings allow."""
+    as the trusted settings allow (``weights=False``: the model's config and tokenizer only)."""
     return hub.bind(ws.root, value, dataset=dataset, recorded=recorded or [],
                     allow_pickled=limits.allow_pickled_weights,
-                    remote_code=limits.trust_remote_code, progress=progress)
+                    remote_code=limits.trust_remote_code, progress=progress, weights=weights)
 
 
 def _checked_target(nnodes: int, rdzv: dict[str, Any] | None, target: str, slurm: dict[str, Any] | None,

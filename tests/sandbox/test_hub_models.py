@@ -269,3 +269,24 @@ def test_a_model_already_in_the_cache_is_not_refused_for_the_disk_it_would_not_u
     first = hub.resolve(ref("org/tiny", tmp_path))
     monkeypatch.setattr(shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(10**9, 10**9, 1000))
     assert hub.resolve(ref("org/tiny", tmp_path)).commit == first.commit
+
+
+def test_an_estimate_downloads_the_models_config_and_tokenizer_but_never_its_weights(fake_hub, model_folder, tmp_path):
+    from mcp_server.operations import estimate
+    from mcp_server.operations import recipes as recipe_ops
+    from transformers import AutoModelForCausalLM
+    from workspace.workspace import Workspace
+
+    (tmp_path / "ws").mkdir()
+    ws = Workspace.open(tmp_path / "ws")
+    recipe_ops.scaffold_recipe(ws, "sft", "chat")
+    fake_hub.requests.clear()
+    result = estimate.estimate_run(ws, "recipes/chat", {"model.pretrained_path": "org/tiny", "data.seq_len": 128})
+    assert result.estimate["params"] == AutoModelForCausalLM.from_pretrained(model_folder).num_parameters()
+    fetched = [path for method, path, _ in fake_hub.requests if method == "GET" and "/resolve/" in path]
+    assert any(p.endswith("/config.json") for p in fetched) and any(p.endswith("/tokenizer.json") for p in fetched)
+    assert not [p for p in fetched if p.endswith(".safetensors")]
+    snapshot = hub.resolve(ref("org/tiny", tmp_path), weights=False)
+    assert (Path(snapshot.path) / "config.json").is_file() and not (Path(snapshot.path) / "model.safetensors").exists()
+    # A launch after it downloads the weights into the same snapshot.
+    assert (Path(hub.resolve(ref("org/tiny", tmp_path)).path) / "model.safetensors").is_file()
