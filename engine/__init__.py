@@ -21,6 +21,7 @@ Small and explicit, one concept per file:
 - ``data_formats``    file kinds and record formats (Alpaca, ShareGPT, parquet, CSV, ...)
 - ``model_io``        export, sample, evaluate: ``python -m engine.model_io``
 - ``hf_export``       a trained model as a Hugging Face folder
+- ``gguf_export``     a Hugging Face folder as one GGUF file (llama.cpp, Ollama)
 - ``openmp``          how a run's OpenMP threads wait: spinning, throttled beside competitors
 - ``run_dir``         the on-disk run directory format: run.json's ``RunRecord`` (torch-free; the server reads it)
 - ``run_checkpoints`` a run's checkpoints: names, which are complete, the one chooser (torch-free)

@@ -30,8 +30,8 @@ from typing import Any
 import torch
 
 from engine.config import ConfigError
+from engine.seams import LORA_CHOICES
 
-LORA_CHOICES = ("merged", "adapter")
 ADAPTER_BASE_DIRNAME = "base"
 # The key prefix peft's own PeftModel.save_pretrained writes (its wrapper's attribute path).
 PEFT_KEY_PREFIX = "base_model.model."

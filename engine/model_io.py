@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import shutil
 import sys
 import traceback
 from pathlib import Path
@@ -35,6 +36,8 @@ from engine import run_dir as rd
 from engine import run_checkpoints
 from engine.errors import EXIT_BAD_INPUT, EXIT_OK, EXIT_RUN_FAILED, BadInput, NotFound, TrainwrightError
 from engine.seams import (
+    GGUF_QUANTIZATIONS,
+    LORA_CHOICES,
     MAX_COMPLETION_CHARS,
     MAX_ERROR_CHARS,
     MAX_METRIC_NAME_CHARS,
@@ -52,6 +55,8 @@ from engine.seams import (
     SampleOutcome,
 )
 
+# The folder inside an export's destination that a GGUF file is converted from, then removed.
+GGUF_STAGING = ".hf"
 # Below this, logits / temperature overflow (inf, then NaN probabilities): 0 is greedy.
 MIN_TEMPERATURE = 0.01
 # One process computes what a run computed on many: the same weights in full precision.
@@ -124,16 +129,29 @@ def load_model_weights(model, checkpoint: Path) -> None:
 
 
 def export(run_dir: Path, step: int, to: Path, lora: str = "merged", max_shard_size: str = "2GB",
-           final_dir: Path | None = None) -> ExportOutcome:
+           final_dir: Path | None = None, gguf: str | None = None) -> ExportOutcome:
+    """A Hugging Face folder at ``to``; or (``gguf``: a GGUF type) that folder, LoRA merged,
+    written as one GGUF file of that type into ``to`` and then removed."""
     from engine import hf_export
 
-    if lora not in hf_export.LORA_CHOICES:
-        raise BadInput(f"lora must be one of {', '.join(hf_export.LORA_CHOICES)}, got {lora!r}")
+    if lora not in LORA_CHOICES:
+        raise BadInput(f"lora must be one of {', '.join(LORA_CHOICES)}, got {lora!r}")
+    if gguf is not None and gguf not in GGUF_QUANTIZATIONS:
+        raise BadInput(f"gguf must be one of {', '.join(GGUF_QUANTIZATIONS)}, got {gguf!r}")
+    if gguf is not None and lora == "adapter":
+        raise BadInput("a GGUF file holds the merged model: leave lora out (merged) with gguf")
     engine = load_engine(run_dir, step)
-    written = hf_export.export(engine.hf_model(), engine.hf_processing(), Path(to), lora=lora,
+    folder = Path(to) / GGUF_STAGING if gguf else Path(to)
+    written = hf_export.export(engine.hf_model(), engine.hf_processing(), folder, lora=lora,
                                max_shard_size=max_shard_size, final_dir=final_dir)
     tokenizer = written.pop("tokenizer")
-    return ExportOutcome(step=step, tokenizer=None if tokenizer is None else tokenizer[:MAX_NAME_CHARS], **written)
+    if gguf:
+        from engine.gguf_export import gguf_file_name, write_gguf
+
+        write_gguf(folder, Path(to) / gguf_file_name(gguf), gguf, name=(final_dir or Path(to)).name)
+        shutil.rmtree(folder)
+    return ExportOutcome(step=step, tokenizer=None if tokenizer is None else tokenizer[:MAX_NAME_CHARS], gguf=gguf,
+                         **written)
 
 
 def sample(run_dir: Path, step: int, prompts: list[str], max_new_tokens: int = 64,
@@ -298,6 +316,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--lora", choices=("merged", "adapter"), default="merged")
     p.add_argument("--max-shard-size", default="2GB", help="safetensors shards above this (e.g. 500MB)")
     p.add_argument("--final-dir", type=Path, help="where --to will be renamed to (an adapter's base is named there)")
+    p.add_argument("--gguf", choices=GGUF_QUANTIZATIONS, help="write one GGUF file of this type instead")
     p = command("sample", "continue prompts with the model")
     p.add_argument("--prompt", dest="prompts", action="append", required=True)
     p.add_argument("--max-new-tokens", type=int, default=64)
@@ -310,7 +329,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def run(args: argparse.Namespace) -> ModelOutcome:
     if args.action == "export":
-        return export(args.run_dir, args.step, args.to, args.lora, args.max_shard_size, args.final_dir)
+        return export(args.run_dir, args.step, args.to, args.lora, args.max_shard_size, args.final_dir, args.gguf)
     if args.action == "sample":
         return sample(args.run_dir, args.step, args.prompts, args.max_new_tokens, args.temperature, args.seed)
     return evaluate(args.run_dir, args.step, args.data)

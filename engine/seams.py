@@ -29,6 +29,11 @@ from engine.run_dir import DataSummary
 
 MAX_ERROR_CHARS = 2000  # a refusal's reason as the server shows it
 
+# What an export writes: a LoRA run's adapters merged or as a peft adapter; a Hugging Face folder,
+# or instead one GGUF file (engine/gguf_export.py) of one of these types.
+LORA_CHOICES = ("merged", "adapter")
+GGUF_QUANTIZATIONS = ("f16", "f32", "bf16", "q8_0", "q5_1", "q5_0", "q4_1", "q4_0")
+
 
 class ConfigField(BaseModel):
     model_config = ConfigDict(defer_build=True)
@@ -145,7 +150,7 @@ class ModelRefusal(_Seam):
 
 
 class ExportOutcome(_Seam):
-    """A Hugging Face folder written (``engine.hf_export.export``)."""
+    """A Hugging Face folder or a GGUF file written (``engine.hf_export``, ``engine.gguf_export``)."""
 
     action: ClassVar[str] = "export"
     ok: Literal[True] = True
@@ -155,6 +160,7 @@ class ExportOutcome(_Seam):
     base_model: str | None = Field(None, max_length=MAX_PATH_CHARS)  # an adapter's base, as adapter_config names it
     tokenizer: str | None = Field(None, max_length=MAX_NAME_CHARS)
     parameters: Count
+    gguf: Literal[GGUF_QUANTIZATIONS] | None = None  # type: ignore[valid-type]
 
 
 class GeneratedSample(_Seam):

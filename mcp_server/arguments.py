@@ -10,7 +10,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from engine.seams import MAX_NEW_TOKENS, MAX_PROMPTS
+from engine.seams import GGUF_QUANTIZATIONS, MAX_NEW_TOKENS, MAX_PROMPTS
 from mcp_server.limits import DEFAULT_TAIL_RECORDS, DEFAULT_WAIT_S, MAX_LIST_RUNS, MAX_TAIL_RECORDS, MAX_WAIT_S
 
 
@@ -163,7 +163,7 @@ class RunArgs(ToolArgs):
 
 class WaitRunArgs(ToolArgs):
     run_id: RunId
-    until_step: Annotated[int | None, Field(strict=True, description="Return once it is logged; default: the end."),
+    until_step: Annotated[int | None, Field(strict=True, description="Default: the end."),
                           Cli(metavar="N")] = None
     timeout_s: Annotated[float, Field(strict=True, description=f"At most {MAX_WAIT_S}."),
                          Cli(flag="--timeout", metavar="S", more="Exit 124 when it passes first.")] = DEFAULT_WAIT_S
@@ -188,14 +188,16 @@ class ResumeArgs(ToolArgs):
     nproc: Annotated[int | None, Field(strict=True, description="Default: as the run.")] = None
     code: Annotated[Literal["checkpoint", "head"],
                     Field(description="checkpoint: the run's code; head: the recipe now.")] = "checkpoint"
-    overrides: Annotated[dict[str, Any] | None, Field(description='e.g. {"train.max_steps": 400}'), KeyValues] = None
+    overrides: Annotated[dict[str, Any] | None, Field(description="As launch_run's."), KeyValues] = None
 
 
 class ExportArgs(ToolArgs):
     run_id: RunId
     to: Annotated[str, Field(description="A new or empty folder in the workspace."), Cli(flag="--to", metavar="DIR")]
     step: Step = None
-    lora: Annotated[Literal["merged", "adapter"], Field(description="LoRA runs: merged weights or a peft adapter.")] = "merged"
+    lora: Annotated[Literal["merged", "adapter"], Field(description="LoRA: merged, or a peft adapter.")] = "merged"
+    gguf: Annotated[Literal[GGUF_QUANTIZATIONS] | None, Field(  # type: ignore[valid-type]
+        description="A GGUF file instead.")] = None
 
 
 class SampleArgs(ToolArgs):

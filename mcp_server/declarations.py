@@ -245,7 +245,7 @@ def _resume_checkpoint(ws: Any, a: ResumeArgs, report: Report) -> LaunchRunResul
 def _export_checkpoint(ws: Any, a: ExportArgs, report: Report) -> ExportResult:
     from mcp_server.operations import model_tools
 
-    return model_tools.export_checkpoint(ws, a.run_id, a.to, a.step, a.lora)
+    return model_tools.export_checkpoint(ws, a.run_id, a.to, a.step, a.lora, gguf=a.gguf)
 
 
 def _sample(ws: Any, a: SampleArgs, report: Report) -> SampleResult:
@@ -334,8 +334,7 @@ TOOLS: tuple[ToolSpec, ...] = (
              ("resume",), "continue a run from its checkpoint as a new run", ResumeArgs, LaunchRunResult,
              ADDITIVE_HUB, _resume_checkpoint, announce=_resumed),
     # Models: export, sample, evaluate (each loads the recipe in the run sandbox)
-    ToolSpec("export_checkpoint", "Write a checkpoint as a Hugging Face folder (weights, config, tokenizer).",
-             ("export",), "write a checkpoint as a Hugging Face model folder", ExportArgs, ExportResult, ADDITIVE,
+    ToolSpec("export_checkpoint", "Write a checkpoint as a Hugging Face folder or a GGUF file.", ("export",), "write a checkpoint as a Hugging Face model folder or a GGUF file", ExportArgs, ExportResult, ADDITIVE,
              _export_checkpoint, stages=IN_SANDBOX, task=True),
     ToolSpec("sample", "Continue prompts with a checkpoint's model.",
              ("sample",), "continue prompts with a checkpoint's model", SampleArgs, SampleResult, READ_ONLY, _sample,

@@ -266,7 +266,7 @@ class ExportResult(BaseModel):
     lora: str | None = None
     tokenizer: str | None = None
     parameters: int
-    files: dict[str, int] = Field(description="Name: bytes.")
+    files: dict[str, int]  # name: bytes
 
 
 class Sample(BaseModel):

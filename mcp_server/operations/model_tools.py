@@ -22,7 +22,7 @@ from engine import run_checkpoints
 from runner import server_record as sr
 from engine.errors import BadInput
 from engine.model_io import check_sample_request
-from engine.seams import GeneratedSample
+from engine.seams import GGUF_QUANTIZATIONS, LORA_CHOICES, GeneratedSample
 from mcp_server.limits import AGENT_BUDGET_CHARS, json_chars
 from mcp_server.models import EvaluateResult, ExportResult, Sample, SampleResult
 from runner.model_process import ModelProcessFailed, run_model_io
@@ -35,7 +35,6 @@ from workspace.workspace import RECIPES_DIRNAME, Workspace
 EXPORT_TIMEOUT_S = 1800
 SAMPLE_TIMEOUT_S = 600
 EVALUATE_TIMEOUT_S = 1800
-LORA_CHOICES = ("merged", "adapter")
 MAX_LISTED_FILES = 40
 MAX_DATA_PATHS = 20
 MAX_FILE_NAME_CHARS = 120
@@ -75,11 +74,11 @@ def checkpoint_of(ws: Workspace, run_id: str, step: int | None) -> tuple[Path, i
 
 def export_checkpoint(
     ws: Workspace, run_id: str, to: str, step: int | None = None, lora: str = "merged",
-    max_shard_size: str = "2GB",
+    max_shard_size: str = "2GB", gguf: str | None = None,
 ) -> ExportResult:
-    """Write a checkpoint as a Hugging Face folder at ``to`` (new, or an empty folder)."""
-    if lora not in LORA_CHOICES:
-        raise BadInput(f"lora must be one of {', '.join(LORA_CHOICES)}, got {lora!r}")
+    """Write a checkpoint as a Hugging Face folder at ``to`` (new, or an empty folder), or
+    (``gguf``: a type, :data:`~engine.seams.GGUF_QUANTIZATIONS`) as one GGUF file in it."""
+    _check_export_choices(lora, gguf)
     destination, relative = _checked_destination(ws, to)
     run_dir, step = checkpoint_of(ws, run_id, step)
     parent, name = destination.parent, destination.name
@@ -102,7 +101,8 @@ def export_checkpoint(
         staging = parent / staging_name
         result = run_model_io(
             ws.root, run_dir, "export", step,
-            ["--to", str(staging), "--lora", lora, "--max-shard-size", max_shard_size, "--final-dir", str(destination)],
+            ["--to", str(staging), "--lora", lora, "--max-shard-size", max_shard_size, "--final-dir", str(destination),
+             *(["--gguf", gguf] if gguf else [])],
             ws.run_limits(), EXPORT_TIMEOUT_S, writable=[staging],
         )
         _check_written(parent_fd, staging_name, ws.run_limits().max_export_bytes)
@@ -131,6 +131,15 @@ def export_checkpoint(
         parameters=result.parameters,
         files={_text(name, MAX_FILE_NAME_CHARS): size for name, size in files[:MAX_LISTED_FILES]},
     )
+
+
+def _check_export_choices(lora: str, gguf: str | None) -> None:
+    if lora not in LORA_CHOICES:
+        raise BadInput(f"lora must be one of {', '.join(LORA_CHOICES)}, got {lora!r}")
+    if gguf is not None and gguf not in GGUF_QUANTIZATIONS:
+        raise BadInput(f"gguf must be one of {', '.join(GGUF_QUANTIZATIONS)}, got {gguf!r}")
+    if gguf is not None and lora == "adapter":
+        raise BadInput("a GGUF file holds the merged model: leave lora out (merged) with gguf")
 
 
 def _checked_destination(ws: Workspace, to: str) -> tuple[Path, Path]:

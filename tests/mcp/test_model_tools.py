@@ -110,3 +110,31 @@ def test_a_failed_export_leaves_nothing_behind(session):
     error = client.error("export_checkpoint", run_id=broken.name, to="exports/deep/broken")
     assert f"bad_input: the model in checkpoint step-00000004 of run {broken.name} cannot be loaded" in error
     assert tree_hash(workspace) == before and not (workspace / "exports" / "deep").exists()
+
+
+def test_a_gguf_export_is_one_file_that_loads_back_with_the_models_logits(session):
+    """The template's run as GGUF (f32: the same numbers; q8_0: within its rounding), loaded
+    back by transformers' GGUF reader from a folder holding nothing else; bad combinations are
+    refused before anything is written."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    client, workspace, run_id = session
+    client.ok("export_checkpoint", run_id=run_id, to="exports/hf")
+    reference = AutoModelForCausalLM.from_pretrained(workspace / "exports" / "hf").eval()
+    ids = torch.tensor([[100, 101, 32, 40, 41, 58, 10]])
+    for quantization, tolerance in (("f32", 1e-5), ("q8_0", 0.05)):
+        result = client.ok("export_checkpoint", run_id=run_id, to=f"exports/gguf-{quantization}", gguf=quantization)
+        assert list(result["files"]) == [f"model-{quantization}.gguf"]
+        folder = workspace / "exports" / f"gguf-{quantization}"
+        assert [p.name for p in folder.iterdir()] == [f"model-{quantization}.gguf"]
+        loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=f"model-{quantization}.gguf",
+                                                      dtype=torch.float32).eval()
+        with torch.no_grad():
+            expected, got = reference(ids).logits, loaded(ids).logits
+        assert (got - expected).abs().max() <= tolerance * max(1.0, expected.abs().max().item())
+    before = tree_hash(workspace)
+    assert "a GGUF file holds the merged model" in client.error(
+        "export_checkpoint", run_id=run_id, to="exports/x", gguf="f16", lora="adapter")
+    assert "bad_input" in client.error("export_checkpoint", run_id=run_id, to="exports/x", gguf="q3_k")
+    assert tree_hash(workspace) == before
