@@ -53,6 +53,8 @@ class MetricRecord(BaseModel):
     padding_frac: float | None = Field(None, description="Share of the last step's positions that were padding (masked prompt tokens are not).")
     eta_s: float | None = Field(None, description="Seconds left at the window's pace.")
     mfu: float | None = Field(None, description="Model FLOPs utilisation (where the peak is known).")
+    elapsed_s: float | None = Field(
+        None, description="Seconds since the run's process started (a script's: since the supervisor started it).")
 
 
 # Run output is written by recipe code, so a reader survives any of it: a line longer than

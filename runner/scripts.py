@@ -23,6 +23,7 @@ import os
 import stat
 import sys
 import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -135,31 +136,39 @@ class ScriptMetrics:
     multi-process run printing late, or again), or a copy of the previous one is not written; one
     at the last record's step adds its values to that record (one record per step: a trainer's
     end-of-training summary logs the last step again); after ``MAX_SCRIPT_METRIC_RECORDS`` records nothing more is, and the console says so once.
+
+    A line read from the output is stamped with ``elapsed_s``, the seconds since this reader
+    started (as the script did), unless it has one; a record that has no ``step_time_s`` gets the
+    time per step since the previous stamped record, so a script that logs no timing is still
+    timed (and compared) by its steps.
     """
 
     def __init__(self, metrics_file: BinaryIO):
+        self.started = time.monotonic()
         self.out = metrics_file
         self.written = 0
         self.last: dict[str, Any] | None = None
+        self.given: dict[str, Any] | None = None  # the last record as it came, before stamping
         self.last_offset = 0  # where the last record's line starts
         self.full = False
         self.lock = threading.Lock()
 
     def feed(self, line: bytes) -> str | None:
         """Record ``line`` if it is a metrics line; returns a note for the console, if any."""
-        return self.add(parse_metric_line(line))
+        return self.add(parse_metric_line(line), stamp=True)
 
-    def add(self, record: dict[str, Any] | None) -> str | None:
-        """Record ``record`` (a :func:`checked_record`); the output's reader and the event files'
-        share this, so it takes a lock."""
+    def add(self, record: dict[str, Any] | None, stamp: bool = False) -> str | None:
+        """Record ``record`` (a :func:`checked_record`; ``stamp``: it was just printed, so now is
+        its time); the output's reader and the event files' share this, so it takes a lock."""
         with self.lock:
-            return self._add(record)
+            return self._add(record, stamp)
 
-    def _add(self, record: dict[str, Any] | None) -> str | None:
-        if record is None or record == self.last:
+    def _add(self, record: dict[str, Any] | None, stamp: bool) -> str | None:
+        if record is None or record == self.given or record == self.last:
             return None
         if self.last is not None and record["step"] < self.last["step"]:
             return None
+        self.given = record
         if self.last is not None and record["step"] == self.last["step"]:
             # More values of the step just written (a trainer's end-of-training summary logs at
             # the last step again): the step's one record is rewritten with them.
@@ -172,6 +181,13 @@ class ScriptMetrics:
                 self.out.flush()
                 self.last = merged
             return None
+        if stamp and "elapsed_s" not in record:
+            record = {**record, "elapsed_s": round(time.monotonic() - self.started, 3)}
+        last = self.last
+        if (last is not None and "step_time_s" not in record and isinstance(record.get("elapsed_s"), float)
+                and isinstance(last.get("elapsed_s"), float) and record["elapsed_s"] >= last["elapsed_s"]):
+            record = {**record, "step_time_s": round((record["elapsed_s"] - last["elapsed_s"])
+                                                     / (record["step"] - last["step"]), 6)}
         if self.written >= MAX_SCRIPT_METRIC_RECORDS:
             if self.full:
                 return None

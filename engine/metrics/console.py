@@ -16,7 +16,7 @@ def format_duration(seconds: float) -> str:
 # Keys the line shows in its own form, or leaves to metrics.jsonl (timings, counters).
 SHOWN = frozenset({
     "step", "loss", "eval_loss", "lr", "grad_norm", "tokens_per_s", "loss_tokens_per_s", "loss_tokens_seen", "mfu", "peak_mem_mb", "eta_s", "step_time_s",
-    "tokens_seen", "padding_frac", "data_s", "fwd_bwd_s", "optim_s", "time",
+    "tokens_seen", "padding_frac", "data_s", "fwd_bwd_s", "optim_s", "time", "elapsed_s",
 })
 MAX_EXTRA = 6
 

@@ -16,6 +16,18 @@ Every verdict is b's against a's, with the numbers behind it:
 - **peak_mem_mb**: the largest figure any record measured (:mod:`engine.memory`); a change within
   :data:`MEMORY_NOISE` is "no difference" (allocators and page sizes move a peak a little).
 
+The whole run, beside the steady state (a skill faster per step can make a short run slower):
+
+- **first_step_s**: seconds from the process's start to the end of its first step (start-up,
+  data, compilation): the first record's ``elapsed_s`` less its later steps at the steady step
+  time. **wall_s**: the server's own times of a completed run, from launch to end, where both
+  ran to the same step. One figure per run, so the noise bound is :data:`WHOLE_RUN_NOISE` (the
+  spread of one run's time between rounds on a busy machine), or the sides' own spread where
+  each has several runs.
+- **steps_to_loss**: the first logged step at which each run's loss is at most the higher of
+  the two runs' final losses (the mean of their last three records), and the seconds to it; a
+  difference within the logging interval is "no difference".
+
 What the runs do not share is left out and named: loss needs the same data (its fingerprint and
 summary) and the same kind of recipe (the same config sections); step time needs steps of the
 same work (``data.batch_size``, ``data.seq_len``, ``train.grad_accum``).
@@ -23,6 +35,7 @@ same work (``data.batch_size``, ``data.seq_len``, ``train.grad_accum``).
 
 from __future__ import annotations
 
+import datetime as _dt
 import hashlib
 import math
 import statistics
@@ -41,6 +54,8 @@ from workspace.workspace import Workspace
 
 MIN_SPEED_NOISE = 0.03
 MEMORY_NOISE = 0.03
+WHOLE_RUN_NOISE = 0.15
+FINAL_RECORDS = 3
 GRID_POINTS = 16
 MIN_WINDOWS = 2
 MAX_DIFFERENCES = 25
@@ -99,6 +114,10 @@ def compare_groups(ws: Workspace, runs_a: list[str], runs_b: list[str]) -> Compa
                                        windows(own_b, "step_time_s"), higher_is_better=False))
     metrics.append(compare_peaks(_peaks([r for records in own_a for r in records]),
                                  _peaks([r for records in own_b for r in records])))
+    if differing_work:
+        left_out.append("first_step_s, wall_s, steps_to_loss: the steps hold different work")
+    else:
+        _whole_run(known_a, known_b, own_a, own_b, metrics, left_out, loss=not why_not_loss)
     return _fit(CompareResult(run_a=", ".join(record.id for _, record in known_a),
                               run_b=", ".join(record.id for _, record in known_b),
                               differences=differences, metrics=metrics, left_out=left_out))
@@ -162,6 +181,42 @@ def compare_windows(metric: str, windows_a: list[float], windows_b: list[float],
     )
 
 
+def compare_totals(metric: str, values_a: list[float], values_b: list[float], what: str) -> MetricVerdict:
+    """Lower is better: one figure per run, each side's median, against :data:`WHOLE_RUN_NOISE`
+    or, where a side has several runs, its relative range."""
+    median_a, median_b = statistics.median(values_a), statistics.median(values_b)
+    if median_a <= 0 or median_b <= 0:
+        return MetricVerdict(metric=metric, verdict="not compared", evidence="a figure of 0")
+    spreads = [(max(v) - min(v)) / 2 / statistics.median(v) for v in (values_a, values_b) if len(v) > 1]
+    bound = max([WHOLE_RUN_NOISE, sum(spreads)])
+    ratio = median_b / median_a
+    verdict: Verdict = "no difference"
+    if abs(math.log(ratio)) > math.log1p(bound):
+        verdict = "better" if ratio < 1 else "worse"
+    runs = f"{len(values_a)} and {len(values_b)} runs" if len(values_a) + len(values_b) > 2 else "one run each"
+    return MetricVerdict(metric=metric, verdict=verdict, a=_round(median_a), b=_round(median_b), ratio=_round(ratio),
+                         evidence=f"{what}; {runs}, noise bound ±{bound:.0%}")
+
+
+def compare_steps_to_loss(losses_a: list[tuple[int, float, float | None]], losses_b: list[tuple[int, float, float | None]]
+                          ) -> MetricVerdict | None:
+    """Lower is better. ``losses``: (step, loss, elapsed_s) in step order; None with too few."""
+    if len(losses_a) < FINAL_RECORDS or len(losses_b) < FINAL_RECORDS:
+        return None
+    final = [statistics.fmean(loss for _, loss, _ in side[-FINAL_RECORDS:]) for side in (losses_a, losses_b)]
+    target = max(final)
+    reached = [next((step, seconds) for step, loss, seconds in side if loss <= target) for side in (losses_a, losses_b)]
+    (step_a, seconds_a), (step_b, seconds_b) = reached
+    resolution = max(_interval(losses_a), _interval(losses_b))
+    verdict: Verdict = "no difference"
+    if abs(step_b - step_a) > resolution:
+        verdict = "better" if step_b < step_a else "worse"
+    timed = f" (at {seconds_a:.1f} s and {seconds_b:.1f} s)" if seconds_a is not None and seconds_b is not None else ""
+    return MetricVerdict(metric="steps_to_loss", verdict=verdict, a=step_a, b=step_b, ratio=_ratio(step_b, step_a),
+                         evidence=f"first logged step with loss ≤ {target:.4g} (the higher final loss){timed}; "
+                                  f"resolution ±{resolution} steps (the logging interval)")
+
+
 def compare_peaks(peaks_a: tuple[float, list[float]] | None, peaks_b: tuple[float, list[float]] | None
                   ) -> MetricVerdict:
     """Lower is better. ``peaks``: (peak_mem_mb, each process's RSS peak)."""
@@ -182,15 +237,71 @@ def compare_peaks(peaks_a: tuple[float, list[float]] | None, peaks_b: tuple[floa
 # ---------------------------------------------------------------------------------------------
 
 
-def _training(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    return [r for r in records if run_metrics.finite_number(r.get("tokens_per_s")) is not None
-            and run_metrics.finite_number(r.get("step_time_s")) is not None]
-
-
 def _windows(records: list[dict[str, Any]], key: str) -> list[float]:
-    """The values of ``key`` in the training windows after the first (the warm-up)."""
-    values = [run_metrics.finite_number(r.get(key)) for r in _training(records)[1:]]
-    return [v for v in values if v is not None]
+    """The values of ``key`` in the logging windows after the first that has it (the warm-up)."""
+    values = [run_metrics.finite_number(r.get(key)) for r in records]
+    return [v for v in values if v is not None][1:]
+
+
+def _whole_run(known_a: list[tuple[Path, sr.ServerRecord]], known_b: list[tuple[Path, sr.ServerRecord]],
+               own_a: list[list[dict[str, Any]]], own_b: list[list[dict[str, Any]]], metrics: list[MetricVerdict],
+               left_out: list[str], loss: bool) -> None:
+    """The whole-run verdicts (module docstring), or why each is left out."""
+    firsts_a, firsts_b = [_first_step_s(records) for records in own_a], [_first_step_s(records) for records in own_b]
+    if None in firsts_a or None in firsts_b:
+        left_out.append("first_step_s: a run's records carry no elapsed_s (it ran before they did)")
+    else:
+        metrics.append(compare_totals("first_step_s", firsts_a, firsts_b,  # type: ignore[arg-type]
+                                      "seconds from the process's start to its first step's end (start-up, data, "
+                                      "compilation)"))
+    walls_a, walls_b = [_wall_s(record) for _, record in known_a], [_wall_s(record) for _, record in known_b]
+    last_steps = {max((r["step"] for r in records), default=None) for records in own_a + own_b}
+    if None in walls_a or None in walls_b:
+        left_out.append("wall_s: a run has not completed")
+    elif len(last_steps) != 1:
+        left_out.append("wall_s: the runs ended at different steps")
+    else:
+        metrics.append(compare_totals("wall_s", walls_a, walls_b,  # type: ignore[arg-type]
+                                      "seconds from launch to end, as the server recorded them"))
+    if loss and len(own_a) == len(own_b) == 1:
+        verdict = compare_steps_to_loss(_losses(own_a[0]), _losses(own_b[0]))
+        if verdict is None:
+            left_out.append(f"steps_to_loss: fewer than {FINAL_RECORDS} loss records in a run")
+        else:
+            metrics.append(verdict)
+
+
+def _first_step_s(records: list[dict[str, Any]]) -> float | None:
+    """The first training record's ``elapsed_s`` less its steps after the first at the steady step time."""
+    timed = [r for r in records if run_metrics.finite_number(r.get("elapsed_s")) is not None
+             and run_metrics.finite_number(r.get("step_time_s")) is not None]
+    if not timed:
+        return None
+    steady = _windows(timed, "step_time_s")
+    step_time = statistics.median(steady) if steady else timed[0]["step_time_s"]
+    return max(0.0, timed[0]["elapsed_s"] - max(0, timed[0]["step"] - 1) * step_time)
+
+
+def _wall_s(record: sr.ServerRecord) -> float | None:
+    if record.status != rd.COMPLETED:
+        return None
+    try:
+        started, ended = (_dt.datetime.fromisoformat(stamp or "") for stamp in (record.created_at, record.ended_at))
+    except ValueError:
+        return None
+    return (ended - started).total_seconds()
+
+
+def _losses(records: list[dict[str, Any]]) -> list[tuple[int, float, float | None]]:
+    found = [(r["step"], run_metrics.finite_number(r.get("loss")), run_metrics.finite_number(r.get("elapsed_s")))
+             for r in records]
+    return [(step, loss, seconds) for step, loss, seconds in found if loss is not None]
+
+
+def _interval(losses: list[tuple[int, float, float | None]]) -> int:
+    """The median number of steps between two loss records."""
+    gaps = [b[0] - a[0] for a, b in zip(losses, losses[1:])]
+    return int(statistics.median(gaps)) if gaps else 1
 
 
 def _curve(records: list[dict[str, Any]], metric: str) -> list[tuple[float, float]]:

@@ -77,7 +77,7 @@ def test_checkpointing_measures_memory_better_and_loss_no_different(measured):
     code, result, _ = measured
     assert code == 0 and result["outcome"] == "completed", result
     verdict = {m["metric"]: m for m in result["verdict"]}
-    assert set(verdict) == {"loss", "tokens_per_s", "step_time_s", "peak_mem_mb"}
+    assert set(verdict) == {"loss", "tokens_per_s", "step_time_s", "peak_mem_mb", "first_step_s", "wall_s"}  # steps_to_loss: one run a side
     assert verdict["loss"]["verdict"] == "no difference" and verdict["loss"]["evidence"].startswith("bit-equal")
     assert verdict["peak_mem_mb"]["verdict"] == "better"
     assert verdict["peak_mem_mb"]["ratio"] < 0.95  # 0.89 measured
@@ -118,9 +118,10 @@ def test_note_puts_the_verdict_into_the_skill_commits_note(measured, workspace):
     block = note[note.index("A/B of gradient-checkpointing@"):].splitlines()
     assert block[0].endswith(f"against {result['commit_a'][:10]} (a, before it), 2 round(s) of 4 steps, interleaved")
     assert block[1].startswith("  loss no difference ×1 (") and block[1].endswith(" bit-equal")
-    assert [line.split()[0] for line in block[1:5]] == ["loss", "tokens_per_s", "step_time_s", "peak_mem_mb"]
+    assert [line.split()[0] for line in block[1:7]] == ["loss", "tokens_per_s", "step_time_s", "peak_mem_mb",
+                                                        "first_step_s", "wall_s"]
     assert block[4].startswith("  peak_mem_mb better ×0.")
-    command = block[5].removeprefix("  command: ").split(" ")
+    command = block[7].removeprefix("  command: ").split(" ")
     assert command[:8] == ["trainwright", "ab", "gradient-checkpointing", "recipes/lm", "--steps", "4", "--rounds", "2"]
     assert command[-1] == "--note"
     # The overrides as they were read (a later value of a key wins): the command runs the same A/B again.

@@ -93,6 +93,30 @@ def test_a_sides_runs_pool_into_one_curve_bit_equal_ones_unchanged():
 # ---------------------------------------------------------------------------------------------
 
 
+def test_a_run_faster_per_step_but_slower_to_start_is_said_slower_for_its_length():
+    """torch-compile on a short run: steps 0.8× as long, 65 s of compilation in a 92 s job."""
+    steady = compare.compare_windows("step_time_s", [0.100, 0.101, 0.099], [0.080, 0.081, 0.079], False)
+    first = compare.compare_totals("first_step_s", [2.0], [65.0], "first step")
+    wall = compare.compare_totals("wall_s", [30.0], [92.0], "launch to end")
+    assert (steady.verdict, first.verdict, wall.verdict) == ("better", "worse", "worse")
+    assert wall.ratio == pytest.approx(3.0667, rel=1e-3) and "one run each, noise bound ±15%" in wall.evidence
+    assert compare.compare_totals("wall_s", [30.0], [33.0], "").verdict == "no difference"  # inside one run's noise
+    # Several runs a side: their own spread widens the bound.
+    assert compare.compare_totals("wall_s", [30.0, 40.0], [44.0, 46.0], "").evidence.endswith("2 and 2 runs, noise bound ±17%")
+
+
+def test_steps_to_a_loss_are_counted_to_the_higher_final_loss_at_the_logging_resolution():
+    a = [(10, 3.0, 1.0), (20, 2.0, 2.0), (30, 1.5, 3.0), (40, 1.25, 4.0), (50, 1.0, 5.0), (60, 0.75, 6.0)]
+    b = [(10, 2.0, 1.5), (20, 1.5, 3.0), (30, 1.0, 4.5), (40, 0.75, 6.0), (50, 0.5, 7.5), (60, 0.25, 9.0)]
+    verdict = compare.compare_steps_to_loss(a, b)
+    assert verdict is not None  # a's final loss (1.0) is the higher: a reaches it at 50, b at 30
+    assert (verdict.a, verdict.b, verdict.verdict) == (50, 30, "better")
+    assert "(at 5.0 s and 4.5 s)" in verdict.evidence and "resolution ±10 steps" in verdict.evidence
+    near = [(step + 10, loss, None) for step, loss, _ in a]
+    assert compare.compare_steps_to_loss(a, near).verdict == "no difference"  # one logging interval later
+    assert compare.compare_steps_to_loss(a[:2], b) is None
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> tuple[Workspace, dict[str, str]]:
     root = tmp_path_factory.mktemp("compare")
@@ -121,7 +145,11 @@ def test_gradient_checkpointing_keeps_the_losses_bit_equal_and_lowers_the_peak(r
     assert by_metric["loss"].verdict == "no difference" and by_metric["loss"].evidence.startswith("bit-equal")
     assert by_metric["peak_mem_mb"].verdict == "better"
     assert by_metric["peak_mem_mb"].ratio is not None and by_metric["peak_mem_mb"].ratio < 0.95  # 0.88-0.90 measured
-    assert set(by_metric) == {"loss", "tokens_per_s", "step_time_s", "peak_mem_mb"}
+    assert set(by_metric) == {"loss", "tokens_per_s", "step_time_s", "peak_mem_mb", "first_step_s", "wall_s",
+                              "steps_to_loss"}
+    assert by_metric["steps_to_loss"].verdict == "no difference" and by_metric["steps_to_loss"].a == by_metric[
+        "steps_to_loss"].b  # bit-equal losses reach every loss at the same step
+    assert by_metric["wall_s"].a > by_metric["first_step_s"].a > 0
     assert result.left_out == ["eval_loss: not logged by both runs over common tokens"]
 
 
@@ -156,4 +184,5 @@ def test_the_tool_answers_through_mcp(runs):
     with connect("memory", ws.root) as session:
         answer = session.ok("compare_runs", run_a=ids["plain"], run_b=ids["seed"])
     assert answer["differences"] == ["train.seed: 0 → 7"]
-    assert [m["metric"] for m in answer["metrics"]] == ["loss", "tokens_per_s", "step_time_s", "peak_mem_mb"]
+    assert [m["metric"] for m in answer["metrics"]] == ["loss", "tokens_per_s", "step_time_s", "peak_mem_mb",
+                                                        "first_step_s", "wall_s", "steps_to_loss"]

@@ -44,8 +44,10 @@ def test_records_are_appended_in_order_once_each_and_bounded_in_number(monkeypat
     for line in (b'{"step": 1, "loss": 3.0}', b'{"step": 1, "loss": 3.0}', b'{"step": 2, "loss": 2.0}',
                  b'{"step": 1, "loss": 9.0}', b'{"step": 2, "tokens_seen": 1.5, "loss": 1.5}'):
         metrics.feed(line)
-    assert [json.loads(x) for x in out.getvalue().splitlines()] == [
+    records = [json.loads(x) for x in out.getvalue().splitlines()]
+    assert [untimed(r) for r in records] == [
         {"step": 1, "loss": 3.0}, {"step": 2, "loss": 1.5}]  # step 2's later values rewrite its one record
+    assert all(isinstance(r["elapsed_s"], float) for r in records)
     monkeypatch.setattr(scripts, "MAX_SCRIPT_METRIC_RECORDS", 2)
     assert metrics.feed(b'{"step": 3, "loss": 1.0}') == "[trainwright] 2 metrics records written: later ones are not recorded"
     assert metrics.feed(b'{"step": 4, "loss": 1.0}') is None
@@ -58,7 +60,26 @@ def test_output_is_copied_whole_and_a_long_line_is_never_a_metrics_line():
     console, out = io.BytesIO(), io.BytesIO()
     scripts.copy_output(io.BufferedReader(io.BytesIO(text)), console, scripts.ScriptMetrics(out))
     assert console.getvalue() == text
-    assert out.getvalue() == b'{"step": 6, "loss": 0.5}\n'
+    assert [untimed(json.loads(x)) for x in out.getvalue().splitlines()] == [{"step": 6, "loss": 0.5}]
+
+
+def untimed(record: dict) -> dict:
+    return {k: v for k, v in record.items() if k not in ("elapsed_s", "step_time_s")}
+
+
+def test_a_script_that_logs_no_timing_is_timed_by_its_lines(monkeypatch):
+    """Each line is stamped with the seconds since the reader started; the time per step between
+    two stamped records fills a missing step_time_s; what the script logs itself is kept."""
+    clock = iter([100.0, 101.0, 103.0, 104.0, 110.0])
+    monkeypatch.setattr(scripts.time, "monotonic", lambda: next(clock))
+    out = io.BytesIO()
+    metrics = scripts.ScriptMetrics(out)  # started at 100
+    for line in (b'{"step": 10, "loss": 3.0}', b'{"step": 20, "loss": 2.0}',
+                 b'{"step": 30, "loss": 1.0, "step_time_s": 0.5}', b'{"step": 40, "loss": 0.5, "elapsed_s": 42.0}'):
+        metrics.feed(line)
+    records = [json.loads(x) for x in out.getvalue().splitlines()]
+    assert [r["elapsed_s"] for r in records] == [1.0, 3.0, 4.0, 42.0]
+    assert [r.get("step_time_s") for r in records] == [None, 0.2, 0.5, 3.8]
 
 
 def test_a_link_at_the_metrics_file_is_not_written_through(tmp_path):
@@ -148,9 +169,9 @@ def test_a_summary_at_the_last_step_adds_to_that_steps_record_instead_of_making_
     for line in (b'{"step": 1, "loss": 2.0}', b'{"step": 2, "loss": 1.5, "lr": 0.1}',
                  b'{"step": 2, "train_loss": 1.75, "train_runtime": 12.5}', b'{"step": 2, "loss": 1.5}'):
         metrics.feed(line)
-    assert [json.loads(line) for line in path.read_text().splitlines()] == [
+    assert [untimed(json.loads(line)) for line in path.read_text().splitlines()] == [
         {"step": 1, "loss": 2.0},
         {"step": 2, "loss": 1.5, "lr": 0.1, "train_loss": 1.75, "train_runtime": 12.5},
     ]
     metrics.feed(b'{"step": 3, "loss": 1.25}')
-    assert json.loads(path.read_text().splitlines()[-1]) == {"step": 3, "loss": 1.25}
+    assert untimed(json.loads(path.read_text().splitlines()[-1])) == {"step": 3, "loss": 1.25}
