@@ -149,27 +149,47 @@ def takes_video(processor_class: type) -> bool:
     return "video_processor" in inspect.signature(processor_class.__init__).parameters
 
 
+PROCESSOR_FILES = {
+    "its image processor's settings": ("preprocessor_config.json", "processor_config.json"),
+    "its tokenizer": ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json"),
+}
+
+
+def first_sentence(error: BaseException) -> str:
+    """A third-party error as one whole sentence (its first), never cut mid-word."""
+    text = " ".join(str(error).split()) or type(error).__name__
+    return re.split(r"(?<=[.!?])\s", text, maxsplit=1)[0]
+
+
 def load_processor(raw: str):
-    """The model's processor (``AutoProcessor``'s class), with the chat template it ships."""
+    """The model's processor (the class its files name), with the chat template it ships."""
     import transformers
 
     folder = model_folder(raw)
-    family, name = family_of(folder), processor_class_name(folder)
+    family = family_of(folder)
+    for what, names in PROCESSOR_FILES.items():
+        if not any((folder / name).is_file() for name in names):
+            raise ConfigError(f"model.pretrained_path={raw} ({family}) has no processor: {what} ({' or '.join(names)}) "
+                              "is missing; save the model's processor beside it (processor.save_pretrained)")
+    name = processor_class_name(folder)
     if name is None:
-        raise ConfigError(f"model.pretrained_path={raw} ({family}) has no processor (processor_config.json or a "
-                          "processor_class in preprocessor_config.json): save the model's processor beside it")
+        raise ConfigError(f"model.pretrained_path={raw} ({family}) names no processor class (processor_class in "
+                          "processor_config.json): save the model's processor beside it (processor.save_pretrained)")
     processor_class = getattr(transformers, name, None)
     if processor_class is None:
         raise ConfigError(f"model.pretrained_path={raw} ({family}) needs the processor {name}, which transformers "
-                          f"{transformers.__version__} does not have")
+                          f"{transformers.__version__} does not have; upgrade transformers")
     if takes_video(processor_class) and not torchvision_available():
         processor_class = without_video(processor_class)
     try:
         processor = processor_class.from_pretrained(folder)
-    except (ImportError, ValueError, OSError, TypeError, AttributeError) as e:
-        missing = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
-        raise ConfigError(f"model.pretrained_path={raw} ({family}): its processor {name} cannot be loaded here: "
-                          f"{type(e).__name__}: {missing}") from None
+    except ImportError as e:
+        missing = f"the package {e.name}" if e.name else first_sentence(e)
+        raise ConfigError(f"model.pretrained_path={raw} ({family}): its processor {name} needs {missing}, "
+                          "which is not installed") from None
+    except (ValueError, OSError, TypeError, AttributeError, KeyError) as e:
+        raise ConfigError(f"model.pretrained_path={raw} ({family}): its processor {name} cannot be loaded from "
+                          f"{folder}: {type(e).__name__}: {first_sentence(e)}") from None
     if not isinstance(getattr(processor, "chat_template", None), str):
         raise ConfigError(f"model.pretrained_path={raw} ({family}): its processor {name} has no chat template; "
                           "save the model's chat_template.jinja beside it")
@@ -476,9 +496,10 @@ def encode(processor, messages: list, images: list, seq_len: int, where: str) ->
     out.pop("attention_mask", None)
     # Per-token inputs beside the ids (Qwen's mm_token_type_ids for its 3-D positions): cut and padded as they are.
     per_token = {key: out.pop(key)[0] for key in list(out) if key in PER_TOKEN}
-    # A span's characters move right by what each expansion before it added.
+    # A span's characters move right by what each expansion before it added (``new_span`` is
+    # where an expansion lies in the expanded text).
     ends = [r["span"][1] for r in replaced]
-    gained = np.cumsum([0] + [r["new_span"][1] - r["span"][1] for r in replaced])
+    gained = np.cumsum([0] + [(r["new_span"][1] - r["new_span"][0]) - (r["span"][1] - r["span"][0]) for r in replaced])
     moved = [tuple(int(c + gained[np.searchsorted(ends, c, side="right")]) for c in span) for span in spans]
     expansions = [tuple(r["new_span"]) for r in replaced]
     never = image_token_ids(processor)
@@ -487,7 +508,8 @@ def encode(processor, messages: list, images: list, seq_len: int, where: str) ->
         and token not in never
         for (start, end), token in zip(offsets, ids.tolist())
     ]
-    image_positions = [i for i, token in enumerate(ids.tolist()) if token in never]
+    image_positions = [i for i, ((start, end), token) in enumerate(zip(offsets, ids.tolist()))
+                       if token in never or any(a <= start and end <= b and end > start for a, b in expansions)]
     if image_positions and len(image_positions) > seq_len:
         raise ConfigError(f"{where}: the images alone take {len(image_positions)} tokens, more than data.seq_len={seq_len}; "
                           "raise data.seq_len or give smaller images")

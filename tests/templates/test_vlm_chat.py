@@ -1,0 +1,253 @@
+"""The vlm_chat template on tiny random models of real families (LLaVA 1.5, Qwen2-VL, Qwen2.5-VL,
+Idefics3/SmolVLM, built offline): each loads with its own processor (no torchvision here), every
+example is rendered with the family's chat template and the loss covers exactly the assistant's
+tokens, the data forms people keep are read, bad input is refused naming the record, and a run
+learns held-out colour questions that its export answers through ``apply_chat_template``."""
+
+from __future__ import annotations
+
+import io
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from engine.config import ConfigError
+from engine.data_files import WORKSPACE_VARIABLE, DataPathRefused
+from engine.engine import IGNORE_INDEX
+from engine.launch import load_recipe_class
+from tests.support import REPO
+from tests.vlm_families import FAMILIES, tiny_vlm_folder
+
+TEMPLATE = REPO / "recipes_template" / "vlm_chat"
+vlm = sys.modules[load_recipe_class(TEMPLATE).__module__]
+
+# What each family's template adds after the generation prompt for an answer: what it learns.
+LEARNT = {"llava": " {} ", "qwen2_vl": "{}<|im_end|>\n", "qwen2_5_vl": "{}<|im_end|>\n",
+          "idefics3": " {}<end_of_utterance>\n"}
+IMAGE_TOKENS = {"llava": 16, "qwen2_vl": 4, "qwen2_5_vl": 4, "idefics3": 20}  # a 56 × 56 image
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    root = tmp_path_factory.mktemp("vlm_families")
+    return {family: tiny_vlm_folder(root / family, family) for family in FAMILIES}
+
+
+def picture(colour=(200, 30, 30), size=(56, 56)):
+    from PIL import Image
+
+    return Image.fromarray(np.full((*size[::-1], 3), colour, dtype=np.uint8))
+
+
+def conversation():
+    """Two user turns with an image each, two answers."""
+    return [vlm.user_turn(["What colour is it?"], 1), vlm.assistant_turn("red"),
+            vlm.user_turn(["And this one?"], 1), vlm.assistant_turn("dark blue")]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_each_family_learns_exactly_its_assistant_turns_never_an_image_token(family, folders):
+    processor = vlm.load_processor(str(folders[family]))
+    piece = vlm.encode(processor, conversation(), [picture(), picture((0, 0, 90))], 512, "a conversation")
+    tokenizer = processor.tokenizer
+    targets = [t for t in piece["targets"].tolist() if t != IGNORE_INDEX]
+    assert tokenizer.decode(targets) == LEARNT[family].format("red") + LEARNT[family].format("dark blue")
+    # The independent count: each answer's text as the template adds it, tokenized alone.
+    expected = sum(len(tokenizer(LEARNT[family].format(a), add_special_tokens=False)["input_ids"])
+                   for a in ("red", "dark blue"))
+    assert vlm.loss_tokens(piece) == len(targets) == expected
+    image_ids = vlm.image_token_ids(processor)
+    assert not image_ids & set(targets)
+    ids = piece["ids"].tolist()
+    assert sum(t == processor.image_token_id for t in ids) == 2 * IMAGE_TOKENS[family]
+    # The tokens are the chat template's own rendering, as the processor expands it.
+    text = processor.apply_chat_template(conversation(), tokenize=False)
+    assert ids == vlm.processor_inputs(processor, text, [picture(), picture((0, 0, 90))])["input_ids"][0].tolist()
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_stages_freeze_each_familys_parts_by_their_module_names(family, folders):
+    model = vlm.load_model(vlm.ModelConfig(pretrained_path=str(folders[family])))
+    parts = vlm.freeze_parts(model, vlm.ModelConfig(train_vision_tower=False, train_projector=True,
+                                                    train_language_model=False))
+    trainable = {name for name, p in model.named_parameters() if p.requires_grad}
+    projector = parts["projector"]
+    assert trainable and all(any(n.startswith(p + ".") for p in projector) for n in trainable)
+    vision = parts["vision_tower"][0]
+    assert any(n.startswith(vision + ".") and n not in trainable for n, _ in model.named_parameters())
+    vlm.freeze_parts(model, vlm.ModelConfig(train_projector=False))  # the language model alone
+    trainable = {name for name, p in model.named_parameters() if p.requires_grad}
+    assert "lm_head.weight" in trainable or any("embed_tokens" in n for n in trainable)
+    assert not any(n.startswith(p + ".") for n in trainable for p in projector + [vision])
+
+
+def test_a_processor_that_takes_video_loads_without_torchvision_and_saves_as_its_own_class(folders, tmp_path):
+    processor = vlm.load_processor(str(folders["qwen2_vl"]))
+    assert type(processor).__name__ == "Qwen2VLProcessor" and processor.chat_template.startswith("{% set image_count")
+    processor.save_pretrained(tmp_path)
+    assert json.loads((tmp_path / "processor_config.json").read_text())["processor_class"] == "Qwen2VLProcessor"
+    if not vlm.torchvision_available():
+        from transformers import AutoProcessor
+
+        with pytest.raises(Exception):  # transformers' own route builds the video processor
+            AutoProcessor.from_pretrained(folders["qwen2_vl"])
+
+
+def test_a_folder_without_a_processor_or_of_a_text_model_is_refused_naming_the_family(folders, tmp_path):
+    bare = tmp_path / "bare"
+    shutil.copytree(folders["llava"], bare)
+    (bare / "processor_config.json").unlink()
+    with pytest.raises(ConfigError, match=r"model.pretrained_path=.*bare \(llava\) has no processor: its image "
+                                          r"processor's settings \(preprocessor_config.json or processor_config.json\) "
+                                          r"is missing; save the model's processor beside it"):
+        vlm.load_processor(str(bare))
+    (bare / "processor_config.json").write_text(json.dumps({"processor_class": "NoSuchProcessor"}))
+    with pytest.raises(ConfigError, match=r"\(llava\) needs the processor NoSuchProcessor, which transformers"):
+        vlm.load_processor(str(bare))
+    from tests.model_families import tiny_model_folder
+
+    text = tiny_model_folder(tmp_path / "text", "qwen2")
+    with pytest.raises(ConfigError, match="is a qwen2 model, which AutoModelForImageTextToText does not load"):
+        vlm.load_model(vlm.ModelConfig(pretrained_path=str(text)))
+
+
+# ---------------------------------------------------------------------------------------------
+# Data in the forms people keep
+# ---------------------------------------------------------------------------------------------
+
+
+def png_bytes(colour) -> bytes:
+    buffer = io.BytesIO()
+    picture(colour, (20, 30)).save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+@pytest.fixture
+def data(tmp_path, monkeypatch):
+    """A workspace with two images and the same two conversations in each form."""
+    monkeypatch.setenv(WORKSPACE_VARIABLE, str(tmp_path))
+    folder = tmp_path / "data"
+    (folder / "images").mkdir(parents=True)
+    for name, colour in (("red", (200, 30, 30)), ("blue", (30, 30, 200))):
+        (folder / "images" / f"{name}.png").write_bytes(png_bytes(colour))
+    llava = [{"id": name, "image": f"images/{name}.png", "conversations": [
+        {"from": "human", "value": "<image>\nWhat colour is it?"}, {"from": "gpt", "value": name}]}
+        for name in ("red", "blue")]
+    (folder / "llava.json").write_text(json.dumps(llava))
+    (folder / "llava.jsonl").write_text("".join(json.dumps(r) + "\n" for r in llava))
+    messages = [{"messages": [{"role": "user", "content": [{"type": "image", "image": f"images/{name}.png"},
+                                                           {"type": "text", "text": "What colour is it?"}]},
+                              {"role": "assistant", "content": name}]} for name in ("red", "blue")]
+    (folder / "messages.jsonl").write_text("".join(json.dumps(r) + "\n" for r in messages))
+    (folder / "captions.jsonl").write_text("".join(json.dumps({"image": f"images/{n}.png", "caption": n}) + "\n"
+                                                   for n in ("red", "blue")))
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    table = pa.table({
+        "images": [[{"bytes": png_bytes((200, 30, 30)), "path": None}], [{"bytes": png_bytes((30, 30, 200)), "path": None}]],
+        # TRL's form: bare image parts take the record's images in order; every content a list of parts.
+        "messages": [[{"role": "user", "content": [{"type": "image", "text": None},
+                                                   {"type": "text", "text": "What colour is it?"}]},
+                      {"role": "assistant", "content": [{"type": "text", "text": name}]}] for name in ("red", "blue")],
+    })
+    pq.write_table(table, folder / "messages.parquet")
+    return folder
+
+
+EXPECTED = [
+    [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What colour is it?"}]},
+     {"role": "assistant", "content": [{"type": "text", "text": name}]}] for name in ("red", "blue")
+]
+
+
+@pytest.mark.parametrize("name, fmt", [("llava.json", "llava"), ("llava.jsonl", "llava"),
+                                       ("messages.jsonl", "messages"), ("messages.parquet", "messages")])
+def test_each_form_becomes_the_same_messages_with_their_images(data, name, fmt):
+    examples, formats = vlm.load_examples(vlm.VLMChatDataConfig(paths=[str(data / name)]))
+    assert formats == [fmt]
+    assert [where for where, _, _ in examples] == [f"{name}:1", f"{name}:2"]
+    assert [messages for _, messages, _ in examples] == EXPECTED
+    assert [np.asarray(images[0])[0, 0].tolist() for _, _, images in examples] == [[200, 30, 30], [30, 30, 200]]
+
+
+def test_captions_are_asked_the_caption_prompt(data):
+    cfg = vlm.VLMChatDataConfig(paths=[str(data / "captions.jsonl")], caption_prompt="What colour is it?")
+    examples, formats = vlm.load_examples(cfg)
+    assert formats == ["caption"] and [m for _, m, _ in examples] == EXPECTED
+
+
+def test_several_images_go_where_their_placeholders_are(data):
+    record = {"images": ["images/red.png", "images/blue.png"], "conversations": [
+        {"from": "human", "value": "<image> first, then <image>: which is red?"}, {"from": "gpt", "value": "the first"}]}
+    (data / "two.jsonl").write_text(json.dumps(record) + "\n")
+    ((_, messages, images),), _ = vlm.load_examples(vlm.VLMChatDataConfig(paths=[str(data / "two.jsonl")]))
+    assert messages[0]["content"] == [{"type": "image"}, {"type": "text", "text": "first, then"}, {"type": "image"},
+                                      {"type": "text", "text": ": which is red?"}]
+    assert len(images) == 2
+
+
+BAD = [
+    ({"image": "images/none.png", "conversations": [{"from": "human", "value": "<image>"}, {"from": "gpt", "value": "x"}]},
+     ConfigError, r"bad.jsonl:1: image 'images/none.png' cannot be read \(no such file: .*none.png\)"),
+    ({"image": "images/red.png", "conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "x"}]},
+     ConfigError, r"bad.jsonl:1: 0 <image> placeholder\(s\) for 1 image\(s\); put one <image> in the conversation"),
+    ({"image": "images/red.png", "conversations": [{"from": "human", "value": "<image><image>"},
+                                                   {"from": "gpt", "value": "x"}]},
+     ConfigError, r"bad.jsonl:1: 2 <image> placeholder\(s\) for 1 image\(s\)"),
+    ({"image": "images/red.png", "conversations": [{"from": "human", "value": "<image> hi"}]},
+     ConfigError, "bad.jsonl:1: the conversation has no assistant turn: nothing to learn"),
+    ({"image": "../../outside.png", "caption": "x"}, DataPathRefused, "leads outside the workspace"),
+    ({"image": "images/broken.png", "caption": "x"}, ConfigError, r"bad.jsonl:1: image 'images/broken.png' cannot be read"),
+    ({"image": "images/bomb.png", "caption": "x"}, ConfigError,
+     r"bad.jsonl:1: image 'images/bomb.png' cannot be read \(Image size .* exceeds limit"),
+    ({"messages": [{"role": "user", "content": [{"type": "video"}]}]}, ConfigError,
+     "bad.jsonl:1: message 1 has a part of type 'video'; give image or text parts"),
+]
+
+
+def bomb_png(width: int, height: int) -> bytes:
+    """A tiny PNG whose header claims ``width × height`` pixels (400 M: over twice PIL's limit)."""
+    import struct
+    import zlib
+
+    png = bytearray(png_bytes((0, 0, 0)))
+    header = b"IHDR" + struct.pack(">II", width, height) + png[24:29]
+    png[12:29], png[29:33] = header, struct.pack(">I", zlib.crc32(header))
+    return bytes(png)
+
+
+@pytest.mark.parametrize("record, error, message", BAD)
+def test_bad_records_are_refused_naming_the_file_and_line(data, record, error, message):
+    from PIL import Image
+
+    (data / "images" / "broken.png").write_bytes(b"not an image")
+    (data / "images" / "bomb.png").write_bytes(bomb_png(20000, 20000))
+    (data.parent.parent / "outside.png").write_bytes(png_bytes((1, 2, 3)))
+    (data / "bad.jsonl").write_text(json.dumps(record) + "\n")
+    with pytest.raises(error, match=message):
+        vlm.load_examples(vlm.VLMChatDataConfig(paths=[str(data / "bad.jsonl")]))
+
+
+def test_image_tokens_beyond_the_sequence_length_are_refused(folders):
+    processor = vlm.load_processor(str(folders["idefics3"]))
+    messages = [vlm.user_turn(["What colour?"], 1), vlm.assistant_turn("red")]
+    text = processor.apply_chat_template(messages, tokenize=False)
+    (expansion,) = vlm.processor_inputs(processor, text, [picture()], return_text_replacement_offsets=True)[
+        "text_replacement_offsets"][0]
+    expanded = len(processor.tokenizer(expansion["replacement"], add_special_tokens=False)["input_ids"])
+    assert expanded > 20  # 4 tiles and the whole image, 4 image tokens each, and their tags
+    with pytest.raises(ConfigError, match=rf"a record: the images alone take {expanded} tokens, more than data.seq_len=16"):
+        vlm.encode(processor, messages, [picture()], 16, "a record")
+    with pytest.raises(ConfigError, match=rf"a record: the images' tokens end at token \d+, beyond data.seq_len={expanded}"):
+        vlm.encode(processor, messages, [picture()], expanded, "a record")
+    whole = vlm.encode(processor, messages, [picture()], 512, "a record")
+    assert not whole["truncated"]
+    cut = len(whole["ids"]) - 3
+    piece = vlm.encode(processor, messages, [picture()], cut, "a record")  # the answer is cut, the image kept
+    assert piece["truncated"] and len(piece["ids"]) == cut + 1
