@@ -104,6 +104,9 @@ PARTS = {
 def model_folder(raw: str) -> Path:
     """The model's folder: a workspace folder, or the snapshot the server bound for a Hub id."""
     folder = Path(confined_path(raw))
+    if not folder.is_dir():
+        raise ConfigError(f"model.pretrained_path={raw} is no folder here and no Hub snapshot was bound for it; give a "
+                          "model folder in the workspace, or a Hub id (org/name[@rev]) to a launch, which downloads it")
     if not (folder / "config.json").is_file():
         raise ConfigError(f"model.pretrained_path={raw}: no config.json in {folder}; give a Hugging Face model folder "
                           "or a Hub id the server downloads (launch_run)")
@@ -733,16 +736,17 @@ class VLMChat(Engine):
         return self.processor
 
     def sample_inputs(self, index: int, prompt: str) -> tuple[dict[str, Any], dict[str, Any]]:
-        """``sample``: prompt ``i`` is asked of held-out image ``i`` in the model's chat format
-        (an empty prompt asks the example's own question)."""
+        """``sample``: prompt ``i`` is asked of held-out image ``i`` in the model's chat format, as
+        the user's turn; ``expected`` is the answer the data holds to its own question."""
         held_out = self.examples[1]
         if not held_out:
             raise ConfigError("no examples are held out (data.eval_fraction=0): sample has no image to show")
         where, messages, images = held_out[index % len(held_out)]
-        question, answer = prompt_of(messages)
-        if prompt.strip():
-            question, images = [user_turn([prompt], 1)], images[:1]
-        return generation_inputs(self.processor, question, images), {"input": f"held-out image(s) of {where}",
+        answer = prompt_of(messages)[1]
+        question = [user_turn([prompt], 1)]
+        inputs = generation_inputs(self.processor, question, images[:1])
+        inputs.pop("attention_mask", None)  # sample gives its own
+        return inputs, {"input": f"held-out image(s) of {where}",
                                                                      "expected": answer[:1000]}
 
     @torch.no_grad()
