@@ -50,7 +50,28 @@ QWEN_SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>
 IDEFICS3_SPECIAL = ["<|endoftext|>", "<|im_start|>", "<end_of_utterance>", "<fake_token_around_image>", "<image>",
                     "<global-img>"] + [f"<row_{r}_col_{c}>" for r in range(1, 5) for c in range(1, 5)]
 
-FAMILIES = ("llava", "qwen2_vl", "qwen2_5_vl", "idefics3")
+# google/gemma-3-4b-it's template, without its system-prompt folding and tool turns.
+GEMMA3_TEMPLATE = (
+    "{{ bos_token }}{%- for message in messages -%}"
+    "{%- set role = 'model' if message['role'] == 'assistant' else message['role'] -%}"
+    "{{ '<start_of_turn>' + role + '\n' }}"
+    "{%- if message['content'] is string -%}{{ message['content'] | trim }}{%- else -%}"
+    "{%- for item in message['content'] -%}{%- if item['type'] == 'image' -%}{{ '<start_of_image>' }}"
+    "{%- elif item['type'] == 'text' -%}{{ item['text'] | trim }}{%- endif -%}{%- endfor -%}{%- endif -%}"
+    "{{ '<end_of_turn>\n' }}{%- endfor -%}{%- if add_generation_prompt -%}{{ '<start_of_turn>model\n' }}{%- endif -%}"
+)
+GEMMA3_SPECIAL = ["<pad>", "<bos>", "<eos>", "<start_of_turn>", "<end_of_turn>", "<start_of_image>", "<end_of_image>",
+                  "<image_soft_token>"]
+
+# llava-hf/llava-onevision-qwen2-0.5b-ov-hf's template (ChatML, <image> before the text).
+ONEVISION_TEMPLATE = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' }}"
+    "{% for content in message['content'] | selectattr('type', 'equalto', 'image') %}{{ '<image>\n' }}{% endfor %}"
+    "{% for content in message['content'] | selectattr('type', 'equalto', 'text') %}{{ content['text'] }}{% endfor %}"
+    "{{ '<|im_end|>\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+FAMILIES = ("llava", "qwen2_vl", "qwen2_5_vl", "idefics3", "gemma3", "llava_onevision")
 
 TEXT = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
             max_position_embeddings=1024)
@@ -123,6 +144,49 @@ def _idefics3(tokenizer):
     return Idefics3ForConditionalGeneration(config), processor
 
 
+def _gemma3(tokenizer):
+    from transformers import (Gemma3Config, Gemma3ForConditionalGeneration, Gemma3ImageProcessorPil, Gemma3Processor,
+                              Gemma3TextConfig, SiglipVisionConfig)
+
+    # A SigLIP tower on 28-pixel images in 7-pixel patches, pooled to 4 soft tokens an image.
+    processor = Gemma3Processor(image_processor=Gemma3ImageProcessorPil(size={"height": 28, "width": 28}),
+                                tokenizer=tokenizer, image_seq_length=4, chat_template=GEMMA3_TEMPLATE)
+    vision = SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                                image_size=28, patch_size=7, vision_use_head=False)
+    text = Gemma3TextConfig(vocab_size=len(tokenizer), head_dim=8, sliding_window=64, pad_token_id=tokenizer.pad_token_id,
+                            eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id, **TEXT)
+    ids = {name: tokenizer.convert_tokens_to_ids(token) for name, token in (
+        ("boi_token_id", "<start_of_image>"), ("eoi_token_id", "<end_of_image>"), ("image_token_id", "<image_soft_token>"))}
+    config = Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4, **ids)
+    return Gemma3ForConditionalGeneration(config), processor
+
+
+def _llava_onevision(tokenizer):
+    import transformers
+    from transformers import (LlavaOnevisionConfig, LlavaOnevisionForConditionalGeneration,
+                              LlavaOnevisionImageProcessorPil, LlavaOnevisionProcessor, Qwen2Config, SiglipVisionConfig)
+
+    from recipes_template.vlm_chat.recipe import torchvision_available, without_video
+
+    processor_class = LlavaOnevisionProcessor if torchvision_available() else without_video(LlavaOnevisionProcessor)
+    # AnyRes: the image at 28 pixels plus its tiles on the best of these grids, 4 × 4 patches each.
+    grid = [[28, 28], [28, 56], [56, 28], [56, 56]]
+    image_processor = LlavaOnevisionImageProcessorPil(size={"height": 28, "width": 28}, image_grid_pinpoints=grid)
+    processor = processor_class(image_processor=image_processor, tokenizer=tokenizer, num_image_tokens=16,
+                                vision_feature_select_strategy="full", vision_aspect_ratio="anyres_max_9",
+                                chat_template=ONEVISION_TEMPLATE)
+    vision = SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                                image_size=28, patch_size=7, vision_use_head=False)
+    text = Qwen2Config(vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+                       **TEXT)
+    config = LlavaOnevisionConfig(vision_config=vision, text_config=text, image_grid_pinpoints=grid,
+                                  vision_feature_select_strategy="full", vision_feature_layer=-1,
+                                  image_token_id=tokenizer.convert_tokens_to_ids("<image>"),
+                                  video_token_id=tokenizer.convert_tokens_to_ids("<video>"))
+    assert transformers  # the family's classes are transformers' own
+    return LlavaOnevisionForConditionalGeneration(config), processor
+
+
 def tiny_vlm_folder(folder: Path, family: str = "qwen2_vl", seed: int = 0) -> Path:
     """A random-weight ``family`` model (one of :data:`FAMILIES`) with its processor and chat
     template, saved to ``folder``."""
@@ -136,6 +200,18 @@ def tiny_vlm_folder(folder: Path, family: str = "qwen2_vl", seed: int = 0) -> Pa
     elif family == "idefics3":
         tokenizer = bpe_tokenizer(IDEFICS3_SPECIAL, "<end_of_utterance>", IDEFICS3_TEMPLATE)
         build = _idefics3
+    elif family == "gemma3":
+        from transformers import PreTrainedTokenizerFast
+
+        trained = bpe_tokenizer(GEMMA3_SPECIAL, "<end_of_turn>", GEMMA3_TEMPLATE)
+        tokenizer = PreTrainedTokenizerFast(  # Gemma 3's named tokens, which its processor reads
+            tokenizer_object=trained.backend_tokenizer, eos_token="<end_of_turn>", pad_token="<pad>", bos_token="<bos>",
+            chat_template=GEMMA3_TEMPLATE, extra_special_tokens={
+                "boi_token": "<start_of_image>", "eoi_token": "<end_of_image>", "image_token": "<image_soft_token>"})
+        build = _gemma3
+    elif family == "llava_onevision":
+        tokenizer = bpe_tokenizer(QWEN_SPECIAL + ["<image>", "<video>"], "<|im_end|>", ONEVISION_TEMPLATE)
+        build = _llava_onevision
     else:
         raise KeyError(family)
     torch.manual_seed(seed)

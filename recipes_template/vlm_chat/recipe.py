@@ -139,9 +139,19 @@ def without_video(processor_class: type) -> type:
     also takes video (Qwen2-VL) need only the image processor (its PIL version). Saved, it is
     the family's own class (its name and files), which loads whole where torchvision is."""
 
-    def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
-        processor_class.__init__(self, image_processor, tokenizer, None, chat_template=chat_template, **kwargs)
+    import inspect
 
+    # transformers saves and loads a processor's settings (num_image_tokens, ...) by the names
+    # its __init__'s code takes: the new __init__ takes the same names, less video_processor.
+    names = [name for name, p in inspect.signature(processor_class.__init__).parameters.items()
+             if name not in ("self", "video_processor") and p.kind is p.POSITIONAL_OR_KEYWORD]
+    defaults = {name: p.default for name, p in inspect.signature(processor_class.__init__).parameters.items()}
+    source = (f"def __init__(self, {', '.join(f'{n}=defaults[{n!r}]' for n in names)}, **kwargs):\n"
+              f"    init(self, video_processor=None, {', '.join(f'{n}={n}' for n in names)}, **kwargs)\n")
+    scope = {"defaults": {n: None if defaults[n] is inspect.Parameter.empty else defaults[n] for n in names},
+             "init": processor_class.__init__}
+    exec(source, scope)  # noqa: S102 (a signature built from transformers' own names)
+    __init__ = scope["__init__"]
     return type(processor_class.__name__, (processor_class,), {"__init__": __init__,
                                                                 "__module__": processor_class.__module__})
 

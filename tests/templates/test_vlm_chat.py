@@ -28,8 +28,10 @@ vlm = sys.modules[load_recipe_class(TEMPLATE).__module__]
 
 # What each family's template adds after the generation prompt for an answer: what it learns.
 LEARNT = {"llava": " {} ", "qwen2_vl": "{}<|im_end|>\n", "qwen2_5_vl": "{}<|im_end|>\n",
-          "idefics3": " {}<end_of_utterance>\n"}
-IMAGE_TOKENS = {"llava": 16, "qwen2_vl": 4, "qwen2_5_vl": 4, "idefics3": 20}  # a 56 × 56 image
+          "idefics3": " {}<end_of_utterance>\n", "gemma3": "{}<end_of_turn>\n", "llava_onevision": "{}<|im_end|>\n"}
+# The token the model's image features replace, and how many of them a 56 × 56 image takes.
+IMAGE_TOKENS = {"llava": ("<image>", 16), "qwen2_vl": ("<|image_pad|>", 4), "qwen2_5_vl": ("<|image_pad|>", 4),
+                "idefics3": ("<image>", 20), "gemma3": ("<image_soft_token>", 4), "llava_onevision": ("<image>", 17)}
 
 
 @pytest.fixture(scope="module")
@@ -64,7 +66,8 @@ def test_each_family_learns_exactly_its_assistant_turns_never_an_image_token(fam
     image_ids = vlm.image_token_ids(processor)
     assert not image_ids & set(targets)
     ids = piece["ids"].tolist()
-    assert sum(t == processor.image_token_id for t in ids) == 2 * IMAGE_TOKENS[family]
+    token, count = IMAGE_TOKENS[family]
+    assert sum(t == tokenizer.convert_tokens_to_ids(token) for t in ids) == 2 * count
     # The tokens are the chat template's own rendering, as the processor expands it.
     text = processor.apply_chat_template(conversation(), tokenize=False)
     assert ids == vlm.processor_inputs(processor, text, [picture(), picture((0, 0, 90))])["input_ids"][0].tolist()
@@ -77,13 +80,13 @@ def test_stages_freeze_each_familys_parts_by_their_module_names(family, folders)
                                                     train_language_model=False))
     trainable = {name for name, p in model.named_parameters() if p.requires_grad}
     projector = parts["projector"]
-    assert trainable and all(any(n.startswith(p + ".") for p in projector) for n in trainable)
+    assert trainable and all(any(n == p or n.startswith(p + ".") for p in projector) for n in trainable)
     vision = parts["vision_tower"][0]
     assert any(n.startswith(vision + ".") and n not in trainable for n, _ in model.named_parameters())
     vlm.freeze_parts(model, vlm.ModelConfig(train_projector=False))  # the language model alone
     trainable = {name for name, p in model.named_parameters() if p.requires_grad}
     assert "lm_head.weight" in trainable or any("embed_tokens" in n for n in trainable)
-    assert not any(n.startswith(p + ".") for n in trainable for p in projector + [vision])
+    assert not any(n == p or n.startswith(p + ".") for n in trainable for p in projector + [vision])
 
 
 def test_a_processor_that_takes_video_loads_without_torchvision_and_saves_as_its_own_class(folders, tmp_path):
