@@ -697,7 +697,7 @@ class VLMChat(Engine):
             eval_documents=counts[True][0], eval_tokens=counts[True][1],
             tokenizer=f"{type(processor).__name__} of {config.model.pretrained_path}",
             format=f"{', '.join(formats)} ({images} images)",
-            mask="assistant turns (chat template; image tokens never)",
+            mask="turn_render",  # engine.chat.assistant_spans; image tokens never
             loss_tokens=counts[False][2] + counts[True][2], train_loss_tokens=counts[False][2],
             eval_loss_tokens=counts[True][2], truncated=truncated,
         )

@@ -353,3 +353,20 @@ def test_a_run_learns_held_out_colour_questions_that_its_export_answers_in_its_c
         output = exported.generate(**inputs, max_new_tokens=8, do_sample=False)
         right += vlm.same_answer(loaded.decode(output[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True), answer)
     assert right / len(held_out) >= 0.9
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_two_processes_shard_qwen2_vl_by_its_own_blocks_and_match_one(folders, tmp_path):
+    """FSDP2 over both towers' blocks (the model's _no_split_modules), Qwen's 3-D positions per
+    rank's batch: the losses of 2 processes are those of 1."""
+    from tests.support import losses, run_engine
+
+    recipe = shutil.copytree(TEMPLATE, tmp_path / "vlm_chat", ignore=shutil.ignore_patterns("__pycache__"))
+    schedule = (f"model.pretrained_path={folders['qwen2_vl']}", "train.max_steps=6", "train.log_every=1",
+                "train.eval_every=0", "checkpoint.every=0", "checkpoint.at_end=false", "data.builtin_images=100",
+                "data.batch_size=8", "metrics.tensorboard=false")
+    one, two = (losses(run_engine(tmp_path, recipe, *schedule, nproc=n)) for n in (1, 2))
+    assert sorted(one) == sorted(two) == list(range(1, 7))
+    for step in one:
+        assert abs(two[step] - one[step]) <= 1e-4 * abs(one[step]), (step, one[step], two[step])
