@@ -370,3 +370,23 @@ def test_two_processes_shard_qwen2_vl_by_its_own_blocks_and_match_one(folders, t
     assert sorted(one) == sorted(two) == list(range(1, 7))
     for step in one:
         assert abs(two[step] - one[step]) <= 1e-4 * abs(one[step]), (step, one[step], two[step])
+
+
+def test_a_family_whose_processor_has_no_chat_template_is_refused_naming_it(tmp_path):
+    """PaliGemma ships no chat template (its prompts are prefix + suffix): refused, not guessed."""
+    from transformers import PaliGemmaProcessor, SiglipImageProcessorPil
+
+    from tests.model_families import bpe_tokenizer
+
+    folder = tmp_path / "paligemma"
+    tokenizer = bpe_tokenizer(["<pad>", "<bos>", "<eos>", "<image>"], "<eos>", "")
+    tokenizer.chat_template = None
+    processor = PaliGemmaProcessor(image_processor=SiglipImageProcessorPil(size={"height": 28, "width": 28}),
+                                   tokenizer=tokenizer)
+    processor.image_seq_length = 16
+    processor.save_pretrained(folder)
+    (folder / "config.json").write_text(json.dumps({"model_type": "paligemma"}))
+    with pytest.raises(ConfigError, match=r"^model.pretrained_path=.*paligemma \(paligemma\): its processor "
+                                          r"PaliGemmaProcessor has no chat template; save the model's "
+                                          r"chat_template.jinja beside it$"):
+        vlm.load_processor(str(folder))
