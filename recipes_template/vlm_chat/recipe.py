@@ -49,7 +49,8 @@ from engine.run_dir import DataSummary
 
 class ModelConfig(Section):
     pretrained_path: str | None = Field(
-        None, description="The model: a workspace folder or a Hub id (org/name[@rev]) of an image-text-to-text family."
+        None,
+        description="The model: a workspace folder or a Hub id (org/name[@rev]) of an image-text-to-text family.",
     )
     train_vision_tower: bool = Field(False, description="The vision tower trains too.")
     train_projector: bool = Field(True, description="The projector (connector, merger) trains.")
@@ -81,13 +82,6 @@ class VLMChatConfig(EngineConfig):
     model: ModelConfig = ModelConfig()
     data: VLMChatDataConfig = VLMChatDataConfig()
 
-    @model_validator(mode="after")
-    def _has_model(self) -> "VLMChatConfig":
-        if not self.model.pretrained_path:
-            raise ValueError("model.pretrained_path is required: a workspace folder or a Hub id (org/name[@rev]) of "
-                             "an image-text-to-text model (LLaVA, Qwen2-VL, Idefics3/SmolVLM, Gemma 3, PaliGemma ...)")
-        return self
-
 
 # =============================================================================================
 # The family: processor and model as transformers loads them; its parts by module name
@@ -101,8 +95,11 @@ PARTS = {
 }
 
 
-def model_folder(raw: str) -> Path:
+def model_folder(raw: str | None) -> Path:
     """The model's folder: a workspace folder, or the snapshot the server bound for a Hub id."""
+    if not raw:
+        raise ConfigError("model.pretrained_path is required: a workspace folder or a Hub id (org/name[@rev]) of an "
+                          "image-text-to-text model (LLaVA, Qwen2-VL, Idefics3/SmolVLM, Gemma 3, LLaVA-OneVision ...)")
     folder = Path(confined_path(raw))
     if not folder.is_dir():
         raise ConfigError(f"model.pretrained_path={raw} is no folder here and no Hub snapshot was bound for it; give a "

@@ -390,3 +390,32 @@ def test_a_family_whose_processor_has_no_chat_template_is_refused_naming_it(tmp_
                                           r"PaliGemmaProcessor has no chat template; save the model's "
                                           r"chat_template.jinja beside it$"):
         vlm.load_processor(str(folder))
+
+
+def test_a_hub_id_loads_the_snapshot_the_server_bound_and_no_model_is_refused(folders, tmp_path, monkeypatch):
+    from engine.data_files import HUB_MODELS_VARIABLE
+
+    monkeypatch.setenv(WORKSPACE_VARIABLE, str(tmp_path))  # the snapshot lies outside it, bound read-only
+    monkeypatch.setenv(HUB_MODELS_VARIABLE, json.dumps({"org/tiny-smolvlm@main": str(folders["idefics3"])}))
+    processor = vlm.load_processor("org/tiny-smolvlm@main")
+    model = vlm.load_model(vlm.ModelConfig(pretrained_path="org/tiny-smolvlm@main"))
+    assert type(processor).__name__ == "Idefics3Processor" and type(model).__name__ == "Idefics3ForConditionalGeneration"
+    with pytest.raises(ConfigError, match=r"^model.pretrained_path=org/other is no folder here and no Hub snapshot"):
+        vlm.load_processor("org/other")
+    with pytest.raises(ConfigError, match="^model.pretrained_path is required: a workspace folder or a Hub id"):
+        vlm.load_processor(None)
+
+
+def test_a_saved_data_set_with_an_image_column_is_read(data):
+    import datasets
+
+    from engine.data_formats import is_saved_dataset
+
+    rows = {"image": [picture((200, 30, 30)), picture((30, 30, 200))], "caption": ["red", "blue"]}
+    saved = data / "saved"
+    datasets.Dataset.from_dict(rows).cast_column("image", datasets.Image()).save_to_disk(str(saved))
+    assert is_saved_dataset(saved)
+    cfg = vlm.VLMChatDataConfig(paths=[str(saved)], caption_prompt="What colour is it?")
+    examples, formats = vlm.load_examples(cfg)
+    assert formats == ["caption"] and [m for _, m, _ in examples] == EXPECTED
+    assert [np.asarray(images[0])[0, 0].tolist() for _, _, images in examples] == [[200, 30, 30], [30, 30, 200]]
