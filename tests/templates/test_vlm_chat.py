@@ -14,7 +14,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 
 from engine.config import ConfigError
 from engine.data_files import WORKSPACE_VARIABLE, DataPathRefused
@@ -227,7 +226,6 @@ def bomb_png(width: int, height: int) -> bytes:
 
 @pytest.mark.parametrize("record, error, message", BAD)
 def test_bad_records_are_refused_naming_the_file_and_line(data, record, error, message):
-    from PIL import Image
 
     (data / "images" / "broken.png").write_bytes(b"not an image")
     (data / "images" / "bomb.png").write_bytes(bomb_png(20000, 20000))
