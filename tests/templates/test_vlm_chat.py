@@ -14,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from engine.config import ConfigError
 from engine.data_files import WORKSPACE_VARIABLE, DataPathRefused
@@ -87,6 +88,19 @@ def test_stages_freeze_each_familys_parts_by_their_module_names(family, folders)
     assert "lm_head.weight" in trainable or any("embed_tokens" in n for n in trainable)
     assert not any(n == p or n.startswith(p + ".") for n in trainable for p in projector + [vision])
 
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_batch_holds_images_of_several_sizes_as_each_family_takes_them(family, folders):
+    """Qwen's patches of each grid, Idefics3's and OneVision's tiles (padded with all-zero
+    tiles the model drops), one LLaVA or Gemma image each: one batch, one forward."""
+    processor = vlm.load_processor(str(folders[family]))
+    model = vlm.load_model(vlm.ModelConfig(pretrained_path=str(folders[family])))
+    messages = [vlm.user_turn(["What colour?"], 1), vlm.assistant_turn("red")]
+    pieces = [vlm.encode(processor, messages, [picture(size=size)], 512, "x") for size in ((56, 56), (30, 90), (90, 30))]
+    batch = vlm.collate(pieces, processor.tokenizer.pad_token_id)
+    logits = model(**{k: v for k, v in batch.items() if k != "labels"}).logits
+    assert logits.shape[:2] == batch["input_ids"].shape and torch.isfinite(logits).all()
+    assert int((batch["labels"] != IGNORE_INDEX).sum()) == sum(vlm.loss_tokens(p) for p in pieces)
 
 def test_a_processor_that_takes_video_loads_without_torchvision_and_saves_as_its_own_class(folders, tmp_path):
     processor = vlm.load_processor(str(folders["qwen2_vl"]))
