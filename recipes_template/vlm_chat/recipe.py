@@ -1,0 +1,783 @@
+"""Vision-language chat: a Hugging Face image-text-to-text model fine-tuned in its own chat format.
+
+Read it top to bottom: configuration, the family (model and processor as transformers loads
+them, its parts by their module names), the built-in colour questions, the data (the forms
+people keep, each turned into messages with image parts), rendering (the processor's chat
+template; the loss on the assistant's tokens only), batches, then the recipe class.
+
+Supports:
+- ``model.pretrained_path``: a workspace folder or a Hub id (``org/name[@rev]``, downloaded by the
+  server) of LLaVA (1.5, OneVision), Qwen2-VL / Qwen2.5-VL, Idefics3 / SmolVLM, Gemma 3, PaliGemma
+  and the other ``AutoModelForImageTextToText`` families; each family's own image processing
+- data (``data.paths``, ``data.dataset``): LLaVA conversations (``image``/``images`` +
+  ``conversations`` with ``<image>`` placeholders), messages with image content parts, image +
+  caption records; JSON, JSONL, parquet, ``datasets`` folders; several images a conversation
+- stages by module names (``model.train_vision_tower``, ``model.train_projector``,
+  ``model.train_language_model``), FSDP2 on the family's ``_no_split_modules``
+- ``task_metrics()``: greedy answers to held-out questions through the chat template
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import re
+from functools import cached_property
+from pathlib import Path
+from typing import Any, Iterator
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from pydantic import Field, model_validator
+from torch.distributed.checkpoint.stateful import Stateful
+
+from engine.chat import assistant_spans, render
+from engine.config import ConfigError, DataConfig, EngineConfig, Section
+from engine.data_files import DataPathRefused, confined_path, data_file, data_files
+from engine.data_formats import FILE_SUFFIXES, is_saved_dataset, sources
+from engine.engine import IGNORE_INDEX, Engine
+from engine.flops import non_embedding_params, transformer_flops_per_token
+from engine.fsdp import apply_fsdp
+from engine.run_dir import DataSummary
+
+# =============================================================================================
+# Configuration
+# =============================================================================================
+
+
+class ModelConfig(Section):
+    pretrained_path: str | None = Field(
+        None,
+        description="The model: a workspace folder or a Hub id (org/name[@rev]) of an image-text-to-text family.",
+    )
+    train_vision_tower: bool = Field(False, description="The vision tower trains too.")
+    train_projector: bool = Field(True, description="The projector (connector, merger) trains.")
+    train_language_model: bool = Field(True, description="The language model and its head train.")
+    attn_implementation: str = Field("sdpa", description="Attention kernel: sdpa, eager, flash_attention_2.")
+
+
+class VLMChatDataConfig(DataConfig):
+    seq_len: int = Field(512, ge=8, description="Tokens per sequence, image tokens included.")
+    paths: list[str] = Field(default_factory=list, description="Data files or folders (.jsonl, .json, .parquet, saved data sets).")
+    dataset: str | None = Field(None, description="A data set for datasets.load_dataset: a workspace folder or a Hub id.")
+    subset: str | None = Field(None, description="data.dataset's configuration.")
+    split: str | None = Field(None, description="data.dataset's split (default: train).")
+    format: str | None = Field(None, description="llava | messages | caption; recognised from the records when unset.")
+    caption_prompt: str = Field("Describe the image.", description="The user's question of a caption record.")
+    eval_fraction: float = Field(0.05, ge=0, le=1, description="Examples held out (1: all, for `trainwright evaluate`).")
+    eval_prompts: int = Field(32, ge=1, description="Held-out questions task_metrics() answers.")
+    builtin_images: int = Field(2000, ge=10, description="No data given: how many colour questions.")
+    builtin_image_size: int = Field(56, ge=8, description="Side of the built-in images.")
+
+    @model_validator(mode="after")
+    def _known_format(self) -> "VLMChatDataConfig":
+        if self.format is not None and self.format not in FORMATS:
+            raise ValueError(f"data.format={self.format!r}; give one of {', '.join(FORMATS)} or leave it unset")
+        return self
+
+
+class VLMChatConfig(EngineConfig):
+    model: ModelConfig = ModelConfig()
+    data: VLMChatDataConfig = VLMChatDataConfig()
+
+
+# =============================================================================================
+# The family: processor and model as transformers loads them; its parts by module name
+# =============================================================================================
+
+# Each part's module names across the families (transformers' own names, after the model's prefix).
+PARTS = {
+    "vision_tower": ("vision_tower", "visual", "vision_model"),
+    "projector": ("multi_modal_projector", "connector", "visual.merger", "image_newline"),
+    "language_model": ("language_model", "text_model", "lm_head"),
+}
+
+
+def model_folder(raw: str | None) -> Path:
+    """The model's folder: a workspace folder, or the snapshot the server bound for a Hub id."""
+    if not raw:
+        raise ConfigError("model.pretrained_path is required: a workspace folder or a Hub id (org/name[@rev]) of an "
+                          "image-text-to-text model (LLaVA, Qwen2-VL, Idefics3/SmolVLM, Gemma 3, LLaVA-OneVision ...)")
+    folder = Path(confined_path(raw))
+    if not folder.is_dir():
+        raise ConfigError(f"model.pretrained_path={raw} is no folder here and no Hub snapshot was bound for it; give a "
+                          "model folder in the workspace, or a Hub id (org/name[@rev]) to a launch, which downloads it")
+    if not (folder / "config.json").is_file():
+        raise ConfigError(f"model.pretrained_path={raw}: no config.json in {folder}; give a Hugging Face model folder "
+                          "or a Hub id the server downloads (launch_run)")
+    return folder
+
+
+def family_of(folder: Path) -> str:
+    return str(json.loads((folder / "config.json").read_text()).get("model_type", "unknown"))
+
+
+def processor_class_name(folder: Path) -> str | None:
+    for name in ("processor_config.json", "preprocessor_config.json", "tokenizer_config.json"):
+        path = folder / name
+        if path.is_file():
+            value = json.loads(path.read_text()).get("processor_class")
+            if isinstance(value, str):
+                return value
+    return None
+
+
+def torchvision_available() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("torchvision") is not None
+
+
+def without_video(processor_class: type) -> type:
+    """``processor_class`` taking no video processor: its image processor and tokenizer alone.
+    transformers' video processors need torchvision; the images of a family whose processor
+    also takes video (Qwen2-VL) need only the image processor (its PIL version). Saved, it is
+    the family's own class (its name and files), which loads whole where torchvision is."""
+
+    import inspect
+
+    # transformers saves and loads a processor's settings (num_image_tokens, ...) by the names
+    # its __init__'s code takes: the new __init__ takes the same names, less video_processor.
+    names = [name for name, p in inspect.signature(processor_class.__init__).parameters.items()
+             if name not in ("self", "video_processor") and p.kind is p.POSITIONAL_OR_KEYWORD]
+    defaults = {name: p.default for name, p in inspect.signature(processor_class.__init__).parameters.items()}
+    source = (f"def __init__(self, {', '.join(f'{n}=defaults[{n!r}]' for n in names)}, **kwargs):\n"
+              f"    init(self, video_processor=None, {', '.join(f'{n}={n}' for n in names)}, **kwargs)\n")
+    scope = {"defaults": {n: None if defaults[n] is inspect.Parameter.empty else defaults[n] for n in names},
+             "init": processor_class.__init__}
+    exec(source, scope)  # noqa: S102 (a signature built from transformers' own names)
+    __init__ = scope["__init__"]
+    return type(processor_class.__name__, (processor_class,), {"__init__": __init__,
+                                                                "__module__": processor_class.__module__})
+
+
+def takes_video(processor_class: type) -> bool:
+    import inspect
+
+    return "video_processor" in inspect.signature(processor_class.__init__).parameters
+
+
+PROCESSOR_FILES = {
+    "its image processor's settings": ("preprocessor_config.json", "processor_config.json"),
+    "its tokenizer": ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json"),
+}
+
+
+def first_sentence(error: BaseException) -> str:
+    """A third-party error as one whole sentence (its first), never cut mid-word."""
+    text = " ".join(str(error).split()) or type(error).__name__
+    return re.split(r"(?<=[.!?])\s", text, maxsplit=1)[0]
+
+
+def load_processor(raw: str):
+    """The model's processor (the class its files name), with the chat template it ships."""
+    import transformers
+
+    folder = model_folder(raw)
+    family = family_of(folder)
+    for what, names in PROCESSOR_FILES.items():
+        if not any((folder / name).is_file() for name in names):
+            raise ConfigError(f"model.pretrained_path={raw} ({family}) has no processor: {what} ({' or '.join(names)}) "
+                              "is missing; save the model's processor beside it (processor.save_pretrained)")
+    name = processor_class_name(folder)
+    if name is None:
+        raise ConfigError(f"model.pretrained_path={raw} ({family}) names no processor class (processor_class in "
+                          "processor_config.json): save the model's processor beside it (processor.save_pretrained)")
+    processor_class = getattr(transformers, name, None)
+    if processor_class is None:
+        raise ConfigError(f"model.pretrained_path={raw} ({family}) needs the processor {name}, which transformers "
+                          f"{transformers.__version__} does not have; upgrade transformers")
+    if takes_video(processor_class) and not torchvision_available():
+        processor_class = without_video(processor_class)
+    try:
+        processor = processor_class.from_pretrained(folder)
+    except ImportError as e:
+        missing = f"the package {e.name}" if e.name else first_sentence(e)
+        raise ConfigError(f"model.pretrained_path={raw} ({family}): its processor {name} needs {missing}, "
+                          "which is not installed") from None
+    except (ValueError, OSError, TypeError, AttributeError, KeyError) as e:
+        raise ConfigError(f"model.pretrained_path={raw} ({family}): its processor {name} cannot be loaded from "
+                          f"{folder}: {type(e).__name__}: {first_sentence(e)}") from None
+    if not isinstance(getattr(processor, "chat_template", None), str):
+        raise ConfigError(f"model.pretrained_path={raw} ({family}): its processor {name} has no chat template; "
+                          "save the model's chat_template.jinja beside it")
+    if getattr(processor.tokenizer, "pad_token_id", None) is None:
+        processor.tokenizer.pad_token = processor.tokenizer.eos_token
+    return processor
+
+
+def load_model(cfg: ModelConfig) -> torch.nn.Module:
+    import transformers
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    folder = model_folder(cfg.pretrained_path)
+    config = AutoConfig.from_pretrained(folder)
+    known = transformers.models.auto.modeling_auto.MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
+    if config.model_type not in known:
+        raise ConfigError(f"model.pretrained_path={cfg.pretrained_path} is a {config.model_type} model, which "
+                          f"AutoModelForImageTextToText does not load; give an image-text-to-text model")
+    return AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32,
+                                                       attn_implementation=cfg.attn_implementation)
+
+
+def model_parts(model: torch.nn.Module) -> dict[str, list[str]]:
+    """Each part's modules by name (``model.vision_tower``, ``model.visual.merger``, ...)."""
+    found: dict[str, list[str]] = {part: [] for part in PARTS}
+    names = [name for name, _ in model.named_modules()] + [name for name, _ in model.named_parameters()]
+    for part, suffixes in PARTS.items():
+        for name in names:
+            tail = name.removeprefix("model.")
+            if tail in suffixes and not any(name.startswith(f + ".") for f in found[part]):
+                found[part].append(name)
+    return found
+
+
+def freeze_parts(model: torch.nn.Module, cfg: ModelConfig) -> dict[str, list[str]]:
+    """Freeze what the stage does not train; the projector inside a vision tower (Qwen's merger)
+    follows ``train_projector``. Returns the parts found."""
+    parts = model_parts(model)
+    if not parts["language_model"] or not parts["vision_tower"]:
+        raise ConfigError(f"{type(model).__name__}: no vision tower or language model among its modules "
+                          f"(looked for {PARTS['vision_tower']} and {PARTS['language_model']})")
+    training = {"vision_tower": cfg.train_vision_tower, "projector": cfg.train_projector,
+                "language_model": cfg.train_language_model}
+    owner: dict[str, str] = {}
+    for part in ("vision_tower", "language_model", "projector"):  # the projector's names are the longest
+        for name in parts[part]:
+            owner[name] = part
+    for name, param in model.named_parameters():
+        prefixes = [p for p in owner if name == p or name.startswith(p + ".")]
+        part = owner[max(prefixes, key=len)] if prefixes else "language_model"
+        param.requires_grad_(training[part])
+    return parts
+
+
+def image_token_ids(processor) -> set[int]:
+    """The ids of the tokens that stand for images (or video): never learnt."""
+    tokenizer = processor.tokenizer
+    ids = set()
+    for attribute in ("image_token", "video_token", "boi_token", "eoi_token", "fake_image_token", "global_image_tag"):
+        token = getattr(processor, attribute, None)
+        if isinstance(token, str):
+            token_id = tokenizer.convert_tokens_to_ids(token)
+            if isinstance(token_id, int) and token_id != tokenizer.unk_token_id:
+                ids.add(token_id)
+    for attribute in ("image_token_id", "video_token_id"):
+        if isinstance(getattr(processor, attribute, None), int):
+            ids.add(getattr(processor, attribute))
+    return ids
+
+
+# =============================================================================================
+# The built-in task: what colour is the shape?
+# =============================================================================================
+
+COLOURS = {"red": (220, 40, 40), "green": (40, 200, 60), "blue": (50, 80, 230), "yellow": (230, 210, 40)}
+QUESTION = "What colour is the shape?"
+
+
+def colour_image(colour: str, size: int, rng: np.random.Generator):
+    """A square of ``colour`` on a noisy dark background, jittered in place, size and shade."""
+    from PIL import Image
+
+    image = rng.integers(0, 40, (size, size, 3)).astype(np.float64)
+    side = int(size * rng.uniform(0.4, 0.6))
+    x, y = rng.integers(0, size - side + 1, 2)
+    image[y:y + side, x:x + side] = np.array(COLOURS[colour]) * rng.uniform(0.8, 1.1)
+    return Image.fromarray(np.clip(image, 0, 255).astype(np.uint8))
+
+
+def builtin_examples(count: int, size: int, seed: int = 0) -> list[tuple[str, list, list]]:
+    examples = []
+    for i in range(count):
+        rng = np.random.default_rng([seed, i])
+        colour = list(COLOURS)[rng.integers(len(COLOURS))]
+        messages = [user_turn([QUESTION], 1), assistant_turn(colour)]
+        examples.append((f"builtin-{i}", messages, [colour_image(colour, size, rng)]))
+    return examples
+
+
+# =============================================================================================
+# Data: the forms people keep, each as (where, messages with image parts, images)
+# =============================================================================================
+
+# format -> the columns that tell it, in the order formats are recognised.
+FORMATS = {"llava": ("conversations",), "messages": ("messages",), "caption": ("image", "caption")}
+ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "model": "assistant",
+         "system": "system"}
+PLACEHOLDER = "<image>"
+
+
+def user_turn(texts: list[str], images_before: int = 0, role: str = "user") -> dict[str, Any]:
+    return {"role": role, "content": [{"type": "image"}] * images_before + [{"type": "text", "text": t} for t in texts]}
+
+
+def assistant_turn(text: str) -> dict[str, Any]:
+    return {"role": "assistant", "content": [{"type": "text", "text": text}]}
+
+
+def detect_format(record: dict[str, Any], where: str, forced: str | None) -> str:
+    if forced:
+        return forced
+    for fmt, columns in FORMATS.items():
+        if all(column in record for column in columns):
+            return fmt
+    raise ConfigError(f"{where}: no format has these columns {sorted(record)[:10]}; a record is LLaVA's "
+                      '{"image", "conversations": [{"from", "value"}]}, {"messages": [{"role", "content"}]} with '
+                      '{"type": "image", "image": path} parts, or {"image", "caption"} (or set data.format)')
+
+
+def _text(value: Any, where: str, what: str) -> str:
+    if not isinstance(value, str):
+        raise ConfigError(f"{where}: {what} must be text, got {type(value).__name__}")
+    return value
+
+
+def llava_messages(record: dict[str, Any], where: str) -> tuple[list, list]:
+    """LLaVA's ``conversations``: ``<image>`` in a turn's value is where an image goes."""
+    images = record.get("images", record.get("image"))
+    images = [] if images is None else images if isinstance(images, list) else [images]
+    turns = record["conversations"]
+    if not isinstance(turns, list) or not all(isinstance(t, dict) for t in turns):
+        raise ConfigError(f'{where}: "conversations" must be a list of {{"from", "value"}} objects')
+    messages, placed = [], 0
+    for index, turn in enumerate(turns, 1):
+        role = ROLES.get(str(turn.get("from", turn.get("role"))))
+        if role is None:
+            raise ConfigError(f"{where}: turn {index} is from {turn.get('from')!r}; give one of {', '.join(ROLES)}")
+        value = _text(turn.get("value", turn.get("content")), where, f"turn {index}'s value")
+        pieces = value.split(PLACEHOLDER)
+        content: list[dict[str, Any]] = []
+        for n, piece in enumerate(pieces):
+            if n:
+                content.append({"type": "image"})
+            if piece.strip():
+                content.append({"type": "text", "text": piece.strip()})
+        placed += len(pieces) - 1
+        if role == "assistant" and len(pieces) > 1:
+            raise ConfigError(f"{where}: turn {index} (the assistant's) holds {PLACEHOLDER}; images go in user turns")
+        messages.append({"role": role, "content": content})
+    if placed != len(images):
+        raise ConfigError(f"{where}: {placed} {PLACEHOLDER} placeholder(s) for {len(images)} image(s); "
+                          f"put one {PLACEHOLDER} in the conversation for each image")
+    return messages, images
+
+
+def content_messages(record: dict[str, Any], where: str) -> tuple[list, list]:
+    """``messages`` whose content is text or parts: ``{"type": "image", "image": path}`` (or a
+    bare ``{"type": "image"}`` taking the next of the record's ``images``), ``{"type": "text"}``."""
+    given = record.get("images")
+    spare = list(given) if isinstance(given, list) else [] if given is None else [given]
+    messages, images = [], []
+    if not isinstance(record["messages"], list):
+        raise ConfigError(f'{where}: "messages" must be a list of {{"role", "content"}} objects')
+    for index, message in enumerate(record["messages"], 1):
+        role = ROLES.get(str(message.get("role"))) if isinstance(message, dict) else None
+        if role is None:
+            raise ConfigError(f"{where}: message {index} needs a role of {', '.join(sorted(set(ROLES.values())))}")
+        content = message.get("content")
+        parts = [{"type": "text", "text": content}] if isinstance(content, str) else content
+        if not isinstance(parts, list):
+            raise ConfigError(f"{where}: message {index}'s content must be text or a list of parts")
+        kept: list[dict[str, Any]] = []
+        for part in parts:
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind == "image":
+                image = part.get("image", part.get("path", part.get("url")))
+                if image is None:
+                    if not spare:
+                        raise ConfigError(f"{where}: message {index} has an image part with no image and the record's "
+                                          '"images" has none left')
+                    image = spare.pop(0)
+                if role == "assistant":
+                    raise ConfigError(f"{where}: message {index} (the assistant's) holds an image; images go in user turns")
+                images.append(image)
+                kept.append({"type": "image"})
+            elif kind == "text":
+                kept.append({"type": "text", "text": _text(part.get("text"), where, f"message {index}'s text")})
+            else:
+                raise ConfigError(f"{where}: message {index} has a part of type {kind!r}; give image or text parts")
+        messages.append({"role": role, "content": kept})
+    if spare:
+        raise ConfigError(f'{where}: {len(spare)} of the record\'s "images" have no image part; add a '
+                          '{"type": "image"} part for each')
+    return messages, images
+
+
+def caption_messages(record: dict[str, Any], where: str, prompt: str) -> tuple[list, list]:
+    caption = _text(record["caption"], where, '"caption"')
+    if not caption.strip():
+        raise ConfigError(f"{where}: the caption is empty")
+    return [user_turn([prompt], 1), assistant_turn(caption)], [record["image"]]
+
+
+def read_image(value: Any, base: Path | None, where: str):
+    """An image of a record: a path (relative to the data file, confined to the workspace), the
+    bytes of an image file, a ``{"bytes", "path"}`` of a data set's image column, or an image."""
+    from PIL import Image
+
+    if isinstance(value, dict):
+        value = value.get("bytes") or value.get("path")
+    try:
+        if isinstance(value, Image.Image):
+            return value.convert("RGB")
+        if isinstance(value, (bytes, bytearray)):
+            with Image.open(io.BytesIO(value)) as image:
+                return image.convert("RGB")
+        if not isinstance(value, str) or not value:
+            raise ConfigError(f"{where}: an image is a path, bytes or an image, got {type(value).__name__}")
+        with Image.open(data_file(str(base / value) if base is not None else value)) as image:
+            return image.convert("RGB")
+    except (DataPathRefused, ConfigError):
+        raise
+    except (OSError, ValueError, Image.DecompressionBombError) as e:
+        shown = value if isinstance(value, str) else f"{len(value)} bytes"
+        raise ConfigError(f"{where}: image {shown!r} cannot be read ({e})") from None
+
+
+def record_sources(cfg: VLMChatDataConfig) -> Iterator[tuple[Path | None, Iterator[tuple[str, dict[str, Any]]]]]:
+    """``(folder image paths are relative to, rows)`` of each file, saved folder and data set."""
+    for raw in cfg.paths:
+        if is_saved_dataset(Path(raw)):
+            for _, rows in sources([raw], split=cfg.split):
+                yield Path(confined_path(raw)), rows
+            continue
+        for path, name in data_files([raw], suffixes=FILE_SUFFIXES):
+            for _, rows in sources([str(path)]):
+                yield path.parent, ((f"{name}:{w.rsplit(':', 1)[1]}", r) for w, r in rows)
+    if cfg.dataset:
+        for _, rows in sources([], cfg.dataset, cfg.subset, cfg.split):
+            yield None, rows
+
+
+def load_examples(cfg: VLMChatDataConfig) -> tuple[list[tuple[str, list, list]], list[str]]:
+    """``(where, messages, images)`` of every record, and the formats read."""
+    if not cfg.paths and not cfg.dataset:
+        return builtin_examples(cfg.builtin_images, cfg.builtin_image_size), ["builtin"]
+    examples, formats = [], []
+    for base, rows in record_sources(cfg):
+        for where, record in rows:
+            fmt = detect_format(record, where, cfg.format)
+            if fmt not in formats:
+                formats.append(fmt)
+            if fmt == "llava":
+                messages, images = llava_messages(record, where)
+            elif fmt == "messages":
+                messages, images = content_messages(record, where)
+            else:
+                messages, images = caption_messages(record, where, cfg.caption_prompt)
+            if not any(m["role"] == "assistant" for m in messages):
+                raise ConfigError(f"{where}: the conversation has no assistant turn: nothing to learn")
+            examples.append((where, messages, [read_image(image, base, where) for image in images]))
+    if not examples:
+        raise ConfigError(f"no records in data.paths={cfg.paths}" + (f" or data.dataset={cfg.dataset}" if cfg.dataset else ""))
+    return examples, formats
+
+
+def is_eval_document(name: str, eval_fraction: float) -> bool:
+    bucket = int(hashlib.sha1(name.encode()).hexdigest()[:8], 16) / 0xFFFFFFFF
+    return bucket < eval_fraction
+
+
+# =============================================================================================
+# Rendering: the processor's chat template; the loss on the assistant's tokens only
+# =============================================================================================
+
+
+PER_TOKEN = ("mm_token_type_ids", "token_type_ids")
+
+
+def processor_inputs(processor, text: str, images: list, **kwargs) -> dict[str, Any]:
+    return processor(text=[text], images=[images] if images else None, return_tensors="pt", **kwargs)
+
+
+def encode(processor, messages: list, images: list, seq_len: int, where: str) -> dict[str, Any]:
+    """A piece: ``ids`` and ``targets`` (the token where the loss is over, ``IGNORE_INDEX``
+    elsewhere) of the conversation as its chat template renders it, with the images' tokens
+    expanded as the processor expands them, and the processor's image inputs. Cut to
+    ``seq_len + 1`` tokens; the images' tokens are never cut."""
+    text, spans = assistant_spans(processor, messages, where)
+    out = processor_inputs(processor, text, images, return_offsets_mapping=True, return_text_replacement_offsets=True)
+    ids = out.pop("input_ids")[0]
+    offsets = out.pop("offset_mapping")[0].tolist()
+    replaced = (out.pop("text_replacement_offsets", None) or [[]])[0]
+    out.pop("attention_mask", None)
+    # Per-token inputs beside the ids (Qwen's mm_token_type_ids for its 3-D positions): cut and padded as they are.
+    per_token = {key: out.pop(key)[0] for key in list(out) if key in PER_TOKEN}
+    # A span's characters move right by what each expansion before it added (``new_span`` is
+    # where an expansion lies in the expanded text).
+    ends = [r["span"][1] for r in replaced]
+    gained = np.cumsum([0] + [(r["new_span"][1] - r["new_span"][0]) - (r["span"][1] - r["span"][0]) for r in replaced])
+    moved = [tuple(int(c + gained[np.searchsorted(ends, c, side="right")]) for c in span) for span in spans]
+    expansions = [tuple(r["new_span"]) for r in replaced]
+    never = image_token_ids(processor)
+    learnt = [
+        end > start and any(a < end and start < b for a, b in moved) and not any(a <= start and end <= b for a, b in expansions)
+        and token not in never
+        for (start, end), token in zip(offsets, ids.tolist())
+    ]
+    image_positions = [i for i, ((start, end), token) in enumerate(zip(offsets, ids.tolist()))
+                       if token in never or any(a <= start and end <= b and end > start for a, b in expansions)]
+    if image_positions and len(image_positions) > seq_len:
+        raise ConfigError(f"{where}: the images alone take {len(image_positions)} tokens, more than data.seq_len={seq_len}; "
+                          "raise data.seq_len or give smaller images")
+    if image_positions and image_positions[-1] > seq_len:
+        raise ConfigError(f"{where}: the images' tokens end at token {image_positions[-1] + 1}, beyond data.seq_len={seq_len}; "
+                          f"raise data.seq_len above {image_positions[-1] + 1} or shorten the text before the images")
+    targets = torch.where(torch.tensor(learnt), ids, torch.full_like(ids, IGNORE_INDEX))
+    return {"ids": ids[: seq_len + 1], "targets": targets[: seq_len + 1], "images": dict(out),
+            "per_token": {key: value[: seq_len + 1] for key, value in per_token.items()},
+            "truncated": len(ids) > seq_len + 1}
+
+
+def loss_tokens(piece: dict[str, Any]) -> int:
+    """The tokens the loss covers: targets after the first (the first token predicts nothing)."""
+    return int((piece["targets"][1:] != IGNORE_INDEX).sum())
+
+
+def prompt_of(messages: list) -> tuple[list, str]:
+    """The conversation up to its last assistant turn, and that turn's text."""
+    last = max(i for i, m in enumerate(messages) if m["role"] == "assistant")
+    answer = "".join(p["text"] for p in messages[last]["content"] if p["type"] == "text")
+    return messages[:last], answer
+
+
+def generation_inputs(processor, messages: list, images: list) -> dict[str, Any]:
+    images_shown = sum(p["type"] == "image" for m in messages for p in m["content"])
+    text = render(processor, messages, generation_prompt=True)
+    return dict(processor_inputs(processor, text, images[:images_shown]))
+
+
+def same_answer(said: str, expected: str) -> bool:
+    """The answer says the expected words first (a family whose template ends no turn keeps talking)."""
+    words = lambda s: re.findall(r"\w+", s.lower())  # noqa: E731
+    want = words(expected)
+    return bool(want) and words(said)[: len(want)] == want
+
+
+# =============================================================================================
+# Batches
+# =============================================================================================
+
+
+def stack_images(values: list[torch.Tensor]) -> torch.Tensor:
+    """The images' tensors of a batch along the first dimension, the others padded with zeros
+    to the largest (Idefics3's tiles, OneVision's patches; a family drops all-zero images)."""
+    if len({v.shape[1:] for v in values}) > 1:
+        shape = [max(v.shape[d] for v in values) for d in range(1, values[0].dim())]
+        values = [F.pad(v, [p for d in reversed(range(len(shape))) for p in (0, shape[d] - v.shape[d + 1])])
+                  for v in values]
+    return torch.cat(values)
+
+
+def collate(pieces: list[dict[str, Any]], pad_id: int) -> dict[str, torch.Tensor]:
+    length = max(len(p["ids"]) for p in pieces) - 1
+    input_ids = torch.full((len(pieces), length), pad_id, dtype=torch.int64)
+    labels = torch.full((len(pieces), length), IGNORE_INDEX, dtype=torch.int64)
+    attention_mask = torch.zeros((len(pieces), length), dtype=torch.int64)
+    for row, piece in enumerate(pieces):
+        n = len(piece["ids"]) - 1
+        input_ids[row, :n] = piece["ids"][:-1]
+        labels[row, :n] = piece["targets"][1:]
+        attention_mask[row, :n] = 1
+    batch = {"input_ids": input_ids, "labels": labels, "attention_mask": attention_mask}
+    for key in {k for p in pieces for k in p["per_token"]}:
+        batch[key] = torch.zeros((len(pieces), length), dtype=torch.int64)
+        for row, piece in enumerate(pieces):
+            batch[key][row, : len(piece["ids"]) - 1] = piece["per_token"][key][:-1]
+    for key in {k for p in pieces for k in p["images"]}:
+        batch[key] = stack_images([p["images"][key] for p in pieces if key in p["images"]])
+    return batch
+
+
+class BatchStream(Stateful):
+    """This rank's micro-batches, forever: each epoch visits the pieces in a new seeded order.
+    The position counts the global stream's sequences, so a checkpoint resumes on any number of
+    processes with the very next batch."""
+
+    def __init__(self, pieces, pad_id, seed, micro_batch, dp_rank, dp_size):
+        self.pieces, self.pad_id, self.seed = pieces, pad_id, seed
+        self.micro_batch, self.dp_rank, self.dp_size = micro_batch, dp_rank, dp_size
+        self.position = 0
+        self._order: tuple[int, torch.Tensor] | None = None
+
+    def _piece_at(self, index: int):
+        epoch, offset = divmod(index, len(self.pieces))
+        if self._order is None or self._order[0] != epoch:
+            generator = torch.Generator().manual_seed(self.seed * 100_003 + epoch)
+            self._order = (epoch, torch.randperm(len(self.pieces), generator=generator))
+        return self.pieces[int(self._order[1][offset])]
+
+    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
+        return self
+
+    def __next__(self) -> dict[str, torch.Tensor]:
+        start = self.position + self.dp_rank * self.micro_batch
+        batch = [self._piece_at(i) for i in range(start, start + self.micro_batch)]
+        self.position += self.micro_batch * self.dp_size
+        return collate(batch, self.pad_id)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"position": self.position}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.position = int(state_dict["position"])
+
+
+# =============================================================================================
+# The recipe
+# =============================================================================================
+
+
+class VLMChat(Engine):
+    """Vision-language chat: a Hub image-text-to-text model in its own chat format; the loss on
+    the assistant's tokens only."""
+
+    config_class = VLMChatConfig
+
+    @cached_property
+    def processor(self):
+        return load_processor(self.config.model.pretrained_path)
+
+    def prepare_model(self) -> torch.nn.Module:
+        model = load_model(self.config.model)
+        freeze_parts(model, self.config.model)
+        model = model.to(self.device)
+        return apply_fsdp(model, self.dist, self.config.parallel)
+
+    def prepare_optimizer(self, model: torch.nn.Module) -> torch.optim.Optimizer:
+        optim = self.config.optim
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        if not trainable:
+            raise ConfigError("model.train_vision_tower, model.train_projector and model.train_language_model are all "
+                              "false: nothing would train")
+        return torch.optim.AdamW(trainable, lr=optim.lr, betas=(optim.beta1, optim.beta2), eps=optim.eps,
+                                 weight_decay=optim.weight_decay, fused=True)
+
+    @cached_property
+    def examples(self) -> tuple[list, list]:
+        """(train, held out): ``(where, messages, images)``."""
+        train, held_out = [], []
+        for example in load_examples(self.config.data)[0]:
+            (held_out if is_eval_document(example[0], self.config.data.eval_fraction) else train).append(example)
+        return train, held_out
+
+    def pieces(self, examples) -> list[dict[str, Any]]:
+        return [encode(self.processor, messages, images, self.config.data.seq_len, where)
+                for where, messages, images in examples]
+
+    @classmethod
+    def summarize_data(cls, config: VLMChatConfig) -> DataSummary:
+        cfg = config.data
+        processor = load_processor(config.model.pretrained_path)
+        examples, formats = load_examples(cfg)
+        counts = {True: [0, 0, 0], False: [0, 0, 0]}  # held out? -> [examples, tokens, loss tokens]
+        images = truncated = 0
+        for where, messages, pictures in examples:
+            piece = encode(processor, messages, pictures, cfg.seq_len, where)
+            counted = counts[is_eval_document(where, cfg.eval_fraction)]
+            counted[0] += 1
+            counted[1] += len(piece["ids"])
+            counted[2] += loss_tokens(piece)
+            images += len(pictures)
+            truncated += piece["truncated"]
+        if not counts[False][0]:
+            raise ConfigError(f"no training examples: data.eval_fraction={cfg.eval_fraction} holds out all of them")
+        files = {where.rsplit(":", 1)[0] for where, _, _ in examples}
+        return DataSummary(
+            source="builtin" if formats == ["builtin"] else "files",
+            paths=cfg.paths[:20], files=None if formats == ["builtin"] else len(files),
+            documents=len(examples), tokens=counts[False][1] + counts[True][1],
+            train_documents=counts[False][0], train_tokens=counts[False][1],
+            eval_documents=counts[True][0], eval_tokens=counts[True][1],
+            tokenizer=f"{type(processor).__name__} of {config.model.pretrained_path}",
+            format=f"{', '.join(formats)} ({images} images)",
+            mask="turn_render",  # engine.chat.assistant_spans; image tokens never
+            loss_tokens=counts[False][2] + counts[True][2], train_loss_tokens=counts[False][2],
+            eval_loss_tokens=counts[True][2], truncated=truncated,
+        )
+
+    def stream(self, examples, seed: int) -> BatchStream:
+        return BatchStream(self.pieces(examples), self.processor.tokenizer.pad_token_id, seed=seed,
+                           micro_batch=self.micro_batch_size, dp_rank=self.dist.dp_rank, dp_size=self.dist.dp_size)
+
+    def prepare_data(self) -> BatchStream:
+        if not self.examples[0]:
+            raise ConfigError(f"no training examples: data.eval_fraction={self.config.data.eval_fraction} "
+                              "holds out all of them")
+        return self.stream(self.examples[0], self.config.train.seed)
+
+    def prepare_eval_data(self) -> list[dict[str, torch.Tensor]] | None:
+        if not self.config.train.eval_every or not self.examples[1]:
+            return None
+        stream = self.stream(self.examples[1], seed=0)
+        return [next(stream) for _ in range(self.config.train.eval_batches)]
+
+    def compute_loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        inputs = {key: value for key, value in batch.items() if key != "labels"}
+        logits = self.model(**inputs, use_cache=False).logits
+        return F.cross_entropy(logits.flatten(0, 1).float(), batch["labels"].flatten(), ignore_index=IGNORE_INDEX,
+                               reduction="sum")
+
+    def count_padding(self, batch: dict[str, torch.Tensor]) -> int:
+        return int((batch["attention_mask"] == 0).sum())
+
+    def flops_per_token(self) -> float:
+        text = self.model.config.get_text_config()
+        return transformer_flops_per_token(non_embedding_params(self.model), text.num_hidden_layers,
+                                           text.hidden_size, self.config.data.seq_len)
+
+    def evaluate(self) -> float:
+        """The eval loss; during training ``answer_accuracy`` is logged beside it (``evaluate``
+        of ``engine.model_io`` asks ``task_metrics()`` for it itself)."""
+        loss = super().evaluate()
+        if "optimizer" in vars(self):
+            self.logger.log({"step": self.state.step, **self.task_metrics()})
+        return loss
+
+    # Looking at the model: export, sample, evaluate ------------------------------------------
+
+    def hf_processing(self):
+        return self.processor
+
+    def sample_inputs(self, index: int, prompt: str) -> tuple[dict[str, Any], dict[str, Any]]:
+        """``sample``: prompt ``i`` is asked of held-out image ``i`` in the model's chat format, as
+        the user's turn; ``expected`` is the answer the data holds to its own question."""
+        held_out = self.examples[1]
+        if not held_out:
+            raise ConfigError("no examples are held out (data.eval_fraction=0): sample has no image to show")
+        where, messages, images = held_out[index % len(held_out)]
+        answer = prompt_of(messages)[1]
+        question = [user_turn([prompt], 1)]
+        inputs = generation_inputs(self.processor, question, images[:1])
+        inputs.pop("attention_mask", None)  # sample gives its own
+        return inputs, {"input": f"held-out image(s) of {where}",
+                                                                     "expected": answer[:1000]}
+
+    @torch.no_grad()
+    def answers(self, examples, max_new_tokens: int = 16) -> list[str]:
+        tokenizer = self.processor.tokenizer
+        device = next(self.model.parameters()).device
+        said = []
+        for _, messages, images in examples:
+            inputs = generation_inputs(self.processor, prompt_of(messages)[0], images)
+            inputs = {key: value.to(device) for key, value in inputs.items()}
+            output = self.model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False,
+                                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+            said.append(tokenizer.decode(output[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True))
+        return said
+
+    def task_metrics(self) -> dict[str, float]:
+        """``answer_accuracy``: the share of held-out questions whose greedy answer (through the
+        chat template) says the expected answer's words first; ``answered`` counts them."""
+        held_out = self.examples[1][: self.config.data.eval_prompts]
+        if not held_out:
+            return {}
+        was_training = self.model.training
+        self.model.eval()
+        said = self.answers(held_out)
+        self.model.train(was_training)
+        right = sum(same_answer(s, prompt_of(m)[1]) for s, (_, m, _) in zip(said, held_out))
+        return {"answer_accuracy": right / len(held_out), "answered": float(len(held_out))}

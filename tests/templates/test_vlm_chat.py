@@ -1,0 +1,433 @@
+"""The vlm_chat template on tiny random models of real families (LLaVA 1.5, Qwen2-VL, Qwen2.5-VL,
+Idefics3/SmolVLM, built offline): each loads with its own processor (no torchvision here), every
+example is rendered with the family's chat template and the loss covers exactly the assistant's
+tokens, the data forms people keep are read, bad input is refused naming the record, and a run
+learns held-out colour questions that its export answers through ``apply_chat_template``."""
+
+from __future__ import annotations
+
+import io
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from engine.config import ConfigError
+from engine.data_files import WORKSPACE_VARIABLE, DataPathRefused
+from engine.engine import IGNORE_INDEX
+from engine.launch import load_recipe_class
+from tests.support import REPO
+from tests.vlm_families import FAMILIES, tiny_vlm_folder
+
+TEMPLATE = REPO / "recipes_template" / "vlm_chat"
+vlm = sys.modules[load_recipe_class(TEMPLATE).__module__]
+
+# What each family's template adds after the generation prompt for an answer: what it learns.
+LEARNT = {"llava": " {} ", "qwen2_vl": "{}<|im_end|>\n", "qwen2_5_vl": "{}<|im_end|>\n",
+          "idefics3": " {}<end_of_utterance>\n", "gemma3": "{}<end_of_turn>\n", "llava_onevision": "{}<|im_end|>\n"}
+# The token the model's image features replace, and how many of them a 56 × 56 image takes.
+IMAGE_TOKENS = {"llava": ("<image>", 16), "qwen2_vl": ("<|image_pad|>", 4), "qwen2_5_vl": ("<|image_pad|>", 4),
+                "idefics3": ("<image>", 20), "gemma3": ("<image_soft_token>", 4), "llava_onevision": ("<image>", 17)}
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    root = tmp_path_factory.mktemp("vlm_families")
+    return {family: tiny_vlm_folder(root / family, family) for family in FAMILIES}
+
+
+def picture(colour=(200, 30, 30), size=(56, 56)):
+    from PIL import Image
+
+    return Image.fromarray(np.full((*size[::-1], 3), colour, dtype=np.uint8))
+
+
+def conversation():
+    """Two user turns with an image each, two answers."""
+    return [vlm.user_turn(["What colour is it?"], 1), vlm.assistant_turn("red"),
+            vlm.user_turn(["And this one?"], 1), vlm.assistant_turn("dark blue")]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_each_family_learns_exactly_its_assistant_turns_never_an_image_token(family, folders):
+    processor = vlm.load_processor(str(folders[family]))
+    piece = vlm.encode(processor, conversation(), [picture(), picture((0, 0, 90))], 512, "a conversation")
+    tokenizer = processor.tokenizer
+    targets = [t for t in piece["targets"].tolist() if t != IGNORE_INDEX]
+    assert tokenizer.decode(targets) == LEARNT[family].format("red") + LEARNT[family].format("dark blue")
+    # The independent count: each answer's text as the template adds it, tokenized alone.
+    expected = sum(len(tokenizer(LEARNT[family].format(a), add_special_tokens=False)["input_ids"])
+                   for a in ("red", "dark blue"))
+    assert vlm.loss_tokens(piece) == len(targets) == expected
+    image_ids = vlm.image_token_ids(processor)
+    assert not image_ids & set(targets)
+    ids = piece["ids"].tolist()
+    token, count = IMAGE_TOKENS[family]
+    assert sum(t == tokenizer.convert_tokens_to_ids(token) for t in ids) == 2 * count
+    # The tokens are the chat template's own rendering, as the processor expands it.
+    text = processor.apply_chat_template(conversation(), tokenize=False)
+    assert ids == vlm.processor_inputs(processor, text, [picture(), picture((0, 0, 90))])["input_ids"][0].tolist()
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_stages_freeze_each_familys_parts_by_their_module_names(family, folders):
+    model = vlm.load_model(vlm.ModelConfig(pretrained_path=str(folders[family])))
+    parts = vlm.freeze_parts(model, vlm.ModelConfig(train_vision_tower=False, train_projector=True,
+                                                    train_language_model=False))
+    trainable = {name for name, p in model.named_parameters() if p.requires_grad}
+    projector = parts["projector"]
+    assert trainable and all(any(n == p or n.startswith(p + ".") for p in projector) for n in trainable)
+    vision = parts["vision_tower"][0]
+    assert any(n.startswith(vision + ".") and n not in trainable for n, _ in model.named_parameters())
+    vlm.freeze_parts(model, vlm.ModelConfig(train_projector=False))  # the language model alone
+    trainable = {name for name, p in model.named_parameters() if p.requires_grad}
+    assert "lm_head.weight" in trainable or any("embed_tokens" in n for n in trainable)
+    assert not any(n == p or n.startswith(p + ".") for n in trainable for p in projector + [vision])
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_batch_holds_images_of_several_sizes_as_each_family_takes_them(family, folders):
+    """Qwen's patches of each grid, Idefics3's and OneVision's tiles (padded with all-zero
+    tiles the model drops), one LLaVA or Gemma image each: one batch, one forward."""
+    processor = vlm.load_processor(str(folders[family]))
+    model = vlm.load_model(vlm.ModelConfig(pretrained_path=str(folders[family])))
+    messages = [vlm.user_turn(["What colour?"], 1), vlm.assistant_turn("red")]
+    pieces = [vlm.encode(processor, messages, [picture(size=size)], 512, "x") for size in ((56, 56), (30, 90), (90, 30))]
+    batch = vlm.collate(pieces, processor.tokenizer.pad_token_id)
+    logits = model(**{k: v for k, v in batch.items() if k != "labels"}).logits
+    assert logits.shape[:2] == batch["input_ids"].shape and torch.isfinite(logits).all()
+    assert int((batch["labels"] != IGNORE_INDEX).sum()) == sum(vlm.loss_tokens(p) for p in pieces)
+
+def test_a_processor_that_takes_video_loads_without_torchvision_and_saves_as_its_own_class(folders, tmp_path):
+    processor = vlm.load_processor(str(folders["qwen2_vl"]))
+    assert type(processor).__name__ == "Qwen2VLProcessor" and processor.chat_template.startswith("{% set image_count")
+    processor.save_pretrained(tmp_path)
+    assert json.loads((tmp_path / "processor_config.json").read_text())["processor_class"] == "Qwen2VLProcessor"
+    if not vlm.torchvision_available():
+        from transformers import AutoProcessor
+
+        with pytest.raises(Exception):  # transformers' own route builds the video processor
+            AutoProcessor.from_pretrained(folders["qwen2_vl"])
+
+
+def test_a_folder_without_a_processor_or_of_a_text_model_is_refused_naming_the_family(folders, tmp_path):
+    bare = tmp_path / "bare"
+    shutil.copytree(folders["llava"], bare)
+    (bare / "processor_config.json").unlink()
+    with pytest.raises(ConfigError, match=r"model.pretrained_path=.*bare \(llava\) has no processor: its image "
+                                          r"processor's settings \(preprocessor_config.json or processor_config.json\) "
+                                          r"is missing; save the model's processor beside it"):
+        vlm.load_processor(str(bare))
+    (bare / "processor_config.json").write_text(json.dumps({"processor_class": "NoSuchProcessor"}))
+    with pytest.raises(ConfigError, match=r"\(llava\) needs the processor NoSuchProcessor, which transformers"):
+        vlm.load_processor(str(bare))
+    from tests.model_families import tiny_model_folder
+
+    text = tiny_model_folder(tmp_path / "text", "qwen2")
+    with pytest.raises(ConfigError, match="is a qwen2 model, which AutoModelForImageTextToText does not load"):
+        vlm.load_model(vlm.ModelConfig(pretrained_path=str(text)))
+
+
+# ---------------------------------------------------------------------------------------------
+# Data in the forms people keep
+# ---------------------------------------------------------------------------------------------
+
+
+def png_bytes(colour) -> bytes:
+    buffer = io.BytesIO()
+    picture(colour, (20, 30)).save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+@pytest.fixture
+def data(tmp_path, monkeypatch):
+    """A workspace with two images and the same two conversations in each form."""
+    monkeypatch.setenv(WORKSPACE_VARIABLE, str(tmp_path))
+    folder = tmp_path / "data"
+    (folder / "images").mkdir(parents=True)
+    for name, colour in (("red", (200, 30, 30)), ("blue", (30, 30, 200))):
+        (folder / "images" / f"{name}.png").write_bytes(png_bytes(colour))
+    llava = [{"id": name, "image": f"images/{name}.png", "conversations": [
+        {"from": "human", "value": "<image>\nWhat colour is it?"}, {"from": "gpt", "value": name}]}
+        for name in ("red", "blue")]
+    (folder / "llava.json").write_text(json.dumps(llava))
+    (folder / "llava.jsonl").write_text("".join(json.dumps(r) + "\n" for r in llava))
+    messages = [{"messages": [{"role": "user", "content": [{"type": "image", "image": f"images/{name}.png"},
+                                                           {"type": "text", "text": "What colour is it?"}]},
+                              {"role": "assistant", "content": name}]} for name in ("red", "blue")]
+    (folder / "messages.jsonl").write_text("".join(json.dumps(r) + "\n" for r in messages))
+    (folder / "captions.jsonl").write_text("".join(json.dumps({"image": f"images/{n}.png", "caption": n}) + "\n"
+                                                   for n in ("red", "blue")))
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    table = pa.table({
+        "images": [[{"bytes": png_bytes((200, 30, 30)), "path": None}], [{"bytes": png_bytes((30, 30, 200)), "path": None}]],
+        # TRL's form: bare image parts take the record's images in order; every content a list of parts.
+        "messages": [[{"role": "user", "content": [{"type": "image", "text": None},
+                                                   {"type": "text", "text": "What colour is it?"}]},
+                      {"role": "assistant", "content": [{"type": "text", "text": name}]}] for name in ("red", "blue")],
+    })
+    pq.write_table(table, folder / "messages.parquet")
+    return folder
+
+
+EXPECTED = [
+    [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What colour is it?"}]},
+     {"role": "assistant", "content": [{"type": "text", "text": name}]}] for name in ("red", "blue")
+]
+
+
+@pytest.mark.parametrize("name, fmt", [("llava.json", "llava"), ("llava.jsonl", "llava"),
+                                       ("messages.jsonl", "messages"), ("messages.parquet", "messages")])
+def test_each_form_becomes_the_same_messages_with_their_images(data, name, fmt):
+    examples, formats = vlm.load_examples(vlm.VLMChatDataConfig(paths=[str(data / name)]))
+    assert formats == [fmt]
+    assert [where for where, _, _ in examples] == [f"{name}:1", f"{name}:2"]
+    assert [messages for _, messages, _ in examples] == EXPECTED
+    assert [np.asarray(images[0])[0, 0].tolist() for _, _, images in examples] == [[200, 30, 30], [30, 30, 200]]
+
+
+def test_captions_are_asked_the_caption_prompt(data):
+    cfg = vlm.VLMChatDataConfig(paths=[str(data / "captions.jsonl")], caption_prompt="What colour is it?")
+    examples, formats = vlm.load_examples(cfg)
+    assert formats == ["caption"] and [m for _, m, _ in examples] == EXPECTED
+
+
+def test_several_images_go_where_their_placeholders_are(data):
+    record = {"images": ["images/red.png", "images/blue.png"], "conversations": [
+        {"from": "human", "value": "<image> first, then <image>: which is red?"}, {"from": "gpt", "value": "the first"}]}
+    (data / "two.jsonl").write_text(json.dumps(record) + "\n")
+    ((_, messages, images),), _ = vlm.load_examples(vlm.VLMChatDataConfig(paths=[str(data / "two.jsonl")]))
+    assert messages[0]["content"] == [{"type": "image"}, {"type": "text", "text": "first, then"}, {"type": "image"},
+                                      {"type": "text", "text": ": which is red?"}]
+    assert len(images) == 2
+
+
+BAD = [
+    ({"image": "images/none.png", "conversations": [{"from": "human", "value": "<image>"}, {"from": "gpt", "value": "x"}]},
+     ConfigError, r"bad.jsonl:1: image 'images/none.png' cannot be read \(no such file: .*none.png\)"),
+    ({"image": "images/red.png", "conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "x"}]},
+     ConfigError, r"bad.jsonl:1: 0 <image> placeholder\(s\) for 1 image\(s\); put one <image> in the conversation"),
+    ({"image": "images/red.png", "conversations": [{"from": "human", "value": "<image><image>"},
+                                                   {"from": "gpt", "value": "x"}]},
+     ConfigError, r"bad.jsonl:1: 2 <image> placeholder\(s\) for 1 image\(s\)"),
+    ({"image": "images/red.png", "conversations": [{"from": "human", "value": "<image> hi"}]},
+     ConfigError, "bad.jsonl:1: the conversation has no assistant turn: nothing to learn"),
+    ({"image": "../../outside.png", "caption": "x"}, DataPathRefused, "leads outside the workspace"),
+    ({"image": "images/broken.png", "caption": "x"}, ConfigError, r"bad.jsonl:1: image 'images/broken.png' cannot be read"),
+    ({"image": "images/bomb.png", "caption": "x"}, ConfigError,
+     r"bad.jsonl:1: image 'images/bomb.png' cannot be read \(Image size .* exceeds limit"),
+    ({"messages": [{"role": "user", "content": [{"type": "video"}]}]}, ConfigError,
+     "bad.jsonl:1: message 1 has a part of type 'video'; give image or text parts"),
+]
+
+
+def bomb_png(width: int, height: int) -> bytes:
+    """A tiny PNG whose header claims ``width × height`` pixels (400 M: over twice PIL's limit)."""
+    import struct
+    import zlib
+
+    png = bytearray(png_bytes((0, 0, 0)))
+    header = b"IHDR" + struct.pack(">II", width, height) + png[24:29]
+    png[12:29], png[29:33] = header, struct.pack(">I", zlib.crc32(header))
+    return bytes(png)
+
+
+@pytest.mark.parametrize("record, error, message", BAD)
+def test_bad_records_are_refused_naming_the_file_and_line(data, record, error, message):
+
+    (data / "images" / "broken.png").write_bytes(b"not an image")
+    (data / "images" / "bomb.png").write_bytes(bomb_png(20000, 20000))
+    (data.parent.parent / "outside.png").write_bytes(png_bytes((1, 2, 3)))
+    (data / "bad.jsonl").write_text(json.dumps(record) + "\n")
+    with pytest.raises(error, match=message):
+        vlm.load_examples(vlm.VLMChatDataConfig(paths=[str(data / "bad.jsonl")]))
+
+
+def test_image_tokens_beyond_the_sequence_length_are_refused(folders):
+    processor = vlm.load_processor(str(folders["idefics3"]))
+    messages = [vlm.user_turn(["What colour?"], 1), vlm.assistant_turn("red")]
+    text = processor.apply_chat_template(messages, tokenize=False)
+    (expansion,) = vlm.processor_inputs(processor, text, [picture()], return_text_replacement_offsets=True)[
+        "text_replacement_offsets"][0]
+    expanded = len(processor.tokenizer(expansion["replacement"], add_special_tokens=False)["input_ids"])
+    assert expanded > 20  # 4 tiles and the whole image, 4 image tokens each, and their tags
+    with pytest.raises(ConfigError, match=rf"a record: the images alone take {expanded} tokens, more than data.seq_len=16"):
+        vlm.encode(processor, messages, [picture()], 16, "a record")
+    with pytest.raises(ConfigError, match=rf"a record: the images' tokens end at token \d+, beyond data.seq_len={expanded}"):
+        vlm.encode(processor, messages, [picture()], expanded, "a record")
+    whole = vlm.encode(processor, messages, [picture()], 512, "a record")
+    assert not whole["truncated"]
+    cut = len(whole["ids"]) - 3
+    piece = vlm.encode(processor, messages, [picture()], cut, "a record")  # the answer is cut, the image kept
+    assert piece["truncated"] and len(piece["ids"]) == cut + 1
+
+
+# ---------------------------------------------------------------------------------------------
+# launch → train → evaluate → sample → export → load with transformers, per family
+# ---------------------------------------------------------------------------------------------
+
+RUN = ("train.max_steps=150", "train.log_every=10", "train.eval_every=150", "checkpoint.every=0",
+       "data.eval_fraction=0.15", "data.eval_prompts=40", "metrics.tensorboard=false")
+# Each family learns from another form of the same colour questions (images as files or bytes).
+FORMS = {"llava": "llava.json", "qwen2_vl": "messages.jsonl", "idefics3": "messages.parquet"}
+
+
+def colour_data(folder: Path, form: str, count: int = 300) -> list[tuple[str, str]]:
+    """The built-in colour questions as image files and records of ``form``; ``(where, answer)``."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    (folder / "images").mkdir(parents=True)
+    records, answers = [], []
+    for i, (_, messages, (image,)) in enumerate(vlm.builtin_examples(count, 56)):
+        answer = messages[1]["content"][0]["text"]
+        image.save(folder / "images" / f"{i}.png")
+        if form == "llava.json":
+            records.append({"image": f"images/{i}.png", "conversations": [
+                {"from": "human", "value": f"<image>\n{vlm.QUESTION}"}, {"from": "gpt", "value": answer}]})
+        else:
+            records.append({"images": [{"bytes": (folder / "images" / f"{i}.png").read_bytes(), "path": None}],
+                            "messages": [{"role": "user", "content": [{"type": "image", "text": None},
+                                                                      {"type": "text", "text": vlm.QUESTION}]},
+                                         {"role": "assistant", "content": [{"type": "text", "text": answer}]}]})
+        answers.append((f"{form}:{i + 1}", answer))
+    if form == "llava.json":
+        (folder / form).write_text(json.dumps(records))
+    elif form == "messages.parquet":
+        pq.write_table(pa.Table.from_pylist(records), folder / form)
+    else:
+        for record in records:
+            record["messages"][0]["content"][0] = {"type": "image", "image": record["images"][0]["path"] or ""}
+        lines = [{"messages": [{"role": "user", "content": [{"type": "image", "image": f"images/{i}.png"},
+                                                            {"type": "text", "text": vlm.QUESTION}]},
+                               {"role": "assistant", "content": answer}]} for i, (_, answer) in enumerate(answers)]
+        (folder / form).write_text("".join(json.dumps(line) + "\n" for line in lines))
+    return answers
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["llava", "qwen2_vl", "idefics3"])
+def test_a_run_learns_held_out_colour_questions_that_its_export_answers_in_its_chat_format(family, folders, tmp_path):
+    from engine import model_io
+    from engine import run_dir as rd
+    from engine import run_metrics
+    from tests.support import run_engine
+
+    recipe = tmp_path / "vlm_chat"
+    shutil.copytree(TEMPLATE, recipe, ignore=shutil.ignore_patterns("__pycache__"))
+    model = shutil.copytree(folders[family], tmp_path / "model")
+    form = FORMS[family]
+    answers = colour_data(tmp_path / "data", form)
+    run = run_engine(tmp_path, recipe, f"model.pretrained_path={model}", f"data.paths=[{tmp_path}/data/{form}]", *RUN)
+    shutil.copytree(recipe, run / rd.SNAPSHOT_DIRNAME)
+
+    summary = rd.read_run(run).data
+    processor = vlm.load_processor(str(model))
+    independent = sum(len(processor.tokenizer(LEARNT[family].format(a), add_special_tokens=False)["input_ids"])
+                      for _, a in answers)
+    assert summary.loss_tokens == independent and summary.documents == 300
+    assert summary.format == f"{'llava' if form.startswith('llava') else 'messages'} (300 images)"
+    held_out = [(w, a) for w, a in answers if vlm.is_eval_document(w, 0.15)]
+    logged = [r for r in run_metrics.read_all_metrics(run / rd.METRICS_JSONL) if "answer_accuracy" in r]
+    assert logged[-1]["answer_accuracy"] >= 0.9 and logged[-1]["answered"] == min(40, len(held_out))  # chance: 0.25
+
+    evaluated = model_io.evaluate(run, 150)
+    assert evaluated.metrics["answer_accuracy"] >= 0.9 and evaluated.loss_tokens == summary.eval_loss_tokens
+    sampled = model_io.sample(run, 150, [vlm.QUESTION, vlm.QUESTION], max_new_tokens=8)
+    assert sampled.chat
+    sampled = sampled.samples
+    assert [s.expected for s in sampled] == [a for _, a in held_out[:2]]
+    assert all(vlm.same_answer(s.completion, s.expected) for s in sampled), sampled
+
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    model_io.export(run, 150, tmp_path / "exported")
+    exported = AutoModelForImageTextToText.from_pretrained(tmp_path / "exported")
+    if family == "qwen2_vl" and not vlm.torchvision_available():
+        loaded = vlm.load_processor(str(tmp_path / "exported"))  # AutoProcessor builds a video processor
+    else:
+        loaded = AutoProcessor.from_pretrained(tmp_path / "exported")
+    from PIL import Image
+
+    right = 0
+    for where, answer in held_out:
+        index = int(where.rsplit(":", 1)[1]) - 1
+        messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": vlm.QUESTION}]}]
+        text = loaded.apply_chat_template(messages, add_generation_prompt=True)
+        with Image.open(tmp_path / "data" / "images" / f"{index}.png") as image:
+            inputs = loaded(text=[text], images=[[image.convert("RGB")]], return_tensors="pt")
+        output = exported.generate(**inputs, max_new_tokens=8, do_sample=False)
+        right += vlm.same_answer(loaded.decode(output[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True), answer)
+    assert right / len(held_out) >= 0.9
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_two_processes_shard_qwen2_vl_by_its_own_blocks_and_match_one(folders, tmp_path):
+    """FSDP2 over both towers' blocks (the model's _no_split_modules), Qwen's 3-D positions per
+    rank's batch: the losses of 2 processes are those of 1."""
+    from tests.support import losses, run_engine
+
+    recipe = shutil.copytree(TEMPLATE, tmp_path / "vlm_chat", ignore=shutil.ignore_patterns("__pycache__"))
+    schedule = (f"model.pretrained_path={folders['qwen2_vl']}", "train.max_steps=6", "train.log_every=1",
+                "train.eval_every=0", "checkpoint.every=0", "checkpoint.at_end=false", "data.builtin_images=100",
+                "data.batch_size=8", "metrics.tensorboard=false")
+    one, two = (losses(run_engine(tmp_path, recipe, *schedule, nproc=n)) for n in (1, 2))
+    assert sorted(one) == sorted(two) == list(range(1, 7))
+    for step in one:
+        assert abs(two[step] - one[step]) <= 1e-4 * abs(one[step]), (step, one[step], two[step])
+
+
+def test_a_family_whose_processor_has_no_chat_template_is_refused_naming_it(tmp_path):
+    """PaliGemma ships no chat template (its prompts are prefix + suffix): refused, not guessed."""
+    from transformers import PaliGemmaProcessor, SiglipImageProcessorPil
+
+    from tests.model_families import bpe_tokenizer
+
+    folder = tmp_path / "paligemma"
+    tokenizer = bpe_tokenizer(["<pad>", "<bos>", "<eos>", "<image>"], "<eos>", "")
+    tokenizer.chat_template = None
+    processor = PaliGemmaProcessor(image_processor=SiglipImageProcessorPil(size={"height": 28, "width": 28}),
+                                   tokenizer=tokenizer)
+    processor.image_seq_length = 16
+    processor.save_pretrained(folder)
+    (folder / "config.json").write_text(json.dumps({"model_type": "paligemma"}))
+    with pytest.raises(ConfigError, match=r"^model.pretrained_path=.*paligemma \(paligemma\): its processor "
+                                          r"PaliGemmaProcessor has no chat template; save the model's "
+                                          r"chat_template.jinja beside it$"):
+        vlm.load_processor(str(folder))
+
+
+def test_a_hub_id_loads_the_snapshot_the_server_bound_and_no_model_is_refused(folders, tmp_path, monkeypatch):
+    from engine.data_files import HUB_MODELS_VARIABLE
+
+    monkeypatch.setenv(WORKSPACE_VARIABLE, str(tmp_path))  # the snapshot lies outside it, bound read-only
+    monkeypatch.setenv(HUB_MODELS_VARIABLE, json.dumps({"org/tiny-smolvlm@main": str(folders["idefics3"])}))
+    processor = vlm.load_processor("org/tiny-smolvlm@main")
+    model = vlm.load_model(vlm.ModelConfig(pretrained_path="org/tiny-smolvlm@main"))
+    assert type(processor).__name__ == "Idefics3Processor" and type(model).__name__ == "Idefics3ForConditionalGeneration"
+    with pytest.raises(ConfigError, match=r"^model.pretrained_path=org/other is no folder here and no Hub snapshot"):
+        vlm.load_processor("org/other")
+    with pytest.raises(ConfigError, match="^model.pretrained_path is required: a workspace folder or a Hub id"):
+        vlm.load_processor(None)
+
+
+def test_a_saved_data_set_with_an_image_column_is_read(data):
+    import datasets
+
+    from engine.data_formats import is_saved_dataset
+
+    rows = {"image": [picture((200, 30, 30)), picture((30, 30, 200))], "caption": ["red", "blue"]}
+    saved = data / "saved"
+    datasets.Dataset.from_dict(rows).cast_column("image", datasets.Image()).save_to_disk(str(saved))
+    assert is_saved_dataset(saved)
+    cfg = vlm.VLMChatDataConfig(paths=[str(saved)], caption_prompt="What colour is it?")
+    examples, formats = vlm.load_examples(cfg)
+    assert formats == ["caption"] and [m for _, m, _ in examples] == EXPECTED
+    assert [np.asarray(images[0])[0, 0].tolist() for _, _, images in examples] == [[200, 30, 30], [30, 30, 200]]
