@@ -14,6 +14,7 @@ Small and explicit, one concept per file:
 - ``engine``          the ``Engine`` base class: lifecycle and training loop
 - ``metrics``         the aggregating metric logger and its backends
 - ``flops``           model FLOPs per token and MFU
+- ``optimizers``      the optimizers ``optim.name`` chooses beside AdamW (8-bit AdamW) and their state bytes
 - ``memory``          a process's peak memory, the one definition
 - ``estimate``        a run's memory and step time before it starts
 - ``chat``            chat templates as they are: tokens and the assistant mask
