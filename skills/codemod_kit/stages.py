@@ -6,7 +6,7 @@ patch the plain Hugging Face model before anything wraps it, tensor parallelism 
 compiles the wrapped blocks, and FSDP2 shards last. So a recipe's model statements are kept in this order,
 whatever order the skills were applied in::
 
-    build → .to(device) → Liger kernels → FlashAttention → 4-bit weights → LoRA → tensor parallel → sequence parallel → freeze
+    build → 4-bit weights → .to(device) → Liger kernels → FlashAttention → LoRA → tensor parallel → sequence parallel → freeze
           → activation checkpointing → torch.compile → FSDP2 / DDP / any wrapper → optimizer
           → training loop
 
@@ -28,11 +28,11 @@ from skills.codemod_kit.anchors import ModelAnchor, optimizer_constructors
 from skills.codemod_kit.edits import Edits
 from skills.codemod_kit.recipe import Recipe, dotted_name
 
+QUANTIZE = 4  # 4-bit base weights (qlora), before the move: the device never holds them in full
 PLACE = 5
 KERNELS = 6
 ATTENTION = 7
-QUANTIZE = 8  # 4-bit base weights (qlora): peft then wraps the quantised layers
-LORA = 9
+LORA = 8
 TENSOR_PARALLEL = 10
 SEQUENCE_PARALLEL = 11
 FREEZE = 12

@@ -1,7 +1,7 @@
 """qlora: the base model's linear layers in 4 bits (bitsandbytes), LoRA adapters on them.
 
-Anchors: the model construction (``quantize_4bit(model, ...)`` goes right before
-``apply_lora``: peft wraps the quantised layers) and every ``torch.optim`` constructor (handed
+Anchors: the model construction (``quantize_4bit(model, ...)`` goes right after it, before
+the model is moved to its device and before ``apply_lora``: peft wraps the quantised layers) and every ``torch.optim`` constructor (handed
 only trainable parameters). The adapters are the lora skill's, written by its own code; a
 recipe that has LoRA already gets only the 4-bit weights.
 """
