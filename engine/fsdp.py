@@ -15,6 +15,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, Offlo
 from torch.distributed.tensor import DTensor
 
 from engine.blocks import find_blocks
+from engine.checkpoint import holds_quantized_weights
 from engine.config import ConfigError, ParallelConfig
 from engine.distributed import DistInfo
 
@@ -74,6 +75,13 @@ def apply_fsdp(model: nn.Module, dist_info: DistInfo, parallel: ParallelConfig) 
         and not has_tensor_parallel_params(model)
     ):
         return model
+    if holds_quantized_weights(model):
+        raise ConfigError(
+            "the model holds bitsandbytes 4-bit weights (the qlora skill), which FSDP2 cannot shard yet (a "
+            "sharded parameter loses its quantisation state); train it on one process without "
+            "parallel.param_dtype, parallel.fsdp_on_one_process or parallel.cpu_offload (the qlora skill's "
+            "compute_dtype or the mixed-precision skill computes in bfloat16), or use the lora skill"
+        )
     mp_policy = MixedPrecisionPolicy(
         param_dtype=DTYPES[parallel.param_dtype], reduce_dtype=DTYPES[parallel.reduce_dtype]
     )

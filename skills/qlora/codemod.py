@@ -36,8 +36,7 @@ class Params(lora.Params):
     )
     quant_storage: Literal["uint8", "bfloat16", "float16", "float32"] = Field(
         "uint8",
-        description="The dtype the packed 4-bit bytes are stored as; under FSDP2 with "
-        "parallel.param_dtype set, give the same dtype so the quantised weights shard.",
+        description="The dtype the packed 4-bit bytes are stored as (transformers' bnb_4bit_quant_storage).",
     )
 
 

@@ -23,8 +23,8 @@ def quantize_4bit(
     (``nf4``: NormalFloat, or ``fp4``), quantised where the weight is (CPU or GPU). With
     ``double_quant`` the per-block scales are quantised too (about 0.4 bits per weight less).
     The layers compute in ``compute_dtype`` (default: the weight's own dtype). ``quant_storage``
-    is the dtype the packed bytes are stored as: under FSDP2 give it the run's parameter dtype so
-    the quantised weights shard with the rest. Embeddings, norms and the output head stay as they
+    is the dtype the packed bytes are stored as (FSDP2 does not shard them: the engine refuses).
+    Embeddings, norms and the output head stay as they
     are. Returns the number of layers quantised. (Written by the qlora skill.)
     """
     where, blocks = find_blocks(model, "qlora", warn=lambda message: None)

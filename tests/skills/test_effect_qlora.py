@@ -112,3 +112,21 @@ def test_qlora_export_loads_and_generates(qlora_run, tmp_path: Path, lora: str):
     generated = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False,
                                pad_token_id=tokenizer.pad_token_id)
     assert generated.shape[1] > ids.shape[1]  # it generated (it may stop at the end-of-document token)
+
+
+def test_fsdp2_refuses_4bit_weights_it_cannot_shard_and_leaves_the_model_as_it_was():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from engine.config import ConfigError, ParallelConfig
+    from engine.distributed import DistInfo
+    from engine.fsdp import apply_fsdp
+    from skills.qlora.helpers import quantize_4bit
+
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                                         num_attention_heads=4, num_key_value_heads=2))
+    quantize_4bit(model)
+    one_process = DistInfo(0, 1, 0, torch.device("cpu"), None)
+    assert apply_fsdp(model, one_process, ParallelConfig()) is model  # one process in fp32: nothing to shard
+    with pytest.raises(ConfigError, match="the model holds bitsandbytes 4-bit weights \\(the qlora skill\\), which FSDP2"):
+        apply_fsdp(model, one_process, ParallelConfig(param_dtype="bfloat16"))
+    assert type(model.model.layers[0].self_attn.q_proj.weight).__name__ == "Params4bit"
