@@ -14,8 +14,10 @@ Small and explicit, one concept per file:
 - ``engine``          the ``Engine`` base class: lifecycle and training loop
 - ``metrics``         the aggregating metric logger and its backends
 - ``flops``           model FLOPs per token and MFU
+- ``optimizers``      the optimizers ``optim.name`` chooses beside AdamW (8-bit AdamW) and their state bytes
 - ``memory``          a process's peak memory, the one definition
 - ``estimate``        a run's memory and step time before it starts
+- ``estimate_changes`` the changes that would make a run fit, each estimated again
 - ``chat``            chat templates as they are: tokens and the assistant mask
 - ``data_files``      the data files a run may read, confined and listed
 - ``data_formats``    file kinds and record formats (Alpaca, ShareGPT, parquet, CSV, ...)

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.distributed.checkpoint.stateful import Stateful
 
 from engine import checkpoint_manifest as manifest
@@ -38,15 +38,54 @@ from engine import run_checkpoints
 from engine.errors import BadInput
 
 
+def holds_quantized_weights(model: torch.nn.Module) -> bool:
+    """Whether some of the model's parameters are quantised (bitsandbytes' 4-bit parameters,
+    which carry their ``quant_state``, as the ``qlora`` skill writes them)."""
+    return any(getattr(p, "quant_state", None) is not None for p in model.parameters())
+
+
+def model_state_options(model: torch.nn.Module) -> StateDictOptions:
+    """How a model's checkpoint state is read and written. A model with quantised weights keeps
+    only its trainable parameters (the adapters): its frozen base is rebuilt by the recipe from
+    the same weights and seed before a load, and the quantised layers' packed bytes and scales
+    are no state a load could put back."""
+    if holds_quantized_weights(model):
+        return StateDictOptions(ignore_frozen_params=True, strict=False)
+    return StateDictOptions()
+
+
+# Wrappers' names that the state dict's keys leave out (activation checkpointing, torch.compile).
+WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.")
+
+
+def without_quantization_state(model: torch.nn.Module, state: dict[str, Any]) -> dict[str, Any]:
+    """``state`` less what bitsandbytes adds under each quantised weight's name
+    (``<weight>.absmax``, ``<weight>.quant_map``, ``<weight>.quant_state.*``)."""
+    quantized = set()
+    for name, parameter in model.named_parameters():
+        if getattr(parameter, "quant_state", None) is not None:
+            for prefix in WRAPPER_PREFIXES:
+                name = name.replace(prefix, "")
+            quantized.add(name)
+    return {
+        key: value for key, value in state.items()
+        if not any(".".join(key.split(".")[:i]) in quantized for i in range(1, key.count(".") + 1))
+    }
+
+
 class ModelOptimizerState(Stateful):
-    """Model and optimizer state as DCP wants it: sharded tensors with fully qualified names."""
+    """Model and optimizer state as DCP wants it: sharded tensors with fully qualified names
+    (the trainable ones only, for a model with quantised weights: :func:`model_state_options`)."""
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer):
         self.model = model
         self.optimizer = optimizer
+        self.options = model_state_options(model)
 
     def state_dict(self) -> dict[str, Any]:
-        model_state, optim_state = get_state_dict(self.model, self.optimizer)
+        model_state, optim_state = get_state_dict(self.model, self.optimizer, options=self.options)
+        if self.options.ignore_frozen_params:
+            model_state = without_quantization_state(self.model, model_state)
         return {"model": model_state, "optim": optim_state}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -55,6 +94,7 @@ class ModelOptimizerState(Stateful):
             self.optimizer,
             model_state_dict=state_dict["model"],
             optim_state_dict=state_dict["optim"],
+            options=self.options,
         )
 
 

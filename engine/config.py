@@ -48,6 +48,11 @@ class TrainConfig(Section):
 
 
 class OptimConfig(Section):
+    name: Literal["adamw", "adamw_8bit"] = Field(
+        "adamw",
+        description="adamw: torch's fused AdamW; adamw_8bit: bitsandbytes' AdamW8bit, its two states in 8 bits "
+        "(a quarter of the optimizer memory; pip install bitsandbytes).",
+    )
     lr: float = Field(1e-3, gt=0, description="Peak learning rate.")
     weight_decay: float = Field(0.1, ge=0, description="Decoupled weight decay (AdamW).")
     beta1: float = Field(0.9, ge=0, lt=1, description="AdamW beta1.")
@@ -89,6 +94,11 @@ class ParallelConfig(Section):
     fsdp_on_one_process: bool = Field(
         False,
         description="fully_shard also on one data-parallel rank (off: it only adds copies).",
+    )
+    cpu_offload: bool = Field(
+        False,
+        description="FSDP2 keeps parameters, gradients and optimizer state on the host (CPUOffloadPolicy); "
+        "a GPU computes. CUDA only.",
     )
 
 

@@ -30,6 +30,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 from engine import run_dir as rd
 from engine import run_checkpoints
 from engine import run_metrics
+from engine.optimizers import check_optimizer_choice
 from engine.checkpoint import Checkpointer, ModelOptimizerState, RNGState, SchedulerState, load_checkpoint
 from engine.config import ConfigError, EngineConfig
 from engine.data_files import changed_since_listed, data_fingerprint, forget_listed
@@ -330,6 +331,7 @@ class Engine:
                 "parallelism; apply the sequence-parallel skill to the recipe, or set parallel.sp=1"
             )
         self.optimizer = self.prepare_optimizer(self.model)
+        check_optimizer_choice(self.config.optim, self.optimizer)
         self.scheduler = self.prepare_scheduler(self.optimizer)
         self.train_batches = self.prepare_data()
         self.eval_batches = self.prepare_eval_data()

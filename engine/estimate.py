@@ -11,9 +11,12 @@ what the recipe's code does (gradient checkpointing wrappers, frozen towers, LoR
 
 Per process (:func:`estimate_memory`):
 
-- parameters fp32, gradients fp32 for the trainable ones, AdamW's two fp32 states for the
-  trainable ones — each divided by the FSDP2 shard count (dp × sp) when FSDP2 shards (more than one
-  rank, mixed precision, or ``parallel.fsdp_on_one_process``; engine/fsdp.py);
+- parameters fp32 (4-bit ones, the qlora skill's, at their packed bytes), gradients fp32 for the
+  trainable ones, the optimizer's states for the trainable ones (as ``prepare_optimizer`` builds
+  it: AdamW's two fp32 states, or two 8-bit ones) — each divided by the FSDP2 shard count
+  (dp × sp) when FSDP2 shards (more than one rank, mixed precision,
+  ``parallel.fsdp_on_one_process`` or ``parallel.cpu_offload``; engine/fsdp.py), and on a GPU
+  none of them with ``parallel.cpu_offload`` (the host holds them);
 - activations: the saved bytes of one micro-batch (scaled by 2/4 with a 16-bit ``param_dtype``,
   by 1/sp with sequence parallelism) plus the largest saved tensor again (its gradient, in
   backward); a checkpointed block keeps only its input, and in backward one block's activations
@@ -43,9 +46,13 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from engine.distributed import DistInfo
 from engine.fsdp import DTYPES, transformer_blocks
 from engine.memory import rss_high_water_mb
+from engine.optimizers import is_8bit, optimizer_state_bytes
 
-ADAMW_STATES = 2
 FP32 = 4
+LORA_RANK = 8  # the lora skill's default rank, for the LoRA and QLoRA changes
+# bitsandbytes' 4-bit weights: half a byte a value, a float32 scale per block of 64 values, or with
+# double quantisation an 8-bit one and a float32 scale per 256 of those.
+NF4_BYTES = {True: 0.5 + 1 / 64 + 4 / (64 * 256), False: 0.5 + 4 / 64}
 ASSUMED_MFU = 0.4
 GIB = 2**30
 
@@ -163,34 +170,60 @@ class Shape:
     floor_bytes: int
     measured_length: int = 0  # tokens per row of the measured micro-batch (data.seq_len)
     data_length: int = 0  # tokens per row of the data's first micro-batch
+    quantized: int = 0  # values held in 4 bits (the qlora skill's layers)
+    quantized_bytes: float = 0.0  # their bytes, scales included
+    optimizer: str = "AdamW"  # the recipe's optimizer, as its prepare_optimizer builds it
+    optimizer_bytes: float = optimizer_state_bytes(False)  # its state bytes per trainable value
+    block_linear: int = 0  # values of the plain nn.Linear weights inside the blocks (what LoRA adapts)
+    lora_values: int = 0  # adapter values LoRA at the skill's default rank would add to them
+    # (saved bytes, largest, per block) with only the blocks' linear weights trainable, as LoRA
+    # trains beside them: tensors kept only for a frozen parameter's gradient are not saved.
+    adapter_saved: tuple[int, int, list[int]] | None = None
 
 
 def estimate_memory(shape: Shape, nproc: int, parallel: Any, device: str, checkpointing: bool | None = None,
-                    micro_batch_scale: float = 1.0, param_dtype: str | None = None) -> dict[str, Any]:
-    """Bytes per process (see the module docstring); ``checkpointing``, ``micro_batch_scale`` and
-    ``param_dtype`` re-estimate the same model with that change made."""
+                    micro_batch_scale: float = 1.0, param_dtype: str | None = None, adapters: str | None = None,
+                    eight_bit: bool = False, cpu_offload: bool | None = None) -> dict[str, Any]:
+    """Bytes per process (see the module docstring); ``checkpointing``, ``micro_batch_scale``,
+    ``param_dtype``, ``adapters`` (``lora``, ``qlora``: the skill applied, at rank
+    :data:`LORA_RANK`), ``eight_bit`` (the 8-bit AdamW) and ``cpu_offload`` re-estimate the same
+    model with that change made."""
     tp, sp = parallel.tp, parallel.sp
     fsdp = max(1, nproc // tp)
     dtype = param_dtype or parallel.param_dtype
+    offload = parallel.cpu_offload if cpu_offload is None else cpu_offload
     mixed = dtype != "float32" or parallel.reduce_dtype != "float32"
-    shards = fsdp if (fsdp > 1 or mixed or parallel.fsdp_on_one_process) else 1
-    params = shape.params * FP32 / shards / tp
-    grads = shape.trainable * FP32 / shards / tp
-    optimizer = shape.trainable * FP32 * ADAMW_STATES / shards / tp
+    shards = fsdp if (fsdp > 1 or mixed or parallel.fsdp_on_one_process or offload) else 1
+    weights = (shape.params - shape.quantized) * FP32 + shape.quantized_bytes
+    trainable = shape.trainable
+    if adapters == "lora":
+        weights, trainable = weights + shape.lora_values * FP32, shape.lora_values
+    elif adapters == "qlora":
+        weights += shape.lora_values * FP32 - shape.block_linear * (FP32 - NF4_BYTES[True])
+        trainable = shape.lora_values
+    state_bytes = optimizer_state_bytes(True) if eight_bit else shape.optimizer_bytes
+    # With offload, each rank's shards of these live in host memory, not on the device.
+    on_device = 0 if offload and device == "cuda" else 1
+    params = weights / shards / tp * on_device
+    grads = trainable * FP32 / shards / tp * on_device
+    optimizer = trainable * state_bytes / shards / tp * on_device
     # Outside the blocks, what the forward saved; inside, each block's activations, or with
     # checkpointing its input (kept for the recomputation) and, in backward, one block's again.
     measured_checkpointed = shape.checkpointed_blocks > 0
-    outside = shape.saved_bytes - (0 if measured_checkpointed else sum(shape.block_saved))
+    saved, largest, block_saved = shape.saved_bytes, shape.largest_saved, shape.block_saved
+    if adapters and shape.adapter_saved is not None:
+        saved, largest, block_saved = shape.adapter_saved
+    outside = saved - (0 if measured_checkpointed else sum(block_saved))
     if checkpointing is None:
         checkpointing = measured_checkpointed
     if checkpointing:
-        activations = outside + sum(shape.block_inputs) + 2 * max(shape.block_saved, default=0)  # and its gradients
+        activations = outside + sum(shape.block_inputs) + 2 * max(block_saved, default=0)  # and its gradients
     else:
-        activations = outside + sum(shape.block_saved)
-    activations += shape.largest_saved
+        activations = outside + sum(block_saved)
+    activations += largest
     activations *= micro_batch_scale * (DTYPES[dtype].itemsize / FP32) / sp
     gathered = 0.0
-    if shards > 1 and shape.blocks:  # FSDP2 gathers a block (and prefetches the next) in the compute dtype
+    if (shards > 1 or on_device == 0) and shape.blocks:  # FSDP2 gathers (or copies in) a block and prefetches the next, in the compute dtype
         gathered = 2 * shape.params / shape.blocks * DTYPES[dtype].itemsize / tp
     floor = shape.floor_bytes if device == "cpu" else 0
     parts = {"floor": floor, "params": params, "grads": grads, "optimizer": optimizer,
@@ -251,7 +284,7 @@ def measure_shape(recipe_class, config, nproc: int) -> Shape:
     meta_config = config.model_copy(deep=True)
     # The model is built unsharded in float32: sharding and precision are applied by the formula.
     meta_config.parallel.param_dtype = meta_config.parallel.reduce_dtype = "float32"
-    meta_config.parallel.fsdp_on_one_process = False
+    meta_config.parallel.fsdp_on_one_process = meta_config.parallel.cpu_offload = False
     meta_config.parallel.tp = meta_config.parallel.sp = 1
     engine = recipe_class(meta_config, DistInfo(0, 1, 0, torch.device("cpu"), None))
     micro_batch = config.data.batch_size // (dp * config.train.grad_accum)
@@ -267,6 +300,9 @@ def measure_shape(recipe_class, config, nproc: int) -> Shape:
     with torch.device("meta"), weights_not_loaded():
         engine.model = engine.prepare_model()
     engine.model.train()
+    optimizer, optimizer_bytes = _optimizer_of(engine)
+    quantized, quantized_bytes = quantized_weights(engine.model)
+    block_linear, lora_values = adaptable_linears(engine.model)
     # Fake tensors over the meta ones: code that asks a tensor for a value (a mask check in
     # transformers) sees a traced tensor and skips the question, as under torch.compile.
     # transformers' input checks (image tokens vs features) ask for values: skipped, as they can be.
@@ -274,8 +310,11 @@ def measure_shape(recipe_class, config, nproc: int) -> Shape:
     with FakeTensorMode(allow_non_fake_inputs=True) as fake:
         _fake_parameters(engine.model, fake)
         fake_batch = {k: (fake.from_tensor(v.to("meta")) if isinstance(v, torch.Tensor) else v) for k, v in batch.items()}
-        with fused_attention():
+        with fused_attention(), plain_4bit_layers():
             counter, checkpointed, blocks = measure_saved_bytes(engine, fake_batch)
+            adapter_saved = None
+            if block_linear and sum(p.numel() for p in engine.model.parameters() if p.requires_grad) > 2 * lora_values:
+                adapter_saved = saved_with_only_block_linears_trainable(engine, fake_batch)
     unique = {id(p): p for p in engine.model.parameters()}.values()
     positions = sum(v.numel() for k, v in batch.items() if k == "input_ids") * config.train.grad_accum
     per_block = [counter.per_block[i] for i in range(blocks)]
@@ -285,7 +324,79 @@ def measure_shape(recipe_class, config, nproc: int) -> Shape:
         block_saved=[b[0] for b in per_block], block_inputs=[b[1] for b in per_block],
         checkpointed_blocks=checkpointed, blocks=blocks, flops_per_token=engine.flops_per_token(),
         positions_per_step=positions, floor_bytes=floor, measured_length=_row_length(batch), data_length=data_length,
+        quantized=quantized, quantized_bytes=quantized_bytes, optimizer=optimizer, optimizer_bytes=optimizer_bytes,
+        block_linear=block_linear, lora_values=lora_values, adapter_saved=adapter_saved,
     )
+
+
+def saved_with_only_block_linears_trainable(engine, batch) -> tuple[int, int, list[int]]:
+    """The saved bytes of the forward again with every parameter frozen but the blocks' plain
+    linear weights: what a LoRA (or QLoRA) run saves, its adapters taking those layers' inputs."""
+    adapted = {id(m.weight) for b in transformer_blocks(engine.model) for m in b.modules() if type(m) is nn.Linear}
+    was = {id(p): p.requires_grad for p in engine.model.parameters()}
+    for parameter in engine.model.parameters():
+        parameter.requires_grad_(id(parameter) in adapted)
+    try:
+        counter, _, blocks = measure_saved_bytes(engine, batch)
+    finally:
+        for parameter in engine.model.parameters():
+            parameter.requires_grad_(was[id(parameter)])
+    return counter.total, counter.largest, [counter.per_block[i][0] for i in range(blocks)]
+
+
+def _optimizer_of(engine) -> tuple[str, float]:
+    """The optimizer the recipe's ``prepare_optimizer`` builds over the meta model (no state is
+    allocated before a step), and its state bytes per trainable value; AdamW's where it cannot
+    be built on the meta device."""
+    try:
+        optimizer = engine.prepare_optimizer(engine.model)
+    except Exception:  # noqa: BLE001 — an optimizer that needs real tensors: counted as AdamW, named so
+        return "AdamW (assumed)", optimizer_state_bytes(False)
+    return type(optimizer).__name__, optimizer_state_bytes(is_8bit(optimizer))
+
+
+def quantized_weights(model: nn.Module) -> tuple[int, float]:
+    """Values held as bitsandbytes 4-bit weights (the qlora skill's ``Linear4bit`` layers), and
+    their bytes: on the meta device they keep their full shape, unquantised."""
+    values, held = 0, 0.0
+    for parameter in {id(p): p for p in model.parameters()}.values():
+        if type(parameter).__name__ == "Params4bit":
+            values += parameter.numel()
+            held += parameter.numel() * NF4_BYTES[bool(getattr(parameter, "compress_statistics", True))]
+    return values, held
+
+
+def adaptable_linears(model: nn.Module) -> tuple[int, int]:
+    """The values of the plain ``nn.Linear`` weights inside the model's blocks (what the lora and
+    qlora skills adapt, and qlora holds in 4 bits), and the adapter values LoRA at rank
+    :data:`LORA_RANK` would add beside them."""
+    weights = adapters = 0
+    for block in transformer_blocks(model):
+        for module in block.modules():
+            if type(module) is nn.Linear:
+                weights += module.weight.numel()
+                adapters += LORA_RANK * (module.in_features + module.out_features)
+    return weights, adapters
+
+
+@contextlib.contextmanager
+def plain_4bit_layers() -> Iterator[None]:
+    """bitsandbytes' 4-bit layers computed as plain linear layers while the forward is measured:
+    on the meta device their weights were never quantised, and what they save for backward is
+    what ``nn.Linear`` saves (the input; the weight is dequantised again in backward)."""
+    import sys
+
+    if "bitsandbytes" not in sys.modules:
+        yield
+        return
+    from bitsandbytes.nn import Linear4bit
+
+    original = Linear4bit.forward
+    Linear4bit.forward = lambda self, x: torch.nn.functional.linear(x, self.weight, self.bias)  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        Linear4bit.forward = original  # type: ignore[method-assign]
 
 
 def _row_length(batch: dict[str, Any]) -> int:
@@ -411,7 +522,8 @@ def estimate(recipe_class, config, nproc: int, device: str, device_memory_gib: f
     seconds, time_source = step_time(shape, torch.device(device), DTYPES[parallel.param_dtype],
                                      config.metrics.peak_tflops)
     result: dict[str, Any] = {
-        "params": shape.params, "trainable": shape.trainable,
+        "params": shape.params, "trainable": shape.trainable, "quantized": shape.quantized,
+        "optimizer": shape.optimizer,
         "checkpointed_blocks": f"{shape.checkpointed_blocks} of {shape.blocks}",
         "memory_gib": memory,
         "activations_source": _activations_source(shape),
@@ -421,37 +533,7 @@ def estimate(recipe_class, config, nproc: int, device: str, device_memory_gib: f
     if device_memory_gib is not None:
         result["fits"] = memory["peak_gib"] <= device_memory_gib
         if not result["fits"]:
-            result["changes"] = _changes(shape, config, nproc, device, device_memory_gib)
+            from engine.estimate_changes import changes_that_fit  # it re-estimates with estimate_memory
+
+            result["changes"] = changes_that_fit(shape, config, nproc, device, device_memory_gib)
     return result
-
-
-def _changes(shape: Shape, config, nproc: int, device: str, limit_gib: float) -> list[dict[str, Any]]:
-    """Changes that would make the run fit, each estimated again: gradient checkpointing, 16-bit
-    mixed precision, smaller micro-batches (more accumulation, the same batch) and more processes
-    (FSDP2 shards), alone and together; the ones that fit with the fewest changes first (at most
-    :data:`MAX_CHANGES`), or the lowest peaks when none fits."""
-    parallel, accum = config.parallel, config.train.grad_accum
-    micro = config.data.batch_size // (max(1, nproc // (parallel.tp * parallel.sp)) * accum)
-    can_checkpoint = not shape.checkpointed_blocks and shape.blocks
-    rows = []
-    for checkpointing in ((False, True) if can_checkpoint else (False,)):
-        for bf16 in ((False, True) if parallel.param_dtype == "float32" else (False,)):
-            for split in (1, 2, 4, 8):
-                for more in (1, 2, 4, 8):
-                    if micro % (split * more) or (split, more, checkpointing, bf16) == (1, 1, False, False):
-                        continue
-                    memory = estimate_memory(shape, nproc * more, parallel, device,
-                                             checkpointing=True if checkpointing else None,
-                                             micro_batch_scale=1 / (split * more),
-                                             param_dtype="bfloat16" if bf16 else None)
-                    names = (["apply_skill gradient-checkpointing"] * checkpointing
-                             + ["parallel.param_dtype=bfloat16"] * bf16
-                             + [f"train.grad_accum={accum * split}"] * (split > 1)
-                             + [f"nproc={nproc * more}"] * (more > 1))
-                    rows.append({"change": " + ".join(names), "peak_gib": memory["peak_gib"],
-                                 "fits": memory["peak_gib"] <= limit_gib, "_count": len(names)})
-    rows.sort(key=lambda row: (not row["fits"], row["_count"] if row["fits"] else 0, row["peak_gib"]))
-    return [{k: v for k, v in row.items() if k != "_count"} for row in rows[:MAX_CHANGES]]
-
-
-MAX_CHANGES = 8

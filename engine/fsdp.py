@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from engine.blocks import find_blocks
-from engine.config import ParallelConfig
+from engine.checkpoint import holds_quantized_weights
+from engine.config import ConfigError, ParallelConfig
 from engine.distributed import DistInfo
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -38,6 +39,21 @@ def has_tensor_parallel_params(model: nn.Module) -> bool:
     )
 
 
+def cpu_offload_policy(parallel: ParallelConfig, dist_info: DistInfo) -> OffloadPolicy:
+    """``parallel.cpu_offload``: FSDP2's ``CPUOffloadPolicy`` (each rank's shards of the
+    parameters, their gradients and so the optimizer's state live in host memory, copied to the
+    GPU a block at a time), even on one process. It needs a CUDA device to compute on."""
+    if not parallel.cpu_offload:
+        return OffloadPolicy()
+    if dist_info.device.type != "cuda":
+        raise ConfigError(
+            f"parallel.cpu_offload keeps the weights in host memory while a GPU computes; this run "
+            f"computes on {dist_info.device.type}, where they are in host memory already: set "
+            "parallel.cpu_offload=false"
+        )
+    return CPUOffloadPolicy()
+
+
 def apply_fsdp(model: nn.Module, dist_info: DistInfo, parallel: ParallelConfig) -> nn.Module:
     """Shard ``model`` over the data-parallel mesh dimensions, with the configured precision:
     ``dp`` and ``sp`` together (sequence-parallel ranks hold the same weights and compute
@@ -46,16 +62,26 @@ def apply_fsdp(model: nn.Module, dist_info: DistInfo, parallel: ParallelConfig) 
     With a single data-parallel rank and full precision, sharding only adds copies, so the model
     is returned as it is unless ``parallel.fsdp_on_one_process`` asks for it — or unless tensor
     parallelism made some parameters DTensors: then sharding over the (size-one) ``dp``
-    dimension makes them all DTensors, which fused optimizers need (they refuse a mix).
+    dimension makes them all DTensors, which fused optimizers need (they refuse a mix) — or
+    unless ``parallel.cpu_offload`` asks for the host to hold them (:func:`cpu_offload_policy`).
     """
     mixed = parallel.param_dtype != "float32" or parallel.reduce_dtype != "float32"
+    offload = cpu_offload_policy(parallel, dist_info)
     if (
         dist_info.fsdp_size == 1
         and not mixed
         and not parallel.fsdp_on_one_process
+        and not parallel.cpu_offload
         and not has_tensor_parallel_params(model)
     ):
         return model
+    if holds_quantized_weights(model):
+        raise ConfigError(
+            "the model holds bitsandbytes 4-bit weights (the qlora skill), which FSDP2 cannot shard yet (a "
+            "sharded parameter loses its quantisation state); train it on one process without "
+            "parallel.param_dtype, parallel.fsdp_on_one_process or parallel.cpu_offload (the qlora skill's "
+            "compute_dtype or the mixed-precision skill computes in bfloat16), or use the lora skill"
+        )
     mp_policy = MixedPrecisionPolicy(
         param_dtype=DTYPES[parallel.param_dtype], reduce_dtype=DTYPES[parallel.reduce_dtype]
     )
@@ -64,6 +90,6 @@ def apply_fsdp(model: nn.Module, dist_info: DistInfo, parallel: ParallelConfig) 
     for index, block in enumerate(blocks):
         # The last block's parameters are needed again at once by backward: keep them gathered.
         reshard = index < len(blocks) - 1
-        fully_shard(block, mesh=dp_mesh, mp_policy=mp_policy, reshard_after_forward=reshard)
-    fully_shard(model, mesh=dp_mesh, mp_policy=mp_policy)
+        fully_shard(block, mesh=dp_mesh, mp_policy=mp_policy, reshard_after_forward=reshard, offload_policy=offload)
+    fully_shard(model, mesh=dp_mesh, mp_policy=mp_policy, offload_policy=offload)
     return model

@@ -46,16 +46,55 @@ def lora_layers(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
     return [(name, module) for name, module in model.named_modules() if isinstance(module, BaseTunerLayer)]
 
 
+def dequantized(layer: torch.nn.Module) -> torch.nn.Module:
+    """A bitsandbytes 4-bit linear layer as a plain ``nn.Linear`` in the dtype its weight had
+    before it was quantised (the base dtype); any other layer as it is."""
+    quant_state = getattr(getattr(layer, "weight", None), "quant_state", None)
+    if quant_state is None:
+        return layer
+    from bitsandbytes.functional import dequantize_4bit
+
+    weight = dequantize_4bit(layer.weight.data, quant_state).to(quant_state.dtype)
+    plain = torch.nn.Linear(layer.in_features, layer.out_features, bias=layer.bias is not None,
+                            device=weight.device, dtype=weight.dtype)
+    plain.weight.data.copy_(weight)
+    if layer.bias is not None:
+        plain.bias.data.copy_(layer.bias.data)
+    return plain
+
+
+def dequantize_model(model: torch.nn.Module) -> int:
+    """Every 4-bit linear layer of ``model`` (the ``qlora`` skill's) replaced by its
+    :func:`dequantized` layer, adapters' base layers included; returns how many."""
+    if "bitsandbytes" not in sys.modules:
+        return 0
+    count = 0
+    for parent in list(model.modules()):
+        for child_name, child in list(parent.named_children()):
+            plain = dequantized(child)
+            if plain is not child:
+                setattr(parent, child_name, plain)
+                count += 1
+    return count
+
+
 def unload_lora(model: torch.nn.Module, merge: bool) -> int:
     """Replace every adapter layer by its base layer, first merging the adapter's update into
-    the base weight when ``merge``; returns how many layers were replaced."""
+    the base weight when ``merge``; returns how many layers were replaced. A 4-bit base layer
+    comes back dequantised, the update added to it in the base dtype (peft's own merge would
+    quantise the sum again)."""
     layers = lora_layers(model)
     for name, layer in layers:
-        if merge:
+        base = dequantized(layer.get_base_layer())
+        if merge and base is not layer.get_base_layer():
+            with torch.no_grad():
+                for adapter in layer.active_adapters:
+                    base.weight += layer.get_delta_weight(adapter).to(base.weight.dtype)
+        elif merge:
             layer.merge()
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, layer.get_base_layer())
+        setattr(parent, child, base)
     if hasattr(model, "peft_config"):
         del model.peft_config
     return len(layers)
@@ -94,19 +133,24 @@ def export(
         raise ConfigError(f"lora must be one of {', '.join(LORA_CHOICES)}, got {lora!r}")
     out = Path(out)
     final_dir = Path(final_dir) if final_dir is not None else out
-    model = model.float() if model.dtype != torch.float32 else model
-    set_special_tokens(model, processing)
+    quantized = any(getattr(p, "quant_state", None) is not None for p in model.parameters())
+    if not quantized:  # adapters merge in float32, as the model is saved
+        model = model.float() if model.dtype != torch.float32 else model
     layers = lora_layers(model)
     result: dict[str, Any] = {"lora": None, "lora_layers": len(layers)}
+    if layers and lora == "merged":
+        unload_lora(model, merge=True)
+        result["lora"] = "merged"
+    if not (layers and lora == "adapter"):
+        dequantize_model(model)  # 4-bit layers (qlora) back in their base dtype
+    model = model.float() if model.dtype != torch.float32 else model
+    set_special_tokens(model, processing)
     if layers and lora == "adapter":
         result["lora"] = "adapter"
         result["base_model"] = _save_adapter(model, out, final_dir, max_shard_size)
         if processing is not None and (out / ADAPTER_BASE_DIRNAME).is_dir():
             save_processing(processing, out / ADAPTER_BASE_DIRNAME)  # the base folder loads on its own too
     else:
-        if layers:
-            unload_lora(model, merge=True)
-            result["lora"] = "merged"
         model.save_pretrained(out, max_shard_size=max_shard_size)
     if processing is not None:
         save_processing(processing, out)
@@ -156,6 +200,7 @@ def _save_adapter(model: Any, out: Path, final_dir: Path, max_shard_size: str | 
     if not (base and os.path.isdir(base)):
         # Trained from scratch: the adapter is worth nothing without the weights it adapts.
         unload_lora(model, merge=False)
+        dequantize_model(model)
         model.save_pretrained(out / ADAPTER_BASE_DIRNAME, max_shard_size=max_shard_size)
         base = ADAPTER_BASE_DIRNAME
     else:

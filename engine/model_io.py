@@ -107,10 +107,11 @@ def load_model_weights(model, checkpoint: Path) -> None:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
-    from engine.checkpoint import root_cause, verify_checkpoint
+    from engine.checkpoint import model_state_options, root_cause, verify_checkpoint, without_quantization_state
 
     verify_checkpoint(checkpoint)  # every file as saved, or CheckpointCorrupt naming the file
-    state = get_model_state_dict(model)
+    options = model_state_options(model)  # a quantised model's checkpoint holds its adapters
+    state = without_quantization_state(model, get_model_state_dict(model, options=options))
     try:
         dcp.load({"model_optim": {"model": state}}, checkpoint_id=str(checkpoint))
     except BaseException as e:  # DCP's CheckpointException (a BaseException) wraps the cause
@@ -120,7 +121,7 @@ def load_model_weights(model, checkpoint: Path) -> None:
         what = f"{type(cause).__name__}: {cause}".splitlines()[0][:500]
         raise BadInput(f"the model in checkpoint {checkpoint.name} of run {checkpoint.parent.parent.name} "
                        f"cannot be loaded into the recipe's model ({what})") from e
-    set_model_state_dict(model, state)
+    set_model_state_dict(model, state, options=options)
 
 
 # ---------------------------------------------------------------------------------------------

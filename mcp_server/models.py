@@ -371,6 +371,8 @@ class EstimateFigures(BaseModel):
 
     params: int
     trainable: int
+    quantized: int = 0  # values held in 4 bits (the qlora skill)
+    optimizer: str = Field("AdamW", max_length=80)  # as the recipe's prepare_optimizer builds it
     checkpointed_blocks: str = Field(max_length=40)
     memory_gib: dict[Literal["floor", "params", "grads", "optimizer", "activations", "gathered", "peak_gib"], float]
     activations_source: str = Field(max_length=300)

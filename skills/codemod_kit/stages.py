@@ -6,7 +6,7 @@ patch the plain Hugging Face model before anything wraps it, tensor parallelism 
 compiles the wrapped blocks, and FSDP2 shards last. So a recipe's model statements are kept in this order,
 whatever order the skills were applied in::
 
-    build → .to(device) → Liger kernels → FlashAttention → LoRA → tensor parallel → sequence parallel → freeze
+    build → 4-bit weights → .to(device) → Liger kernels → FlashAttention → LoRA → tensor parallel → sequence parallel → freeze
           → activation checkpointing → torch.compile → FSDP2 / DDP / any wrapper → optimizer
           → training loop
 
@@ -28,6 +28,7 @@ from skills.codemod_kit.anchors import ModelAnchor, optimizer_constructors
 from skills.codemod_kit.edits import Edits
 from skills.codemod_kit.recipe import Recipe, dotted_name
 
+QUANTIZE = 4  # 4-bit base weights (qlora), before the move: the device never holds them in full
 PLACE = 5
 KERNELS = 6
 ATTENTION = 7
@@ -48,6 +49,7 @@ STAGE_OF_CALL: dict[str, int] = {
     "apply_liger_kernels": KERNELS,
     "use_flash_attention": ATTENTION,
     "._apply_liger_kernel_to_instance": KERNELS,
+    "quantize_4bit": QUANTIZE,
     "apply_lora": LORA,
     "peft.get_peft_model": LORA,
     "peft.inject_adapter_in_model": LORA,

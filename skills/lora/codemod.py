@@ -12,6 +12,7 @@ from pathlib import Path
 from pydantic import Field
 
 from skills.codemod_kit import copied, pointing, vlm
+from skills.codemod_kit.anchors import ModelAnchor
 from skills.codemod_kit import (
     AlreadyApplied,
     Edits,
@@ -47,21 +48,37 @@ HELPERS_MODULE = Path(__file__).with_name("helpers.py")
 TENSOR_PARALLEL_CALLS = (".parallelize_module", "apply_tensor_parallel")
 
 
+# What says LoRA is there already (written by this skill or by hand).
+LORA_CALLS = ("peft.get_peft_model", "peft.inject_adapter_in_model", "apply_lora", "peft.LoraConfig")
+
+
 def apply(recipe: Recipe, params: Params) -> Edits | AlreadyApplied:
-    existing = recipe.calls_to("peft.get_peft_model", "peft.inject_adapter_in_model", "apply_lora", "peft.LoraConfig")
+    existing = recipe.calls_to(*LORA_CALLS)
     if existing:
         return AlreadyApplied(f"LoRA at {recipe.where(existing[0])}")
+    refuse_tensor_parallel(recipe, SKILL)
+    model = pointing.find_model(recipe, SKILL, params.target)
+    edits = Edits(recipe)
+    edits.acts_on = add_lora(recipe, edits, model, params)
+    edits.notes.append("needs the peft package (pip install peft)")
+    return edits
+
+
+def refuse_tensor_parallel(recipe: Recipe, skill: str) -> None:
     tp = recipe.calls_to(*TENSOR_PARALLEL_CALLS)
     if tp:
         raise SkillRefused(
-            f"{SKILL}: the recipe applies tensor parallelism ({recipe.where(tp[0])}); peft's LoRA "
+            f"{skill}: the recipe applies tensor parallelism ({recipe.where(tp[0])}); peft's LoRA "
             "layers add a full-size output to a sharded one, so the two do not combine; use "
             "LoRA with FSDP2 (parallel.tp=1)"
         )
-    model = pointing.find_model(recipe, SKILL, params.target)
+
+
+def add_lora(recipe: Recipe, edits: Edits, model: ModelAnchor, params: Params) -> str:
+    """Write ``apply_lora`` and its call into ``edits`` (the qlora skill writes it too, after
+    its 4-bit weights); returns what the adapters act on."""
     found = reach.shape(recipe, model)
     acts_on = _targets(recipe, found, params)
-    edits = Edits(recipe)
     only_trainable_parameters(recipe, edits, SKILL)
     if params.target_modules is None:
         ensure_find_blocks(recipe, edits, model.statement)
@@ -76,9 +93,7 @@ def apply(recipe: Recipe, params: Params) -> Edits | AlreadyApplied:
         model=model.target,
     )
     stages.insert_stage(recipe, edits, model, stages.LORA, [call])
-    edits.acts_on = acts_on
-    edits.notes.append("needs the peft package (pip install peft)")
-    return edits
+    return acts_on
 
 
 def _targets(recipe: Recipe, found: reach.ModelShape, params: Params) -> str:

@@ -42,6 +42,7 @@ REFUSALS: dict[tuple[str, str], tuple[str, str]] = {
     ("convnet", "torch-compile"): (NO_BLOCKS, 'use scope="model"'),
     ("convnet", "lora"): (NO_BLOCKS, "target_modules (its linear layers: fc1, fc2)"),
     ("convnet", "muon"): (NO_BLOCKS, "keep the model's AdamW"),
+    **{(s, "qlora"): (NO_BLOCKS, "use the lora skill with target_modules") for s in ("convnet", "char_lstm", "actor_critic")},
     ("char_lstm", "gradient-checkpointing"): (NO_BLOCKS, "`model.lstm`"),
     ("char_lstm", "torch-compile"): (NO_BLOCKS, 'use scope="model"'),
     ("char_lstm", "lora"): (NO_BLOCKS, "target_modules (its linear layers: head)"),
@@ -79,6 +80,13 @@ def lora_trains_adapters_only(layers: int):
     return check
 
 
+def qlora_trains_adapters_on_4bit_layers(quantised: int, adapted: int):
+    def check(e: Effects) -> None:
+        lora_trains_adapters_only(adapted)(e)
+        assert f"qlora: quantised {quantised} linear layers of " in e.printed
+    return check
+
+
 def frozen_stay(e: Effects) -> None:
     assert e.frozen > 0 and e.trainable_changed > 0
     assert e.frozen_changed == [], f"frozen parameters changed: {e.frozen_changed}"
@@ -108,6 +116,9 @@ ACTS = {
     ("ddp_mlp", "torch-compile", None): compiled(3),
     ("unet_diffusion", "lora", None): lora_trains_adapters_only(4),  # `time` of the down and up blocks
     ("ddp_mlp", "lora", None): lora_trains_adapters_only(3),
+    # 4-bit: the blocks (the down blocks, the largest list); adapters: `time` of the down and up blocks.
+    ("unet_diffusion", "qlora", None): qlora_trains_adapters_on_4bit_layers(2, 4),
+    ("ddp_mlp", "qlora", None): qlora_trains_adapters_on_4bit_layers(3, 3),
     ("unet_diffusion", "muon", None): muon_steps_matrices,
     ("ddp_mlp", "muon", None): muon_steps_matrices,
     ("char_lstm", "freeze", None): frozen_stay,

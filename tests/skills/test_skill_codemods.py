@@ -26,6 +26,7 @@ APPLIES_TO = {
     "mixed-precision": STYLES,
     "torch-compile": STYLES,
     "lora": STYLES,
+    "qlora": STYLES,
     "muon": STYLES,
     "liger-kernel": ("template", "hf_trainer_style"),
     "flash-attention": ("template", "hf_trainer_style"),

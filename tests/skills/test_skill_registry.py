@@ -22,6 +22,7 @@ SKILL_NAMES = [
     "loss-guard",
     "mixed-precision",
     "muon",
+    "qlora",
     "sequence-packing",
     "sequence-parallel",
     "tensor-parallel",

@@ -100,6 +100,13 @@ def test_lora_trains_only_the_adapters(runs):
     assert run["trainable"] < run["frozen"] / 10
 
 
+def test_qlora_quantises_the_layers_of_both_towers_and_trains_the_adapters(runs):
+    run = runs["qlora"]
+    assert re.search(r"qlora: quantised \d+ linear layers of \w+ to 4-bit nf4", run["printed"]), run["printed"]
+    assert "lora: adapted" in run["printed"]
+    assert losses(run) != losses(runs["lora"])  # the base weights are 4-bit
+
+
 def test_packing_image_text_samples_cuts_padding(runs):
     plain, packed = runs["plain-files"], runs["sequence-packing"]
     assert max(r["padding_frac"] for r in packed["records"]) < min(r["padding_frac"] for r in plain["records"])

@@ -49,6 +49,7 @@ VARIANTS: dict[str, tuple[list[tuple[str, dict | None]], list[str]]] = {
     # The template's own stage policy freezes the vision tower already: freezing it again is no change.
     "freeze-frozen": ([("freeze", {"parts": ["vision_tower"]})], ["model.train_vision_tower=false"]),
     "lora": ([("lora", None)], []),
+    "qlora": ([("qlora", None)], []),
     "plain-files": ([], list(FILES)),
     "sequence-packing": ([("sequence-packing", None)], list(FILES)),
     "mixed-precision": ([("mixed-precision", None)], []),

@@ -1,0 +1,132 @@
+"""qlora, proven by runs of the template's tiny model on CPU: the blocks' linear layers are
+4-bit, only the adapters train and are checkpointed, a resume is bit-exact, and the export loads
+and generates (merged in the base dtype, and as an adapter)."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.skills.skill_helpers import (
+    PYTHON,
+    REPO,
+    SMALL_RUN,
+    final_checkpoint,
+    launch,
+    on_documents,
+    run_dir,
+    run_metrics,
+    template_with,
+)
+
+pytest.importorskip("bitsandbytes")
+pytest.importorskip("peft")
+
+SETTINGS = ("train.max_steps=6", "checkpoint.every=3", "checkpoint.keep_last=2", "optim.lr=1e-2",
+            "optim.warmup_steps=0")
+
+
+def losses(cwd: Path) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in run_metrics(cwd)}
+
+
+@pytest.fixture(scope="module")
+def qlora_run(tmp_path_factory) -> tuple[Path, Path, subprocess.CompletedProcess]:
+    from tests.skills.skill_helpers import write_documents
+
+    root = tmp_path_factory.mktemp("qlora")
+    documents = write_documents(root / "docs.jsonl", 400, 5, 60)
+    recipe = template_with(["qlora"], root / "recipe", {"qlora": {"rank": 4}})
+    (root / "run").mkdir()
+    run = launch(recipe, root / "run", *SMALL_RUN, *SETTINGS, *on_documents(documents))
+    assert run.returncode == 0, run.stderr[-3000:]
+    return recipe, root, run
+
+
+def test_qlora_quantises_the_blocks_and_trains_only_the_adapters(qlora_run, tmp_path: Path):
+    recipe, root, run = qlora_run
+    # 7 linear layers in each of the 2 decoder layers are 4-bit NF4, and each has an adapter.
+    assert "qlora: quantised 14 linear layers of LlamaForCausalLM to 4-bit nf4 with double quantisation" in run.stdout
+    assert "lora: adapted 14 linear layers" in run.stdout
+    curve = losses(root / "run")
+    assert sorted(curve) == [1, 2, 3, 4, 5, 6]
+    assert curve[6] < curve[1]
+
+    state = final_checkpoint(root / "run", tmp_path)["model_optim"]
+    weights, optimizer = state["model"], state["optim"]
+    # The checkpoint holds the adapters only: the 4-bit base is rebuilt by the recipe.
+    assert weights and all(".lora_A." in n or ".lora_B." in n for n in weights), sorted(weights)[:5]
+    assert len(weights) == 2 * 7 * 2  # (A, B) × 7 linear layers × 2 blocks
+    assert set(optimizer["state"]) == set(weights)
+
+
+def test_qlora_resumes_bit_exact_from_its_adapter_checkpoint(qlora_run, tmp_path: Path):
+    recipe, root, _ = qlora_run
+    from engine import run_checkpoints
+
+    step_3 = dict(run_checkpoints.list_checkpoints(run_dir(root / "run")))[3]
+    documents = root / "docs.jsonl"
+    resumed = subprocess.run(
+        [PYTHON, "-m", "engine.launch", str(recipe), "--resume-from", str(step_3),
+         *[a for s in (*SMALL_RUN, *SETTINGS, *on_documents(documents)) for a in ("--set", s)]],
+        cwd=tmp_path, env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"}, capture_output=True, text=True,
+        timeout=600,
+    )
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    went_on = losses(root / "run")
+    assert losses(tmp_path) == {step: went_on[step] for step in (4, 5, 6)}
+
+
+@pytest.mark.parametrize("lora", ["merged", "adapter"])
+def test_qlora_export_loads_and_generates(qlora_run, tmp_path: Path, lora: str):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from engine import hf_export, model_io
+
+    recipe, root, _ = qlora_run
+    out = tmp_path / "export"
+    engine = model_io.load_engine(run_dir(root / "run"), 6, recipe=recipe)  # the 4-bit model, adapters loaded
+    probe = torch.arange(40).reshape(2, 20) * 3
+    with torch.no_grad():
+        trained = engine.model(input_ids=probe).logits
+    written = hf_export.export(engine.hf_model(), engine.hf_processing(), out, lora=lora)
+    assert written["lora"] == lora and written["lora_layers"] == 14
+    if lora == "merged":
+        model = AutoModelForCausalLM.from_pretrained(out)
+        # A plain model in the base dtype: no 4-bit layer, no adapter is left.
+        assert model.dtype == torch.float32
+        assert all(type(m) is torch.nn.Linear for n, m in model.named_modules() if n.endswith("q_proj"))
+        # Dequantised exactly, the adapters' update added: the same function as the trained model.
+        with torch.no_grad():
+            torch.testing.assert_close(model(input_ids=probe).logits, trained, rtol=0, atol=1e-4)
+    else:
+        from peft import PeftModel
+
+        assert (out / "adapter_model.safetensors").is_file() and (out / "base" / "config.json").is_file()
+        model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(out / "base"), out)
+    tokenizer = AutoTokenizer.from_pretrained(out if lora == "merged" else out / "base")
+    ids = tokenizer("def f(x):", return_tensors="pt")["input_ids"]
+    generated = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False,
+                               pad_token_id=tokenizer.pad_token_id)
+    assert generated.shape[1] > ids.shape[1]  # it generated (it may stop at the end-of-document token)
+
+
+def test_fsdp2_refuses_4bit_weights_it_cannot_shard_and_leaves_the_model_as_it_was():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from engine.config import ConfigError, ParallelConfig
+    from engine.distributed import DistInfo
+    from engine.fsdp import apply_fsdp
+    from skills.qlora.helpers import quantize_4bit
+
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                                         num_attention_heads=4, num_key_value_heads=2))
+    quantize_4bit(model)
+    one_process = DistInfo(0, 1, 0, torch.device("cpu"), None)
+    assert apply_fsdp(model, one_process, ParallelConfig()) is model  # one process in fp32: nothing to shard
+    with pytest.raises(ConfigError, match="the model holds bitsandbytes 4-bit weights \\(the qlora skill\\), which FSDP2"):
+        apply_fsdp(model, one_process, ParallelConfig(param_dtype="bfloat16"))
+    assert type(model.model.layers[0].self_attn.q_proj.weight).__name__ == "Params4bit"
