@@ -209,7 +209,7 @@ def reward_function(name: str) -> Callable[..., list[float]]:
     function = globals().get(name)
     if not callable(function):
         defined = sorted(n for n, f in globals().items() if inspect.isfunction(f) and f.__module__ == __name__
-                         and "completions" in inspect.signature(f).parameters)
+                         and list(inspect.signature(f).parameters)[:2] == ["prompts", "completions"])
         raise ConfigError(f"grpo.reward_functions names {name!r}, which recipe.py does not define; define "
                           f"def {name}(prompts, completions, **columns) -> list[float] there, or name one of {defined}")
     return function
@@ -603,7 +603,8 @@ class GRPO(Engine):
         return score(self.config.grpo.reward_functions, [r["prompt"] for r in records], completions, columns, ids)
 
     def count_loss_tokens(self, batch: dict[str, torch.Tensor]) -> int:
-        return int(batch["completion_mask"].sum())
+        """Completion tokens the loss is over (none in held-out prompts: their completions are generated)."""
+        return int(batch["completion_mask"].sum()) if "completion_mask" in batch else 0
 
     def count_padding(self, batch: dict[str, torch.Tensor]) -> int:
         return int((batch["attention_mask"] == 0).sum())
@@ -653,8 +654,10 @@ class GRPO(Engine):
         return self.held_out_batches() or None
 
     def log_step(self, ctx: StepContext, window: Window) -> None:
+        """The engine's record, then the window's GRPO record: the optimisation's KL, clipping,
+        entropy and training time every time; the rollouts' rewards, lengths and generation and
+        scoring times when the window generated (with num_iterations > 1 some steps do not)."""
         super().log_step(ctx, window)
-        names = self.config.grpo.reward_functions
         rollout = dp_all_reduce_sum(self.rollout_sums.to(self.device, copy=True), self.dist).cpu()
         steps = dp_all_reduce_sum(self.step_sums.clone(), self.dist).cpu()
         longest = torch.tensor(float(self.longest_completion), device=self.device)
@@ -663,28 +666,34 @@ class GRPO(Engine):
         self.rollout_sums.zero_(), self.step_sums.zero_()
         self.longest_completion = 0
         r = dict(zip(ROLLOUT_METRICS, rollout.tolist()))
-        n, tokens = max(1.0, r["completions"]), max(1.0, steps[3].item())
-        per_rank = self.dist.dp_size  # the times are summed over ranks that generate side by side
-        generation_s, reward_s = r["generation_s"] / per_rank, r["reward_s"] / per_rank
+        tokens = max(1.0, steps[3].item())
+        # The times are summed over the ranks, which generate side by side: their mean is the wall time.
+        generation_s, reward_s = r["generation_s"] / self.dist.dp_size, r["reward_s"] / self.dist.dp_size
         training_s = max(1e-9, window.elapsed - generation_s - reward_s)
         record = {
-            "step": self.state.step, "reward": r["reward"] / n,
-            "reward_std": math.sqrt(max(0.0, r["reward_sq"] / n - (r["reward"] / n) ** 2)),
-            "group_reward_std": r["group_std"] / max(1.0, r["groups"]),
-            "zero_signal_groups": r["zero_signal_groups"] / max(1.0, r["groups"]),
-            "completion_length": r["completion_tokens"] / n, "completion_length_max": float(longest),
-            "truncated_frac": r["truncated"] / n, "kl": steps[0].item() / tokens, "clip_frac": steps[1].item() / tokens,
-            "entropy": steps[2].item() / tokens, "generation_s": generation_s, "reward_s": reward_s, "training_s": training_s,
-            "generation_tokens_per_s": r["completion_tokens"] / max(1e-9, generation_s),
-            "reward_tokens_per_s": r["completion_tokens"] / max(1e-9, reward_s),
-            "training_tokens_per_s": window.tokens / training_s,
+            "step": self.state.step, "kl": steps[0].item() / tokens, "clip_frac": steps[1].item() / tokens,
+            "entropy": steps[2].item() / tokens, "training_s": training_s, "training_tokens_per_s": window.tokens / training_s,
         }
-        sums = rollout[len(ROLLOUT_METRICS):].tolist()
-        for i, name in enumerate(names):
-            mean = sums[i] / n
-            record[f"reward_{name}"] = mean
-            record[f"reward_{name}_std"] = math.sqrt(max(0.0, sums[len(names) + i] / n - mean ** 2))
+        if r["completions"]:
+            record |= self.rollout_record(r, rollout[len(ROLLOUT_METRICS):].tolist(), float(longest))
+            record |= {"generation_s": generation_s, "reward_s": reward_s,
+                       "generation_tokens_per_s": r["completion_tokens"] / max(1e-9, generation_s),
+                       "reward_tokens_per_s": r["completion_tokens"] / max(1e-9, reward_s)}
         self.logger.log(record)
+
+    def rollout_record(self, r: dict[str, float], per_function: list[float], longest: float) -> dict[str, float]:
+        n, names = r["completions"], self.config.grpo.reward_functions
+        record = {
+            "reward": r["reward"] / n, "reward_std": math.sqrt(max(0.0, r["reward_sq"] / n - (r["reward"] / n) ** 2)),
+            "group_reward_std": r["group_std"] / r["groups"], "zero_signal_groups": r["zero_signal_groups"] / r["groups"],
+            "completion_length": r["completion_tokens"] / n, "completion_length_max": longest,
+            "truncated_frac": r["truncated"] / n,
+        }
+        for i, name in enumerate(names):
+            mean = per_function[i] / n
+            record[f"reward_{name}"] = mean
+            record[f"reward_{name}_std"] = math.sqrt(max(0.0, per_function[len(names) + i] / n - mean ** 2))
+        return record
 
     def flops_per_token(self) -> float:
         cfg = self.model.config
