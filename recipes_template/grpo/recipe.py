@@ -3,8 +3,8 @@
 Read it top to bottom: configuration, the reward functions (plain Python: edit them, add yours),
 the built-in prompts, data, generation, the GRPO loss, then the recipe class. It runs as it is
 (``trainwright run recipes/<name>``): on generated arithmetic prompts ("What is 3 + 4?") the
-policy samples ``grpo.num_generations`` answers per prompt, ``correct_answer`` and ``digits_only``
-score them, and the policy moves towards the answers that scored above their group's mean.
+policy samples ``grpo.num_generations`` answers per prompt, ``correct_answer`` and ``near_answer`` score
+them, and the policy moves towards the answers that scored above their group's mean.
 
 Supports:
 - prompts in JSONL, JSON, parquet, CSV/TSV files, ``save_to_disk`` folders (``data.paths``) or a
@@ -135,10 +135,12 @@ class GRPOSection(Section):
     temperature: float = Field(1.0, gt=0, description="Sampling temperature (the loss's log-probabilities use it too, as TRL's).")
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling: the smallest set of tokens holding this probability.")
     reward_functions: list[str] = Field(
-        ["correct_answer", "digits_only"], min_length=1,
+        ["correct_answer", "near_answer"], min_length=1,
         description="Names of reward functions defined in this recipe.py, each f(prompts, completions, **columns) -> list[float].",
     )
-    reward_weights: list[float] | None = Field(None, description="One weight per reward function; default: 1 each.")
+    reward_weights: list[float] | None = Field(
+        [1.0, 0.5], description="One weight per reward function; None: 1 each."
+    )
     scale_rewards: Literal["group", "none"] = Field(
         "group", description="group: advantages divided by the group's reward std (GRPO); none: not (Dr. GRPO)."
     )
@@ -200,8 +202,20 @@ def correct_answer(prompts, completions, answer, **_) -> list[float]:
     return scores
 
 
+def near_answer(prompts, completions, answer, **_) -> list[float]:
+    """Partial credit: 1 - |first number - answer| / 5, at least 0 (a graded reward gives a group
+    signal long before the first exact answer; no number: 0)."""
+    scores = []
+    for completion, expected in zip(completions, answer):
+        found = NUMBER.search(completion_text(completion))
+        distance = abs(int(found.group()) - int(expected)) if found and len(found.group()) < 10 else 5
+        scores.append(max(0.0, 1 - distance / 5))
+    return scores
+
+
 def digits_only(prompts, completions, **_) -> list[float]:
-    """The share of the completion's characters that are digits (a format reward: answer bare)."""
+    """The share of the completion's characters that are digits (a format reward: answer bare). Not
+    in the default grpo.reward_functions: alone, a policy learns to fill its completions with digits."""
     return [sum(c.isdigit() for c in text) / max(1, len(text)) for text in map(completion_text, completions)]
 
 
@@ -426,7 +440,10 @@ def token_logps(model, batch: dict[str, torch.Tensor], temperature: float, with_
                    use_cache=False).logits[:, -width - 1:-1]
     log_probs = (logits.float() / temperature).log_softmax(-1)
     picked = torch.gather(log_probs, 2, batch["input_ids"][:, -width:].unsqueeze(-1)).squeeze(-1)
-    entropy = -(log_probs.exp() * log_probs).sum(-1).detach() if with_entropy else None
+    entropy = None
+    if with_entropy:
+        with torch.no_grad():
+            entropy = -(log_probs.exp() * log_probs).sum(-1)
     return picked, entropy
 
 
@@ -463,17 +480,45 @@ def loss_units(mask: torch.Tensor, cfg: GRPOSection) -> int:
     return int(mask.sum())
 
 
+def pick_tokens(logits: torch.Tensor, temperature: float | None, top_p: float) -> torch.Tensor:
+    """The next token of each row: sampled from softmax(logits / temperature) cut to its top-p
+    nucleus, or the most likely one with ``temperature=None``."""
+    if not temperature:
+        return logits.argmax(-1)
+    probs = (logits.float() / temperature).softmax(-1)
+    if top_p < 1:
+        sorted_probs, order = probs.sort(-1, descending=True)
+        outside = sorted_probs.cumsum(-1) - sorted_probs > top_p  # the most likely token always stays
+        probs = probs.scatter(-1, order, sorted_probs.masked_fill(outside, 0))
+    return torch.multinomial(probs, 1).squeeze(-1)
+
+
 @torch.no_grad()
 def generate(model, tokenizer, prompt_ids, prompt_mask, max_new_tokens: int, temperature: float | None, top_p: float = 1.0):
-    """Completion token ids ``[rows, width]`` (end of turn, then padding), sampled (greedy with
-    ``temperature=None``) with a KV cache, the full parameters gathered once."""
-    sampling = {"do_sample": True, "temperature": temperature, "top_p": top_p, "top_k": 0} if temperature else {"do_sample": False}
+    """Completion token ids ``[rows, width]`` (end of turn, then padding), one token per forward
+    with a KV cache, stopping when every row has ended; the full parameters gathered once. A loop
+    of its own rather than ``generate()``: at this size the per-token bookkeeping of
+    ``generate()`` costs more than the model (bench/grpo_throughput.py)."""
+    from transformers import DynamicCache
+
+    rows, device = prompt_ids.shape[0], prompt_ids.device
+    cache = DynamicCache(config=getattr(model, "config", None))
+    tokens, attention = prompt_ids, prompt_mask
+    positions = (prompt_mask.cumsum(-1) - 1).clamp(min=0)  # left padding: each prompt starts at 0
+    ended = torch.zeros(rows, dtype=torch.bool, device=device)
+    completion = []
     with full_parameters(model):
-        output = model.generate(
-            input_ids=prompt_ids, attention_mask=prompt_mask, max_new_tokens=max_new_tokens,
-            eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, **sampling,
-        )
-    return output[:, prompt_ids.shape[1]:]
+        for _ in range(max_new_tokens):
+            logits = model(input_ids=tokens, attention_mask=attention, position_ids=positions, past_key_values=cache,
+                           use_cache=True).logits[:, -1]
+            chosen = pick_tokens(logits, temperature, top_p).masked_fill(ended, tokenizer.pad_token_id)
+            completion.append(chosen)
+            ended |= chosen == tokenizer.eos_token_id
+            if bool(ended.all()):
+                break
+            tokens, positions = chosen.unsqueeze(1), positions[:, -1:] + 1
+            attention = torch.cat([attention, attention.new_ones(rows, 1)], 1)
+    return torch.stack(completion, 1)
 
 
 # =============================================================================================

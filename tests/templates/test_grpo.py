@@ -140,6 +140,7 @@ def test_the_shipped_rewards_score_the_answer_and_its_format():
     completions = ["7", "It is 7.", "8", "seven"]
     assert grpo.correct_answer(None, completions, ["7"] * 4) == [1.0, 1.0, 0.0, 0.0]
     assert grpo.digits_only(None, completions) == [1.0, 0.125, 1.0, 0.0]
+    assert grpo.near_answer(None, completions, ["7"] * 4) == [1.0, 1.0, 0.8, 0.0]
     chat = [[{"role": "assistant", "content": "7"}]]
     assert grpo.correct_answer(None, chat, ["7"]) == [1.0]
 
@@ -174,14 +175,15 @@ def test_bad_input_is_refused_at_the_launch_check_with_what_to_change(tmp_path):
     (tmp_path / "questions.jsonl").write_text(json.dumps({"question": "What is 1 + 1?", "answer": "2"}) + "\n")
     refusals = {
         "no prompt column": check(tmp_path, "data.paths=[questions.jsonl]"),
-        "undefined reward": check(tmp_path, "grpo.reward_functions=[correct_answer,is_polite]"),
+        "undefined reward": check(tmp_path, "grpo.reward_functions=[correct_answer,is_polite]", "grpo.reward_weights=null"),
         "one completion": check(tmp_path, "grpo.num_generations=1", "data.batch_size=4"),
         "too long": check(tmp_path, "grpo.max_completion_length=96"),
     }
     assert "questions.jsonl:1: no prompt column 'prompt' (columns: ['answer', 'question']); name the prompt's column " \
            "with data.prompt_column" in refusals["no prompt column"]["error"]
     assert "grpo.reward_functions names 'is_polite', which recipe.py does not define; define def is_polite(prompts, " \
-           "completions, **columns) -> list[float] there, or name one of ['correct_answer', 'digits_only']" \
+           "completions, **columns) -> list[float] there, or name one of ['correct_answer', 'digits_only', " \
+           "'near_answer']" \
            in refusals["undefined reward"]["error"]
     assert "grpo.num_generations=1: a group needs at least 2 completions" in refusals["one completion"]["error"]
     assert "grpo.max_completion_length=96 leaves no room for a prompt in data.seq_len=96" in refusals["too long"]["error"]
@@ -214,9 +216,9 @@ def test_a_run_logs_rewards_lengths_and_where_the_time_goes(reference):
     logged = [r for r in run_metrics.read_all_metrics(reference / rd.METRICS_JSONL) if "kl" in r]
     assert [r["step"] for r in logged] == list(range(1, 7))
     optimisation = {"kl", "clip_frac", "entropy", "training_s", "training_tokens_per_s"}
-    rollout = {"reward", "reward_std", "reward_correct_answer", "reward_correct_answer_std", "reward_digits_only",
-               "reward_digits_only_std", "group_reward_std", "zero_signal_groups", "completion_length",
-               "completion_length_max", "truncated_frac", "generation_s", "reward_s", "generation_tokens_per_s",
+    rollout = {"reward", "reward_std", "reward_correct_answer", "reward_correct_answer_std", "reward_near_answer",
+               "reward_near_answer_std", "group_reward_std",
+               "zero_signal_groups", "completion_length", "completion_length_max", "truncated_frac", "generation_s", "reward_s", "generation_tokens_per_s",
                "reward_tokens_per_s"}
     # A generation every second step (num_iterations=2): the steps between report no rollout.
     assert [set(r) - {"step"} for r in logged] == [optimisation | rollout, optimisation] * 3
@@ -225,7 +227,8 @@ def test_a_run_logs_rewards_lengths_and_where_the_time_goes(reference):
     for r in logged[::2]:
         assert r["generation_s"] > 0 and r["reward_s"] > 0 and r["training_s"] > 0
         assert 1 <= r["completion_length"] <= r["completion_length_max"] <= 6 and 0 <= r["truncated_frac"] <= 1
-        assert r["reward"] == pytest.approx(r["reward_correct_answer"] + r["reward_digits_only"], abs=1e-6)
+        weighted = r["reward_correct_answer"] + 0.5 * r["reward_near_answer"]
+        assert r["reward"] == pytest.approx(weighted, abs=1e-6)
 
 
 def test_resume_is_bit_identical_from_the_middle_of_a_generation(workspace, reference):
@@ -245,7 +248,7 @@ def test_sample_evaluate_and_export_work_on_a_grpo_run(workspace, reference):
     if not (reference / rd.SNAPSHOT_DIRNAME).is_dir():  # the code snapshot the server gives a run
         shutil.copytree(recipe, reference / rd.SNAPSHOT_DIRNAME)
     evaluated = model_io.evaluate(reference, 6)
-    assert set(evaluated.metrics) == {"reward", "reward_correct_answer", "reward_digits_only", "prompts"}
+    assert set(evaluated.metrics) == {"reward", "reward_correct_answer", "reward_near_answer", "prompts"}
     assert evaluated.metrics["prompts"] == rd.read_run(reference).data.eval_documents > 0
     assert evaluated.eval_loss == pytest.approx(-evaluated.metrics["reward"], abs=1e-6)
     sampled = model_io.sample(reference, 6, ["What is 1 + 2?"], max_new_tokens=4).samples
