@@ -339,16 +339,19 @@ def group_advantages(rewards: torch.Tensor, group: int, scale: bool) -> tuple[to
 class RolloutStream(Stateful):
     """This rank's micro-batches, forever. Every ``num_iterations`` optimizer steps it takes the
     next prompts of the global stream (in a seeded order per epoch), has the recipe generate and
-    score a rollout (``make_rollout``), and hands out its micro-batches ``num_iterations`` times.
-    The state is the prompts consumed and the micro-batches not yet used, so a checkpoint
-    resumes with the very next batch."""
+    score a rollout (``make_rollout``) with this rank's own sampling RNG (seeded by the seed and
+    the rank: ranks sample apart), and hands out its micro-batches ``num_iterations`` times. The
+    state is the prompts consumed, the sampling RNG and the micro-batches not yet used, each
+    rank's, so a checkpoint resumes with the very next batch."""
 
-    def __init__(self, records, seed, prompts_per_rank, micro_batches, num_iterations, dp_rank, dp_size, make_rollout):
+    def __init__(self, records, seed, prompts_per_rank, micro_batches, num_iterations, dp_rank, dp_size, make_rollout,
+                 device: torch.device):
         self.records, self.seed = records, seed
         self.prompts_per_rank, self.micro_batches, self.num_iterations = prompts_per_rank, micro_batches, num_iterations
         self.dp_rank, self.dp_size, self.make_rollout = dp_rank, dp_size, make_rollout
         self.position = 0
         self.pending: list[dict[str, torch.Tensor]] = []
+        self.sampling_rng = torch.Generator(device=device).manual_seed(seed * 1_000_003 + 7919 * (dp_rank + 1))
 
     def _record_at(self, index: int) -> dict[str, Any]:
         epoch, offset = divmod(index, len(self.records))
@@ -363,7 +366,7 @@ class RolloutStream(Stateful):
             start = self.position + self.dp_rank * self.prompts_per_rank
             records = [self._record_at(i) for i in range(start, start + self.prompts_per_rank)]
             self.position += self.prompts_per_rank * self.dp_size
-            rollout = self.make_rollout(records)
+            rollout = self.make_rollout(records, self.sampling_rng)
             rows = rollout["input_ids"].shape[0] // self.micro_batches
             split = [{k: v[i * rows:(i + 1) * rows] for k, v in rollout.items()} for i in range(self.micro_batches)]
             self.pending = split * self.num_iterations
@@ -371,7 +374,7 @@ class RolloutStream(Stateful):
 
     def state_dict(self) -> dict[str, Any]:
         buffer = io.BytesIO()
-        torch.save(self.pending, buffer)
+        torch.save({"pending": self.pending, "sampling_rng": self.sampling_rng.get_state()}, buffer)
         local = buffer.getvalue()
         gathered: list[Any] = [local]
         if dist.is_initialized() and dist.get_world_size() > 1:  # each rank's, the same object on every rank
@@ -385,7 +388,9 @@ class RolloutStream(Stateful):
         rank = dist.get_rank() if dist.is_initialized() else 0
         if len(pending) != (dist.get_world_size() if dist.is_initialized() else 1):
             raise ConfigError(f"this checkpoint holds generations of {len(pending)} processes; resume it on as many")
-        self.pending = torch.load(io.BytesIO(pending[rank]), weights_only=True)
+        saved = torch.load(io.BytesIO(pending[rank]), weights_only=True)
+        self.pending = saved["pending"]
+        self.sampling_rng.set_state(saved["sampling_rng"])
 
 
 # =============================================================================================
@@ -480,7 +485,7 @@ def loss_units(mask: torch.Tensor, cfg: GRPOSection) -> int:
     return int(mask.sum())
 
 
-def pick_tokens(logits: torch.Tensor, temperature: float | None, top_p: float) -> torch.Tensor:
+def pick_tokens(logits: torch.Tensor, temperature: float | None, top_p: float, generator=None) -> torch.Tensor:
     """The next token of each row: sampled from softmax(logits / temperature) cut to its top-p
     nucleus, or the most likely one with ``temperature=None``."""
     if not temperature:
@@ -490,11 +495,12 @@ def pick_tokens(logits: torch.Tensor, temperature: float | None, top_p: float) -
         sorted_probs, order = probs.sort(-1, descending=True)
         outside = sorted_probs.cumsum(-1) - sorted_probs > top_p  # the most likely token always stays
         probs = probs.scatter(-1, order, sorted_probs.masked_fill(outside, 0))
-    return torch.multinomial(probs, 1).squeeze(-1)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
 
 @torch.no_grad()
-def generate(model, tokenizer, prompt_ids, prompt_mask, max_new_tokens: int, temperature: float | None, top_p: float = 1.0):
+def generate(model, tokenizer, prompt_ids, prompt_mask, max_new_tokens: int, temperature: float | None, top_p: float = 1.0,
+             generator: torch.Generator | None = None):
     """Completion token ids ``[rows, width]`` (end of turn, then padding), one token per forward
     with a KV cache, stopping when every row has ended; the full parameters gathered once. A loop
     of its own rather than ``generate()``: at this size the per-token bookkeeping of
@@ -511,7 +517,7 @@ def generate(model, tokenizer, prompt_ids, prompt_mask, max_new_tokens: int, tem
         for _ in range(max_new_tokens):
             logits = model(input_ids=tokens, attention_mask=attention, position_ids=positions, past_key_values=cache,
                            use_cache=True).logits[:, -1]
-            chosen = pick_tokens(logits, temperature, top_p).masked_fill(ended, tokenizer.pad_token_id)
+            chosen = pick_tokens(logits, temperature, top_p, generator).masked_fill(ended, tokenizer.pad_token_id)
             completion.append(chosen)
             ended |= chosen == tokenizer.eos_token_id
             if bool(ended.all()):
@@ -597,10 +603,10 @@ class GRPO(Engine):
         completions = self.config.data.batch_size // self.dist.dp_size
         return RolloutStream(
             self.prompts[0], self.config.train.seed, completions // g.num_generations, self.config.train.grad_accum,
-            g.num_iterations, self.dist.dp_rank, self.dist.dp_size, self.make_rollout,
+            g.num_iterations, self.dist.dp_rank, self.dist.dp_size, self.make_rollout, self.device,
         )
 
-    def make_rollout(self, prompts: list[tuple[dict[str, Any], list[int]]]) -> dict[str, torch.Tensor]:
+    def make_rollout(self, prompts: list[tuple[dict[str, Any], list[int]]], generator: torch.Generator) -> dict[str, torch.Tensor]:
         """G completions per prompt, scored; advantages, and the old (and reference) log-probabilities."""
         g, G = self.config.grpo, self.config.grpo.num_generations
         start = time.perf_counter()
@@ -609,7 +615,7 @@ class GRPO(Engine):
         was_training = self.model.training
         self.model.eval()
         completion_ids = generate(self.model, self.tokenizer, prompt_ids.to(self.device), prompt_mask.to(self.device),
-                                  g.max_completion_length, g.temperature, g.top_p).cpu()
+                                  g.max_completion_length, g.temperature, g.top_p, generator).cpu()
         self.model.train(was_training)
         mask, truncated = completion_mask(completion_ids, self.tokenizer.eos_token_id, g.mask_truncated_completions)
         generated = time.perf_counter()
