@@ -574,9 +574,6 @@ class GRPO(Engine):
             self.reference = reference.eval().to(self.device).requires_grad_(False)
         model = build_model(self.config.model, len(self.tokenizer), self.config.data.seq_len).to(self.device)
         model = apply_fsdp(model, self.dist, self.config.parallel)
-        self.rollout_sums = torch.zeros(len(ROLLOUT_METRICS) + 2 * len(self.config.grpo.reward_functions), dtype=torch.float64)
-        self.step_sums = torch.zeros(len(STEP_METRICS), dtype=torch.float64, device=self.device)
-        self.longest_completion = 0
         return model
 
     def prepare_optimizer(self, model: torch.nn.Module) -> torch.optim.Optimizer:
@@ -600,6 +597,10 @@ class GRPO(Engine):
 
     def prepare_data(self) -> RolloutStream:
         g = self.config.grpo
+        # The window's sums for log_step: rollouts' (on the CPU) and the optimisation's.
+        self.rollout_sums = torch.zeros(len(ROLLOUT_METRICS) + 2 * len(g.reward_functions), dtype=torch.float64)
+        self.step_sums = torch.zeros(len(STEP_METRICS), dtype=torch.float64, device=self.device)
+        self.longest_completion = 0
         completions = self.config.data.batch_size // self.dist.dp_size
         return RolloutStream(
             self.prompts[0], self.config.train.seed, completions // g.num_generations, self.config.train.grad_accum,
@@ -612,11 +613,14 @@ class GRPO(Engine):
         start = time.perf_counter()
         prompt_ids, prompt_mask = left_padded([ids for _, ids in prompts], self.tokenizer.pad_token_id)
         prompt_ids, prompt_mask = prompt_ids.repeat_interleave(G, 0), prompt_mask.repeat_interleave(G, 0)
-        was_training = self.model.training
-        self.model.eval()
-        completion_ids = generate(self.model, self.tokenizer, prompt_ids.to(self.device), prompt_mask.to(self.device),
-                                  g.max_completion_length, g.temperature, g.top_p, generator).cpu()
-        self.model.train(was_training)
+        if "model" in self.__dict__:
+            was_training = self.model.training
+            self.model.eval()
+            completion_ids = generate(self.model, self.tokenizer, prompt_ids.to(self.device), prompt_mask.to(self.device),
+                                      g.max_completion_length, g.temperature, g.top_p, generator).cpu()
+            self.model.train(was_training)
+        else:  # estimate_run reads a batch's shapes before any model exists: the longest completions
+            completion_ids = torch.zeros((len(prompt_ids), g.max_completion_length), dtype=torch.int64)
         mask, truncated = completion_mask(completion_ids, self.tokenizer.eos_token_id, g.mask_truncated_completions)
         generated = time.perf_counter()
         rewards_table = self.rewards([r for r, _ in prompts for _ in range(G)], completion_ids, mask)
@@ -672,9 +676,10 @@ class GRPO(Engine):
         logps, entropy = token_logps(self.model, batch, g.temperature, with_entropy=True)
         old = batch["old_logps"] if "old_logps" in batch else logps.detach()
         loss, kl, clipped = grpo_loss(logps, old, batch.get("ref_logps"), batch["advantages"], batch["completion_mask"], g)
-        mask = batch["completion_mask"].bool()
-        self.step_sums += torch.stack([kl[mask].sum(), clipped[mask].sum(), entropy[mask].sum(),
-                                       mask.sum()]).double()
+        mask = batch["completion_mask"]
+        if mask.device == self.step_sums.device:  # not on the meta device of estimate_run
+            self.step_sums += torch.stack([(kl * mask).sum(), (clipped * mask).sum(), (entropy * mask).sum(),
+                                           mask.sum()]).double()
         return loss
 
     @property
