@@ -284,3 +284,14 @@ def test_two_processes_sample_apart_under_fsdp2_and_resume_bit_for_bit(workspace
         stream = grpo.RolloutStream(engine.prompts[0], 0, 1, 1, 1, rank, 2, engine.make_rollout, torch.device("cpu"))
         completions.append(stream.make_rollout([engine.prompts[0][0]], stream.sampling_rng)["input_ids"])
     assert not torch.equal(completions[0], completions[1])
+
+
+def test_skills_apply_to_the_policy_after_the_reference_is_built(tmp_path):
+    from skills import apply_skill
+
+    recipe = tmp_path / "grpo"
+    shutil.copytree(TEMPLATE, recipe, ignore=shutil.ignore_patterns("__pycache__"))
+    for skill in ("lora", "gradient-checkpointing", "torch-compile", "mixed-precision"):
+        assert apply_skill(skill, recipe).changed, skill
+    source = (recipe / "recipe.py").read_text()
+    assert source.index("self.reference = reference") < source.index("apply_lora(model")
