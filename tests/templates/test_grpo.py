@@ -279,6 +279,7 @@ def test_two_processes_sample_apart_under_fsdp2_and_resume_bit_for_bit(workspace
 
     engine = grpo.GRPO(build_config(grpo.GRPOConfig, None, list(SMALL)), DistInfo(0, 1, 0, torch.device("cpu"), None))
     engine.model = engine.prepare_model()
+    engine.prepare_data()  # rank 0's stream; below, one per rank
     completions = []
     for rank in (0, 1):
         stream = grpo.RolloutStream(engine.prompts[0], 0, 1, 1, 1, rank, 2, engine.make_rollout, torch.device("cpu"))
