@@ -33,7 +33,7 @@ def _quoted(value: str) -> str:
 def finetune(
     model: Annotated[str, Field(description="A Hub id (org/name[@rev]) or a model folder in the workspace.")],
     data: Annotated[str, Field(description="A data file or folder in the workspace, or a Hub data set id.")],
-    template: Annotated[str, Field(description="sft (default), dpo, causal_lm or vlm.")] = "sft",
+    template: Annotated[str, Field(description="sft (default), dpo, causal_lm or vlm (grpo: the reinforce prompt).")] = "sft",
     name: Annotated[str, Field(description="The recipe's name (default: finetune).")] = "finetune",
 ) -> str:
     recipe, exported = _quoted(f"recipes/{name.strip()}"), _quoted(f"exports/{name.strip()}")
@@ -55,6 +55,39 @@ overrides for the full run; wait_run(run_id) until it ends (call again on reason
 6. evaluate(run_id) for held-out loss and task metrics (note their sample count), \
 sample(run_id, prompts) to read answers, and export_checkpoint(run_id, to={exported}) for a \
 Hugging Face folder.
+Stop and report the error text to the user if a step fails twice."""
+
+
+def reinforce(
+    model: Annotated[str, Field(description="A Hub id (org/name[@rev]) or a model folder in the workspace.")],
+    data: Annotated[str, Field(description="Prompts: a data file or folder in the workspace, or a Hub data set id.")],
+    reward: Annotated[str, Field(description="What earns reward, in words (e.g. 'the final number equals the answer column').")],
+    name: Annotated[str, Field(description="The recipe's name (default: reinforce).")] = "reinforce",
+) -> str:
+    recipe, exported = _quoted(f"recipes/{name.strip()}"), _quoted(f"exports/{name.strip()}")
+    model, data, reward, name = _quoted(model), _quoted(data), _quoted(reward), _quoted(name)
+    return f"""Train {model} with reinforcement learning (GRPO) on the prompts of {data}, rewarded when {reward}:
+1. describe_recipe(recipe="grpo"): read the grpo.* keys (num_generations, max_completion_length, loss_type, \
+beta, reward_functions, reward_weights) and the data keys (data.prompt_column; every other column reaches the \
+reward functions by name).
+2. scaffold_recipe(template="grpo", name={name}, config={{"model.pretrained_path": {model}, \
+"data.paths": [{data}], "train.max_steps": 20, "train.log_every": 2}}); for a Hub data set id use \
+"data.dataset": {data} instead of data.paths.
+3. Write the reward as code in {recipe}/recipe.py, beside the examples correct_answer and digits_only: a \
+function of (prompts, completions, **columns) returning one float per completion (a completion is text, \
+or a one-message list for chat prompts); commit it, and set grpo.reward_functions (and grpo.reward_weights) \
+to name it. \
+apply_skill(skill="lora", recipe={recipe}) for a model of more than ~100 M parameters.
+4. launch_run(recipe={recipe}) as a short smoke run (the launch check refuses a missing prompt column, a \
+reward function not defined, num_generations < 2 or a completion longer than data.seq_len allows), then \
+wait_run(run_id) until it ends and tail_metrics(run_id): reward and reward_<function> must move; \
+zero_signal_groups near 1 means every completion of a group scores the same (make the reward finer, or \
+raise temperature or num_generations); truncated_frac near 1 means max_completion_length is too short.
+5. resume_checkpoint(run_id, overrides={{"train.max_steps": N}}) or launch_run with overrides for the \
+full run; wait_run(run_id) until it ends (call again on reason "timeout"); compare_runs(run_a, run_b) \
+compares the reward of two runs.
+6. evaluate(run_id) for the mean reward per function on held-out prompts (note the prompts count), \
+sample(run_id, prompts) to read answers, and export_checkpoint(run_id, to={exported}).
 Stop and report the error text to the user if a step fails twice."""
 
 
@@ -97,13 +130,14 @@ stays flat, a higher one or more steps.
 5. Report the finding, the evidence (steps and values), and the one next call."""
 
 
-WORKFLOWS = (finetune, speed_up, diagnose_run)
+WORKFLOWS = (finetune, reinforce, speed_up, diagnose_run)
 
 
 def register_prompts(mcp: MCPServer) -> None:
     for workflow in WORKFLOWS:
         description = {
             "finetune": "Fine-tune a model on a data set: scaffold, skills, launch, wait, evaluate, export.",
+            "reinforce": "Train a model with GRPO on prompts, rewards written as code: scaffold, reward, launch, evaluate, export.",
             "speed_up": "Make a recipe train faster: which skills fit this machine, applied and measured.",
             "diagnose_run": "Read a run's failure or loss curve and say the next step.",
         }[workflow.__name__]
@@ -126,7 +160,7 @@ def _choices(ws: Workspace, argument: str) -> list[str]:
 def register_completions(mcp: MCPServer, ws: Workspace) -> None:
     @mcp.completion()
     async def complete(ref: PromptReference | ResourceTemplateReference, argument: Any, context: Any) -> Completion:
-        if isinstance(ref, PromptReference) and ref.name == "finetune" and argument.name == "name":
+        if isinstance(ref, PromptReference) and ref.name in ("finetune", "reinforce") and argument.name == "name":
             return Completion(values=[])  # a new recipe's name: nothing to complete from
         prefix = str(argument.value or "")
         # A name with control characters (a folder an agent made) is not offered: not echoed raw.

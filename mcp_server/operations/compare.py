@@ -9,6 +9,8 @@ Every verdict is b's against a's, with the numbers behind it:
   about the line through its neighbours: :func:`_curve_noise`). The bound is not divided by the
   number of records: two seeds differ by about a record's noise all along the curve, and that is
   no difference. Bit-equal curves are said to be so.
+- **reward** (a reinforcement-learning run's total reward, e.g. the grpo template's), the same
+  way, where both runs log it; higher is better.
 - **tokens_per_s / step_time_s**: the median over the logging windows after the first (the
   warm-up); the spread is the interquartile range. The noise bound is the sum of the two runs'
   half-IQRs relative to their medians, at least :data:`MIN_SPEED_NOISE`: a ratio inside
@@ -90,9 +92,12 @@ def compare_groups(ws: Workspace, runs_a: list[str], runs_b: list[str]) -> Compa
     else:
         chains_a = [history.chain_records(ws, run)[0] for run in runs_a]
         chains_b = [history.chain_records(ws, run)[0] for run in runs_b]
-        for metric in ("loss", "eval_loss"):
-            verdict = compare_curves(metric, _pooled_curve([_curve(r, metric) for r in chains_a]),
-                                     _pooled_curve([_curve(r, metric) for r in chains_b]))
+        for metric in ("loss", "eval_loss", *HIGHER_IS_BETTER_CURVES):
+            curve_a = _pooled_curve([_curve(r, metric) for r in chains_a])
+            curve_b = _pooled_curve([_curve(r, metric) for r in chains_b])
+            if metric in HIGHER_IS_BETTER_CURVES and not (curve_a or curve_b):
+                continue  # not a reinforcement-learning run: nothing to say
+            verdict = compare_curves(metric, curve_a, curve_b, higher_is_better=metric in HIGHER_IS_BETTER_CURVES)
             if verdict is None:
                 left_out.append(f"{metric}: not logged by both runs over common tokens")
             else:
@@ -128,9 +133,13 @@ def compare_groups(ws: Workspace, runs_a: list[str], runs_b: list[str]) -> Compa
 # ---------------------------------------------------------------------------------------------
 
 
-def compare_curves(metric: str, curve_a: list[tuple[float, float]], curve_b: list[tuple[float, float]]
-                   ) -> MetricVerdict | None:
-    """Lower is better. ``curve``: (tokens seen, value) in order; None without a common range."""
+HIGHER_IS_BETTER_CURVES = ("reward",)  # compared at equal tokens seen, as the loss
+
+
+def compare_curves(metric: str, curve_a: list[tuple[float, float]], curve_b: list[tuple[float, float]],
+                   higher_is_better: bool = False) -> MetricVerdict | None:
+    """Lower is better (higher with ``higher_is_better``). ``curve``: (tokens seen, value) in
+    order; None without a common range."""
     if len(curve_a) < 1 or len(curve_b) < 1:
         return None
     low, high = max(curve_a[0][0], curve_b[0][0]), min(curve_a[-1][0], curve_b[-1][0])
@@ -150,7 +159,7 @@ def compare_curves(metric: str, curve_a: list[tuple[float, float]], curve_b: lis
     bound = 2 * noise
     verdict: Verdict = "no difference"
     if abs(difference) > bound:
-        verdict = "better" if difference < 0 else "worse"
+        verdict = "better" if (difference > 0) == higher_is_better else "worse"
     return MetricVerdict(
         metric=metric, verdict=verdict, a=_round(mean_a), b=_round(mean_b), ratio=_ratio(mean_b, mean_a),
         evidence=f"mean difference {difference:+.4g} {where}; noise bound ±{bound:.3g} "
@@ -263,7 +272,10 @@ def _whole_run(known_a: list[tuple[Path, sr.ServerRecord]], known_b: list[tuple[
     else:
         metrics.append(compare_totals("wall_s", walls_a, walls_b,  # type: ignore[arg-type]
                                       "seconds from launch to end, as the server recorded them"))
-    if loss and len(own_a) == len(own_b) == 1:
+    rewarded = any(metric in r for records in own_a + own_b for r in records for metric in HIGHER_IS_BETTER_CURVES)
+    if rewarded:
+        left_out.append("steps_to_loss: a reinforcement-learning run's loss is no target (reward is compared)")
+    elif loss and len(own_a) == len(own_b) == 1:
         verdict = compare_steps_to_loss(_losses(own_a[0]), _losses(own_b[0]))
         if verdict is None:
             left_out.append(f"steps_to_loss: fewer than {FINAL_RECORDS} loss records in a run")

@@ -70,6 +70,14 @@ def test_losses_are_compared_at_equal_tokens_seen_not_at_equal_steps():
     assert lower is not None and lower.verdict == "better" and lower.b == pytest.approx(lower.a - 0.5)  # type: ignore[operator]
 
 
+def test_a_higher_reward_is_better():
+    a = [(float(t), t / 1000) for t in range(100, 900, 100)]
+    higher = compare.compare_curves("reward", a, [(t, v + 0.5) for t, v in a], higher_is_better=True)
+    assert higher is not None and higher.verdict == "better" and higher.b == pytest.approx(higher.a + 0.5)  # type: ignore[operator]
+    lower = compare.compare_curves("reward", a, [(t, v - 0.5) for t, v in a], higher_is_better=True)
+    assert lower is not None and lower.verdict == "worse"
+
+
 def test_peak_memory_within_the_noise_is_no_difference_and_names_each_process():
     assert compare.compare_peaks((1000.0, [1000.0]), (1020.0, [1020.0])).verdict == "no difference"
     lower = compare.compare_peaks((1000.0, [990.0, 1000.0]), (700.0, [690.0, 700.0]))

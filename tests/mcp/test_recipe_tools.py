@@ -51,7 +51,7 @@ def test_scaffold_recipe_commits_the_recipe_then_one_commit_per_skill(client, wo
         ({"skills": ["gradient-checkpoint"]}, "no skill named 'gradient-checkpoint'"),
         ({"skills": [{"name": "lora", "params": "r=8"}]}, "params of skill 'lora' must be a mapping"),
         ({"skills": [3]}, "skills.0.str\n  Input should be a valid string"),  # the schema: names or objects
-        ({"template": "seq2seq"}, "unknown template 'seq2seq'; templates: causal_lm, dpo, sft, vlm, vlm_chat"),
+        ({"template": "seq2seq"}, "unknown template 'seq2seq'; templates: causal_lm, dpo, grpo, sft, vlm, vlm_chat"),
         ({"name": "../escape"}, "recipe name '../escape' is not a plain name"),
         ({"config": {"data.paths": ["/etc/passwd"]}}, "resolves outside the workspace"),
         ({"config": "train.max_steps=3"}, "config\n  Input should be a valid dictionary"),

@@ -33,9 +33,10 @@ def prompt_text(session, prompt: str, **arguments: str) -> str:
 
 def test_the_workflows_are_listed_with_their_arguments(session):
     prompts = {p.name: p for p in session.portal.call(session.client.list_prompts).prompts}
-    assert set(prompts) == {"finetune", "speed_up", "diagnose_run"}
+    assert set(prompts) == {"finetune", "reinforce", "speed_up", "diagnose_run"}
     arguments = {name: {(a.name, a.required) for a in p.arguments} for name, p in prompts.items()}
     assert arguments["finetune"] == {("model", True), ("data", True), ("template", False), ("name", False)}
+    assert arguments["reinforce"] == {("model", True), ("data", True), ("reward", True), ("name", False)}
     assert arguments["diagnose_run"] == {("run_id", True)}
     assert all(p.description for p in prompts.values())
 
@@ -44,6 +45,9 @@ def test_the_workflows_are_listed_with_their_arguments(session):
     ("finetune", {"model": "org/tiny-qwen@main", "data": "data/chats.parquet"},
      ["describe_recipe", "scaffold_recipe", "apply_skill", "launch_run", "wait_run", "tail_metrics",
       "evaluate", "export_checkpoint"]),
+    ("reinforce", {"model": "org/tiny-qwen", "data": "data/questions.jsonl", "reward": "the answer is right"},
+     ["describe_recipe", "scaffold_recipe", "apply_skill", "launch_run", "wait_run", "tail_metrics", "evaluate",
+      "export_checkpoint"]),
     ("speed_up", {"recipe": "recipes/lm"}, ["list_runs", "get_run", "list_skills", "get_skill", "apply_skill",
                                             "compare_runs"]),
     ("diagnose_run", {"run_id": "20260101-000000-lm-0000"}, ["get_run", "tail_metrics", "list_checkpoints",
@@ -79,7 +83,7 @@ def test_an_unknown_prompt_or_a_missing_argument_is_invalid_params(session):
     with pytest.raises(MCPError) as unknown:
         session.portal.call(lambda: session.client.get_prompt("train_everything", {}))
     assert unknown.value.error.code == INVALID_PARAMS
-    assert "unknown prompt 'train_everything'; prompts: diagnose_run, finetune, speed_up" in str(unknown.value)
+    assert "unknown prompt 'train_everything'; prompts: diagnose_run, finetune, reinforce, speed_up" in str(unknown.value)
     with pytest.raises(MCPError) as missing:
         session.portal.call(lambda: session.client.get_prompt("finetune", {"model": "org/m"}))
     assert missing.value.error.code == INVALID_PARAMS

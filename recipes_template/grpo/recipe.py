@@ -1,0 +1,810 @@
+"""Reinforcement learning from rewards with GRPO: the model samples answers, code scores them.
+
+Read it top to bottom: configuration, the reward functions (plain Python: edit them, add yours),
+the built-in prompts, data, generation, the GRPO loss, then the recipe class. It runs as it is
+(``trainwright run recipes/<name>``): on generated arithmetic prompts ("What is 3 + 4?") the
+policy samples ``grpo.num_generations`` answers per prompt, ``correct_answer`` and ``near_answer`` score
+them, and the policy moves towards the answers that scored above their group's mean.
+
+Supports:
+- prompts in JSONL, JSON, parquet, CSV/TSV files, ``save_to_disk`` folders (``data.paths``) or a
+  data set ``datasets`` loads (``data.dataset``): a ``prompt`` column (``data.prompt_column``) as
+  text or as chat messages without the final assistant turn; every other column (``answer``, ...)
+  is handed to the reward functions by name, as TRL's ``GRPOTrainer`` does. Prompts are rendered
+  by the tokenizer's own chat template
+- rewards as code: ``grpo.reward_functions`` names functions of this module
+  (``def f(prompts, completions, answer, **_) -> list[float]``), ``grpo.reward_weights`` weighs
+  them; one that raises, returns the wrong count or a non-finite value stops the run with an
+  error naming the function and the prompt
+- GRPO (Shao et al., 2024) and its fixes, each a key of ``grpo``: group-relative advantages with
+  or without the group's std (``scale_rewards``), the clipped surrogate (``epsilon``,
+  ``epsilon_high``: DAPO's clip-higher), the loss normalised per sequence (``loss_type=grpo``),
+  per token of the step (``dapo``, the default, as in TRL) or by a constant (``dr_grpo``),
+  ``num_iterations`` updates per generation against the kept old log-probabilities, a KL penalty
+  to the frozen starting model (``beta``, default 0), truncated completions masked or not
+- generation batched with a KV cache (``generate``); under FSDP2 the full parameters are gathered
+  once per generation, not per token. ``grpo.generation_engine=vllm`` is refused where vLLM is
+  not installed
+- starting from a local Hugging Face folder (``model.pretrained_path``) or a tiny model built here
+- everything the engine does: FSDP2 over N processes, checkpoints resumable bit for bit (the
+  sampling RNG and any generation not yet used up are in the checkpoint); ``sample``,
+  ``evaluate`` (mean reward per function of greedy answers to held-out prompts, and their count),
+  ``export``; the skills that act on the model (LoRA, gradient checkpointing, compile)
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import io
+import math
+import random
+import re
+import time
+from contextlib import contextmanager
+from functools import cached_property
+from typing import Any, Callable, Iterator, Literal
+
+import torch
+import torch.distributed as dist
+from pydantic import Field, model_validator
+from torch.distributed.checkpoint.stateful import Stateful
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+from engine.chat import CHAT_TEMPLATE, byte_chat_tokenizer, load_chat_tokenizer  # noqa: F401 (the chat format)
+from engine.config import ConfigError, DataConfig, EngineConfig, Section
+from engine.data_files import confined_path
+from engine.data_formats import record_rows
+from engine.distributed import dp_all_reduce_sum
+from engine.engine import Engine, StepContext, Window
+from engine.flops import non_embedding_params, transformer_flops_per_token
+from engine.fsdp import apply_fsdp
+from engine.run_dir import DataSummary
+
+# =============================================================================================
+# Configuration
+# =============================================================================================
+
+
+class ModelConfig(Section):
+    hidden_size: int = Field(256, ge=8, description="Model width.")
+    intermediate_size: int = Field(688, ge=8, description="MLP width.")
+    num_layers: int = Field(4, ge=1, description="Decoder layers.")
+    num_heads: int = Field(4, ge=1, description="Attention heads.")
+    num_kv_heads: int = Field(2, ge=1, description="Key/value heads (GQA).")
+    rope_theta: float = Field(10000.0, gt=0, description="RoPE base frequency.")
+    vocab_size: int | None = Field(
+        None, ge=3, description="Embedding rows of the model built here; default: the tokenizer's. With "
+        "model.pretrained_path: the model's own."
+    )
+    tie_word_embeddings: bool = Field(
+        False, description="The output layer shares the embedding matrix (a model built here; a pretrained one keeps its own)."
+    )
+    attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] | None = Field(
+        None, description="Attention kernel; default: sdpa, or with model.pretrained_path the model's own default."
+    )
+    pretrained_path: str | None = Field(
+        None, description="A local Hugging Face model folder (or a Hub id the server bound) to start from."
+    )
+
+    @model_validator(mode="after")
+    def _built_shape_only(self) -> "ModelConfig":
+        if self.pretrained_path and (self.vocab_size is not None or self.tie_word_embeddings):
+            raise ValueError("model.vocab_size and model.tie_word_embeddings describe a model built here; "
+                             "model.pretrained_path brings its own: leave them out")
+        return self
+
+
+class GRPODataConfig(DataConfig):
+    batch_size: int = Field(
+        16, ge=1, description="Completions per optimizer step (prompts × grpo.num_generations), over all processes."
+    )
+    seq_len: int = Field(96, ge=2, description="Prompt plus completion tokens at most; longer prompts are left out.")
+    source: Literal["builtin", "files"] | None = Field(
+        None, description="builtin: generated arithmetic prompts; files: data.paths or data.dataset (the default when set)."
+    )
+    paths: list[str] = Field(
+        default_factory=list, description="Data files (.jsonl, .json, .parquet, .csv, .tsv), folders, or save_to_disk folders."
+    )
+    dataset: str | None = Field(
+        None, description="A data set for datasets.load_dataset: a workspace folder, or a Hub id in the local cache."
+    )
+    subset: str | None = Field(None, description="data.dataset: its configuration (subset) name.")
+    split: str | None = Field(None, description="data.dataset or a saved DatasetDict: the split (default train).")
+    prompt_column: str = Field("prompt", description="The column holding the prompt (text, or chat messages).")
+    chat_template: str | None = Field(None, description="A Jinja chat template instead of the tokenizer's own.")
+    eval_fraction: float = Field(0.05, ge=0, le=1, description="Prompts held out for evaluate (1: all).")
+    builtin_prompts: int = Field(4000, ge=10, description="data.source=builtin: how many prompts.")
+    eval_prompts: int = Field(64, ge=1, description="Held-out prompts evaluate answers (greedy) and scores.")
+
+    @model_validator(mode="after")
+    def _source_matches_paths(self) -> "GRPODataConfig":
+        given = bool(self.paths or self.dataset)
+        if self.source is None:
+            object.__setattr__(self, "source", "files" if given else "builtin")
+        elif given and self.source != "files":
+            raise ValueError(f"data.paths is set but data.source={self.source} would ignore it; drop data.source")
+        elif self.source == "files" and not given:
+            raise ValueError("data.source=files needs data.paths (data files, relative to the workspace) or data.dataset")
+        return self
+
+
+class GRPOSection(Section):
+    num_generations: int = Field(8, description="G: completions sampled per prompt (at least 2: a group needs a mean).")
+    max_completion_length: int = Field(16, ge=1, description="Tokens generated per completion at most.")
+    temperature: float = Field(1.0, gt=0, description="Sampling temperature (the loss's log-probabilities use it too, as TRL's).")
+    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling: the smallest set of tokens holding this probability.")
+    reward_functions: list[str] = Field(
+        ["correct_answer", "near_answer"], min_length=1,
+        description="Names of reward functions defined in this recipe.py, each f(prompts, completions, **columns) -> list[float].",
+    )
+    reward_weights: list[float] | None = Field(
+        [1.0, 0.5], description="One weight per reward function; None: 1 each."
+    )
+    scale_rewards: Literal["group", "none"] = Field(
+        "group", description="group: advantages divided by the group's reward std (GRPO); none: not (Dr. GRPO)."
+    )
+    loss_type: Literal["grpo", "dapo", "dr_grpo"] = Field(
+        "dapo", description="grpo: mean per sequence, then over sequences; dapo: mean over the step's completion tokens; "
+        "dr_grpo: sum over tokens / (completions × max_completion_length). TRL's names and formulas.",
+    )
+    epsilon: float = Field(0.2, gt=0, lt=1, description="Clip range of the probability ratio: [1 - epsilon, 1 + epsilon_high].")
+    epsilon_high: float | None = Field(None, gt=0, description="Upper clip (DAPO's clip-higher recommends 0.28); default: epsilon.")
+    num_iterations: int = Field(1, ge=1, description="Optimizer steps per generation (μ), each on the whole generation.")
+    beta: float = Field(0.0, ge=0, description="KL penalty to the frozen starting model (k3 estimator); 0: no reference kept.")
+    kl_ratio_correction: bool = Field(
+        True, description="With beta: the KL estimate weighted by the probability ratio to the generating policy, unbiased "
+        "when num_iterations > 1 (DeepSeek-V3.2; TRL's use_bias_correction_kl, on by default there too).",
+    )
+    mask_truncated_completions: bool = Field(
+        False, description="Completions cut by max_completion_length (no end of turn) are left out of the loss (DAPO)."
+    )
+    generation_engine: Literal["transformers", "vllm"] = Field(
+        "transformers", description="transformers: the policy's own generate() with a KV cache; vllm: refused unless installed."
+    )
+
+    @model_validator(mode="after")
+    def _groups_need_two(self) -> "GRPOSection":
+        if self.num_generations < 2:
+            raise ValueError(f"grpo.num_generations={self.num_generations}: a group needs at least 2 completions "
+                             "(advantages are relative to the group's mean); set grpo.num_generations=2 or more")
+        if self.reward_weights is not None and len(self.reward_weights) != len(self.reward_functions):
+            raise ValueError(f"grpo.reward_weights has {len(self.reward_weights)} weights for "
+                             f"{len(self.reward_functions)} grpo.reward_functions; give one each")
+        return self
+
+
+class GRPOConfig(EngineConfig):
+    model: ModelConfig = ModelConfig()
+    data: GRPODataConfig = GRPODataConfig()
+    grpo: GRPOSection = GRPOSection()
+
+
+# =============================================================================================
+# Reward functions: plain code. Each gets the prompts, the completions (text, or a one-message
+# list for chat prompts, as TRL does), the completions' token ids and every other column of the
+# data by name, one entry per completion; it returns one float per completion.
+# =============================================================================================
+
+NUMBER = re.compile(r"-?\d+")
+
+
+def completion_text(completion: str | list[dict[str, str]]) -> str:
+    return completion if isinstance(completion, str) else completion[-1]["content"]
+
+
+def correct_answer(prompts, completions, answer, **_) -> list[float]:
+    """1 when the first number of the completion is the answer, else 0 (a verifiable reward)."""
+    scores = []
+    for completion, expected in zip(completions, answer):
+        found = NUMBER.search(completion_text(completion))
+        scores.append(float(found is not None and found.group() == str(expected).strip()))
+    return scores
+
+
+def near_answer(prompts, completions, answer, **_) -> list[float]:
+    """Partial credit: 1 - |first number - answer| / 5, at least 0 (a graded reward gives a group
+    signal long before the first exact answer; no number: 0)."""
+    scores = []
+    for completion, expected in zip(completions, answer):
+        found = NUMBER.search(completion_text(completion))
+        distance = abs(int(found.group()) - int(expected)) if found and len(found.group()) < 10 else 5
+        scores.append(max(0.0, 1 - distance / 5))
+    return scores
+
+
+def digits_only(prompts, completions, **_) -> list[float]:
+    """The share of the completion's characters that are digits (a format reward: answer bare). Not
+    in the default grpo.reward_functions: alone, a policy learns to fill its completions with digits."""
+    return [sum(c.isdigit() for c in text) / max(1, len(text)) for text in map(completion_text, completions)]
+
+
+def reward_function(name: str) -> Callable[..., list[float]]:
+    function = globals().get(name)
+    if not callable(function):
+        defined = sorted(n for n, f in globals().items() if inspect.isfunction(f) and f.__module__ == __name__
+                         and list(inspect.signature(f).parameters)[:2] == ["prompts", "completions"])
+        raise ConfigError(f"grpo.reward_functions names {name!r}, which recipe.py does not define; define "
+                          f"def {name}(prompts, completions, **columns) -> list[float] there, or name one of {defined}")
+    return function
+
+
+def score(names: list[str], prompts: list[Any], completions: list[Any], columns: dict[str, list[Any]],
+          completion_ids: list[list[int]]) -> torch.Tensor:
+    """``[completions, functions]`` rewards; a function that raises, returns the wrong count or
+    a non-finite value stops the run with an error naming it and the prompt."""
+    table = torch.zeros(len(completions), len(names), dtype=torch.float32)
+    for column, name in enumerate(names):
+        try:
+            values = reward_function(name)(prompts=prompts, completions=completions, completion_ids=completion_ids, **columns)
+        except Exception as e:
+            raise ConfigError(f"reward function {name} raised {type(e).__name__}: {e} (prompts from {prompts[0]!r})") from e
+        if not isinstance(values, (list, tuple)) or len(values) != len(completions):
+            count = len(values) if isinstance(values, (list, tuple)) else type(values).__name__
+            raise ConfigError(f"reward function {name} returned {count} values for {len(completions)} completions "
+                              f"(prompts from {prompts[0]!r}); return one float per completion")
+        for row, value in enumerate(values):
+            if not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise ConfigError(f"reward function {name} returned {value!r} for the prompt {prompts[row]!r}; "
+                                  "return a finite float per completion")
+            table[row, column] = float(value)
+    return table
+
+
+# =============================================================================================
+# The built-in prompts: sums of two numbers, answered with the number
+# =============================================================================================
+
+
+def builtin_prompts(count: int, seed: int = 0) -> list[tuple[str, dict[str, Any]]]:
+    rng = random.Random(seed)
+    records = []
+    for i in range(count):
+        a, b = rng.randint(0, 9), rng.randint(0, 9)
+        records.append((f"builtin-{i}", {"prompt": f"What is {a} + {b}?", "answer": str(a + b)}))
+    return records
+
+
+# =============================================================================================
+# Data: records → rendered prompt tokens; rollouts → micro-batches
+# =============================================================================================
+
+
+def load_prompts(cfg: GRPODataConfig) -> list[tuple[str, dict[str, Any]]]:
+    """``(where, record)`` with the prompt under ``prompt``; the name decides the split."""
+    if cfg.source == "builtin":
+        return builtin_prompts(cfg.builtin_prompts)
+    records = []
+    for where, record in record_rows(cfg.paths, dataset=cfg.dataset, subset=cfg.subset, split=cfg.split):
+        if cfg.prompt_column not in record:
+            raise ConfigError(f"{where}: no prompt column {cfg.prompt_column!r} (columns: {sorted(record)[:20]}); "
+                              "name the prompt's column with data.prompt_column")
+        record = {k: v for k, v in record.items() if k != cfg.prompt_column} | {"prompt": record[cfg.prompt_column]}
+        records.append((where, record))
+    if not records:
+        raise ConfigError(f"no prompts in data.paths={cfg.paths} data.dataset={cfg.dataset}")
+    return records
+
+
+def as_messages(prompt: Any, where: str) -> list[dict[str, str]]:
+    if isinstance(prompt, str):
+        return [{"role": "user", "content": prompt}]
+    if isinstance(prompt, list) and prompt and all(isinstance(m, dict) and isinstance(m.get("content"), str) for m in prompt):
+        return [{"role": m["role"], "content": m["content"]} for m in prompt]
+    raise ConfigError(f"{where}: a prompt must be a string or a list of {{'role': ..., 'content': ...}} messages")
+
+
+def is_eval_document(name: str, eval_fraction: float) -> bool:
+    bucket = int(hashlib.sha1(name.encode()).hexdigest()[:8], 16) / 0xFFFFFFFF
+    return eval_fraction >= 1 or bucket < eval_fraction
+
+
+def prompt_tokens(tokenizer, record: dict[str, Any], where: str = "a record") -> list[int]:
+    messages = as_messages(record["prompt"], where)
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
+
+
+def left_padded(rows: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.int64)
+    mask = torch.zeros((len(rows), width), dtype=torch.int64)
+    for i, row in enumerate(rows):
+        ids[i, width - len(row):] = torch.tensor(row, dtype=torch.int64)
+        mask[i, width - len(row):] = 1
+    return ids, mask
+
+
+def completion_mask(completion_ids: torch.Tensor, eos_id: int, mask_truncated: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(mask, truncated)``: tokens up to and including the first end of turn; rows without one
+    are truncated, and all-zero with ``mask_truncated``."""
+    is_eos = completion_ids == eos_id
+    width = completion_ids.shape[1]
+    first = torch.where(is_eos.any(1), is_eos.int().argmax(1), torch.full_like(is_eos[:, 0], width, dtype=torch.int64))
+    mask = (torch.arange(width).expand_as(completion_ids) <= first.unsqueeze(1)).long()
+    truncated = ~is_eos.any(1)
+    if mask_truncated:
+        mask = mask * (~truncated).long().unsqueeze(1)
+    return mask, truncated
+
+
+def group_advantages(rewards: torch.Tensor, group: int, scale: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(advantages, group std)``: each reward less its group's mean, divided by the group's
+    (unbiased) std + 1e-4 when ``scale``; rows are groups of ``group`` consecutive completions."""
+    grouped = rewards.view(-1, group)
+    std = grouped.std(dim=1).repeat_interleave(group)
+    advantages = rewards - grouped.mean(dim=1).repeat_interleave(group)
+    return (advantages / (std + 1e-4) if scale else advantages), std
+
+
+class RolloutStream(Stateful):
+    """This rank's micro-batches, forever. Every ``num_iterations`` optimizer steps it takes the
+    next prompts of the global stream (in a seeded order per epoch), has the recipe generate and
+    score a rollout (``make_rollout``) with this rank's own sampling RNG (seeded by the seed and
+    the rank: ranks sample apart), and hands out its micro-batches ``num_iterations`` times. The
+    state is the prompts consumed, the sampling RNG and the micro-batches not yet used, each
+    rank's, so a checkpoint resumes with the very next batch."""
+
+    def __init__(self, records, seed, prompts_per_rank, micro_batches, num_iterations, dp_rank, dp_size, make_rollout,
+                 device: torch.device):
+        self.records, self.seed = records, seed
+        self.prompts_per_rank, self.micro_batches, self.num_iterations = prompts_per_rank, micro_batches, num_iterations
+        self.dp_rank, self.dp_size, self.make_rollout = dp_rank, dp_size, make_rollout
+        self.position = 0
+        self.pending: list[dict[str, torch.Tensor]] = []
+        self.sampling_rng = torch.Generator(device=device).manual_seed(seed * 1_000_003 + 7919 * (dp_rank + 1))
+
+    def _record_at(self, index: int) -> dict[str, Any]:
+        epoch, offset = divmod(index, len(self.records))
+        order = torch.randperm(len(self.records), generator=torch.Generator().manual_seed(self.seed * 100_003 + epoch))
+        return self.records[int(order[offset])]
+
+    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
+        return self
+
+    def __next__(self) -> dict[str, torch.Tensor]:
+        if not self.pending:
+            start = self.position + self.dp_rank * self.prompts_per_rank
+            records = [self._record_at(i) for i in range(start, start + self.prompts_per_rank)]
+            self.position += self.prompts_per_rank * self.dp_size
+            rollout = self.make_rollout(records, self.sampling_rng)
+            rows = rollout["input_ids"].shape[0] // self.micro_batches
+            split = [{k: v[i * rows:(i + 1) * rows] for k, v in rollout.items()} for i in range(self.micro_batches)]
+            self.pending = split * self.num_iterations
+        return self.pending.pop(0)
+
+    def state_dict(self) -> dict[str, Any]:
+        buffer = io.BytesIO()
+        torch.save({"pending": self.pending, "sampling_rng": self.sampling_rng.get_state()}, buffer)
+        local = buffer.getvalue()
+        gathered: list[Any] = [local]
+        if dist.is_initialized() and dist.get_world_size() > 1:  # each rank's, the same object on every rank
+            gathered = [None] * dist.get_world_size()
+            dist.all_gather_object(gathered, local)
+        return {"position": self.position, "pending": gathered}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.position = int(state_dict["position"])
+        pending = state_dict["pending"]
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        if len(pending) != (dist.get_world_size() if dist.is_initialized() else 1):
+            raise ConfigError(f"this checkpoint holds generations of {len(pending)} processes; resume it on as many")
+        saved = torch.load(io.BytesIO(pending[rank]), weights_only=True)
+        self.pending = saved["pending"]
+        self.sampling_rng.set_state(saved["sampling_rng"])
+
+
+# =============================================================================================
+# Model, generation and the GRPO loss
+# =============================================================================================
+
+
+def build_model(cfg: ModelConfig, vocab_size: int, seq_len: int) -> torch.nn.Module:
+    if cfg.pretrained_path:
+        chosen = {"attn_implementation": cfg.attn_implementation} if cfg.attn_implementation else {}
+        return AutoModelForCausalLM.from_pretrained(confined_path(cfg.pretrained_path), dtype=torch.float32, **chosen)
+    rows = cfg.vocab_size or vocab_size
+    if rows < vocab_size:
+        raise ConfigError(f"model.vocab_size={rows} is below the tokenizer's {vocab_size} tokens: every token needs a row")
+    config = LlamaConfig(
+        vocab_size=rows, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads,
+        max_position_embeddings=2 * seq_len, rope_theta=cfg.rope_theta, tie_word_embeddings=cfg.tie_word_embeddings,
+        attn_implementation=cfg.attn_implementation or "sdpa",
+    )
+    return LlamaForCausalLM(config)
+
+
+@contextmanager
+def full_parameters(model: torch.nn.Module):
+    """Under FSDP2, every parameter gathered once for the whole of a generation (each forward
+    would otherwise all-gather and free each block again, once per token); elsewhere nothing."""
+    from torch.distributed.fsdp import FSDPModule
+
+    sharded = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    if not sharded:
+        yield
+        return
+    for module in sharded:
+        module.set_reshard_after_forward(False, recurse=False)
+        module.unshard()
+    try:
+        yield
+    finally:
+        for module in sharded:
+            module.reshard()
+            module.set_reshard_after_forward(True, recurse=False)
+
+
+def token_logps(model, batch: dict[str, torch.Tensor], temperature: float, with_entropy: bool = False):
+    """Per completion token: the log-probability of the sampled token (logits / temperature),
+    and the entropy of the distribution it came from (detached)."""
+    width = batch["completion_mask"].shape[1]
+    attention_mask = batch["attention_mask"]
+    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # left-padded prompts start at 0, as in generate()
+    logits = model(input_ids=batch["input_ids"], attention_mask=attention_mask, position_ids=position_ids,
+                   use_cache=False).logits[:, -width - 1:-1]
+    log_probs = (logits.float() / temperature).log_softmax(-1)
+    picked = torch.gather(log_probs, 2, batch["input_ids"][:, -width:].unsqueeze(-1)).squeeze(-1)
+    entropy = None
+    if with_entropy:
+        with torch.no_grad():
+            entropy = -(log_probs.exp() * log_probs).sum(-1)
+    return picked, entropy
+
+
+def grpo_loss(logps, old_logps, ref_logps, advantages, mask, cfg: GRPOSection):
+    """The clipped surrogate (plus ``beta`` × k3 KL to the reference), as a *sum* the engine
+    divides by ``loss_units``: per-sequence means (grpo) or masked token sums (dapo, dr_grpo).
+    Also ``(kl, clipped)`` per token for the metrics."""
+    ratio = torch.exp(logps - old_logps)
+    high = cfg.epsilon if cfg.epsilon_high is None else cfg.epsilon_high
+    clipped_ratio = torch.clamp(ratio, 1 - cfg.epsilon, 1 + high)
+    advantages = advantages.unsqueeze(1)
+    per_token = -torch.min(ratio * advantages, clipped_ratio * advantages)
+    kl = torch.zeros_like(logps)
+    if cfg.beta:
+        kl = torch.exp(ref_logps - logps) - (ref_logps - logps) - 1
+        if cfg.kl_ratio_correction:
+            kl = kl * ratio
+        per_token = per_token + cfg.beta * kl
+    mask = mask.to(per_token.dtype)
+    if cfg.loss_type == "grpo":
+        loss = ((per_token * mask).sum(-1) / mask.sum(-1).clamp(min=1)).sum()
+    else:
+        loss = (per_token * mask).sum()
+    clipped = ((ratio * advantages) > (clipped_ratio * advantages)).detach()
+    return loss, kl.detach(), clipped
+
+
+def loss_units(mask: torch.Tensor, cfg: GRPOSection) -> int:
+    """What ``grpo_loss``'s sum is over in a micro-batch."""
+    if cfg.loss_type == "grpo":
+        return mask.shape[0]
+    if cfg.loss_type == "dr_grpo":
+        return mask.shape[0] * cfg.max_completion_length
+    return int(mask.sum())
+
+
+def pick_tokens(logits: torch.Tensor, temperature: float | None, top_p: float, generator=None) -> torch.Tensor:
+    """The next token of each row: sampled from softmax(logits / temperature) cut to its top-p
+    nucleus, or the most likely one with ``temperature=None``."""
+    if not temperature:
+        return logits.argmax(-1)
+    probs = (logits.float() / temperature).softmax(-1)
+    if top_p < 1:
+        sorted_probs, order = probs.sort(-1, descending=True)
+        outside = sorted_probs.cumsum(-1) - sorted_probs > top_p  # the most likely token always stays
+        probs = probs.scatter(-1, order, sorted_probs.masked_fill(outside, 0))
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+@torch.no_grad()
+def generate(model, tokenizer, prompt_ids, prompt_mask, max_new_tokens: int, temperature: float | None, top_p: float = 1.0,
+             generator: torch.Generator | None = None):
+    """Completion token ids ``[rows, width]`` (end of turn, then padding), one token per forward
+    with a KV cache, stopping when every row has ended; the full parameters gathered once. A loop
+    of its own rather than ``generate()``: at this size the per-token bookkeeping of
+    ``generate()`` costs more than the model (bench/grpo_throughput.py)."""
+    from transformers import DynamicCache
+
+    rows, device = prompt_ids.shape[0], prompt_ids.device
+    cache = DynamicCache(config=getattr(model, "config", None))
+    tokens, attention = prompt_ids, prompt_mask
+    positions = (prompt_mask.cumsum(-1) - 1).clamp(min=0)  # left padding: each prompt starts at 0
+    ended = torch.zeros(rows, dtype=torch.bool, device=device)
+    completion = []
+    with full_parameters(model):
+        for _ in range(max_new_tokens):
+            logits = model(input_ids=tokens, attention_mask=attention, position_ids=positions, past_key_values=cache,
+                           use_cache=True).logits[:, -1]
+            chosen = pick_tokens(logits, temperature, top_p, generator).masked_fill(ended, tokenizer.pad_token_id)
+            completion.append(chosen)
+            ended |= chosen == tokenizer.eos_token_id
+            if bool(ended.all()):
+                break
+            tokens, positions = chosen.unsqueeze(1), positions[:, -1:] + 1
+            attention = torch.cat([attention, attention.new_ones(rows, 1)], 1)
+    return torch.stack(completion, 1)
+
+
+# =============================================================================================
+# The recipe
+# =============================================================================================
+
+ROLLOUT_METRICS = ("completions", "completion_tokens", "truncated", "groups", "zero_signal_groups",
+                   "reward", "reward_sq", "group_std", "generation_s", "reward_s")
+STEP_METRICS = ("kl", "clipped", "entropy", "tokens")
+
+
+class GRPO(Engine):
+    """GRPO: sampled groups of completions, scored by the reward functions, pushed up or down by
+    their reward relative to their group's."""
+
+    config_class = GRPOConfig
+
+    @cached_property
+    def tokenizer(self):
+        return load_chat_tokenizer(self.config.model.pretrained_path, self.config.data.chat_template)
+
+    @classmethod
+    def validate_config(cls, config: GRPOConfig, world_size: int) -> None:
+        super().validate_config(config, world_size)
+        g, data = config.grpo, config.data
+        for name in g.reward_functions:
+            reward_function(name)
+        if g.generation_engine == "vllm":
+            try:
+                import vllm  # noqa: F401
+            except ImportError:
+                raise ConfigError("grpo.generation_engine=vllm but vllm is not installed in the run's environment; "
+                                  "install it, or set grpo.generation_engine=transformers") from None
+            raise ConfigError("grpo.generation_engine=vllm is not wired in this template yet; set grpo.generation_engine=transformers")
+        dp = world_size // (config.parallel.tp * config.parallel.sp)
+        if data.batch_size % (g.num_generations * dp):
+            raise ConfigError(f"data.batch_size={data.batch_size} completions must be whole groups on each process: a "
+                              f"multiple of grpo.num_generations × data-parallel ranks = {g.num_generations} × {dp}")
+        if g.max_completion_length >= data.seq_len:
+            raise ConfigError(f"grpo.max_completion_length={g.max_completion_length} leaves no room for a prompt in "
+                              f"data.seq_len={data.seq_len}; raise data.seq_len or lower grpo.max_completion_length")
+
+    def prepare_model(self) -> torch.nn.Module:
+        if self.config.grpo.beta:  # the frozen reference: the starting model, built from the same seed
+            with torch.random.fork_rng():
+                reference = build_model(self.config.model, len(self.tokenizer), self.config.data.seq_len)
+            self.reference = reference.eval().to(self.device).requires_grad_(False)
+        model = build_model(self.config.model, len(self.tokenizer), self.config.data.seq_len).to(self.device)
+        model = apply_fsdp(model, self.dist, self.config.parallel)
+        return model
+
+    def prepare_optimizer(self, model: torch.nn.Module) -> torch.optim.Optimizer:
+        optim = self.config.optim
+        return torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=optim.lr,
+                                 betas=(optim.beta1, optim.beta2), eps=optim.eps, weight_decay=optim.weight_decay, fused=True)
+
+    def usable(self, records):
+        """``(record, prompt tokens)`` of the records whose prompt leaves room for a completion."""
+        room = self.config.data.seq_len - self.config.grpo.max_completion_length
+        tokenized = [(r, prompt_tokens(self.tokenizer, r)) for r in records]
+        return [(r, ids) for r, ids in tokenized if len(ids) <= room]
+
+    @cached_property
+    def prompts(self) -> tuple[list, list]:
+        """(train, held-out) ``(record, prompt tokens)``."""
+        train, held_out = [], []
+        for name, record in load_prompts(self.config.data):
+            (held_out if is_eval_document(name, self.config.data.eval_fraction) else train).append(record)
+        return self.usable(train), self.usable(held_out)
+
+    def prepare_data(self) -> RolloutStream:
+        g = self.config.grpo
+        # The window's sums for log_step: rollouts' (on the CPU) and the optimisation's.
+        self.rollout_sums = torch.zeros(len(ROLLOUT_METRICS) + 2 * len(g.reward_functions), dtype=torch.float64)
+        self.step_sums = torch.zeros(len(STEP_METRICS), dtype=torch.float64, device=self.device)
+        self.longest_completion = 0
+        completions = self.config.data.batch_size // self.dist.dp_size
+        return RolloutStream(
+            self.prompts[0], self.config.train.seed, completions // g.num_generations, self.config.train.grad_accum,
+            g.num_iterations, self.dist.dp_rank, self.dist.dp_size, self.make_rollout, self.device,
+        )
+
+    def make_rollout(self, prompts: list[tuple[dict[str, Any], list[int]]], generator: torch.Generator) -> dict[str, torch.Tensor]:
+        """G completions per prompt, scored; advantages, and the old (and reference) log-probabilities."""
+        g, G = self.config.grpo, self.config.grpo.num_generations
+        start = time.perf_counter()
+        prompt_ids, prompt_mask = left_padded([ids for _, ids in prompts], self.tokenizer.pad_token_id)
+        prompt_ids, prompt_mask = prompt_ids.repeat_interleave(G, 0), prompt_mask.repeat_interleave(G, 0)
+        if "model" in self.__dict__:
+            was_training = self.model.training
+            self.model.eval()
+            completion_ids = generate(self.model, self.tokenizer, prompt_ids.to(self.device), prompt_mask.to(self.device),
+                                      g.max_completion_length, g.temperature, g.top_p, generator).cpu()
+            self.model.train(was_training)
+        else:  # estimate_run reads a batch's shapes before any model exists: the longest completions
+            completion_ids = torch.zeros((len(prompt_ids), g.max_completion_length), dtype=torch.int64)
+        mask, truncated = completion_mask(completion_ids, self.tokenizer.eos_token_id, g.mask_truncated_completions)
+        generated = time.perf_counter()
+        rewards_table = self.rewards([r for r, _ in prompts for _ in range(G)], completion_ids, mask)
+        rewards = (rewards_table * self.reward_weights).sum(1)
+        advantages, std = group_advantages(rewards, G, g.scale_rewards == "group")
+        rollout = {
+            "input_ids": torch.cat([prompt_ids, completion_ids], 1), "attention_mask": torch.cat([prompt_mask, mask], 1),
+            "completion_mask": mask, "advantages": advantages,
+        }
+        rollout_device = self.to_device(rollout)
+        with torch.no_grad():
+            if g.num_iterations > 1:
+                rollout["old_logps"] = token_logps(self.model, rollout_device, g.temperature)[0].cpu()
+            if g.beta:
+                rollout["ref_logps"] = token_logps(self.reference, rollout_device, g.temperature)[0].cpu()
+        scored = time.perf_counter()
+        lengths = completion_mask(completion_ids, self.tokenizer.eos_token_id, False)[0].sum(1)  # masked or not
+        self.longest_completion = max(self.longest_completion, int(lengths.max()))
+        groups = rewards.view(-1, G)
+        self.rollout_sums += torch.tensor([
+            len(rewards), float(lengths.sum()), float(truncated.sum()), len(groups),
+            float((groups == groups[:, :1]).all(1).sum()), float(rewards.sum()), float((rewards ** 2).sum()),
+            float(std[::G].sum()), generated - start, scored - generated,
+            *rewards_table.sum(0).tolist(), *(rewards_table ** 2).sum(0).tolist(),
+        ], dtype=torch.float64)
+        return rollout
+
+    def rewards(self, records: list[dict[str, Any]], completion_ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """The reward table of completions (one record per completion)."""
+        ids = [row[: int(n)].tolist() for row, n in zip(completion_ids, mask.sum(1))] if mask.any() else completion_ids.tolist()
+        texts = self.tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
+        chat = not isinstance(records[0]["prompt"], str)
+        completions = [[{"role": "assistant", "content": t}] for t in texts] if chat else texts
+        columns = {k: [r.get(k) for r in records] for k in records[0] if k != "prompt"}
+        return score(self.config.grpo.reward_functions, [r["prompt"] for r in records], completions, columns, ids)
+
+    def count_loss_tokens(self, batch: dict[str, torch.Tensor]) -> int:
+        """Completion tokens the loss is over (none in held-out prompts: their completions are generated)."""
+        return int(batch["completion_mask"].sum()) if "completion_mask" in batch else 0
+
+    def count_padding(self, batch: dict[str, torch.Tensor]) -> int:
+        return int((batch["attention_mask"] == 0).sum())
+
+    def count_loss_units(self, batch: dict[str, torch.Tensor]) -> int:
+        if "advantages" not in batch:  # held-out prompts: a mean over prompts
+            return batch["input_ids"].shape[0]
+        return loss_units(batch["completion_mask"], self.config.grpo)
+
+    def compute_loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        if "advantages" not in batch:  # evaluation: minus the total reward of greedy answers
+            return -(self.held_out_rewards(batch) * self.reward_weights).sum()
+        g = self.config.grpo
+        logps, entropy = token_logps(self.model, batch, g.temperature, with_entropy=True)
+        old = batch["old_logps"] if "old_logps" in batch else logps.detach()
+        loss, kl, clipped = grpo_loss(logps, old, batch.get("ref_logps"), batch["advantages"], batch["completion_mask"], g)
+        mask = batch["completion_mask"]
+        if mask.device == self.step_sums.device:  # not on the meta device of estimate_run
+            self.step_sums += torch.stack([(kl * mask).sum(), (clipped * mask).sum(), (entropy * mask).sum(),
+                                           mask.sum()]).double()
+        return loss
+
+    @property
+    def reward_weights(self) -> torch.Tensor:
+        g = self.config.grpo
+        return torch.tensor(g.reward_weights or [1.0] * len(g.reward_functions))
+
+    def held_out_rewards(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The ``[prompts, functions]`` rewards of greedy answers to held-out prompts."""
+        g = self.config.grpo
+        records = [self.prompts[1][int(i)][0] for i in batch["record_index"]]
+        completion_ids = generate(self.model, self.tokenizer, batch["input_ids"], batch["attention_mask"],
+                                  g.max_completion_length, None).cpu()
+        mask, _ = completion_mask(completion_ids, self.tokenizer.eos_token_id, False)
+        return self.rewards(records, completion_ids, mask)
+
+    def held_out_batches(self) -> list[dict[str, torch.Tensor]]:
+        held_out = self.prompts[1][: self.config.data.eval_prompts]
+        size = max(1, self.config.data.batch_size // self.config.grpo.num_generations)
+        batches = []
+        for start in range(self.dist.dp_rank * size, len(held_out), size * self.dist.dp_size):
+            ids, mask = left_padded([ids for _, ids in held_out[start:start + size]], self.tokenizer.pad_token_id)
+            batches.append({"input_ids": ids, "attention_mask": mask, "record_index": torch.arange(start, start + len(ids))})
+        return batches
+
+    def prepare_eval_data(self) -> list[dict[str, torch.Tensor]] | None:
+        """Held-out prompts; their ``eval_loss`` is minus the mean total reward of greedy answers."""
+        return self.held_out_batches() or None
+
+    def log_step(self, ctx: StepContext, window: Window) -> None:
+        """The engine's record, then the window's GRPO record: the optimisation's KL, clipping,
+        entropy and training time every time; the rollouts' rewards, lengths and generation and
+        scoring times when the window generated (with num_iterations > 1 some steps do not)."""
+        super().log_step(ctx, window)
+        rollout = dp_all_reduce_sum(self.rollout_sums.to(self.device, copy=True), self.dist).cpu()
+        steps = dp_all_reduce_sum(self.step_sums.clone(), self.dist).cpu()
+        longest = torch.tensor(float(self.longest_completion), device=self.device)
+        if dist.is_initialized():
+            dist.all_reduce(longest, op=dist.ReduceOp.MAX)
+        self.rollout_sums.zero_(), self.step_sums.zero_()
+        self.longest_completion = 0
+        r = dict(zip(ROLLOUT_METRICS, rollout.tolist()))
+        tokens = max(1.0, steps[3].item())
+        # The times are summed over the ranks, which generate side by side: their mean is the wall time.
+        generation_s, reward_s = r["generation_s"] / self.dist.dp_size, r["reward_s"] / self.dist.dp_size
+        training_s = max(1e-9, window.elapsed - generation_s - reward_s)
+        record = {
+            "step": self.state.step, "kl": steps[0].item() / tokens, "clip_frac": steps[1].item() / tokens,
+            "entropy": steps[2].item() / tokens, "training_s": training_s, "training_tokens_per_s": window.tokens / training_s,
+        }
+        if r["completions"]:
+            record |= self.rollout_record(r, rollout[len(ROLLOUT_METRICS):].tolist(), float(longest))
+            record |= {"generation_s": generation_s, "reward_s": reward_s,
+                       "generation_tokens_per_s": r["completion_tokens"] / max(1e-9, generation_s),
+                       "reward_tokens_per_s": r["completion_tokens"] / max(1e-9, reward_s)}
+        self.logger.log(record)
+
+    def rollout_record(self, r: dict[str, float], per_function: list[float], longest: float) -> dict[str, float]:
+        n, names = r["completions"], self.config.grpo.reward_functions
+        record = {
+            "reward": r["reward"] / n, "reward_std": math.sqrt(max(0.0, r["reward_sq"] / n - (r["reward"] / n) ** 2)),
+            "group_reward_std": r["group_std"] / r["groups"], "zero_signal_groups": r["zero_signal_groups"] / r["groups"],
+            "completion_length": r["completion_tokens"] / n, "completion_length_max": longest,
+            "truncated_frac": r["truncated"] / n,
+        }
+        for i, name in enumerate(names):
+            mean = per_function[i] / n
+            record[f"reward_{name}"] = mean
+            record[f"reward_{name}_std"] = math.sqrt(max(0.0, per_function[len(names) + i] / n - mean ** 2))
+        return record
+
+    def flops_per_token(self) -> float:
+        cfg = self.model.config
+        return transformer_flops_per_token(non_embedding_params(self.model), cfg.num_hidden_layers, cfg.hidden_size,
+                                           self.config.data.seq_len)
+
+    # Looking at the model: export, sample, evaluate ------------------------------------------
+
+    def hf_model(self):
+        return self.model
+
+    def hf_processing(self):
+        return self.tokenizer
+
+    @torch.no_grad()
+    def task_metrics(self) -> dict[str, float]:
+        """On held-out prompts, greedy answers: the mean of each reward function, the weighted
+        total (``reward``) and how many prompts were scored (``prompts``)."""
+        names = self.config.grpo.reward_functions
+        totals = torch.zeros(len(names) + 1, dtype=torch.float64)
+        for batch in self.held_out_batches():
+            table = self.held_out_rewards(self.to_device(batch))
+            totals += torch.cat([table.sum(0), torch.tensor([len(table)])]).double()
+        totals = dp_all_reduce_sum(totals.to(self.device), self.dist).cpu()
+        count = max(1.0, float(totals[-1]))
+        metrics = {f"reward_{name}": float(totals[i]) / count for i, name in enumerate(names)}
+        return {"reward": float((totals[:-1].float() * self.reward_weights).sum()) / count, **metrics, "prompts": float(totals[-1])}
+
+    @classmethod
+    def summarize_data(cls, config: GRPOConfig) -> DataSummary:
+        cfg, g = config.data, config.grpo
+        tokenizer = load_chat_tokenizer(config.model.pretrained_path, cfg.chat_template)
+        room = cfg.seq_len - g.max_completion_length
+        counts = {True: [0, 0], False: [0, 0]}  # held out? -> [prompts, prompt tokens]
+        dropped, longest, names = 0, 0, set()
+        for name, record in load_prompts(cfg):
+            ids = prompt_tokens(tokenizer, record, name)
+            names.add(name.split(":", 1)[0])
+            longest = max(longest, len(ids))
+            if len(ids) > room:
+                dropped += 1
+                continue
+            counted = counts[is_eval_document(name, cfg.eval_fraction)]
+            counted[0] += 1
+            counted[1] += len(ids)
+        return DataSummary(
+            source=cfg.source, paths=cfg.paths[:20], files=len(names) if cfg.source == "files" else None,
+            documents=counts[False][0] + counts[True][0], tokens=counts[False][1] + counts[True][1],
+            train_documents=counts[False][0], train_tokens=counts[False][1],
+            eval_documents=counts[True][0], eval_tokens=counts[True][1],
+            tokenizer=f"from {config.model.pretrained_path}" if config.model.pretrained_path else "bytes (chat)",
+            format="prompt", mask="completion", loss_tokens=0, train_loss_tokens=0, eval_loss_tokens=0,
+            dropped=dropped,
+            dropped_why=(f"{dropped}: the prompt leaves no room for grpo.max_completion_length={g.max_completion_length} "
+                         f"in data.seq_len={cfg.seq_len}" if dropped else None),
+            seq_len_to_keep=longest + g.max_completion_length if dropped else None,
+        )
+
