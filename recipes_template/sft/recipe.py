@@ -40,7 +40,7 @@ from engine.chat import CHAT_TEMPLATE, byte_chat_tokenizer  # noqa: F401 (the te
 from engine.chat import conversation_mask_method, encode_completion, load_chat_tokenizer
 from engine.chat import encode_conversation as encode_chat
 from engine.config import ConfigError, DataConfig, EngineConfig, Section
-from engine.data_files import confined_path
+from engine.data_files import DataListing, confined_path
 from engine.data_formats import read_examples
 from engine.engine import IGNORE_INDEX, Engine
 from engine.flops import non_embedding_params, transformer_flops_per_token
@@ -227,9 +227,12 @@ def chance_accuracy(count: int = 2000, seed: int = 1) -> float:
 # =============================================================================================
 
 
-def load_conversations(cfg: SFTDataConfig) -> tuple[list[tuple[str, dict[str, Any]]], list[str]]:
+def load_conversations(
+    cfg: SFTDataConfig, listing: DataListing | None = None
+) -> tuple[list[tuple[str, dict[str, Any]]], list[str]]:
     """``(examples, formats)``: ``(name, example)`` pairs — the name decides the train/eval split,
-    so it must be stable — and the formats the sources were read in."""
+    so it must be stable — and the formats the sources were read in. The files read are
+    fingerprinted into ``listing``."""
     if cfg.source == "builtin":
         return [(name, {"messages": m}) for name, m in builtin_conversations(cfg.builtin_conversations, cfg.max_turns)], ["messages"]
     columns = dict(cfg.columns)
@@ -237,7 +240,8 @@ def load_conversations(cfg: SFTDataConfig) -> tuple[list[tuple[str, dict[str, An
         columns.setdefault("messages", cfg.messages_field)
     conversations, formats = [], []
     for source in read_examples(
-        "sft", cfg.paths, format=cfg.format, columns=columns, dataset=cfg.dataset, subset=cfg.subset, split=cfg.split
+        "sft", cfg.paths, format=cfg.format, columns=columns, dataset=cfg.dataset, subset=cfg.subset, split=cfg.split,
+        listing=listing,
     ):
         formats.append(source.format)
         conversations.extend(source.records)
@@ -399,7 +403,8 @@ class SFT(Engine):
         counts = {True: [0, 0, 0], False: [0, 0, 0]}  # held out? -> [conversations, tokens, loss tokens]
         names, masks, dropped = set(), set(), {}
         truncated = keep = 0
-        examples, formats = load_conversations(cfg)
+        listing = DataListing()
+        examples, formats = load_conversations(cfg, listing)
         for name, example in examples:
             piece, why, cut = encode_example(tokenizer, example, cfg.seq_len, name)
             truncated += cut
@@ -433,13 +438,14 @@ class SFT(Engine):
             dropped=sum(dropped.values()),
             dropped_why="; ".join(f"{n}: {why}" for why, n in sorted(dropped.items())) or None,
             seq_len_to_keep=keep or None,
+            **listing.summary_fields(),
         )
 
     @cached_property
     def conversations(self) -> tuple[list, list]:
         """(train examples, held-out examples)."""
         train, held_out = [], []
-        for name, example in load_conversations(self.config.data)[0]:
+        for name, example in load_conversations(self.config.data, self.data_listing)[0]:
             (held_out if is_eval_document(name, self.config.data.eval_fraction) else train).append(example)
         return train, held_out
 
