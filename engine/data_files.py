@@ -28,6 +28,9 @@ from typing import Any, Iterable, Iterator
 from engine.config import ConfigError
 
 WORKSPACE_VARIABLE = "TRAINWRIGHT_WORKSPACE"
+# Set by the server for a run and its launch check: the folder of the tokenized data stores
+# (engine/token_store.py), the workspace's .trainwright/data-cache, bound writable.
+DATA_CACHE_VARIABLE = "TRAINWRIGHT_DATA_CACHE"
 
 # Set by the server for a run, a launch check or a model process that loads a model by Hub id
 # (runner/hub.py): JSON {name as given: snapshot folder}, the folders bound read-only.

@@ -27,13 +27,14 @@ import tempfile
 from array import array
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import numpy as np
 
 from engine.config import ConfigError
+from engine.data_files import DATA_CACHE_VARIABLE as CACHE_VARIABLE
+from engine.data_files import HUB_DATASETS_VARIABLE, DataListing, bound_hub_path, data_files
 
-CACHE_VARIABLE = "TRAINWRIGHT_DATA_CACHE"
 STORE_FORMAT = 1  # part of every key: a store of another layout is never read as this one
 META_JSON = "meta.json"
 SPLITS = ("train", "eval")
@@ -131,6 +132,33 @@ class StoreWriter:
             self._flush(split)
             self.files[split].close()
             np.save(folder / f"{split}.idx.npy", np.frombuffer(self.starts[split], dtype=np.int64))
+
+
+def tokenizer_identity(tokenizer: Any) -> str:
+    """What a store is keyed by for a Hugging Face tokenizer: its whole definition (the backend's
+    JSON, or the vocabulary), its chat template and its special tokens."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    parts = [backend.to_str() if backend is not None else repr(sorted(tokenizer.get_vocab().items())),
+             repr(getattr(tokenizer, "chat_template", None)), repr(getattr(tokenizer, "special_tokens_map", None))]
+    return hashlib.sha256("\0".join(parts).encode()).hexdigest()
+
+
+def data_identity(paths: list[str], suffixes: Iterable[str], listing: DataListing,
+                  dataset: str | None = None) -> tuple[list[Any], int]:
+    """What the data of ``paths`` (and ``dataset``) is, for a store's key, and its size in bytes:
+    the fingerprint of its files, listed into ``listing`` as the readers list them (nothing is
+    parsed). A Hub data set is named by the snapshot the server bound (its folder names the
+    revision)."""
+    from engine.data_formats import is_saved_dataset
+
+    identity: list[Any] = []
+    for raw in [*paths, *([dataset] if dataset and Path(dataset).exists() else [])]:
+        saved = is_saved_dataset(Path(raw))
+        data_files([raw], suffixes={".arrow", ".json"} if saved else suffixes, listing=listing)
+    identity.append(listing.fingerprint())
+    if dataset and not Path(dataset).exists():
+        identity.append([dataset, bound_hub_path(HUB_DATASETS_VARIABLE, dataset)])
+    return identity, sum(path.stat().st_size for path in listing.files)
 
 
 def value_dtype(max_value: int, signed: bool = False) -> str:

@@ -41,6 +41,9 @@ STATE_DIRNAME = ".trainwright"
 # (runner.server_record), where no run's sandbox can write.
 RECORDS_DIRNAME = "runs"
 RECORD_JSON = "record.json"
+# <workspace>/.trainwright/data-cache/<key>/: the tokenized data runs share (engine.token_store),
+# the one folder of the state a run's sandbox may write; never part of a run's snapshot.
+DATA_CACHE_DIRNAME = "data-cache"
 CHANGE_LOCK = "changes.lock"
 
 
@@ -267,6 +270,16 @@ class Workspace:
 def records_root(workspace: Path | str) -> Path:
     """``<workspace>/.trainwright/runs``: the server's records of the workspace's runs."""
     return Path(workspace) / STATE_DIRNAME / RECORDS_DIRNAME
+
+
+def data_cache_dir(workspace: Path | str, create: bool = False) -> Path:
+    """``<workspace>/.trainwright/data-cache``: where runs keep their tokenized data; with
+    ``create``, made when missing (a link there is refused, as for every state folder)."""
+    folder = Path(workspace) / STATE_DIRNAME / DATA_CACHE_DIRNAME
+    if create:
+        os.close(open_real_dir(folder.parent, create=True))
+        os.close(open_real_dir(folder, create=True))
+    return folder
 
 
 def record_dir(workspace: Path | str, run_id: str) -> Path:

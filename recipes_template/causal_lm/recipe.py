@@ -41,7 +41,7 @@ from engine.engine import IGNORE_INDEX, Engine
 from engine.run_dir import DataSummary
 from engine.flops import non_embedding_params, transformer_flops_per_token
 from engine.fsdp import apply_fsdp
-from engine.token_store import TokenStore, open_or_build, store_key, value_dtype
+from engine.token_store import TokenStore, data_identity, open_or_build, store_key, tokenizer_identity, value_dtype
 
 # =============================================================================================
 # Configuration (defaults are the benchmark's reference point; override with --set or
@@ -150,9 +150,7 @@ class PretrainedTokenizer:
     @cached_property
     def identity(self) -> str:
         """What the tokenized data store is keyed by: the tokenizer's whole definition."""
-        backend = getattr(self.tokenizer, "backend_tokenizer", None)
-        text = backend.to_str() if backend is not None else repr(sorted(self.tokenizer.get_vocab().items()))
-        return hashlib.sha256(text.encode()).hexdigest()
+        return tokenizer_identity(self.tokenizer)
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids)
@@ -266,20 +264,17 @@ def _expand_paths(paths: list[str], listing: DataListing | None = None) -> list[
     return data_files(paths, suffixes={".txt", ".md", ".py", *RECORD_READERS}, listing=listing)
 
 
-def data_identity(cfg: CausalLMDataConfig, listing: DataListing) -> tuple[Any, int]:
-    """What the data is, for the token store's key, and its size in bytes: the fingerprint of the
-    files (listed into ``listing``, nothing read but their bytes), the standard library's files
-    with their sizes and times, or the random documents' settings."""
+def document_identity(cfg: CausalLMDataConfig, listing: DataListing) -> tuple[Any, int]:
+    """What the documents are, for the token store's key, and their size in bytes: the files'
+    fingerprint (listed into ``listing``), the standard library's files with their sizes and
+    times, or the random documents' settings."""
     if cfg.source == "random":
         return ["random", cfg.vocab_size, cfg.random_documents, cfg.seq_len], 0
     if cfg.source == "stdlib":
         files = [(str(p), p.stat().st_size, p.stat().st_mtime_ns) for p in stdlib_files()]
         return ["stdlib", hashlib.sha256(repr(files).encode()).hexdigest()], sum(f[1] for f in files)
-    for raw in cfg.paths:
-        if is_saved_dataset(Path(raw)):
-            data_files([raw], suffixes={".arrow", ".json"}, listing=listing)
-    _expand_paths([p for p in cfg.paths if not is_saved_dataset(Path(p))], listing)
-    return ["files", listing.fingerprint(), cfg.text_field], sum(path.stat().st_size for path in listing.files)
+    identity, size = data_identity(cfg.paths, {".txt", ".md", ".py", *RECORD_READERS}, listing)
+    return ["files", identity, cfg.text_field], size
 
 
 def _refuse_unused_data_folder() -> None:
@@ -317,7 +312,7 @@ def token_store(cfg: CausalLMDataConfig, tokenizer, listing: DataListing) -> Tok
     the store of its fingerprint, tokenizer and settings: built on first use (one document in
     memory at a time), mapped by every rank and every later run. The data files are listed into
     ``listing``; a file that changes while it is tokenized fails the build, which keeps nothing."""
-    identity, size = data_identity(cfg, listing)
+    identity, size = document_identity(cfg, listing)
     key = store_key(template="causal_lm", data=identity, tokenizer=tokenizer.identity, seq_len=cfg.seq_len,
                     eval_fraction=cfg.eval_fraction)
 
