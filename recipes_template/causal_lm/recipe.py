@@ -25,6 +25,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any, Iterator, Literal
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from pydantic import Field, model_validator
@@ -113,10 +114,7 @@ class ByteTokenizer:
     vocab_size = 258
 
     def encode(self, text: str) -> torch.Tensor:
-        data = bytearray(text.encode("utf-8", errors="replace"))
-        if not data:
-            return torch.zeros(0, dtype=torch.int64)
-        return torch.frombuffer(data, dtype=torch.uint8).to(torch.int64)
+        return torch.from_numpy(np.frombuffer(text.encode("utf-8", errors="replace"), dtype=np.uint8).astype(np.int64))
 
     def decode(self, ids: list[int]) -> str:
         return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
@@ -321,11 +319,11 @@ def token_store(cfg: CausalLMDataConfig, tokenizer, listing: DataListing) -> Tok
         names, read = set(), DataListing()
         for name, text in read_documents(cfg, read):
             split = "eval" if is_eval_document(name, cfg.eval_fraction) else "train"
-            pieces = document_pieces(text, tokenizer, cfg.seq_len)
-            for piece in pieces:
-                store.add(split, piece.numpy())
+            ids = np.append(tokenizer.encode(text).numpy(), tokenizer.eos_token_id)  # as document_pieces cuts it
+            for start in range(0, len(ids) - 1, cfg.seq_len):
+                store.add(split, ids[start : start + cfg.seq_len + 1])
             counts[split][0] += 1
-            counts[split][1] += sum(len(p) for p in pieces) - len(pieces) + 1  # the document's tokens + EOS
+            counts[split][1] += len(ids)
             names.add(name.split(":", 1)[0])
         if read.fingerprint() != listing.fingerprint() or read.changed():
             raise ConfigError(f"data.paths changed while it was tokenized ({', '.join(p.name for p in read.changed()[:3])}"
