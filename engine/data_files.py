@@ -31,6 +31,7 @@ WORKSPACE_VARIABLE = "TRAINWRIGHT_WORKSPACE"
 # Set by the server for a run and its launch check: the folder of the tokenized data stores
 # (engine/token_store.py), the workspace's .trainwright/data-cache, bound writable.
 DATA_CACHE_VARIABLE = "TRAINWRIGHT_DATA_CACHE"
+STORE_META_JSON = "meta.json"  # a store's folder holds it once it is complete, written last
 
 # Set by the server for a run, a launch check or a model process that loads a model by Hub id
 # (runner/hub.py): JSON {name as given: snapshot folder}, the folders bound read-only.

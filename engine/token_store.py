@@ -33,10 +33,10 @@ import numpy as np
 
 from engine.config import ConfigError
 from engine.data_files import DATA_CACHE_VARIABLE as CACHE_VARIABLE
+from engine.data_files import STORE_META_JSON as META_JSON
 from engine.data_files import HUB_DATASETS_VARIABLE, DataListing, bound_hub_path, data_files
 
 STORE_FORMAT = 1  # part of every key: a store of another layout is never read as this one
-META_JSON = "meta.json"
 SPLITS = ("train", "eval")
 UINT16_LIMIT = 1 << 16
 WRITE_BUFFER_VALUES = 1 << 20  # values gathered before a write (4 MiB as int32)
@@ -211,12 +211,3 @@ def _locked(path: Path):
             yield
         finally:
             fcntl.flock(lock, fcntl.LOCK_UN)
-
-
-def stores(root: Path) -> list[tuple[str, int]]:
-    """``(name, bytes)`` of every store built in ``root`` (the folders with ``meta.json``)."""
-    found = []
-    for folder in sorted(root.iterdir()) if root.is_dir() else []:
-        if folder.is_dir() and not folder.is_symlink() and (folder / META_JSON).is_file():
-            found.append((folder.name, sum(f.stat().st_size for f in folder.iterdir() if f.is_file())))
-    return found

@@ -282,6 +282,43 @@ def data_cache_dir(workspace: Path | str, create: bool = False) -> Path:
     return folder
 
 
+def cached_data(workspace: Path | str) -> list[tuple[str, int]]:
+    """``(name, bytes)`` of every tokenized data store in the workspace's data cache: the
+    folders that hold a complete store (``meta.json``), and those a build left unfinished."""
+    folder = data_cache_dir(workspace)
+    found = []
+    for store in sorted(folder.iterdir()) if folder.is_dir() and not folder.is_symlink() else []:
+        if store.is_dir() and not store.is_symlink():
+            found.append((store.name, sum(f.stat().st_size for f in store.iterdir() if f.is_file() and not f.is_symlink())))
+    return found
+
+
+def remove_cached_data(workspace: Path | str, names: list[str]) -> list[tuple[str, int]]:
+    """Remove the named stores (``all``: every one) from the data cache; returns what was removed.
+    A name that is not there is refused before anything is removed; a store being built (its
+    lock held) is left and refused. A run that maps a removed store keeps reading it."""
+    import fcntl
+    import shutil
+
+    there = dict(cached_data(workspace))
+    chosen = list(there) if names == ["all"] else names
+    missing = [name for name in chosen if name not in there]
+    if missing:
+        raise NotFound(f"no cached data {missing[0]!r}; cached: {', '.join(there) or 'none'}")
+    removed = []
+    folder = data_cache_dir(workspace)
+    for name in chosen:
+        key = name.split(".building-", 1)[0]
+        with open(folder / f"{key}.lock", "a") as lock:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                raise BadInput(f"cached data {name!r} is being built by a run; remove it once that run is done") from None
+            shutil.rmtree(folder / name)
+        removed.append((name, there[name]))
+    return removed
+
+
 def record_dir(workspace: Path | str, run_id: str) -> Path:
     return records_root(workspace) / run_id
 

@@ -12,14 +12,16 @@ import torch
 
 from engine import token_store
 from engine.config import ConfigError
+from engine.errors import NotFound
 from engine.data_files import DataListing
 from recipes_template.causal_lm import recipe as causal_lm
 from recipes_template.sft import recipe as sft
+from workspace.workspace import cached_data, data_cache_dir, remove_cached_data
 
 
 @pytest.fixture
 def cache(tmp_path, monkeypatch) -> Path:
-    folder = tmp_path / "cache"
+    folder = data_cache_dir(tmp_path / "ws")  # the workspace's .trainwright/data-cache
     monkeypatch.setenv(token_store.CACHE_VARIABLE, str(folder))
     return folder
 
@@ -104,9 +106,35 @@ def test_the_sft_store_keeps_tokens_and_targets_and_the_summary(cache):
     assert store.counts["train_loss_tokens"] == sum(int((p[1, 1:] != -100).sum()) for p in expected)
 
 
-def test_stores_are_listed_with_their_size(tmp_path, cache):
+def test_cached_data_is_listed_with_its_size_and_removed_by_name(tmp_path, cache):
     cfg = causal_lm.CausalLMDataConfig(paths=[str(corpus(tmp_path / "data"))])
     store = causal_store(cfg)
-    [(name, size)] = token_store.stores(cache)
-    assert name == store.folder.name
-    assert size == sum(f.stat().st_size for f in store.folder.iterdir())
+    other = causal_store(cfg.model_copy(update={"seq_len": 16}))
+    listed = dict(cached_data(tmp_path / "ws"))
+    assert listed == {s.folder.name: sum(f.stat().st_size for f in s.folder.iterdir()) for s in (store, other)}
+    with pytest.raises(NotFound, match=f"no cached data 'nothing'; cached: "):
+        remove_cached_data(tmp_path / "ws", [store.folder.name, "nothing"])
+    assert dict(cached_data(tmp_path / "ws")) == listed  # a bad name removes nothing
+    assert remove_cached_data(tmp_path / "ws", [store.folder.name]) == [(store.folder.name, listed[store.folder.name])]
+    assert [name for name, _ in cached_data(tmp_path / "ws")] == [other.folder.name]
+    assert causal_store(cfg).folder == store.folder  # built again when asked for again
+    remove_cached_data(tmp_path / "ws", ["all"])
+    assert cached_data(tmp_path / "ws") == []
+
+
+def test_the_data_cache_command_lists_and_removes_what_runs_tokenized(tmp_path, cache, capsys):
+    import subprocess
+
+    from mcp_server import cli
+
+    subprocess.run(["git", "init", "-q", str(tmp_path / "ws")], check=True)
+    store = causal_store(causal_lm.CausalLMDataConfig(paths=[str(corpus(tmp_path / "data"))]))
+    size = sum(f.stat().st_size for f in store.folder.iterdir())
+    assert cli.main(["data-cache", "--workspace", str(tmp_path / "ws"), "--json"]) == 0
+    listed = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert listed == {"folder": ".trainwright/data-cache", "stores": {store.folder.name: size}, "removed": {}}
+    assert cli.main(["data-cache", "--remove", "elsewhere", "--workspace", str(tmp_path / "ws"), "--json"]) == 3
+    assert store.folder.is_dir()
+    assert cli.main(["data-cache", "--remove", "all", "--workspace", str(tmp_path / "ws"), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert (out["stores"], out["removed"]) == ({}, {store.folder.name: size}) and not store.folder.exists()
