@@ -175,7 +175,7 @@ def open_or_build(key: str, rows: int, dtype: str, build: Callable[[StoreWriter]
     space checked first. An error of ``build`` leaves nothing behind."""
     root = cache_root() if root is None else root
     folder = root / key
-    with _locked(root / f"{key}.lock"):
+    with locked_cache(root):
         if (folder / META_JSON).is_file():
             return TokenStore(folder, json.loads((folder / META_JSON).read_text()))
         _check_disk_space(root, input_bytes * DISK_BYTES_PER_INPUT_BYTE)
@@ -204,10 +204,12 @@ def _check_disk_space(root: Path, needed: int) -> None:
 
 
 @contextlib.contextmanager
-def _locked(path: Path):
-    with open(path, "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
+def locked_cache(root: Path, wait: bool = True):
+    """The cache folder's own lock (a lock on the folder, so no lock file is left behind): held
+    while a store is looked up and built; ``wait=False`` raises ``BlockingIOError`` when held."""
+    fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX if wait else fcntl.LOCK_EX | fcntl.LOCK_NB)
+        yield
+    finally:
+        os.close(fd)

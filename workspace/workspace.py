@@ -139,7 +139,9 @@ class Workspace:
         return self.root / STATE_DIRNAME
 
     def prepare_state(self) -> None:
-        """Create ``.trainwright/`` and its lock file (once, when a writable server starts)."""
+        """Create ``.trainwright/``, its lock file and the data cache (once, when a writable
+        server starts: a launch then changes nothing there but the stores it builds)."""
+        data_cache_dir(self.root, create=True)
         dir_fd = open_real_dir(self.state_dir, create=True)
         try:
             os.close(open_state_file(dir_fd, CHANGE_LOCK, os.O_RDWR | os.O_CREAT))
@@ -295,9 +297,9 @@ def cached_data(workspace: Path | str) -> list[tuple[str, int]]:
 
 def remove_cached_data(workspace: Path | str, names: list[str]) -> list[tuple[str, int]]:
     """Remove the named stores (``all``: every one) from the data cache; returns what was removed.
-    A name that is not there is refused before anything is removed; a store being built (its
-    lock held) is left and refused. A run that maps a removed store keeps reading it."""
-    import fcntl
+    A name that is not there is refused before anything is removed; while a store is being built
+    (the cache folder's lock held) nothing is removed. A run that maps a removed store keeps
+    reading it."""
     import shutil
 
     there = dict(cached_data(workspace))
@@ -305,18 +307,18 @@ def remove_cached_data(workspace: Path | str, names: list[str]) -> list[tuple[st
     missing = [name for name in chosen if name not in there]
     if missing:
         raise NotFound(f"no cached data {missing[0]!r}; cached: {', '.join(there) or 'none'}")
-    removed = []
     folder = data_cache_dir(workspace)
-    for name in chosen:
-        key = name.split(".building-", 1)[0]
-        with open(folder / f"{key}.lock", "a") as lock:
-            try:
-                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                raise BadInput(f"cached data {name!r} is being built by a run; remove it once that run is done") from None
+    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)  # the lock engine.token_store builds under
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise BadInput("a run is tokenizing its data into the cache; remove once it has started training") from None
+        for name in chosen:
             shutil.rmtree(folder / name)
-        removed.append((name, there[name]))
-    return removed
+    finally:
+        os.close(fd)
+    return [(name, there[name]) for name in chosen]
 
 
 def record_dir(workspace: Path | str, run_id: str) -> Path:
