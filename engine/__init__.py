@@ -21,6 +21,7 @@ Small and explicit, one concept per file:
 - ``chat``            chat templates as they are: tokens and the assistant mask
 - ``data_files``      the data files a run may read, confined and listed
 - ``data_formats``    file kinds and record formats (Alpaca, ShareGPT, parquet, CSV, ...)
+- ``token_store``     a run's data tokenized once, on disk, mapped by every rank and later run
 - ``model_io``        export, sample, evaluate: ``python -m engine.model_io``
 - ``hf_export``       a trained model as a Hugging Face folder
 - ``gguf_export``     a Hugging Face folder as one GGUF file (llama.cpp, Ollama)

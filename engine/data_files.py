@@ -8,9 +8,10 @@ under the allowed root, which the server passes to the run in ``TRAINWRIGHT_WORK
 Without that variable (a person running ``python -m engine.launch`` by hand) nothing is
 refused.
 
-Every file listed is also fingerprinted (SHA-256 of its bytes, in a ledger of this process), so
-a run can tell whether the data it loaded is the data its launch check counted
-(:func:`data_fingerprint`, :func:`changed_since_listed`). Torch-free.
+Every file listed is also fingerprinted (SHA-256 of its bytes) into the :class:`DataListing`
+the caller passes and holds, so a run can tell whether the data it loaded is the data its launch
+check counted (:meth:`DataListing.fingerprint`, :meth:`DataListing.changed`), and a tokenized
+store can be keyed by it (:mod:`engine.token_store`). Torch-free.
 """
 
 from __future__ import annotations
@@ -21,27 +22,76 @@ import os
 import stat
 from pathlib import Path
 import json
+from dataclasses import dataclass, field
 from typing import Any, Iterable, Iterator
 
 from engine.config import ConfigError
 
 WORKSPACE_VARIABLE = "TRAINWRIGHT_WORKSPACE"
+# Set by the server for a run and its launch check: the folder of the tokenized data stores
+# (engine/token_store.py), the workspace's .trainwright/data-cache, bound writable.
+DATA_CACHE_VARIABLE = "TRAINWRIGHT_DATA_CACHE"
+STORE_META_JSON = "meta.json"  # a store's folder holds it once it is complete, written last
 
-# Every data file this process listed: resolved path -> SHA-256 of its bytes when last listed.
-_LEDGER: dict[Path, str] = {}
 # Set by the server for a run, a launch check or a model process that loads a model by Hub id
 # (runner/hub.py): JSON {name as given: snapshot folder}, the folders bound read-only.
 HUB_MODELS_VARIABLE = "TRAINWRIGHT_HUB_MODELS"
 HUB_DATASETS_VARIABLE = "TRAINWRIGHT_HUB_DATASETS"  # likewise for data.dataset
-# What the listings of this process left out: the name shown -> why (an extension the recipe does
-# not read, an empty file, a link to nothing or to what is not a regular file).
-_SKIPPED: dict[str, str] = {}
 GLOB_CHARACTERS = frozenset("*?[")
 MAX_SKIPPED_SHOWN = 10
 
 
 class DataPathRefused(ConfigError):
     """A data path that leads outside the workspace; the message names it."""
+
+
+@dataclass
+class DataListing:
+    """What one reading of a run's data listed: every data file with the SHA-256 of its bytes
+    when listed, and what was left out with why (an extension the recipe does not read, an empty
+    file, a link to nothing or to what is not a regular file). The reader returns or fills it;
+    the launch check and the engine hold it."""
+
+    files: dict[Path, str] = field(default_factory=dict)
+    skipped: dict[str, str] = field(default_factory=dict)
+
+    def add(self, path: Path) -> None:
+        """Fingerprint ``path`` (resolved, a regular file) as part of the data."""
+        self.files[path] = _file_sha256(path)
+
+    def fingerprint(self) -> str | None:
+        """One SHA-256 over the paths and contents of every file listed (as they were when
+        listed), or None when none was (generated data)."""
+        if not self.files:
+            return None
+        digest = hashlib.sha256()
+        for path in sorted(self.files):
+            digest.update(f"{path}\0{self.files[path]}\n".encode())
+        return digest.hexdigest()
+
+    def changed(self) -> list[Path]:
+        """The listed files whose bytes are no longer what they were when listed (or that are
+        gone): a loader that read them in between may have read either version."""
+        changed = []
+        for path, digest in sorted(self.files.items()):
+            try:
+                if _file_sha256(path) != digest:
+                    changed.append(path)
+            except OSError:
+                changed.append(path)
+        return changed
+
+    def skipped_report(self) -> list[str]:
+        """The skipped files as lines for a data summary: the first :data:`MAX_SKIPPED_SHOWN`,
+        and how many more."""
+        lines = [f"{name}: {why}" for name, why in list(self.skipped.items())[:MAX_SKIPPED_SHOWN]]
+        if len(self.skipped) > MAX_SKIPPED_SHOWN:
+            lines.append(f"… and {len(self.skipped) - MAX_SKIPPED_SHOWN} more")
+        return lines
+
+    def summary_fields(self) -> dict[str, Any]:
+        """The data summary's fields this listing fills (``fingerprint``, ``skipped``)."""
+        return {"fingerprint": self.fingerprint(), "skipped": self.skipped_report()}
 
 
 def allowed_root() -> Path | None:
@@ -54,16 +104,19 @@ def _inside(path: Path, root: Path) -> bool:
     return path == root or root in path.parents
 
 
-def data_files(paths: Iterable[str], suffixes: Iterable[str], root: Path | None = None) -> list[tuple[Path, str]]:
+def data_files(paths: Iterable[str], suffixes: Iterable[str], root: Path | None = None,
+               listing: DataListing | None = None) -> list[tuple[Path, str]]:
     """``(file, name)`` for every file in ``paths`` (folders: their files with one of
     ``suffixes``, links followed, in a fixed order). The name is relative to the folder given
     (or the file's own name), so the train/eval split does not depend on where data is stored.
 
     With a root (default: :func:`allowed_root`), a path that starts with ``~`` or that resolves
     outside the root — through ``..``, an absolute path or a symlink anywhere on the way — is
-    refused with :class:`DataPathRefused`.
+    refused with :class:`DataPathRefused`. Every file found is fingerprinted into ``listing``,
+    and what was skipped recorded there (None: a listing of its own, dropped).
     """
     root = allowed_root() if root is None else Path(root).resolve()
+    listing = DataListing() if listing is None else listing
     suffixes = set(suffixes)
     found: list[tuple[Path, str]] = []
     for raw in paths:
@@ -72,21 +125,21 @@ def data_files(paths: Iterable[str], suffixes: Iterable[str], root: Path | None 
             raise DataPathRefused(f"data path {raw!r} starts with '~': give a path inside the workspace")
         given = Path(raw) if root is not None else Path(raw).expanduser()
         if not os.path.lexists(given) and GLOB_CHARACTERS & set(raw):
-            found.extend(_glob_files(raw, root, suffixes))
+            found.extend(_glob_files(raw, root, suffixes, listing))
             continue
         real = _confined(given, raw, root)
         if real.is_dir():
-            found.extend(_folder_files(given, real, raw, root, suffixes))
+            found.extend(_folder_files(given, real, raw, root, suffixes, listing))
         elif real.is_file():
             found.append((real, given.name))
         else:
             raise ConfigError(f"data path {raw!r} does not exist (relative paths start at the workspace)")
     for real, _ in found:
-        _LEDGER[real] = _file_sha256(real)
+        listing.add(real)
     return found
 
 
-def _glob_files(pattern: str, root: Path | None, suffixes: set[str]) -> list[tuple[Path, str]]:
+def _glob_files(pattern: str, root: Path | None, suffixes: set[str], listing: DataListing) -> list[tuple[Path, str]]:
     """The files a glob matches (``notes/**/*.md``; ``**`` spans folders), listed as a folder's
     files are: confined, of the recipe's extensions (others skipped and reported), named relative
     to the folder before the first wildcard, so the split does not depend on where data lives."""
@@ -99,55 +152,38 @@ def _glob_files(pattern: str, root: Path | None, suffixes: set[str]) -> list[tup
         shown = match
         real = _confined(path, shown, root)
         if real.is_dir():
-            for target, name in _folder_files(path, real, shown, root, suffixes):
+            for target, name in _folder_files(path, real, shown, root, suffixes, listing):
                 found.append((target, (path.relative_to(base) / name).as_posix()))
-        elif _listable(path, real, shown, suffixes):
+        elif _listable(path, real, shown, suffixes, listing.skipped):
             found.append((real, path.relative_to(base).as_posix()))
     if not found:
+        skipped = f"; skipped: {'; '.join(listing.skipped_report()[:3])}" if listing.skipped else ""
         raise ConfigError(f"data path {pattern!r} matches no file the recipe reads ({', '.join(sorted(suffixes))}; "
-                          f"relative paths start at the workspace){_skipped_hint()}")
+                          f"relative paths start at the workspace){skipped}")
     return sorted(found, key=lambda item: item[1])
 
 
-def _listable(path: Path, real: Path, shown: str, suffixes: set[str] | None) -> bool:
+def _listable(path: Path, real: Path, shown: str, suffixes: set[str] | None, skipped: dict[str, str]) -> bool:
     """Whether a file found in a folder or by a glob is data; what is not is recorded with why
     (``suffixes`` None: a model folder's files, listed to be confined, not as data: only regular
-    files count, nothing is recorded)."""
+    files count, nothing is recorded; ``skipped``: where what is not data is recorded)."""
     if suffixes is None:
         return real.is_file()
     if path.suffix not in suffixes:
-        _SKIPPED[shown] = (f"extension {path.suffix or '(none)'} is not one this recipe reads "
+        skipped[shown] = (f"extension {path.suffix or '(none)'} is not one this recipe reads "
                            f"({', '.join(sorted(suffixes))})")
         return False
     if not real.exists():
-        _SKIPPED[shown] = "a link to nothing"
+        skipped[shown] = "a link to nothing"
         return False
     if not real.is_file():
-        _SKIPPED[shown] = "a link to something that is not a regular file" if path.is_symlink() else \
+        skipped[shown] = "a link to something that is not a regular file" if path.is_symlink() else \
             "not a regular file"
         return False
     if real.stat().st_size == 0:
-        _SKIPPED[shown] = "empty (0 bytes)"
+        skipped[shown] = "empty (0 bytes)"
         return False
     return True
-
-
-def skipped_files() -> dict[str, str]:
-    """What this process's listings left out (name -> why), in the order found."""
-    return dict(_SKIPPED)
-
-
-def skipped_report() -> list[str]:
-    """The skipped files as lines for a data summary: the first :data:`MAX_SKIPPED_SHOWN`, and
-    how many more."""
-    lines = [f"{name}: {why}" for name, why in list(_SKIPPED.items())[:MAX_SKIPPED_SHOWN]]
-    if len(_SKIPPED) > MAX_SKIPPED_SHOWN:
-        lines.append(f"… and {len(_SKIPPED) - MAX_SKIPPED_SHOWN} more")
-    return lines
-
-
-def _skipped_hint() -> str:
-    return f"; skipped: {'; '.join(skipped_report()[:3])}" if _SKIPPED else ""
 
 
 def _file_sha256(path: Path) -> str:
@@ -159,36 +195,6 @@ def _file_sha256(path: Path) -> str:
         while chunk := f.read(1 << 20):
             digest.update(chunk)
     return digest.hexdigest()
-
-
-def data_fingerprint() -> str | None:
-    """One SHA-256 over the paths and contents of every data file this process listed (as they
-    were when last listed), or None when it listed none (generated data)."""
-    if not _LEDGER:
-        return None
-    digest = hashlib.sha256()
-    for path in sorted(_LEDGER):
-        digest.update(f"{path}\0{_LEDGER[path]}\n".encode())
-    return digest.hexdigest()
-
-
-def changed_since_listed() -> list[Path]:
-    """The listed data files whose bytes are no longer what they were when listed (or that are
-    gone): a loader that read them in between may have read either version."""
-    changed = []
-    for path, digest in sorted(_LEDGER.items()):
-        try:
-            if _file_sha256(path) != digest:
-                changed.append(path)
-        except OSError:
-            changed.append(path)
-    return changed
-
-
-def forget_listed() -> None:
-    """Start a new ledger (before counting the data again)."""
-    _LEDGER.clear()
-    _SKIPPED.clear()
 
 
 def _confined(path: Path, raw: str, root: Path | None) -> Path:
@@ -204,7 +210,9 @@ def _confined(path: Path, raw: str, root: Path | None) -> Path:
     return real
 
 
-def _folder_files(given: Path, real: Path, raw: str, root: Path | None, suffixes: set[str] | None):
+def _folder_files(given: Path, real: Path, raw: str, root: Path | None, suffixes: set[str] | None,
+                  listing: DataListing | None = None):
+    skipped = listing.skipped if listing is not None else {}
     files = []
     seen = {real}
     for folder, dirs, names in os.walk(given, followlinks=True):
@@ -219,17 +227,17 @@ def _folder_files(given: Path, real: Path, raw: str, root: Path | None, suffixes
             path = folder / name
             shown = f"{raw}/{path.relative_to(given).as_posix()}"
             if suffixes is not None and path.suffix not in suffixes:
-                _listable(path, path, shown, suffixes)  # recorded as skipped, for its extension
+                _listable(path, path, shown, suffixes, skipped)  # recorded as skipped, for its extension
                 continue
             target = _confined(path, shown, root)
-            if _listable(path, target, shown, suffixes):
+            if _listable(path, target, shown, suffixes, skipped):
                 files.append((target, path.relative_to(given).as_posix()))
     return sorted(files, key=lambda item: item[1])
 
 
-def data_file(raw: str, root: Path | None = None) -> Path:
+def data_file(raw: str, root: Path | None = None, listing: DataListing | None = None) -> Path:
     """One data file a data file names (an image of an image-caption record), resolved, confined
-    as :func:`data_files` confines, and fingerprinted with the files listed. Raises
+    as :func:`data_files` confines, and fingerprinted into ``listing`` with the files listed. Raises
     :class:`DataPathRefused` when it leads out, and an ``OSError`` when it is not a regular file
     (missing, a folder, a FIFO that would wait for a writer): the caller says which record."""
     root = allowed_root() if root is None else Path(root).resolve()
@@ -240,7 +248,8 @@ def data_file(raw: str, root: Path | None = None) -> Path:
         raise FileNotFoundError(f"no such file: {raw}")
     if not real.is_file():
         raise OSError(f"not a regular file: {raw}")
-    _LEDGER[real] = _file_sha256(real)
+    if listing is not None:
+        listing.add(real)
     return real
 
 

@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
 from engine.config import ConfigError
-from engine.data_files import HUB_DATASETS_VARIABLE, bound_hub_path, data_files, json_value, jsonl_records
+from engine.data_files import HUB_DATASETS_VARIABLE, DataListing, bound_hub_path, data_files, json_value, jsonl_records
 
 FILE_SUFFIXES = {".jsonl", ".json", ".parquet", ".csv", ".tsv"}
 
@@ -132,10 +132,10 @@ def _dataset_rows(dataset: Iterable[dict[str, Any]], name: str) -> Iterator[tupl
         yield f"{name}:{row}", dict(record)
 
 
-def _load_saved(raw: str, split: str | None):
+def _load_saved(raw: str, split: str | None, listing: DataListing | None = None):
     import datasets
 
-    data_files([raw], suffixes={".arrow", ".json"})  # confined and fingerprinted
+    data_files([raw], suffixes={".arrow", ".json"}, listing=listing)  # confined and fingerprinted
     saved = datasets.load_from_disk(str(Path(raw).resolve()))
     if isinstance(saved, datasets.DatasetDict):
         split = split or "train"
@@ -150,20 +150,22 @@ READERS: dict[str, Callable[[Path, str], Iterator[tuple[str, dict[str, Any]]]]] 
 }
 
 
-def sources(paths: list[str], dataset: str | None = None, subset: str | None = None, split: str | None = None):
+def sources(paths: list[str], dataset: str | None = None, subset: str | None = None, split: str | None = None,
+            listing: DataListing | None = None):
     """``(name, rows)`` for each data source: each file of ``paths`` (a saved folder as one),
-    then ``dataset``. Rows are ``(where, record)``, read lazily."""
+    then ``dataset``. Rows are ``(where, record)``, read lazily; the files are fingerprinted
+    into ``listing``."""
     for raw in paths:
         if is_saved_dataset(Path(raw)):
-            yield Path(raw).name, _dataset_rows(_load_saved(raw, split), Path(raw).name)
+            yield Path(raw).name, _dataset_rows(_load_saved(raw, split, listing), Path(raw).name)
             continue
-        for path, name in data_files([raw], suffixes=FILE_SUFFIXES):
+        for path, name in data_files([raw], suffixes=FILE_SUFFIXES, listing=listing):
             reader = READERS.get(path.suffix)
             if reader is None:
                 raise ConfigError(f"{name}: not a data file trainwright reads (give one of {sorted(FILE_SUFFIXES)})")
             yield name, reader(path, name)
     if dataset:
-        yield dataset, _dataset_rows(_load_dataset(dataset, subset, split), dataset)
+        yield dataset, _dataset_rows(_load_dataset(dataset, subset, split, listing), dataset)
 
 
 def record_rows(paths: list[str], **where) -> Iterator[tuple[str, dict[str, Any]]]:
@@ -172,7 +174,7 @@ def record_rows(paths: list[str], **where) -> Iterator[tuple[str, dict[str, Any]
         yield from rows
 
 
-def _load_dataset(dataset: str, subset: str | None, split: str | None):
+def _load_dataset(dataset: str, subset: str | None, split: str | None, listing: DataListing | None = None):
     """A data set by ``datasets.load_dataset``: a workspace folder, or a Hub id in the cache."""
     import datasets
 
@@ -185,8 +187,8 @@ def _load_dataset(dataset: str, subset: str | None, split: str | None):
                               f"read: {str(e)[:300]}") from None
     if Path(dataset).exists():
         if is_saved_dataset(Path(dataset)):
-            return _load_saved(dataset, split)
-        data_files([dataset], suffixes=FILE_SUFFIXES)  # confined and fingerprinted
+            return _load_saved(dataset, split, listing)
+        data_files([dataset], suffixes=FILE_SUFFIXES, listing=listing)  # confined and fingerprinted
         target = str(Path(dataset).resolve())
     else:
         target = dataset
@@ -354,10 +356,12 @@ def read_examples(
     dataset: str | None = None,
     subset: str | None = None,
     split: str | None = None,
+    listing: DataListing | None = None,
 ) -> Iterator[Examples]:
-    """Each source's examples, its format told from its first record's columns (or forced)."""
+    """Each source's examples, its format told from its first record's columns (or forced); the
+    files read are fingerprinted into ``listing``."""
     columns = columns or {}
-    for name, rows in sources(paths, dataset, subset, split):
+    for name, rows in sources(paths, dataset, subset, split, listing):
         first = next(rows, None)
         if first is None:
             continue

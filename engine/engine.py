@@ -33,7 +33,7 @@ from engine import run_metrics
 from engine.optimizers import check_optimizer_choice
 from engine.checkpoint import Checkpointer, ModelOptimizerState, RNGState, SchedulerState, load_checkpoint
 from engine.config import ConfigError, EngineConfig
-from engine.data_files import changed_since_listed, data_fingerprint, forget_listed
+from engine.data_files import DataListing
 from engine.distributed import DistInfo, dp_all_reduce_sum
 from engine.flops import non_embedding_params, peak_flops
 from engine.fsdp import DTYPES, has_tensor_parallel_params
@@ -132,6 +132,9 @@ class Engine:
         self.eval_batches: list[Batch] | None = None
         self.logger = MetricLogger([])
         self.checkpointer: Checkpointer | None = None
+        # The data files this run's loaders listed (they pass it to the readers), checked
+        # against the launch check's count by confirm_data.
+        self.data_listing = DataListing()
         self._warned: set[str] = set()
 
     # ----------------------------------------------------------------------------------------
@@ -268,7 +271,8 @@ class Engine:
     def summarize_data(cls, config: EngineConfig) -> rd.DataSummary | None:
         """What a run of this config trains on — source, documents, tokens, train/eval split —
         counted before the run starts: ``launch_run`` returns it and run.json keeps it, so an
-        agent sees the data it asked for. Raise ``ConfigError`` (or let ``OSError`` through)
+        agent sees the data it asked for; its ``fingerprint`` and ``skipped`` come from the
+        :class:`~engine.data_files.DataListing` the count read through. Raise ``ConfigError`` (or let ``OSError`` through)
         for data that cannot be read; the launch is then refused."""
         return None
 
@@ -357,20 +361,18 @@ class Engine:
     def confirm_data(self) -> None:
         """Make run.json's data summary the data this run loaded. The launch check counted the
         data files and fingerprinted them (:mod:`engine.data_files`); when the files the loader
-        listed differ from that fingerprint, or changed while they were loaded, the data is
+        listed (``self.data_listing``) differ from that fingerprint, or changed while they were loaded, the data is
         counted again now, run.json records the new count and a warning says what changed."""
         if not self.dist.is_main or self.run_dir is None:
             return
         counted = rd.read_run(self.run_dir).data
-        changed = changed_since_listed()
-        loaded = data_fingerprint()
+        changed = self.data_listing.changed()
+        loaded = self.data_listing.fingerprint()
         if not changed and (counted is None or loaded is None or loaded == counted.fingerprint):
             return
-        forget_listed()
         summary = type(self).summarize_data(self.config)
         if summary is None:
             return
-        summary = summary.model_copy(update={"fingerprint": data_fingerprint()})
         if not changed and counted is not None and summary.fingerprint == counted.fingerprint:
             return  # the loader lists other files than the count does; the counted ones are unchanged
         rd.update_run(self.run_dir, data=summary)

@@ -125,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
             if run_checkpoints.checkpoint_step(args.resume_from) is None or not (args.resume_from / run_checkpoints.DCP_METADATA).is_file():
                 raise ConfigError(f"--resume-from {args.resume_from} is not a complete checkpoint")
         # A direct start (no launcher counted the data) counts it too, to refuse before a run exists.
-        data = _count_data(recipe_class, config) if args.check or args.run_dir is None else None
+        data = recipe_class.summarize_data(config) if args.check or args.run_dir is None else None
         if data is not None and data.nothing_to_train():
             raise ConfigError(data.nothing_to_train())
     except (TrainwrightError, OSError) as e:
@@ -159,16 +159,6 @@ def main(argv: list[str] | None = None) -> int:
     return train(recipe_class, config, args, data)
 
 
-def _count_data(recipe_class, config):
-    """The recipe's data summary, with the fingerprint of the data files it counted."""
-    from engine.data_files import data_fingerprint, skipped_report
-
-    summary = recipe_class.summarize_data(config)
-    if summary is None:
-        return None
-    return summary.model_copy(update={"fingerprint": data_fingerprint(), "skipped": skipped_report()})
-
-
 def train(recipe_class, config, args: argparse.Namespace, data=None) -> int:
     """Train; ``data``: the data summary already counted, if it was."""
     import torch.distributed as dist
@@ -200,7 +190,7 @@ def train(recipe_class, config, args: argparse.Namespace, data=None) -> int:
             engine_pid=os.getpid(),
         )
         if record.data is None:  # started without a launcher that counted it
-            summary = data if data is not None else _count_data(recipe_class, config)
+            summary = data if data is not None else recipe_class.summarize_data(config)
             if summary is not None:
                 record = rd.update_run(run_dir, data=summary)
         print(f"run {run_dir.name}: {dist_info.world_size} process(es) on {dist_info.device.type}", flush=True)

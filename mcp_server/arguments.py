@@ -161,6 +161,11 @@ class RunArgs(ToolArgs):
     run_id: RunId
 
 
+class DataCacheArgs(ToolArgs):
+    remove: Annotated[list[str], Field(description="Names, or all."),
+                      Cli(flag="--remove", metavar="NAME", repeat=True, more="Repeatable; `all` removes every one.")] = []
+
+
 class WaitRunArgs(ToolArgs):
     run_id: RunId
     until_step: Annotated[int | None, Field(strict=True, description="Default: the end."),

@@ -23,6 +23,7 @@ from pydantic import BaseModel
 from mcp_server.arguments import (
     ApplySkillArgs,
     CompareArgs,
+    DataCacheArgs,
     DescribeArgs,
     EstimateArgs,
     EvaluateArgs,
@@ -44,6 +45,7 @@ from mcp_server.limits import MAX_DESCRIBE_THREADS
 from mcp_server.models import (
     ApplySkillResult,
     CheckpointList,
+    DataCacheResult,
     CompareResult,
     EstimateResult,
     EvaluateResult,
@@ -130,6 +132,8 @@ class ToolSpec:
     threads: int | None = None  # at most this many calls hold a worker thread (None: the server's pool)
     workspace: bool = True  # False: needs no workspace (the skill and template catalogues)
     announce: Callable[[Any, Any], tuple[str, str | None] | None] | None = None  # a client log line
+    # False: a CLI command only, not served over MCP (tools/list's 20 KB has no room left for it)
+    mcp: bool = True
 
 
 # ---------------------------------------------------------------------------------------------
@@ -227,6 +231,12 @@ def _stop_run(ws: Any, a: RunArgs, report: Report) -> StopRunResult:
     from mcp_server.operations import runs
 
     return runs.stop_run(ws, a.run_id)
+
+
+def _data_cache(ws: Any, a: DataCacheArgs, report: Report) -> DataCacheResult:
+    from mcp_server.operations import data_cache
+
+    return data_cache.data_cache(ws, a.remove)
 
 
 def _list_checkpoints(ws: Any, a: RunArgs, report: Report) -> CheckpointList:
@@ -330,6 +340,9 @@ TOOLS: tuple[ToolSpec, ...] = (
     ToolSpec("list_checkpoints", "A run's complete checkpoints.",
              ("checkpoints",), "complete checkpoints of a run", RunArgs, CheckpointList, READ_ONLY,
              _list_checkpoints),
+    ToolSpec("data_cache", "Tokenized data runs share: size per store; remove frees it.",
+             ("data-cache",), "list the tokenized data runs share, with sizes; --remove NAME|all frees it",
+             DataCacheArgs, DataCacheResult, DESTRUCTIVE, _data_cache, mcp=False),
     ToolSpec("resume_checkpoint", "Continue a run from a checkpoint as a new run (its config + overrides).",
              ("resume",), "continue a run from its checkpoint as a new run", ResumeArgs, LaunchRunResult,
              ADDITIVE_HUB, _resume_checkpoint, announce=_resumed),

@@ -102,6 +102,12 @@ class RunInfo(rd.RunFacts):
         return cls(**{**{name: getattr(record, name) for name in rd.RunFacts.model_fields}, **shown})
 
 
+class DataCacheResult(BaseModel):
+    folder: str
+    stores: dict[str, int]  # name -> bytes
+    removed: dict[str, int] = {}
+
+
 class StopRunResult(BaseModel):
     run_id: str
     status: str

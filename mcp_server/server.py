@@ -308,7 +308,7 @@ def build_server(workspace: Path | str, read_only: bool = False, settings: Path 
     if not read_only:
         ensure_workspace_repo(ws.root)
         ws.prepare_state()
-    served = [spec for spec in TOOLS if spec.hints.read_only or not read_only]
+    served = [spec for spec in TOOLS if spec.mcp and (spec.hints.read_only or not read_only)]
     bus = InMemorySubscriptionBus()
     live = LiveRuns(ws, bus)
     tasks = TasksExtension(has_tool=frozenset(spec.name for spec in served).__contains__)

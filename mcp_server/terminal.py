@@ -202,6 +202,12 @@ def stop_text(r) -> str:
     return f"run {r.run_id}: {r.status}"
 
 
+def data_cache_text(r) -> str:
+    lines = [f"removed {name} ({size / 1e6:.1f} MB)" for name, size in r.removed.items()]
+    lines += [f"{size / 1e6:>10.1f} MB  {name}" for name, size in r.stores.items()] or [f"no tokenized data in {r.folder}"]
+    return "\n".join([*lines, f"{sum(r.stores.values()) / 1e6:.1f} MB in {r.folder}"])
+
+
 def checkpoints_text(r) -> str:
     listed = ("\n".join(f"step {c.step:>8}  {c.path}" for c in r.checkpoints)
               or f"run {r.run_id} has no complete checkpoint yet")
@@ -250,6 +256,6 @@ TEXT: dict[str, Callable[[Any], str]] = {
     "list_templates": templates_text, "scaffold_recipe": scaffold_text, "describe_recipe": describe_text,
     "list_recipes": recipes_text, "estimate_run": estimate_text, "list_runs": runs_text,
     "get_run": status_text, "compare_runs": compare_text, "stop_run": stop_text,
-    "list_checkpoints": checkpoints_text, "export_checkpoint": export_text, "sample": sample_text,
+    "list_checkpoints": checkpoints_text, "data_cache": data_cache_text, "export_checkpoint": export_text, "sample": sample_text,
     "evaluate": evaluate_text,
 }

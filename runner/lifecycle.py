@@ -34,9 +34,9 @@ from typing import Any
 
 from engine import run_dir as rd
 from runner import server_record as sr
-from workspace.workspace import record_dir, records_root
+from workspace.workspace import data_cache_dir, record_dir, records_root
 from engine.config import override_args
-from engine.data_files import WORKSPACE_VARIABLE
+from engine.data_files import DATA_CACHE_VARIABLE, WORKSPACE_VARIABLE
 from engine.errors import BadInput, LaunchRefused
 from engine.openmp import sleep_while_waiting
 from engine.seams import LaunchVerdict, read_verdict
@@ -120,16 +120,18 @@ def check_launch(
         device, memory_gib = estimate
         command += ["--estimate", device] + ([f"--device-memory-gib={memory_gib}"] if memory_gib is not None else [])
     mark = f"check-{secrets.token_hex(8)}"
-    # A check writes nothing, not even the recipe's bytecode cache. It gets what the run gets
-    # (pass_env included), so it can tell that a credential the run needs is missing.
+    # A check writes nothing but the tokenized data the run then maps (.trainwright/data-cache),
+    # not even the recipe's bytecode cache. It gets what the run gets (pass_env included), so it
+    # can tell that a credential the run needs is missing.
+    cache = data_cache_dir(workspace, create=True)
     env = run_environment(extra={
         THREADS_VARIABLE: "1", "PYTHONDONTWRITEBYTECODE": "1", RUN_ID_VARIABLE: mark,
-        WORKSPACE_VARIABLE: str(workspace), **models.env(),
+        WORKSPACE_VARIABLE: str(workspace), DATA_CACHE_VARIABLE: str(cache), **models.env(),
     }, pass_env=limits.pass_env)
     visible = [Path(workspace)] if read_only is None else [Path(p) for p in read_only]
     visible += [Path(p) for p in (recipe_dir, config_json) if p is not None] + models.read_only()
     try:
-        stdout, stderr = run_contained(command, workspace, visible, [], env, limits, CHECK_TIMEOUT_S, mark)
+        stdout, stderr = run_contained(command, workspace, visible, [cache], env, limits, CHECK_TIMEOUT_S, mark)
     except OSError as e:
         raise LaunchRefused(f"the engine could not be started to check the recipe: {e}") from None
     except subprocess.TimeoutExpired:
@@ -339,7 +341,7 @@ def _prepared(workspace: Path, plan: LaunchPlan, run_id: str, run_dir: Path, sna
         rdzv_id=rdzv_id if nodes.multi else None,
         sandbox=rd.SandboxView(
             bwrap=bwrap.find_bwrap(), read_only=[str(p) for p in visible],
-            writable=[str(p) for p in dict.fromkeys([run_dir, engine_dir])],
+            writable=[str(p) for p in dict.fromkeys([run_dir, engine_dir, data_cache_dir(workspace, create=True)])],
             hidden=[str(p) for p in hidden_state(workspace)],
         ),
     )
@@ -350,7 +352,7 @@ def _spawn_supervisor(workspace: Path, plan: LaunchPlan, limits: RunLimits, thre
     """``python -m runner.supervise FOLDER`` in a session of its own, with the run's
     environment; the record with its pid and identity."""
     extra = {THREADS_VARIABLE: str(threads), RUN_ID_VARIABLE: run_id, WORKSPACE_VARIABLE: str(workspace),
-             "PYTHONDONTWRITEBYTECODE": "1", **plan.models.env()}
+             DATA_CACHE_VARIABLE: str(data_cache_dir(workspace)), "PYTHONDONTWRITEBYTECODE": "1", **plan.models.env()}
     if plan.script is not None:
         # The script imports its own modules from its snapshot (PYTHONSAFEPATH keeps the folder
         # of the script off sys.path, as for a recipe), then what the environment has.

@@ -41,6 +41,9 @@ STATE_DIRNAME = ".trainwright"
 # (runner.server_record), where no run's sandbox can write.
 RECORDS_DIRNAME = "runs"
 RECORD_JSON = "record.json"
+# <workspace>/.trainwright/data-cache/<key>/: the tokenized data runs share (engine.token_store),
+# the one folder of the state a run's sandbox may write; never part of a run's snapshot.
+DATA_CACHE_DIRNAME = "data-cache"
 CHANGE_LOCK = "changes.lock"
 
 
@@ -136,7 +139,9 @@ class Workspace:
         return self.root / STATE_DIRNAME
 
     def prepare_state(self) -> None:
-        """Create ``.trainwright/`` and its lock file (once, when a writable server starts)."""
+        """Create ``.trainwright/``, its lock file and the data cache (once, when a writable
+        server starts: a launch then changes nothing there but the stores it builds)."""
+        data_cache_dir(self.root, create=True)
         dir_fd = open_real_dir(self.state_dir, create=True)
         try:
             os.close(open_state_file(dir_fd, CHANGE_LOCK, os.O_RDWR | os.O_CREAT))
@@ -267,6 +272,53 @@ class Workspace:
 def records_root(workspace: Path | str) -> Path:
     """``<workspace>/.trainwright/runs``: the server's records of the workspace's runs."""
     return Path(workspace) / STATE_DIRNAME / RECORDS_DIRNAME
+
+
+def data_cache_dir(workspace: Path | str, create: bool = False) -> Path:
+    """``<workspace>/.trainwright/data-cache``: where runs keep their tokenized data; with
+    ``create``, made when missing (a link there is refused, as for every state folder)."""
+    folder = Path(workspace) / STATE_DIRNAME / DATA_CACHE_DIRNAME
+    if create:
+        os.close(open_real_dir(folder.parent, create=True))
+        os.close(open_real_dir(folder, create=True))
+    return folder
+
+
+def cached_data(workspace: Path | str) -> list[tuple[str, int]]:
+    """``(name, bytes)`` of every tokenized data store in the workspace's data cache: the
+    folders that hold a complete store (``meta.json``), and those a build left unfinished."""
+    folder = data_cache_dir(workspace)
+    found = []
+    for store in sorted(folder.iterdir()) if folder.is_dir() and not folder.is_symlink() else []:
+        if store.is_dir() and not store.is_symlink():
+            found.append((store.name, sum(f.stat().st_size for f in store.iterdir() if f.is_file() and not f.is_symlink())))
+    return found
+
+
+def remove_cached_data(workspace: Path | str, names: list[str]) -> list[tuple[str, int]]:
+    """Remove the named stores (``all``: every one) from the data cache; returns what was removed.
+    A name that is not there is refused before anything is removed; while a store is being built
+    (the cache folder's lock held) nothing is removed. A run that maps a removed store keeps
+    reading it."""
+    import shutil
+
+    there = dict(cached_data(workspace))
+    chosen = list(there) if names == ["all"] else names
+    missing = [name for name in chosen if name not in there]
+    if missing:
+        raise NotFound(f"no cached data {missing[0]!r}; cached: {', '.join(there) or 'none'}")
+    folder = data_cache_dir(workspace)
+    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)  # the lock engine.token_store builds under
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise BadInput("a run is tokenizing its data into the cache; remove once it has started training") from None
+        for name in chosen:
+            shutil.rmtree(folder / name)
+    finally:
+        os.close(fd)
+    return [(name, there[name]) for name in chosen]
 
 
 def record_dir(workspace: Path | str, run_id: str) -> Path:

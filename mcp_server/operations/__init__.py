@@ -13,4 +13,5 @@
 - ``ab``           ``trainwright ab``: a skill's commit against its parent, measured
 - ``model_tools``  export, sample, evaluate a checkpoint
 - ``review``       ``trainwright review``: what the agent changed and what it produced
+- ``data_cache``   ``trainwright data-cache``: the tokenized data runs share, sizes, removal
 """

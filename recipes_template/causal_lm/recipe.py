@@ -25,6 +25,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any, Iterator, Literal
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from pydantic import Field, model_validator
@@ -34,7 +35,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, Llama
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 from engine.config import ConfigError, DataConfig, EngineConfig, Section
-from engine.data_files import confined_path, data_files
+from engine.data_files import DataListing, confined_path, data_files
 from engine.data_formats import READERS as RECORD_READERS
 from engine.data_formats import is_saved_dataset, record_rows
 from engine.engine import IGNORE_INDEX, Engine
@@ -42,6 +43,7 @@ from engine.run_dir import DataSummary
 from engine.flops import non_embedding_params, transformer_flops_per_token
 from engine.fsdp import apply_fsdp
 from engine.optimizers import adamw_8bit
+from engine.token_store import TokenStore, data_identity, open_or_build, store_key, tokenizer_identity, value_dtype
 
 # =============================================================================================
 # Configuration (defaults are the benchmark's reference point; override with --set or
@@ -128,13 +130,12 @@ class ByteTokenizer:
     vocab_size = 258
 
     def encode(self, text: str) -> torch.Tensor:
-        data = bytearray(text.encode("utf-8", errors="replace"))
-        if not data:
-            return torch.zeros(0, dtype=torch.int64)
-        return torch.frombuffer(data, dtype=torch.uint8).to(torch.int64)
+        return torch.from_numpy(np.frombuffer(text.encode("utf-8", errors="replace"), dtype=np.uint8).astype(np.int64))
 
     def decode(self, ids: list[int]) -> str:
         return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
+
+    identity = "bytes"
 
     def to_hf(self) -> PreTrainedTokenizerFast:
         """The same tokenizer as a ``tokenizers``-backed Hugging Face tokenizer (saved beside an
@@ -160,6 +161,11 @@ class PretrainedTokenizer:
     def encode(self, text: str) -> torch.Tensor:
         return torch.tensor(self.tokenizer.encode(text, add_special_tokens=False), dtype=torch.int64)
 
+    @cached_property
+    def identity(self) -> str:
+        """What the tokenized data store is keyed by: the tokenizer's whole definition."""
+        return tokenizer_identity(self.tokenizer)
+
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids)
 
@@ -176,12 +182,25 @@ class RandomTokens:
     def encode(self, ids: torch.Tensor) -> torch.Tensor:
         return ids
 
+    @property
+    def identity(self) -> str:
+        return f"random ids below {self.vocab_size}"
+
     def decode(self, ids: list[int]) -> str:
         return " ".join(str(i) for i in ids)
 
 
+def data_tokenizer(config: "CausalLMConfig"):
+    """The tokenizer of the config's data: random ids, the pretrained model's, or bytes."""
+    if config.data.source == "random":
+        return RandomTokens(config.data.vocab_size)
+    path = config.model.pretrained_path
+    return PretrainedTokenizer(path) if path else ByteTokenizer()
+
+
 # =============================================================================================
-# Data: documents → token pieces of at most seq_len + 1 tokens → padded batches
+# Data: documents → token pieces of at most seq_len + 1 tokens (tokenized once, into a store
+# that every rank and later run maps) → padded batches
 # =============================================================================================
 
 _STDLIB_SKIP = {"site-packages", "test", "tests", "idlelib", "lib2to3", "__pycache__"}
@@ -202,26 +221,37 @@ def stdlib_files() -> list[Path]:
     return sorted(files)
 
 
-def load_documents(cfg: CausalLMDataConfig) -> list[tuple[str, Any]]:
-    """``(name, text)`` pairs (token ids for data.source=random). The name decides the train/eval
-    split, so it must be stable."""
+def load_documents(cfg: CausalLMDataConfig, listing: DataListing | None = None) -> list[tuple[str, Any]]:
+    """``(name, text)`` pairs (token ids for data.source=random), all in memory; a run reads
+    them one at a time (:func:`read_documents`) into its token store."""
+    return list(read_documents(cfg, listing))
+
+
+def read_documents(cfg: CausalLMDataConfig, listing: DataListing | None = None) -> Iterator[tuple[str, Any]]:
+    """``(name, text)`` pairs, read one at a time, the files fingerprinted into ``listing``. The
+    name decides the train/eval split, so it must be stable."""
     if cfg.source == "random":
-        return random_documents(cfg)
+        yield from random_documents(cfg)
+        return
     if cfg.source == "stdlib":
         root = Path(sysconfig.get_paths()["stdlib"])
-        return [(str(p.relative_to(root)), p.read_text(errors="replace")) for p in stdlib_files()]
-    documents = []
-    for where, record in record_rows([p for p in cfg.paths if is_saved_dataset(Path(p))]):
-        documents.append((where, _text(record, cfg.text_field, where)))
-    for path, name in _expand_paths([p for p in cfg.paths if not is_saved_dataset(Path(p))]):
+        for p in stdlib_files():
+            yield str(p.relative_to(root)), p.read_text(errors="replace")
+        return
+    found = False
+    for where, record in record_rows([p for p in cfg.paths if is_saved_dataset(Path(p))], listing=listing):
+        found = True
+        yield where, _text(record, cfg.text_field, where)
+    for path, name in _expand_paths([p for p in cfg.paths if not is_saved_dataset(Path(p))], listing):
         if path.suffix in RECORD_READERS:  # a text column of each record
             for where, record in RECORD_READERS[path.suffix](path, name):
-                documents.append((where, _text(record, cfg.text_field, where)))
+                found = True
+                yield where, _text(record, cfg.text_field, where)
         else:
-            documents.append((name, path.read_text(errors="replace")))
-    if not documents:
+            found = True
+            yield name, path.read_text(errors="replace")
+    if not found:
         raise ConfigError(f"no documents in data.paths={cfg.paths} (.txt, .md, .py files, .jsonl lines)")
-    return documents
 
 
 def _text(record: dict[str, Any], field: str, where: str) -> str:
@@ -241,11 +271,24 @@ def random_documents(cfg: CausalLMDataConfig) -> list[tuple[str, torch.Tensor]]:
     ]
 
 
-def _expand_paths(paths: list[str]) -> list[tuple[Path, str]]:
+def _expand_paths(paths: list[str], listing: DataListing | None = None) -> list[tuple[Path, str]]:
     """``(file, name)`` for each file; the name (relative to the folder given, or the file's own
     name) keeps the train/eval split the same wherever the data is stored. Files outside the
     workspace (also through a link) are refused."""
-    return data_files(paths, suffixes={".txt", ".md", ".py", *RECORD_READERS})
+    return data_files(paths, suffixes={".txt", ".md", ".py", *RECORD_READERS}, listing=listing)
+
+
+def document_identity(cfg: CausalLMDataConfig, listing: DataListing) -> tuple[Any, int]:
+    """What the documents are, for the token store's key, and their size in bytes: the files'
+    fingerprint (listed into ``listing``), the standard library's files with their sizes and
+    times, or the random documents' settings."""
+    if cfg.source == "random":
+        return ["random", cfg.vocab_size, cfg.random_documents, cfg.seq_len], 0
+    if cfg.source == "stdlib":
+        files = [(str(p), p.stat().st_size, p.stat().st_mtime_ns) for p in stdlib_files()]
+        return ["stdlib", hashlib.sha256(repr(files).encode()).hexdigest()], sum(f[1] for f in files)
+    identity, size = data_identity(cfg.paths, {".txt", ".md", ".py", *RECORD_READERS}, listing)
+    return ["files", identity, cfg.text_field], size
 
 
 def _refuse_unused_data_folder() -> None:
@@ -270,12 +313,40 @@ def tokenize_documents(texts: list[str], tokenizer, seq_len: int) -> list[torch.
 
     A piece of n tokens gives n - 1 (input, next-token) pairs; pieces never cross documents.
     """
-    pieces = []
-    for text in texts:
-        ids = torch.cat([tokenizer.encode(text), torch.tensor([tokenizer.eos_token_id])])
-        for start in range(0, len(ids) - 1, seq_len):
-            pieces.append(ids[start : start + seq_len + 1])
-    return pieces
+    return [piece for text in texts for piece in document_pieces(text, tokenizer, seq_len)]
+
+
+def document_pieces(text, tokenizer, seq_len: int) -> list[torch.Tensor]:
+    ids = torch.cat([tokenizer.encode(text), torch.tensor([tokenizer.eos_token_id])])
+    return [ids[start : start + seq_len + 1] for start in range(0, len(ids) - 1, seq_len)]
+
+
+def token_store(cfg: CausalLMDataConfig, tokenizer, listing: DataListing) -> TokenStore:
+    """The data tokenized into pieces (:func:`document_pieces`), train and held-out apart, in
+    the store of its fingerprint, tokenizer and settings: built on first use (one document in
+    memory at a time), mapped by every rank and every later run. The data files are listed into
+    ``listing``; a file that changes while it is tokenized fails the build, which keeps nothing."""
+    identity, size = document_identity(cfg, listing)
+    key = store_key(template="causal_lm", data=identity, tokenizer=tokenizer.identity, seq_len=cfg.seq_len,
+                    eval_fraction=cfg.eval_fraction)
+
+    def build(store) -> dict[str, Any]:
+        counts = {"train": [0, 0], "eval": [0, 0]}  # [documents, tokens]
+        names, read = set(), DataListing()
+        for name, text in read_documents(cfg, read):
+            split = "eval" if is_eval_document(name, cfg.eval_fraction) else "train"
+            ids = np.append(tokenizer.encode(text).numpy(), tokenizer.eos_token_id)  # as document_pieces cuts it
+            for start in range(0, len(ids) - 1, cfg.seq_len):
+                store.add(split, ids[start : start + cfg.seq_len + 1])
+            counts[split][0] += 1
+            counts[split][1] += len(ids)
+            names.add(name.split(":", 1)[0])
+        if read.fingerprint() != listing.fingerprint() or read.changed():
+            raise ConfigError(f"data.paths changed while it was tokenized ({', '.join(p.name for p in read.changed()[:3])}"
+                              "); launch again once it is written")
+        return {"files": len(names), "train": counts["train"], "eval": counts["eval"]}
+
+    return open_or_build(key, rows=1, dtype=value_dtype(tokenizer.vocab_size - 1), build=build, input_bytes=size)
 
 
 def collate(pieces: list[torch.Tensor], seq_len: int, pad_id: int) -> dict[str, torch.Tensor]:
@@ -370,10 +441,7 @@ class CausalLM(Engine):
 
     @cached_property
     def tokenizer(self):
-        if self.config.data.source == "random":
-            return RandomTokens(self.config.data.vocab_size)
-        path = self.config.model.pretrained_path
-        return PretrainedTokenizer(path) if path else ByteTokenizer()
+        return data_tokenizer(self.config)
 
     def prepare_model(self) -> torch.nn.Module:
         model = build_model(self.config.model, self.tokenizer.vocab_size, self.config.data.seq_len)
@@ -400,26 +468,15 @@ class CausalLM(Engine):
         if cfg.source == "stdlib" and "source" not in cfg.model_fields_set:
             _refuse_unused_data_folder()
         path = config.model.pretrained_path
-        tokenizer = PretrainedTokenizer(path) if path and cfg.source != "random" else None
-        counts = {True: [0, 0], False: [0, 0]}  # held out? -> [documents, tokens]
-        names = set()
-        for name, text in load_documents(cfg):
-            if cfg.source == "random":
-                tokens = len(text) + 1
-            elif tokenizer is not None:
-                tokens = len(tokenizer.encode(text)) + 1
-            else:
-                tokens = len(text.encode("utf-8", errors="replace")) + 1  # ByteTokenizer: a token a byte
-            counted = counts[is_eval_document(name, cfg.eval_fraction)]
-            counted[0] += 1
-            counted[1] += tokens
-            names.add(name.split(":", 1)[0])
+        listing = DataListing()
+        store = token_store(cfg, data_tokenizer(config), listing)
+        counts = {False: store.counts["train"], True: store.counts["eval"]}  # held out? -> [documents, tokens]
         if not counts[False][0]:
             raise ConfigError(f"no training documents: data.eval_fraction={cfg.eval_fraction} holds out all of them")
         return DataSummary(
             source=cfg.source,
             paths=cfg.paths[:20],
-            files=len(names) if cfg.source != "random" else None,
+            files=store.counts["files"] if cfg.source != "random" else None,
             documents=counts[False][0] + counts[True][0],
             tokens=counts[False][1] + counts[True][1],
             train_documents=counts[False][0],
@@ -427,21 +484,19 @@ class CausalLM(Engine):
             eval_documents=counts[True][0],
             eval_tokens=counts[True][1],
             tokenizer="random ids" if cfg.source == "random" else (f"from {path}" if path else "bytes"),
+            **listing.summary_fields(),
         )
 
     @cached_property
-    def documents(self) -> tuple[list[str], list[str]]:
-        """(train texts, eval texts)."""
-        train, held_out = [], []
-        for name, text in load_documents(self.config.data):
-            (held_out if is_eval_document(name, self.config.data.eval_fraction) else train).append(text)
-        return train, held_out
+    def store(self) -> TokenStore:
+        """The tokenized data, mapped (built by the launch check, or now when it was not)."""
+        return token_store(self.config.data, self.tokenizer, self.data_listing)
 
     def prepare_data(self) -> BatchStream:
         cfg = self.config.data
-        if not self.documents[0]:
+        if not self.store.counts["train"][0]:
             raise ConfigError(f"no training documents: data.eval_fraction={cfg.eval_fraction} holds out all of them")
-        pieces = tokenize_documents(self.documents[0], self.tokenizer, cfg.seq_len)
+        pieces = self.store.pieces("train", torch.from_numpy)
         return BatchStream(
             pieces,
             cfg.seq_len,
@@ -453,10 +508,10 @@ class CausalLM(Engine):
         )
 
     def prepare_eval_data(self) -> list[dict[str, torch.Tensor]] | None:
-        if not self.config.train.eval_every or not self.documents[1]:
+        if not self.config.train.eval_every or not self.store.counts["eval"][0]:
             return None
         cfg = self.config.data
-        pieces = tokenize_documents(self.documents[1], self.tokenizer, cfg.seq_len)
+        pieces = self.store.pieces("eval", torch.from_numpy)
         stream = BatchStream(
             pieces, cfg.seq_len, self.tokenizer.pad_token_id, seed=0,
             micro_batch=self.micro_batch_size,

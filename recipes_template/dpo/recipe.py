@@ -38,7 +38,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from engine.chat import CHAT_TEMPLATE, byte_chat_tokenizer, load_chat_tokenizer  # noqa: F401 (the chat format)
 from engine.config import ConfigError, DataConfig, EngineConfig, Section
-from engine.data_files import confined_path
+from engine.data_files import DataListing, confined_path
 from engine.data_formats import read_examples
 from engine.distributed import dp_all_reduce_sum
 from engine.engine import IGNORE_INDEX, Engine, StepContext, Window
@@ -202,13 +202,15 @@ def as_messages(value: Any, role: str) -> list[dict[str, str]]:
     raise ConfigError(f"a {role} must be a string or a list of {{'role': ..., 'content': ...}} messages")
 
 
-def load_pairs(cfg: DPODataConfig) -> list[tuple[str, dict[str, Any]]]:
-    """``(name, record)``; the name decides the train/eval split, so it must be stable."""
+def load_pairs(cfg: DPODataConfig, listing: DataListing | None = None) -> list[tuple[str, dict[str, Any]]]:
+    """``(name, record)``; the name decides the train/eval split, so it must be stable. The
+    files read are fingerprinted into ``listing``."""
     if cfg.source == "builtin":
         return builtin_pairs(cfg.builtin_pairs)
     pairs = []
     for source in read_examples(
-        "dpo", cfg.paths, format=cfg.format, columns=cfg.columns, dataset=cfg.dataset, subset=cfg.subset, split=cfg.split
+        "dpo", cfg.paths, format=cfg.format, columns=cfg.columns, dataset=cfg.dataset, subset=cfg.subset, split=cfg.split,
+        listing=listing,
     ):
         pairs.extend(source.records)
     if not pairs:
@@ -423,7 +425,8 @@ class DPO(Engine):
         counts = {True: [0, 0, 0], False: [0, 0, 0]}  # held out? -> [pairs, tokens, answer tokens]
         names = set()
         truncated = dropped = 0
-        for name, record in load_pairs(cfg):
+        listing = DataListing()
+        for name, record in load_pairs(cfg, listing):
             prompt, chosen, rejected = tokenize_pair(tokenizer, record, cfg.seq_len + 1)
             truncated += max(len(prompt) + len(chosen), len(prompt) + len(rejected)) > cfg.seq_len + 1
             prompt, chosen, rejected = tokenize_pair(tokenizer, record, cfg.seq_len)
@@ -454,13 +457,14 @@ class DPO(Engine):
             truncated=truncated,
             dropped=dropped,
             dropped_why=f"{dropped}: an answer lies wholly past data.seq_len={cfg.seq_len}" if dropped else None,
+            **listing.summary_fields(),
         )
 
     @cached_property
     def pairs(self) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
         """(train records, held-out records)."""
         train, held_out = [], []
-        for name, record in load_pairs(self.config.data):
+        for name, record in load_pairs(self.config.data, self.data_listing):
             (held_out if is_eval_document(name, self.config.data.eval_fraction) else train).append(record)
         return train, held_out
 

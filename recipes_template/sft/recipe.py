@@ -40,13 +40,15 @@ from engine.chat import CHAT_TEMPLATE, byte_chat_tokenizer  # noqa: F401 (the te
 from engine.chat import conversation_mask_method, encode_completion, load_chat_tokenizer
 from engine.chat import encode_conversation as encode_chat
 from engine.config import ConfigError, DataConfig, EngineConfig, Section
-from engine.data_files import confined_path
+from engine.data_files import DataListing, confined_path
 from engine.data_formats import read_examples
 from engine.engine import IGNORE_INDEX, Engine
 from engine.flops import non_embedding_params, transformer_flops_per_token
 from engine.fsdp import apply_fsdp
 from engine.optimizers import adamw_8bit
 from engine.run_dir import DataSummary
+from engine.data_formats import FILE_SUFFIXES
+from engine.token_store import TokenStore, data_identity, open_or_build, store_key, tokenizer_identity
 
 # =============================================================================================
 # Configuration
@@ -243,23 +245,99 @@ def chance_accuracy(count: int = 2000, seed: int = 1) -> float:
 # =============================================================================================
 
 
-def load_conversations(cfg: SFTDataConfig) -> tuple[list[tuple[str, dict[str, Any]]], list[str]]:
+def load_conversations(
+    cfg: SFTDataConfig, listing: DataListing | None = None
+) -> tuple[list[tuple[str, dict[str, Any]]], list[str]]:
     """``(examples, formats)``: ``(name, example)`` pairs — the name decides the train/eval split,
-    so it must be stable — and the formats the sources were read in."""
+    so it must be stable — and the formats the sources were read in. The files read are
+    fingerprinted into ``listing``."""
+    formats: list[str] = []
+    return list(read_conversations(cfg, listing, formats)), sorted(set(formats))
+
+
+def read_conversations(cfg: SFTDataConfig, listing: DataListing | None = None,
+                       formats: list[str] | None = None) -> Iterator[tuple[str, dict[str, Any]]]:
+    """The ``(name, example)`` pairs of :func:`load_conversations`, read one at a time; the
+    format of each source is appended to ``formats``."""
     if cfg.source == "builtin":
-        return [(name, {"messages": m}) for name, m in builtin_conversations(cfg.builtin_conversations, cfg.max_turns)], ["messages"]
+        if formats is not None:
+            formats.append("messages")
+        for name, m in builtin_conversations(cfg.builtin_conversations, cfg.max_turns):
+            yield name, {"messages": m}
+        return
     columns = dict(cfg.columns)
     if cfg.messages_field != "messages":
         columns.setdefault("messages", cfg.messages_field)
-    conversations, formats = [], []
+    found = False
     for source in read_examples(
-        "sft", cfg.paths, format=cfg.format, columns=columns, dataset=cfg.dataset, subset=cfg.subset, split=cfg.split
+        "sft", cfg.paths, format=cfg.format, columns=columns, dataset=cfg.dataset, subset=cfg.subset, split=cfg.split,
+        listing=listing,
     ):
-        formats.append(source.format)
-        conversations.extend(source.records)
-    if not conversations:
+        if formats is not None:
+            formats.append(source.format)
+        for example in source.records:
+            found = True
+            yield example
+    if not found:
         raise ConfigError(f"no examples in data.paths={cfg.paths} data.dataset={cfg.dataset}")
-    return conversations, sorted(set(formats))
+
+
+def token_store(cfg: SFTDataConfig, tokenizer, listing: DataListing) -> TokenStore:
+    """Every example encoded once (:func:`encode_example`: a ``2 × n`` piece of tokens and
+    targets), train and held-out apart, with the data summary's counts, in the store of the
+    data's fingerprint, the tokenizer (chat template included) and the settings that change
+    tokens; built on first use (one example in memory at a time), mapped by every rank and
+    later run. A file that changes while it is encoded fails the build, which keeps nothing."""
+    if cfg.source == "builtin":
+        identity, size = ["builtin", cfg.builtin_conversations, cfg.max_turns], 0
+    else:
+        identity, size = data_identity(cfg.paths, FILE_SUFFIXES, listing, cfg.dataset)
+    key = store_key(template="sft", data=identity, tokenizer=tokenizer_identity(tokenizer), seq_len=cfg.seq_len,
+                    eval_fraction=cfg.eval_fraction, format=cfg.format, columns=cfg.columns,
+                    messages_field=cfg.messages_field, subset=cfg.subset, split=cfg.split)
+
+    def build(store) -> dict[str, Any]:
+        counts = {True: [0, 0, 0], False: [0, 0, 0]}  # held out? -> [conversations, tokens, loss tokens]
+        names, masks, dropped, formats = set(), set(), {}, []
+        truncated = keep = 0
+        read = DataListing()
+        for name, example in read_conversations(cfg, read, formats):
+            piece, why, cut = encode_example(tokenizer, example, cfg.seq_len, name)
+            truncated += cut
+            names.add(name.split(":", 1)[0])
+            if piece is None:
+                dropped[why] = dropped.get(why, 0) + 1
+                keep = max(keep, seq_len_to_learn(tokenizer, example, name) if cut else 0)
+                continue
+            masks.add(mask_method(tokenizer, example))
+            held_out = is_eval_document(name, cfg.eval_fraction)
+            store.add("eval" if held_out else "train", piece.numpy())
+            counted = counts[held_out]
+            counted[0] += 1
+            counted[1] += int(piece.shape[1])  # every token of the example, as cut to data.seq_len
+            counted[2] += int((piece[1, 1:] != IGNORE_INDEX).sum())  # the labels: what the loss is over
+        if read.fingerprint() != listing.fingerprint() or read.changed():
+            raise ConfigError("the data changed while it was tokenized; launch again once it is written")
+        return dict(
+            files=len(names) if cfg.source == "files" else None,
+            documents=counts[False][0] + counts[True][0],
+            tokens=counts[False][1] + counts[True][1],
+            train_documents=counts[False][0],
+            train_tokens=counts[False][1],
+            eval_documents=counts[True][0],
+            eval_tokens=counts[True][1],
+            loss_tokens=counts[False][2] + counts[True][2],
+            train_loss_tokens=counts[False][2],
+            eval_loss_tokens=counts[True][2],
+            format=", ".join(sorted(set(formats))),
+            mask=", ".join(sorted(masks)) or None,
+            truncated=truncated,
+            dropped=sum(dropped.values()),
+            dropped_why="; ".join(f"{n}: {why}" for why, n in sorted(dropped.items())) or None,
+            seq_len_to_keep=keep or None,
+        )
+
+    return open_or_build(key, rows=2, dtype="int32", build=build, input_bytes=size)
 
 
 def is_eval_document(name: str, eval_fraction: float) -> bool:
@@ -416,57 +494,35 @@ class SFT(Engine):
     @classmethod
     def summarize_data(cls, config: SFTConfig) -> DataSummary:
         cfg = config.data
-        tokenizer = load_tokenizer(config.model.pretrained_path, cfg.chat_template)
-        counts = {True: [0, 0, 0], False: [0, 0, 0]}  # held out? -> [conversations, tokens, loss tokens]
-        names, masks, dropped = set(), set(), {}
-        truncated = keep = 0
-        examples, formats = load_conversations(cfg)
-        for name, example in examples:
-            piece, why, cut = encode_example(tokenizer, example, cfg.seq_len, name)
-            truncated += cut
-            names.add(name.split(":", 1)[0])
-            if piece is None:
-                dropped[why] = dropped.get(why, 0) + 1
-                keep = max(keep, seq_len_to_learn(tokenizer, example, name) if cut else 0)
-                continue
-            masks.add(mask_method(tokenizer, example))
-            counted = counts[is_eval_document(name, cfg.eval_fraction)]
-            counted[0] += 1
-            counted[1] += int(piece.shape[1])  # every token of the example, as cut to data.seq_len
-            counted[2] += int((piece[1, 1:] != IGNORE_INDEX).sum())  # the labels: what the loss is over
+        listing = DataListing()
+        store = token_store(cfg, load_tokenizer(config.model.pretrained_path, cfg.chat_template), listing)
         return DataSummary(
             source=cfg.source,
             paths=(cfg.paths + ([cfg.dataset] if cfg.dataset else []))[:20],
-            files=len(names) if cfg.source == "files" else None,
-            documents=counts[False][0] + counts[True][0],
-            tokens=counts[False][1] + counts[True][1],
-            train_documents=counts[False][0],
-            train_tokens=counts[False][1],
-            eval_documents=counts[True][0],
-            eval_tokens=counts[True][1],
-            loss_tokens=counts[False][2] + counts[True][2],
-            train_loss_tokens=counts[False][2],
-            eval_loss_tokens=counts[True][2],
             tokenizer=f"from {config.model.pretrained_path}" if config.model.pretrained_path else "bytes (chat)",
-            format=", ".join(formats),
-            mask=", ".join(sorted(masks)) or None,
-            truncated=truncated,
-            dropped=sum(dropped.values()),
-            dropped_why="; ".join(f"{n}: {why}" for why, n in sorted(dropped.items())) or None,
-            seq_len_to_keep=keep or None,
+            **store.counts,
+            **listing.summary_fields(),
         )
 
     @cached_property
-    def conversations(self) -> tuple[list, list]:
-        """(train examples, held-out examples)."""
-        train, held_out = [], []
-        for name, example in load_conversations(self.config.data)[0]:
-            (held_out if is_eval_document(name, self.config.data.eval_fraction) else train).append(example)
-        return train, held_out
+    def store(self) -> TokenStore:
+        """The encoded examples, mapped (built by the launch check, or now when it was not)."""
+        return token_store(self.config.data, self.tokenizer, self.data_listing)
+
+    @cached_property
+    def held_out_examples(self) -> list[dict[str, Any]]:
+        """The first ``data.eval_prompts`` held-out examples, for the task metric."""
+        cfg, examples = self.config.data, []
+        for name, example in read_conversations(cfg):
+            if len(examples) == cfg.eval_prompts:
+                break
+            if is_eval_document(name, cfg.eval_fraction):
+                examples.append(example)
+        return examples
 
     def prepare_data(self) -> BatchStream:
         cfg = self.config.data
-        pieces = tokenize_conversations(self.conversations[0], self.tokenizer, cfg.seq_len)
+        pieces = self.store.pieces("train", torch.from_numpy)
         return BatchStream(
             pieces,
             cfg.seq_len,
@@ -478,10 +534,10 @@ class SFT(Engine):
         )
 
     def prepare_eval_data(self) -> list[dict[str, torch.Tensor]] | None:
-        if not self.config.train.eval_every or not self.conversations[1]:
+        if not self.config.train.eval_every or not self.store.counts["eval_documents"]:
             return None
         cfg = self.config.data
-        pieces = tokenize_conversations(self.conversations[1], self.tokenizer, cfg.seq_len)
+        pieces = self.store.pieces("eval", torch.from_numpy)
         stream = BatchStream(
             pieces, cfg.seq_len, self.tokenizer.pad_token_id, seed=0,
             micro_batch=self.micro_batch_size,
@@ -517,7 +573,7 @@ class SFT(Engine):
     def held_out_prompts(self) -> list[tuple[list[dict[str, str]], str]]:
         """``(conversation up to its last user turn, the expected last answer)``, held out."""
         examples = []
-        for example in self.conversations[1][: self.config.data.eval_prompts]:
+        for example in self.held_out_examples:
             messages = example.get("messages", example.get("prompt", []) + example.get("completion", []))
             answers = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
             if answers:  # plain text has no prompt to answer

@@ -47,7 +47,7 @@ from transformers.convert_slow_tokenizer import bytes_to_unicode
 from transformers.models.siglip.image_processing_pil_siglip import SiglipImageProcessorPil
 
 from engine.config import ConfigError, DataConfig, EngineConfig, Section
-from engine.data_files import DataPathRefused, confined_path, data_file, data_files, jsonl_records
+from engine.data_files import DataListing, DataPathRefused, confined_path, data_file, data_files, jsonl_records
 from engine.engine import IGNORE_INDEX, Engine
 from engine.flops import non_embedding_params, transformer_flops_per_token
 from engine.fsdp import apply_fsdp
@@ -234,21 +234,22 @@ def attributes(text: str) -> dict[str, set[str]]:
 # =============================================================================================
 
 
-def load_examples(cfg: VLMDataConfig) -> list[tuple[str, Any, str]]:
-    """``(name, image, caption)``; the name decides the train/eval split, so it must be stable."""
+def load_examples(cfg: VLMDataConfig, listing: DataListing | None = None) -> list[tuple[str, Any, str]]:
+    """``(name, image, caption)``; the name decides the train/eval split, so it must be stable.
+    The records' files and their images are fingerprinted into ``listing``."""
     if cfg.source == "builtin":
         return builtin_examples(cfg.builtin_images, cfg.image_size)
     from PIL import Image
 
     examples = []
-    for path, name in data_files(cfg.paths, suffixes={".jsonl"}):
+    for path, name in data_files(cfg.paths, suffixes={".jsonl"}, listing=listing):
         for where, record in jsonl_records(path, name):  # bad JSON, UTF-8 or surrogates: refused there
             if not isinstance(record.get("image"), str) or not isinstance(record.get("caption"), str):
                 raise ConfigError(f'{where}: a record is {{"image": "relative/path.png", "caption": "..."}}')
             if not record["caption"].strip():
                 raise ConfigError(f"{where}: the caption is empty")
             try:  # a data file: confined, a regular file, and part of the data fingerprint
-                with Image.open(data_file(str(path.parent / record["image"]))) as image:
+                with Image.open(data_file(str(path.parent / record["image"]), listing=listing)) as image:
                     # Kept at the size the model sees (the processor's resize is then a no-op):
                     # 100k photos of 512 × 512 would otherwise hold ~100 GB in memory.
                     image = image.convert("RGB").resize((cfg.image_size, cfg.image_size), RESAMPLE)
@@ -503,7 +504,8 @@ class VLM(Engine):
         tokenizer = load_processor(config).tokenizer
         counts = {True: [0, 0], False: [0, 0]}  # held out? -> [images, caption tokens]
         names = set()
-        for name, _, text in load_examples(cfg):
+        listing = DataListing()
+        for name, _, text in load_examples(cfg, listing):
             counted = counts[is_eval_document(name, cfg.eval_fraction)]
             counted[0] += 1
             counted[1] += len(caption_tokens(tokenizer, text))
@@ -521,13 +523,14 @@ class VLM(Engine):
             eval_documents=counts[True][0],
             eval_tokens=counts[True][1],
             tokenizer=f"from {config.model.pretrained_path}" if config.model.pretrained_path else "bytes + <image>",
+            **listing.summary_fields(),
         )
 
     @cached_property
     def examples(self) -> tuple[list, list]:
         """(train examples, held-out examples): ``(name, image, caption)``."""
         train, held_out = [], []
-        for example in load_examples(self.config.data):
+        for example in load_examples(self.config.data, self.data_listing):
             (held_out if is_eval_document(example[0], self.config.data.eval_fraction) else train).append(example)
         return train, held_out
 

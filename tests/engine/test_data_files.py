@@ -71,26 +71,26 @@ def test_without_a_workspace_nothing_is_refused(layout, monkeypatch):
 
 
 def test_the_fingerprint_follows_the_bytes_of_the_files_listed(tmp_path):
-    from engine.data_files import changed_since_listed, data_fingerprint, forget_listed
+    from engine.data_files import DataListing
 
     (tmp_path / "d").mkdir()
     (tmp_path / "d" / "a.txt").write_text("one")
-    forget_listed()
-    assert data_fingerprint() is None  # nothing listed: generated data
-    data_files([str(tmp_path / "d")], suffixes={".txt"}, root=tmp_path)
-    first = data_fingerprint()
-    assert first is not None and changed_since_listed() == []
+    listing = DataListing()
+    assert listing.fingerprint() is None  # nothing listed: generated data
+    data_files([str(tmp_path / "d")], suffixes={".txt"}, root=tmp_path, listing=listing)
+    first = listing.fingerprint()
+    assert first is not None and listing.changed() == []
     (tmp_path / "d" / "a.txt").write_text("two")  # same size, other bytes
-    assert changed_since_listed() == [(tmp_path / "d" / "a.txt").resolve()]
-    data_files([str(tmp_path / "d")], suffixes={".txt"}, root=tmp_path)
-    assert data_fingerprint() not in (None, first) and changed_since_listed() == []
+    assert listing.changed() == [(tmp_path / "d" / "a.txt").resolve()]
+    data_files([str(tmp_path / "d")], suffixes={".txt"}, root=tmp_path, listing=listing)
+    assert listing.fingerprint() not in (None, first) and listing.changed() == []
     (tmp_path / "d" / "a.txt").write_text("one")
-    forget_listed()
-    data_files([str(tmp_path / "d")], suffixes={".txt"}, root=tmp_path)
-    assert data_fingerprint() == first
+    listing = DataListing()
+    data_files([str(tmp_path / "d")], suffixes={".txt"}, root=tmp_path, listing=listing)
+    assert listing.fingerprint() == first
     (tmp_path / "d" / "a.txt").unlink()
-    assert changed_since_listed() == [(tmp_path / "d" / "a.txt").resolve()]
-    forget_listed()
+    assert listing.changed() == [(tmp_path / "d" / "a.txt").resolve()]
+    assert DataListing().fingerprint() is None  # a listing is a value: another one holds nothing
 
 
 BAD_LINES = {

@@ -24,21 +24,20 @@ def notes(tmp_path, monkeypatch):
     os.symlink("nowhere.txt", root / "notes" / "broken.txt")
     os.mkfifo(root / "notes" / "pipe.txt")
     monkeypatch.chdir(root)
-    df.forget_listed()
     yield root
-    df.forget_listed()
 
 
 def test_a_folder_listing_reports_each_skipped_file_and_why(notes):
-    found = df.data_files(["notes"], SUFFIXES, root=notes)
+    listing = df.DataListing()
+    found = df.data_files(["notes"], SUFFIXES, root=notes, listing=listing)
     assert [name for _, name in found] == ["a.txt", "b.md", "deep/c.md"]
-    assert sorted(df.skipped_files()) == ["notes/broken.txt", "notes/empty.txt", "notes/guide.rst",
+    assert sorted(listing.skipped) == ["notes/broken.txt", "notes/empty.txt", "notes/guide.rst",
                                           "notes/pipe.txt", "notes/table.csv"]
-    assert df.skipped_files()["notes/guide.rst"] == "extension .rst is not one this recipe reads (.md, .txt)"
-    assert df.skipped_files()["notes/empty.txt"] == "empty (0 bytes)"
-    assert df.skipped_files()["notes/broken.txt"] == "a link to nothing"
-    assert df.skipped_files()["notes/pipe.txt"] == "not a regular file"
-    assert len(df.skipped_report()) == 5
+    assert listing.skipped["notes/guide.rst"] == "extension .rst is not one this recipe reads (.md, .txt)"
+    assert listing.skipped["notes/empty.txt"] == "empty (0 bytes)"
+    assert listing.skipped["notes/broken.txt"] == "a link to nothing"
+    assert listing.skipped["notes/pipe.txt"] == "not a regular file"
+    assert len(listing.skipped_report()) == 5
 
 
 def test_globs_list_their_matches_named_from_the_folder_before_the_wildcard(notes):

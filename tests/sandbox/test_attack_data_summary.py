@@ -15,8 +15,8 @@ pytestmark = pytest.mark.slow  # three short runs
 COUNTING = '''
 class Counting(CausalLM):
     def prepare_data(self):
-        train, held_out = self.documents
-        print(f"TRAINED-ON-DOCUMENTS {len(train) + len(held_out)}", flush=True)
+        train, held_out = self.store.counts["train"], self.store.counts["eval"]  # [documents, tokens]
+        print(f"TRAINED-ON-DOCUMENTS {train[0] + held_out[0]}", flush=True)
         return super().prepare_data()
 '''
 

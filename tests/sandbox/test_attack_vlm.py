@@ -45,14 +45,12 @@ def workspace(tmp_path, monkeypatch):
     Image.new("RGB", (20, 20), (200, 20, 20)).save(root / "images" / "ok.png")
     monkeypatch.chdir(root)
     monkeypatch.setenv(data_files.WORKSPACE_VARIABLE, str(root))
-    data_files.forget_listed()
     yield root
-    data_files.forget_listed()
 
 
-def _load(root: Path, record_bytes: bytes):
+def _load(root: Path, record_bytes: bytes, listing: data_files.DataListing | None = None):
     (root / "data.jsonl").write_bytes(b'{"image": "images/ok.png", "caption": "a red square"}\n' + record_bytes + b"\n")
-    return vlm.load_examples(vlm.VLMDataConfig(paths=["data.jsonl"]))
+    return vlm.load_examples(vlm.VLMDataConfig(paths=["data.jsonl"]), listing)
 
 
 class Hung(BaseException):
@@ -145,14 +143,15 @@ def test_a_sample_prompt_cannot_add_image_tokens():
 def test_the_images_are_part_of_the_data_fingerprint(workspace):
     from PIL import Image
 
-    _load(workspace, b"")
-    counted = data_files.data_fingerprint()
-    assert data_files.changed_since_listed() == []
+    listing = data_files.DataListing()
+    _load(workspace, b"", listing)
+    counted = listing.fingerprint()
+    assert listing.changed() == []
     Image.new("RGB", (20, 20), (20, 200, 20)).save(workspace / "images" / "ok.png")  # the .jsonl is unchanged
-    assert data_files.changed_since_listed() == [(workspace / "images" / "ok.png").resolve()]
-    data_files.forget_listed()
-    _load(workspace, b"")
-    assert data_files.data_fingerprint() != counted
+    assert listing.changed() == [(workspace / "images" / "ok.png").resolve()]
+    listing = data_files.DataListing()
+    _load(workspace, b"", listing)
+    assert listing.fingerprint() != counted
 
 
 def test_evaluate_on_given_images_is_a_valid_config():
@@ -207,18 +206,17 @@ def test_a_vlm_run_evaluates_on_given_images_and_fingerprinted_them(tmp_path, mo
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.delenv(data_files.WORKSPACE_VARIABLE, raising=False)
-    data_files.forget_listed()
-    vlm.load_examples(vlm.VLMDataConfig(paths=["set"]))
-    assert data_files.data_fingerprint() == counted.fingerprint
+    listing = data_files.DataListing()
+    vlm.load_examples(vlm.VLMDataConfig(paths=["set"]), listing)
+    assert listing.fingerprint() == counted.fingerprint
     Image.new("RGB", (16, 16), (1, 2, 3)).save(tmp_path / "set" / "images" / "5.png")
-    data_files.forget_listed()
-    vlm.load_examples(vlm.VLMDataConfig(paths=["set"]))
-    assert data_files.data_fingerprint() != counted.fingerprint
+    listing = data_files.DataListing()
+    vlm.load_examples(vlm.VLMDataConfig(paths=["set"]), listing)
+    assert listing.fingerprint() != counted.fingerprint
 
     result = model_io.evaluate(run, 2, data=["set"])
     assert result.batches >= 1 and result.tokens > 0 and result.eval_loss > 0
     assert set(result.metrics) == {"caption_accuracy"}
-    data_files.forget_listed()
 
 
 def test_what_sample_shows_of_a_caption_is_bounded(workspace):
@@ -314,13 +312,14 @@ def test_launch_run_refuses_a_decompression_bomb_with_its_line_and_changes_nothi
 def test_a_data_file_swapped_for_a_fifo_after_listing_does_not_hang_the_check_of_changes(workspace):
     """The run hashes its data files again as it starts; a FIFO swapped in for one (after it was
     listed) made that wait for a writer for ever."""
-    _load(workspace, b"")
+    listing = data_files.DataListing()
+    _load(workspace, b"", listing)
     os.remove(workspace / "images" / "ok.png")
     os.mkfifo(workspace / "images" / "ok.png")
     previous = signal.signal(signal.SIGALRM, _timeout)
     signal.alarm(10)
     try:
-        assert data_files.changed_since_listed() == [(workspace / "images" / "ok.png").resolve()]
+        assert listing.changed() == [(workspace / "images" / "ok.png").resolve()]
     finally:
         signal.alarm(0)
         signal.signal(signal.SIGALRM, previous)

@@ -203,20 +203,20 @@ def test_a_file_whose_format_cannot_be_told_names_its_columns_and_the_formats_kn
 def test_the_fingerprint_covers_parquet_csv_and_saved_folders(workspace):
     write_every_form(workspace)
     for fields in ({"paths": ["chat.parquet"]}, {"paths": ["pc.csv"]}, {"paths": ["saved"]}, {"dataset": "hub-like"}):
-        df.forget_listed()
-        sft.load_conversations(sft.SFTDataConfig(**fields))
-        assert df.data_fingerprint() is not None, fields
-    df.forget_listed()
-    sft.load_conversations(sft.SFTDataConfig(paths=["chat.parquet"]))
-    before = df.data_fingerprint()
+        listing = df.DataListing()
+        sft.load_conversations(sft.SFTDataConfig(**fields), listing)
+        assert listing.fingerprint() is not None, fields
+    listing = df.DataListing()
+    sft.load_conversations(sft.SFTDataConfig(paths=["chat.parquet"]), listing)
+    before = listing.fingerprint()
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     pq.write_table(pa.Table.from_pylist([{"messages": CONVERSATIONS[0]}]), workspace / "chat.parquet")
-    assert df.changed_since_listed() == [(workspace / "chat.parquet").resolve()]
-    df.forget_listed()
-    sft.load_conversations(sft.SFTDataConfig(paths=["chat.parquet"]))
-    assert df.data_fingerprint() != before
+    assert listing.changed() == [(workspace / "chat.parquet").resolve()]
+    listing = df.DataListing()
+    sft.load_conversations(sft.SFTDataConfig(paths=["chat.parquet"]), listing)
+    assert listing.fingerprint() != before
 
 
 def test_a_jsonl_line_that_is_not_json_is_named(workspace):

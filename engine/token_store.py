@@ -1,0 +1,215 @@
+"""A run's data tokenized once, kept on disk and mapped, not loaded.
+
+A store is a folder of the data cache named by a key: a SHA-256 over what decides its tokens
+(the data's fingerprint, the tokenizer, the template and the settings that change tokens, such
+as ``seq_len``). Every split in it (``train``, ``eval``) is a flat token file (``<split>.bin``:
+the pieces back to back, uint16 when every value fits, else int32) and its index
+(``<split>.idx.npy``: where each piece starts, and the end); ``meta.json`` holds what the
+builder counted and is written last, so a folder without it is no store. The first process to
+need a store builds it under a lock, into a temporary folder published by a rename; every other
+rank and every later run with the same key maps the same files, so a run's memory does not grow
+with the corpus (what it touches of the mapping is page cache, shared and reclaimable).
+
+The cache is ``$TRAINWRIGHT_DATA_CACHE`` (the server sets it to the workspace's
+``.trainwright/data-cache``), else a folder of this user's in the system's temporary folder.
+Torch-free: the pieces are numpy arrays; a template turns them into tensors.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from array import array
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterable, Iterator
+
+import numpy as np
+
+from engine.config import ConfigError
+from engine.data_files import DATA_CACHE_VARIABLE as CACHE_VARIABLE
+from engine.data_files import STORE_META_JSON as META_JSON
+from engine.data_files import HUB_DATASETS_VARIABLE, DataListing, bound_hub_path, data_files
+
+STORE_FORMAT = 1  # part of every key: a store of another layout is never read as this one
+SPLITS = ("train", "eval")
+UINT16_LIMIT = 1 << 16
+WRITE_BUFFER_VALUES = 1 << 20  # values gathered before a write (4 MiB as int32)
+# A store needs about this many bytes of disk per byte of input text (uint16 tokens of a byte
+# tokenizer: 2; int32 rows of tokens and targets: up to 8), checked before it is written.
+DISK_BYTES_PER_INPUT_BYTE = 8
+
+
+def cache_root() -> Path:
+    """The folder the stores live in (created when missing)."""
+    configured = os.environ.get(CACHE_VARIABLE)
+    root = Path(configured) if configured else Path(tempfile.gettempdir()) / f"trainwright-data-cache-{os.getuid()}"
+    root.mkdir(parents=True, exist_ok=True)
+    return root
+
+
+def store_key(**parts: Any) -> str:
+    """The key of the store of these parts (JSON values: fingerprint, tokenizer, template,
+    settings); equal parts, equal key."""
+    text = json.dumps({"store_format": STORE_FORMAT, **parts}, sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+
+class Pieces:
+    """One split of a store: ``len(pieces)`` pieces, ``pieces[i]`` an int64 numpy array (``rows``
+    × n when a piece has several rows, such as tokens and targets) copied from the mapping, or
+    what ``convert`` makes of it (``torch.from_numpy``)."""
+
+    def __init__(self, folder: Path, split: str, rows: int, dtype: str, convert: Callable[[np.ndarray], Any] | None = None):
+        self.rows, self.convert = rows, convert
+        self.starts = np.load(folder / f"{split}.idx.npy", mmap_mode="r")
+        size = int(self.starts[-1])
+        self.values = np.memmap(folder / f"{split}.bin", dtype=dtype, mode="r", shape=(size,)) if size else \
+            np.zeros(0, dtype=dtype)
+
+    def __len__(self) -> int:
+        return len(self.starts) - 1
+
+    def __getitem__(self, index: int) -> np.ndarray:
+        if not 0 <= index < len(self):
+            raise IndexError(index)
+        values = np.array(self.values[int(self.starts[index]):int(self.starts[index + 1])], dtype=np.int64)
+        values = values.reshape(self.rows, -1) if self.rows > 1 else values
+        return self.convert(values) if self.convert is not None else values
+
+    def __iter__(self) -> Iterator[Any]:
+        return (self[i] for i in range(len(self)))
+
+
+@dataclass
+class TokenStore:
+    """A built store: its folder, what its builder counted (``meta``), its splits."""
+
+    folder: Path
+    meta: dict[str, Any]
+
+    def pieces(self, split: str, convert: Callable[[np.ndarray], Any] | None = None) -> Pieces:
+        return Pieces(self.folder, split, self.meta["rows"], self.meta["dtype"], convert)
+
+    @property
+    def counts(self) -> dict[str, Any]:
+        return self.meta["counts"]
+
+
+class StoreWriter:
+    """What a builder writes pieces into: ``add(split, piece)`` appends one piece (an integer
+    array of ``rows`` rows, or one row)."""
+
+    def __init__(self, folder: Path, rows: int, dtype: str):
+        self.rows, self.dtype = rows, dtype
+        self.files = {split: open(folder / f"{split}.bin", "wb") for split in SPLITS}
+        self.starts = {split: array("q", [0]) for split in SPLITS}
+        self.buffers: dict[str, list[np.ndarray]] = {split: [] for split in SPLITS}
+        self.buffered = dict.fromkeys(SPLITS, 0)
+
+    def add(self, split: str, piece: Any) -> None:
+        values = np.asarray(piece).reshape(-1)
+        if values.size % self.rows:
+            raise ValueError(f"a piece of {values.size} values does not have {self.rows} rows")
+        self.starts[split].append(self.starts[split][-1] + values.size)
+        self.buffers[split].append(values.astype(self.dtype, copy=False))
+        self.buffered[split] += values.size
+        if self.buffered[split] >= WRITE_BUFFER_VALUES:
+            self._flush(split)
+
+    def _flush(self, split: str) -> None:
+        if self.buffers[split]:
+            np.concatenate(self.buffers[split]).tofile(self.files[split])
+        self.buffers[split], self.buffered[split] = [], 0
+
+    def close(self, folder: Path) -> None:
+        for split in SPLITS:
+            self._flush(split)
+            self.files[split].close()
+            np.save(folder / f"{split}.idx.npy", np.frombuffer(self.starts[split], dtype=np.int64))
+
+
+def tokenizer_identity(tokenizer: Any) -> str:
+    """What a store is keyed by for a Hugging Face tokenizer: its whole definition (the backend's
+    JSON, or the vocabulary), its chat template and its special tokens."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    parts = [backend.to_str() if backend is not None else repr(sorted(tokenizer.get_vocab().items())),
+             repr(getattr(tokenizer, "chat_template", None)), repr(getattr(tokenizer, "special_tokens_map", None))]
+    return hashlib.sha256("\0".join(parts).encode()).hexdigest()
+
+
+def data_identity(paths: list[str], suffixes: Iterable[str], listing: DataListing,
+                  dataset: str | None = None) -> tuple[list[Any], int]:
+    """What the data of ``paths`` (and ``dataset``) is, for a store's key, and its size in bytes:
+    the fingerprint of its files, listed into ``listing`` as the readers list them (nothing is
+    parsed). A Hub data set is named by the snapshot the server bound (its folder names the
+    revision)."""
+    from engine.data_formats import is_saved_dataset
+
+    identity: list[Any] = []
+    for raw in [*paths, *([dataset] if dataset and Path(dataset).exists() else [])]:
+        saved = is_saved_dataset(Path(raw))
+        data_files([raw], suffixes={".arrow", ".json"} if saved else suffixes, listing=listing)
+    identity.append(listing.fingerprint())
+    if dataset and not Path(dataset).exists():
+        identity.append([dataset, bound_hub_path(HUB_DATASETS_VARIABLE, dataset)])
+    return identity, sum(path.stat().st_size for path in listing.files)
+
+
+def value_dtype(max_value: int, signed: bool = False) -> str:
+    """The narrowest dtype of the store's values: uint16 when every value is below 65,536 and
+    none is negative, else int32."""
+    return "uint16" if max_value < UINT16_LIMIT and not signed else "int32"
+
+
+def open_or_build(key: str, rows: int, dtype: str, build: Callable[[StoreWriter], dict[str, Any]],
+                  input_bytes: int = 0, root: Path | None = None) -> TokenStore:
+    """The store of ``key``: mapped when it is built, else built now by ``build`` (which adds the
+    pieces and returns the counts kept in ``meta.json``), under a lock so that the ranks of a run,
+    and runs at once, build it once. ``input_bytes`` (the size of the data read) decides the disk
+    space checked first. An error of ``build`` leaves nothing behind."""
+    root = cache_root() if root is None else root
+    folder = root / key
+    with locked_cache(root):
+        if (folder / META_JSON).is_file():
+            return TokenStore(folder, json.loads((folder / META_JSON).read_text()))
+        _check_disk_space(root, input_bytes * DISK_BYTES_PER_INPUT_BYTE)
+        building = Path(tempfile.mkdtemp(prefix=f"{key}.building-", dir=root))
+        try:
+            writer = StoreWriter(building, rows, dtype)
+            try:
+                counts = build(writer)
+            finally:
+                writer.close(building)
+            meta = {"key": key, "rows": rows, "dtype": dtype, "counts": counts}
+            (building / META_JSON).write_text(json.dumps(meta))
+            shutil.rmtree(folder, ignore_errors=True)  # a folder left without meta.json
+            os.replace(building, folder)
+        except BaseException:
+            shutil.rmtree(building, ignore_errors=True)
+            raise
+    return TokenStore(folder, meta)
+
+
+def _check_disk_space(root: Path, needed: int) -> None:
+    free = shutil.disk_usage(root).free
+    if needed > free:
+        raise ConfigError(f"the tokenized data needs up to {needed / 1e9:.2f} GB in {root}, which has "
+                          f"{free / 1e9:.2f} GB free; free space there, or set {CACHE_VARIABLE} to a larger disk")
+
+
+@contextlib.contextmanager
+def locked_cache(root: Path, wait: bool = True):
+    """The cache folder's own lock (a lock on the folder, so no lock file is left behind): held
+    while a store is looked up and built; ``wait=False`` raises ``BlockingIOError`` when held."""
+    fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX if wait else fcntl.LOCK_EX | fcntl.LOCK_NB)
+        yield
+    finally:
+        os.close(fd)

@@ -1,0 +1,17 @@
+"""The ``data_cache`` tool: the tokenized data runs share (``engine.token_store``), listed with
+sizes, removed by name."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from mcp_server.models import DataCacheResult
+from workspace.workspace import cached_data, data_cache_dir, remove_cached_data
+
+
+def data_cache(ws: Any, remove: list[str]) -> DataCacheResult:
+    """What the workspace's data cache holds (name -> bytes), after removing ``remove`` (names,
+    or ``["all"]``)."""
+    removed = remove_cached_data(ws.root, remove) if remove else []
+    return DataCacheResult(folder=str(data_cache_dir(ws.root).relative_to(ws.root)),
+                           stores=dict(cached_data(ws.root)), removed=dict(removed))
