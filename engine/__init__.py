@@ -17,6 +17,7 @@ Small and explicit, one concept per file:
 - ``memory``          a process's peak memory, the one definition
 - ``estimate``        a run's memory and step time before it starts
 - ``chat``            chat templates as they are: tokens and the assistant mask
+- ``chat_messages``   chat messages as data holds them: reasoning, tool calls, tool results, tools
 - ``data_files``      the data files a run may read, confined and listed
 - ``data_formats``    file kinds and record formats (Alpaca, ShareGPT, parquet, CSV, ...)
 - ``model_io``        export, sample, evaluate: ``python -m engine.model_io``

@@ -91,6 +91,11 @@ class SFTDataConfig(DataConfig):
         None,
         description="A Jinja chat template instead of the tokenizer's own ({% generation %} markers optional).",
     )
+    reasoning_loss: bool = Field(
+        True,
+        description="The loss covers the assistant's <think> reasoning where the template renders it (Qwen3: after "
+        "the last user message); false: never.",
+    )
     eval_fraction: float = Field(
         0.05, ge=0, le=1, description="Conversations held out for evaluation (1: all, as `evaluate` with data does)."
     )
@@ -136,35 +141,41 @@ def as_example(conversation) -> dict[str, Any]:
 
 
 def mask_method(tokenizer, example: dict[str, Any]) -> str:
-    """Which tokens of ``example`` the loss covers: the assistant's (by the template's markers or
-    by rendering turn by turn), a completion's, or all of a plain text's."""
+    """Which tokens of ``example`` the loss covers: the assistant's (by the template's markers, by
+    rendering turn by turn, or found in the whole rendering), a completion's, or all of a plain text's."""
     if "messages" in example:
-        return conversation_mask_method(tokenizer)
+        return conversation_mask_method(tokenizer, example["messages"] or None, example.get("tools"))
     return "completion" if "completion" in example else "all_tokens"
 
 
-def encode_conversation(tokenizer, conversation, where: str = "a conversation") -> tuple[torch.Tensor, torch.Tensor]:
-    """``(tokens, loss_mask)`` of an example (or a list of messages) as the chat template renders it."""
+def encode_conversation(
+    tokenizer, conversation, where: str = "a conversation", reasoning: bool = True
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(tokens, loss_mask)`` of an example (or a list of messages) as the chat template renders it
+    (with the example's ``tools``); ``reasoning=False``: the ``<think>`` blocks are not learnt."""
     example = as_example(conversation)
+    tools = example.get("tools")
     if "messages" in example:
-        tokens, mask = encode_chat(tokenizer, example["messages"], where)
+        tokens, mask = encode_chat(tokenizer, example["messages"], where, tools, reasoning)
     elif "completion" in example:
-        tokens, mask = encode_completion(tokenizer, example["prompt"], example["completion"], where)
+        tokens, mask = encode_completion(tokenizer, example["prompt"], example["completion"], where, tools, reasoning)
     else:
         tokens = tokenizer(example["text"], add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
         mask = [True] * len(tokens)
     return torch.tensor(tokens, dtype=torch.int64), torch.tensor(mask, dtype=torch.bool)
 
 
-def encode_example(tokenizer, conversation, seq_len: int, where: str = "a conversation"):
+def encode_example(tokenizer, conversation, seq_len: int, where: str = "a conversation", reasoning: bool = True):
     """``(piece, dropped_why, truncated)``: the example as a ``2 × n`` piece (tokens, and targets:
     the same tokens where the loss covers them, ``IGNORE_INDEX`` elsewhere) cut to ``seq_len + 1``
     tokens, or None and why when there is nothing to learn from it."""
     example = as_example(conversation)
     answers = example.get("messages", example.get("completion"))
-    if answers is not None and not any(m["content"].strip() for m in answers if m["role"] == "assistant"):
+    if answers is not None and not any(
+        m["content"].strip() or m.get("tool_calls") or m.get("reasoning_content") for m in answers if m["role"] == "assistant"
+    ):
         return None, "no assistant answer (empty or missing)", False
-    tokens, mask = encode_conversation(tokenizer, example, where)
+    tokens, mask = encode_conversation(tokenizer, example, where, reasoning)
     targets = torch.where(mask, tokens, IGNORE_INDEX)
     piece = torch.stack([tokens, targets])[:, : seq_len + 1]
     if not (piece[1, 1:] != IGNORE_INDEX).any():
@@ -172,9 +183,9 @@ def encode_example(tokenizer, conversation, seq_len: int, where: str = "a conver
     return piece, None, tokens.shape[0] > seq_len + 1
 
 
-def seq_len_to_learn(tokenizer, conversation, where: str = "a conversation") -> int:
+def seq_len_to_learn(tokenizer, conversation, where: str = "a conversation", reasoning: bool = True) -> int:
     """The smallest ``data.seq_len`` at which the example keeps a token to learn."""
-    tokens, mask = encode_conversation(tokenizer, as_example(conversation), where)
+    tokens, mask = encode_conversation(tokenizer, as_example(conversation), where, reasoning)
     return int(mask[1:].nonzero()[0, 0]) + 1
 
 
@@ -251,12 +262,12 @@ def is_eval_document(name: str, eval_fraction: float) -> bool:
     return eval_fraction >= 1 or bucket < eval_fraction
 
 
-def tokenize_conversations(conversations, tokenizer, seq_len: int) -> list[torch.Tensor]:
+def tokenize_conversations(conversations, tokenizer, seq_len: int, reasoning: bool = True) -> list[torch.Tensor]:
     """Each conversation as a ``2 × n`` piece (:func:`encode_example`); those with nothing to
     learn are left out (the data summary counts them as dropped)."""
     pieces = []
     for conversation in conversations:
-        piece, _, _ = encode_example(tokenizer, conversation, seq_len)
+        piece, _, _ = encode_example(tokenizer, conversation, seq_len, reasoning=reasoning)
         if piece is not None:
             pieces.append(piece)
     return pieces
@@ -401,12 +412,12 @@ class SFT(Engine):
         truncated = keep = 0
         examples, formats = load_conversations(cfg)
         for name, example in examples:
-            piece, why, cut = encode_example(tokenizer, example, cfg.seq_len, name)
+            piece, why, cut = encode_example(tokenizer, example, cfg.seq_len, name, cfg.reasoning_loss)
             truncated += cut
             names.add(name.split(":", 1)[0])
             if piece is None:
                 dropped[why] = dropped.get(why, 0) + 1
-                keep = max(keep, seq_len_to_learn(tokenizer, example, name) if cut else 0)
+                keep = max(keep, seq_len_to_learn(tokenizer, example, name, cfg.reasoning_loss) if cut else 0)
                 continue
             masks.add(mask_method(tokenizer, example))
             counted = counts[is_eval_document(name, cfg.eval_fraction)]
@@ -445,7 +456,7 @@ class SFT(Engine):
 
     def prepare_data(self) -> BatchStream:
         cfg = self.config.data
-        pieces = tokenize_conversations(self.conversations[0], self.tokenizer, cfg.seq_len)
+        pieces = tokenize_conversations(self.conversations[0], self.tokenizer, cfg.seq_len, cfg.reasoning_loss)
         return BatchStream(
             pieces,
             cfg.seq_len,
@@ -460,7 +471,7 @@ class SFT(Engine):
         if not self.config.train.eval_every or not self.conversations[1]:
             return None
         cfg = self.config.data
-        pieces = tokenize_conversations(self.conversations[1], self.tokenizer, cfg.seq_len)
+        pieces = tokenize_conversations(self.conversations[1], self.tokenizer, cfg.seq_len, cfg.reasoning_loss)
         stream = BatchStream(
             pieces, cfg.seq_len, self.tokenizer.pad_token_id, seed=0,
             micro_batch=self.micro_batch_size,
