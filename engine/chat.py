@@ -113,7 +113,7 @@ def template_messages(tokenizer, messages: list[Message]) -> list[Message]:
     ``thinking`` where it reads that field, else in the content as ``<think>…</think>``."""
     template = tokenizer.chat_template or ""
     field = "reasoning_content" if "reasoning_content" in template else (
-        "thinking" if re.search(r"message(\.thinking|\[.thinking.\])", template) else None)
+        "thinking" if re.search(r"\.thinking\b|\[.thinking.\]", template) else None)
     adapted = []
     for message in messages:
         reasoning = message.get("reasoning_content")
@@ -136,6 +136,18 @@ def render(tokenizer, messages: list[Message], generation_prompt: bool = False, 
     )
 
 
+def render_whole(tokenizer, messages: list[Message], where: str, generation_prompt: bool = False, tools=None) -> str:
+    """:func:`render`, a template's refusal (``raise_exception``: Llama 3.1 takes one tool call a
+    turn) a :class:`ConfigError` naming the record."""
+    from jinja2 import TemplateError
+
+    try:
+        return render(tokenizer, messages, generation_prompt, tools)
+    except TemplateError as e:
+        raise ConfigError(f"{where}: the chat template of {tokenizer.name_or_path or 'the tokenizer'} refuses this "
+                          f"conversation: {e}") from None
+
+
 def _refused(tokenizer, where: str, tried: list[str]) -> ConfigError:
     return ConfigError(
         f"{where}: the chat template of {tokenizer.name_or_path or 'the tokenizer'} cannot mark the assistant's "
@@ -148,9 +160,14 @@ def _refused(tokenizer, where: str, tried: list[str]) -> ConfigError:
 def _turn_spans(tokenizer, messages: list[Message], tools) -> tuple[str, list[tuple[int, int]], str | None]:
     """``(text, spans, None)`` rendering turn by turn, or ``(.., .., why)`` when a message
     changes the text of those before it."""
+    from jinja2 import TemplateError
+
     before, spans = "", []
     for index, message in enumerate(messages):
-        text = render(tokenizer, messages[: index + 1], tools=tools)
+        try:
+            text = render(tokenizer, messages[: index + 1], tools=tools)
+        except TemplateError as e:  # a template that needs what follows (Llama 3.1: tools and a first user message)
+            return before, spans, f"turn by turn, the first {index + 1} messages do not render alone ({e})"
         if not text.startswith(before):
             return before, spans, (f"turn by turn, message {index + 1} ({message.get('role')}) changes the text of "
                                    "the messages before it (the template rewrites earlier turns)")
@@ -170,9 +187,9 @@ def _special_tokens(tokenizer) -> list[str]:
     return sorted(set(added) | set(tokenizer.all_special_tokens), key=len, reverse=True)
 
 
-def _final_spans(tokenizer, messages: list[Message], tools) -> tuple[str, list[tuple[int, int]], str | None]:
+def _final_spans(tokenizer, messages: list[Message], tools, where: str) -> tuple[str, list[tuple[int, int]], str | None]:
     """``(text, spans, None)`` found in the whole conversation's rendering, or why not."""
-    text = render(tokenizer, messages, tools=tools)
+    text = render_whole(tokenizer, messages, where, tools=tools)
     first = next(i for i, m in enumerate(messages) if m.get("role") == "assistant")
     closed = render(tokenizer, messages[:first], tools=tools) if first else ""
     opened = render(tokenizer, messages[:first], generation_prompt=True, tools=tools) if first else ""
@@ -238,7 +255,7 @@ def assistant_spans(
     text, spans, why = _turn_spans(tokenizer, messages, tools)
     if why is None:
         return text, spans
-    text, spans, also = _final_spans(tokenizer, messages, tools)
+    text, spans, also = _final_spans(tokenizer, messages, tools, where)
     if also is None:
         return text, spans
     raise _refused(tokenizer, where, [why, also])
@@ -249,8 +266,8 @@ def completion_span(
 ) -> tuple[str, tuple[int, int]]:
     """``(text, span)``: prompt + completion rendered, and the characters after the prompt and
     its generation prompt."""
-    opened = render(tokenizer, prompt, generation_prompt=True, tools=tools)
-    text = render(tokenizer, prompt + completion, tools=tools)
+    opened = render_whole(tokenizer, prompt, where, generation_prompt=True, tools=tools)
+    text = render_whole(tokenizer, prompt + completion, where, tools=tools)
     if not text.startswith(opened):
         closed = render(tokenizer, prompt, tools=tools)
         if not text.startswith(closed):
@@ -279,6 +296,7 @@ def encode_conversation(
     """``(tokens, assistant_mask)`` of a conversation as its chat template renders it whole;
     ``reasoning=False`` leaves the ``<think>`` blocks out of the mask."""
     if conversation_mask_method(tokenizer) == "generation_markers":
+        render_whole(tokenizer, messages, where, tools=tools)  # a template's refusal named
         encoded = tokenizer.apply_chat_template(
             template_messages(tokenizer, messages), tools=tools, tokenize=True, return_dict=True,
             return_assistant_tokens_mask=True,
