@@ -13,8 +13,13 @@ Supports:
   rename)
 - the tokenizer's own chat template as it is (``engine/chat.py``): the loss is taken on the
   assistant turns only, as ``{% generation %}`` markers mark them or, in a template without
-  markers (ChatML, Llama 3, Gemma), as rendering the conversation turn by turn finds them; on a
+  markers (ChatML, Llama 3, Gemma), as rendering the conversation turn by turn finds them, or
+  (Qwen3, which rewrites earlier turns) as they lie in the whole conversation's rendering; on a
   completion after its prompt; on every token of plain text
+- reasoning and tool calls (``engine/chat_messages.py``): ``reasoning_content``/``thinking``/
+  ``<think>`` as the template reads it (``data.reasoning_loss``), a ``tools`` column, ``tool_calls``
+  and ``tool`` results (ShareGPT's ``function_call``/``observation`` too); the loss never covers a
+  tool's result
 - starting from a local Hugging Face folder (``model.pretrained_path``, e.g. a ``causal_lm``
   run exported with ``trainwright export``) or from a tiny model built from a config
 - everything the engine does: FSDP2 over N processes, checkpoints resumable bit for bit,
