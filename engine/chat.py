@@ -32,6 +32,7 @@ special tokens added); a token belongs to a span when its characters overlap it.
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 from typing import Any, Literal
@@ -318,3 +319,28 @@ def encode_completion(
     """``(tokens, completion_mask)`` of a prompt and its completion."""
     text, span = completion_span(tokenizer, prompt, completion, where, tools)
     return tokens_and_mask(tokenizer, text, [span] if reasoning else without_reasoning(text, [span]))
+
+
+_TOOL_CALL_BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
+
+
+def parse_completion(raw: str, end_of_turn: str | None = None) -> dict[str, Any]:
+    """A completion as the model wrote it, parsed: ``reasoning`` (its ``<think>`` block, None
+    without one), ``content`` (the answer, less the reasoning, the calls and the end of turn) and
+    ``tool_calls`` (each ``<tool_call>`` block, Qwen's and Hermes' form, as ``{"name",
+    "arguments"}``; a block that is not a JSON call is left in the content)."""
+    text = raw.split(end_of_turn, 1)[0] if end_of_turn else raw
+    reasoning = None
+    if "</think>" in text:
+        thought, text = text.split("</think>", 1)
+        reasoning = thought.split("<think>", 1)[-1].strip()
+    calls = []
+    for block in list(_TOOL_CALL_BLOCK.finditer(text)):
+        try:
+            call = json.loads(block.group(1))
+        except json.JSONDecodeError:
+            continue
+        if isinstance(call, dict) and isinstance(call.get("name"), str):
+            calls.append({"name": call["name"], "arguments": call.get("arguments", call.get("parameters", {}))})
+            text = text.replace(block.group(0), "", 1)
+    return {"reasoning": reasoning, "content": text.strip(), "tool_calls": calls or None}

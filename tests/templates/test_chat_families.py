@@ -367,7 +367,26 @@ def test_a_qwen3_model_trains_on_tool_calls_and_reasoning_and_exports_its_templa
     result = subprocess.run([sys.executable, "-m", "engine.model_io", "export", str(run), "--step", "2", "--to", str(out)],
                             cwd=tmp_path, env=engine_env(), capture_output=True, text=True, timeout=300)
     assert json.loads(result.stdout.strip().splitlines()[-1])["ok"], result.stdout + result.stderr
+    # sample renders the prompt with the template's thinking switch and returns the text as written beside it.
+    result = subprocess.run([sys.executable, "-m", "engine.model_io", "sample", str(run), "--step", "2", "--prompt=Hi",
+                             "--max-new-tokens", "8", "--reasoning", "off"],
+                            cwd=tmp_path, env=engine_env(), capture_output=True, text=True, timeout=300)
+    sampled = json.loads(result.stdout.strip().splitlines()[-1])
+    assert sampled["ok"] and sampled["chat"], result.stdout + result.stderr
+    assert isinstance(sampled["samples"][0]["raw"], str) and sampled["samples"][0]["new_tokens"] >= 1
     exported = AutoTokenizer.from_pretrained(out)
     for raw in (AGENTIC, AGENTIC_THEN_MORE):
         messages = conversation(raw, "x")
         assert exported.apply_chat_template(messages, tools=TOOLS, tokenize=False) == render(tokenizer, messages, tools=TOOLS)
+
+
+def test_a_completion_is_parsed_into_reasoning_calls_and_answer():
+    from engine.chat import parse_completion
+
+    raw = ('<think>\nthe tool adds\n</think>\n\nLet me add.\n<tool_call>\n{"name": "add", "arguments": {"a": 12, "b": 1}}'
+           '\n</tool_call><|im_end|>\nleft over')
+    assert parse_completion(raw, "<|im_end|>") == {
+        "reasoning": "the tool adds", "content": "Let me add.", "tool_calls": [{"name": "add", "arguments": {"a": 12, "b": 1}}]}
+    # A block that is not a JSON call stays in the answer; no <think>: no reasoning.
+    assert parse_completion("<tool_call>add(1)</tool_call>") == {
+        "reasoning": None, "content": "<tool_call>add(1)</tool_call>", "tool_calls": None}
