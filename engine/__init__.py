@@ -19,6 +19,7 @@ Small and explicit, one concept per file:
 - ``estimate``        a run's memory and step time before it starts
 - ``estimate_changes`` the changes that would make a run fit, each estimated again
 - ``chat``            chat templates as they are: tokens and the assistant mask
+- ``chat_messages``   chat messages as data holds them: reasoning, tool calls, tool results, tools
 - ``data_files``      the data files a run may read, confined and listed
 - ``data_formats``    file kinds and record formats (Alpaca, ShareGPT, parquet, CSV, ...)
 - ``token_store``     a run's data tokenized once, on disk, mapped by every rank and later run

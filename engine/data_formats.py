@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
+from engine.chat_messages import conversation, sharegpt_conversation, tool_schemas
 from engine.config import ConfigError
 from engine.data_files import HUB_DATASETS_VARIABLE, DataListing, bound_hub_path, data_files, json_value, jsonl_records
 
@@ -50,11 +51,6 @@ FORMATS: dict[str, dict[str, tuple[str, ...]]] = {
         "chosen_rejected": ("chosen", "rejected"),
     },
     "causal_lm": {"text": ("text",)},
-}
-
-SHAREGPT_ROLES = {
-    "human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "bot": "assistant",
-    "model": "assistant", "system": "system",
 }
 
 
@@ -237,39 +233,13 @@ def detect_format(template: str, columns: Iterable[str], name: str, forced: str 
     )
 
 
-def _messages(value: Any, where: str, key: str) -> list[dict[str, Any]]:
-    if not isinstance(value, list) or not all(
-        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in value
-    ):
-        raise ConfigError(
-            f"{where}: {key!r} must be a list of {{\"role\": ..., \"content\": ...}} messages "
-            "(map another column to it with data.columns)"
-        )
-    return [{"role": m["role"], "content": m["content"]} for m in value]
-
-
-def _sharegpt(value: Any, where: str) -> list[dict[str, Any]]:
-    if not isinstance(value, list) or not all(isinstance(m, dict) for m in value):
-        raise ConfigError(f"{where}: 'conversations' must be a list of {{\"from\": ..., \"value\": ...}} turns")
-    messages = []
-    for turn in value:
-        speaker, text = turn.get("from", turn.get("role")), turn.get("value", turn.get("content"))
-        if speaker not in SHAREGPT_ROLES or not isinstance(text, str):
-            raise ConfigError(
-                f"{where}: a ShareGPT turn needs 'from' (one of {sorted(SHAREGPT_ROLES)}) and a string 'value', "
-                f"got from={str(speaker)[:40]!r}"
-            )
-        messages.append({"role": SHAREGPT_ROLES[speaker], "content": text})
-    return messages
-
-
 def _as_messages(value: Any, role: str, where: str, key: str) -> list[dict[str, Any]]:
     """A string as one message of ``role``; a list of messages as it is."""
     if isinstance(value, str):
         return [{"role": role, "content": value}]
     if isinstance(value, dict):
         value = [value]
-    return _messages(value, where, key)
+    return conversation(value, where, key)
 
 
 def _string(record: dict[str, Any], key: str, where: str, required: bool = True) -> str:
@@ -296,11 +266,22 @@ def normalise(fmt: str, record: dict[str, Any], where: str) -> dict[str, Any]:
     - dpo: ``{"prompt": [...], "chosen": [...], "rejected": [...]}``; whole chosen/rejected
       conversations are split at the last message they share;
     - causal_lm: ``{"text": str}``.
+
+    Messages are in :mod:`engine.chat_messages`' form (reasoning, tool calls and tool results
+    kept); a conversation with a ``tools`` column carries ``"tools"``: its function schemas.
     """
+    example = _example(fmt, record, where)
+    tools = tool_schemas(record.get("tools"), where) if fmt not in ("text", "alpaca") else None
+    if tools:
+        example["tools"] = tools
+    return example
+
+
+def _example(fmt: str, record: dict[str, Any], where: str) -> dict[str, Any]:
     if fmt == "messages":
-        return {"messages": _messages(record["messages"], where, "messages")}
+        return {"messages": conversation(record["messages"], where, "messages")}
     if fmt == "sharegpt":
-        return {"messages": _sharegpt(record["conversations"], where)}
+        return {"messages": sharegpt_conversation(record["conversations"], where)}
     if fmt == "alpaca":
         instruction, extra = _string(record, "instruction", where), _string(record, "input", where, required=False)
         system = _string(record, "system", where, required=False)
@@ -323,8 +304,8 @@ def normalise(fmt: str, record: dict[str, Any], where: str) -> dict[str, Any]:
             "rejected": _as_messages(record["rejected"], "assistant", where, "rejected"),
         }
     if fmt == "chosen_rejected":
-        chosen = _messages(record["chosen"], where, "chosen")
-        rejected = _messages(record["rejected"], where, "rejected")
+        chosen = conversation(record["chosen"], where, "chosen")
+        rejected = conversation(record["rejected"], where, "rejected")
         shared = _common_prefix(chosen, rejected)
         while shared and chosen[shared - 1]["role"] == "assistant":
             shared -= 1

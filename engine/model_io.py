@@ -156,8 +156,12 @@ def export(run_dir: Path, step: int, to: Path, lora: str = "merged", max_shard_s
 
 
 def sample(run_dir: Path, step: int, prompts: list[str], max_new_tokens: int = 64,
-           temperature: float = 0.0, seed: int = 0) -> SampleOutcome:
+           temperature: float = 0.0, seed: int = 0, reasoning: bool | None = None) -> SampleOutcome:
+    """``reasoning``: the chat template's switch (``enable_thinking``, Qwen3's) on or off; None:
+    the template's default."""
     import torch
+
+    from engine.chat import parse_completion
 
     from engine.hf_export import set_special_tokens, text_tokenizer
 
@@ -173,6 +177,9 @@ def sample(run_dir: Path, step: int, prompts: list[str], max_new_tokens: int = 6
     torch.manual_seed(seed)
     # A tokenizer with a chat template belongs to a chat model (SFT, DPO): each prompt is a user turn.
     chat = bool(getattr(tokenizer, "chat_template", None))
+    switch = {} if reasoning is None else {"enable_thinking": reasoning}
+    if switch and not (chat and "enable_thinking" in str(tokenizer.chat_template)):
+        raise BadInput("this model's chat template has no reasoning switch (enable_thinking): sample without reasoning")
     samples = []
     for index, prompt in enumerate(prompts):
         given = engine.sample_inputs(index, prompt)  # e.g. a vision-language recipe adds an image
@@ -181,7 +188,7 @@ def sample(run_dir: Path, step: int, prompts: list[str], max_new_tokens: int = 6
             ids = inputs.pop("input_ids")
         elif chat:
             ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
-                                                return_tensors="pt", return_dict=True)["input_ids"]
+                                                return_tensors="pt", return_dict=True, **switch)["input_ids"]
         else:
             ids = tokenizer(prompt, add_special_tokens=False, return_tensors="pt")["input_ids"]
         ids = ids.to(engine.device)
@@ -197,9 +204,18 @@ def sample(run_dir: Path, step: int, prompts: list[str], max_new_tokens: int = 6
         # What the recipe shows beside a sample is its data's (an answer may be long): cut here,
         # the server cuts it further to its share of the result.
         shown = {key: about[key][:MAX_SHOWN_CHARS] for key in ("input", "expected") if isinstance(about.get(key), str)}
+        completion = tokenizer.decode(new, skip_special_tokens=True)
+        written = {}
+        if chat:  # the completion as written, and parsed: reasoning, calls, the answer
+            raw = tokenizer.decode(new, skip_special_tokens=False)
+            parsed = parse_completion(raw, tokenizer.eos_token)
+            if parsed["reasoning"] is not None or parsed["tool_calls"]:
+                completion = parsed["content"]
+            written = {"raw": raw[:MAX_COMPLETION_CHARS], "tool_calls": parsed["tool_calls"],
+                       "reasoning": None if parsed["reasoning"] is None else parsed["reasoning"][:MAX_COMPLETION_CHARS]}
         samples.append(GeneratedSample(
-            prompt=prompt, **shown, completion=tokenizer.decode(new, skip_special_tokens=True)[:MAX_COMPLETION_CHARS],
-            new_tokens=len(new), stopped="eos" if ended else "max_new_tokens",
+            prompt=prompt, **shown, completion=completion[:MAX_COMPLETION_CHARS],
+            new_tokens=len(new), stopped="eos" if ended else "max_new_tokens", **written,
         ))
     return SampleOutcome(step=step, temperature=temperature, chat=chat, samples=samples)
 
@@ -323,6 +339,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--reasoning", choices=("on", "off"), help="the chat template's reasoning switch; default: its own")
     p = command("evaluate", "eval loss and the recipe's task metrics")
     p.add_argument("--data", action="append", help="evaluate on these files or folders (all held out)")
     return parser.parse_args(argv)
@@ -332,7 +349,8 @@ def run(args: argparse.Namespace) -> ModelOutcome:
     if args.action == "export":
         return export(args.run_dir, args.step, args.to, args.lora, args.max_shard_size, args.final_dir, args.gguf)
     if args.action == "sample":
-        return sample(args.run_dir, args.step, args.prompts, args.max_new_tokens, args.temperature, args.seed)
+        reasoning = None if args.reasoning is None else args.reasoning == "on"
+        return sample(args.run_dir, args.step, args.prompts, args.max_new_tokens, args.temperature, args.seed, reasoning)
     return evaluate(args.run_dir, args.step, args.data)
 
 

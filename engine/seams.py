@@ -165,7 +165,8 @@ class ExportOutcome(_Seam):
 
 class GeneratedSample(_Seam):
     """One prompt and its continuation; ``input`` and ``expected`` are what the recipe shows
-    beside it (``Engine.sample_inputs``)."""
+    beside it (``Engine.sample_inputs``); ``raw``, ``reasoning`` and ``tool_calls``: a chat
+    model's completion as written, parsed."""
 
     prompt: str = Field(max_length=MAX_PROMPT_CHARS)
     input: str | None = Field(None, max_length=MAX_SHOWN_CHARS)
@@ -173,6 +174,11 @@ class GeneratedSample(_Seam):
     completion: str = Field(max_length=MAX_COMPLETION_CHARS)
     new_tokens: Annotated[int, Field(ge=0, le=MAX_NEW_TOKENS)]
     stopped: Literal["eos", "max_new_tokens"]
+    # A chat model's completion as written (special tokens kept) beside the parsed one:
+    # ``completion`` is then its answer, less its reasoning and its calls (engine.chat.parse_completion).
+    raw: str | None = Field(None, max_length=MAX_COMPLETION_CHARS)
+    reasoning: str | None = Field(None, max_length=MAX_COMPLETION_CHARS)
+    tool_calls: list[dict[str, Any]] | None = Field(None, max_length=MAX_NEW_TOKENS)
 
 
 class SampleOutcome(_Seam):

@@ -207,11 +207,12 @@ class ExportArgs(ToolArgs):
 
 class SampleArgs(ToolArgs):
     run_id: RunId
-    prompts: Annotated[list[str], Field(description=f"At most {MAX_PROMPTS} texts."),
+    prompts: Annotated[list[str], Field(description=f"Up to {MAX_PROMPTS}"),
                        Cli(flag="--prompt", metavar="TEXT", repeat=True, more="Repeatable.")]
     step: Step = None
     max_new_tokens: Annotated[int, Field(strict=True, description=f"1-{MAX_NEW_TOKENS}.")] = 64
     temperature: Annotated[float, Field(strict=True, description="0: greedy.")] = 0.0
+    think: bool | None = None  # a chat template's thinking switch (enable_thinking); None: its default
 
 
 class EvaluateArgs(ToolArgs):

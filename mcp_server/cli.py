@@ -269,6 +269,8 @@ def _value_kwargs(field: FieldInfo, cli: Cli, hint: Any) -> dict[str, Any]:
         kind = {"default": None if cli.repeat else field.default}
     if cli.repeat:
         return {**kind, "action": "append"}
+    if _base(hint) is bool and field.default is None:  # three ways: --x, --no-x, or neither (the default)
+        return {"action": argparse.BooleanOptionalAction, "default": None}
     if _base(hint) is bool:
         return {"action": "store_true", "default": field.default}
     return {**kind, "type": _base(hint)}

@@ -261,7 +261,7 @@ def _export_checkpoint(ws: Any, a: ExportArgs, report: Report) -> ExportResult:
 def _sample(ws: Any, a: SampleArgs, report: Report) -> SampleResult:
     from mcp_server.operations import model_tools
 
-    return model_tools.sample(ws, a.run_id, a.prompts, a.step, a.max_new_tokens, a.temperature)
+    return model_tools.sample(ws, a.run_id, a.prompts, a.step, a.max_new_tokens, a.temperature, a.think)
 
 
 def _evaluate(ws: Any, a: EvaluateArgs, report: Report) -> EvaluateResult:

@@ -283,12 +283,13 @@ class Sample(BaseModel):
     cut: bool = False
     input: str | None = Field(None, description="Beside the prompt (an image).")
     expected: str | None = Field(None, description="The answer its data holds.")
+    raw: dict[str, Any] = {}  # a chat model's completion as written (text) and parsed (reasoning, tool_calls)
 
 
 class SampleResult(BaseModel):
     run_id: str
     step: int
-    chat: bool = Field(description="Prompts as user turns.")
+    chat: bool = Field(description="Prompts as user turns")
     samples: list[Sample]
 
 

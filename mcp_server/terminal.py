@@ -232,7 +232,11 @@ def sample_text(r) -> str:
         lines.append(f"--- {item.prompt!r} ({item.new_tokens} tokens, stopped at {item.stopped})")
         if item.input is not None:
             lines.append(f"    with {item.input}")
+        if "reasoning" in item.raw:
+            lines.append(f"    reasoning: {item.raw['reasoning']}")
         lines.append(item.prompt + item.completion)
+        for call in item.raw.get("tool_calls", []):
+            lines.append(f"    tool call: {call.get('name')}({json.dumps(call.get('arguments'))})")
         if item.expected is not None:
             lines.append(f"    expected: {item.expected}")
     return "\n".join(lines)

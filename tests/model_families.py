@@ -55,6 +55,14 @@ GEMMA = (
     "{%- if add_generation_prompt %}{{- '<start_of_turn>model\\n' }}{%- endif %}"
 )
 
+# Templates as the families ship them (byte for byte, as TRL stores them to recognise them):
+# Qwen3's, with <think> and tools, that rewrites earlier turns; Qwen2.5's and Llama 3.1's with tools.
+TEMPLATES_DIR = Path(__file__).parent / "fixtures" / "chat_templates"
+QWEN3 = (TEMPLATES_DIR / "qwen3.jinja").read_text()
+QWEN2_5 = (TEMPLATES_DIR / "qwen2_5.jinja").read_text()
+LLAMA3_1 = (TEMPLATES_DIR / "llama3_1.jinja").read_text()
+QWEN_TOOL_TOKENS = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]
+
 CORPUS = [
     "What is 3 + 4? It is 7. Which letter comes after b? The letter c.",
     "You are a helpful assistant. Tell me a short story about a cat and a dog.",
@@ -70,6 +78,13 @@ FAMILIES = {
                "<end_of_turn>"),
     "mistral": ("MistralConfig", "MistralForCausalLM", CHATML, ["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
                 "<|im_end|>"),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", QWEN3,
+              ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>", *QWEN_TOOL_TOKENS], "<|im_end|>"),
+    "qwen2.5": ("Qwen2Config", "Qwen2ForCausalLM", QWEN2_5,
+                ["<|endoftext|>", "<|im_start|>", "<|im_end|>", *QWEN_TOOL_TOKENS], "<|im_end|>"),
+    "llama3.1": ("LlamaConfig", "LlamaForCausalLM", LLAMA3_1,
+                 ["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>", "<|eom_id|>",
+                  "<|python_tag|>"], "<|eot_id|>"),
     "phi3": ("Phi3Config", "Phi3ForCausalLM", CHATML, ["<|endoftext|>", "<|im_start|>", "<|im_end|>"], "<|im_end|>"),
 }
 
@@ -108,6 +123,8 @@ def tiny_model_folder(folder: Path, family: str = "qwen2", chat_template: str | 
     )
     if family == "gemma2":
         sizes.update(head_dim=8, sliding_window=64)
+    if family == "qwen3":
+        sizes.update(head_dim=8)
     sizes.update(config)
     config = getattr(transformers, config_name)(**sizes)
     torch.manual_seed(seed)

@@ -9,6 +9,7 @@ complete: a failed or interrupted export leaves nothing at ``to``.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import secrets
@@ -233,13 +234,16 @@ def _files(parent_fd: int, name: str) -> list[tuple[str, int]]:
 
 def sample(
     ws: Workspace, run_id: str, prompts: list[str], step: int | None = None, max_new_tokens: int = 64,
-    temperature: float = 0.0,
+    temperature: float = 0.0, reasoning: bool | None = None,
 ) -> SampleResult:
-    """Continue each prompt with the checkpoint's model (greedy when temperature is 0)."""
+    """Continue each prompt with the checkpoint's model (greedy when temperature is 0; a chat
+    template's thinking switch on or off with ``reasoning``)."""
     check_sample_request(prompts, max_new_tokens, temperature)
     run_dir, step = checkpoint_of(ws, run_id, step)
     arguments = [f"--prompt={prompt}" for prompt in prompts]
     arguments += ["--max-new-tokens", str(max_new_tokens), "--temperature", repr(float(temperature))]
+    if reasoning is not None:
+        arguments += ["--reasoning", "on" if reasoning else "off"]
     result = run_model_io(ws.root, run_dir, "sample", step, arguments, ws.run_limits(), SAMPLE_TIMEOUT_S)
     if len(result.samples) != len(prompts):
         raise ModelProcessFailed(f"the sample result has {len(result.samples)} samples for {len(prompts)} prompts: "
@@ -258,11 +262,23 @@ def _bounded_samples(samples: list[GeneratedSample]) -> list[Sample]:
         shown, shown_cut = _fit(redact(item.input), min(200, share // 8)) if item.input is not None else (None, False)
         expected, expected_cut = (_fit(redact(item.expected), min(300, share // 4))
                                   if item.expected is not None else (None, False))
-        rest = share - json_chars(prompt) - json_chars(shown) - json_chars(expected) - 80  # the completion's share
-        completion, completion_cut = _fit(redact(item.completion), rest)
+        calls = json.dumps(item.tool_calls) if item.tool_calls else ""
+        calls_fit = len(calls) <= share // 4 and redact(calls) == calls  # a call holding a secret is not shown
+        written = [t for t in (item.raw, item.reasoning) if t is not None]
+        rest = (share - json_chars(prompt) - json_chars(shown) - json_chars(expected) - (len(calls) if calls_fit else 0)
+                - 80 - (60 * len(written) + 60 if written or calls else 0))  # the keys of raw's fields
+        # A chat model's text as written and its reasoning share the completion's part (thirds).
+        part = rest // (1 + len(written))
+        completion, completion_cut = _fit(redact(item.completion), part)
+        raw, raw_cut = _fit(redact(item.raw), part) if item.raw is not None else (None, False)
+        reasoning, reasoning_cut = _fit(redact(item.reasoning), part) if item.reasoning is not None else (None, False)
         kept.append(Sample(prompt=prompt, completion=completion, new_tokens=item.new_tokens, stopped=item.stopped,
-                           cut=prompt_cut or completion_cut or shown_cut or expected_cut,
-                           input=shown, expected=expected))
+                           cut=prompt_cut or completion_cut or shown_cut or expected_cut or raw_cut or reasoning_cut
+                           or (bool(calls) and not calls_fit),
+                           input=shown, expected=expected, raw={
+                               k: v for k, v in (("text", raw), ("reasoning", reasoning),
+                                                 ("tool_calls", item.tool_calls if calls and calls_fit else None))
+                               if v is not None}))
     return kept
 
 

@@ -10,8 +10,10 @@ Supports:
 - preference pairs (``engine/data_formats.py``) in JSONL, JSON, parquet, CSV/TSV files,
   ``save_to_disk`` folders (``data.paths``) or a data set ``datasets`` loads (``data.dataset``):
   ``{"prompt": ..., "chosen": ..., "rejected": ...}`` with strings or chat messages, or whole
-  chosen/rejected conversations (split at the messages they share); rendered by the tokenizer's
-  own chat template, markers or not: an answer is what the template adds after the prompt
+  chosen/rejected conversations (split at the messages they share), with a ``tools`` column,
+  reasoning and tool calls as the sft template reads them; rendered by the tokenizer's own chat
+  template, markers or not: an answer is what the template adds after the prompt (its
+  reasoning, its tool call, its text)
 - Direct Preference Optimization (Rafailov et al., 2023; ``dpo.loss_type=sigmoid``) and IPO
   (Azar et al., 2023; ``dpo.loss_type=ipo``) against a frozen reference model (the starting
   weights), with ``dpo.beta``, and optionally the chosen answers' NLL (``dpo.sft_weight``, RPO);
@@ -37,6 +39,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from engine.chat import CHAT_TEMPLATE, byte_chat_tokenizer, load_chat_tokenizer  # noqa: F401 (the chat format)
+from engine.chat import encode_completion
 from engine.config import ConfigError, DataConfig, EngineConfig, Section
 from engine.data_files import DataListing, confined_path
 from engine.data_formats import read_examples
@@ -197,7 +200,7 @@ def as_messages(value: Any, role: str) -> list[dict[str, str]]:
     """A string as one message of ``role``; a list of messages as it is."""
     if isinstance(value, str):
         return [{"role": role, "content": value}]
-    if isinstance(value, list) and all(isinstance(m, dict) and isinstance(m.get("content"), str) for m in value):
+    if isinstance(value, list) and all(isinstance(m, dict) and isinstance(m.get("role"), str) for m in value):
         return value
     raise ConfigError(f"a {role} must be a string or a list of {{'role': ..., 'content': ...}} messages")
 
@@ -235,17 +238,17 @@ def is_eval_document(name: str, eval_fraction: float) -> bool:
 
 def tokenize_pair(tokenizer, record: dict[str, Any], seq_len: int) -> tuple[list[int], list[int], list[int]]:
     """``(prompt, chosen, rejected)`` token ids. Each answer is what the chat template adds after
-    the prompt (content and end-of-turn); prompt + answer is cut to ``seq_len + 1`` tokens."""
+    the prompt and its generation prompt (reasoning, tool calls, content and end of turn), the
+    conversation's ``tools`` rendered with it; prompt + answer is cut to ``seq_len + 1`` tokens."""
     prompt = as_messages(record["prompt"], "user")
-    prompt_ids = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
-    answers = []
+    prompt_ids, answers = None, []
     for key in ("chosen", "rejected"):
-        full = tokenizer.apply_chat_template(
-            prompt + as_messages(record[key], "assistant"), tokenize=True, return_dict=True
-        )["input_ids"]
-        if full[: len(prompt_ids)] != prompt_ids:
-            raise ConfigError("the chat template renders the prompt differently before an answer; set data.chat_template")
-        answers.append(full[len(prompt_ids) : seq_len + 1])
+        tokens, mask = encode_completion(tokenizer, prompt, as_messages(record[key], "assistant"), tools=record.get("tools"))
+        start = mask.index(True) if True in mask else len(tokens)
+        if prompt_ids is not None and tokens[:start] != prompt_ids:
+            raise ConfigError("the chat template renders the prompt differently before each answer; set data.chat_template")
+        prompt_ids = tokens[:start]
+        answers.append(tokens[start : seq_len + 1])
     return prompt_ids[:seq_len], answers[0], answers[1]
 
 

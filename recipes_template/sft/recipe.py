@@ -13,8 +13,13 @@ Supports:
   rename)
 - the tokenizer's own chat template as it is (``engine/chat.py``): the loss is taken on the
   assistant turns only, as ``{% generation %}`` markers mark them or, in a template without
-  markers (ChatML, Llama 3, Gemma), as rendering the conversation turn by turn finds them; on a
+  markers (ChatML, Llama 3, Gemma), as rendering the conversation turn by turn finds them, or
+  (Qwen3, which rewrites earlier turns) as they lie in the whole conversation's rendering; on a
   completion after its prompt; on every token of plain text
+- reasoning and tool calls (``engine/chat_messages.py``): ``reasoning_content``/``thinking``/
+  ``<think>`` as the template reads it (``data.reasoning_loss``), a ``tools`` column, ``tool_calls``
+  and ``tool`` results (ShareGPT's ``function_call``/``observation`` too); the loss never covers a
+  tool's result
 - starting from a local Hugging Face folder (``model.pretrained_path``, e.g. a ``causal_lm``
   run exported with ``trainwright export``) or from a tiny model built from a config
 - everything the engine does: FSDP2 over N processes, checkpoints resumable bit for bit,
@@ -109,6 +114,11 @@ class SFTDataConfig(DataConfig):
         None,
         description="A Jinja chat template instead of the tokenizer's own ({% generation %} markers optional).",
     )
+    reasoning_loss: bool = Field(
+        True,
+        description="The loss covers the assistant's <think> reasoning where the template renders it (Qwen3: after "
+        "the last user message); false: never.",
+    )
     eval_fraction: float = Field(
         0.05, ge=0, le=1, description="Conversations held out for evaluation (1: all, as `evaluate` with data does)."
     )
@@ -154,35 +164,41 @@ def as_example(conversation) -> dict[str, Any]:
 
 
 def mask_method(tokenizer, example: dict[str, Any]) -> str:
-    """Which tokens of ``example`` the loss covers: the assistant's (by the template's markers or
-    by rendering turn by turn), a completion's, or all of a plain text's."""
+    """Which tokens of ``example`` the loss covers: the assistant's (by the template's markers, by
+    rendering turn by turn, or found in the whole rendering), a completion's, or all of a plain text's."""
     if "messages" in example:
-        return conversation_mask_method(tokenizer)
+        return conversation_mask_method(tokenizer, example["messages"] or None, example.get("tools"))
     return "completion" if "completion" in example else "all_tokens"
 
 
-def encode_conversation(tokenizer, conversation, where: str = "a conversation") -> tuple[torch.Tensor, torch.Tensor]:
-    """``(tokens, loss_mask)`` of an example (or a list of messages) as the chat template renders it."""
+def encode_conversation(
+    tokenizer, conversation, where: str = "a conversation", reasoning: bool = True
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(tokens, loss_mask)`` of an example (or a list of messages) as the chat template renders it
+    (with the example's ``tools``); ``reasoning=False``: the ``<think>`` blocks are not learnt."""
     example = as_example(conversation)
+    tools = example.get("tools")
     if "messages" in example:
-        tokens, mask = encode_chat(tokenizer, example["messages"], where)
+        tokens, mask = encode_chat(tokenizer, example["messages"], where, tools, reasoning)
     elif "completion" in example:
-        tokens, mask = encode_completion(tokenizer, example["prompt"], example["completion"], where)
+        tokens, mask = encode_completion(tokenizer, example["prompt"], example["completion"], where, tools, reasoning)
     else:
         tokens = tokenizer(example["text"], add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
         mask = [True] * len(tokens)
     return torch.tensor(tokens, dtype=torch.int64), torch.tensor(mask, dtype=torch.bool)
 
 
-def encode_example(tokenizer, conversation, seq_len: int, where: str = "a conversation"):
+def encode_example(tokenizer, conversation, seq_len: int, where: str = "a conversation", reasoning: bool = True):
     """``(piece, dropped_why, truncated)``: the example as a ``2 × n`` piece (tokens, and targets:
     the same tokens where the loss covers them, ``IGNORE_INDEX`` elsewhere) cut to ``seq_len + 1``
     tokens, or None and why when there is nothing to learn from it."""
     example = as_example(conversation)
     answers = example.get("messages", example.get("completion"))
-    if answers is not None and not any(m["content"].strip() for m in answers if m["role"] == "assistant"):
+    if answers is not None and not any(
+        m["content"].strip() or m.get("tool_calls") or m.get("reasoning_content") for m in answers if m["role"] == "assistant"
+    ):
         return None, "no assistant answer (empty or missing)", False
-    tokens, mask = encode_conversation(tokenizer, example, where)
+    tokens, mask = encode_conversation(tokenizer, example, where, reasoning)
     targets = torch.where(mask, tokens, IGNORE_INDEX)
     piece = torch.stack([tokens, targets])[:, : seq_len + 1]
     if not (piece[1, 1:] != IGNORE_INDEX).any():
@@ -190,9 +206,9 @@ def encode_example(tokenizer, conversation, seq_len: int, where: str = "a conver
     return piece, None, tokens.shape[0] > seq_len + 1
 
 
-def seq_len_to_learn(tokenizer, conversation, where: str = "a conversation") -> int:
+def seq_len_to_learn(tokenizer, conversation, where: str = "a conversation", reasoning: bool = True) -> int:
     """The smallest ``data.seq_len`` at which the example keeps a token to learn."""
-    tokens, mask = encode_conversation(tokenizer, as_example(conversation), where)
+    tokens, mask = encode_conversation(tokenizer, as_example(conversation), where, reasoning)
     return int(mask[1:].nonzero()[0, 0]) + 1
 
 
@@ -294,7 +310,8 @@ def token_store(cfg: SFTDataConfig, tokenizer, listing: DataListing) -> TokenSto
         identity, size = data_identity(cfg.paths, FILE_SUFFIXES, listing, cfg.dataset)
     key = store_key(template="sft", data=identity, tokenizer=tokenizer_identity(tokenizer), seq_len=cfg.seq_len,
                     eval_fraction=cfg.eval_fraction, format=cfg.format, columns=cfg.columns,
-                    messages_field=cfg.messages_field, subset=cfg.subset, split=cfg.split)
+                    messages_field=cfg.messages_field, subset=cfg.subset, split=cfg.split,
+                    reasoning_loss=cfg.reasoning_loss)
 
     def build(store) -> dict[str, Any]:
         counts = {True: [0, 0, 0], False: [0, 0, 0]}  # held out? -> [conversations, tokens, loss tokens]
@@ -302,12 +319,12 @@ def token_store(cfg: SFTDataConfig, tokenizer, listing: DataListing) -> TokenSto
         truncated = keep = 0
         read = DataListing()
         for name, example in read_conversations(cfg, read, formats):
-            piece, why, cut = encode_example(tokenizer, example, cfg.seq_len, name)
+            piece, why, cut = encode_example(tokenizer, example, cfg.seq_len, name, cfg.reasoning_loss)
             truncated += cut
             names.add(name.split(":", 1)[0])
             if piece is None:
                 dropped[why] = dropped.get(why, 0) + 1
-                keep = max(keep, seq_len_to_learn(tokenizer, example, name) if cut else 0)
+                keep = max(keep, seq_len_to_learn(tokenizer, example, name, cfg.reasoning_loss) if cut else 0)
                 continue
             masks.add(mask_method(tokenizer, example))
             held_out = is_eval_document(name, cfg.eval_fraction)
@@ -345,12 +362,12 @@ def is_eval_document(name: str, eval_fraction: float) -> bool:
     return eval_fraction >= 1 or bucket < eval_fraction
 
 
-def tokenize_conversations(conversations, tokenizer, seq_len: int) -> list[torch.Tensor]:
+def tokenize_conversations(conversations, tokenizer, seq_len: int, reasoning: bool = True) -> list[torch.Tensor]:
     """Each conversation as a ``2 × n`` piece (:func:`encode_example`); those with nothing to
     learn are left out (the data summary counts them as dropped)."""
     pieces = []
     for conversation in conversations:
-        piece, _, _ = encode_example(tokenizer, conversation, seq_len)
+        piece, _, _ = encode_example(tokenizer, conversation, seq_len, reasoning=reasoning)
         if piece is not None:
             pieces.append(piece)
     return pieces

@@ -62,7 +62,16 @@ def test_sample_results_are_cut_to_the_agent_budget():
     assert all(s["cut"] and s["completion"].startswith("\x01é") and s["completion"].endswith("…") for s in samples)
     short = [GeneratedSample(prompt="a", completion="b", new_tokens=1, stopped="eos")]
     assert [s.model_dump() for s in _bounded_samples(short)] == [
-        {"prompt": "a", "completion": "b", "new_tokens": 1, "stopped": "eos", "cut": False, "input": None, "expected": None}]
+        {"prompt": "a", "completion": "b", "new_tokens": 1, "stopped": "eos", "cut": False, "input": None, "expected": None,
+         "raw": {}}]
+    # A chat model's text as written, its reasoning and its calls share the budget with the answer.
+    written = [GeneratedSample(prompt="p", completion="c" * 4000, raw="<think>" + "r" * 3000 + "</think>" + "c" * 4000,
+                               reasoning="r" * 3000, tool_calls=[{"name": "add", "arguments": {"a": 1}}],
+                               new_tokens=512, stopped="max_new_tokens")] * 8
+    samples = [s.model_dump() for s in _bounded_samples(written)]
+    assert text_size({"run_id": "x" * 40, "step": 1, "samples": samples}) < AGENT_BUDGET_CHARS
+    assert all(s["cut"] and s["raw"]["text"].startswith("<think>r") and s["raw"]["reasoning"].startswith("rrr")
+               and s["raw"]["tool_calls"] == [{"name": "add", "arguments": {"a": 1}}] for s in samples)
 
 
 def test_export_writes_a_hugging_face_folder_and_refuses_a_folder_with_files(session):

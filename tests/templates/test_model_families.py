@@ -25,7 +25,10 @@ from tests.support import REPO, engine_env, losses, run_engine
 
 # What each family's template adds after an answer: the end of turn it learns.
 END_OF_TURN = {"qwen2": "<|im_end|>\n", "llama": "<|eot_id|>", "gemma2": "<end_of_turn>\n",
-               "mistral": "<|im_end|>\n", "phi3": "<|im_end|>\n"}
+               "mistral": "<|im_end|>\n", "phi3": "<|im_end|>\n", "qwen3": "<|im_end|>\n", "qwen2.5": "<|im_end|>\n",
+               "llama3.1": "<|eot_id|>"}
+# Qwen3's template writes an empty <think> block into the last answer (and so rewrites the earlier one).
+LAST_ANSWER_OPENS = {"qwen3": "<think>\n\n</think>\n\n"}
 PROJECTIONS = {"qwen2": {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"},
                "phi3": {"qkv_proj", "o_proj", "gate_up_proj", "down_proj"}}
 CONVERSATION = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 3 + 4?"},
@@ -58,11 +61,12 @@ def skilled(tmp_path_factory):
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_each_family_learns_its_assistant_turns_and_its_end_of_turn(family, folders):
     tokenizer = sft.load_tokenizer(str(folders[family]), None)
-    assert sft.mask_method(tokenizer, {"messages": CONVERSATION}) == "turn_render"
+    expected_mask = "final_render" if family in LAST_ANSWER_OPENS else "turn_render"
+    assert sft.mask_method(tokenizer, {"messages": CONVERSATION}) == expected_mask
     piece, why, _ = sft.encode_example(tokenizer, CONVERSATION, 256)
     assert why is None
     learnt = tokenizer.decode([t for t in piece[1].tolist() if t != IGNORE_INDEX])
-    assert learnt == f"It is 7.{END_OF_TURN[family]}4{END_OF_TURN[family]}"
+    assert learnt == f"It is 7.{END_OF_TURN[family]}{LAST_ANSWER_OPENS.get(family, '')}4{END_OF_TURN[family]}"
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))

@@ -85,13 +85,16 @@ def test_a_chat_template_without_markers_masks_the_turns_it_renders():
         assert torch.equal(by_markers[0], by_turns[0]) and torch.equal(by_markers[1], by_turns[1])
 
 
-def test_a_template_that_rewrites_earlier_turns_is_refused_naming_the_turn_and_the_key():
-    # Marks the last message, wherever it is: rendering one more message changes the text before it.
+def test_a_template_that_rewrites_earlier_turns_and_cannot_be_read_whole_is_refused_naming_what_was_tried():
+    # Marks the last message, wherever it is: rendering one more message changes the text before it;
+    # and it writes no generation prompt, so the turns cannot be found in the whole rendering either.
     rewriting = "{% for m in messages %}{% if loop.last %}[last]{% endif %}{{ m['content'] }}\n{% endfor %}"
     tokenizer = sft.load_tokenizer(None, rewriting)
     messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
-    with pytest.raises(ConfigError, match=r"^data.jsonl:3: the chat template is not prefix-stable: rendering message "
-                       r"2 \(assistant\) changes the text of the messages before it.*set data.chat_template"):
+    with pytest.raises(ConfigError, match=r"^data.jsonl:3: the chat template of the tokenizer cannot mark the "
+                       r"assistant's tokens: turn by turn, message 2 \(assistant\) changes the text of the messages "
+                       r"before it .*; in the whole rendering, the template writes no generation prompt to find the "
+                       r"turns by\. Set data.chat_template to the family's training form"):
         sft.encode_conversation(tokenizer, messages, "data.jsonl:3")
 
 
