@@ -301,8 +301,8 @@ TOOLS: tuple[ToolSpec, ...] = (
     ToolSpec("list_templates", "The templates scaffold_recipe can copy.",
              ("templates",), "list recipe templates", NoArgs, TemplateList, READ_ONLY, _list_templates,
              workspace=False),
-    ToolSpec("scaffold_recipe", "Create recipes/<name>/ from a template as a commit (one more per skill); a bad "
-             "key or skill writes nothing.",
+    ToolSpec("scaffold_recipe", "Create recipes/<name>/ from a template, a commit (and one per skill); bad input "
+             "writes nothing.",
              ("scaffold",), "create recipes/NAME from a template, as a commit", ScaffoldArgs, ScaffoldResult,
              ADDITIVE_HUB, _scaffold_recipe, stages=Stages("checking the config and skills", "scaffolded", 2)),
     ToolSpec("describe_recipe", "Every config key of a recipe or template, skills applied, Hub models.",
