@@ -104,7 +104,7 @@ class RecipeArgs(ToolArgs):
 
 
 class DescribeArgs(RecipeArgs):
-    keys: Annotated[list[str], Field(description="Only these keys or sections, described whole."),
+    keys: Annotated[list[str], Field(description="Only these keys or sections."),
                     Cli(flag="--key", metavar="KEY", repeat=True, more="A dotted key or its start (train); repeatable.")] = []
 
 
@@ -168,7 +168,7 @@ class DataCacheArgs(ToolArgs):
 
 class WaitRunArgs(ToolArgs):
     run_id: RunId
-    until_step: Annotated[int | None, Field(strict=True, description="Default: the end."),
+    until_step: Annotated[int | None, Field(strict=True, description="Default: end."),
                           Cli(metavar="N")] = None
     timeout_s: Annotated[float, Field(strict=True, description=f"At most {MAX_WAIT_S}."),
                          Cli(flag="--timeout", metavar="S", more="Exit 124 when it passes first.")] = DEFAULT_WAIT_S
@@ -177,9 +177,9 @@ class WaitRunArgs(ToolArgs):
 class TailArgs(ToolArgs):
     run_id: RunId
     n: Annotated[int, Field(strict=True, description=f"1-{MAX_TAIL_RECORDS}."), Cli(flag="-n")] = DEFAULT_TAIL_RECORDS
-    after_step: Annotated[int | None, Field(strict=True, description="Only records after this step."),
+    after_step: Annotated[int | None, Field(strict=True, description="After this step."),
                           Cli(metavar="N")] = None
-    follow_resumes: Annotated[bool, Field(strict=True, description="Also the runs it was resumed from.")] = False
+    follow_resumes: Annotated[bool, Field(strict=True, description="Also the runs it resumed.")] = False
 
 
 class CompareArgs(ToolArgs):
@@ -212,7 +212,7 @@ class SampleArgs(ToolArgs):
     step: Step = None
     max_new_tokens: Annotated[int, Field(strict=True, description=f"1-{MAX_NEW_TOKENS}.")] = 64
     temperature: Annotated[float, Field(strict=True, description="0: greedy.")] = 0.0
-    think: bool | None = None  # a chat template's thinking switch (enable_thinking); None: its default
+    think: Annotated[bool | None, Field(description="The template's enable_thinking.")] = None  # None: its default
 
 
 class EvaluateArgs(ToolArgs):

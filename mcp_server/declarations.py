@@ -321,7 +321,7 @@ TOOLS: tuple[ToolSpec, ...] = (
              "changes that fit.",
              ("estimate",), "memory and step time per process before a run, from the model on the meta device",
              EstimateArgs, EstimateResult, READ_ONLY_HUB, _estimate_run),
-    ToolSpec("list_runs", "The workspace's runs, newest first: status, step, loss, mean tokens/s.",
+    ToolSpec("list_runs", "The workspace's runs, newest first: status, step, loss, tokens/s.",
              ("runs",), "list runs, newest first", ListRunsArgs, RunList, READ_ONLY, _list_runs),
     ToolSpec("get_run", "A run's status, metrics, speed, ETA, checkpoints; a failed run's console end.",
              ("status",), "status, latest metrics and checkpoints of a run", RunArgs, RunInfo, READ_ONLY, _get_run,

@@ -71,4 +71,4 @@ def test_the_tool_schemas_are_portable_no_type_arrays_and_every_property_validat
     wait_run = next(tool for tool in tools if tool["name"] == "wait_run")
     assert wait_run["outputSchema"]["properties"]["step"] == nullable_step  # null is sent: said so
     assert wait_run["inputSchema"]["properties"]["until_step"] == {  # null is the default: left out
-        "description": "Default: the end.", "type": "integer"}
+        "description": "Default: end.", "type": "integer"}
