@@ -112,7 +112,7 @@ def test_cached_data_is_listed_with_its_size_and_removed_by_name(tmp_path, cache
     other = causal_store(cfg.model_copy(update={"seq_len": 16}))
     listed = dict(cached_data(tmp_path / "ws"))
     assert listed == {s.folder.name: sum(f.stat().st_size for f in s.folder.iterdir()) for s in (store, other)}
-    with pytest.raises(NotFound, match=f"no cached data 'nothing'; cached: "):
+    with pytest.raises(NotFound, match="no cached data 'nothing'; cached: "):
         remove_cached_data(tmp_path / "ws", [store.folder.name, "nothing"])
     assert dict(cached_data(tmp_path / "ws")) == listed  # a bad name removes nothing
     assert remove_cached_data(tmp_path / "ws", [store.folder.name]) == [(store.folder.name, listed[store.folder.name])]
