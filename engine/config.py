@@ -50,8 +50,7 @@ class TrainConfig(Section):
 class OptimConfig(Section):
     name: Literal["adamw", "adamw_8bit"] = Field(
         "adamw",
-        description="adamw: torch's fused AdamW; adamw_8bit: bitsandbytes' AdamW8bit, its two states in 8 bits "
-        "(a quarter of the optimizer memory; pip install bitsandbytes).",
+        description="adamw: torch's fused AdamW; adamw_8bit: bitsandbytes', states in 8 bits.",
     )
     lr: float = Field(1e-3, gt=0, description="Peak learning rate.")
     weight_decay: float = Field(0.1, ge=0, description="Decoupled weight decay (AdamW).")
@@ -97,8 +96,7 @@ class ParallelConfig(Section):
     )
     cpu_offload: bool = Field(
         False,
-        description="FSDP2 keeps parameters, gradients and optimizer state on the host (CPUOffloadPolicy); "
-        "a GPU computes. CUDA only.",
+        description="FSDP2 keeps parameters, grads and optimizer state on the host. CUDA only.",
     )
 
 

@@ -281,8 +281,8 @@ class Sample(BaseModel):
     new_tokens: int
     stopped: str = Field(description="eos or max_new_tokens.")
     cut: bool = False
-    input: str | None = Field(None, description="An image beside it.")
-    expected: str | None = Field(None, description="Its data's answer.")
+    input: str | None = None  # what the recipe showed beside the prompt (an image's name)
+    expected: str | None = None  # the answer the held-out data holds
     raw: dict[str, Any] = {}  # a chat model's completion as written (text) and parsed (reasoning, tool_calls)
 
 

@@ -124,6 +124,14 @@ def losses(run_dir: Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in run_metrics.read_all_metrics(run_dir / rd.METRICS_JSONL) if "loss" in r}
 
 
+def untimed(record: dict, derived_step_time: bool = True) -> dict:
+    """A metrics record without the timing a run stamps on it, which differs between runs: every
+    record's ``elapsed_s`` and, for a script's record (``derived_step_time``), the ``step_time_s``
+    derived from it when the script logs none. Every other key is kept."""
+    dropped = {"elapsed_s", "step_time_s"} if derived_step_time else {"elapsed_s"}
+    return {key: value for key, value in record.items() if key not in dropped}
+
+
 def wait_for(predicate, timeout: float = 300, interval: float = 0.05):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

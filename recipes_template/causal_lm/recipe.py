@@ -58,13 +58,8 @@ class ModelConfig(Section):
     num_heads: int = Field(4, ge=1, description="Attention heads.")
     num_kv_heads: int = Field(2, ge=1, description="Key/value heads (GQA).")
     rope_theta: float = Field(10000.0, gt=0, description="RoPE base frequency.")
-    vocab_size: int | None = Field(
-        None, ge=3, description="Embedding rows of the model built here; default: the tokenizer's. More rows "
-        "(e.g. 128256, a Llama 3 shape) are allowed and never a target. With model.pretrained_path: the model's own."
-    )
-    tie_word_embeddings: bool = Field(
-        False, description="The output layer shares the embedding matrix (a model built here; a pretrained one keeps its own)."
-    )
+    vocab_size: int | None = Field(None, ge=3, description="Embedding rows; default: the tokenizer's (more: never targets).")
+    tie_word_embeddings: bool = Field(False, description="The output layer is the embedding matrix.")
     attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = Field(
         "sdpa", description="Attention kernel (flash_attention_2: CUDA only)."
     )

@@ -62,27 +62,12 @@ class ModelConfig(Section):
     num_heads: int = Field(4, ge=1, description="Attention heads.")
     num_kv_heads: int = Field(2, ge=1, description="Key/value heads (GQA).")
     rope_theta: float = Field(10000.0, gt=0, description="RoPE base frequency.")
-    vocab_size: int | None = Field(
-        None, ge=3, description="Embedding rows of the model built here; default: the tokenizer's. More rows "
-        "(e.g. 128256, a Llama 3 shape) are allowed and never a target. With model.pretrained_path: the model's own."
-    )
-    tie_word_embeddings: bool = Field(
-        False, description="The output layer shares the embedding matrix (a model built here; a pretrained one keeps its own)."
-    )
     attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] | None = Field(
         None, description="Attention kernel; default: sdpa, or with model.pretrained_path the model's own default."
     )
     pretrained_path: str | None = Field(
         None, description="A local Hugging Face model folder to start from (weights, and its tokenizer if it has one)."
     )
-
-    @model_validator(mode="after")
-    def _built_shape_only(self) -> "ModelConfig":
-        # A pretrained model's shape is its own: a key that would not act is refused, not ignored.
-        if self.pretrained_path and (self.vocab_size is not None or self.tie_word_embeddings):
-            raise ValueError("model.vocab_size and model.tie_word_embeddings describe a model built here; "
-                             "model.pretrained_path brings its own: leave them out")
-        return self
 
 
 class DPODataConfig(DataConfig):
@@ -312,11 +297,8 @@ def build_model(cfg: ModelConfig, vocab_size: int, seq_len: int) -> torch.nn.Mod
         # The family's own attention unless one is asked for (Gemma 2 has no sdpa, for one).
         chosen = {"attn_implementation": cfg.attn_implementation} if cfg.attn_implementation else {}
         return AutoModelForCausalLM.from_pretrained(confined_path(cfg.pretrained_path), dtype=torch.float32, **chosen)
-    rows = cfg.vocab_size or vocab_size
-    if rows < vocab_size:
-        raise ConfigError(f"model.vocab_size={rows} is below the tokenizer's {vocab_size} tokens: every token needs a row")
     config = LlamaConfig(
-        vocab_size=rows,
+        vocab_size=vocab_size,
         hidden_size=cfg.hidden_size,
         intermediate_size=cfg.intermediate_size,
         num_hidden_layers=cfg.num_layers,
@@ -324,7 +306,7 @@ def build_model(cfg: ModelConfig, vocab_size: int, seq_len: int) -> torch.nn.Mod
         num_key_value_heads=cfg.num_kv_heads,
         max_position_embeddings=2 * seq_len,  # room for generated answers after a full prompt
         rope_theta=cfg.rope_theta,
-        tie_word_embeddings=cfg.tie_word_embeddings,
+        tie_word_embeddings=False,
         attn_implementation=cfg.attn_implementation or "sdpa",
     )
     return LlamaForCausalLM(config)

@@ -14,6 +14,7 @@ import pytest
 from engine import run_dir as rd
 from engine import run_metrics
 from workspace import git as workspace_git
+from tests.support import untimed
 
 SCRIPT = Path(__file__).parents[1] / "mcp" / "scripts" / "mlp_train.py"
 
@@ -47,8 +48,8 @@ def test_run_passes_the_command_line_after_the_separator_and_resume_passes_the_c
     assert code == 0 and [c["step"] for c in listed["checkpoints"]] == [2, 4]
     code, resumed = trainwright(workspace, "resume", out["run_id"], "--step", "2")
     assert code == 0 and resumed["status"] == "completed" and resumed["resumed_from"]["step"] == 2
-    continued = run_metrics.read_all_metrics(workspace / resumed["run_dir"] / rd.METRICS_JSONL)
-    assert continued == run_metrics.read_all_metrics(run_dir / rd.METRICS_JSONL)[2:]
+    continued = [untimed(r) for r in run_metrics.read_all_metrics(workspace / resumed["run_dir"] / rd.METRICS_JSONL)]
+    assert continued == [untimed(r) for r in run_metrics.read_all_metrics(run_dir / rd.METRICS_JSONL)[2:]]
 
 
 def test_a_script_that_fails_is_a_failed_run_with_exit_code_1(workspace):

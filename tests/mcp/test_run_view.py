@@ -34,6 +34,7 @@ from mcp_server.operations.runs import MAX_TAIL_RECORDS
 from mcp_server.server import build_server
 from tests.mcp.browser import Browser, Page, find_chromium
 from tests.mcp.conftest import SHORT_RUN, ToolSession, closing_cleanly, git, tiny_config
+from tests.support import untimed
 
 # The server's log messages are of the 2025-11-25 era, which the SDK marks deprecated.
 pytestmark = pytest.mark.filterwarnings("ignore::mcp.shared.exceptions.MCPDeprecationWarning")
@@ -233,7 +234,7 @@ def test_the_text_result_is_complete_for_a_client_without_apps(session, workspac
     assert json.loads(result.content[0].text) == result.structured_content
     assert {key: value for key, value in result.structured_content.items() if key != "eta_s"} == {
         key: value for key, value in with_apps.items() if key != "eta_s"}
-    assert result.structured_content["latest"] == {"step": 2, "loss": 2.4, "tokens_per_s": 1002.0}
+    assert untimed(result.structured_content["latest"]) == {"step": 2, "loss": 2.4, "tokens_per_s": 1002.0}
 
 
 # -- in the browser --------------------------------------------------------------------------------

@@ -22,6 +22,7 @@ from runner import server_record as sr
 from workspace.workspace import record_dir
 from tests.mcp.conftest import connect, git, head, is_finite_number, run_note
 from tests.sandbox.helpers import AUDIT
+from tests.support import untimed
 
 pytestmark = pytest.mark.slow
 
@@ -151,9 +152,10 @@ def test_script_checkpoints_are_listed_and_a_resume_passes_the_path_after_resume
     checkpoint = str(workspace / first["run_dir"] / "checkpoints" / "ckpt_3.pt")
     assert record.script_args == ["--steps", "6", "--save-every", "3", "--resume", checkpoint]
     assert record.code_from == "checkpoint" and record.kind == "script"
-    original = run_metrics.read_all_metrics(workspace / first["run_dir"] / rd.METRICS_JSONL)
-    continued = run_metrics.read_all_metrics(workspace / second["run_dir"] / rd.METRICS_JSONL)
-    # The script restores its own state: the continued losses are the original's, bit for bit.
+    original = [untimed(r) for r in run_metrics.read_all_metrics(workspace / first["run_dir"] / rd.METRICS_JSONL)]
+    continued = [untimed(r) for r in run_metrics.read_all_metrics(workspace / second["run_dir"] / rd.METRICS_JSONL)]
+    # The script restores its own state: the continued losses are the original's, bit for bit (the
+    # timing stamped on each line differs between runs).
     assert [r["step"] for r in continued] == [4, 5, 6] and continued == original[3:]
     console = (workspace / second["run_dir"] / rd.CONSOLE_LOG).read_text()
     assert f"resumed from {checkpoint} at step 3" in console
@@ -191,7 +193,8 @@ def test_trainwright_track_records_metrics_and_is_a_no_op_outside_a_run(client, 
     launched = client.ok("launch_run", recipe="tracked.py")
     assert client.wait_for_run(launched["run_id"])["status"] == "completed"
     records = client.ok("tail_metrics", run_id=launched["run_id"])["records"]
-    assert records == [{"step": 1, "loss": 1.0}, {"step": 2, "loss": 0.5}]
+    assert all(isinstance(r["elapsed_s"], float) for r in records)
+    assert [untimed(r) for r in records] == [{"step": 1, "loss": 1.0}, {"step": 2, "loss": 0.5}]
 
     import subprocess
     import sys

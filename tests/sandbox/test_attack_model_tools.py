@@ -241,7 +241,7 @@ def test_the_engines_result_passes_the_reader_that_refuses_forged_ones(ws, monke
     shown = result.model_dump(mode="json")
     if action == "sample":
         assert shown["samples"] == [{"prompt": "p", "completion": "c", "new_tokens": 1, "stopped": "eos", "cut": False,
-                                     "input": None, "expected": None}]
+                                     "input": None, "expected": None, "raw": {}}]
     elif action == "evaluate":
         assert (shown["eval_loss"], shown["metrics"], shown["examples"], shown["warnings"]) == (1.5, {"acc": 0.5}, 40, [])
     else:

@@ -65,5 +65,5 @@ def test_an_argument_a_tool_does_not_take_is_refused_naming_it_and_the_tools_par
 
     sample, list_runs = anyio.run(main)
     assert sample == ("bad_input: sample takes no argument 'images'; its parameters: "
-                      "run_id, prompts, step, max_new_tokens, temperature")
+                      "run_id, prompts, step, max_new_tokens, temperature, think")
     assert list_runs == "bad_input: list_runs takes no argument 'statuss'; its parameters: limit"

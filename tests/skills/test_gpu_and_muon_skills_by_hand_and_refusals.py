@@ -105,7 +105,7 @@ def test_muon_gives_an_engine_recipe_without_its_own_optimizer_a_prepare_optimiz
     path = target_file(recipe)
     text = path.read_text()
     begin = text.index(start)
-    end = text.index("    @cached_property\n    def documents")
+    end = text.index("    @classmethod\n    def summarize_data")
     path.write_text(text[:begin] + text[end:])
 
     result = apply_skill("muon", recipe)

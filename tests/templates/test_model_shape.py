@@ -12,11 +12,10 @@ from engine.config import ConfigError
 from mcp_server.operations import estimate
 from mcp_server.operations import recipes as recipe_ops
 from recipes_template.causal_lm import recipe as causal_lm
-from recipes_template.dpo import recipe as dpo
 from recipes_template.sft import recipe as sft
 from workspace.workspace import Workspace
 
-TEMPLATES = [causal_lm, sft, dpo]
+TEMPLATES = [causal_lm, sft]  # dpo starts from an SFT model: its shape is that model's
 # Llama 3.2 1B, as its config.json has it.
 LLAMA_1B = {"model.hidden_size": 2048, "model.intermediate_size": 8192, "model.num_layers": 16,
             "model.num_heads": 32, "model.num_kv_heads": 8, "model.rope_theta": 500000.0,
