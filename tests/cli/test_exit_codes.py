@@ -57,6 +57,7 @@ CASES = [
     (["describe", "recipes/nope"], EXIT_NOT_FOUND, "no recipe"),
     (["describe", "../outside"], EXIT_BAD_INPUT, "outside the workspace"),
     (["recipes", "--workspace", "/nonexistent/folder"], EXIT_NOT_FOUND, "is not a folder"),
+    (["data-cache", "--remove", "no-such-store"], EXIT_NOT_FOUND, "no cached data 'no-such-store'"),
     (["export", NO_RUN, "--to", "exports/x"], EXIT_NOT_FOUND, "no run"),
     (["export", NO_RUN, "--to", "../x"], EXIT_BAD_INPUT, "outside the workspace"),
     (["export", NO_RUN, "--to", "recipes/lm"], EXIT_BAD_INPUT, "is inside recipes/, which holds recipe code"),

@@ -27,6 +27,8 @@ from runner import processes
 from tests.support import TEMPLATE, TINY, wait_for
 
 AUDIT = Path(".trainwright") / "audit.jsonl"
+# The tokenized-data cache (engine/token_store.py): a cache like the audit log, not state an error may not touch.
+DATA_CACHE = Path(".trainwright") / "data-cache"
 
 
 def make_workspace(root: Path, config_yaml: str | None = "runs:\n  threads_per_process: 1\n") -> Path:
@@ -87,14 +89,16 @@ def _workspace_of(run_dir: Path) -> Path:
     return run_dir.parent.parent if run_dir.parent.name == rd.RUNS_DIRNAME else run_dir.parent
 
 
-def tree_hash(*roots: Path, exclude: tuple[Path, ...] = (AUDIT,)) -> str:
-    """One hash of every file, folder and link under ``roots`` (contents, modes and link targets)."""
+def tree_hash(*roots: Path, exclude: tuple[Path, ...] = (AUDIT,), caches: tuple[Path, ...] = (DATA_CACHE,)) -> str:
+    """One hash of every file, folder and link under ``roots`` (contents, modes and link targets);
+    ``exclude``: entries left out (a folder's contents still count); ``caches``: folders left out whole."""
     digest = hashlib.sha256()
     for root in roots:
         root = Path(root)
-        excluded = {root / e for e in exclude}
+        excluded = {root / e for e in (*exclude, *caches)}
+        skipped = {root / c for c in caches}
         for folder, dirs, files in os.walk(root, followlinks=False):
-            dirs.sort()
+            dirs[:] = sorted(d for d in dirs if Path(folder) / d not in skipped)
             for name in sorted(dirs + files):
                 path = Path(folder) / name
                 if path in excluded:

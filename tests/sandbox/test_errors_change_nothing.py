@@ -11,7 +11,7 @@ import pytest
 
 from mcp_server.server import build_server
 from workspace import git as workspace_git
-from tests.sandbox.helpers import AUDIT, error_text, live_client, make_workspace, tree_hash
+from tests.sandbox.helpers import AUDIT, DATA_CACHE, error_text, live_client, make_workspace, tree_hash
 from tests.support import TEMPLATE
 
 
@@ -32,7 +32,7 @@ def _worktree_hash(root):
     """Every file of the workspace but git's internals (a rejected commit may leave unreachable
     objects there; what matters is HEAD, the index's content and the files)."""
     return tree_hash(*(p for p in sorted(root.iterdir()) if p.is_dir() and p.name != ".git"),
-                     exclude=(Path(AUDIT.name),)) + \
+                     exclude=(Path(AUDIT.name),), caches=(Path(DATA_CACHE.name),)) + \
         (root / ".gitignore").read_text()
 
 
