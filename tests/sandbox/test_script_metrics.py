@@ -14,6 +14,7 @@ import pytest
 from engine import run_dir as rd
 from runner import scripts
 from runner.processes import RUN_ID_VARIABLE
+from tests.support import untimed
 
 import trainwright
 
@@ -61,10 +62,6 @@ def test_output_is_copied_whole_and_a_long_line_is_never_a_metrics_line():
     scripts.copy_output(io.BufferedReader(io.BytesIO(text)), console, scripts.ScriptMetrics(out))
     assert console.getvalue() == text
     assert [untimed(json.loads(x)) for x in out.getvalue().splitlines()] == [{"step": 6, "loss": 0.5}]
-
-
-def untimed(record: dict) -> dict:
-    return {k: v for k, v in record.items() if k not in ("elapsed_s", "step_time_s")}
 
 
 def test_a_script_that_logs_no_timing_is_timed_by_its_lines(monkeypatch):
