@@ -11,6 +11,9 @@ is written.
 refuse a bad launch before they create a run directory, and to describe a recipe's config keys
 (``fields``: key, type, default, value, description; see ``engine.config.describe_fields``).
 ``--check --estimate DEVICE`` adds the run's memory and time per process (``engine.estimate``).
+``--check --keys-only`` describes the keys of a config that need not be complete yet (a template
+before the user has named its model or data): the config is built, not validated against the
+data or the model.
 """
 
 from __future__ import annotations
@@ -104,6 +107,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--estimate", choices=("cpu", "cuda"),
                         help="with --check: estimate memory and time per process on this device (engine/estimate.py)")
     parser.add_argument("--device-memory-gib", type=float, help="with --estimate: the device memory to fit in")
+    parser.add_argument("--keys-only", action="store_true",
+                        help="with --check: describe the config's keys without validating it against its data or model")
     return parser.parse_args(argv)
 
 
@@ -117,6 +122,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         recipe_class = load_recipe_class(args.recipe_dir)
         config = resolve_config(recipe_class, args.recipe_dir, args.overrides, args.config_json)
+        if args.check and args.keys_only:
+            print(checked(config).model_dump_json())
+            return EXIT_OK
         recipe_class.validate_config(config, world_size)
         check_backends(config.metrics)
         if args.resume_from is not None:
@@ -137,14 +145,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: {message}", file=sys.stderr)
         return EXIT_BAD_INPUT
     if args.check:
-        from engine.config import config_changes, describe_fields
-
-        verdict = LaunchVerdict(
-            config=config.model_dump(mode="json"),
-            config_changes=config_changes(config),
-            fields=[ConfigField.model_validate(field) for field in describe_fields(config)],
-            data=data,
-        )
+        verdict = checked(config, data)
         if args.estimate:
             from engine.estimate import estimate
 
@@ -157,6 +158,17 @@ def main(argv: list[str] | None = None) -> int:
         print(verdict.model_dump_json())
         return EXIT_OK
     return train(recipe_class, config, args, data)
+
+
+def checked(config, data=None) -> LaunchVerdict:
+    from engine.config import config_changes, describe_fields
+
+    return LaunchVerdict(
+        config=config.model_dump(mode="json"),
+        config_changes=config_changes(config),
+        fields=[ConfigField.model_validate(field) for field in describe_fields(config)],
+        data=data,
+    )
 
 
 def train(recipe_class, config, args: argparse.Namespace, data=None) -> int:

@@ -99,10 +99,13 @@ def check_launch(
     read_only: list[Path] | None = None,
     models: ModelBinding = ModelBinding(),
     estimate: tuple[str, float | None] | None = None,
+    keys_only: bool = False,
 ) -> LaunchVerdict:
     """Validate a launch with the engine itself; return its verdict: the resolved ``config``,
     ``config_changes`` (keys that differ from the code defaults) and the ``data`` summary
     (with ``estimate`` = (device, its memory in GiB or None): also the run's ``estimate``).
+    ``keys_only``: only the resolved config and its keys, not checked against its data or model
+    (a template's keys before its model and data are named).
 
     The check imports the recipe, so it runs as the run will: in the sandbox (seeing
     ``read_only``, default the workspace, and nothing writable), with the run's resource limits
@@ -115,7 +118,7 @@ def check_launch(
     command = [sys.executable, "-m", "engine.launch", str(recipe_dir), "--check", "--nproc", str(nproc)]
     if config_json is not None:
         command += ["--config-json", str(config_json)]
-    command += [f"--set={override}" for override in overrides]
+    command += [f"--set={override}" for override in overrides] + (["--keys-only"] if keys_only else [])
     if estimate is not None:
         device, memory_gib = estimate
         command += ["--estimate", device] + ([f"--device-memory-gib={memory_gib}"] if memory_gib is not None else [])

@@ -85,7 +85,7 @@ def describe_recipe(ws: Workspace, recipe: str, keys: list[str] | None = None,
         if source is None:
             _refuse_a_script(ws, recipe)
             raise
-        fields = _selected(checked_fields(ws.root, source, ws.run_limits(), None, waiting), prefixes)
+        fields = _selected(checked_fields(ws.root, source, ws.run_limits(), None, waiting, keys_only=True), prefixes)
         return _fit(RecipeDescription(recipe=f"template {recipe}", template=recipe, skills=[], fields=fields))
     limits = ws.run_limits()
     models = hub.bind(ws.root, hub.recipe_config(recipe_dir, {}),
@@ -162,11 +162,14 @@ check_slots = FifoSlots(MAX_CONCURRENT_CHECKS)
 
 
 def checked_fields(workspace: Path, folder: Path, limits, models,
-                   waiting: Callable[[str], None] | None = None) -> list:
+                   waiting: Callable[[str], None] | None = None, keys_only: bool = False) -> list:
     """The config keys of the recipe (or template) in ``folder``, from the launch check or the
-    cache of an unchanged one; ``waiting`` hears, while the caller waits for a check, how far it is."""
-    key = _check_key(folder, limits, models)
-    bound = {"models": models} if models is not None else {}
+    cache of an unchanged one; ``waiting`` hears, while the caller waits for a check, how far it is.
+    ``keys_only``: a template's keys, its config not checked against a model or data it does not
+    name yet (vlm_chat's model is the user's)."""
+    key = _check_key(folder, limits, models, keys_only)
+    bound: dict = {"models": models} if models is not None else {}
+    bound["keys_only"] = keys_only
     if key is None:  # too large to hash: checked each time
         with check_slots.held(waiting):
             return check_launch(workspace, folder, 1, [], limits=limits, **bound).fields
@@ -203,7 +206,7 @@ def checked_fields(workspace: Path, folder: Path, limits, models,
             _in_flight.pop(key, None)
 
 
-def _check_key(folder: Path, limits, models) -> str | None:
+def _check_key(folder: Path, limits, models, keys_only: bool) -> str | None:
     """A digest of what the launch check of ``folder`` depends on, or None: a folder too large to
     hash, or one with a link in it (what it leads to may change unseen)."""
     digest, total = hashlib.sha256(), 0
@@ -223,7 +226,7 @@ def _check_key(folder: Path, limits, models) -> str | None:
     digest.update(_engine_code_digest().encode())
     digest.update(json.dumps(dataclasses.asdict(limits), sort_keys=True, default=str).encode())
     bound = [m.model_dump(mode="json") for m in models.models] if models is not None else []
-    digest.update(json.dumps(bound, sort_keys=True, default=str).encode())
+    digest.update(json.dumps([bound, keys_only], sort_keys=True, default=str).encode())
     return digest.hexdigest()
 
 
