@@ -20,13 +20,16 @@ Four ways to find those tokens (the data summary names the one in force, as ``ma
 - ``final_render``: the template rewrites earlier turns (Qwen3 drops the reasoning of every
   assistant turn before the last user message): each assistant turn is found in the rendering
   of the whole conversation, after the n-th generation prompt through the end-of-turn token its
-  template writes, and checked to hold the message's text and calls. A template where neither
-  works is refused, naming the tokenizer and what was tried.
+  template writes, and checked to hold the message's text and calls. gpt-oss's harmony format
+  writes one assistant message as several (``analysis``, then a call or ``final``, each opened by
+  the generation prompt ``<|start|>assistant``): there each part runs to the next message's start
+  token, and parts that follow each other directly are one turn. A template where neither works
+  is refused, naming the tokenizer and what was tried.
 - ``completion``: a prompt and its completion (or a preference pair's answer): everything the
   template adds after the prompt and its generation prompt.
 
-``reasoning=False`` takes each ``<think>…</think>`` block out of the loss (the rest of the turn
-stays in it). Tokens are the rendered text tokenized as ``apply_chat_template`` tokenizes it (no
+``reasoning=False`` takes each ``<think>…</think>`` block (gpt-oss: each ``analysis`` message)
+out of the loss (the rest of the turn stays in it). Tokens are the rendered text tokenized as ``apply_chat_template`` tokenizes it (no
 special tokens added); a token belongs to a span when its characters overlap it.
 """
 
@@ -197,29 +200,69 @@ def _final_spans(tokenizer, messages: list[Message], tools, where: str) -> tuple
     header = opened[len(closed):] if opened.startswith(closed) else ""
     if not header.strip():
         return text, [], "in the whole rendering, the template writes no generation prompt to find the turns by"
-    turn = render(tokenizer, messages[: first + 1], tools=tools)[len(opened):]
-    end_of_turn = max(((turn.rfind(t), t) for t in _special_tokens(tokenizer) if t in turn), default=(-1, ""))[1]
-    if not end_of_turn:
-        return text, [], "in the whole rendering, an assistant turn ends in no special token"
     assistants = [m for m in messages if m.get("role") == "assistant"]
-    starts = [i + len(header) for i in _occurrences(text, header)]
-    if len(starts) != len(assistants):
-        return text, [], (f"in the whole rendering, the generation prompt {header!r} occurs {len(starts)} times for "
-                          f"{len(assistants)} assistant messages")
-    spans = []
-    for number, (start, message) in enumerate(zip(starts, assistants), 1):
-        stop = text.find(end_of_turn, start)
-        if stop < 0:
-            return text, [], f"in the whole rendering, assistant message {number} has no {end_of_turn!r} after it"
-        stop += len(end_of_turn)
-        stop += len(text[stop:]) - len(text[stop:].lstrip())
+    turns = _turns_by_end_token(tokenizer, text, header, render(tokenizer, messages[: first + 1], tools=tools)[len(opened):])
+    if isinstance(turns, str) or len(turns) != len(assistants):
+        grouped = _turns_by_message_start(tokenizer, text, header)
+        if isinstance(grouped, str) or len(grouped) != len(assistants):
+            why = turns if isinstance(turns, str) else (
+                f"in the whole rendering, the generation prompt {header!r} occurs {len(turns)} times for "
+                f"{len(assistants)} assistant messages")
+            return text, [], why
+        turns = grouped
+    for number, ((start, stop), message) in enumerate(zip(turns, assistants), 1):
         held = text[start:stop]
         missing = [part for part in [message["content"].strip()] + [c["function"]["name"] for c in message.get("tool_calls", [])]
                    if part not in held]
         if missing:
             return text, [], f"in the whole rendering, assistant message {number} does not hold {missing[0][:40]!r}"
-        spans.append((start, stop))
-    return text, spans, None
+    return text, turns, None
+
+
+def _turns_by_end_token(tokenizer, text: str, header: str, turn: str) -> list[tuple[int, int]] | str:
+    """Each turn after an occurrence of the generation prompt, through the end-of-turn token the
+    template writes after an assistant message (``turn``) and the blank after it; or why not."""
+    end_of_turn = max(((turn.rfind(t), t) for t in _special_tokens(tokenizer) if t in turn), default=(-1, ""))[1]
+    if not end_of_turn:
+        return "in the whole rendering, an assistant turn ends in no special token"
+    spans = []
+    starts = _occurrences(text, header)
+    for number, (at, following) in enumerate(zip(starts, starts[1:] + [len(text)]), 1):
+        start = at + len(header)
+        stop = text.find(end_of_turn, start, following)
+        if stop < 0:  # gpt-oss ends an earlier answer in <|end|>, the last in <|return|>
+            return f"in the whole rendering, assistant turn {number} has no {end_of_turn!r} before the next one"
+        stop += len(end_of_turn)
+        spans.append((start, stop + len(text[stop:]) - len(text[stop:].lstrip())))
+    return spans
+
+
+def _turns_by_message_start(tokenizer, text: str, header: str) -> list[tuple[int, int]] | str:
+    """Templates that write one assistant message as several messages of their own (gpt-oss's
+    harmony format: an ``analysis`` message, then tool calls or the ``final`` one, each opened by
+    ``<|start|>assistant`` and closed by ``<|end|>``, ``<|call|>`` or ``<|return|>``): each part runs
+    from after the generation prompt to the next message's start token (the special token the
+    generation prompt opens with); parts that follow each other directly are one turn, from after
+    the first part's generation prompt through the last part's closing special token."""
+    opener = next((t for t in _special_tokens(tokenizer) if header.startswith(t)), None)
+    if opener is None:
+        return "by the start of each message, the generation prompt opens with no special token"
+    specials = re.compile("|".join(re.escape(t) for t in _special_tokens(tokenizer)))
+    turns: list[tuple[int, int]] = []
+    for at in _occurrences(text, header):
+        start = at + len(header)
+        following = text.find(opener, start)
+        part = text[start: len(text) if following < 0 else following]
+        closing = [m.end() for m in specials.finditer(part)]
+        if not closing:
+            return f"by the start of each message, an assistant part at character {start} ends in no special token"
+        stop = start + closing[-1]
+        stop += len(text[stop:]) - len(text[stop:].lstrip())
+        if turns and turns[-1][1] == at:
+            turns[-1] = (turns[-1][0], stop)  # the same assistant message goes on
+        else:
+            turns.append((start, stop))
+    return turns
 
 
 def _occurrences(text: str, part: str) -> list[int]:
@@ -230,11 +273,13 @@ def _occurrences(text: str, part: str) -> list[int]:
     return found
 
 
-_THINK_BLOCK = re.compile(r"<think>.*?</think>\s*", re.S)
+# A reasoning block: <think>…</think> and the blank after it, or gpt-oss's analysis message.
+_THINK_BLOCK = re.compile(r"<think>.*?</think>\s*|<\|channel\|>analysis<\|message\|>.*?<\|end\|>", re.S)
 
 
 def without_reasoning(text: str, spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
-    """``spans`` less every ``<think>…</think>`` block (and the blank after it) in ``text``."""
+    """``spans`` less every reasoning block in ``text``: ``<think>…</think>`` (and the blank after
+    it), or an ``analysis`` message of gpt-oss's harmony format."""
     for block in _THINK_BLOCK.finditer(text):
         cut = []
         for start, stop in spans:
@@ -328,8 +373,11 @@ def parse_completion(raw: str, end_of_turn: str | None = None) -> dict[str, Any]
     """A completion as the model wrote it, parsed: ``reasoning`` (its ``<think>`` block, None
     without one), ``content`` (the answer, less the reasoning, the calls and the end of turn) and
     ``tool_calls`` (each ``<tool_call>`` block, Qwen's and Hermes' form, as ``{"name",
-    "arguments"}``; a block that is not a JSON call is left in the content)."""
+    "arguments"}``; a block that is not a JSON call is left in the content). gpt-oss's harmony
+    messages are read by their channels."""
     text = raw.split(end_of_turn, 1)[0] if end_of_turn else raw
+    if "<|channel|>" in text and "<|message|>" in text:
+        return _parse_harmony(text)
     reasoning = None
     if "</think>" in text:
         thought, text = text.split("</think>", 1)
@@ -344,3 +392,31 @@ def parse_completion(raw: str, end_of_turn: str | None = None) -> dict[str, Any]
             calls.append({"name": call["name"], "arguments": call.get("arguments", call.get("parameters", {}))})
             text = text.replace(block.group(0), "", 1)
     return {"reasoning": reasoning, "content": text.strip(), "tool_calls": calls or None}
+
+
+_HARMONY_END = re.compile(r"<\|(?:end|call|return)\|>")
+
+
+def _parse_harmony(text: str) -> dict[str, Any]:
+    """gpt-oss's harmony format: each ``<|start|>``-opened message's channel decides what it is
+    (``analysis``: reasoning; addressed ``to=functions.NAME``: a call, its JSON arguments; else
+    the answer)."""
+    reasoning, content, calls = [], [], []
+    for part in text.split("<|start|>"):
+        if "<|message|>" not in part:
+            continue
+        head, body = part.split("<|message|>", 1)
+        body = _HARMONY_END.split(body, maxsplit=1)[0]
+        to = re.search(r"to=functions\.([\w.-]+)", head)
+        if to:
+            try:
+                arguments = json.loads(body)
+            except json.JSONDecodeError:
+                arguments = body
+            calls.append({"name": to.group(1), "arguments": arguments})
+        elif re.search(r"<\|channel\|>\s*analysis\b", head):
+            reasoning.append(body.strip())
+        else:
+            content.append(body.strip())
+    return {"reasoning": "\n".join(reasoning) if reasoning else None, "content": "\n".join(content),
+            "tool_calls": calls or None}

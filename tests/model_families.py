@@ -61,6 +61,7 @@ TEMPLATES_DIR = Path(__file__).parent / "fixtures" / "chat_templates"
 QWEN3 = (TEMPLATES_DIR / "qwen3.jinja").read_text()
 QWEN2_5 = (TEMPLATES_DIR / "qwen2_5.jinja").read_text()
 LLAMA3_1 = (TEMPLATES_DIR / "llama3_1.jinja").read_text()
+GPT_OSS = (TEMPLATES_DIR / "gpt_oss.jinja").read_text()  # the harmony format: channels, earlier analysis dropped
 QWEN_TOOL_TOKENS = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]
 
 CORPUS = [
@@ -86,6 +87,9 @@ FAMILIES = {
                  ["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>", "<|eom_id|>",
                   "<|python_tag|>"], "<|eot_id|>"),
     "phi3": ("Phi3Config", "Phi3ForCausalLM", CHATML, ["<|endoftext|>", "<|im_start|>", "<|im_end|>"], "<|im_end|>"),
+    "gpt-oss": ("GptOssConfig", "GptOssForCausalLM", GPT_OSS,
+                ["<|endoftext|>", "<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|return|>", "<|call|>",
+                 "<|constrain|>"], "<|return|>"),
 }
 
 
@@ -125,6 +129,8 @@ def tiny_model_folder(folder: Path, family: str = "qwen2", chat_template: str | 
         sizes.update(head_dim=8, sliding_window=64)
     if family == "qwen3":
         sizes.update(head_dim=8)
+    if family == "gpt-oss":
+        sizes.update(head_dim=8, num_local_experts=2, num_experts_per_tok=1, sliding_window=64)
     sizes.update(config)
     config = getattr(transformers, config_name)(**sizes)
     torch.manual_seed(seed)

@@ -311,6 +311,46 @@ def test_the_qwen3_mask_equals_trls_where_its_training_template_renders_as_the_f
         assert (ids, mask) == (their_ids, their_mask)
 
 
+# gpt-oss writes one assistant message as several harmony messages (an analysis, then a call or the
+# final answer, each opened by "<|start|>assistant"), and drops the analysis of earlier answers.
+GPT_OSS_CONVERSATIONS = [MULTI_TURN, AGENTIC, AGENTIC_THEN_MORE]
+
+
+def test_gpt_oss_harmony_turns_are_found_in_the_final_rendering_analysis_dropped_before_the_last(tmp_path):
+    tokenizer = sft.load_tokenizer(str(tiny_model_folder(tmp_path / "tiny-gpt-oss", "gpt-oss")), None)
+    messages = conversation(AGENTIC_THEN_MORE, "chat.jsonl:1")
+    assert sft.mask_method(tokenizer, {"messages": messages, "tools": TOOLS}) == "final_render"
+    ids, mask = encode_conversation(tokenizer, messages, "chat.jsonl:1", TOOLS)
+    assert learnt(tokenizer, ids, mask) == (
+        ' to=functions.add<|channel|>commentary json<|message|>{"a": 12, "b": 1}<|call|>'
+        "<|channel|>final<|message|>It is 13.<|end|>"
+        "<|channel|>analysis<|message|>b, c<|end|><|start|>assistant<|channel|>final<|message|>The letter c.<|return|>"
+    )
+    # Reasoning left out of the loss: the analysis message goes, the answer's own header stays.
+    ids, mask = encode_conversation(tokenizer, messages, "chat.jsonl:1", TOOLS, reasoning=False)
+    assert learnt(tokenizer, ids, mask).endswith(
+        "<|end|><|start|>assistant<|channel|>final<|message|>The letter c.<|return|>")
+    assert "b, c" not in learnt(tokenizer, ids, mask)
+
+
+def test_the_gpt_oss_mask_is_trls_less_the_generation_prompt_of_each_answer(tmp_path):
+    # TRL's gpt-oss training template opens {% generation %} before "<|start|>assistant", which
+    # the generation prompt writes and the model never does: its mask has those tokens more at the
+    # start of each assistant message (not inside one: a final after an analysis is the model's).
+    folder = tiny_model_folder(tmp_path / "tiny-gpt-oss", "gpt-oss")
+    records = [{"messages": conversation(m, "x"), "tools": TOOLS} for m in GPT_OSS_CONVERSATIONS]
+    theirs = trl_tokenized(folder, records, tmp_path)
+    tokenizer = sft.load_tokenizer(str(folder), None)
+    header = tokenizer("<|start|>assistant", add_special_tokens=False)["input_ids"]
+    for record, (their_ids, their_mask) in zip(records, theirs):
+        ids, mask = encode_conversation(tokenizer, record["messages"], "x", TOOLS)
+        assert ids == their_ids
+        opens = [i for i in range(len(ids)) if ids[i:i + len(header)] == header and (i == 0 or not mask[i - 1])]
+        header_of_an_answer = [any(o <= i < o + len(header) for o in opens) for i in range(len(ids))]
+        assert [m or h and t for m, h, t in zip(mask, header_of_an_answer, their_mask)] == their_mask
+        assert sum(their_mask) - sum(mask) == len(header) * sum(m["role"] == "assistant" for m in record["messages"])
+
+
 def test_the_qwen2_5_mask_is_trls_less_the_newline_of_the_generation_prompt(tmp_path):
     # TRL's Qwen2.5 training template opens {% generation %} before the newline that ends
     # "<|im_start|>assistant\n", which the generation prompt writes and the model never does: its
@@ -387,6 +427,12 @@ def test_a_completion_is_parsed_into_reasoning_calls_and_answer():
            '\n</tool_call><|im_end|>\nleft over')
     assert parse_completion(raw, "<|im_end|>") == {
         "reasoning": "the tool adds", "content": "Let me add.", "tool_calls": [{"name": "add", "arguments": {"a": 12, "b": 1}}]}
+    # gpt-oss's harmony messages, by their channels: analysis, a call addressed to a function, final.
+    assert parse_completion("<|channel|>analysis<|message|>12 = 2 * 6<|end|><|start|>assistant<|channel|>final"
+                            "<|message|>even<|return|>", "<|return|>") == {
+        "reasoning": "12 = 2 * 6", "content": "even", "tool_calls": None}
+    assert parse_completion(' to=functions.add<|channel|>commentary json<|message|>{"a": 12, "b": 1}<|call|>') == {
+        "reasoning": None, "content": "", "tool_calls": [{"name": "add", "arguments": {"a": 12, "b": 1}}]}
     # A block that is not a JSON call stays in the answer; no <think>: no reasoning.
     assert parse_completion("<tool_call>add(1)</tool_call>") == {
         "reasoning": None, "content": "<tool_call>add(1)</tool_call>", "tool_calls": None}

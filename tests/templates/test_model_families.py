@@ -29,8 +29,12 @@ END_OF_TURN = {"qwen2": "<|im_end|>\n", "llama": "<|eot_id|>", "gemma2": "<end_o
                "llama3.1": "<|eot_id|>"}
 # Qwen3's template writes an empty <think> block into the last answer (and so rewrites the earlier one).
 LAST_ANSWER_OPENS = {"qwen3": "<think>\n\n</think>\n\n"}
+# gpt-oss ends an earlier answer with <|end|> and the last with <|return|>: the whole rendering.
+HARMONY = {"gpt-oss": "<|channel|>final<|message|>It is 7.<|end|><|channel|>final<|message|>4<|return|>"}
 PROJECTIONS = {"qwen2": {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"},
-               "phi3": {"qkv_proj", "o_proj", "gate_up_proj", "down_proj"}}
+               "phi3": {"qkv_proj", "o_proj", "gate_up_proj", "down_proj"},
+               # gpt-oss's experts are parameters of one module, not Linear layers: its attention.
+               "gpt-oss": {"q_proj", "k_proj", "v_proj", "o_proj"}}
 CONVERSATION = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 3 + 4?"},
                 {"role": "assistant", "content": "It is 7."}, {"role": "user", "content": "And 2 + 2?"},
                 {"role": "assistant", "content": "4"}]
@@ -61,12 +65,13 @@ def skilled(tmp_path_factory):
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_each_family_learns_its_assistant_turns_and_its_end_of_turn(family, folders):
     tokenizer = sft.load_tokenizer(str(folders[family]), None)
-    expected_mask = "final_render" if family in LAST_ANSWER_OPENS else "turn_render"
+    expected_mask = "final_render" if family in LAST_ANSWER_OPENS or family in HARMONY else "turn_render"
     assert sft.mask_method(tokenizer, {"messages": CONVERSATION}) == expected_mask
-    piece, why, _ = sft.encode_example(tokenizer, CONVERSATION, 256)
+    piece, why, _ = sft.encode_example(tokenizer, CONVERSATION, 512)  # gpt-oss writes a long system message
     assert why is None
     learnt = tokenizer.decode([t for t in piece[1].tolist() if t != IGNORE_INDEX])
-    assert learnt == f"It is 7.{END_OF_TURN[family]}{LAST_ANSWER_OPENS.get(family, '')}4{END_OF_TURN[family]}"
+    end = END_OF_TURN.get(family, "")
+    assert learnt == HARMONY.get(family, f"It is 7.{end}{LAST_ANSWER_OPENS.get(family, '')}4{end}")
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
@@ -104,13 +109,14 @@ SCHEDULE = ("data.paths=[data/train.parquet]", "data.seq_len=48", "data.batch_si
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", ["gemma2", "llama", "phi3"])
+@pytest.mark.parametrize("family", ["gemma2", "llama", "phi3", "gpt-oss"])
 def test_a_family_trains_with_lora_and_checkpointing_and_exports_as_its_own_class(family, folders, skilled, tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     write_data(tmp_path)
     shutil.copytree(folders[family], tmp_path / "model")
-    run = run_engine(tmp_path, skilled, *SCHEDULE, "model.pretrained_path=model")
+    longer = ["data.seq_len=256"] if family in HARMONY else []  # gpt-oss's system message is long
+    run = run_engine(tmp_path, skilled, *SCHEDULE, "model.pretrained_path=model", *longer)
     record = rd.read_run(run)
     assert record.status == rd.COMPLETED and (record.data.format, record.data.mask) == ("messages", "turn_render")
     assert len(losses(run)) == 3
