@@ -39,7 +39,8 @@ from runner.lifecycle import check_launch
 from runner.scripts import DOCS_PAGE
 from workspace.workspace import Workspace
 
-MAX_DESCRIBE_BYTES = 7_800  # the result as an agent reads it: under 8 KB
+# The result as an agent reads it (indented JSON, larger than the compact form the budget counts).
+MAX_DESCRIBE_BYTES = AGENT_BUDGET_CHARS
 DESCRIPTION_LIMITS = (160, 80, 60, 40, 30, 20, 0)  # characters kept per description, tried in turn
 MAX_SKILLS_SHOWN = 50
 MAX_KEYS_ASKED = 50  # describe_recipe(keys=...)

@@ -13,7 +13,8 @@ Supports:
   chosen/rejected conversations (split at the messages they share), with a ``tools`` column,
   reasoning and tool calls as the sft template reads them; rendered by the tokenizer's own chat
   template, markers or not: an answer is what the template adds after the prompt (its
-  reasoning, its tool call, its text)
+  reasoning, its tool call, its text); ``data.reasoning_loss=false`` leaves the reasoning out of
+  the answers' log-probabilities
 - Direct Preference Optimization (Rafailov et al., 2023; ``dpo.loss_type=sigmoid``) and IPO
   (Azar et al., 2023; ``dpo.loss_type=ipo``) against a frozen reference model (the starting
   weights), with ``dpo.beta``, and optionally the chosen answers' NLL (``dpo.sft_weight``, RPO);
@@ -30,7 +31,7 @@ from __future__ import annotations
 import hashlib
 import random
 from functools import cached_property
-from typing import Any, Iterator, Literal
+from typing import Any, Iterator, Literal, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -91,6 +92,9 @@ class DPODataConfig(DataConfig):
     )
     chat_template: str | None = Field(
         None, description="A Jinja chat template instead of the tokenizer's own ({% generation %} markers optional)."
+    )
+    reasoning_loss: bool = Field(
+        True, description="An answer's log-probability covers its <think> reasoning (gpt-oss: analysis); false: never."
     )
     eval_fraction: float = Field(
         0.05, ge=0, le=1, description="Pairs held out for evaluation (1: all, as `evaluate` with data does)."
@@ -221,12 +225,26 @@ def is_eval_document(name: str, eval_fraction: float) -> bool:
     return eval_fraction >= 1 or bucket < eval_fraction
 
 
-def tokenize_pair(tokenizer, record: dict[str, Any], seq_len: int) -> tuple[list[int], list[int], list[int]]:
-    """``(prompt, chosen, rejected)`` token ids. Each answer is what the chat template adds after
-    the prompt and its generation prompt (reasoning, tool calls, content and end of turn), the
-    conversation's ``tools`` rendered with it; prompt + answer is cut to ``seq_len + 1`` tokens."""
+class Pair(NamedTuple):
+    """A pair's token ids; ``learnt``: per answer, which of its tokens its log-probability covers
+    (None: all of them)."""
+
+    prompt: list[int]
+    chosen: list[int]
+    rejected: list[int]
+    learnt: tuple[list[bool], list[bool]] | None = None
+
+    def learnt_tokens(self) -> int:
+        return len(self.chosen) + len(self.rejected) if self.learnt is None else sum(map(sum, self.learnt))
+
+
+def tokenize_pair(tokenizer, record: dict[str, Any], seq_len: int, reasoning: bool = True) -> Pair:
+    """A pair's token ids. Each answer is what the chat template adds after the prompt and its
+    generation prompt (reasoning, tool calls, content and end of turn), the conversation's
+    ``tools`` rendered with it; prompt + answer is cut to ``seq_len + 1`` tokens.
+    ``reasoning=False``: the answers' reasoning is read, not learnt."""
     prompt = as_messages(record["prompt"], "user")
-    prompt_ids, answers = None, []
+    prompt_ids, answers, learnt = None, [], []
     for key in ("chosen", "rejected"):
         tokens, mask = encode_completion(tokenizer, prompt, as_messages(record[key], "assistant"), tools=record.get("tools"))
         start = mask.index(True) if True in mask else len(tokens)
@@ -234,20 +252,29 @@ def tokenize_pair(tokenizer, record: dict[str, Any], seq_len: int) -> tuple[list
             raise ConfigError("the chat template renders the prompt differently before each answer; set data.chat_template")
         prompt_ids = tokens[:start]
         answers.append(tokens[start : seq_len + 1])
-    return prompt_ids[:seq_len], answers[0], answers[1]
+        if not reasoning:
+            kept = encode_completion(tokenizer, prompt, as_messages(record[key], "assistant"), tools=record.get("tools"),
+                                     reasoning=False)[1]
+            learnt.append(kept[start : seq_len + 1])
+    assert prompt_ids is not None
+    return Pair(prompt_ids[:seq_len], answers[0], answers[1], None if reasoning else (learnt[0], learnt[1]))
 
 
-def collate(pairs: list[tuple[list[int], list[int], list[int]]], seq_len: int, pad_id: int) -> dict[str, torch.Tensor]:
+def collate(pairs: list[Pair], seq_len: int, pad_id: int) -> dict[str, torch.Tensor]:
     """Rows ``[prompt + chosen] * B`` then ``[prompt + rejected] * B``, right-padded to
-    ``seq_len``; labels are the next token where it belongs to the answer."""
-    rows = [(p, c) for p, c, _ in pairs] + [(p, r) for p, _, r in pairs]
+    ``seq_len``; labels are the next token where it belongs to the answer (and is learnt)."""
+    rows = [(p.prompt, p.chosen, p.learnt and p.learnt[0]) for p in pairs]
+    rows += [(p.prompt, p.rejected, p.learnt and p.learnt[1]) for p in pairs]
     input_ids = torch.full((len(rows), seq_len), pad_id, dtype=torch.int64)
     labels = torch.full((len(rows), seq_len), IGNORE_INDEX, dtype=torch.int64)
-    for row, (prompt, answer) in enumerate(rows):
+    for row, (prompt, answer, learnt) in enumerate(rows):
         tokens = torch.tensor(prompt + answer)[: seq_len + 1]
         n = len(tokens) - 1
         input_ids[row, :n] = tokens[:-1]
-        labels[row, len(prompt) - 1 : n] = tokens[len(prompt) :]
+        targets = tokens[len(prompt) :]
+        if learnt:
+            targets = targets.masked_fill(~torch.tensor(learnt[: len(targets)]), IGNORE_INDEX)
+        labels[row, len(prompt) - 1 : n] = targets
     position_ids = torch.arange(seq_len).expand(len(rows), seq_len).clone()
     return {"input_ids": input_ids, "labels": labels, "position_ids": position_ids}
 
@@ -412,17 +439,17 @@ class DPO(Engine):
         truncated = dropped = 0
         listing = DataListing()
         for name, record in load_pairs(cfg, listing):
-            prompt, chosen, rejected = tokenize_pair(tokenizer, record, cfg.seq_len + 1)
-            truncated += max(len(prompt) + len(chosen), len(prompt) + len(rejected)) > cfg.seq_len + 1
-            prompt, chosen, rejected = tokenize_pair(tokenizer, record, cfg.seq_len)
+            whole = tokenize_pair(tokenizer, record, cfg.seq_len + 1)
+            truncated += len(whole.prompt) + max(len(whole.chosen), len(whole.rejected)) > cfg.seq_len + 1
+            pair = tokenize_pair(tokenizer, record, cfg.seq_len, cfg.reasoning_loss)
             names.add(name.split(":", 1)[0])
-            if not (chosen and rejected):
+            if not (pair.chosen and pair.rejected):
                 dropped += 1
                 continue
             counted = counts[is_eval_document(name, cfg.eval_fraction)]
             counted[0] += 1
-            counted[1] += 2 * len(prompt) + len(chosen) + len(rejected)  # both rows
-            counted[2] += len(chosen) + len(rejected)  # the loss's, and what loss_tokens_seen counts in training
+            counted[1] += 2 * len(pair.prompt) + len(pair.chosen) + len(pair.rejected)  # both rows
+            counted[2] += pair.learnt_tokens()  # the loss's, and what loss_tokens_seen counts in training
         return DataSummary(
             source=cfg.source,
             paths=cfg.paths[:20],
@@ -455,8 +482,8 @@ class DPO(Engine):
 
     def _stream(self, records, seed: int) -> BatchStream:
         cfg = self.config.data
-        tokenized = [tokenize_pair(self.tokenizer, r, cfg.seq_len) for r in records]
-        tokenized = [t for t in tokenized if t[1] and t[2]]  # an answer cut off entirely: nothing to compare
+        tokenized = [tokenize_pair(self.tokenizer, r, cfg.seq_len, cfg.reasoning_loss) for r in records]
+        tokenized = [t for t in tokenized if t.chosen and t.rejected]  # an answer cut off entirely: nothing to compare
         return BatchStream(
             tokenized, cfg.seq_len, self.tokenizer.pad_token_id, seed=seed,
             micro_batch=self.micro_batch_size, dp_rank=self.dist.dp_rank, dp_size=self.dist.dp_size,

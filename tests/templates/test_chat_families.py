@@ -266,11 +266,19 @@ def test_a_preference_pair_that_ends_in_a_tool_call_learns_the_call(tokenizers):
         "prompt": AGENTIC[:2], "tools": TOOLS, "chosen": [AGENTIC[2]],
         "rejected": [{"role": "assistant", "content": "It is 14.", "reasoning_content": "guess"}],
     }, "pairs.jsonl:1")
-    prompt, chosen, rejected = dpo.tokenize_pair(tokenizer, record, 1024)
-    assert "# Tools" in tokenizer.decode(prompt) and tokenizer.decode(prompt).endswith("<|im_start|>assistant\n")
-    assert tokenizer.decode(chosen) == (
-        '<think>\ncall add\n</think>\n\n<tool_call>\n{"name": "add", "arguments": {"a": 12, "b": 1}}\n</tool_call><|im_end|>\n')
-    assert tokenizer.decode(rejected) == "<think>\nguess\n</think>\n\nIt is 14.<|im_end|>\n"
+    pair = dpo.tokenize_pair(tokenizer, record, 1024)
+    assert "# Tools" in tokenizer.decode(pair.prompt) and tokenizer.decode(pair.prompt).endswith("<|im_start|>assistant\n")
+    call = '<tool_call>\n{"name": "add", "arguments": {"a": 12, "b": 1}}\n</tool_call><|im_end|>\n'
+    assert tokenizer.decode(pair.chosen) == "<think>\ncall add\n</think>\n\n" + call
+    assert tokenizer.decode(pair.rejected) == "<think>\nguess\n</think>\n\nIt is 14.<|im_end|>\n"
+    assert pair.learnt is None and pair.learnt_tokens() == len(pair.chosen) + len(pair.rejected)
+    # data.reasoning_loss=false: the same tokens are read, the reasoning is not in the log-probabilities.
+    unreasoned = dpo.tokenize_pair(tokenizer, record, 1024, reasoning=False)
+    assert unreasoned[:3] == pair[:3]
+    labels = dpo.collate([unreasoned], 1024, tokenizer.pad_token_id)["labels"]
+    learnt = [tokenizer.decode([t for t in row.tolist() if t != IGNORE_INDEX]) for row in labels]
+    assert learnt == [call, "It is 14.<|im_end|>\n"]
+    assert unreasoned.learnt_tokens() == sum(len(tokenizer(t, add_special_tokens=False)["input_ids"]) for t in learnt)
 
 
 # ---------------------------------------------------------------------------------------------

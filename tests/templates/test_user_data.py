@@ -239,7 +239,7 @@ def test_dpo_reads_whole_conversations_and_string_pairs_from_parquet_alike(works
     [(_, conversational)] = dpo.load_pairs(dpo.DPODataConfig(paths=["pairs.jsonl"]))
     [(_, strings)] = dpo.load_pairs(dpo.DPODataConfig(paths=["pairs.parquet"]))
     assert conversational == strings
-    prompt_ids, chosen, rejected = dpo.tokenize_pair(tokenizer, strings, 64)
+    prompt_ids, chosen, rejected, _ = dpo.tokenize_pair(tokenizer, strings, 64)
     assert tokenizer.decode(chosen) == "7.<|im_end|>\n" and tokenizer.decode(rejected) == "8.<|im_end|>\n"
     config = dpo.DPOConfig.model_validate(
         {"model": {"pretrained_path": "models/tiny-qwen"}, "data": {"paths": ["pairs.jsonl"]}}
