@@ -11,7 +11,8 @@ Supports:
   data set ``datasets`` loads (``data.dataset``): a ``prompt`` column (``data.prompt_column``) as
   text or as chat messages without the final assistant turn; every other column (``answer``, ...)
   is handed to the reward functions by name, as TRL's ``GRPOTrainer`` does. Prompts are rendered
-  by the tokenizer's own chat template
+  by the tokenizer's own chat template, messages as the sft template reads them (tool calls, tool
+  results, reasoning) and a ``tools`` column's function schemas with them
 - rewards as code: ``grpo.reward_functions`` names functions of this module
   (``def f(prompts, completions, answer, **_) -> list[float]``), ``grpo.reward_weights`` weighs
   them; one that raises, returns the wrong count or a non-finite value stops the run with an
@@ -51,7 +52,8 @@ from pydantic import Field, model_validator
 from torch.distributed.checkpoint.stateful import Stateful
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
-from engine.chat import CHAT_TEMPLATE, byte_chat_tokenizer, load_chat_tokenizer  # noqa: F401 (the chat format)
+from engine.chat import CHAT_TEMPLATE, byte_chat_tokenizer, load_chat_tokenizer, template_messages  # noqa: F401 (the chat format)
+from engine.chat_messages import conversation, tool_schemas
 from engine.config import ConfigError, DataConfig, EngineConfig, Section
 from engine.data_files import confined_path
 from engine.data_formats import record_rows
@@ -286,12 +288,14 @@ def load_prompts(cfg: GRPODataConfig) -> list[tuple[str, dict[str, Any]]]:
     return records
 
 
-def as_messages(prompt: Any, where: str) -> list[dict[str, str]]:
+def as_messages(prompt: Any, where: str) -> list[dict[str, Any]]:
+    """A prompt as chat messages: a string is the user's; a list is read as the sft template reads
+    a conversation (tool calls, tool results, an earlier answer's reasoning)."""
     if isinstance(prompt, str):
         return [{"role": "user", "content": prompt}]
-    if isinstance(prompt, list) and prompt and all(isinstance(m, dict) and isinstance(m.get("content"), str) for m in prompt):
-        return [{"role": m["role"], "content": m["content"]} for m in prompt]
-    raise ConfigError(f"{where}: a prompt must be a string or a list of {{'role': ..., 'content': ...}} messages")
+    if not isinstance(prompt, list) or not prompt:
+        raise ConfigError(f"{where}: a prompt must be a string or a list of {{'role': ..., 'content': ...}} messages")
+    return conversation(prompt, where, "prompt")
 
 
 def is_eval_document(name: str, eval_fraction: float) -> bool:
@@ -300,8 +304,12 @@ def is_eval_document(name: str, eval_fraction: float) -> bool:
 
 
 def prompt_tokens(tokenizer, record: dict[str, Any], where: str = "a record") -> list[int]:
-    messages = as_messages(record["prompt"], where)
-    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
+    """The prompt rendered by the chat template with its generation prompt, and with the record's
+    ``tools`` (a list of function schemas) where it has them."""
+    messages = template_messages(tokenizer, as_messages(record["prompt"], where))
+    tools = tool_schemas(record.get("tools"), where)
+    return tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=True,
+                                         return_dict=True)["input_ids"]
 
 
 def left_padded(rows: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:

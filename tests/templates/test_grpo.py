@@ -173,6 +173,28 @@ def check(root, *overrides: str) -> dict:
 
 
 @pytest.mark.slow  # five launch checks, ~10 s each on 2 cores
+def test_prompts_carry_tools_and_earlier_tool_rounds_into_the_models_template(tmp_path):
+    # Qwen2.5's template: a tools column becomes its "# Tools" system block; a prompt that already
+    # holds a call and its result renders them (the sft template's reading of messages).
+    from tests.model_families import FAMILIES, bpe_tokenizer
+
+    tokenizer = bpe_tokenizer(FAMILIES["qwen2.5"][3], FAMILIES["qwen2.5"][4], FAMILIES["qwen2.5"][2])
+    tools = [{"type": "function", "function": {"name": "add", "description": "Add two integers.",
+                                               "parameters": {"type": "object", "properties": {}}}}]
+    call = {"type": "function", "function": {"name": "add", "arguments": '{"a": 12, "b": 1}'}}
+    prompt = [{"role": "user", "content": "What is 12 + 1?"},
+              {"role": "assistant", "content": None, "tool_calls": [call]}, {"role": "tool", "content": "13"}]
+    rendered = tokenizer.decode(grpo.prompt_tokens(tokenizer, {"prompt": prompt, "tools": json.dumps(tools)}))
+    assert "# Tools" in rendered and '"name": "add"' in rendered and "<tool_response>\n13\n</tool_response>" in rendered
+    assert rendered.endswith("<|im_start|>assistant\n")
+    plain = tokenizer.decode(grpo.prompt_tokens(tokenizer, {"prompt": "What is 12 + 1?"}))
+    assert "# Tools" not in plain and plain.endswith("<|im_start|>assistant\n")
+    with pytest.raises(ConfigError, match=r"prompts.jsonl:3: tools\[1\] is not a function schema"):
+        grpo.prompt_tokens(tokenizer, {"prompt": "x", "tools": [{"name": 3}]}, "prompts.jsonl:3")
+    with pytest.raises(ConfigError, match=r"prompts.jsonl:4: prompt\[2\].*'tool_calls' must be a list"):
+        grpo.prompt_tokens(tokenizer, {"prompt": [prompt[0], {"role": "assistant", "tool_calls": "add"}]}, "prompts.jsonl:4")
+
+
 def test_bad_input_is_refused_at_the_launch_check_with_what_to_change(tmp_path):
     (tmp_path / "questions.jsonl").write_text(json.dumps({"question": "What is 1 + 1?", "answer": "2"}) + "\n")
     refusals = {
