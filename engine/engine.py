@@ -247,7 +247,8 @@ class Engine:
         more), for a model that needs more than the prompt's tokens (a vision-language recipe
         shows it a held-out image), and what the answer shows beside them: ``{"input": what
         was added, "expected": the answer the data holds}`` (strings; either may be left out).
-        None (the default): the prompt is text for the tokenizer."""
+        None (the default): the prompt is text for the tokenizer. A recipe that takes the user's
+        image adds a keyword parameter ``image`` (a file's path; ``sample(images=[...])``)."""
         return None
 
     def task_metrics(self) -> dict[str, float]:

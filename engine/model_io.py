@@ -24,6 +24,7 @@ JSON object written to ``--result`` (stdout without it), one of :mod:`engine.sea
 from __future__ import annotations
 
 import argparse
+import inspect
 import math
 import os
 import shutil
@@ -155,10 +156,22 @@ def export(run_dir: Path, step: int, to: Path, lora: str = "merged", max_shard_s
                          **written)
 
 
+def sample_inputs(engine, index: int, prompt: str, image: str | None):
+    """The recipe's inputs for prompt ``index`` (a vision-language recipe adds an image: a held-out
+    one, or ``image``); None: the prompt is text. An image for a recipe that takes none is refused."""
+    if image is None:
+        return engine.sample_inputs(index, prompt)
+    if "image" not in inspect.signature(engine.sample_inputs).parameters:
+        raise BadInput(f"the run's recipe ({type(engine).__name__}) takes no image in sample: give prompts only")
+    return engine.sample_inputs(index, prompt, image=image)
+
+
 def sample(run_dir: Path, step: int, prompts: list[str], max_new_tokens: int = 64,
-           temperature: float = 0.0, seed: int = 0, reasoning: bool | None = None) -> SampleOutcome:
+           temperature: float = 0.0, seed: int = 0, reasoning: bool | None = None,
+           images: list[str] | None = None) -> SampleOutcome:
     """``reasoning``: the chat template's switch (``enable_thinking``, Qwen3's) on or off; None:
-    the template's default."""
+    the template's default. ``images``: one image file per prompt, for a recipe whose
+    ``sample_inputs`` takes an ``image`` (a vision-language one)."""
     import torch
 
     from engine.chat import parse_completion
@@ -166,6 +179,8 @@ def sample(run_dir: Path, step: int, prompts: list[str], max_new_tokens: int = 6
     from engine.hf_export import set_special_tokens, text_tokenizer
 
     check_sample_request(prompts, max_new_tokens, temperature)
+    if images is not None and len(images) != len(prompts):
+        raise BadInput(f"give one image per prompt: {len(images)} images for {len(prompts)} prompts")
     engine = load_engine(run_dir, step)
     processing = engine.hf_processing()
     if processing is None:
@@ -182,7 +197,7 @@ def sample(run_dir: Path, step: int, prompts: list[str], max_new_tokens: int = 6
         raise BadInput("this model's chat template has no reasoning switch (enable_thinking): sample without reasoning")
     samples = []
     for index, prompt in enumerate(prompts):
-        given = engine.sample_inputs(index, prompt)  # e.g. a vision-language recipe adds an image
+        given = sample_inputs(engine, index, prompt, None if images is None else images[index])
         inputs, about = given if given is not None else ({}, {})
         if given is not None:
             ids = inputs.pop("input_ids")
@@ -340,6 +355,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--reasoning", choices=("on", "off"), help="the chat template's reasoning switch; default: its own")
+    p.add_argument("--image", dest="images", action="append", help="an image file per prompt (vision-language recipes)")
     p = command("evaluate", "eval loss and the recipe's task metrics")
     p.add_argument("--data", action="append", help="evaluate on these files or folders (all held out)")
     return parser.parse_args(argv)
@@ -350,7 +366,8 @@ def run(args: argparse.Namespace) -> ModelOutcome:
         return export(args.run_dir, args.step, args.to, args.lora, args.max_shard_size, args.final_dir, args.gguf)
     if args.action == "sample":
         reasoning = None if args.reasoning is None else args.reasoning == "on"
-        return sample(args.run_dir, args.step, args.prompts, args.max_new_tokens, args.temperature, args.seed, reasoning)
+        return sample(args.run_dir, args.step, args.prompts, args.max_new_tokens, args.temperature, args.seed, reasoning,
+                      args.images)
     return evaluate(args.run_dir, args.step, args.data)
 
 

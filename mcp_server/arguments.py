@@ -83,7 +83,7 @@ class ApplySkillArgs(ToolArgs):
     recipe: Annotated[str, Field(description="recipes/<name>, the name, or a .py script.")]
     params: Annotated[dict[str, Any] | None, Field(description="Skill parameters (see get_skill)."),
                       Cli(flag="--param", metavar="KEY=VALUE", repeat=True, key_values=True)] = None
-    dry_run: Annotated[bool, Field(strict=True, description="Only return the diff; change nothing.")] = False
+    dry_run: Annotated[bool, Field(strict=True, description="Diff only; writes nothing.")] = False
     target: Annotated[str | None, Field(description="The model to act on: self._model, file.py:LINE."),
                       Cli(metavar="EXPR", more="A refusal lists the candidates it saw.")] = None
 
@@ -213,6 +213,8 @@ class SampleArgs(ToolArgs):
     max_new_tokens: Annotated[int, Field(strict=True, description=f"1-{MAX_NEW_TOKENS}.")] = 64
     temperature: Annotated[float, Field(strict=True, description="0: greedy.")] = 0.0
     think: Annotated[bool | None, Field(description="The template's enable_thinking.")] = None  # None: its default
+    images: Annotated[list[str], Field(description="One per prompt (VLM)."),
+                      Cli(flag="--image", metavar="PATH", repeat=True, more="Workspace file; repeatable.")] = []
 
 
 class EvaluateArgs(ToolArgs):

@@ -261,7 +261,7 @@ def _export_checkpoint(ws: Any, a: ExportArgs, report: Report) -> ExportResult:
 def _sample(ws: Any, a: SampleArgs, report: Report) -> SampleResult:
     from mcp_server.operations import model_tools
 
-    return model_tools.sample(ws, a.run_id, a.prompts, a.step, a.max_new_tokens, a.temperature, a.think)
+    return model_tools.sample(ws, a.run_id, a.prompts, a.step, a.max_new_tokens, a.temperature, a.think, a.images or None)
 
 
 def _evaluate(ws: Any, a: EvaluateArgs, report: Report) -> EvaluateResult:
@@ -298,32 +298,32 @@ TOOLS: tuple[ToolSpec, ...] = (
              ("apply",), "apply a skill to a recipe folder or script, as one commit", ApplySkillArgs,
              ApplySkillResult, IDEMPOTENT_CHANGE, _apply_skill),
     # Recipes
-    ToolSpec("list_templates", "The templates scaffold_recipe can copy.",
+    ToolSpec("list_templates", "Templates scaffold_recipe can copy.",
              ("templates",), "list recipe templates", NoArgs, TemplateList, READ_ONLY, _list_templates,
              workspace=False),
-    ToolSpec("scaffold_recipe", "Create recipes/<name>/ from a template, a commit (and one per skill); bad input "
+    ToolSpec("scaffold_recipe", "Create recipes/<name>/ from a template as a commit (+1 per skill); bad input "
              "writes nothing.",
              ("scaffold",), "create recipes/NAME from a template, as a commit", ScaffoldArgs, ScaffoldResult,
              ADDITIVE_HUB, _scaffold_recipe, stages=Stages("checking the config and skills", "scaffolded", 2)),
-    ToolSpec("describe_recipe", "Every config key of a recipe or template, skills applied, Hub models.",
+    ToolSpec("describe_recipe", "Config keys of a recipe or template, its skills and Hub models.",
              ("describe",), "every config key of a recipe, its template and skills", DescribeArgs,
              RecipeDescription, READ_ONLY_HUB, _describe_recipe, threads=MAX_DESCRIBE_THREADS),
-    ToolSpec("list_recipes", "The workspace's recipes: template, last commit, skills, runs.",
+    ToolSpec("list_recipes", "The workspace's recipes: template, last commit, skills.",
              ("recipes",), "list the workspace's recipes: template, last commit, skills, runs", NoArgs, RecipeList,
              READ_ONLY, _list_recipes),
     # Runs
     ToolSpec("launch_run", "Run a snapshot of a recipe or .py script (JSON lines with a step: metrics); returns "
-             "run_id at once, or writes nothing on error.",
+             "run_id at once; an error writes nothing.",
              ("run",), "launch a training run of a recipe folder or of a Python script", LaunchRunArgs,
              LaunchRunResult, ADDITIVE_HUB, _launch_run,
              stages=Stages("checking the recipe and config", "started {run_id}", 2), announce=_launched),
-    ToolSpec("estimate_run", "Memory and step time per process before launch_run; over device_memory_gib, "
-             "changes that fit.",
+    ToolSpec("estimate_run", "Memory and step time per process before launch_run; if over device_memory_gib, "
+             "what fits.",
              ("estimate",), "memory and step time per process before a run, from the model on the meta device",
              EstimateArgs, EstimateResult, READ_ONLY_HUB, _estimate_run),
     ToolSpec("list_runs", "The workspace's runs, newest first: status, step, loss, tokens/s.",
              ("runs",), "list runs, newest first", ListRunsArgs, RunList, READ_ONLY, _list_runs),
-    ToolSpec("get_run", "A run's status, metrics, speed, ETA, checkpoints; a failed run's console end.",
+    ToolSpec("get_run", "A run's status, metrics, speed, ETA, checkpoints; a failure's console end.",
              ("status",), "status, latest metrics and checkpoints of a run", RunArgs, RunInfo, READ_ONLY, _get_run,
              meta=RUN_VIEW),
     ToolSpec("wait_run", "Wait until a run logs until_step, ends, or timeout_s passes (reason).",
@@ -331,7 +331,7 @@ TOOLS: tuple[ToolSpec, ...] = (
              READ_ONLY, _wait_run, meta=RUN_VIEW, task=True, announce=_ended),
     ToolSpec("tail_metrics", "The latest metrics records of a run.",
              ("tail",), "the latest metrics records of a run", TailArgs, MetricsTail, READ_ONLY, _tail_metrics),
-    ToolSpec("compare_runs", "b vs a: config and code differences, loss at equal tokens, speed, memory, judged "
+    ToolSpec("compare_runs", "b vs a: config and code diffs, loss at equal tokens, speed, memory, judged "
              "at the runs' noise.",
              ("compare",), "b against a: config and code differences, then a verdict per metric at the noise of "
              "their windows", CompareArgs, CompareResult, READ_ONLY, _compare_runs),

@@ -234,13 +234,17 @@ def _files(parent_fd: int, name: str) -> list[tuple[str, int]]:
 
 def sample(
     ws: Workspace, run_id: str, prompts: list[str], step: int | None = None, max_new_tokens: int = 64,
-    temperature: float = 0.0, reasoning: bool | None = None,
+    temperature: float = 0.0, reasoning: bool | None = None, images: list[str] | None = None,
 ) -> SampleResult:
     """Continue each prompt with the checkpoint's model (greedy when temperature is 0; a chat
-    template's thinking switch on or off with ``reasoning``)."""
+    template's thinking switch on or off with ``reasoning``; ``images``: a workspace image file
+    per prompt, for a vision-language run)."""
     check_sample_request(prompts, max_new_tokens, temperature)
+    if images is not None and len(images) != len(prompts):
+        raise BadInput(f"images: give one image per prompt ({len(images)} images for {len(prompts)} prompts)")
+    shown = [refuse_reserved(ws.root, confine(ws.root, image, "images"), "images") for image in images or []]
     run_dir, step = checkpoint_of(ws, run_id, step)
-    arguments = [f"--prompt={prompt}" for prompt in prompts]
+    arguments = [f"--prompt={prompt}" for prompt in prompts] + [f"--image={image}" for image in shown]
     arguments += ["--max-new-tokens", str(max_new_tokens), "--temperature", repr(float(temperature))]
     if reasoning is not None:
         arguments += ["--reasoning", "on" if reasoning else "off"]

@@ -742,19 +742,23 @@ class VLMChat(Engine):
     def hf_processing(self):
         return self.processor
 
-    def sample_inputs(self, index: int, prompt: str) -> tuple[dict[str, Any], dict[str, Any]]:
-        """``sample``: prompt ``i`` is asked of held-out image ``i`` in the model's chat format, as
-        the user's turn; ``expected`` is the answer the data holds to its own question."""
+    def sample_inputs(self, index: int, prompt: str, image: str | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
+        """``sample``: prompt ``i`` is asked of ``image`` (a file in the workspace), or else of
+        held-out image ``i``, in the model's chat format, as the user's turn; ``expected`` is the
+        answer the data holds to its own question."""
+        question = [user_turn([prompt], 1)]
+        if image is not None:
+            inputs = generation_inputs(self.processor, question, [read_image(image, None, f"image {image}")])
+            inputs.pop("attention_mask", None)  # sample gives its own
+            return inputs, {"input": f"image {image}"}
         held_out = self.examples[1]
         if not held_out:
-            raise ConfigError("no examples are held out (data.eval_fraction=0): sample has no image to show")
+            raise ConfigError("no examples are held out (data.eval_fraction=0): give sample an image per prompt")
         where, messages, images = held_out[index % len(held_out)]
         answer = prompt_of(messages)[1]
-        question = [user_turn([prompt], 1)]
         inputs = generation_inputs(self.processor, question, images[:1])
         inputs.pop("attention_mask", None)  # sample gives its own
-        return inputs, {"input": f"held-out image(s) of {where}",
-                                                                     "expected": answer[:1000]}
+        return inputs, {"input": f"held-out image(s) of {where}", "expected": answer[:1000]}
 
     @torch.no_grad()
     def answers(self, examples, max_new_tokens: int = 16) -> list[str]:

@@ -102,6 +102,11 @@ def test_bad_sample_requests_are_refused_before_anything_starts(session):
         "sample", run_id=run_id, prompts=["a"], max_new_tokens=513)
     assert "bad_input: prompt 0 is empty" in client.error("sample", run_id=run_id, prompts=[""])
     assert "not_found: no run" in client.error("sample", run_id="20990101-000000-lm-0000", prompts=["a"])
+    # Images: one per prompt, files of the workspace, and only for a recipe that takes them.
+    assert "bad_input: images: give one image per prompt (1 images for 2 prompts)" in client.error(
+        "sample", run_id=run_id, prompts=["a", "b"], images=["x.png"])
+    assert "bad_input" in client.error("sample", run_id=run_id, prompts=["a"], images=["../../etc/passwd"])
+    assert "takes no image in sample" in client.error("sample", run_id=run_id, prompts=["a"], images=["recipes/lm/recipe.py"])
 
 
 def test_a_failed_export_leaves_nothing_behind(session):

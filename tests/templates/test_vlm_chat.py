@@ -344,6 +344,12 @@ def test_a_run_learns_held_out_colour_questions_that_its_export_answers_in_its_c
     sampled = sampled.samples
     assert [s.expected for s in sampled] == [a for _, a in held_out[:2]]
     assert all(vlm.same_answer(s.completion, s.expected) for s in sampled), sampled
+    # The user's own images, one per prompt: each is answered about its own colour.
+    asked = held_out[:4]
+    images = [str(tmp_path / "data" / "images" / f"{int(w.rsplit(':', 1)[1]) - 1}.png") for w, _ in asked]
+    mine = model_io.sample(run, 150, [vlm.QUESTION] * len(asked), max_new_tokens=8, images=images).samples
+    assert [s.input for s in mine] == [f"image {path}" for path in images] and all(s.expected is None for s in mine)
+    assert all(vlm.same_answer(s.completion, a) for s, (_, a) in zip(mine, asked)), mine
 
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
