@@ -290,15 +290,19 @@ def resume_checkpoint(
     flat = checked_overrides(ws, overrides)
     limits, warnings = run_limits(ws, limits)
     same_shape = nproc == source.nproc and not limits.threads_per_process
+    # A SLURM job's resume is a job again: on as many nodes, with the job's slurm settings.
+    job = source.target == "slurm"
     request = Launch(
         code_dir, source.recipe, origin, nproc, flat, code_from=_code_from(code),
+        nodes=Nodes(nnodes=source.nnodes) if job else Nodes(),
+        slurm=slurm_jobs.check_options(source.slurm_options) if job else None,
         resumed_from=rd.ResumedFrom(run_id=source.id, step=chosen_step, path=str(checkpoint)), continues=source,
         hub_values=(hub.model_value(flat) or hub.model_value(source.config),
              hub.config_value(flat, hub.DATASET_KEY) or hub.config_value(source.config, hub.DATASET_KEY)),
         recorded_models=tuple(source.hub_models), threads=source.threads_per_process if same_shape else None,
         review=_resume_review(source, chosen_step),
     )
-    return start(ws, plan(ws, request, limits, warnings, progress))
+    return start(ws, plan(ws, request, limits, warnings, progress), request.slurm)
 
 
 def _code_from(code: str) -> rd.CodeFrom:
