@@ -30,9 +30,11 @@ from typing import TYPE_CHECKING, Any, Mapping
 
 from engine import run_dir as rd
 from runner import server_record as sr
-from workspace.workspace import record_dir
+from workspace.workspace import data_cache_dir, record_dir
+from engine.data_files import DATA_CACHE_VARIABLE, WORKSPACE_VARIABLE
 from engine.errors import BadInput
-from sandbox.environment import run_environment
+from sandbox.environment import THREADS_VARIABLE, run_environment
+from runner.processes import RUN_ID_VARIABLE
 from runner.nodes import DEFAULT_RDZV_PORT, Nodes
 
 if TYPE_CHECKING:  # runner.lifecycle is imported when a job starts: it costs the server nothing before
@@ -109,8 +111,11 @@ def _one_line(text: str) -> str:
 
 
 def job_script(record: rd.RunRecord, run_dir: Path, options: SlurmOptions, python: str,
-               engine_args: list[str]) -> str:
-    """The sbatch script of a run (``engine_args``: what follows ``-m engine.launch``)."""
+               engine_args: list[str], exported: Mapping[str, str]) -> str:
+    """The sbatch script of a run (``engine_args``: what follows ``-m engine.launch``;
+    ``exported``: the variables the run's processes need from trainwright, exported by the script
+    itself, since a cluster may submit with ``--export=NONE`` and srun's tasks take the job's
+    environment)."""
     gpus = record.nproc if options.gpus_per_node is None else options.gpus_per_node
     header = [
         "#!/bin/bash",
@@ -135,7 +140,7 @@ def job_script(record: rd.RunRecord, run_dir: Path, options: SlurmOptions, pytho
         "# The rendezvous is on the job's first node.",
         'mapfile -t nodes < <(scontrol show hostnames "$SLURM_JOB_NODELIST")',
         'head_node="${nodes[0]}"',
-        f"export TRAINWRIGHT_RUN_ID={shlex.quote(record.id)}",
+        "export " + " ".join(f"{name}={shlex.quote(value)}" for name, value in sorted(exported.items())),
         "export PYTHONSAFEPATH=1 PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1",
         f"cd {shlex.quote(record.workspace or str(run_dir.parent.parent))}",
         torchrun_line(python, record.nnodes, record.nproc, record.rdzv_id or record.id, engine_args,
@@ -359,8 +364,14 @@ def start_job(workspace: Path, runs_root: Path, plan: LaunchPlan, options: Slurm
     folder = record_dir(workspace, record.id)
     record = _record(folder, record, rdzv_id=rdzv_id or record.id, rdzv_endpoint=endpoint_shown)
     snapshot = run_dir / rd.SNAPSHOT_DIRNAME
-    args = engine_args(snapshot, run_dir, override_args(plan.overrides))
-    text = job_script(record, run_dir, options, sys.executable, args)
+    # As a local run's supervisor starts the engine: a resume from its checkpoint, with the config
+    # its check resolved (kept in its run.json), at its thread count.
+    args = engine_args(snapshot, run_dir, override_args(plan.overrides),
+                       Path(plan.resumed_from.path) if plan.resumed_from else None,
+                       run_dir / rd.RUN_JSON if plan.recorded_config else None)
+    exported = {RUN_ID_VARIABLE: record.id, THREADS_VARIABLE: str(record.threads_per_process or 1),
+                WORKSPACE_VARIABLE: str(workspace), DATA_CACHE_VARIABLE: str(data_cache_dir(workspace, create=True))}
+    text = job_script(record, run_dir, options, sys.executable, args, exported)
     script = run_dir / SCRIPT_NAME
     tmp = script.with_name(f".{SCRIPT_NAME}.tmp")
     tmp.write_text(text)
