@@ -1,4 +1,4 @@
-"""Runs as SLURM jobs: the ``sbatch`` script, submission, status through ``squeue``/``sacct``, ``scancel``.
+"""Runs as SLURM jobs: the ``sbatch`` script, submission, status through ``squeue``/``sacct``/``scontrol``, ``scancel``.
 
 A run with ``target="slurm"`` gets a job script in its run directory (:data:`SCRIPT_NAME`): one
 task per node (``srun``), each a torchrun agent with ``nproc`` processes; the agents meet at a

@@ -275,7 +275,8 @@ def resume_checkpoint(
     the recipe as it is now (e.g. after a skill was applied). With as many processes as the
     original, the new run computes with the original's thread count, so on CPU its losses
     continue the original's bit for bit. A model loaded by Hub id is loaded at the commit the
-    original recorded (downloaded again if the cache lost it).
+    original recorded (downloaded again if the cache lost it). A SLURM job's resume is a job
+    again, on as many nodes, with the job's slurm settings.
     """
     if code not in CODE_CHOICES:
         raise BadInput(f"code must be one of {', '.join(CODE_CHOICES)}, got {code!r}")

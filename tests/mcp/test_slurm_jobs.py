@@ -2,9 +2,12 @@
 its exact torchrun line), submission with sbatch, the job followed through squeue and sacct,
 scancel, and the script returned where it cannot be submitted.
 
-SLURM's commands are stand-ins written by the test (``sbatch`` answers a job id, ``squeue`` and
-``sacct`` print the state the test sets, every call is logged), first on PATH; trainwright runs
-them as it would run the real ones.
+SLURM's commands are stand-ins written by the test (``sbatch`` answers a job id, ``squeue``,
+``sacct`` and ``scontrol`` print the state the test sets, every call is logged), first on PATH;
+trainwright runs them as it would run the real ones. They stay for what a real single-machine
+SLURM without accounting cannot show (``test_slurm_cluster.py`` runs one): a job over two nodes
+with GPUs, sacct's records (TIMEOUT, NODE_FAIL, ``CANCELLED by UID``), a job no command knows,
+the exact commands asked, and sbatch missing.
 """
 
 from __future__ import annotations
