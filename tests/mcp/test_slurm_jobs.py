@@ -44,7 +44,8 @@ def slurm(tmp_path_factory):
     bin_dir.mkdir()
     stub(bin_dir, "sbatch", f'cp "$2" {bin_dir / "submitted.sbatch"}\necho "{JOB_ID};cluster"')
     stub(bin_dir, "squeue", f"cat {bin_dir / 'squeue.out'} 2>/dev/null || true")
-    stub(bin_dir, "sacct", f"cat {bin_dir / 'sacct.out'} 2>/dev/null || true")
+    stub(bin_dir, "sacct", f"if [ -f {bin_dir / 'sacct.err'} ]; then cat {bin_dir / 'sacct.err'} >&2; exit 1; fi\n"
+                           f"cat {bin_dir / 'sacct.out'} 2>/dev/null || true")
     stub(bin_dir, "scontrol", f"cat {bin_dir / 'scontrol.out'} 2>/dev/null || exit 1")
     stub(bin_dir, "scancel", "exit 0")
     settings = root / "settings.yaml"
@@ -121,6 +122,20 @@ def test_job_states_map_to_run_statuses_wait_run_follows_them_an_unknown_one_is_
         (bin_dir / "sacct.out").write_text(state + "\n")
         info = session.ok("get_run", run_id=f"job-{job_id}")
         assert (info["status"], info["error"]) == (status, error)
+
+    # Without an accounting store, scontrol show job says; its own words name which (a job name
+    # that holds "JobState=" does not fool it).
+    (bin_dir / "sacct.err").write_text("Slurm accounting storage is disabled\n")
+    (bin_dir / "scontrol.out").write_text("JobId=83 JobName=x JobState=COMPLETED ExitCode=0:0 UserId=root(0) "
+                                         "JobState=FAILED Reason=NonZeroExitCode ExitCode=2:0 WorkDir=/ws\n")
+    slurm_run(workspace, "job-83", "83")
+    info = session.ok("get_run", run_id="job-83")
+    assert (info["status"], info["exit_code"], info["error"]) == (
+        "failed", 2, "SLURM job 83 ended FAILED (exit code 2:0); see console.log")
+    assert info["nodes"] == ("2 node(s) x 1 process(es), SLURM job 83 FAILED (from scontrol show job; sacct: Slurm "
+                             "accounting storage is disabled); c10d rendezvous <first node>:29400, id job-83")
+    (bin_dir / "sacct.err").unlink()
+    (bin_dir / "scontrol.out").unlink()
 
     slurm_run(workspace, "job-81", "81")
     (bin_dir / "sacct.out").write_text("COMPLETED|0:0\n")
