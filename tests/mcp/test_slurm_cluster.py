@@ -119,21 +119,27 @@ def test_sbatch_refusals_are_bad_input_in_slurms_own_words_and_leave_nothing(slu
 @pytest.mark.slow
 def test_jobs_are_followed_pending_running_completed_failed_resumed_and_cancelled(slurm):
     session, workspace, cluster = slurm
+    t0 = time.monotonic()
     config = tiny_config(**{"train.max_steps": 4, "checkpoint.every": 2})
+    # Jobs wait while the partition is down (and the node takes one job at a time: the second
+    # waits behind the first).
+    cluster.command("scontrol", "update", f"PartitionName={PARTITION}", "State=DOWN")
     first = session.ok("launch_run", recipe="recipes/lm", target="slurm", nproc=2, overrides=config,
                        slurm=job())["run_id"]
-    # The node takes one job at a time: the second waits in the queue, as squeue says.
     broken = session.ok("launch_run", recipe="recipes/broken", target="slurm", overrides=tiny_config(),
                         slurm=job())["run_id"]
-    waiting = session.ok("get_run", run_id=broken)
-    assert waiting["status"] == "starting"
-    assert re.search(r"SLURM job \d+ PENDING \((Resources|Priority)\) \(from squeue\);", waiting["nodes"]), waiting["nodes"]
+    for run_id in (first, broken):
+        waiting = session.ok("get_run", run_id=run_id)
+        assert waiting["status"] == "starting"
+        assert re.search(r"SLURM job \d+ PENDING \(PartitionDown\) \(from squeue\);", waiting["nodes"]), waiting
+    cluster.command("scontrol", "update", f"PartitionName={PARTITION}", "State=UP")
 
     done = until_ended(session, first)
     assert (done["status"], done["exit_code"], done["step"], done["error"]) == ("completed", 0, 4, None)
     assert [c["step"] for c in done["checkpoints"]] == [2, 4]
     assert f"COMPLETED (from {NO_STORE})" in done["nodes"]
     assert done["warnings"] == []
+    print(f"\nfirst job completed at {time.monotonic() - t0:.1f} s")
 
     # The failing job runs once the first has ended: its exit code, SLURM's state and its console.
     failed = until_ended(session, broken)
@@ -144,6 +150,7 @@ def test_jobs_are_followed_pending_running_completed_failed_resumed_and_cancelle
     assert f"RuntimeError: {BROKEN}" in (workspace / "runs" / broken / "console.log").read_text()
     assert "srun: error: localhost: task 0: Exited with exit code 1" in failed["console_tail"]
     assert processes_of(broken) == []
+    print(f"failing job ended at {time.monotonic() - t0:.1f} s")
 
     # A resume of the job's checkpoint is a job again; it continues the first job's losses exactly
     # (same processes, same threads), and stop_run cancels it: its processes end.
@@ -153,6 +160,7 @@ def test_jobs_are_followed_pending_running_completed_failed_resumed_and_cancelle
     assert (workspace / "runs" / run_id / "job.sbatch").is_file()
     waited = session.ok("wait_run", run_id=run_id, until_step=4, timeout_s=120)
     assert (waited["reason"], waited["step"]) == ("reached_step", 4)
+    print(f"resumed job at step 4 at {time.monotonic() - t0:.1f} s")
     assert {s: v for s, v in losses(workspace, run_id).items() if s <= 4} == {
         s: v for s, v in losses(workspace, first).items() if s > 2}
     running = session.ok("get_run", run_id=run_id)
@@ -162,6 +170,7 @@ def test_jobs_are_followed_pending_running_completed_failed_resumed_and_cancelle
     stopped = session.ok("stop_run", run_id=run_id)
     assert stopped["status"] == "stopped"
     assert processes_of(run_id) == []
+    print(f"resumed job cancelled at {time.monotonic() - t0:.1f} s")
     info = session.ok("get_run", run_id=run_id)
     job_id = info["nodes"].split("SLURM job ")[1].split()[0]
     assert (info["error"], info["exit_code"]) == (f"cancelled (scancel {job_id})", -15)
