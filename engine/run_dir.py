@@ -353,8 +353,14 @@ class RunRecord(RunFacts):
     target: Annotated[RunTarget, SERVER_ONLY] = Field("local", description="local: started here; slurm: an sbatch job.")
     slurm_script: Annotated[str | None, SERVER_ONLY] = Field(None, description="The job script, relative to the run directory (target slurm).")
     slurm_job_id: Annotated[str | None, SERVER_ONLY] = Field(None, description="The SLURM job id, once submitted.")
-    slurm_state: Annotated[str | None, SERVER_ONLY] = Field(None, description="The job's last state from squeue/sacct (PENDING, RUNNING, ...).")
+    slurm_state: Annotated[str | None, SERVER_ONLY] = Field(None, description="The job's last state from squeue, sacct or scontrol (PENDING (Resources), RUNNING, ...).")
+    slurm_state_from: Annotated[str | None, SERVER_ONLY] = Field(
+        None, description="Which command told slurm_state: squeue, sacct, or scontrol show job (and why not sacct)."
+    )
     slurm_checked_at: Annotated[str | None, SERVER_ONLY] = Field(None, description="When squeue/sacct were last asked.")
+    slurm_options: Annotated[dict[str, Any] | None, SERVER_ONLY] = Field(
+        None, description="The job's slurm settings (partition, time, gpus_per_node, rdzv_port): a resume is a job with the same."
+    )
 
     @field_validator("overrides", mode="before")
     @classmethod

@@ -1,4 +1,4 @@
-"""Runs as SLURM jobs: the ``sbatch`` script, submission, status through ``squeue``/``sacct``, ``scancel``.
+"""Runs as SLURM jobs: the ``sbatch`` script, submission, status through ``squeue``/``sacct``/``scontrol``, ``scancel``.
 
 A run with ``target="slurm"`` gets a job script in its run directory (:data:`SCRIPT_NAME`): one
 task per node (``srun``), each a torchrun agent with ``nproc`` processes; the agents meet at a
@@ -23,15 +23,18 @@ import shlex
 import shutil
 import subprocess
 import sys
-from dataclasses import dataclass, replace
+import time
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping
 
 from engine import run_dir as rd
 from runner import server_record as sr
-from workspace.workspace import record_dir
+from workspace.workspace import data_cache_dir, record_dir
+from engine.data_files import DATA_CACHE_VARIABLE, WORKSPACE_VARIABLE
 from engine.errors import BadInput
-from sandbox.environment import run_environment
+from sandbox.environment import THREADS_VARIABLE, run_environment
+from runner.processes import RUN_ID_VARIABLE
 from runner.nodes import DEFAULT_RDZV_PORT, Nodes
 
 if TYPE_CHECKING:  # runner.lifecycle is imported when a job starts: it costs the server nothing before
@@ -39,6 +42,7 @@ if TYPE_CHECKING:  # runner.lifecycle is imported when a job starts: it costs th
 
 SCRIPT_NAME = "job.sbatch"
 COMMAND_TIMEOUT_S = 10.0
+CANCEL_WAIT_S = 20.0  # stop_run waits this long at most for a cancelled job's processes to end
 SLURM_KEYS = ("partition", "time", "gpus_per_node", "rdzv_port")
 DEFAULT_TIME = "01:00:00"
 # SLURM's time formats: minutes, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS.
@@ -107,8 +111,11 @@ def _one_line(text: str) -> str:
 
 
 def job_script(record: rd.RunRecord, run_dir: Path, options: SlurmOptions, python: str,
-               engine_args: list[str]) -> str:
-    """The sbatch script of a run (``engine_args``: what follows ``-m engine.launch``)."""
+               engine_args: list[str], exported: Mapping[str, str]) -> str:
+    """The sbatch script of a run (``engine_args``: what follows ``-m engine.launch``;
+    ``exported``: the variables the run's processes need from trainwright, exported by the script
+    itself, since a cluster may submit with ``--export=NONE`` and srun's tasks take the job's
+    environment)."""
     gpus = record.nproc if options.gpus_per_node is None else options.gpus_per_node
     header = [
         "#!/bin/bash",
@@ -133,7 +140,7 @@ def job_script(record: rd.RunRecord, run_dir: Path, options: SlurmOptions, pytho
         "# The rendezvous is on the job's first node.",
         'mapfile -t nodes < <(scontrol show hostnames "$SLURM_JOB_NODELIST")',
         'head_node="${nodes[0]}"',
-        f"export TRAINWRIGHT_RUN_ID={shlex.quote(record.id)}",
+        "export " + " ".join(f"{name}={shlex.quote(value)}" for name, value in sorted(exported.items())),
         "export PYTHONSAFEPATH=1 PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1",
         f"cd {shlex.quote(record.workspace or str(run_dir.parent.parent))}",
         torchrun_line(python, record.nnodes, record.nproc, record.rdzv_id or record.id, engine_args,
@@ -175,20 +182,50 @@ def submit(script: Path, env: Mapping[str, str], cwd: Path) -> str:
     return job_id
 
 
-def query_state(job_id: str, env: Mapping[str, str]) -> tuple[str | None, str | None, str | None]:
-    """``(state, exit_code, note)`` of a job: squeue while it is queued or running, then sacct.
+@dataclass(frozen=True)
+class JobState:
+    """What SLURM says of a job: its state (None: nobody could say, ``note`` says why), its exit
+    code (``"1:0"``: status and signal) and which command said so (``source``)."""
 
-    Never raises: when neither answers, state is None and the note says why."""
-    if not isinstance(job_id, str) or not _JOB_ID.fullmatch(job_id):  # never an option of squeue/sacct
-        return None, None, "the run has no valid SLURM job id"
+    state: str | None
+    exit_code: str | None = None
+    source: str | None = None
+    note: str | None = None
+
+
+def _said(result: subprocess.CompletedProcess, silent: str) -> str:
+    """What a command that gave no answer said: its last line on stderr (or stdout, when it
+    failed), else ``silent`` (it succeeded) or its exit status."""
+    text = result.stderr.strip() or (result.stdout.strip() if result.returncode else "")
+    lines = text.splitlines()
+    return (lines[-1] if lines else silent if result.returncode == 0 else f"exit status {result.returncode}")[:200]
+
+
+def _scontrol_fields(text: str) -> dict[str, str]:
+    """``JobState`` and ``ExitCode`` of ``scontrol show job -o``'s one line."""
+    return {m.group(1): m.group(2) for m in re.finditer(r"(?:^|\s)(JobState|ExitCode)=(\S+)", text)}
+
+
+def query_state(job_id: str, env: Mapping[str, str]) -> JobState:
+    """A job's state: ``squeue`` while it is queued or running (a pending job with squeue's
+    reason: ``PENDING (Resources)``); once squeue has forgotten it, ``sacct``; where there is no
+    accounting store (sacct says so), ``scontrol show job``, which remembers an ended job for
+    the cluster's ``MinJobAge`` (300 s by default).
+
+    Never raises: when none answers, state is None and the note says what each said."""
+    if not isinstance(job_id, str) or not _JOB_ID.fullmatch(job_id):  # never an option of squeue/sacct/scontrol
+        return JobState(None, note="the run has no valid SLURM job id")
     notes = []
     try:
-        result = _run(["squeue", "-h", "-j", job_id, "-o", "%T"], env)
-        states = result.stdout.split()
-        if result.returncode == 0 and states:
-            return states[0].upper(), None, None
+        result = _run(["squeue", "-h", "-j", job_id, "-o", "%T|%r"], env)
+        state, _, reason = (result.stdout.strip().splitlines() or [""])[0].partition("|")
+        if result.returncode == 0 and state.strip():
+            state, reason = state.strip().upper(), reason.strip()
+            if state == "PENDING" and reason and reason != "None":
+                state = f"{state} ({reason[:80]})"
+            return JobState(state, source="squeue")
         if result.returncode != 0:
-            notes.append(f"squeue: {(result.stderr.strip() or f'exit status {result.returncode}')[:200]}")
+            notes.append(f"squeue: {_said(result, 'no such job')}")
     except (OSError, subprocess.TimeoutExpired) as e:
         notes.append(f"squeue: {e}")
     try:
@@ -196,12 +233,20 @@ def query_state(job_id: str, env: Mapping[str, str]) -> tuple[str | None, str | 
         lines = [line for line in result.stdout.splitlines() if line.strip()]
         if result.returncode == 0 and lines:
             state, _, exit_code = lines[0].partition("|")
-            return state.strip(), exit_code.strip() or None, None  # e.g. "CANCELLED by 1000"
-        notes.append("sacct: " + ((result.stderr.strip() or "no record of the job")[:200] if result.returncode == 0
-                                  else (result.stderr.strip() or f"exit status {result.returncode}")[:200]))
+            return JobState(state.strip(), exit_code.strip() or None, "sacct")  # e.g. "CANCELLED by 1000"
+        notes.append(f"sacct: {_said(result, 'no record of the job')}")
     except (OSError, subprocess.TimeoutExpired) as e:
         notes.append(f"sacct: {e}")
-    return None, None, f"the state of SLURM job {job_id} is unknown ({'; '.join(notes)})"
+    try:
+        result = _run(["scontrol", "show", "job", "-o", job_id], env)
+        fields = _scontrol_fields(result.stdout)
+        if result.returncode == 0 and fields.get("JobState"):
+            # Which command answered, and why not sacct (no accounting store, as a rule).
+            return JobState(fields["JobState"], fields.get("ExitCode"), f"scontrol show job; {notes[-1]}")
+        notes.append(f"scontrol: {_said(result, 'no record of the job')}")
+    except (OSError, subprocess.TimeoutExpired) as e:
+        notes.append(f"scontrol: {e}")
+    return JobState(None, note=f"the state of SLURM job {job_id} is unknown ({'; '.join(notes)})")
 
 
 def status_of(state: str) -> rd.RunStatus | None:
@@ -225,23 +270,34 @@ def refresh(folder: Path, env: Mapping[str, str], min_interval_s: float = 0.0) -
                 return record, None
         except (ValueError, TypeError):
             pass
-    state, exit_code, note = query_state(record.slurm_job_id, env)
-    if state is None:
-        return sr.update_record(folder, slurm_checked_at=rd.utc_now()), note
+    answer = query_state(record.slurm_job_id, env)
+    if answer.state is None:
+        return sr.update_record(folder, slurm_checked_at=rd.utc_now()), answer.note
+    state, exit_code = answer.state, answer.exit_code
     status = status_of(state)
-    fields: dict[str, Any] = {"slurm_state": state[:100], "slurm_checked_at": rd.utc_now()}
+    fields: dict[str, Any] = {"slurm_state": state[:100], "slurm_state_from": answer.source,
+                              "slurm_checked_at": rd.utc_now()}
     if status is None:
         return _record(folder, record, **fields), f"SLURM job {record.slurm_job_id} is in state {state[:100]}, unknown here"
     fields["status"] = status
     if status == rd.RUNNING and not record.started_at:
         fields["started_at"] = rd.utc_now()
     if status in rd.FINAL_STATUSES:
-        fields["ended_at"] = rd.utc_now()
+        fields.update(ended_at=rd.utc_now(), exit_code=exit_status(exit_code))
         if status == rd.FAILED and not record.error:
             fields["error"] = f"SLURM job {record.slurm_job_id} ended {state[:100]} (exit code {exit_code or '?'}); see console.log"
         if status == rd.STOPPED and not record.reason:
             fields["reason"] = f"SLURM job {record.slurm_job_id} {state[:100].lower()}"
     return _record(folder, record, **fields), None
+
+
+def exit_status(exit_code: str | None) -> int | None:
+    """SLURM's ``STATUS:SIGNAL`` as a process's exit code: the status, or minus the signal that
+    ended the job (``0:15`` → -15); None when SLURM gave none."""
+    status, _, signal_number = (exit_code or "").partition(":")
+    if not status.isdigit():
+        return None
+    return -int(signal_number) if signal_number.isdigit() and int(signal_number) else int(status)
 
 
 def _record(folder: Path, record: sr.ServerRecord, **fields: Any) -> sr.ServerRecord:
@@ -267,8 +323,28 @@ def cancel(folder: Path, env: Mapping[str, str]) -> sr.ServerRecord:
         if result.returncode != 0:
             last = (result.stderr.strip().splitlines() or [f"exit status {result.returncode}"])[-1]
             raise BadInput(f"scancel {job} failed: {last[:300]}; the job may still run")
-    return _record(folder, record, status=rd.STOPPED, stop_requested=True, ended_at=rd.utc_now(),
-                   reason=f"cancelled (scancel {job})" if job else "stopped by request")
+    fields: dict[str, Any] = {"status": rd.STOPPED, "stop_requested": True,
+                              "reason": f"cancelled (scancel {job})" if job else "stopped by request"}
+    if job:  # scancel only asks: the job's processes end after SLURM's signals
+        answer = _until_ended(job, env)
+        if answer.state is not None:
+            fields.update(slurm_state=answer.state[:100], slurm_state_from=answer.source,
+                          exit_code=exit_status(answer.exit_code))
+        fields["slurm_checked_at"] = rd.utc_now()
+    return _record(folder, record, ended_at=rd.utc_now(), **fields)
+
+
+def _until_ended(job_id: str, env: Mapping[str, str]) -> JobState:
+    """The job's state once SLURM says it has ended (or forgotten it), or as it is after
+    :data:`CANCEL_WAIT_S`."""
+    deadline = time.monotonic() + CANCEL_WAIT_S
+    while True:
+        answer = query_state(job_id, env)
+        if answer.state is None or status_of(answer.state) not in (rd.STARTING, rd.RUNNING):
+            return answer
+        if time.monotonic() > deadline:
+            return answer
+        time.sleep(0.5)
 
 
 def start_job(workspace: Path, runs_root: Path, plan: LaunchPlan, options: SlurmOptions) -> tuple[sr.ServerRecord, str]:
@@ -288,15 +364,22 @@ def start_job(workspace: Path, runs_root: Path, plan: LaunchPlan, options: Slurm
     folder = record_dir(workspace, record.id)
     record = _record(folder, record, rdzv_id=rdzv_id or record.id, rdzv_endpoint=endpoint_shown)
     snapshot = run_dir / rd.SNAPSHOT_DIRNAME
-    args = engine_args(snapshot, run_dir, override_args(plan.overrides))
-    text = job_script(record, run_dir, options, sys.executable, args)
+    # As a local run's supervisor starts the engine: a resume from its checkpoint, with the config
+    # its check resolved (kept in its run.json), at its thread count.
+    args = engine_args(snapshot, run_dir, override_args(plan.overrides),
+                       Path(plan.resumed_from.path) if plan.resumed_from else None,
+                       run_dir / rd.RUN_JSON if plan.recorded_config else None)
+    exported = {RUN_ID_VARIABLE: record.id, THREADS_VARIABLE: str(record.threads_per_process or 1),
+                WORKSPACE_VARIABLE: str(workspace), DATA_CACHE_VARIABLE: str(data_cache_dir(workspace, create=True))}
+    text = job_script(record, run_dir, options, sys.executable, args, exported)
     script = run_dir / SCRIPT_NAME
     tmp = script.with_name(f".{SCRIPT_NAME}.tmp")
     tmp.write_text(text)
     tmp.chmod(0o755)
     os.replace(tmp, script)
     env = run_environment(pass_env=limits.pass_env)
-    fields: dict[str, Any] = {"slurm_script": SCRIPT_NAME, "command": ["sbatch", str(script)]}
+    fields: dict[str, Any] = {"slurm_script": SCRIPT_NAME, "command": ["sbatch", str(script)],
+                              "slurm_options": asdict(options)}
     why_not = None
     if not limits.slurm:
         why_not = ("the server's settings do not allow submitting jobs (runs.slurm: true in the file given to "

@@ -275,7 +275,8 @@ def resume_checkpoint(
     the recipe as it is now (e.g. after a skill was applied). With as many processes as the
     original, the new run computes with the original's thread count, so on CPU its losses
     continue the original's bit for bit. A model loaded by Hub id is loaded at the commit the
-    original recorded (downloaded again if the cache lost it).
+    original recorded (downloaded again if the cache lost it). A SLURM job's resume is a job
+    again, on as many nodes, with the job's slurm settings.
     """
     if code not in CODE_CHOICES:
         raise BadInput(f"code must be one of {', '.join(CODE_CHOICES)}, got {code!r}")
@@ -290,15 +291,19 @@ def resume_checkpoint(
     flat = checked_overrides(ws, overrides)
     limits, warnings = run_limits(ws, limits)
     same_shape = nproc == source.nproc and not limits.threads_per_process
+    # A SLURM job's resume is a job again: on as many nodes, with the job's slurm settings.
+    job = source.target == "slurm"
     request = Launch(
         code_dir, source.recipe, origin, nproc, flat, code_from=_code_from(code),
+        nodes=Nodes(nnodes=source.nnodes) if job else Nodes(),
+        slurm=slurm_jobs.check_options(source.slurm_options) if job else None,
         resumed_from=rd.ResumedFrom(run_id=source.id, step=chosen_step, path=str(checkpoint)), continues=source,
         hub_values=(hub.model_value(flat) or hub.model_value(source.config),
              hub.config_value(flat, hub.DATASET_KEY) or hub.config_value(source.config, hub.DATASET_KEY)),
         recorded_models=tuple(source.hub_models), threads=source.threads_per_process if same_shape else None,
         review=_resume_review(source, chosen_step),
     )
-    return start(ws, plan(ws, request, limits, warnings, progress))
+    return start(ws, plan(ws, request, limits, warnings, progress), request.slurm)
 
 
 def _code_from(code: str) -> rd.CodeFrom:

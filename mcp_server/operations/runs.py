@@ -104,6 +104,8 @@ def _nodes(record: rd.RunRecord) -> str | None:
         where += f", SLURM job {record.slurm_job_id or '(not submitted)'}"
         if record.slurm_state:
             where += f" {record.slurm_state}"
+            if record.slurm_state_from:
+                where += f" (from {record.slurm_state_from})"
     else:
         where += f", this is node {record.node_rank}"
         if record.joins:

@@ -2,13 +2,17 @@
 its exact torchrun line), submission with sbatch, the job followed through squeue and sacct,
 scancel, and the script returned where it cannot be submitted.
 
-SLURM's commands are stand-ins written by the test (``sbatch`` answers a job id, ``squeue`` and
-``sacct`` print the state the test sets, every call is logged), first on PATH; trainwright runs
-them as it would run the real ones.
+SLURM's commands are stand-ins written by the test (``sbatch`` answers a job id, ``squeue``,
+``sacct`` and ``scontrol`` print the state the test sets, every call is logged), first on PATH;
+trainwright runs them as it would run the real ones. They stay for what a real single-machine
+SLURM without accounting cannot show (``test_slurm_cluster.py`` runs one): a job over two nodes
+with GPUs, sacct's records (TIMEOUT, NODE_FAIL, ``CANCELLED by UID``), a job no command knows,
+the exact commands asked, and sbatch missing.
 """
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
@@ -40,13 +44,15 @@ def slurm(tmp_path_factory):
     bin_dir.mkdir()
     stub(bin_dir, "sbatch", f'cp "$2" {bin_dir / "submitted.sbatch"}\necho "{JOB_ID};cluster"')
     stub(bin_dir, "squeue", f"cat {bin_dir / 'squeue.out'} 2>/dev/null || true")
-    stub(bin_dir, "sacct", f"cat {bin_dir / 'sacct.out'} 2>/dev/null || true")
+    stub(bin_dir, "sacct", f"if [ -f {bin_dir / 'sacct.err'} ]; then cat {bin_dir / 'sacct.err'} >&2; exit 1; fi\n"
+                           f"cat {bin_dir / 'sacct.out'} 2>/dev/null || true")
+    stub(bin_dir, "scontrol", f"cat {bin_dir / 'scontrol.out'} 2>/dev/null || exit 1")
     stub(bin_dir, "scancel", "exit 0")
     settings = root / "settings.yaml"
     settings.write_text("runs:\n  slurm: true\n")
     workspace = make_workspace(root / "ws")
     patch = pytest.MonkeyPatch()
-    patch.setenv("PATH", f"{bin_dir}:{__import__('os').environ['PATH']}")
+    patch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
     with start_blocking_portal() as portal:
         client = Client(build_server(workspace, settings=settings))
         with closing_cleanly(portal.wrap_async_context_manager(client)) as connected:
@@ -87,12 +93,12 @@ def test_a_slurm_run_is_submitted_followed_to_its_end_and_its_script_passes_shel
     (bin_dir / "squeue.out").write_text("RUNNING\n")
     info = session.ok("get_run", run_id=run_id)
     assert info["status"] == "running"
-    assert info["nodes"].endswith(f"SLURM job {JOB_ID} RUNNING; c10d rendezvous <first node>:29400, id {run_id}")
+    assert info["nodes"].endswith(f"SLURM job {JOB_ID} RUNNING (from squeue); c10d rendezvous <first node>:29400, id {run_id}")
     (bin_dir / "squeue.out").unlink()  # squeue forgets ended jobs; sacct remembers
     (bin_dir / "sacct.out").write_text("COMPLETED|0:0\n")
     assert session.ok("get_run", run_id=run_id)["status"] == "completed"
     calls = (bin_dir / "calls.log").read_text().splitlines()
-    assert calls[-2:] == [f"squeue -h -j {JOB_ID} -o %T", f"sacct -n -X -P -j {JOB_ID} -o State,ExitCode"]
+    assert calls[-2:] == [f"squeue -h -j {JOB_ID} -o %T|%r", f"sacct -n -X -P -j {JOB_ID} -o State,ExitCode"]
     assert session.ok("get_run", run_id=run_id)["status"] == "completed"
     assert (bin_dir / "calls.log").read_text().splitlines() == calls  # an ended job is not asked again
 
@@ -117,6 +123,20 @@ def test_job_states_map_to_run_statuses_wait_run_follows_them_an_unknown_one_is_
         info = session.ok("get_run", run_id=f"job-{job_id}")
         assert (info["status"], info["error"]) == (status, error)
 
+    # Without an accounting store, scontrol show job says; its own words name which (a job name
+    # that holds "JobState=" does not fool it).
+    (bin_dir / "sacct.err").write_text("Slurm accounting storage is disabled\n")
+    (bin_dir / "scontrol.out").write_text("JobId=83 JobName=x JobState=COMPLETED ExitCode=0:0 UserId=root(0) "
+                                         "JobState=FAILED Reason=NonZeroExitCode ExitCode=2:0 WorkDir=/ws\n")
+    slurm_run(workspace, "job-83", "83")
+    info = session.ok("get_run", run_id="job-83")
+    assert (info["status"], info["exit_code"], info["error"]) == (
+        "failed", 2, "SLURM job 83 ended FAILED (exit code 2:0); see console.log")
+    assert info["nodes"] == ("2 node(s) x 1 process(es), SLURM job 83 FAILED (from scontrol show job; sacct: Slurm "
+                             "accounting storage is disabled); c10d rendezvous <first node>:29400, id job-83")
+    (bin_dir / "sacct.err").unlink()
+    (bin_dir / "scontrol.out").unlink()
+
     slurm_run(workspace, "job-81", "81")
     (bin_dir / "sacct.out").write_text("COMPLETED|0:0\n")
     waited = session.ok("wait_run", run_id="job-81", timeout_s=30)
@@ -130,20 +150,32 @@ def test_job_states_map_to_run_statuses_wait_run_follows_them_an_unknown_one_is_
     (bin_dir / "sacct.out").write_text("")
     info = session.ok("get_run", run_id="job-80")
     assert info["status"] == "starting"
-    assert info["warnings"] == ["the state of SLURM job 80 is unknown (sacct: no record of the job)"]
+    assert info["warnings"] == ["the state of SLURM job 80 is unknown (sacct: no record of the job; "
+                                "scontrol: exit status 1)"]
     stopped = session.ok("stop_run", run_id="job-80")
     assert (stopped["status"], stopped["error"]) == ("stopped", "cancelled (scancel 80)")
-    assert (bin_dir / "calls.log").read_text().splitlines()[-1] == "scancel 80"
+    # scancel, then the job's state asked until SLURM says it ended (here: no one knows it)
+    assert (bin_dir / "calls.log").read_text().splitlines()[-4:] == [
+        "scancel 80", "squeue -h -j 80 -o %T|%r", "sacct -n -X -P -j 80 -o State,ExitCode", "scontrol show job -o 80"]
 
 
 def test_without_sbatch_the_script_is_written_and_returned_not_submitted(slurm):
     session, workspace, bin_dir, patch = slurm
-    (bin_dir / "sbatch").rename(bin_dir / "sbatch.off")
+    # PATH as it was, less every sbatch on it (a real one may be installed beside git)
+    without = bin_dir.parent / "path-without-sbatch"
+    without.mkdir()
+    for folder in reversed(os.environ["PATH"].split(os.pathsep)):
+        for command in Path(folder).glob("*") if Path(folder).is_dir() else ():
+            if command.name != "sbatch":
+                (without / command.name).unlink(missing_ok=True)
+                (without / command.name).symlink_to(command)
+    path = os.environ["PATH"]
+    patch.setenv("PATH", str(without))
     try:
         launched = session.ok("launch_run", recipe="recipes/lm", target="slurm", nnodes=2, overrides=tiny_config(),
                               slurm={"gpus_per_node": 0})
     finally:
-        (bin_dir / "sbatch.off").rename(bin_dir / "sbatch")
+        patch.setenv("PATH", path)
     run_id = launched["run_id"]
     assert launched["status"] == "stopped"
     assert launched["warnings"][0] == (f"not submitted: sbatch is not on PATH; submit it on the cluster with "

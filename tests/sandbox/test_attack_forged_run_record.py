@@ -147,7 +147,7 @@ def slurm_commands(tmp_path, monkeypatch) -> Path:
     """squeue, sacct, scancel and sbatch on PATH that only write down how they were called."""
     bin_dir, calls = tmp_path / "bin", tmp_path / "slurm-calls"
     bin_dir.mkdir()
-    for name in ("squeue", "sacct", "scancel", "sbatch"):
+    for name in ("squeue", "sacct", "scontrol", "scancel", "sbatch"):
         (bin_dir / name).write_text(f'#!/bin/sh\necho "{name} $*" >> {calls}\n')
         (bin_dir / name).chmod(0o755)
     monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
@@ -165,8 +165,8 @@ def test_a_local_run_that_names_a_slurm_job_never_reaches_slurm(tmp_path, slurm_
 
 
 def test_slurm_commands_take_only_job_ids(slurm_commands):
-    state, _, note = slurm.query_state("--user=root", {"PATH": os.environ["PATH"]})
-    assert state is None and "no valid SLURM job id" in note
+    answer = slurm.query_state("--user=root", {"PATH": os.environ["PATH"]})
+    assert answer.state is None and "no valid SLURM job id" in answer.note
     assert not slurm_commands.exists()
     with pytest.raises(ValueError):
         sr.ServerRecord(id="r", target="slurm", slurm_job_id="--user=root")

@@ -80,7 +80,7 @@ def _script(recipe: str, rdzv_id: str, tmp_path: Path, **options) -> str:
     record = rd.RunRecord(id=rd.new_run_id(recipe), recipe=recipe, nproc=2, nnodes=2, rdzv_id=rdzv_id,
                           workspace=str(tmp_path / "w s$(id)"))
     return slurm.job_script(record, tmp_path, slurm.check_options(options), "/usr/bin/python3",
-                            ["--config", "x';id;'"])
+                            ["--config", "x';id;'"], {"TRAINWRIGHT_WORKSPACE": record.workspace, "OMP_NUM_THREADS": "1"})
 
 
 def test_script_has_no_injected_lines(tmp_path):
@@ -101,6 +101,7 @@ def test_script_has_no_injected_lines(tmp_path):
 def test_workspace_with_shell_chars_quoted(tmp_path):
     text = _script("recipes/r", "run-1", tmp_path)
     assert "cd '" in text and "$(id)'" in text  # single-quoted
+    assert f"export OMP_NUM_THREADS=1 TRAINWRIGHT_WORKSPACE='{tmp_path}/w s$(id)'" in text.splitlines()
     assert "'--config' 'x'\"'\"';id;'\"'\"''" in text or "x'\"'\"';id;'\"'\"'" in text
 
 

@@ -1,0 +1,164 @@
+"""A real single-machine SLURM for tests: Debian's ``slurm-wlm`` (``slurmctld``, ``slurmd``) with
+``munge``, configured in a folder of the test's on 127.0.0.1 and started and stopped by it.
+
+One node (``localhost``, this machine's CPUs), one partition (:data:`PARTITION`, a time limit of
+:data:`PARTITION_MAX_TIME` that sbatch enforces, one job at a time on the node so a second job
+waits PENDING), process tracking by ``proctrack/linuxproc``, ``task/none`` (no cgroups), no
+accounting store (``sacct`` answers "Slurm accounting storage is disabled", as on a cluster
+without slurmdbd). The daemons run in the foreground (``-D``) as children of the test; SLURM's
+commands find the cluster through ``SLURM_CONF``, which the caller puts in the environment of
+whatever runs them. Needs root (slurmd starts jobs as their user) and the binaries; otherwise
+:func:`missing` says why, for a skip.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+BINARIES = ("munged", "slurmctld", "slurmd", "sbatch", "squeue", "sinfo", "scontrol", "scancel")
+NODE = "localhost"  # the node's name is its host name: a job's torchrun resolves it for the rendezvous
+PARTITION = "tw"
+PARTITION_MAX_TIME = "00:10:00"
+STARTUP_TIMEOUT_S = 30.0
+
+
+def missing() -> str | None:
+    """Why a real SLURM cannot run here (a skip reason), or None."""
+    if os.geteuid() != 0:
+        return "a real SLURM needs root here (slurmd starts jobs as their user)"
+    absent = [name for name in BINARIES if shutil.which(name) is None]
+    if absent:
+        return f"{', '.join(absent)} not installed (make slurm: Debian's slurm-wlm and munge)"
+    return None
+
+
+@dataclass(frozen=True)
+class Cluster:
+    root: Path
+    conf: Path
+    partition: str = PARTITION
+
+    def env(self) -> dict[str, str]:
+        return {**os.environ, "SLURM_CONF": str(self.conf)}
+
+    def command(self, *args: str, check: bool = True) -> subprocess.CompletedProcess:
+        """One of SLURM's commands against this cluster."""
+        return subprocess.run(args, env=self.env(), capture_output=True, text=True, timeout=30, check=check)
+
+    def log(self) -> str:
+        """The daemons' logs, for a failure message."""
+        return "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-3000:]}"
+                         for p in sorted((self.root / "log").glob("*")))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _config(root: Path, cpus: int) -> str:
+    return "\n".join([
+        "ClusterName=trainwright-test",
+        f"SlurmctldHost={NODE}(127.0.0.1)",
+        "SlurmUser=root",
+        "SlurmdUser=root",
+        f"SlurmctldPort={_free_port()}",
+        f"SlurmdPort={_free_port()}",
+        "AuthType=auth/munge",
+        "CredType=cred/munge",
+        f"AuthInfo=socket={root}/munge/munge.socket",
+        f"StateSaveLocation={root}/state",
+        f"SlurmdSpoolDir={root}/spool",
+        f"SlurmctldPidFile={root}/slurmctld.pid",
+        f"SlurmdPidFile={root}/slurmd.pid",
+        f"SlurmctldLogFile={root}/log/slurmctld.log",
+        f"SlurmdLogFile={root}/log/slurmd.log",
+        "ProctrackType=proctrack/linuxproc",
+        "TaskPlugin=task/none",
+        "JobAcctGatherType=jobacct_gather/none",
+        "AccountingStorageType=accounting_storage/none",
+        "JobCompType=jobcomp/none",
+        "SelectType=select/cons_tres",
+        "SelectTypeParameters=CR_CPU",
+        "SchedulerType=sched/backfill",
+        "MpiDefault=none",
+        "ReturnToService=2",
+        "EnforcePartLimits=ALL",  # sbatch refuses a time over the partition's, as most clusters do
+        "KillWait=5",  # seconds from scancel's SIGTERM to SIGKILL
+        "MinJobAge=300",  # squeue and scontrol remember an ended job this long
+        f"NodeName={NODE} NodeAddr=127.0.0.1 CPUs={cpus} State=UNKNOWN",
+        f"PartitionName={PARTITION} Nodes={NODE} Default=YES MaxTime={PARTITION_MAX_TIME} "
+        "OverSubscribe=EXCLUSIVE State=UP",
+        "",
+    ])
+
+
+def _stop(process: subprocess.Popen) -> None:
+    if process.poll() is None:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+@contextmanager
+def single_node_slurm(root: Path) -> Iterator[Cluster]:
+    """munged, slurmctld and slurmd configured under ``root`` and started; on the way out every
+    job is cancelled (its processes end) and the daemons are stopped."""
+    for name in ("munge", "state", "spool", "log"):
+        (root / name).mkdir(parents=True, exist_ok=True)
+    (root / "munge").chmod(0o700)
+    key = root / "munge" / "munge.key"
+    key.write_bytes(os.urandom(1024))
+    key.chmod(0o400)
+    cpus = len(os.sched_getaffinity(0))
+    conf = root / "slurm.conf"
+    conf.write_text(_config(root, cpus))
+    cluster = Cluster(root, conf)
+    logs = root / "log"
+    commands = [
+        ["munged", "-F", "--force", f"--key-file={key}", f"--socket={root}/munge/munge.socket",
+         f"--pid-file={root}/munge/munged.pid", f"--seed-file={root}/munge/seed", f"--log-file={logs}/munged.log"],
+        ["slurmctld", "-D", "-f", str(conf)],
+        ["slurmd", "-D", "-N", NODE, "-f", str(conf)],
+    ]
+    daemons: list[subprocess.Popen] = []
+    try:
+        for command in commands:
+            with open(logs / f"{command[0]}.out", "wb") as out:
+                daemons.append(subprocess.Popen(command, env=cluster.env(), stdin=subprocess.DEVNULL, stdout=out,
+                                                stderr=subprocess.STDOUT, start_new_session=True))
+            if command[0] == "munged":
+                _wait_for(lambda: (root / "munge" / "munge.socket").exists(), "munged's socket", cluster)
+        _wait_for(lambda: cluster.command("sinfo", "-h", "-n", NODE, "-o", "%t", check=False).stdout.strip() == "idle",
+                  f"node {NODE} idle in sinfo", cluster)
+        yield cluster
+    finally:
+        if daemons and daemons[-1].poll() is None:
+            cluster.command("scancel", "--user", "root", check=False)
+            deadline = time.monotonic() + 20
+            while time.monotonic() < deadline and cluster.command("squeue", "-h", "-o", "%i", check=False).stdout.strip():
+                time.sleep(0.5)
+        for process in reversed(daemons):
+            _stop(process)
+
+
+def _wait_for(condition, what: str, cluster: Cluster) -> None:
+    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if condition():
+            return
+        time.sleep(0.3)
+    raise AssertionError(f"SLURM did not come up: no {what} within {STARTUP_TIMEOUT_S:.0f} s\n{cluster.log()}")
