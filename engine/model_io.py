@@ -34,12 +34,19 @@ from typing import Any
 
 from engine import run_dir as rd
 from engine import run_checkpoints
-from engine.errors import EXIT_BAD_INPUT, EXIT_OK, EXIT_RUN_FAILED, BadInput, NotFound, TrainwrightError
+from engine.errors import (
+    EXIT_BAD_INPUT,
+    EXIT_OK,
+    EXIT_RUN_FAILED,
+    MAX_ERROR_CHARS,
+    BadInput,
+    NotFound,
+    TrainwrightError,
+)
 from engine.seams import (
     GGUF_QUANTIZATIONS,
     LORA_CHOICES,
     MAX_COMPLETION_CHARS,
-    MAX_ERROR_CHARS,
     MAX_METRIC_NAME_CHARS,
     MAX_METRICS,
     MAX_NAME_CHARS,

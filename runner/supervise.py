@@ -32,6 +32,7 @@ from pathlib import Path
 
 from engine import run_dir as rd
 from engine import run_metrics
+from engine.errors import MAX_ERROR_CHARS
 from runner import server_record as sr
 from sandbox import bwrap
 from workspace.git import add_note
@@ -281,7 +282,7 @@ class Supervisor:
                     f"node {record.node_rank} of a run over {record.nnodes} nodes failed; a run over several nodes "
                     f"fails when any node fails or leaves (rendezvous {record.rdzv_id} at {record.rdzv_endpoint}): "
                     f"{fields['error']}"
-                )[:2000]
+                )[:MAX_ERROR_CHARS]
         record = self.record_fields(**fields)
         print(f"[trainwright] run {record.id} {record.status} (exit code {code})", flush=True)
         self.write_git_note(record)
@@ -336,7 +337,7 @@ def _reported_error(run_dir: Path) -> str | None:
         error = rd.read_run(run_dir).error
     except (OSError, ValueError):
         return None
-    return _CONTROL.sub(" ", error)[:2000] if error else None
+    return _CONTROL.sub(" ", error)[:MAX_ERROR_CHARS] if error else None
 
 
 def failure_error(reported: str | None, code: int, run_dir: Path, free: int | None = None) -> str:

@@ -30,7 +30,7 @@ from engine import run_dir as rd
 from engine import run_metrics
 from engine.config import Overrides
 from engine.errors import BadInput
-from mcp_server.limits import AB_DEFAULT_ROUNDS, AB_MAX_ROUNDS, AB_MAX_STEPS, AB_MIN_STEPS
+from mcp_server.limits import AB_DEFAULT_ROUNDS, AB_MAX_ROUNDS, AB_MAX_STEPS, AB_MIN_STEPS, POLL_S
 from mcp_server.models import AbResult, AbRound, AbRun, MetricVerdict
 from mcp_server.operations import compare
 from mcp_server.operations import launch as launching
@@ -41,7 +41,6 @@ from workspace.workspace import Workspace
 
 DEFAULT_ROUNDS, MAX_ROUNDS, MIN_STEPS, MAX_STEPS = AB_DEFAULT_ROUNDS, AB_MAX_ROUNDS, AB_MIN_STEPS, AB_MAX_STEPS
 WINDOWS = 10  # logging windows per run, unless train.log_every is set
-POLL_S = 0.5
 PROGRESS_EVERY_S = 5.0
 
 Progress = Callable[[str], None]

@@ -23,7 +23,7 @@ from engine import run_checkpoints
 from runner import server_record as sr
 from engine.errors import BadInput
 from engine.model_io import check_sample_request
-from engine.seams import GGUF_QUANTIZATIONS, LORA_CHOICES, GeneratedSample
+from engine.seams import GGUF_QUANTIZATIONS, LORA_CHOICES, MAX_DATA_PATHS, GeneratedSample
 from mcp_server.limits import AGENT_BUDGET_CHARS, json_chars
 from mcp_server.models import EvaluateResult, ExportResult, Sample, SampleResult
 from runner.model_process import ModelProcessFailed, run_model_io
@@ -37,7 +37,6 @@ EXPORT_TIMEOUT_S = 1800
 SAMPLE_TIMEOUT_S = 600
 EVALUATE_TIMEOUT_S = 1800
 MAX_LISTED_FILES = 40
-MAX_DATA_PATHS = 20
 MAX_FILE_NAME_CHARS = 120
 STAGING_MARK = ".partial-export-"
 # A staging folder's name carries when it was made: one older than an export may take was left

@@ -15,7 +15,7 @@ import anyio
 from engine import run_dir as rd
 from engine import run_metrics
 from workspace.workspace import has_record
-from mcp_server.limits import DEFAULT_WAIT_S, MAX_WAIT_S
+from mcp_server.limits import DEFAULT_WAIT_S, MAX_ERROR_CHARS, MAX_WAIT_S, POLL_S
 from mcp_server.models import WaitRunResult
 from engine.errors import BadInput
 from mcp_server.operations.runs import bounded_record
@@ -23,7 +23,6 @@ from runner import slurm as slurm_jobs
 from sandbox.environment import run_environment
 from workspace.workspace import Workspace
 
-POLL_S = 0.5
 SLURM_POLL_S = 15.0  # squeue/sacct at most this often while waiting on a SLURM job
 
 
@@ -61,7 +60,7 @@ def observe(ws: Workspace, run_id: str) -> Observation:
     return Observation(
         status=status, ended=ended, step=step if isinstance(step, int) else None,
         max_steps=record.max_steps, latest=latest,
-        error=str(error)[:2000] if error and status != rd.COMPLETED else None,
+        error=str(error)[:MAX_ERROR_CHARS] if error and status != rd.COMPLETED else None,
     )
 
 
