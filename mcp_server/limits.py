@@ -11,6 +11,7 @@ refuses, rather than sends, anything larger.
 from __future__ import annotations
 
 import json
+import os
 from typing import Any
 
 from engine.errors import MAX_ERROR_CHARS as MAX_ERROR_CHARS  # an error message, bounded with the error family
@@ -34,6 +35,10 @@ DEFAULT_WAIT_S = 45
 POLL_S = 0.5
 MAX_WAIT_S = 600
 MAX_LIST_RUNS = 100  # list_runs' limit
+MAX_NPROC = max(8, os.cpu_count() or 1)  # a run's processes per node
+MAX_DEVICE_MEMORY_GIB = 1 << 20  # estimate_run's device_memory_gib
+MAX_KEYS_ASKED = 50  # describe_recipe(keys=...)
+MAX_KEY_CHARS = 200  # a dotted config key; a longer one is refused before it is compared with any
 DEFAULT_TAIL_RECORDS = 10  # ≈ 4 KB as an agent reads it: a default result stays under 8 KB
 MAX_TAIL_RECORDS = 200
 # `trainwright ab`: an A/B is short (2 × rounds runs); the first logging window of each run is its

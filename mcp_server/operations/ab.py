@@ -30,6 +30,7 @@ from engine import run_dir as rd
 from engine import run_metrics
 from engine.config import Overrides
 from engine.errors import BadInput
+from mcp_server.arguments import LaunchRunArgs
 from mcp_server.limits import AB_DEFAULT_ROUNDS, AB_MAX_ROUNDS, AB_MAX_STEPS, AB_MIN_STEPS, POLL_S
 from mcp_server.models import AbResult, AbRound, AbRun, MetricVerdict
 from mcp_server.operations import compare
@@ -70,7 +71,7 @@ def ab(
     given = launching.checked_overrides(ws, overrides)
     if "train.max_steps" in given:
         raise BadInput("--steps sets train.max_steps of every run of the A/B: leave it out of the overrides")
-    launching.check_nproc(nproc)
+    LaunchRunArgs.checked(recipe=label, nproc=nproc)  # as launch_run checks it, before the first run
     repo = workspace_git.open_repo(ws.root)
     if repo is None:
         raise workspace_git.GitRefused("the workspace is not a git repository: an A/B runs a skill's commit and the "

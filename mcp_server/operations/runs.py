@@ -24,9 +24,7 @@ from engine.errors import BadInput
 from mcp_server.limits import (
     AGENT_BUDGET_CHARS,
     DEFAULT_TAIL_RECORDS,
-    MAX_LIST_RUNS,
     MAX_RUN_ERROR_CHARS,
-    MAX_TAIL_RECORDS,
     bounded,
     bounded_mapping,
     cut_strings,
@@ -247,8 +245,6 @@ def tail_text(path: Path, max_bytes: int) -> str | None:
 
 
 def list_runs(ws: Workspace, limit: int = 20) -> RunList:
-    if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= MAX_LIST_RUNS:
-        raise BadInput(f"limit must be an integer between 1 and {MAX_LIST_RUNS}")
     run_ids = ws.run_ids()
     summaries = []
     for run_id in run_ids[:limit]:
@@ -298,10 +294,6 @@ def tail_metrics(
 ) -> MetricsTail:
     """The latest ``n`` records (after ``after_step``); with ``follow_resumes``, of the run's
     whole history: the runs it was resumed from, each up to the step the next one took over."""
-    if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_TAIL_RECORDS:
-        raise BadInput(f"n must be an integer between 1 and {MAX_TAIL_RECORDS}")
-    if after_step is not None and (isinstance(after_step, bool) or not isinstance(after_step, int)):
-        raise BadInput(f"after_step must be an integer or null, got {after_step!r}")
     run_dir = ws.run_dir(run_id)
     resumes: list[ResumePoint] = []
     if follow_resumes:
