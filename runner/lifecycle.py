@@ -338,7 +338,7 @@ def _prepared(workspace: Path, plan: LaunchPlan, run_id: str, run_dir: Path, sna
         snapshot_digest=digest,
         command=command,
         rdzv_id=rdzv_id if nodes.multi else None,
-        sandbox=rd.SandboxView(
+        sandbox=rd.SandboxMounts(
             bwrap=bwrap.find_bwrap(), read_only=[str(p) for p in visible],
             writable=[str(p) for p in dict.fromkeys([run_dir, engine_dir, data_cache_dir(workspace, create=True)])],
             hidden=[str(p) for p in hidden_state(workspace)],

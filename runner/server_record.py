@@ -208,7 +208,7 @@ def _owners() -> dict[str, rd.Owner]:
 
 
 OWNERS = _owners()
-# The fields of a run's view that come from its own report (run.json), not from the server; and
+# The fields of what tools show of a run that come from its own report (run.json), not from the server; and
 # those that come from it when it gives one (the data summary: the engine counts again when the
 # data changed after the check).
 REPORTED_FIELDS = tuple(n for n, o in OWNERS.items() if o.writer == "run" and not o.when_given)

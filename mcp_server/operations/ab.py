@@ -172,7 +172,7 @@ def _skill_commit(repo: Any, recipe_dir: Any, skill: str, label: str) -> tuple[s
         for key, value in commit.trailers:
             if key == workspace_git.SKILL_APPLIED_TRAILER and workspace_git.applied_skill_name(value) == skill:
                 return value, commit.sha, later
-    raise BadInput(f"{skill} is not applied to {label} (no commit of it has a Skill-Applied: {skill} trailer), so no "
+    raise BadInput(f"{skill} is not applied to {label} (no commit of it has a {workspace_git.SKILL_APPLIED_TRAILER}: {skill} trailer), so no "
                    f"commit holds its change to measure; apply it first (`trainwright apply {skill} {label}`, or "
                    "apply_skill), then run the A/B")
 
