@@ -62,7 +62,7 @@ SNAPSHOT_DIRNAME = "recipe"
 UNCOMMITTED_PATCH = "uncommitted.patch"
 
 RUN_ID_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
-MAX_RUN_JSON_BYTES = 16 * 2**20
+MAX_RECORD_BYTES = 16 * 2**20  # a run's record file, read at most: run.json, and the server's record of it
 MAX_WARNINGS, MAX_WARNING_CHARS = 100, 2000
 
 
@@ -393,7 +393,7 @@ def read_run(run_dir: Path) -> RunRecord:
     """The run's record. Raises OSError when it cannot be read and ValueError when it is not a
     RunRecord. A link or anything but a regular file is not read (the run may have put it
     there), and the error never quotes the file's content (it could be any host file)."""
-    data = read_bounded(Path(run_dir) / RUN_JSON, MAX_RUN_JSON_BYTES, f"{RUN_JSON} of {Path(run_dir).name}")
+    data = read_bounded(Path(run_dir) / RUN_JSON, MAX_RECORD_BYTES, f"{RUN_JSON} of {Path(run_dir).name}")
     try:
         return RunRecord.model_validate_json(data)
     except ValidationError as e:  # its message would quote the input

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any, Mapping
 from engine import run_dir as rd
 from runner import server_record as sr
 from workspace.workspace import record_dir
-from engine.errors import BadInput
+from engine.errors import MAX_QUOTED_CHARS, BadInput
 from sandbox.environment import run_environment
 from runner.nodes import DEFAULT_RDZV_PORT, Nodes
 
@@ -266,7 +266,7 @@ def cancel(folder: Path, env: Mapping[str, str]) -> sr.ServerRecord:
             raise BadInput(f"scancel could not be run ({e}); the job {job} may still run") from None
         if result.returncode != 0:
             last = (result.stderr.strip().splitlines() or [f"exit status {result.returncode}"])[-1]
-            raise BadInput(f"scancel {job} failed: {last[:300]}; the job may still run")
+            raise BadInput(f"scancel {job} failed: {last[:MAX_QUOTED_CHARS]}; the job may still run")
     return _record(folder, record, status=rd.STOPPED, stop_requested=True, ended_at=rd.utc_now(),
                    reason=f"cancelled (scancel {job})" if job else "stopped by request")
 

@@ -20,7 +20,7 @@ from engine import run_checkpoints
 from engine import run_metrics
 from runner import server_record as sr
 from workspace.workspace import has_record
-from engine.errors import BadInput
+from engine.errors import MAX_QUOTED_CHARS, BadInput
 from mcp_server.limits import (
     AGENT_BUDGET_CHARS,
     DEFAULT_TAIL_RECORDS,
@@ -55,7 +55,7 @@ MAX_UNUSABLE_SHOWN = 10  # list_checkpoints' checkpoints that are not complete, 
 MAX_DESTINATIONS = 10
 MAX_RUN_INFO_CHECKPOINTS = 10
 MAX_RECORD_CHARS = 1500
-MAX_SHOWN_WARNINGS, MAX_WARNING_CHARS = 5, 300
+MAX_SHOWN_WARNINGS, MAX_SHOWN_WARNING_CHARS = 5, 300  # get_run's warnings (run.json keeps them longer)
 MAX_CONFIG_CHARS = 1200
 # run.json is written by the run as well as by trainwright, and data paths come from a recipe's
 # config.yaml: every other text of a run, as returned, is cut to this many characters.
@@ -70,7 +70,7 @@ def known_run(ws: Workspace, run_id: object) -> tuple[Path, sr.ServerRecord]:
         return run_dir, sr.known_run(ws.root, run_dir)
     except (OSError, ValueError) as e:  # no server record, and a run.json that is not one
         why = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
-        raise BadInput(f"run {run_id} cannot be read ({why[:300]})") from None
+        raise BadInput(f"run {run_id} cannot be read ({why[:MAX_QUOTED_CHARS]})") from None
 
 
 MAX_HUB_MODELS_SHOWN = 4
@@ -206,7 +206,7 @@ def _data(record: rd.RunRecord) -> dict[str, Any] | None:
 
 
 def _shown_warnings(warnings: list[str]) -> list[str]:
-    shown = [bounded(w, MAX_WARNING_CHARS)[0] for w in warnings[:MAX_SHOWN_WARNINGS]]
+    shown = [bounded(w, MAX_SHOWN_WARNING_CHARS)[0] for w in warnings[:MAX_SHOWN_WARNINGS]]
     if len(warnings) > MAX_SHOWN_WARNINGS:
         shown.append(f"… and {len(warnings) - MAX_SHOWN_WARNINGS} more warnings (runs/<id>/run.json)")
     return shown
@@ -265,7 +265,7 @@ def _summary(ws: Workspace, run_id: str) -> RunSummary:
     return RunSummary(
         run_id=run_id,
         status=record.effective_status(),
-        recipe=record.recipe[:300],
+        recipe=record.recipe[:MAX_FIELD_CHARS],
         created_at=record.created_at,
         step=latest["step"] if latest else None,
         max_steps=record.max_steps,
