@@ -6,6 +6,11 @@ diffs and documents are cut at ``MAX_DIFF_CHARS`` / ``MAX_DOC_CHARS``, metrics t
 details and lists keep the newest that fit, and each says when it cut. Asking for more (a
 larger ``n`` or ``limit``) is allowed up to ``MAX_RESULT_CHARS``; :meth:`mcp_server.server.Tools.call`
 refuses, rather than sends, anything larger.
+
+Each bound is defined once: the server's here (the arguments models of
+:mod:`mcp_server.arguments` check a tool's arguments against them), the error family's
+``MAX_ERROR_CHARS`` in :mod:`engine.errors` (the engine cannot import the server; it is
+re-exported here), the seam's (prompts, tokens, data paths) in :mod:`engine.seams`.
 """
 
 from __future__ import annotations
