@@ -35,7 +35,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 from engine import checkpoint_manifest as manifest
 from engine import run_dir as rd
 from engine import run_checkpoints
-from engine.errors import BadInput
+from engine.errors import MAX_QUOTED_CHARS, BadInput
 
 
 def holds_quantized_weights(model: torch.nn.Module) -> bool:
@@ -197,7 +197,7 @@ def _describe_save_failure(step: int, error: BaseException, previous: int | None
         f"the previous checkpoint, step {previous}, is untouched and can be resumed"
         if previous is not None else "there is no earlier checkpoint"
     )
-    return f"could not write the checkpoint of step {step}: {what[:300]}; {kept}"
+    return f"could not write the checkpoint of step {step}: {what[:MAX_QUOTED_CHARS]}; {kept}"
 
 
 def _fsync_dir(path: Path) -> None:
@@ -300,7 +300,7 @@ def load_checkpoint(path: Path, states: dict[str, Any],
         if isinstance(e, (KeyboardInterrupt, SystemExit)):
             raise
         cause = root_cause(e)
-        what = f"{type(cause).__name__}: {cause}".splitlines()[0][:300]
+        what = f"{type(cause).__name__}: {cause}".splitlines()[0][:MAX_QUOTED_CHARS]
         raise CheckpointCorrupt(run_checkpoints.corrupt_checkpoint_message(
             path.parent.parent, run_checkpoints.checkpoint_step(path) or 0, f"it cannot be loaded ({what})", full=True)) from e
 

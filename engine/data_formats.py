@@ -33,6 +33,7 @@ from typing import Any, Callable, Iterable, Iterator
 
 from engine.chat_messages import conversation, sharegpt_conversation, tool_schemas
 from engine.config import ConfigError
+from engine.errors import MAX_QUOTED_CHARS
 from engine.data_files import HUB_DATASETS_VARIABLE, DataListing, bound_hub_path, data_files, json_value, jsonl_records
 
 FILE_SUFFIXES = {".jsonl", ".json", ".parquet", ".csv", ".tsv"}
@@ -180,7 +181,7 @@ def _load_dataset(dataset: str, subset: str | None, split: str | None, listing: 
             return datasets.load_dataset(bound, subset, split=split or "train", streaming=True)
         except (FileNotFoundError, ValueError) as e:
             raise ConfigError(f"data.dataset {dataset!r} (subset {subset!r}, split {split or 'train'!r}) could not be "
-                              f"read: {str(e)[:300]}") from None
+                              f"read: {str(e)[:MAX_QUOTED_CHARS]}") from None
     if Path(dataset).exists():
         if is_saved_dataset(Path(dataset)):
             return _load_saved(dataset, split, listing)
@@ -194,7 +195,7 @@ def _load_dataset(dataset: str, subset: str | None, split: str | None, listing: 
         offline = " (HF_DATASETS_OFFLINE is set: only the local cache is looked at)" if datasets.config.HF_HUB_OFFLINE else ""
         raise ConfigError(
             f"data.dataset {dataset!r} (subset {subset!r}, split {split or 'train'!r}) could not be loaded{offline}: "
-            f"{str(e).splitlines()[0][:300] if str(e) else type(e).__name__}; give a workspace folder, or a Hub id "
+            f"{str(e).splitlines()[0][:MAX_QUOTED_CHARS] if str(e) else type(e).__name__}; give a workspace folder, or a Hub id "
             "already in the local Hugging Face datasets cache"
         ) from None
 

@@ -34,6 +34,12 @@ EXIT_INTERNAL = 70
 EXIT_TIMEOUT = 124  # `trainwright wait`: the timeout passed before the run got there
 EXIT_STOPPED = 130
 
+# An error message as a caller is shown it (it may echo the caller's input or a run's output): the
+# one bound of every layer's error text, here with the family since every layer imports it.
+MAX_ERROR_CHARS = 2_000
+# Another program's error (git, sbatch, the Hub, an OS call) quoted inside one of ours: its start.
+MAX_QUOTED_CHARS = 300
+
 EXIT_CODES: dict[str, int] = {"bad_input": EXIT_BAD_INPUT, "not_found": EXIT_NOT_FOUND, "internal": EXIT_INTERNAL}
 # Every exit code of the CLI and what it means: the one table its help and docs are written from.
 EXIT_MEANINGS: dict[int, str] = {

@@ -46,9 +46,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from engine.distributed import DistInfo
 from engine.fsdp import DTYPES, transformer_blocks
 from engine.memory import rss_high_water_mb
-from engine.optimizers import is_8bit, optimizer_state_bytes
+from engine.optimizers import FP32, is_8bit, optimizer_state_bytes
 
-FP32 = 4
 LORA_RANK = 8  # the lora skill's default rank, for the LoRA and QLoRA changes
 # bitsandbytes' 4-bit weights: half a byte a value, a float32 scale per block of 64 values, or with
 # double quantisation an 8-bit one and a float32 scale per 256 of those.

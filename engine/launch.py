@@ -29,7 +29,7 @@ import traceback
 from pathlib import Path
 from typing import NoReturn
 
-from engine.errors import EXIT_BAD_INPUT, EXIT_OK, EXIT_RUN_FAILED, BadInput
+from engine.errors import EXIT_BAD_INPUT, EXIT_OK, EXIT_RUN_FAILED, MAX_ERROR_CHARS, BadInput
 from engine.seams import ConfigField, LaunchRefusal, LaunchVerdict
 
 
@@ -153,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
                 verdict.estimate = estimate(recipe_class, config, world_size, args.estimate, args.device_memory_gib)
             except Exception as e:  # the recipe's code on the meta device: say what it could not do
                 traceback.print_exc()
-                print(LaunchRefusal(error=f"the estimate failed: {type(e).__name__}: {e}"[:1000]).model_dump_json())
+                print(LaunchRefusal(error=f"the estimate failed: {type(e).__name__}: {e}"[:MAX_ERROR_CHARS]).model_dump_json())
                 return EXIT_RUN_FAILED
         print(verdict.model_dump_json())
         return EXIT_OK
@@ -224,7 +224,7 @@ def train(recipe_class, config, args: argparse.Namespace, data=None) -> int:
             if isinstance(e, OSError) and e.errno == errno.ENOSPC:  # where, and how much is left there
                 error = rd.no_space_message(e.filename or run_dir, error)
             with contextlib.suppress(OSError):  # on a full disk the supervisor says it (runner/supervise.py)
-                rd.update_run(run_dir, error=error[:2000], **outcome)
+                rd.update_run(run_dir, error=error[:MAX_ERROR_CHARS], **outcome)
         if isinstance(e, KeyboardInterrupt):
             return 130
         # Bad input: a config the recipe refused, a corrupt checkpoint.

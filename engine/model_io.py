@@ -35,12 +35,19 @@ from typing import Any
 
 from engine import run_dir as rd
 from engine import run_checkpoints
-from engine.errors import EXIT_BAD_INPUT, EXIT_OK, EXIT_RUN_FAILED, BadInput, NotFound, TrainwrightError
+from engine.errors import (
+    EXIT_BAD_INPUT,
+    EXIT_OK,
+    EXIT_RUN_FAILED,
+    MAX_ERROR_CHARS,
+    BadInput,
+    NotFound,
+    TrainwrightError,
+)
 from engine.seams import (
     GGUF_QUANTIZATIONS,
     LORA_CHOICES,
     MAX_COMPLETION_CHARS,
-    MAX_ERROR_CHARS,
     MAX_METRIC_NAME_CHARS,
     MAX_METRICS,
     MAX_NAME_CHARS,
@@ -236,7 +243,15 @@ def sample(run_dir: Path, step: int, prompts: list[str], max_new_tokens: int = 6
 
 
 def check_sample_request(prompts: Any, max_new_tokens: Any, temperature: Any) -> None:
-    """The bounds of a sample request (the server checks them too, before starting anything)."""
+    """The bounds of a sample request, each defined once: the server's ``sample`` tool checks the
+    same functions on its arguments (:class:`mcp_server.arguments.SampleArgs`), before starting
+    anything; this process checks its command line with them."""
+    check_prompts(prompts)
+    check_max_new_tokens(max_new_tokens)
+    check_temperature(temperature)
+
+
+def check_prompts(prompts: Any) -> None:
     if not isinstance(prompts, list) or not prompts or not all(isinstance(p, str) for p in prompts):
         raise BadInput("prompts must be a non-empty list of strings")
     if len(prompts) > MAX_PROMPTS:
@@ -252,8 +267,14 @@ def check_sample_request(prompts: Any, max_new_tokens: Any, temperature: Any) ->
             raise BadInput(f"prompt {index} is not valid text (it holds a lone surrogate)") from None
         if len(prompt) > MAX_PROMPT_CHARS:
             raise BadInput(f"prompt {index} has {len(prompt)} characters; at most {MAX_PROMPT_CHARS}")
+
+
+def check_max_new_tokens(max_new_tokens: Any) -> None:
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or not 1 <= max_new_tokens <= MAX_NEW_TOKENS:
         raise BadInput(f"max_new_tokens must be an integer between 1 and {MAX_NEW_TOKENS}, got {max_new_tokens!r}")
+
+
+def check_temperature(temperature: Any) -> None:
     if (isinstance(temperature, bool) or not isinstance(temperature, (int, float))
             or not (temperature == 0 or MIN_TEMPERATURE <= temperature <= 5)):
         raise BadInput(f"temperature must be 0 (greedy) or a number between {MIN_TEMPERATURE} and 5, "

@@ -62,7 +62,7 @@ SNAPSHOT_DIRNAME = "recipe"
 UNCOMMITTED_PATCH = "uncommitted.patch"
 
 RUN_ID_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
-MAX_RUN_JSON_BYTES = 16 * 2**20
+MAX_RECORD_BYTES = 16 * 2**20  # a run's record file, read at most: run.json, and the server's record of it
 MAX_WARNINGS, MAX_WARNING_CHARS = 100, 2000
 
 
@@ -213,7 +213,7 @@ class MetricsDestination(BaseModel):
     view: str | None = Field(None, description="How to look at it, or to upload an offline run.")
 
 
-class SandboxView(BaseModel):
+class SandboxMounts(BaseModel):
     """What a run's sandbox shows: read-only and writable folders, folders hidden inside them,
     and the bubblewrap it ran under (None: no sandbox)."""
     model_config = ConfigDict(defer_build=True)
@@ -241,8 +241,8 @@ class HubModel(BaseModel):
 # Who writes each field of a run's records, declared on the field (``Annotated[type, SERVER]``).
 @dataclass(frozen=True)
 class Owner:
-    """The writer of a field of a run's records; a view of a run (:func:`runner.server_record.known_run`)
-    takes each field from its writer's record.
+    """The writer of a field of a run's records; what the tools show of a run
+    (:func:`runner.server_record.known_run`) takes each field from its writer's record.
 
     ``writer``: ``server`` (the server and the run's supervisor, in the server's record, which
     every decision reads; run.json has a copy for the run's information), ``run`` (the run's own
@@ -338,7 +338,7 @@ class RunRecord(RunFacts):
     supervisor_started_at: Annotated[str | None, SERVER] = None
     workspace: Annotated[str | None, SERVER_ONLY] = None
     command: Annotated[list[str], SERVER_ONLY] = []
-    sandbox: Annotated[SandboxView | None, SERVER_ONLY] = None
+    sandbox: Annotated[SandboxMounts | None, SERVER_ONLY] = None
     hub_models: Annotated[list[HubModel], SERVER_ONLY] = Field([], description="Models and data sets loaded by Hub id: repo, revision and commit.")
     metrics_destinations: Annotated[list[MetricsDestination], REPORTED] = Field(
         [], description="Where the engine sent the metrics (metrics.jsonl, TensorBoard, W&B, MLflow, trackio)."
@@ -399,7 +399,7 @@ def read_run(run_dir: Path) -> RunRecord:
     """The run's record. Raises OSError when it cannot be read and ValueError when it is not a
     RunRecord. A link or anything but a regular file is not read (the run may have put it
     there), and the error never quotes the file's content (it could be any host file)."""
-    data = read_bounded(Path(run_dir) / RUN_JSON, MAX_RUN_JSON_BYTES, f"{RUN_JSON} of {Path(run_dir).name}")
+    data = read_bounded(Path(run_dir) / RUN_JSON, MAX_RECORD_BYTES, f"{RUN_JSON} of {Path(run_dir).name}")
     try:
         return RunRecord.model_validate_json(data)
     except ValidationError as e:  # its message would quote the input

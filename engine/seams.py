@@ -24,10 +24,8 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_serializer, model_validator
 
-from engine.errors import BadInput, LaunchRefused
+from engine.errors import MAX_ERROR_CHARS, BadInput, LaunchRefused
 from engine.run_dir import DataSummary
-
-MAX_ERROR_CHARS = 2000  # a refusal's reason as the server shows it
 
 # What an export writes: a LoRA run's adapters merged or as a peft adapter; a Hugging Face folder,
 # or instead one GGUF file (engine/gguf_export.py) of one of these types.

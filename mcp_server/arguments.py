@@ -1,17 +1,39 @@
 """Every tool's arguments: a pydantic model per tool whose fields carry the descriptions,
 defaults and limits an agent reads, and :class:`Cli`, where a terminal spells a field otherwise
 than by its name. :mod:`mcp_server.declarations` pairs each with its tool; the MCP binding and the
-CLI are generated from both."""
+CLI are generated from both.
+
+Each argument is checked here, once: its type (strict), and its bounds and choices
+(:func:`must`, :func:`checked_by`: validators that add nothing to the tool's schema, so
+tools/list stays within its bytes). A value a check refuses is bad input whose message names
+the field (:func:`refusal`), over MCP as on the command line. An operation takes the values its
+model validated and checks only what needs the workspace (names, paths, runs, recipes); a
+Python caller with untrusted values validates them first, ``LaunchRunArgs.checked(...)``.
+"""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Callable, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, ValidationInfo
+from typing_extensions import Self
 
-from engine.seams import GGUF_QUANTIZATIONS, MAX_NEW_TOKENS, MAX_PROMPTS
-from mcp_server.limits import DEFAULT_TAIL_RECORDS, DEFAULT_WAIT_S, MAX_LIST_RUNS, MAX_TAIL_RECORDS, MAX_WAIT_S
+from engine.errors import BadInput
+from engine.model_io import check_max_new_tokens, check_prompts, check_temperature
+from engine.seams import GGUF_QUANTIZATIONS, MAX_DATA_PATHS, MAX_NEW_TOKENS, MAX_PROMPTS
+from mcp_server.limits import (
+    DEFAULT_TAIL_RECORDS,
+    DEFAULT_WAIT_S,
+    MAX_DEVICE_MEMORY_GIB,
+    MAX_KEY_CHARS,
+    MAX_KEYS_ASKED,
+    MAX_LIST_RUNS,
+    MAX_NPROC,
+    MAX_TAIL_RECORDS,
+    MAX_WAIT_S,
+)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -51,16 +73,83 @@ class Cli:
     group: str | None = None
 
 
+# ---------------------------------------------------------------------------------------------
+# A field's checks beyond its type, and how a refusal reads
+# ---------------------------------------------------------------------------------------------
+
+
+def must(ok: Callable[[Any], bool], what: str, then: str = "") -> AfterValidator:
+    """A field's bound: a value (not None) for which ``ok`` is false is bad input that reads
+    ``<field> must be <what>, got <value><then>``."""
+
+    def check(value: Any, info: ValidationInfo) -> Any:
+        if value is not None and not ok(value):
+            raise BadInput(f"{info.field_name} must be {what}, got {value!r}{then}")
+        return value
+
+    return AfterValidator(check)
+
+
+def within(low: float, high: float, above: bool = False, size: bool = False) -> Callable[[Any], bool]:
+    """``low <= value <= high`` (``above``: ``low < value``; ``size``: of ``len(value)``). The
+    bounds are bound now: a field's annotation may be evaluated again elsewhere (the MCP SDK
+    builds its own model of a tool's parameters), where a name looked up later is not there."""
+
+    def ok(value: Any) -> bool:
+        measured = len(value) if size else value
+        return (low < measured if above else low <= measured) and measured <= high
+
+    return ok
+
+
+def checked_by(check: Callable[[Any], None]) -> AfterValidator:
+    """A field checked by ``check`` (which raises :class:`BadInput`), defined beside the code
+    that reads the value (the engine's sample request, say) and run here for the tool."""
+
+    def run(value: Any) -> Any:
+        check(value)
+        return value
+
+    return AfterValidator(run)
+
+
+def refusal(error: BaseException | None) -> BadInput | None:
+    """The first refusal of a field's own check (:func:`must`, :func:`checked_by`) in ``error``
+    (a validation error), whose message says what to change; None when it holds none."""
+    for problem in error.errors() if isinstance(error, ValidationError) else ():
+        raised = (problem.get("ctx") or {}).get("error")
+        if isinstance(raised, BadInput):
+            return raised
+    return None
+
+
+def invalid(error: ValidationError) -> BadInput:
+    """``error`` as one bad-input message: a field's own refusal, or each type problem as
+    ``field: what pydantic says``."""
+    return refusal(error) or BadInput("; ".join(
+        f"{'.'.join(str(p) for p in problem['loc'])}: {problem['msg']}" for problem in error.errors()))
+
+
 class ToolArgs(BaseModel):
     """A tool's arguments, as both faces validate them."""
 
     model_config = ConfigDict(extra="forbid")
+
+    @classmethod
+    def checked(cls, **values: Any) -> Self:
+        """``values`` validated as the tool validates them (a Python caller's way in), or
+        :class:`BadInput`."""
+        try:
+            return cls.model_validate(values)
+        except ValidationError as e:
+            raise invalid(e) from None
 
 
 RunId = Annotated[str, Field(), Cli(more="A run id (`trainwright runs` lists them).")]
 RecipePath = Annotated[str, Field(description="recipes/<name>, or the name.")]
 Step = Annotated[int | None, Field(strict=True, description="Default: latest."),
                  Cli(metavar="N", more="The checkpoint's step.")]
+Nproc = Annotated[int, must(within(1, MAX_NPROC), f"between 1 and {MAX_NPROC}")]
 KeyValues = Cli(flag="--set", metavar="KEY=VALUE", repeat=True, key_values=True,
                 more="Repeatable: --set train.max_steps=50.")
 
@@ -99,12 +188,21 @@ class ScaffoldArgs(ToolArgs):
                           more="Each applied after scaffolding, as its own commit.")] = None
 
 
+def _check_keys(keys: list[str]) -> None:
+    if len(keys) > MAX_KEYS_ASKED:
+        raise BadInput(f"keys: at most {MAX_KEYS_ASKED}, got {len(keys)}")
+    if any(len(k) > MAX_KEY_CHARS for k in keys):
+        raise BadInput(f"keys: a key has at most {MAX_KEY_CHARS} characters (a dotted config key such as optim.lr)")
+    if not all(k.strip().strip(".") for k in keys):
+        raise BadInput("keys: an empty key; give dotted keys or their start (train, train.lr)")
+
+
 class RecipeArgs(ToolArgs):
     recipe: RecipePath
 
 
 class DescribeArgs(RecipeArgs):
-    keys: Annotated[list[str], Field(description="Only these keys or sections."),
+    keys: Annotated[list[str], Field(description="Only these keys or sections."), checked_by(_check_keys),
                     Cli(flag="--key", metavar="KEY", repeat=True, more="A dotted key or its start (train); repeatable.")] = []
 
 
@@ -112,7 +210,7 @@ class LaunchRunArgs(ToolArgs):
     recipe: Annotated[str, Field(description="Recipe folder, or a .py script."),
                       Cli(more="A training script is a .py file or a folder with a train.py, relative to the "
                           "workspace; its own command line follows -- at the end.")]
-    nproc: Annotated[int, Field(strict=True, description="Processes per node.")] = 1
+    nproc: Annotated[Nproc, Field(strict=True, description="Processes per node.")] = 1
     overrides: Annotated[dict[str, Any] | None, Field(description='Config: {"train.max_steps": 100}.'),
                          KeyValues] = None
     nnodes: Annotated[int, Field(strict=True, description="Nodes."),
@@ -147,14 +245,16 @@ class LaunchRunArgs(ToolArgs):
 class EstimateArgs(ToolArgs):
     recipe: RecipePath
     overrides: Annotated[dict[str, Any] | None, Field(description="As launch_run's."), KeyValues] = None
-    nproc: Annotated[int, Field(strict=True, description="Processes.")] = 1
+    nproc: Annotated[Nproc, Field(strict=True, description="Processes.")] = 1
     device: Annotated[Literal["cpu", "cuda"], Field(description="Device class.")] = "cpu"
     device_memory_gib: Annotated[float | None, Field(description="Per process: does it fit?"),
+                                 must(within(0, MAX_DEVICE_MEMORY_GIB, above=True), "a number of GiB above 0"),
                                  Cli(metavar="GIB", more="The memory of one device.")] = None
 
 
 class ListRunsArgs(ToolArgs):
-    limit: Annotated[int, Field(strict=True, description=f"1-{MAX_LIST_RUNS}.")] = 20
+    limit: Annotated[int, Field(strict=True, description=f"1-{MAX_LIST_RUNS}."),
+                     must(within(1, MAX_LIST_RUNS), f"an integer between 1 and {MAX_LIST_RUNS}")] = 20
 
 
 class RunArgs(ToolArgs):
@@ -169,14 +269,18 @@ class DataCacheArgs(ToolArgs):
 class WaitRunArgs(ToolArgs):
     run_id: RunId
     until_step: Annotated[int | None, Field(strict=True, description="Default: end."),
-                          Cli(metavar="N")] = None
+                          must(within(0, math.inf), "a step number (0 or more) or null"), Cli(metavar="N")] = None
     timeout_s: Annotated[float, Field(strict=True, description=f"At most {MAX_WAIT_S}."),
+                         must(within(0, MAX_WAIT_S, above=True), f"a number of seconds above 0 and at most {MAX_WAIT_S}",
+                              "; call wait_run again to wait longer"),
                          Cli(flag="--timeout", metavar="S", more="Exit 124 when it passes first.")] = DEFAULT_WAIT_S
 
 
 class TailArgs(ToolArgs):
     run_id: RunId
-    n: Annotated[int, Field(strict=True, description=f"1-{MAX_TAIL_RECORDS}."), Cli(flag="-n")] = DEFAULT_TAIL_RECORDS
+    n: Annotated[int, Field(strict=True, description=f"1-{MAX_TAIL_RECORDS}."), Cli(flag="-n"),
+                 must(within(1, MAX_TAIL_RECORDS), f"an integer between 1 and {MAX_TAIL_RECORDS}")
+                 ] = DEFAULT_TAIL_RECORDS
     after_step: Annotated[int | None, Field(strict=True, description="After this step."),
                           Cli(metavar="N")] = None
     follow_resumes: Annotated[bool, Field(strict=True, description="Also the runs it resumed.")] = False
@@ -190,7 +294,7 @@ class CompareArgs(ToolArgs):
 class ResumeArgs(ToolArgs):
     run_id: RunId
     step: Step = None
-    nproc: Annotated[int | None, Field(strict=True, description="Default: as the run.")] = None
+    nproc: Annotated[Nproc | None, Field(strict=True, description="Default: as the run.")] = None
     code: Annotated[Literal["checkpoint", "head"],
                     Field(description="checkpoint: the run's code; head: the recipe now.")] = "checkpoint"
     overrides: Annotated[dict[str, Any] | None, Field(description="As launch_run's."), KeyValues] = None
@@ -207,11 +311,12 @@ class ExportArgs(ToolArgs):
 
 class SampleArgs(ToolArgs):
     run_id: RunId
-    prompts: Annotated[list[str], Field(description=f"Up to {MAX_PROMPTS}"),
+    prompts: Annotated[list[str], Field(description=f"Up to {MAX_PROMPTS}"), checked_by(check_prompts),
                        Cli(flag="--prompt", metavar="TEXT", repeat=True, more="Repeatable.")]
     step: Step = None
-    max_new_tokens: Annotated[int, Field(strict=True, description=f"1-{MAX_NEW_TOKENS}.")] = 64
-    temperature: Annotated[float, Field(strict=True, description="0: greedy.")] = 0.0
+    max_new_tokens: Annotated[int, Field(strict=True, description=f"1-{MAX_NEW_TOKENS}."),
+                              checked_by(check_max_new_tokens)] = 64
+    temperature: Annotated[float, Field(strict=True, description="0: greedy."), checked_by(check_temperature)] = 0.0
     think: Annotated[bool | None, Field(description="The template's enable_thinking.")] = None  # None: its default
     images: Annotated[list[str], Field(description="One per prompt (VLM)."),
                       Cli(flag="--image", metavar="PATH", repeat=True, more="Workspace file; repeatable.")] = []
@@ -221,4 +326,6 @@ class EvaluateArgs(ToolArgs):
     run_id: RunId
     step: Step = None
     data: Annotated[list[str] | None, Field(description="Files; default: the held-out split."),
+                    must(within(1, MAX_DATA_PATHS, size=True),
+                         f"a path or a list of 1 to {MAX_DATA_PATHS} paths in the workspace"),
                     Cli(metavar="PATH", repeat=True, more="Files or folders; repeatable.")] = None

@@ -29,7 +29,7 @@ from pydantic.fields import FieldInfo
 from engine.errors import (EXIT_INTERNAL, EXIT_MEANINGS, EXIT_OK, EXIT_RUN_FAILED, EXIT_STOPPED, BadInput, TrainwrightError)
 from mcp_server import terminal
 from mcp_server.following import AFTER, DownloadBar, WaitLines, emit, said_once
-from mcp_server.arguments import Cli
+from mcp_server.arguments import Cli, invalid, refusal
 from mcp_server.declarations import TOOLS, Report, ToolSpec
 
 EPILOG = ("exit codes: " + ", ".join(f"{code} {meaning}" for code, meaning in EXIT_MEANINGS.items())
@@ -94,8 +94,7 @@ def tool_arguments(spec: ToolSpec, args: argparse.Namespace) -> Any:
     try:
         return spec.args.model_validate(given)
     except ValidationError as e:
-        problems = "; ".join(f"{'.'.join(str(p) for p in err['loc'])}: {err['msg']}" for err in e.errors())
-        raise BadInput(f"{' '.join(spec.command)}: {problems}") from None
+        raise refusal(e) or BadInput(f"{' '.join(spec.command)}: {invalid(e)}") from None
 
 
 def cli_of(field: FieldInfo) -> Cli:

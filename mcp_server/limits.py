@@ -6,18 +6,25 @@ diffs and documents are cut at ``MAX_DIFF_CHARS`` / ``MAX_DOC_CHARS``, metrics t
 details and lists keep the newest that fit, and each says when it cut. Asking for more (a
 larger ``n`` or ``limit``) is allowed up to ``MAX_RESULT_CHARS``; :meth:`mcp_server.server.Tools.call`
 refuses, rather than sends, anything larger.
+
+Each bound is defined once: the server's here (the arguments models of
+:mod:`mcp_server.arguments` check a tool's arguments against them), the error family's
+``MAX_ERROR_CHARS`` in :mod:`engine.errors` (the engine cannot import the server; it is
+re-exported here), the seam's (prompts, tokens, data paths) in :mod:`engine.seams`.
 """
 
 from __future__ import annotations
 
 import json
+import os
 from typing import Any
+
+from engine.errors import MAX_ERROR_CHARS as MAX_ERROR_CHARS  # an error message, bounded with the error family
 
 AGENT_BUDGET_CHARS = 8_000  # a default result, as JSON: ≈ 2k tokens
 MAX_DIFF_CHARS = 5_000
 MAX_DOC_CHARS = 6_000
 MAX_RESULT_CHARS = 60_000  # ≈ 15–20k tokens of JSON, when the caller asks for more
-MAX_ERROR_CHARS = 2_000  # an error message (it may echo the caller's input)
 MAX_RUN_ERROR_CHARS = 1_000  # a run's error as get_run shows it (its console tail says more)
 MAX_ARGUMENTS_CHARS = 100_000  # the arguments of one tool call, as JSON
 MAX_CONCURRENT_CHECKS = 2  # describe_recipe's launch-check processes at once; more callers wait in turn
@@ -29,8 +36,14 @@ MAX_HTTP_CONNECTIONS = 128  # serve --http: open connections; one more is closed
 # MCP clients give up on a call after about 60 s (some even while progress arrives): by default
 # a wait returns before that, with the run's status so far, and the agent calls again.
 DEFAULT_WAIT_S = 45
+# How often the server looks at a followed run's directory: wait_run, subscriptions, the A/B's waits.
+POLL_S = 0.5
 MAX_WAIT_S = 600
 MAX_LIST_RUNS = 100  # list_runs' limit
+MAX_NPROC = max(8, os.cpu_count() or 1)  # a run's processes per node
+MAX_DEVICE_MEMORY_GIB = 1 << 20  # estimate_run's device_memory_gib
+MAX_KEYS_ASKED = 50  # describe_recipe(keys=...)
+MAX_KEY_CHARS = 200  # a dotted config key; a longer one is refused before it is compared with any
 DEFAULT_TAIL_RECORDS = 10  # ≈ 4 KB as an agent reads it: a default result stays under 8 KB
 MAX_TAIL_RECORDS = 200
 # `trainwright ab`: an A/B is short (2 × rounds runs); the first logging window of each run is its

@@ -42,10 +42,10 @@ from runner import server_record as sr
 from workspace.workspace import RECORD_JSON
 from engine.errors import TrainwrightError
 from mcp_server import clients
+from mcp_server.limits import POLL_S
 from sandbox.redact import shown
 from workspace.workspace import Workspace
 
-POLL_S = 0.5
 STATUS_RECHECK_S = 2.0  # a supervisor that dies changes no file: its run's status is read this often
 MAX_SUBSCRIPTIONS = 32
 DELIVERY_S = 2.0  # the longest one subscriber's updates of one poll may take to send

@@ -38,6 +38,7 @@ import skills as skill_library
 from engine import run_dir as rd
 from engine.errors import TrainwrightError
 from mcp_server import clients, run_view, workflows
+from mcp_server.arguments import refusal
 from mcp_server.declarations import TOOLS, Report, ToolSpec
 from mcp_server.limits import MAX_ARGUMENTS_CHARS, MAX_ERROR_CHARS, MAX_RESULT_CHARS, MAX_TAIL_RECORDS, bounded, json_chars
 from mcp_server.live import LiveRuns
@@ -281,7 +282,8 @@ class AuditedServer(MCPServer):
                                     f"({type(e.__cause__ or e).__name__}); the server log has the traceback")
                 self.tools.audit.record(str(name)[:100], arguments, "error", error=message)
                 raise ToolError(message) from None
-            text = shown(str(e))  # schema validation: it may echo the input
+            own = refusal(e.__cause__)  # a field's own check (mcp_server.arguments): its message alone
+            text = shown(str(own if own is not None else e))  # schema validation: it may echo the input
             prefix = printable(f"Error executing tool {name}: ")
             message = prefix + "bad_input: " + (text[len(prefix):] if text.startswith(prefix) else text)
             self.tools.audit.record(str(name)[:100], arguments, "error", error=message)

@@ -33,7 +33,7 @@ from typing import Any, Callable, Iterable, Mapping
 
 from engine import run_dir as rd
 from engine.data_files import HUB_DATASETS_VARIABLE, HUB_MODELS_VARIABLE
-from engine.errors import BadInput, NotFound
+from engine.errors import MAX_QUOTED_CHARS, BadInput, NotFound
 
 MODEL_KEY = "model.pretrained_path"
 DATASET_KEY = "data.dataset"
@@ -291,11 +291,11 @@ def resolve(ref: HubRef, *, commit: str | None = None, allow_pickled: bool = Fal
             + (" (HF_HUB_OFFLINE is set)" if _offline(env) else "")
         ) from None
     except hf_errors.HfHubHTTPError as e:
-        raise BadInput(f"the Hub refused {shown}: {str(e).splitlines()[0][:300]}") from None
+        raise BadInput(f"the Hub refused {shown}: {str(e).splitlines()[0][:MAX_QUOTED_CHARS]}") from None
     except _transport_errors() as e:  # the network, or the cache's disk
         where = f" at {endpoint}" if endpoint else ""
         raise BadInput(f"{shown} could not be downloaded: the Hub{where} cannot be reached or the cache cannot be "
-                       f"written ({type(e).__name__}: {str(e)[:300]}); check the network and HF_ENDPOINT, or use a "
+                       f"written ({type(e).__name__}: {str(e)[:MAX_QUOTED_CHARS]}); check the network and HF_ENDPOINT, or use a "
                        "model already in the cache with HF_HUB_OFFLINE=1") from None
     if revision != sha:
         _remember_revision(Path(path), revision, sha)

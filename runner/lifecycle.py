@@ -37,7 +37,7 @@ from runner import server_record as sr
 from workspace.workspace import data_cache_dir, record_dir, records_root
 from engine.config import override_args
 from engine.data_files import DATA_CACHE_VARIABLE, WORKSPACE_VARIABLE
-from engine.errors import BadInput, LaunchRefused
+from engine.errors import MAX_ERROR_CHARS, BadInput, LaunchRefused
 from engine.openmp import sleep_while_waiting
 from engine.seams import LaunchVerdict, read_verdict
 from sandbox import bwrap
@@ -54,7 +54,6 @@ from runner.scripts import ScriptLaunch, script_command
 __all__ = ["LaunchPlan", "LaunchRefused", "RunLimits", "check_launch", "engine_command", "start_run", "stop_run"]
 
 CHECK_TIMEOUT_S = 180
-MAX_CHECK_ERROR_CHARS = 2000
 
 
 def engine_command(
@@ -142,7 +141,7 @@ def check_launch(
     verdict = read_verdict(stdout)
     if verdict is None:
         last = (stderr.strip().splitlines() or ["no output"])[-1]
-        raise LaunchRefused(f"the engine could not check the recipe: {last[:MAX_CHECK_ERROR_CHARS]}")
+        raise LaunchRefused(f"the engine could not check the recipe: {last[:MAX_ERROR_CHARS]}")
     return verdict
 
 
@@ -342,7 +341,7 @@ def _prepared(workspace: Path, plan: LaunchPlan, run_id: str, run_dir: Path, sna
         snapshot_digest=digest,
         command=command,
         rdzv_id=rdzv_id if nodes.multi else None,
-        sandbox=rd.SandboxView(
+        sandbox=rd.SandboxMounts(
             bwrap=bwrap.find_bwrap(), read_only=[str(p) for p in visible],
             writable=[str(p) for p in dict.fromkeys([run_dir, engine_dir, data_cache_dir(workspace, create=True)])],
             hidden=[str(p) for p in hidden_state(workspace)],

@@ -28,9 +28,8 @@ from engine import run_dir as rd
 from engine import run_checkpoints
 from runner import server_record as sr
 from engine.data_files import WORKSPACE_VARIABLE
-from engine.errors import BadInput, NotFound
+from engine.errors import MAX_ERROR_CHARS, BadInput, NotFound
 from engine.seams import (
-    MAX_ERROR_CHARS,
     EvaluateOutcome,
     ExportOutcome,
     ModelOutcome,

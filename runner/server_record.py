@@ -43,7 +43,6 @@ from workspace.settings import RunLimits
 from workspace.workspace import RECORD_JSON, record_dir
 
 _RECORD_LOCK = ".record.json.lock"
-MAX_RECORD_BYTES = 16 * 2**20
 # A run whose supervisor has not been recorded this long after its creation never got one (the
 # launcher died in between): it is not running.
 STARTING_GRACE_S = 60.0
@@ -208,7 +207,7 @@ def _owners() -> dict[str, rd.Owner]:
 
 
 OWNERS = _owners()
-# The fields of a run's view that come from its own report (run.json), not from the server; and
+# The fields of what tools show of a run that come from its own report (run.json), not from the server; and
 # those that come from it when it gives one (the data summary: the engine counts again when the
 # data changed after the check).
 REPORTED_FIELDS = tuple(n for n, o in OWNERS.items() if o.writer == "run" and not o.when_given)
@@ -263,7 +262,7 @@ def create_record(folder: Path, record: ServerRecord) -> None:
 def read_record(folder: Path) -> ServerRecord:
     """The server's record in ``folder``. FileNotFoundError when there is none; OSError when it
     cannot be read; ValueError when it is not a record (never quoting it)."""
-    data = run_files.read_bounded(Path(folder) / RECORD_JSON, MAX_RECORD_BYTES, f"the server's record of {Path(folder).name}")
+    data = run_files.read_bounded(Path(folder) / RECORD_JSON, rd.MAX_RECORD_BYTES, f"the server's record of {Path(folder).name}")
     try:
         return ServerRecord.model_validate_json(data)
     except ValidationError as e:

@@ -32,7 +32,7 @@ from engine import run_dir as rd
 from runner import server_record as sr
 from workspace.workspace import data_cache_dir, record_dir
 from engine.data_files import DATA_CACHE_VARIABLE, WORKSPACE_VARIABLE
-from engine.errors import BadInput
+from engine.errors import MAX_QUOTED_CHARS, BadInput
 from sandbox.environment import THREADS_VARIABLE, run_environment
 from runner.processes import RUN_ID_VARIABLE
 from runner.nodes import DEFAULT_RDZV_PORT, Nodes
@@ -322,7 +322,7 @@ def cancel(folder: Path, env: Mapping[str, str]) -> sr.ServerRecord:
             raise BadInput(f"scancel could not be run ({e}); the job {job} may still run") from None
         if result.returncode != 0:
             last = (result.stderr.strip().splitlines() or [f"exit status {result.returncode}"])[-1]
-            raise BadInput(f"scancel {job} failed: {last[:300]}; the job may still run")
+            raise BadInput(f"scancel {job} failed: {last[:MAX_QUOTED_CHARS]}; the job may still run")
     fields: dict[str, Any] = {"status": rd.STOPPED, "stop_requested": True,
                               "reason": f"cancelled (scancel {job})" if job else "stopped by request"}
     if job:  # scancel only asks: the job's processes end after SLURM's signals

@@ -32,6 +32,7 @@ from pathlib import Path
 
 from engine import run_dir as rd
 from engine import run_metrics
+from engine.errors import MAX_ERROR_CHARS
 from runner import server_record as sr
 from sandbox import bwrap
 from workspace.git import add_note
@@ -86,11 +87,11 @@ class Supervisor:
         become_subreaper()
         network = self.limits.network
         workspace = self.record.workspace
-        view = self.record.sandbox
-        if view is None:  # a record made without a launcher's view: the workspace, read-only
-            view = rd.SandboxView(bwrap=bwrap.find_bwrap(), read_only=[workspace] if workspace else [],
-                                  writable=[str(self.run_dir)])
-        writable_record = [w for w in view.writable if bwrap.under(self.record_dir, Path(os.path.abspath(w)))]
+        mounts = self.record.sandbox
+        if mounts is None:  # a record made without a launcher's mounts: the workspace, read-only
+            mounts = rd.SandboxMounts(bwrap=bwrap.find_bwrap(), read_only=[workspace] if workspace else [],
+                                    writable=[str(self.run_dir)])
+        writable_record = [w for w in mounts.writable if bwrap.under(self.record_dir, Path(os.path.abspath(w)))]
         if writable_record:  # the run could then rewrite what the server trusts
             raise ValueError(f"the run's writable folder {writable_record[0]} holds the server's record of it")
         shared_because = bwrap.SHARED_NETWORK_REASON
@@ -98,10 +99,10 @@ class Supervisor:
             shared_because = (f"a run over {self.record.nnodes} nodes uses the host's network for its rendezvous "
                               f"({self.record.rdzv_endpoint}) and collectives")
         wrapped = bwrap.wrap(
-            self.record.command, view.read_only, view.writable, network=network, cwd=self.working_dir(),
+            self.record.command, mounts.read_only, mounts.writable, network=network, cwd=self.working_dir(),
             # Recorded by the server (None: the sandbox is disabled there); the run's own
             # environment does not choose it.
-            bwrap=view.bwrap or "", hidden=view.hidden, network_reason=shared_because,
+            bwrap=mounts.bwrap or "", hidden=mounts.hidden, network_reason=shared_because,
         )
         self.sandboxed = wrapped.sandboxed
         if wrapped.sandboxed:
@@ -281,7 +282,7 @@ class Supervisor:
                     f"node {record.node_rank} of a run over {record.nnodes} nodes failed; a run over several nodes "
                     f"fails when any node fails or leaves (rendezvous {record.rdzv_id} at {record.rdzv_endpoint}): "
                     f"{fields['error']}"
-                )[:2000]
+                )[:MAX_ERROR_CHARS]
         record = self.record_fields(**fields)
         print(f"[trainwright] run {record.id} {record.status} (exit code {code})", flush=True)
         self.write_git_note(record)
@@ -336,7 +337,7 @@ def _reported_error(run_dir: Path) -> str | None:
         error = rd.read_run(run_dir).error
     except (OSError, ValueError):
         return None
-    return _CONTROL.sub(" ", error)[:2000] if error else None
+    return _CONTROL.sub(" ", error)[:MAX_ERROR_CHARS] if error else None
 
 
 def failure_error(reported: str | None, code: int, run_dir: Path, free: int | None = None) -> str:

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
-from engine.errors import BadInput, NotFound
+from engine.errors import MAX_QUOTED_CHARS, BadInput, NotFound
 from sandbox.environment import looks_secret
 from sandbox.redact import secret_values
 from workspace.files import as_before_on_failure, write_atomically, write_files
@@ -288,7 +288,7 @@ def commit_paths(repo: git.Repo, paths: list[Path], message: str, trailers: list
             except git.GitCommandError:
                 pass  # no HEAD yet, or the index is locked: nothing was staged by us then
             detail = (str(e.stderr or e).strip().splitlines() or ["unknown error"])[-1]
-            raise GitRefused(f"git could not commit the change ({detail[:300]}); nothing was committed") from None
+            raise GitRefused(f"git could not commit the change ({detail[:MAX_QUOTED_CHARS]}); nothing was committed") from None
     return repo.head.commit.hexsha
 
 

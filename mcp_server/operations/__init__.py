@@ -1,5 +1,10 @@
 """The operations behind the MCP tools and the CLI commands: one function per tool.
 
+An operation takes the values its tool's arguments model (:mod:`mcp_server.arguments`) validated:
+types, bounds and choices are checked there, once, by the MCP binding and the CLI alike. An
+operation checks only what needs the workspace (names, paths, runs, recipes, git). A Python
+caller with values from elsewhere validates them first (``TailArgs.checked(run_id=..., n=...)``).
+
 - ``skills``       list, show, apply a skill (one reviewable commit)
 - ``recipes``      list templates, scaffold a recipe from one
 - ``recipe_info``  a recipe's config keys, the workspace's recipes

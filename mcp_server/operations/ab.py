@@ -30,7 +30,8 @@ from engine import run_dir as rd
 from engine import run_metrics
 from engine.config import Overrides
 from engine.errors import BadInput
-from mcp_server.limits import AB_DEFAULT_ROUNDS, AB_MAX_ROUNDS, AB_MAX_STEPS, AB_MIN_STEPS
+from mcp_server.arguments import LaunchRunArgs
+from mcp_server.limits import AB_DEFAULT_ROUNDS, AB_MAX_ROUNDS, AB_MAX_STEPS, AB_MIN_STEPS, POLL_S
 from mcp_server.models import AbResult, AbRound, AbRun, MetricVerdict
 from mcp_server.operations import compare
 from mcp_server.operations import launch as launching
@@ -41,7 +42,6 @@ from workspace.workspace import Workspace
 
 DEFAULT_ROUNDS, MAX_ROUNDS, MIN_STEPS, MAX_STEPS = AB_DEFAULT_ROUNDS, AB_MAX_ROUNDS, AB_MIN_STEPS, AB_MAX_STEPS
 WINDOWS = 10  # logging windows per run, unless train.log_every is set
-POLL_S = 0.5
 PROGRESS_EVERY_S = 5.0
 
 Progress = Callable[[str], None]
@@ -71,7 +71,7 @@ def ab(
     given = launching.checked_overrides(ws, overrides)
     if "train.max_steps" in given:
         raise BadInput("--steps sets train.max_steps of every run of the A/B: leave it out of the overrides")
-    launching.check_nproc(nproc)
+    LaunchRunArgs.checked(recipe=label, nproc=nproc)  # as launch_run checks it, before the first run
     repo = workspace_git.open_repo(ws.root)
     if repo is None:
         raise workspace_git.GitRefused("the workspace is not a git repository: an A/B runs a skill's commit and the "
@@ -172,7 +172,7 @@ def _skill_commit(repo: Any, recipe_dir: Any, skill: str, label: str) -> tuple[s
         for key, value in commit.trailers:
             if key == workspace_git.SKILL_APPLIED_TRAILER and workspace_git.applied_skill_name(value) == skill:
                 return value, commit.sha, later
-    raise BadInput(f"{skill} is not applied to {label} (no commit of it has a Skill-Applied: {skill} trailer), so no "
+    raise BadInput(f"{skill} is not applied to {label} (no commit of it has a {workspace_git.SKILL_APPLIED_TRAILER}: {skill} trailer), so no "
                    f"commit holds its change to measure; apply it first (`trainwright apply {skill} {label}`, or "
                    "apply_skill), then run the A/B")
 

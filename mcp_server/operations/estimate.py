@@ -14,26 +14,19 @@ from typing import Any
 from pydantic import ValidationError
 
 from engine.config import Overrides, override_args
-from engine.errors import BadInput
 from mcp_server.models import EstimateFigures, EstimateResult
-from mcp_server.operations.launch import bind_hub_models, check_nproc, checked_overrides
+from mcp_server.operations.launch import bind_hub_models, checked_overrides
 from runner import hub
 from runner import lifecycle as run_lifecycle
 from workspace.workspace import Workspace
 
-DEVICES = ("cpu", "cuda")
-MAX_DEVICE_MEMORY_GIB = 1 << 20
 
 
 def estimate_run(ws: Workspace, recipe: str, overrides: Overrides = None, nproc: int = 1, device: str = "cpu",
                  device_memory_gib: float | None = None) -> EstimateResult:
-    if device not in DEVICES:
-        raise BadInput(f"device must be one of {', '.join(DEVICES)}, got {device!r}")
-    if device_memory_gib is not None and (isinstance(device_memory_gib, bool) or not isinstance(
-            device_memory_gib, (int, float)) or not 0 < device_memory_gib <= MAX_DEVICE_MEMORY_GIB):
-        raise BadInput(f"device_memory_gib must be a number of GiB above 0, got {device_memory_gib!r}")
+    """The estimate of a run of ``recipe``, its arguments as :class:`~mcp_server.arguments.EstimateArgs`
+    checked them."""
     recipe_dir = ws.recipe(recipe)
-    nproc = check_nproc(nproc)
     flat = checked_overrides(ws, overrides)
     limits = ws.run_limits()
     # The model is built from its config on the meta device: its weights are never downloaded.

@@ -19,12 +19,11 @@ Reading runs is :mod:`mcp_server.operations.runs`.
 from __future__ import annotations
 
 import contextlib
-import os
 import shutil
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Literal
 
 from engine import run_dir as rd
 from engine import run_checkpoints
@@ -46,10 +45,6 @@ from runner.provenance import CodeOrigin, check_snapshot_unchanged, code_at_comm
 from workspace.paths import confine_config
 from workspace.settings import RunLimits
 from workspace.workspace import RunSource, Workspace
-
-MAX_NPROC = max(8, os.cpu_count() or 1)
-TARGETS = ("local", "slurm")
-CODE_CHOICES = ("checkpoint", "head")
 
 Review = Callable[[LaunchVerdict], list[str]]
 
@@ -160,7 +155,7 @@ def launch_run(
     limits: RunLimits | None = None,
     nnodes: int = 1,
     rdzv: dict[str, Any] | None = None,
-    target: str = "local",
+    target: rd.RunTarget = "local",
     slurm: dict[str, Any] | None = None,
     progress: hub.Progress | None = None,
     args: list[str] | None = None,
@@ -178,8 +173,6 @@ def launch_run(
     run a SLURM job over ``nnodes`` nodes instead (``slurm``: partition, time, gpus_per_node,
     rdzv_port; :mod:`runner.slurm`). A ``model.pretrained_path`` that is a Hub id is downloaded
     first (:mod:`runner.hub`), with ``progress`` called on the way."""
-    if target not in TARGETS:
-        raise BadInput(f"target must be one of {', '.join(TARGETS)}, got {target!r}")
     source = ws.run_source(recipe)
     if source.script is not None:
         _check_script_arguments(commit, overrides, nnodes != 1 or rdzv or target != "local" or slurm)
@@ -191,7 +184,6 @@ def launch_run(
     if commit and nodes.node_rank > 0:
         raise BadInput("a joining node runs node 0's code: leave commit out")
     recipe_dir = ws.recipe(recipe)
-    nproc = check_nproc(nproc)
     flat = checked_overrides(ws, overrides)
     with contextlib.ExitStack() as code:
         if commit:
@@ -225,7 +217,6 @@ def script_launch(ws: Workspace, source: RunSource, nproc: int, args: object, re
     """A run of the user's own script (:mod:`runner.scripts`) from a snapshot of it as it is
     now, in the sandbox and with the limits of every run; nothing imports it first."""
     assert source.script is not None
-    nproc = check_nproc(nproc)
     script = scripts.ScriptLaunch(source.script, scripts.check_args(args), scripts.check_resume_arg(resume_arg),
                                   source.alone)
     code = source.code_dir / source.script if source.alone else source.code_dir
@@ -266,7 +257,7 @@ def resume_checkpoint(
     nproc: int | None = None,
     overrides: Overrides = None,
     limits: RunLimits | None = None,
-    code: str = "checkpoint",
+    code: Literal["checkpoint", "head"] = "checkpoint",
     progress: hub.Progress | None = None,
 ) -> LaunchRunResult:
     """A new run that continues ``run_id`` from its checkpoint at ``step`` (default: latest).
@@ -278,8 +269,6 @@ def resume_checkpoint(
     original recorded (downloaded again if the cache lost it). A SLURM job's resume is a job
     again, on as many nodes, with the job's slurm settings.
     """
-    if code not in CODE_CHOICES:
-        raise BadInput(f"code must be one of {', '.join(CODE_CHOICES)}, got {code!r}")
     source_dir, source = known_run(ws, run_id)
     if source.kind == rd.SCRIPT:
         return launch(ws, _script_resume(ws, source_dir, source, step, nproc, overrides, code), limits)
@@ -287,14 +276,14 @@ def resume_checkpoint(
     if not source.config:
         raise NotFound(f"run {run_id} recorded no config, so it cannot be resumed")
     code_dir, origin = _resumed_code(ws, source_dir, source, code)
-    nproc = check_nproc(source.nproc if nproc is None else nproc)
+    nproc = source.nproc if nproc is None else nproc
     flat = checked_overrides(ws, overrides)
     limits, warnings = run_limits(ws, limits)
     same_shape = nproc == source.nproc and not limits.threads_per_process
     # A SLURM job's resume is a job again: on as many nodes, with the job's slurm settings.
     job = source.target == "slurm"
     request = Launch(
-        code_dir, source.recipe, origin, nproc, flat, code_from=_code_from(code),
+        code_dir, source.recipe, origin, nproc, flat, code_from=code,
         nodes=Nodes(nnodes=source.nnodes) if job else Nodes(),
         slurm=slurm_jobs.check_options(source.slurm_options) if job else None,
         resumed_from=rd.ResumedFrom(run_id=source.id, step=chosen_step, path=str(checkpoint)), continues=source,
@@ -304,11 +293,6 @@ def resume_checkpoint(
         review=_resume_review(source, chosen_step),
     )
     return start(ws, plan(ws, request, limits, warnings, progress), request.slurm)
-
-
-def _code_from(code: str) -> rd.CodeFrom:
-    """``resume_checkpoint``'s ``code`` (checked against :data:`CODE_CHOICES`) as the record says it."""
-    return "checkpoint" if code == "checkpoint" else "head"
 
 
 def _resumed_code(ws: Workspace, source_dir: Path, source: sr.ServerRecord, code: str) -> tuple[Path, CodeOrigin]:
@@ -328,7 +312,7 @@ def _resumed_code(ws: Workspace, source_dir: Path, source: sr.ServerRecord, code
 
 
 def _script_resume(ws: Workspace, source_dir: Path, source: sr.ServerRecord, step: object, nproc: int | None,
-                   overrides: Overrides, code: str) -> Launch:
+                   overrides: Overrides, code: Literal["checkpoint", "head"]) -> Launch:
     """A new run of a script run's script with the checkpoint's path after its ``resume_arg``
     (the script reads its own checkpoint; how well it continues is the script's doing)."""
     if not source.started_by_server:
@@ -354,8 +338,8 @@ def _script_resume(ws: Workspace, source_dir: Path, source: sr.ServerRecord, ste
                                else launch_from.code_dir)
     assert launch_from.script is not None
     return Launch(
-        launch_from.code_dir, source.recipe, origin, check_nproc(source.nproc if nproc is None else nproc),
-        code_from=_code_from(code), resumed_from=rd.ResumedFrom(run_id=source.id, step=chosen_step, path=str(checkpoint)),
+        launch_from.code_dir, source.recipe, origin, source.nproc if nproc is None else nproc,
+        code_from=code, resumed_from=rd.ResumedFrom(run_id=source.id, step=chosen_step, path=str(checkpoint)),
         script=scripts.ScriptLaunch(launch_from.script, args, source.resume_arg, launch_from.alone),
     )
 
@@ -363,14 +347,6 @@ def _script_resume(ws: Workspace, source_dir: Path, source: sr.ServerRecord, ste
 # ---------------------------------------------------------------------------------------------
 # Inputs, checked where they come in
 # ---------------------------------------------------------------------------------------------
-
-
-def check_nproc(nproc: object) -> int:
-    if isinstance(nproc, bool) or not isinstance(nproc, int):
-        raise BadInput(f"nproc must be an integer, got {nproc!r}")
-    if not 1 <= nproc <= MAX_NPROC:
-        raise BadInput(f"nproc must be between 1 and {MAX_NPROC}, got {nproc}")
-    return nproc
 
 
 def checked_overrides(ws: Workspace, overrides: Overrides) -> dict[str, Any]:

@@ -43,8 +43,6 @@ from workspace.workspace import Workspace
 MAX_DESCRIBE_BYTES = AGENT_BUDGET_CHARS
 DESCRIPTION_LIMITS = (160, 80, 60, 40, 30, 20, 0)  # characters kept per description, tried in turn
 MAX_SKILLS_SHOWN = 50
-MAX_KEYS_ASKED = 50  # describe_recipe(keys=...)
-MAX_KEY_CHARS = 200  # a dotted config key; a longer one is refused before it is compared with any
 MAX_RECIPES = 100
 MAX_SUMMARY_FIELD_CHARS = 200  # a folder name, a commit subject
 MAX_SEARCH_DEPTH = 4
@@ -274,16 +272,9 @@ def _template(name: str) -> Path | None:
 
 
 def _key_prefixes(keys: list[str] | None) -> tuple[str, ...]:
-    if not keys:
-        return ()
-    if len(keys) > MAX_KEYS_ASKED:
-        raise BadInput(f"keys: at most {MAX_KEYS_ASKED}, got {len(keys)}")
-    if any(len(k) > MAX_KEY_CHARS for k in keys):
-        raise BadInput(f"keys: a key has at most {MAX_KEY_CHARS} characters (a dotted config key such as optim.lr)")
-    cleaned = tuple(k.strip().strip(".") for k in keys)
-    if not all(cleaned):
-        raise BadInput("keys: an empty key; give dotted keys or their start (train, train.lr)")
-    return cleaned
+    """The keys asked for (as :class:`~mcp_server.arguments.DescribeArgs` checked them), each as
+    a dotted prefix."""
+    return tuple(k.strip().strip(".") for k in keys or ())
 
 
 def _selected(fields: list, prefixes: tuple[str, ...]) -> list:

@@ -134,8 +134,6 @@ def scaffold_recipe(
     destination = ws.recipes_dir / name
     if destination.exists():
         raise BadInput(f"recipes/{name} already exists; choose another name")
-    if config is not None and not isinstance(config, dict):
-        raise BadInput('config must be a mapping of dotted config keys to values, e.g. {"train.max_steps": 500}')
     flat = overrides_to_dict(config)
     confine_config(ws.root, flat)
     specs = _skill_specs(skills)

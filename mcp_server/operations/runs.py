@@ -20,13 +20,11 @@ from engine import run_checkpoints
 from engine import run_metrics
 from runner import server_record as sr
 from workspace.workspace import has_record
-from engine.errors import BadInput
+from engine.errors import MAX_QUOTED_CHARS, BadInput
 from mcp_server.limits import (
     AGENT_BUDGET_CHARS,
     DEFAULT_TAIL_RECORDS,
-    MAX_LIST_RUNS,
     MAX_RUN_ERROR_CHARS,
-    MAX_TAIL_RECORDS,
     bounded,
     bounded_mapping,
     cut_strings,
@@ -57,7 +55,7 @@ MAX_UNUSABLE_SHOWN = 10  # list_checkpoints' checkpoints that are not complete, 
 MAX_DESTINATIONS = 10
 MAX_RUN_INFO_CHECKPOINTS = 10
 MAX_RECORD_CHARS = 1500
-MAX_SHOWN_WARNINGS, MAX_WARNING_CHARS = 5, 300
+MAX_SHOWN_WARNINGS, MAX_SHOWN_WARNING_CHARS = 5, 300  # get_run's warnings (run.json keeps them longer)
 MAX_CONFIG_CHARS = 1200
 # run.json is written by the run as well as by trainwright, and data paths come from a recipe's
 # config.yaml: every other text of a run, as returned, is cut to this many characters.
@@ -72,7 +70,7 @@ def known_run(ws: Workspace, run_id: object) -> tuple[Path, sr.ServerRecord]:
         return run_dir, sr.known_run(ws.root, run_dir)
     except (OSError, ValueError) as e:  # no server record, and a run.json that is not one
         why = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
-        raise BadInput(f"run {run_id} cannot be read ({why[:300]})") from None
+        raise BadInput(f"run {run_id} cannot be read ({why[:MAX_QUOTED_CHARS]})") from None
 
 
 MAX_HUB_MODELS_SHOWN = 4
@@ -210,7 +208,7 @@ def _data(record: rd.RunRecord) -> dict[str, Any] | None:
 
 
 def _shown_warnings(warnings: list[str]) -> list[str]:
-    shown = [bounded(w, MAX_WARNING_CHARS)[0] for w in warnings[:MAX_SHOWN_WARNINGS]]
+    shown = [bounded(w, MAX_SHOWN_WARNING_CHARS)[0] for w in warnings[:MAX_SHOWN_WARNINGS]]
     if len(warnings) > MAX_SHOWN_WARNINGS:
         shown.append(f"… and {len(warnings) - MAX_SHOWN_WARNINGS} more warnings (runs/<id>/run.json)")
     return shown
@@ -249,8 +247,6 @@ def tail_text(path: Path, max_bytes: int) -> str | None:
 
 
 def list_runs(ws: Workspace, limit: int = 20) -> RunList:
-    if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= MAX_LIST_RUNS:
-        raise BadInput(f"limit must be an integer between 1 and {MAX_LIST_RUNS}")
     run_ids = ws.run_ids()
     summaries = []
     for run_id in run_ids[:limit]:
@@ -271,7 +267,7 @@ def _summary(ws: Workspace, run_id: str) -> RunSummary:
     return RunSummary(
         run_id=run_id,
         status=record.effective_status(),
-        recipe=record.recipe[:300],
+        recipe=record.recipe[:MAX_FIELD_CHARS],
         created_at=record.created_at,
         step=latest["step"] if latest else None,
         max_steps=record.max_steps,
@@ -300,10 +296,6 @@ def tail_metrics(
 ) -> MetricsTail:
     """The latest ``n`` records (after ``after_step``); with ``follow_resumes``, of the run's
     whole history: the runs it was resumed from, each up to the step the next one took over."""
-    if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_TAIL_RECORDS:
-        raise BadInput(f"n must be an integer between 1 and {MAX_TAIL_RECORDS}")
-    if after_step is not None and (isinstance(after_step, bool) or not isinstance(after_step, int)):
-        raise BadInput(f"after_step must be an integer or null, got {after_step!r}")
     run_dir = ws.run_dir(run_id)
     resumes: list[ResumePoint] = []
     if follow_resumes:

@@ -62,7 +62,7 @@ def apply_skill(
     file is changed and no commit is made. The file is replaced atomically, under the
     workspace's change lock: a server killed mid-call leaves the recipe as before or as after.
     """
-    info, recipe_path = _checked(ws, skill, recipe, params)  # refuse bad input before the lock
+    info, recipe_path = _checked(ws, skill, recipe)  # refuse bad input before the lock
     if dry_run:
         return _apply(ws, info, recipe_path, params, dry_run, commit)
     with ws.changing():
@@ -78,7 +78,7 @@ def apply_skill_unlocked(
     commit: bool = True,
 ) -> ApplySkillResult:
     """:func:`apply_skill` for a caller that holds the change lock (or makes a dry run)."""
-    info, recipe_path = _checked(ws, skill, recipe, params)
+    info, recipe_path = _checked(ws, skill, recipe)
     return _apply(ws, info, recipe_path, params, dry_run, commit)
 
 
@@ -87,21 +87,15 @@ def with_target(params: dict[str, Any] | None, target: str | None) -> dict[str, 
     ``--target``): the model (``self._model``, ``file.py:LINE``) the skill should act on."""
     if target is None:
         return params
-    if params is not None and not isinstance(params, dict):
-        raise BadInput("params must be a mapping of parameter names to values")
     given = (params or {}).get("target")
     if given is not None and given != target:
         raise BadInput(f"target is given twice: {target!r} and params.target={given!r}; give one")
     return {**(params or {}), "target": target}
 
 
-def _checked(ws: Workspace, skill: str, recipe: str,
-             params: dict[str, Any] | None) -> tuple[skill_library.SkillCard, Path]:
+def _checked(ws: Workspace, skill: str, recipe: str) -> tuple[skill_library.SkillCard, Path]:
     check_name(skill, "skill")
-    info = skill_library.get_skill_card(skill)
-    if params is not None and not isinstance(params, dict):
-        raise BadInput("params must be a mapping of parameter names to values")
-    return info, ws.recipe_or_script(recipe)
+    return skill_library.get_skill_card(skill), ws.recipe_or_script(recipe)
 
 
 def _apply(ws: Workspace, info: skill_library.SkillCard, recipe_path: Path, params: dict[str, Any] | None,

@@ -13,6 +13,7 @@ import pytest
 
 from engine.errors import BadInput
 from mcp_server import cli
+from mcp_server.arguments import EstimateArgs
 from mcp_server.operations import estimate
 from mcp_server.operations import recipes as recipe_ops
 from mcp_server.operations import launch as launching
@@ -136,13 +137,14 @@ def test_a_model_too_large_for_8_gib_does_not_fit_and_gets_changes_that_do(ws):
 
 
 @pytest.mark.parametrize("arguments, message", [
-    ({"device": "tpu"}, "device must be one of cpu, cuda, got 'tpu'"),
-    ({"device_memory_gib": -1}, "device_memory_gib must be a number of GiB above 0, got -1"),
+    ({"device": "tpu"}, "device: Input should be 'cpu' or 'cuda'"),
+    ({"device_memory_gib": -1}, "device_memory_gib must be a number of GiB above 0, got -1.0"),
     ({"nproc": 0}, "nproc must be between 1 and"),
 ])
-def test_bad_input_says_what_to_change(ws, arguments, message):
+def test_bad_input_says_what_to_change(arguments, message):
+    """Checked where estimate_run's arguments are declared (EstimateArgs), as over MCP and the CLI."""
     with pytest.raises(BadInput, match=message.replace("(", r"\(").replace(")", r"\)")):
-        estimate.estimate_run(ws, "recipes/plain", **arguments)
+        EstimateArgs.checked(recipe="recipes/plain", **arguments)
 
 
 def test_the_cli_twin_prints_it(ws, capsys):

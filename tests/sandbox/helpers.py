@@ -242,7 +242,7 @@ def supervise(run_dir: Path, command: list[str], limits: dict[str, Any] | None =
     workspace = _workspace_of(run_dir)
     record = sr.ServerRecord(id=run_id, command=command, limits=limits or {},
                              workspace=str(workspace), recipe="none", run_dir=str(run_dir),
-                             sandbox=rd.SandboxView.model_validate(sandbox) if sandbox is not None else None,
+                             sandbox=rd.SandboxMounts.model_validate(sandbox) if sandbox is not None else None,
                              **record_fields)
     rd.create_run(run_dir, record)
     folder = record_dir(workspace, run_id)

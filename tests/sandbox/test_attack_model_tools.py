@@ -19,6 +19,7 @@ from engine import run_dir as rd
 from engine import run_checkpoints
 from engine.errors import BadInput, NotFound
 from engine.seams import ExportOutcome, GeneratedSample
+from mcp_server.arguments import SampleArgs
 from mcp_server.operations import model_tools
 from workspace.workspace import Workspace
 from tests.sandbox.helpers import fake_run, make_workspace, tree_hash
@@ -136,9 +137,11 @@ def test_a_parent_swapped_for_a_link_during_the_export_receives_nothing(ws, tmp_
     (["x"], 1e-300, "temperature must be"),  # logits / 1e-300 overflow: not the recipe's failure
     (["x"], 0.001, "temperature must be"),
 ])
-def test_sample_requests_the_model_process_cannot_take_are_refused_before_it_starts(ws, prompts, temperature, message):
+def test_sample_requests_the_model_process_cannot_take_are_refused_before_it_starts(prompts, temperature, message):
+    """Refused where sample's arguments are declared (SampleArgs, which both faces validate), by the
+    checks the model process applies to its own command line."""
     with pytest.raises(BadInput, match=message):
-        model_tools.sample(ws, "r1", prompts, temperature=temperature)
+        SampleArgs.checked(run_id="r1", prompts=prompts, temperature=temperature)
 
 
 def test_the_smallest_and_largest_temperatures_are_taken():

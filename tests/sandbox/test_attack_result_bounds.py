@@ -8,7 +8,7 @@ import json
 import os
 
 from engine import run_dir as rd
-from mcp_server.limits import AGENT_BUDGET_CHARS
+from mcp_server.limits import AGENT_BUDGET_CHARS, MAX_ERROR_CHARS
 from mcp_server.server import build_server
 from tests.sandbox.helpers import fake_run, live_client, make_workspace
 
@@ -119,6 +119,6 @@ def test_a_malformed_verdict_from_the_check_is_a_refusal(tmp_path, monkeypatch):
         monkeypatch.setattr(run_lifecycle, "run_contained", lambda *args, **kwargs: (json.dumps(verdict) + "\n", ""))
         with pytest.raises(run_lifecycle.LaunchRefused) as refused:
             run_lifecycle.check_launch(tmp_path, tmp_path, 1, [])
-        assert len(str(refused.value)) <= run_lifecycle.MAX_CHECK_ERROR_CHARS, verdict
+        assert len(str(refused.value)) <= MAX_ERROR_CHARS, verdict
     monkeypatch.setattr(run_lifecycle, "run_contained", lambda *args, **kwargs: (json.dumps(good) + "\n", ""))
     assert run_lifecycle.check_launch(tmp_path, tmp_path, 1, []).model_dump() == {**good, "estimate": None}
