@@ -381,11 +381,13 @@ def launch_check(workspace: Path, recipe: Path, sets: list[str], check: bool = T
                "HF_HUB_OFFLINE": "1"}
         return subprocess.run([sys.executable, "-m", "engine.launch", *arguments], cwd=workspace, env=env,
                               capture_output=True, text=True, timeout=300)
-    out, path = io.StringIO(), list(sys.path)
+    out, path, cwd = io.StringIO(), list(sys.path), os.getcwd()
+    os.chdir(workspace)
     try:
-        with contextlib.chdir(workspace), contextlib.redirect_stdout(out):
+        with contextlib.redirect_stdout(out):
             main(arguments)
     finally:
+        os.chdir(cwd)
         sys.path[:] = path  # the recipe folder the check puts first
     verdict = json.loads(out.getvalue().strip().splitlines()[-1])
     return {"ok": verdict["ok"], "error": verdict.get("error")} if not verdict["ok"] else verdict
