@@ -385,14 +385,16 @@ def test_the_qwen2_5_mask_is_trls_less_the_newline_of_the_generation_prompt(tmp_
 
 
 @pytest.mark.slow
-def test_a_qwen3_model_trains_on_tool_calls_and_reasoning_and_exports_its_template(qwen3_folder, tmp_path):
-    import subprocess
+def test_a_qwen3_model_trains_on_tool_calls_and_reasoning_and_exports_its_template(qwen3_folder, tmp_path, monkeypatch):
+    import contextlib
+    import io
     import sys
 
     from transformers import AutoTokenizer
 
     from engine import run_dir as rd
-    from tests.support import REPO, engine_env, losses, run_engine
+    from engine.model_io import main
+    from tests.support import REPO, losses, run_engine
 
     recipe = tmp_path / "sft"
     shutil.copytree(REPO / "recipes_template" / "sft", recipe, ignore=shutil.ignore_patterns("__pycache__"))
@@ -412,15 +414,22 @@ def test_a_qwen3_model_trains_on_tool_calls_and_reasoning_and_exports_its_templa
     assert sorted(losses(run)) == [1, 2]
     out = tmp_path / "export"
     shutil.copytree(recipe, run / "recipe")  # the snapshot a supervised run keeps
-    result = subprocess.run([sys.executable, "-m", "engine.model_io", "export", str(run), "--step", "2", "--to", str(out)],
-                            cwd=tmp_path, env=engine_env(), capture_output=True, text=True, timeout=300)
-    assert json.loads(result.stdout.strip().splitlines()[-1])["ok"], result.stdout + result.stderr
+    monkeypatch.chdir(tmp_path)  # model.pretrained_path=model, as the run read it
+    monkeypatch.setattr(sys, "path", list(sys.path))  # the snapshot folder each call puts first, dropped after
+
+    def model_io(*argv: str) -> dict:
+        """``python -m engine.model_io ARGV``'s one JSON line, run in this process (a fresh
+        interpreter is ~10 s on 2 cores)."""
+        printed = io.StringIO()
+        with contextlib.redirect_stdout(printed):
+            main(list(argv))
+        return json.loads(printed.getvalue().strip().splitlines()[-1])
+
+    exported = model_io("export", str(run), "--step", "2", "--to", str(out))
+    assert exported["ok"], exported
     # sample renders the prompt with the template's thinking switch and returns the text as written beside it.
-    result = subprocess.run([sys.executable, "-m", "engine.model_io", "sample", str(run), "--step", "2", "--prompt=Hi",
-                             "--max-new-tokens", "8", "--reasoning", "off"],
-                            cwd=tmp_path, env=engine_env(), capture_output=True, text=True, timeout=300)
-    sampled = json.loads(result.stdout.strip().splitlines()[-1])
-    assert sampled["ok"] and sampled["chat"], result.stdout + result.stderr
+    sampled = model_io("sample", str(run), "--step", "2", "--prompt=Hi", "--max-new-tokens", "8", "--reasoning", "off")
+    assert sampled["ok"] and sampled["chat"], sampled
     assert isinstance(sampled["samples"][0]["raw"], str) and sampled["samples"][0]["new_tokens"] >= 1
     exported = AutoTokenizer.from_pretrained(out)
     for raw in (AGENTIC, AGENTIC_THEN_MORE):

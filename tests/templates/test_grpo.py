@@ -7,7 +7,6 @@ from __future__ import annotations
 import copy
 import json
 import shutil
-import subprocess
 import sys
 
 import pytest
@@ -18,7 +17,7 @@ from engine import run_dir as rd
 from engine import run_metrics
 from engine.config import ConfigError
 from recipes_template.grpo import recipe as grpo
-from tests.support import REPO, engine_env, losses, run_engine
+from tests.support import REPO, losses, run_engine
 
 TEMPLATE = REPO / "recipes_template" / "grpo"
 SMALL = (
@@ -163,16 +162,23 @@ def test_a_reward_function_that_fails_stops_the_run_naming_itself_and_the_prompt
     assert table.tolist() == [[1.0, 1.0], [0.0, 1.0]]
 
 
-def check(root, *overrides: str) -> dict:
-    """The launch check's verdict or refusal (one JSON line) for the template with ``overrides``."""
-    command = [sys.executable, "-m", "engine.launch", str(TEMPLATE), "--check"]
-    for item in overrides:
-        command += ["--set", item]
-    result = subprocess.run(command, cwd=root, env=engine_env(), capture_output=True, text=True, timeout=120)
-    return json.loads(result.stdout.strip().splitlines()[-1])
+@pytest.fixture
+def check(tmp_path, capsys, monkeypatch):
+    """The launch check's verdict or refusal (its one JSON line) for the template with some
+    overrides, run in ``tmp_path`` by ``engine.launch.main`` in this process: the check's code
+    without a fresh interpreter's imports (~10 s a check on 2 cores)."""
+    from engine.launch import main
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", list(sys.path))  # the recipe folder each check puts first, dropped after
+
+    def verdict(*overrides: str) -> dict:
+        main([str(TEMPLATE), "--check", *[f"--set={item}" for item in overrides]])
+        return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+
+    return verdict
 
 
-@pytest.mark.slow  # five launch checks, ~10 s each on 2 cores
 def test_prompts_carry_tools_and_earlier_tool_rounds_into_the_models_template(tmp_path):
     # Qwen2.5's template: a tools column becomes its "# Tools" system block; a prompt that already
     # holds a call and its result renders them (the sft template's reading of messages).
@@ -195,13 +201,13 @@ def test_prompts_carry_tools_and_earlier_tool_rounds_into_the_models_template(tm
         grpo.prompt_tokens(tokenizer, {"prompt": [prompt[0], {"role": "assistant", "tool_calls": "add"}]}, "prompts.jsonl:4")
 
 
-def test_bad_input_is_refused_at_the_launch_check_with_what_to_change(tmp_path):
+def test_bad_input_is_refused_at_the_launch_check_with_what_to_change(tmp_path, check):
     (tmp_path / "questions.jsonl").write_text(json.dumps({"question": "What is 1 + 1?", "answer": "2"}) + "\n")
     refusals = {
-        "no prompt column": check(tmp_path, "data.paths=[questions.jsonl]"),
-        "undefined reward": check(tmp_path, "grpo.reward_functions=[correct_answer,is_polite]", "grpo.reward_weights=null"),
-        "one completion": check(tmp_path, "grpo.num_generations=1", "data.batch_size=4"),
-        "too long": check(tmp_path, "grpo.max_completion_length=96"),
+        "no prompt column": check("data.paths=[questions.jsonl]"),
+        "undefined reward": check("grpo.reward_functions=[correct_answer,is_polite]", "grpo.reward_weights=null"),
+        "one completion": check("grpo.num_generations=1", "data.batch_size=4"),
+        "too long": check("grpo.max_completion_length=96"),
     }
     assert "questions.jsonl:1: no prompt column 'prompt' (columns: ['answer', 'question']); name the prompt's column " \
            "with data.prompt_column" in refusals["no prompt column"]["error"]
@@ -212,7 +218,7 @@ def test_bad_input_is_refused_at_the_launch_check_with_what_to_change(tmp_path):
     assert "grpo.num_generations=1: a group needs at least 2 completions" in refusals["one completion"]["error"]
     assert "grpo.max_completion_length=96 leaves no room for a prompt in data.seq_len=96" in refusals["too long"]["error"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["questions.jsonl"]  # nothing written
-    renamed = check(tmp_path, "data.paths=[questions.jsonl]", "data.prompt_column=question", "data.eval_fraction=0")
+    renamed = check("data.paths=[questions.jsonl]", "data.prompt_column=question", "data.eval_fraction=0")
     assert renamed["data"]["documents"] == 1 and renamed["data"]["train_documents"] == 1
 
 

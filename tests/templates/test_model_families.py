@@ -6,9 +6,7 @@ exported as the model's own class with its tokenizer and chat template."""
 
 from __future__ import annotations
 
-import json
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
@@ -21,7 +19,7 @@ from engine.fsdp import transformer_blocks
 from recipes_template.sft import recipe as sft
 from skills import apply_skill
 from tests.model_families import FAMILIES, tiny_model_folder
-from tests.support import REPO, engine_env, losses, run_engine
+from tests.support import REPO, losses, run_engine
 
 # What each family's template adds after an answer: the end of turn it learns.
 END_OF_TURN = {"qwen2": "<|im_end|>\n", "llama": "<|eot_id|>", "gemma2": "<end_of_turn>\n",
@@ -110,8 +108,11 @@ SCHEDULE = ("data.paths=[data/train.parquet]", "data.seq_len=48", "data.batch_si
 
 @pytest.mark.slow
 @pytest.mark.parametrize("family", ["gemma2", "llama", "phi3", "gpt-oss"])
-def test_a_family_trains_with_lora_and_checkpointing_and_exports_as_its_own_class(family, folders, skilled, tmp_path):
+def test_a_family_trains_with_lora_and_checkpointing_and_exports_as_its_own_class(family, folders, skilled, tmp_path,
+                                                                                 monkeypatch):
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from engine import model_io
 
     write_data(tmp_path)
     shutil.copytree(folders[family], tmp_path / "model")
@@ -122,9 +123,9 @@ def test_a_family_trains_with_lora_and_checkpointing_and_exports_as_its_own_clas
     assert len(losses(run)) == 3
     out = tmp_path / "export"
     shutil.copytree(skilled, run / "recipe")  # the snapshot a supervised run keeps
-    result = subprocess.run([sys.executable, "-m", "engine.model_io", "export", str(run), "--step", "3", "--to", str(out)],
-                            cwd=tmp_path, env=engine_env(), capture_output=True, text=True, timeout=300)
-    assert json.loads(result.stdout.strip().splitlines()[-1])["ok"], result.stdout + result.stderr
+    monkeypatch.chdir(tmp_path)  # model.pretrained_path=model, as the run read it
+    monkeypatch.setattr(sys, "path", list(sys.path))  # the snapshot folder the export puts first, dropped after
+    assert model_io.export(run, 3, out).step == 3  # in this process: a fresh interpreter is ~10 s on 2 cores
     model = AutoModelForCausalLM.from_pretrained(out)
     assert type(model).__name__ == FAMILIES[family][1]
     assert AutoTokenizer.from_pretrained(out).chat_template == FAMILIES[family][2]

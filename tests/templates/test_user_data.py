@@ -364,17 +364,30 @@ def test_data_with_no_answer_anywhere_is_refused_naming_why_and_a_direct_start_w
 
 
 def launch_check(workspace: Path, recipe: Path, sets: list[str], check: bool = True):
+    """The launch check's verdict (``check``: ``engine.launch.main`` in this process, in
+    ``workspace``, its one JSON line read; a fresh interpreter costs ~10 s on 2 cores), or a direct
+    start as its own process (not ``check``: its exit code and stderr)."""
+    import contextlib
+    import io
     import os
     import subprocess
     import sys
 
-    command = [sys.executable, "-m", "engine.launch", str(recipe), *(["--check"] if check else [])]
-    for item in sets:
-        command += ["--set", item]
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2]), "OMP_NUM_THREADS": "1",
-           "HF_HUB_OFFLINE": "1"}
-    out = subprocess.run(command, cwd=workspace, env=env, capture_output=True, text=True, timeout=300)
+    from engine.launch import main
+
+    arguments = [str(recipe), *(["--check"] if check else []), *[f"--set={item}" for item in sets]]
     if not check:
-        return out
-    verdict = json.loads(out.stdout.strip().splitlines()[-1])
+        env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2]), "OMP_NUM_THREADS": "1",
+               "HF_HUB_OFFLINE": "1"}
+        return subprocess.run([sys.executable, "-m", "engine.launch", *arguments], cwd=workspace, env=env,
+                              capture_output=True, text=True, timeout=300)
+    out, path, cwd = io.StringIO(), list(sys.path), os.getcwd()
+    os.chdir(workspace)
+    try:
+        with contextlib.redirect_stdout(out):
+            main(arguments)
+    finally:
+        os.chdir(cwd)
+        sys.path[:] = path  # the recipe folder the check puts first
+    verdict = json.loads(out.getvalue().strip().splitlines()[-1])
     return {"ok": verdict["ok"], "error": verdict.get("error")} if not verdict["ok"] else verdict
