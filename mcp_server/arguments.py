@@ -52,9 +52,10 @@ class Cli:
 
 
 class ToolArgs(BaseModel):
-    """A tool's arguments, as both faces validate them."""
+    """A tool's arguments, as both faces validate them (each model built at its first use: a
+    server lists its tools from cached schemas, :mod:`mcp_server.schema_cache`)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", defer_build=True)
 
 
 RunId = Annotated[str, Field(), Cli(more="A run id (`trainwright runs` lists them).")]
