@@ -138,9 +138,10 @@ def compacted(tool: Tool) -> Tool:
 
 def built_schemas(specs: Iterable[ToolSpec]) -> dict[str, ToolSchemas]:
     """Each tool's input and output schema, generated now from its declaration."""
-    schemas = {}
+    schemas: dict[str, ToolSchemas] = {}
     for spec in specs:
         tool = mcp_tool(spec, None)
+        assert tool.output_schema is not None, f"{spec.name} declares a result model: it has an output schema"
         schemas[spec.name] = {"inputSchema": tool.parameters, "outputSchema": tool.output_schema}
     return schemas
 
