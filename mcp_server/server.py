@@ -244,9 +244,13 @@ class AuditedServer(MCPServer):
     async def list_tools(self) -> list[MCPTool]:
         """The served tools as the SDK lists a built one, from their schemas: no tool is built
         to answer tools/list."""
-        return [MCPTool(input_schema=self.schemas[name]["inputSchema"], output_schema=self.schemas[name]["outputSchema"],
-                        _meta=fields.pop("meta"), **fields)
-                for name, fields in ((name, tool_fields(spec)) for name, spec in self.served.items())]
+        listed = []
+        for name, spec in self.served.items():
+            fields, schemas = tool_fields(spec), self.schemas[name]
+            listed.append(MCPTool(name=name, description=fields["description"], annotations=fields["annotations"],
+                                  input_schema=schemas["inputSchema"], output_schema=schemas["outputSchema"],
+                                  _meta=fields["meta"]))
+        return listed
 
     def built_tool(self, name: str) -> Tool | None:
         """The served tool ``name``, built and registered at its first use (None: not served).
