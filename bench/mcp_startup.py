@@ -4,14 +4,17 @@
    ``tools/list`` answer arrives (what an MCP host waits for before an agent can use the
    server). Peer: a minimal ``MCPServer`` with one tool, spawned the same way. The two are
    started alternately, ``--repeats`` times each; medians are compared. Goal: ≤ 1.3× the peer.
+   Each round also prints the CPU time (user + system) each server's process used from its start
+   to its exit, which other processes on a busy machine change far less than the wall time.
 2. Tool latency: ``apply_skill`` (gradient-checkpointing: a libcst codemod plus a git commit)
    and its ``dry_run``, against the peer's one tool (a round trip that does nothing); medians
    over one connection, the first call (which loads the codemod) reported apart.
 
     python bench/mcp_startup.py [--repeats 9] [--json]
 
-The first start on an empty workspace also initialises its git repository; it is timed once
-and reported apart. Recipes for apply_skill are copied from the template and committed before
+The first start on an empty workspace also initialises its git repository and builds the tool
+schemas into the bench's own empty schema cache (``TRAINWRIGHT_SCHEMA_CACHE``); it is timed once
+and reported apart. Every round's pair is printed, and the load average. Recipes for apply_skill are copied from the template and committed before
 timing starts.
 """
 
@@ -20,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import shutil
 import statistics
 import subprocess
@@ -31,6 +35,8 @@ from pathlib import Path
 
 import anyio
 from mcp import Client, StdioServerParameters
+
+from mcp_server.tool_schemas import CACHE_ENV
 
 REPO = Path(__file__).resolve().parent.parent
 TEMPLATE = REPO / "recipes_template" / "causal_lm"
@@ -59,11 +65,11 @@ def _env() -> dict[str, str] | None:
     return {"PYTHONPATH": os.environ["PYTHONPATH"]} if os.environ.get("PYTHONPATH") else None
 
 
-def trainwright_server(workspace: Path) -> StdioServerParameters:
+def trainwright_server(workspace: Path, schema_cache: Path) -> StdioServerParameters:
     script = Path(sys.executable).with_name("trainwright")
     command = [str(script)] if script.is_file() else [sys.executable, "-m", "mcp_server.cli"]
     return StdioServerParameters(command=command[0], args=[*command[1:], "serve", "--workspace", str(workspace)],
-                                 cwd=str(workspace), env=_env())
+                                 cwd=str(workspace), env={**(_env() or {}), CACHE_ENV: str(schema_cache)})
 
 
 def minimal_server(script: Path) -> StdioServerParameters:
@@ -72,11 +78,20 @@ def minimal_server(script: Path) -> StdioServerParameters:
 
 async def time_to_tools_list(server: StdioServerParameters) -> float:
     """Seconds from spawning the server to the tools/list answer (closing is not counted)."""
+    return (await start_and_list(server))[0]
+
+
+async def start_and_list(server: StdioServerParameters) -> tuple[float, float]:
+    """Seconds from spawning the server to the tools/list answer (closing is not counted), and
+    the CPU seconds (user + system) the server's process used from its start to its exit: a
+    figure other processes on the machine change far less than the wall time."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     started = time.perf_counter()
     async with Client(server) as client:
         await client.list_tools()
         elapsed = time.perf_counter() - started
-    return elapsed
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)  # the server has exited and been waited for
+    return elapsed, (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
 
 
 async def time_calls(server: StdioServerParameters, calls: list[tuple[str, dict]]) -> list[float]:
@@ -114,17 +129,21 @@ async def measure(repeats: int, root: Path) -> dict:
     workspace.mkdir()
     peer_script = root / "minimal_server.py"
     peer_script.write_text(MINIMAL_SERVER)
-    trainwright, peer = trainwright_server(workspace), minimal_server(peer_script)
+    trainwright, peer = trainwright_server(workspace, root / "schema-cache"), minimal_server(peer_script)
 
     # Warm the file-system cache and __pycache__ for both, then time the first start on an
-    # empty workspace (it initialises the git repository) once.
+    # empty workspace (it initialises the git repository, and builds the tool schemas into an
+    # empty schema cache of its own) once.
     await time_to_tools_list(peer)
     fresh_workspace_s = await time_to_tools_list(trainwright)
 
-    starts = {"trainwright": [], "minimal": []}
+    starts: dict[str, list[float]] = {"trainwright": [], "minimal": []}
+    cpu: dict[str, list[float]] = {"trainwright": [], "minimal": []}
     for _ in range(repeats):
-        starts["minimal"].append(await time_to_tools_list(peer))
-        starts["trainwright"].append(await time_to_tools_list(trainwright))
+        for name, server in (("minimal", peer), ("trainwright", trainwright)):
+            wall, cpu_s = await start_and_list(server)
+            starts[name].append(wall)
+            cpu[name].append(cpu_s)
 
     recipes = prepare_recipes(workspace, repeats)
     # One server for all the calls: the first call pays for loading the codemod (and libcst).
@@ -143,6 +162,10 @@ async def measure(repeats: int, root: Path) -> dict:
         "start_s": {name: median(values) for name, values in starts.items()},
         "start_min_s": {name: min(values) for name, values in starts.items()},
         "start_ratio": median(starts["trainwright"]) / median(starts["minimal"]),
+        "starts_s": starts,  # every round, in the order they ran (minimal first in each)
+        "cpu_s": cpu,
+        "cpu_ratio": median(cpu["trainwright"]) / median(cpu["minimal"]),
+        "load_average": os.getloadavg(),
         "fresh_workspace_start_s": fresh_workspace_s,
         "apply_skill_s": median(applies),
         "apply_skill_first_call_s": first_call,
@@ -160,12 +183,22 @@ def report(result: dict) -> str:
     def row(label: str, value: str, note: str = "") -> str:
         return f"  {label:<48}{value:>9}   {note}".rstrip()
 
+    walls, cpus = result["starts_s"], result["cpu_s"]
+    rounds = [row(f"round {i + 1}: trainwright / minimal", f"{t / m:.2f}×",
+                  f"{ms(t)} vs {ms(m)}; CPU {ms(ct)} vs {ms(cm)} = {ct / cm:.2f}×")
+              for i, (t, m, ct, cm) in enumerate(zip(walls["trainwright"], walls["minimal"], cpus["trainwright"],
+                                                     cpus["minimal"]))]
     return "\n".join([
+        "load average (1, 5, 15 min) at the end: " + ", ".join(f"{x:.2f}" for x in result["load_average"]),
+        "cold start to the tools/list answer (every round, interleaved: minimal, then trainwright):",
+        *rounds,
         f"cold start to the tools/list answer (median of {result['repeats']}, stdio, SDK client):",
         row("trainwright serve", ms(start), f"min {ms(result['start_min_s']['trainwright'])}"),
         row("minimal MCPServer, one tool", ms(peer), f"min {ms(result['start_min_s']['minimal'])}"),
         row("ratio", f"{ratio:.2f}×", f"goal ≤ {GOAL_RATIO}×: {verdict}"),
-        row("first start on an empty workspace (git init)", ms(result["fresh_workspace_start_s"])),
+        row("CPU time of the server process, start to exit", f"{result['cpu_ratio']:.2f}×",
+            f"{ms(statistics.median(cpus['trainwright']))} vs {ms(statistics.median(cpus['minimal']))} (medians)"),
+        row("first start (git init, no schema cache yet)", ms(result["fresh_workspace_start_s"])),
         "tool call latency (median, one stdio connection):",
         row(f"apply_skill {SKILL}", ms(result["apply_skill_s"]),
             f"codemod + commit; {result['apply_skill_s'] / call:,.0f}× the minimal tool call"),

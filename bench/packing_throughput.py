@@ -22,7 +22,8 @@ in interleaved rounds (the order reverses every round); the first ``--warmup`` s
 (compilation) are not timed. Each round prints, per peer, useful tokens/s over the timed steps,
 the median step, the slowest step over the median (a recompilation shows there), dynamo's
 recompilations over the whole run (``TORCH_LOGS=recompiles`` is set for every peer; warm-up
-included), and the ratio against the Trainer's best peer of the same round.
+included), the positions computed per timed step (padding included: a peer that pads less
+computes fewer), and the ratio against the Trainer's best peer of the same round.
 
     python bench/packing_throughput.py [--steps 40] [--warmup 10] [--rounds 3] [--threads 2]
 
@@ -143,7 +144,8 @@ def run_template(workspace: Path, peer: str, steps: int, warmup: int) -> dict:
     shutil.rmtree(run)
     timed = [r for r in records if r["step"] > warmup]
     return {"tokens": [r["loss_tokens_per_s"] * r["step_time_s"] for r in timed],
-            "seconds": [r["step_time_s"] for r in timed]}
+            "seconds": [r["step_time_s"] for r in timed],
+            "positions": [r["tokens_per_s"] * r["step_time_s"] / (1 - (r.get("padding_frac") or 0)) for r in timed]}
 
 
 def template_pieces(workspace: Path, steps: int):
@@ -179,6 +181,7 @@ def run_trainer(workspace: Path, peer: str, steps: int, warmup: int) -> dict:
     config, tokenizer, model, pieces = template_pieces(workspace, steps)
     rows = [{"input_ids": piece[:-1].tolist(), "labels": piece[1:].tolist()} for piece in pieces]
     useful: list[int] = []
+    positions: list[int] = []
     step_ends: list[float] = []
 
     def pad_to_longest(items):
@@ -196,6 +199,7 @@ def run_trainer(workspace: Path, peer: str, steps: int, warmup: int) -> dict:
         def collate_and_count(items):
             batch = collate(items)
             useful.append(int((batch["labels"] != -100).sum()))
+            positions.append(batch["labels"].numel())
             return batch
         return collate_and_count
 
@@ -227,7 +231,7 @@ def run_trainer(workspace: Path, peer: str, steps: int, warmup: int) -> dict:
         trainer.train()
     # Step k's batch is collated before step k runs; the seconds of step k end at step_ends[k].
     seconds = [b - a for a, b in zip(step_ends[warmup - 1 : -1], step_ends[warmup:])]
-    return {"tokens": useful[warmup:steps], "seconds": seconds}
+    return {"tokens": useful[warmup:steps], "seconds": seconds, "positions": positions[warmup:steps]}
 
 
 def measure(workspace: Path, peer: str, steps: int, warmup: int, threads: int) -> dict:
@@ -247,6 +251,7 @@ def measure(workspace: Path, peer: str, steps: int, warmup: int, threads: int) -
     median_step = statistics.median(result["seconds"])
     return {"tokens_per_s": sum(result["tokens"]) / sum(result["seconds"]), "median_step_s": median_step,
             "slowest_over_median": max(result["seconds"]) / median_step,
+            "positions_per_step": statistics.mean(result["positions"]),
             "recompilations": out.stderr.count("Recompiling function")}
 
 
@@ -287,7 +292,8 @@ def main() -> None:
                 results[peer].append(result)
                 print(f"round {round_index + 1}: {peer:<26} {result['tokens_per_s']:>8,.0f} useful tokens/s  "
                       f"median step {result['median_step_s']:.3f} s  slowest/median "
-                      f"{result['slowest_over_median']:.2f}  recompilations {result['recompilations']}  "
+                      f"{result['slowest_over_median']:.2f}  positions/step {result['positions_per_step']:,.0f}  "
+                      f"recompilations {result['recompilations']}  "
                       f"(load {load:.1f})", flush=True)
             trainers = [p for p in peers if p in TRAINERS]
             if trainers:

@@ -6,6 +6,7 @@
 - ``models``       the result models
 - ``limits``       bounds on what a tool takes and returns
 - ``server``       the MCP binding of the declarations (``trainwright serve``), resources
+- ``tool_schemas`` each tool's JSON schemas: generated, compacted, kept on disk (a start's ``tools/list``)
 - ``http_auth``    streamable HTTP with a bearer token (``serve --http``)
 - ``live``         live runs as resources: subscriptions and the poll of run directories
 - ``tasks``        long calls as MCP tasks

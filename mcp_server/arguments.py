@@ -131,9 +131,10 @@ def invalid(error: ValidationError) -> BadInput:
 
 
 class ToolArgs(BaseModel):
-    """A tool's arguments, as both faces validate them."""
+    """A tool's arguments, as both faces validate them (each model built at its first use: a
+    server lists its tools from cached schemas, :mod:`mcp_server.schema_cache`)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", defer_build=True)
 
     @classmethod
     def checked(cls, **values: Any) -> Self:

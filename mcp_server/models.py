@@ -12,18 +12,25 @@ from engine.run_dir import HubModel, ResumedFrom, RunStatus
 from engine.seams import ConfigField
 
 
+class Result(BaseModel):
+    # Built at first use, not at import: the server lists its tools from cached schemas
+    # (mcp_server.schema_cache) without validating a result. A comment, not a docstring: the
+    # output schemas carry docstrings.
+
+    model_config = ConfigDict(defer_build=True)
+
 
 def hub_model_shown(model: HubModel) -> str:
     """A model by Hub id as results show it: ``org/name@<commit>`` (``datasets/org/name@<commit>``)."""
     return f"{'datasets/' if model.repo_type == 'dataset' else ''}{model.repo_id}@{model.commit}"
 
 
-class ResumePoint(BaseModel):
+class ResumePoint(Result):
     run_id: str
     step: int = Field(description="It continues after this step.")
 
 
-class LaunchRunResult(BaseModel):
+class LaunchRunResult(Result):
     run_id: str
     status: RunStatus
     run_dir: str
@@ -36,19 +43,19 @@ class LaunchRunResult(BaseModel):
     slurm_script: str | None = None
 
 
-class CheckpointInfo(BaseModel):
+class CheckpointInfo(Result):
     step: int
     path: str  # relative to the workspace
 
 
-class CheckpointList(BaseModel):
+class CheckpointList(Result):
     run_id: str
     checkpoints: list[CheckpointInfo] = Field(description="Oldest first (the newest 100).")
     truncated: bool = Field(False, description="Older ones left out.")
     unusable: list[str] = Field([], description="Not complete, and why.")
 
 
-class RunSummary(BaseModel):
+class RunSummary(Result):
     run_id: str
     status: str
     recipe: str
@@ -60,7 +67,7 @@ class RunSummary(BaseModel):
     last_window_tokens_per_s: float | None = None
 
 
-class RunList(BaseModel):
+class RunList(Result):
     runs: list[RunSummary]
     truncated: bool = Field(False, description="Older ones left out.")
 
@@ -102,13 +109,13 @@ class RunInfo(rd.RunFacts):
         return cls(**{**{name: getattr(record, name) for name in rd.RunFacts.model_fields}, **shown})
 
 
-class DataCacheResult(BaseModel):
+class DataCacheResult(Result):
     folder: str
     stores: dict[str, int]  # name -> bytes
     removed: dict[str, int] = {}
 
 
-class StopRunResult(BaseModel):
+class StopRunResult(Result):
     run_id: str
     status: str
     step: int | None = None
@@ -116,7 +123,7 @@ class StopRunResult(BaseModel):
     checkpoints: list[int] = Field([], description="Resumable steps.")
 
 
-class MetricsTail(BaseModel):
+class MetricsTail(Result):
     run_id: str
     status: str
     records: list[dict[str, Any]]
@@ -129,14 +136,14 @@ class MetricsTail(BaseModel):
 # ---------------------------------------------------------------------------------------------
 
 
-class SkillSummary(BaseModel):
+class SkillSummary(Result):
     name: str
     description: str
     version: str
     requires_gpu: bool
 
 
-class SkillList(BaseModel):
+class SkillList(Result):
     skills: list[SkillSummary]
 
 
@@ -146,7 +153,7 @@ class SkillDetail(SkillSummary):
     truncated: bool = Field(False, description="Cut; skill://<name> has all.")
 
 
-class ApplySkillResult(BaseModel):
+class ApplySkillResult(Result):
     skill: str
     version: str
     recipe: str  # the file changed
@@ -161,22 +168,22 @@ class ApplySkillResult(BaseModel):
     acts_on: str = ""  # what the change acts on (the name says it: no description in the schema)
 
 
-class TemplateInfo(BaseModel):
+class TemplateInfo(Result):
     name: str
     description: str
 
 
-class TemplateList(BaseModel):
+class TemplateList(Result):
     templates: list[TemplateInfo]
 
 
-class AppliedSkill(BaseModel):
+class AppliedSkill(Result):
     skill: str
     changed: bool
     commit: str | None
 
 
-class ScaffoldResult(BaseModel):
+class ScaffoldResult(Result):
     path: str  # the new recipe folder
     commit: str
     config: dict[str, Any] = Field(description="Written to config.yaml.")
@@ -188,7 +195,7 @@ class ScaffoldResult(BaseModel):
 # ---------------------------------------------------------------------------------------------
 
 
-class ReviewRun(BaseModel):
+class ReviewRun(Result):
     run_id: str
     status: str
     step: int | None = None
@@ -201,7 +208,7 @@ class ReviewRun(BaseModel):
     data: str | None = Field(None, description="What the run trained on.")
 
 
-class ReviewCommit(BaseModel):
+class ReviewCommit(Result):
     sha: str
     subject: str
     tool: str
@@ -214,18 +221,18 @@ class ReviewCommit(BaseModel):
     note: str | None = None
 
 
-class ReviewResult(BaseModel):
+class ReviewResult(Result):
     base: str | None
     commits: list[ReviewCommit]
 
 
-class RecipeSkill(BaseModel):
+class RecipeSkill(Result):
     skill: str
     params: str | None = Field(None, description="JSON.")
     commit: str
 
 
-class RecipeDescription(BaseModel):
+class RecipeDescription(Result):
     recipe: str
     template: str | None = None  # the template it was scaffolded from
     last_commit: str | None = None
@@ -235,7 +242,7 @@ class RecipeDescription(BaseModel):
     hub_models: list[str] = []  # org/name@<commit>
 
 
-class RecipeSummary(BaseModel):
+class RecipeSummary(Result):
     path: str
     template: str | None = None
     last_commit: str | None = None
@@ -244,12 +251,12 @@ class RecipeSummary(BaseModel):
     runs: int
 
 
-class RecipeList(BaseModel):
+class RecipeList(Result):
     recipes: list[RecipeSummary]
     truncated: bool = False
 
 
-class WaitRunResult(BaseModel):
+class WaitRunResult(Result):
     run_id: str
     reason: Literal["reached_step", "ended", "timeout"]
     status: str
@@ -265,7 +272,7 @@ class WaitRunResult(BaseModel):
 # ---------------------------------------------------------------------------------------------
 
 
-class ExportResult(BaseModel):
+class ExportResult(Result):
     run_id: str
     step: int
     path: str
@@ -275,7 +282,7 @@ class ExportResult(BaseModel):
     files: dict[str, int]  # name: bytes
 
 
-class Sample(BaseModel):
+class Sample(Result):
     prompt: str
     completion: str
     new_tokens: int
@@ -286,14 +293,14 @@ class Sample(BaseModel):
     raw: dict[str, Any] = {}  # a chat model's completion as written (text) and parsed (reasoning, tool_calls)
 
 
-class SampleResult(BaseModel):
+class SampleResult(Result):
     run_id: str
     step: int
     chat: bool = Field(description="Prompts as user turns")
     samples: list[Sample]
 
 
-class EvaluateResult(BaseModel):
+class EvaluateResult(Result):
     """Counts of the split, as launch_run counts them."""
 
     run_id: str
@@ -312,7 +319,7 @@ class EvaluateResult(BaseModel):
 Verdict = Literal["better", "worse", "no difference", "not compared"]
 
 
-class MetricVerdict(BaseModel):
+class MetricVerdict(Result):
     metric: str
     verdict: Verdict  # b against a
     a: float | None = None
@@ -321,7 +328,7 @@ class MetricVerdict(BaseModel):
     evidence: str
 
 
-class CompareResult(BaseModel):
+class CompareResult(Result):
     run_a: str
     run_b: str
     differences: list[str]
@@ -329,21 +336,21 @@ class CompareResult(BaseModel):
     left_out: list[str]
 
 
-class AbRun(BaseModel):
+class AbRun(Result):
     round: int
     side: Literal["a", "b"]  # a: the commit before the skill's; b: the skill's commit
     run_id: str
     status: str
 
 
-class AbRound(BaseModel):
+class AbRound(Result):
     round: int
     run_a: str
     run_b: str
     metrics: list[MetricVerdict]  # this round's pair alone (compare_runs)
 
 
-class AbResult(BaseModel):
+class AbResult(Result):
     """``trainwright ab``: a skill's effect, its commit (b) against the commit before it (a)."""
 
     skill: str  # name@version, from the commit's Skill-Applied trailer
@@ -364,13 +371,13 @@ class AbResult(BaseModel):
     note_written: bool = False
 
 
-class EstimateChange(BaseModel):
+class EstimateChange(Result):
     change: str = Field(max_length=200)
     peak_gib: float
     fits: bool
 
 
-class EstimateFigures(BaseModel):
+class EstimateFigures(Result):
     """The engine's estimate as the launch check prints it (engine/estimate.py): read as untrusted
     output of a process that imported the recipe, so every field is typed and bounded."""
 
@@ -390,7 +397,7 @@ class EstimateFigures(BaseModel):
     changes: list[EstimateChange] = Field(max_length=20)
 
 
-class EstimateResult(BaseModel):  # per process, memory in GiB
+class EstimateResult(Result):  # per process, memory in GiB
 
     fits: bool | None  # None: no device memory was given
     estimate: dict[str, Any]

@@ -1,8 +1,8 @@
 """The MCP binding: ``trainwright serve`` serves :data:`mcp_server.declarations.TOOLS` as MCP
 tools, and the workspace's resources and prompts.
 
-Each tool is generated from its declaration (:func:`mcp_tool`): the arguments model's fields
-are its parameters, the spec's description is what the agent reads; the work is done by
+Each tool is generated from its declaration (:mod:`mcp_server.tool_schemas`): the arguments
+model's fields are its parameters, the spec's description is what the agent reads; the work is done by
 ``mcp_server.operations``. Every call goes through :meth:`Tools.call`, which turns input
 errors into tool errors with an actionable message (cut to a bounded length), refuses a result
 too large for an agent's context, and appends the call to the audit log. Calls that the SDK
@@ -18,10 +18,8 @@ import functools
 import inspect
 import json
 import logging
-import typing
-from collections import Counter
 from pathlib import Path
-from typing import Any, AsyncIterator, Callable
+from typing import TYPE_CHECKING, Any, AsyncIterator, Callable
 
 import anyio
 from mcp.server.mcpserver import Context, MCPServer
@@ -31,10 +29,10 @@ from mcp.server.mcpserver.tools import Tool
 from mcp.server.session import ServerSession
 from mcp.server.subscriptions import InMemorySubscriptionBus
 from mcp.shared.exceptions import MCPError
-from mcp_types import (INVALID_PARAMS, SetLevelRequestParams, SubscribeRequestParams, ToolAnnotations,
-                       UnsubscribeRequestParams)
+from mcp_types import (INVALID_PARAMS, SetLevelRequestParams, SubscribeRequestParams, UnsubscribeRequestParams)
+from mcp_types import Resource as MCPResource
+from mcp_types import Tool as MCPTool
 
-import skills as skill_library
 from engine import run_dir as rd
 from engine.errors import TrainwrightError
 from mcp_server import clients, run_view, workflows
@@ -42,8 +40,7 @@ from mcp_server.arguments import refusal
 from mcp_server.declarations import TOOLS, Report, ToolSpec
 from mcp_server.limits import MAX_ARGUMENTS_CHARS, MAX_ERROR_CHARS, MAX_RESULT_CHARS, MAX_TAIL_RECORDS, bounded, json_chars
 from mcp_server.live import LiveRuns
-from mcp_server.operations import runs as run_ops
-from mcp_server.operations import waiting
+from mcp_server.tool_schemas import ToolFunction, ToolSchemas, compacted, served_schemas, tool_fields
 from mcp_server.tasks import TasksExtension
 from sandbox import redact as redaction
 from workspace.audit import AuditLog
@@ -51,6 +48,9 @@ from workspace.settings import trusted_limits
 from workspace.git import ensure_workspace_repo
 from sandbox.redact import printable, redact_model, shown
 from workspace.workspace import Workspace
+
+if TYPE_CHECKING:
+    from mcp_server.operations import waiting
 
 INSTRUCTIONS = """\
 trainwright trains models in this workspace. The loop: scaffold → apply → launch → wait → stop →
@@ -207,50 +207,66 @@ class Tools:
         return result
 
 
-def mcp_tool(spec: ToolSpec, tools: Tools) -> Tool:
-    """``spec`` as an MCP tool: its arguments model's fields are the tool's parameters (the
-    schema compacted, :func:`_compact_schema`), its result model the output schema."""
-    hints = spec.hints
-    # readOnlyHint false is the spec's default, left out as openWorldHint true is (bytes of tools/list).
-    annotations = ToolAnnotations(readOnlyHint=hints.read_only or None, destructiveHint=hints.destructive,
-                                  idempotentHint=hints.idempotent, openWorldHint=hints.open_world)
-    tool = Tool.from_function(ToolFunction(spec, tools), name=spec.name, description=spec.description,
-                              annotations=annotations, meta=spec.meta)
-    for schema, output in ((tool.parameters, False), (tool.fn_metadata.output_schema, True)):
-        _compact_schema(schema, output)
-        _inline_single_use_definitions(schema)
-    return tool
-
-
-class ToolFunction:
-    """What the SDK calls for one tool: a callable whose signature is the arguments model's
-    fields (each annotated with its ``Field``, as the SDK reads parameters) and the request's
-    context; a call goes to :meth:`Tools.run`."""
-
-    def __init__(self, spec: ToolSpec, tools: Tools):
-        self.spec, self.tools = spec, tools
-        hints = typing.get_type_hints(spec.args, include_extras=True)
-        parameters = [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, annotation=hints[name],
-                                        default=inspect.Parameter.empty if field.is_required() else field.default)
-                      for name, field in spec.args.model_fields.items()]
-        parameters.append(inspect.Parameter("ctx", inspect.Parameter.KEYWORD_ONLY, default=None,
-                                            annotation=Context | None))
-        self.__signature__ = inspect.Signature(parameters, return_annotation=spec.result)
-        self.__annotations__ = {**{p.name: p.annotation for p in parameters}, "return": spec.result}
-        self.__name__ = self.__qualname__ = spec.name
-
-    async def __call__(self, ctx: Context | None = None, **arguments: Any) -> Any:
-        return await self.tools.run(self.spec, arguments, ctx)
-
-
 class AuditedServer(MCPServer):
     """The MCP server, with every call audited, also those refused before a tool runs."""
 
-    def __init__(self, tools: Tools, served: list[ToolSpec], **settings: Any):
-        super().__init__(tools=[mcp_tool(spec, tools) for spec in served], **settings)
+    def __init__(self, tools: Tools, served: list[ToolSpec], schemas: dict[str, ToolSchemas], **settings: Any):
+        super().__init__(**settings)  # no tools yet: each is built at its first call (built_tool)
         self.tools = tools
-        self.tool_names = frozenset(spec.name for spec in served)
+        self.served = {spec.name: spec for spec in served}
+        self.schemas = schemas
+        self.tool_names = frozenset(self.served)
         self.parameters = {spec.name: tuple(spec.args.model_fields) for spec in served}
+        self.skill_resources_added = False
+
+    async def list_resources(self) -> list[MCPResource]:
+        self.add_skill_resources()
+        return await super().list_resources()
+
+    async def read_resource(self, uri: Any, context: Context | None = None) -> Any:
+        self.add_skill_resources()
+        return await super().read_resource(uri, context)
+
+    def add_skill_resources(self) -> None:
+        """Each skill's SKILL.md as ``skill://<name>``, added when resources are first listed or
+        read: the skill cards' front matter (and YAML) are not needed to start."""
+        if self.skill_resources_added:
+            return
+        import skills as skill_library
+
+        for info in skill_library.list_skill_cards():
+            # The constructor, not from_function: a function of no arguments needs no validate_call
+            # (~1 ms of pydantic per skill).
+            self.add_resource(FunctionResource(
+                fn=functools.partial(_skill_md, info.name), uri=f"skill://{info.name}", name=info.name,
+                description=info.description, mime_type="text/markdown"))
+        self.skill_resources_added = True
+
+    async def list_tools(self) -> list[MCPTool]:
+        """The served tools as the SDK lists a built one, from their schemas: no tool is built
+        to answer tools/list."""
+        listed = []
+        for name, spec in self.served.items():
+            fields, schemas = tool_fields(spec), self.schemas[name]
+            listed.append(MCPTool(name=name, description=fields["description"], annotations=fields["annotations"],
+                                  input_schema=schemas["inputSchema"], output_schema=schemas["outputSchema"],
+                                  _meta=fields["meta"]))
+        return listed
+
+    def built_tool(self, name: str) -> Tool | None:
+        """The served tool ``name``, built and registered at its first use (None: not served).
+        The one place that reaches MCPServer's tool manager: it offers no public way to register
+        a tool built elsewhere (and compacted)."""
+        tool = self._tool_manager.get_tool(name)
+        if tool is None and name in self.served:
+            spec = self.served[name]
+            tool = compacted(self._tool_manager.add_tool(ToolFunction(spec, self.tools), **tool_fields(spec)))
+        return tool
+
+    def _tool_input_schema(self, name: str) -> dict[str, Any] | None:
+        """The SDK's hook for a call's Mcp-Param headers over HTTP (before the call is dispatched)."""
+        tool = self.built_tool(name)
+        return None if tool is None else tool.parameters
 
     async def call_tool(self, name: str, arguments: dict[str, Any], context: Context | None = None):
         size = json_chars(arguments)
@@ -271,6 +287,7 @@ class AuditedServer(MCPServer):
                                 f"{', '.join(self.parameters[name])}")
             self.tools.audit.record(str(name)[:100], {"unknown": unknown[:5]}, "error", error=message)
             raise ToolError(message)
+        self.built_tool(name)
         try:
             return await super().call_tool(name, arguments, context)
         except ToolError as e:
@@ -301,9 +318,11 @@ class AuditedServer(MCPServer):
             raise MCPError(code=INVALID_PARAMS, message=shown(str(e))[:MAX_ERROR_CHARS]) from None
 
 
-def build_server(workspace: Path | str, read_only: bool = False, settings: Path | str | None = None) -> MCPServer:
+def build_server(workspace: Path | str, read_only: bool = False, settings: Path | str | None = None,
+                 cached_schemas: bool = True) -> MCPServer:
     """The server of one workspace; ``settings``: the trusted settings file (``serve --config``);
-    ``read_only``: only the tools that change nothing (their annotations say so)."""
+    ``read_only``: only the tools that change nothing (their annotations say so);
+    ``cached_schemas=False``: the tool schemas built, not read from the cache (:func:`served_schemas`)."""
     redaction.reload()  # the values of this server's secrets, compiled once per start
     ws = Workspace.open(workspace, settings)
     trusted_limits(ws.settings)  # a missing or broken settings file stops the start
@@ -314,7 +333,7 @@ def build_server(workspace: Path | str, read_only: bool = False, settings: Path 
     bus = InMemorySubscriptionBus()
     live = LiveRuns(ws, bus)
     tasks = TasksExtension(has_tool=frozenset(spec.name for spec in served).__contains__)
-    mcp = AuditedServer(Tools(ws), served, name="trainwright", instructions=INSTRUCTIONS, version=package_version(),
+    mcp = AuditedServer(Tools(ws), served, served_schemas(cached_schemas), name="trainwright", instructions=INSTRUCTIONS, version=package_version(),
                         log_level="WARNING", subscriptions=bus, lifespan=functools.partial(_lifespan, live, tasks),
                         middleware=[live.listen_middleware, tasks.legacy], extensions=[run_view.extension(), tasks])
     _serve_session_methods(mcp, live)
@@ -331,19 +350,13 @@ async def _lifespan(live: LiveRuns, tasks: TasksExtension, server: Any) -> Async
 
 
 class Resources:
-    """The workspace's resources: each skill's SKILL.md, and a run's metrics, log, status and
-    loss curve (``run://<id>/...``)."""
+    """A run's metrics, log, status and loss curve (``run://<id>/...``); each skill's SKILL.md is
+    :meth:`AuditedServer.add_skill_resources`'."""
 
     def __init__(self, ws: Workspace):
         self.ws = ws
 
     def register(self, mcp: MCPServer) -> None:
-        for info in skill_library.list_skill_cards():
-            # The constructor, not from_function: a function of no arguments needs no validate_call
-            # (~1 ms of pydantic per skill at every start).
-            mcp.add_resource(FunctionResource(
-                fn=functools.partial(_skill_md, info.name), uri=f"skill://{info.name}", name=info.name,
-                description=info.description, mime_type="text/markdown"))
         mcp.resource("run://{run_id}/metrics", mime_type="application/json", description="The latest metrics "
                      "records (at most 200) of a run's history across resumes, as JSON.")(self.run_metrics)
         mcp.resource("run://{run_id}/log", mime_type="text/plain",
@@ -354,14 +367,20 @@ class Resources:
                      "learning rate) of a run's history, each resume marked.")(self.run_loss_png)
 
     def run_metrics(self, run_id: str) -> str:
+        from mcp_server.operations import runs as run_ops
+
         tail = _resource(lambda: run_ops.tail_metrics(self.ws, run_id, MAX_TAIL_RECORDS, follow_resumes=True))
         return redact_model(tail).model_dump_json()
 
     def run_log(self, run_id: str) -> str:
+        from mcp_server.operations import runs as run_ops
+
         run_dir = _resource(lambda: self.ws.run_dir(run_id))
         return shown(run_ops.tail_text(run_dir / rd.CONSOLE_LOG, 20_000) or "")  # escapes escaped: raw in console.log
 
     def run_status(self, run_id: str) -> str:
+        from mcp_server.operations import runs as run_ops
+
         return redact_model(_resource(lambda: run_ops.get_run(self.ws, run_id))).model_dump_json()
 
     def run_loss_png(self, run_id: str) -> bytes:
@@ -371,6 +390,8 @@ class Resources:
 
 
 def _skill_md(name: str) -> str:
+    import skills as skill_library
+
     return skill_library.get_skill(name).skill_md
 
 
@@ -382,82 +403,6 @@ def package_version() -> str:
         return version("trainwright")
     except PackageNotFoundError:
         return "0+unknown"
-
-
-def _compact_schema(schema: Any, output: bool = False, names: bool = False) -> None:
-    """Make a tool's JSON schema smaller without changing what it accepts, and portable: every
-    tool's schemas are sent to the agent in each session, and some clients reject type arrays.
-
-    Drops the ``title`` pydantic gives every schema (the key's name again, in Title Case) and
-    ``additionalProperties: true`` (what JSON Schema assumes). An optional argument whose
-    default is null (``anyOf: [{type: T}, {type: null}]``, default null) becomes plain
-    ``{type: T}`` without the default: leaving it out means null. In output schemas
-    (which describe what the server sends: every key, always) it also drops ``required`` lists and
-    defaults, and keeps a nullable value's ``anyOf``, since null is sent. An empty default
-    (``[]``, ``{}``, ``""``) is left out of input schemas too: leaving the argument out means it. A value of any type
-    (``{}``) is said so with ``anyOf``, so that every property has a validation keyword.
-    ``names`` marks a mapping of property names, which are kept as they are.
-    """
-    if isinstance(schema, dict):
-        if not names:
-            if isinstance(schema.get("title"), str):
-                del schema["title"]
-            if schema.get("additionalProperties") is True:  # what JSON Schema assumes
-                del schema["additionalProperties"]
-            if not output and schema.get("default", ...) in ([], {}, ""):  # nothing given means that
-                del schema["default"]
-            if output:
-                schema.pop("default", None)
-                if isinstance(schema.get("required"), list):  # the server sends every key, always
-                    del schema["required"]
-        for key, value in schema.items():  # children first: an option may become plain {type}
-            _compact_schema(value, output, names=not names and key in ("properties", "$defs"))
-        if names:
-            for name, value in schema.items():
-                if isinstance(value, dict) and not VALIDATION_KEYWORDS & set(value):
-                    value["anyOf"] = [{"type": t} for t in JSON_TYPES]
-            return
-        options = schema.get("anyOf")
-        if (not output and schema.get("default", ...) is None and isinstance(options, list) and len(options) == 2
-                and {"type": "null"} in options and all(isinstance(o, dict) for o in options)):
-            del schema["anyOf"], schema["default"]
-            schema.update(next(o for o in options if o != {"type": "null"}))
-    elif isinstance(schema, list):
-        for item in schema:
-            _compact_schema(item, output)
-
-
-def _inline_single_use_definitions(schema: Any) -> None:
-    """Write each ``$defs`` entry that one ``$ref`` uses in that place: the same schema, read
-    top to bottom and shorter."""
-    if not isinstance(schema, dict) or not isinstance(schema.get("$defs"), dict):
-        return
-    refs: list[dict[str, Any]] = []
-
-    def collect(node: Any) -> None:
-        if isinstance(node, dict):
-            if isinstance(node.get("$ref"), str):
-                refs.append(node)
-            for value in node.values():
-                collect(value)
-        elif isinstance(node, list):
-            for item in node:
-                collect(item)
-
-    collect(schema)
-    definitions = schema["$defs"]
-    uses = Counter(ref["$ref"] for ref in refs)
-    for ref in refs:
-        name = ref["$ref"].removeprefix("#/$defs/")
-        if uses[ref["$ref"]] == 1 and name in definitions and f'"#/$defs/{name}"' not in json.dumps(definitions[name]):
-            del ref["$ref"]
-            ref.update(definitions.pop(name))
-    if not definitions:
-        del schema["$defs"]
-
-
-VALIDATION_KEYWORDS = frozenset({"type", "enum", "const", "anyOf", "oneOf", "allOf", "not", "$ref"})
-JSON_TYPES = ("string", "number", "boolean", "object", "array", "null")
 
 
 def _serve_session_methods(mcp: MCPServer, live: LiveRuns) -> None:

@@ -14,9 +14,6 @@ from mcp.server.mcpserver import MCPServer
 from mcp_types import Completion, PromptReference, ResourceTemplateReference
 from pydantic import Field
 
-import skills as skill_library
-from mcp_server.operations import recipe_info
-from mcp_server.operations import recipes as recipe_ops
 from sandbox.redact import printable
 from workspace.workspace import Workspace
 
@@ -145,6 +142,10 @@ def register_prompts(mcp: MCPServer) -> None:
 
 
 def _choices(ws: Workspace, argument: str) -> list[str]:
+    import skills as skill_library  # here, not at the top: a server starts without them
+    from mcp_server.operations import recipe_info
+    from mcp_server.operations import recipes as recipe_ops
+
     if argument == "run_id":
         return sorted(ws.run_ids(), reverse=True)  # the newest first: ids start with their time
     if argument == "recipe":

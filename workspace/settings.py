@@ -169,14 +169,14 @@ def user_config_path(environ: Mapping[str, str] | None = None) -> Path:
 
 def _read_section(path: Path) -> dict[str, Any] | None:
     """The ``runs:`` section of a settings file (None without the file); links are not followed."""
-    import yaml  # only when there is a file: the server's start stays light
-
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except FileNotFoundError:
         return None
     except OSError as e:
         raise ConfigRefused(f"{path} cannot be read ({os.strerror(e.errno or 0)}; a link is not followed)") from None
+    import yaml  # only when there is a file: the server's start stays light (~13 ms)
+
     try:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             raise ConfigRefused(f"{path} is not a regular file")

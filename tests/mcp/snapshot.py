@@ -22,11 +22,12 @@ UPDATE_COMMAND = "python -m tests.mcp.snapshot"
 
 
 def current_schemas() -> list[dict[str, Any]]:
-    """``tools/list`` of a server on a scratch workspace, sorted by tool name."""
+    """``tools/list`` of a server on a scratch workspace, sorted by tool name: the schemas built
+    from the declarations, not read from the cache (mcp_server.tool_schemas)."""
     from mcp_server.server import build_server, tool_schemas
 
     with tempfile.TemporaryDirectory(prefix="trainwright-snapshot-") as workspace:
-        return tool_schemas(build_server(workspace))
+        return tool_schemas(build_server(workspace, cached_schemas=False))
 
 
 def render(schemas: list[dict[str, Any]]) -> str:
