@@ -97,7 +97,9 @@ def test_every_project_module_the_declarations_import_is_in_the_key():
              "print('\\n'.join(m.__file__ for m in list(sys.modules.values()) if getattr(m, '__file__', None)))")
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True, cwd=ROOT,
                          env={**os.environ, "PYTHONPATH": str(ROOT)}).stdout
-    project = [Path(f).resolve() for f in out.splitlines() if Path(f).resolve().is_relative_to(ROOT)]
+    environment = Path(sys.prefix).resolve()  # make's .venv lies inside the checkout: its packages are not ours
+    project = [Path(f).resolve() for f in out.splitlines()
+               if Path(f).resolve().is_relative_to(ROOT) and not Path(f).resolve().is_relative_to(environment)]
     hashed = [ROOT / package for package in tool_schemas.SOURCE_PACKAGES]
     assert ROOT / "mcp_server" / "models.py" in project
     assert [f for f in project if not any(f.is_relative_to(h) for h in hashed)] == []
