@@ -255,7 +255,8 @@ def _resume_checkpoint(ws: Any, a: ResumeArgs, report: Report) -> LaunchRunResul
 def _export_checkpoint(ws: Any, a: ExportArgs, report: Report) -> ExportResult:
     from mcp_server.operations import model_tools
 
-    return model_tools.export_checkpoint(ws, a.run_id, a.to, a.step, a.lora, gguf=a.gguf)
+    return model_tools.export_checkpoint(ws, a.run_id, a.to, a.step, a.lora, gguf=a.gguf, private=a.private,
+                                         progress=report.download)
 
 
 def _sample(ws: Any, a: SampleArgs, report: Report) -> SampleResult:
@@ -347,7 +348,8 @@ TOOLS: tuple[ToolSpec, ...] = (
              ("resume",), "continue a run from its checkpoint as a new run", ResumeArgs, LaunchRunResult,
              ADDITIVE_HUB, _resume_checkpoint, announce=_resumed),
     # Models: export, sample, evaluate (each loads the recipe in the run sandbox)
-    ToolSpec("export_checkpoint", "Write a checkpoint as a Hugging Face folder or a GGUF file.", ("export",), "write a checkpoint as a Hugging Face model folder or a GGUF file", ExportArgs, ExportResult, ADDITIVE,
+    ToolSpec("export_checkpoint", "Write a checkpoint as a Hugging Face folder or a GGUF file.", ("export",), "write a checkpoint as a Hugging Face model folder or a GGUF file, or push it to the Hub", ExportArgs, ExportResult,
+             ADDITIVE_HUB,
              _export_checkpoint, stages=IN_SANDBOX, task=True),
     ToolSpec("sample", "Continue prompts with a checkpoint's model.",
              ("sample",), "continue prompts with a checkpoint's model", SampleArgs, SampleResult, READ_ONLY, _sample,

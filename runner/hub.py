@@ -292,7 +292,7 @@ def resolve(ref: HubRef, *, commit: str | None = None, allow_pickled: bool = Fal
         ) from None
     except hf_errors.HfHubHTTPError as e:
         raise BadInput(f"the Hub refused {shown}: {str(e).splitlines()[0][:300]}") from None
-    except _transport_errors() as e:  # the network, or the cache's disk
+    except transport_errors() as e:  # the network, or the cache's disk
         where = f" at {endpoint}" if endpoint else ""
         raise BadInput(f"{shown} could not be downloaded: the Hub{where} cannot be reached or the cache cannot be "
                        f"written ({type(e).__name__}: {str(e)[:300]}); check the network and HF_ENDPOINT, or use a "
@@ -302,7 +302,7 @@ def resolve(ref: HubRef, *, commit: str | None = None, allow_pickled: bool = Fal
     return _model(ref, sha, Path(path), selection.total_bytes)
 
 
-def _transport_errors() -> tuple[type[BaseException], ...]:
+def transport_errors() -> tuple[type[BaseException], ...]:
     """What a download raises when the Hub cannot be reached or the cache cannot be written:
     OSError, and the HTTP client's errors (httpx2 for huggingface_hub 2, httpx before)."""
     import importlib

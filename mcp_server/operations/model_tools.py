@@ -26,11 +26,14 @@ from engine.model_io import check_sample_request
 from engine.seams import GGUF_QUANTIZATIONS, LORA_CHOICES, GeneratedSample
 from mcp_server.limits import AGENT_BUDGET_CHARS, json_chars
 from mcp_server.models import EvaluateResult, ExportResult, Sample, SampleResult
+from runner import hub_push
+from runner.hub import Progress
 from runner.model_process import ModelProcessFailed, run_model_io
 from workspace.paths import RESERVED_DIRS, PathRefused, confine, refuse_reserved
 from runner.provenance import check_snapshot_unchanged
 from sandbox.redact import redact
 from runner.scripts import DOCS_PAGE
+from workspace.settings import RunLimits
 from workspace.workspace import RECIPES_DIRNAME, Workspace
 
 EXPORT_TIMEOUT_S = 1800
@@ -75,11 +78,26 @@ def checkpoint_of(ws: Workspace, run_id: str, step: int | None) -> tuple[Path, i
 
 def export_checkpoint(
     ws: Workspace, run_id: str, to: str, step: int | None = None, lora: str = "merged",
-    max_shard_size: str = "2GB", gguf: str | None = None,
+    max_shard_size: str = "2GB", gguf: str | None = None, private: bool = False,
+    progress: Progress | None = None,
 ) -> ExportResult:
     """Write a checkpoint as a Hugging Face folder at ``to`` (new, or an empty folder), or
-    (``gguf``: a type, :data:`~engine.seams.GGUF_QUANTIZATIONS`) as one GGUF file in it."""
+    (``gguf``: a type, :data:`~engine.seams.GGUF_QUANTIZATIONS`) as one GGUF file in it; or push
+    it to the Hub repo ``to`` names (``hub:org/name[@branch]``, ``private`` when it is new)."""
     _check_export_choices(lora, gguf)
+    target = hub_push.push_target(to, ws.root)
+    if target is not None:
+        from mcp_server.operations.push import push_checkpoint  # it builds on this module's functions
+
+        return push_checkpoint(ws, run_id, target, step, lora, max_shard_size, gguf, private, progress)
+    if private:
+        raise BadInput("private applies to a push (to=hub:org/name); a workspace folder has no visibility")
+    return _export_to_folder(ws, run_id, to, step, lora, max_shard_size, gguf)
+
+
+def _export_to_folder(ws: Workspace, run_id: str, to: str, step: int | None, lora: str, max_shard_size: str,
+                      gguf: str | None) -> ExportResult:
+    """The export into the workspace folder ``to``, staged beside it and renamed into place."""
     destination, relative = _checked_destination(ws, to)
     run_dir, step = checkpoint_of(ws, run_id, step)
     parent, name = destination.parent, destination.name
@@ -106,7 +124,7 @@ def export_checkpoint(
              *(["--gguf", gguf] if gguf else [])],
             ws.run_limits(), EXPORT_TIMEOUT_S, writable=[staging],
         )
-        _check_written(parent_fd, staging_name, ws.run_limits().max_export_bytes)
+        check_written(parent_fd, staging_name, ws.run_limits().max_export_bytes)
         try:
             with contextlib.suppress(FileNotFoundError):
                 os.rmdir(name, dir_fd=parent_fd)  # empty, as checked (a link or a file: ENOTDIR)
@@ -114,7 +132,7 @@ def export_checkpoint(
         except OSError as e:  # another export, or anything else, got there first
             raise BadInput(f"to {relative.as_posix()!r} was written meanwhile ({e.strerror}); this export "
                            "was discarded: give a new folder") from None
-        files = _files(parent_fd, name)
+        files = listed_files(parent_fd, name)
     except BaseException:
         if parent_fd is not None:
             shutil.rmtree(staging_name, dir_fd=parent_fd, ignore_errors=True)
@@ -130,7 +148,7 @@ def export_checkpoint(
     return ExportResult(
         run_id=run_id, step=step, path=relative.as_posix(), lora=result.lora, tokenizer=result.tokenizer,
         parameters=result.parameters,
-        files={_text(name, MAX_FILE_NAME_CHARS): size for name, size in files[:MAX_LISTED_FILES]},
+        files={short_text(name, MAX_FILE_NAME_CHARS): size for name, size in files[:MAX_LISTED_FILES]},
     )
 
 
@@ -192,7 +210,7 @@ def _open_checked_dir(folder: Path, label: str) -> int:
     return fd
 
 
-def _text(text: str, limit: int) -> str:
+def short_text(text: str, limit: int) -> str:
     """``text`` cut to ``limit`` characters (a file name the recipe's code chose)."""
     return text if len(text) <= limit else text[: limit - 1] + "…"
 
@@ -200,7 +218,7 @@ def _text(text: str, limit: int) -> str:
 EXPORT_FILE_MODE, EXPORT_DIR_MODE = 0o644, 0o755
 
 
-def _check_written(parent_fd: int, name: str, max_bytes: int | None = None) -> None:
+def check_written(parent_fd: int, name: str, max_bytes: int | None = None) -> None:
     """Refuse an export that holds anything but regular files and folders (recipe code wrote it:
     a link would lead out of the workspace), or more than ``max_bytes`` in all (the trusted
     settings' ``runs.max_export_bytes``); set every file's mode to 0644 and every folder's to
@@ -222,7 +240,7 @@ def _check_written(parent_fd: int, name: str, max_bytes: int | None = None) -> N
                                "person who runs the server to raise the cap)")
 
 
-def _files(parent_fd: int, name: str) -> list[tuple[str, int]]:
+def listed_files(parent_fd: int, name: str) -> list[tuple[str, int]]:
     """The files under the folder ``name`` of ``parent_fd`` (links not followed), with their sizes."""
     found = []
     for dirpath, _, names, dir_fd in os.fwalk(name, dir_fd=parent_fd):
@@ -296,9 +314,11 @@ def _fit(text: str, budget: int) -> tuple[str, bool]:
     return text[:low] + "…", True
 
 
-def evaluate(ws: Workspace, run_id: str, step: int | None = None, data: list[str] | str | None = None) -> EvaluateResult:
+def evaluate(ws: Workspace, run_id: str, step: int | None = None, data: list[str] | str | None = None,
+             limits: RunLimits | None = None) -> EvaluateResult:
     """The eval loss of a checkpoint on the run's held-out data (or on ``data``: workspace files
-    or folders, all held out) and the recipe's task metrics."""
+    or folders, all held out) and the recipe's task metrics; ``limits``: the workspace's run
+    limits unless given."""
     paths = [data] if isinstance(data, str) else data
     if paths is not None:
         if not isinstance(paths, list) or not paths or len(paths) > MAX_DATA_PATHS:
@@ -306,7 +326,7 @@ def evaluate(ws: Workspace, run_id: str, step: int | None = None, data: list[str
         resolved = [refuse_reserved(ws.root, confine(ws.root, path, "data"), "data") for path in paths]
     run_dir, step = checkpoint_of(ws, run_id, step)
     arguments = [f"--data={path}" for path in resolved] if paths else []
-    result = run_model_io(ws.root, run_dir, "evaluate", step, arguments, ws.run_limits(), EVALUATE_TIMEOUT_S)
+    result = run_model_io(ws.root, run_dir, "evaluate", step, arguments, limits or ws.run_limits(), EVALUATE_TIMEOUT_S)
     split = "data" if paths else "held_out"
     return EvaluateResult(
         run_id=run_id, step=step, eval_loss=result.eval_loss, perplexity=result.perplexity, split=split,
