@@ -63,9 +63,15 @@ def checkpoint_of(ws: Workspace, run_id: str, step: int | None) -> tuple[Path, i
         raise BadInput(f"run {run_id} was not started by this server, so nothing says its code snapshot is the code "
                        "that trained its checkpoints")
     if record.kind == rd.SCRIPT:
-        raise BadInput(f"run {run_id} ran a script, whose checkpoints are in its own format: export_checkpoint, "
-                       f"sample and evaluate rebuild a recipe's Engine and read the engine's checkpoints; "
-                       f"{DOCS_PAGE} says how to make the script a recipe")
+        # Its checkpoint is usable when it is a Hugging Face model folder (TRL's, the Trainer's):
+        # transformers loads it in the sandbox, without any of the script's code.
+        chosen, path = run_checkpoints.choose_checkpoint(run_dir, rd.SCRIPT, step)
+        if path.is_symlink() or not run_checkpoints.is_model_folder(path):
+            raise BadInput(f"checkpoint {path.name[:100]} of run {run_id} (a script's) is not a Hugging Face model "
+                           "folder (config.json and weights, or a peft adapter_config.json): export_checkpoint, "
+                           "sample and evaluate load a script's checkpoint only as such a folder (save_pretrained); "
+                           f"{DOCS_PAGE} says how to make the script a recipe")
+        return run_dir, chosen
     # Its digests here, where the run's other checkpoints are in view (the good one before a bad
     # one is named), and again in the model process as it reads it.
     chosen, _ = run_checkpoints.choose_checkpoint(run_dir, rd.RECIPE, step, verified=True)

@@ -169,8 +169,8 @@ def test_script_checkpoints_are_listed_and_a_resume_passes_the_path_after_resume
 
     for tool, extra in (("export_checkpoint", {"to": "exports/mlp"}), ("sample", {"prompts": ["x"]}), ("evaluate", {})):
         message = refusal(client.error(tool, run_id=first["run_id"], **extra))
-        assert message.startswith(f"bad_input: run {first['run_id']} ran a script, whose checkpoints are in its "
-                                  "own format"), (tool, message)
+        assert message.startswith(f"bad_input: checkpoint ckpt_6.pt of run {first['run_id']} (a script's) is not a "
+                                  "Hugging Face model folder (config.json and weights"), (tool, message)
         assert "docs/script-to-recipe.md says how to make the script a recipe" in message
 
 
