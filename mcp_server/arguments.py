@@ -83,7 +83,7 @@ class ApplySkillArgs(ToolArgs):
     recipe: Annotated[str, Field(description="recipes/<name>, the name, or a .py script.")]
     params: Annotated[dict[str, Any] | None, Field(description="See get_skill."),
                       Cli(flag="--param", metavar="KEY=VALUE", repeat=True, key_values=True)] = None
-    dry_run: Annotated[bool, Field(strict=True, description="Only return the diff; change nothing.")] = False
+    dry_run: Annotated[bool, Field(strict=True, description="Return the diff only.")] = False
     target: Annotated[str | None, Field(description="The model to act on: self._model, file.py:LINE."),
                       Cli(metavar="EXPR", more="A refusal lists the candidates it saw.")] = None
 
@@ -194,6 +194,8 @@ class ResumeArgs(ToolArgs):
     code: Annotated[Literal["checkpoint", "head"],
                     Field(description="checkpoint: the run's code; head: the recipe now.")] = "checkpoint"
     overrides: Annotated[dict[str, Any] | None, Field(description="As launch_run's."), KeyValues] = None
+    args: Annotated[list[str] | None, Field(description="A script's new args."),
+                    Cli(after_dashes=True)] = None
 
 
 class ExportArgs(ToolArgs):

@@ -249,7 +249,7 @@ def _resume_checkpoint(ws: Any, a: ResumeArgs, report: Report) -> LaunchRunResul
     from mcp_server.operations import launch
 
     return launch.resume_checkpoint(ws, a.run_id, a.step, a.nproc, overrides=a.overrides, code=a.code,
-                                    progress=report.download)
+                                    progress=report.download, args=a.args)
 
 
 def _export_checkpoint(ws: Any, a: ExportArgs, report: Report) -> ExportResult:
@@ -294,16 +294,14 @@ TOOLS: tuple[ToolSpec, ...] = (
     ToolSpec("get_skill", "A skill's SKILL.md and parameter schema.",
              ("skills", "show"), "print a skill's SKILL.md", GetSkillArgs, SkillDetail, READ_ONLY, _get_skill,
              workspace=False),
-    ToolSpec("apply_skill", "Write a skill's pattern into a recipe's code as one git commit; a refusal says "
-             "what works.",  # idempotent: the annotation says it, the description need not
+    ToolSpec("apply_skill", "Write a skill's pattern into a recipe's code as one git commit.",  # idempotent: the annotation says it, the description need not
              ("apply",), "apply a skill to a recipe folder or script, as one commit", ApplySkillArgs,
              ApplySkillResult, IDEMPOTENT_CHANGE, _apply_skill),
     # Recipes
     ToolSpec("list_templates", "The templates scaffold_recipe can copy.",
              ("templates",), "list recipe templates", NoArgs, TemplateList, READ_ONLY, _list_templates,
              workspace=False),
-    ToolSpec("scaffold_recipe", "Create recipes/<name>/ from a template, a commit (and one per skill); bad input "
-             "writes nothing.",
+    ToolSpec("scaffold_recipe", "Create recipes/<name>/ from a template, a commit (and one per skill).",
              ("scaffold",), "create recipes/NAME from a template, as a commit", ScaffoldArgs, ScaffoldResult,
              ADDITIVE_HUB, _scaffold_recipe, stages=Stages("checking the config and skills", "scaffolded", 2)),
     ToolSpec("describe_recipe", "Every config key of a recipe or template, skills applied, Hub models.",
@@ -314,7 +312,7 @@ TOOLS: tuple[ToolSpec, ...] = (
              READ_ONLY, _list_recipes),
     # Runs
     ToolSpec("launch_run", "Run a snapshot of a recipe or .py script (JSON lines with a step: metrics); returns "
-             "run_id at once, or writes nothing on error.",
+             "run_id at once.",
              ("run",), "launch a training run of a recipe folder or of a Python script", LaunchRunArgs,
              LaunchRunResult, ADDITIVE_HUB, _launch_run,
              stages=Stages("checking the recipe and config", "started {run_id}", 2), announce=_launched),

@@ -184,6 +184,28 @@ def test_resuming_a_script_run_launched_without_resume_arg_is_refused_saying_how
     assert state(workspace) == before
 
 
+def test_a_script_run_resumed_with_new_args_trains_further(client, workspace):
+    launched = client.ok("launch_run", recipe="train.py", args=["--steps", "3", "--save-every", "3"],
+                         resume_arg="--resume")
+    first = client.wait_for_run(launched["run_id"])
+    assert first["status"] == "completed"
+    before = state(workspace)
+    for bad in ("--steps 6", ["--steps", 6]):
+        message = refusal(client.error("resume_checkpoint", run_id=first["run_id"], args=bad))
+        assert "args" in message and ("list" in message or "string" in message), message
+    message = refusal(client.error("resume_checkpoint", run_id=first["run_id"], args=["--steps\n6"]))
+    assert message == "bad_input: args[0] holds a control character (NUL, newline, ...); give plain text"
+    assert state(workspace) == before
+    resumed = client.ok("resume_checkpoint", run_id=first["run_id"], args=["--steps", "6", "--save-every", "3"])
+    second = client.wait_for_run(resumed["run_id"])
+    assert second["status"] == "completed" and resumed["resumed_from"]["step"] == 3
+    checkpoint = str(workspace / first["run_dir"] / "checkpoints" / "ckpt_3.pt")
+    assert run_files(workspace, resumed["run_id"])[1].script_args == [
+        "--steps", "6", "--save-every", "3", "--resume", checkpoint]
+    continued = run_metrics.read_all_metrics(workspace / second["run_dir"] / rd.METRICS_JSONL)
+    assert [r["step"] for r in continued] == [4, 5, 6]  # trained further than the run it continues
+
+
 def test_trainwright_track_records_metrics_and_is_a_no_op_outside_a_run(client, workspace):
     script = ("import trainwright\nfor step in (1, 2):\n"
               "    trainwright.track(step, loss=1.0 / step, note='text is left out', bad=float('nan'))\n")
