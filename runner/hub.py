@@ -63,15 +63,17 @@ class HubRef:
     repo_type: str = "model"  # or "dataset"
 
 
-def hub_ref(value: object, workspace: Path, repo_type: str = "model") -> HubRef | None:
+def hub_ref(value: object, workspace: Path | None, repo_type: str = "model") -> HubRef | None:
     """The Hub id ``value`` names, or None: a value that is not shaped like one, or that names
-    something in the workspace (a workspace folder wins, as in transformers)."""
+    something in the workspace (a workspace folder wins, as in transformers; ``workspace``
+    None: a name that can only be a Hub id, as a push's target)."""
     if not isinstance(value, str):
         return None
     match = _HUB_ID.fullmatch(value)
     if match is None or ".." in value or value.endswith(".git"):
         return None
-    if os.path.lexists(Path(workspace) / value.split("@")[0]) or os.path.lexists(Path(workspace) / value):
+    if workspace is not None and (os.path.lexists(Path(workspace) / value.split("@")[0])
+                                  or os.path.lexists(Path(workspace) / value)):
         return None
     from huggingface_hub.errors import HFValidationError
     from huggingface_hub.utils import validate_repo_id

@@ -44,13 +44,11 @@ class PushTarget:
         return f"{HUB_PREFIX}{self.repo_id}" + (f"@{self.branch}" if self.branch else "")
 
 
-def push_target(to: str, workspace: Path) -> PushTarget | None:
+def push_target(to: str) -> PushTarget | None:
     """The Hub repo ``to`` names (``hub:org/name[@branch]``), or None for a workspace folder."""
     if not to.startswith(HUB_PREFIX):
         return None
-    name = to[len(HUB_PREFIX):]
-    # hub_ref leaves out a name that is also a workspace path; a push target is never one.
-    ref = hub_ref(name, Path("/nonexistent-trainwright-workspace"))
+    ref = hub_ref(to[len(HUB_PREFIX):], None)  # never a workspace folder, whatever the workspace holds
     if ref is None:
         raise BadInput(f"to {to[:200]!r} is not a Hub repo: give hub:org/name or hub:org/name@branch "
                        "(letters, digits, '-', '_', '.'), or a folder in the workspace")

@@ -91,7 +91,7 @@ def export_checkpoint(
     (``gguf``: a type, :data:`~engine.seams.GGUF_QUANTIZATIONS`) as one GGUF file in it; or push
     it to the Hub repo ``to`` names (``hub:org/name[@branch]``, ``private`` when it is new)."""
     _check_export_choices(lora, gguf)
-    target = hub_push.push_target(to, ws.root)
+    target = hub_push.push_target(to)
     if target is not None:
         from mcp_server.operations.push import push_checkpoint  # it builds on this module's functions
 

@@ -17,19 +17,18 @@ TOKEN = "hf_pushTokenForTheseTests0123456789abcd"
     ("hub:me/model@dev", "me/model", "dev"),
     ("hub:my-org/tiny.ft_2@release/v1", "my-org/tiny.ft_2", "release/v1"),
 ])
-def test_a_push_target_names_a_repo_and_maybe_a_branch(tmp_path, given, repo_id, branch):
-    assert hub_push.push_target(given, tmp_path) == hub_push.PushTarget(given, repo_id, branch)
+def test_a_push_target_names_a_repo_and_maybe_a_branch(given, repo_id, branch):
+    assert hub_push.push_target(given) == hub_push.PushTarget(given, repo_id, branch)
 
 
-def test_a_workspace_folder_is_not_a_push_target_and_a_malformed_one_is_refused(tmp_path):
-    assert hub_push.push_target("exports/model", tmp_path) is None
-    (tmp_path / "me").mkdir()  # a workspace folder of that name does not turn a push into an export
-    assert hub_push.push_target("hub:me/model", tmp_path) == hub_push.PushTarget("hub:me/model", "me/model", None)
+def test_a_workspace_folder_is_not_a_push_target_and_a_malformed_one_is_refused():
+    assert hub_push.push_target("exports/model") is None
+    assert hub_push.push_target("hub:me/model") == hub_push.PushTarget("hub:me/model", "me/model", None)
     for bad in ("hub:", "hub:model", "hub:me/model/extra", "hub:../x", "hub:me/mo del"):
         with pytest.raises(BadInput, match="is not a Hub repo: give hub:org/name or hub:org/name@branch"):
-            hub_push.push_target(bad, tmp_path)
+            hub_push.push_target(bad)
     with pytest.raises(BadInput, match="names a commit; a push goes to a branch: hub:me/model@BRANCH"):
-        hub_push.push_target("hub:me/model@" + "a" * 40, tmp_path)
+        hub_push.push_target("hub:me/model@" + "a" * 40)
 
 
 def test_the_token_comes_from_the_servers_environment_and_offline_refuses():
