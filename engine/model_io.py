@@ -44,6 +44,7 @@ from engine.errors import (
     NotFound,
     TrainwrightError,
 )
+from engine.hf_checkpoint import load_checkpoint_model
 from engine.seams import (
     GGUF_QUANTIZATIONS,
     LORA_CHOICES,
@@ -84,9 +85,18 @@ def checkpoint_path(run_dir: Path, step: int) -> Path:
     return path
 
 
+def script_checkpoint(run_dir: Path, step: int) -> Path:
+    """The checkpoint of a script run at ``step``: what its script saved under ``checkpoints/``."""
+    found = dict(run_checkpoints.list_script_checkpoints(run_dir))
+    if step not in found:
+        raise NotFound(f"run {Path(run_dir).name} has no checkpoint at step {step}")
+    return found[step]
+
+
 def load_engine(run_dir: Path, step: int, overrides: dict[str, Any] | None = None, recipe: Path | None = None):
     """The run's recipe engine (``recipe``: its code, default the run's snapshot), its model
-    built and loaded with the checkpoint of ``step``."""
+    built and loaded with the checkpoint of ``step``; a script run's checkpoint folder as a
+    :class:`~engine.hf_checkpoint.CheckpointModel`."""
     import torch
 
     from engine.config import build_config
@@ -95,6 +105,8 @@ def load_engine(run_dir: Path, step: int, overrides: dict[str, Any] | None = Non
 
     run_dir = Path(run_dir)
     record = rd.read_run(run_dir)
+    if record.kind == rd.SCRIPT:  # its checkpoint is a model folder: transformers loads it, no script code
+        return load_checkpoint_model(script_checkpoint(run_dir, step), record.id)
     if not record.config:
         raise NotFound(f"run {record.id} recorded no config, so its recipe cannot be rebuilt")
     recipe_class = load_recipe_class(recipe or run_dir / rd.SNAPSHOT_DIRNAME)
@@ -301,6 +313,8 @@ def evaluate(run_dir: Path, step: int, data: list[str] | None = None) -> Evaluat
     import torch
 
     record = rd.read_run(run_dir)
+    if record.kind == rd.SCRIPT:
+        return _evaluate_script_checkpoint(run_dir, step, record, data)
     engine = load_engine(run_dir, step, evaluation_overrides(record.config or {}, data))
     engine.eval_batches = engine.prepare_eval_data()
     if not engine.eval_batches:
@@ -325,6 +339,23 @@ def evaluate(run_dir: Path, step: int, data: list[str] | None = None) -> Evaluat
         data=list(data) if data else None,
         metrics=metrics,
     )
+
+
+def _evaluate_script_checkpoint(run_dir: Path, step: int, record: rd.RunRecord,
+                                data: list[str] | None) -> EvaluateOutcome:
+    """A script run's model folder on the files of ``data`` (a script has no held-out split
+    trainwright knows)."""
+    from engine.hf_checkpoint import evaluate_model
+
+    if not data:
+        raise BadInput(f"run {record.id} ran a script, whose held-out data trainwright does not know: "
+                       "pass data=[files or folders] to evaluate its checkpoint on")
+    numbers = evaluate_model(load_engine(run_dir, step), data)
+    loss = numbers.pop("eval_loss")
+    metrics = {k: v for k, v in numbers.pop("metrics").items() if math.isfinite(v)}
+    return EvaluateOutcome(step=step, eval_loss=loss, perplexity=math.exp(loss) if loss is not None and loss < 50
+                           else None, batches=numbers["examples"], split="data", data=list(data), metrics=metrics,
+                           **numbers)
 
 
 def split_summary(engine: Any, record: rd.RunRecord, data: list[str] | None) -> dict[str, Any]:

@@ -117,6 +117,17 @@ def list_script_checkpoints(run_dir: Path) -> list[tuple[int, Path]]:
     return sorted(found.items())
 
 
+HF_MODEL_CONFIG, HF_ADAPTER_CONFIG = "config.json", "adapter_config.json"
+
+
+def is_model_folder(folder: Path) -> bool:
+    """Whether a script's checkpoint is a Hugging Face model folder (``save_pretrained``'s, as
+    TRL and the Trainer write ``checkpoint-N/``) or a peft adapter folder, which export, sample
+    and evaluate load with transformers."""
+    folder = Path(folder)
+    return folder.is_dir() and ((folder / HF_MODEL_CONFIG).is_file() or (folder / HF_ADAPTER_CONFIG).is_file())
+
+
 def run_checkpoints(run_dir: Path, kind: RunKind) -> list[tuple[int, Path]]:
     """A run's checkpoints as its kind defines them: the engine's complete ``step-<N>`` folders,
     or a script's own files (:func:`list_script_checkpoints`)."""

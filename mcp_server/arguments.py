@@ -165,21 +165,21 @@ class NoArgs(ToolArgs):
 
 
 class GetSkillArgs(ToolArgs):
-    skill: Annotated[str, Field(description="A skill name from list_skills.")]
+    skill: Annotated[str, Field(description="A name from list_skills.")]
 
 
 class ApplySkillArgs(ToolArgs):
-    skill: Annotated[str, Field(description="A skill name from list_skills.")]
+    skill: Annotated[str, Field(description="A name from list_skills.")]
     recipe: Annotated[str, Field(description="recipes/<name>, the name, or a .py script.")]
-    params: Annotated[dict[str, Any] | None, Field(description="Skill parameters (see get_skill)."),
+    params: Annotated[dict[str, Any] | None, Field(description="See get_skill."),
                       Cli(flag="--param", metavar="KEY=VALUE", repeat=True, key_values=True)] = None
-    dry_run: Annotated[bool, Field(strict=True, description="Diff only; writes nothing.")] = False
+    dry_run: Annotated[bool, Field(strict=True, description="Return the diff only.")] = False
     target: Annotated[str | None, Field(description="The model to act on: self._model, file.py:LINE."),
                       Cli(metavar="EXPR", more="A refusal lists the candidates it saw.")] = None
 
 
 class ScaffoldArgs(ToolArgs):
-    template: Annotated[str, Field(description="A template name from list_templates.")]
+    template: Annotated[str, Field(description="A name from list_templates.")]
     name: Annotated[str, Field(description="The new recipes/<name>/.")]
     config: Annotated[dict[str, Any] | None, Field(description='Dotted keys: {"train.max_steps": 500}.'),
                       Cli(flag="--config", metavar="KEY=VALUE", repeat=True, key_values=True,
@@ -299,15 +299,19 @@ class ResumeArgs(ToolArgs):
     code: Annotated[Literal["checkpoint", "head"],
                     Field(description="checkpoint: the run's code; head: the recipe now.")] = "checkpoint"
     overrides: Annotated[dict[str, Any] | None, Field(description="As launch_run's."), KeyValues] = None
+    args: Annotated[list[str] | None, Field(description="A script's new args."),
+                    Cli(after_dashes=True)] = None
 
 
 class ExportArgs(ToolArgs):
     run_id: RunId
-    to: Annotated[str, Field(description="A new or empty folder in the workspace."), Cli(flag="--to", metavar="DIR")]
+    to: Annotated[str, Field(description="A new/empty workspace folder, or hub:org/name[@branch]."),
+                  Cli(flag="--to", metavar="DIR|hub:ORG/NAME")]
     step: Step = None
     lora: Annotated[Literal["merged", "adapter"], Field(description="LoRA: merged, or a peft adapter.")] = "merged"
     gguf: Annotated[Literal[GGUF_QUANTIZATIONS] | None, Field(  # type: ignore[valid-type]
         description="A GGUF file instead.")] = None
+    private: Annotated[bool, Field(description="A new Hub repo is private.")] = False
 
 
 class SampleArgs(ToolArgs):

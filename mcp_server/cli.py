@@ -79,7 +79,7 @@ def tool_arguments(spec: ToolSpec, args: argparse.Namespace) -> Any:
     for name, field in spec.args.model_fields.items():
         cli = cli_of(field)
         if cli.after_dashes:
-            value: Any = getattr(args, "script_args", None) or []
+            value: Any = getattr(args, "script_args", None) or field.default  # resume: None, the run's own
         elif cli.keys is not None:
             given_keys = {key: getattr(args, _dest(option.flag)) for key, option in cli.keys.items()}
             value = {key: v for key, v in given_keys.items() if v is not None}
@@ -232,7 +232,8 @@ def add_tool_command(sub: Any, spec: ToolSpec, common: argparse.ArgumentParser) 
     for add_option in TERMINAL_OPTIONS.get(spec.name, ()):
         add_option(p)
     if any(cli_of(field).after_dashes for field in spec.args.model_fields.values()):
-        p.usage = "%(prog)s RECIPE [options] [-- SCRIPT_ARG ...]"
+        first = next(name for name, field in spec.args.model_fields.items() if field.is_required())
+        p.usage = f"%(prog)s {first.upper()} [options] [-- SCRIPT_ARG ...]"
     return p
 
 
@@ -420,9 +421,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def split_script_args(argv: list[str]) -> tuple[list[str], list[str]]:
-    """``trainwright run SCRIPT [OPTIONS] -- ARGS``: the command line before the first ``--``,
+    """``trainwright run SCRIPT [OPTIONS] -- ARGS`` (``resume RUN_ID ... -- ARGS``): the command
+    line before the first ``--``,
     and the script's own after it (argparse would take the script's options for its own)."""
-    if argv[:1] == ["run"] and "--" in argv:
+    if argv[:1] in (["run"], ["resume"]) and "--" in argv:
         at = argv.index("--")
         return argv[:at], argv[at + 1:]
     return argv, []

@@ -249,13 +249,14 @@ def _resume_checkpoint(ws: Any, a: ResumeArgs, report: Report) -> LaunchRunResul
     from mcp_server.operations import launch
 
     return launch.resume_checkpoint(ws, a.run_id, a.step, a.nproc, overrides=a.overrides, code=a.code,
-                                    progress=report.download)
+                                    progress=report.download, args=a.args)
 
 
 def _export_checkpoint(ws: Any, a: ExportArgs, report: Report) -> ExportResult:
     from mcp_server.operations import model_tools
 
-    return model_tools.export_checkpoint(ws, a.run_id, a.to, a.step, a.lora, gguf=a.gguf)
+    return model_tools.export_checkpoint(ws, a.run_id, a.to, a.step, a.lora, gguf=a.gguf, private=a.private,
+                                         progress=report.download)
 
 
 def _sample(ws: Any, a: SampleArgs, report: Report) -> SampleResult:
@@ -293,16 +294,14 @@ TOOLS: tuple[ToolSpec, ...] = (
     ToolSpec("get_skill", "A skill's SKILL.md and parameter schema.",
              ("skills", "show"), "print a skill's SKILL.md", GetSkillArgs, SkillDetail, READ_ONLY, _get_skill,
              workspace=False),
-    ToolSpec("apply_skill", "Write a skill's pattern into a recipe's code as one git commit; a refusal says "
-             "what works.",  # idempotent: the annotation says it, the description need not
+    ToolSpec("apply_skill", "Write a skill's pattern into a recipe's code as one git commit.",  # idempotent: the annotation says it, the description need not
              ("apply",), "apply a skill to a recipe folder or script, as one commit", ApplySkillArgs,
              ApplySkillResult, IDEMPOTENT_CHANGE, _apply_skill),
     # Recipes
     ToolSpec("list_templates", "Templates scaffold_recipe can copy.",
              ("templates",), "list recipe templates", NoArgs, TemplateList, READ_ONLY, _list_templates,
              workspace=False),
-    ToolSpec("scaffold_recipe", "Create recipes/<name>/ from a template as a commit (+1 per skill); bad input "
-             "writes nothing.",
+    ToolSpec("scaffold_recipe", "Create recipes/<name>/ from a template, a commit (and one per skill).",
              ("scaffold",), "create recipes/NAME from a template, as a commit", ScaffoldArgs, ScaffoldResult,
              ADDITIVE_HUB, _scaffold_recipe, stages=Stages("checking the config and skills", "scaffolded", 2)),
     ToolSpec("describe_recipe", "Config keys of a recipe or template, its skills and Hub models.",
@@ -313,7 +312,7 @@ TOOLS: tuple[ToolSpec, ...] = (
              READ_ONLY, _list_recipes),
     # Runs
     ToolSpec("launch_run", "Run a snapshot of a recipe or .py script (JSON lines with a step: metrics); returns "
-             "run_id at once; an error writes nothing.",
+             "run_id at once.",
              ("run",), "launch a training run of a recipe folder or of a Python script", LaunchRunArgs,
              LaunchRunResult, ADDITIVE_HUB, _launch_run,
              stages=Stages("checking the recipe and config", "started {run_id}", 2), announce=_launched),
@@ -347,7 +346,8 @@ TOOLS: tuple[ToolSpec, ...] = (
              ("resume",), "continue a run from its checkpoint as a new run", ResumeArgs, LaunchRunResult,
              ADDITIVE_HUB, _resume_checkpoint, announce=_resumed),
     # Models: export, sample, evaluate (each loads the recipe in the run sandbox)
-    ToolSpec("export_checkpoint", "Write a checkpoint as a Hugging Face folder or a GGUF file.", ("export",), "write a checkpoint as a Hugging Face model folder or a GGUF file", ExportArgs, ExportResult, ADDITIVE,
+    ToolSpec("export_checkpoint", "Write a checkpoint as a Hugging Face folder or a GGUF file.", ("export",), "write a checkpoint as a Hugging Face model folder or a GGUF file, or push it to the Hub", ExportArgs, ExportResult,
+             ADDITIVE_HUB,
              _export_checkpoint, stages=IN_SANDBOX, task=True),
     ToolSpec("sample", "Continue prompts with a checkpoint's model.",
              ("sample",), "continue prompts with a checkpoint's model", SampleArgs, SampleResult, READ_ONLY, _sample,

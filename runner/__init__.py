@@ -7,6 +7,7 @@
 - ``processes``    every process of a run, found, signalled and ended together; recipe code run outside a run
 - ``provenance``   the code snapshot a run executes, and where that code came from
 - ``hub``          models and data sets by Hub id: downloaded by the server, bound read-only
+- ``hub_push``     a push to the Hub: its target, the server's token (never in a sandbox), the upload
 - ``scripts``      runs of the user's own training script: command, arguments, metrics lines
 - ``tensorboard_events`` a script's TensorBoard scalars, read as its metrics
 - ``nodes``        runs over several nodes: c10d rendezvous settings

@@ -63,15 +63,17 @@ class HubRef:
     repo_type: str = "model"  # or "dataset"
 
 
-def hub_ref(value: object, workspace: Path, repo_type: str = "model") -> HubRef | None:
+def hub_ref(value: object, workspace: Path | None, repo_type: str = "model") -> HubRef | None:
     """The Hub id ``value`` names, or None: a value that is not shaped like one, or that names
-    something in the workspace (a workspace folder wins, as in transformers)."""
+    something in the workspace (a workspace folder wins, as in transformers; ``workspace``
+    None: a name that can only be a Hub id, as a push's target)."""
     if not isinstance(value, str):
         return None
     match = _HUB_ID.fullmatch(value)
     if match is None or ".." in value or value.endswith(".git"):
         return None
-    if os.path.lexists(Path(workspace) / value.split("@")[0]) or os.path.lexists(Path(workspace) / value):
+    if workspace is not None and (os.path.lexists(Path(workspace) / value.split("@")[0])
+                                  or os.path.lexists(Path(workspace) / value)):
         return None
     from huggingface_hub.errors import HFValidationError
     from huggingface_hub.utils import validate_repo_id
@@ -292,7 +294,7 @@ def resolve(ref: HubRef, *, commit: str | None = None, allow_pickled: bool = Fal
         ) from None
     except hf_errors.HfHubHTTPError as e:
         raise BadInput(f"the Hub refused {shown}: {str(e).splitlines()[0][:MAX_QUOTED_CHARS]}") from None
-    except _transport_errors() as e:  # the network, or the cache's disk
+    except transport_errors() as e:  # the network, or the cache's disk
         where = f" at {endpoint}" if endpoint else ""
         raise BadInput(f"{shown} could not be downloaded: the Hub{where} cannot be reached or the cache cannot be "
                        f"written ({type(e).__name__}: {str(e)[:MAX_QUOTED_CHARS]}); check the network and HF_ENDPOINT, or use a "
@@ -302,7 +304,7 @@ def resolve(ref: HubRef, *, commit: str | None = None, allow_pickled: bool = Fal
     return _model(ref, sha, Path(path), selection.total_bytes)
 
 
-def _transport_errors() -> tuple[type[BaseException], ...]:
+def transport_errors() -> tuple[type[BaseException], ...]:
     """What a download raises when the Hub cannot be reached or the cache cannot be written:
     OSError, and the HTTP client's errors (httpx2 for huggingface_hub 2, httpx before)."""
     import importlib

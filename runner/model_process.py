@@ -102,7 +102,8 @@ def _run_model_io(workspace: Path, run_dir: Path, action: str, step: int, argume
                   limits: RunLimits, timeout_s: float, writable: list[Path] | None) -> ModelOutcome:
     workspace, run_dir = Path(workspace), Path(run_dir)
     models = recorded_binding(_recorded_models(workspace, run_dir))
-    checkpoint = run_dir / rd.CHECKPOINTS_DIRNAME / run_checkpoints.checkpoint_dir_name(step)
+    name = _checkpoint_name(workspace, run_dir, step)
+    checkpoint = run_dir / rd.CHECKPOINTS_DIRNAME / name
     out_dir = Path(tempfile.mkdtemp(prefix="trainwright-model-"))
     try:
         result_file = out_dir / RESULT_NAME
@@ -119,7 +120,7 @@ def _run_model_io(workspace: Path, run_dir: Path, action: str, step: int, argume
             pass_env=limits.pass_env,
         )
         visible = [workspace, run_dir / rd.SNAPSHOT_DIRNAME, *models.read_only()]
-        bound = _open_run_files(run_dir, step)
+        bound = _open_run_files(run_dir, step, name)
         try:
             _, stderr = run_contained(command, workspace, visible, [out_dir, *(writable or [])], env, limits,
                                       timeout_s, mark, bound_fds={run_dir / rd.RUN_JSON: bound[0], checkpoint: bound[1]})
@@ -161,7 +162,21 @@ def _recorded_models(workspace: Path, run_dir: Path) -> list[rd.HubModel]:
         return []
 
 
-def _open_run_files(run_dir: Path, step: int) -> tuple[int, int]:
+def _checkpoint_name(workspace: Path, run_dir: Path, step: int) -> str:
+    """The name of the checkpoint folder of ``step``: the engine's ``step-<N>``, or what a
+    script run's script saved (kind from the server's record)."""
+    try:
+        kind = sr.known_run(workspace, run_dir).kind
+    except (OSError, ValueError, BadInput):
+        kind = rd.RECIPE
+    if kind == rd.SCRIPT:
+        found = dict(run_checkpoints.list_script_checkpoints(run_dir))
+        if step in found:
+            return found[step].name
+    return run_checkpoints.checkpoint_dir_name(step)
+
+
+def _open_run_files(run_dir: Path, step: int, name: str) -> tuple[int, int]:
     """Descriptors of the run's ``run.json`` and of its checkpoint ``step``, opened without
     following a link at any level below the run directory. A run that is still running writes
     these folders: the sandbox shows what these descriptors hold, so a link it swaps in after
@@ -172,7 +187,7 @@ def _open_run_files(run_dir: Path, step: int) -> tuple[int, int]:
         opened.append(os.open(run_dir, flags | os.O_DIRECTORY))
         opened.append(os.open(rd.RUN_JSON, flags | os.O_PATH, dir_fd=opened[0]))
         opened.append(os.open(rd.CHECKPOINTS_DIRNAME, flags | os.O_DIRECTORY, dir_fd=opened[0]))
-        opened.append(os.open(run_checkpoints.checkpoint_dir_name(step), flags | os.O_DIRECTORY, dir_fd=opened[2]))
+        opened.append(os.open(name, flags | os.O_DIRECTORY, dir_fd=opened[2]))
         if not stat.S_ISREG(os.fstat(opened[1]).st_mode):
             raise NotADirectoryError(f"{rd.RUN_JSON} is not a file")
     except OSError as e:

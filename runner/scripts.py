@@ -114,12 +114,13 @@ def check_resumable(record: rd.RunRecord) -> None:
         )
 
 
-def resume_args(record: rd.RunRecord, checkpoint: Path) -> list[str]:
-    """The arguments of a script run that continues ``record`` from ``checkpoint``: its own,
-    without an earlier resume's option, then ``resume_arg PATH``."""
+def resume_args(record: rd.RunRecord, checkpoint: Path, args: list[str] | None = None) -> list[str]:
+    """The arguments of a script run that continues ``record`` from ``checkpoint``: ``args``
+    (new ones, checked; default: its own), without an earlier resume's option, then
+    ``resume_arg PATH``."""
     check_resumable(record)
     assert record.resume_arg is not None
-    args = list(record.script_args)
+    args = list(record.script_args) if args is None else check_args(args)
     if record.resume_arg in args:  # a resume of a resume: the newer checkpoint replaces the older
         at = args.index(record.resume_arg)
         del args[at:at + 2]

@@ -1,10 +1,17 @@
 """A Hugging Face Hub endpoint on 127.0.0.1 for tests (``HF_ENDPOINT``): the few routes that
 ``huggingface_hub``'s ``model_info`` and ``snapshot_download`` call, serving model repos built
 offline. It can drop a connection midway through a file (the client must resume with a
-``Range`` request), refuse a gated repo without a token, and records the requests it saw."""
+``Range`` request), refuse a gated repo without a token, and records the requests it saw.
+
+Pushes too, with the routes ``whoami``, ``create_repo``, ``create_branch`` and ``upload_folder``
+call (``/api/whoami-v2``, ``/api/repos/create``, ``/branch/``, ``/api/validate-yaml``,
+``/preupload/``: every file a regular upload, ``/commit/``: the ndjson commit), for the tokens of
+:attr:`FakeHub.writers`: a token writes the namespaces listed for it (401 for an unknown token,
+403 for a namespace it does not hold)."""
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import json
 import threading
@@ -21,11 +28,27 @@ class Repo:
     gated: bool = False  # requests without "Authorization: Bearer <token>" get 401 GatedRepo
     token: str = "hf_test_valid_token"
     history: dict[str, dict[str, bytes]] = field(default_factory=dict)  # every commit's files
+    branches: dict[str, str] = field(default_factory=dict)  # other branches: their commits
+    private: bool = False
 
     def at(self, revision: str) -> tuple[str, dict[str, bytes]] | None:
         if revision == "main":
             return self.commit, self.files
+        if revision in self.branches:
+            return self.branches[revision], self.history[self.branches[revision]]
         return (revision, self.history[revision]) if revision in self.history else None
+
+    def commit_files(self, branch: str, files: dict[str, bytes]) -> str:
+        """A new commit on ``branch`` (main or another) with ``files`` added; its id."""
+        _, before = self.at(branch) or (None, {})
+        after = {**before, **files}
+        commit = hashlib.sha1(repr(sorted(self.history)).encode() + b"".join(after.values())).hexdigest()
+        self.history[commit] = after
+        if branch == "main":
+            self.commit, self.files = commit, after
+        else:
+            self.branches[branch] = commit
+        return commit
 
 
 @dataclass
@@ -33,6 +56,8 @@ class FakeHub:
     repos: dict[str, Repo] = field(default_factory=dict)
     drop_once: set[str] = field(default_factory=set)  # "repo/file": the first GET sends half, then drops
     requests: list[tuple[str, str, dict[str, str]]] = field(default_factory=list)  # (method, path, headers)
+    writers: dict[str, list[str]] = field(default_factory=dict)  # token: the namespaces it may write
+    readers: set[str] = field(default_factory=set)  # tokens whose role is read
 
     def add(self, repo_id: str, folder: Path, gated: bool = False, repo_type: str = "model") -> Repo:
         """Serve ``folder`` as a new commit on main of ``repo_id`` (a data set's key in
@@ -59,7 +84,76 @@ class FakeHub:
                 self._serve(body=False)
 
             def do_GET(self):
+                if urlparse(self.path).path == "/api/whoami-v2":
+                    return self._whoami()
                 self._serve(body=True)
+
+            def do_POST(self):
+                path = unquote(urlparse(self.path).path)
+                length = int(self.headers.get("Content-Length") or 0)
+                data = self.rfile.read(length)
+                hub.requests.append((self.command, path, {k.lower(): v for k, v in self.headers.items()}))
+                parts = path.strip("/").split("/")
+                if path == "/api/validate-yaml":
+                    return self._json(200, {"errors": [], "warnings": []})
+                if path == "/api/repos/create":
+                    payload = json.loads(data)
+                    repo_id = f"{payload['organization']}/{payload['name']}"
+                    if not self._may_write(repo_id):
+                        return
+                    if repo_id in hub.repos:
+                        return self._json(409, {"error": "You already created this model repo", "url": f"/{repo_id}"})
+                    hub.repos[repo_id] = Repo({}, "0" * 40, history={"0" * 40: {}},
+                                              private=payload.get("visibility") == "private")
+                    return self._json(200, {"url": f"http://{self.headers['Host']}/{repo_id}"})
+                if parts[:2] == ["api", "models"] and len(parts) >= 6 and parts[4] in ("branch", "preupload", "commit"):
+                    repo_id, kind, revision = "/".join(parts[2:4]), parts[4], "/".join(parts[5:])
+                    if not self._may_write(repo_id):
+                        return
+                    repo = hub.repos.get(repo_id)
+                    if repo is None:
+                        return self._json(404, {"error": "Repository not found"}, {"X-Error-Code": "RepoNotFound"})
+                    if kind == "branch":
+                        if revision in repo.branches:
+                            return self._json(409, {"error": "Reference already exists"})
+                        repo.branches[revision] = repo.commit
+                        return self._json(200, {})
+                    if repo.at(revision) is None:
+                        return self._json(404, {"error": "Invalid rev id"}, {"X-Error-Code": "RevisionNotFound"})
+                    if kind == "preupload":
+                        files = json.loads(data)["files"]
+                        return self._json(200, {"files": [{"path": f["path"], "uploadMode": "regular",
+                                                           "shouldIgnore": False} for f in files]})
+                    lines = [json.loads(line) for line in data.splitlines() if line.strip()]
+                    added = {item["value"]["path"]: base64.b64decode(item["value"]["content"])
+                             for item in lines if item["key"] == "file"}
+                    commit = repo.commit_files(revision, added)
+                    return self._json(200, {"commitUrl": f"http://{self.headers['Host']}/{repo_id}/commit/{commit}",
+                                            "commitOid": commit, "pullRequestUrl": None})
+                self._json(404, {"error": "not found"})
+
+            def _token(self) -> str | None:
+                given = self.headers.get("Authorization", "")
+                return given[len("Bearer "):] if given.startswith("Bearer ") else None
+
+            def _may_write(self, repo_id: str) -> bool:
+                token = self._token()
+                if token not in hub.writers and token not in hub.readers:
+                    self._json(401, {"error": "Invalid credentials in Authorization header"})
+                    return False
+                if repo_id.split("/")[0] not in hub.writers.get(token, []):
+                    self._json(403, {"error": f"You don't have the rights to create a model under {repo_id}"})
+                    return False
+                return True
+
+            def _whoami(self):
+                token = self._token()
+                hub.requests.append(("GET", "/api/whoami-v2", {k.lower(): v for k, v in self.headers.items()}))
+                if token not in hub.writers and token not in hub.readers:
+                    return self._json(401, {"error": "Invalid credentials in Authorization header"})
+                role = "read" if token in hub.readers else "write"
+                return self._json(200, {"type": "user", "name": (hub.writers.get(token) or ["reader"])[0],
+                                        "auth": {"type": "access_token", "accessToken": {"role": role}}})
 
             def _send(self, status: int, data: bytes, headers: dict[str, str] | None = None, body: bool = True):
                 self.send_response(status)
@@ -116,6 +210,9 @@ class FakeHub:
             def _repo(self, repo_id: str, body: bool) -> Repo | None:
                 repo = hub.repos.get(repo_id)
                 if repo is None:
+                    self._json(404, {"error": "Repository not found"}, {"X-Error-Code": "RepoNotFound"}, body)
+                    return None
+                if repo.private and repo_id.split("/")[0] not in hub.writers.get(self._token() or "", []):
                     self._json(404, {"error": "Repository not found"}, {"X-Error-Code": "RepoNotFound"}, body)
                     return None
                 if repo.gated and self.headers.get("Authorization") != f"Bearer {repo.token}":

@@ -17,6 +17,8 @@ caller with values from elsewhere validates them first (``TailArgs.checked(run_i
 - ``compare``      what differs between two runs, judged at their noise
 - ``ab``           ``trainwright ab``: a skill's commit against its parent, measured
 - ``model_tools``  export, sample, evaluate a checkpoint
+- ``push``         export a checkpoint to the Hub (``to="hub:org/name"``), evaluated, with its card
+- ``model_card``   the model card of a push, from the server's record of the run
 - ``review``       ``trainwright review``: what the agent changed and what it produced
 - ``data_cache``   ``trainwright data-cache``: the tokenized data runs share, sizes, removal
 """

@@ -369,7 +369,7 @@ def _code_differences(ws: Workspace, a: sr.ServerRecord, b: sr.ServerRecord, dir
         lines.append(f"recipe: {a.recipe} → {b.recipe}")
     if a.git_commit != b.git_commit:
         lines.append(f"commit: {(a.git_commit or 'none')[:12]} → {(b.git_commit or 'none')[:12]}")
-    skills_a, skills_b = _skills(ws, a), _skills(ws, b)
+    skills_a, skills_b = skills_of_run(ws, a), skills_of_run(ws, b)
     only_a, only_b = [s for s in skills_a if s not in skills_b], [s for s in skills_b if s not in skills_a]
     if only_a or only_b:
         lines.append(f"skills: only a: {', '.join(only_a) or 'none'}; only b: {', '.join(only_b) or 'none'}")
@@ -382,7 +382,7 @@ def _code_differences(ws: Workspace, a: sr.ServerRecord, b: sr.ServerRecord, dir
     return lines
 
 
-def _skills(ws: Workspace, record: rd.RunRecord) -> list[str]:
+def skills_of_run(ws: Workspace, record: rd.RunRecord) -> list[str]:
     """Skills applied to the run's recipe, from the trailers of the commits up to its commit."""
     repo = workspace_git.open_repo(ws.root)
     if repo is None or not record.git_commit or not workspace_git.COMMIT_ID.fullmatch(record.git_commit) or not record.recipe:

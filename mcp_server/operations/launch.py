@@ -259,8 +259,10 @@ def resume_checkpoint(
     limits: RunLimits | None = None,
     code: Literal["checkpoint", "head"] = "checkpoint",
     progress: hub.Progress | None = None,
+    args: list[str] | None = None,
 ) -> LaunchRunResult:
-    """A new run that continues ``run_id`` from its checkpoint at ``step`` (default: latest).
+    """A new run that continues ``run_id`` from its checkpoint at ``step`` (default: latest);
+    a script run's script is given ``args`` when they are given (default: its own).
 
     ``code="checkpoint"`` runs the code the original run ran (its snapshot); ``code="head"``
     the recipe as it is now (e.g. after a skill was applied). With as many processes as the
@@ -271,7 +273,9 @@ def resume_checkpoint(
     """
     source_dir, source = known_run(ws, run_id)
     if source.kind == rd.SCRIPT:
-        return launch(ws, _script_resume(ws, source_dir, source, step, nproc, overrides, code), limits)
+        return launch(ws, _script_resume(ws, source_dir, source, step, nproc, overrides, code, args), limits)
+    if args is not None:
+        raise BadInput(f"args are a script's command line; run {run_id} ran a recipe: change its config with overrides")
     chosen_step, checkpoint = run_checkpoints.choose_checkpoint(source_dir, source.kind, step, verified=True)
     if not source.config:
         raise NotFound(f"run {run_id} recorded no config, so it cannot be resumed")
@@ -312,17 +316,19 @@ def _resumed_code(ws: Workspace, source_dir: Path, source: sr.ServerRecord, code
 
 
 def _script_resume(ws: Workspace, source_dir: Path, source: sr.ServerRecord, step: object, nproc: int | None,
-                   overrides: Overrides, code: Literal["checkpoint", "head"]) -> Launch:
+                   overrides: Overrides, code: Literal["checkpoint", "head"], args: list[str] | None = None) -> Launch:
     """A new run of a script run's script with the checkpoint's path after its ``resume_arg``
-    (the script reads its own checkpoint; how well it continues is the script's doing)."""
+    (the script reads its own checkpoint; how well it continues is the script's doing), given
+    its own arguments or ``args``."""
     if not source.started_by_server:
         raise BadInput(f"run {source.id} was not started by this server, so nothing but its own files says how to "
                        "run its script; launch the script again (launch_run) with resume_arg")
     if overrides:
-        raise BadInput("overrides set a recipe's config keys; a script run is resumed with the args it was launched with")
+        raise BadInput("overrides set a recipe's config keys; a script run is resumed with the args it was launched "
+                       "with, or with new ones: args=[...]")
     scripts.check_resumable(source)  # refused, saying how, without a resume_arg
     chosen_step, checkpoint = run_checkpoints.choose_checkpoint(source_dir, source.kind, step, verified=True)
-    args = scripts.resume_args(source, checkpoint)
+    args = scripts.resume_args(source, checkpoint, args)
     if code == "checkpoint":
         code_dir = source_dir / rd.SNAPSHOT_DIRNAME
         if not source.script or not (code_dir / source.script).is_file():

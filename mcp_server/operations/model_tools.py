@@ -25,11 +25,14 @@ from engine.errors import BadInput
 from engine.seams import GeneratedSample
 from mcp_server.limits import AGENT_BUDGET_CHARS, json_chars
 from mcp_server.models import EvaluateResult, ExportResult, Sample, SampleResult
+from runner import hub_push
+from runner.hub import Progress
 from runner.model_process import ModelProcessFailed, run_model_io
 from workspace.paths import RESERVED_DIRS, PathRefused, confine, refuse_reserved
 from runner.provenance import check_snapshot_unchanged
 from sandbox.redact import redact
 from runner.scripts import DOCS_PAGE
+from workspace.settings import RunLimits
 from workspace.workspace import RECIPES_DIRNAME, Workspace
 
 EXPORT_TIMEOUT_S = 1800
@@ -58,9 +61,15 @@ def checkpoint_of(ws: Workspace, run_id: str, step: int | None) -> tuple[Path, i
         raise BadInput(f"run {run_id} was not started by this server, so nothing says its code snapshot is the code "
                        "that trained its checkpoints")
     if record.kind == rd.SCRIPT:
-        raise BadInput(f"run {run_id} ran a script, whose checkpoints are in its own format: export_checkpoint, "
-                       f"sample and evaluate rebuild a recipe's Engine and read the engine's checkpoints; "
-                       f"{DOCS_PAGE} says how to make the script a recipe")
+        # Its checkpoint is usable when it is a Hugging Face model folder (TRL's, the Trainer's):
+        # transformers loads it in the sandbox, without any of the script's code.
+        chosen, path = run_checkpoints.choose_checkpoint(run_dir, rd.SCRIPT, step)
+        if path.is_symlink() or not run_checkpoints.is_model_folder(path):
+            raise BadInput(f"checkpoint {path.name[:100]} of run {run_id} (a script's) is not a Hugging Face model "
+                           "folder (config.json and weights, or a peft adapter_config.json): export_checkpoint, "
+                           "sample and evaluate load a script's checkpoint only as such a folder (save_pretrained); "
+                           f"{DOCS_PAGE} says how to make the script a recipe")
+        return run_dir, chosen
     # Its digests here, where the run's other checkpoints are in view (the good one before a bad
     # one is named), and again in the model process as it reads it.
     chosen, _ = run_checkpoints.choose_checkpoint(run_dir, rd.RECIPE, step, verified=True)
@@ -73,11 +82,26 @@ def checkpoint_of(ws: Workspace, run_id: str, step: int | None) -> tuple[Path, i
 
 def export_checkpoint(
     ws: Workspace, run_id: str, to: str, step: int | None = None, lora: str = "merged",
-    max_shard_size: str = "2GB", gguf: str | None = None,
+    max_shard_size: str = "2GB", gguf: str | None = None, private: bool = False,
+    progress: Progress | None = None,
 ) -> ExportResult:
     """Write a checkpoint as a Hugging Face folder at ``to`` (new, or an empty folder), or
-    (``gguf``: a type, :data:`~engine.seams.GGUF_QUANTIZATIONS`) as one GGUF file in it."""
+    (``gguf``: a type, :data:`~engine.seams.GGUF_QUANTIZATIONS`) as one GGUF file in it; or push
+    it to the Hub repo ``to`` names (``hub:org/name[@branch]``, ``private`` when it is new)."""
     _check_gguf_is_merged(lora, gguf)
+    target = hub_push.push_target(to)
+    if target is not None:
+        from mcp_server.operations.push import push_checkpoint  # it builds on this module's functions
+
+        return push_checkpoint(ws, run_id, target, step, lora, max_shard_size, gguf, private, progress)
+    if private:
+        raise BadInput("private applies to a push (to=hub:org/name); a workspace folder has no visibility")
+    return _export_to_folder(ws, run_id, to, step, lora, max_shard_size, gguf)
+
+
+def _export_to_folder(ws: Workspace, run_id: str, to: str, step: int | None, lora: str, max_shard_size: str,
+                      gguf: str | None) -> ExportResult:
+    """The export into the workspace folder ``to``, staged beside it and renamed into place."""
     destination, relative = _checked_destination(ws, to)
     run_dir, step = checkpoint_of(ws, run_id, step)
     parent, name = destination.parent, destination.name
@@ -104,7 +128,7 @@ def export_checkpoint(
              *(["--gguf", gguf] if gguf else [])],
             ws.run_limits(), EXPORT_TIMEOUT_S, writable=[staging],
         )
-        _check_written(parent_fd, staging_name, ws.run_limits().max_export_bytes)
+        check_written(parent_fd, staging_name, ws.run_limits().max_export_bytes)
         try:
             with contextlib.suppress(FileNotFoundError):
                 os.rmdir(name, dir_fd=parent_fd)  # empty, as checked (a link or a file: ENOTDIR)
@@ -112,7 +136,7 @@ def export_checkpoint(
         except OSError as e:  # another export, or anything else, got there first
             raise BadInput(f"to {relative.as_posix()!r} was written meanwhile ({e.strerror}); this export "
                            "was discarded: give a new folder") from None
-        files = _files(parent_fd, name)
+        files = listed_files(parent_fd, name)
     except BaseException:
         if parent_fd is not None:
             shutil.rmtree(staging_name, dir_fd=parent_fd, ignore_errors=True)
@@ -128,7 +152,7 @@ def export_checkpoint(
     return ExportResult(
         run_id=run_id, step=step, path=relative.as_posix(), lora=result.lora, tokenizer=result.tokenizer,
         parameters=result.parameters,
-        files={_text(name, MAX_FILE_NAME_CHARS): size for name, size in files[:MAX_LISTED_FILES]},
+        files={short_text(name, MAX_FILE_NAME_CHARS): size for name, size in files[:MAX_LISTED_FILES]},
     )
 
 
@@ -187,7 +211,7 @@ def _open_checked_dir(folder: Path, label: str) -> int:
     return fd
 
 
-def _text(text: str, limit: int) -> str:
+def short_text(text: str, limit: int) -> str:
     """``text`` cut to ``limit`` characters (a file name the recipe's code chose)."""
     return text if len(text) <= limit else text[: limit - 1] + "…"
 
@@ -195,7 +219,7 @@ def _text(text: str, limit: int) -> str:
 EXPORT_FILE_MODE, EXPORT_DIR_MODE = 0o644, 0o755
 
 
-def _check_written(parent_fd: int, name: str, max_bytes: int | None = None) -> None:
+def check_written(parent_fd: int, name: str, max_bytes: int | None = None) -> None:
     """Refuse an export that holds anything but regular files and folders (recipe code wrote it:
     a link would lead out of the workspace), or more than ``max_bytes`` in all (the trusted
     settings' ``runs.max_export_bytes``); set every file's mode to 0644 and every folder's to
@@ -217,7 +241,7 @@ def _check_written(parent_fd: int, name: str, max_bytes: int | None = None) -> N
                                "person who runs the server to raise the cap)")
 
 
-def _files(parent_fd: int, name: str) -> list[tuple[str, int]]:
+def listed_files(parent_fd: int, name: str) -> list[tuple[str, int]]:
     """The files under the folder ``name`` of ``parent_fd`` (links not followed), with their sizes."""
     found = []
     for dirpath, _, names, dir_fd in os.fwalk(name, dir_fd=parent_fd):
@@ -294,15 +318,17 @@ def _fit(text: str, budget: int) -> tuple[str, bool]:
     return text[:low] + "…", True
 
 
-def evaluate(ws: Workspace, run_id: str, step: int | None = None, data: list[str] | str | None = None) -> EvaluateResult:
+def evaluate(ws: Workspace, run_id: str, step: int | None = None, data: list[str] | str | None = None,
+             limits: RunLimits | None = None) -> EvaluateResult:
     """The eval loss of a checkpoint on the run's held-out data (or on ``data``: workspace files
-    or folders, all held out) and the recipe's task metrics."""
+    or folders, all held out) and the recipe's task metrics; ``limits``: the workspace's run
+    limits unless given."""
     paths = [data] if isinstance(data, str) else data
     if paths is not None:
         resolved = [refuse_reserved(ws.root, confine(ws.root, path, "data"), "data") for path in paths]
     run_dir, step = checkpoint_of(ws, run_id, step)
     arguments = [f"--data={path}" for path in resolved] if paths else []
-    result = run_model_io(ws.root, run_dir, "evaluate", step, arguments, ws.run_limits(), EVALUATE_TIMEOUT_S)
+    result = run_model_io(ws.root, run_dir, "evaluate", step, arguments, limits or ws.run_limits(), EVALUATE_TIMEOUT_S)
     split = "data" if paths else "held_out"
     return EvaluateResult(
         run_id=run_id, step=step, eval_loss=result.eval_loss, perplexity=result.perplexity, split=split,

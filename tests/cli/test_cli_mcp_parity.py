@@ -37,7 +37,7 @@ TWINS: dict[str, tuple[tuple[str, ...], dict[str, str | tuple[str, ...]]]] = {
         "slurm": ("partition", "time", "gpus_per_node", "rdzv_port"),
         "args": AFTER_DASHES,
     }),
-    "resume_checkpoint": (("resume",), {}),
+    "resume_checkpoint": (("resume",), {"args": AFTER_DASHES}),
     "list_runs": (("runs",), {}),
     "get_run": (("status",), {}),
     "tail_metrics": (("tail",), {}),
@@ -95,8 +95,8 @@ def test_a_tool_and_its_cli_twin_take_the_same_parameters_with_the_same_defaults
     for name, prop in schema.get("properties", {}).items():
         dest = renamed.get(name, name)
         if dest == AFTER_DASHES:
-            assert split_script_args(["run", "train.py", "--nproc", "2", "--", "--epochs", "3"]) == (
-                ["run", "train.py", "--nproc", "2"], ["--epochs", "3"])
+            command = [*path, "x", "--nproc", "2"]
+            assert split_script_args([*command, "--", "--epochs", "3"]) == (command, ["--epochs", "3"])
             continue
         dests = dest if isinstance(dest, tuple) else (dest,)
         missing = [d for d in dests if d not in options]

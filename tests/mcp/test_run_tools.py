@@ -111,6 +111,12 @@ def test_list_checkpoints_lists_the_complete_checkpoints(client, finished):
     ]
 
 
+def test_resuming_a_recipe_run_with_a_scripts_args_is_refused(client, finished):
+    message = client.error("resume_checkpoint", run_id=finished["run_id"], args=["--steps", "9"])
+    assert message.endswith(f"bad_input: args are a script's command line; run {finished['run_id']} ran a recipe: "
+                            "change its config with overrides")
+
+
 def test_resume_checkpoint_continues_as_a_new_run_with_the_same_losses(client, finished, resumed):
     launch, final = resumed["launch"], resumed["final"]
     assert launch["run_id"] != finished["run_id"]

@@ -169,8 +169,8 @@ def test_script_checkpoints_are_listed_and_a_resume_passes_the_path_after_resume
 
     for tool, extra in (("export_checkpoint", {"to": "exports/mlp"}), ("sample", {"prompts": ["x"]}), ("evaluate", {})):
         message = refusal(client.error(tool, run_id=first["run_id"], **extra))
-        assert message.startswith(f"bad_input: run {first['run_id']} ran a script, whose checkpoints are in its "
-                                  "own format"), (tool, message)
+        assert message.startswith(f"bad_input: checkpoint ckpt_6.pt of run {first['run_id']} (a script's) is not a "
+                                  "Hugging Face model folder (config.json and weights"), (tool, message)
         assert "docs/script-to-recipe.md says how to make the script a recipe" in message
 
 
@@ -182,6 +182,28 @@ def test_resuming_a_script_run_launched_without_resume_arg_is_refused_saying_how
     assert message.startswith("bad_input: ") and "launched without resume_arg" in message
     assert 'resume_arg naming its option for a checkpoint path (e.g. "--resume")' in message
     assert state(workspace) == before
+
+
+def test_a_script_run_resumed_with_new_args_trains_further(client, workspace):
+    launched = client.ok("launch_run", recipe="train.py", args=["--steps", "3", "--save-every", "3"],
+                         resume_arg="--resume")
+    first = client.wait_for_run(launched["run_id"])
+    assert first["status"] == "completed"
+    before = state(workspace)
+    for bad in ("--steps 6", ["--steps", 6]):
+        message = refusal(client.error("resume_checkpoint", run_id=first["run_id"], args=bad))
+        assert "args" in message and ("list" in message or "string" in message), message
+    message = refusal(client.error("resume_checkpoint", run_id=first["run_id"], args=["--steps\n6"]))
+    assert message == "bad_input: args[0] holds a control character (NUL, newline, ...); give plain text"
+    assert state(workspace) == before
+    resumed = client.ok("resume_checkpoint", run_id=first["run_id"], args=["--steps", "6", "--save-every", "3"])
+    second = client.wait_for_run(resumed["run_id"])
+    assert second["status"] == "completed" and resumed["resumed_from"]["step"] == 3
+    checkpoint = str(workspace / first["run_dir"] / "checkpoints" / "ckpt_3.pt")
+    assert run_files(workspace, resumed["run_id"])[1].script_args == [
+        "--steps", "6", "--save-every", "3", "--resume", checkpoint]
+    continued = run_metrics.read_all_metrics(workspace / second["run_dir"] / rd.METRICS_JSONL)
+    assert [r["step"] for r in continued] == [4, 5, 6]  # trained further than the run it continues
 
 
 def test_trainwright_track_records_metrics_and_is_a_no_op_outside_a_run(client, workspace):

@@ -30,7 +30,8 @@ READ_ONLY_TOOLS = {"list_skills", "get_skill", "list_templates", "describe_recip
                    "estimate_run"}
 RUN_IDS = {"run_id", "run_a", "run_b"}
 # A model or data set named by Hub id is downloaded by these: they reach the Hugging Face Hub.
-HUB_TOOLS = {"scaffold_recipe", "describe_recipe", "launch_run", "resume_checkpoint", "estimate_run"}
+HUB_TOOLS = {"scaffold_recipe", "describe_recipe", "launch_run", "resume_checkpoint", "estimate_run",
+             "export_checkpoint"}  # to=hub:org/name pushes to it
 
 
 def test_every_tool_is_listed_with_annotations_and_an_output_schema(client):

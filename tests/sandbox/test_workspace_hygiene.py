@@ -60,9 +60,9 @@ def test_exported_files_are_0644_and_folders_0755_whatever_the_recipe_set(tmp_pa
     os.chmod(export / "base", 0o700)
     fd = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
     try:
-        model_tools._check_written(fd, "export")
+        model_tools.check_written(fd, "export")
         with pytest.raises(BadInput, match=r"larger than runs.max_export_bytes \(101 bytes\)"):
-            model_tools._check_written(fd, "export", max_bytes=101)
+            model_tools.check_written(fd, "export", max_bytes=101)
     finally:
         os.close(fd)
     modes = {p.relative_to(tmp_path).as_posix(): stat.S_IMODE(p.stat().st_mode) for p in [export, *export.rglob("*")]}
