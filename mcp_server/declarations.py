@@ -289,7 +289,7 @@ IN_SANDBOX = Stages("loading the checkpoint in the sandbox", "done", 1)
 
 TOOLS: tuple[ToolSpec, ...] = (
     # Skills
-    ToolSpec("list_skills", "The skills apply_skill can write; get_skill explains one.",
+    ToolSpec("list_skills", "Skills apply_skill writes; get_skill explains one.",
              ("skills", "list"), "list the skills", NoArgs, SkillList, READ_ONLY, _list_skills, workspace=False),
     ToolSpec("get_skill", "A skill's SKILL.md and parameter schema.",
              ("skills", "show"), "print a skill's SKILL.md", GetSkillArgs, SkillDetail, READ_ONLY, _get_skill,
@@ -307,7 +307,7 @@ TOOLS: tuple[ToolSpec, ...] = (
     ToolSpec("describe_recipe", "Config keys of a recipe or template, its skills and Hub models.",
              ("describe",), "every config key of a recipe, its template and skills", DescribeArgs,
              RecipeDescription, READ_ONLY_HUB, _describe_recipe, threads=MAX_DESCRIBE_THREADS),
-    ToolSpec("list_recipes", "The workspace's recipes: template, last commit, skills.",
+    ToolSpec("list_recipes", "Recipes: template, last commit, skills.",
              ("recipes",), "list the workspace's recipes: template, last commit, skills, runs", NoArgs, RecipeList,
              READ_ONLY, _list_recipes),
     # Runs
@@ -320,15 +320,15 @@ TOOLS: tuple[ToolSpec, ...] = (
              "what fits.",
              ("estimate",), "memory and step time per process before a run, from the model on the meta device",
              EstimateArgs, EstimateResult, READ_ONLY_HUB, _estimate_run),
-    ToolSpec("list_runs", "The workspace's runs, newest first: status, step, loss, tokens/s.",
+    ToolSpec("list_runs", "Runs, newest first: status, step, loss, tokens/s.",
              ("runs",), "list runs, newest first", ListRunsArgs, RunList, READ_ONLY, _list_runs),
     ToolSpec("get_run", "A run's status, metrics, speed, ETA, checkpoints; a failure's console end.",
              ("status",), "status, latest metrics and checkpoints of a run", RunArgs, RunInfo, READ_ONLY, _get_run,
              meta=RUN_VIEW),
-    ToolSpec("wait_run", "Wait until a run logs until_step, ends, or timeout_s passes (reason).",
+    ToolSpec("wait_run", "Wait for a run's until_step, its end, or timeout_s (reason).",
              ("wait",), "wait until a run reaches a step or ends; exit 124 on timeout", WaitRunArgs, WaitRunResult,
              READ_ONLY, _wait_run, meta=RUN_VIEW, task=True, announce=_ended),
-    ToolSpec("tail_metrics", "The latest metrics records of a run.",
+    ToolSpec("tail_metrics", "A run's latest metrics records.",
              ("tail",), "the latest metrics records of a run", TailArgs, MetricsTail, READ_ONLY, _tail_metrics),
     ToolSpec("compare_runs", "b vs a: config and code diffs, loss at equal tokens, speed, memory, judged "
              "at the runs' noise.",
