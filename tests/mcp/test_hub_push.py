@@ -56,10 +56,19 @@ def api(url: str):
     return HfApi(endpoint=url, token=TOKEN)
 
 
-def test_a_push_uploads_the_export_with_a_model_card_read_back_by_huggingface_hub(setting):
+@pytest.fixture(scope="module")
+def pushed(setting):
+    """One push (an export and an evaluation in the sandbox, then the upload) that several tests
+    read: its result and the progress it reported."""
     client, workspace, server, url, run_id = setting
     progress: list = []
     result = client.ok("export_checkpoint", progress, run_id=run_id, to="hub:me/tiny-ft")
+    return result, progress
+
+
+def test_a_push_uploads_the_export_with_a_model_card_read_back_by_huggingface_hub(setting, pushed):
+    client, workspace, server, url, run_id = setting
+    result, progress = pushed
     commit = server.repos["me/tiny-ft"].commit
     assert result["path"] == f"hub:me/tiny-ft@{commit}" and result["step"] == 4
     files = api(url).list_repo_files("me/tiny-ft")
@@ -109,16 +118,15 @@ def test_a_push_to_a_branch_of_a_new_private_repo(setting):
         HfApi(endpoint=url, token=False).list_repo_files("me/tiny-private", revision="dev")
 
 
-def test_the_servers_token_is_in_no_workspace_file_result_or_audit_entry(setting):
+def test_the_servers_token_is_in_no_workspace_file_result_or_audit_entry(setting, pushed):
     client, workspace, server, url, run_id = setting
-    client.ok("export_checkpoint", run_id=run_id, to="hub:me/tiny-audit")
+    assert TOKEN not in json.dumps(pushed[0]) + json.dumps(pushed[1])
     texts = [json.dumps(client.ok("get_run", run_id=run_id)), client.read_text(f"run://{run_id}/log")]
     assert all(TOKEN not in text for text in texts)
     for path in workspace.rglob("*"):
         if path.is_file() and not path.is_symlink():
             assert TOKEN.encode() not in path.read_bytes(), path
-    pushed = server.repos["me/tiny-audit"].files
-    assert all(TOKEN.encode() not in data for data in pushed.values())
+    assert all(TOKEN.encode() not in data for data in server.repos["me/tiny-ft"].files.values())
     # The requests that wrote carried it; every request of the sandboxed processes would be a GET.
     assert any(h.get("authorization") == f"Bearer {TOKEN}" for m, p, h in server.requests if m == "POST")
 
@@ -168,9 +176,8 @@ def test_bad_hub_targets_and_private_without_one_are_refused(setting):
     assert message == "bad_input: private applies to a push (to=hub:org/name); a workspace folder has no visibility"
 
 
-def test_the_card_front_matter_is_yaml_the_hub_reads(setting):
+def test_the_card_front_matter_is_yaml_the_hub_reads(setting, pushed):
     client, workspace, server, url, run_id = setting
-    client.ok("export_checkpoint", run_id=run_id, to="hub:me/tiny-card")
-    card = server.repos["me/tiny-card"].files["README.md"].decode()
+    card = server.repos["me/tiny-ft"].files["README.md"].decode()
     front = yaml.safe_load(card.split("---\n")[1])
     assert front == {"base_model": "org/tiny-llama", "library_name": "transformers", "tags": ["trainwright"]}
