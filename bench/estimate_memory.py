@@ -17,11 +17,15 @@ other variants load the same files), at two ``data.seq_len`` (conversations
 longer than both, so every row is that long), plain, +gradient-checkpointing, +lora and +qlora.
 Per case: estimate, measured peak, ratio, and the cases outside 0.85–1.15; per family and
 variant, the estimate's growth from the short to the long rows against the measured growth;
-the Hub id's estimate against the folder's.
+the Hub id's estimate against the folder's. On a CPU the measured peak is the resident set's, which
+with glibc's default allocator keeps freed activations in the heap; ``--malloc-mmap-threshold
+65536`` fixes the threshold in every process, so that freed tensors go back at once and the
+resident set follows the live bytes the estimate counts (as ``max_memory_allocated`` does on a GPU).
 
     python bench/estimate_memory.py [--steps 3] [--templates causal_lm sft vlm] [--sizes small medium large]
     python bench/estimate_memory.py --models [--steps 2] [--families llama qwen2] [--seq-lens 256 1024]
         [--variants plain ckpt lora qlora] [--sources folder hub] [--hub-variants plain]
+        [--malloc-mmap-threshold 65536]
 """
 
 from __future__ import annotations
@@ -66,8 +70,12 @@ def recipe(template: str, checkpointing: bool, root: Path) -> Path:
     return folder
 
 
+MALLOC_THRESHOLD: int | None = None  # --malloc-mmap-threshold
+
+
 def environment() -> dict[str, str]:
-    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    allocator = {"MALLOC_MMAP_THRESHOLD_": str(MALLOC_THRESHOLD)} if MALLOC_THRESHOLD else {}
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **allocator}
 
 
 def estimated(folder: Path, settings: list[str], cwd: Path) -> dict:
@@ -165,7 +173,8 @@ def models_main(args: argparse.Namespace) -> None:
     from tests.fake_hub import FakeHub
 
     print(f"load average {os.getloadavg()[0]:.2f}; one thread per run; sft template, {args.steps} steps, "
-          f"batch 2; goal {GOAL[0]}–{GOAL[1]}")
+          f"batch 2; goal {GOAL[0]}–{GOAL[1]}; glibc mmap threshold "
+          f"{MALLOC_THRESHOLD or 'dynamic (the default)'}")
     print(f"{'case':<30}{'estimate MB':>12}{'measured MB':>12}{'ratio':>7}   estimate: floor / weights+grads+"
           "optimizer / activations MB")
     rows: dict[tuple[str, str, int, str], tuple[float, float]] = {}
@@ -254,7 +263,13 @@ def main() -> None:
     parser.add_argument("--sources", nargs="+", default=["folder", "hub"], choices=["folder", "hub"])
     parser.add_argument("--hub-variants", nargs="+", default=["plain"], choices=list(VARIANTS),
                         help="the variants also run by Hub id (the same files as the folder's)")
+    parser.add_argument("--malloc-mmap-threshold", type=int, metavar="BYTES",
+                        help="glibc's mmap threshold, fixed, in every process: larger blocks are mapped and given "
+                             "back when freed (by default the threshold rises with the blocks freed, and freed "
+                             "activations stay in the heap, counted in the resident set)")
     args = parser.parse_args()
+    global MALLOC_THRESHOLD
+    MALLOC_THRESHOLD = args.malloc_mmap_threshold
     if args.models:
         return models_main(args)
     print(f"load average {os.getloadavg()[0]:.2f}; one thread per run")
