@@ -402,7 +402,7 @@ def parse_completion(raw: str, end_of_turn: str | None = None) -> dict[str, Any]
     for block in list(_TOOL_CALL_BLOCK.finditer(text)):
         try:
             call = json.loads(block.group(1))
-        except json.JSONDecodeError:
+        except (json.JSONDecodeError, RecursionError):  # RecursionError: nested past what json decodes
             continue
         if isinstance(call, dict) and isinstance(call.get("name"), str):
             calls.append({"name": call["name"], "arguments": call.get("arguments", call.get("parameters", {}))})
@@ -427,7 +427,7 @@ def _parse_harmony(text: str) -> dict[str, Any]:
         if to:
             try:
                 arguments = json.loads(body)
-            except json.JSONDecodeError:
+            except (json.JSONDecodeError, RecursionError):  # RecursionError: nested past what json decodes
                 arguments = body
             calls.append({"name": to.group(1), "arguments": arguments})
         elif re.search(r"<\|channel\|>\s*analysis\b", head):

@@ -37,3 +37,32 @@ def test_the_same_conversation_without_the_injection_is_learnt(gpt_oss):
     learnt = gpt_oss.decode([i for i, m in zip(ids, mask) if m])
     assert learnt.endswith("<|start|>assistant<|channel|>final<|message|>The letter c.<|return|>")
     assert "Which letter" not in learnt
+
+
+# A model that repeats itself (a degenerate checkpoint writes "[[[[..." until max_new_tokens) must
+# not fail sample: arguments nested past what json can decode are kept as the text written.
+DEEP = "[" * 2000
+
+
+def test_a_harmony_call_nested_too_deeply_keeps_its_arguments_as_text():
+    from engine.chat import parse_completion
+
+    assert parse_completion(f" to=functions.add<|channel|>commentary json<|message|>{DEEP}<|call|>") == {
+        "reasoning": None, "content": "", "tool_calls": [{"name": "add", "arguments": DEEP}]}
+
+
+def test_a_tool_call_block_nested_too_deeply_stays_in_the_answer():
+    from engine.chat import parse_completion
+
+    raw = f"<tool_call>{DEEP}</tool_call><|im_end|>"
+    assert parse_completion(raw, "<|im_end|>") == {
+        "reasoning": None, "content": f"<tool_call>{DEEP}</tool_call>", "tool_calls": None}
+
+
+def test_a_harmony_completion_without_an_end_token_or_with_nested_starts_is_read_as_written():
+    from engine.chat import parse_completion
+
+    assert parse_completion("<|channel|>analysis<|message|>thinking on and on") == {
+        "reasoning": "thinking on and on", "content": "", "tool_calls": None}
+    assert parse_completion("<|start|><|start|>assistant<|channel|>final<|message|>a<|start|>b") == {
+        "reasoning": None, "content": "a", "tool_calls": None}
