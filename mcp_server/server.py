@@ -40,7 +40,7 @@ from engine.errors import TrainwrightError
 from mcp_server import clients, run_view, workflows
 from mcp_server.arguments import refusal
 from mcp_server.declarations import TOOLS, Report, ToolSpec
-from mcp_server.limits import MAX_ARGUMENTS_CHARS, MAX_ERROR_CHARS, MAX_RESULT_CHARS, MAX_TAIL_RECORDS, bounded, json_chars
+from mcp_server.limits import MAX_ERROR_CHARS, MAX_RESULT_CHARS, MAX_TAIL_RECORDS, arguments_size, bounded, json_chars
 from mcp_server.live import LiveRuns
 from mcp_server.operations import runs as run_ops
 from mcp_server.operations import waiting
@@ -253,9 +253,8 @@ class AuditedServer(MCPServer):
         self.parameters = {spec.name: tuple(spec.args.model_fields) for spec in served}
 
     async def call_tool(self, name: str, arguments: dict[str, Any], context: Context | None = None):
-        size = json_chars(arguments)
-        if size > MAX_ARGUMENTS_CHARS:
-            message = f"bad_input: the arguments are too large ({size:,} characters, at most {MAX_ARGUMENTS_CHARS:,})"
+        size, message = arguments_size(arguments)
+        if message is not None:
             self.tools.audit.record(str(name)[:100], {"size": size}, "error", error=message)
             raise ToolError(message)
         if name not in self.tool_names:
