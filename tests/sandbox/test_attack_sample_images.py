@@ -38,3 +38,21 @@ def test_an_image_under_the_limit_is_read(tmp_path):
     Image.new("RGB", (20, 10), (200, 20, 20)).save(path)
     image = vlm_chat.read_image(str(path), None, "image x")
     assert (image.mode, image.size, image.getpixel((0, 0))) == ("RGB", (20, 10), (200, 20, 20))
+
+
+def test_the_vlm_templates_data_refuses_such_an_image_naming_its_line(tmp_path, monkeypatch):
+    """The image-caption template reads its data's images the same way, and had the same band."""
+    import json
+
+    from PIL import Image
+
+    vlm = sys.modules[load_recipe_class(REPO / "recipes_template" / "vlm").__module__]
+    (tmp_path / "images").mkdir()
+    Image.new("1", (12_000, 8_000)).save(tmp_path / "images" / "bomb.png")
+    (tmp_path / "data.jsonl").write_text(json.dumps({"image": "images/bomb.png", "caption": "a bomb"}) + "\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv(WORKSPACE_VARIABLE, str(tmp_path))
+    with pytest.raises(ConfigError) as refused:
+        vlm.load_examples(vlm.VLMDataConfig(paths=["data.jsonl"]))
+    assert str(refused.value).startswith("data.jsonl:1: image 'images/bomb.png' cannot be read (Image size (96000000 "
+                                         "pixels) exceeds limit of 89478485 pixels")
