@@ -38,7 +38,7 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Iterator, Literal
 
 from engine.config import ConfigError
 from engine.data_files import confined_path
@@ -200,6 +200,10 @@ def _final_spans(tokenizer, messages: list[Message], tools, where: str) -> tuple
     header = opened[len(closed):] if opened.startswith(closed) else ""
     if not header.strip():
         return text, [], "in the whole rendering, the template writes no generation prompt to find the turns by"
+    held = next((n for n, m in enumerate(messages, 1) if any(header.strip() in s for s in _strings(m))), None)
+    if held is not None:  # a turn is found by the generation prompt: text that writes it would be one
+        return text, [], (f"in the whole rendering, message {held} ({messages[held - 1].get('role')}) holds the "
+                          f"generation prompt {header.strip()!r}: its text would be taken for the assistant's")
     assistants = [m for m in messages if m.get("role") == "assistant"]
     turns = _turns_by_end_token(tokenizer, text, header, render(tokenizer, messages[: first + 1], tools=tools)[len(opened):])
     if isinstance(turns, str) or len(turns) != len(assistants):
@@ -217,6 +221,18 @@ def _final_spans(tokenizer, messages: list[Message], tools, where: str) -> tuple
         if missing:
             return text, [], f"in the whole rendering, assistant message {number} does not hold {missing[0][:40]!r}"
     return text, turns, None
+
+
+def _strings(value: Any) -> Iterator[str]:
+    """Every string in a message: its text, reasoning, calls and their arguments."""
+    if isinstance(value, str):
+        yield value
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from _strings(item)
+    elif isinstance(value, list):
+        for item in value:
+            yield from _strings(item)
 
 
 def _turns_by_end_token(tokenizer, text: str, header: str, turn: str) -> list[tuple[int, int]] | str:
@@ -386,7 +402,7 @@ def parse_completion(raw: str, end_of_turn: str | None = None) -> dict[str, Any]
     for block in list(_TOOL_CALL_BLOCK.finditer(text)):
         try:
             call = json.loads(block.group(1))
-        except json.JSONDecodeError:
+        except (json.JSONDecodeError, RecursionError):  # RecursionError: nested past what json decodes
             continue
         if isinstance(call, dict) and isinstance(call.get("name"), str):
             calls.append({"name": call["name"], "arguments": call.get("arguments", call.get("parameters", {}))})
@@ -411,7 +427,7 @@ def _parse_harmony(text: str) -> dict[str, Any]:
         if to:
             try:
                 arguments = json.loads(body)
-            except json.JSONDecodeError:
+            except (json.JSONDecodeError, RecursionError):  # RecursionError: nested past what json decodes
                 arguments = body
             calls.append({"name": to.group(1), "arguments": arguments})
         elif re.search(r"<\|channel\|>\s*analysis\b", head):

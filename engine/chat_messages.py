@@ -38,12 +38,18 @@ SHAREGPT_ROLES = {
 }
 
 
+# json.loads raises RecursionError on text nested deeper than the interpreter's recursion limit.
+NESTED_TOO_DEEPLY = "nested too deeply"
+
+
 def _arguments(value: Any, where: str) -> dict[str, Any]:
     if isinstance(value, str):
         try:
             value = json.loads(value)
         except json.JSONDecodeError as e:
             raise ConfigError(f"{where}: 'arguments' is not JSON ({e.msg} at character {e.pos}): {value[:80]!r}") from None
+        except RecursionError:
+            raise ConfigError(f"{where}: 'arguments' is not JSON ({NESTED_TOO_DEEPLY})") from None
     if not isinstance(value, dict):
         raise ConfigError(f"{where}: 'arguments' must be a JSON object (the call's named arguments), got {type(value).__name__}")
     return value
@@ -72,6 +78,8 @@ def tool_schemas(value: Any, where: str) -> list[dict[str, Any]] | None:
             value = json.loads(value)
         except json.JSONDecodeError as e:
             raise ConfigError(f"{where}: 'tools' is a string but not JSON ({e.msg} at character {e.pos})") from None
+        except RecursionError:
+            raise ConfigError(f"{where}: 'tools' is a string but not JSON ({NESTED_TOO_DEEPLY})") from None
     if not isinstance(value, list):
         raise ConfigError(f"{where}: 'tools' must be a list of function schemas, got {type(value).__name__}")
     schemas = []
@@ -157,8 +165,9 @@ def _sharegpt_call(text: str, where: str) -> list[dict[str, Any]]:
     """A ``function_call`` turn's value: one call or a list of them, as JSON."""
     try:
         value = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"{where}: a function_call turn must hold a JSON call {{\"name\", \"arguments\"}} ({e.msg})") from None
+    except (json.JSONDecodeError, RecursionError) as e:
+        why = e.msg if isinstance(e, json.JSONDecodeError) else NESTED_TOO_DEEPLY
+        raise ConfigError(f"{where}: a function_call turn must hold a JSON call {{\"name\", \"arguments\"}} ({why})") from None
     return value if isinstance(value, list) else [value]
 
 

@@ -248,7 +248,7 @@ class EstimateArgs(ToolArgs):
     overrides: Annotated[dict[str, Any] | None, Field(description="As launch_run's."), KeyValues] = None
     nproc: Annotated[Nproc, Field(strict=True, description="Processes.")] = 1
     device: Annotated[Literal["cpu", "cuda"], Field(description="Device class.")] = "cpu"
-    device_memory_gib: Annotated[float | None, Field(description="Per process: does it fit?"),
+    device_memory_gib: Annotated[float | None, Field(strict=True, description="Per process: does it fit?"),
                                  must(within(0, MAX_DEVICE_MEMORY_GIB, above=True), "a number of GiB above 0"),
                                  Cli(metavar="GIB", more="The memory of one device.")] = None
 

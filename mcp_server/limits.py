@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from typing import Any
 
 from engine.errors import MAX_ERROR_CHARS as MAX_ERROR_CHARS  # an error message, bounded with the error family
@@ -68,6 +69,20 @@ def text_bytes(value: Any) -> int:
 def json_chars(value: Any) -> int:
     """The length of ``value`` as compact JSON (what a client receives, near enough)."""
     return len(json.dumps(value, separators=(",", ":"), default=str))
+
+
+def arguments_size(arguments: Any) -> tuple[int | None, str | None]:
+    """``(size, None)`` of a tool call's arguments within :data:`MAX_ARGUMENTS_CHARS`, or
+    ``(size, refusal)``: too large, or (size None) holding an integer longer than Python writes
+    as text (``sys.get_int_max_str_digits()``), which json.dumps cannot measure."""
+    try:
+        size = json_chars(arguments)
+    except ValueError:
+        return None, (f"bad_input: the arguments hold a number of more than {sys.get_int_max_str_digits():,} digits; "
+                      "give numbers within the bounds each argument states")
+    if size > MAX_ARGUMENTS_CHARS:
+        return size, f"bad_input: the arguments are too large ({size:,} characters, at most {MAX_ARGUMENTS_CHARS:,})"
+    return size, None
 
 
 def bounded_mapping(values: dict[str, Any], limit: int) -> dict[str, Any]:

@@ -38,7 +38,7 @@ from engine.errors import TrainwrightError
 from mcp_server import clients, run_view, workflows
 from mcp_server.arguments import refusal
 from mcp_server.declarations import TOOLS, Report, ToolSpec
-from mcp_server.limits import MAX_ARGUMENTS_CHARS, MAX_ERROR_CHARS, MAX_RESULT_CHARS, MAX_TAIL_RECORDS, bounded, json_chars
+from mcp_server.limits import MAX_ERROR_CHARS, MAX_RESULT_CHARS, MAX_TAIL_RECORDS, arguments_size, bounded, json_chars
 from mcp_server.live import LiveRuns
 from mcp_server.tool_schemas import ToolFunction, ToolSchemas, compacted, served_schemas, tool_fields
 from mcp_server.tasks import TasksExtension
@@ -269,9 +269,8 @@ class AuditedServer(MCPServer):
         return None if tool is None else tool.parameters
 
     async def call_tool(self, name: str, arguments: dict[str, Any], context: Context | None = None):
-        size = json_chars(arguments)
-        if size > MAX_ARGUMENTS_CHARS:
-            message = f"bad_input: the arguments are too large ({size:,} characters, at most {MAX_ARGUMENTS_CHARS:,})"
+        size, message = arguments_size(arguments)
+        if message is not None:
             self.tools.audit.record(str(name)[:100], {"size": size}, "error", error=message)
             raise ToolError(message)
         if name not in self.tool_names:

@@ -201,9 +201,22 @@ def _said(result: subprocess.CompletedProcess, silent: str) -> str:
     return (lines[-1] if lines else silent if result.returncode == 0 else f"exit status {result.returncode}")[:200]
 
 
-def _scontrol_fields(text: str) -> dict[str, str]:
-    """``JobState`` and ``ExitCode`` of ``scontrol show job -o``'s one line."""
-    return {m.group(1): m.group(2) for m in re.finditer(r"(?:^|\s)(JobState|ExitCode)=(\S+)", text)}
+# scontrol prints a job's state before its reason, and its exit code a few fields later; the job's
+# name (before them) and its comment (after) are the job's own text, which it may set to anything.
+_SCONTROL_STATE = re.compile(r"(?:^|\s)JobState=(\S+) Reason=")
+_SCONTROL_EXIT_CODE = re.compile(r"\sExitCode=(\d+:\d+)(?=\s|$)")
+
+
+def _scontrol_fields(text: str) -> tuple[str | None, str | None, str | None]:
+    """``(JobState, ExitCode, None)`` of ``scontrol show job -o``'s one line, or ``(None, None,
+    why)`` when it spells no state, or more than one: a job that names ``JobState=`` in its name
+    or comment makes its state unknown, never what it spelt."""
+    states = list(_SCONTROL_STATE.finditer(text))
+    if len(states) != 1:
+        return None, None, (f"its answer names JobState {len(states)} times (a job name or comment spells it), "
+                            "so it says nothing sure") if states else None
+    exit_code = _SCONTROL_EXIT_CODE.search(text, states[0].end())
+    return states[0].group(1), exit_code.group(1) if exit_code else None, None
 
 
 def query_state(job_id: str, env: Mapping[str, str]) -> JobState:
@@ -239,11 +252,11 @@ def query_state(job_id: str, env: Mapping[str, str]) -> JobState:
         notes.append(f"sacct: {e}")
     try:
         result = _run(["scontrol", "show", "job", "-o", job_id], env)
-        fields = _scontrol_fields(result.stdout)
-        if result.returncode == 0 and fields.get("JobState"):
+        state, exit_code, unsure = _scontrol_fields(result.stdout)
+        if result.returncode == 0 and state:
             # Which command answered, and why not sacct (no accounting store, as a rule).
-            return JobState(fields["JobState"], fields.get("ExitCode"), f"scontrol show job; {notes[-1]}")
-        notes.append(f"scontrol: {_said(result, 'no record of the job')}")
+            return JobState(state, exit_code, f"scontrol show job; {notes[-1]}")
+        notes.append(f"scontrol: {unsure or _said(result, 'no record of the job')}")
     except (OSError, subprocess.TimeoutExpired) as e:
         notes.append(f"scontrol: {e}")
     return JobState(None, note=f"the state of SLURM job {job_id} is unknown ({'; '.join(notes)})")

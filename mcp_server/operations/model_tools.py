@@ -260,7 +260,7 @@ def sample(
     per prompt, for a vision-language run)."""
     if images is not None and len(images) != len(prompts):
         raise BadInput(f"images: give one image per prompt ({len(images)} images for {len(prompts)} prompts)")
-    shown = [refuse_reserved(ws.root, confine(ws.root, image, "images"), "images") for image in images or []]
+    shown = [_image_file(ws.root, image) for image in images or []]
     run_dir, step = checkpoint_of(ws, run_id, step)
     arguments = [f"--prompt={prompt}" for prompt in prompts] + [f"--image={image}" for image in shown]
     arguments += ["--max-new-tokens", str(max_new_tokens), "--temperature", repr(float(temperature))]
@@ -271,6 +271,16 @@ def sample(
         raise ModelProcessFailed(f"the sample result has {len(result.samples)} samples for {len(prompts)} prompts: "
                                  "the recipe's code wrote a result of its own; nothing was changed")
     return SampleResult(run_id=run_id, step=step, chat=result.chat, samples=_bounded_samples(result.samples))
+
+
+def _image_file(root: Path, image: str) -> Path:
+    """An image sample may show the model: a regular file in the workspace, outside its reserved
+    folders (a FIFO would hold the model process until a writer came; a folder is no image)."""
+    path = refuse_reserved(root, confine(root, image, "images"), "images")
+    if not path.is_file():
+        raise PathRefused(f"images {path.relative_to(Path(root).resolve()).as_posix()!r} is not a regular file: "
+                          "give an image file")
+    return path
 
 
 def _bounded_samples(samples: list[GeneratedSample]) -> list[Sample]:

@@ -22,6 +22,7 @@ Supports:
 from __future__ import annotations
 
 import hashlib
+import warnings
 from functools import cached_property
 from pathlib import Path
 from typing import Any, Iterator, Literal
@@ -249,13 +250,17 @@ def load_examples(cfg: VLMDataConfig, listing: DataListing | None = None) -> lis
             if not record["caption"].strip():
                 raise ConfigError(f"{where}: the caption is empty")
             try:  # a data file: confined, a regular file, and part of the data fingerprint
-                with Image.open(data_file(str(path.parent / record["image"]), listing=listing)) as image:
-                    # Kept at the size the model sees (the processor's resize is then a no-op):
-                    # 100k photos of 512 × 512 would otherwise hold ~100 GB in memory.
-                    image = image.convert("RGB").resize((cfg.image_size, cfg.image_size), RESAMPLE)
+                # PIL only warns between MAX_IMAGE_PIXELS and twice it (where it refuses): a PNG
+                # of a few KB there decodes to hundreds of MB. Refused unread, as over twice it.
+                with warnings.catch_warnings():
+                    warnings.simplefilter("error", Image.DecompressionBombWarning)
+                    with Image.open(data_file(str(path.parent / record["image"]), listing=listing)) as image:
+                        # Kept at the size the model sees (the processor's resize is then a no-op):
+                        # 100k photos of 512 × 512 would otherwise hold ~100 GB in memory.
+                        image = image.convert("RGB").resize((cfg.image_size, cfg.image_size), RESAMPLE)
             except DataPathRefused:
                 raise
-            except (OSError, ValueError, Image.DecompressionBombError) as e:
+            except (OSError, ValueError, Image.DecompressionBombError, Image.DecompressionBombWarning) as e:
                 raise ConfigError(f"{where}: image {record['image']!r} cannot be read ({e})") from None
             examples.append((where, image, record["caption"]))
     if not examples:

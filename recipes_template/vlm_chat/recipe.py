@@ -23,6 +23,7 @@ import hashlib
 import io
 import json
 import re
+import warnings
 from functools import cached_property
 from pathlib import Path
 from typing import Any, Iterator
@@ -423,16 +424,20 @@ def read_image(value: Any, base: Path | None, where: str):
     try:
         if isinstance(value, Image.Image):
             return value.convert("RGB")
-        if isinstance(value, (bytes, bytearray)):
-            with Image.open(io.BytesIO(value)) as image:
+        # PIL refuses an image over twice MAX_IMAGE_PIXELS and only warns over it: a PNG of a few
+        # KB in that band decodes to hundreds of MB. Refused unread, as over twice it is.
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            if isinstance(value, (bytes, bytearray)):
+                with Image.open(io.BytesIO(value)) as image:
+                    return image.convert("RGB")
+            if not isinstance(value, str) or not value:
+                raise ConfigError(f"{where}: an image is a path, bytes or an image, got {type(value).__name__}")
+            with Image.open(data_file(str(base / value) if base is not None else value)) as image:
                 return image.convert("RGB")
-        if not isinstance(value, str) or not value:
-            raise ConfigError(f"{where}: an image is a path, bytes or an image, got {type(value).__name__}")
-        with Image.open(data_file(str(base / value) if base is not None else value)) as image:
-            return image.convert("RGB")
     except (DataPathRefused, ConfigError):
         raise
-    except (OSError, ValueError, Image.DecompressionBombError) as e:
+    except (OSError, ValueError, Image.DecompressionBombError, Image.DecompressionBombWarning) as e:
         shown = value if isinstance(value, str) else f"{len(value)} bytes"
         raise ConfigError(f"{where}: image {shown!r} cannot be read ({e})") from None
 
