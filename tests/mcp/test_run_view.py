@@ -30,7 +30,7 @@ from mcp.server.apps import APP_MIME_TYPE, EXTENSION_ID
 from mcp.shared.exceptions import MCPError
 
 from mcp_server import run_view
-from mcp_server.operations.runs import MAX_TAIL_RECORDS
+from mcp_server.limits import MAX_TAIL_RECORDS
 from mcp_server.server import build_server
 from tests.mcp.browser import Browser, Page, find_chromium
 from tests.mcp.conftest import SHORT_RUN, ToolSession, closing_cleanly, git, tiny_config

@@ -13,6 +13,7 @@ from engine import run_dir as rd
 from engine import run_checkpoints
 from engine.config import MetricsConfig
 from engine.errors import BadInput
+from mcp_server.arguments import ApplySkillArgs
 from mcp_server.operations.skills import with_target
 from runner import slurm
 from runner.nodes import check_endpoint, check_nodes
@@ -120,8 +121,8 @@ def test_metrics_settings_hold_no_paths_or_credentials():
 def test_apply_skill_target_twice_refused():
     with pytest.raises(BadInput):
         with_target({"target": "a"}, "b")
-    with pytest.raises(BadInput):
-        with_target(["x"], "a")  # type: ignore[arg-type]
+    with pytest.raises(BadInput):  # params that are not a mapping: refused where the argument is declared
+        ApplySkillArgs.checked(skill="lora", recipe="recipes/lm", params=["x"], target="a")
     assert with_target(None, "x" * 10) == {"target": "x" * 10}
 
 

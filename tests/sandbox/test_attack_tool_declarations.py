@@ -48,14 +48,14 @@ def test_a_forged_run_error_reaches_the_wait_run_log_line_escaped_and_redacted(t
 
 
 def test_an_argument_a_tool_does_not_take_is_refused_naming_it_and_the_tools_parameters(tmp_path):
-    """``sample(..., images=[...])`` was answered as if no image had been given."""
+    """``sample(..., image=...)`` (a name it does not take) was answered as if no image had been given."""
     root = make_workspace(tmp_path / "ws")
     fake_run(root, "r1")
 
     async def main() -> list[str]:
         async with Client(build_server(root), mode="legacy") as client:
             texts = []
-            for name, arguments in (("sample", {"run_id": "r1", "prompts": ["hi"], "images": ["cat.png"]}),
+            for name, arguments in (("sample", {"run_id": "r1", "prompts": ["hi"], "image": "cat.png"}),
                                     ("list_runs", {"limit": 5, "statuss": "running"})):
                 result = await client.call_tool(name, arguments)
                 assert result.is_error
@@ -64,6 +64,6 @@ def test_an_argument_a_tool_does_not_take_is_refused_naming_it_and_the_tools_par
             return texts
 
     sample, list_runs = anyio.run(main)
-    assert sample == ("bad_input: sample takes no argument 'images'; its parameters: "
-                      "run_id, prompts, step, max_new_tokens, temperature, think")
+    assert sample == ("bad_input: sample takes no argument 'image'; its parameters: "
+                      "run_id, prompts, step, max_new_tokens, temperature, think, images")
     assert list_runs == "bad_input: list_runs takes no argument 'statuss'; its parameters: limit"
