@@ -159,7 +159,7 @@ def test_jobs_are_followed_pending_running_completed_failed_resumed_and_cancelle
     assert resumed["nodes"].startswith("1 node(s) x 2 process(es), SLURM job ")
     assert (workspace / "runs" / run_id / "job.sbatch").is_file()
     waited = session.ok("wait_run", run_id=run_id, until_step=4, timeout_s=120)
-    assert (waited["reason"], waited["step"]) == ("reached_step", 4)
+    assert waited["reason"] == "reached_step" and waited["step"] >= 4  # the job may be further on when it is read
     print(f"resumed job at step 4 at {time.monotonic() - t0:.1f} s")
     assert {s: v for s, v in losses(workspace, run_id).items() if s <= 4} == {
         s: v for s, v in losses(workspace, first).items() if s > 2}
