@@ -12,8 +12,10 @@ call (``/api/whoami-v2``, ``/api/repos/create``, ``/branch/``, ``/api/validate-y
 from __future__ import annotations
 
 import base64
+import contextlib
 import hashlib
 import json
+import os
 import threading
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -257,6 +259,24 @@ class FakeHub:
             self.server.shutdown()
             self.server.server_close()
             self.server = None
+
+
+@contextlib.contextmanager
+def hub_environment(url: str, home: Path, token: str):
+    """This process's Hugging Face variables pointed at the fake Hub ``url`` (a cache at ``home``,
+    ``token``, online) while the block runs; put back as they were after it."""
+    names = ("HF_ENDPOINT", "HF_HOME", "HF_TOKEN", "HF_HUB_OFFLINE")
+    saved = {name: os.environ.get(name) for name in names}
+    os.environ.update(HF_ENDPOINT=url, HF_HOME=str(home), HF_TOKEN=token)
+    os.environ.pop("HF_HUB_OFFLINE", None)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def _oid(data: bytes) -> str:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.fake_hub import FakeHub, tiny_llama_folder
+from tests.fake_hub import FakeHub, hub_environment, tiny_llama_folder
 from tests.mcp.conftest import connect, git, run_note
 
 pytestmark = pytest.mark.slow  # three short runs and a resume (about 100 s on an idle machine)
@@ -30,19 +30,11 @@ def setting(tmp_path_factory):
     server.add("org/tiny-llama", model, gated=True)
     server.repos["org/tiny-llama"].token = TOKEN
     url = server.start()
-    saved = {name: os.environ.get(name) for name in ("HF_ENDPOINT", "HF_HOME", "HF_TOKEN", "HF_HUB_OFFLINE")}
-    os.environ.update(HF_ENDPOINT=url, HF_HOME=str(root / "hf"), HF_TOKEN=TOKEN)
-    os.environ.pop("HF_HUB_OFFLINE", None)
     workspace = root / "workspace"
     workspace.mkdir()
-    with connect("memory", workspace) as client:
+    with hub_environment(url, root / "hf", TOKEN), connect("memory", workspace) as client:
         yield client, workspace, server, model, root
     server.stop()
-    for name, value in saved.items():
-        if value is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = value
 
 
 @pytest.fixture(scope="module")

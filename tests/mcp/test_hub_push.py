@@ -8,14 +8,13 @@ each leaving nothing on the Hub or on disk."""
 from __future__ import annotations
 
 import json
-import os
 import re
 from pathlib import Path
 
 import pytest
 import yaml
 
-from tests.fake_hub import FakeHub, tiny_llama_folder
+from tests.fake_hub import FakeHub, hub_environment, tiny_llama_folder
 from tests.mcp.conftest import connect, git
 
 pytestmark = pytest.mark.slow  # one short run, then exports in the sandbox
@@ -31,23 +30,15 @@ def setting(tmp_path_factory):
     server = FakeHub(writers={TOKEN: ["me"]}, readers={READER})
     server.add("org/tiny-llama", tiny_llama_folder(root / "model"))
     url = server.start()
-    saved = {name: os.environ.get(name) for name in ("HF_ENDPOINT", "HF_HOME", "HF_TOKEN", "HF_HUB_OFFLINE")}
-    os.environ.update(HF_ENDPOINT=url, HF_HOME=str(root / "hf"), HF_TOKEN=TOKEN)
-    os.environ.pop("HF_HUB_OFFLINE", None)
     workspace = root / "workspace"
     workspace.mkdir()
-    with connect("memory", workspace) as client:
+    with hub_environment(url, root / "hf", TOKEN), connect("memory", workspace) as client:
         client.ok("scaffold_recipe", template="causal_lm", name="hub_lm",
                   config={"model.pretrained_path": "org/tiny-llama"})
         run_id = client.ok("launch_run", recipe="recipes/hub_lm", overrides=RUN)["run_id"]
         assert client.wait_for_run(run_id)["status"] == "completed"
         yield client, workspace, server, url, run_id
     server.stop()
-    for name, value in saved.items():
-        if value is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = value
 
 
 def api(url: str):
