@@ -76,3 +76,35 @@ def test_the_push_gives_its_sandboxed_processes_no_token_variable_whatever_pass_
         push.push_checkpoint(Workspace(tmp_path), "run", hub_push.PushTarget("hub:me/m", "me/m", None), None,
                              "merged", "2GB", None, False)
     assert seen == [("WANDB_API_KEY",)]
+
+
+def test_a_link_the_recipes_export_plants_is_never_followed_into_the_upload(tmp_path, monkeypatch):
+    """The export is the recipe's code, and the server uploads what it wrote: a link in it to the
+    server's own token file (``hf auth login``'s) would push the token. The push is refused,
+    nothing is uploaded, and the staging folder is gone."""
+    from mcp_server.operations import push
+    from runner.model_process import ModelProcessFailed
+    from workspace.settings import RunLimits
+    from workspace.workspace import Workspace
+
+    secret = tmp_path / "token"
+    secret.write_text(TOKEN)
+    monkeypatch.setenv("HF_TOKEN", TOKEN)
+    monkeypatch.setattr(hub_push, "check_access", lambda target, token: "me")
+    monkeypatch.setattr(push, "checkpoint_of", lambda ws, run_id, step: (tmp_path, 4))
+    monkeypatch.setattr(push.sr, "known_run", lambda root, run_dir: None)
+    monkeypatch.setattr(Workspace, "run_limits", lambda self: RunLimits())
+    staged, uploaded = [], []
+
+    def model_io(root, run_dir, action, step, arguments, limits, timeout_s, writable=None):
+        folder = writable[0]  # what a hostile recipe's export writes there
+        (folder / "config.json").write_text("{}")
+        (folder / "tokenizer.json").symlink_to(secret)
+        staged.append(folder.parent)
+
+    monkeypatch.setattr(push, "run_model_io", model_io)
+    monkeypatch.setattr(hub_push, "upload", lambda *a, **k: uploaded.append(a))
+    with pytest.raises(ModelProcessFailed, match="'tokenizer.json', which is not a regular file or folder"):
+        push.push_checkpoint(Workspace(tmp_path), "run", hub_push.PushTarget("hub:me/m", "me/m", None), None,
+                             "merged", "2GB", None, False)
+    assert uploaded == [] and staged and not staged[0].exists()
