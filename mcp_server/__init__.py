@@ -8,6 +8,7 @@
 - ``server``       the MCP binding of the declarations (``trainwright serve``), resources
 - ``tool_schemas`` each tool's JSON schemas: generated, compacted, kept on disk (a start's ``tools/list``)
 - ``http_auth``    streamable HTTP with a bearer token (``serve --http``)
+- ``stdio``        ``serve`` over stdio: the SDK's transport, answering a message whose number Python cannot read
 - ``live``         live runs as resources: subscriptions and the poll of run directories
 - ``tasks``        long calls as MCP tasks
 - ``clients``      what the server keeps per client, and its log messages to it

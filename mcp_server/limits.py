@@ -71,15 +71,23 @@ def json_chars(value: Any) -> int:
     return len(json.dumps(value, separators=(",", ":"), default=str))
 
 
+# What :mod:`mcp_server.stdio` puts in a message's place of an integer too long for Python to read
+# (pydantic's JSON parser refuses it, and the SDK would drop the whole message unanswered).
+OVERLONG_NUMBER = "<a number of more than the digits Python reads>"
+
+
 def arguments_size(arguments: Any) -> tuple[int | None, str | None]:
     """``(size, None)`` of a tool call's arguments within :data:`MAX_ARGUMENTS_CHARS`, or
     ``(size, refusal)``: too large, or (size None) holding an integer longer than Python writes
     as text (``sys.get_int_max_str_digits()``), which json.dumps cannot measure."""
+    refusal = (f"bad_input: the arguments hold a number of more than {sys.get_int_max_str_digits():,} digits; "
+               "give numbers within the bounds each argument states")
     try:
         size = json_chars(arguments)
     except ValueError:
-        return None, (f"bad_input: the arguments hold a number of more than {sys.get_int_max_str_digits():,} digits; "
-                      "give numbers within the bounds each argument states")
+        return None, refusal
+    if OVERLONG_NUMBER in json.dumps(arguments):  # such a number as the stdio transport hands it on
+        return None, refusal
     if size > MAX_ARGUMENTS_CHARS:
         return size, f"bad_input: the arguments are too large ({size:,} characters, at most {MAX_ARGUMENTS_CHARS:,})"
     return size, None

@@ -436,7 +436,9 @@ def serve(workspace: Path | str, http_port: int | None = None, read_only: bool =
           settings: Path | str | None = None) -> None:
     server = build_server(workspace, read_only=read_only, settings=settings)
     if http_port is None:
-        server.run("stdio")
+        from mcp_server.stdio import serve_stdio
+
+        anyio.run(serve_stdio, server._lowlevel_server)
     else:
         from mcp_server.http_auth import serve_http
 
