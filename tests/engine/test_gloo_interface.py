@@ -13,6 +13,8 @@ import pytest
 
 from engine.distributed import GLOO_INTERFACE_VARIABLE, gloo_interface_problem, init_distributed
 from engine.errors import BadInput
+from sandbox.environment import run_environment
+from sandbox.network import LOOPBACK_ENV
 
 TWO_MACHINES = {"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "n1"}
 
@@ -52,3 +54,10 @@ def test_init_distributed_refuses_before_the_process_group(monkeypatch):
     monkeypatch.delenv(GLOO_INTERFACE_VARIABLE, raising=False)
     with pytest.raises(BadInput, match=f"Set {GLOO_INTERFACE_VARIABLE} to the network interface"):
         init_distributed(tp=1)
+
+
+def test_runs_and_jobs_get_the_gloo_interface_the_server_was_given_and_an_isolated_run_keeps_loopback():
+    server = {"PATH": "/usr/bin", GLOO_INTERFACE_VARIABLE: "eth1", "NCCL_SOCKET_IFNAME": "ib0"}
+    env = run_environment(source=server)
+    assert (env[GLOO_INTERFACE_VARIABLE], env["NCCL_SOCKET_IFNAME"]) == ("eth1", "ib0")
+    assert run_environment(source=server, extra=LOOPBACK_ENV)[GLOO_INTERFACE_VARIABLE] == "lo"
