@@ -77,12 +77,10 @@ class Machine:
         listed = _ip("netns", "pids", self.netns)
         return [int(word) for word in listed.stdout.split() if word.isdigit()]
 
-    def kill_all(self, keep: set[int] = frozenset()) -> list[int]:
-        """SIGKILL every process of this machine but ``keep`` (a machine dies); the pids killed."""
+    def kill_all(self) -> list[int]:
+        """SIGKILL every process of this machine (a machine dies); the pids killed."""
         killed = []
         for pid in self.pids():
-            if pid in keep:
-                continue
             try:
                 os.kill(pid, signal.SIGKILL)
                 killed.append(pid)

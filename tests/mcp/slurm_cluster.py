@@ -168,23 +168,22 @@ def slurm_cluster(root: Path, nodes: Sequence[Node], slurmd_timeout: int = 300) 
     conf.write_text(_config(root, cpus, nodes, slurmd_timeout))
     cluster = Cluster(root, conf, nodes=tuple(nodes))
     logs = root / "log"
-    commands = [
-        ["munged", "-F", "--force", f"--key-file={key}", f"--socket={root}/munge/munge.socket",
-         f"--pid-file={root}/munge/munged.pid", f"--seed-file={root}/munge/seed", f"--log-file={logs}/munged.log"],
-        [*nodes[0].prefix, "slurmctld", "-D", "-f", str(conf)],
-        *(slurmd_command(node, conf) for node in nodes),
-    ]
+    commands = {  # the daemons by the name of their console file, in the order they start
+        "munged": ["munged", "-F", "--force", f"--key-file={key}", f"--socket={root}/munge/munge.socket",
+                   f"--pid-file={root}/munge/munged.pid", f"--seed-file={root}/munge/seed",
+                   f"--log-file={logs}/munged.log"],
+        "slurmctld": [*nodes[0].prefix, "slurmctld", "-D", "-f", str(conf)],
+        **{f"slurmd-{node.name}": slurmd_command(node, conf) for node in nodes},
+    }
     daemons: list[subprocess.Popen] = []
     for node in nodes:
         (root / "spool" / node.name).mkdir(exist_ok=True)
     try:
-        for command in commands:
-            daemon = next(word for word in command if word in ("munged", "slurmctld", "slurmd"))
-            label = f"{daemon}-{command[-3]}" if daemon == "slurmd" else daemon
+        for label, command in commands.items():
             with open(logs / f"{label}.out", "wb") as out:
                 daemons.append(subprocess.Popen(command, env=cluster.env(), stdin=subprocess.DEVNULL, stdout=out,
                                                 stderr=subprocess.STDOUT, start_new_session=True))
-            if daemon == "munged":
+            if label == "munged":
                 _wait_for(lambda: (root / "munge" / "munge.socket").exists(), "munged's socket", cluster)
         names = ",".join(node.name for node in nodes)
         _wait_for(lambda: cluster.command("sinfo", "-h", "-N", "-n", names, "-o", "%t", check=False).stdout.split()
