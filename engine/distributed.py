@@ -12,12 +12,17 @@ and hold the same weights, so FSDP2 shards the weights, and sums the gradients, 
 from __future__ import annotations
 
 import datetime
+import ipaddress
 import os
+import socket
 from dataclasses import dataclass
+from typing import Callable, Mapping
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from engine.errors import BadInput
 
 
 @dataclass(frozen=True)
@@ -78,6 +83,51 @@ def set_cpu_threads(local_world_size: int) -> None:
     torch.set_num_threads(max(1, (cores or 1) // max(1, local_world_size)))
 
 
+GLOO_INTERFACE_VARIABLE = "GLOO_SOCKET_IFNAME"
+
+
+def host_addresses(host: str) -> list[str]:
+    """The addresses ``host`` resolves to here (none when it does not resolve)."""
+    try:
+        return sorted({info[4][0] for info in socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)})
+    except (OSError, UnicodeError):
+        return []
+
+
+def _loopback(address: str) -> bool:
+    try:
+        return ipaddress.ip_address(address.split("%")[0]).is_loopback
+    except ValueError:
+        return False
+
+
+def gloo_interface_problem(env: Mapping[str, str],
+                           addresses: Callable[[str], list[str]] = host_addresses) -> str | None:
+    """Why gloo cannot connect the nodes of this world, or None.
+
+    Unless told an interface (``GLOO_SOCKET_IFNAME``), gloo listens at the address this
+    machine's host name resolves to and falls back to loopback when there is none. Where the
+    host name resolves to loopback only (127.0.1.1 on Debian, 127.0.0.1 on many containers),
+    each rank tells the others to connect to its own loopback: across machines that is refused
+    after gloo's retries, with an error that names no cause. Nodes that meet on loopback (a
+    run over several nodes of one machine, ``MASTER_ADDR`` a loopback address) are fine."""
+    world, local = int(env.get("WORLD_SIZE", "1")), int(env.get("LOCAL_WORLD_SIZE", env.get("WORLD_SIZE", "1")))
+    master = env.get("MASTER_ADDR", "127.0.0.1")
+    if world <= local or env.get(GLOO_INTERFACE_VARIABLE):
+        return None
+    if any(_loopback(a) for a in [master, *addresses(master)]):
+        return None
+    host = socket.gethostname()
+    found = addresses(host)
+    if found and not all(_loopback(a) for a in found):
+        return None
+    where = f"resolves to {', '.join(found)}" if found else "does not resolve"
+    return (f"gloo, the CPU backend, would connect the {world} ranks of this run over several machines at the "
+            f"address of this machine's host name {host!r}, which {where}: the other nodes cannot reach it there. "
+            f"Set {GLOO_INTERFACE_VARIABLE} to the network interface the nodes reach each other on (e.g. eth0) in "
+            "the environment trainwright is started with (it passes GLOO_* and NCCL_* on to runs and jobs)")
+
+
 def init_distributed(tp: int, sp: int = 1) -> DistInfo:
     """Start the process group (always, also for a world of one) and build the mesh."""
     rank = int(os.environ.get("RANK", "0"))
@@ -94,6 +144,9 @@ def init_distributed(tp: int, sp: int = 1) -> DistInfo:
             os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
             os.environ.setdefault("MASTER_PORT", str(_free_port()))
         backend = "nccl" if device.type == "cuda" else "gloo"
+        problem = gloo_interface_problem(os.environ) if backend == "gloo" else None
+        if problem:
+            raise BadInput(problem)
         dist.init_process_group(
             backend=backend,
             rank=rank,

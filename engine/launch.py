@@ -177,8 +177,13 @@ def train(recipe_class, config, args: argparse.Namespace, data=None) -> int:
 
     from engine import run_dir as rd
     from engine.distributed import init_distributed, shutdown_distributed
+    from engine.errors import TrainwrightError
 
-    dist_info = init_distributed(config.parallel.tp, config.parallel.sp)
+    try:
+        dist_info = init_distributed(config.parallel.tp, config.parallel.sp)
+    except TrainwrightError as e:  # a network the ranks cannot meet on: what to set, not gloo's retries
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
     if dist_info.device.type == "cpu":
         import torch
 

@@ -95,9 +95,20 @@ def check_options(options: Mapping[str, Any] | None) -> SlurmOptions:
     return SlurmOptions(partition=partition, time=time, gpus_per_node=gpus, rdzv_port=port)
 
 
+# What each node's task adds to torchrun's options, from its own SLURM variables (single-quoted:
+# the task's shell expands them): its node name as the address the others reach it at, and
+# whether it serves the rendezvous (the job's node 0, the script's $head_node). torchrun would
+# otherwise take both from the machine's host name, which need not be the node's name nor
+# resolve to an address the other nodes reach (a host name that resolves to loopback, as on
+# many machines, makes every node think itself the master at 127.0.0.1).
+NODE_OPTIONS = '--local-addr "$SLURMD_NODENAME" --rdzv-conf "is_host=$((SLURM_NODEID == 0))"'
+TASK_SHELL = f"bash -c 'exec \"$0\" -m torch.distributed.run {NODE_OPTIONS} \"$@\"'"
+
+
 def torchrun_line(python: str, nnodes: int, nproc: int, rdzv_id: str, engine_args: list[str], port: int) -> str:
-    """The job's srun/torchrun line; ``$head_node`` is the job's first node (set by the script)."""
-    words = [shlex.quote(python), "-m", "torch.distributed.run", "--nnodes", str(nnodes),
+    """The job's srun/torchrun line; ``$head_node`` is the job's first node (set by the script).
+    Each task is a shell that runs ``python -m torch.distributed.run`` with :data:`NODE_OPTIONS`."""
+    words = [TASK_SHELL, shlex.quote(python), "--nnodes", str(nnodes),
              "--nproc-per-node", str(nproc), "--rdzv-backend", "c10d",
              f'--rdzv-endpoint "${{head_node}}:{port}"', "--rdzv-id", shlex.quote(rdzv_id),
              "-m", "engine.launch", *(shlex.quote(a) for a in engine_args)]
@@ -134,6 +145,10 @@ def job_script(record: rd.RunRecord, run_dir: Path, options: SlurmOptions, pytho
         # directive cannot quote a path with spaces).
         f"#SBATCH --output={rd.RUNS_DIRNAME}/{record.id}/{rd.CONSOLE_LOG}",
         "#SBATCH --open-mode=append",
+        # A job that loses a node fails (NODE_FAIL) rather than wait to start again: SLURM would
+        # run this script from its first step into the same run directory. Its resume is
+        # resume_checkpoint, a new job from its last checkpoint.
+        "#SBATCH --no-requeue",
     ]
     body = [
         "set -euo pipefail",
@@ -143,6 +158,7 @@ def job_script(record: rd.RunRecord, run_dir: Path, options: SlurmOptions, pytho
         "export " + " ".join(f"{name}={shlex.quote(value)}" for name, value in sorted(exported.items())),
         "export PYTHONSAFEPATH=1 PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1",
         f"cd {shlex.quote(record.workspace or str(run_dir.parent.parent))}",
+        "# shellcheck disable=SC2016  # the task's shell expands its node's variables",
         torchrun_line(python, record.nnodes, record.nproc, record.rdzv_id or record.id, engine_args,
                       options.rdzv_port),
     ]

@@ -9,6 +9,11 @@ without slurmdbd). The daemons run in the foreground (``-D``) as children of the
 commands find the cluster through ``SLURM_CONF``, which the caller puts in the environment of
 whatever runs them. Needs root (slurmd starts jobs as their user) and the binaries; otherwise
 :func:`missing` says why, for a skip.
+
+:func:`slurm_cluster` starts the same over several nodes (a :class:`Node` each: its name, its
+address, and the prefix its daemons run under, such as a network namespace of
+:mod:`tests.netns`); slurmctld runs on the first, and SLURM's commands run there too
+(:meth:`Cluster.command`).
 """
 
 from __future__ import annotations
@@ -20,9 +25,9 @@ import socket
 import subprocess
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, Sequence
 
 BINARIES = ("munged", "slurmctld", "slurmd", "sbatch", "squeue", "sinfo", "scontrol", "scancel")
 NODE = "localhost"  # the node's name is its host name: a job's torchrun resolves it for the rendezvous
@@ -42,17 +47,37 @@ def missing() -> str | None:
 
 
 @dataclass(frozen=True)
+class Node:
+    """A slurmd: its node name, its address, and what its commands run under (``ip netns exec
+    NS`` for a node in a network namespace of its own; nothing for this machine's)."""
+
+    name: str
+    address: str
+    prefix: tuple[str, ...] = ()
+
+
+LOCAL = Node(NODE, "127.0.0.1")
+
+
+@dataclass(frozen=True)
 class Cluster:
     root: Path
     conf: Path
     partition: str = PARTITION
+    nodes: tuple[Node, ...] = field(default=(LOCAL,))
 
     def env(self) -> dict[str, str]:
         return {**os.environ, "SLURM_CONF": str(self.conf)}
 
+    @property
+    def prefix(self) -> tuple[str, ...]:
+        """What SLURM's commands run under: the first node (slurmctld's) is the login node."""
+        return self.nodes[0].prefix
+
     def command(self, *args: str, check: bool = True) -> subprocess.CompletedProcess:
         """One of SLURM's commands against this cluster."""
-        return subprocess.run(args, env=self.env(), capture_output=True, text=True, timeout=30, check=check)
+        return subprocess.run([*self.prefix, *args], env=self.env(), capture_output=True, text=True, timeout=30,
+                              check=check)
 
     def log(self) -> str:
         """The daemons' logs, for a failure message."""
@@ -66,10 +91,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _config(root: Path, cpus: int) -> str:
+def _config(root: Path, cpus: int, nodes: Sequence[Node], slurmd_timeout: int) -> str:
+    head = nodes[0]
     return "\n".join([
         "ClusterName=trainwright-test",
-        f"SlurmctldHost={NODE}(127.0.0.1)",
+        # slurmctld accepts "localhost" as its own name, whatever the machine's host name.
+        f"SlurmctldHost=localhost({head.address})",
         "SlurmUser=root",
         "SlurmdUser=root",
         f"SlurmctldPort={_free_port()}",
@@ -78,11 +105,11 @@ def _config(root: Path, cpus: int) -> str:
         "CredType=cred/munge",
         f"AuthInfo=socket={root}/munge/munge.socket",
         f"StateSaveLocation={root}/state",
-        f"SlurmdSpoolDir={root}/spool",
+        f"SlurmdSpoolDir={root}/spool/%n",  # %n: the node's name (several slurmd's share the folder)
         f"SlurmctldPidFile={root}/slurmctld.pid",
-        f"SlurmdPidFile={root}/slurmd.pid",
+        f"SlurmdPidFile={root}/slurmd-%n.pid",
         f"SlurmctldLogFile={root}/log/slurmctld.log",
-        f"SlurmdLogFile={root}/log/slurmd.log",
+        f"SlurmdLogFile={root}/log/slurmd-%n.log",
         "ProctrackType=proctrack/linuxproc",
         "TaskPlugin=task/none",
         "JobAcctGatherType=jobacct_gather/none",
@@ -96,8 +123,9 @@ def _config(root: Path, cpus: int) -> str:
         "EnforcePartLimits=ALL",  # sbatch refuses a time over the partition's, as most clusters do
         "KillWait=5",  # seconds from scancel's SIGTERM to SIGKILL
         "MinJobAge=300",  # squeue and scontrol remember an ended job this long
-        f"NodeName={NODE} NodeAddr=127.0.0.1 CPUs={cpus} State=UNKNOWN",
-        f"PartitionName={PARTITION} Nodes={NODE} Default=YES MaxTime={PARTITION_MAX_TIME} "
+        f"SlurmdTimeout={slurmd_timeout}",  # a node that does not answer this long is down, its jobs NODE_FAIL
+        *(f"NodeName={node.name} NodeAddr={node.address} CPUs={cpus} State=UNKNOWN" for node in nodes),
+        f"PartitionName={PARTITION} Nodes={','.join(node.name for node in nodes)} Default=YES MaxTime={PARTITION_MAX_TIME} "
         "OverSubscribe=EXCLUSIVE State=UP",
         "",
     ])
@@ -113,10 +141,22 @@ def _stop(process: subprocess.Popen) -> None:
             process.wait()
 
 
-@contextmanager
-def single_node_slurm(root: Path) -> Iterator[Cluster]:
+def single_node_slurm(root: Path):
     """munged, slurmctld and slurmd configured under ``root`` and started; on the way out every
     job is cancelled (its processes end) and the daemons are stopped."""
+    return slurm_cluster(root, (LOCAL,))
+
+
+def slurmd_command(node: Node, conf: Path) -> list[str]:
+    """A node's slurmd in the foreground (to start it, or start it again after it died)."""
+    return [*node.prefix, "slurmd", "-D", "-N", node.name, "-f", str(conf)]
+
+
+@contextmanager
+def slurm_cluster(root: Path, nodes: Sequence[Node], slurmd_timeout: int = 300) -> Iterator[Cluster]:
+    """:func:`single_node_slurm` with a slurmd per node, each started under its node's prefix;
+    slurmctld runs on the first node (munged's socket is a file: every node shares it). A node
+    whose slurmd does not answer for ``slurmd_timeout`` seconds is set down (SLURM's default: 300)."""
     for name in ("munge", "state", "spool", "log"):
         (root / name).mkdir(parents=True, exist_ok=True)
     (root / "munge").chmod(0o700)
@@ -125,28 +165,32 @@ def single_node_slurm(root: Path) -> Iterator[Cluster]:
     key.chmod(0o400)
     cpus = len(os.sched_getaffinity(0))
     conf = root / "slurm.conf"
-    conf.write_text(_config(root, cpus))
-    cluster = Cluster(root, conf)
+    conf.write_text(_config(root, cpus, nodes, slurmd_timeout))
+    cluster = Cluster(root, conf, nodes=tuple(nodes))
     logs = root / "log"
-    commands = [
-        ["munged", "-F", "--force", f"--key-file={key}", f"--socket={root}/munge/munge.socket",
-         f"--pid-file={root}/munge/munged.pid", f"--seed-file={root}/munge/seed", f"--log-file={logs}/munged.log"],
-        ["slurmctld", "-D", "-f", str(conf)],
-        ["slurmd", "-D", "-N", NODE, "-f", str(conf)],
-    ]
+    commands = {  # the daemons by the name of their console file, in the order they start
+        "munged": ["munged", "-F", "--force", f"--key-file={key}", f"--socket={root}/munge/munge.socket",
+                   f"--pid-file={root}/munge/munged.pid", f"--seed-file={root}/munge/seed",
+                   f"--log-file={logs}/munged.log"],
+        "slurmctld": [*nodes[0].prefix, "slurmctld", "-D", "-f", str(conf)],
+        **{f"slurmd-{node.name}": slurmd_command(node, conf) for node in nodes},
+    }
     daemons: list[subprocess.Popen] = []
+    for node in nodes:
+        (root / "spool" / node.name).mkdir(exist_ok=True)
     try:
-        for command in commands:
-            with open(logs / f"{command[0]}.out", "wb") as out:
+        for label, command in commands.items():
+            with open(logs / f"{label}.out", "wb") as out:
                 daemons.append(subprocess.Popen(command, env=cluster.env(), stdin=subprocess.DEVNULL, stdout=out,
                                                 stderr=subprocess.STDOUT, start_new_session=True))
-            if command[0] == "munged":
+            if label == "munged":
                 _wait_for(lambda: (root / "munge" / "munge.socket").exists(), "munged's socket", cluster)
-        _wait_for(lambda: cluster.command("sinfo", "-h", "-n", NODE, "-o", "%t", check=False).stdout.strip() == "idle",
-                  f"node {NODE} idle in sinfo", cluster)
+        names = ",".join(node.name for node in nodes)
+        _wait_for(lambda: cluster.command("sinfo", "-h", "-N", "-n", names, "-o", "%t", check=False).stdout.split()
+                  == ["idle"] * len(nodes), f"nodes {names} idle in sinfo", cluster)
         yield cluster
     finally:
-        if daemons and daemons[-1].poll() is None:
+        if len(daemons) > 1 and daemons[1].poll() is None:  # slurmctld
             cluster.command("scancel", "--user", "root", check=False)
             deadline = time.monotonic() + 20
             while time.monotonic() < deadline and cluster.command("squeue", "-h", "-o", "%i", check=False).stdout.strip():

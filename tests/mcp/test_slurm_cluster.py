@@ -166,7 +166,8 @@ def test_jobs_are_followed_pending_running_completed_failed_resumed_and_cancelle
     running = session.ok("get_run", run_id=run_id)
     assert running["status"] == "running" and "RUNNING (from squeue)" in running["nodes"]
     assert (running["resumed_from"]["run_id"], running["resumed_from"]["step"]) == (first, 2)
-    assert len([p for p in processes_of(run_id) if "engine.launch" in p]) >= 3  # torchrun and its 2 workers
+    # torchrun (its line names torch.distributed.run first) and its 2 workers
+    assert len([p for p in processes_of(run_id) if "engine.launch" in p or "torch.distributed.run" in p]) >= 3
     stopped = session.ok("stop_run", run_id=run_id)
     assert stopped["status"] == "stopped"
     assert processes_of(run_id) == []

@@ -79,8 +79,12 @@ def test_a_slurm_run_is_submitted_followed_to_its_end_and_its_script_passes_shel
         assert f"#SBATCH {directive}" in lines
     assert 'mapfile -t nodes < <(scontrol show hostnames "$SLURM_JOB_NODELIST")' in lines
     overrides = " ".join(f"--set={key}={value}" for key, value in config.items())
+    assert "#SBATCH --no-requeue" in lines  # a node that fails fails the job: it never reruns from step 1
+    # Each task's shell adds its node's own address and whether it serves the rendezvous.
     assert lines[-1] == (
-        f"srun --kill-on-bad-exit=1 {sys.executable} -m torch.distributed.run --nnodes 2 --nproc-per-node 4 "
+        "srun --kill-on-bad-exit=1 bash -c 'exec \"$0\" -m torch.distributed.run --local-addr \"$SLURMD_NODENAME\" "
+        "--rdzv-conf \"is_host=$((SLURM_NODEID == 0))\" \"$@\"' "
+        f"{sys.executable} --nnodes 2 --nproc-per-node 4 "
         f'--rdzv-backend c10d --rdzv-endpoint "${{head_node}}:29400" --rdzv-id {run_id} -m engine.launch '
         f"{run_dir}/recipe --run-dir {run_dir} {overrides}"
     )
