@@ -329,16 +329,24 @@ def _fit(text: str, budget: int) -> tuple[str, bool]:
 
 
 def evaluate(ws: Workspace, run_id: str, step: int | None = None, data: list[str] | str | None = None,
-             limits: RunLimits | None = None) -> EvaluateResult:
+             limits: RunLimits | None = None, tasks: list[str] | None = None) -> EvaluateResult:
     """The eval loss of a checkpoint on the run's held-out data (or on ``data``: workspace files
-    or folders, all held out) and the recipe's task metrics; ``limits``: the workspace's run
-    limits unless given."""
+    or folders, all held out) and the recipe's task metrics; or, with ``tasks``, lm-evaluation-
+    harness's scores on them (``engine.benchmarks``); ``limits``: the workspace's run limits
+    unless given."""
     paths = [data] if isinstance(data, str) else data
+    if paths and tasks:
+        raise BadInput("evaluate takes data or tasks, not both: call it once for each")
     if paths is not None:
         resolved = [refuse_reserved(ws.root, confine(ws.root, path, "data"), "data") for path in paths]
     run_dir, step = checkpoint_of(ws, run_id, step)
-    arguments = [f"--data={path}" for path in resolved] if paths else []
+    arguments = [f"--data={path}" for path in resolved] if paths else [f"--task={task}" for task in tasks or ()]
     result = run_model_io(ws.root, run_dir, "evaluate", step, arguments, limits or ws.run_limits(), EVALUATE_TIMEOUT_S)
+    if tasks:
+        counted = [score.examples for score in result.tasks if score.examples is not None]  # a group's is None
+        return EvaluateResult(run_id=run_id, step=step, eval_loss=None, split="tasks", metrics={},
+                              tasks={score.task: score.model_dump(exclude={"task"}) for score in result.tasks},
+                              warnings=small_sample_warnings(min(counted), "tasks") if counted else [])
     split = "data" if paths else "held_out"
     return EvaluateResult(
         run_id=run_id, step=step, eval_loss=result.eval_loss, perplexity=result.perplexity, split=split,
@@ -354,11 +362,13 @@ MIN_EXAMPLES = 30
 def small_sample_warnings(examples: int | None, split: str) -> list[str]:
     """A warning for numbers over fewer than :data:`MIN_EXAMPLES` examples (a rate over one
     held-out pair is 0 or 1)."""
-    where = "the run's held-out split" if split == "held_out" else "the data given"
+    where = {"held_out": "the run's held-out split", "data": "the data given", "tasks": "a task given"}[split]
     if examples is None:
         return [f"the recipe did not count the examples of {where}: the numbers' sample size is unknown"]
     if examples < MIN_EXAMPLES:
-        more = ("raise data.eval_fraction or pass data=[files]" if split == "held_out" else "pass more data")
-        return [f"eval_loss and metrics are over {examples} example(s) of {where}, fewer than {MIN_EXAMPLES}: "
+        more = {"held_out": "raise data.eval_fraction or pass data=[files]", "data": "pass more data",
+                "tasks": "give the task more examples"}[split]
+        numbers = "scores" if split == "tasks" else "eval_loss and metrics"
+        return [f"{numbers} are over {examples} example(s) of {where}, fewer than {MIN_EXAMPLES}: "
                 f"a rate moves by {1 / max(1, examples):.2g} per example; {more} for numbers to compare"]
     return []
