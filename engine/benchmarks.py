@@ -19,7 +19,7 @@ import os
 import re
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from engine.errors import MAX_QUOTED_CHARS, BadInput
 from engine.seams import MAX_METRIC_NAME_CHARS, MAX_TASK_NAME_CHARS, MAX_TASK_SCORES, MAX_TASKS, TaskScore
@@ -91,15 +91,16 @@ def language_model(loaded: Any) -> Any:
     return HFLM(pretrained=model, tokenizer=text_tokenizer(processing), batch_size=BATCH_SIZE, backend="causal")
 
 
-def score(loaded: Any, tasks: list[str], workspace: Path, limit: int | None = None) -> list[TaskScore]:
+def score(load: Callable[[], Any], tasks: list[str], workspace: Path, limit: int | None = None) -> list[TaskScore]:
     """Each task's metrics (and each subtask's, for a group) with their stderr and example count,
-    as ``simple_evaluate`` computes them on the loaded checkpoint."""
+    as ``simple_evaluate`` computes them on the checkpoint ``load()`` returns (called once the
+    tasks are known: an unknown one is refused before a model is loaded)."""
     check_tasks(tasks)
     # The data sets' prepared copies go to a folder of this process: the sandbox's home is empty,
     # and the host's caches are not there to write into.
     os.environ.setdefault("HF_DATASETS_CACHE", tempfile.mkdtemp(prefix="lm-eval-data-"))
     manager = task_manager(workspace, tasks)
-    lm = language_model(loaded)
+    lm = language_model(load())
     from lm_eval import simple_evaluate
 
     try:  # the data are read as the tasks are built: a refusal here is about the data, not the model

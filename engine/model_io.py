@@ -354,7 +354,7 @@ def evaluate_tasks(run_dir: Path, step: int, tasks: list[str], data: list[str] |
     if data:
         raise BadInput("evaluate takes data or tasks, not both: call it once for each")
     benchmarks.check_tasks(tasks)
-    scored = benchmarks.score(load_engine(run_dir, step), tasks, allowed_root() or Path.cwd())
+    scored = benchmarks.score(lambda: load_engine(run_dir, step), tasks, allowed_root() or Path.cwd())
     return EvaluateOutcome(step=step, eval_loss=None, perplexity=None, batches=0, split="tasks", scored_tokens=0,
                            tasks=scored)
 
