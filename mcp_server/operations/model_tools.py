@@ -22,7 +22,7 @@ from engine import run_dir as rd
 from engine import run_checkpoints
 from runner import server_record as sr
 from engine.errors import BadInput
-from engine.seams import GeneratedSample
+from engine.seams import GeneratedSample, TaskScore
 from mcp_server.limits import AGENT_BUDGET_CHARS, json_chars
 from mcp_server.models import EvaluateResult, ExportResult, Sample, SampleResult
 from runner import hub_push
@@ -343,10 +343,13 @@ def evaluate(ws: Workspace, run_id: str, step: int | None = None, data: list[str
     arguments = [f"--data={path}" for path in resolved] if paths else [f"--task={task}" for task in tasks or ()]
     result = run_model_io(ws.root, run_dir, "evaluate", step, arguments, limits or ws.run_limits(), EVALUATE_TIMEOUT_S)
     if tasks:
-        counted = [score.examples for score in result.tasks if score.examples is not None]  # a group's is None
-        return EvaluateResult(run_id=run_id, step=step, eval_loss=None, split="tasks", metrics={},
-                              tasks={score.task: score.model_dump(exclude={"task"}) for score in result.tasks},
-                              warnings=small_sample_warnings(min(counted), "tasks") if counted else [])
+        scores, left_out = bounded_task_scores(result.tasks)
+        counted = [score["examples"] for score in scores.values() if score["examples"] is not None]  # a group's: None
+        warnings = small_sample_warnings(min(counted), "tasks") if counted else []
+        if left_out:
+            warnings.append(f"{left_out} more task score(s) left out to keep the result small: ask for fewer tasks")
+        return EvaluateResult(run_id=run_id, step=step, eval_loss=None, split="tasks", metrics={}, tasks=scores,
+                              warnings=warnings)
     split = "data" if paths else "held_out"
     return EvaluateResult(
         run_id=run_id, step=step, eval_loss=result.eval_loss, perplexity=result.perplexity, split=split,
@@ -354,6 +357,20 @@ def evaluate(ws: Workspace, run_id: str, step: int | None = None, data: list[str
         scored_tokens=result.scored_tokens, metrics=result.metrics,
         warnings=small_sample_warnings(result.examples, split),
     )
+
+
+def bounded_task_scores(scores: list[TaskScore]) -> tuple[dict[str, dict], int]:
+    """lm-eval's scores by task, in its order, as many as fit in the agent's budget (a group such
+    as MMLU has dozens of subtasks), and how many were left out."""
+    kept: dict[str, dict] = {}
+    room = AGENT_BUDGET_CHARS - 1500  # the rest of the result and its warnings
+    for index, score in enumerate(scores):
+        shown = score.model_dump(exclude={"task"})
+        room -= json_chars({score.task: shown})
+        if room < 0:
+            return kept, len(scores) - index
+        kept[score.task] = shown
+    return kept, 0
 
 
 MIN_EXAMPLES = 30
