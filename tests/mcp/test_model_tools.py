@@ -8,12 +8,13 @@ nothing in the workspace.
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
 from mcp_server.limits import AGENT_BUDGET_CHARS
 from tests.mcp.conftest import SHORT_RUN, connect, tiny_config
-from tests.sandbox.helpers import make_workspace, tree_hash
+from tests.sandbox.helpers import DATA_CACHE, make_workspace, tree_hash
 
 pytestmark = pytest.mark.slow
 
@@ -162,7 +163,14 @@ def test_lm_eval_tasks_score_the_recipes_checkpoint_as_lm_eval_itself_scores_its
     client, workspace, run_id = session
     write_tasks(workspace)
     progress: list = []
+    # The workspace lm-eval sees (its data copies go to the sandbox's /tmp); the server's records
+    # and the run's folder are left out: the run's supervisor may still be writing its last lines.
+    def seen_by_lm_eval() -> str:
+        return tree_hash(workspace, caches=(DATA_CACHE, Path(".trainwright"), Path("runs")))
+
+    before = seen_by_lm_eval()
     evaluated = client.ok("evaluate", progress, run_id=run_id, tasks=["code_mc"])
+    assert seen_by_lm_eval() == before
     client.ok("export_checkpoint", run_id=run_id, to="exports/lm-eval")
     expected = lm_eval_reference(workspace, ["code_mc"], pretrained=str(workspace / "exports" / "lm-eval"))["code_mc"]
     assert (evaluated["step"], evaluated["split"], evaluated["eval_loss"]) == (6, "tasks", None)
