@@ -24,6 +24,7 @@ Small and explicit, one concept per file:
 - ``data_formats``    file kinds and record formats (Alpaca, ShareGPT, parquet, CSV, ...)
 - ``token_store``     a run's data tokenized once, on disk, mapped by every rank and later run
 - ``model_io``        export, sample, evaluate: ``python -m engine.model_io``
+- ``benchmarks``      lm-evaluation-harness scores of a checkpoint (``evaluate --task``)
 - ``hf_checkpoint``   a script run's Hugging Face checkpoint folder, loaded and evaluated for them
 - ``hf_export``       a trained model as a Hugging Face folder
 - ``gguf_export``     a Hugging Face folder as one GGUF file (llama.cpp, Ollama)

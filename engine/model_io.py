@@ -12,7 +12,8 @@ else CPU, full precision, no tensor parallelism), loads the model of the checkpo
   than text gives the inputs itself, ``Engine.sample_inputs``);
 - ``evaluate [--data PATH ...]``: the eval loss on the recipe's held-out batches (or on the
   documents of ``PATH``: ``data.paths`` with every document held out) and the recipe's
-  ``task_metrics()``.
+  ``task_metrics()``; ``evaluate --task NAME ...``: lm-evaluation-harness's scores on those
+  tasks instead (``engine.benchmarks``).
 
 It runs recipe code, so trainwright starts it in the run sandbox (``runner.model_process``),
 where the only writable places are ``--to`` and the folder of ``--result``: the result is one
@@ -309,9 +310,12 @@ def evaluation_overrides(config_fields: dict[str, Any], data: list[str] | None) 
     return overrides
 
 
-def evaluate(run_dir: Path, step: int, data: list[str] | None = None) -> EvaluateOutcome:
+def evaluate(run_dir: Path, step: int, data: list[str] | None = None,
+             tasks: list[str] | None = None) -> EvaluateOutcome:
     import torch
 
+    if tasks:
+        return evaluate_tasks(run_dir, step, tasks, data)
     record = rd.read_run(run_dir)
     if record.kind == rd.SCRIPT:
         return _evaluate_script_checkpoint(run_dir, step, record, data)
@@ -339,6 +343,20 @@ def evaluate(run_dir: Path, step: int, data: list[str] | None = None) -> Evaluat
         data=list(data) if data else None,
         metrics=metrics,
     )
+
+
+def evaluate_tasks(run_dir: Path, step: int, tasks: list[str], data: list[str] | None = None) -> EvaluateOutcome:
+    """lm-evaluation-harness's scores of the checkpoint (a recipe's or a script's) on ``tasks``,
+    defined by lm-eval or in the workspace's task folder (the process's working directory)."""
+    from engine import benchmarks
+    from engine.data_files import allowed_root
+
+    if data:
+        raise BadInput("evaluate takes data or tasks, not both: call it once for each")
+    benchmarks.check_tasks(tasks)
+    scored = benchmarks.score(lambda: load_engine(run_dir, step), tasks, allowed_root() or Path.cwd())
+    return EvaluateOutcome(step=step, eval_loss=None, perplexity=None, batches=0, split="tasks", scored_tokens=0,
+                           tasks=scored)
 
 
 def _evaluate_script_checkpoint(run_dir: Path, step: int, record: rd.RunRecord,
@@ -408,8 +426,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--reasoning", choices=("on", "off"), help="the chat template's reasoning switch; default: its own")
     p.add_argument("--image", dest="images", action="append", help="an image file per prompt (vision-language recipes)")
-    p = command("evaluate", "eval loss and the recipe's task metrics")
+    p = command("evaluate", "eval loss and the recipe's task metrics, or lm-eval's scores on tasks")
     p.add_argument("--data", action="append", help="evaluate on these files or folders (all held out)")
+    p.add_argument("--task", dest="tasks", action="append", help="an lm-eval task (repeatable): its scores instead")
     return parser.parse_args(argv)
 
 
@@ -420,7 +439,7 @@ def run(args: argparse.Namespace) -> ModelOutcome:
         reasoning = None if args.reasoning is None else args.reasoning == "on"
         return sample(args.run_dir, args.step, args.prompts, args.max_new_tokens, args.temperature, args.seed, reasoning,
                       args.images)
-    return evaluate(args.run_dir, args.step, args.data)
+    return evaluate(args.run_dir, args.step, args.data, args.tasks)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -42,7 +42,7 @@ class ConfigField(BaseModel):
     key: str
     type: str
     default: Any = None
-    value: Any = Field(None, description="From config.yaml; absent: the default.")
+    value: Any = Field(None, description="From config.yaml; absent: default.")
     description: str = ""
 
     @model_validator(mode="before")
@@ -124,6 +124,9 @@ MAX_METRIC_NAME_CHARS = 100
 MAX_NAME_CHARS = 100  # a tokenizer's class name
 MAX_PATH_CHARS = 4096
 MAX_DATA_PATHS = 20
+MAX_TASKS = 8  # lm-eval tasks asked at once (engine.benchmarks)
+MAX_TASK_NAME_CHARS = 100
+MAX_TASK_SCORES = 40  # tasks and a group's subtasks scored, in lm-eval's order
 MAX_COUNT = 2**63 - 1
 
 Count = Annotated[int, Field(ge=0, le=MAX_COUNT)]
@@ -190,10 +193,21 @@ class SampleOutcome(_Seam):
     samples: list[GeneratedSample] = Field(max_length=MAX_PROMPTS)
 
 
+class TaskScore(_Seam):
+    """One lm-eval task's metrics (``acc``; a filter other than ``none`` kept: ``exact_match,strict-match``),
+    their stderr where lm-eval computes one, and the examples scored (``engine.benchmarks``)."""
+
+    task: str = Field(max_length=MAX_TASK_NAME_CHARS)
+    examples: Count | None
+    metrics: dict[Annotated[str, Field(max_length=MAX_METRIC_NAME_CHARS)], float] = Field(max_length=MAX_METRICS)
+    stderr: dict[Annotated[str, Field(max_length=MAX_METRIC_NAME_CHARS)], float] = Field(max_length=MAX_METRICS)
+
+
 class EvaluateOutcome(_Seam):
     """The eval loss of a checkpoint (None: not finite) and the recipe's task metrics (finite
     values only); ``examples``, ``tokens``, ``loss_tokens``: the split as its data summary
-    counts it (None: the recipe counts no data)."""
+    counts it (None: the recipe counts no data). ``split="tasks"``: lm-eval's scores in
+    ``tasks``, and no loss."""
 
     action: ClassVar[str] = "evaluate"
     ok: Literal[True] = True
@@ -201,20 +215,21 @@ class EvaluateOutcome(_Seam):
     eval_loss: float | None
     perplexity: Annotated[float, Field(ge=0)] | None
     batches: Count
-    split: Literal["held_out", "data"]
+    split: Literal["held_out", "data", "tasks"]
     examples: Count | None = None
     tokens: Count | None = None
     loss_tokens: Count | None = None
     scored_tokens: Count
     data: list[Annotated[str, Field(max_length=MAX_PATH_CHARS)]] | None = Field(None, max_length=MAX_DATA_PATHS)
     metrics: dict[Annotated[str, Field(max_length=MAX_METRIC_NAME_CHARS)], float] = Field({}, max_length=MAX_METRICS)
+    tasks: list[TaskScore] = Field([], max_length=MAX_TASK_SCORES)
 
 
 ModelOutcome = ExportOutcome | SampleOutcome | EvaluateOutcome
 OUTCOMES: dict[str, type[ExportOutcome] | type[SampleOutcome] | type[EvaluateOutcome]] = {
     model.action: model for model in (ExportOutcome, SampleOutcome, EvaluateOutcome)}
 # The names a refusal may show: a field's, never a key the recipe chose (a metric's name).
-_FIELD_NAMES = frozenset(name for model in (ModelRefusal, GeneratedSample, *OUTCOMES.values()) for name in model.model_fields)
+_FIELD_NAMES = frozenset(name for model in (ModelRefusal, GeneratedSample, TaskScore, *OUTCOMES.values()) for name in model.model_fields)
 
 
 def read_model_result(action: str, written: bytes) -> ModelOutcome | ModelRefusal | None:

@@ -20,6 +20,7 @@ from typing import Annotated, Any, Callable, Literal
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, ValidationInfo
 from typing_extensions import Self
 
+from engine.benchmarks import check_tasks
 from engine.errors import BadInput
 from engine.model_io import check_max_new_tokens, check_prompts, check_temperature
 from engine.seams import GGUF_QUANTIZATIONS, MAX_DATA_PATHS, MAX_NEW_TOKENS, MAX_PROMPTS
@@ -113,6 +114,12 @@ def checked_by(check: Callable[[Any], None]) -> AfterValidator:
     return AfterValidator(run)
 
 
+def check_given_tasks(tasks: list[str] | None) -> None:
+    """``evaluate``'s tasks, when given, as the model process checks them."""
+    if tasks is not None:
+        check_tasks(tasks)
+
+
 def refusal(error: BaseException | None) -> BadInput | None:
     """The first refusal of a field's own check (:func:`must`, :func:`checked_by`) in ``error``
     (a validation error), whose message says what to change; None when it holds none."""
@@ -174,14 +181,14 @@ class ApplySkillArgs(ToolArgs):
     params: Annotated[dict[str, Any] | None, Field(description="See get_skill."),
                       Cli(flag="--param", metavar="KEY=VALUE", repeat=True, key_values=True)] = None
     dry_run: Annotated[bool, Field(strict=True, description="Return the diff only.")] = False
-    target: Annotated[str | None, Field(description="The model to act on: self._model, file.py:LINE."),
+    target: Annotated[str | None, Field(description="Model to act on: self._model, file.py:LINE."),
                       Cli(metavar="EXPR", more="A refusal lists the candidates it saw.")] = None
 
 
 class ScaffoldArgs(ToolArgs):
     template: Annotated[str, Field(description="A name from list_templates.")]
     name: Annotated[str, Field(description="The new recipes/<name>/.")]
-    config: Annotated[dict[str, Any] | None, Field(description='Dotted keys: {"train.max_steps": 500}.'),
+    config: Annotated[dict[str, Any] | None, Field(description='Dotted: {"train.max_steps": 500}.'),
                       Cli(flag="--config", metavar="KEY=VALUE", repeat=True, key_values=True,
                           more="Written to config.yaml; repeatable.")] = None
     skills: Annotated[list[str | dict[str, Any]] | None, Field(description="Names, or {name, params}."),
@@ -236,10 +243,10 @@ class LaunchRunArgs(ToolArgs):
                          "rdzv_port": Option("--rdzv-port", "with --target slurm: the rendezvous port on the "
                                              "job's first node (default 29400)", int, "PORT")})] = {}
     args: Annotated[list[str], Field(description="Script's command line."), Cli(after_dashes=True)] = []
-    resume_arg: Annotated[str, Field(description="Script option for a checkpoint path."),
+    resume_arg: Annotated[str, Field(description="Script flag for a checkpoint path."),
                           Cli(metavar="OPTION", more="Given with = (--resume-arg=--resume): `trainwright "
                               "resume` passes the checkpoint with it.")] = ""
-    commit: Annotated[str, Field(description="Run this commit's code (sha, sha^)."),
+    commit: Annotated[str, Field(description="This commit's code (sha, sha^)."),
                       Cli(metavar="REV", more="Not the folder as it is now.")] = ""
 
 
@@ -297,7 +304,7 @@ class ResumeArgs(ToolArgs):
     step: Step = None
     nproc: Annotated[Nproc | None, Field(strict=True, description="Default: as the run.")] = None
     code: Annotated[Literal["checkpoint", "head"],
-                    Field(description="checkpoint: the run's code; head: the recipe now.")] = "checkpoint"
+                    Field(description="checkpoint: run's code; head: recipe now.")] = "checkpoint"
     overrides: Annotated[dict[str, Any] | None, Field(description="As launch_run's."), KeyValues] = None
     args: Annotated[list[str] | None, Field(description="A script's new args."),
                     Cli(after_dashes=True)] = None
@@ -305,7 +312,7 @@ class ResumeArgs(ToolArgs):
 
 class ExportArgs(ToolArgs):
     run_id: RunId
-    to: Annotated[str, Field(description="A new/empty workspace folder, or hub:org/name[@branch]."),
+    to: Annotated[str, Field(description="New/empty workspace folder or hub:org/name[@branch]."),
                   Cli(flag="--to", metavar="DIR|hub:ORG/NAME")]
     step: Step = None
     lora: Annotated[Literal["merged", "adapter"], Field(description="LoRA: merged, or a peft adapter.")] = "merged"
@@ -330,7 +337,12 @@ class SampleArgs(ToolArgs):
 class EvaluateArgs(ToolArgs):
     run_id: RunId
     step: Step = None
-    data: Annotated[list[str] | None, Field(description="Files; default: the held-out split."),
+    data: Annotated[list[str] | None, Field(description="Files (else held-out split)."),
                     must(within(1, MAX_DATA_PATHS, size=True),
                          f"a path or a list of 1 to {MAX_DATA_PATHS} paths in the workspace"),
                     Cli(metavar="PATH", repeat=True, more="Files or folders; repeatable.")] = None
+    tasks: Annotated[list[str] | None, Field(description="lm-eval tasks."),
+                     checked_by(check_given_tasks),
+                     Cli(flag="--task", metavar="NAME", repeat=True,
+                         more="lm-evaluation-harness scores instead of the loss: its own tasks, or YAMLs in the "
+                              "workspace's eval_tasks/; repeatable.")] = None

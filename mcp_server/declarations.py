@@ -268,7 +268,7 @@ def _sample(ws: Any, a: SampleArgs, report: Report) -> SampleResult:
 def _evaluate(ws: Any, a: EvaluateArgs, report: Report) -> EvaluateResult:
     from mcp_server.operations import model_tools
 
-    return model_tools.evaluate(ws, a.run_id, a.step, a.data)
+    return model_tools.evaluate(ws, a.run_id, a.step, a.data, tasks=a.tasks)
 
 
 def _launched(a: LaunchRunArgs, r: LaunchRunResult) -> tuple[str, str | None]:
@@ -291,50 +291,50 @@ TOOLS: tuple[ToolSpec, ...] = (
     # Skills
     ToolSpec("list_skills", "Skills apply_skill writes; get_skill explains one.",
              ("skills", "list"), "list the skills", NoArgs, SkillList, READ_ONLY, _list_skills, workspace=False),
-    ToolSpec("get_skill", "A skill's SKILL.md and parameter schema.",
+    ToolSpec("get_skill", "A skill's SKILL.md and params schema.",
              ("skills", "show"), "print a skill's SKILL.md", GetSkillArgs, SkillDetail, READ_ONLY, _get_skill,
              workspace=False),
-    ToolSpec("apply_skill", "Write a skill's pattern into a recipe's code as one git commit.",  # idempotent: the annotation says it, the description need not
+    ToolSpec("apply_skill", "Write a skill's pattern into a recipe as one git commit.",  # idempotent: the annotation says it, the description need not
              ("apply",), "apply a skill to a recipe folder or script, as one commit", ApplySkillArgs,
              ApplySkillResult, IDEMPOTENT_CHANGE, _apply_skill),
     # Recipes
     ToolSpec("list_templates", "Templates scaffold_recipe can copy.",
              ("templates",), "list recipe templates", NoArgs, TemplateList, READ_ONLY, _list_templates,
              workspace=False),
-    ToolSpec("scaffold_recipe", "Create recipes/<name>/ from a template, a commit (and one per skill).",
+    ToolSpec("scaffold_recipe", "Create recipes/<name>/ from a template in a commit (+1 per skill).",
              ("scaffold",), "create recipes/NAME from a template, as a commit", ScaffoldArgs, ScaffoldResult,
              ADDITIVE_HUB, _scaffold_recipe, stages=Stages("checking the config and skills", "scaffolded", 2)),
-    ToolSpec("describe_recipe", "Config keys of a recipe or template, its skills and Hub models.",
+    ToolSpec("describe_recipe", "A recipe's or template's config keys, skills and Hub models.",
              ("describe",), "every config key of a recipe, its template and skills", DescribeArgs,
              RecipeDescription, READ_ONLY_HUB, _describe_recipe, threads=MAX_DESCRIBE_THREADS),
     ToolSpec("list_recipes", "Recipes: template, last commit, skills.",
              ("recipes",), "list the workspace's recipes: template, last commit, skills, runs", NoArgs, RecipeList,
              READ_ONLY, _list_recipes),
     # Runs
-    ToolSpec("launch_run", "Run a snapshot of a recipe or .py script (JSON lines with a step: metrics); returns "
+    ToolSpec("launch_run", "Snapshot and run a recipe or .py script (JSON lines with a step: metrics); returns "
              "run_id at once.",
              ("run",), "launch a training run of a recipe folder or of a Python script", LaunchRunArgs,
              LaunchRunResult, ADDITIVE_HUB, _launch_run,
              stages=Stages("checking the recipe and config", "started {run_id}", 2), announce=_launched),
-    ToolSpec("estimate_run", "Memory and step time per process before launch_run; if over device_memory_gib, "
+    ToolSpec("estimate_run", "Per-process memory and step time before launch_run; over device_memory_gib: "
              "what fits.",
              ("estimate",), "memory and step time per process before a run, from the model on the meta device",
              EstimateArgs, EstimateResult, READ_ONLY_HUB, _estimate_run),
-    ToolSpec("list_runs", "Runs, newest first: status, step, loss, tokens/s.",
+    ToolSpec("list_runs", "Runs, newest first: status, step, loss, tok/s.",
              ("runs",), "list runs, newest first", ListRunsArgs, RunList, READ_ONLY, _list_runs),
     ToolSpec("get_run", "A run's status, metrics, speed, ETA, checkpoints; a failure's console end.",
              ("status",), "status, latest metrics and checkpoints of a run", RunArgs, RunInfo, READ_ONLY, _get_run,
              meta=RUN_VIEW),
-    ToolSpec("wait_run", "Wait for a run's until_step, its end, or timeout_s (reason).",
+    ToolSpec("wait_run", "Wait for until_step, the run's end, or timeout_s (reason).",
              ("wait",), "wait until a run reaches a step or ends; exit 124 on timeout", WaitRunArgs, WaitRunResult,
              READ_ONLY, _wait_run, meta=RUN_VIEW, task=True, announce=_ended),
     ToolSpec("tail_metrics", "A run's latest metrics records.",
              ("tail",), "the latest metrics records of a run", TailArgs, MetricsTail, READ_ONLY, _tail_metrics),
-    ToolSpec("compare_runs", "b vs a: config and code diffs, loss at equal tokens, speed, memory, judged "
-             "at the runs' noise.",
+    ToolSpec("compare_runs", "b vs a: config/code diffs, loss at equal tokens, speed, memory, judged "
+             "at their noise.",
              ("compare",), "b against a: config and code differences, then a verdict per metric at the noise of "
              "their windows", CompareArgs, CompareResult, READ_ONLY, _compare_runs),
-    ToolSpec("stop_run", "Stop a run and all its processes; checkpoints stay.",
+    ToolSpec("stop_run", "Stop a run and its processes; checkpoints stay.",
              ("stop",), "stop a run and all its processes", RunArgs, StopRunResult, DESTRUCTIVE, _stop_run),
     ToolSpec("list_checkpoints", "A run's complete checkpoints.",
              ("checkpoints",), "complete checkpoints of a run", RunArgs, CheckpointList, READ_ONLY,
@@ -342,18 +342,18 @@ TOOLS: tuple[ToolSpec, ...] = (
     ToolSpec("data_cache", "Tokenized data runs share: size per store; remove frees it.",
              ("data-cache",), "list the tokenized data runs share, with sizes; --remove NAME|all frees it",
              DataCacheArgs, DataCacheResult, DESTRUCTIVE, _data_cache, mcp=False),
-    ToolSpec("resume_checkpoint", "Continue a run from a checkpoint as a new run (its config + overrides).",
+    ToolSpec("resume_checkpoint", "A new run from a run's checkpoint (its config + overrides).",
              ("resume",), "continue a run from its checkpoint as a new run", ResumeArgs, LaunchRunResult,
              ADDITIVE_HUB, _resume_checkpoint, announce=_resumed),
     # Models: export, sample, evaluate (each loads the recipe in the run sandbox)
-    ToolSpec("export_checkpoint", "Write a checkpoint as a Hugging Face folder or a GGUF file.", ("export",), "write a checkpoint as a Hugging Face model folder or a GGUF file, or push it to the Hub", ExportArgs, ExportResult,
+    ToolSpec("export_checkpoint", "Write a checkpoint as a Hugging Face folder or GGUF file.", ("export",), "write a checkpoint as a Hugging Face model folder or a GGUF file, or push it to the Hub", ExportArgs, ExportResult,
              ADDITIVE_HUB,
              _export_checkpoint, stages=IN_SANDBOX, task=True),
     ToolSpec("sample", "Continue prompts with a checkpoint's model.",
              ("sample",), "continue prompts with a checkpoint's model", SampleArgs, SampleResult, READ_ONLY, _sample,
              stages=IN_SANDBOX),
-    ToolSpec("evaluate", "A checkpoint's eval loss and the recipe's task metrics.",
-             ("evaluate",), "eval loss and task metrics of a checkpoint", EvaluateArgs, EvaluateResult, READ_ONLY,
+    ToolSpec("evaluate", "A checkpoint's eval loss, task metrics or lm-eval scores.",
+             ("evaluate",), "eval loss and task metrics of a checkpoint, or lm-evaluation-harness scores (--task)", EvaluateArgs, EvaluateResult, READ_ONLY,
              _evaluate, stages=IN_SANDBOX, task=True),
 )
 

@@ -301,7 +301,7 @@ class SampleResult(Result):
 
 
 class EvaluateResult(Result):
-    """Counts of the split, as launch_run counts them."""
+    """Counts as launch_run's."""
 
     run_id: str
     step: int
@@ -313,6 +313,9 @@ class EvaluateResult(Result):
     loss_tokens: int | None = None
     scored_tokens: int = 0
     metrics: dict[str, float]
+    # lm-eval's scores (split "tasks"): {task: {"examples": n, "metrics": {...}, "stderr": {...}}}, as
+    # engine.seams.TaskScore holds them; a plain mapping in the schema (tools/list's 20 KB budget).
+    tasks: dict[str, Any] = {}
     warnings: list[str] = []
 
 

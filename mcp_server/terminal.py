@@ -243,6 +243,14 @@ def sample_text(r) -> str:
 
 
 def evaluate_text(r) -> str:
+    if r.split == "tasks":  # lm-eval's scores, a line per task
+        lines = [f"run {r.run_id} step {r.step}: lm-eval"]
+        for task, score in r.tasks.items():  # engine.seams.TaskScore's fields
+            stderr = score["stderr"]
+            values = [f"{k} {v:.4g}" + (f" ± {stderr[k]:.2g}" if k in stderr else "") for k, v in score["metrics"].items()]
+            counted = f" ({score['examples']:,} examples)" if score["examples"] is not None else ""
+            lines.append(f"  {task}{counted}: " + (", ".join(values) or "no metric"))
+        return "\n".join(lines + [f"warning: {w}" for w in r.warnings])
     loss = f"{r.eval_loss:.4f}" if r.eval_loss is not None else "not finite"
     split = "held-out split" if r.split == "held_out" else "data given"
     size = (f"{r.examples:,} example(s) of the {split}" if r.examples is not None else f"the {split}")

@@ -114,7 +114,7 @@ def _run_model_io(workspace: Path, run_dir: Path, action: str, step: int, argume
             extra={
                 THREADS_VARIABLE: str(threads_per_process(1, limits.threads_per_process)),
                 RUN_ID_VARIABLE: mark, WORKSPACE_VARIABLE: str(workspace), "PYTHONDONTWRITEBYTECODE": "1",
-                "HF_HUB_OFFLINE": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1", "TRANSFORMERS_VERBOSITY": "error",
+                "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1", "TRANSFORMERS_VERBOSITY": "error",
                 **models.env(),
             },
             pass_env=limits.pass_env,

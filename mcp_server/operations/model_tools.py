@@ -22,7 +22,7 @@ from engine import run_dir as rd
 from engine import run_checkpoints
 from runner import server_record as sr
 from engine.errors import BadInput
-from engine.seams import GeneratedSample
+from engine.seams import GeneratedSample, TaskScore
 from mcp_server.limits import AGENT_BUDGET_CHARS, json_chars
 from mcp_server.models import EvaluateResult, ExportResult, Sample, SampleResult
 from runner import hub_push
@@ -329,16 +329,27 @@ def _fit(text: str, budget: int) -> tuple[str, bool]:
 
 
 def evaluate(ws: Workspace, run_id: str, step: int | None = None, data: list[str] | str | None = None,
-             limits: RunLimits | None = None) -> EvaluateResult:
+             limits: RunLimits | None = None, tasks: list[str] | None = None) -> EvaluateResult:
     """The eval loss of a checkpoint on the run's held-out data (or on ``data``: workspace files
-    or folders, all held out) and the recipe's task metrics; ``limits``: the workspace's run
-    limits unless given."""
+    or folders, all held out) and the recipe's task metrics; or, with ``tasks``, lm-evaluation-
+    harness's scores on them (``engine.benchmarks``); ``limits``: the workspace's run limits
+    unless given."""
     paths = [data] if isinstance(data, str) else data
+    if paths and tasks:
+        raise BadInput("evaluate takes data or tasks, not both: call it once for each")
     if paths is not None:
         resolved = [refuse_reserved(ws.root, confine(ws.root, path, "data"), "data") for path in paths]
     run_dir, step = checkpoint_of(ws, run_id, step)
-    arguments = [f"--data={path}" for path in resolved] if paths else []
+    arguments = [f"--data={path}" for path in resolved] if paths else [f"--task={task}" for task in tasks or ()]
     result = run_model_io(ws.root, run_dir, "evaluate", step, arguments, limits or ws.run_limits(), EVALUATE_TIMEOUT_S)
+    if tasks:
+        scores, left_out = bounded_task_scores(result.tasks)
+        counted = [score["examples"] for score in scores.values() if score["examples"] is not None]  # a group's: None
+        warnings = small_sample_warnings(min(counted), "tasks") if counted else []
+        if left_out:
+            warnings.append(f"{left_out} more task score(s) left out to keep the result small: ask for fewer tasks")
+        return EvaluateResult(run_id=run_id, step=step, eval_loss=None, split="tasks", metrics={}, tasks=scores,
+                              warnings=warnings)
     split = "data" if paths else "held_out"
     return EvaluateResult(
         run_id=run_id, step=step, eval_loss=result.eval_loss, perplexity=result.perplexity, split=split,
@@ -348,17 +359,33 @@ def evaluate(ws: Workspace, run_id: str, step: int | None = None, data: list[str
     )
 
 
+def bounded_task_scores(scores: list[TaskScore]) -> tuple[dict[str, dict], int]:
+    """lm-eval's scores by task, in its order, as many as fit in the agent's budget (a group such
+    as MMLU has dozens of subtasks), and how many were left out."""
+    kept: dict[str, dict] = {}
+    room = AGENT_BUDGET_CHARS - 1500  # the rest of the result and its warnings
+    for index, score in enumerate(scores):
+        shown = score.model_dump(exclude={"task"})
+        room -= json_chars({score.task: shown})
+        if room < 0:
+            return kept, len(scores) - index
+        kept[score.task] = shown
+    return kept, 0
+
+
 MIN_EXAMPLES = 30
 
 
 def small_sample_warnings(examples: int | None, split: str) -> list[str]:
     """A warning for numbers over fewer than :data:`MIN_EXAMPLES` examples (a rate over one
     held-out pair is 0 or 1)."""
-    where = "the run's held-out split" if split == "held_out" else "the data given"
+    where = {"held_out": "the run's held-out split", "data": "the data given", "tasks": "a task given"}[split]
     if examples is None:
         return [f"the recipe did not count the examples of {where}: the numbers' sample size is unknown"]
     if examples < MIN_EXAMPLES:
-        more = ("raise data.eval_fraction or pass data=[files]" if split == "held_out" else "pass more data")
-        return [f"eval_loss and metrics are over {examples} example(s) of {where}, fewer than {MIN_EXAMPLES}: "
+        more = {"held_out": "raise data.eval_fraction or pass data=[files]", "data": "pass more data",
+                "tasks": "give the task more examples"}[split]
+        numbers = "scores" if split == "tasks" else "eval_loss and metrics"
+        return [f"{numbers} are over {examples} example(s) of {where}, fewer than {MIN_EXAMPLES}: "
                 f"a rate moves by {1 / max(1, examples):.2g} per example; {more} for numbers to compare"]
     return []

@@ -8,12 +8,13 @@ nothing in the workspace.
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
 from mcp_server.limits import AGENT_BUDGET_CHARS
 from tests.mcp.conftest import SHORT_RUN, connect, tiny_config
-from tests.sandbox.helpers import make_workspace, tree_hash
+from tests.sandbox.helpers import DATA_CACHE, make_workspace, tree_hash
 
 pytestmark = pytest.mark.slow
 
@@ -151,4 +152,53 @@ def test_a_gguf_export_is_one_file_that_loads_back_with_the_models_logits(sessio
     assert "a GGUF file holds the merged model" in client.error(
         "export_checkpoint", run_id=run_id, to="exports/x", gguf="f16", lora="adapter")
     assert "bad_input" in client.error("export_checkpoint", run_id=run_id, to="exports/x", gguf="q3_k")
+    assert tree_hash(workspace) == before
+
+
+def test_lm_eval_tasks_score_the_recipes_checkpoint_as_lm_eval_itself_scores_its_export(session):
+    """evaluate(tasks=...) in the sandbox: the numbers of lm-eval's simple_evaluate with HFLM
+    over the same checkpoint exported as a Hugging Face folder, in this process."""
+    from tests.lm_eval_tasks import QUESTIONS, lm_eval_reference, write_tasks
+
+    client, workspace, run_id = session
+    write_tasks(workspace)
+    progress: list = []
+    # The workspace lm-eval sees (its data copies go to the sandbox's /tmp); the server's records
+    # and the run's folder are left out: the run's supervisor may still be writing its last lines.
+    def seen_by_lm_eval() -> str:
+        return tree_hash(workspace, caches=(DATA_CACHE, Path(".trainwright"), Path("runs")))
+
+    before = seen_by_lm_eval()
+    evaluated = client.ok("evaluate", progress, run_id=run_id, tasks=["code_mc"])
+    assert seen_by_lm_eval() == before
+    client.ok("export_checkpoint", run_id=run_id, to="exports/lm-eval")
+    expected = lm_eval_reference(workspace, ["code_mc"], pretrained=str(workspace / "exports" / "lm-eval"))["code_mc"]
+    assert (evaluated["step"], evaluated["split"], evaluated["eval_loss"]) == (6, "tasks", None)
+    assert evaluated["tasks"] == {"code_mc": {
+        "examples": 2 * len(QUESTIONS),
+        "metrics": {"acc": expected["acc,none"], "acc_norm": expected["acc_norm,none"]},
+        "stderr": {"acc": expected["acc_stderr,none"], "acc_norm": expected["acc_norm_stderr,none"]}}}
+    assert [p[:2] for p in progress] == [(0, 1), (1, 1)]  # the model process's stage, as for sample
+    assert text_size(evaluated) < 1000
+
+
+def test_bad_lm_eval_requests_are_refused_and_change_nothing(session):
+    from tests.lm_eval_tasks import write_tasks
+
+    client, workspace, run_id = session
+    write_tasks(workspace)
+    before = tree_hash(workspace)
+    error = client.error("evaluate", run_id=run_id, tasks=["code_mcq"])
+    assert "bad_input: unknown lm-eval task 'code_mcq'; near names: code_mc" in error
+    assert "bad_input: evaluate takes data or tasks, not both" in client.error(
+        "evaluate", run_id=run_id, tasks=["code_mc"], data=["eval_tasks"])
+    assert "bad_input: task '../x' is not an lm-eval task name" in client.error(
+        "evaluate", run_id=run_id, tasks=["../x"])
+    assert tree_hash(workspace) == before
+    (workspace / "eval_tasks" / "code_missing.yaml").write_text(
+        (workspace / "eval_tasks" / "code_mc.yaml").read_text().replace("code_mc", "code_missing")
+        .replace("eval_tasks/code.jsonl", "eval_tasks/nowhere.jsonl"))
+    before = tree_hash(workspace)
+    error = client.error("evaluate", run_id=run_id, tasks=["code_missing"])
+    assert "bad_input: the data of lm-eval task(s) code_missing is not available offline" in error
     assert tree_hash(workspace) == before

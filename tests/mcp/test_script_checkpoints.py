@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from tests.fake_hub import tiny_llama_folder
+from tests.lm_eval_tasks import QUESTIONS, lm_eval_reference, write_tasks
 from tests.mcp.conftest import connect, git
 
 pytestmark = pytest.mark.slow  # two short script runs, then model processes in the sandbox
@@ -87,6 +88,29 @@ def test_a_lora_script_checkpoint_exports_merged_into_its_base(setting):
     merged = logits(workspace / "exports" / "merged")
     assert torch.allclose(merged, expected, atol=1e-5)
     assert not torch.allclose(merged, logits(workspace / "base"), atol=1e-3)  # the adapter changed it
+
+
+@pytest.mark.parametrize("kind", ["full", "lora"])
+def test_lm_eval_tasks_score_a_script_checkpoint_as_lm_eval_itself_does(setting, kind):
+    client, workspace, runs = setting
+    write_tasks(workspace)
+    evaluated = client.ok("evaluate", run_id=runs[kind], tasks=["code_mc", "code_gen"])
+    checkpoint = workspace / "runs" / runs[kind] / "checkpoints" / "checkpoint-2"
+    model = {"pretrained": str(checkpoint)} if kind == "full" else {"pretrained": str(workspace / "base"),
+                                                                   "peft": str(checkpoint)}
+    expected = lm_eval_reference(workspace, ["code_mc", "code_gen"], **model)
+    assert evaluated["split"] == "tasks" and evaluated["eval_loss"] is None and evaluated["metrics"] == {}
+    assert evaluated["tasks"] == {
+        "code_mc": {"examples": 2 * len(QUESTIONS),
+                    "metrics": {"acc": expected["code_mc"]["acc,none"], "acc_norm": expected["code_mc"]["acc_norm,none"]},
+                    "stderr": {"acc": expected["code_mc"]["acc_stderr,none"],
+                               "acc_norm": expected["code_mc"]["acc_norm_stderr,none"]}},
+        "code_gen": {"examples": 2 * len(QUESTIONS), "metrics": {"exact_match": expected["code_gen"]["exact_match,none"]},
+                     "stderr": {"exact_match": expected["code_gen"]["exact_match_stderr,none"]}},
+    }
+    assert evaluated["warnings"] == [
+        "scores are over 12 example(s) of a task given, fewer than 30: a rate moves by 0.083 per example; "
+        "give the task more examples for numbers to compare"]
 
 
 def test_evaluate_without_data_and_a_checkpoint_in_a_scripts_own_format_are_refused(setting):

@@ -1,0 +1,86 @@
+"""A small lm-evaluation-harness task set of a workspace's own, for the tests of
+``evaluate(tasks=[...])``: a multiple-choice and a generate_until task in ``eval_tasks/`` over one
+JSONL there, and lm-eval's own numbers for a model (``simple_evaluate`` with ``HFLM``)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from pathlib import Path
+from typing import Any
+
+from engine import benchmarks
+
+MULTIPLE_CHOICE = """\
+task: code_mc
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: eval_tasks/code.jsonl
+test_split: test
+output_type: multiple_choice
+doc_to_text: "{{question}}"
+doc_to_choice: "{{choices}}"
+doc_to_target: "{{answer}}"
+metric_list:
+  - metric: acc
+    aggregation: mean
+    higher_is_better: true
+  - metric: acc_norm
+    aggregation: mean
+    higher_is_better: true
+"""
+
+GENERATE = """\
+task: code_gen
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: eval_tasks/code.jsonl
+test_split: test
+output_type: generate_until
+doc_to_text: "{{question}}"
+doc_to_target: "{{choices[answer]}}"
+generation_kwargs:
+  until: ["\\n"]
+  max_gen_toks: 4
+  do_sample: false
+metric_list:
+  - metric: exact_match
+    aggregation: mean
+    higher_is_better: true
+"""
+
+QUESTIONS = [
+    ("def add(a, b):", [" return a + b", " import os", " class A:"], 0),
+    ("import os", ["\nprint(os.getcwd())", " pass", " return a"], 0),
+    ("class A:", ["\n    pass", " import", " def"], 0),
+    ("print(os.", ["getcwd())", "a + b", "A:"], 0),
+    ("return a", [" + b", " A", " os"], 0),
+    ("def f(x):", [" pass", " return", " os"], 1),
+]
+
+
+def write_tasks(workspace: Path) -> Path:
+    """The workspace's task folder: two tasks over one JSONL of its own."""
+    folder = workspace / benchmarks.TASKS_DIRNAME
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "code_mc.yaml").write_text(MULTIPLE_CHOICE)
+    (folder / "code_gen.yaml").write_text(GENERATE)
+    with open(folder / "code.jsonl", "w") as f:
+        for question, choices, answer in QUESTIONS * 2:
+            f.write(json.dumps({"question": question, "choices": choices, "answer": answer}) + "\n")
+    return folder
+
+
+def lm_eval_reference(workspace: Path, tasks: list[str], **hflm: Any) -> dict[str, Any]:
+    """lm-eval's own numbers: ``simple_evaluate`` with ``HFLM`` loading a model folder itself, in
+    the workspace (where the task YAMLs name their data)."""
+    from lm_eval import simple_evaluate
+    from lm_eval.models.huggingface import HFLM
+    from lm_eval.tasks import TaskManager
+
+    lm = HFLM(device="cpu", dtype="float32", batch_size=benchmarks.BATCH_SIZE, **hflm)
+    manager = TaskManager(include_path=str(workspace / benchmarks.TASKS_DIRNAME), include_defaults=False)
+    with contextlib.chdir(workspace):
+        return simple_evaluate(model=lm, tasks=tasks, task_manager=manager, log_samples=False)["results"]
