@@ -22,6 +22,7 @@ from __future__ import annotations
 import hashlib
 import sysconfig
 from functools import cached_property
+from itertools import islice
 from pathlib import Path
 from typing import Any, Iterator, Literal
 
@@ -39,11 +40,22 @@ from engine.data_files import DataListing, confined_path, data_files
 from engine.data_formats import READERS as RECORD_READERS
 from engine.data_formats import is_saved_dataset, record_rows
 from engine.engine import IGNORE_INDEX, Engine
-from engine.run_dir import DataSummary
+from engine.run_dir import DataPreparation, DataSummary
 from engine.flops import non_embedding_params, transformer_flops_per_token
 from engine.fsdp import apply_fsdp
 from engine.optimizers import adamw_8bit
-from engine.token_store import TokenStore, data_identity, open_or_build, store_key, tokenizer_identity, value_dtype
+from engine.token_store import (
+    HEAD_RECORDS,
+    TOKENIZE_IN_CHECK_MB,
+    TokenStore,
+    check_disk_space,
+    data_identity,
+    left_to_run,
+    open_or_build,
+    store_key,
+    tokenizer_identity,
+    value_dtype,
+)
 
 # =============================================================================================
 # Configuration (defaults are the benchmark's reference point; override with --set or
@@ -92,6 +104,11 @@ class CausalLMDataConfig(DataConfig):
     )
     vocab_size: int = Field(32000, ge=3, description="data.source=random: token ids are below this.")
     random_documents: int = Field(10000, ge=1, description="data.source=random: how many documents.")
+    tokenize_in_check_mb: float = Field(
+        TOKENIZE_IN_CHECK_MB, ge=0,
+        description="Data up to this size is tokenized by the launch check (exact counts; nothing to train: "
+        "refused at launch); larger data by the run as its first phase, with progress.",
+    )
 
 
     @model_validator(mode="after")
@@ -222,9 +239,11 @@ def load_documents(cfg: CausalLMDataConfig, listing: DataListing | None = None) 
     return list(read_documents(cfg, listing))
 
 
-def read_documents(cfg: CausalLMDataConfig, listing: DataListing | None = None) -> Iterator[tuple[str, Any]]:
+def read_documents(cfg: CausalLMDataConfig, listing: DataListing | None = None,
+                   head: int | None = None) -> Iterator[tuple[str, Any]]:
     """``(name, text)`` pairs, read one at a time, the files fingerprinted into ``listing``. The
-    name decides the train/eval split, so it must be stable."""
+    name decides the train/eval split, so it must be stable. ``head``: only the first records of
+    each file (and of a saved data set)."""
     if cfg.source == "random":
         yield from random_documents(cfg)
         return
@@ -234,12 +253,12 @@ def read_documents(cfg: CausalLMDataConfig, listing: DataListing | None = None) 
             yield str(p.relative_to(root)), p.read_text(errors="replace")
         return
     found = False
-    for where, record in record_rows([p for p in cfg.paths if is_saved_dataset(Path(p))], listing=listing):
+    for where, record in islice(record_rows([p for p in cfg.paths if is_saved_dataset(Path(p))], listing=listing), head):
         found = True
         yield where, _text(record, cfg.text_field, where)
     for path, name in _expand_paths([p for p in cfg.paths if not is_saved_dataset(Path(p))], listing):
         if path.suffix in RECORD_READERS:  # a text column of each record
-            for where, record in RECORD_READERS[path.suffix](path, name):
+            for where, record in islice(RECORD_READERS[path.suffix](path, name), head):
                 found = True
                 yield where, _text(record, cfg.text_field, where)
         else:
@@ -316,14 +335,21 @@ def document_pieces(text, tokenizer, seq_len: int) -> list[torch.Tensor]:
     return [ids[start : start + seq_len + 1] for start in range(0, len(ids) - 1, seq_len)]
 
 
-def token_store(cfg: CausalLMDataConfig, tokenizer, listing: DataListing) -> TokenStore:
+def token_store(cfg: CausalLMDataConfig, tokenizer, listing: DataListing) -> TokenStore | None:
     """The data tokenized into pieces (:func:`document_pieces`), train and held-out apart, in
     the store of its fingerprint, tokenizer and settings: built on first use (one document in
     memory at a time), mapped by every rank and every later run. The data files are listed into
-    ``listing``; a file that changes while it is tokenized fails the build, which keeps nothing."""
+    ``listing``; a file that changes while it is tokenized fails the build, which keeps nothing.
+    None in the launch check for data left to the run (:func:`engine.token_store.left_to_run`),
+    once the head of each file reads and tokenizes and the disk has room for the store."""
     identity, size = document_identity(cfg, listing)
     key = store_key(template="causal_lm", data=identity, tokenizer=tokenizer.identity, seq_len=cfg.seq_len,
                     eval_fraction=cfg.eval_fraction)
+    if left_to_run(key, size, cfg.tokenize_in_check_mb):
+        for _, text in read_documents(cfg, head=HEAD_RECORDS):
+            tokenizer.encode(text)
+        check_disk_space(size)
+        return None
 
     def build(store) -> dict[str, Any]:
         counts = {"train": [0, 0], "eval": [0, 0]}  # [documents, tokens]
@@ -336,6 +362,7 @@ def token_store(cfg: CausalLMDataConfig, tokenizer, listing: DataListing) -> Tok
             counts[split][0] += 1
             counts[split][1] += len(ids)
             names.add(name.split(":", 1)[0])
+            store.progress.advance(documents=1, bytes_read=len(text) if isinstance(text, str) else 0)
         if read.fingerprint() != listing.fingerprint() or read.changed():
             raise ConfigError(f"data.paths changed while it was tokenized ({', '.join(p.name for p in read.changed()[:3])}"
                               "); launch again once it is written")
@@ -465,6 +492,11 @@ class CausalLM(Engine):
         path = config.model.pretrained_path
         listing = DataListing()
         store = token_store(cfg, data_tokenizer(config), listing)
+        if store is None:  # the run tokenizes it as its first phase
+            size = sum(path.stat().st_size for path in listing.files)
+            return DataSummary(source=cfg.source, paths=cfg.paths[:20], files=len(listing.files), documents=0,
+                               tokens=0, train_documents=0, train_tokens=0, eval_documents=0, eval_tokens=0,
+                               bytes=size, preparing=DataPreparation(bytes_total=size), **listing.summary_fields())
         counts = {False: store.counts["train"], True: store.counts["eval"]}  # held out? -> [documents, tokens]
         if not counts[False][0]:
             raise ConfigError(f"no training documents: data.eval_fraction={cfg.eval_fraction} holds out all of them")
@@ -472,6 +504,7 @@ class CausalLM(Engine):
             source=cfg.source,
             paths=cfg.paths[:20],
             files=store.counts["files"] if cfg.source != "random" else None,
+            bytes=sum(path.stat().st_size for path in listing.files) if listing.files else None,
             documents=counts[False][0] + counts[True][0],
             tokens=counts[False][1] + counts[True][1],
             train_documents=counts[False][0],
