@@ -110,7 +110,9 @@ class BuildProgress:
 
     def advance(self, documents: int = 0, bytes_read: int = 0) -> None:
         self.documents += documents
-        self.bytes_done = min(self.bytes_total, self.bytes_done + bytes_read)
+        self.bytes_done += bytes_read
+        if self.bytes_total:  # the text read, which a record's format adds to: never past the files' size
+            self.bytes_done = min(self.bytes_total, self.bytes_done)
         now = time.monotonic()
         if _report is not None and now - self.reported >= PROGRESS_EVERY_S:
             self.reported = now
@@ -179,13 +181,59 @@ class TokenStore:
         return self.meta["counts"]
 
 
+_part_builder: Callable[["StoreWriter", int], dict[str, Any]] | None = None  # what a forked worker builds
+
+
+def build_in_parts(writer: "StoreWriter", count: int, build_part: Callable[["StoreWriter", int], dict[str, Any]],
+                   workers: int | None = None) -> list[dict[str, Any]]:
+    """Build ``count`` parts of a store (``build_part(part_writer, i)`` adds part i's pieces and
+    returns its counts) over the machine's cores, a forked worker per core, each part into a
+    folder of its own, appended to ``writer`` in order as it comes: the same store as building
+    them one after another. An error of a part is raised here (its message names its record)."""
+    global _part_builder
+    workers = min(count, workers or len(os.sched_getaffinity(0)))
+    if workers <= 1:
+        return [build_part(writer, index) for index in range(count)]
+    import multiprocessing
+
+    _part_builder = build_part
+    counts = []
+    try:
+        with multiprocessing.get_context("fork").Pool(workers) as pool:
+            jobs = [(writer.folder, index, writer.rows, writer.dtype) for index in range(count)]
+            for index, (part_counts, documents, bytes_read) in enumerate(pool.imap(_build_part, jobs)):
+                writer.append_part(writer.folder / f"part-{index}")
+                writer.progress.advance(documents, bytes_read)
+                counts.append(part_counts)
+    finally:
+        _part_builder = None
+        for part in writer.folder.glob("part-*"):
+            shutil.rmtree(part, ignore_errors=True)
+    return counts
+
+
+def _build_part(job: tuple[Path, int, int, str]) -> tuple[dict[str, Any], int, int]:
+    global _report
+    folder, index, rows, dtype = job
+    _report = None  # the parent reports the parts as they come
+    part = folder / f"part-{index}"
+    part.mkdir()
+    writer = StoreWriter(part, rows, dtype)
+    try:
+        assert _part_builder is not None
+        counts = _part_builder(writer, index)
+    finally:
+        writer.close()
+    return counts, writer.progress.documents, writer.progress.bytes_done
+
+
 class StoreWriter:
     """What a builder writes pieces into: ``add(split, piece)`` appends one piece (an integer
     array of ``rows`` rows, or one row); ``progress.advance(documents, bytes_read)`` tells how far
     the builder has read."""
 
     def __init__(self, folder: Path, rows: int, dtype: str, input_bytes: int = 0):
-        self.rows, self.dtype = rows, dtype
+        self.folder, self.rows, self.dtype = folder, rows, dtype
         self.progress = BuildProgress(input_bytes)
         self.files = {split: open(folder / f"{split}.bin", "wb") for split in SPLITS}
         self.starts = {split: array("q", [0]) for split in SPLITS}
@@ -207,11 +255,20 @@ class StoreWriter:
             np.concatenate(self.buffers[split]).tofile(self.files[split])
         self.buffers[split], self.buffered[split] = [], 0
 
-    def close(self, folder: Path) -> None:
+    def append_part(self, part: Path) -> None:
+        """Append the pieces of a part that another writer built into ``part`` (closed)."""
+        for split in SPLITS:
+            self._flush(split)
+            starts = np.load(part / f"{split}.idx.npy")
+            self.starts[split].frombytes((starts[1:] + self.starts[split][-1]).astype(np.int64).tobytes())
+            with open(part / f"{split}.bin", "rb") as values:
+                shutil.copyfileobj(values, self.files[split], 1 << 24)
+
+    def close(self) -> None:
         for split in SPLITS:
             self._flush(split)
             self.files[split].close()
-            np.save(folder / f"{split}.idx.npy", np.frombuffer(self.starts[split], dtype=np.int64))
+            np.save(self.folder / f"{split}.idx.npy", np.frombuffer(self.starts[split], dtype=np.int64))
 
 
 def tokenizer_identity(tokenizer: Any) -> str:
@@ -273,7 +330,7 @@ def open_or_build(key: str, rows: int, dtype: str, build: Callable[[StoreWriter]
             try:
                 counts = build(writer)
             finally:
-                writer.close(building)
+                writer.close()
             meta = {"key": key, "rows": rows, "dtype": dtype, "counts": counts}
             (building / META_JSON).write_text(json.dumps(meta))
             shutil.rmtree(folder, ignore_errors=True)  # a folder left without meta.json

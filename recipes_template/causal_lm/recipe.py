@@ -48,6 +48,7 @@ from engine.token_store import (
     HEAD_RECORDS,
     TOKENIZE_IN_CHECK_MB,
     TokenStore,
+    build_in_parts,
     check_disk_space,
     data_identity,
     left_to_run,
@@ -257,15 +258,23 @@ def read_documents(cfg: CausalLMDataConfig, listing: DataListing | None = None,
         found = True
         yield where, _text(record, cfg.text_field, where)
     for path, name in _expand_paths([p for p in cfg.paths if not is_saved_dataset(Path(p))], listing):
-        if path.suffix in RECORD_READERS:  # a text column of each record
-            for where, record in islice(RECORD_READERS[path.suffix](path, name), head):
-                found = True
-                yield where, _text(record, cfg.text_field, where)
-        else:
+        for document in file_documents(cfg, path, name, head):
             found = True
-            yield name, path.read_text(errors="replace")
+            yield document
     if not found:
-        raise ConfigError(f"no documents in data.paths={cfg.paths} (.txt, .md, .py files, .jsonl lines)")
+        raise ConfigError(NO_DOCUMENTS.format(paths=cfg.paths))
+
+
+NO_DOCUMENTS = "no documents in data.paths={paths} (.txt, .md, .py files, .jsonl lines)"
+
+
+def file_documents(cfg: CausalLMDataConfig, path: Path, name: str, head: int | None = None) -> Iterator[tuple[str, str]]:
+    """The ``(name, text)`` pairs of one data file (``name``: as :func:`_expand_paths` names it)."""
+    if path.suffix in RECORD_READERS:  # a text column of each record
+        for where, record in islice(RECORD_READERS[path.suffix](path, name), head):
+            yield where, _text(record, cfg.text_field, where)
+    else:
+        yield name, path.read_text(errors="replace")
 
 
 def _text(record: dict[str, Any], field: str, where: str) -> str:
@@ -351,22 +360,33 @@ def token_store(cfg: CausalLMDataConfig, tokenizer, listing: DataListing) -> Tok
         check_disk_space(size)
         return None
 
-    def build(store) -> dict[str, Any]:
-        counts = {"train": [0, 0], "eval": [0, 0]}  # [documents, tokens]
-        names, read = set(), DataListing()
-        for name, text in read_documents(cfg, read):
+    def add_documents(store, documents) -> dict[str, Any]:
+        counts = {"train": [0, 0], "eval": [0, 0], "names": set()}  # [documents, tokens]
+        for name, text in documents:
             split = "eval" if is_eval_document(name, cfg.eval_fraction) else "train"
             ids = np.append(tokenizer.encode(text).numpy(), tokenizer.eos_token_id)  # as document_pieces cuts it
             for start in range(0, len(ids) - 1, cfg.seq_len):
                 store.add(split, ids[start : start + cfg.seq_len + 1])
             counts[split][0] += 1
             counts[split][1] += len(ids)
-            names.add(name.split(":", 1)[0])
+            counts["names"].add(name.split(":", 1)[0])
             store.progress.advance(documents=1, bytes_read=len(text) if isinstance(text, str) else 0)
+        return counts
+
+    def build(store) -> dict[str, Any]:
+        read = DataListing()
+        if cfg.source == "files" and not any(is_saved_dataset(Path(p)) for p in cfg.paths):
+            files = _expand_paths(cfg.paths, read)  # a part per file, over the cores
+            parts = build_in_parts(store, len(files), lambda part, i: add_documents(part, file_documents(cfg, *files[i])))
+        else:
+            parts = [add_documents(store, read_documents(cfg, read))]
         if read.fingerprint() != listing.fingerprint() or read.changed():
             raise ConfigError(f"data.paths changed while it was tokenized ({', '.join(p.name for p in read.changed()[:3])}"
                               "); launch again once it is written")
-        return {"files": len(names), "train": counts["train"], "eval": counts["eval"]}
+        counts = {split: [sum(part[split][i] for part in parts) for i in (0, 1)] for split in ("train", "eval")}
+        if not counts["train"][0] + counts["eval"][0]:
+            raise ConfigError(NO_DOCUMENTS.format(paths=cfg.paths))
+        return {"files": len(set().union(*(part["names"] for part in parts))), **counts}
 
     return open_or_build(key, rows=1, dtype=value_dtype(tokenizer.vocab_size - 1), build=build, input_bytes=size)
 

@@ -17,6 +17,8 @@ from engine import run_dir as rd
 from engine import token_store
 from engine.config import ConfigError
 from engine.seams import LaunchVerdict
+from engine.data_files import DataListing
+from recipes_template.causal_lm import recipe as causal_lm
 from recipes_template.causal_lm.recipe import CausalLM
 from tests.support import TEMPLATE, engine_command, engine_env
 
@@ -121,10 +123,12 @@ def test_the_run_tokenizes_as_its_first_phase_with_its_progress_in_run_json(tmp_
     config = config_of(f"data.paths=[{data}]", "data.tokenize_in_check_mb=0")
     summary = launch.prepare_data(run_dir, CausalLM, config, pending)
 
-    assert len(seen) == 600 and [p.documents for p in seen] == list(range(1, 601))
+    # A report per document (one process), or per file as the workers finish them (several).
+    documents = [p.documents for p in seen]
+    assert len(seen) >= 2 and documents == sorted(set(documents)) and documents[-1] == 600
     assert all(p.bytes_total == pending.bytes for p in seen)
-    assert seen[0].bytes_done < seen[-1].bytes_done <= pending.bytes and seen[0].eta_s > 0
-    assert "tokenizing the data as the run's first phase: 1 document, " in pending.model_copy(
+    assert 0 < seen[0].bytes_done < seen[-1].bytes_done <= pending.bytes and seen[0].eta_s > 0
+    assert f"tokenizing the data as the run's first phase: {documents[0]:,} document" in pending.model_copy(
         update={"preparing": seen[0]}).describe()
     # The summary is exact: what the launch check counts of the same data when it tokenizes it.
     exact = check(TEMPLATE, f"data.paths=[{data}]", capsys=capsys)
@@ -189,3 +193,20 @@ def test_two_ranks_on_data_left_to_them_tokenize_once_then_train(tmp_path, cache
     record = rd.read_run(run_dir)
     assert record.data.preparing is None and record.data.documents == 600 and record.final_step == 2
     assert len(list(cache.iterdir())) == 1  # one store, built by the first rank, mapped by the second
+
+
+@pytest.mark.parametrize("cores", [2, 5])
+def test_tokenizing_over_the_cores_builds_the_very_store_one_process_builds(tmp_path, monkeypatch, cores):
+    data = tmp_path / "data"
+    write_corpus(data / "x", documents=120)
+    write_corpus(data / "y", documents=60, bad_at=None)
+    (data / "notes.md").write_text("# notes\n" * 50)
+    built = {}
+    for workers in (1, cores):
+        monkeypatch.setenv(token_store.CACHE_VARIABLE, str(tmp_path / f"cache-{workers}"))
+        monkeypatch.setattr(os, "sched_getaffinity", lambda pid, n=workers: set(range(n)))
+        store = causal_lm.token_store(causal_lm.CausalLMDataConfig(paths=[str(data)], seq_len=16, eval_fraction=0.2),
+                                      causal_lm.ByteTokenizer(), DataListing())
+        built[workers] = (store.meta, {p.name: p.read_bytes() for p in sorted(store.folder.iterdir())})
+    assert built[1] == built[cores]
+    assert built[1][0]["counts"]["files"] == 5 and sum(built[1][0]["counts"]["train"][:1]) > 0
