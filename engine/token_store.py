@@ -25,6 +25,7 @@ and the run builds the store as its first phase, reporting its progress (:func:`
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import hashlib
 import json
@@ -354,8 +355,15 @@ def check_disk_space(input_bytes: int, root: Path | None = None) -> None:
 @contextlib.contextmanager
 def locked_cache(root: Path, wait: bool = True):
     """The cache folder's own lock (a lock on the folder, so no lock file is left behind): held
-    while a store is looked up and built; ``wait=False`` raises ``BlockingIOError`` when held."""
-    fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
+    while a store is looked up and built; ``wait=False`` raises ``BlockingIOError`` when held. A
+    link in the folder's place is refused (the lock would be another folder's)."""
+    try:
+        fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    except OSError as e:
+        if e.errno not in (errno.ELOOP, errno.ENOTDIR):
+            raise
+        raise ConfigError(f"the data cache {root} is a symbolic link or not a folder; remove it, or set "
+                          f"{CACHE_VARIABLE} to a folder") from None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX if wait else fcntl.LOCK_EX | fcntl.LOCK_NB)
         yield
