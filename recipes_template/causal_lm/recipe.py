@@ -355,7 +355,7 @@ def token_store(cfg: CausalLMDataConfig, tokenizer, listing: DataListing) -> Tok
     key = store_key(template="causal_lm", data=identity, tokenizer=tokenizer.identity, seq_len=cfg.seq_len,
                     eval_fraction=cfg.eval_fraction)
     if left_to_run(key, size, cfg.tokenize_in_check_mb):
-        for _, text in read_documents(cfg, head=HEAD_RECORDS):
+        for _, text in read_documents(cfg, DataListing(hashing=False), head=HEAD_RECORDS):  # hashed just now
             tokenizer.encode(text)
         check_disk_space(size)
         return None
