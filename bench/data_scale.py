@@ -76,10 +76,11 @@ def write_corpus(folder: Path, megabytes: float) -> None:
                 copy += 1
 
 
-def tree_memory(root_pid: int) -> tuple[int, int]:
+def tree_memory(root_pid: int, by_role: dict[str, int] | None = None) -> tuple[int, int]:
     """The summed resident bytes of ``root_pid`` and every process under it, and their summed
     proportional set size (what the machine holds: a page shared by n processes counts 1/n in
-    each, such as torch's libraries mapped by every rank and the launcher)."""
+    each, such as torch's libraries mapped by every rank and the launcher). ``by_role`` keeps
+    each role's largest PSS so far: torchrun's launcher, a rank, a tokenizer worker (a rank's fork)."""
     children: dict[int, list[int]] = {}
     for entry in os.listdir("/proc"):
         if entry.isdigit():
@@ -90,18 +91,24 @@ def tree_memory(root_pid: int) -> tuple[int, int]:
                 continue
             children.setdefault(parent, []).append(int(entry))
     rss = pss = 0
-    stack = [root_pid]
+    stack = [(root_pid, b"")]
     while stack:
-        pid = stack.pop()
-        stack += children.get(pid, [])
+        pid, parent_command = stack.pop()
         try:
             with open(f"/proc/{pid}/smaps_rollup") as f:
-                for line in f:
-                    if line.startswith(("Rss:", "Pss:")):
-                        kib = int(line.split()[1]) * 1024
-                        rss, pss = (rss + kib, pss) if line.startswith("Rss:") else (rss, pss + kib)
+                sizes = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in f if line.startswith(("Rss:", "Pss:"))}
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                command = f.read()
         except OSError:
-            pass
+            continue
+        stack += [(child, command) for child in children.get(pid, [])]
+        rss, pss = rss + sizes.get("Rss", 0), pss + sizes.get("Pss", 0)
+        if by_role is not None:
+            role = ("launcher" if b"torch.distributed.run" in command
+                    else "tokenizer worker" if b"engine.launch" in parent_command
+                    and b"torch.distributed.run" not in parent_command
+                    else "rank" if b"engine.launch" in command else "other")
+            by_role[role] = max(by_role.get(role, 0), sizes.get("Pss", 0))
     return rss, pss
 
 
@@ -113,9 +120,9 @@ def launch(workspace: Path, recipe: Path, nproc: int, cache: Path) -> tuple[floa
     start = time.monotonic()
     process = subprocess.Popen(engine_command(recipe, *TINY, "data.paths=[corpus]", nproc=nproc),
                                cwd=workspace, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    peak, peak_pss, first_step = 0, 0, None
+    peak, peak_pss, first_step, by_role = 0, 0, None, {}
     while process.poll() is None:
-        rss, pss = tree_memory(process.pid)
+        rss, pss = tree_memory(process.pid, by_role)
         peak, peak_pss = max(peak, rss), max(peak_pss, pss)
         if first_step is None:
             runs = new_run_dirs(workspace, before)
@@ -126,6 +133,8 @@ def launch(workspace: Path, recipe: Path, nproc: int, cache: Path) -> tuple[floa
         raise SystemExit(f"the run failed ({process.returncode}): {process.stderr.read()[-2000:]}")
     if first_step is None:
         first_step = time.monotonic() - start
+    print(f"  peak PSS by process: {', '.join(f'{role} {size / 1e9:.2f} GB' for role, size in sorted(by_role.items()))}",
+          flush=True)
     return peak / 1e9, peak_pss / 1e9, first_step
 
 
