@@ -197,10 +197,15 @@ def build_in_parts(writer: "StoreWriter", count: int, build_part: Callable[["Sto
         return [build_part(writer, index) for index in range(count)]
     import multiprocessing
 
-    _part_builder = build_part
+    _part_builder = build_part  # before the fork: the workers find it there
+    try:
+        pool = multiprocessing.get_context("fork").Pool(workers)
+    except OSError:  # no process to spare (the run's runs.max_processes): one after another here
+        _part_builder = None
+        return [build_part(writer, index) for index in range(count)]
     counts = []
     try:
-        with multiprocessing.get_context("fork").Pool(workers) as pool:
+        with pool:
             jobs = [(writer.folder, index, writer.rows, writer.dtype) for index in range(count)]
             for index, (part_counts, documents, bytes_read) in enumerate(pool.imap(_build_part, jobs)):
                 writer.append_part(writer.folder / f"part-{index}")

@@ -210,3 +210,17 @@ def test_tokenizing_over_the_cores_builds_the_very_store_one_process_builds(tmp_
         built[workers] = (store.meta, {p.name: p.read_bytes() for p in sorted(store.folder.iterdir())})
     assert built[1] == built[cores]
     assert built[1][0]["counts"]["files"] == 5 and sum(built[1][0]["counts"]["train"][:1]) > 0
+
+
+def test_without_a_process_to_spare_the_parts_are_built_here(tmp_path, cache, monkeypatch):
+    import multiprocessing.context
+
+    def refused(*args, **kwargs):
+        raise BlockingIOError(11, "Resource temporarily unavailable")
+
+    data = write_corpus(tmp_path / "data", documents=40)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
+    monkeypatch.setattr(multiprocessing.context.ForkContext, "Pool", refused)
+    store = causal_lm.token_store(causal_lm.CausalLMDataConfig(paths=[str(data)], seq_len=16),
+                                  causal_lm.ByteTokenizer(), DataListing())
+    assert store.counts["files"] == 2 and sum(store.counts[s][0] for s in ("train", "eval")) == 40
