@@ -224,3 +224,19 @@ def test_without_a_process_to_spare_the_parts_are_built_here(tmp_path, cache, mo
     store = causal_lm.token_store(causal_lm.CausalLMDataConfig(paths=[str(data)], seq_len=16),
                                   causal_lm.ByteTokenizer(), DataListing())
     assert store.counts["files"] == 2 and sum(store.counts[s][0] for s in ("train", "eval")) == 40
+
+
+def test_data_that_leaves_nothing_to_train_fails_the_run_as_the_launch_check_refuses_it(tmp_path, cache, capsys):
+    data = write_corpus(tmp_path / "data", documents=20)
+    left = check(TEMPLATE, f"data.paths=[{data}]", "data.eval_fraction=1", "data.tokenize_in_check_mb=0", capsys=capsys)
+    assert left["ok"] is True  # the check cannot know before tokenizing it all
+    run_dir = tmp_path / "runs" / "r1"
+    pending = LaunchVerdict.model_validate({k: v for k, v in left.items() if k != "exit_code"}).data
+    rd.create_run(run_dir, rd.RunRecord(id="r1", recipe="lm", data=pending, status=rd.RUNNING))
+    config = config_of(f"data.paths=[{data}]", "data.eval_fraction=1", "data.tokenize_in_check_mb=0")
+    with pytest.raises(ConfigError) as failed:
+        launch.prepare_data(run_dir, CausalLM, config, pending)
+    # Once the store is there, the launch check counts it and refuses with the same message.
+    refused = check(TEMPLATE, f"data.paths=[{data}]", "data.eval_fraction=1", "data.tokenize_in_check_mb=0", capsys=capsys)
+    assert refused["ok"] is False and str(failed.value) == refused["error"]
+    assert "holds out all of them" in refused["error"]
