@@ -6,10 +6,15 @@ corpus, then launches the ``causal_lm`` template (a tiny model, 3 steps) directl
 ``python -m engine.launch`` (``torchrun`` for two ranks) twice over an empty data cache: the
 first launch tokenizes into the store, the second maps it. Measured from outside the run's
 processes: the peak of the summed resident memory of every process of the run (sampled every
-20 ms through /proc), and the seconds from the start to the first metrics record. Then the store
+20 ms through /proc; RSS, and PSS, which counts a page shared by several processes once in
+all), and the seconds from the start to the first metrics record. Then the store
 is built once more in this process (a fresh cache) and timed against
 ``datasets.load_dataset("json") + Dataset.map(batched=True, num_proc=cores)`` with the same
 (byte-level, fast) tokenizer, each over the same file.
+
+Before the launches, the launch check (``--check``, what ``launch_run`` waits for) is timed
+over an empty cache: it tokenizes data up to ``data.tokenize_in_check_mb`` and only reads the
+head of larger data, which the run tokenizes as its first phase.
 
 Every run is printed, then the goals' ratios:
 
@@ -40,6 +45,7 @@ sys.path.insert(0, str(REPO))
 from engine import run_metrics  # noqa: E402
 from engine.run_dir import METRICS_JSONL  # noqa: E402
 from engine.data_files import DATA_CACHE_VARIABLE, DataListing  # noqa: E402
+from engine.token_store import TOKENIZE_IN_CHECK_MB  # noqa: E402
 from tests.support import copy_template, engine_command, engine_env, existing_runs, new_run_dirs  # noqa: E402
 
 TINY = ("model.hidden_size=64", "model.intermediate_size=128", "model.num_layers=2", "model.num_heads=2",
@@ -47,23 +53,34 @@ TINY = ("model.hidden_size=64", "model.intermediate_size=128", "model.num_layers
         "train.eval_every=0", "checkpoint.every=0", "metrics.tensorboard=false")
 
 
-def write_corpus(path: Path, megabytes: float) -> None:
-    """JSONL of the standard library's sources (numbered copies), ``megabytes`` × 10^6 bytes."""
+SHARDS = 4  # the corpus is this many JSONL files, as corpora come (the store tokenizes a file per core)
+
+
+def write_corpus(folder: Path, megabytes: float) -> None:
+    """JSONL of the standard library's sources (numbered copies), ``megabytes`` × 10^6 bytes in
+    :data:`SHARDS` files of ``folder``."""
     sources = sorted(Path(sysconfig.get_paths()["stdlib"]).rglob("*.py"))
-    target, written, copy = int(megabytes * 1e6), 0, 0
-    with open(path, "w") as f:
-        while written < target:
-            for source in sources:
-                line = json.dumps({"text": f"# copy {copy}\n" + source.read_text(errors="replace")}) + "\n"
-                f.write(line)
-                written += len(line.encode())
-                if written >= target:
-                    break
-            copy += 1
+    shutil.rmtree(folder, ignore_errors=True)
+    folder.mkdir()
+    target, written, copy = int(megabytes * 1e6 / SHARDS), 0, 0
+    for shard in range(SHARDS):
+        written = 0
+        with open(folder / f"shard-{shard}.jsonl", "w") as f:
+            while written < target:
+                for source in sources:
+                    line = json.dumps({"text": f"# copy {copy}\n" + source.read_text(errors="replace")}) + "\n"
+                    f.write(line)
+                    written += len(line.encode())
+                    if written >= target:
+                        break
+                copy += 1
 
 
-def tree_rss(root_pid: int) -> int:
-    """The summed resident bytes of ``root_pid`` and every process under it."""
+def tree_memory(root_pid: int, by_role: dict[str, int] | None = None) -> tuple[int, int]:
+    """The summed resident bytes of ``root_pid`` and every process under it, and their summed
+    proportional set size (what the machine holds: a page shared by n processes counts 1/n in
+    each, such as torch's libraries mapped by every rank and the launcher). ``by_role`` keeps
+    each role's largest PSS so far: torchrun's launcher, a rank, a tokenizer worker (a rank's fork)."""
     children: dict[int, list[int]] = {}
     for entry in os.listdir("/proc"):
         if entry.isdigit():
@@ -73,28 +90,40 @@ def tree_rss(root_pid: int) -> int:
             except OSError:
                 continue
             children.setdefault(parent, []).append(int(entry))
-    total, stack = 0, [root_pid]
+    rss = pss = 0
+    stack = [(root_pid, b"")]
     while stack:
-        pid = stack.pop()
-        stack += children.get(pid, [])
+        pid, parent_command = stack.pop()
         try:
-            with open(f"/proc/{pid}/statm") as f:
-                total += int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+            with open(f"/proc/{pid}/smaps_rollup") as f:
+                sizes = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in f if line.startswith(("Rss:", "Pss:"))}
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                command = f.read()
         except OSError:
-            pass
-    return total
+            continue
+        stack += [(child, command) for child in children.get(pid, [])]
+        rss, pss = rss + sizes.get("Rss", 0), pss + sizes.get("Pss", 0)
+        if by_role is not None:
+            role = ("launcher" if b"torch.distributed.run" in command
+                    else "tokenizer worker" if b"engine.launch" in parent_command
+                    and b"torch.distributed.run" not in parent_command
+                    else "rank" if b"engine.launch" in command else "other")
+            by_role[role] = max(by_role.get(role, 0), sizes.get("Pss", 0))
+    return rss, pss
 
 
-def launch(workspace: Path, recipe: Path, nproc: int, cache: Path) -> tuple[float, float]:
-    """(peak GB of the run's processes, seconds to the first metrics record)."""
+def launch(workspace: Path, recipe: Path, nproc: int, cache: Path) -> tuple[float, float, float]:
+    """(peak GB of the run's processes' summed RSS, and of their summed PSS, seconds to the first
+    metrics record)."""
     before = existing_runs(workspace)
     env = {**engine_env(), DATA_CACHE_VARIABLE: str(cache)}
     start = time.monotonic()
-    process = subprocess.Popen(engine_command(recipe, *TINY, "data.paths=[corpus.jsonl]", nproc=nproc),
+    process = subprocess.Popen(engine_command(recipe, *TINY, "data.paths=[corpus]", nproc=nproc),
                                cwd=workspace, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    peak, first_step = 0, None
+    peak, peak_pss, first_step, by_role = 0, 0, None, {}
     while process.poll() is None:
-        peak = max(peak, tree_rss(process.pid))
+        rss, pss = tree_memory(process.pid, by_role)
+        peak, peak_pss = max(peak, rss), max(peak_pss, pss)
         if first_step is None:
             runs = new_run_dirs(workspace, before)
             if runs and (runs[0] / METRICS_JSONL).is_file() and run_metrics.latest_metrics(runs[0] / METRICS_JSONL):
@@ -104,7 +133,39 @@ def launch(workspace: Path, recipe: Path, nproc: int, cache: Path) -> tuple[floa
         raise SystemExit(f"the run failed ({process.returncode}): {process.stderr.read()[-2000:]}")
     if first_step is None:
         first_step = time.monotonic() - start
-    return peak / 1e9, first_step
+    print(f"  peak PSS by process: {', '.join(f'{role} {size / 1e9:.2f} GB' for role, size in sorted(by_role.items()))}",
+          flush=True)
+    return peak / 1e9, peak_pss / 1e9, first_step
+
+
+def check_data_seconds(corpus: Path, cache: Path) -> float:
+    """Seconds of the launch check's data part (``summarize_data`` under ``launch_check``, the
+    recipe imported already) over an empty cache: what grows with the data."""
+    from engine.token_store import launch_check
+    from recipes_template.causal_lm.recipe import CausalLM, CausalLMConfig
+
+    shutil.rmtree(cache, ignore_errors=True)
+    cache.mkdir()
+    os.environ[DATA_CACHE_VARIABLE] = str(cache)
+    config = CausalLMConfig.model_validate({"data": {"paths": [str(corpus)]}})
+    start = time.perf_counter()
+    with launch_check():
+        CausalLM.summarize_data(config)
+    seconds = time.perf_counter() - start
+    shutil.rmtree(cache, ignore_errors=True)
+    return seconds
+
+
+def check_seconds(workspace: Path, recipe: Path, cache: Path) -> float:
+    """Seconds of the launch check (what ``launch_run`` waits for) over an empty data cache."""
+    shutil.rmtree(cache, ignore_errors=True)
+    start = time.monotonic()
+    subprocess.run([sys.executable, "-m", "engine.launch", str(recipe), "--check", "--set", "data.paths=[corpus]",
+                    *(item for key in TINY for item in ("--set", key))], cwd=workspace, check=True,
+                   env={**engine_env(), DATA_CACHE_VARIABLE: str(cache)}, stdout=subprocess.DEVNULL)
+    seconds = time.monotonic() - start
+    shutil.rmtree(cache, ignore_errors=True)
+    return seconds
 
 
 def store_throughput(corpus: Path, cache: Path) -> float:
@@ -117,7 +178,11 @@ def store_throughput(corpus: Path, cache: Path) -> float:
     cfg = recipe.CausalLMDataConfig(paths=[str(corpus)], seq_len=256)
     start = time.perf_counter()
     recipe.token_store(cfg, recipe.ByteTokenizer(), DataListing())
-    return corpus.stat().st_size / (time.perf_counter() - start)
+    return corpus_bytes(corpus) / (time.perf_counter() - start)
+
+
+def corpus_bytes(corpus: Path) -> int:
+    return sum(p.stat().st_size for p in corpus.iterdir())
 
 
 def datasets_map_throughput(corpus: Path, cache: Path) -> float:
@@ -129,10 +194,11 @@ def datasets_map_throughput(corpus: Path, cache: Path) -> float:
     tokenizer = recipe.ByteTokenizer().to_hf()
     shutil.rmtree(cache, ignore_errors=True)
     start = time.perf_counter()
-    dataset = datasets.load_dataset("json", data_files=str(corpus), split="train", cache_dir=str(cache))
+    dataset = datasets.load_dataset("json", data_files=sorted(map(str, corpus.iterdir())), split="train",
+                                    cache_dir=str(cache))
     dataset.map(lambda batch: tokenizer(batch["text"]), batched=True, num_proc=os.cpu_count(),
                 remove_columns=["text"])
-    return corpus.stat().st_size / (time.perf_counter() - start)
+    return corpus_bytes(corpus) / (time.perf_counter() - start)
 
 
 def main() -> None:
@@ -142,34 +208,41 @@ def main() -> None:
     parser.add_argument("--map", action="store_true", help="also time datasets.map (slow at large sizes)")
     args = parser.parse_args()
     peaks: dict[tuple[float, int], float] = {}
+    shares: dict[tuple[float, int], float] = {}  # the same peaks as PSS
     with tempfile.TemporaryDirectory(prefix="data-scale-") as tmp:
         root = Path(tmp)
         recipe = copy_template(root / "ws", "lm")
         for size in args.sizes:
-            write_corpus(root / "ws" / "corpus.jsonl", size)
+            write_corpus(root / "ws" / "corpus", size)
+            print(f"{size:g} MB: launch check {check_seconds(root / 'ws', recipe, root / 'cache-check'):.1f} s, "
+                  f"its data part {check_data_seconds(root / 'ws' / 'corpus', root / 'cache-check'):.2f} s "
+                  f"(tokenizes data up to data.tokenize_in_check_mb, default {TOKENIZE_IN_CHECK_MB:g} MB)", flush=True)
             for nproc in args.ranks:
                 cache = root / f"cache-{size}-{nproc}"
-                first_peak, first_time = launch(root / "ws", recipe, nproc, cache)
-                second_peak, second_time = launch(root / "ws", recipe, nproc, cache)
+                first_peak, first_pss, first_time = launch(root / "ws", recipe, nproc, cache)
+                second_peak, second_pss, second_time = launch(root / "ws", recipe, nproc, cache)
                 peaks[(size, nproc)] = max(first_peak, second_peak)
-                print(f"{size:g} MB, {nproc} rank(s): first launch peak {first_peak:.2f} GB, step 1 at "
-                      f"{first_time:.1f} s; second launch peak {second_peak:.2f} GB, step 1 at {second_time:.1f} s "
-                      f"(second/first {second_time / first_time:.2f}, goal <= 0.5)", flush=True)
+                shares[(size, nproc)] = max(first_pss, second_pss)
+                print(f"{size:g} MB, {nproc} rank(s): first launch peak {first_peak:.2f} GB (PSS {first_pss:.2f}), "
+                      f"step 1 at {first_time:.1f} s; second launch peak {second_peak:.2f} GB (PSS {second_pss:.2f}), "
+                      f"step 1 at {second_time:.1f} s (second/first {second_time / first_time:.2f}, goal <= 0.5)",
+                      flush=True)
                 shutil.rmtree(cache, ignore_errors=True)
-            ours = store_throughput(root / "ws" / "corpus.jsonl", root / "cache-throughput")
+            ours = store_throughput(root / "ws" / "corpus", root / "cache-throughput")
             line = f"{size:g} MB: store tokenization {ours / 1e6:.1f} MB/s"
             if args.map:
-                theirs = datasets_map_throughput(root / "ws" / "corpus.jsonl", root / "hf-cache")
+                theirs = datasets_map_throughput(root / "ws" / "corpus", root / "hf-cache")
                 line += f", datasets.map(num_proc={os.cpu_count()}) {theirs / 1e6:.1f} MB/s " \
                         f"(ratio {ours / theirs:.2f}, goal >= 0.9)"
             print(line, flush=True)
         smallest = min(args.sizes)
         for (size, nproc), peak in sorted(peaks.items()):
-            base = peaks[(smallest, nproc)]
-            print(f"peak at {size:g} MB / at {smallest:g} MB, {nproc} rank(s): {peak / base:.2f} "
-                  f"(goal <= 1.25 + 0.3 GB: {peak <= 1.25 * base + 0.3})")
+            base, share, base_share = peaks[(smallest, nproc)], shares[(size, nproc)], shares[(smallest, nproc)]
+            print(f"peak at {size:g} MB / at {smallest:g} MB, {nproc} rank(s): {peak / base:.2f} RSS, "
+                  f"{share / base_share:.2f} PSS (goal <= 1.25 + 0.3 GB: {share <= 1.25 * base_share + 0.3})")
         if (smallest, 1) in peaks and (smallest, 2) in peaks:
-            print(f"two ranks / one rank at {smallest:g} MB: {peaks[(smallest, 2)] / peaks[(smallest, 1)]:.2f} (goal <= 2)")
+            print(f"two ranks / one rank at {smallest:g} MB: {peaks[(smallest, 2)] / peaks[(smallest, 1)]:.2f} RSS, "
+                  f"{shares[(smallest, 2)] / shares[(smallest, 1)]:.2f} PSS (goal <= 2)")
 
 
 if __name__ == "__main__":

@@ -54,10 +54,11 @@ class DataListing:
 
     files: dict[Path, str] = field(default_factory=dict)
     skipped: dict[str, str] = field(default_factory=dict)
+    hashing: bool = True  # False: the files listed, not read (a reader that only looks at their head)
 
     def add(self, path: Path) -> None:
         """Fingerprint ``path`` (resolved, a regular file) as part of the data."""
-        self.files[path] = _file_sha256(path)
+        self.files[path] = _file_sha256(path) if self.hashing else ""
 
     def fingerprint(self) -> str | None:
         """One SHA-256 over the paths and contents of every file listed (as they were when

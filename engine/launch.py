@@ -133,7 +133,14 @@ def main(argv: list[str] | None = None) -> int:
             if run_checkpoints.checkpoint_step(args.resume_from) is None or not (args.resume_from / run_checkpoints.DCP_METADATA).is_file():
                 raise ConfigError(f"--resume-from {args.resume_from} is not a complete checkpoint")
         # A direct start (no launcher counted the data) counts it too, to refuse before a run exists.
-        data = recipe_class.summarize_data(config) if args.check or args.run_dir is None else None
+        data = None
+        if args.check:
+            from engine.token_store import launch_check
+
+            with launch_check():  # large data is left to the run: only its head is read here
+                data = recipe_class.summarize_data(config)
+        elif args.run_dir is None:
+            data = recipe_class.summarize_data(config)
         if data is not None and data.nothing_to_train():
             raise ConfigError(data.nothing_to_train())
     except (TrainwrightError, OSError) as e:
@@ -206,8 +213,15 @@ def train(recipe_class, config, args: argparse.Namespace, data=None) -> int:
             started_at=rd.utc_now(),
             engine_pid=os.getpid(),
         )
-        if record.data is None:  # started without a launcher that counted it
-            summary = data if data is not None else recipe_class.summarize_data(config)
+        if record.data is None or record.data.preparing is not None:  # not counted, or left to the run
+            try:
+                summary = data if data is not None else prepare_data(run_dir, recipe_class, config, record.data)
+            except (BadInput, OSError) as e:
+                message = str(e) if isinstance(e, BadInput) else f"cannot read the data: {e}"
+                print(f"error: {message}", file=sys.stderr, flush=True)
+                outcome = {} if supervised else {"status": rd.FAILED, "ended_at": rd.utc_now()}
+                rd.update_run(run_dir, error=message[:MAX_ERROR_CHARS], **outcome)
+                return EXIT_BAD_INPUT
             if summary is not None:
                 record = rd.update_run(run_dir, data=summary)
         print(f"run {run_dir.name}: {dist_info.world_size} process(es) on {dist_info.device.type}", flush=True)
@@ -216,6 +230,8 @@ def train(recipe_class, config, args: argparse.Namespace, data=None) -> int:
         if record.config_changes:
             shown = ", ".join(f"{k}={json.dumps(v)}" for k, v in list(record.config_changes.items())[:30])
             print(f"config (differs from the recipe's defaults): {shown}", flush=True)
+    elif (pending := rd.read_run(run_dir).data) is not None and pending.preparing is not None:
+        recipe_class.summarize_data(config)  # wait for the store here, not in a collective with its time limit
     engine = recipe_class(config, dist_info, run_dir=run_dir, resume_from=args.resume_from)
     finished = False
     try:
@@ -241,6 +257,25 @@ def train(recipe_class, config, args: argparse.Namespace, data=None) -> int:
         outcome = {} if supervised else {"status": rd.COMPLETED, "ended_at": rd.utc_now()}
         rd.update_run(run_dir, final_step=engine.state.step, **outcome)
     return EXIT_OK
+
+
+def prepare_data(run_dir: Path, recipe_class, config, pending):
+    """The data summary, counted as the run's first phase: the launch check left the data to the
+    run (``pending``: what it found; the store's build reports its progress into run.json as
+    ``data.preparing``), or no launcher counted it. Data with nothing to train is refused as
+    the launch check refuses it."""
+    from engine import run_dir as rd
+    from engine.config import ConfigError
+    from engine.token_store import reporting
+
+    def report(progress: dict) -> None:
+        rd.update_run(run_dir, data=pending.model_copy(update={"preparing": rd.DataPreparation(**progress)}))
+
+    with reporting(report) if pending is not None else contextlib.nullcontext():
+        summary = recipe_class.summarize_data(config)
+    if summary is not None and summary.nothing_to_train():
+        raise ConfigError(summary.nothing_to_train())
+    return summary
 
 
 def _open_run_dir(args: argparse.Namespace, recipe_class, dist_info) -> Path:

@@ -119,6 +119,21 @@ class ResumedFrom(BaseModel):
     path: str
 
 
+# Where the run's first phase is in tokenizing the data (DataSummary.preparing).
+class DataPreparation(BaseModel):
+    model_config = ConfigDict(defer_build=True)
+
+    documents: int = 0
+    bytes_done: int = 0
+    bytes_total: int = 0
+    eta_s: float | None = None
+
+    def describe(self) -> str:
+        eta = f", about {self.eta_s:.0f} s left" if self.eta_s is not None else ""
+        return (f"tokenizing the data as the run's first phase: {_count(self.documents, 'document')}, "
+                f"{self.bytes_done / 1e6:,.1f} of {self.bytes_total / 1e6:,.1f} MB{eta}")
+
+
 class DataSummary(BaseModel):
     """What a run trains on, counted before it starts (Engine.summarize_data): the source and
     paths given, files read, documents and tokens (end-of-document tokens included) in all and
@@ -155,10 +170,15 @@ class DataSummary(BaseModel):
         None, description="The data.seq_len at which every example dropped for its length would have tokens to learn."
     )
     skipped: list[str] = Field([], description="Files of the folders and globs given that were not read, and why.")
+    bytes: int | None = Field(None, description="Size of the data files.")
+    preparing: DataPreparation | None = Field(
+        None, description="Set while the run tokenizes the data as its first phase (the counts are 0 until it is done).",
+    )
 
     def nothing_to_train(self) -> str | None:
-        """Why a run on this data would train on nothing (a launch refuses it), or None."""
-        if self.train_documents > 0:
+        """Why a run on this data would train on nothing (a launch refuses it), or None; None
+        while the data is still to be tokenized (the run refuses it then, with this message)."""
+        if self.train_documents > 0 or self.preparing is not None:
             return None
         read = self.documents + (self.dropped or 0)
         if self.eval_documents:
@@ -175,6 +195,8 @@ class DataSummary(BaseModel):
         """One line, for the console, notes and reviews."""
         where = f" from {', '.join(self.paths[:3])}" if self.paths else ""
         files = f"{_count(self.files, 'file')}, " if self.files is not None else ""
+        if self.preparing is not None:
+            return f"data: {self.source}{where}: {files}{self.preparing.describe()}"
         loss = f" ({self.loss_tokens:,} of them loss tokens)" if self.loss_tokens is not None else ""
         if self.skipped:
             files += f"{len(self.skipped) if not self.skipped[-1].startswith('…') else 'many'} skipped " \

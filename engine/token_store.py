@@ -13,17 +13,26 @@ with the corpus (what it touches of the mapping is page cache, shared and reclai
 The cache is ``$TRAINWRIGHT_DATA_CACHE`` (the server sets it to the workspace's
 ``.trainwright/data-cache``), else a folder of this user's in the system's temporary folder.
 Torch-free: the pieces are numpy arrays; a template turns them into tensors.
+
+When the store is built depends on the data's size. The launch check (:func:`launch_check`)
+builds it for data up to a template's ``data.tokenize_in_check_mb`` (default
+:data:`TOKENIZE_IN_CHECK_MB`), so its summary is exact and data with nothing to train is refused
+before a run exists; larger data it only reads the head of (:data:`HEAD_RECORDS` records of
+each file) and checks the disk space for, so ``launch_run`` answers at once whatever the size,
+and the run builds the store as its first phase, reporting its progress (:func:`reporting`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import hashlib
 import json
 import os
 import shutil
 import tempfile
+import time
 from array import array
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,6 +52,78 @@ WRITE_BUFFER_VALUES = 1 << 20  # values gathered before a write (4 MiB as int32)
 # A store needs about this many bytes of disk per byte of input text (uint16 tokens of a byte
 # tokenizer: 2; int32 rows of tokens and targets: up to 8), checked before it is written.
 DISK_BYTES_PER_INPUT_BYTE = 8
+# Data up to this size (MB) is tokenized by the launch check; larger data by the run as its first
+# phase (at about 1-10 MB/s a larger corpus would keep launch_run waiting).
+TOKENIZE_IN_CHECK_MB = 64.0
+HEAD_RECORDS = 100  # records of each file the launch check reads of data it leaves to the run
+PROGRESS_EVERY_S = 1.0  # how often a build reports its progress
+
+WAIT_POLL_S = 0.5  # how often a rank that does not build looks for the store
+
+_in_launch_check = False
+_report: Callable[[dict[str, Any]], None] | None = None
+
+
+@contextlib.contextmanager
+def launch_check():
+    """While the launch check counts the data: :func:`left_to_run` may leave a large store to the run."""
+    global _in_launch_check
+    _in_launch_check = True
+    try:
+        yield
+    finally:
+        _in_launch_check = False
+
+
+def left_to_run(key: str, input_bytes: int, limit_mb: float, root: Path | None = None) -> bool:
+    """Whether the store of ``key`` is left for the run to build: in the launch check, for data
+    over ``limit_mb`` whose store is not built yet (the check then reads only its head and
+    checks the disk space, :func:`check_disk_space`)."""
+    if not _in_launch_check or input_bytes <= limit_mb * 1e6:
+        return False
+    return not ((cache_root() if root is None else root) / key / META_JSON).is_file()
+
+
+def builds_here() -> bool:
+    """Whether this process builds a missing store: the first process of a node (``LOCAL_RANK``
+    0, or a process outside torchrun); the node's other ranks wait for it and map it."""
+    return os.environ.get("LOCAL_RANK", "0") == "0"
+
+
+@contextlib.contextmanager
+def reporting(report: Callable[[dict[str, Any]], None]):
+    """Where a build's progress goes meanwhile (the run's rank 0 writes it into run.json): a
+    :class:`~engine.run_dir.DataPreparation`'s fields, at most every :data:`PROGRESS_EVERY_S`."""
+    global _report
+    _report = report
+    try:
+        yield
+    finally:
+        _report = None
+
+
+class BuildProgress:
+    """A build's documents and bytes done of its input's bytes, and the time left at that pace."""
+
+    def __init__(self, bytes_total: int):
+        self.documents, self.bytes_done, self.bytes_total = 0, 0, bytes_total
+        self.started = self.reported = time.monotonic()
+
+    def advance(self, documents: int = 0, bytes_read: int = 0) -> None:
+        self.documents += documents
+        self.bytes_done += bytes_read
+        if self.bytes_total:  # the text read, which a record's format adds to: never past the files' size
+            self.bytes_done = min(self.bytes_total, self.bytes_done)
+        now = time.monotonic()
+        if _report is not None and now - self.reported >= PROGRESS_EVERY_S:
+            self.reported = now
+            _report(self.fields(now))
+
+    def fields(self, now: float | None = None) -> dict[str, Any]:
+        elapsed = (time.monotonic() if now is None else now) - self.started
+        eta = elapsed * (self.bytes_total - self.bytes_done) / self.bytes_done if self.bytes_done else None
+        return {"documents": self.documents, "bytes_done": self.bytes_done, "bytes_total": self.bytes_total,
+                "eta_s": round(eta, 1) if eta is not None else None}
 
 
 def cache_root() -> Path:
@@ -101,12 +182,65 @@ class TokenStore:
         return self.meta["counts"]
 
 
+_part_builder: Callable[["StoreWriter", int], dict[str, Any]] | None = None  # what a forked worker builds
+
+
+def build_in_parts(writer: "StoreWriter", count: int, build_part: Callable[["StoreWriter", int], dict[str, Any]],
+                   workers: int | None = None) -> list[dict[str, Any]]:
+    """Build ``count`` parts of a store (``build_part(part_writer, i)`` adds part i's pieces and
+    returns its counts) over the machine's cores, a forked worker per core, each part into a
+    folder of its own, appended to ``writer`` in order as it comes: the same store as building
+    them one after another. An error of a part is raised here (its message names its record)."""
+    global _part_builder
+    workers = min(count, workers or len(os.sched_getaffinity(0)))
+    if workers <= 1:
+        return [build_part(writer, index) for index in range(count)]
+    import multiprocessing
+
+    _part_builder = build_part  # before the fork: the workers find it there
+    try:
+        pool = multiprocessing.get_context("fork").Pool(workers)
+    except OSError:  # no process to spare (the run's runs.max_processes): one after another here
+        _part_builder = None
+        return [build_part(writer, index) for index in range(count)]
+    counts = []
+    try:
+        with pool:
+            jobs = [(writer.folder, index, writer.rows, writer.dtype) for index in range(count)]
+            for index, (part_counts, documents, bytes_read) in enumerate(pool.imap(_build_part, jobs)):
+                writer.append_part(writer.folder / f"part-{index}")
+                writer.progress.advance(documents, bytes_read)
+                counts.append(part_counts)
+    finally:
+        _part_builder = None
+        for part in writer.folder.glob("part-*"):
+            shutil.rmtree(part, ignore_errors=True)
+    return counts
+
+
+def _build_part(job: tuple[Path, int, int, str]) -> tuple[dict[str, Any], int, int]:
+    global _report
+    folder, index, rows, dtype = job
+    _report = None  # the parent reports the parts as they come
+    part = folder / f"part-{index}"
+    part.mkdir()
+    writer = StoreWriter(part, rows, dtype)
+    try:
+        assert _part_builder is not None
+        counts = _part_builder(writer, index)
+    finally:
+        writer.close()
+    return counts, writer.progress.documents, writer.progress.bytes_done
+
+
 class StoreWriter:
     """What a builder writes pieces into: ``add(split, piece)`` appends one piece (an integer
-    array of ``rows`` rows, or one row)."""
+    array of ``rows`` rows, or one row); ``progress.advance(documents, bytes_read)`` tells how far
+    the builder has read."""
 
-    def __init__(self, folder: Path, rows: int, dtype: str):
-        self.rows, self.dtype = rows, dtype
+    def __init__(self, folder: Path, rows: int, dtype: str, input_bytes: int = 0):
+        self.folder, self.rows, self.dtype = folder, rows, dtype
+        self.progress = BuildProgress(input_bytes)
         self.files = {split: open(folder / f"{split}.bin", "wb") for split in SPLITS}
         self.starts = {split: array("q", [0]) for split in SPLITS}
         self.buffers: dict[str, list[np.ndarray]] = {split: [] for split in SPLITS}
@@ -127,11 +261,20 @@ class StoreWriter:
             np.concatenate(self.buffers[split]).tofile(self.files[split])
         self.buffers[split], self.buffered[split] = [], 0
 
-    def close(self, folder: Path) -> None:
+    def append_part(self, part: Path) -> None:
+        """Append the pieces of a part that another writer built into ``part`` (closed)."""
+        for split in SPLITS:
+            self._flush(split)
+            starts = np.load(part / f"{split}.idx.npy")
+            self.starts[split].frombytes((starts[1:] + self.starts[split][-1]).astype(np.int64).tobytes())
+            with open(part / f"{split}.bin", "rb") as values:
+                shutil.copyfileobj(values, self.files[split], 1 << 24)
+
+    def close(self) -> None:
         for split in SPLITS:
             self._flush(split)
             self.files[split].close()
-            np.save(folder / f"{split}.idx.npy", np.frombuffer(self.starts[split], dtype=np.int64))
+            np.save(self.folder / f"{split}.idx.npy", np.frombuffer(self.starts[split], dtype=np.int64))
 
 
 def tokenizer_identity(tokenizer: Any) -> str:
@@ -171,21 +314,29 @@ def open_or_build(key: str, rows: int, dtype: str, build: Callable[[StoreWriter]
                   input_bytes: int = 0, root: Path | None = None) -> TokenStore:
     """The store of ``key``: mapped when it is built, else built now by ``build`` (which adds the
     pieces and returns the counts kept in ``meta.json``), under a lock so that the ranks of a run,
-    and runs at once, build it once. ``input_bytes`` (the size of the data read) decides the disk
+    and runs at once, build it once: the node's first process (:func:`builds_here`) builds it, the
+    others wait until it is there. ``input_bytes`` (the size of the data read) decides the disk
     space checked first. An error of ``build`` leaves nothing behind."""
     root = cache_root() if root is None else root
     folder = root / key
+    while not builds_here():  # another process of this node builds it: wait for it, without building
+        with locked_cache(root):
+            if (folder / META_JSON).is_file():
+                return TokenStore(folder, json.loads((folder / META_JSON).read_text()))
+        time.sleep(WAIT_POLL_S)
     with locked_cache(root):
         if (folder / META_JSON).is_file():
             return TokenStore(folder, json.loads((folder / META_JSON).read_text()))
-        _check_disk_space(root, input_bytes * DISK_BYTES_PER_INPUT_BYTE)
+        for stale in root.glob(f"{key}.building-*"):  # left by a builder killed meanwhile (it held the lock)
+            shutil.rmtree(stale, ignore_errors=True)
+        check_disk_space(input_bytes, root)
         building = Path(tempfile.mkdtemp(prefix=f"{key}.building-", dir=root))
         try:
-            writer = StoreWriter(building, rows, dtype)
+            writer = StoreWriter(building, rows, dtype, input_bytes)
             try:
                 counts = build(writer)
             finally:
-                writer.close(building)
+                writer.close()
             meta = {"key": key, "rows": rows, "dtype": dtype, "counts": counts}
             (building / META_JSON).write_text(json.dumps(meta))
             shutil.rmtree(folder, ignore_errors=True)  # a folder left without meta.json
@@ -196,7 +347,10 @@ def open_or_build(key: str, rows: int, dtype: str, build: Callable[[StoreWriter]
     return TokenStore(folder, meta)
 
 
-def _check_disk_space(root: Path, needed: int) -> None:
+def check_disk_space(input_bytes: int, root: Path | None = None) -> None:
+    """Refuse, with the numbers, a store of ``input_bytes`` of data that the cache's disk has no room for."""
+    root = cache_root() if root is None else root
+    needed = input_bytes * DISK_BYTES_PER_INPUT_BYTE
     free = shutil.disk_usage(root).free
     if needed > free:
         raise ConfigError(f"the tokenized data needs up to {needed / 1e9:.2f} GB in {root}, which has "
@@ -206,8 +360,15 @@ def _check_disk_space(root: Path, needed: int) -> None:
 @contextlib.contextmanager
 def locked_cache(root: Path, wait: bool = True):
     """The cache folder's own lock (a lock on the folder, so no lock file is left behind): held
-    while a store is looked up and built; ``wait=False`` raises ``BlockingIOError`` when held."""
-    fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
+    while a store is looked up and built; ``wait=False`` raises ``BlockingIOError`` when held. A
+    link in the folder's place is refused (the lock would be another folder's)."""
+    try:
+        fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    except OSError as e:
+        if e.errno not in (errno.ELOOP, errno.ENOTDIR):
+            raise
+        raise ConfigError(f"the data cache {root} is a symbolic link or not a folder; remove it, or set "
+                          f"{CACHE_VARIABLE} to a folder") from None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX if wait else fcntl.LOCK_EX | fcntl.LOCK_NB)
         yield

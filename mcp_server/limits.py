@@ -41,6 +41,7 @@ DEFAULT_WAIT_S = 45
 POLL_S = 0.5
 MAX_WAIT_S = 600
 MAX_LIST_RUNS = 100  # list_runs' limit
+MAX_LIST_STORES = 100  # `trainwright data-cache`: the largest stores listed (a run can write many)
 MAX_NPROC = max(8, os.cpu_count() or 1)  # a run's processes per node
 MAX_DEVICE_MEMORY_GIB = 1 << 20  # estimate_run's device_memory_gib
 MAX_KEYS_ASKED = 50  # describe_recipe(keys=...)

@@ -111,7 +111,9 @@ class RunInfo(rd.RunFacts):
 
 class DataCacheResult(Result):
     folder: str
-    stores: dict[str, int]  # name -> bytes
+    stores: dict[str, int]  # name -> bytes, the largest MAX_LIST_STORES
+    not_listed: int = 0  # stores beyond those
+    total_bytes: int = 0  # of every store
     removed: dict[str, int] = {}
 
 

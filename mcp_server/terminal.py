@@ -205,7 +205,9 @@ def stop_text(r) -> str:
 def data_cache_text(r) -> str:
     lines = [f"removed {name} ({size / 1e6:.1f} MB)" for name, size in r.removed.items()]
     lines += [f"{size / 1e6:>10.1f} MB  {name}" for name, size in r.stores.items()] or [f"no tokenized data in {r.folder}"]
-    return "\n".join([*lines, f"{sum(r.stores.values()) / 1e6:.1f} MB in {r.folder}"])
+    if r.not_listed:
+        lines.append(f"… {r.not_listed} smaller store(s) not listed")
+    return "\n".join([*lines, f"{r.total_bytes / 1e6:.1f} MB in {r.folder}"])
 
 
 def checkpoints_text(r) -> str:

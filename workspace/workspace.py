@@ -308,7 +308,7 @@ def remove_cached_data(workspace: Path | str, names: list[str]) -> list[tuple[st
     if missing:
         raise NotFound(f"no cached data {missing[0]!r}; cached: {', '.join(there) or 'none'}")
     folder = data_cache_dir(workspace)
-    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)  # the lock engine.token_store builds under
+    fd = open_real_dir(folder)  # the lock engine.token_store builds under (a link refused)
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

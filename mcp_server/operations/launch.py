@@ -419,6 +419,8 @@ def _resume_review(source: sr.ServerRecord, step: int) -> Review:
             return []
         if (now.fingerprint, now.documents, now.tokens) == (before.fingerprint, before.documents, before.tokens):
             return []
+        if now.preparing is not None and now.fingerprint == before.fingerprint:
+            return []  # the same files, left to the run to tokenize again (its store was removed)
         return [f"the data differs from what run {source.id} trained on: it counted {before.describe()}; "
                 f"the resume counts {now.describe()}"]
 

@@ -33,8 +33,11 @@ class Observation:
     max_steps: int | None
     latest: dict[str, Any] | None
     error: str | None
+    preparing: str | None = None  # the run's first phase, tokenizing its data, while it lasts
 
     def progress_message(self) -> str:
+        if self.preparing is not None and self.step is None and not self.ended:
+            return self.preparing
         message = f"step {self.step if self.step is not None else 0}/{self.max_steps or '?'}"
         loss = run_metrics.finite_number((self.latest or {}).get("loss"))
         if loss is not None:
@@ -60,6 +63,7 @@ def observe(ws: Workspace, run_id: str) -> Observation:
         status=status, ended=ended, step=step if isinstance(step, int) else None,
         max_steps=record.max_steps, latest=latest,
         error=str(error)[:MAX_ERROR_CHARS] if error and status != rd.COMPLETED else None,
+        preparing=record.data.preparing.describe() if record.data is not None and record.data.preparing else None,
     )
 
 
@@ -75,11 +79,11 @@ async def wait_run(
     ``timeout_s`` has passed (timeout); ``on_progress`` hears of each new step on the way."""
     ws.run_dir(run_id)  # an unknown run fails at once
     started = anyio.current_time()
-    reported: int | None = -1
+    reported: tuple[int | None, str | None] | None = None
     while True:
         now = await anyio.to_thread.run_sync(observe, ws, run_id)
-        if on_progress is not None and now.step != reported:
-            reported = now.step
+        if on_progress is not None and (now.step, now.preparing) != reported:
+            reported = (now.step, now.preparing)
             await on_progress(now)
         waited = anyio.current_time() - started
         if until_step is not None and now.step is not None and now.step >= until_step:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import hashlib
 import sysconfig
 from functools import cached_property
+from itertools import islice
 from pathlib import Path
 from typing import Any, Iterator, Literal
 
@@ -39,11 +40,23 @@ from engine.data_files import DataListing, confined_path, data_files
 from engine.data_formats import READERS as RECORD_READERS
 from engine.data_formats import is_saved_dataset, record_rows
 from engine.engine import IGNORE_INDEX, Engine
-from engine.run_dir import DataSummary
+from engine.run_dir import DataPreparation, DataSummary
 from engine.flops import non_embedding_params, transformer_flops_per_token
 from engine.fsdp import apply_fsdp
 from engine.optimizers import adamw_8bit
-from engine.token_store import TokenStore, data_identity, open_or_build, store_key, tokenizer_identity, value_dtype
+from engine.token_store import (
+    HEAD_RECORDS,
+    TOKENIZE_IN_CHECK_MB,
+    TokenStore,
+    build_in_parts,
+    check_disk_space,
+    data_identity,
+    left_to_run,
+    open_or_build,
+    store_key,
+    tokenizer_identity,
+    value_dtype,
+)
 
 # =============================================================================================
 # Configuration (defaults are the benchmark's reference point; override with --set or
@@ -92,6 +105,11 @@ class CausalLMDataConfig(DataConfig):
     )
     vocab_size: int = Field(32000, ge=3, description="data.source=random: token ids are below this.")
     random_documents: int = Field(10000, ge=1, description="data.source=random: how many documents.")
+    tokenize_in_check_mb: float = Field(
+        TOKENIZE_IN_CHECK_MB, ge=0,
+        description="Data up to this size is tokenized by the launch check (exact counts; nothing to train: "
+        "refused at launch); larger data by the run as its first phase, with progress.",
+    )
 
 
     @model_validator(mode="after")
@@ -222,9 +240,11 @@ def load_documents(cfg: CausalLMDataConfig, listing: DataListing | None = None) 
     return list(read_documents(cfg, listing))
 
 
-def read_documents(cfg: CausalLMDataConfig, listing: DataListing | None = None) -> Iterator[tuple[str, Any]]:
+def read_documents(cfg: CausalLMDataConfig, listing: DataListing | None = None,
+                   head: int | None = None) -> Iterator[tuple[str, Any]]:
     """``(name, text)`` pairs, read one at a time, the files fingerprinted into ``listing``. The
-    name decides the train/eval split, so it must be stable."""
+    name decides the train/eval split, so it must be stable. ``head``: only the first records of
+    each file (and of a saved data set)."""
     if cfg.source == "random":
         yield from random_documents(cfg)
         return
@@ -234,19 +254,27 @@ def read_documents(cfg: CausalLMDataConfig, listing: DataListing | None = None) 
             yield str(p.relative_to(root)), p.read_text(errors="replace")
         return
     found = False
-    for where, record in record_rows([p for p in cfg.paths if is_saved_dataset(Path(p))], listing=listing):
+    for where, record in islice(record_rows([p for p in cfg.paths if is_saved_dataset(Path(p))], listing=listing), head):
         found = True
         yield where, _text(record, cfg.text_field, where)
     for path, name in _expand_paths([p for p in cfg.paths if not is_saved_dataset(Path(p))], listing):
-        if path.suffix in RECORD_READERS:  # a text column of each record
-            for where, record in RECORD_READERS[path.suffix](path, name):
-                found = True
-                yield where, _text(record, cfg.text_field, where)
-        else:
+        for document in file_documents(cfg, path, name, head):
             found = True
-            yield name, path.read_text(errors="replace")
+            yield document
     if not found:
-        raise ConfigError(f"no documents in data.paths={cfg.paths} (.txt, .md, .py files, .jsonl lines)")
+        raise ConfigError(NO_DOCUMENTS.format(paths=cfg.paths))
+
+
+NO_DOCUMENTS = "no documents in data.paths={paths} (.txt, .md, .py files, .jsonl lines)"
+
+
+def file_documents(cfg: CausalLMDataConfig, path: Path, name: str, head: int | None = None) -> Iterator[tuple[str, str]]:
+    """The ``(name, text)`` pairs of one data file (``name``: as :func:`_expand_paths` names it)."""
+    if path.suffix in RECORD_READERS:  # a text column of each record
+        for where, record in islice(RECORD_READERS[path.suffix](path, name), head):
+            yield where, _text(record, cfg.text_field, where)
+    else:
+        yield name, path.read_text(errors="replace")
 
 
 def _text(record: dict[str, Any], field: str, where: str) -> str:
@@ -316,30 +344,49 @@ def document_pieces(text, tokenizer, seq_len: int) -> list[torch.Tensor]:
     return [ids[start : start + seq_len + 1] for start in range(0, len(ids) - 1, seq_len)]
 
 
-def token_store(cfg: CausalLMDataConfig, tokenizer, listing: DataListing) -> TokenStore:
+def token_store(cfg: CausalLMDataConfig, tokenizer, listing: DataListing) -> TokenStore | None:
     """The data tokenized into pieces (:func:`document_pieces`), train and held-out apart, in
     the store of its fingerprint, tokenizer and settings: built on first use (one document in
     memory at a time), mapped by every rank and every later run. The data files are listed into
-    ``listing``; a file that changes while it is tokenized fails the build, which keeps nothing."""
+    ``listing``; a file that changes while it is tokenized fails the build, which keeps nothing.
+    None in the launch check for data left to the run (:func:`engine.token_store.left_to_run`),
+    once the head of each file reads and tokenizes and the disk has room for the store."""
     identity, size = document_identity(cfg, listing)
     key = store_key(template="causal_lm", data=identity, tokenizer=tokenizer.identity, seq_len=cfg.seq_len,
                     eval_fraction=cfg.eval_fraction)
+    if left_to_run(key, size, cfg.tokenize_in_check_mb):
+        for _, text in read_documents(cfg, DataListing(hashing=False), head=HEAD_RECORDS):  # hashed just now
+            tokenizer.encode(text)
+        check_disk_space(size)
+        return None
 
-    def build(store) -> dict[str, Any]:
-        counts = {"train": [0, 0], "eval": [0, 0]}  # [documents, tokens]
-        names, read = set(), DataListing()
-        for name, text in read_documents(cfg, read):
+    def add_documents(store, documents) -> dict[str, Any]:
+        counts = {"train": [0, 0], "eval": [0, 0], "names": set()}  # [documents, tokens]
+        for name, text in documents:
             split = "eval" if is_eval_document(name, cfg.eval_fraction) else "train"
             ids = np.append(tokenizer.encode(text).numpy(), tokenizer.eos_token_id)  # as document_pieces cuts it
             for start in range(0, len(ids) - 1, cfg.seq_len):
                 store.add(split, ids[start : start + cfg.seq_len + 1])
             counts[split][0] += 1
             counts[split][1] += len(ids)
-            names.add(name.split(":", 1)[0])
+            counts["names"].add(name.split(":", 1)[0])
+            store.progress.advance(documents=1, bytes_read=len(text) if isinstance(text, str) else 0)
+        return counts
+
+    def build(store) -> dict[str, Any]:
+        read = DataListing()
+        if cfg.source == "files" and not any(is_saved_dataset(Path(p)) for p in cfg.paths):
+            files = _expand_paths(cfg.paths, read)  # a part per file, over the cores
+            parts = build_in_parts(store, len(files), lambda part, i: add_documents(part, file_documents(cfg, *files[i])))
+        else:
+            parts = [add_documents(store, read_documents(cfg, read))]
         if read.fingerprint() != listing.fingerprint() or read.changed():
             raise ConfigError(f"data.paths changed while it was tokenized ({', '.join(p.name for p in read.changed()[:3])}"
                               "); launch again once it is written")
-        return {"files": len(names), "train": counts["train"], "eval": counts["eval"]}
+        counts = {split: [sum(part[split][i] for part in parts) for i in (0, 1)] for split in ("train", "eval")}
+        if not counts["train"][0] + counts["eval"][0]:
+            raise ConfigError(NO_DOCUMENTS.format(paths=cfg.paths))
+        return {"files": len(set().union(*(part["names"] for part in parts))), **counts}
 
     return open_or_build(key, rows=1, dtype=value_dtype(tokenizer.vocab_size - 1), build=build, input_bytes=size)
 
@@ -465,6 +512,11 @@ class CausalLM(Engine):
         path = config.model.pretrained_path
         listing = DataListing()
         store = token_store(cfg, data_tokenizer(config), listing)
+        if store is None:  # the run tokenizes it as its first phase
+            size = sum(path.stat().st_size for path in listing.files)
+            return DataSummary(source=cfg.source, paths=cfg.paths[:20], files=len(listing.files), documents=0,
+                               tokens=0, train_documents=0, train_tokens=0, eval_documents=0, eval_tokens=0,
+                               bytes=size, preparing=DataPreparation(bytes_total=size), **listing.summary_fields())
         counts = {False: store.counts["train"], True: store.counts["eval"]}  # held out? -> [documents, tokens]
         if not counts[False][0]:
             raise ConfigError(f"no training documents: data.eval_fraction={cfg.eval_fraction} holds out all of them")
@@ -472,6 +524,7 @@ class CausalLM(Engine):
             source=cfg.source,
             paths=cfg.paths[:20],
             files=store.counts["files"] if cfg.source != "random" else None,
+            bytes=sum(path.stat().st_size for path in listing.files) if listing.files else None,
             documents=counts[False][0] + counts[True][0],
             tokens=counts[False][1] + counts[True][1],
             train_documents=counts[False][0],

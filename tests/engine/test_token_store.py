@@ -132,9 +132,44 @@ def test_the_data_cache_command_lists_and_removes_what_runs_tokenized(tmp_path, 
     size = sum(f.stat().st_size for f in store.folder.iterdir())
     assert cli.main(["data-cache", "--workspace", str(tmp_path / "ws"), "--json"]) == 0
     listed = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert listed == {"folder": ".trainwright/data-cache", "stores": {store.folder.name: size}, "removed": {}}
+    assert listed == {"folder": ".trainwright/data-cache", "stores": {store.folder.name: size}, "not_listed": 0,
+                      "total_bytes": size, "removed": {}}
     assert cli.main(["data-cache", "--remove", "elsewhere", "--workspace", str(tmp_path / "ws"), "--json"]) == 3
     assert store.folder.is_dir()
     assert cli.main(["data-cache", "--remove", "all", "--workspace", str(tmp_path / "ws"), "--json"]) == 0
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert (out["stores"], out["removed"]) == ({}, {store.folder.name: size}) and not store.folder.exists()
+
+
+def test_the_data_cache_lists_its_largest_stores_and_counts_the_rest(tmp_path, cache, capsys, monkeypatch):
+    from mcp_server import cli
+    from mcp_server.operations import data_cache
+
+    monkeypatch.setattr(data_cache, "MAX_LIST_STORES", 2)
+    for i, size in enumerate([10, 30, 20, 5]):
+        (cache / f"store-{i}").mkdir(parents=True)
+        (cache / f"store-{i}" / "train.bin").write_bytes(b"x" * size)
+    assert cli.main(["data-cache", "--workspace", str(tmp_path / "ws"), "--json"]) == 0
+    listed = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert (listed["stores"], listed["not_listed"], listed["total_bytes"]) == ({"store-1": 30, "store-2": 20}, 2, 65)
+    assert cli.main(["data-cache", "--workspace", str(tmp_path / "ws")]) == 0
+    assert "… 2 smaller store(s) not listed" in capsys.readouterr().out
+
+
+def test_the_cache_lock_refuses_a_link_in_the_folders_place(tmp_path, monkeypatch):
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (tmp_path / "cache").symlink_to(elsewhere)
+    with pytest.raises(ConfigError, match="the data cache .*cache is a symbolic link or not a folder"):
+        with token_store.locked_cache(tmp_path / "cache"):
+            pass
+    ws = tmp_path / "ws"
+    (ws / ".trainwright").mkdir(parents=True)
+    (ws / ".trainwright" / "data-cache").symlink_to(elsewhere)
+    (elsewhere / "kept").mkdir()
+    from engine.errors import BadInput
+
+    assert cached_data(ws) == []  # nothing listed through the link
+    with pytest.raises(BadInput, match="symbolic link"):  # and the lock a removal takes refuses it
+        remove_cached_data(ws, [])
+    assert (elsewhere / "kept").is_dir()

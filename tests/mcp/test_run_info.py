@@ -50,3 +50,33 @@ def test_run_info_of_takes_every_shared_fact_from_the_record():
     info = RunInfo.of(record, run_id="r", run_dir="runs/r", code="recipe")
     assert {name: getattr(info, name) for name in rd.RunFacts.model_fields} == {
         name: getattr(record, name) for name in rd.RunFacts.model_fields}
+
+
+def test_get_run_and_wait_run_show_the_data_being_tokenized_as_the_run_writes_it(tmp_path):
+    import os
+
+    import anyio
+
+    from mcp_server.operations.waiting import wait_run
+
+    root = make_workspace(tmp_path / "ws")
+    run_id = "20260101-000000-lm-prep"
+    pending = rd.DataSummary(source="files", paths=["data"], files=2, documents=0, tokens=0, train_documents=0,
+                             eval_documents=0, train_tokens=0, eval_tokens=0, bytes=400_000_000,
+                             preparing=rd.DataPreparation(bytes_total=400_000_000))
+    run_dir = fake_run(root, run_id, status=rd.RUNNING, steps=0, checkpoints=(), pid=os.getpid(), data=pending)
+    # The run's first phase writes its progress into run.json (engine.launch.prepare_data).
+    rd.update_run(run_dir, data=pending.model_copy(update={"preparing": rd.DataPreparation(
+        documents=1200, bytes_done=100_000_000, bytes_total=400_000_000, eta_s=30.0)}))
+    shown = runs.get_run(Workspace.open(root), run_id)
+    assert shown.data["preparing"] == {"documents": 1200, "bytes_done": 100_000_000, "bytes_total": 400_000_000,
+                                       "eta_s": 30.0}
+    heard = []
+
+    async def on_progress(now):
+        heard.append(now.progress_message())
+
+    result = anyio.run(lambda: wait_run(Workspace.open(root), run_id, timeout_s=0.05, on_progress=on_progress))
+    assert result.reason == "timeout" and result.step is None
+    assert heard == ["tokenizing the data as the run's first phase: 1,200 documents, 100.0 of 400.0 MB, "
+                     "about 30 s left"]

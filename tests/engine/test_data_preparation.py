@@ -1,0 +1,242 @@
+"""Preparing the data is the run's first phase for large data: the launch check reads only the
+head of each file and checks the disk, the run tokenizes it with its progress in run.json (what
+get_run and wait_run show), the summary it fills is exact, a second launch maps the store, and a
+bad record deep in a file fails the run naming it and leaves no store."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from engine import launch
+from engine import run_dir as rd
+from engine import token_store
+from engine.config import ConfigError
+from engine.seams import LaunchVerdict
+from engine.data_files import DataListing
+from recipes_template.causal_lm import recipe as causal_lm
+from recipes_template.causal_lm.recipe import CausalLM
+from tests.support import TEMPLATE, engine_command, engine_env
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch) -> Path:
+    folder = tmp_path / "cache"
+    monkeypatch.setenv(token_store.CACHE_VARIABLE, str(folder))
+    return folder
+
+
+def write_corpus(folder: Path, documents: int = 600, bad_at: int | None = None) -> Path:
+    """``documents`` JSONL records over two files (a record without text at line ``bad_at`` of
+    the second, when given)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for name, lines in (("a.jsonl", range(documents // 2)), ("b.jsonl", range(documents // 2, documents))):
+        with open(folder / name, "w") as f:
+            for line, i in enumerate(lines, 1):
+                f.write(json.dumps({"body": "no text"} if name == "b.jsonl" and line == bad_at
+                                   else {"text": f"def f{i}(x):\n    return x * {i}\n" * 8}) + "\n")
+    return folder
+
+
+def check(recipe: Path, *overrides: str, capsys) -> dict:
+    argv = [str(recipe), "--check"]
+    for item in overrides:
+        argv += ["--set", item]
+    code = launch.main(argv)
+    verdict = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    verdict["exit_code"] = code
+    return verdict
+
+
+def config_of(*overrides: str):
+    from engine.config import overrides_to_dict
+
+    return CausalLM.config_class.model_validate(_nested(overrides_to_dict(list(overrides))))
+
+
+def _nested(dotted: dict) -> dict:
+    tree: dict = {}
+    for key, value in dotted.items():
+        *parents, leaf = key.split(".")
+        node = tree
+        for parent in parents:
+            node = node.setdefault(parent, {})
+        node[leaf] = value
+    return tree
+
+
+def test_the_launch_check_leaves_large_data_to_the_run_reading_only_its_head(tmp_path, cache, capsys):
+    data = write_corpus(tmp_path / "data", bad_at=250)  # deep in b.jsonl: past the head the check reads
+    left = check(TEMPLATE, f"data.paths=[{data}]", "data.tokenize_in_check_mb=0", capsys=capsys)
+    assert left["ok"] is True, left
+    summary = rd.DataSummary.model_validate(left["data"])
+    size = sum(p.stat().st_size for p in data.iterdir())
+    assert summary.preparing == rd.DataPreparation(bytes_total=size)
+    assert (summary.files, summary.bytes, summary.documents) == (2, size, 0)
+    assert summary.nothing_to_train() is None
+    assert not cache.exists() or list(cache.iterdir()) == []  # nothing tokenized, nothing written
+    counted = check(TEMPLATE, f"data.paths=[{data}]", capsys=capsys)  # small data: the check tokenizes it all
+    assert counted == {"ok": False, "error": "b.jsonl:250: no text under 'text' (columns: ['body']; set data.text_field)",
+                       "exit_code": 2}
+
+
+def test_a_bad_record_in_the_head_is_still_refused_at_launch(tmp_path, cache, capsys):
+    data = write_corpus(tmp_path / "data", bad_at=3)
+    verdict = check(TEMPLATE, f"data.paths=[{data}]", "data.tokenize_in_check_mb=0", capsys=capsys)
+    assert verdict["error"] == "b.jsonl:3: no text under 'text' (columns: ['body']; set data.text_field)"
+    assert not cache.exists() or list(cache.iterdir()) == []
+
+
+def test_too_little_disk_for_the_store_is_refused_at_launch_with_the_numbers(tmp_path, cache, capsys, monkeypatch):
+    data = write_corpus(tmp_path / "data")
+    monkeypatch.setattr(token_store, "DISK_BYTES_PER_INPUT_BYTE", 10**12)
+    verdict = check(TEMPLATE, f"data.paths=[{data}]", "data.tokenize_in_check_mb=0", capsys=capsys)
+    assert verdict["ok"] is False and "GB free" in verdict["error"] and "the tokenized data needs up to" in verdict["error"]
+
+
+def pending_run(tmp_path: Path, data: Path, capsys) -> tuple[Path, rd.DataSummary]:
+    """A run directory as the launcher leaves it for data the check left to the run."""
+    verdict = check(TEMPLATE, f"data.paths=[{data}]", "data.tokenize_in_check_mb=0", capsys=capsys)
+    pending = LaunchVerdict.model_validate({k: v for k, v in verdict.items() if k != "exit_code"}).data
+    run_dir = tmp_path / "runs" / "r1"
+    rd.create_run(run_dir, rd.RunRecord(id="r1", recipe="lm", data=pending, status=rd.RUNNING))
+    return run_dir, pending
+
+
+def test_the_run_tokenizes_as_its_first_phase_with_its_progress_in_run_json(tmp_path, cache, capsys, monkeypatch):
+    data = write_corpus(tmp_path / "data")
+    run_dir, pending = pending_run(tmp_path, data, capsys)
+    seen: list[rd.DataPreparation] = []
+    update_run = rd.update_run
+
+    def recording(folder, **fields):
+        record = update_run(folder, **fields)
+        seen.append(rd.read_run(folder).data.preparing)  # what get_run reads meanwhile
+        return record
+
+    monkeypatch.setattr(rd, "update_run", recording)
+    monkeypatch.setattr(token_store, "PROGRESS_EVERY_S", 0.0)
+    config = config_of(f"data.paths=[{data}]", "data.tokenize_in_check_mb=0")
+    summary = launch.prepare_data(run_dir, CausalLM, config, pending)
+
+    # A report per document (one process), or per file as the workers finish them (several).
+    documents = [p.documents for p in seen]
+    assert len(seen) >= 2 and documents == sorted(set(documents)) and documents[-1] == 600
+    assert all(p.bytes_total == pending.bytes for p in seen)
+    assert 0 < seen[0].bytes_done < seen[-1].bytes_done <= pending.bytes and seen[0].eta_s > 0
+    assert f"tokenizing the data as the run's first phase: {documents[0]:,} document" in pending.model_copy(
+        update={"preparing": seen[0]}).describe()
+    # The summary is exact: what the launch check counts of the same data when it tokenizes it.
+    exact = check(TEMPLATE, f"data.paths=[{data}]", capsys=capsys)
+    assert summary.preparing is None and summary.model_dump(mode="json") == exact["data"]
+    assert summary.documents == 600 and summary.train_documents > 0
+
+
+def test_a_second_launch_maps_the_store_and_a_changed_file_is_tokenized_again(tmp_path, cache, capsys):
+    data = write_corpus(tmp_path / "data")
+    run_dir, pending = pending_run(tmp_path, data, capsys)
+    config = config_of(f"data.paths=[{data}]", "data.tokenize_in_check_mb=0")
+    launch.prepare_data(run_dir, CausalLM, config, pending)
+    again = check(TEMPLATE, f"data.paths=[{data}]", "data.tokenize_in_check_mb=0", capsys=capsys)
+    assert again["data"]["preparing"] is None and again["data"]["documents"] == 600  # the store, mapped
+    with open(data / "a.jsonl", "a") as f:
+        f.write(json.dumps({"text": "one more"}) + "\n")
+    changed = check(TEMPLATE, f"data.paths=[{data}]", "data.tokenize_in_check_mb=0", capsys=capsys)
+    assert changed["data"]["preparing"] is not None  # another fingerprint: left to the run again
+
+
+def test_a_bad_record_deep_in_a_file_fails_the_run_naming_it_and_leaves_no_store(tmp_path, cache, capsys):
+    data = write_corpus(tmp_path / "data", bad_at=250)
+    run_dir, pending = pending_run(tmp_path, data, capsys)
+    config = config_of(f"data.paths=[{data}]", "data.tokenize_in_check_mb=0")
+    with pytest.raises(ConfigError, match=r"^b.jsonl:250: no text under 'text'"):
+        launch.prepare_data(run_dir, CausalLM, config, pending)
+    assert list(cache.iterdir()) == []  # no store, no half-built folder
+
+
+def test_a_store_left_half_built_by_a_killed_build_is_never_trusted(tmp_path, cache, capsys):
+    data = write_corpus(tmp_path / "data")
+    verdict = check(TEMPLATE, f"data.paths=[{data}]", "data.tokenize_in_check_mb=0", capsys=capsys)
+    assert verdict["data"]["preparing"] is not None
+    key_folders_before = set(cache.iterdir()) if cache.exists() else set()
+    run_dir, pending = pending_run(tmp_path, data, capsys)
+    config = config_of(f"data.paths=[{data}]", "data.tokenize_in_check_mb=0")
+    store = launch.prepare_data(run_dir, CausalLM, config, pending)
+    (folder,) = set(cache.iterdir()) - key_folders_before
+    # What a kill mid-build leaves: the folder being built, without its meta.json.
+    half = cache / f"{folder.name}.building-x"
+    os.rename(folder, half)
+    (half / "meta.json").unlink()
+    again = check(TEMPLATE, f"data.paths=[{data}]", "data.tokenize_in_check_mb=0", capsys=capsys)
+    assert again["data"]["preparing"] is not None  # not trusted: the run builds it again
+    rebuilt = launch.prepare_data(run_dir, CausalLM, config, pending)
+    assert rebuilt == store and sorted(p.name for p in cache.iterdir()) == [folder.name]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_two_ranks_on_data_left_to_them_tokenize_once_then_train(tmp_path, cache, capsys):
+    data = write_corpus(tmp_path / "data")
+    run_dir, pending = pending_run(tmp_path, data, capsys)
+    command = engine_command(
+        TEMPLATE, f"data.paths=[{data}]", "data.tokenize_in_check_mb=0", "train.max_steps=2", "model.hidden_size=16",
+        "model.intermediate_size=32", "model.num_layers=1", "data.seq_len=32", "checkpoint.at_end=false",
+        nproc=2, run_dir=run_dir,
+    )
+    result = subprocess.run(command, env={**engine_env(), token_store.CACHE_VARIABLE: str(cache)},
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    record = rd.read_run(run_dir)
+    assert record.data.preparing is None and record.data.documents == 600 and record.final_step == 2
+    assert len(list(cache.iterdir())) == 1  # one store, built by the first rank, mapped by the second
+
+
+@pytest.mark.parametrize("cores", [2, 5])
+def test_tokenizing_over_the_cores_builds_the_very_store_one_process_builds(tmp_path, monkeypatch, cores):
+    data = tmp_path / "data"
+    write_corpus(data / "x", documents=120)
+    write_corpus(data / "y", documents=60, bad_at=None)
+    (data / "notes.md").write_text("# notes\n" * 50)
+    built = {}
+    for workers in (1, cores):
+        monkeypatch.setenv(token_store.CACHE_VARIABLE, str(tmp_path / f"cache-{workers}"))
+        monkeypatch.setattr(os, "sched_getaffinity", lambda pid, n=workers: set(range(n)))
+        store = causal_lm.token_store(causal_lm.CausalLMDataConfig(paths=[str(data)], seq_len=16, eval_fraction=0.2),
+                                      causal_lm.ByteTokenizer(), DataListing())
+        built[workers] = (store.meta, {p.name: p.read_bytes() for p in sorted(store.folder.iterdir())})
+    assert built[1] == built[cores]
+    assert built[1][0]["counts"]["files"] == 5 and sum(built[1][0]["counts"]["train"][:1]) > 0
+
+
+def test_without_a_process_to_spare_the_parts_are_built_here(tmp_path, cache, monkeypatch):
+    import multiprocessing.context
+
+    def refused(*args, **kwargs):
+        raise BlockingIOError(11, "Resource temporarily unavailable")
+
+    data = write_corpus(tmp_path / "data", documents=40)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
+    monkeypatch.setattr(multiprocessing.context.ForkContext, "Pool", refused)
+    store = causal_lm.token_store(causal_lm.CausalLMDataConfig(paths=[str(data)], seq_len=16),
+                                  causal_lm.ByteTokenizer(), DataListing())
+    assert store.counts["files"] == 2 and sum(store.counts[s][0] for s in ("train", "eval")) == 40
+
+
+def test_data_that_leaves_nothing_to_train_fails_the_run_as_the_launch_check_refuses_it(tmp_path, cache, capsys):
+    data = write_corpus(tmp_path / "data", documents=20)
+    left = check(TEMPLATE, f"data.paths=[{data}]", "data.eval_fraction=1", "data.tokenize_in_check_mb=0", capsys=capsys)
+    assert left["ok"] is True  # the check cannot know before tokenizing it all
+    run_dir = tmp_path / "runs" / "r1"
+    pending = LaunchVerdict.model_validate({k: v for k, v in left.items() if k != "exit_code"}).data
+    rd.create_run(run_dir, rd.RunRecord(id="r1", recipe="lm", data=pending, status=rd.RUNNING))
+    config = config_of(f"data.paths=[{data}]", "data.eval_fraction=1", "data.tokenize_in_check_mb=0")
+    with pytest.raises(ConfigError) as failed:
+        launch.prepare_data(run_dir, CausalLM, config, pending)
+    # Once the store is there, the launch check counts it and refuses with the same message.
+    refused = check(TEMPLATE, f"data.paths=[{data}]", "data.eval_fraction=1", "data.tokenize_in_check_mb=0", capsys=capsys)
+    assert refused["ok"] is False and str(failed.value) == refused["error"]
+    assert "holds out all of them" in refused["error"]
