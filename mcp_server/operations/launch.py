@@ -220,11 +220,30 @@ def script_launch(ws: Workspace, source: RunSource, nproc: int, args: object, re
     now, or of the copy a commit holds (``at_commit``: :func:`~runner.provenance.code_at_commit`),
     in the sandbox and with the limits of every run; nothing imports it first."""
     assert source.script is not None
-    script = scripts.ScriptLaunch(source.script, scripts.check_args(args), scripts.check_resume_arg(resume_arg),
-                                  source.alone)
+    given, started_from = started_from_checkpoint(ws, scripts.check_args(args))
+    script = scripts.ScriptLaunch(source.script, given, scripts.check_resume_arg(resume_arg), source.alone)
     code = source.code_dir / source.script if source.alone else source.code_dir
     code_dir, origin = at_commit or (source.code_dir, recipe_origin(ws.root, code))
-    return Launch(code_dir, ws.label(code), origin, nproc, script=script)
+    return Launch(code_dir, ws.label(code), origin, nproc, script=script, resumed_from=started_from)
+
+
+def started_from_checkpoint(ws: Workspace, args: list[str]) -> tuple[list[str], rd.ResumedFrom | None]:
+    """A script's ``args`` with the earlier run's checkpoint they name (``run:RUN_ID[@STEP]``:
+    :data:`runner.scripts.CHECKPOINT_REFERENCE`) replaced by its path, and that checkpoint as
+    the run's ``resumed_from``, which its sandbox shows read-only. The run and its checkpoint
+    come from the server's records and the checkpoints listed complete, never a path a run
+    wrote; a recipe run's checkpoint is the engine's, which a script cannot load."""
+    reference = scripts.checkpoint_reference(args)
+    if reference is None:
+        return args, None
+    source_dir, source = known_run(ws, reference.run_id)
+    if source.kind != rd.SCRIPT:
+        raise BadInput(f"run {source.id} ran a recipe: its checkpoints are the engine's, not a script's; "
+                       "export_checkpoint(run_id, to=DIR) writes a Hugging Face folder, whose path the script can take")
+    step, checkpoint = run_checkpoints.choose_checkpoint(source_dir, source.kind, reference.step, verified=True)
+    given = list(args)
+    given[reference.index] = reference.option + str(checkpoint)
+    return given, rd.ResumedFrom(run_id=source.id, step=step, path=str(checkpoint))
 
 
 def joining_node(ws: Workspace, request: Launch) -> Launch:
