@@ -172,7 +172,8 @@ def cmd_ab(args: argparse.Namespace) -> int:
         print(line, file=sys.stderr, flush=True)
 
     result = ab.ab(_workspace(args), args.skill, args.recipe, args.steps, args.rounds, args.overrides,
-                   nproc=args.nproc, note=args.note, progress=progress)
+                   nproc=args.nproc, note=args.note, progress=progress, args=args.script_args or None,
+                   revisions=(args.commit_a, args.commit_b))
     emit(args, result, terminal.ab_text)
     return {"completed": EXIT_OK, "stopped": EXIT_STOPPED}.get(result.outcome, EXIT_RUN_FAILED)
 
@@ -364,14 +365,18 @@ def _add_terminal_commands(sub: Any, common: argparse.ArgumentParser) -> None:
 def _add_ab(sub: Any, common: argparse.ArgumentParser) -> None:
     from mcp_server.limits import AB_DEFAULT_ROUNDS, AB_MAX_ROUNDS, AB_MAX_STEPS, AB_MIN_STEPS
 
-    p = _add_command(sub, common, "ab", cmd_ab, "a skill's effect, measured: the recipe at the skill's commit (b) "
-                     "against the commit before it (a), same config, runs interleaved a b b a ..., then "
-                     "compare_runs over the rounds")
-    p.add_argument("skill", help="a skill applied to the recipe (its newest commit with Skill-Applied: SKILL is b)")
-    p.add_argument("recipe", help="recipe folder, relative to the workspace, or its name")
-    p.add_argument("--steps", type=int, required=True, metavar="N",
-                   help=f"train.max_steps of every run ({AB_MIN_STEPS}-{AB_MAX_STEPS}; train.log_every defaults to "
-                   "N/10, and no checkpoints are saved)")
+    p = _add_command(sub, common, "ab", cmd_ab, "a skill's effect, measured: the recipe or script at the skill's "
+                     "commit (b) against the commit before it (a), or at two revisions (--b, --a), same config or "
+                     "script args (after --), runs interleaved a b b a ..., then compare_runs over the rounds")
+    p.add_argument("skill", nargs="?", help="a skill applied to the code (its newest commit with Skill-Applied: "
+                   "SKILL is b); leave it out with --b")
+    p.add_argument("recipe", help="recipe folder, relative to the workspace, or its name; or a training script "
+                   "(a .py file, or a folder with a train.py), whose args follow --")
+    p.add_argument("--b", dest="commit_b", metavar="REV", help="instead of a skill: the revision b runs (sha, HEAD)")
+    p.add_argument("--a", dest="commit_a", metavar="REV", help="with --b: the revision a runs (default: b's parent)")
+    p.add_argument("--steps", type=int, metavar="N",
+                   help=f"a recipe's train.max_steps for every run (required for a recipe; {AB_MIN_STEPS}-"
+                   f"{AB_MAX_STEPS}; train.log_every defaults to N/10, and no checkpoints are saved)")
     p.add_argument("--rounds", type=int, default=AB_DEFAULT_ROUNDS, metavar="R",
                    help=f"rounds of one a and one b run (default {AB_DEFAULT_ROUNDS}; 1-{AB_MAX_ROUNDS})")
     p.add_argument("--nproc", type=int, default=1, help="processes (FSDP2 ranks) of each run")
@@ -421,10 +426,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def split_script_args(argv: list[str]) -> tuple[list[str], list[str]]:
-    """``trainwright run SCRIPT [OPTIONS] -- ARGS`` (``resume RUN_ID ... -- ARGS``): the command
-    line before the first ``--``,
+    """``trainwright run SCRIPT [OPTIONS] -- ARGS`` (``resume RUN_ID ... -- ARGS``, ``ab ... SCRIPT
+    -- ARGS``): the command line before the first ``--``,
     and the script's own after it (argparse would take the script's options for its own)."""
-    if argv[:1] in (["run"], ["resume"]) and "--" in argv:
+    if argv[:1] in (["run"], ["resume"], ["ab"]) and "--" in argv:
         at = argv.index("--")
         return argv[:at], argv[at + 1:]
     return argv, []

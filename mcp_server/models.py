@@ -356,13 +356,15 @@ class AbRound(Result):
 
 
 class AbResult(Result):
-    """``trainwright ab``: a skill's effect, its commit (b) against the commit before it (a)."""
+    """``trainwright ab``: a skill's effect, its commit (b) against the commit before it (a), or
+    two revisions of a recipe or script."""
 
-    skill: str  # name@version, from the commit's Skill-Applied trailer
-    recipe: str
+    skill: str | None  # name@version, from the commit's Skill-Applied trailer; None: two revisions given
+    recipe: str  # the recipe folder or script
     commit_a: str
     commit_b: str
-    steps: int
+    steps: int | None  # a recipe's train.max_steps; None for a script (its args say)
+    args: list[str] | None = None  # a script's command line, the same for every run
     rounds: int
     command: str
     runs: list[AbRun]  # in launch order

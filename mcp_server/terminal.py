@@ -174,8 +174,12 @@ def compare_text(r) -> str:
 
 
 def ab_text(r) -> str:
-    lines = [f"A/B of {r.skill} on {r.recipe}: a = {r.commit_a[:10]} (before it), b = {r.commit_b[:10]} (its commit), "
-             f"{r.rounds} round(s) of {r.steps} steps",
+    sides = f"a = {r.commit_a[:10]} (before it), b = {r.commit_b[:10]} (its commit)" if r.skill else \
+        f"a = {r.commit_a[:10]}, b = {r.commit_b[:10]}"
+    from mcp_server.operations.ab import run_length
+
+    lines = [f"A/B of {r.skill or 'two commits'} on {r.recipe}: {sides}, {r.rounds} round(s) of "
+             f"{run_length(r.steps, r.args)}",
              "  order    " + " ".join(f"{run.side}:{run.run_id}" for run in r.runs)]
     for rnd in r.per_round:
         lines.append(f"  round {rnd.round}  " + "; ".join(metric_line(m) for m in rnd.metrics))

@@ -89,25 +89,29 @@ Stop and report the error text to the user if a step fails twice."""
 
 
 def speed_up(
-    recipe: Annotated[str, Field(description="A recipe folder, e.g. recipes/lm.")],
+    recipe: Annotated[str, Field(description="A recipe folder (recipes/lm) or your own training script (train.py).")],
 ) -> str:
     recipe = _quoted(recipe)
-    return f"""Make {recipe} train faster on this machine, measured:
-1. list_runs(), then get_run(run_id) of the recipe's latest run: note speed (mean tokens/s), padding_frac, \
+    return f"""Make {recipe} train faster on this machine, measured. It is a recipe, or your own training \
+script (a .py file, or a folder with a train.py and no recipe.py): a script's runs take its command \
+line as args=A (which sets its steps) wherever a recipe's take overrides=O; the rest is alike.
+1. list_runs(), then get_run(run_id) of its latest run: note speed (mean tokens/s, step time), padding_frac, \
 peak memory and warnings. No run yet: launch_run(recipe={recipe}, overrides={{"train.max_steps": 30}}) \
-and wait_run until it ends.
+(a script: args=A for about 30 steps) and wait_run until it ends.
 2. list_skills(): pick the ones the run's figures call for (padding_frac above 0.3: \
 sequence-packing; a CUDA GPU: flash-attention, liger-kernel, mixed-precision; many steps of one \
 shape: torch-compile). get_skill(skill) for each: its "When to use" must fit.
 3. apply_skill(skill, recipe={recipe}, dry_run=true) to read the diff, then apply it (one commit \
 per skill); note its commit C.
 4. Measure each skill as an A/B, its commit against the one before it, with the same overrides O \
-(the baseline's, with train.log_every a tenth of train.max_steps): launch_run(recipe={recipe}, \
-overrides=O, commit="C^") (a: without it) and wait_run(run_id) until it ends; launch_run(recipe={recipe}, \
-overrides=O, commit="C") (b: with it) and wait_run; then b again and a again, in that order, so \
-that the machine's load falls on both. compare_runs(run_a, run_b) for each pair: claim a gain only \
-when both pairs say better. (From a shell, `trainwright ab SKILL {recipe} --steps 30 --note` runs \
-the same A/B and writes its verdict into the skill commit's git note.)
+(the baseline's, with train.log_every a tenth of train.max_steps) or the same args A: \
+launch_run(recipe={recipe}, overrides=O, commit="C^") (a: without it) and wait_run(run_id) until it ends; \
+launch_run(recipe={recipe}, overrides=O, commit="C") (b: with it) and wait_run; then b again and a again, \
+in that order, so that the machine's load falls on both. compare_runs(run_a, run_b) for each pair, \
+first_step_s and wall_s (start-up, compilation) beside the step time: claim a gain only when both pairs \
+say better for the run's length. (From a shell, `trainwright ab SKILL {recipe} --steps 30 --note`, for a \
+script `trainwright ab SKILL {recipe} --note -- A`, runs the same A/B and writes its verdict into the \
+skill commit's git note.)
 5. Keep a skill that helped; for one that did not, say so to the user (git revert its commit)."""
 
 
@@ -135,7 +139,7 @@ def register_prompts(mcp: MCPServer) -> None:
         description = {
             "finetune": "Fine-tune a model on a data set: scaffold, skills, launch, wait, evaluate, export.",
             "reinforce": "Train a model with GRPO on prompts, rewards written as code: scaffold, reward, launch, evaluate, export.",
-            "speed_up": "Make a recipe train faster: which skills fit this machine, applied and measured.",
+            "speed_up": "Make a recipe or script train faster: which skills fit this machine, applied and measured.",
             "diagnose_run": "Read a run's failure or loss curve and say the next step.",
         }[workflow.__name__]
         mcp.prompt(name=workflow.__name__, description=description)(workflow)

@@ -81,9 +81,12 @@ def recipe_origin(workspace: Path, recipe_dir: Path) -> CodeOrigin:
 
 
 @contextlib.contextmanager
-def code_at_commit(workspace: Path, recipe_dir: Path, rev: str) -> Iterator[tuple[Path, CodeOrigin]]:
+def code_at_commit(workspace: Path, recipe_dir: Path, rev: str, entry: str = "recipe.py",
+                   alone: bool = False) -> Iterator[tuple[Path, CodeOrigin]]:
     """The files of ``recipe_dir`` as commit ``rev`` holds them, in a temporary folder of the
     recipe's name (removed afterwards), and their origin: that commit, nothing uncommitted.
+    ``entry`` is the file the commit must hold there (a script's ``train.py``, or the script
+    itself); with ``alone`` that file is the only one written (a script run from its file alone).
 
     Only what a snapshot would hold is written (:func:`snapshot_files`' rules: a link or an
     oversized file among the code is refused, other links and large files are left out), within
@@ -92,10 +95,16 @@ def code_at_commit(workspace: Path, recipe_dir: Path, rev: str) -> Iterator[tupl
     if repo is None:
         raise workspace_git.GitRefused("the workspace is not a git repository, so no commit holds the recipe's code")
     sha = workspace_git.resolve_commit(repo, rev)
-    files = workspace_git.tree_files(repo, sha, recipe_dir)
+    if alone:
+        found = workspace_git.tree_file(repo, sha, Path(recipe_dir) / entry)
+        files = None if found is None else [found]
+    else:
+        files = workspace_git.tree_files(repo, sha, recipe_dir)
     name = Path(recipe_dir).name
-    if files is None or not any(f.path == "recipe.py" and not f.link for f in files):
-        raise NotFound(f"commit {sha[:10]} holds no recipe at {name!r} (no recipe.py there); "
+    if files is None or not any(f.path == entry and not f.link for f in files):
+        missing = f"no recipe at {name!r} (no recipe.py there)" if entry == "recipe.py" else \
+            f"no script {entry!r} in {name!r}"
+        raise NotFound(f"commit {sha[:10]} holds {missing}; "
                        "`git log -- RECIPE` lists the commits that do")
     folder = Path(tempfile.mkdtemp(prefix="trainwright-commit-"))
     try:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import stat
 import sys
 import threading
@@ -74,6 +75,39 @@ def check_args(args: object) -> list[str]:
         if not arg.isprintable():
             raise BadInput(f"args[{index}] holds a control character (NUL, newline, ...); give plain text")
     return list(args)
+
+
+# An argument that names an earlier run's checkpoint, for a script that trains further from it:
+# ``run:RUN_ID`` (its latest complete checkpoint) or ``run:RUN_ID@STEP``, alone or as an option's
+# value (``--init=run:RUN_ID@40``). The server puts the checkpoint's path in its place.
+CHECKPOINT_REFERENCE = re.compile(r"(?P<option>-[^=]*=)?run:(?P<run_id>[A-Za-z0-9._-]+)(?:@(?P<step>[0-9]{1,12}))?")
+
+
+@dataclass(frozen=True)
+class CheckpointReference:
+    """``args[index]`` names run ``run_id``'s checkpoint at ``step`` (None: its latest), after
+    ``option`` (``"--init="``, or ``""`` when the argument is the reference alone)."""
+
+    index: int
+    option: str
+    run_id: str
+    step: int | None
+
+
+def checkpoint_reference(args: list[str]) -> CheckpointReference | None:
+    """The one argument of ``args`` that names an earlier run's checkpoint
+    (:data:`CHECKPOINT_REFERENCE`); None when none does. Two are refused: a run starts from one
+    checkpoint."""
+    found = [(index, match) for index, arg in enumerate(args)
+             if (match := CHECKPOINT_REFERENCE.fullmatch(arg)) is not None]
+    if len(found) > 1:
+        raise BadInput(f"args name {len(found)} runs' checkpoints (run:RUN_ID[@STEP]); a run starts from one")
+    if not found:
+        return None
+    index, match = found[0]
+    step = match.group("step")
+    return CheckpointReference(index, match.group("option") or "", match.group("run_id"),
+                               None if step is None else int(step))
 
 
 def check_resume_arg(resume_arg: object) -> str | None:

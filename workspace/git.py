@@ -462,5 +462,17 @@ def tree_files(repo: git.Repo, sha: str, folder: Path) -> list[TreeFile] | None:
     return found
 
 
+def tree_file(repo: git.Repo, sha: str, path: Path) -> TreeFile | None:
+    """The one file at ``path`` as commit ``sha`` holds it (its ``path`` is its name); None when
+    the commit has no file there."""
+    try:
+        item = repo.commit(sha).tree / _rel(repo, path)
+    except KeyError:
+        return None
+    if not isinstance(item, git.Blob):
+        return None
+    return TreeFile(path=Path(path).name, size=item.size, link=item.mode == 0o120000, read=_reader(item))
+
+
 def _reader(blob: git.Blob) -> Callable[[], bytes]:
     return lambda: blob.data_stream.read()

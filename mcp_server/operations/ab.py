@@ -8,7 +8,13 @@ before it. Nothing else differs: both run with the same config, seed and steps, 
 commits' own files (``launch_run(commit=...)``), so uncommitted changes and later commits are in
 neither (said so in ``remarks``). A skill that is not applied yet is refused with the command
 that applies it: an A/B measures a change the user made, it does not make one (the skill may
-need ``params`` or a ``target``, and its diff is for the user to read first).
+need ``params`` or a ``target``, and its diff is for the user to read first). Instead of a skill,
+any two revisions can be measured (``--b REV``, and ``--a REV`` or b's parent).
+
+The user's own training script is measured the same way (a skill applied to it, or two
+revisions): both sides run the script as each commit holds it (``launch_run(commit=...)``),
+with the same command line (``args``), which says how long it runs; a script has no config to
+set, so ``--steps`` and ``--set`` are for recipes.
 
 The runs go one at a time, interleaved round by round: a b, then b a, then a b… (R rounds, 2 by
 default: a b b a), so a load that rises or falls over the A/B falls on both sides alike. The
@@ -22,6 +28,7 @@ of per-round verdicts, which has no noise bound of its own. Each round's own pai
 from __future__ import annotations
 
 import json
+import shlex
 import time
 from typing import Any, Callable, Literal
 
@@ -36,9 +43,10 @@ from mcp_server.models import AbResult, AbRound, AbRun, MetricVerdict
 from mcp_server.operations import compare
 from mcp_server.operations import launch as launching
 from mcp_server.operations import runs as run_ops
+from runner import scripts
 from workspace import git as workspace_git
 from workspace.paths import check_name
-from workspace.workspace import Workspace
+from workspace.workspace import RunSource, Workspace
 
 DEFAULT_ROUNDS, MAX_ROUNDS, MIN_STEPS, MAX_STEPS = AB_DEFAULT_ROUNDS, AB_MAX_ROUNDS, AB_MIN_STEPS, AB_MAX_STEPS
 WINDOWS = 10  # logging windows per run, unless train.log_every is set
@@ -49,51 +57,80 @@ Progress = Callable[[str], None]
 
 def ab(
     ws: Workspace,
-    skill: str,
+    skill: str | None,
     recipe: str,
-    steps: int,
+    steps: int | None,
     rounds: int = DEFAULT_ROUNDS,
     overrides: Overrides = None,
     nproc: int = 1,
     note: bool = False,
     progress: Progress | None = None,
+    args: list[str] | None = None,
+    revisions: tuple[str | None, str | None] = (None, None),
 ) -> AbResult:
-    """Run the recipe without and with ``skill`` (its commit's parent, then its commit),
-    interleaved over ``rounds``, and compare. What the A/B itself takes (skill, recipe, steps,
-    rounds, the overrides' form, the commits) is checked before the first run, and the first
-    run's launch check refuses a bad config key before anything is written."""
+    """Run the recipe or script without and with ``skill`` (its commit's parent, then its
+    commit), or at two ``revisions`` (a, b; a None a is b's parent), interleaved over
+    ``rounds``, and compare. A recipe's runs are ``steps`` long; a script's are what its ``args``
+    say. What the A/B itself takes (skill, code, steps, rounds, the overrides' form, the commits)
+    is checked before the first run, and a recipe's first launch check refuses a bad config key
+    before anything is written."""
     say = progress or (lambda _: None)
-    check_name(skill, "skill")
-    skill_library.get_skill(skill)  # an unknown skill is not_found, with the valid names
-    steps, rounds = _bounded("steps", steps, MIN_STEPS, MAX_STEPS), _bounded("rounds", rounds, 1, MAX_ROUNDS)
-    recipe_dir = ws.recipe(recipe)
-    label = ws.label(recipe_dir)
-    given = launching.checked_overrides(ws, overrides)
-    if "train.max_steps" in given:
-        raise BadInput("--steps sets train.max_steps of every run of the A/B: leave it out of the overrides")
+    if (skill is None) == (revisions[1] is None):
+        raise BadInput("an A/B measures a skill's commit against its parent (SKILL) or two revisions (--b REV, "
+                       "with --a REV or b's parent): give one of them")
+    if skill is not None:
+        check_name(skill, "skill")
+        skill_library.get_skill(skill)  # an unknown skill is not_found, with the valid names
+    elif note:
+        raise BadInput("--note writes the verdict into a skill commit's note: give the skill")
+    rounds = _bounded("rounds", rounds, 1, MAX_ROUNDS)
+    source = ws.run_source(recipe)
+    code = source.code_dir / source.script if source.alone and source.script else source.code_dir
+    label = ws.label(code)
+    config, given, args, steps = _settings(ws, source, steps, overrides, args)
     LaunchRunArgs.checked(recipe=label, nproc=nproc)  # as launch_run checks it, before the first run
     repo = workspace_git.open_repo(ws.root)
     if repo is None:
-        raise workspace_git.GitRefused("the workspace is not a git repository: an A/B runs a skill's commit and the "
-                                     "commit before it")
-    applied, commit_a, commit_b, later = _commits(repo, recipe_dir, skill, label)
-    config = {"train.log_every": max(1, steps // WINDOWS), "checkpoint.every": 0, "checkpoint.at_end": False,
-              **given, "train.max_steps": steps}
+        raise workspace_git.GitRefused("the workspace is not a git repository: an A/B runs two commits of the code")
+    applied, commit_a, commit_b, later = _commits(repo, source, skill, revisions, label)
     remarks = []
     if later:
         remarks.append(f"{later} later commit(s) of {label} are in neither run: b is {applied}'s own commit")
-    if workspace_git.uncommitted(repo, recipe_dir):
+    if workspace_git.uncommitted(repo, code):
         remarks.append(f"the uncommitted changes in {label} are in neither run: each runs a commit's files")
-    command = _command(skill, label, steps, rounds, given, nproc, note)
+    command = _command(skill, label, steps, rounds, given, nproc, note, args, revisions)
     commits = {"a": commit_a, "b": commit_b}
-    say(f"A/B of {applied} on {label}: a = {commit_a[:10]} (before it), b = {commit_b[:10]} (its commit); "
-        f"{rounds} round(s) of {steps} steps, order {' '.join(s for r in range(rounds) for s in _order(r))}")
+    say(f"A/B of {applied or 'two commits'} on {label}: a = {commit_a[:10]}, b = {commit_b[:10]}; "
+        f"{rounds} round(s) of {run_length(steps, args)}, order {' '.join(s for r in range(rounds) for s in _order(r))}")
 
-    runs, per_round, outcome, error = _run_rounds(ws, label, nproc, config, commits, rounds, steps, say)
-    result = AbResult(skill=applied, recipe=label, commit_a=commit_a, commit_b=commit_b, steps=steps, rounds=rounds,
-                      command=command, runs=runs, per_round=per_round, differences=[], verdict=[], left_out=[],
-                      remarks=remarks, outcome=outcome, error=error)
+    runs, per_round, outcome, error = _run_rounds(ws, label, nproc, config, args, commits, rounds, steps, say)
+    result = AbResult(skill=applied, recipe=label, commit_a=commit_a, commit_b=commit_b, steps=steps, args=args,
+                      rounds=rounds, command=command, runs=runs, per_round=per_round, differences=[], verdict=[],
+                      left_out=[], remarks=remarks, outcome=outcome, error=error)
     return _verdict(ws, result, note) if per_round else result
+
+
+def _settings(ws: Workspace, source: RunSource, steps: int | None, overrides: Overrides, args: list[str] | None
+              ) -> tuple[dict[str, Any] | None, dict[str, Any], list[str] | None, int | None]:
+    """What every run of the A/B is launched with: a recipe's config (``steps`` long, logged
+    ten times, no checkpoints; and the overrides as given), or a script's command line (its
+    own steps and logging)."""
+    if source.script is not None:
+        if steps is not None or overrides:
+            raise BadInput("a script's steps and settings are its own command line: give them as args (after -- on "
+                           "the command line); --steps and --set are for recipes")
+        return None, {}, scripts.check_args(args), None
+    if args:
+        raise BadInput("args are a script's command line; a recipe's runs are set with --steps and --set")
+    if steps is None:
+        raise BadInput("--steps is required for a recipe: it sets train.max_steps of every run of the A/B")
+    steps = _bounded("steps", steps, MIN_STEPS, MAX_STEPS)
+    given = launching.checked_overrides(ws, overrides)
+    if "train.max_steps" in given:
+        raise BadInput("--steps sets train.max_steps of every run of the A/B: leave it out of the overrides")
+    config = {"train.log_every": max(1, steps // WINDOWS), "checkpoint.every": 0, "checkpoint.at_end": False,
+              **given, "train.max_steps": steps}
+    return config, given, None, steps
 
 
 def _verdict(ws: Workspace, result: AbResult, note: bool) -> AbResult:
@@ -111,16 +148,17 @@ def _verdict(ws: Workspace, result: AbResult, note: bool) -> AbResult:
     return result
 
 
-def _run_rounds(ws: Workspace, label: str, nproc: int, config: dict[str, Any], commits: dict[str, str], rounds: int,
-                steps: int, say: Progress) -> tuple[list[AbRun], list[AbRound], Literal["completed", "failed", "stopped"],
-                                                   str | None]:
+def _run_rounds(ws: Workspace, label: str, nproc: int, config: dict[str, Any] | None, args: list[str] | None,
+                commits: dict[str, str], rounds: int, steps: int | None, say: Progress,
+                ) -> tuple[list[AbRun], list[AbRound], Literal["completed", "failed", "stopped"], str | None]:
     """The runs, one at a time in the order of :func:`_order`, each round compared when it ends;
-    the first run that does not complete ends the A/B (its outcome and error)."""
+    the first run that does not complete ends the A/B (its outcome and error). A recipe's runs
+    take ``config``, a script's ``args``."""
     runs: list[AbRun] = []
     per_round: list[AbRound] = []
     for index in range(rounds):
         for side in _order(index):
-            launched = launching.launch_run(ws, label, nproc, config, commit=commits[side])
+            launched = launching.launch_run(ws, label, nproc, config, args=args, commit=commits[side])
             say(f"round {index + 1}/{rounds} {side}: run {launched.run_id} ({launched.code})")
             status = _wait(ws, launched.run_id, steps, say)
             runs.append(AbRun(round=index + 1, side=side, run_id=launched.run_id, status=status))
@@ -138,7 +176,7 @@ def _run_rounds(ws: Workspace, label: str, nproc: int, config: dict[str, Any], c
 def note_text(result: AbResult) -> str:
     """The verdict as the skill commit's note: a line per metric, then the command."""
     head = (f"A/B of {result.skill}: this commit (b) against {result.commit_a[:10]} (a, before it), "
-            f"{result.rounds} round(s) of {result.steps} steps, interleaved")
+            f"{result.rounds} round(s) of {run_length(result.steps, result.args)}, interleaved")
     return "\n".join([head, *(f"  {_short(m)}" for m in result.verdict), f"  command: {result.command}"])
 
 
@@ -154,21 +192,43 @@ def _short(m: MetricVerdict) -> str:
     return text
 
 
-def _commits(repo: Any, recipe_dir: Any, skill: str, label: str) -> tuple[str, str, str, int]:
-    """The skill as applied, the commit before it (a), its commit (b), and how many later
-    commits changed the recipe."""
-    applied, commit_b, later = _skill_commit(repo, recipe_dir, skill, label)
+def _commits(repo: Any, source: RunSource, skill: str | None, revisions: tuple[str | None, str | None],
+             label: str) -> tuple[str | None, str, str, int]:
+    """The skill as applied (None for two revisions), the commit of a, the commit of b, and how
+    many later commits changed the code (after the skill's); each commit holds the code."""
+    code = source.code_dir / source.script if source.alone and source.script else source.code_dir
+    if skill is not None:
+        applied, commit_b, later = _skill_commit(repo, code, skill, label)
+        parents = repo.commit(commit_b).parents
+        if not parents or not _holds(repo, parents[0].hexsha, source):
+            raise BadInput(f"{applied} was applied in the first commit of {label} ({commit_b[:10]}): no commit holds "
+                           "the code without it")
+        return applied, parents[0].hexsha, commit_b, later
+    given_a, given_b = revisions
+    commit_b = workspace_git.resolve_commit(repo, given_b)
     parents = repo.commit(commit_b).parents
-    if not parents or workspace_git.tree_files(repo, parents[0].hexsha, recipe_dir) is None:
-        raise BadInput(f"{applied} was applied in the first commit of {label} ({commit_b[:10]}): no commit holds the "
-                       "recipe without it")
-    return applied, parents[0].hexsha, commit_b, later
+    if given_a is None and not parents:
+        raise BadInput(f"--b {given_b} is the first commit: it has no parent to be a; give --a REV")
+    commit_a = workspace_git.resolve_commit(repo, given_a) if given_a is not None else parents[0].hexsha
+    for side, sha in (("a", commit_a), ("b", commit_b)):
+        if not _holds(repo, sha, source):
+            raise BadInput(f"commit {sha[:10]} ({side}) does not hold {label}: `git log -- {label}` lists the "
+                           "commits that do")
+    return None, commit_a, commit_b, 0
 
 
-def _skill_commit(repo: Any, recipe_dir: Any, skill: str, label: str) -> tuple[str, str, int]:
-    """The skill's trailer value (name@version), its newest commit of the recipe, and how many
-    commits of the recipe came after it."""
-    for later, commit in enumerate(workspace_git.path_commits(repo, recipe_dir)):
+def _holds(repo: Any, sha: str, source: RunSource) -> bool:
+    """Whether commit ``sha`` holds the code ``source`` runs: its recipe.py, or its script."""
+    if source.alone and source.script:
+        return workspace_git.tree_file(repo, sha, source.code_dir / source.script) is not None
+    files = workspace_git.tree_files(repo, sha, source.code_dir)
+    return files is not None and any(f.path == (source.script or "recipe.py") for f in files)
+
+
+def _skill_commit(repo: Any, code: Any, skill: str, label: str) -> tuple[str, str, int]:
+    """The skill's trailer value (name@version), its newest commit of the code, and how many
+    commits of the code came after it."""
+    for later, commit in enumerate(workspace_git.path_commits(repo, code)):
         for key, value in commit.trailers:
             if key == workspace_git.SKILL_APPLIED_TRAILER and workspace_git.applied_skill_name(value) == skill:
                 return value, commit.sha, later
@@ -181,7 +241,7 @@ def _order(index: int) -> tuple[str, str]:
     return ("a", "b") if index % 2 == 0 else ("b", "a")
 
 
-def _wait(ws: Workspace, run_id: str, steps: int, say: Progress) -> str:
+def _wait(ws: Workspace, run_id: str, steps: int | None, say: Progress) -> str:
     """The run's final status, once it ended; a line on the way now and then; Ctrl-C stops it."""
     run_dir = ws.run_dir(run_id)
     last_said, last_step = time.monotonic(), None
@@ -192,7 +252,7 @@ def _wait(ws: Workspace, run_id: str, steps: int, say: Progress) -> str:
                 return run_ops.get_run(ws, run_id).status
             step = (run_metrics.latest_metrics(run_dir / rd.METRICS_JSONL) or {}).get("step")
             if step != last_step and time.monotonic() - last_said >= PROGRESS_EVERY_S:
-                say(f"  {run_id}: step {step}/{steps}")
+                say(f"  {run_id}: step {step}" + (f"/{steps}" if steps else ""))
                 last_said, last_step = time.monotonic(), step
             time.sleep(POLL_S)
     except KeyboardInterrupt:
@@ -214,9 +274,23 @@ def _bounded(name: str, value: object, low: int, high: int) -> int:
     return value
 
 
-def _command(skill: str, label: str, steps: int, rounds: int, given: dict[str, Any], nproc: int, note: bool) -> str:
-    parts = ["trainwright", "ab", skill, label, "--steps", str(steps), "--rounds", str(rounds)]
+def run_length(steps: int | None, args: list[str] | None) -> str:
+    """How long each run is: a recipe's steps, or the script's command line that says it."""
+    return f"{steps} steps" if steps is not None else f"args {shlex.join(args or [])!r}"
+
+
+def _command(skill: str | None, label: str, steps: int | None, rounds: int, given: dict[str, Any], nproc: int,
+             note: bool, args: list[str] | None, revisions: tuple[str | None, str | None]) -> str:
+    """The command line that runs the same A/B again."""
+    parts = ["trainwright", "ab", *([skill] if skill else []), label]
+    if skill is None:
+        given_a, given_b = revisions
+        parts += ["--b", shlex.quote(str(given_b)), *(["--a", shlex.quote(given_a)] if given_a is not None else [])]
+    if steps is not None:
+        parts += ["--steps", str(steps)]
+    parts += ["--rounds", str(rounds)]
     if nproc != 1:
         parts += ["--nproc", str(nproc)]
     parts += [f"--set {key}={value if isinstance(value, str) else json.dumps(value)}" for key, value in given.items()]
-    return " ".join(parts + (["--note"] if note else []))
+    parts += ["--note"] if note else []
+    return " ".join(parts + (["--", shlex.join(args)] if args else []))

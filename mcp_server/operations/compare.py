@@ -379,7 +379,17 @@ def _code_differences(ws: Workspace, a: sr.ServerRecord, b: sr.ServerRecord, dir
     changed = sorted(name for name in set(files_a) | set(files_b) if files_a.get(name) != files_b.get(name))
     if changed:
         lines.append(f"code: {len(changed)} file(s) of the snapshots differ ({', '.join(changed[:5])})")
+    start_a, start_b = _started_from(a), _started_from(b)
+    if start_a != start_b:
+        lines.append(f"started from: {start_a} → {start_b}")
     return lines
+
+
+def _started_from(record: rd.RunRecord) -> str:
+    """The checkpoint a run started from, as the server recorded it (a resume, or a launch that
+    trains further from an earlier run's checkpoint), or that it started from scratch."""
+    start = record.resumed_from
+    return f"run {start.run_id} at step {start.step}" if start is not None else "scratch"
 
 
 def skills_of_run(ws: Workspace, record: rd.RunRecord) -> list[str]:

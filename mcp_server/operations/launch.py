@@ -166,7 +166,7 @@ def launch_run(
     included, and said so), or as ``commit`` holds it (a commit id or revision such as
     ``<sha>^``: :func:`~runner.provenance.code_at_commit`); ``limits`` default to the
     workspace's settings. ``recipe`` may also name the user's own training script
-    (:func:`script_launch`), which takes ``args`` and ``resume_arg``.
+    (:func:`script_launch`), which takes ``args`` and ``resume_arg`` (and ``commit`` too).
 
     ``nnodes`` > 1 starts this machine's node of a run over several, meeting at ``rdzv``
     (``endpoint``, ``id``, ``node_rank``; :mod:`runner.nodes`); ``target="slurm"`` makes the
@@ -175,8 +175,11 @@ def launch_run(
     first (:mod:`runner.hub`), with ``progress`` called on the way."""
     source = ws.run_source(recipe)
     if source.script is not None:
-        _check_script_arguments(commit, overrides, nnodes != 1 or rdzv or target != "local" or slurm)
-        return launch(ws, script_launch(ws, source, nproc, args, resume_arg), limits)
+        _check_script_arguments(overrides, nnodes != 1 or rdzv or target != "local" or slurm)
+        with contextlib.ExitStack() as code:
+            at_commit = code.enter_context(code_at_commit(ws.root, source.code_dir, commit, source.script,
+                                                          source.alone)) if commit else None
+            return launch(ws, script_launch(ws, source, nproc, args, resume_arg, at_commit), limits)
     if args is not None or resume_arg is not None:
         raise BadInput(f"args and resume_arg are for a training script; {ws.label(source.code_dir)!r} is a recipe, "
                        "whose config is set by overrides")
@@ -202,10 +205,8 @@ def launch_run(
         return launch(ws, request, limits, progress)
 
 
-def _check_script_arguments(commit: str | None, overrides: Overrides, elsewhere: object) -> None:
-    """A script runs as it is now, on this machine, with its own command line."""
-    if commit:
-        raise BadInput("commit runs a recipe as a commit holds it; a script runs as it is now")
+def _check_script_arguments(overrides: Overrides, elsewhere: object) -> None:
+    """A script runs on this machine, with its own command line."""
     if overrides:
         raise BadInput("overrides set a recipe's config keys; a script takes its command line as args")
     if elsewhere:
@@ -213,14 +214,36 @@ def _check_script_arguments(commit: str | None, overrides: Overrides, elsewhere:
                        f"target slurm are for recipes ({scripts.DOCS_PAGE})")
 
 
-def script_launch(ws: Workspace, source: RunSource, nproc: int, args: object, resume_arg: object) -> Launch:
+def script_launch(ws: Workspace, source: RunSource, nproc: int, args: object, resume_arg: object,
+                  at_commit: tuple[Path, CodeOrigin] | None = None) -> Launch:
     """A run of the user's own script (:mod:`runner.scripts`) from a snapshot of it as it is
-    now, in the sandbox and with the limits of every run; nothing imports it first."""
+    now, or of the copy a commit holds (``at_commit``: :func:`~runner.provenance.code_at_commit`),
+    in the sandbox and with the limits of every run; nothing imports it first."""
     assert source.script is not None
-    script = scripts.ScriptLaunch(source.script, scripts.check_args(args), scripts.check_resume_arg(resume_arg),
-                                  source.alone)
+    given, started_from = started_from_checkpoint(ws, scripts.check_args(args))
+    script = scripts.ScriptLaunch(source.script, given, scripts.check_resume_arg(resume_arg), source.alone)
     code = source.code_dir / source.script if source.alone else source.code_dir
-    return Launch(source.code_dir, ws.label(code), recipe_origin(ws.root, code), nproc, script=script)
+    code_dir, origin = at_commit or (source.code_dir, recipe_origin(ws.root, code))
+    return Launch(code_dir, ws.label(code), origin, nproc, script=script, resumed_from=started_from)
+
+
+def started_from_checkpoint(ws: Workspace, args: list[str]) -> tuple[list[str], rd.ResumedFrom | None]:
+    """A script's ``args`` with the earlier run's checkpoint they name (``run:RUN_ID[@STEP]``:
+    :data:`runner.scripts.CHECKPOINT_REFERENCE`) replaced by its path, and that checkpoint as
+    the run's ``resumed_from``, which its sandbox shows read-only. The run and its checkpoint
+    come from the server's records and the checkpoints listed complete, never a path a run
+    wrote; a recipe run's checkpoint is the engine's, which a script cannot load."""
+    reference = scripts.checkpoint_reference(args)
+    if reference is None:
+        return args, None
+    source_dir, source = known_run(ws, reference.run_id)
+    if source.kind != rd.SCRIPT:
+        raise BadInput(f"run {source.id} ran a recipe: its checkpoints are the engine's, not a script's; "
+                       "export_checkpoint(run_id, to=DIR) writes a Hugging Face folder, whose path the script can take")
+    step, checkpoint = run_checkpoints.choose_checkpoint(source_dir, source.kind, reference.step, verified=True)
+    given = list(args)
+    given[reference.index] = reference.option + str(checkpoint)
+    return given, rd.ResumedFrom(run_id=source.id, step=step, path=str(checkpoint))
 
 
 def joining_node(ws: Workspace, request: Launch) -> Launch:

@@ -118,6 +118,15 @@ def test_speed_up_measures_each_skill_as_an_interleaved_a_b_of_its_commit(sessio
     without, with_it = text.index('commit="C^") (a: without it)'), text.index('commit="C") (b: with it)')
     assert without < with_it < text.index("then b again and a again") < text.index("compare_runs(run_a, run_b)")
     assert '`trainwright ab SKILL "recipes/lm" --steps 30 --note`' in text
+    assert "compare_runs(run_a, run_b) for each pair, first_step_s and wall_s" in text
+
+
+def test_speed_up_on_a_script_says_its_runs_take_args_where_a_recipes_take_overrides(session):
+    text = prompt_text(session, "speed_up", recipe="train.py")
+    assert "a script's runs take its command line as args=A (which sets its steps) wherever a recipe's take " \
+        "overrides=O" in text
+    assert 'launch_run(recipe="train.py", overrides=O, commit="C^")' in text  # commit= runs a script's commit too
+    assert 'for a script `trainwright ab SKILL "train.py" --note -- A`' in text
 
 
 @pytest.mark.slow
