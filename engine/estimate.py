@@ -17,7 +17,9 @@ Per process (:func:`estimate_memory`):
   (dp × sp) when FSDP2 shards (more than one rank, mixed precision,
   ``parallel.fsdp_on_one_process`` or ``parallel.cpu_offload``; engine/fsdp.py), and on a GPU
   none of them with ``parallel.cpu_offload`` (the host holds them);
-- activations: the saved bytes of one micro-batch (scaled by 2/4 with a 16-bit ``param_dtype``,
+- activations: the saved bytes of one micro-batch, attention as the run's SDPA call keeps it
+  (:func:`on_fake_tensors`: no L × L mask and keys/values not repeated per head where the rows
+  are neither packed nor padded, :func:`causal_without_mask`) (scaled by 2/4 with a 16-bit ``param_dtype``,
   by 1/sp with sequence parallelism) plus the largest saved tensor again (its gradient, in
   backward); a checkpointed block keeps only its input, and in backward one block's activations
   come back, once (the largest block's; measured: counting its gradients too overestimated +ckpt
