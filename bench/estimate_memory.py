@@ -19,8 +19,9 @@ Per case: estimate, measured peak, ratio, and the cases outside 0.85–1.15; per
 variant, the estimate's growth from the short to the long rows against the measured growth;
 the Hub id's estimate against the folder's. On a CPU the measured peak is the resident set's, which
 with glibc's default allocator keeps freed activations in the heap; ``--malloc-mmap-threshold
-65536`` fixes the threshold in every process, so that freed tensors go back at once and the
-resident set follows the live bytes the estimate counts (as ``max_memory_allocated`` does on a GPU).
+262144`` fixes the threshold in every check and run (``TRAINWRIGHT_MMAP_THRESHOLD``,
+engine/memory.py), so that freed tensors go back at once and the resident set follows the live
+bytes the estimate counts (as ``max_memory_allocated`` does on a GPU).
 
     python bench/estimate_memory.py [--steps 3] [--templates causal_lm sft vlm] [--sizes small medium large]
     python bench/estimate_memory.py --models [--steps 2] [--families llama qwen2] [--seq-lens 256 1024]
@@ -45,6 +46,7 @@ sys.path.insert(0, str(REPO))
 
 from engine import run_dir as rd  # noqa: E402
 from engine import run_metrics  # noqa: E402
+from engine.memory import MMAP_THRESHOLD_VARIABLE  # noqa: E402
 
 QUIET = ("checkpoint.every=0", "checkpoint.at_end=false", "metrics.tensorboard=false", "train.log_every=1")
 SIZES = {
@@ -74,7 +76,7 @@ MALLOC_THRESHOLD: int | None = None  # --malloc-mmap-threshold
 
 
 def environment() -> dict[str, str]:
-    allocator = {"MALLOC_MMAP_THRESHOLD_": str(MALLOC_THRESHOLD)} if MALLOC_THRESHOLD else {}
+    allocator = {MMAP_THRESHOLD_VARIABLE: str(MALLOC_THRESHOLD)} if MALLOC_THRESHOLD else {}
     return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **allocator}
 
 
@@ -174,7 +176,7 @@ def models_main(args: argparse.Namespace) -> None:
 
     print(f"load average {os.getloadavg()[0]:.2f}; one thread per run; sft template, {args.steps} steps, "
           f"batch 2; goal {GOAL[0]}–{GOAL[1]}; glibc mmap threshold "
-          f"{MALLOC_THRESHOLD or 'dynamic (the default)'}")
+          f"{f'{MALLOC_THRESHOLD:,} B ({MMAP_THRESHOLD_VARIABLE})' if MALLOC_THRESHOLD else 'dynamic (the default)'}")
     print(f"{'case':<30}{'estimate MB':>12}{'measured MB':>12}{'ratio':>7}   estimate: floor / weights+grads+"
           "optimizer / activations MB")
     rows: dict[tuple[str, str, int, str], tuple[float, float]] = {}
@@ -264,9 +266,9 @@ def main() -> None:
     parser.add_argument("--hub-variants", nargs="+", default=["plain"], choices=list(VARIANTS),
                         help="the variants also run by Hub id (the same files as the folder's)")
     parser.add_argument("--malloc-mmap-threshold", type=int, metavar="BYTES",
-                        help="glibc's mmap threshold, fixed, in every process: larger blocks are mapped and given "
-                             "back when freed (by default the threshold rises with the blocks freed, and freed "
-                             "activations stay in the heap, counted in the resident set)")
+                        help="glibc's mmap threshold, fixed in every check and run (TRAINWRIGHT_MMAP_THRESHOLD, "
+                             "engine/memory.py): larger blocks are mapped and given back when freed (by default "
+                             "the threshold rises with the blocks freed, and freed activations stay in the heap)")
     args = parser.parse_args()
     global MALLOC_THRESHOLD
     MALLOC_THRESHOLD = args.malloc_mmap_threshold

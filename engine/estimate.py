@@ -17,10 +17,13 @@ Per process (:func:`estimate_memory`):
   (dp × sp) when FSDP2 shards (more than one rank, mixed precision,
   ``parallel.fsdp_on_one_process`` or ``parallel.cpu_offload``; engine/fsdp.py), and on a GPU
   none of them with ``parallel.cpu_offload`` (the host holds them);
-- activations: the saved bytes of one micro-batch (scaled by 2/4 with a 16-bit ``param_dtype``,
+- activations: the saved bytes of one micro-batch, attention as the run's SDPA call keeps it
+  (:func:`on_fake_tensors`: no L × L mask and keys/values not repeated per head where the rows
+  are neither packed nor padded, :func:`causal_without_mask`) (scaled by 2/4 with a 16-bit ``param_dtype``,
   by 1/sp with sequence parallelism) plus the largest saved tensor again (its gradient, in
   backward); a checkpointed block keeps only its input, and in backward one block's activations
-  come back with their gradients (twice the largest block's);
+  come back, once (the largest block's; measured: counting its gradients too overestimated +ckpt
+  at 1,024 tokens by 1.18×);
 - on a CPU, the process floor: the resident memory of this process after it imported torch and
   the recipe and built the recipe's data pipeline (what a run holds before its model exists);
   on a GPU the floor is 0 (``max_memory_allocated`` does not count the CUDA context).
@@ -216,7 +219,7 @@ def estimate_memory(shape: Shape, nproc: int, parallel: Any, device: str, checkp
     if checkpointing is None:
         checkpointing = measured_checkpointed
     if checkpointing:
-        activations = outside + sum(shape.block_inputs) + 2 * max(block_saved, default=0)  # and its gradients
+        activations = outside + sum(shape.block_inputs) + max(block_saved, default=0)  # recomputed in backward, once
     else:
         activations = outside + sum(block_saved)
     activations += largest
@@ -291,9 +294,9 @@ def measure_shape(recipe_class, config, nproc: int) -> Shape:
     torch.manual_seed(config.train.seed)
     batches = engine.prepare_data()
     engine.prepare_eval_data()
-    batch = next(batches)
-    data_length = _row_length(batch)
-    batch = at_full_length(batch, config.data.seq_len)
+    data_batch = next(batches)
+    data_length = _row_length(data_batch)
+    batch = at_full_length(data_batch, config.data.seq_len)
     floor = rss_now_bytes()
     engine.device = torch.device("meta")
     with torch.device("meta"), weights_not_loaded():
@@ -302,18 +305,11 @@ def measure_shape(recipe_class, config, nproc: int) -> Shape:
     optimizer, optimizer_bytes = _optimizer_of(engine)
     quantized, quantized_bytes = quantized_weights(engine.model)
     block_linear, lora_values = adaptable_linears(engine.model)
-    # Fake tensors over the meta ones: code that asks a tensor for a value (a mask check in
-    # transformers) sees a traced tensor and skips the question, as under torch.compile.
-    # transformers' input checks (image tokens vs features) ask for values: skipped, as they can be.
-    os.environ["TRANSFORMERS_DISABLE_TORCH_CHECK"] = "1"
-    with FakeTensorMode(allow_non_fake_inputs=True) as fake:
-        _fake_parameters(engine.model, fake)
-        fake_batch = {k: (fake.from_tensor(v.to("meta")) if isinstance(v, torch.Tensor) else v) for k, v in batch.items()}
-        with fused_attention(), plain_4bit_layers():
-            counter, checkpointed, blocks = measure_saved_bytes(engine, fake_batch)
-            adapter_saved = None
-            if block_linear and sum(p.numel() for p in engine.model.parameters() if p.requires_grad) > 2 * lora_values:
-                adapter_saved = saved_with_only_block_linears_trainable(engine, fake_batch)
+    with on_fake_tensors(engine.model, batch, unmasked=causal_without_mask(data_batch)) as fake_batch:
+        counter, checkpointed, blocks = measure_saved_bytes(engine, fake_batch)
+        adapter_saved = None
+        if block_linear and sum(p.numel() for p in engine.model.parameters() if p.requires_grad) > 2 * lora_values:
+            adapter_saved = saved_with_only_block_linears_trainable(engine, fake_batch)
     unique = {id(p): p for p in engine.model.parameters()}.values()
     positions = sum(v.numel() for k, v in batch.items() if k == "input_ids") * config.train.grad_accum
     per_block = [counter.per_block[i] for i in range(blocks)]
@@ -326,6 +322,60 @@ def measure_shape(recipe_class, config, nproc: int) -> Shape:
         quantized=quantized, quantized_bytes=quantized_bytes, optimizer=optimizer, optimizer_bytes=optimizer_bytes,
         block_linear=block_linear, lora_values=lora_values, adapter_saved=adapter_saved,
     )
+
+
+@contextlib.contextmanager
+def on_fake_tensors(model: nn.Module, batch: dict[str, Any], unmasked: bool = False) -> Iterator[dict[str, Any]]:
+    """``batch`` as fake tensors, and the meta ``model``'s parameters made fake, for a forward
+    whose saved bytes are counted: SDPA as the fused kernel keeps it (:func:`fused_attention`),
+    4-bit layers as plain ones (:func:`plain_4bit_layers`) and, where the run's rows take no mask
+    (``unmasked``: :func:`causal_without_mask`), attention as ``is_causal`` (:func:`no_mask_built`)."""
+    # Fake tensors over the meta ones: code that asks a tensor for a value (a mask check in
+    # transformers) sees a traced tensor and skips the question, as under torch.compile.
+    # transformers' input checks (image tokens vs features) ask for values: skipped, as they can be.
+    os.environ["TRANSFORMERS_DISABLE_TORCH_CHECK"] = "1"
+    with FakeTensorMode(allow_non_fake_inputs=True) as fake:
+        _fake_parameters(model, fake)
+        fake_batch = {k: (fake.from_tensor(v.to("meta")) if isinstance(v, torch.Tensor) else v) for k, v in batch.items()}
+        with fused_attention(), plain_4bit_layers(), (no_mask_built() if unmasked else contextlib.nullcontext()):
+            yield fake_batch
+
+
+def causal_without_mask(batch: dict[str, Any]) -> bool:
+    """Whether a Hugging Face model given this (real) batch attends with SDPA's ``is_causal`` and
+    no mask: no padding in its ``attention_mask`` and no packed sequences in its ``position_ids``
+    (transformers' own test of them). Then it builds no L × L mask and, with fewer key/value
+    heads than query heads, passes ``enable_gqa`` instead of repeating keys and values. On fake
+    tensors it cannot read these values and builds both (:func:`no_mask_built` answers for it)."""
+    try:
+        from transformers.masking_utils import find_packed_sequence_indices
+    except ImportError:
+        return False
+    mask, positions = batch.get("attention_mask"), batch.get("position_ids")
+    if isinstance(mask, torch.Tensor) and not bool(mask.all()):
+        return False
+    if isinstance(positions, torch.Tensor) and positions.dim() == 2:
+        return find_packed_sequence_indices(positions) is None
+    return True
+
+
+@contextlib.contextmanager
+def no_mask_built() -> Iterator[None]:
+    """transformers' mask builder answered as it answers on the real batch that
+    :func:`causal_without_mask` found unmasked: no packed sequences, no padding, so no mask
+    (the model calls SDPA with ``is_causal``, and ``enable_gqa`` where it can)."""
+    try:
+        from transformers import masking_utils
+    except ImportError:
+        yield
+        return
+    packed, ignore = masking_utils.find_packed_sequence_indices, masking_utils._ignore_causal_mask_sdpa
+    masking_utils.find_packed_sequence_indices = lambda position_ids: None
+    masking_utils._ignore_causal_mask_sdpa = lambda padding_mask, *args, **kwargs: ignore(None, *args, **kwargs)
+    try:
+        yield
+    finally:
+        masking_utils.find_packed_sequence_indices, masking_utils._ignore_causal_mask_sdpa = packed, ignore
 
 
 def saved_with_only_block_linears_trainable(engine, batch) -> tuple[int, int, list[int]]:
@@ -460,7 +510,10 @@ class _FusedAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, query, key, value, mask):  # type: ignore[override]
-        output = query.new_empty((*query.shape[:-1], value.shape[-1]))
+        # laid out as the kernels lay it out, heads inside positions: the model's transpose back to
+        # (batch, position, hidden) is then a view of it, not a copy
+        *batch, heads, length, _ = query.shape
+        output = query.new_empty((*batch, length, heads, value.shape[-1])).transpose(-3, -2)
         log_sum_exp = query.new_empty(query.shape[:-1], dtype=torch.float32)
         kept = [query, key, value, output, log_sum_exp]
         if mask is not None:

@@ -155,7 +155,10 @@ def main(argv: list[str] | None = None) -> int:
         verdict = checked(config, data)
         if args.estimate:
             from engine.estimate import estimate
+            from engine.memory import follow_live_memory
 
+            if args.estimate == "cpu":
+                follow_live_memory()  # the floor measured under the allocator the run will have (engine/memory.py)
             try:
                 verdict.estimate = estimate(recipe_class, config, world_size, args.estimate, args.device_memory_gib)
             except Exception as e:  # the recipe's code on the meta device: say what it could not do
@@ -194,8 +197,10 @@ def train(recipe_class, config, args: argparse.Namespace, data=None) -> int:
     if dist_info.device.type == "cpu":
         import torch
 
+        from engine.memory import follow_live_memory
         from engine.openmp import govern_waits
 
+        follow_live_memory()  # with TRAINWRIGHT_MMAP_THRESHOLD: the resident set follows live bytes
         govern_waits(torch.get_num_threads())  # spin on free cores, throttle beside competitors
     run_dir = _open_run_dir(args, recipe_class, dist_info)
     # Under a supervisor (which passes --run-dir) the final status is the supervisor's to record,

@@ -3,6 +3,9 @@ with libcst (skills/codemod_kit/copied.py). A real module, so that ruff lints it
 it. The adapters themselves are the lora skill's ``apply_lora``, applied after this.
 """
 
+import ctypes
+import mmap
+
 import torch
 from bitsandbytes.nn import Linear4bit, Params4bit
 
@@ -31,6 +34,7 @@ def quantize_4bit(
     if quant_storage not in QUANT_STORAGE_DTYPES:
         raise ValueError(f"qlora: quant_storage={quant_storage!r}; choose one of {sorted(QUANT_STORAGE_DTYPES)}")
     storage = QUANT_STORAGE_DTYPES[quant_storage]
+    mapped = mapped_weight_files()
     count = 0
     for block in blocks:
         for parent in list(block.modules()):
@@ -55,6 +59,7 @@ def quantize_4bit(
                 if child.bias is not None:
                     layer.bias = torch.nn.Parameter(child.bias.detach().clone(), requires_grad=False)
                 setattr(parent, name, layer)
+                drop_file_pages(weight, mapped)  # its 4-bit copy replaces it: the file's pages need not stay
                 count += 1
     if not count:
         raise ValueError(
@@ -68,3 +73,41 @@ def quantize_4bit(
         flush=True,
     )
     return count
+
+
+MADV_DONTNEED = 4  # madvise(2)
+
+
+def mapped_weight_files() -> list[tuple[int, int]]:
+    """The address ranges of this process's mappings of ``.safetensors`` files (``from_pretrained``
+    on a CPU maps the file and its parameters are views of it); none where there is no
+    ``/proc/self/maps``."""
+    ranges = []
+    try:
+        with open("/proc/self/maps") as maps:
+            for line in maps:
+                fields = line.split()
+                if len(fields) >= 6 and fields[5].endswith(".safetensors"):
+                    start, end = (int(address, 16) for address in fields[0].split("-"))
+                    ranges.append((start, end))
+    except OSError:
+        pass
+    return ranges
+
+
+def drop_file_pages(weight: torch.Tensor, mapped: list[tuple[int, int]]) -> None:
+    """Give back the resident pages of a weight that is a view of a mapped weights file, once
+    quantised: reading it to quantise made the file's pages resident, counted in the process's
+    memory at their full precision for as long as the mapping lives (the unquantised parameters
+    beside it keep it). Only whole pages inside the weight's bytes, and only of a file's mapping
+    (read again from the file if touched; anonymous memory would be zeroed, so it is left alone)."""
+    if weight.device.type != "cpu" or not mapped:
+        return
+    start = weight.data_ptr()
+    end = start + weight.numel() * weight.element_size()
+    if not any(low <= start and end <= high for low, high in mapped):
+        return
+    first = -(-start // mmap.PAGESIZE) * mmap.PAGESIZE
+    last = end // mmap.PAGESIZE * mmap.PAGESIZE
+    if last > first:
+        ctypes.CDLL(None).madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first), MADV_DONTNEED)

@@ -130,3 +130,41 @@ def test_fsdp2_refuses_4bit_weights_it_cannot_shard_and_leaves_the_model_as_it_w
     with pytest.raises(ConfigError, match="the model holds bitsandbytes 4-bit weights \\(the qlora skill\\), which FSDP2"):
         apply_fsdp(model, one_process, ParallelConfig(param_dtype="bfloat16"))
     assert type(model.model.layers[0].self_attn.q_proj.weight).__name__ == "Params4bit"
+
+
+def mapped_file_kib(name: str = ".safetensors") -> int:
+    """The resident KiB of this process's mappings of ``name`` files (/proc/self/smaps)."""
+    total, inside = 0, False
+    with open("/proc/self/smaps") as smaps:
+        for line in smaps:
+            fields = line.split()
+            if "-" in fields[0] and not fields[0].endswith(":"):
+                inside = len(fields) >= 6 and fields[5].endswith(name)
+            elif inside and fields[0] == "Rss:":
+                total += int(fields[1])
+    return total
+
+
+@pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="reads /proc/self/smaps")
+def test_quantising_a_loaded_model_gives_back_the_file_pages_it_read(tmp_path: Path, monkeypatch):
+    from transformers import AutoModelForCausalLM
+
+    from skills.qlora import helpers
+    from tests.model_families import tiny_model_folder
+
+    folder = tiny_model_folder(tmp_path / "llama", "llama", hidden_size=256, intermediate_size=688,
+                               num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+    ids = torch.arange(12).unsqueeze(0)
+    logits, resident = [], []
+    for drop in (True, False):  # the same model quantised with the pages dropped, and kept
+        if not drop:
+            monkeypatch.setattr(helpers, "drop_file_pages", lambda weight, mapped: None)
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+        helpers.quantize_4bit(model)
+        resident.append(mapped_file_kib())
+        with torch.no_grad():
+            logits.append(model(input_ids=ids).logits)
+        del model
+    quantised_kib = 2 * 4 * (4 * 256 * 256 - 2 * 256 * 128 + 3 * 256 * 688) // 1024  # fp32 bytes of the blocks' linears
+    assert resident[1] - resident[0] > 0.9 * quantised_kib
+    assert torch.equal(logits[0], logits[1])  # nothing the model still reads was dropped
