@@ -23,9 +23,10 @@ Supports:
   per token of the step (``dapo``, the default, as in TRL) or by a constant (``dr_grpo``),
   ``num_iterations`` updates per generation against the kept old log-probabilities, a KL penalty
   to the frozen starting model (``beta``, default 0), truncated completions masked or not
-- generation batched with a KV cache (``generate``); under FSDP2 the full parameters are gathered
-  once per generation, not per token. ``grpo.generation_engine=vllm`` is refused where vLLM is
-  not installed
+- generation batched with a KV cache (``generate``), each prompt read once for its group; under
+  FSDP2 the full parameters are gathered once per generation, not per token. The loss's forward
+  reads a group's prompt once too (``completion_logits``). ``grpo.generation_engine=vllm`` is
+  refused, naming what is missing (vLLM, a CUDA GPU) or, with both, that it is not wired yet
 - starting from a local Hugging Face folder (``model.pretrained_path``) or a tiny model built here
 - everything the engine does: FSDP2 over N processes, checkpoints resumable bit for bit (the
   sampling RNG and any generation not yet used up are in the checkpoint); ``sample``,
@@ -162,7 +163,7 @@ class GRPOSection(Section):
         False, description="Completions cut by max_completion_length (no end of turn) are left out of the loss (DAPO)."
     )
     generation_engine: Literal["transformers", "vllm"] = Field(
-        "transformers", description="transformers: the policy's own generate() with a KV cache; vllm: refused unless installed."
+        "transformers", description="transformers: the policy's own generation with a KV cache; vllm: refused (not wired yet)."
     )
 
     @model_validator(mode="after")
@@ -585,6 +586,19 @@ def generate(model, tokenizer, prompt_ids, prompt_mask, max_new_tokens: int, tem
     return torch.stack(completion, 1)
 
 
+def vllm_refusal() -> str:
+    """Why ``grpo.generation_engine=vllm`` cannot run here: what is missing (vLLM, a CUDA GPU),
+    or, with both, that this template does not drive vLLM yet."""
+    import importlib.util
+
+    missing = [what for what, present in (("vllm is not installed in the run's environment", importlib.util.find_spec("vllm")),
+                                          ("no CUDA GPU is visible", torch.cuda.is_available())) if not present]
+    if missing:
+        return (f"grpo.generation_engine=vllm needs vLLM on a CUDA GPU, but {' and '.join(missing)}; "
+                "set grpo.generation_engine=transformers (the default: the policy's own generation with a KV cache)")
+    return "grpo.generation_engine=vllm is not wired in this template yet; set grpo.generation_engine=transformers"
+
+
 # =============================================================================================
 # The recipe
 # =============================================================================================
@@ -611,12 +625,7 @@ class GRPO(Engine):
         for name in g.reward_functions:
             reward_function(name)
         if g.generation_engine == "vllm":
-            try:
-                import vllm  # noqa: F401
-            except ImportError:
-                raise ConfigError("grpo.generation_engine=vllm but vllm is not installed in the run's environment; "
-                                  "install it, or set grpo.generation_engine=transformers") from None
-            raise ConfigError("grpo.generation_engine=vllm is not wired in this template yet; set grpo.generation_engine=transformers")
+            raise ConfigError(vllm_refusal())
         dp = world_size // (config.parallel.tp * config.parallel.sp)
         if data.batch_size % (g.num_generations * dp):
             raise ConfigError(f"data.batch_size={data.batch_size} completions must be whole groups on each process: a "

@@ -275,6 +275,7 @@ def test_bad_input_is_refused_at_the_launch_check_with_what_to_change(tmp_path, 
         "undefined reward": check("grpo.reward_functions=[correct_answer,is_polite]", "grpo.reward_weights=null"),
         "one completion": check("grpo.num_generations=1", "data.batch_size=4"),
         "too long": check("grpo.max_completion_length=96"),
+        "vllm": check("grpo.generation_engine=vllm"),
     }
     assert "questions.jsonl:1: no prompt column 'prompt' (columns: ['answer', 'question']); name the prompt's column " \
            "with data.prompt_column" in refusals["no prompt column"]["error"]
@@ -284,9 +285,28 @@ def test_bad_input_is_refused_at_the_launch_check_with_what_to_change(tmp_path, 
            in refusals["undefined reward"]["error"]
     assert "grpo.num_generations=1: a group needs at least 2 completions" in refusals["one completion"]["error"]
     assert "grpo.max_completion_length=96 leaves no room for a prompt in data.seq_len=96" in refusals["too long"]["error"]
+    assert refusals["vllm"]["error"].endswith(grpo.vllm_refusal())  # what this machine lacks: the test below
     assert sorted(p.name for p in tmp_path.iterdir()) == ["questions.jsonl"]  # nothing written
     renamed = check("data.paths=[questions.jsonl]", "data.prompt_column=question", "data.eval_fraction=0")
     assert renamed["data"]["documents"] == 1 and renamed["data"]["train_documents"] == 1
+
+
+def test_vllm_generation_is_refused_naming_what_is_missing(monkeypatch):
+    import importlib.util
+
+    def machine(vllm: bool, cuda: bool) -> str:
+        monkeypatch.setattr(importlib.util, "find_spec", lambda name: object() if vllm and name == "vllm" else None)
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+        return grpo.vllm_refusal()
+
+    default = "set grpo.generation_engine=transformers (the default: the policy's own generation with a KV cache)"
+    assert machine(vllm=False, cuda=False) == ("grpo.generation_engine=vllm needs vLLM on a CUDA GPU, but vllm is not "
+                                               f"installed in the run's environment and no CUDA GPU is visible; {default}")
+    assert machine(vllm=False, cuda=True) == ("grpo.generation_engine=vllm needs vLLM on a CUDA GPU, but vllm is not "
+                                              f"installed in the run's environment; {default}")
+    assert machine(vllm=True, cuda=False) == f"grpo.generation_engine=vllm needs vLLM on a CUDA GPU, but no CUDA GPU is visible; {default}"
+    assert machine(vllm=True, cuda=True) == ("grpo.generation_engine=vllm is not wired in this template yet; set "
+                                             "grpo.generation_engine=transformers")
 
 
 @pytest.fixture(scope="module")
