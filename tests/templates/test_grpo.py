@@ -291,6 +291,19 @@ def test_bad_input_is_refused_at_the_launch_check_with_what_to_change(tmp_path, 
     assert renamed["data"]["documents"] == 1 and renamed["data"]["train_documents"] == 1
 
 
+def test_estimate_run_measures_a_grpo_step_on_the_meta_device(tmp_path, capsys, monkeypatch):
+    """The loss's forward groups rows by their prompts' values; the estimate's fake tensors have
+    none, so it measures rows read whole (the most the step can hold)."""
+    from engine.launch import main
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    main([str(TEMPLATE), "--check", "--estimate", "cpu", "--set=model.num_layers=2", "--set=data.batch_size=8"])
+    verdict = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert verdict["ok"], verdict.get("error")
+    assert verdict["estimate"]["memory_gib"]["activations"] > 0 and verdict["estimate"]["checkpointed_blocks"] == "0 of 2"
+
+
 def test_vllm_generation_is_refused_naming_what_is_missing(monkeypatch):
     import importlib.util
 
