@@ -463,9 +463,10 @@ def completion_logits(model, input_ids: torch.Tensor, attention_mask: torch.Tens
     completion) of each row. Consecutive rows with the same prompt (a group's G completions) read
     it once: the prompt's forward runs on one row of each group and its keys and values, with
     their gradients, are handed to each completion, which reads only its own tokens. The same
-    function as reading every row whole (TRL does), for a G-th of the prompt's compute. Where the
-    blocks run their forward again in backward (activation checkpointing), the cache's updates
-    would run again too: there every row is read whole."""
+    function as reading every row whole (TRL does), for a G-th of the prompt's compute. Blocks
+    that run their forward again in backward (activation checkpointing) would run the cache's
+    updates again, and compiled blocks would compile two more graphs: there every row is read
+    whole (``reads_rows_whole``)."""
     from transformers import DynamicCache
 
     positions = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # left-padded prompts start at 0, as in generate()
@@ -479,7 +480,7 @@ def completion_logits(model, input_ids: torch.Tensor, attention_mask: torch.Tens
     start = input_ids.shape[1] - width
     prompts = torch.cat([input_ids[:, :start], attention_mask[:, :start]], 1)
     _, row_group, group_rows = torch.unique_consecutive(prompts, dim=0, return_inverse=True, return_counts=True)
-    if len(group_rows) == len(prompts) or recomputes_in_backward(model):
+    if len(group_rows) == len(prompts) or reads_rows_whole(model):
         return every_row_whole()
     first = group_rows.cumsum(0) - group_rows
     cache = DynamicCache(config=getattr(model, "config", None))
@@ -495,13 +496,15 @@ def completion_logits(model, input_ids: torch.Tensor, attention_mask: torch.Tens
     return torch.cat([last_prompt[row_group], completion], 1)
 
 
-def recomputes_in_backward(model: torch.nn.Module) -> bool:
-    """Whether some block runs its forward again in backward (activation checkpointing: the
-    gradient-checkpointing skill's wrapped blocks, or transformers' own)."""
+def reads_rows_whole(model: torch.nn.Module) -> bool:
+    """Whether the loss's forward reads each row whole: where some block runs its forward again
+    in backward (activation checkpointing: the gradient-checkpointing skill's wrapped blocks, or
+    transformers' own) or is compiled (the torch-compile skill: the prompt's and the completions'
+    passes with a cache are two more graphs per block, past torch's recompilation limit)."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import ActivationWrapper
 
     return bool(getattr(model, "is_activation_checkpointing", False)) or any(
-        isinstance(m, ActivationWrapper) for m in model.modules())
+        isinstance(m, ActivationWrapper) or getattr(m, "_compiled_call_impl", None) is not None for m in model.modules())
 
 
 def grpo_loss(logps, old_logps, ref_logps, advantages, mask, cfg: GRPOSection):

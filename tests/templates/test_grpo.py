@@ -171,11 +171,12 @@ def rows_read(model) -> list[int]:
 def test_a_groups_prompt_is_read_once_for_the_logits_and_gradients_of_reading_each_row_whole(checkpointed):
     model, _, _, _, input_ids, attention_mask = groups_of_left_padded_prompts()
     theirs = copy.deepcopy(model)
+    assert not grpo.reads_rows_whole(model)
     if checkpointed:  # blocks that run their forward again in backward would replay the cache: each row whole
         sys.path.insert(0, str(REPO / "skills" / "gradient-checkpointing"))
         from helpers import checkpoint_blocks
 
-        assert checkpoint_blocks(model) == 2
+        assert checkpoint_blocks(model) == 2 and grpo.reads_rows_whole(model)
     model.train(), theirs.train()
     seen = rows_read(model)
     ours = grpo.completion_logits(model, input_ids, attention_mask, 5)
@@ -189,6 +190,12 @@ def test_a_groups_prompt_is_read_once_for_the_logits_and_gradients_of_reading_ea
     for (name, p), q in zip(model.named_parameters(), theirs.parameters()):  # float32 sums in another order
         error = float((p.grad - q.grad).abs().max() / q.grad.abs().max())
         assert 0 < q.grad.abs().max() and error < 1e-5, (name, error)
+
+
+def test_compiled_blocks_read_each_row_whole():
+    model, *_ = groups_of_left_padded_prompts()
+    model.model.layers[1].compile()  # as the torch-compile skill does; nothing compiles before a call
+    assert grpo.reads_rows_whole(model)
 
 
 def test_generation_reads_each_prompt_once_for_its_group_and_samples_as_from_repeated_rows():
