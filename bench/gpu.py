@@ -8,7 +8,8 @@ padding). The engine logs tokens/s (tokens read, padding left out), MFU (known G
 memory to metrics.jsonl; this prints their medians after the warm-up steps, the ratios to the plain
 variant, and every warning a run recorded (a kernel that stayed off says why). Then, with a CUDA
 GPU and triton, the muon skill's Newton-Schulz: torch's matmuls against its Triton kernel on the
-model's matrix shapes.
+model's matrix shapes; and the grpo template's loss forward reading a group's prompt once against
+each row read whole (difference and time), with what ``grpo.generation_engine=vllm`` says there.
 
     python bench/gpu.py                      # all GPUs of the machine, 30 steps
     python bench/gpu.py --nproc 1 --steps 40
@@ -126,6 +127,52 @@ def newton_schulz_timings(recipe: Path, shapes: list[tuple[int, int]], repeat: i
     return lines
 
 
+def grpo_prompt_sharing(device: str, tiny: bool, repeat: int = 10) -> list[str]:
+    """The grpo template's loss forward reading a group's prompt once (``completion_logits``)
+    against each row read whole, on ``device``: the largest logit difference and ms per forward +
+    backward; and what ``grpo.generation_engine=vllm`` says on this machine."""
+    import torch
+
+    sys.path.insert(0, str(REPO))
+    from recipes_template.grpo import recipe as grpo
+
+    torch.manual_seed(0)
+    tokenizer = grpo.byte_chat_tokenizer()
+    shape = grpo.ModelConfig(hidden_size=64, intermediate_size=160, num_layers=2) if tiny else \
+        grpo.ModelConfig(hidden_size=1024, intermediate_size=2816, num_layers=8, num_heads=16, num_kv_heads=4)
+    model = grpo.build_model(shape, len(tokenizer), 256).to(device).train()
+    prompts = [grpo.prompt_tokens(tokenizer, r) for _, r in grpo.builtin_prompts(2 if tiny else 16)]
+    prompt_ids, prompt_mask = grpo.left_padded(prompts, tokenizer.pad_token_id)
+    G, width = (4, 8) if tiny else (8, 128)
+    input_ids = torch.cat([prompt_ids.repeat_interleave(G, 0), torch.randint(0, 256, (len(prompts) * G, width))], 1).to(device)
+    attention_mask = torch.ones_like(input_ids)
+    attention_mask[:, :prompt_mask.shape[1]] = prompt_mask.repeat_interleave(G, 0)
+
+    def whole():
+        positions = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+        return model(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions).logits[:, -width - 1:-1]
+
+    def shared():
+        return grpo.completion_logits(model, input_ids, attention_mask, width)
+
+    difference = (whole() - shared()).abs().max().item()
+    times = []
+    for forward in (whole, shared):
+        forward().float().square().mean().backward()  # warm-up
+        if device == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(repeat):
+            forward().float().square().mean().backward()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        times.append((time.perf_counter() - start) / repeat * 1000)
+    return [f"grpo loss forward + backward on {device} ({len(input_ids)} rows, G {G}, {width} completion tokens): "
+            f"rows whole {times[0]:.2f} ms, prompt once per group {times[1]:.2f} ms ({times[0] / times[1]:.2f}x), "
+            f"largest logit difference {difference:.1e}",
+            f"grpo.generation_engine=vllm here: {grpo.vllm_refusal()}"]
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--nproc", type=int, default=None, help="processes (default: every GPU, or 1)")
@@ -173,6 +220,7 @@ def main() -> int:
         hidden, intermediate = model["model.hidden_size"], model["model.intermediate_size"]
         kv = hidden // model["model.num_heads"] * model["model.num_kv_heads"]
         kernel_lines = newton_schulz_timings(muon_recipe, [(hidden, hidden), (kv, hidden), (intermediate, hidden)])
+        kernel_lines += grpo_prompt_sharing("cpu" if args.tiny else "cuda", args.tiny, repeat=2 if args.tiny else 10)
     finally:
         if args.keep is None:
             shutil.rmtree(root, ignore_errors=True)

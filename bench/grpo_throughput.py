@@ -11,19 +11,22 @@ Fairness on a shared machine: the peers live at once, each in its own subprocess
 thread count, and take their steps in turn (the order alternates every step), so load from other
 work falls on both alike. The first ``--warmup`` steps are not timed. A step is timed from its
 start to the end of its optimizer step, generation included; each peer also reports the seconds
-its generation and scoring took (TRL: ``_generate_and_score_completions``).
+its generation and its reward functions took (the template: its rollout's clocks; TRL:
+``_generate_and_score_completions`` less ``_calculate_rewards``); training is the rest of the step.
 
     python bench/grpo_throughput.py [--steps 10] [--warmup 2] [--rounds 3] [--threads 1]
 
 Prints, for every round, each peer's completions/s and training tokens/s (prompt + completion
-tokens of the step / the step's seconds; medians over the round's steps), the ratios and the
-time split. Goal: the template at >= 1.3x TRL in every round.
+tokens of the step / the step's seconds; medians over the round's steps), both ratios and each
+peer's time split (generation, reward, training: medians of the seconds per step). Goal: the
+template at >= 1.3x TRL in every round.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -38,8 +41,8 @@ SETTINGS = {"completions": 32, "num_generations": 8, "max_completion_length": 16
 MODEL = {"hidden_size": 128, "intermediate_size": 344, "num_layers": 2}
 
 
-def report_step(completions: int, tokens: int, seconds: float, generation_s: float) -> None:
-    print(f"@@ {completions} {tokens} {seconds} {generation_s}", flush=True)
+def report_step(completions: int, tokens: int, seconds: float, generation_s: float, reward_s: float) -> None:
+    print(f"@@ {completions} {tokens} {seconds} {generation_s} {reward_s}", flush=True)
 
 
 def wait_for_turn() -> None:
@@ -55,10 +58,12 @@ def engine_worker(total_steps: int) -> None:
     from engine.launch import load_recipe_class
 
     recipe_class = load_recipe_class(TEMPLATE)
+    metrics = sys.modules[recipe_class.__module__].ROLLOUT_METRICS  # the rollouts' sums, with their clocks
+    clocks = [metrics.index("generation_s"), metrics.index("reward_s")]
     overrides = [f"model.{k}={v}" for k, v in MODEL.items()] + [
         f"data.builtin_prompts={SETTINGS['prompts']}", f"data.batch_size={SETTINGS['completions']}",
         f"grpo.num_generations={SETTINGS['num_generations']}", f"grpo.max_completion_length={SETTINGS['max_completion_length']}",
-        "grpo.loss_type=dapo", f"optim.lr={SETTINGS['lr']}", "optim.weight_decay=0.0", "optim.warmup_steps=0",
+        "grpo.loss_type=dapo", "grpo.reward_functions=[correct_answer,digits_only]", "grpo.reward_weights=null", f"optim.lr={SETTINGS['lr']}", "optim.weight_decay=0.0", "optim.warmup_steps=0",
         "optim.min_lr_ratio=1.0", f"train.max_steps={total_steps}", "checkpoint.every=0", "metrics.tensorboard=false",
     ]
     engine = recipe_class(build_config(recipe_class.config_class, None, overrides), DistInfo(0, 1, 0, torch.device("cpu"), None))
@@ -67,9 +72,12 @@ def engine_worker(total_steps: int) -> None:
     print("@@ready", flush=True)
     for _ in range(total_steps):
         wait_for_turn()
+        before = engine.rollout_sums[clocks].tolist()
         start = time.perf_counter()
         ctx = engine.train_step()
-        report_step(SETTINGS["completions"], ctx.num_tokens, time.perf_counter() - start, ctx.timings["data_s"])
+        seconds = time.perf_counter() - start
+        generation_s, reward_s = (after - b for after, b in zip(engine.rollout_sums[clocks].tolist(), before))
+        report_step(SETTINGS["completions"], ctx.num_tokens, seconds, generation_s, reward_s)
 
 
 def trl_worker(total_steps: int) -> None:
@@ -99,10 +107,16 @@ def trl_worker(total_steps: int) -> None:
 
         def on_step_end(self, args, state, control, **kwargs):
             report_step(SETTINGS["completions"], TimedTrainer.tokens, time.perf_counter() - Clock.start,
-                        TimedTrainer.generation_s)
+                        TimedTrainer.generation_s - TimedTrainer.reward_s, TimedTrainer.reward_s)
 
     class TimedTrainer(trl.GRPOTrainer):
-        tokens, generation_s = 0, 0.0
+        tokens, generation_s, reward_s = 0, 0.0, 0.0
+
+        def _calculate_rewards(self, *args, **kwargs):
+            start = time.perf_counter()
+            rewards = super()._calculate_rewards(*args, **kwargs)
+            TimedTrainer.reward_s = time.perf_counter() - start
+            return rewards
 
         def _generate_and_score_completions(self, inputs):
             start = time.perf_counter()
@@ -145,7 +159,7 @@ def read_report(peer: str, worker: subprocess.Popen) -> list[str]:
 
 
 def lockstep(steps: int, warmup: int, rounds: int, threads: int) -> dict[str, list[list[tuple[float, ...]]]]:
-    """Each peer's steps of each round as (completions, tokens, seconds, generation seconds)."""
+    """Each peer's steps of each round as (completions, tokens, seconds, generation seconds, reward seconds)."""
     total = warmup + steps * rounds
     workers = {peer: start_worker(peer, total, threads) for peer in PEERS}
     try:
@@ -173,28 +187,34 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()
+    print(f"load average before: {os.getloadavg()[0]:.2f}", flush=True)
     timed = lockstep(args.steps, args.warmup, args.rounds, args.threads)
     summary: dict[str, list[dict[str, float]]] = {peer: [] for peer in PEERS}
     for round_index in range(args.rounds):
         for peer in PEERS:
             steps = timed[peer][round_index]
             summary[peer].append({
-                "completions_per_s": statistics.median(c / s for c, _, s, _ in steps),
-                "tokens_per_s": statistics.median(t / s for _, t, s, _ in steps),
-                "generation_share": statistics.median(g / s for _, _, s, g in steps),
-                "step_s": statistics.median(s for _, _, s, _ in steps),
+                "completions_per_s": statistics.median(c / s for c, _, s, _, _ in steps),
+                "tokens_per_s": statistics.median(t / s for _, t, s, _, _ in steps),
+                "generation_s": statistics.median(g for _, _, _, g, _ in steps),
+                "reward_s": statistics.median(r for _, _, _, _, r in steps),
+                "training_s": statistics.median(s - g - r for _, _, s, g, r in steps),
+                "step_s": statistics.median(s for _, _, s, _, _ in steps),
             })
         ours, theirs = summary["template"][round_index], summary["trl"][round_index]
         print(f"round {round_index + 1}: completions/s template {ours['completions_per_s']:.1f}, trl "
               f"{theirs['completions_per_s']:.1f} ({ours['completions_per_s'] / theirs['completions_per_s']:.2f}x); "
               f"training tokens/s template {ours['tokens_per_s']:,.0f}, trl {theirs['tokens_per_s']:,.0f} "
-              f"({ours['tokens_per_s'] / theirs['tokens_per_s']:.2f}x); generation + reward share of a step: template "
-              f"{ours['generation_share']:.0%}, trl {theirs['generation_share']:.0%}; step s template "
-              f"{ours['step_s']:.3f}, trl {theirs['step_s']:.3f}", flush=True)
-    ratios = [ours["completions_per_s"] / theirs["completions_per_s"] for ours, theirs in zip(summary["template"], summary["trl"])]
-    print(json.dumps({"completions_per_s_ratio_by_round": [round(r, 3) for r in ratios],
+              f"({ours['tokens_per_s'] / theirs['tokens_per_s']:.2f}x)", flush=True)
+        for peer, split in (("template", ours), ("trl", theirs)):
+            print(f"  {peer:8} step {split['step_s'] * 1000:.1f} ms: generation {split['generation_s'] * 1000:.1f}, reward "
+                  f"{split['reward_s'] * 1000:.1f}, training {split['training_s'] * 1000:.1f} ms", flush=True)
+    print(f"load average after: {os.getloadavg()[0]:.2f}", flush=True)
+    ratios = {key: [round(ours[key] / theirs[key], 3) for ours, theirs in zip(summary["template"], summary["trl"])]
+              for key in ("completions_per_s", "tokens_per_s")}
+    print(json.dumps({"completions_per_s_ratio_by_round": ratios["completions_per_s"],
+                      "tokens_per_s_ratio_by_round": ratios["tokens_per_s"],
                       "settings": {**SETTINGS, **MODEL, "steps": args.steps, "warmup": args.warmup, "threads": args.threads}}))
-
 
 if __name__ == "__main__":
     main()

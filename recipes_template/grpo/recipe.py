@@ -23,9 +23,10 @@ Supports:
   per token of the step (``dapo``, the default, as in TRL) or by a constant (``dr_grpo``),
   ``num_iterations`` updates per generation against the kept old log-probabilities, a KL penalty
   to the frozen starting model (``beta``, default 0), truncated completions masked or not
-- generation batched with a KV cache (``generate``); under FSDP2 the full parameters are gathered
-  once per generation, not per token. ``grpo.generation_engine=vllm`` is refused where vLLM is
-  not installed
+- generation batched with a KV cache (``generate``), each prompt read once for its group; under
+  FSDP2 the full parameters are gathered once per generation, not per token. The loss's forward
+  reads a group's prompt once too (``completion_logits``). ``grpo.generation_engine=vllm`` is
+  refused, naming what is missing (vLLM, a CUDA GPU) or, with both, that it is not wired yet
 - starting from a local Hugging Face folder (``model.pretrained_path``) or a tiny model built here
 - everything the engine does: FSDP2 over N processes, checkpoints resumable bit for bit (the
   sampling RNG and any generation not yet used up are in the checkpoint); ``sample``,
@@ -162,7 +163,7 @@ class GRPOSection(Section):
         False, description="Completions cut by max_completion_length (no end of turn) are left out of the loss (DAPO)."
     )
     generation_engine: Literal["transformers", "vllm"] = Field(
-        "transformers", description="transformers: the policy's own generate() with a KV cache; vllm: refused unless installed."
+        "transformers", description="transformers: the policy's own generation with a KV cache; vllm: refused (not wired yet)."
     )
 
     @model_validator(mode="after")
@@ -447,10 +448,7 @@ def token_logps(model, batch: dict[str, torch.Tensor], temperature: float, with_
     """Per completion token: the log-probability of the sampled token (logits / temperature),
     and the entropy of the distribution it came from (detached)."""
     width = batch["completion_mask"].shape[1]
-    attention_mask = batch["attention_mask"]
-    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # left-padded prompts start at 0, as in generate()
-    logits = model(input_ids=batch["input_ids"], attention_mask=attention_mask, position_ids=position_ids,
-                   use_cache=False).logits[:, -width - 1:-1]
+    logits = completion_logits(model, batch["input_ids"], batch["attention_mask"], width)
     log_probs = (logits.float() / temperature).log_softmax(-1)
     picked = torch.gather(log_probs, 2, batch["input_ids"][:, -width:].unsqueeze(-1)).squeeze(-1)
     entropy = None
@@ -458,6 +456,55 @@ def token_logps(model, batch: dict[str, torch.Tensor], temperature: float, with_
         with torch.no_grad():
             entropy = -(log_probs.exp() * log_probs).sum(-1)
     return picked, entropy
+
+
+def completion_logits(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, width: int) -> torch.Tensor:
+    """``[rows, width, vocab]``: the logits that predict each of the last ``width`` tokens (the
+    completion) of each row. Consecutive rows with the same prompt (a group's G completions) read
+    it once: the prompt's forward runs on one row of each group and its keys and values, with
+    their gradients, are handed to each completion, which reads only its own tokens. The same
+    function as reading every row whole (TRL does), for a G-th of the prompt's compute. Blocks
+    that run their forward again in backward (activation checkpointing) would run the cache's
+    updates again, and compiled blocks would compile two more graphs: there every row is read
+    whole (``reads_rows_whole``)."""
+    from transformers import DynamicCache
+
+    positions = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # left-padded prompts start at 0, as in generate()
+
+    def every_row_whole() -> torch.Tensor:
+        return model(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions, use_cache=False,
+                     logits_to_keep=width + 1).logits[:, :-1]
+
+    if input_ids.device.type == "meta":  # estimate_run's tensors hold no values to group by: whole rows, the upper bound
+        return every_row_whole()
+    start = input_ids.shape[1] - width
+    prompts = torch.cat([input_ids[:, :start], attention_mask[:, :start]], 1)
+    _, row_group, group_rows = torch.unique_consecutive(prompts, dim=0, return_inverse=True, return_counts=True)
+    if len(group_rows) == len(prompts) or reads_rows_whole(model):
+        return every_row_whole()
+    first = group_rows.cumsum(0) - group_rows
+    cache = DynamicCache(config=getattr(model, "config", None))
+    last_prompt = model(input_ids=input_ids[first, :start], attention_mask=attention_mask[first, :start],
+                        position_ids=positions[first, :start], past_key_values=cache, use_cache=True, logits_to_keep=1).logits
+    if cache.get_seq_length() != start:  # a model that keeps no cache in training
+        return every_row_whole()
+    if width == 1:
+        return last_prompt[row_group]
+    cache.batch_select_indices(row_group)
+    completion = model(input_ids=input_ids[:, start:-1], attention_mask=attention_mask[:, :-1],
+                       position_ids=positions[:, start:-1], past_key_values=cache, use_cache=True).logits
+    return torch.cat([last_prompt[row_group], completion], 1)
+
+
+def reads_rows_whole(model: torch.nn.Module) -> bool:
+    """Whether the loss's forward reads each row whole: where some block runs its forward again
+    in backward (activation checkpointing: the gradient-checkpointing skill's wrapped blocks, or
+    transformers' own) or is compiled (the torch-compile skill: the prompt's and the completions'
+    passes with a cache are two more graphs per block, past torch's recompilation limit)."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import ActivationWrapper
+
+    return bool(getattr(model, "is_activation_checkpointing", False)) or any(
+        isinstance(m, ActivationWrapper) or getattr(m, "_compiled_call_impl", None) is not None for m in model.modules())
 
 
 def grpo_loss(logps, old_logps, ref_logps, advantages, mask, cfg: GRPOSection):
@@ -508,31 +555,53 @@ def pick_tokens(logits: torch.Tensor, temperature: float | None, top_p: float, g
 
 @torch.no_grad()
 def generate(model, tokenizer, prompt_ids, prompt_mask, max_new_tokens: int, temperature: float | None, top_p: float = 1.0,
-             generator: torch.Generator | None = None):
-    """Completion token ids ``[rows, width]`` (end of turn, then padding), one token per forward
-    with a KV cache, stopping when every row has ended; the full parameters gathered once. A loop
-    of its own rather than ``generate()``: at this size the per-token bookkeeping of
-    ``generate()`` costs more than the model (bench/grpo_throughput.py)."""
+             generator: torch.Generator | None = None, repeats: int = 1):
+    """Completion token ids ``[rows × repeats, width]`` (end of turn, then padding): ``repeats``
+    completions of each prompt row, in a row's consecutive rows. One token per forward with a KV
+    cache, stopping when every row has ended; the full parameters gathered once. Each prompt is
+    read once and its cache copied for its ``repeats`` completions (a group's G samples share
+    their prompt), and only the last position's logits are computed. A loop of its own rather
+    than ``generate()``: at this size the per-token bookkeeping of ``generate()`` costs more than
+    the model (bench/grpo_throughput.py)."""
     from transformers import DynamicCache
 
-    rows, device = prompt_ids.shape[0], prompt_ids.device
     cache = DynamicCache(config=getattr(model, "config", None))
-    tokens, attention = prompt_ids, prompt_mask
-    positions = (prompt_mask.cumsum(-1) - 1).clamp(min=0)  # left padding: each prompt starts at 0
-    ended = torch.zeros(rows, dtype=torch.bool, device=device)
+    prompt_positions = (prompt_mask.cumsum(-1) - 1).clamp(min=0)  # left padding: each prompt starts at 0
+    positions = prompt_positions[:, -1:].repeat_interleave(repeats, 0)
+    # The mask of every position a completion may reach, sliced as the completions grow.
+    attention = torch.cat([prompt_mask, prompt_mask.new_ones(prompt_mask.shape[0], max_new_tokens)], 1)
+    attention = attention.repeat_interleave(repeats, 0)
+    ended = torch.zeros(attention.shape[0], dtype=torch.bool, device=prompt_ids.device)
+    width = prompt_ids.shape[1]
     completion = []
     with full_parameters(model):
-        for _ in range(max_new_tokens):
-            logits = model(input_ids=tokens, attention_mask=attention, position_ids=positions, past_key_values=cache,
-                           use_cache=True).logits[:, -1]
+        logits = model(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=prompt_positions,
+                       past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
+        cache.batch_repeat_interleave(repeats)
+        logits = logits.repeat_interleave(repeats, 0)
+        for step in range(max_new_tokens):
             chosen = pick_tokens(logits, temperature, top_p, generator).masked_fill(ended, tokenizer.pad_token_id)
             completion.append(chosen)
             ended |= chosen == tokenizer.eos_token_id
-            if bool(ended.all()):
+            if step + 1 == max_new_tokens or bool(ended.all()):
                 break
-            tokens, positions = chosen.unsqueeze(1), positions[:, -1:] + 1
-            attention = torch.cat([attention, attention.new_ones(rows, 1)], 1)
+            positions = positions + 1
+            logits = model(input_ids=chosen.unsqueeze(1), attention_mask=attention[:, :width + step + 1],
+                           position_ids=positions, past_key_values=cache, use_cache=True).logits[:, -1]
     return torch.stack(completion, 1)
+
+
+def vllm_refusal() -> str:
+    """Why ``grpo.generation_engine=vllm`` cannot run here: what is missing (vLLM, a CUDA GPU),
+    or, with both, that this template does not drive vLLM yet."""
+    import importlib.util
+
+    missing = [what for what, present in (("vllm is not installed in the run's environment", importlib.util.find_spec("vllm")),
+                                          ("no CUDA GPU is visible", torch.cuda.is_available())) if not present]
+    if missing:
+        return (f"grpo.generation_engine=vllm needs vLLM on a CUDA GPU, but {' and '.join(missing)}; "
+                "set grpo.generation_engine=transformers (the default: the policy's own generation with a KV cache)")
+    return "grpo.generation_engine=vllm is not wired in this template yet; set grpo.generation_engine=transformers"
 
 
 # =============================================================================================
@@ -561,12 +630,7 @@ class GRPO(Engine):
         for name in g.reward_functions:
             reward_function(name)
         if g.generation_engine == "vllm":
-            try:
-                import vllm  # noqa: F401
-            except ImportError:
-                raise ConfigError("grpo.generation_engine=vllm but vllm is not installed in the run's environment; "
-                                  "install it, or set grpo.generation_engine=transformers") from None
-            raise ConfigError("grpo.generation_engine=vllm is not wired in this template yet; set grpo.generation_engine=transformers")
+            raise ConfigError(vllm_refusal())
         dp = world_size // (config.parallel.tp * config.parallel.sp)
         if data.batch_size % (g.num_generations * dp):
             raise ConfigError(f"data.batch_size={data.batch_size} completions must be whole groups on each process: a "
@@ -620,15 +684,15 @@ class GRPO(Engine):
         g, G = self.config.grpo, self.config.grpo.num_generations
         start = time.perf_counter()
         prompt_ids, prompt_mask = left_padded([ids for _, ids in prompts], self.tokenizer.pad_token_id)
-        prompt_ids, prompt_mask = prompt_ids.repeat_interleave(G, 0), prompt_mask.repeat_interleave(G, 0)
         if "model" in self.__dict__:
             was_training = self.model.training
             self.model.eval()
             completion_ids = generate(self.model, self.tokenizer, prompt_ids.to(self.device), prompt_mask.to(self.device),
-                                      g.max_completion_length, g.temperature, g.top_p, generator).cpu()
+                                      g.max_completion_length, g.temperature, g.top_p, generator, repeats=G).cpu()
             self.model.train(was_training)
         else:  # estimate_run reads a batch's shapes before any model exists: the longest completions
-            completion_ids = torch.zeros((len(prompt_ids), g.max_completion_length), dtype=torch.int64)
+            completion_ids = torch.zeros((len(prompt_ids) * G, g.max_completion_length), dtype=torch.int64)
+        prompt_ids, prompt_mask = prompt_ids.repeat_interleave(G, 0), prompt_mask.repeat_interleave(G, 0)
         mask, truncated = completion_mask(completion_ids, self.tokenizer.eos_token_id, g.mask_truncated_completions)
         generated = time.perf_counter()
         rewards_table = self.rewards([r for r, _ in prompts for _ in range(G)], completion_ids, mask)

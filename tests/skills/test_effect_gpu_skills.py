@@ -243,6 +243,8 @@ def test_bench_gpu_runs_end_to_end_on_cpu_in_tiny_mode(tmp_path: Path):
         assert len(hints) == 1  # 40% padding: packing suggested, once
         assert [w for w in results["liger+flash"]["warnings"] if w not in hints] == [LIGER_WARNING, FLASH_WARNING]
         assert "Newton-Schulz kernel: skipped (no CUDA GPU)" in result.stdout
+    assert "grpo loss forward + backward on cpu (8 rows, G 4, 8 completion tokens): rows whole " in result.stdout
+    assert "grpo.generation_engine=vllm here: " in result.stdout
 
 
 def test_random_documents_for_the_benchmark_are_fixed_token_ids_below_the_vocabulary(tmp_path: Path):

@@ -137,6 +137,80 @@ def test_the_completion_mask_ends_at_the_end_of_turn_and_may_drop_truncated_comp
     assert mask.tolist() == [[1, 1, 0, 0], [0, 0, 0, 0], [1, 0, 0, 0]]
 
 
+def groups_of_left_padded_prompts(seed: int = 0):
+    """A tiny policy; three prompts of different lengths (left-padded), G=3 completions of 5
+    tokens each, some ended by the end of turn and padded."""
+    torch.manual_seed(seed)
+    tokenizer = grpo.byte_chat_tokenizer()
+    model = grpo.build_model(grpo.ModelConfig(hidden_size=64, intermediate_size=160, num_layers=2), len(tokenizer), 64)
+    texts = ["What is 1 + 1?", "Add 12 and 30, then tell me the sum.", "7 + 8?"]
+    prompt_ids, prompt_mask = grpo.left_padded([grpo.prompt_tokens(tokenizer, {"prompt": t}) for t in texts],
+                                               tokenizer.pad_token_id)
+    assert not bool(prompt_mask.all())
+    completion_ids = torch.randint(0, 256, (9, 5))
+    completion_ids[1, 2:] = torch.tensor([tokenizer.eos_token_id, tokenizer.pad_token_id, tokenizer.pad_token_id])
+    mask, _ = grpo.completion_mask(completion_ids, tokenizer.eos_token_id, False)
+    input_ids = torch.cat([prompt_ids.repeat_interleave(3, 0), completion_ids], 1)
+    attention_mask = torch.cat([prompt_mask.repeat_interleave(3, 0), mask], 1)
+    return model, tokenizer, prompt_ids, prompt_mask, input_ids, attention_mask
+
+
+def whole_row_logits(model, input_ids, attention_mask, width):
+    positions = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+    return model(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions).logits[:, -width - 1:-1]
+
+
+def rows_read(model) -> list[int]:
+    """The rows of each forward of ``model`` from now on."""
+    seen: list[int] = []
+    model.get_input_embeddings().register_forward_hook(lambda module, args, out: seen.append(args[0].shape[0]))
+    return seen
+
+
+@pytest.mark.parametrize("checkpointed", [False, True])
+def test_a_groups_prompt_is_read_once_for_the_logits_and_gradients_of_reading_each_row_whole(checkpointed):
+    model, _, _, _, input_ids, attention_mask = groups_of_left_padded_prompts()
+    theirs = copy.deepcopy(model)
+    assert not grpo.reads_rows_whole(model)
+    if checkpointed:  # blocks that run their forward again in backward would replay the cache: each row whole
+        sys.path.insert(0, str(REPO / "skills" / "gradient-checkpointing"))
+        from helpers import checkpoint_blocks
+
+        assert checkpoint_blocks(model) == 2 and grpo.reads_rows_whole(model)
+    model.train(), theirs.train()
+    seen = rows_read(model)
+    ours = grpo.completion_logits(model, input_ids, attention_mask, 5)
+    expected = whole_row_logits(theirs, input_ids, attention_mask, 5)
+    assert seen == ([9] if checkpointed else [3, 9])  # the prompts' pass reads one row per group
+    assert ours.shape == expected.shape == (9, 5, model.config.vocab_size)
+    assert torch.allclose(ours, expected, atol=1e-5, rtol=0), float((ours - expected).abs().max())
+    weights = torch.randn_like(expected)
+    (ours * weights).sum().backward()
+    (expected * weights).sum().backward()
+    for (name, p), q in zip(model.named_parameters(), theirs.parameters()):  # float32 sums in another order
+        error = float((p.grad - q.grad).abs().max() / q.grad.abs().max())
+        assert 0 < q.grad.abs().max() and error < 1e-5, (name, error)
+
+
+def test_compiled_blocks_read_each_row_whole():
+    model, *_ = groups_of_left_padded_prompts()
+    model.model.layers[1].compile()  # as the torch-compile skill does; nothing compiles before a call
+    assert grpo.reads_rows_whole(model)
+
+
+def test_generation_reads_each_prompt_once_for_its_group_and_samples_as_from_repeated_rows():
+    model, tokenizer, prompt_ids, prompt_mask, _, _ = groups_of_left_padded_prompts()
+    model.eval()
+    seen = rows_read(model)
+    grouped = grpo.generate(model, tokenizer, prompt_ids, prompt_mask, 6, 1.0, 1.0, torch.Generator().manual_seed(3),
+                            repeats=4)
+    assert seen[0] == 3 and set(seen[1:]) == {12} and grouped.shape[0] == 12
+    repeated = grpo.generate(model, tokenizer, prompt_ids.repeat_interleave(4, 0), prompt_mask.repeat_interleave(4, 0), 6,
+                             1.0, 1.0, torch.Generator().manual_seed(3))
+    assert grouped.tolist() == repeated.tolist()
+    assert len({tuple(row) for row in grouped.tolist()}) > 3  # a group's completions are sampled apart
+
+
 def test_the_shipped_rewards_score_the_answer_and_its_format():
     completions = ["7", "It is 7.", "8", "seven"]
     assert grpo.correct_answer(None, completions, ["7"] * 4) == [1.0, 1.0, 0.0, 0.0]
@@ -208,6 +282,7 @@ def test_bad_input_is_refused_at_the_launch_check_with_what_to_change(tmp_path, 
         "undefined reward": check("grpo.reward_functions=[correct_answer,is_polite]", "grpo.reward_weights=null"),
         "one completion": check("grpo.num_generations=1", "data.batch_size=4"),
         "too long": check("grpo.max_completion_length=96"),
+        "vllm": check("grpo.generation_engine=vllm"),
     }
     assert "questions.jsonl:1: no prompt column 'prompt' (columns: ['answer', 'question']); name the prompt's column " \
            "with data.prompt_column" in refusals["no prompt column"]["error"]
@@ -217,9 +292,41 @@ def test_bad_input_is_refused_at_the_launch_check_with_what_to_change(tmp_path, 
            in refusals["undefined reward"]["error"]
     assert "grpo.num_generations=1: a group needs at least 2 completions" in refusals["one completion"]["error"]
     assert "grpo.max_completion_length=96 leaves no room for a prompt in data.seq_len=96" in refusals["too long"]["error"]
+    assert refusals["vllm"]["error"].endswith(grpo.vllm_refusal())  # what this machine lacks: the test below
     assert sorted(p.name for p in tmp_path.iterdir()) == ["questions.jsonl"]  # nothing written
     renamed = check("data.paths=[questions.jsonl]", "data.prompt_column=question", "data.eval_fraction=0")
     assert renamed["data"]["documents"] == 1 and renamed["data"]["train_documents"] == 1
+
+
+def test_estimate_run_measures_a_grpo_step_on_the_meta_device(tmp_path, capsys, monkeypatch):
+    """The loss's forward groups rows by their prompts' values; the estimate's fake tensors have
+    none, so it measures rows read whole (the most the step can hold)."""
+    from engine.launch import main
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    main([str(TEMPLATE), "--check", "--estimate", "cpu", "--set=model.num_layers=2", "--set=data.batch_size=8"])
+    verdict = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert verdict["ok"], verdict.get("error")
+    assert verdict["estimate"]["memory_gib"]["activations"] > 0 and verdict["estimate"]["checkpointed_blocks"] == "0 of 2"
+
+
+def test_vllm_generation_is_refused_naming_what_is_missing(monkeypatch):
+    import importlib.util
+
+    def machine(vllm: bool, cuda: bool) -> str:
+        monkeypatch.setattr(importlib.util, "find_spec", lambda name: object() if vllm and name == "vllm" else None)
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+        return grpo.vllm_refusal()
+
+    default = "set grpo.generation_engine=transformers (the default: the policy's own generation with a KV cache)"
+    assert machine(vllm=False, cuda=False) == ("grpo.generation_engine=vllm needs vLLM on a CUDA GPU, but vllm is not "
+                                               f"installed in the run's environment and no CUDA GPU is visible; {default}")
+    assert machine(vllm=False, cuda=True) == ("grpo.generation_engine=vllm needs vLLM on a CUDA GPU, but vllm is not "
+                                              f"installed in the run's environment; {default}")
+    assert machine(vllm=True, cuda=False) == f"grpo.generation_engine=vllm needs vLLM on a CUDA GPU, but no CUDA GPU is visible; {default}"
+    assert machine(vllm=True, cuda=True) == ("grpo.generation_engine=vllm is not wired in this template yet; set "
+                                             "grpo.generation_engine=transformers")
 
 
 @pytest.fixture(scope="module")
