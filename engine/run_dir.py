@@ -130,12 +130,15 @@ class DataSummary(BaseModel):
     source: str
     paths: list[str] = []
     files: int | None = None
-    documents: int
-    tokens: int
-    train_documents: int
-    eval_documents: int
-    train_tokens: int
-    eval_tokens: int
+    # None for streamed data (``streaming``): counted only as it is read, so not known here.
+    documents: int | None
+    tokens: int | None
+    train_documents: int | None
+    eval_documents: int | None
+    train_tokens: int | None
+    eval_tokens: int | None
+    streaming: bool = Field(False, description="Read as a stream while training: files and bytes known, not counts.")
+    bytes: int | None = Field(None, description="The data files' size (a streamed run's only measure of its data).")
     tokenizer: str | None = None
     fingerprint: str | None = Field(
         None, description="SHA-256 over the data files' paths and bytes as counted; None for generated data."
@@ -158,9 +161,9 @@ class DataSummary(BaseModel):
 
     def nothing_to_train(self) -> str | None:
         """Why a run on this data would train on nothing (a launch refuses it), or None."""
-        if self.train_documents > 0:
-            return None
-        read = self.documents + (self.dropped or 0)
+        if self.streaming or (self.train_documents or 0) > 0:
+            return None  # a stream's records are read while it trains; an empty one fails there
+        read = (self.documents or 0) + (self.dropped or 0)
         if self.eval_documents:
             return (f"nothing to train on: all {_count(self.eval_documents, 'usable example')} of the data fall in "
                     f"the held-out split; lower data.eval_fraction or add data")
@@ -179,6 +182,9 @@ class DataSummary(BaseModel):
         if self.skipped:
             files += f"{len(self.skipped) if not self.skipped[-1].startswith('…') else 'many'} skipped " \
                      f"({self.skipped[0]}{'; …' if len(self.skipped) > 1 else ''}), "
+        if self.streaming:
+            size = f", {self.bytes / 1e6:,.1f} MB" if self.bytes is not None else ""
+            return f"data: {self.source}{where}: streamed, {files.rstrip(', ')}{size} (records and tokens are counted as read)"
         return (
             f"data: {self.source}{where}: {files}{_count(self.documents, 'document')}, "
             f"{_count(self.tokens, 'token')}{loss} (train {self.train_documents:,} documents / "

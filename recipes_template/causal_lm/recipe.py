@@ -38,6 +38,7 @@ from engine.config import ConfigError, DataConfig, EngineConfig, Section
 from engine.data_files import DataListing, confined_path, data_files
 from engine.data_formats import READERS as RECORD_READERS
 from engine.data_formats import is_saved_dataset, record_rows
+from engine.data_stream import PieceStream, StreamBatches, first_records, list_shards, shard_bytes
 from engine.engine import IGNORE_INDEX, Engine
 from engine.run_dir import DataSummary
 from engine.flops import non_embedding_params, transformer_flops_per_token
@@ -92,7 +93,10 @@ class CausalLMDataConfig(DataConfig):
     )
     vocab_size: int = Field(32000, ge=3, description="data.source=random: token ids are below this.")
     random_documents: int = Field(10000, ge=1, description="data.source=random: how many documents.")
-
+    streaming: bool = Field(
+        False, description="Read data.paths while training, tokenized in a background thread: nothing cached. "
+        "Record i of each shard goes to rank i % ranks. Held out: nothing (eval_fraction=1: all).",
+    )
 
     @model_validator(mode="after")
     def _source_matches_paths(self) -> "CausalLMDataConfig":
@@ -106,6 +110,11 @@ class CausalLMDataConfig(DataConfig):
             )
         elif self.source == "files" and not self.paths:
             raise ValueError("data.source=files needs data.paths (files or folders, relative to the workspace)")
+        if self.streaming and self.source != "files":
+            raise ValueError(f"data.streaming reads data.paths; data.source={self.source} has none to stream")
+        if self.streaming and "eval_fraction" in self.model_fields_set and self.eval_fraction not in (0, 1):
+            raise ValueError("data.streaming holds out no fraction of a stream: data.eval_fraction is 0 (train on "
+                             "all) or 1 (all held out: evaluate on files given); leave it out")
         return self
 
 
@@ -344,6 +353,32 @@ def token_store(cfg: CausalLMDataConfig, tokenizer, listing: DataListing) -> Tok
     return open_or_build(key, rows=1, dtype=value_dtype(tokenizer.vocab_size - 1), build=build, input_bytes=size)
 
 
+def stream_pieces(cfg: CausalLMDataConfig, tokenizer):
+    """data.streaming: a record's pieces as :func:`token_store` cuts them (the text of a
+    ``.txt``/``.md``/``.py`` shard, or of a record's ``data.text_field``)."""
+
+    def pieces_of(where: str, record: Any) -> list[torch.Tensor]:
+        text = record if isinstance(record, str) else _text(record, cfg.text_field, where)
+        return document_pieces(text, tokenizer, cfg.seq_len)
+
+    return pieces_of
+
+
+def stream_summary(cfg: CausalLMDataConfig, tokenizer, described: str) -> DataSummary:
+    """What is known of streamed data before it is read: its files and bytes (nothing else is
+    counted); the first records of the first shard are read and tokenized, so a bad format or a
+    missing text column is refused now, naming the file and record."""
+    listing = DataListing()
+    shards = list_shards(cfg.paths, listing)
+    pieces_of = stream_pieces(cfg, tokenizer)
+    for where, record in first_records(shards):
+        pieces_of(where, record)
+    return DataSummary(source="files", paths=cfg.paths[:20], files=len(shards), streaming=True,
+                       bytes=shard_bytes(shards), documents=None, tokens=None, train_documents=None,
+                       train_tokens=None, eval_documents=None, eval_tokens=None, tokenizer=described,
+                       **listing.summary_fields())
+
+
 def collate(pieces: list[torch.Tensor], seq_len: int, pad_id: int) -> dict[str, torch.Tensor]:
     """Right-pad pieces to ``seq_len``. Padding comes after every real token, so causal
     attention never lets a real token see it; its labels are ignored by the loss."""
@@ -463,6 +498,8 @@ class CausalLM(Engine):
         if cfg.source == "stdlib" and "source" not in cfg.model_fields_set:
             _refuse_unused_data_folder()
         path = config.model.pretrained_path
+        if cfg.streaming:
+            return stream_summary(cfg, data_tokenizer(config), f"from {path}" if path else "bytes")
         listing = DataListing()
         store = token_store(cfg, data_tokenizer(config), listing)
         counts = {False: store.counts["train"], True: store.counts["eval"]}  # held out? -> [documents, tokens]
@@ -487,8 +524,20 @@ class CausalLM(Engine):
         """The tokenized data, mapped (built by the launch check, or now when it was not)."""
         return token_store(self.config.data, self.tokenizer, self.data_listing)
 
-    def prepare_data(self) -> BatchStream:
+    def stream_batches(self) -> StreamBatches:
+        """data.streaming: this rank's batches from its share of data.paths, read as they go."""
         cfg = self.config.data
+        stream = PieceStream(list_shards(cfg.paths), stream_pieces(cfg, self.tokenizer), self.dist.dp_rank,
+                             self.dist.dp_size)
+        return StreamBatches(stream, self.micro_batch_size,
+                             lambda pieces: collate(pieces, cfg.seq_len, self.tokenizer.pad_token_id))
+
+    def prepare_data(self) -> BatchStream | StreamBatches:
+        cfg = self.config.data
+        if cfg.streaming:
+            if cfg.eval_fraction >= 1:
+                raise ConfigError("no training data: data.streaming with data.eval_fraction=1 holds out all of it")
+            return self.stream_batches()
         if not self.store.counts["train"][0]:
             raise ConfigError(f"no training documents: data.eval_fraction={cfg.eval_fraction} holds out all of them")
         pieces = self.store.pieces("train", torch.from_numpy)
@@ -503,6 +552,13 @@ class CausalLM(Engine):
         )
 
     def prepare_eval_data(self) -> list[dict[str, torch.Tensor]] | None:
+        if self.config.data.streaming:  # held out: nothing, or (eval_fraction=1) the stream's first batches
+            if not self.config.train.eval_every or self.config.data.eval_fraction < 1:
+                return None
+            batches = self.stream_batches()
+            taken = [next(batches) for _ in range(self.config.train.eval_batches)]
+            batches.stream.close()
+            return taken
         if not self.config.train.eval_every or not self.store.counts["eval"][0]:
             return None
         cfg = self.config.data
