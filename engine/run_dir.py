@@ -184,10 +184,10 @@ class DataSummary(BaseModel):
                      f"({self.skipped[0]}{'; …' if len(self.skipped) > 1 else ''}), "
         if self.streaming:
             size = f", {self.bytes / 1e6:,.1f} MB" if self.bytes is not None else ""
-            return f"data: {self.source}{where}: streamed, {files.rstrip(', ')}{size} (records and tokens are counted as read)"
+            return f"data: {self.source}{where}: streamed, {files.rstrip(', ')}{size} (records and tokens not counted ahead)"
         return (
-            f"data: {self.source}{where}: {files}{_count(self.documents, 'document')}, "
-            f"{_count(self.tokens, 'token')}{loss} (train {self.train_documents:,} documents / "
+            f"data: {self.source}{where}: {files}{_count(self.documents or 0, 'document')}, "
+            f"{_count(self.tokens or 0, 'token')}{loss} (train {self.train_documents:,} documents / "
             f"{self.train_tokens:,} tokens, eval {self.eval_documents:,} / {self.eval_tokens:,})"
             + (f"; format {self.format}, loss on {self.mask}" if self.format and self.mask else "")
             + (f", {self.truncated:,} truncated" if self.truncated else "")

@@ -112,7 +112,9 @@ class CausalLMDataConfig(DataConfig):
             raise ValueError("data.source=files needs data.paths (files or folders, relative to the workspace)")
         if self.streaming and self.source != "files":
             raise ValueError(f"data.streaming reads data.paths; data.source={self.source} has none to stream")
-        if self.streaming and "eval_fraction" in self.model_fields_set and self.eval_fraction not in (0, 1):
+        if self.streaming and "eval_fraction" not in self.model_fields_set:
+            object.__setattr__(self, "eval_fraction", 0.0)  # a stream holds nothing out unless asked to
+        if self.streaming and self.eval_fraction not in (0, 1):
             raise ValueError("data.streaming holds out no fraction of a stream: data.eval_fraction is 0 (train on "
                              "all) or 1 (all held out: evaluate on files given); leave it out")
         return self

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -137,3 +138,19 @@ def test_streaming_settings_that_would_not_act_are_refused():
     with pytest.raises(ValueError, match="holds out no fraction of a stream"):
         causal_lm.CausalLMConfig.model_validate({"data": {"paths": ["x"], "streaming": True, "eval_fraction": 0.1}})
     causal_lm.CausalLMConfig.model_validate({"data": {"paths": ["x"], "streaming": True, "eval_fraction": 1}})
+
+
+def test_evaluate_scores_the_files_given_and_holds_nothing_out_of_the_stream(workspace, reference, monkeypatch):
+    from engine import model_io
+    from engine.errors import BadInput
+
+    root, recipe = workspace
+    monkeypatch.setenv("TRAINWRIGHT_WORKSPACE", str(root))
+    monkeypatch.chdir(root)
+    if not (reference / rd.SNAPSHOT_DIRNAME).exists():  # a direct engine start keeps no code snapshot
+        shutil.copytree(recipe, reference / rd.SNAPSHOT_DIRNAME)
+    assert rd.read_run(reference).config["data"]["eval_fraction"] == 0.0
+    scored = model_io.evaluate(reference, STEPS, ["shards/part-002.jsonl"])
+    assert scored.ok and scored.batches == 4 and scored.scored_tokens > 0 and scored.examples is None
+    with pytest.raises(BadInput, match="no evaluation data"):
+        model_io.evaluate(reference, STEPS)
