@@ -154,3 +154,15 @@ def test_evaluate_scores_the_files_given_and_holds_nothing_out_of_the_stream(wor
     assert scored.ok and scored.batches == 4 and scored.scored_tokens > 0 and scored.examples is None
     with pytest.raises(BadInput, match="no evaluation data"):
         model_io.evaluate(reference, STEPS)
+
+
+def test_what_the_server_writes_of_a_streamed_run_says_streamed_and_no_counts(reference):
+    from mcp_server.operations.model_card import model_card
+    from runner.supervise import run_note
+
+    record = rd.read_run(reference)
+    card = model_card(record, STEPS, [], "transformers", 1000, None, "not asked")
+    size = record.data.bytes
+    assert f"- streamed: 3 files, {size:,} bytes (records and tokens were not counted ahead)" in card
+    assert "None" not in card.split("## Data")[1].split("## Code")[0]
+    assert "data files: streamed, 3 files" in run_note(record, None)
