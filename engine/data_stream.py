@@ -2,7 +2,9 @@
 memory nor on the disk of the data cache.
 
 The shards are the data files of ``data.paths`` (folders expanded, confined) in the fixed order
-:func:`engine.data_files.data_files` lists them, read again from the first at each epoch. A
+:func:`engine.data_files.data_files` lists them, then those of a Hub data set's split
+(:func:`hub_shards`: the snapshot the server downloaded and bound), read again from the first at
+each epoch. A
 rank reads its own share: **record i of every shard goes to data-parallel rank i % dp_size**
 (records of other ranks are skipped unparsed in a JSONL shard; a ``.txt``/``.md``/``.py`` file
 is one record, so such shards go by file instead). Records are turned into pieces (the
@@ -34,12 +36,13 @@ from typing import Any, Callable, Iterator
 from torch.distributed.checkpoint.stateful import Stateful
 
 from engine.config import ConfigError
-from engine.data_files import DataListing, data_files, json_value
+from engine.data_files import HUB_DATASETS_VARIABLE, DataListing, bound_hub_path, data_files, json_value
 from engine.data_formats import READERS as RECORD_READERS
 
 TEXT_SUFFIXES = {".txt", ".md", ".py"}  # one record each: the whole file
 SHARD_SUFFIXES = TEXT_SUFFIXES | set(RECORD_READERS)
 QUEUE_PIECES = 256  # pieces read ahead of the trainer (the memory a stream holds besides one record)
+SPLIT_NAMES = ("train", "validation", "test", "dev")  # the split names hub_shards looks for in paths
 CHECK_RECORDS = 8  # records of the first shard the launch check reads
 
 
@@ -69,6 +72,31 @@ def list_shards(paths: list[str], listing: DataListing | None = None) -> list[Sh
     if not found:
         raise ConfigError(f"no data files in data.paths={paths} ({', '.join(sorted(SHARD_SUFFIXES))})")
     return [Shard(path, name) for path, name in found]
+
+
+def hub_shards(dataset: str, split: str) -> list[Shard]:
+    """The data files (``.jsonl``, ``.parquet``, ...) of ``split`` in the snapshot of the Hub data
+    set ``dataset`` that the server downloaded and bound for this run, in path order: those whose
+    path has a folder named ``split`` or whose file name starts with it (``data/train-00000-of-00002.parquet``);
+    for ``train``, every data file when none names a split of :data:`SPLIT_NAMES`. Named ``dataset/path`` in errors."""
+    bound = bound_hub_path(HUB_DATASETS_VARIABLE, dataset)
+    if bound is None:
+        raise ConfigError(f"data.dataset {dataset!r} is not bound for this run: trainwright's server downloads a Hub "
+                          "data set when it launches the run (outside the server, give its files in data.paths)")
+    snapshot = Path(bound)  # <cache>/datasets--org--name/snapshots/<commit>: its files link to ../../blobs
+    found = data_files([bound], suffixes=set(RECORD_READERS), root=snapshot.parents[1], fingerprint=False)
+
+    def names(name: str, split: str) -> bool:
+        *folders, file = name.split("/")
+        return split in folders or file.startswith((f"{split}-", f"{split}.", f"{split}_"))
+
+    chosen = [item for item in found if names(item[1], split)]
+    if not chosen and split == "train" and not any(names(n, s) for _, n in found for s in SPLIT_NAMES):
+        chosen = found  # one split, unnamed: what datasets calls train
+    if not chosen:
+        raise ConfigError(f"data.dataset {dataset!r} has no data files of split {split!r} "
+                          f"(it has {', '.join(name for _, name in found[:5]) or 'none'}); set data.split")
+    return [Shard(path, f"{dataset}/{name}") for path, name in chosen]
 
 
 def shard_records(shard: Shard, offset: int = 0, first: int = 0) -> Iterator[tuple[int, int, str, Any]]:

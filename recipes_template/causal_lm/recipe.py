@@ -38,7 +38,7 @@ from engine.config import ConfigError, DataConfig, EngineConfig, Section
 from engine.data_files import DataListing, confined_path, data_files
 from engine.data_formats import READERS as RECORD_READERS
 from engine.data_formats import is_saved_dataset, record_rows
-from engine.data_stream import PieceStream, StreamBatches, first_records, list_shards, shard_bytes
+from engine.data_stream import PieceStream, Shard, StreamBatches, first_records, hub_shards, list_shards, shard_bytes
 from engine.engine import IGNORE_INDEX, Engine
 from engine.run_dir import DataSummary
 from engine.flops import non_embedding_params, transformer_flops_per_token
@@ -97,18 +97,22 @@ class CausalLMDataConfig(DataConfig):
         False, description="Read data.paths while training, tokenized in a background thread: nothing cached. "
         "Record i of each shard goes to rank i % ranks. Held out: nothing (eval_fraction=1: all).",
     )
+    dataset: str | None = Field(None, description="data.streaming: a Hub data set id (org/name[@revision]) to stream too.")
+    split: str = Field("train", description="data.dataset: the split whose data files are streamed.")
 
     @model_validator(mode="after")
     def _source_matches_paths(self) -> "CausalLMDataConfig":
         # No combination of keys may train on other data than asked for.
+        if self.dataset is not None and not self.streaming:
+            raise ValueError("data.dataset is read as a stream: set data.streaming=true")
         if self.source is None:
-            object.__setattr__(self, "source", "files" if self.paths else "stdlib")
+            object.__setattr__(self, "source", "files" if self.paths or self.dataset else "stdlib")
         elif self.paths and self.source != "files":
             raise ValueError(
                 f"data.paths is set but data.source={self.source} would ignore it; "
                 "drop data.source (or set it to files) to train on data.paths"
             )
-        elif self.source == "files" and not self.paths:
+        elif self.source == "files" and not self.paths and not self.dataset:
             raise ValueError("data.source=files needs data.paths (files or folders, relative to the workspace)")
         if self.streaming and self.source != "files":
             raise ValueError(f"data.streaming reads data.paths; data.source={self.source} has none to stream")
@@ -366,16 +370,22 @@ def stream_pieces(cfg: CausalLMDataConfig, tokenizer):
     return pieces_of
 
 
+def stream_shards(cfg: CausalLMDataConfig, listing: DataListing | None = None) -> list[Shard]:
+    """data.streaming: the shards of data.paths, then those of data.dataset's split."""
+    return ((list_shards(cfg.paths, listing) if cfg.paths else [])
+            + (hub_shards(cfg.dataset, cfg.split) if cfg.dataset else []))
+
+
 def stream_summary(cfg: CausalLMDataConfig, tokenizer, described: str) -> DataSummary:
     """What is known of streamed data before it is read: its files and bytes (nothing else is
     counted); the first records of the first shard are read and tokenized, so a bad format or a
     missing text column is refused now, naming the file and record."""
     listing = DataListing()
-    shards = list_shards(cfg.paths, listing)
+    shards = stream_shards(cfg, listing)
     pieces_of = stream_pieces(cfg, tokenizer)
     for where, record in first_records(shards):
         pieces_of(where, record)
-    return DataSummary(source="files", paths=cfg.paths[:20], files=len(shards), streaming=True,
+    return DataSummary(source="files", paths=[*cfg.paths, *([cfg.dataset] if cfg.dataset else [])][:20], files=len(shards), streaming=True,
                        bytes=shard_bytes(shards), documents=None, tokens=None, train_documents=None,
                        train_tokens=None, eval_documents=None, eval_tokens=None, tokenizer=described,
                        **listing.summary_fields())
@@ -529,7 +539,7 @@ class CausalLM(Engine):
     def stream_batches(self) -> StreamBatches:
         """data.streaming: this rank's batches from its share of data.paths, read as they go."""
         cfg = self.config.data
-        stream = PieceStream(list_shards(cfg.paths), stream_pieces(cfg, self.tokenizer), self.dist.dp_rank,
+        stream = PieceStream(stream_shards(cfg), stream_pieces(cfg, self.tokenizer), self.dist.dp_rank,
                              self.dist.dp_size)
         return StreamBatches(stream, self.micro_batch_size,
                              lambda pieces: collate(pieces, cfg.seq_len, self.tokenizer.pad_token_id))

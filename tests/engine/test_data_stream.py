@@ -7,6 +7,7 @@ from __future__ import annotations
 import itertools
 import json
 import time
+from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -19,6 +20,7 @@ from engine.data_stream import (
     StreamBatches,
     StreamPosition,
     first_records,
+    hub_shards,
     list_shards,
     read_pieces,
 )
@@ -110,3 +112,35 @@ def test_a_bad_record_in_a_later_shard_fails_the_stream_naming_shard_and_record(
     with pytest.raises(ConfigError, match=r"more/d\.jsonl:8: not a JSON object"):
         stream.take(10_000)
 
+
+
+def fake_snapshot(cache, files: dict[str, str]):
+    """A Hub data set's snapshot as huggingface_hub lays it out: links to ../../blobs."""
+    repo = cache / "datasets--org--corpus"
+    snapshot = repo / "snapshots" / ("c" * 40)
+    (repo / "blobs").mkdir(parents=True)
+    for i, (name, text) in enumerate(files.items()):
+        (repo / "blobs" / f"blob{i}").write_text(text)
+        (snapshot / name).parent.mkdir(parents=True, exist_ok=True)
+        (snapshot / name).symlink_to(Path("../" * (name.count("/") + 2)) / "blobs" / f"blob{i}")
+    return snapshot
+
+
+def test_a_hub_data_set_streams_the_files_of_its_split(tmp_path, monkeypatch):
+    monkeypatch.setenv("TRAINWRIGHT_WORKSPACE", str(tmp_path / "ws"))
+    line = json.dumps({"text": "hello"}) + "\n"
+    snapshot = fake_snapshot(tmp_path / "hub", {"README.md": "# card", "data/train-00001-of-00002.jsonl": line,
+                                                "data/train-00000-of-00002.jsonl": line,
+                                                "data/test-00000-of-00001.jsonl": line})
+    monkeypatch.setenv("TRAINWRIGHT_HUB_DATASETS", json.dumps({"org/corpus": str(snapshot)}))
+    assert [s.name for s in hub_shards("org/corpus", "train")] == [
+        "org/corpus/data/train-00000-of-00002.jsonl", "org/corpus/data/train-00001-of-00002.jsonl"]
+    assert [s.name for s in hub_shards("org/corpus", "test")] == ["org/corpus/data/test-00000-of-00001.jsonl"]
+    with pytest.raises(ConfigError, match="no data files of split 'validation'"):
+        hub_shards("org/corpus", "validation")
+    with pytest.raises(ConfigError, match="'org/other' is not bound for this run"):
+        hub_shards("org/other", "train")
+
+    unnamed = fake_snapshot(tmp_path / "hub2", {"corpus.jsonl": line, "more/b.jsonl": line})
+    monkeypatch.setenv("TRAINWRIGHT_HUB_DATASETS", json.dumps({"org/corpus": str(unnamed)}))
+    assert [s.name for s in hub_shards("org/corpus", "train")] == ["org/corpus/corpus.jsonl", "org/corpus/more/b.jsonl"]

@@ -138,6 +138,10 @@ def test_streaming_settings_that_would_not_act_are_refused():
     with pytest.raises(ValueError, match="holds out no fraction of a stream"):
         causal_lm.CausalLMConfig.model_validate({"data": {"paths": ["x"], "streaming": True, "eval_fraction": 0.1}})
     causal_lm.CausalLMConfig.model_validate({"data": {"paths": ["x"], "streaming": True, "eval_fraction": 1}})
+    with pytest.raises(ValueError, match="data.dataset is read as a stream: set data.streaming=true"):
+        causal_lm.CausalLMConfig.model_validate({"data": {"dataset": "org/corpus"}})
+    hub = causal_lm.CausalLMConfig.model_validate({"data": {"dataset": "org/corpus", "streaming": True}}).data
+    assert hub.source == "files" and hub.split == "train" and hub.eval_fraction == 0
 
 
 def test_evaluate_scores_the_files_given_and_holds_nothing_out_of_the_stream(workspace, reference, monkeypatch):
@@ -166,3 +170,28 @@ def test_what_the_server_writes_of_a_streamed_run_says_streamed_and_no_counts(re
     assert f"- streamed: 3 files, {size:,} bytes (records and tokens were not counted ahead)" in card
     assert "None" not in card.split("## Data")[1].split("## Code")[0]
     assert "data files: streamed, 3 files" in run_note(record, None)
+
+
+def test_a_hub_data_set_bound_by_the_server_streams_its_split(workspace, tmp_path):
+    root, recipe = workspace
+    # The snapshot the server downloads into the Hugging Face cache, bound for the run: files
+    # that link to ../../blobs.
+    repo = tmp_path / "hub" / "datasets--org--corpus"
+    snapshot = repo / "snapshots" / ("c" * 40)
+    write_shards(repo / "blobs", shards=2)
+    (snapshot / "data").mkdir(parents=True)
+    for i in range(2):
+        (snapshot / "data" / f"train-{i:05d}-of-00002.jsonl").symlink_to(f"../../../blobs/part-{i:03d}.jsonl")
+    (snapshot / "README.md").write_text("# a card, not data")
+    before = existing_runs(root)
+    overrides = [o for o in SCHEDULE if not o.startswith("data.paths")] + ["data.dataset=org/corpus", "train.max_steps=6",
+                                                                           "checkpoint.every=0"]
+    env = {**engine_env(), "TRAINWRIGHT_HUB_DATASETS": json.dumps({"org/corpus": str(snapshot)})}
+    result = subprocess.run(engine_command(recipe, *overrides), cwd=root, env=env, capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    (run,) = new_run_dirs(root, before)
+    data = rd.read_run(run).data
+    assert data.streaming and data.files == 2 and data.paths == ["org/corpus"]
+    assert data.bytes == sum(p.stat().st_size for p in (repo / "blobs").iterdir())
+    assert sorted(losses(run)) == list(range(1, 7))
