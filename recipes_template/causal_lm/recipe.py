@@ -65,7 +65,7 @@ class ModelConfig(Section):
         "sdpa", description="Attention kernel (flash_attention_2: CUDA only)."
     )
     pretrained_path: str | None = Field(
-        None, description="A local Hugging Face model folder to start from (weights + tokenizer)."
+        None, description="A Hugging Face model folder or Hub id to start from."
     )
 
     @model_validator(mode="after")
@@ -80,25 +80,21 @@ class ModelConfig(Section):
 class CausalLMDataConfig(DataConfig):
     source: Literal["stdlib", "files", "random"] | None = Field(
         None,
-        description="files: data.paths (default when set); stdlib: CPython's standard library "
-        "(default otherwise); random: random tokens (data.vocab_size), for benchmarks.",
+        description="files: data.paths (default when set); stdlib: CPython's library (else); "
+        "random: random ids, for benchmarks.",
     )
     paths: list[str] = Field(
         default_factory=list,
-        description=".txt/.md/.py (a document each), .jsonl/.json/.parquet/.csv/.tsv files, or folders.",
+        description=".txt/.md/.py (a document each), .jsonl/.json/.parquet/.csv/.tsv, or folders.",
     )
-    text_field: str = Field("text", description="The column of the text in records.")
+    text_field: str = Field("text", description="The records' text column.")
     eval_fraction: float = Field(
-        0.05, ge=0, le=1, description="Documents held out for evaluation (1: all, for `trainwright evaluate`)."
+        0.05, ge=0, le=1, description="Documents held out for evaluation (1: all, for `evaluate`)."
     )
-    vocab_size: int = Field(32000, ge=3, description="data.source=random: token ids are below this.")
-    random_documents: int = Field(10000, ge=1, description="data.source=random: how many documents.")
-    streaming: bool = Field(
-        False, description="Read data.paths while training, tokenized in a background thread: nothing cached. "
-        "Record i of each shard goes to rank i % ranks. Held out: nothing (eval_fraction=1: all).",
-    )
-    dataset: str | None = Field(None, description="data.streaming: a Hub data set id (org/name[@revision]) to stream too.")
-    split: str = Field("train", description="data.dataset: the split whose data files are streamed.")
+    vocab_size: int = Field(32000, ge=3, description="data.source=random: ids below this.")
+    random_documents: int = Field(10000, ge=1, description="data.source=random: documents.")
+    streaming: bool = Field(False, description="Stream the data as it trains (README).")
+    dataset: str | None = Field(None, description="Streamed: a Hub data set's train split.")
 
     @model_validator(mode="after")
     def _source_matches_paths(self) -> "CausalLMDataConfig":
@@ -371,9 +367,9 @@ def stream_pieces(cfg: CausalLMDataConfig, tokenizer):
 
 
 def stream_shards(cfg: CausalLMDataConfig, listing: DataListing | None = None) -> list[Shard]:
-    """data.streaming: the shards of data.paths, then those of data.dataset's split."""
+    """data.streaming: the shards of data.paths, then those of data.dataset's train split."""
     return ((list_shards(cfg.paths, listing) if cfg.paths else [])
-            + (hub_shards(cfg.dataset, cfg.split) if cfg.dataset else []))
+            + (hub_shards(cfg.dataset, "train") if cfg.dataset else []))
 
 
 def stream_summary(cfg: CausalLMDataConfig, tokenizer, described: str) -> DataSummary:

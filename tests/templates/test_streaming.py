@@ -141,7 +141,7 @@ def test_streaming_settings_that_would_not_act_are_refused():
     with pytest.raises(ValueError, match="data.dataset is read as a stream: set data.streaming=true"):
         causal_lm.CausalLMConfig.model_validate({"data": {"dataset": "org/corpus"}})
     hub = causal_lm.CausalLMConfig.model_validate({"data": {"dataset": "org/corpus", "streaming": True}}).data
-    assert hub.source == "files" and hub.split == "train" and hub.eval_fraction == 0
+    assert hub.source == "files" and hub.eval_fraction == 0
 
 
 def test_evaluate_scores_the_files_given_and_holds_nothing_out_of_the_stream(workspace, reference, monkeypatch):
