@@ -23,7 +23,13 @@ Every run is printed, then the goals' ratios:
 - second launch's time to step 1 / the first's (goal <= 0.5);
 - store tokenization bytes/s / ``datasets.map``'s (goal >= 0.9).
 
+With ``--streaming`` each size and rank count is launched once with ``data.streaming=true``
+(``--steps`` steps: the stream reads ``steps × batch_size`` pieces, tokenized by a background
+thread) and the rows say its peak, its time to step 1 and that the data cache stayed empty; then
+the peak at each size / the peak at the smallest, which does not grow with the corpus.
+
     python bench/data_scale.py [--sizes 25 100 400] [--ranks 1 2] [--map]
+    python bench/data_scale.py --streaming [--sizes 25 400] [--ranks 1 2] [--steps 50]
 """
 
 from __future__ import annotations
@@ -112,13 +118,13 @@ def tree_memory(root_pid: int, by_role: dict[str, int] | None = None) -> tuple[i
     return rss, pss
 
 
-def launch(workspace: Path, recipe: Path, nproc: int, cache: Path) -> tuple[float, float, float]:
+def launch(workspace: Path, recipe: Path, nproc: int, cache: Path, *more: str) -> tuple[float, float, float]:
     """(peak GB of the run's processes' summed RSS, and of their summed PSS, seconds to the first
-    metrics record)."""
+    metrics record); ``more``: settings beside the bench's."""
     before = existing_runs(workspace)
     env = {**engine_env(), DATA_CACHE_VARIABLE: str(cache)}
     start = time.monotonic()
-    process = subprocess.Popen(engine_command(recipe, *TINY, "data.paths=[corpus]", nproc=nproc),
+    process = subprocess.Popen(engine_command(recipe, *TINY, "data.paths=[corpus]", *more, nproc=nproc),
                                cwd=workspace, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     peak, peak_pss, first_step, by_role = 0, 0, None, {}
     while process.poll() is None:
@@ -206,7 +212,12 @@ def main() -> None:
     parser.add_argument("--sizes", type=float, nargs="+", default=[25, 100, 400], help="corpus sizes in MB")
     parser.add_argument("--ranks", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--map", action="store_true", help="also time datasets.map (slow at large sizes)")
+    parser.add_argument("--streaming", action="store_true", help="launch once per size with data.streaming=true")
+    parser.add_argument("--steps", type=int, default=50, help="--streaming: steps of each run")
     args = parser.parse_args()
+    if args.streaming:
+        streaming(args.sizes, args.ranks, args.steps)
+        return
     peaks: dict[tuple[float, int], float] = {}
     shares: dict[tuple[float, int], float] = {}  # the same peaks as PSS
     with tempfile.TemporaryDirectory(prefix="data-scale-") as tmp:
@@ -243,6 +254,28 @@ def main() -> None:
         if (smallest, 1) in peaks and (smallest, 2) in peaks:
             print(f"two ranks / one rank at {smallest:g} MB: {peaks[(smallest, 2)] / peaks[(smallest, 1)]:.2f} RSS, "
                   f"{shares[(smallest, 2)] / shares[(smallest, 1)]:.2f} PSS (goal <= 2)")
+
+
+def streaming(sizes: list[float], ranks: list[int], steps: int) -> None:
+    """One data.streaming launch per size and rank count: peak memory, time to step 1, the cache
+    left empty; then each peak against the smallest size's."""
+    peaks: dict[tuple[float, int], float] = {}
+    with tempfile.TemporaryDirectory(prefix="data-scale-") as tmp:
+        root = Path(tmp)
+        recipe = copy_template(root / "ws", "lm")
+        for size in sizes:
+            write_corpus(root / "ws" / "corpus", size)
+            for nproc in ranks:
+                cache = root / f"cache-{size}-{nproc}"
+                _, peak, first = launch(root / "ws", recipe, nproc, cache, "data.streaming=true", f"train.max_steps={steps}")
+                peaks[(size, nproc)] = peak
+                cached = sorted(p.name for p in cache.iterdir()) if cache.is_dir() else []
+                print(f"streaming, {size:g} MB, {nproc} rank(s), {steps} steps: peak {peak:.2f} GB (PSS), step 1 at "
+                      f"{first:.1f} s, data cache {cached or 'empty'}", flush=True)
+        smallest = min(sizes)
+        for (size, nproc), peak in sorted(peaks.items()):
+            print(f"streaming peak at {size:g} MB / at {smallest:g} MB, {nproc} rank(s): "
+                  f"{peak / peaks[(smallest, nproc)]:.2f} (goal <= 1.25 + 0.3 GB: {peak <= 1.25 * peaks[(smallest, nproc)] + 0.3})")
 
 
 if __name__ == "__main__":

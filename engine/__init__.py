@@ -23,6 +23,7 @@ Small and explicit, one concept per file:
 - ``data_files``      the data files a run may read, confined and listed
 - ``data_formats``    file kinds and record formats (Alpaca, ShareGPT, parquet, CSV, ...)
 - ``token_store``     a run's data tokenized once, on disk, mapped by every rank and later run
+- ``data_stream``     data.streaming: shards read while training, a background tokenizer, the position in the checkpoint
 - ``model_io``        export, sample, evaluate: ``python -m engine.model_io``
 - ``benchmarks``      lm-evaluation-harness scores of a checkpoint (``evaluate --task``)
 - ``hf_checkpoint``   a script run's Hugging Face checkpoint folder, loaded and evaluated for them

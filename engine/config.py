@@ -41,7 +41,7 @@ class TrainConfig(Section):
     log_every: int = Field(10, ge=1, description="Log a metrics record every N steps.")
     grad_accum: int = Field(1, ge=1, description="Micro-batches per optimizer step.")
     max_grad_norm: float | None = Field(
-        1.0, gt=0, description="Clip the global gradient norm to this; null disables clipping."
+        1.0, gt=0, description="Clip the global gradient norm; null: no clipping."
     )
     eval_every: int = Field(0, ge=0, description="Evaluate every N steps; 0 never.")
     eval_batches: int = Field(4, ge=1, description="Batches per evaluation.")
@@ -50,7 +50,7 @@ class TrainConfig(Section):
 class OptimConfig(Section):
     name: Literal["adamw", "adamw_8bit"] = Field(
         "adamw",
-        description="adamw: torch's fused AdamW; adamw_8bit: bitsandbytes', states in 8 bits.",
+        description="adamw: fused AdamW; adamw_8bit: bitsandbytes' 8-bit states.",
     )
     lr: float = Field(1e-3, gt=0, description="Peak learning rate.")
     weight_decay: float = Field(0.1, ge=0, description="Decoupled weight decay (AdamW).")
@@ -71,7 +71,7 @@ class DataConfig(Section):
 
 
 class CheckpointConfig(Section):
-    every: int = Field(100, ge=0, description="Save a checkpoint every N steps; 0 only at the end.")
+    every: int = Field(100, ge=0, description="Save every N steps; 0: only at the end.")
     keep_last: int = Field(2, ge=1, description="Complete checkpoints to keep.")
     at_end: bool = Field(True, description="Save a checkpoint when training finishes.")
 
@@ -82,7 +82,7 @@ DType = Literal["float32", "bfloat16", "float16"]
 class ParallelConfig(Section):
     tp: int = Field(1, ge=1, description="Tensor-parallel degree; data parallel gets the rest.")
     sp: int = Field(
-        1, ge=1, description="Sequence-parallel degree (the sequence-parallel skill); dp = world / (tp × sp)."
+        1, ge=1, description="Sequence-parallel degree (sequence-parallel skill)."
     )
     param_dtype: DType = Field(
         "float32", description="Dtype FSDP2 computes in (param_dtype)."
@@ -92,11 +92,11 @@ class ParallelConfig(Section):
     )
     fsdp_on_one_process: bool = Field(
         False,
-        description="fully_shard also on one data-parallel rank (off: it only adds copies).",
+        description="fully_shard on one data-parallel rank too (adds copies).",
     )
     cpu_offload: bool = Field(
         False,
-        description="FSDP2 keeps parameters, grads and optimizer state on the host. CUDA only.",
+        description="Params, grads, optimizer state on the host (CUDA).",
     )
 
 
@@ -138,7 +138,7 @@ MetricsBackendName = Literal["wandb", "mlflow", "trackio"]
 
 
 class MetricsConfig(Section):
-    tensorboard: bool = Field(True, description="Also write TensorBoard events when it is installed.")
+    tensorboard: bool = Field(True, description="Also write TensorBoard events (if installed).")
     peak_tflops: float | None = Field(
         None, gt=0, description="Peak TFLOP/s of one device for MFU; known GPUs are looked up."
     )

@@ -106,15 +106,16 @@ def _inside(path: Path, root: Path) -> bool:
 
 
 def data_files(paths: Iterable[str], suffixes: Iterable[str], root: Path | None = None,
-               listing: DataListing | None = None) -> list[tuple[Path, str]]:
+               listing: DataListing | None = None, fingerprint: bool = True) -> list[tuple[Path, str]]:
     """``(file, name)`` for every file in ``paths`` (folders: their files with one of
     ``suffixes``, links followed, in a fixed order). The name is relative to the folder given
     (or the file's own name), so the train/eval split does not depend on where data is stored.
 
     With a root (default: :func:`allowed_root`), a path that starts with ``~`` or that resolves
     outside the root — through ``..``, an absolute path or a symlink anywhere on the way — is
-    refused with :class:`DataPathRefused`. Every file found is fingerprinted into ``listing``,
-    and what was skipped recorded there (None: a listing of its own, dropped).
+    refused with :class:`DataPathRefused`. Every file found is fingerprinted into ``listing``
+    (``fingerprint=False``: not, nor read at all: a streamed corpus), and what was skipped
+    recorded there (None: a listing of its own, dropped).
     """
     root = allowed_root() if root is None else Path(root).resolve()
     listing = DataListing() if listing is None else listing
@@ -135,7 +136,7 @@ def data_files(paths: Iterable[str], suffixes: Iterable[str], root: Path | None 
             found.append((real, given.name))
         else:
             raise ConfigError(f"data path {raw!r} does not exist (relative paths start at the workspace)")
-    for real, _ in found:
+    for real, _ in found if fingerprint else ():
         listing.add(real)
     return found
 

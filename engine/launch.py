@@ -195,13 +195,7 @@ def train(recipe_class, config, args: argparse.Namespace, data=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
     if dist_info.device.type == "cpu":
-        import torch
-
-        from engine.memory import follow_live_memory
-        from engine.openmp import govern_waits
-
-        follow_live_memory()  # with TRAINWRIGHT_MMAP_THRESHOLD: the resident set follows live bytes
-        govern_waits(torch.get_num_threads())  # spin on free cores, throttle beside competitors
+        _tune_cpu_process()
     run_dir = _open_run_dir(args, recipe_class, dist_info)
     # Under a supervisor (which passes --run-dir) the final status is the supervisor's to record,
     # once every process has exited; the engine only records what it knows: error, last step.
@@ -262,6 +256,18 @@ def train(recipe_class, config, args: argparse.Namespace, data=None) -> int:
         outcome = {} if supervised else {"status": rd.COMPLETED, "ended_at": rd.utc_now()}
         rd.update_run(run_dir, final_step=engine.state.step, **outcome)
     return EXIT_OK
+
+
+def _tune_cpu_process() -> None:
+    """A CPU run's process: glibc's allocator (with TRAINWRIGHT_MMAP_THRESHOLD the resident set
+    follows live bytes) and OpenMP's waits (spin on free cores, throttle beside competitors)."""
+    import torch
+
+    from engine.memory import follow_live_memory
+    from engine.openmp import govern_waits
+
+    follow_live_memory()
+    govern_waits(torch.get_num_threads())
 
 
 def prepare_data(run_dir: Path, recipe_class, config, pending):

@@ -145,12 +145,15 @@ class DataSummary(BaseModel):
     source: str
     paths: list[str] = []
     files: int | None = None
-    documents: int
-    tokens: int
-    train_documents: int
-    eval_documents: int
-    train_tokens: int
-    eval_tokens: int
+    # None for streamed data (``streaming``): counted only as it is read, so not known here.
+    documents: int | None
+    tokens: int | None
+    train_documents: int | None
+    eval_documents: int | None
+    train_tokens: int | None
+    eval_tokens: int | None
+    streaming: bool = Field(False, description="Read as a stream while training: files and bytes known, not counts.")
+    bytes: int | None = Field(None, description="The data files' size (a streamed run's only measure of its data).")
     tokenizer: str | None = None
     fingerprint: str | None = Field(
         None, description="SHA-256 over the data files' paths and bytes as counted; None for generated data."
@@ -170,17 +173,17 @@ class DataSummary(BaseModel):
         None, description="The data.seq_len at which every example dropped for its length would have tokens to learn."
     )
     skipped: list[str] = Field([], description="Files of the folders and globs given that were not read, and why.")
-    bytes: int | None = Field(None, description="Size of the data files.")
     preparing: DataPreparation | None = Field(
         None, description="Set while the run tokenizes the data as its first phase (the counts are 0 until it is done).",
     )
 
     def nothing_to_train(self) -> str | None:
         """Why a run on this data would train on nothing (a launch refuses it), or None; None
-        while the data is still to be tokenized (the run refuses it then, with this message)."""
-        if self.train_documents > 0 or self.preparing is not None:
+        while the data is still to be tokenized (the run refuses it then, with this message) or
+        is streamed (its records are read while it trains; an empty stream fails there)."""
+        if self.streaming or self.preparing is not None or (self.train_documents or 0) > 0:
             return None
-        read = self.documents + (self.dropped or 0)
+        read = (self.documents or 0) + (self.dropped or 0)
         if self.eval_documents:
             return (f"nothing to train on: all {_count(self.eval_documents, 'usable example')} of the data fall in "
                     f"the held-out split; lower data.eval_fraction or add data")
@@ -201,9 +204,12 @@ class DataSummary(BaseModel):
         if self.skipped:
             files += f"{len(self.skipped) if not self.skipped[-1].startswith('…') else 'many'} skipped " \
                      f"({self.skipped[0]}{'; …' if len(self.skipped) > 1 else ''}), "
+        if self.streaming:
+            size = f", {self.bytes / 1e6:,.1f} MB" if self.bytes is not None else ""
+            return f"data: {self.source}{where}: streamed, {files.rstrip(', ')}{size} (records and tokens not counted ahead)"
         return (
-            f"data: {self.source}{where}: {files}{_count(self.documents, 'document')}, "
-            f"{_count(self.tokens, 'token')}{loss} (train {self.train_documents:,} documents / "
+            f"data: {self.source}{where}: {files}{_count(self.documents or 0, 'document')}, "
+            f"{_count(self.tokens or 0, 'token')}{loss} (train {self.train_documents:,} documents / "
             f"{self.train_tokens:,} tokens, eval {self.eval_documents:,} / {self.eval_tokens:,})"
             + (f"; format {self.format}, loss on {self.mask}" if self.format and self.mask else "")
             + (f", {self.truncated:,} truncated" if self.truncated else "")

@@ -356,10 +356,10 @@ def _loss_incomparable(a: rd.RunRecord, b: rd.RunRecord, config_a: dict[str, Any
     if sections_a != sections_b or {k for k in config_a if k.startswith("model.")} != {
             k for k in config_b if k.startswith("model.")}:
         return "different kinds of recipe (their config keys differ)"
-    data_a = a.data.model_dump(include={"source", "paths", "fingerprint", "tokenizer", "documents"}) if a.data else None
-    data_b = b.data.model_dump(include={"source", "paths", "fingerprint", "tokenizer", "documents"}) if b.data else None
+    data_a = a.data.model_dump(include={"source", "paths", "fingerprint", "tokenizer", "documents", "bytes"}) if a.data else None
+    data_b = b.data.model_dump(include={"source", "paths", "fingerprint", "tokenizer", "documents", "bytes"}) if b.data else None
     if data_a != data_b:
-        return "different data (the data summaries differ: source, paths, fingerprint, tokenizer or documents)"
+        return "different data (the data summaries differ: source, paths, fingerprint, tokenizer, documents or bytes)"
     return None
 
 

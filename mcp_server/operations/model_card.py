@@ -83,8 +83,11 @@ def _data_lines(data: rd.DataSummary | None, dataset: rd.HubModel | None) -> lis
     lines.append(f"- source `{_short(data.source)}`"
                  + (f": {', '.join(f'`{_short(p)}`' for p in data.paths[:10])}" if data.paths else ""))
     lines.append(f"- fingerprint (SHA-256 of the files' paths and bytes): `{data.fingerprint or 'none: generated data'}`")
-    lines.append(f"- {data.documents:,} examples, {data.tokens:,} tokens; train {data.train_documents:,} examples, "
-                 f"{data.train_tokens:,} tokens; held out {data.eval_documents:,} examples, {data.eval_tokens:,} tokens")
+    if data.streaming:
+        lines.append(f"- streamed: {data.files} files, {data.bytes:,} bytes (records and tokens were not counted ahead)")
+    else:
+        lines.append(f"- {data.documents:,} examples, {data.tokens:,} tokens; train {data.train_documents:,} examples, "
+                     f"{data.train_tokens:,} tokens; held out {data.eval_documents:,} examples, {data.eval_tokens:,} tokens")
     if data.loss_tokens is not None:
         lines.append(f"- the loss is over {data.loss_tokens:,} tokens ({_short(data.mask)})")
     return lines

@@ -39,6 +39,7 @@ from engine.config import ConfigError, DataConfig, EngineConfig, Section
 from engine.data_files import DataListing, confined_path, data_files
 from engine.data_formats import READERS as RECORD_READERS
 from engine.data_formats import is_saved_dataset, record_rows
+from engine.data_stream import PieceStream, Shard, StreamBatches, first_records, hub_shards, list_shards, shard_bytes
 from engine.engine import IGNORE_INDEX, Engine
 from engine.run_dir import DataPreparation, DataSummary
 from engine.flops import non_embedding_params, transformer_flops_per_token
@@ -71,13 +72,13 @@ class ModelConfig(Section):
     num_heads: int = Field(4, ge=1, description="Attention heads.")
     num_kv_heads: int = Field(2, ge=1, description="Key/value heads (GQA).")
     rope_theta: float = Field(10000.0, gt=0, description="RoPE base frequency.")
-    vocab_size: int | None = Field(None, ge=3, description="Embedding rows; default: the tokenizer's (more: never targets).")
+    vocab_size: int | None = Field(None, ge=3, description="Embedding rows (default: the tokenizer's).")
     tie_word_embeddings: bool = Field(False, description="The output layer is the embedding matrix.")
     attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = Field(
         "sdpa", description="Attention kernel (flash_attention_2: CUDA only)."
     )
     pretrained_path: str | None = Field(
-        None, description="A local Hugging Face model folder to start from (weights + tokenizer)."
+        None, description="A Hugging Face model folder or Hub id."
     )
 
     @model_validator(mode="after")
@@ -92,38 +93,47 @@ class ModelConfig(Section):
 class CausalLMDataConfig(DataConfig):
     source: Literal["stdlib", "files", "random"] | None = Field(
         None,
-        description="files: data.paths (default when set); stdlib: CPython's standard library "
-        "(default otherwise); random: random tokens (data.vocab_size), for benchmarks.",
+        description="files: data.paths (default when set); stdlib: CPython's library; "
+        "random: ids, for benchmarks.",
     )
     paths: list[str] = Field(
         default_factory=list,
-        description=".txt/.md/.py (a document each), .jsonl/.json/.parquet/.csv/.tsv files, or folders.",
+        description=".txt/.md/.py (a document each), .jsonl/.json/.parquet/.csv/.tsv, or folders.",
     )
-    text_field: str = Field("text", description="The column of the text in records.")
+    text_field: str = Field("text", description="The records' text column.")
     eval_fraction: float = Field(
-        0.05, ge=0, le=1, description="Documents held out for evaluation (1: all, for `trainwright evaluate`)."
+        0.05, ge=0, le=1, description="Held out for evaluation (1: all, for `evaluate`)."
     )
-    vocab_size: int = Field(32000, ge=3, description="data.source=random: token ids are below this.")
-    random_documents: int = Field(10000, ge=1, description="data.source=random: how many documents.")
+    vocab_size: int = Field(32000, ge=3, description="data.source=random: ids below this.")
+    random_documents: int = Field(10000, ge=1, description="data.source=random: documents.")
     tokenize_in_check_mb: float = Field(
         TOKENIZE_IN_CHECK_MB, ge=0,
-        description="Data up to this size is tokenized by the launch check (exact counts; nothing to train: "
-        "refused at launch); larger data by the run as its first phase, with progress.",
+        description="MB; larger data is tokenized by the run.",
     )
-
+    streaming: bool = Field(False, description="Stream the data as it trains (README).")
+    dataset: str | None = Field(None, description="Streamed: a Hub data set's train split.")
 
     @model_validator(mode="after")
     def _source_matches_paths(self) -> "CausalLMDataConfig":
         # No combination of keys may train on other data than asked for.
+        if self.dataset is not None and not self.streaming:
+            raise ValueError("data.dataset is read as a stream: set data.streaming=true")
         if self.source is None:
-            object.__setattr__(self, "source", "files" if self.paths else "stdlib")
+            object.__setattr__(self, "source", "files" if self.paths or self.dataset else "stdlib")
         elif self.paths and self.source != "files":
             raise ValueError(
                 f"data.paths is set but data.source={self.source} would ignore it; "
                 "drop data.source (or set it to files) to train on data.paths"
             )
-        elif self.source == "files" and not self.paths:
+        elif self.source == "files" and not self.paths and not self.dataset:
             raise ValueError("data.source=files needs data.paths (files or folders, relative to the workspace)")
+        if self.streaming and self.source != "files":
+            raise ValueError(f"data.streaming reads data.paths; data.source={self.source} has none to stream")
+        if self.streaming and "eval_fraction" not in self.model_fields_set:
+            object.__setattr__(self, "eval_fraction", 0.0)  # a stream holds nothing out unless asked to
+        if self.streaming and self.eval_fraction not in (0, 1):
+            raise ValueError("data.streaming holds out no fraction of a stream: data.eval_fraction is 0 (train on "
+                             "all) or 1 (all held out: evaluate on files given); leave it out")
         return self
 
 
@@ -391,6 +401,38 @@ def token_store(cfg: CausalLMDataConfig, tokenizer, listing: DataListing) -> Tok
     return open_or_build(key, rows=1, dtype=value_dtype(tokenizer.vocab_size - 1), build=build, input_bytes=size)
 
 
+def stream_pieces(cfg: CausalLMDataConfig, tokenizer):
+    """data.streaming: a record's pieces as :func:`token_store` cuts them (the text of a
+    ``.txt``/``.md``/``.py`` shard, or of a record's ``data.text_field``)."""
+
+    def pieces_of(where: str, record: Any) -> list[torch.Tensor]:
+        text = record if isinstance(record, str) else _text(record, cfg.text_field, where)
+        return document_pieces(text, tokenizer, cfg.seq_len)
+
+    return pieces_of
+
+
+def stream_shards(cfg: CausalLMDataConfig, listing: DataListing | None = None) -> list[Shard]:
+    """data.streaming: the shards of data.paths, then those of data.dataset's train split."""
+    return ((list_shards(cfg.paths, listing) if cfg.paths else [])
+            + (hub_shards(cfg.dataset, "train") if cfg.dataset else []))
+
+
+def stream_summary(cfg: CausalLMDataConfig, tokenizer, described: str) -> DataSummary:
+    """What is known of streamed data before it is read: its files and bytes (nothing else is
+    counted); the first records of the first shard are read and tokenized, so a bad format or a
+    missing text column is refused now, naming the file and record."""
+    listing = DataListing()
+    shards = stream_shards(cfg, listing)
+    pieces_of = stream_pieces(cfg, tokenizer)
+    for where, record in first_records(shards):
+        pieces_of(where, record)
+    return DataSummary(source="files", paths=[*cfg.paths, *([cfg.dataset] if cfg.dataset else [])][:20], files=len(shards), streaming=True,
+                       bytes=shard_bytes(shards), documents=None, tokens=None, train_documents=None,
+                       train_tokens=None, eval_documents=None, eval_tokens=None, tokenizer=described,
+                       **listing.summary_fields())
+
+
 def collate(pieces: list[torch.Tensor], seq_len: int, pad_id: int) -> dict[str, torch.Tensor]:
     """Right-pad pieces to ``seq_len``. Padding comes after every real token, so causal
     attention never lets a real token see it; its labels are ignored by the loss."""
@@ -510,6 +552,8 @@ class CausalLM(Engine):
         if cfg.source == "stdlib" and "source" not in cfg.model_fields_set:
             _refuse_unused_data_folder()
         path = config.model.pretrained_path
+        if cfg.streaming:
+            return stream_summary(cfg, data_tokenizer(config), f"from {path}" if path else "bytes")
         listing = DataListing()
         store = token_store(cfg, data_tokenizer(config), listing)
         if store is None:  # the run tokenizes it as its first phase
@@ -540,8 +584,20 @@ class CausalLM(Engine):
         """The tokenized data, mapped (built by the launch check, or now when it was not)."""
         return token_store(self.config.data, self.tokenizer, self.data_listing)
 
-    def prepare_data(self) -> BatchStream:
+    def stream_batches(self) -> StreamBatches:
+        """data.streaming: this rank's batches from its share of data.paths, read as they go."""
         cfg = self.config.data
+        stream = PieceStream(stream_shards(cfg), stream_pieces(cfg, self.tokenizer), self.dist.dp_rank,
+                             self.dist.dp_size)
+        return StreamBatches(stream, self.micro_batch_size,
+                             lambda pieces: collate(pieces, cfg.seq_len, self.tokenizer.pad_token_id))
+
+    def prepare_data(self) -> BatchStream | StreamBatches:
+        cfg = self.config.data
+        if cfg.streaming:
+            if cfg.eval_fraction >= 1:
+                raise ConfigError("no training data: data.streaming with data.eval_fraction=1 holds out all of it")
+            return self.stream_batches()
         if not self.store.counts["train"][0]:
             raise ConfigError(f"no training documents: data.eval_fraction={cfg.eval_fraction} holds out all of them")
         pieces = self.store.pieces("train", torch.from_numpy)
@@ -556,6 +612,13 @@ class CausalLM(Engine):
         )
 
     def prepare_eval_data(self) -> list[dict[str, torch.Tensor]] | None:
+        if self.config.data.streaming:  # held out: nothing, or (eval_fraction=1) the stream's first batches
+            if not self.config.train.eval_every or self.config.data.eval_fraction < 1:
+                return None
+            batches = self.stream_batches()
+            taken = [next(batches) for _ in range(self.config.train.eval_batches)]
+            batches.stream.close()
+            return taken
         if not self.config.train.eval_every or not self.store.counts["eval"][0]:
             return None
         cfg = self.config.data
