@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import ipaddress
 import re
+import socket
 from dataclasses import dataclass
 from typing import Any, Mapping
 
@@ -135,13 +136,16 @@ def check_nodes(nnodes: object = 1, rdzv: Mapping[str, Any] | None = None) -> No
 
 
 def check_allowed(nodes: Nodes, limits: RunLimits) -> None:
-    """A run over several nodes needs the host network: refused unless the server allows it."""
+    """A run over several nodes needs the host network: refused unless the server allows it, and
+    a route to its rendezvous host."""
     if nodes.multi and not (limits.multi_node or limits.network == "shared"):
         raise BadInput(
             f"a run over {nodes.nnodes} nodes needs the host's network (its rendezvous and collectives cross "
             "machines), which this server's settings do not allow; the person who starts the server can set "
             "runs.multi_node: true in the file given to `trainwright serve --config` (SECURITY.md)"
         )
+    if nodes.multi and not nodes.local_endpoint:
+        route_source(nodes)  # a rendezvous host this machine cannot reach is refused before anything is written
 
 
 def torchrun_args(nodes: Nodes, nproc: int, rdzv_id: str) -> list[str]:
@@ -157,4 +161,23 @@ def torchrun_args(nodes: Nodes, nproc: int, rdzv_id: str) -> list[str]:
         # own: c10d tells nodes apart by (address, pid), and in their sandboxes' PID namespaces
         # the agents' pids are alike.
         args += ["--local-addr", str(ipaddress.IPv4Address("127.0.0.1") + nodes.node_rank)]
+    else:
+        # Machines of their own: torchrun would take this machine's host name for both, which may
+        # resolve to loopback. This node is at the address it reaches the rendezvous host from,
+        # and node 0 (whose address the endpoint is) serves the rendezvous.
+        args += ["--local-addr", route_source(nodes), "--rdzv-conf", f"is_host={int(nodes.node_rank == 0)}"]
     return args
+
+
+def route_source(nodes: Nodes) -> str:
+    """This machine's address on the route to the rendezvous host (the source address of a UDP
+    socket connected there; nothing is sent), or :class:`BadInput` when there is none."""
+    host, port = nodes.rdzv_host, int(str(nodes.rdzv_endpoint).rsplit(":", 1)[1])
+    try:
+        family, kind, _, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_DGRAM)[0]
+        with socket.socket(family, kind) as probe:
+            probe.connect(address)
+            return probe.getsockname()[0]
+    except OSError as error:
+        raise BadInput(f"rdzv endpoint {nodes.rdzv_endpoint}: this machine finds no route to {host!r} ({error}); "
+                       "give an address of the first node that every node reaches") from None

@@ -3,6 +3,7 @@ accepted, and who may allow the host network such a run needs."""
 
 from __future__ import annotations
 
+import ipaddress
 import sys
 from pathlib import Path
 
@@ -10,7 +11,7 @@ import pytest
 
 from engine.errors import BadInput
 from workspace.settings import RunLimits, tighten
-from runner.nodes import check_allowed, check_endpoint, check_nodes
+from runner.nodes import check_allowed, check_endpoint, check_nodes, route_source
 from runner.lifecycle import engine_command
 
 RECIPE, RUN = Path("/ws/runs/r0/recipe"), Path("/ws/runs/r0")
@@ -30,10 +31,27 @@ def test_nodes_meet_at_a_c10d_rendezvous_and_nodes_of_one_machine_get_their_own_
         sys.executable, *rendezvous, "--rdzv-endpoint", "127.0.0.1:29500", "--rdzv-id", "r0",
         "--local-addr", "127.0.0.2", "-m", "engine.launch", str(RECIPE), "--run-dir", str(RUN),
     ]
-    remote = check_nodes(2, {"endpoint": "node0.cluster"})
-    assert engine_command(RECIPE, RUN, 1, [], nodes=remote, rdzv_id="r0")[1:14] == [
-        *rendezvous, "--rdzv-endpoint", "node0.cluster:29400", "--rdzv-id", "r0", "-m",
-    ]  # machines of their own: each advertises its own host name
+
+
+def test_a_node_of_machines_of_their_own_is_at_its_address_on_the_route_to_the_rendezvous_and_node_0_serves_it():
+    rendezvous = ["--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d"]
+    source = route_source(check_nodes(2, {"endpoint": "10.0.0.5:29500"}))
+    for rank in (0, 1):
+        node = check_nodes(2, {"endpoint": "10.0.0.5:29500", "id": "r0", "node_rank": rank})
+        assert engine_command(RECIPE, RUN, 1, [], nodes=node, rdzv_id="r0")[3:18] == [
+            *rendezvous, "--rdzv-endpoint", "10.0.0.5:29500", "--rdzv-id", "r0",
+            "--local-addr", source, "--rdzv-conf", f"is_host={int(rank == 0)}", "-m",
+        ]
+    # Not the host name (which may resolve to loopback): the source address of a socket to the
+    # rendezvous host, which for this machine's own address is that address.
+    assert not ipaddress.ip_address(source).is_loopback
+    assert route_source(check_nodes(2, {"endpoint": f"{source}:29500"})) == source
+
+
+def test_a_rendezvous_host_this_machine_cannot_reach_is_refused_before_the_launch():
+    nodes = check_nodes(2, {"endpoint": "node0.invalid:29400"})
+    with pytest.raises(BadInput, match="rdzv endpoint node0.invalid:29400: this machine finds no route to 'node0.invalid'"):
+        check_allowed(nodes, RunLimits(multi_node=True))
 
 
 @pytest.mark.parametrize("endpoint, expected", [
@@ -54,7 +72,7 @@ def test_bad_endpoints_are_refused(endpoint, words):
 
 
 def test_the_host_network_of_several_nodes_is_the_servers_choice_and_a_workspace_cannot_make_it():
-    nodes = check_nodes(2, {"endpoint": "node0:29400"})
+    nodes = check_nodes(2, {"endpoint": "127.0.0.1:29400"})
     with pytest.raises(BadInput, match="runs.multi_node: true"):
         check_allowed(nodes, RunLimits())
     check_allowed(nodes, RunLimits(multi_node=True))
