@@ -94,7 +94,7 @@ def test_script_has_no_injected_lines(tmp_path):
     assert sum(line.startswith("# trainwright run") for line in lines) == 1
     assert not any(line.strip() in ("id", "`id`") for line in lines)
     sbatch = [line for line in lines if line.startswith("#SBATCH")]
-    assert len(sbatch) == 8  # job-name nodes ntasks gpus time partition output open-mode
+    assert len(sbatch) == 9  # job-name nodes ntasks gpus time partition output open-mode no-requeue
     assert text.count("\n") == len(lines)
     assert "\r" not in text
 
