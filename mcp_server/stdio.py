@@ -36,7 +36,7 @@ def marked(line: str) -> str:
 
     try:
         message = json.loads(line, parse_int=parse_int)
-    except ValueError:
+    except (ValueError, RecursionError):  # not JSON, or nested deeper than Python's parser goes
         return line
     return json.dumps(message, ensure_ascii=False) + "\n" if found else line
 
