@@ -31,6 +31,7 @@ record of the run (:mod:`runner.server_record`), outside every sandbox's writabl
 from __future__ import annotations
 
 import datetime as _dt
+import math
 import os
 import re
 import secrets
@@ -119,7 +120,11 @@ class ResumedFrom(BaseModel):
     path: str
 
 
-# Where the run's first phase is in tokenizing the data (DataSummary.preparing).
+MAX_PREPARING_COUNT, MAX_PREPARING_ETA_S = 10**15, 10**7  # a petabyte, four months
+
+
+# Where the run's first phase is in tokenizing the data (DataSummary.preparing). The run writes it:
+# counts are cut to 0..MAX_PREPARING_COUNT and a NaN or negative ETA is none, so what is shown stays sane.
 class DataPreparation(BaseModel):
     model_config = ConfigDict(defer_build=True)
 
@@ -127,6 +132,13 @@ class DataPreparation(BaseModel):
     bytes_done: int = 0
     bytes_total: int = 0
     eta_s: float | None = None
+
+    @field_validator("documents", "bytes_done", "bytes_total", "eta_s")
+    @classmethod
+    def _sane(cls, value: float | None) -> float | None:
+        if isinstance(value, int):  # a count (eta_s is a float by now)
+            return min(max(value, 0), MAX_PREPARING_COUNT)
+        return min(value, MAX_PREPARING_ETA_S) if value is not None and 0 <= value < math.inf else None
 
     def describe(self) -> str:
         eta = f", about {self.eta_s:.0f} s left" if self.eta_s is not None else ""

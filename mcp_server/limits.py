@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import sys
 from typing import Any
 
@@ -73,8 +74,9 @@ def json_chars(value: Any) -> int:
 
 
 # What :mod:`mcp_server.stdio` puts in a message's place of an integer too long for Python to read
-# (pydantic's JSON parser refuses it, and the SDK would drop the whole message unanswered).
-OVERLONG_NUMBER = "<a number of more than the digits Python reads>"
+# (pydantic's JSON parser refuses it, and the SDK would drop the whole message unanswered). Random
+# per server process, so that no text a client gives is taken for it.
+OVERLONG_NUMBER = f"<a number of more than the digits Python reads {secrets.token_hex(16)}>"
 
 
 def arguments_size(arguments: Any) -> tuple[int | None, str | None]:

@@ -1,5 +1,5 @@
-"""The stdio transport as the MCP SDK serves it, with one thing mended: a message holding an
-integer longer than Python reads (``sys.get_int_max_str_digits()``, 4,300 digits) is refused by
+"""The stdio transport as the MCP SDK serves it, with one thing mended: a message holding a
+number longer than Python reads (``sys.get_int_max_str_digits()``, 4,300 digits) is refused by
 pydantic's JSON parser before any handler sees it, and the SDK drops it unanswered, so the client
 waits for ever. Such a number is replaced here by :data:`mcp_server.limits.OVERLONG_NUMBER`, so
 the request reaches the server with its id and is refused as bad input like any other."""
@@ -10,7 +10,7 @@ import json
 import os
 import re
 import sys
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import anyio
@@ -20,23 +20,26 @@ from mcp_server.limits import OVERLONG_NUMBER
 
 
 def marked(line: str) -> str:
-    """``line`` with each integer literal longer than Python reads replaced by OVERLONG_NUMBER
-    (a JSON string); any other line, valid or not, as it came."""
+    """``line`` with each number whose integer part is longer than Python reads (an integer, or
+    one with a fraction or an exponent, which pydantic refuses as well) replaced by
+    OVERLONG_NUMBER (a JSON string); any other line, valid or not, as it came."""
     limit = sys.get_int_max_str_digits()
     if not re.search(r"\d{%d}" % (limit + 1), line):
         return line
     found = False
 
-    def parse_int(text: str) -> Any:
-        nonlocal found
-        if len(text.lstrip("-")) > limit:
-            found = True
-            return OVERLONG_NUMBER
-        return int(text)
+    def parsed(convert: Callable[[str], Any]) -> Callable[[str], Any]:
+        def parse_number(text: str) -> Any:
+            nonlocal found
+            if len(re.split(r"[.eE]", text.lstrip("-"))[0]) > limit:
+                found = True
+                return OVERLONG_NUMBER
+            return convert(text)
+        return parse_number
 
     try:
-        message = json.loads(line, parse_int=parse_int)
-    except ValueError:
+        message = json.loads(line, parse_int=parsed(int), parse_float=parsed(float))
+    except (ValueError, RecursionError):  # not JSON, or nested deeper than Python's parser goes
         return line
     return json.dumps(message, ensure_ascii=False) + "\n" if found else line
 

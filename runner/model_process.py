@@ -2,7 +2,7 @@
 
 ``python -m engine.model_io`` imports the run's recipe (arbitrary code), so it runs as a run
 does: in the bubblewrap sandbox (:mod:`sandbox.bwrap`), with the run limits of the workspace,
-the allow-listed environment, without network where the settings say so, in a session of its
+the allow-listed environment, never on the host's network, in a session of its
 own, and every process it started is ended when it ends. It sees the workspace read-only
 (without ``.git/``, ``.trainwright/`` and ``runs/``), the run's ``run.json``, code snapshot and
 one checkpoint read-only, and may write only into the folders the caller names (an export's
@@ -13,6 +13,7 @@ without following links, validated as :mod:`engine.seams`' model of the action's
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import secrets
 import shutil
@@ -101,6 +102,9 @@ def run_model_io(
 def _run_model_io(workspace: Path, run_dir: Path, action: str, step: int, arguments: list[str],
                   limits: RunLimits, timeout_s: float, writable: list[Path] | None) -> ModelOutcome:
     workspace, run_dir = Path(workspace), Path(run_dir)
+    # Never the host's network, whatever runs.network says: the process reads only files (the
+    # Hub is offline), and an lm-eval task's data URL is still fetched by datasets in offline mode.
+    limits = dataclasses.replace(limits, network="isolated")
     models = recorded_binding(_recorded_models(workspace, run_dir))
     name = _checkpoint_name(workspace, run_dir, step)
     checkpoint = run_dir / rd.CHECKPOINTS_DIRNAME / name

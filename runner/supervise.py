@@ -33,6 +33,7 @@ from pathlib import Path
 from engine import run_dir as rd
 from engine import run_metrics
 from engine.errors import MAX_ERROR_CHARS
+from engine.run_files import open_beneath
 from runner import server_record as sr
 from sandbox import bwrap
 from workspace.git import add_note
@@ -57,6 +58,7 @@ class Supervisor:
         self.limits = self.record.run_limits()
         self.stop_reason: str | None = None
         self.child: subprocess.Popen | None = None
+        self.bound_fds: tuple[int, ...] = ()  # what the sandbox binds by descriptor
         self.sandboxed = False
         self.output_reader: threading.Thread | None = None
         self.event_scalars: EventScalars | None = None  # a script's TensorBoard scalars
@@ -98,12 +100,15 @@ class Supervisor:
         if self.record.nnodes > 1:
             shared_because = (f"a run over {self.record.nnodes} nodes uses the host's network for its rendezvous "
                               f"({self.record.rdzv_endpoint}) and collectives")
+        bound = self.bound_checkpoint()
         wrapped = bwrap.wrap(
-            self.record.command, mounts.read_only, mounts.writable, network=network, cwd=self.working_dir(),
+            self.record.command, [p for p in mounts.read_only if p not in bound], mounts.writable, network=network,
             # Recorded by the server (None: the sandbox is disabled there); the run's own
             # environment does not choose it.
-            bwrap=mounts.bwrap or "", hidden=mounts.hidden, network_reason=shared_because,
+            cwd=self.working_dir(), bwrap=mounts.bwrap or "", hidden=mounts.hidden, network_reason=shared_because,
+            bound_fds=bound,
         )
+        self.bound_fds = tuple(bound.values()) if wrapped.sandboxed else ()
         self.sandboxed = wrapped.sandboxed
         if wrapped.sandboxed:
             report = wrapped.report
@@ -118,6 +123,20 @@ class Supervisor:
                 os.environ.setdefault(key, value)
         print(f"[trainwright] isolation: {report['isolation']} ({report['isolation_note']})", flush=True)
         return wrapped.command, report
+
+    def bound_checkpoint(self) -> dict[str, int]:
+        """The checkpoint the run starts from (another run's, which that run may still be
+        rewriting), opened now one name at a time below the workspace, following no link; the
+        sandbox shows what was opened, so a link put in its place after the server chose it
+        shows nothing of the host. One that is gone or a link now fails the run unstarted."""
+        source, workspace = self.record.resumed_from, self.record.workspace
+        if source is None or not workspace or not Path(source.path).is_relative_to(workspace):
+            return {}
+        fd = open_beneath(workspace, Path(source.path).relative_to(workspace))
+        if fd is None:
+            raise ValueError(f"the checkpoint it starts from ({source.run_id} step {source.step}) is gone or "
+                             "a link now")
+        return {source.path: fd}
 
     def run(self) -> int:
         signal.signal(signal.SIGTERM, lambda *_: self.request_stop("stopped by request"))
@@ -144,7 +163,10 @@ class Supervisor:
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
                 preexec_fn=lambda: apply_limits(limits),
+                pass_fds=self.bound_fds,
             )
+            for fd in self.bound_fds:  # the sandbox has bound them
+                os.close(fd)
             if self.script_run:
                 self.start_reading_output()
         except (OSError, subprocess.SubprocessError) as e:

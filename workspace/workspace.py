@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Iterator
 
 from engine import run_dir as rd
-from engine.errors import BadInput, NotFound
+from engine.errors import MAX_QUOTED_CHARS, BadInput, NotFound
 from workspace.settings import RunLimits, effective_limits
 from workspace.paths import PathRefused, check_name, confine, refuse_reserved
 from runner.provenance import MAX_SNAPSHOT_FILE_BYTES
@@ -305,8 +305,11 @@ def remove_cached_data(workspace: Path | str, names: list[str]) -> list[tuple[st
     there = dict(cached_data(workspace))
     chosen = list(there) if names == ["all"] else names
     missing = [name for name in chosen if name not in there]
-    if missing:
-        raise NotFound(f"no cached data {missing[0]!r}; cached: {', '.join(there) or 'none'}")
+    if missing:  # the names are the runs' (a run may write thousands): the first ones, bounded
+        listed = ", ".join(there) or "none"
+        cut = "…" if len(listed) > MAX_QUOTED_CHARS else ""
+        raise NotFound(f"no cached data {missing[0][:MAX_QUOTED_CHARS]!r}; cached: {listed[:MAX_QUOTED_CHARS]}{cut}"
+                       + (f" ({len(there)} stores; `trainwright data-cache` lists them)" if cut else ""))
     folder = data_cache_dir(workspace)
     fd = open_real_dir(folder)  # the lock engine.token_store builds under (a link refused)
     try:

@@ -47,3 +47,23 @@ def test_planted_links_in_data_cache_do_not_escape(tmp_path: Path) -> None:
     os.mkdir(os.fsencode(cache) + b"/bad\xff-name")
     listed = data_cache(ws, [])
     listed.model_dump_json()
+
+
+def test_removing_an_unknown_store_among_thousands_a_run_made_says_so_in_a_bounded_message(tmp_path: Path) -> None:
+    """The refusal named every store: 3,000 folders with 200-character names made it 650 KB."""
+    import pytest
+
+    from engine.errors import MAX_QUOTED_CHARS, NotFound
+    from tests.sandbox.helpers import make_workspace, tree_hash
+
+    root = make_workspace(tmp_path / "ws")
+    cache = data_cache_dir(root, create=True)
+    for index in range(3000):
+        (cache / (f"\x1b[2J{index:05d}" + "x" * 200)).mkdir()
+    before = tree_hash(root)
+    with pytest.raises(NotFound) as refused:
+        data_cache(Workspace.open(root), ["nope" * 1000])
+    message = str(refused.value)
+    assert len(message) < 3 * MAX_QUOTED_CHARS and message.startswith("no cached data 'nopenope")
+    assert message.endswith("… (3000 stores; `trainwright data-cache` lists them)"), message[-200:]
+    assert tree_hash(root) == before

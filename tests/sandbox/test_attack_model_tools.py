@@ -466,3 +466,25 @@ def test_what_a_recipe_shows_beside_a_sample_is_redacted_bounded_and_typed(monke
 
 def sampled(completion: str, prompt: str = "p", **shown) -> GeneratedSample:
     return GeneratedSample(prompt=prompt, completion=completion, new_tokens=1, stopped="eos", **shown)
+
+
+def test_the_model_process_never_gets_the_hosts_network_even_where_runs_share_it(ws, monkeypatch):
+    """An lm-eval task YAML may name its data by URL: datasets fetches it even with
+    HF_DATASETS_OFFLINE=1 (a GET and two HEADs before it refuses), so evaluate, sample and export
+    run without the host's network whatever runs.network says."""
+    import dataclasses
+    import json
+
+    from runner import model_process
+
+    networks = []
+
+    def writing(command, workspace, visible, writable, env, limits, timeout_s, mark, bound_fds=None):
+        networks.append(limits.network)
+        Path(command[command.index("--result") + 1]).write_text(json.dumps(EVALUATED))
+        return "", ""
+
+    monkeypatch.setattr(model_process, "run_contained", writing)
+    shared = dataclasses.replace(ws.run_limits(), network="shared")
+    model_process.run_model_io(ws.root, ws.runs_dir / "r1", "evaluate", 4, [], shared, 60)
+    assert networks == ["isolated"]
