@@ -31,6 +31,7 @@ Small and explicit, one concept per file:
 - ``gguf_export``     a Hugging Face folder as one GGUF file (llama.cpp, Ollama)
 - ``openmp``          how a run's OpenMP threads wait: spinning, throttled beside competitors
 - ``run_dir``         the on-disk run directory format: run.json's ``RunRecord`` (torch-free; the server reads it)
+- ``data_summary``    run.json's ``data``: ``DataSummary`` and ``DataPreparation``, counts bounded (torch-free)
 - ``run_checkpoints`` a run's checkpoints: names, which are complete, the one chooser (torch-free)
 - ``run_metrics``     metrics.jsonl: ``MetricRecord``, its bounded readers, a run's speed (torch-free)
 - ``run_files``       opening and writing run files: following no link, locked, atomic (torch-free)

@@ -124,7 +124,7 @@ class Supervisor:
         print(f"[trainwright] isolation: {report['isolation']} ({report['isolation_note']})", flush=True)
         return wrapped.command, report
 
-    def bound_checkpoint(self) -> dict[str, int]:
+    def bound_checkpoint(self) -> dict[Path | str, int]:
         """The checkpoint the run starts from (another run's, which that run may still be
         rewriting), opened now one name at a time below the workspace, following no link; the
         sandbox shows what was opened, so a link put in its place after the server chose it

@@ -12,6 +12,7 @@ import pytest
 
 from engine import run_dir as rd
 from engine import run_files
+from engine.data_summary import MAX_DATA_COUNT, MAX_PREPARING_ETA_S
 from mcp_server.operations import runs
 from mcp_server.operations.waiting import wait_run
 from tests.sandbox.helpers import fake_run, make_workspace
@@ -42,8 +43,8 @@ def _shown(tmp_path, forged: dict) -> tuple[dict, str]:
 def test_huge_forged_counts_are_cut_to_a_petabyte_and_the_progress_line_stays_short(tmp_path):
     shown, heard = _shown(tmp_path, {"documents": 10**300, "bytes_done": 10**300, "bytes_total": 10**300,
                                      "eta_s": 1e308})
-    assert shown == {"documents": rd.MAX_PREPARING_COUNT, "bytes_done": rd.MAX_PREPARING_COUNT,
-                     "bytes_total": rd.MAX_PREPARING_COUNT, "eta_s": float(rd.MAX_PREPARING_ETA_S)}
+    assert shown == {"documents": MAX_DATA_COUNT, "bytes_done": MAX_DATA_COUNT,
+                     "bytes_total": MAX_DATA_COUNT, "eta_s": float(MAX_PREPARING_ETA_S)}
     assert len(heard) < 200 and "about 10000000 s left" in heard
 
 
@@ -52,3 +53,16 @@ def test_a_negative_or_not_finite_time_left_is_not_shown(tmp_path, eta):
     shown, heard = _shown(tmp_path, {"documents": -3, "bytes_done": -1, "bytes_total": 8_000_000, "eta_s": eta})
     assert shown == {"documents": 0, "bytes_done": 0, "bytes_total": 8_000_000, "eta_s": None}
     assert heard == "tokenizing the data as the run's first phase: 0 documents, 0.0 of 8.0 MB"
+
+
+def test_the_data_summarys_own_counts_a_run_forges_are_bounded_too(tmp_path):
+    """The summary's counts live in the same run-written file: each is cut to 0..MAX_DATA_COUNT."""
+    root = make_workspace(tmp_path / "ws")
+    summary = rd.DataSummary(source="files", paths=["data"], files=1, documents=2, tokens=9, train_documents=2,
+                             eval_documents=0, train_tokens=9, eval_tokens=0)
+    run_dir = fake_run(root, RUN_ID, status=rd.RUNNING, steps=0, checkpoints=(), pid=os.getpid(), data=summary)
+    record = json.loads((run_dir / rd.RUN_JSON).read_text())
+    record["data"].update(documents=10**300, tokens=-5, dropped=10**20, files=None)
+    run_files.write_json_atomic(run_dir / rd.RUN_JSON, record)
+    shown = runs.get_run(Workspace.open(root), RUN_ID).data
+    assert (shown["documents"], shown["tokens"], shown["dropped"], shown["files"]) == (MAX_DATA_COUNT, 0, MAX_DATA_COUNT, None)
