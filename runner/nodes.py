@@ -36,6 +36,10 @@ RDZV_KEYS = ("endpoint", "id", "node_rank")
 LOOPBACK_NAMES = ("localhost",)
 
 
+# The rendezvous host of a SLURM job's nodes, known only when the job runs (its first node).
+JOB_FIRST_NODE = "<first node>"
+
+
 @dataclass(frozen=True)
 class Nodes:
     """How many nodes a run spans and how they meet (``nnodes`` 1: this machine alone)."""
@@ -156,7 +160,9 @@ def torchrun_args(nodes: Nodes, nproc: int, rdzv_id: str) -> list[str]:
         return ["--standalone", "--local-addr", "127.0.0.1", "--nproc-per-node", str(nproc)]
     args = ["--nnodes", str(nodes.nnodes), "--nproc-per-node", str(nproc), "--rdzv-backend", "c10d",
             "--rdzv-endpoint", str(nodes.rdzv_endpoint), "--rdzv-id", rdzv_id]
-    if nodes.local_endpoint:
+    if nodes.rdzv_host == JOB_FIRST_NODE:
+        pass  # a SLURM job's: its job script gives each node's torchrun its address (runner.slurm.NODE_OPTIONS)
+    elif nodes.local_endpoint:
         # Nodes that are processes of this machine meet on loopback, each at an address of its
         # own: c10d tells nodes apart by (address, pid), and in their sandboxes' PID namespaces
         # the agents' pids are alike.

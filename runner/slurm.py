@@ -35,7 +35,7 @@ from engine.data_files import DATA_CACHE_VARIABLE, WORKSPACE_VARIABLE
 from engine.errors import MAX_QUOTED_CHARS, BadInput
 from sandbox.environment import THREADS_VARIABLE, run_environment
 from runner.processes import RUN_ID_VARIABLE
-from runner.nodes import DEFAULT_RDZV_PORT, Nodes
+from runner.nodes import DEFAULT_RDZV_PORT, JOB_FIRST_NODE, Nodes
 
 if TYPE_CHECKING:  # runner.lifecycle is imported when a job starts: it costs the server nothing before
     from runner.lifecycle import LaunchPlan
@@ -384,7 +384,7 @@ def start_job(workspace: Path, runs_root: Path, plan: LaunchPlan, options: Slurm
     from engine.config import override_args
     from runner.lifecycle import engine_args, start_run
 
-    endpoint_shown = f"<first node>:{options.rdzv_port}"
+    endpoint_shown = f"{JOB_FIRST_NODE}:{options.rdzv_port}"
     rdzv_id, limits = plan.nodes.rdzv_id, plan.limits
     plan = replace(plan, target="slurm",
                    nodes=Nodes(nnodes=plan.nodes.nnodes, rdzv_endpoint=endpoint_shown, rdzv_id=rdzv_id))
