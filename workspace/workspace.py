@@ -99,6 +99,11 @@ class RunSource:
     script: str | None = None
     alone: bool = False
 
+    @property
+    def code(self) -> Path:
+        """What holds the code: the script file when it alone is the code, else the folder."""
+        return self.code_dir / self.script if self.alone and self.script else self.code_dir
+
 
 @dataclass(frozen=True)
 class Workspace:

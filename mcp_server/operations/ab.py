@@ -85,7 +85,7 @@ def ab(
         raise BadInput("--note writes the verdict into a skill commit's note: give the skill")
     rounds = _bounded("rounds", rounds, 1, MAX_ROUNDS)
     source = ws.run_source(recipe)
-    code = source.code_dir / source.script if source.alone and source.script else source.code_dir
+    code = source.code
     label = ws.label(code)
     config, given, args, steps = _settings(ws, source, steps, overrides, args)
     LaunchRunArgs.checked(recipe=label, nproc=nproc)  # as launch_run checks it, before the first run
@@ -196,9 +196,8 @@ def _commits(repo: Any, source: RunSource, skill: str | None, revisions: tuple[s
              label: str) -> tuple[str | None, str, str, int]:
     """The skill as applied (None for two revisions), the commit of a, the commit of b, and how
     many later commits changed the code (after the skill's); each commit holds the code."""
-    code = source.code_dir / source.script if source.alone and source.script else source.code_dir
     if skill is not None:
-        applied, commit_b, later = _skill_commit(repo, code, skill, label)
+        applied, commit_b, later = _skill_commit(repo, source.code, skill, label)
         parents = repo.commit(commit_b).parents
         if not parents or not _holds(repo, parents[0].hexsha, source):
             raise BadInput(f"{applied} was applied in the first commit of {label} ({commit_b[:10]}): no commit holds "
@@ -220,7 +219,7 @@ def _commits(repo: Any, source: RunSource, skill: str | None, revisions: tuple[s
 def _holds(repo: Any, sha: str, source: RunSource) -> bool:
     """Whether commit ``sha`` holds the code ``source`` runs: its recipe.py, or its script."""
     if source.alone and source.script:
-        return workspace_git.tree_file(repo, sha, source.code_dir / source.script) is not None
+        return workspace_git.tree_file(repo, sha, source.code) is not None
     files = workspace_git.tree_files(repo, sha, source.code_dir)
     return files is not None and any(f.path == (source.script or "recipe.py") for f in files)
 

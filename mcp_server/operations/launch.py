@@ -222,7 +222,7 @@ def script_launch(ws: Workspace, source: RunSource, nproc: int, args: object, re
     assert source.script is not None
     given, started_from = started_from_checkpoint(ws, scripts.check_args(args))
     script = scripts.ScriptLaunch(source.script, given, scripts.check_resume_arg(resume_arg), source.alone)
-    code = source.code_dir / source.script if source.alone else source.code_dir
+    code = source.code
     code_dir, origin = at_commit or (source.code_dir, recipe_origin(ws.root, code))
     return Launch(code_dir, ws.label(code), origin, nproc, script=script, resumed_from=started_from)
 
@@ -363,8 +363,7 @@ def _script_resume(ws: Workspace, source_dir: Path, source: sr.ServerRecord, ste
         launch_from = ws.run_source(source.recipe)
         if launch_from.script is None:
             raise BadInput(f"{source.recipe!r} is a recipe now, not the script run {source.id} ran; launch it anew")
-        origin = recipe_origin(ws.root, launch_from.code_dir / launch_from.script if launch_from.alone
-                               else launch_from.code_dir)
+        origin = recipe_origin(ws.root, launch_from.code)
     assert launch_from.script is not None
     return Launch(
         launch_from.code_dir, source.recipe, origin, source.nproc if nproc is None else nproc,
