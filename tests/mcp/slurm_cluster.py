@@ -27,7 +27,9 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Any, Iterator, Sequence
+
+from tests.mcp.conftest import FINAL_STATUSES
 
 BINARIES = ("munged", "slurmctld", "slurmd", "sbatch", "squeue", "sinfo", "scontrol", "scancel")
 NODE = "localhost"  # the node's name is its host name: a job's torchrun resolves it for the rendezvous
@@ -206,3 +208,14 @@ def _wait_for(condition, what: str, cluster: Cluster) -> None:
             return
         time.sleep(0.3)
     raise AssertionError(f"SLURM did not come up: no {what} within {STARTUP_TIMEOUT_S:.0f} s\n{cluster.log()}")
+
+
+def until_ended(session: Any, run_id: str, timeout: float = 120) -> dict:
+    """get_run (which asks SLURM each time) until the run's status is final."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        info = session.ok("get_run", run_id=run_id)
+        if info["status"] in FINAL_STATUSES:
+            return info
+        time.sleep(0.5)
+    raise AssertionError(f"SLURM run {run_id} did not end within {timeout} s: {info['status']}, {info['nodes']}")

@@ -26,8 +26,8 @@ import pytest
 from anyio.from_thread import start_blocking_portal
 from mcp import Client
 
-from tests.mcp.conftest import FINAL_STATUSES, ToolSession, closing_cleanly, stdio_parameters, tiny_config
-from tests.mcp.slurm_cluster import PARTITION, missing, single_node_slurm
+from tests.mcp.conftest import ToolSession, closing_cleanly, stdio_parameters, tiny_config
+from tests.mcp.slurm_cluster import PARTITION, missing, single_node_slurm, until_ended
 from tests.sandbox.helpers import make_workspace
 from workspace import git as workspace_git
 
@@ -70,15 +70,6 @@ def slurm(tmp_path_factory):
                 yield ToolSession(portal, connected, "stdio"), workspace, cluster
 
 
-def until_ended(session: ToolSession, run_id: str, timeout: float = 120) -> dict:
-    """get_run (which asks SLURM each time) until the run's status is final."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        info = session.ok("get_run", run_id=run_id)
-        if info["status"] in FINAL_STATUSES:
-            return info
-        time.sleep(0.5)
-    raise AssertionError(f"SLURM run {run_id} did not end within {timeout} s: {info['status']}, {info['nodes']}")
 
 
 def processes_of(run_id: str) -> list[str]:

@@ -32,8 +32,8 @@ from mcp import Client
 
 from engine import run_checkpoints
 from tests import netns
-from tests.mcp.conftest import FINAL_STATUSES, ToolSession, closing_cleanly, stdio_parameters, tiny_config
-from tests.mcp.slurm_cluster import PARTITION, Node, missing, slurm_cluster, slurmd_command
+from tests.mcp.conftest import ToolSession, closing_cleanly, stdio_parameters, tiny_config
+from tests.mcp.slurm_cluster import PARTITION, Node, missing, slurm_cluster, slurmd_command, until_ended
 from tests.sandbox.helpers import make_workspace
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
@@ -75,14 +75,6 @@ def two_nodes(tmp_path_factory):
                     yield ToolSession(portal, connected, "stdio"), workspace, cluster, machines
 
 
-def until_ended(session: ToolSession, run_id: str, timeout: float = 180) -> dict:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        info = session.ok("get_run", run_id=run_id)
-        if info["status"] in FINAL_STATUSES:
-            return info
-        time.sleep(0.5)
-    raise AssertionError(f"SLURM run {run_id} did not end within {timeout} s: {info['status']}, {info['nodes']}")
 
 
 def losses(workspace: Path, run_id: str) -> dict[int, float]:
@@ -116,7 +108,7 @@ def test_two_nodes_in_two_namespaces_match_one_node_and_a_dead_node_resumes(two_
     two = session.ok("launch_run", recipe="recipes/lm", target="slurm", nproc=1, nnodes=2,
                      overrides={**config, "train.max_steps": 100_000}, slurm=job(29412))["run_id"]
     assert session.ok("get_run", run_id=two)["nodes"].startswith("2 node(s) x 1 process(es), SLURM job ")
-    done = until_ended(session, one_node)
+    done = until_ended(session, one_node, timeout=180)
     assert (done["status"], done["exit_code"], done["step"]) == ("completed", 0, MAX_STEPS), done
     print(f"\none-node job completed at {time.monotonic() - t0:.1f} s")
 
@@ -170,7 +162,7 @@ def _resume(session, workspace, cluster, two, failed, reference, t0) -> None:
     until = min(last + RESUMED_STEPS, MAX_STEPS)
     resumed = session.ok("resume_checkpoint", run_id=two, step=last, overrides={"train.max_steps": until})
     assert resumed["nodes"].startswith("2 node(s) x 1 process(es), SLURM job ")
-    finished = until_ended(session, resumed["run_id"])
+    finished = until_ended(session, resumed["run_id"], timeout=180)
     print(f"resumed job (from step {last}) {finished['status']} at {time.monotonic() - t0:.1f} s")
     assert (finished["status"], finished["exit_code"], finished["step"]) == ("completed", 0, until), finished
     assert f"COMPLETED (from {NO_STORE})" in finished["nodes"]
