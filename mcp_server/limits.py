@@ -68,9 +68,14 @@ def text_bytes(value: Any) -> int:
     return len(json.dumps(value, indent=2, ensure_ascii=False, default=str).encode())
 
 
+def compact_json(value: Any) -> str:
+    """``value`` as compact JSON (what a client receives, near enough)."""
+    return json.dumps(value, separators=(",", ":"), default=str)
+
+
 def json_chars(value: Any) -> int:
-    """The length of ``value`` as compact JSON (what a client receives, near enough)."""
-    return len(json.dumps(value, separators=(",", ":"), default=str))
+    """The length of ``value`` as compact JSON."""
+    return len(compact_json(value))
 
 
 # What :mod:`mcp_server.stdio` puts in a message's place of an integer too long for Python to read
@@ -86,11 +91,12 @@ def arguments_size(arguments: Any) -> tuple[int | None, str | None]:
     refusal = (f"bad_input: the arguments hold a number of more than {sys.get_int_max_str_digits():,} digits; "
                "give numbers within the bounds each argument states")
     try:
-        size = json_chars(arguments)
+        text = compact_json(arguments)
     except ValueError:
         return None, refusal
-    if OVERLONG_NUMBER in json.dumps(arguments):  # such a number as the stdio transport hands it on
+    if OVERLONG_NUMBER in text:  # such a number as the stdio transport hands it on
         return None, refusal
+    size = len(text)
     if size > MAX_ARGUMENTS_CHARS:
         return size, f"bad_input: the arguments are too large ({size:,} characters, at most {MAX_ARGUMENTS_CHARS:,})"
     return size, None
