@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 MAX_DATA_COUNT, MAX_PREPARING_ETA_S = 10**15, 10**7  # a petabyte, four months
 
@@ -90,6 +90,16 @@ class DataSummary(BaseModel):
     def _sane(cls, value: int | None) -> int | None:
         return None if value is None else _bounded(value)
 
+    @model_validator(mode="after")
+    def _counted_unless_streamed(self) -> DataSummary:
+        """Only a streamed summary leaves its counts unknown: a run.json that says otherwise (the
+        run writes it) reads as 0 for each, so nothing shown formats a None as a number."""
+        if not self.streaming:
+            for name in _COUNTS:
+                if getattr(self, name) is None:
+                    setattr(self, name, 0)
+        return self
+
     def nothing_to_train(self) -> str | None:
         """Why a run on this data would train on nothing (a launch refuses it), or None; None
         while the data is still to be tokenized (the run refuses it then, with this message) or
@@ -128,6 +138,9 @@ class DataSummary(BaseModel):
             + (f", {self.truncated:,} truncated" if self.truncated else "")
             + (f", {self.dropped:,} dropped ({self.dropped_why})" if self.dropped else "")
         )
+
+
+_COUNTS = ("documents", "tokens", "train_documents", "eval_documents", "train_tokens", "eval_tokens")
 
 
 def _bounded(count: int) -> int:

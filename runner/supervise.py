@@ -342,7 +342,7 @@ def run_note(record: rd.RunRecord, latest: dict | None, speed: run_metrics.RunSp
         parts.append("overrides " + ", ".join(f"{k}={json.dumps(v)}" for k, v in list(record.overrides.items())[:10]))
     if record.data is not None:
         data = record.data
-        parts.append(f"data {data.source}: streamed, {data.files} files" if data.streaming else
+        parts.append(f"data {data.source}: streamed, {data.files or 0:,} files" if data.streaming else
                      f"data {data.source}: {data.documents:,} documents, {data.tokens:,} tokens")
     if record.error and record.status != rd.COMPLETED:
         parts.append(f"error: {record.error[:200]}")

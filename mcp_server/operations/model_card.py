@@ -84,7 +84,9 @@ def _data_lines(data: rd.DataSummary | None, dataset: rd.HubModel | None) -> lis
                  + (f": {', '.join(f'`{_short(p)}`' for p in data.paths[:10])}" if data.paths else ""))
     lines.append(f"- fingerprint (SHA-256 of the files' paths and bytes): `{data.fingerprint or 'none: generated data'}`")
     if data.streaming:
-        lines.append(f"- streamed: {data.files} files, {data.bytes:,} bytes (records and tokens were not counted ahead)")
+        size = ", ".join(part for part in (f"{data.files:,} files" if data.files is not None else None,
+                                           f"{data.bytes:,} bytes" if data.bytes is not None else None) if part)
+        lines.append(f"- streamed{': ' + size if size else ''} (records and tokens were not counted ahead)")
     else:
         lines.append(f"- {data.documents:,} examples, {data.tokens:,} tokens; train {data.train_documents:,} examples, "
                      f"{data.train_tokens:,} tokens; held out {data.eval_documents:,} examples, {data.eval_tokens:,} tokens")
