@@ -5,6 +5,7 @@ Small and explicit, one concept per file:
 - ``launch``          the entry point: ``python -m engine.launch RECIPE_DIR [--set key=value ...]``
 - ``config``          the base configuration models and the ``--set`` / YAML layering
 - ``distributed``     process group, device and the (dp, sp, tp) device mesh
+- ``heartbeat``       a run over several nodes ends soon after a node stops answering (a cut network)
 - ``blocks``          a model's repeated blocks: the one definition FSDP2 and the skills use
 - ``fsdp``            FSDP2 ``fully_shard`` per block and on the root
 - ``sequence_parallel`` Ulysses all-to-all attention

@@ -21,9 +21,11 @@ from __future__ import annotations
 import argparse
 import contextlib
 import errno
+import functools
 import importlib.util
 import json
 import os
+import signal
 import sys
 import traceback
 from pathlib import Path
@@ -188,6 +190,7 @@ def train(recipe_class, config, args: argparse.Namespace, data=None) -> int:
     from engine import run_dir as rd
     from engine.distributed import init_distributed, shutdown_distributed
     from engine.errors import TrainwrightError
+    from engine.heartbeat import start_heartbeat
 
     try:
         dist_info = init_distributed(config.parallel.tp, config.parallel.sp)
@@ -200,6 +203,7 @@ def train(recipe_class, config, args: argparse.Namespace, data=None) -> int:
     # Under a supervisor (which passes --run-dir) the final status is the supervisor's to record,
     # once every process has exited; the engine only records what it knows: error, last step.
     supervised = args.run_dir is not None
+    heartbeat = start_heartbeat(dist_info.is_main, functools.partial(end_silent_run, run_dir, supervised, dist_info.is_main))
     if dist_info.is_main:
         from engine.config import config_changes
 
@@ -252,10 +256,34 @@ def train(recipe_class, config, args: argparse.Namespace, data=None) -> int:
     finally:
         if dist.is_initialized():
             shutdown_distributed(synchronize=finished)
+        if heartbeat is not None:
+            heartbeat.stop()
     if dist_info.is_main:
         outcome = {} if supervised else {"status": rd.COMPLETED, "ended_at": rd.utc_now()}
         rd.update_run(run_dir, final_step=engine.state.step, **outcome)
     return EXIT_OK
+
+
+def end_silent_run(run_dir: Path, supervised: bool, is_main: bool, message: str) -> NoReturn:
+    """A node of the run stopped answering (:mod:`engine.heartbeat`): the main thread may be
+    waiting in a collective for as long as the process group's time limit, so the process ends
+    from the heartbeat's thread, its error said first (rank 0's into run.json, as :func:`train`
+    records an error). torchrun's agent then stops the node's other processes. On a node cut off
+    from node 0 the agent itself waits on the rendezvous store there, for minutes (its read
+    timeout, then its close): it has nothing left to do, so it is ended too, and the node's
+    sandbox (or its SLURM step) ends the node's other processes with it."""
+    from engine import run_dir as rd
+
+    print(f"error: {message}", file=sys.stderr, flush=True)
+    if is_main:
+        outcome = {} if supervised else {"status": rd.FAILED, "ended_at": rd.utc_now()}
+        with contextlib.suppress(OSError):
+            rd.update_run(run_dir, error=message[:MAX_ERROR_CHARS], **outcome)
+    sys.stdout.flush()
+    if not is_main and "TORCHELASTIC_RUN_ID" in os.environ:  # started by torchrun's agent, our parent
+        with contextlib.suppress(OSError):
+            os.kill(os.getppid(), signal.SIGKILL)
+    os._exit(EXIT_RUN_FAILED)
 
 
 def _tune_cpu_process() -> None:

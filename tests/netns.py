@@ -77,6 +77,12 @@ class Machine:
         listed = _ip("netns", "pids", self.netns)
         return [int(word) for word in listed.stdout.split() if word.isdigit()]
 
+    def set_link(self, up: bool) -> None:
+        """This machine's end of the veth pair up or down: down, its network is cut (no reset
+        reaches anyone, its processes live on), as when a cable is pulled."""
+        _check(_ip("-n", self.netns, "link", "set", INTERFACE, "up" if up else "down"),
+               f"ip link set {INTERFACE} in {self.netns}")
+
     def kill_all(self) -> list[int]:
         """SIGKILL every process of this machine (a machine dies); the pids killed."""
         killed = []
