@@ -17,9 +17,11 @@ against the run's own code, which could write a matching manifest for any bytes.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
+import shutil
 import stat
 from pathlib import Path, PurePosixPath
 
@@ -148,6 +150,65 @@ def _file_problem(folder: Path, entry: ManifestFile, full: bool) -> str | None:
     finally:
         os.close(fd)
     return None
+
+
+def copy_verified(folder: Path, dest: Path) -> str | None:
+    """Copy the checkpoint in ``folder`` to ``dest`` (a new folder), then verify the copy, digests
+    included, against the manifest as it was read once: what is loaded from ``dest`` later is what
+    was verified now, whatever whoever writes ``folder`` does meanwhile (a SLURM job starts later
+    than the server checks its checkpoint). None when the copy verifies; else what is wrong, and
+    ``dest`` is removed. Each file is read beneath the run directory, following no link, and at
+    most one byte past its saved size; the copy is in-kernel (``copy_file_range``, a clone where
+    the filesystem makes one)."""
+    manifest = read_manifest(folder)
+    if isinstance(manifest, str):
+        return manifest
+    dest = Path(dest)
+    dest.mkdir(parents=True)
+    try:
+        why = next((w for w in (_copy_file(folder, entry, dest) for entry in manifest.files) if w is not None), None)
+        if why is None:
+            (dest / MANIFEST).write_text(manifest.model_dump_json(indent=1))
+            why = problem(dest, full=True)
+    except OSError as e:
+        why = f"the checkpoint could not be copied to {dest} ({e.strerror})"
+    if why is not None:
+        shutil.rmtree(dest, ignore_errors=True)
+    return why
+
+
+def _copy_file(folder: Path, entry: ManifestFile, dest: Path) -> str | None:
+    if not _plain(entry.path):
+        return f"{MANIFEST} names a file outside the checkpoint ({entry.path[:80]!r})"
+    fd = _beneath(folder, entry.path)
+    if fd is None:
+        return f"{entry.path} is missing"
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return f"{entry.path} is not a regular file"
+        target = dest / entry.path
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with open(target, "xb") as out:
+            _copy_bytes(fd, out, entry.bytes + 1)  # a file grown since it was saved is told by the copy's size
+    finally:
+        os.close(fd)
+    return None
+
+
+def _copy_bytes(source: int, out, count: int) -> None:
+    """At most ``count`` bytes from ``source`` onwards into ``out``: in the kernel where it can,
+    else read and written here."""
+    left = count
+    try:
+        while left > 0 and (copied := os.copy_file_range(source, out.fileno(), min(left, 1 << 30))):
+            left -= copied
+        return
+    except OSError as e:
+        if e.errno not in (errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP):
+            raise
+    while left > 0 and (chunk := os.read(source, min(_CHUNK, left))):
+        out.write(chunk)
+        left -= len(chunk)
 
 
 def problem(folder: Path, full: bool) -> str | None:

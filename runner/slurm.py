@@ -28,7 +28,9 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping
 
+from engine import checkpoint_manifest
 from engine import run_dir as rd
+from engine.run_checkpoints import corrupt_checkpoint_message
 from runner import server_record as sr
 from workspace.workspace import data_cache_dir, record_dir
 from engine.data_files import DATA_CACHE_VARIABLE, WORKSPACE_VARIABLE
@@ -41,6 +43,7 @@ if TYPE_CHECKING:  # runner.lifecycle is imported when a job starts: it costs th
     from runner.lifecycle import LaunchPlan
 
 SCRIPT_NAME = "job.sbatch"
+STAGED_CHECKPOINT_DIRNAME = "resume-from"  # in the server's record of a job: what it resumes from
 COMMAND_TIMEOUT_S = 10.0
 CANCEL_WAIT_S = 20.0  # stop_run waits this long at most for a cancelled job's processes to end
 SLURM_KEYS = ("partition", "time", "gpus_per_node", "rdzv_port")
@@ -391,12 +394,17 @@ def start_job(workspace: Path, runs_root: Path, plan: LaunchPlan, options: Slurm
     record = start_run(workspace, runs_root, plan)
     run_dir = Path(runs_root) / record.id
     folder = record_dir(workspace, record.id)
+    try:
+        resume_from = stage_checkpoint(plan.resumed_from, folder) if plan.resumed_from else None
+    except BadInput:
+        shutil.rmtree(run_dir, ignore_errors=True)
+        shutil.rmtree(folder, ignore_errors=True)
+        raise
     record = _record(folder, record, rdzv_id=rdzv_id or record.id, rdzv_endpoint=endpoint_shown)
     snapshot = run_dir / rd.SNAPSHOT_DIRNAME
-    # As a local run's supervisor starts the engine: a resume from its checkpoint, with the config
-    # its check resolved (kept in its run.json), at its thread count.
-    args = engine_args(snapshot, run_dir, override_args(plan.overrides),
-                       Path(plan.resumed_from.path) if plan.resumed_from else None,
+    # As a local run's supervisor starts the engine: a resume from its checkpoint (as staged),
+    # with the config its check resolved (kept in its run.json), at its thread count.
+    args = engine_args(snapshot, run_dir, override_args(plan.overrides), resume_from,
                        run_dir / rd.RUN_JSON if plan.recorded_config else None)
     exported = {RUN_ID_VARIABLE: record.id, THREADS_VARIABLE: str(record.threads_per_process or 1),
                 WORKSPACE_VARIABLE: str(workspace), DATA_CACHE_VARIABLE: str(data_cache_dir(workspace, create=True))}
@@ -428,3 +436,17 @@ def start_job(workspace: Path, runs_root: Path, plan: LaunchPlan, options: Slurm
         fields.update(status=rd.STOPPED, ended_at=rd.utc_now(),
                       reason=f"not submitted: {why_not}; submit it on the cluster with `sbatch {label}`")
     return _record(folder, record, **fields), text
+
+
+def stage_checkpoint(resumed_from: rd.ResumedFrom, folder: Path) -> Path:
+    """The checkpoint a job resumes from, copied into the server's record of the job (a folder
+    that no run writes) and verified there, digests included; the job's script names the copy.
+    A job starts later than the server checked the checkpoint, and a run that can write the
+    checkpoint's folder (the run it came from, while it runs) could swap it meanwhile: a link,
+    or other files with a manifest to match. :class:`BadInput` when the copy does not verify."""
+    source = Path(resumed_from.path)
+    staged = folder / STAGED_CHECKPOINT_DIRNAME / source.name
+    why = checkpoint_manifest.copy_verified(source, staged)
+    if why is not None:
+        raise BadInput(corrupt_checkpoint_message(source.parent.parent, resumed_from.step, why, full=True))
+    return staged
