@@ -29,6 +29,9 @@ MAX_DOC_CHARS = 6_000
 MAX_RESULT_CHARS = 60_000  # ≈ 15–20k tokens of JSON, when the caller asks for more
 MAX_RUN_ERROR_CHARS = 1_000  # a run's error as get_run shows it (its console tail says more)
 MAX_ARGUMENTS_CHARS = 100_000  # the arguments of one tool call, as JSON
+# One message a client sends over stdio (a line): a tool call's arguments with room for the rest.
+# A longer line is never held whole: mcp_server.stdio answers it as too large.
+MAX_MESSAGE_CHARS = 10 * MAX_ARGUMENTS_CHARS
 MAX_CONCURRENT_CHECKS = 2  # describe_recipe's launch-check processes at once; more callers wait in turn
 # describe_recipe calls holding a worker thread at once (waiting for a check blocks it); more wait
 # on the event loop, so the other tools keep the rest of the server's threads.
@@ -82,6 +85,9 @@ def json_chars(value: Any) -> int:
 # (pydantic's JSON parser refuses it, and the SDK would drop the whole message unanswered). Random
 # per server process, so that no text a client gives is taken for it.
 OVERLONG_NUMBER = f"<a number of more than the digits Python reads {secrets.token_hex(16)}>"
+# What it puts in the place of a tool call's arguments when the call's line is longer than
+# MAX_MESSAGE_CHARS (random per process for the same reason).
+OVERLONG_MESSAGE = f"<a message of more than the characters the server reads {secrets.token_hex(16)}>"
 
 
 def arguments_size(arguments: Any) -> tuple[int | None, str | None]:
@@ -96,6 +102,9 @@ def arguments_size(arguments: Any) -> tuple[int | None, str | None]:
         return None, refusal
     if OVERLONG_NUMBER in text:  # such a number as the stdio transport hands it on
         return None, refusal
+    if OVERLONG_MESSAGE in text:  # a line the stdio transport did not read whole
+        return None, (f"bad_input: the message is too large (more than {MAX_MESSAGE_CHARS:,} characters; a tool "
+                      f"call's arguments take at most {MAX_ARGUMENTS_CHARS:,})")
     size = len(text)
     if size > MAX_ARGUMENTS_CHARS:
         return size, f"bad_input: the arguments are too large ({size:,} characters, at most {MAX_ARGUMENTS_CHARS:,})"

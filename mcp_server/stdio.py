@@ -16,7 +16,12 @@ from typing import Any
 import anyio
 from mcp.server.stdio import stdio_server
 
-from mcp_server.limits import OVERLONG_NUMBER
+from mcp_server.limits import MAX_MESSAGE_CHARS, OVERLONG_MESSAGE, OVERLONG_NUMBER
+
+EDGE_CHARS = 4_096  # of a line too long to read: its first and last characters, where the id and method are
+CHUNK_CHARS = 1 << 16  # the rest of such a line is read and dropped in pieces of this size
+_ID = r'"id"\s*:\s*(-?\d{1,19}|"(?:[^"\\]|\\.){0,200}")'
+_METHOD = r'"method"\s*:\s*"([A-Za-z/_]{1,64})"'
 
 
 def marked(line: str) -> str:
@@ -44,15 +49,46 @@ def marked(line: str) -> str:
     return json.dumps(message, ensure_ascii=False) + "\n" if found else line
 
 
-class _MarkedLines:
-    """The lines of the server's stdin, each passed through :func:`marked`."""
+def overlong(head: str, tail: str) -> str | None:
+    """The request handed on in place of a line longer than MAX_MESSAGE_CHARS, from its first and
+    last characters: a call with OVERLONG_MESSAGE for arguments (the server refuses it as too large
+    before it looks at the tool's name), or None where no id is found (a notification: nothing waits
+    for an answer). The id and method are looked for before ``"params"`` (where clients put them),
+    else at the very end of the line."""
+    params_at = head.find('"params"')
+    before = head if params_at < 0 else head[:params_at]
+    found = re.search(_ID, before) or re.search(_ID + r"\s*}\s*$", tail)
+    if found is None:
+        return None
+    method = re.search(_METHOD, before) or re.search(_METHOD + r"\s*(?:,\s*" + _ID + r")?\s*}\s*$", tail)
+    name = "tools/call" if method is None or method.group(1) == "tools/call" else method.group(1)
+    params: dict[str, Any] = {"name": "", "arguments": {"message": OVERLONG_MESSAGE}}
+    if name != "tools/call":  # another request: its parameters refused by the SDK, answered with an error
+        params = {"message": OVERLONG_MESSAGE}
+    return json.dumps({"jsonrpc": "2.0", "id": json.loads(found.group(1)), "method": name, "params": params}) + "\n"
 
-    def __init__(self, lines: Any):
-        self._lines = lines
+
+class BoundedLines:
+    """The lines of the server's stdin: each within MAX_MESSAGE_CHARS passed through
+    :func:`marked`, each longer one read in pieces and replaced by :func:`overlong`."""
+
+    def __init__(self, stdin: Any):
+        self._stdin = stdin
+
+    async def _read(self, limit: int) -> str:
+        return await anyio.to_thread.run_sync(self._stdin.readline, limit)
 
     async def __aiter__(self) -> AsyncIterator[str]:
-        async for line in self._lines:
-            yield marked(line)
+        while line := await self._read(MAX_MESSAGE_CHARS + 1):
+            if len(line) <= MAX_MESSAGE_CHARS or line.endswith("\n"):
+                yield marked(line)
+                continue
+            head, tail = line[:EDGE_CHARS], line[-EDGE_CHARS:]
+            while (piece := await self._read(CHUNK_CHARS)) and not piece.endswith("\n"):
+                tail = (tail + piece)[-EDGE_CHARS:]
+            replacement = overlong(head, (tail + piece)[-EDGE_CHARS:])
+            if replacement is not None:
+                yield replacement
 
 
 def _claimed_stdin() -> Any:
@@ -69,7 +105,7 @@ async def serve_stdio(lowlevel: Any) -> None:
     """Serve ``lowlevel`` (the SDK's low-level server of an MCPServer) over stdio."""
     stdin = _claimed_stdin()
     try:
-        lines = _MarkedLines(anyio.wrap_file(stdin))
+        lines = BoundedLines(stdin)
         async with stdio_server(stdin=lines) as (read_stream, write_stream):  # type: ignore[arg-type]
             await lowlevel.run(read_stream, write_stream, lowlevel.create_initialization_options())
     finally:
