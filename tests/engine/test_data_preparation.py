@@ -2,7 +2,7 @@
 head of each file and checks the disk, the run tokenizes it with its progress in run.json (what
 get_run and wait_run show), the summary it fills is exact, a second launch maps the store, and a
 bad record deep in a file fails the run naming it and leaves no store. The same for causal_lm's
-documents and sft's conversations (one machinery, engine/token_store.py)."""
+documents, sft's conversations and dpo's pairs (one machinery, engine/token_store.py)."""
 
 from __future__ import annotations
 
@@ -329,3 +329,23 @@ def test_sft_data_that_leaves_nothing_to_train_fails_the_run_as_the_launch_check
                     capsys=capsys)
     assert refused["ok"] is False and str(failed.value) == refused["error"]
     assert refused["error"].startswith("nothing to train on: all 18 usable examples of the data fall in the held-out")
+
+
+def test_dpo_pairs_left_to_the_run_are_tokenized_there_with_the_exact_summary(tmp_path, cache, capsys, monkeypatch):
+    from recipes_template.dpo.recipe import DPO, builtin_pairs
+
+    data = tmp_path / "pairs"
+    data.mkdir()
+    with open(data / "pairs.jsonl", "w") as f:
+        for _, record in builtin_pairs(40):
+            f.write(json.dumps(record) + "\n")
+    dpo_template = REPO / "recipes_template" / "dpo"
+    run_dir, pending = pending_run(tmp_path, data, capsys, dpo_template)
+    assert pending.preparing is not None and pending.documents == 0
+    assert not cache.exists() or list(cache.iterdir()) == []
+    config = config_of(f"data.paths=[{data}]", "data.tokenize_in_check_mb=0", recipe_class=DPO)
+    summary = launch.prepare_data(run_dir, DPO, config, pending)
+    monkeypatch.setenv(token_store.CACHE_VARIABLE, str(tmp_path / "other-cache"))
+    exact = check(dpo_template, f"data.paths=[{data}]", capsys=capsys)
+    assert summary.preparing is None and summary.model_dump(mode="json") == exact["data"]
+    assert summary.documents == 40 and summary.loss_tokens > 0 and summary.format == "prompt_chosen_rejected"
