@@ -97,7 +97,7 @@ def preferred_by_kind(dpo) -> dict[str, float]:
     (a style preference) and a near miss (correctness)."""
     module = sys.modules[type(dpo).__module__]
     cfg = dpo.config.data
-    records = dpo.pairs[1][: cfg.eval_prompts]
+    records = dpo.held_out_records
     rates = {}
     for kind, chosen in (("over the bare result", [r for r in records if not r["rejected"].endswith(".")]),
                          ("over a near miss", [r for r in records if r["rejected"].endswith(".")])):

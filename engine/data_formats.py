@@ -329,6 +329,15 @@ def _renamed(record: dict[str, Any], columns: dict[str, str]) -> dict[str, Any]:
     return renamed
 
 
+def record_example(template: str, record: dict[str, Any], where: str, format: str | None = None,
+                   columns: dict[str, str] | None = None) -> tuple[str, dict[str, Any]]:
+    """``(format, example)`` of a record read on its own (a streamed one, engine/data_stream.py):
+    its format told from its own columns (or forced), the example in the template's form."""
+    renamed = _renamed(record, columns or {})
+    fmt = detect_format(template, renamed, where, format)
+    return fmt, normalise(fmt, renamed, where)
+
+
 def read_examples(
     template: str,
     paths: list[str],

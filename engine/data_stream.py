@@ -282,3 +282,14 @@ class StreamBatches(Stateful):
             raise ConfigError(f"a streamed run resumes on the number of processes it was saved on ({saved['world']}, "
                               f"not {world}): each process's share of the records is its own")
         self.stream.load_state(saved["per_rank"][dist.get_rank() if dist.is_initialized() else 0])
+
+
+def hold_out_of_stream(data: Any) -> None:
+    """A data config's ``eval_fraction`` under ``streaming``: a stream holds nothing out unless
+    asked to (its default becomes 0), and holds out all of it (1: evaluate on files given) or
+    nothing; any other fraction is refused (records are not drawn at random from a stream)."""
+    if "eval_fraction" not in data.model_fields_set:
+        object.__setattr__(data, "eval_fraction", 0.0)
+    if data.eval_fraction not in (0, 1):
+        raise ValueError("data.streaming holds out no fraction of a stream: data.eval_fraction is 0 (train on "
+                         "all) or 1 (all held out: evaluate on files given); leave it out")

@@ -100,6 +100,20 @@ class DataSummary(BaseModel):
                     setattr(self, name, 0)
         return self
 
+    @classmethod
+    def left_to_run(cls, source: str, paths: list[str], files: int, size: int, **fields) -> DataSummary:
+        """What the launch check knows of data it leaves the run to tokenize as its first phase
+        (:func:`engine.token_store.leave_to_run`): its files and bytes; every count is 0 until the
+        run fills the summary from the store."""
+        return cls(source=source, paths=paths[:20], files=files, bytes=size, preparing=DataPreparation(bytes_total=size),
+                   **dict.fromkeys(_COUNTS, 0), **fields)
+
+    @classmethod
+    def streamed(cls, source: str, paths: list[str], files: int, size: int, **fields) -> DataSummary:
+        """What is known of streamed data before it is read: its files and bytes; no count."""
+        return cls(source=source, paths=paths[:20], files=files, bytes=size, streaming=True,
+                   **dict.fromkeys(_COUNTS, None), **fields)
+
     def nothing_to_train(self) -> str | None:
         """Why a run on this data would train on nothing (a launch refuses it), or None; None
         while the data is still to be tokenized (the run refuses it then, with this message) or

@@ -39,8 +39,9 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
 import numpy as np
+from pydantic import Field
 
-from engine.config import ConfigError
+from engine.config import ConfigError, DataConfig
 from engine.data_files import DATA_CACHE_VARIABLE as CACHE_VARIABLE
 from engine.data_files import STORE_META_JSON as META_JSON
 from engine.data_files import HUB_DATASETS_VARIABLE, DataListing, bound_hub_path, data_files
@@ -84,6 +85,29 @@ def left_to_run(key: str, input_bytes: int, limit_mb: float, root: Path | None =
     return not ((cache_root() if root is None else root) / key / META_JSON).is_file()
 
 
+def leave_to_run(key: str, input_bytes: int, limit_mb: float, read_head: Callable[[int], Any],
+                 root: Path | None = None) -> bool:
+    """Whether the launch check leaves the store of ``key`` for the run to build
+    (:func:`left_to_run`); when it does, ``read_head(HEAD_RECORDS)`` has read and tokenized the
+    first records of each file (a bad one is refused now, naming it) and the disk has room for
+    the store (:func:`check_disk_space`). A template's ``token_store`` returns no store then, and
+    its summary is :meth:`~engine.data_summary.DataSummary.left_to_run`."""
+    if not left_to_run(key, input_bytes, limit_mb, root):
+        return False
+    read_head(HEAD_RECORDS)
+    check_disk_space(input_bytes, root)
+    return True
+
+
+class StoredDataConfig(DataConfig):
+    """The data keys of a template that tokenizes into a store, with the run's first phase for large data."""
+
+    tokenize_in_check_mb: float = Field(
+        TOKENIZE_IN_CHECK_MB, ge=0,
+        description="MB; larger data is tokenized by the run.",
+    )
+
+
 def builds_here() -> bool:
     """Whether this process builds a missing store: the first process of a node (``LOCAL_RANK``
     0, or a process outside torchrun); the node's other ranks wait for it and map it."""
@@ -124,6 +148,19 @@ class BuildProgress:
         eta = elapsed * (self.bytes_total - self.bytes_done) / self.bytes_done if self.bytes_done else None
         return {"documents": self.documents, "bytes_done": self.bytes_done, "bytes_total": self.bytes_total,
                 "eta_s": round(eta, 1) if eta is not None else None}
+
+
+def text_size(record: Any) -> int:
+    """The characters of the strings of a record (its messages, prompt, answers, ...): how far a
+    build of records has read, for its progress (the files' other bytes, their JSON syntax, are
+    not counted: the bytes done run behind the files' size, and the ETA is long rather than short)."""
+    if isinstance(record, str):
+        return len(record)
+    if isinstance(record, dict):
+        return sum(text_size(value) for value in record.values())
+    if isinstance(record, (list, tuple)):
+        return sum(text_size(value) for value in record)
+    return 0
 
 
 def cache_root() -> Path:

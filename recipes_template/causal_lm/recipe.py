@@ -35,24 +35,31 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
-from engine.config import ConfigError, DataConfig, EngineConfig, Section
+from engine.config import ConfigError, EngineConfig, Section
 from engine.data_files import DataListing, confined_path, data_files
 from engine.data_formats import READERS as RECORD_READERS
 from engine.data_formats import is_saved_dataset, record_rows
-from engine.data_stream import PieceStream, Shard, StreamBatches, first_records, hub_shards, list_shards, shard_bytes
+from engine.data_stream import (
+    PieceStream,
+    Shard,
+    StreamBatches,
+    first_records,
+    hold_out_of_stream,
+    hub_shards,
+    list_shards,
+    shard_bytes,
+)
 from engine.engine import IGNORE_INDEX, Engine
-from engine.run_dir import DataPreparation, DataSummary
+from engine.run_dir import DataSummary
 from engine.flops import non_embedding_params, transformer_flops_per_token
 from engine.fsdp import apply_fsdp
 from engine.optimizers import adamw_8bit
 from engine.token_store import (
-    HEAD_RECORDS,
-    TOKENIZE_IN_CHECK_MB,
+    StoredDataConfig,
     TokenStore,
     build_in_parts,
-    check_disk_space,
     data_identity,
-    left_to_run,
+    leave_to_run,
     open_or_build,
     store_key,
     tokenizer_identity,
@@ -90,7 +97,7 @@ class ModelConfig(Section):
         return self
 
 
-class CausalLMDataConfig(DataConfig):
+class CausalLMDataConfig(StoredDataConfig):
     source: Literal["stdlib", "files", "random"] | None = Field(
         None,
         description="files: data.paths (default when set); stdlib: CPython's library; "
@@ -106,10 +113,6 @@ class CausalLMDataConfig(DataConfig):
     )
     vocab_size: int = Field(32000, ge=3, description="data.source=random: ids below this.")
     random_documents: int = Field(10000, ge=1, description="data.source=random: documents.")
-    tokenize_in_check_mb: float = Field(
-        TOKENIZE_IN_CHECK_MB, ge=0,
-        description="MB; larger data is tokenized by the run.",
-    )
     streaming: bool = Field(False, description="Stream the data as it trains (README).")
     dataset: str | None = Field(None, description="Streamed: a Hub data set's train split.")
 
@@ -129,11 +132,8 @@ class CausalLMDataConfig(DataConfig):
             raise ValueError("data.source=files needs data.paths (files or folders, relative to the workspace)")
         if self.streaming and self.source != "files":
             raise ValueError(f"data.streaming reads data.paths; data.source={self.source} has none to stream")
-        if self.streaming and "eval_fraction" not in self.model_fields_set:
-            object.__setattr__(self, "eval_fraction", 0.0)  # a stream holds nothing out unless asked to
-        if self.streaming and self.eval_fraction not in (0, 1):
-            raise ValueError("data.streaming holds out no fraction of a stream: data.eval_fraction is 0 (train on "
-                             "all) or 1 (all held out: evaluate on files given); leave it out")
+        if self.streaming:
+            hold_out_of_stream(self)
         return self
 
 
@@ -364,10 +364,12 @@ def token_store(cfg: CausalLMDataConfig, tokenizer, listing: DataListing) -> Tok
     identity, size = document_identity(cfg, listing)
     key = store_key(template="causal_lm", data=identity, tokenizer=tokenizer.identity, seq_len=cfg.seq_len,
                     eval_fraction=cfg.eval_fraction)
-    if left_to_run(key, size, cfg.tokenize_in_check_mb):
-        for _, text in read_documents(cfg, DataListing(hashing=False), head=HEAD_RECORDS):  # hashed just now
+
+    def read_head(records: int) -> None:
+        for _, text in read_documents(cfg, DataListing(hashing=False), head=records):  # hashed just now
             tokenizer.encode(text)
-        check_disk_space(size)
+
+    if leave_to_run(key, size, cfg.tokenize_in_check_mb, read_head):
         return None
 
     def add_documents(store, documents) -> dict[str, Any]:
@@ -427,10 +429,8 @@ def stream_summary(cfg: CausalLMDataConfig, tokenizer, described: str) -> DataSu
     pieces_of = stream_pieces(cfg, tokenizer)
     for where, record in first_records(shards):
         pieces_of(where, record)
-    return DataSummary(source="files", paths=[*cfg.paths, *([cfg.dataset] if cfg.dataset else [])][:20], files=len(shards), streaming=True,
-                       bytes=shard_bytes(shards), documents=None, tokens=None, train_documents=None,
-                       train_tokens=None, eval_documents=None, eval_tokens=None, tokenizer=described,
-                       **listing.summary_fields())
+    return DataSummary.streamed("files", [*cfg.paths, *([cfg.dataset] if cfg.dataset else [])], len(shards),
+                                shard_bytes(shards), tokenizer=described, **listing.summary_fields())
 
 
 def collate(pieces: list[torch.Tensor], seq_len: int, pad_id: int) -> dict[str, torch.Tensor]:
@@ -557,10 +557,8 @@ class CausalLM(Engine):
         listing = DataListing()
         store = token_store(cfg, data_tokenizer(config), listing)
         if store is None:  # the run tokenizes it as its first phase
-            size = sum(path.stat().st_size for path in listing.files)
-            return DataSummary(source=cfg.source, paths=cfg.paths[:20], files=len(listing.files), documents=0,
-                               tokens=0, train_documents=0, train_tokens=0, eval_documents=0, eval_tokens=0,
-                               bytes=size, preparing=DataPreparation(bytes_total=size), **listing.summary_fields())
+            return DataSummary.left_to_run(cfg.source, cfg.paths, len(listing.files),
+                                           sum(path.stat().st_size for path in listing.files), **listing.summary_fields())
         counts = {False: store.counts["train"], True: store.counts["eval"]}  # held out? -> [documents, tokens]
         if not counts[False][0]:
             raise ConfigError(f"no training documents: data.eval_fraction={cfg.eval_fraction} holds out all of them")

@@ -7,7 +7,8 @@ and ends with a full stop ("7.") and whose rejected answer is the bare result ("
 miss ("8."), the model's preference for the preferred answer rises within minutes on a CPU.
 
 Supports:
-- preference pairs (``engine/data_formats.py``) in JSONL, JSON, parquet, CSV/TSV files,
+- preference pairs (``engine/data_formats.py``), tokenized once into a store that every rank and
+  later run maps (``engine/token_store.py``; large data as the run's first phase), in JSONL, JSON, parquet, CSV/TSV files,
   ``save_to_disk`` folders (``data.paths``) or a data set ``datasets`` loads (``data.dataset``):
   ``{"prompt": ..., "chosen": ..., "rejected": ...}`` with strings or chat messages, or whole
   chosen/rejected conversations (split at the messages they share), with a ``tools`` column,
@@ -31,8 +32,10 @@ from __future__ import annotations
 import hashlib
 import random
 from functools import cached_property
+from itertools import islice
 from typing import Any, Iterator, Literal, NamedTuple
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from pydantic import Field, model_validator
@@ -41,15 +44,26 @@ from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from engine.chat import CHAT_TEMPLATE, byte_chat_tokenizer, load_chat_tokenizer  # noqa: F401 (the chat format)
 from engine.chat import encode_completion
-from engine.config import ConfigError, DataConfig, EngineConfig, Section
+from engine.config import ConfigError, EngineConfig, Section
 from engine.data_files import DataListing, confined_path
-from engine.data_formats import read_examples
+from engine.data_formats import FILE_SUFFIXES, read_examples
 from engine.distributed import dp_all_reduce_sum
 from engine.engine import IGNORE_INDEX, Engine, StepContext, Window
 from engine.flops import non_embedding_params, transformer_flops_per_token
 from engine.fsdp import apply_fsdp
 from engine.optimizers import adamw_8bit
 from engine.run_dir import DataSummary
+from engine.token_store import (
+    StoredDataConfig,
+    TokenStore,
+    data_identity,
+    leave_to_run,
+    open_or_build,
+    store_key,
+    text_size,
+    tokenizer_identity,
+    value_dtype,
+)
 
 # =============================================================================================
 # Configuration
@@ -71,7 +85,7 @@ class ModelConfig(Section):
     )
 
 
-class DPODataConfig(DataConfig):
+class DPODataConfig(StoredDataConfig):
     source: Literal["builtin", "files"] | None = Field(
         None, description="builtin: the generated preference set; files: data.paths (the default when set)."
     )
@@ -181,7 +195,8 @@ def builtin_pairs(count: int, seed: int = 0) -> list[tuple[str, dict[str, Any]]]
 
 
 # =============================================================================================
-# Data: pairs → (prompt, chosen, rejected) token ids → batches of [chosen rows; rejected rows]
+# Data: pairs → (prompt, chosen, rejected) token ids (tokenized once, into a store that every
+# rank and later run maps) → batches of [chosen rows; rejected rows]
 # =============================================================================================
 
 
@@ -197,27 +212,30 @@ def as_messages(value: Any, role: str) -> list[dict[str, str]]:
 def load_pairs(cfg: DPODataConfig, listing: DataListing | None = None) -> list[tuple[str, dict[str, Any]]]:
     """``(name, record)``; the name decides the train/eval split, so it must be stable. The
     files read are fingerprinted into ``listing``."""
+    return list(read_pairs(cfg, listing))
+
+
+def read_pairs(cfg: DPODataConfig, listing: DataListing | None = None, formats: list[str] | None = None,
+               head: int | None = None) -> Iterator[tuple[str, dict[str, Any]]]:
+    """The ``(name, record)`` pairs of :func:`load_pairs`, read one at a time; the format of
+    each source is appended to ``formats``. ``head``: only the first pairs of each source."""
     if cfg.source == "builtin":
-        return builtin_pairs(cfg.builtin_pairs)
-    pairs = []
+        if formats is not None:
+            formats.append("prompt_chosen_rejected")
+        yield from builtin_pairs(cfg.builtin_pairs)
+        return
+    found = False
     for source in read_examples(
         "dpo", cfg.paths, format=cfg.format, columns=cfg.columns, dataset=cfg.dataset, subset=cfg.subset, split=cfg.split,
         listing=listing,
     ):
-        pairs.extend(source.records)
-    if not pairs:
+        if formats is not None:
+            formats.append(source.format)
+        for pair in islice(source.records, head):
+            found = True
+            yield pair
+    if not found:
         raise ConfigError(f"no preference pairs in data.paths={cfg.paths} data.dataset={cfg.dataset}")
-    return pairs
-
-
-def pair_format(cfg: DPODataConfig) -> str:
-    """The format(s) the pairs are read in (for the data summary)."""
-    if cfg.source == "builtin":
-        return "prompt_chosen_rejected"
-    formats = {s.format for s in read_examples(
-        "dpo", cfg.paths, format=cfg.format, columns=cfg.columns, dataset=cfg.dataset, subset=cfg.subset, split=cfg.split
-    )}
-    return ", ".join(sorted(formats))
 
 
 def is_eval_document(name: str, eval_fraction: float) -> bool:
@@ -258,6 +276,98 @@ def tokenize_pair(tokenizer, record: dict[str, Any], seq_len: int, reasoning: bo
             learnt.append(kept[start : seq_len + 1])
     assert prompt_ids is not None
     return Pair(prompt_ids[:seq_len], answers[0], answers[1], None if reasoning else (learnt[0], learnt[1]))
+
+
+# A stored pair is a 2 × n piece: its tokens (prompt, chosen answer, rejected answer, back to
+# back) and, per token, the part it is of: PROMPT, CHOSEN or REJECTED, + NOT_LEARNT for an answer
+# token its log-probability does not cover (data.reasoning_loss=false).
+PROMPT, CHOSEN, REJECTED, NOT_LEARNT = 0, 2, 4, 1
+
+
+def pair_piece(pair: Pair) -> np.ndarray:
+    """``pair`` as the store keeps it (:func:`stored_pair` reads it back)."""
+    learnt = pair.learnt or ([True] * len(pair.chosen), [True] * len(pair.rejected))
+    parts = [PROMPT] * len(pair.prompt)
+    for part, answer, kept in ((CHOSEN, pair.chosen, learnt[0]), (REJECTED, pair.rejected, learnt[1])):
+        parts += [part + NOT_LEARNT * (not kept[i]) for i in range(len(answer))]
+    return np.array([pair.prompt + pair.chosen + pair.rejected, parts], dtype=np.int64)
+
+
+def stored_pair(piece: np.ndarray) -> Pair:
+    """The :class:`Pair` of a stored piece (``learnt`` None when every answer token is learnt)."""
+    tokens, parts = piece[0].tolist(), piece[1]
+    prompt_end = int((parts < CHOSEN).sum())
+    chosen_end = prompt_end + int(((parts >= CHOSEN) & (parts < REJECTED)).sum())
+    kept = (parts % 2 == 0).tolist()
+    learnt = None if all(kept) else (kept[prompt_end:chosen_end], kept[chosen_end:])
+    return Pair(tokens[:prompt_end], tokens[prompt_end:chosen_end], tokens[chosen_end:], learnt)
+
+
+def token_store(cfg: DPODataConfig, tokenizer, listing: DataListing) -> TokenStore | None:
+    """Every pair tokenized once (:func:`tokenize_pair`, as :func:`pair_piece` lays it out),
+    train and held-out apart, with the data summary's counts, in the store of the data's
+    fingerprint, the tokenizer (chat template included) and the settings that change tokens:
+    built on first use (one pair in memory at a time), mapped by every rank and later run. A
+    pair with an answer cut off entirely is left out (counted as dropped). None in the launch
+    check for data left to the run (:func:`engine.token_store.leave_to_run`), once the first
+    pairs of each file tokenize and the disk has room for the store."""
+    if cfg.source == "builtin":
+        identity, size = ["builtin", cfg.builtin_pairs], 0
+    else:
+        identity, size = data_identity(cfg.paths, FILE_SUFFIXES, listing, cfg.dataset)
+    key = store_key(template="dpo", data=identity, tokenizer=tokenizer_identity(tokenizer), seq_len=cfg.seq_len,
+                    eval_fraction=cfg.eval_fraction, format=cfg.format, columns=cfg.columns, subset=cfg.subset,
+                    split=cfg.split, reasoning_loss=cfg.reasoning_loss)
+
+    def read_head(pairs: int) -> None:
+        for _, record in read_pairs(cfg, DataListing(hashing=False), head=pairs):  # hashed just now
+            tokenize_pair(tokenizer, record, cfg.seq_len, cfg.reasoning_loss)
+
+    if leave_to_run(key, size, cfg.tokenize_in_check_mb, read_head):
+        return None
+
+    def build(store) -> dict[str, Any]:
+        counts = {True: [0, 0, 0], False: [0, 0, 0]}  # held out? -> [pairs, tokens, answer tokens]
+        names, formats, read = set(), [], DataListing()
+        truncated = dropped = 0
+        for name, record in read_pairs(cfg, read, formats):
+            whole = tokenize_pair(tokenizer, record, cfg.seq_len + 1)
+            truncated += len(whole.prompt) + max(len(whole.chosen), len(whole.rejected)) > cfg.seq_len + 1
+            pair = tokenize_pair(tokenizer, record, cfg.seq_len, cfg.reasoning_loss)
+            store.progress.advance(documents=1, bytes_read=text_size(record))
+            names.add(name.split(":", 1)[0])
+            if not (pair.chosen and pair.rejected):  # an answer cut off entirely: nothing to compare
+                dropped += 1
+                continue
+            held_out = is_eval_document(name, cfg.eval_fraction)
+            store.add("eval" if held_out else "train", pair_piece(pair))
+            counted = counts[held_out]
+            counted[0] += 1
+            counted[1] += 2 * len(pair.prompt) + len(pair.chosen) + len(pair.rejected)  # both rows
+            counted[2] += pair.learnt_tokens()  # the loss's, and what loss_tokens_seen counts in training
+        if read.fingerprint() != listing.fingerprint() or read.changed():
+            raise ConfigError("the data changed while it was tokenized; launch again once it is written")
+        return dict(
+            files=len(names) if cfg.source == "files" else None,
+            documents=counts[False][0] + counts[True][0],
+            tokens=counts[False][1] + counts[True][1],
+            train_documents=counts[False][0],
+            train_tokens=counts[False][1],
+            eval_documents=counts[True][0],
+            eval_tokens=counts[True][1],
+            loss_tokens=counts[False][2] + counts[True][2],
+            train_loss_tokens=counts[False][2],
+            eval_loss_tokens=counts[True][2],
+            format=", ".join(sorted(set(formats))),
+            mask="completion",
+            truncated=truncated,
+            dropped=dropped,
+            dropped_why=f"{dropped}: an answer lies wholly past data.seq_len={cfg.seq_len}" if dropped else None,
+        )
+
+    # Token ids and the parts' codes in one array: uint16 when the vocabulary fits.
+    return open_or_build(key, rows=2, dtype=value_dtype(max(len(tokenizer), REJECTED + NOT_LEARNT + 1) - 1),
+                         build=build, input_bytes=size)
 
 
 def collate(pairs: list[Pair], seq_len: int, pad_id: int) -> dict[str, torch.Tensor]:
@@ -433,69 +543,45 @@ class DPO(Engine):
     @classmethod
     def summarize_data(cls, config: DPOConfig) -> DataSummary:
         cfg = config.data
-        tokenizer = load_tokenizer(config.model.pretrained_path, cfg.chat_template)
-        counts = {True: [0, 0, 0], False: [0, 0, 0]}  # held out? -> [pairs, tokens, answer tokens]
-        names = set()
-        truncated = dropped = 0
         listing = DataListing()
-        for name, record in load_pairs(cfg, listing):
-            whole = tokenize_pair(tokenizer, record, cfg.seq_len + 1)
-            truncated += len(whole.prompt) + max(len(whole.chosen), len(whole.rejected)) > cfg.seq_len + 1
-            pair = tokenize_pair(tokenizer, record, cfg.seq_len, cfg.reasoning_loss)
-            names.add(name.split(":", 1)[0])
-            if not (pair.chosen and pair.rejected):
-                dropped += 1
-                continue
-            counted = counts[is_eval_document(name, cfg.eval_fraction)]
-            counted[0] += 1
-            counted[1] += 2 * len(pair.prompt) + len(pair.chosen) + len(pair.rejected)  # both rows
-            counted[2] += pair.learnt_tokens()  # the loss's, and what loss_tokens_seen counts in training
-        return DataSummary(
-            source=cfg.source,
-            paths=cfg.paths[:20],
-            files=len(names) if cfg.source == "files" else None,
-            documents=counts[False][0] + counts[True][0],
-            tokens=counts[False][1] + counts[True][1],
-            train_documents=counts[False][0],
-            train_tokens=counts[False][1],
-            eval_documents=counts[True][0],
-            eval_tokens=counts[True][1],
-            loss_tokens=counts[False][2] + counts[True][2],
-            train_loss_tokens=counts[False][2],
-            eval_loss_tokens=counts[True][2],
-            tokenizer=f"from {config.model.pretrained_path}" if config.model.pretrained_path else "bytes (chat)",
-            format=pair_format(cfg),
-            mask="completion",
-            truncated=truncated,
-            dropped=dropped,
-            dropped_why=f"{dropped}: an answer lies wholly past data.seq_len={cfg.seq_len}" if dropped else None,
-            **listing.summary_fields(),
-        )
+        store = token_store(cfg, load_tokenizer(config.model.pretrained_path, cfg.chat_template), listing)
+        tokenizer = f"from {config.model.pretrained_path}" if config.model.pretrained_path else "bytes (chat)"
+        if store is None:  # the run tokenizes it as its first phase
+            return DataSummary.left_to_run(cfg.source, cfg.paths, len(listing.files),
+                                           sum(path.stat().st_size for path in listing.files), tokenizer=tokenizer,
+                                           **listing.summary_fields())
+        return DataSummary(source=cfg.source, paths=cfg.paths[:20], tokenizer=tokenizer, **store.counts,
+                           **listing.summary_fields())
 
     @cached_property
-    def pairs(self) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-        """(train records, held-out records)."""
-        train, held_out = [], []
-        for name, record in load_pairs(self.config.data, self.data_listing):
-            (held_out if is_eval_document(name, self.config.data.eval_fraction) else train).append(record)
-        return train, held_out
+    def store(self) -> TokenStore:
+        """The tokenized pairs, mapped (built by the launch check, or now when it was not)."""
+        return token_store(self.config.data, self.tokenizer, self.data_listing)
 
-    def _stream(self, records, seed: int) -> BatchStream:
-        cfg = self.config.data
-        tokenized = [tokenize_pair(self.tokenizer, r, cfg.seq_len, cfg.reasoning_loss) for r in records]
-        tokenized = [t for t in tokenized if t.chosen and t.rejected]  # an answer cut off entirely: nothing to compare
+    @cached_property
+    def held_out_records(self) -> list[dict[str, Any]]:
+        """The first ``data.eval_prompts`` held-out records, for the task metric."""
+        cfg, records = self.config.data, []
+        for name, record in read_pairs(cfg):
+            if len(records) == cfg.eval_prompts:
+                break
+            if is_eval_document(name, cfg.eval_fraction):
+                records.append(record)
+        return records
+
+    def _stream(self, split: str, seed: int) -> BatchStream:
         return BatchStream(
-            tokenized, cfg.seq_len, self.tokenizer.pad_token_id, seed=seed,
+            self.store.pieces(split, stored_pair), self.config.data.seq_len, self.tokenizer.pad_token_id, seed=seed,
             micro_batch=self.micro_batch_size, dp_rank=self.dist.dp_rank, dp_size=self.dist.dp_size,
         )
 
     def prepare_data(self) -> BatchStream:
-        return self._stream(self.pairs[0], self.config.train.seed)
+        return self._stream("train", self.config.train.seed)
 
     def prepare_eval_data(self) -> list[dict[str, torch.Tensor]] | None:
-        if not self.config.train.eval_every or not self.pairs[1]:
+        if not self.config.train.eval_every or not self.store.counts["eval_documents"]:
             return None
-        stream = self._stream(self.pairs[1], seed=0)
+        stream = self._stream("eval", seed=0)
         return [next(stream) for _ in range(self.config.train.eval_batches)]
 
     def count_loss_units(self, batch: dict[str, torch.Tensor]) -> int:
@@ -546,7 +632,7 @@ class DPO(Engine):
         """On held-out pairs: ``preferred_rate``, how often the model gives the chosen answer a
         higher log-probability than the rejected one (chance: 0.5), and ``chosen_answer_rate``,
         how often its greedy answer is the chosen one."""
-        records = self.pairs[1][: self.config.data.eval_prompts]
+        records = self.held_out_records
         if not records:
             return {}
         was_training = self.model.training

@@ -8,7 +8,9 @@ laptop CPU in a few minutes, and ``task_metrics()`` checks its greedy answers on
 Supports:
 - the data users have (``engine/data_formats.py``): JSONL, JSON, parquet, CSV/TSV files and
   ``datasets`` ``save_to_disk`` folders (``data.paths``), or a data set ``datasets`` loads
-  (``data.dataset``); OpenAI ``messages``, ShareGPT ``conversations``, Alpaca, prompt/completion
+  (``data.dataset``), encoded once into a store every rank and later run maps
+  (``engine/token_store.py``; large data as the run's first phase), or files read as a stream
+  while training (``data.streaming``, ``engine/data_stream.py``); OpenAI ``messages``, ShareGPT ``conversations``, Alpaca, prompt/completion
   and plain ``text``, recognised from the columns (``data.format``, ``data.columns`` to force and
   rename)
 - the tokenizer's own chat template as it is (``engine/chat.py``): the loss is taken on the
@@ -33,6 +35,7 @@ from __future__ import annotations
 import hashlib
 import random
 from functools import cached_property
+from itertools import islice
 from typing import Any, Iterator, Literal
 
 import torch
@@ -44,16 +47,26 @@ from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 from engine.chat import CHAT_TEMPLATE, byte_chat_tokenizer  # noqa: F401 (the template's chat format)
 from engine.chat import conversation_mask_method, encode_completion, load_chat_tokenizer
 from engine.chat import encode_conversation as encode_chat
-from engine.config import ConfigError, DataConfig, EngineConfig, Section
+from engine.config import ConfigError, EngineConfig, Section
 from engine.data_files import DataListing, confined_path
-from engine.data_formats import read_examples
+from engine.data_formats import read_examples, record_example
+from engine.data_stream import PieceStream, Shard, StreamBatches, first_records, hold_out_of_stream, list_shards, shard_bytes
 from engine.engine import IGNORE_INDEX, Engine
 from engine.flops import non_embedding_params, transformer_flops_per_token
 from engine.fsdp import apply_fsdp
 from engine.optimizers import adamw_8bit
 from engine.run_dir import DataSummary
 from engine.data_formats import FILE_SUFFIXES
-from engine.token_store import TokenStore, data_identity, open_or_build, store_key, tokenizer_identity
+from engine.token_store import (
+    StoredDataConfig,
+    TokenStore,
+    data_identity,
+    leave_to_run,
+    open_or_build,
+    store_key,
+    text_size,
+    tokenizer_identity,
+)
 
 # =============================================================================================
 # Configuration
@@ -85,7 +98,7 @@ class ModelConfig(Section):
         return self
 
 
-class SFTDataConfig(DataConfig):
+class SFTDataConfig(StoredDataConfig):
     source: Literal["builtin", "files"] | None = Field(
         None, description="builtin: the generated instruction set; files: data.paths (the default when set)."
     )
@@ -121,6 +134,7 @@ class SFTDataConfig(DataConfig):
     max_turns: int = Field(3, ge=1, description="data.source=builtin: at most this many user turns each.")
     eval_prompts: int = Field(100, ge=1, description="Held-out prompts task_metrics() answers.")
     max_new_tokens: int = Field(16, ge=1, description="task_metrics(): tokens generated per answer at most.")
+    streaming: bool = Field(False, description="Read data.paths as a stream while training, nothing cached (README).")
 
     @model_validator(mode="after")
     def _source_matches_paths(self) -> "SFTDataConfig":
@@ -131,6 +145,11 @@ class SFTDataConfig(DataConfig):
             raise ValueError(f"data.paths is set but data.source={self.source} would ignore it; drop data.source")
         elif self.source == "files" and not given:
             raise ValueError("data.source=files needs data.paths (data files, relative to the workspace) or data.dataset")
+        if self.streaming and (not self.paths or self.dataset):
+            raise ValueError("data.streaming reads the files of data.paths; data.dataset and the built-in set are read "
+                             "whole: leave data.streaming out, or give data.paths alone")
+        if self.streaming:
+            hold_out_of_stream(self)
         return self
 
 
@@ -266,39 +285,47 @@ def load_conversations(
     return list(read_conversations(cfg, listing, formats)), sorted(set(formats))
 
 
-def read_conversations(cfg: SFTDataConfig, listing: DataListing | None = None,
-                       formats: list[str] | None = None) -> Iterator[tuple[str, dict[str, Any]]]:
+def read_conversations(cfg: SFTDataConfig, listing: DataListing | None = None, formats: list[str] | None = None,
+                       head: int | None = None) -> Iterator[tuple[str, dict[str, Any]]]:
     """The ``(name, example)`` pairs of :func:`load_conversations`, read one at a time; the
-    format of each source is appended to ``formats``."""
+    format of each source is appended to ``formats``. ``head``: only the first examples of each
+    source."""
     if cfg.source == "builtin":
         if formats is not None:
             formats.append("messages")
         for name, m in builtin_conversations(cfg.builtin_conversations, cfg.max_turns):
             yield name, {"messages": m}
         return
-    columns = dict(cfg.columns)
-    if cfg.messages_field != "messages":
-        columns.setdefault("messages", cfg.messages_field)
     found = False
     for source in read_examples(
-        "sft", cfg.paths, format=cfg.format, columns=columns, dataset=cfg.dataset, subset=cfg.subset, split=cfg.split,
-        listing=listing,
+        "sft", cfg.paths, format=cfg.format, columns=record_columns(cfg), dataset=cfg.dataset, subset=cfg.subset,
+        split=cfg.split, listing=listing,
     ):
         if formats is not None:
             formats.append(source.format)
-        for example in source.records:
+        for example in islice(source.records, head):
             found = True
             yield example
     if not found:
         raise ConfigError(f"no examples in data.paths={cfg.paths} data.dataset={cfg.dataset}")
 
 
-def token_store(cfg: SFTDataConfig, tokenizer, listing: DataListing) -> TokenStore:
+def record_columns(cfg: SFTDataConfig) -> dict[str, str]:
+    """The renames of data.columns, with data.messages_field's."""
+    columns = dict(cfg.columns)
+    if cfg.messages_field != "messages":
+        columns.setdefault("messages", cfg.messages_field)
+    return columns
+
+
+def token_store(cfg: SFTDataConfig, tokenizer, listing: DataListing) -> TokenStore | None:
     """Every example encoded once (:func:`encode_example`: a ``2 × n`` piece of tokens and
     targets), train and held-out apart, with the data summary's counts, in the store of the
     data's fingerprint, the tokenizer (chat template included) and the settings that change
     tokens; built on first use (one example in memory at a time), mapped by every rank and
-    later run. A file that changes while it is encoded fails the build, which keeps nothing."""
+    later run. A file that changes while it is encoded fails the build, which keeps nothing.
+    None in the launch check for data left to the run (:func:`engine.token_store.leave_to_run`),
+    once the first examples of each file encode and the disk has room for the store."""
     if cfg.source == "builtin":
         identity, size = ["builtin", cfg.builtin_conversations, cfg.max_turns], 0
     else:
@@ -308,6 +335,13 @@ def token_store(cfg: SFTDataConfig, tokenizer, listing: DataListing) -> TokenSto
                     messages_field=cfg.messages_field, subset=cfg.subset, split=cfg.split,
                     reasoning_loss=cfg.reasoning_loss)
 
+    def read_head(examples: int) -> None:
+        for name, example in read_conversations(cfg, DataListing(hashing=False), head=examples):  # hashed just now
+            encode_example(tokenizer, example, cfg.seq_len, name, cfg.reasoning_loss)
+
+    if leave_to_run(key, size, cfg.tokenize_in_check_mb, read_head):
+        return None
+
     def build(store) -> dict[str, Any]:
         counts = {True: [0, 0, 0], False: [0, 0, 0]}  # held out? -> [conversations, tokens, loss tokens]
         names, masks, dropped, formats = set(), set(), {}, []
@@ -315,6 +349,7 @@ def token_store(cfg: SFTDataConfig, tokenizer, listing: DataListing) -> TokenSto
         read = DataListing()
         for name, example in read_conversations(cfg, read, formats):
             piece, why, cut = encode_example(tokenizer, example, cfg.seq_len, name, cfg.reasoning_loss)
+            store.progress.advance(documents=1, bytes_read=text_size(example))
             truncated += cut
             names.add(name.split(":", 1)[0])
             if piece is None:
@@ -350,6 +385,40 @@ def token_store(cfg: SFTDataConfig, tokenizer, listing: DataListing) -> TokenSto
         )
 
     return open_or_build(key, rows=2, dtype="int32", build=build, input_bytes=size)
+
+
+def stream_shards(cfg: SFTDataConfig, listing: DataListing | None = None) -> list[Shard]:
+    """data.streaming: the record files of data.paths (.jsonl, .json, .parquet, .csv, .tsv), in
+    the order they are read."""
+    shards = [shard for shard in list_shards(cfg.paths, listing) if shard.path.suffix in FILE_SUFFIXES]
+    if not shards:
+        raise ConfigError(f"no data files in data.paths={cfg.paths} ({', '.join(sorted(FILE_SUFFIXES))})")
+    return shards
+
+
+def stream_pieces(cfg: SFTDataConfig, tokenizer):
+    """data.streaming: a record's pieces: its example (its format told from its own columns, or
+    data.format) encoded as :func:`token_store` encodes it; none when it has nothing to learn."""
+    columns = record_columns(cfg)
+
+    def pieces_of(where: str, record: dict[str, Any]) -> list[torch.Tensor]:
+        _, example = record_example("sft", record, where, cfg.format, columns)
+        piece, _, _ = encode_example(tokenizer, example, cfg.seq_len, where, cfg.reasoning_loss)
+        return [] if piece is None else [piece]
+
+    return pieces_of
+
+
+def stream_summary(cfg: SFTDataConfig, tokenizer, described: str) -> DataSummary:
+    """What is known of streamed data before it is read: its files and bytes; the first records
+    of the first file are read and encoded, so a bad record is refused now, naming it."""
+    listing = DataListing()
+    shards = stream_shards(cfg, listing)
+    pieces_of = stream_pieces(cfg, tokenizer)
+    for where, record in first_records(shards):
+        pieces_of(where, record)
+    return DataSummary.streamed("files", cfg.paths, len(shards), shard_bytes(shards), tokenizer=described,
+                                **listing.summary_fields())
 
 
 def is_eval_document(name: str, eval_fraction: float) -> bool:
@@ -506,15 +575,18 @@ class SFT(Engine):
     @classmethod
     def summarize_data(cls, config: SFTConfig) -> DataSummary:
         cfg = config.data
+        tokenizer = f"from {config.model.pretrained_path}" if config.model.pretrained_path else "bytes (chat)"
+        if cfg.streaming:
+            return stream_summary(cfg, load_tokenizer(config.model.pretrained_path, cfg.chat_template), tokenizer)
         listing = DataListing()
         store = token_store(cfg, load_tokenizer(config.model.pretrained_path, cfg.chat_template), listing)
-        return DataSummary(
-            source=cfg.source,
-            paths=(cfg.paths + ([cfg.dataset] if cfg.dataset else []))[:20],
-            tokenizer=f"from {config.model.pretrained_path}" if config.model.pretrained_path else "bytes (chat)",
-            **store.counts,
-            **listing.summary_fields(),
-        )
+        paths = cfg.paths + ([cfg.dataset] if cfg.dataset else [])
+        if store is None:  # the run tokenizes it as its first phase
+            return DataSummary.left_to_run(cfg.source, paths, len(listing.files),
+                                           sum(path.stat().st_size for path in listing.files), tokenizer=tokenizer,
+                                           **listing.summary_fields())
+        return DataSummary(source=cfg.source, paths=paths[:20], tokenizer=tokenizer, **store.counts,
+                           **listing.summary_fields())
 
     @cached_property
     def store(self) -> TokenStore:
@@ -523,8 +595,11 @@ class SFT(Engine):
 
     @cached_property
     def held_out_examples(self) -> list[dict[str, Any]]:
-        """The first ``data.eval_prompts`` held-out examples, for the task metric."""
+        """The first ``data.eval_prompts`` held-out examples, for the task metric (none of a
+        stream, unless all of it is held out)."""
         cfg, examples = self.config.data, []
+        if cfg.streaming and cfg.eval_fraction < 1:
+            return examples
         for name, example in read_conversations(cfg):
             if len(examples) == cfg.eval_prompts:
                 break
@@ -532,8 +607,20 @@ class SFT(Engine):
                 examples.append(example)
         return examples
 
-    def prepare_data(self) -> BatchStream:
+    def stream_batches(self) -> StreamBatches:
+        """data.streaming: this rank's batches from its share of data.paths, read as they go."""
         cfg = self.config.data
+        stream = PieceStream(stream_shards(cfg), stream_pieces(cfg, self.tokenizer), self.dist.dp_rank,
+                             self.dist.dp_size)
+        return StreamBatches(stream, self.micro_batch_size,
+                             lambda pieces: collate(pieces, cfg.seq_len, self.tokenizer.pad_token_id))
+
+    def prepare_data(self) -> BatchStream | StreamBatches:
+        cfg = self.config.data
+        if cfg.streaming:
+            if cfg.eval_fraction >= 1:
+                raise ConfigError("no training data: data.streaming with data.eval_fraction=1 holds out all of it")
+            return self.stream_batches()
         pieces = self.store.pieces("train", torch.from_numpy)
         return BatchStream(
             pieces,
@@ -546,6 +633,13 @@ class SFT(Engine):
         )
 
     def prepare_eval_data(self) -> list[dict[str, torch.Tensor]] | None:
+        if self.config.data.streaming:  # held out: nothing, or (eval_fraction=1) the stream's first batches
+            if not self.config.train.eval_every or self.config.data.eval_fraction < 1:
+                return None
+            batches = self.stream_batches()
+            taken = [next(batches) for _ in range(self.config.train.eval_batches)]
+            batches.stream.close()
+            return taken
         if not self.config.train.eval_every or not self.store.counts["eval_documents"]:
             return None
         cfg = self.config.data

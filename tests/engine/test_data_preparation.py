@@ -1,7 +1,8 @@
 """Preparing the data is the run's first phase for large data: the launch check reads only the
 head of each file and checks the disk, the run tokenizes it with its progress in run.json (what
 get_run and wait_run show), the summary it fills is exact, a second launch maps the store, and a
-bad record deep in a file fails the run naming it and leaves no store."""
+bad record deep in a file fails the run naming it and leaves no store. The same for causal_lm's
+documents, sft's conversations and dpo's pairs (one machinery, engine/token_store.py)."""
 
 from __future__ import annotations
 
@@ -20,7 +21,10 @@ from engine.seams import LaunchVerdict
 from engine.data_files import DataListing
 from recipes_template.causal_lm import recipe as causal_lm
 from recipes_template.causal_lm.recipe import CausalLM
-from tests.support import TEMPLATE, engine_command, engine_env
+from recipes_template.sft.recipe import SFT
+from tests.support import REPO, TEMPLATE, engine_command, engine_env
+
+SFT_TEMPLATE = REPO / "recipes_template" / "sft"
 
 
 @pytest.fixture
@@ -52,10 +56,10 @@ def check(recipe: Path, *overrides: str, capsys) -> dict:
     return verdict
 
 
-def config_of(*overrides: str):
+def config_of(*overrides: str, recipe_class=CausalLM):
     from engine.config import overrides_to_dict
 
-    return CausalLM.config_class.model_validate(_nested(overrides_to_dict(list(overrides))))
+    return recipe_class.config_class.model_validate(_nested(overrides_to_dict(list(overrides))))
 
 
 def _nested(dotted: dict) -> dict:
@@ -98,9 +102,9 @@ def test_too_little_disk_for_the_store_is_refused_at_launch_with_the_numbers(tmp
     assert verdict["ok"] is False and "GB free" in verdict["error"] and "the tokenized data needs up to" in verdict["error"]
 
 
-def pending_run(tmp_path: Path, data: Path, capsys) -> tuple[Path, rd.DataSummary]:
+def pending_run(tmp_path: Path, data: Path, capsys, recipe: Path = TEMPLATE) -> tuple[Path, rd.DataSummary]:
     """A run directory as the launcher leaves it for data the check left to the run."""
-    verdict = check(TEMPLATE, f"data.paths=[{data}]", "data.tokenize_in_check_mb=0", capsys=capsys)
+    verdict = check(recipe, f"data.paths=[{data}]", "data.tokenize_in_check_mb=0", capsys=capsys)
     pending = LaunchVerdict.model_validate({k: v for k, v in verdict.items() if k != "exit_code"}).data
     run_dir = tmp_path / "runs" / "r1"
     rd.create_run(run_dir, rd.RunRecord(id="r1", recipe="lm", data=pending, status=rd.RUNNING))
@@ -240,3 +244,108 @@ def test_data_that_leaves_nothing_to_train_fails_the_run_as_the_launch_check_ref
     refused = check(TEMPLATE, f"data.paths=[{data}]", "data.eval_fraction=1", "data.tokenize_in_check_mb=0", capsys=capsys)
     assert refused["ok"] is False and str(failed.value) == refused["error"]
     assert "holds out all of them" in refused["error"]
+
+
+# sft: conversations through the same first phase ---------------------------------------------
+
+
+def write_conversations(folder: Path, conversations: int = 240, bad_at: int | None = None) -> Path:
+    """``conversations`` chat records over two JSONL files, every tenth with an empty answer (left
+    out: nothing to learn), and at line ``bad_at`` of the second one whose messages are no list."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for name, lines in (("a.jsonl", range(conversations // 2)), ("b.jsonl", range(conversations // 2, conversations))):
+        with open(folder / name, "w") as f:
+            for line, i in enumerate(lines, 1):
+                answer = "" if i % 10 == 0 else f"{i} is {'even' if i % 2 == 0 else 'odd'}."
+                record = {"messages": [{"role": "user", "content": f"Is {i} even or odd?"},
+                                       {"role": "assistant", "content": answer}]}
+                f.write(json.dumps({"messages": "no list"} if name == "b.jsonl" and line == bad_at else record) + "\n")
+    return folder
+
+
+def test_sft_data_left_to_the_run_is_encoded_there_with_progress_and_the_exact_summary(tmp_path, cache, capsys,
+                                                                                        monkeypatch):
+    data = write_conversations(tmp_path / "data")
+    run_dir, pending = pending_run(tmp_path, data, capsys, SFT_TEMPLATE)
+    size = sum(p.stat().st_size for p in data.iterdir())
+    assert pending.preparing == rd.DataPreparation(bytes_total=size) and (pending.files, pending.documents) == (2, 0)
+    assert not cache.exists() or list(cache.iterdir()) == []  # only the head was read
+    seen: list[rd.DataPreparation] = []
+    update_run = rd.update_run
+
+    def recording(folder, **fields):
+        record = update_run(folder, **fields)
+        seen.append(rd.read_run(folder).data.preparing)
+        return record
+
+    monkeypatch.setattr(rd, "update_run", recording)
+    monkeypatch.setattr(token_store, "PROGRESS_EVERY_S", 0.0)
+    config = config_of(f"data.paths=[{data}]", "data.tokenize_in_check_mb=0", recipe_class=SFT)
+    summary = launch.prepare_data(run_dir, SFT, config, pending)
+    documents = [p.documents for p in seen]
+    assert documents == list(range(1, 241)) and 0 < seen[0].bytes_done < seen[-1].bytes_done <= size
+    # Exact: what the launch check counts of the same data when it encodes it all (into a cache
+    # of its own here), loss tokens and the examples left out included.
+    monkeypatch.setenv(token_store.CACHE_VARIABLE, str(tmp_path / "other-cache"))
+    exact = check(SFT_TEMPLATE, f"data.paths=[{data}]", capsys=capsys)
+    assert summary.preparing is None and summary.model_dump(mode="json") == exact["data"]
+    monkeypatch.setenv(token_store.CACHE_VARIABLE, str(cache))
+    assert (summary.documents, summary.dropped) == (216, 24) and summary.loss_tokens > 0
+    assert summary.dropped_why == "24: no assistant answer (empty or missing)"
+    # A second launch maps the store; a changed file is left to the run again.
+    again = check(SFT_TEMPLATE, f"data.paths=[{data}]", "data.tokenize_in_check_mb=0", capsys=capsys)
+    assert again["data"] == exact["data"]
+    with open(data / "a.jsonl", "a") as f:
+        f.write(json.dumps({"messages": [{"role": "user", "content": "1?"}, {"role": "assistant", "content": "1"}]}) + "\n")
+    changed = check(SFT_TEMPLATE, f"data.paths=[{data}]", "data.tokenize_in_check_mb=0", capsys=capsys)
+    assert changed["data"]["preparing"] is not None
+
+
+def test_sft_a_bad_record_is_refused_at_launch_in_the_head_and_fails_the_run_deeper(tmp_path, cache, capsys):
+    head = write_conversations(tmp_path / "head", bad_at=3)
+    refused = check(SFT_TEMPLATE, f"data.paths=[{head}]", "data.tokenize_in_check_mb=0", capsys=capsys)
+    assert refused["ok"] is False and refused["error"].startswith("b.jsonl:3: "), refused
+    deep = write_conversations(tmp_path / "deep", bad_at=110)  # past the 100 records the check reads
+    run_dir, pending = pending_run(tmp_path, deep, capsys, SFT_TEMPLATE)
+    config = config_of(f"data.paths=[{deep}]", "data.tokenize_in_check_mb=0", recipe_class=SFT)
+    with pytest.raises(ConfigError) as failed:
+        launch.prepare_data(run_dir, SFT, config, pending)
+    assert str(failed.value) == refused["error"].replace(":3:", ":110:")
+    assert list(cache.iterdir()) == []  # no store, no half-built folder
+
+
+def test_sft_data_that_leaves_nothing_to_train_fails_the_run_as_the_launch_check_refuses_it(tmp_path, cache, capsys):
+    data = write_conversations(tmp_path / "data", conversations=20)
+    left = check(SFT_TEMPLATE, f"data.paths=[{data}]", "data.eval_fraction=1", "data.tokenize_in_check_mb=0",
+                 capsys=capsys)
+    assert left["ok"] is True
+    run_dir = tmp_path / "runs" / "r1"
+    pending = LaunchVerdict.model_validate({k: v for k, v in left.items() if k != "exit_code"}).data
+    rd.create_run(run_dir, rd.RunRecord(id="r1", recipe="sft", data=pending, status=rd.RUNNING))
+    config = config_of(f"data.paths=[{data}]", "data.eval_fraction=1", "data.tokenize_in_check_mb=0", recipe_class=SFT)
+    with pytest.raises(ConfigError) as failed:
+        launch.prepare_data(run_dir, SFT, config, pending)
+    refused = check(SFT_TEMPLATE, f"data.paths=[{data}]", "data.eval_fraction=1", "data.tokenize_in_check_mb=0",
+                    capsys=capsys)
+    assert refused["ok"] is False and str(failed.value) == refused["error"]
+    assert refused["error"].startswith("nothing to train on: all 18 usable examples of the data fall in the held-out")
+
+
+def test_dpo_pairs_left_to_the_run_are_tokenized_there_with_the_exact_summary(tmp_path, cache, capsys, monkeypatch):
+    from recipes_template.dpo.recipe import DPO, builtin_pairs
+
+    data = tmp_path / "pairs"
+    data.mkdir()
+    with open(data / "pairs.jsonl", "w") as f:
+        for _, record in builtin_pairs(40):
+            f.write(json.dumps(record) + "\n")
+    dpo_template = REPO / "recipes_template" / "dpo"
+    run_dir, pending = pending_run(tmp_path, data, capsys, dpo_template)
+    assert pending.preparing is not None and pending.documents == 0
+    assert not cache.exists() or list(cache.iterdir()) == []
+    config = config_of(f"data.paths=[{data}]", "data.tokenize_in_check_mb=0", recipe_class=DPO)
+    summary = launch.prepare_data(run_dir, DPO, config, pending)
+    monkeypatch.setenv(token_store.CACHE_VARIABLE, str(tmp_path / "other-cache"))
+    exact = check(dpo_template, f"data.paths=[{data}]", capsys=capsys)
+    assert summary.preparing is None and summary.model_dump(mode="json") == exact["data"]
+    assert summary.documents == 40 and summary.loss_tokens > 0 and summary.format == "prompt_chosen_rejected"

@@ -1,6 +1,6 @@
 """The dpo template: its loss is TRL's DPO (and IPO) loss for the same model, reference and
-batch; it raises the preferred answer's rate; runs log reward metrics, resume bit for bit and
-match on two processes."""
+batch; it raises the preferred answer's rate; its pairs are tokenized once into a store that a
+second launch maps; runs log reward metrics, resume bit for bit and match on two processes."""
 
 from __future__ import annotations
 
@@ -114,6 +114,62 @@ def test_the_builtin_preferred_answer_is_correct_with_a_full_stop():
         else:  # a wrong result in the preferred style
             assert record["rejected"].endswith(".") and record["rejected"][:-1] != result, record
     assert 150 < bare < 250  # about half of each kind
+
+
+def test_a_stored_pair_reads_back_as_tokenize_pair_gave_it_masks_included():
+    pair = dpo.Pair([5, 6, 7], [8, 9, 10], [11, 12], ([False, True, True], [True, False]))
+    assert dpo.stored_pair(dpo.pair_piece(pair)) == pair
+    whole = dpo.Pair([5], [8, 9], [11], None)
+    assert dpo.stored_pair(dpo.pair_piece(whole)) == whole
+
+
+def test_the_store_holds_the_pairs_and_the_counts_tokenizing_them_gives(tmp_path, monkeypatch):
+    monkeypatch.setenv("TRAINWRIGHT_DATA_CACHE", str(tmp_path / "cache"))
+    cfg = dpo.DPODataConfig(builtin_pairs=60, seq_len=45, eval_fraction=0.2)  # prompts of 50 tokens: no answer left
+    tokenizer = dpo.load_tokenizer(None, None)
+    store = dpo.token_store(cfg, tokenizer, dpo.DataListing())
+    expected = {"train": [], "eval": []}
+    dropped = 0
+    for name, record in dpo.builtin_pairs(60):
+        pair = dpo.tokenize_pair(tokenizer, record, 45)
+        if not (pair.chosen and pair.rejected):
+            dropped += 1
+            continue
+        expected["eval" if dpo.is_eval_document(name, 0.2) else "train"].append(pair)
+    for split in ("train", "eval"):
+        assert list(store.pieces(split, dpo.stored_pair)) == expected[split] != []
+    counts = store.counts
+    assert (counts["train_documents"], counts["eval_documents"], counts["dropped"]) == (
+        len(expected["train"]), len(expected["eval"]), dropped) and dropped > 0
+    assert counts["train_tokens"] == sum(2 * len(p.prompt) + len(p.chosen) + len(p.rejected) for p in expected["train"])
+    assert counts["eval_loss_tokens"] == sum(len(p.chosen) + len(p.rejected) for p in expected["eval"])
+    assert store.meta["dtype"] == "uint16"  # byte tokens and the parts' codes
+
+
+def test_a_second_launch_maps_the_pairs_and_a_changed_file_is_tokenized_again(tmp_path, monkeypatch):
+    import json
+
+    monkeypatch.setenv("TRAINWRIGHT_DATA_CACHE", str(tmp_path / "cache"))
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("TRAINWRIGHT_WORKSPACE", str(tmp_path))
+    with open(tmp_path / "pairs.jsonl", "w") as f:
+        for _, record in dpo.builtin_pairs(30):
+            f.write(json.dumps(record) + "\n")
+    config = dpo.DPOConfig.model_validate({"data": {"paths": ["pairs.jsonl"]}})
+    first = dpo.DPO.summarize_data(config)
+    assert first.documents == 30 and first.files == 1 and first.format == "prompt_chosen_rejected"
+
+    def refused(*args, **kwargs):
+        raise AssertionError("tokenized again")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(dpo, "tokenize_pair", refused)
+        assert dpo.DPO.summarize_data(config) == first  # the store, mapped
+    with open(tmp_path / "pairs.jsonl", "a") as f:
+        f.write(json.dumps({"prompt": "1 + 1?", "chosen": "2.", "rejected": "3."}) + "\n")
+    changed = dpo.DPO.summarize_data(config)
+    assert changed.documents == 31 and changed.fingerprint != first.fingerprint
+    assert len(list((tmp_path / "cache").glob("*/meta.json"))) == 2
 
 
 @pytest.fixture(scope="module")
