@@ -23,10 +23,17 @@ with glibc's default allocator keeps freed activations in the heap; ``--malloc-m
 engine/memory.py), so that freed tensors go back at once and the resident set follows the live
 bytes the estimate counts (as ``max_memory_allocated`` does on a GPU).
 
+``--vlm``: the vlm_chat template with a model folder of Qwen2-VL and LLaVA 1.5
+(``tests/vlm_families.py``, the language model at hidden 512, 4 layers; the vision towers tiny),
+every part training, over LLaVA records of one image each (``--image-sizes``: Qwen's grid gives 1
+token for 28 pixels, 4 for 56; LLaVA's CLIP always 16) and answers longer than ``data.seq_len``.
+
     python bench/estimate_memory.py [--steps 3] [--templates causal_lm sft vlm] [--sizes small medium large]
     python bench/estimate_memory.py --models [--steps 2] [--families llama qwen2] [--seq-lens 256 1024]
         [--variants plain ckpt lora qlora] [--sources folder hub] [--hub-variants plain]
         [--malloc-mmap-threshold 65536]
+    python bench/estimate_memory.py --vlm [--steps 2] [--vlm-families qwen2_vl llava] [--image-sizes 28 56]
+        [--seq-lens 256 1024]
 """
 
 from __future__ import annotations
@@ -230,6 +237,70 @@ def models_main(args: argparse.Namespace) -> None:
     summarise(rows, estimates, args)
 
 
+# --vlm: the vlm_chat template with a model folder of two image-text-to-text families
+# (tests/vlm_families.py), its language model sized as --models' llama, every part training.
+VLM_FAMILIES = ("qwen2_vl", "llava")
+VLM_TEXT = {"hidden_size": 512, "intermediate_size": 1376, "num_hidden_layers": 4, "num_attention_heads": 8,
+            "num_key_value_heads": 4}
+VLM_RUN = ("data.paths=[\"data/vlm.json\"]", "data.batch_size=4", "data.eval_fraction=0", "optim.warmup_steps=0",
+           "model.train_vision_tower=true", "train.eval_every=0")
+
+
+def vlm_data(path: Path, side: int, count: int = 16) -> Path:
+    """LLaVA records, an image of ``side`` pixels each, whose answers are longer than any
+    data.seq_len measured: every row is data.seq_len tokens long, as the estimate assumes."""
+    from PIL import Image
+
+    from tests.model_families import CORPUS
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    records = []
+    for index in range(count):
+        Image.new("RGB", (side, side), (40 * (index % 6), 90, 200)).save(path.parent / f"{side}-{index}.png")
+        answer = " ".join(CORPUS[(index + k) % 4] for k in range(120))
+        records.append({"image": f"{side}-{index}.png", "conversations": [
+            {"from": "human", "value": "<image>\nDescribe the picture."}, {"from": "gpt", "value": answer}]})
+    path.write_text(json.dumps(records))
+    return path
+
+
+def vlm_main(args: argparse.Namespace) -> None:
+    from engine.data_files import WORKSPACE_VARIABLE
+    from tests.vlm_families import tiny_vlm_folder
+
+    print(f"load average {os.getloadavg()[0]:.2f}; one thread per run; vlm_chat template, {args.steps} steps, "
+          f"batch 4, every part training; goal {GOAL[0]}–{GOAL[1]}")
+    print(f"{'case':<30}{'estimate MB':>12}{'measured MB':>12}{'ratio':>7}   estimate: floor / weights+grads+"
+          "optimizer / activations MB")
+    rows = {}
+    with tempfile.TemporaryDirectory(prefix="trainwright-estimate-vlm-") as scratch:
+        root = Path(scratch)
+        folder = root / "recipes" / "vlm_chat"
+        shutil.copytree(REPO / "recipes_template" / "vlm_chat", folder, ignore=shutil.ignore_patterns("__pycache__"))
+        os.environ[WORKSPACE_VARIABLE] = str(root)
+        try:
+            for family in args.vlm_families:
+                model = tiny_vlm_folder(root / "models" / family, family, text=VLM_TEXT)
+                for side in args.image_sizes:
+                    for seq in args.seq_lens:
+                        vlm_data(root / "data" / "vlm.json", side)
+                        settings = [*QUIET, *VLM_RUN, f"model.pretrained_path={model}", f"data.seq_len={seq}",
+                                    f"train.max_steps={args.steps}"]
+                        memory = estimated(folder, settings, root)["memory_gib"]
+                        measured, _ = measured_run(folder, settings, root)
+                        estimate = memory["peak_gib"] * 1024
+                        rows[family, side, seq] = (estimate, measured)
+                        state = sum(memory[k] for k in ("params", "grads", "optimizer", "gathered")) * 1024
+                        flag = "" if GOAL[0] <= estimate / measured <= GOAL[1] else "  MISS"
+                        print(f"{f'{family} {side}px {seq}':<30}{estimate:>12,.0f}{measured:>12,.0f}"
+                              f"{estimate / measured:>7.2f}   {memory['floor'] * 1024:,.0f} / {state:,.0f} / "
+                              f"{memory['activations'] * 1024:,.0f}{flag}", flush=True)
+        finally:
+            os.environ.pop(WORKSPACE_VARIABLE, None)
+    ratios = [e / m for e, m in rows.values()]
+    print(f"ratio {min(ratios):.2f}–{max(ratios):.2f} over {len(rows)} cases")
+
+
 def summarise(rows: dict, estimates: dict, args: argparse.Namespace) -> None:
     misses = [f"{' '.join(map(str, key))} ({e / m:.2f})" for key, (e, m) in rows.items() if not GOAL[0] <= e / m <= GOAL[1]]
     ratios = [e / m for e, m in rows.values()]
@@ -269,11 +340,16 @@ def main() -> None:
                         help="glibc's mmap threshold, fixed in every check and run (TRAINWRIGHT_MMAP_THRESHOLD, "
                              "engine/memory.py): larger blocks are mapped and given back when freed (by default "
                              "the threshold rises with the blocks freed, and freed activations stay in the heap)")
+    parser.add_argument("--vlm", action="store_true", help="the vlm_chat template with model folders of two families")
+    parser.add_argument("--vlm-families", nargs="+", default=list(VLM_FAMILIES), choices=list(VLM_FAMILIES))
+    parser.add_argument("--image-sizes", nargs="+", type=int, default=[28, 56], help="--vlm: the images' side")
     args = parser.parse_args()
     global MALLOC_THRESHOLD
     MALLOC_THRESHOLD = args.malloc_mmap_threshold
     if args.models:
         return models_main(args)
+    if args.vlm:
+        return vlm_main(args)
     print(f"load average {os.getloadavg()[0]:.2f}; one thread per run")
     print(f"{'case':<26}{'estimate MB':>12}{'measured MB':>12}{'ratio':>7}{'step s est/meas':>17}"
           "   checkpointing: estimate vs measured change")

@@ -44,7 +44,9 @@ from typing import Any, Iterator
 
 import torch
 from torch import nn
-from torch._subclasses.fake_tensor import FakeTensorMode
+import torch.utils._pytree as pytree
+from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException, FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from engine.distributed import DistInfo
 from engine.fsdp import DTYPES, transformer_blocks
@@ -305,11 +307,17 @@ def measure_shape(recipe_class, config, nproc: int) -> Shape:
     optimizer, optimizer_bytes = _optimizer_of(engine)
     quantized, quantized_bytes = quantized_weights(engine.model)
     block_linear, lora_values = adaptable_linears(engine.model)
-    with on_fake_tensors(engine.model, batch, unmasked=causal_without_mask(data_batch)) as fake_batch:
-        counter, checkpointed, blocks = measure_saved_bytes(engine, fake_batch)
-        adapter_saved = None
-        if block_linear and sum(p.numel() for p in engine.model.parameters() if p.requires_grad) > 2 * lora_values:
-            adapter_saved = saved_with_only_block_linears_trainable(engine, fake_batch)
+    try:
+        with on_fake_tensors(engine.model, batch, unmasked=causal_without_mask(data_batch)) as fake_batch:
+            counter, checkpointed, blocks, adapter_saved = _forward_saved(engine, fake_batch, block_linear, lora_values)
+    except (DataDependentOutputException, DynamicOutputShapeException):
+        # A forward that reads its inputs' values (Qwen2-VL's image grid and 3-D positions,
+        # Idefics3's empty tiles): the model built again on the meta device, the inputs real.
+        with torch.device("meta"), weights_not_loaded():
+            engine.model = engine.prepare_model()
+        engine.model.train()
+        with on_meta_beside_real_inputs(batch) as real_batch:
+            counter, checkpointed, blocks, adapter_saved = _forward_saved(engine, real_batch, block_linear, lora_values)
     unique = {id(p): p for p in engine.model.parameters()}.values()
     positions = sum(v.numel() for k, v in batch.items() if k == "input_ids") * config.train.grad_accum
     per_block = [counter.per_block[i] for i in range(blocks)]
@@ -322,6 +330,43 @@ def measure_shape(recipe_class, config, nproc: int) -> Shape:
         quantized=quantized, quantized_bytes=quantized_bytes, optimizer=optimizer, optimizer_bytes=optimizer_bytes,
         block_linear=block_linear, lora_values=lora_values, adapter_saved=adapter_saved,
     )
+
+
+def _forward_saved(engine, batch, block_linear: int, lora_values: int):
+    """The forward's saved bytes (:func:`measure_saved_bytes`), and those with only the blocks'
+    linear weights trainable (as LoRA trains) where that is a change worth measuring."""
+    counter, checkpointed, blocks = measure_saved_bytes(engine, batch)
+    adapter_saved = None
+    if block_linear and sum(p.numel() for p in engine.model.parameters() if p.requires_grad) > 2 * lora_values:
+        adapter_saved = saved_with_only_block_linears_trainable(engine, batch)
+    return counter, checkpointed, blocks, adapter_saved
+
+
+class _MetaBesideReal(TorchDispatchMode):
+    """An op on the inputs alone runs for real, so that a model may read their values (an image
+    grid, where the image tokens are); an op that meets a meta tensor (a weight, or what was
+    computed from one) runs on the meta device. An input moved to the model's (meta) device
+    stays real: its values are still read (an attention mask)."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.ops.aten._to_copy.default and kwargs.get("device") == torch.device("meta") \
+                and args[0].device.type != "meta":
+            kwargs = {key: value for key, value in kwargs.items() if key != "device"}
+        if any(isinstance(t, torch.Tensor) and t.device.type == "meta" for t in pytree.tree_leaves((args, kwargs))):
+            args, kwargs = pytree.tree_map_only(torch.Tensor, lambda t: t.to("meta"), (args, kwargs))
+        return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def on_meta_beside_real_inputs(batch: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    """The meta model's forward over the real ``batch`` (:class:`_MetaBesideReal`), for a model
+    whose forward reads its inputs' values, which fake tensors cannot give: the activations are
+    meta tensors, counted by their sizes as fake ones are; SDPA as the fused kernel keeps it,
+    4-bit layers as plain ones. A mask is built, or not, as the model decides from the values."""
+    os.environ["TRANSFORMERS_DISABLE_TORCH_CHECK"] = "1"  # its checks of features against tokens read weights' values
+    with _MetaBesideReal(), fused_attention(), plain_4bit_layers():
+        yield batch
 
 
 @contextlib.contextmanager
@@ -456,9 +501,10 @@ def _row_length(batch: dict[str, Any]) -> int:
 def at_full_length(batch: dict[str, Any], seq_len: int) -> dict[str, Any]:
     """``batch`` with every row ``seq_len`` tokens long, as the longest batch the run can see: a
     collator that pads to the batch's longest example makes short batches of short data, and an
-    estimate "at data.seq_len" must not measure those. Only shapes matter (the forward runs on
-    fake tensors): each dimension of a per-row tensor that is the rows' length becomes
-    ``seq_len`` (masks of L × L included); other tensors (images) stay as they are."""
+    estimate "at data.seq_len" must not measure those. Each dimension of a per-row tensor that
+    is the rows' length becomes ``seq_len`` (masks of L × L included), its values kept in front
+    (a forward that reads them finds the image tokens where they were), the rest zeros, and an
+    ``attention_mask``'s ones (the rows are full); other tensors (images) stay as they are."""
     length = _row_length(batch)
     if not length or length >= seq_len:
         return batch
@@ -467,7 +513,9 @@ def at_full_length(batch: dict[str, Any], seq_len: int) -> dict[str, Any]:
     for key, value in batch.items():
         if isinstance(value, torch.Tensor) and value.dim() >= 2 and value.shape[0] == rows and length in value.shape[1:]:
             shape = [value.shape[0], *(seq_len if n == length else n for n in value.shape[1:])]
-            value = torch.zeros(shape, dtype=value.dtype, device=value.device)
+            full = torch.full(shape, int(key == "attention_mask"), dtype=value.dtype, device=value.device)
+            full[tuple(slice(0, n) for n in value.shape)] = value
+            value = full
         grown[key] = value
     return grown
 

@@ -77,7 +77,7 @@ TEXT = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_atten
             max_position_embeddings=1024)
 
 
-def _llava(tokenizer):
+def _llava(tokenizer, sizes):
     from transformers import (CLIPImageProcessorPil, CLIPVisionConfig, LlamaConfig, LlavaConfig,
                               LlavaForConditionalGeneration, LlavaProcessor)
 
@@ -89,13 +89,19 @@ def _llava(tokenizer):
     vision = CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
                               image_size=28, patch_size=7, projection_dim=32)
     text = LlamaConfig(vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id,
-                       eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id, **TEXT)
+                       eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id, **sizes)
     config = LlavaConfig(vision_config=vision, text_config=text, image_token_id=tokenizer.convert_tokens_to_ids("<image>"),
                          image_seq_length=16, vision_feature_select_strategy="default", vision_feature_layer=-2)
     return LlavaForConditionalGeneration(config), processor
 
 
-def _qwen2_vl(tokenizer, version: str):
+def mrope_sections(sizes: dict) -> list[int]:
+    """Qwen's 3-D rotary sections (time, height, width) over half a head: [1, 1, 2] of 4."""
+    half = sizes["hidden_size"] // sizes["num_attention_heads"] // 2
+    return [half // 4, (half - half // 4) // 2, half - half // 4 - (half - half // 4) // 2]
+
+
+def _qwen2_vl(tokenizer, version: str, sizes: dict):
     import transformers
     from transformers import Qwen2VLImageProcessorPil, Qwen2VLProcessor
 
@@ -105,6 +111,7 @@ def _qwen2_vl(tokenizer, version: str):
         Qwen2VLProcessor = without_video(Qwen2VLProcessor)
 
     # Dynamic resolution: 28-pixel units (14-pixel patches merged 2 × 2); 56 × 56 images give 4 tokens.
+    # (The vision config's hidden_size is what its merger gives the language model.)
     image_processor = Qwen2VLImageProcessorPil(min_pixels=28 * 28, max_pixels=56 * 56, patch_size=14, merge_size=2,
                                                temporal_patch_size=2)
     processor = Qwen2VLProcessor(image_processor=image_processor, tokenizer=tokenizer, chat_template=QWEN2_VL_TEMPLATE)
@@ -112,20 +119,20 @@ def _qwen2_vl(tokenizer, version: str):
         ("image_token_id", "<|image_pad|>"), ("video_token_id", "<|video_pad|>"),
         ("vision_start_token_id", "<|vision_start|>"), ("vision_end_token_id", "<|vision_end|>"))}
     text = dict(vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
-                bos_token_id=None, rope_scaling={"type": "mrope", "mrope_section": [1, 1, 2]}, **TEXT)
+                bos_token_id=None, rope_scaling={"type": "mrope", "mrope_section": mrope_sections(sizes)}, **sizes)
     if version == "qwen2_5_vl":
-        vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=32,
+        vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=sizes["hidden_size"],
                       patch_size=14, spatial_merge_size=2, temporal_patch_size=2, fullatt_block_indexes=[1],
                       window_size=56)
         config = transformers.Qwen2_5_VLConfig(text_config=text, vision_config=vision, **ids)
         return transformers.Qwen2_5_VLForConditionalGeneration(config), processor
-    vision = dict(depth=2, embed_dim=32, hidden_size=32, mlp_ratio=2, num_heads=2, patch_size=14, spatial_merge_size=2,
+    vision = dict(depth=2, embed_dim=32, hidden_size=sizes["hidden_size"], mlp_ratio=2, num_heads=2, patch_size=14, spatial_merge_size=2,
                   temporal_patch_size=2)
     config = transformers.Qwen2VLConfig(text_config=text, vision_config=vision, **ids)
     return transformers.Qwen2VLForConditionalGeneration(config), processor
 
 
-def _idefics3(tokenizer):
+def _idefics3(tokenizer, sizes):
     from transformers import (Idefics3Config, Idefics3ForConditionalGeneration, Idefics3ImageProcessorPil,
                               Idefics3Processor, LlamaConfig)
 
@@ -138,13 +145,13 @@ def _idefics3(tokenizer):
     vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=32,
                   patch_size=8)
     text = LlamaConfig(vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id,
-                       eos_token_id=tokenizer.eos_token_id, **TEXT)
+                       eos_token_id=tokenizer.eos_token_id, **sizes)
     config = Idefics3Config(vision_config=vision, text_config=text.to_dict(), scale_factor=2,
                             image_token_id=tokenizer.convert_tokens_to_ids("<image>"))
     return Idefics3ForConditionalGeneration(config), processor
 
 
-def _gemma3(tokenizer):
+def _gemma3(tokenizer, sizes):
     from transformers import (Gemma3Config, Gemma3ForConditionalGeneration, Gemma3ImageProcessorPil, Gemma3Processor,
                               Gemma3TextConfig, SiglipVisionConfig)
 
@@ -154,14 +161,14 @@ def _gemma3(tokenizer):
     vision = SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
                                 image_size=28, patch_size=7, vision_use_head=False)
     text = Gemma3TextConfig(vocab_size=len(tokenizer), head_dim=8, sliding_window=64, pad_token_id=tokenizer.pad_token_id,
-                            eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id, **TEXT)
+                            eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id, **sizes)
     ids = {name: tokenizer.convert_tokens_to_ids(token) for name, token in (
         ("boi_token_id", "<start_of_image>"), ("eoi_token_id", "<end_of_image>"), ("image_token_id", "<image_soft_token>"))}
     config = Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4, **ids)
     return Gemma3ForConditionalGeneration(config), processor
 
 
-def _llava_onevision(tokenizer):
+def _llava_onevision(tokenizer, sizes):
     import transformers
     from transformers import (LlavaOnevisionConfig, LlavaOnevisionForConditionalGeneration,
                               LlavaOnevisionImageProcessorPil, LlavaOnevisionProcessor, Qwen2Config, SiglipVisionConfig)
@@ -178,7 +185,7 @@ def _llava_onevision(tokenizer):
     vision = SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
                                 image_size=28, patch_size=7, vision_use_head=False)
     text = Qwen2Config(vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
-                       **TEXT)
+                       **sizes)
     config = LlavaOnevisionConfig(vision_config=vision, text_config=text, image_grid_pinpoints=grid,
                                   vision_feature_select_strategy="full", vision_feature_layer=-1,
                                   image_token_id=tokenizer.convert_tokens_to_ids("<image>"),
@@ -187,16 +194,17 @@ def _llava_onevision(tokenizer):
     return LlavaOnevisionForConditionalGeneration(config), processor
 
 
-def tiny_vlm_folder(folder: Path, family: str = "qwen2_vl", seed: int = 0) -> Path:
+def tiny_vlm_folder(folder: Path, family: str = "qwen2_vl", seed: int = 0, text: dict | None = None) -> Path:
     """A random-weight ``family`` model (one of :data:`FAMILIES`) with its processor and chat
-    template, saved to ``folder``."""
+    template, saved to ``folder``; ``text`` overrides the language model's sizes (:data:`TEXT`)."""
+    sizes = {**TEXT, **(text or {})}
     if family == "llava":
         tokenizer = bpe_tokenizer(["<unk>", "<s>", "</s>", "<image>"], "</s>", LLAVA_TEMPLATE)
         tokenizer.pad_token = "<unk>"
         build = _llava
     elif family in ("qwen2_vl", "qwen2_5_vl"):
         tokenizer = bpe_tokenizer(QWEN_SPECIAL, "<|im_end|>", QWEN2_VL_TEMPLATE)
-        build = lambda t: _qwen2_vl(t, family)  # noqa: E731
+        build = lambda t, sizes: _qwen2_vl(t, family, sizes)  # noqa: E731
     elif family == "idefics3":
         tokenizer = bpe_tokenizer(IDEFICS3_SPECIAL, "<end_of_utterance>", IDEFICS3_TEMPLATE)
         build = _idefics3
@@ -215,7 +223,7 @@ def tiny_vlm_folder(folder: Path, family: str = "qwen2_vl", seed: int = 0) -> Pa
     else:
         raise KeyError(family)
     torch.manual_seed(seed)
-    model, processor = build(tokenizer)
+    model, processor = build(tokenizer, sizes)
     folder.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(folder)
     processor.save_pretrained(folder)

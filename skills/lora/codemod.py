@@ -86,14 +86,34 @@ def add_lora(recipe: Recipe, edits: Edits, model: ModelAnchor, params: Params) -
     for name in copied.imports(HELPERS_MODULE):
         edits.add_import(*name)
     alpha = int(params.alpha) if float(params.alpha).is_integer() else params.alpha
-    call = templates.statement(
+    statements = []
+    within = ""
+    if language_model_only(found, params):
+        vlm.ensure_helper(recipe, edits, model.statement)
+        statements.append(templates.statement(
+            recipe.module,
+            f'language_model = vision_language_parts({{model}}, "{SKILL}", [], every=True).get("language_model")',
+            model=model.target,
+        ))
+        within = ", within=language_model"
+    statements.append(templates.statement(
         recipe.module,
         f"apply_lora({{model}}, rank={params.rank}, alpha={alpha}, "
-        f"dropout={params.dropout}, target_modules={templates.literal(params.target_modules)})",
+        f"dropout={params.dropout}, target_modules={templates.literal(params.target_modules)}{within})",
         model=model.target,
-    )
-    stages.insert_stage(recipe, edits, model, stages.LORA, [call])
+    ))
+    stages.insert_stage(recipe, edits, model, stages.LORA, statements)
     return acts_on
+
+
+def language_model_only(found: reach.ModelShape, params: Params) -> bool:
+    """A vision-language model without named targets: its language model's layers are adapted,
+    never the vision tower's or the projector's (a Hugging Face class, or a class of the file with
+    a language-model attribute; at run time ``vision_language_parts`` finds it by name, and a
+    model without one has the layers of all its blocks adapted)."""
+    if params.target_modules is not None or not vlm.is_vision_language(found):
+        return False
+    return found.hf or any(name in vlm.NAMES["language_model"] for name in found.attributes)
 
 
 def _targets(recipe: Recipe, found: reach.ModelShape, params: Params) -> str:
@@ -112,10 +132,10 @@ def _targets(recipe: Recipe, found: reach.ModelShape, params: Params) -> str:
             )
         count = sum(1 for p in found.linears if any(p == t or p.endswith("." + t) for t in matched))
         return f"adapts {', '.join(matched)} ({count} linear layer{'s' if count != 1 else ''} in the code)"
-    if found.hf and vlm.is_vision_language(found):  # find_blocks: the layers of both towers
+    if language_model_only(found, params):
         return (
-            f"adapts every nn.Linear in the layers of the vision tower and of the language model of "
-            f"{found.name} (named at run time)"
+            f"adapts every nn.Linear in the layers of the language model of {found.name} (named at run time), "
+            "not the vision tower's or the projector's"
         )
     if found.hf:
         return f"adapts every nn.Linear in the decoder layers of {found.name} (named at run time)"

@@ -13,7 +13,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from skills.codemod_kit import copied, pointing, reach, stages, templates
+from skills.codemod_kit import copied, pointing, reach, stages, templates, vlm
 from skills.codemod_kit import AlreadyApplied, Edits, Recipe, ensure_find_blocks, insert_definitions
 from skills.lora import codemod as lora
 
@@ -61,7 +61,8 @@ def apply(recipe: Recipe, params: Params) -> Edits | AlreadyApplied:
         model=model.target,
     )
     stages.insert_stage(recipe, edits, model, stages.QUANTIZE, [call])
-    where = f"the decoder layers of {found.name}" if found.hf else reach.describe_blocks(found)
+    where = f"the decoder layers of {found.name}" if found.hf and not vlm.is_vision_language(found) \
+        else reach.describe_blocks(found)
     quantised = (f"quantises every nn.Linear in {where} to 4-bit {params.quant_type}"
                  f"{' (double quantisation)' if params.double_quant else ''}")
     lora_there = recipe.calls_to(*lora.LORA_CALLS)

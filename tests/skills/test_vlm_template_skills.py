@@ -92,10 +92,12 @@ def test_freezing_what_the_stage_policy_froze_says_nothing_new_was_frozen(runs):
     assert "freeze: froze" not in run["printed"]
 
 
-def test_lora_trains_only_the_adapters(runs):
+def test_lora_trains_only_the_adapters_of_the_language_model(runs):
     run = runs["lora"]
-    assert "in the layers of the vision tower and of the language model of" in run["applied"][0]["acts_on"]
-    assert run["lora_layers"] == 2 * 7 + 2 * 6  # Llama's 7 linear layers a block; SigLIP's 6
+    assert "in the layers of the language model of" in run["applied"][0]["acts_on"]
+    assert run["lora_layers"] == 2 * 7  # Llama's 7 linear layers a block; none of SigLIP's (q_proj, ... too)
+    assert "lora: adapted 14 linear layers (down_proj, gate_proj, k_proj, o_proj, q_proj, up_proj, v_proj) of " \
+        "`model.language_model` of LlavaForConditionalGeneration" in run["printed"]
     assert run["frozen_changed"] == [] and run["trainable_changed"] > 0
     assert run["trainable"] < run["frozen"] / 10
 

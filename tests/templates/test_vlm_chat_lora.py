@@ -1,0 +1,96 @@
+"""The lora skill on the vlm_chat template: the adapters sit in the language model's layers alone
+(LLaVA's ``model.language_model``, Idefics3's ``model.text_model``), never in the vision tower or
+the projector, whose layers have the same names (``q_proj``, ``fc1`` of CLIP and SigLIP); a run
+trains them and its merged export changes the language model's weights and nothing else."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import shutil
+import sys
+
+import pytest
+import torch
+
+from tests.templates.test_vlm_chat import TEMPLATE, vlm
+from tests.vlm_families import tiny_vlm_folder
+
+# family → where its language model is, and its class.
+LANGUAGE_MODEL = {"llava": ("model.language_model", "LlavaForConditionalGeneration"),
+                  "idefics3": ("model.text_model", "Idefics3ForConditionalGeneration")}
+SETTINGS = ("train.max_steps=3", "train.log_every=1", "train.eval_every=0", "checkpoint.every=0",
+            "checkpoint.at_end=true", "data.builtin_images=24", "data.eval_fraction=0.2", "data.batch_size=4",
+            "optim.lr=1e-2", "optim.warmup_steps=0", "metrics.tensorboard=false")
+
+
+def train_here(folder, recipe, *overrides: str) -> tuple:
+    """``engine.launch.main`` in this process (a fresh interpreter costs ~10 s); the run
+    directory and what the run printed."""
+    from engine.launch import main
+
+    argv = [str(recipe)] + [a for item in overrides for a in ("--set", item)]
+    printed, cwd, path = io.StringIO(), os.getcwd(), list(sys.path)
+    for key in ("MASTER_ADDR", "MASTER_PORT"):  # the run starts its own process group
+        os.environ.pop(key, None)
+    try:
+        os.chdir(folder)
+        with contextlib.redirect_stdout(printed):
+            code = main(argv)
+    finally:
+        os.chdir(cwd)
+        sys.path[:] = path
+    assert code == 0, printed.getvalue()[-3000:]
+    (run,) = sorted((folder / "runs").iterdir())
+    return run, printed.getvalue()
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict:
+    from engine import run_dir as rd
+    from skills import apply_skill
+
+    out = {}
+    for family in LANGUAGE_MODEL:
+        folder = tmp_path_factory.mktemp(family)
+        model = tiny_vlm_folder(folder / "model", family)
+        recipe = shutil.copytree(TEMPLATE, folder / "vlm_chat", ignore=shutil.ignore_patterns("__pycache__"))
+        applied = apply_skill("lora", recipe)
+        run, printed = train_here(folder, recipe, f"model.pretrained_path={model}", *SETTINGS)
+        shutil.copytree(recipe, run / rd.SNAPSHOT_DIRNAME)
+        out[family] = {"model": model, "applied": applied, "run": run, "printed": printed}
+    return out
+
+
+@pytest.mark.parametrize("family", sorted(LANGUAGE_MODEL))
+def test_lora_adapts_the_language_model_alone_and_its_export_changes_nothing_else(family, runs, tmp_path):
+    from transformers import AutoModelForImageTextToText
+
+    from engine import model_io
+
+    where, name = LANGUAGE_MODEL[family]
+    done = runs[family]
+    applied = done["applied"]
+    assert applied.acts_on == ("adapts every nn.Linear in the layers of the language model of AutoModelForImageTextToText "
+                               "(named at run time), not the vision tower's or the projector's")
+    assert "within=language_model" in applied.diff
+    # Llama's 7 linear layers in each of the 2 decoder layers; none of the vision tower's 2 layers.
+    assert (f"lora: adapted 14 linear layers (down_proj, gate_proj, k_proj, o_proj, q_proj, up_proj, v_proj) of "
+            f"`{where}` of {name}") in done["printed"]
+
+    engine = model_io.load_engine(done["run"], 3)
+    adapted = [n for n, m in engine.model.named_modules() if hasattr(m, "lora_A")]
+    assert len(adapted) == 14 and all(n.startswith(where + ".layers.") for n in adapted), adapted
+    trainable = [n for n, p in engine.model.named_parameters() if p.requires_grad]
+    assert trainable and all(".lora_A." in n or ".lora_B." in n for n in trainable)
+
+    model_io.export(done["run"], 3, tmp_path / "exported")
+    exported = AutoModelForImageTextToText.from_pretrained(tmp_path / "exported").state_dict()
+    original = AutoModelForImageTextToText.from_pretrained(done["model"]).state_dict()
+    assert set(exported) == set(original)  # merged: no adapter left
+    changed = sorted(k for k in original if not torch.equal(exported[k], original[k]))
+    # The adapters' updates are merged into the language model's linear layers; nothing else moved.
+    assert changed and all(k.startswith(where + ".layers.") and k.endswith("_proj.weight") for k in changed), changed
+    processor = vlm.load_processor(str(tmp_path / "exported"))
+    assert type(processor).__name__ == type(vlm.load_processor(str(done["model"]))).__name__
