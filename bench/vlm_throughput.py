@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -132,13 +133,15 @@ def read_report(peer: str, worker: subprocess.Popen) -> list[str]:
     raise SystemExit(f"{peer} ended early (exit {worker.wait()})")
 
 
-def lockstep(folder: Path, steps: int, warmup: int, rounds: int, threads: int) -> dict[str, list[list[float]]]:
+def lockstep(folder: Path, steps: int, warmup: int, rounds: int, threads: int) -> tuple[dict[str, list[list[float]]], list[float]]:
+    """Each peer's rate at every timed step, by round, and the machine's load (1-minute average) at each round's end."""
     total = warmup + steps * rounds
     workers = {peer: start_worker(peer, folder, total, threads) for peer in PEERS}
     try:
         for peer, worker in workers.items():
             read_report(peer, worker)  # ready: model built, data loaded
         rates: dict[str, list[list[float]]] = {peer: [[] for _ in range(rounds)] for peer in PEERS}
+        loads = []
         for step in range(total):
             shift = step % len(PEERS)
             for peer in PEERS[shift:] + PEERS[:shift]:
@@ -147,7 +150,9 @@ def lockstep(folder: Path, steps: int, warmup: int, rounds: int, threads: int) -
                 tokens, seconds = read_report(peer, workers[peer])
                 if step >= warmup:
                     rates[peer][(step - warmup) // steps].append(float(tokens) / float(seconds))
-        return rates
+            if step >= warmup and (step - warmup + 1) % steps == 0:
+                loads.append(os.getloadavg()[0])
+        return rates, loads
     finally:
         for worker in workers.values():
             worker.kill()
@@ -165,12 +170,15 @@ def main() -> None:
     from tests.vlm_families import tiny_vlm_folder
 
     folder = tiny_vlm_folder(Path(tempfile.mkdtemp(prefix="vlm-bench-")) / "qwen2_vl", "qwen2_vl")
-    rates = lockstep(folder, args.steps, args.warmup, args.rounds, args.threads)
+    rates, loads = lockstep(folder, args.steps, args.warmup, args.rounds, args.threads)
     results = {peer: [statistics.median(r) for r in rounds] for peer, rounds in rates.items()}
     for index in range(args.rounds):
+        # The spread: the ratio of the two peers' rates at each step (taken one after the other), its quartiles.
+        paired = statistics.quantiles([t / r for t, r in zip(rates["template"][index], rates["trl"][index])], n=4)
         print(f"round {index + 1}: useful (assistant) tokens/s, median step: template {results['template'][index]:,.0f}, "
-              f"trl {results['trl'][index]:,.0f}; template/trl {results['template'][index] / results['trl'][index]:.2f}x",
-              flush=True)
+              f"trl {results['trl'][index]:,.0f}; template/trl {results['template'][index] / results['trl'][index]:.2f}x "
+              f"(steps' ratios, quartiles {paired[0]:.2f}-{paired[2]:.2f}x); load {loads[index]:.1f} "
+              f"on {os.cpu_count()} cores", flush=True)
     medians = {peer: statistics.median(values) for peer, values in results.items()}
     print(json.dumps({"tokens_per_s_median": {k: round(v) for k, v in medians.items()},
                       "template_vs_trl": round(medians["template"] / medians["trl"], 3), "packed": None,

@@ -24,6 +24,7 @@ import io
 import json
 import re
 import warnings
+from contextlib import contextmanager
 from functools import cached_property
 from pathlib import Path
 from typing import Any, Iterator
@@ -269,6 +270,22 @@ def image_token_ids(processor) -> set[int]:
         if isinstance(getattr(processor, attribute, None), int):
             ids.add(getattr(processor, attribute))
     return ids
+
+
+@contextmanager
+def logits_only_at(model: torch.nn.Module, positions: torch.Tensor) -> Iterator[None]:
+    """Inside it, the model's output layer maps the hidden states at ``positions`` (a boolean
+    mask over the batch's tokens) alone to logits, ``(n, vocab)``: only the tokens the loss
+    covers go through the vocabulary (150-260 k wide in these families), not every image,
+    prompt and padding token. A family that calls its head otherwise gets every position's."""
+    def keep(_, args):
+        return (args[0][positions], *args[1:]) if args and args[0].shape[:-1] == positions.shape else None
+
+    handle = model.get_output_embeddings().register_forward_pre_hook(keep)
+    try:
+        yield
+    finally:
+        handle.remove()
 
 
 # =============================================================================================
@@ -567,6 +584,26 @@ def same_answer(said: str, expected: str) -> bool:
 # =============================================================================================
 
 
+def rope_index_of(model: torch.nn.Module):
+    """The family's 3-D rotary positions, ``get_rope_index`` of Qwen2-VL and its kin (text
+    positions, each image's (t, h, w) grid, the text after an image moved past it), or None
+    for a family whose positions are 0, 1, 2, ..."""
+    return next((m.get_rope_index for m in model.modules() if hasattr(m, "get_rope_index")), None)
+
+
+def with_positions(piece: dict[str, Any], rope_index) -> dict[str, Any]:
+    """The piece with its 3-D positions over its inputs (all tokens but the last): computed
+    once, where the model would compute them again for every batch (a Python loop over the
+    tokens of each row: 14 ms of a 90 ms step of the tiny Qwen2-VL on one CPU thread)."""
+    token_types = piece["per_token"].get("mm_token_type_ids")
+    if rope_index is None or token_types is None:
+        return piece
+    grids = {key: value for key, value in piece["images"].items()
+             if key in ("image_grid_thw", "video_grid_thw", "second_per_grid_ts")}
+    positions, _ = rope_index(input_ids=piece["ids"][None, :-1], mm_token_type_ids=token_types[None, :-1], **grids)
+    return {**piece, "positions": positions[:, 0]}
+
+
 def stack_images(values: list[torch.Tensor]) -> torch.Tensor:
     """The images' tensors of a batch along the first dimension, the others padded with zeros
     to the largest (Idefics3's tiles, OneVision's patches; a family drops all-zero images)."""
@@ -592,6 +629,10 @@ def collate(pieces: list[dict[str, Any]], pad_id: int) -> dict[str, torch.Tensor
         batch[key] = torch.zeros((len(pieces), length), dtype=torch.int64)
         for row, piece in enumerate(pieces):
             batch[key][row, : len(piece["ids"]) - 1] = piece["per_token"][key][:-1]
+    if all("positions" in p for p in pieces):  # (3, batch, length), as the model computes them itself
+        batch["position_ids"] = torch.zeros((len(pieces[0]["positions"]), len(pieces), length), dtype=torch.int64)
+        for row, piece in enumerate(pieces):
+            batch["position_ids"][:, row, : len(piece["ids"]) - 1] = piece["positions"]
     for key in {k for p in pieces for k in p["images"]}:
         batch[key] = stack_images([p["images"][key] for p in pieces if key in p["images"]])
     return batch
@@ -670,7 +711,8 @@ class VLMChat(Engine):
         return train, held_out
 
     def pieces(self, examples) -> list[dict[str, Any]]:
-        return [encode(self.processor, messages, images, self.config.data.seq_len, where)
+        rope_index = rope_index_of(self.model)
+        return [with_positions(encode(self.processor, messages, images, self.config.data.seq_len, where), rope_index)
                 for where, messages, images in examples]
 
     @classmethod
@@ -722,9 +764,12 @@ class VLMChat(Engine):
 
     def compute_loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         inputs = {key: value for key, value in batch.items() if key != "labels"}
-        logits = self.model(**inputs, use_cache=False).logits
-        return F.cross_entropy(logits.flatten(0, 1).float(), batch["labels"].flatten(), ignore_index=IGNORE_INDEX,
-                               reduction="sum")
+        learnt = batch["labels"] != IGNORE_INDEX
+        with logits_only_at(self.model, learnt):
+            logits = self.model(**inputs, use_cache=False).logits
+        if logits.dim() == 3:  # the head saw every position
+            logits = logits[learnt]
+        return F.cross_entropy(logits.float(), batch["labels"][learnt], reduction="sum")
 
     def count_padding(self, batch: dict[str, torch.Tensor]) -> int:
         return int((batch["attention_mask"] == 0).sum())

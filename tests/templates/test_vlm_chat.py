@@ -10,6 +10,7 @@ import io
 import json
 import shutil
 import sys
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -100,6 +101,35 @@ def test_a_batch_holds_images_of_several_sizes_as_each_family_takes_them(family,
     logits = model(**{k: v for k, v in batch.items() if k != "labels"}).logits
     assert logits.shape[:2] == batch["input_ids"].shape and torch.isfinite(logits).all()
     assert int((batch["labels"] != IGNORE_INDEX).sum()) == sum(vlm.loss_tokens(p) for p in pieces)
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_loss_maps_only_the_learnt_tokens_to_logits_and_qwens_positions_are_computed_once(family, folders):
+    """compute_loss equals the loss over every position's logits, though the head maps only the
+    learnt tokens; Qwen's 3-D positions, computed once per example, are those the model computes
+    for the padded batch."""
+    processor = vlm.load_processor(str(folders[family]))
+    model = vlm.load_model(vlm.ModelConfig(pretrained_path=str(folders[family])))
+    pad = processor.tokenizer.pad_token_id
+    pieces = [vlm.encode(processor, m, i, 512, w) for w, m, i in vlm.builtin_examples(3, 56)]
+    pieces.append(vlm.encode(processor, conversation(), [picture(), picture(size=(30, 90))], 512, "two images"))
+    rope_index = vlm.rope_index_of(model)
+    assert (rope_index is not None) == family.startswith("qwen")
+    plain, batch = vlm.collate(pieces, pad), vlm.collate([vlm.with_positions(p, rope_index) for p in pieces], pad)
+    if rope_index is not None:
+        grids = {k: plain[k] for k in ("image_grid_thw",)}
+        expected, _ = rope_index(plain["input_ids"], plain["mm_token_type_ids"], attention_mask=plain["attention_mask"], **grids)
+        assert torch.equal(batch["position_ids"], expected)
+    else:
+        assert "position_ids" not in batch
+    every = model(**{k: v for k, v in plain.items() if k != "labels"}, use_cache=False).logits
+    expected_loss = torch.nn.functional.cross_entropy(every.flatten(0, 1), plain["labels"].flatten(), reduction="sum")
+    learnt = batch["labels"] != IGNORE_INDEX
+    with vlm.logits_only_at(model, learnt):
+        logits = model(**{k: v for k, v in batch.items() if k != "labels"}, use_cache=False).logits
+    assert logits.shape == (int(learnt.sum()), every.shape[-1]) == (sum(vlm.loss_tokens(p) for p in pieces), every.shape[-1])
+    loss = vlm.VLMChat.compute_loss(SimpleNamespace(model=model), batch)
+    assert torch.allclose(loss, expected_loss, rtol=1e-5), (loss, expected_loss)
+
 
 def test_a_processor_that_takes_video_loads_without_torchvision_and_saves_as_its_own_class(folders, tmp_path):
     processor = vlm.load_processor(str(folders["qwen2_vl"]))
