@@ -344,3 +344,50 @@ def test_a_saved_data_set_with_an_image_column_is_read(data):
     examples, formats = vlm.load_examples(cfg)
     assert formats == ["caption"] and [m for _, m, _ in examples] == EXPECTED
     assert [np.asarray(images[0])[0, 0].tolist() for _, _, images in examples] == [[200, 30, 30], [30, 30, 200]]
+
+
+# ---------------------------------------------------------------------------------------------
+# Packing: whole examples share rows, each attending to itself alone
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("family", vlm.PACKS)
+def test_packed_rows_give_each_family_the_loss_its_examples_have_padded(family, folders):
+    """The same examples, one per padded row or packed several a row (Qwen's 3-D positions per
+    example): the same loss. Attending across the examples of a row (an attention_mask over the
+    whole row) changes it: the test sees it."""
+    processor = vlm.load_processor(str(folders[family]))
+    model = vlm.load_model(vlm.ModelConfig(pretrained_path=str(folders[family])))
+    pad, rope_index = processor.tokenizer.pad_token_id, vlm.rope_index_of(model)
+    examples = vlm.builtin_examples(5, 56) + [("two", conversation(), [picture(), picture(size=(30, 90))])]
+    pieces = [vlm.with_positions(vlm.encode(processor, m, i, 512, w), rope_index) for w, m, i in examples]
+    inputs = [len(p["ids"]) - 1 for p in pieces]
+    rows = vlm.pack(inputs, 2 * max(inputs))
+    assert sorted(i for row in rows for i in row) == list(range(6)) and len(rows) < 6
+    assert all(sum(inputs[i] for i in row) <= 2 * max(inputs) for row in rows)
+    packed = vlm.collate_packed([[pieces[i] for i in row] for row in rows], pad)
+    first = rows[0]  # its pieces' positions restart, then the padding's
+    text_positions = packed["position_ids"][0, 0] if rope_index is not None else packed["position_ids"][0]
+    starts = [sum(inputs[i] for i in first[:k]) for k in range(len(first) + 1)]
+    assert [int(text_positions[s]) for s in starts[:-1]] == [0] * len(first)
+    assert int(packed["padding"][0].sum()) == packed["input_ids"].shape[1] - starts[-1]
+    me = SimpleNamespace(model=model)
+    padded = vlm.VLMChat.compute_loss(me, vlm.collate(pieces, pad))
+    assert abs(vlm.VLMChat.compute_loss(me, packed) - padded) <= 1e-6 * abs(padded)
+    across = vlm.VLMChat.compute_loss(me, {**packed, "attention_mask": (~packed["padding"]).long()})
+    assert abs(across - padded) > 5e-6 * abs(padded)
+
+
+def test_packing_is_refused_for_a_family_not_checked_and_counted_in_the_data_summary(folders, tmp_path):
+    other = tmp_path / "paligemma"
+    other.mkdir()
+    (other / "config.json").write_text(json.dumps({"model_type": "paligemma"}))
+    config = vlm.VLMChatConfig(model=vlm.ModelConfig(pretrained_path=str(other)), data=vlm.VLMChatDataConfig(packing=True))
+    with pytest.raises(ConfigError, match=r"^data.packing=true: paligemma models are not known to keep a packed "
+                                          r"example's attention to itself \(packing is checked for qwen2_vl, "):
+        vlm.VLMChat.summarize_data(config)
+    config = vlm.VLMChatConfig(model=vlm.ModelConfig(pretrained_path=str(folders["qwen2_vl"])),
+                               data=vlm.VLMChatDataConfig(packing=True, seq_len=128, builtin_images=40, eval_fraction=0))
+    summary = vlm.VLMChat.summarize_data(config)
+    # 40 questions of 54-56 inputs each (a system turn, 4 image tokens): 2 a row of 128
+    assert summary.format == "builtin (40 images); packed: 20 rows of 128" and summary.train_documents == 40
