@@ -14,6 +14,7 @@ Supports:
   caption records; JSON, JSONL, parquet, ``datasets`` folders; several images a conversation
 - stages by module names (``model.train_vision_tower``, ``model.train_projector``,
   ``model.train_language_model``), FSDP2 on the family's ``_no_split_modules``
+- ``data.packing``: whole examples share rows, each attending to itself alone (the families of ``PACKS``)
 - ``task_metrics()``: greedy answers to held-out questions through the chat template
 """
 
