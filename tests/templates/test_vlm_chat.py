@@ -391,3 +391,21 @@ def test_packing_is_refused_for_a_family_not_checked_and_counted_in_the_data_sum
     summary = vlm.VLMChat.summarize_data(config)
     # 40 questions of 54-56 inputs each (a system turn, 4 image tokens): 2 a row of 128
     assert summary.format == "builtin (40 images); packed: 20 rows of 128" and summary.train_documents == 40
+
+
+def test_a_packed_run_steps_through_rows_of_whole_examples(folders):
+    from engine.config import build_config
+    from engine.distributed import DistInfo
+
+    recipe = load_recipe_class(TEMPLATE)
+    overrides = [f"model.pretrained_path={folders['qwen2_vl']}", "data.packing=true", "data.seq_len=128",
+                 "data.batch_size=4", "data.builtin_images=24", "data.eval_fraction=0", "train.max_steps=2",
+                 "checkpoint.every=0", "metrics.tensorboard=false"]
+    engine = recipe(build_config(recipe.config_class, None, overrides), DistInfo(0, 1, 0, torch.device("cpu"), None))
+    engine.before_train()
+    rows = engine.train_batches.pieces  # 24 questions of 54-56 inputs: 2 a row of 128
+    assert len(rows) == 12 and all(len(row) == 2 for row in rows)
+    for _ in range(2):
+        ctx = engine.train_step()
+        assert 8 * 54 <= ctx.num_tokens <= 8 * 56 and ctx.num_padding == ctx.num_positions - ctx.num_tokens
+        assert ctx.num_padding < 4 * 20 and torch.isfinite(ctx.loss)
