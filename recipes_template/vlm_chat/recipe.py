@@ -280,7 +280,7 @@ def image_token_ids(processor) -> set[int]:
 def logits_only_at(model: torch.nn.Module, positions: torch.Tensor) -> Iterator[None]:
     """Inside it, the model's output layer maps the hidden states at ``positions`` (a boolean
     mask over the batch's tokens) alone to logits, ``(n, vocab)``: only the tokens the loss
-    covers go through the vocabulary (150-260 k wide in these families), not every image,
+    covers go through the vocabulary (32 k to 262 k entries in these families), not every image,
     prompt and padding token. A family that calls its head otherwise gets every position's."""
     def keep(_, args):
         return (args[0][positions], *args[1:]) if args and args[0].shape[:-1] == positions.shape else None
