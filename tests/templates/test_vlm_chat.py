@@ -10,6 +10,7 @@ import io
 import json
 import shutil
 import sys
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -100,6 +101,35 @@ def test_a_batch_holds_images_of_several_sizes_as_each_family_takes_them(family,
     logits = model(**{k: v for k, v in batch.items() if k != "labels"}).logits
     assert logits.shape[:2] == batch["input_ids"].shape and torch.isfinite(logits).all()
     assert int((batch["labels"] != IGNORE_INDEX).sum()) == sum(vlm.loss_tokens(p) for p in pieces)
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_loss_maps_only_the_learnt_tokens_to_logits_and_qwens_positions_are_computed_once(family, folders):
+    """compute_loss equals the loss over every position's logits, though the head maps only the
+    learnt tokens; Qwen's 3-D positions, computed once per example, are those the model computes
+    for the padded batch."""
+    processor = vlm.load_processor(str(folders[family]))
+    model = vlm.load_model(vlm.ModelConfig(pretrained_path=str(folders[family])))
+    pad = processor.tokenizer.pad_token_id
+    pieces = [vlm.encode(processor, m, i, 512, w) for w, m, i in vlm.builtin_examples(3, 56)]
+    pieces.append(vlm.encode(processor, conversation(), [picture(), picture(size=(30, 90))], 512, "two images"))
+    rope_index = vlm.rope_index_of(model)
+    assert (rope_index is not None) == family.startswith("qwen")
+    plain, batch = vlm.collate(pieces, pad), vlm.collate([vlm.with_positions(p, rope_index) for p in pieces], pad)
+    if rope_index is not None:
+        grids = {k: plain[k] for k in ("image_grid_thw",)}
+        expected, _ = rope_index(plain["input_ids"], plain["mm_token_type_ids"], attention_mask=plain["attention_mask"], **grids)
+        assert torch.equal(batch["position_ids"], expected)
+    else:
+        assert "position_ids" not in batch
+    every = model(**{k: v for k, v in plain.items() if k != "labels"}, use_cache=False).logits
+    expected_loss = torch.nn.functional.cross_entropy(every.flatten(0, 1), plain["labels"].flatten(), reduction="sum")
+    learnt = batch["labels"] != IGNORE_INDEX
+    with vlm.logits_only_at(model, learnt):
+        logits = model(**{k: v for k, v in batch.items() if k != "labels"}, use_cache=False).logits
+    assert logits.shape == (int(learnt.sum()), every.shape[-1]) == (sum(vlm.loss_tokens(p) for p in pieces), every.shape[-1])
+    loss = vlm.VLMChat.compute_loss(SimpleNamespace(model=model), batch)
+    assert torch.allclose(loss, expected_loss, rtol=1e-5), (loss, expected_loss)
+
 
 def test_a_processor_that_takes_video_loads_without_torchvision_and_saves_as_its_own_class(folders, tmp_path):
     processor = vlm.load_processor(str(folders["qwen2_vl"]))
@@ -314,3 +344,68 @@ def test_a_saved_data_set_with_an_image_column_is_read(data):
     examples, formats = vlm.load_examples(cfg)
     assert formats == ["caption"] and [m for _, m, _ in examples] == EXPECTED
     assert [np.asarray(images[0])[0, 0].tolist() for _, _, images in examples] == [[200, 30, 30], [30, 30, 200]]
+
+
+# ---------------------------------------------------------------------------------------------
+# Packing: whole examples share rows, each attending to itself alone
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("family", vlm.PACKS)
+def test_packed_rows_give_each_family_the_loss_its_examples_have_padded(family, folders):
+    """The same examples, one per padded row or packed several a row (Qwen's 3-D positions per
+    example): the same loss. Attending across the examples of a row (an attention_mask over the
+    whole row) changes it: the test sees it."""
+    processor = vlm.load_processor(str(folders[family]))
+    model = vlm.load_model(vlm.ModelConfig(pretrained_path=str(folders[family])))
+    pad, rope_index = processor.tokenizer.pad_token_id, vlm.rope_index_of(model)
+    examples = vlm.builtin_examples(5, 56) + [("two", conversation(), [picture(), picture(size=(30, 90))])]
+    pieces = [vlm.with_positions(vlm.encode(processor, m, i, 512, w), rope_index) for w, m, i in examples]
+    inputs = [len(p["ids"]) - 1 for p in pieces]
+    rows = vlm.pack(inputs, 2 * max(inputs))
+    assert sorted(i for row in rows for i in row) == list(range(6)) and len(rows) < 6
+    assert all(sum(inputs[i] for i in row) <= 2 * max(inputs) for row in rows)
+    packed = vlm.collate_packed([[pieces[i] for i in row] for row in rows], pad)
+    first = rows[0]  # its pieces' positions restart, then the padding's
+    text_positions = packed["position_ids"][0, 0] if rope_index is not None else packed["position_ids"][0]
+    starts = [sum(inputs[i] for i in first[:k]) for k in range(len(first) + 1)]
+    assert [int(text_positions[s]) for s in starts[:-1]] == [0] * len(first)
+    assert int(packed["padding"][0].sum()) == packed["input_ids"].shape[1] - starts[-1]
+    me = SimpleNamespace(model=model)
+    padded = vlm.VLMChat.compute_loss(me, vlm.collate(pieces, pad))
+    assert abs(vlm.VLMChat.compute_loss(me, packed) - padded) <= 1e-6 * abs(padded)
+    across = vlm.VLMChat.compute_loss(me, {**packed, "attention_mask": (~packed["padding"]).long()})
+    assert abs(across - padded) > 5e-6 * abs(padded)
+
+
+def test_packing_is_refused_for_a_family_not_checked_and_counted_in_the_data_summary(folders, tmp_path):
+    other = tmp_path / "paligemma"
+    other.mkdir()
+    (other / "config.json").write_text(json.dumps({"model_type": "paligemma"}))
+    config = vlm.VLMChatConfig(model=vlm.ModelConfig(pretrained_path=str(other)), data=vlm.VLMChatDataConfig(packing=True))
+    with pytest.raises(ConfigError, match=r"^data.packing=true: paligemma models are not known to keep a packed "
+                                          r"example's attention to itself \(packing is checked for qwen2_vl, "):
+        vlm.VLMChat.summarize_data(config)
+    config = vlm.VLMChatConfig(model=vlm.ModelConfig(pretrained_path=str(folders["qwen2_vl"])),
+                               data=vlm.VLMChatDataConfig(packing=True, seq_len=128, builtin_images=40, eval_fraction=0))
+    summary = vlm.VLMChat.summarize_data(config)
+    # 40 questions of 54-56 inputs each (a system turn, 4 image tokens): 2 a row of 128
+    assert summary.format == "builtin (40 images); packed: 20 rows of 128" and summary.train_documents == 40
+
+
+def test_a_packed_run_steps_through_rows_of_whole_examples(folders):
+    from engine.config import build_config
+    from engine.distributed import DistInfo
+
+    recipe = load_recipe_class(TEMPLATE)
+    overrides = [f"model.pretrained_path={folders['qwen2_vl']}", "data.packing=true", "data.seq_len=128",
+                 "data.batch_size=4", "data.builtin_images=24", "data.eval_fraction=0", "train.max_steps=2",
+                 "checkpoint.every=0", "metrics.tensorboard=false"]
+    engine = recipe(build_config(recipe.config_class, None, overrides), DistInfo(0, 1, 0, torch.device("cpu"), None))
+    engine.before_train()
+    rows = engine.train_batches.pieces  # 24 questions of 54-56 inputs: 2 a row of 128
+    assert len(rows) == 12 and all(len(row) == 2 for row in rows)
+    for _ in range(2):
+        ctx = engine.train_step()
+        assert 8 * 54 <= ctx.num_tokens <= 8 * 56 and ctx.num_padding == ctx.num_positions - ctx.num_tokens
+        assert ctx.num_padding < 4 * 20 and torch.isfinite(ctx.loss)
