@@ -200,7 +200,8 @@ def launch_run(
             code_dir, origin = code.enter_context(code_at_commit(ws.root, recipe_dir, commit))
         else:
             code_dir, origin = recipe_dir, recipe_origin(ws.root, recipe_dir)
-        flat, started_from = starting_model(ws, code_dir, flat, progress) if nodes.node_rank == 0 else (flat, None)
+        flat, started_from = starting_model(ws, code_dir, flat, progress, local=options is None) \
+            if nodes.node_rank == 0 else (flat, None)
         binds_here = options is None and nodes.node_rank == 0  # a joining node binds node 0's; a job's nodes their own
         hub_values = (hub.recipe_config(code_dir, flat), hub.recipe_config(code_dir, flat, hub.DATASET_KEY)) \
             if binds_here else None

@@ -42,11 +42,12 @@ def start_models_dir(workspace: Path | str) -> Path:
     return Path(workspace) / STATE_DIRNAME / START_MODELS_DIRNAME
 
 
-def starting_model(ws: Workspace, code_dir: Path, overrides: dict[str, Any],
-                   progress: hub.Progress | None = None) -> tuple[dict[str, Any], rd.ResumedFrom | None]:
+def starting_model(ws: Workspace, code_dir: Path, overrides: dict[str, Any], progress: hub.Progress | None = None,
+                   local: bool = True) -> tuple[dict[str, Any], rd.ResumedFrom | None]:
     """The launch's ``overrides`` with the earlier run's checkpoint that ``model.pretrained_path``
     names (in them, or in ``code_dir``'s ``config.yaml``) replaced by its exported folder, and that
-    checkpoint as the run's ``started_from``; ``overrides`` as given and None when it names none."""
+    checkpoint as the run's ``started_from``; ``overrides`` as given and None when it names none.
+    ``local=False`` (a SLURM job, whose nodes' sandboxes are not this machine's): refused."""
     value = hub.recipe_config(code_dir, overrides)
     reference = scripts.checkpoint_reference([value]) if isinstance(value, str) else None
     if reference is None:
@@ -54,6 +55,9 @@ def starting_model(ws: Workspace, code_dir: Path, overrides: dict[str, Any],
     if reference.option:
         raise BadInput(f"{hub.MODEL_KEY} {value[:120]!r}: name an earlier run's checkpoint as run:RUN_ID or "
                        "run:RUN_ID@STEP, alone")
+    if not local:
+        raise BadInput(f"{hub.MODEL_KEY} {value[:120]!r}: a SLURM job's nodes are not shown an earlier run's "
+                       "checkpoint; export_checkpoint it to a workspace folder and name that folder")
     run_dir, step = checkpoint_of(ws, reference.run_id, reference.step)
     folder = exported_checkpoint(ws, run_dir, step, progress)
     started = rd.ResumedFrom(run_id=run_dir.name, step=step, path=str(folder))

@@ -14,6 +14,7 @@ import pytest
 
 from engine import run_dir as rd
 from engine import run_metrics
+from engine.errors import BadInput
 from mcp_server.operations.starting_model import START_MODELS_DIRNAME, starting_model
 from runner import server_record as sr
 from tests.mcp.conftest import connect, tiny_config
@@ -104,6 +105,10 @@ def test_what_names_no_usable_checkpoint_is_refused_and_starts_nothing(setting):
     assert (f"bad_input: checkpoint ckpt_2.pt of run {script.name} (a script's) is not a Hugging Face model folder "
             "(config.json and weights, or a peft adapter_config.json)") in foreign
     assert sorted(p.name for p in (workspace / rd.RUNS_DIRNAME).iterdir()) == sorted(runs)
+    with pytest.raises(BadInput, match="a SLURM job's nodes are not shown an earlier run's checkpoint; "
+                                       "export_checkpoint it to a workspace folder"):
+        starting_model(Workspace(workspace), workspace / "recipes" / "lm", {"model.pretrained_path": f"run:{first}"},
+                       local=False)
     assert start_models(workspace) == exported  # nothing exported, nothing left half-written
 
 
