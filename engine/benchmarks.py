@@ -5,7 +5,10 @@ tokenizer to lm-eval's ``HFLM`` and runs ``simple_evaluate`` on the tasks named,
 defaults (zero-shot unless the task's YAML says otherwise, its seeds, its stderr). A task is one
 of lm-eval's own or one defined in the workspace's :data:`TASKS_DIRNAME` folder (lm-eval's
 ``include_path``: task YAMLs whose data files are named relative to the workspace). Nothing is
-downloaded: the Hub is offline in the sandbox, so a task whose data is not on disk is refused.
+downloaded: the Hub is offline in the sandbox, so a task whose data is not on disk is refused. A
+task that names a Hub data set (``dataset_path: org/name``) the server's Hugging Face cache holds
+reads the snapshot the server showed this process (:mod:`runner.task_data`; datasets offline
+reads only its own prepared copies, not the Hub cache's snapshots).
 
 lm_eval is imported only here, inside the functions: neither the server nor a training run
 loads it.
@@ -13,14 +16,16 @@ loads it.
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import math
 import os
 import re
 import tempfile
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
+from engine.data_files import HUB_DATASETS_VARIABLE, bound_hub_path
 from engine.errors import MAX_QUOTED_CHARS, BadInput
 from engine.seams import MAX_METRIC_NAME_CHARS, MAX_TASK_NAME_CHARS, MAX_TASK_SCORES, MAX_TASKS, TaskScore
 
@@ -91,10 +96,13 @@ def language_model(loaded: Any) -> Any:
     return HFLM(pretrained=model, tokenizer=text_tokenizer(processing), batch_size=BATCH_SIZE, backend="causal")
 
 
-def score(load: Callable[[], Any], tasks: list[str], workspace: Path, limit: int | None = None) -> list[TaskScore]:
+def score(load: Callable[[], Any], tasks: list[str], workspace: Path, limit: int | None = None,
+          report: Callable[[int, int, str], None] | None = None) -> list[TaskScore]:
     """Each task's metrics (and each subtask's, for a group) with their stderr and example count,
     as ``simple_evaluate`` computes them on the checkpoint ``load()`` returns (called once the
-    tasks are known: an unknown one is refused before a model is loaded)."""
+    tasks are known: an unknown one is refused before a model is loaded). The tasks are scored
+    one after the other (each task's numbers are its own in lm-eval), ``report`` told each as it
+    starts: ``(i, n, "task i of n: NAME")``."""
     check_tasks(tasks)
     # The data sets' prepared copies go to a folder of this process: the sandbox's home is empty,
     # and the host's caches are not there to write into.
@@ -103,14 +111,43 @@ def score(load: Callable[[], Any], tasks: list[str], workspace: Path, limit: int
     lm = language_model(load())
     from lm_eval import simple_evaluate
 
-    try:  # the data are read as the tasks are built: a refusal here is about the data, not the model
-        manager.load(tasks)
-    except Exception as e:  # datasets' and lm-eval's errors have no common base: name the cause
-        raise BadInput(f"the data of lm-eval task(s) {', '.join(tasks)} is not available offline "
-                       f"({type(e).__name__}: {str(e).splitlines()[0][:MAX_QUOTED_CHARS] if str(e) else ''}); "
-                       f"put the data in the workspace and name it in a task YAML in {TASKS_DIRNAME}/") from None
-    results = simple_evaluate(model=lm, tasks=tasks, task_manager=manager, log_samples=False, limit=limit)
+    with hub_datasets_from_snapshots():
+        try:  # the data are read as the tasks are built: a refusal here is about the data, not the model
+            manager.load(tasks)
+        except Exception as e:  # datasets' and lm-eval's errors have no common base: name the cause
+            raise BadInput(f"the data of lm-eval task(s) {', '.join(tasks)} is not available offline "
+                           f"({type(e).__name__}: {str(e).splitlines()[0][:MAX_QUOTED_CHARS] if str(e) else ''}); "
+                           f"put the data in the workspace and name it in a task YAML in {TASKS_DIRNAME}/, or "
+                           "the Hub data set in the server's Hugging Face cache") from None
+        results: dict[str, Any] = {"results": {}, "n-samples": {}}
+        for index, task in enumerate(tasks, start=1):
+            if report is not None:
+                report(index, len(tasks), f"task {index} of {len(tasks)}: {task}")
+            scored = simple_evaluate(model=lm, tasks=[task], task_manager=manager, log_samples=False, limit=limit)
+            for part in results:
+                results[part].update(scored.get(part, {}))
     return scores(results)
+
+
+@contextlib.contextmanager
+def hub_datasets_from_snapshots() -> Iterator[None]:
+    """While it lasts, ``datasets.load_dataset`` of a Hub id the server bound for this process
+    (``TRAINWRIGHT_HUB_DATASETS``: the id as a task names it -> its snapshot folder) loads that
+    folder: offline, datasets finds only the copies it prepared itself, never a snapshot of the
+    Hugging Face cache. Every other path is loaded as given."""
+    import datasets
+
+    original = datasets.load_dataset
+
+    def load_dataset(path: str, *args: Any, **kwargs: Any) -> Any:
+        snapshot = bound_hub_path(HUB_DATASETS_VARIABLE, path) if isinstance(path, str) else None
+        return original(snapshot or path, *args, **kwargs)
+
+    datasets.load_dataset = load_dataset
+    try:
+        yield
+    finally:
+        datasets.load_dataset = original
 
 
 def scores(results: dict[str, Any]) -> list[TaskScore]:

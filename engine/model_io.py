@@ -32,7 +32,7 @@ import shutil
 import sys
 import traceback
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from engine import run_dir as rd
 from engine import run_checkpoints
@@ -55,12 +55,14 @@ from engine.seams import (
     MAX_NAME_CHARS,
     MAX_NEW_TOKENS,
     MAX_PROMPT_CHARS,
+    MAX_PROGRESS_CHARS,
     MAX_PROMPTS,
     MAX_SHOWN_CHARS,
     EvaluateOutcome,
     ExportOutcome,
     GeneratedSample,
     ModelOutcome,
+    ModelProgress,
     ModelRefusal,
     SampleOutcome,
 )
@@ -311,11 +313,12 @@ def evaluation_overrides(config_fields: dict[str, Any], data: list[str] | None) 
 
 
 def evaluate(run_dir: Path, step: int, data: list[str] | None = None,
-             tasks: list[str] | None = None) -> EvaluateOutcome:
+             tasks: list[str] | None = None, progress: Path | None = None) -> EvaluateOutcome:
+    """``progress``: a file a line is appended to as each task starts (:class:`~engine.seams.ModelProgress`)."""
     import torch
 
     if tasks:
-        return evaluate_tasks(run_dir, step, tasks, data)
+        return evaluate_tasks(run_dir, step, tasks, data, progress_writer(progress))
     record = rd.read_run(run_dir)
     if record.kind == rd.SCRIPT:
         return _evaluate_script_checkpoint(run_dir, step, record, data)
@@ -345,18 +348,32 @@ def evaluate(run_dir: Path, step: int, data: list[str] | None = None,
     )
 
 
-def evaluate_tasks(run_dir: Path, step: int, tasks: list[str], data: list[str] | None = None) -> EvaluateOutcome:
+def evaluate_tasks(run_dir: Path, step: int, tasks: list[str], data: list[str] | None = None,
+                   report: Callable[[int, int, str], None] | None = None) -> EvaluateOutcome:
     """lm-evaluation-harness's scores of the checkpoint (a recipe's or a script's) on ``tasks``,
-    defined by lm-eval or in the workspace's task folder (the process's working directory)."""
+    defined by lm-eval or in the workspace's task folder (the process's working directory);
+    ``report`` is told each task as it starts."""
     from engine import benchmarks
     from engine.data_files import allowed_root
 
     if data:
         raise BadInput("evaluate takes data or tasks, not both: call it once for each")
     benchmarks.check_tasks(tasks)
-    scored = benchmarks.score(lambda: load_engine(run_dir, step), tasks, allowed_root() or Path.cwd())
+    scored = benchmarks.score(lambda: load_engine(run_dir, step), tasks, allowed_root() or Path.cwd(), report=report)
     return EvaluateOutcome(step=step, eval_loss=None, perplexity=None, batches=0, split="tasks", scored_tokens=0,
                            tasks=scored)
+
+
+def progress_writer(path: Path | None) -> Callable[[int, int, str], None] | None:
+    """A function that appends a :class:`~engine.seams.ModelProgress` line to ``path``."""
+    if path is None:
+        return None
+
+    def report(done: int, total: int, message: str) -> None:
+        with open(path, "a") as f:
+            f.write(ModelProgress(done=done, total=total, message=message[:MAX_PROGRESS_CHARS]).model_dump_json() + "\n")
+
+    return report
 
 
 def _evaluate_script_checkpoint(run_dir: Path, step: int, record: rd.RunRecord,
@@ -429,6 +446,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = command("evaluate", "eval loss and the recipe's task metrics, or lm-eval's scores on tasks")
     p.add_argument("--data", action="append", help="evaluate on these files or folders (all held out)")
     p.add_argument("--task", dest="tasks", action="append", help="an lm-eval task (repeatable): its scores instead")
+    p.add_argument("--progress", type=Path, help="with --task: append a JSON line here as each task starts")
     return parser.parse_args(argv)
 
 
@@ -439,7 +457,7 @@ def run(args: argparse.Namespace) -> ModelOutcome:
         reasoning = None if args.reasoning is None else args.reasoning == "on"
         return sample(args.run_dir, args.step, args.prompts, args.max_new_tokens, args.temperature, args.seed, reasoning,
                       args.images)
-    return evaluate(args.run_dir, args.step, args.data, args.tasks)
+    return evaluate(args.run_dir, args.step, args.data, args.tasks, args.progress)
 
 
 def main(argv: list[str] | None = None) -> int:

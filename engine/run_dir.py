@@ -258,6 +258,10 @@ class RunRecord(RunFacts):
         description="recipe: the recipe folder at launch; checkpoint: the code of the run resumed "
         "from; head: the recipe folder at resume time.",
     )
+    started_from: Annotated[ResumedFrom | None, SERVER_ONLY] = Field(
+        None, description="A recipe launch from an earlier run's checkpoint (model.pretrained_path: run:ID@STEP): "
+        "that run and step, and the folder it was exported to; the run's steps are its own."
+    )
     dirty_files: Annotated[list[str], SERVER_ONLY] = Field([], description="Uncommitted files of the recipe (at most 20).")
     config: Annotated[dict[str, Any] | None, SERVER] = Field(None, description="The resolved config (defaults <- config.yaml <- overrides).")
     data: Annotated[DataSummary | None, Owner("run", when_given=True)] = Field(None, description="What the run trains on, counted before it started.")

@@ -226,6 +226,26 @@ class EvaluateOutcome(_Seam):
 
 
 ModelOutcome = ExportOutcome | SampleOutcome | EvaluateOutcome
+MAX_PROGRESS_BYTES = 64 * 1024  # of the progress file, read by the server
+MAX_PROGRESS_CHARS = 200
+
+
+class ModelProgress(_Seam):
+    """How far the model process got, a line of its own appended as it goes to the file
+    ``--progress`` names (``evaluate --task``: in task ``done`` of ``total``, ``message`` naming
+    it); the server sends each on as the call's progress."""
+
+    done: Count
+    total: Annotated[int, Field(ge=1, le=MAX_COUNT)]
+    message: str = Field(max_length=MAX_PROGRESS_CHARS)
+
+
+def read_model_progress(written: bytes) -> ModelProgress | None:
+    """One line of the model process's progress file; None for anything that is not one."""
+    try:
+        return ModelProgress.model_validate_json(written)
+    except ValidationError:
+        return None
 OUTCOMES: dict[str, type[ExportOutcome] | type[SampleOutcome] | type[EvaluateOutcome]] = {
     model.action: model for model in (ExportOutcome, SampleOutcome, EvaluateOutcome)}
 # The names a refusal may show: a field's, never a key the recipe chose (a metric's name).

@@ -268,7 +268,7 @@ def _sample(ws: Any, a: SampleArgs, report: Report) -> SampleResult:
 def _evaluate(ws: Any, a: EvaluateArgs, report: Report) -> EvaluateResult:
     from mcp_server.operations import model_tools
 
-    return model_tools.evaluate(ws, a.run_id, a.step, a.data, tasks=a.tasks)
+    return model_tools.evaluate(ws, a.run_id, a.step, a.data, tasks=a.tasks, progress=report.download)
 
 
 def _launched(a: LaunchRunArgs, r: LaunchRunResult) -> tuple[str, str | None]:

@@ -13,6 +13,7 @@
 - ``nodes``        runs over several nodes: c10d rendezvous settings
 - ``slurm``        runs as SLURM jobs: the job script, sbatch, squeue/sacct, scancel
 - ``model_process`` the sandboxed process that exports, samples or evaluates a checkpoint
+- ``task_data``    the Hub data sets lm-eval task YAMLs name, found in the server's cache for ``evaluate``
 
 Standard library, GitPython and pydantic only: the MCP server imports this package; the
 engine runs in the processes it starts.

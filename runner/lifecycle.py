@@ -185,6 +185,9 @@ class LaunchPlan:
     ``target="slurm"``: the run directory is made, nothing is started (:mod:`runner.slurm`
     writes and submits the job). ``models``: the Hub models the run loads (:mod:`runner.hub`).
     ``script``: a run of the user's own script (:mod:`runner.scripts`), not of a recipe.
+    ``resumed_from``: the checkpoint the run continues (a resume; a script's ``run:`` argument);
+    ``started_from``: the folder of an earlier run's checkpoint the model starts from, nothing else
+    of that run (a recipe's ``model.pretrained_path: run:ID@STEP``). Either is shown read-only.
     """
 
     code_dir: Path
@@ -195,6 +198,7 @@ class LaunchPlan:
     verdict: LaunchVerdict | None = None
     code_from: rd.CodeFrom = "recipe"
     resumed_from: rd.ResumedFrom | None = None
+    started_from: rd.ResumedFrom | None = None
     recorded_config: bool = False
     limits: RunLimits = RunLimits()
     threads: int | None = None
@@ -274,6 +278,7 @@ def _first_record(workspace: Path, plan: LaunchPlan, limits: RunLimits, threads:
         joins=plan.joins.name if plan.joins is not None else None,
         created_at=rd.utc_now(),
         resumed_from=plan.resumed_from,
+        started_from=plan.started_from,
         limits=asdict(limits),
         threads_per_process=threads,
         workspace=str(workspace),
@@ -323,7 +328,8 @@ def _prepared(workspace: Path, plan: LaunchPlan, run_id: str, run_dir: Path, sna
     """What both records get once the snapshot is written: where it is, the command the
     supervisor runs and what the run's sandbox shows."""
     resume_path = Path(plan.resumed_from.path) if plan.resumed_from else None
-    visible = [workspace, snapshot] + [p for p in (resume_path,) if p is not None]
+    start_path = Path(plan.started_from.path) if plan.started_from else None
+    visible = [workspace, snapshot] + [p for p in (resume_path, start_path) if p is not None]
     visible += plan.models.read_only()
     engine_dir = plan.joins if plan.joins is not None else run_dir  # one folder for every node's shards
     nodes = plan.nodes

@@ -23,7 +23,7 @@ import sys
 import tempfile
 import threading
 from pathlib import Path
-from typing import Iterator, Literal, overload
+from typing import Any, Callable, Iterator, Literal, Sequence, TypeVar, overload
 
 from engine import run_dir as rd
 from engine import run_checkpoints
@@ -35,17 +35,22 @@ from engine.seams import (
     ExportOutcome,
     ModelOutcome,
     ModelProcessFailed,
+    MAX_PROGRESS_BYTES,
     ModelRefusal,
     SampleOutcome,
+    read_model_progress,
     read_model_result,
 )
 from workspace.settings import RunLimits
 from sandbox.environment import THREADS_VARIABLE, run_environment, threads_per_process
-from runner.hub import recorded_binding
+from runner.hub import ModelBinding, Progress, recorded_binding
 from runner.processes import RUN_ID_VARIABLE, run_contained
 from sandbox.redact import redact
 
 RESULT_NAME = "result.json"
+PROGRESS_NAME = "progress.json"
+PROGRESS_EVERY_S = 0.5
+T = TypeVar("T")
 MAX_RESULT_BYTES = 1 << 20
 MAX_STDERR_CHARS = 1500
 __all__ = ["ModelProcessFailed", "run_model_io"]  # ModelProcessFailed is engine.seams'; callers import it from here
@@ -74,13 +79,16 @@ def _slot(limits: RunLimits) -> Iterator[None]:
 
 @overload
 def run_model_io(workspace: Path, run_dir: Path, action: Literal["export"], step: int, arguments: list[str],
-                 limits: RunLimits, timeout_s: float, writable: list[Path] | None = None) -> ExportOutcome: ...
+                 limits: RunLimits, timeout_s: float, writable: list[Path] | None = None,
+                 datasets: Sequence[rd.HubModel] = (), progress: Progress | None = None) -> ExportOutcome: ...
 @overload
 def run_model_io(workspace: Path, run_dir: Path, action: Literal["sample"], step: int, arguments: list[str],
-                 limits: RunLimits, timeout_s: float, writable: list[Path] | None = None) -> SampleOutcome: ...
+                 limits: RunLimits, timeout_s: float, writable: list[Path] | None = None,
+                 datasets: Sequence[rd.HubModel] = (), progress: Progress | None = None) -> SampleOutcome: ...
 @overload
 def run_model_io(workspace: Path, run_dir: Path, action: Literal["evaluate"], step: int, arguments: list[str],
-                 limits: RunLimits, timeout_s: float, writable: list[Path] | None = None) -> EvaluateOutcome: ...
+                 limits: RunLimits, timeout_s: float, writable: list[Path] | None = None,
+                 datasets: Sequence[rd.HubModel] = (), progress: Progress | None = None) -> EvaluateOutcome: ...
 def run_model_io(
     workspace: Path,
     run_dir: Path,
@@ -90,29 +98,38 @@ def run_model_io(
     limits: RunLimits,
     timeout_s: float,
     writable: list[Path] | None = None,
+    datasets: Sequence[rd.HubModel] = (),
+    progress: Progress | None = None,
 ) -> ModelOutcome:
     """Run ``python -m engine.model_io ACTION RUN_DIR --step STEP ARGUMENTS`` in the sandbox and
     return its result, validated (:func:`engine.seams.read_model_result`); its refusals are
     raised as :class:`BadInput` or :class:`NotFound`, a failure of the recipe's code or a result
-    that is not the engine's as :class:`ModelProcessFailed`."""
+    that is not the engine's as :class:`ModelProcessFailed`. ``datasets``: Hub data sets of the
+    server's cache it reads too (an lm-eval task's: :func:`runner.task_data.task_datasets`), each
+    repo folder shown read-only. ``progress``: told what the process writes of how far it got
+    (:class:`~engine.seams.ModelProgress`, ``evaluate --task``'s task as it starts), redacted."""
     with _slot(limits):
-        return _run_model_io(workspace, run_dir, action, step, arguments, limits, timeout_s, writable)
+        return _run_model_io(workspace, run_dir, action, step, arguments, limits, timeout_s, writable, datasets,
+                             progress)
 
 
 def _run_model_io(workspace: Path, run_dir: Path, action: str, step: int, arguments: list[str],
-                  limits: RunLimits, timeout_s: float, writable: list[Path] | None) -> ModelOutcome:
+                  limits: RunLimits, timeout_s: float, writable: list[Path] | None,
+                  datasets: Sequence[rd.HubModel] = (), progress: Progress | None = None) -> ModelOutcome:
     workspace, run_dir = Path(workspace), Path(run_dir)
     # Never the host's network, whatever runs.network says: the process reads only files (the
     # Hub is offline), and an lm-eval task's data URL is still fetched by datasets in offline mode.
     limits = dataclasses.replace(limits, network="isolated")
     models = recorded_binding(_recorded_models(workspace, run_dir))
+    models = ModelBinding((*models.models, *datasets))
     name = _checkpoint_name(workspace, run_dir, step)
     checkpoint = run_dir / rd.CHECKPOINTS_DIRNAME / name
     out_dir = Path(tempfile.mkdtemp(prefix="trainwright-model-"))
     try:
         result_file = out_dir / RESULT_NAME
+        progress_file = out_dir / PROGRESS_NAME
         command = [sys.executable, "-m", "engine.model_io", action, str(run_dir), "--step", str(step),
-                   "--result", str(result_file), *arguments]
+                   "--result", str(result_file), *(["--progress", str(progress_file)] if progress else []), *arguments]
         mark = f"model-{secrets.token_hex(8)}"
         env = run_environment(
             extra={
@@ -123,11 +140,12 @@ def _run_model_io(workspace: Path, run_dir: Path, action: str, step: int, argume
             },
             pass_env=limits.pass_env,
         )
-        visible = [workspace, run_dir / rd.SNAPSHOT_DIRNAME, *models.read_only()]
+        visible = [workspace, run_dir / rd.SNAPSHOT_DIRNAME, *models.read_only(), *_start_folder(workspace, run_dir)]
         bound = _open_run_files(run_dir, step, name)
         try:
-            _, stderr = run_contained(command, workspace, visible, [out_dir, *(writable or [])], env, limits,
-                                      timeout_s, mark, bound_fds={run_dir / rd.RUN_JSON: bound[0], checkpoint: bound[1]})
+            _, stderr = _following(progress_file, progress, lambda: run_contained(
+                command, workspace, visible, [out_dir, *(writable or [])], env, limits, timeout_s, mark,
+                bound_fds={run_dir / rd.RUN_JSON: bound[0], checkpoint: bound[1]}))
         except OSError as e:
             raise ModelProcessFailed(f"the engine could not be started for {action}: {e}") from None
         except subprocess.TimeoutExpired:
@@ -158,12 +176,56 @@ def _run_model_io(workspace: Path, run_dir: Path, action: str, step: int, argume
     return result
 
 
+def _following(path: Path, progress: Progress | None, run: Callable[[], T]) -> T:
+    """``run()``, and meanwhile (and once more at its end) the lines the model process appended to
+    its progress file at ``path`` (read each :data:`PROGRESS_EVERY_S`, without following a link,
+    its first :data:`~engine.seams.MAX_PROGRESS_BYTES`), each new one told to ``progress`` from
+    this thread (the caller's: an MCP binding sends notifications from its worker thread)."""
+    if progress is None:
+        return run()
+    outcome: list[Any] = []
+
+    def contained() -> None:
+        try:
+            outcome.append((True, run()))
+        except BaseException as e:  # re-raised in the caller's thread
+            outcome.append((False, e))
+
+    thread = threading.Thread(target=contained, name="model-process", daemon=True)
+    thread.start()
+    told = 0
+    while True:
+        thread.join(PROGRESS_EVERY_S)
+        lines = (_read_file(path, MAX_PROGRESS_BYTES) or b"")[:MAX_PROGRESS_BYTES].split(b"\n")[:-1]
+        for line in lines[told:]:
+            now = read_model_progress(line)
+            if now is not None:
+                progress(now.done, now.total, redact(now.message))
+        told = max(told, len(lines))
+        if not thread.is_alive():
+            break
+    ok, value = outcome[0]
+    if not ok:
+        raise value
+    return value
+
+
 def _recorded_models(workspace: Path, run_dir: Path) -> list[rd.HubModel]:
     """The Hub models of the server's record of the run (never the run's own run.json)."""
     try:
         return sr.known_run(workspace, run_dir).hub_models
     except (OSError, ValueError, BadInput):  # the model process says what is wrong with run.json
         return []
+
+
+def _start_folder(workspace: Path, run_dir: Path) -> list[Path]:
+    """The folder the run's model started from (its config's ``model.pretrained_path``: an
+    earlier run's checkpoint, exported by the server), from the server's record."""
+    try:
+        started = sr.known_run(workspace, run_dir).started_from
+    except (OSError, ValueError, BadInput):
+        return []
+    return [Path(started.path)] if started is not None else []
 
 
 def _checkpoint_name(workspace: Path, run_dir: Path, step: int) -> str:
@@ -207,6 +269,12 @@ def _open_run_files(run_dir: Path, step: int, name: str) -> tuple[int, int]:
 def _read_result(path: Path) -> bytes | None:
     """The result file as written, opened without following a link: its first
     ``MAX_RESULT_BYTES + 1`` bytes (more: it is too large), or None when there is none."""
+    return _read_file(path, MAX_RESULT_BYTES)
+
+
+def _read_file(path: Path, max_bytes: int) -> bytes | None:
+    """A file the model process wrote, opened without following a link: its first ``max_bytes
+    + 1`` bytes, or None when there is no regular file."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
     except OSError:
@@ -214,4 +282,4 @@ def _read_result(path: Path) -> bytes | None:
     with os.fdopen(fd, "rb") as f:
         if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
             return None
-        return f.read(MAX_RESULT_BYTES + 1)
+        return f.read(max_bytes + 1)

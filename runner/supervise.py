@@ -126,10 +126,11 @@ class Supervisor:
 
     def bound_checkpoint(self) -> dict[Path | str, int]:
         """The checkpoint the run starts from (another run's, which that run may still be
-        rewriting), opened now one name at a time below the workspace, following no link; the
-        sandbox shows what was opened, so a link put in its place after the server chose it
-        shows nothing of the host. One that is gone or a link now fails the run unstarted."""
-        source, workspace = self.record.resumed_from, self.record.workspace
+        rewriting; or the folder a recipe's model starts from, ``started_from``), opened now one
+        name at a time below the workspace, following no link; the sandbox shows what was opened,
+        so a link put in its place after the server chose it shows nothing of the host. One that
+        is gone or a link now fails the run unstarted."""
+        source, workspace = self.record.resumed_from or self.record.started_from, self.record.workspace
         if source is None or not workspace or not Path(source.path).is_relative_to(workspace):
             return {}
         fd = open_beneath(workspace, Path(source.path).relative_to(workspace))

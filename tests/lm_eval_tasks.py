@@ -84,3 +84,29 @@ def lm_eval_reference(workspace: Path, tasks: list[str], **hflm: Any) -> dict[st
     manager = TaskManager(include_path=str(workspace / benchmarks.TASKS_DIRNAME), include_defaults=False)
     with contextlib.chdir(workspace):
         return simple_evaluate(model=lm, tasks=tasks, task_manager=manager, log_samples=False)["results"]
+
+
+HUB_DATASET = "org/code-questions"
+HUB_COMMIT = "d" * 40
+
+
+def write_hub_task(workspace: Path, cache: Path, task: str = "code_hub") -> Path:
+    """Task ``task``: code_mc's questions as the Hub data set :data:`HUB_DATASET`, named by its
+    id, in ``cache`` as huggingface_hub lays a data set out (``refs/main``, a snapshot whose
+    files are links into ``blobs/``); returns the snapshot folder."""
+    write_tasks(workspace)
+    repo = cache / f"datasets--{HUB_DATASET.replace('/', '--')}"
+    snapshot = repo / "snapshots" / HUB_COMMIT
+    (repo / "blobs").mkdir(parents=True, exist_ok=True)
+    (repo / "refs").mkdir(exist_ok=True)
+    (repo / "refs" / "main").write_text(HUB_COMMIT)
+    snapshot.mkdir(parents=True, exist_ok=True)
+    (repo / "blobs" / "questions").write_bytes((workspace / benchmarks.TASKS_DIRNAME / "code.jsonl").read_bytes())
+    if not (snapshot / "test.jsonl").is_symlink():
+        (snapshot / "test.jsonl").symlink_to(Path("../../blobs/questions"))
+    yaml = MULTIPLE_CHOICE.replace("task: code_mc", f"task: {task}").replace(
+        "dataset_path: json\ndataset_kwargs:\n  data_files:\n    test: eval_tasks/code.jsonl\n",
+        f"dataset_path: {HUB_DATASET}\n")
+    assert HUB_DATASET in yaml
+    (workspace / benchmarks.TASKS_DIRNAME / f"{task}.yaml").write_text(yaml)
+    return snapshot

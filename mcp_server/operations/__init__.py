@@ -10,6 +10,7 @@ caller with values from elsewhere validates them first (``TailArgs.checked(run_i
 - ``recipe_info``  a recipe's config keys, the workspace's recipes
 - ``launch``       start a run: every way (recipe, commit, script, resume, joining node, SLURM
                    job) is a ``Launch``, checked into a plan by one pipeline, then started
+- ``starting_model`` a recipe launch from an earlier run's checkpoint (``run:ID@STEP``), exported once
 - ``runs``         read runs: list, inspect, tail, stop, list checkpoints; a launch's result
 - ``waiting``      wait until a run reaches a step or ends
 - ``history``      a run's history across resumes, as one metrics series

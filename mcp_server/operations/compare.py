@@ -388,7 +388,7 @@ def _code_differences(ws: Workspace, a: sr.ServerRecord, b: sr.ServerRecord, dir
 def _started_from(record: rd.RunRecord) -> str:
     """The checkpoint a run started from, as the server recorded it (a resume, or a launch that
     trains further from an earlier run's checkpoint), or that it started from scratch."""
-    start = record.resumed_from
+    start = record.resumed_from or record.started_from
     return f"run {start.run_id} at step {start.step}" if start is not None else "scratch"
 
 

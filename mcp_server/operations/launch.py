@@ -35,6 +35,7 @@ from engine.errors import BadInput, NotFound
 from engine.seams import LaunchVerdict
 from mcp_server.models import LaunchRunResult
 from mcp_server.operations.runs import launch_result, known_run
+from mcp_server.operations.starting_model import starting_model
 from runner import hub
 from runner import lifecycle as run_lifecycle
 from runner import scripts
@@ -61,7 +62,9 @@ class Launch:
     it, a run's snapshot, the folder of a script); ``label``: the recipe as recorded;
     ``overrides``: flat and confined (:func:`checked_overrides`). ``continues``: the run whose
     recorded config the launch check starts from (a resume, a joining node), instead of the
-    recipe's ``config.yaml``. ``hub_values``: the model and data set values the run names, bound on this
+    recipe's ``config.yaml``. ``started_from``: the earlier run's checkpoint the model starts from
+    (:mod:`~mcp_server.operations.starting_model`), its exported folder shown read-only to the
+    launch check and the run. ``hub_values``: the model and data set values the run names, bound on this
     machine (None: a SLURM job's nodes or a script load their own). ``review``: the caller's own
     look at the checked config: the warnings to add, or a :class:`BadInput` refusal.
     """
@@ -74,6 +77,7 @@ class Launch:
     script: scripts.ScriptLaunch | None = None
     code_from: rd.CodeFrom = "recipe"
     resumed_from: rd.ResumedFrom | None = None
+    started_from: rd.ResumedFrom | None = None
     continues: sr.ServerRecord | None = None
     nodes: Nodes = Nodes()
     joins: Path | None = None
@@ -103,18 +107,19 @@ def plan(ws: Workspace, launch: Launch, limits: RunLimits, warnings: list[str],
     checked = snapshot_digest(launch.code_dir)  # the check imports the recipe: it may change itself
     models = bind_hub_models(ws, *launch.hub_values, limits, progress, recorded=list(launch.recorded_models)) \
         if local and launch.hub_values is not None else hub.ModelBinding()
+    starts = [Path(launch.started_from.path)] if launch.started_from is not None else []
     with _config_file(launch.continues) as config_json:
         verdict = run_lifecycle.check_launch(ws.root, launch.code_dir, launch.nproc * launch.nodes.nnodes,
                                              override_args(launch.overrides), config_json=config_json,
-                                             limits=limits, models=models)
+                                             limits=limits, read_only=[ws.root, *starts], models=models)
     confine_config(ws.root, verdict.config)
     if local:
         hub.verify(models, ws.root, verdict.config)
     return run_lifecycle.LaunchPlan(
         launch.code_dir, launch.label, launch.nproc, launch.origin, launch.overrides, verdict,
-        code_from=launch.code_from, resumed_from=launch.resumed_from, recorded_config=launch.continues is not None,
-        limits=limits, threads=launch.threads, warnings=tuple([*warnings, *launch.review(verdict)]),
-        expected_digest=checked, nodes=launch.nodes, joins=launch.joins, models=models,
+        code_from=launch.code_from, resumed_from=launch.resumed_from, started_from=launch.started_from,
+        recorded_config=launch.continues is not None, limits=limits, threads=launch.threads,
+        warnings=tuple([*warnings, *launch.review(verdict)]), expected_digest=checked, nodes=launch.nodes, joins=launch.joins, models=models,
     )
 
 
@@ -172,7 +177,9 @@ def launch_run(
     (``endpoint``, ``id``, ``node_rank``; :mod:`runner.nodes`); ``target="slurm"`` makes the
     run a SLURM job over ``nnodes`` nodes instead (``slurm``: partition, time, gpus_per_node,
     rdzv_port; :mod:`runner.slurm`). A ``model.pretrained_path`` that is a Hub id is downloaded
-    first (:mod:`runner.hub`), with ``progress`` called on the way."""
+    first (:mod:`runner.hub`), with ``progress`` called on the way; one that names an earlier
+    run's checkpoint (``run:RUN_ID[@STEP]``) is that checkpoint exported
+    (:mod:`~mcp_server.operations.starting_model`)."""
     source = ws.run_source(recipe)
     if source.script is not None:
         _check_script_arguments(overrides, nnodes != 1 or rdzv or target != "local" or slurm)
@@ -193,11 +200,13 @@ def launch_run(
             code_dir, origin = code.enter_context(code_at_commit(ws.root, recipe_dir, commit))
         else:
             code_dir, origin = recipe_dir, recipe_origin(ws.root, recipe_dir)
+        flat, started_from = starting_model(ws, code_dir, flat, progress, local=options is None) \
+            if nodes.node_rank == 0 else (flat, None)
         binds_here = options is None and nodes.node_rank == 0  # a joining node binds node 0's; a job's nodes their own
         hub_values = (hub.recipe_config(code_dir, flat), hub.recipe_config(code_dir, flat, hub.DATASET_KEY)) \
             if binds_here else None
         request = Launch(code_dir, ws.label(recipe_dir), origin, nproc, flat, nodes=nodes, slurm=options,
-                         hub_values=hub_values, review=skipped_data)
+                         started_from=started_from, hub_values=hub_values, review=skipped_data)
         if nodes.node_rank > 0:
             limits, warnings = run_limits(ws, limits)
             check_allowed(nodes, limits)  # before node 0's run is read
@@ -268,7 +277,7 @@ def joining_node(ws: Workspace, request: Launch) -> Launch:
     snapshot = run_dir / rd.SNAPSHOT_DIRNAME
     check_snapshot_unchanged(first, snapshot)
     return Launch(snapshot, request.label, CodeOrigin(first.git_commit, first.recipe_dirty, first.dirty_files),
-                  request.nproc, nodes=nodes, joins=run_dir, continues=first,
+                  request.nproc, nodes=nodes, joins=run_dir, continues=first, started_from=first.started_from,
                   hub_values=(hub.recipe_config(snapshot, {}), hub.recipe_config(snapshot, {}, hub.DATASET_KEY)),
                   review=skipped_data)
 
@@ -314,6 +323,7 @@ def resume_checkpoint(
         nodes=Nodes(nnodes=source.nnodes) if job else Nodes(),
         slurm=slurm_jobs.check_options(source.slurm_options) if job else None,
         resumed_from=rd.ResumedFrom(run_id=source.id, step=chosen_step, path=str(checkpoint)), continues=source,
+        started_from=source.started_from,  # its model's pretrained_path, still shown
         hub_values=(hub.model_value(flat) or hub.model_value(source.config),
              hub.config_value(flat, hub.DATASET_KEY) or hub.config_value(source.config, hub.DATASET_KEY)),
         recorded_models=tuple(source.hub_models), threads=source.threads_per_process if same_shape else None,

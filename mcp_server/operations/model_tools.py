@@ -32,6 +32,7 @@ from workspace.paths import RESERVED_DIRS, PathRefused, confine, refuse_reserved
 from runner.provenance import check_snapshot_unchanged
 from sandbox.redact import redact
 from runner.scripts import DOCS_PAGE
+from runner.task_data import task_datasets
 from workspace.settings import RunLimits
 from workspace.workspace import RECIPES_DIRNAME, Workspace
 
@@ -329,11 +330,12 @@ def _fit(text: str, budget: int) -> tuple[str, bool]:
 
 
 def evaluate(ws: Workspace, run_id: str, step: int | None = None, data: list[str] | str | None = None,
-             limits: RunLimits | None = None, tasks: list[str] | None = None) -> EvaluateResult:
+             limits: RunLimits | None = None, tasks: list[str] | None = None,
+             progress: Progress | None = None) -> EvaluateResult:
     """The eval loss of a checkpoint on the run's held-out data (or on ``data``: workspace files
     or folders, all held out) and the recipe's task metrics; or, with ``tasks``, lm-evaluation-
     harness's scores on them (``engine.benchmarks``); ``limits``: the workspace's run limits
-    unless given."""
+    unless given; ``progress`` is told each task as the model process starts it."""
     paths = [data] if isinstance(data, str) else data
     if paths and tasks:
         raise BadInput("evaluate takes data or tasks, not both: call it once for each")
@@ -341,7 +343,9 @@ def evaluate(ws: Workspace, run_id: str, step: int | None = None, data: list[str
         resolved = [refuse_reserved(ws.root, confine(ws.root, path, "data"), "data") for path in paths]
     run_dir, step = checkpoint_of(ws, run_id, step)
     arguments = [f"--data={path}" for path in resolved] if paths else [f"--task={task}" for task in tasks or ()]
-    result = run_model_io(ws.root, run_dir, "evaluate", step, arguments, limits or ws.run_limits(), EVALUATE_TIMEOUT_S)
+    datasets = task_datasets(ws.root, tasks) if tasks else []  # the Hub data sets they name, from the server's cache
+    result = run_model_io(ws.root, run_dir, "evaluate", step, arguments, limits or ws.run_limits(), EVALUATE_TIMEOUT_S,
+                          datasets=datasets, progress=progress if tasks else None)
     if tasks:
         scores, left_out = bounded_task_scores(result.tasks)
         counted = [score["examples"] for score in scores.values() if score["examples"] is not None]  # a group's: None

@@ -124,7 +124,9 @@ def _bounded_fields(result: Any) -> Any:
 
 
 def _resumed_from(ws: Workspace, record: rd.RunRecord) -> rd.ResumedFrom | None:
-    source = record.resumed_from
+    """The checkpoint the run continues, or (``started_from``) the earlier run's checkpoint its
+    model started from, its path relative to the workspace."""
+    source = record.resumed_from or record.started_from
     if source is None:
         return None
     path = Path(source.path)

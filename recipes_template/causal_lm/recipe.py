@@ -85,7 +85,7 @@ class ModelConfig(Section):
         "sdpa", description="Attention kernel (flash_attention_2: CUDA only)."
     )
     pretrained_path: str | None = Field(
-        None, description="A Hugging Face model folder or Hub id."
+        None, description="A model folder, Hub id or run:RUN_ID@STEP."
     )
 
     @model_validator(mode="after")

@@ -86,7 +86,7 @@ class ModelConfig(Section):
         None, description="Attention kernel; default: sdpa, or with model.pretrained_path the model's own default."
     )
     pretrained_path: str | None = Field(
-        None, description="A local Hugging Face model folder to start from (weights, and its tokenizer if it has one)."
+        None, description="A Hugging Face model folder, Hub id, or run:RUN_ID@STEP: an earlier run's checkpoint."
     )
 
     @model_validator(mode="after")

@@ -88,6 +88,27 @@ def test_a_task_whose_data_is_not_on_disk_is_refused(in_workspace, tmp_path, mon
     assert "put the data in the workspace and name it in a task YAML in eval_tasks/" in str(refused.value)
 
 
+def test_a_task_naming_a_hub_data_set_reads_the_snapshot_bound_for_it(in_workspace, tmp_path, monkeypatch):
+    import json
+
+    from engine.data_files import HUB_DATASETS_VARIABLE
+    from tests.lm_eval_tasks import HUB_DATASET, write_hub_task
+
+    snapshot = write_hub_task(in_workspace, tmp_path / "hub")
+    model = load_checkpoint_model(in_workspace / "model", "run-1")
+    monkeypatch.setenv(HUB_DATASETS_VARIABLE, json.dumps({HUB_DATASET: str(snapshot)}))
+    started: list = []
+    by_task = {s.task: s for s in benchmarks.score(lambda: model, ["code_mc", "code_hub"], in_workspace,
+                                                   report=lambda *told: started.append(told))}
+    assert started == [(1, 2, "task 1 of 2: code_mc"), (2, 2, "task 2 of 2: code_hub")]  # each as it starts
+    # The same questions, from the snapshot of the cache instead of the workspace's file.
+    assert (by_task["code_hub"].examples, by_task["code_hub"].metrics) == (by_task["code_mc"].examples,
+                                                                          by_task["code_mc"].metrics)
+    monkeypatch.delenv(HUB_DATASETS_VARIABLE)  # not bound: offline, datasets cannot find it
+    with pytest.raises(BadInput, match=r"the data of lm-eval task\(s\) code_hub is not available offline"):
+        benchmarks.score(lambda: model, ["code_hub"], in_workspace)
+
+
 @dataclass
 class Loaded:
     model: Any

@@ -155,30 +155,36 @@ def test_a_gguf_export_is_one_file_that_loads_back_with_the_models_logits(sessio
     assert tree_hash(workspace) == before
 
 
-def test_lm_eval_tasks_score_the_recipes_checkpoint_as_lm_eval_itself_scores_its_export(session):
+def test_lm_eval_tasks_score_the_recipes_checkpoint_as_lm_eval_itself_scores_its_export(session, tmp_path,
+                                                                                         monkeypatch):
     """evaluate(tasks=...) in the sandbox: the numbers of lm-eval's simple_evaluate with HFLM
-    over the same checkpoint exported as a Hugging Face folder, in this process."""
-    from tests.lm_eval_tasks import QUESTIONS, lm_eval_reference, write_tasks
+    over the same checkpoint exported as a Hugging Face folder, in this process; a task whose data
+    is a Hub data set of the server's cache (offline) reads its snapshot, shown read-only."""
+    from tests.lm_eval_tasks import QUESTIONS, lm_eval_reference, write_hub_task
 
     client, workspace, run_id = session
-    write_tasks(workspace)
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))  # the server's cache (it runs in this process)
+    write_hub_task(workspace, tmp_path / "hub")  # code_mc's questions as org/code-questions
     progress: list = []
-    # The workspace lm-eval sees (its data copies go to the sandbox's /tmp); the server's records
-    # and the run's folder are left out: the run's supervisor may still be writing its last lines.
+    # The workspace lm-eval sees (its data copies go to the sandbox's /tmp); the server's records,
+    # the run's folder and git's are left out: the run's supervisor may still be writing its last
+    # lines and its git note (run alone, this test starts as the run ends).
     def seen_by_lm_eval() -> str:
-        return tree_hash(workspace, caches=(DATA_CACHE, Path(".trainwright"), Path("runs")))
+        return tree_hash(workspace, caches=(DATA_CACHE, Path(".trainwright"), Path("runs"), Path(".git")))
 
     before = seen_by_lm_eval()
-    evaluated = client.ok("evaluate", progress, run_id=run_id, tasks=["code_mc"])
+    evaluated = client.ok("evaluate", progress, run_id=run_id, tasks=["code_mc", "code_hub"])
     assert seen_by_lm_eval() == before
     client.ok("export_checkpoint", run_id=run_id, to="exports/lm-eval")
     expected = lm_eval_reference(workspace, ["code_mc"], pretrained=str(workspace / "exports" / "lm-eval"))["code_mc"]
     assert (evaluated["step"], evaluated["split"], evaluated["eval_loss"]) == (6, "tasks", None)
-    assert evaluated["tasks"] == {"code_mc": {
-        "examples": 2 * len(QUESTIONS),
-        "metrics": {"acc": expected["acc,none"], "acc_norm": expected["acc_norm,none"]},
-        "stderr": {"acc": expected["acc_stderr,none"], "acc_norm": expected["acc_norm_stderr,none"]}}}
-    assert [p[:2] for p in progress] == [(0, 1), (1, 1)]  # the model process's stage, as for sample
+    scored = {"examples": 2 * len(QUESTIONS),
+              "metrics": {"acc": expected["acc,none"], "acc_norm": expected["acc_norm,none"]},
+              "stderr": {"acc": expected["acc_stderr,none"], "acc_norm": expected["acc_norm_stderr,none"]}}
+    assert evaluated["tasks"] == {"code_mc": scored, "code_hub": scored}
+    # The model process's stage, as for sample, and between its start and end each task as it starts.
+    assert progress == [(0, 1, "loading the checkpoint in the sandbox"), (0.5, 2, "task 1 of 2: code_mc"),
+                        (0.99, 2, "task 2 of 2: code_hub"), (1, 1, "done")]
     assert text_size(evaluated) < 1000
 
 

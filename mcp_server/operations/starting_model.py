@@ -1,0 +1,106 @@
+"""A recipe launch that starts from an earlier run's checkpoint: ``model.pretrained_path:
+run:RUN_ID@STEP`` (or ``run:RUN_ID``, its latest complete checkpoint), in an override or in the
+recipe's ``config.yaml``.
+
+The reference is :data:`runner.scripts.CHECKPOINT_REFERENCE`, the one a script's ``args`` take,
+resolved the same way: the run from the server's records, its checkpoint among those listed
+complete (an engine checkpoint's digests verified), never a path a run wrote. A template loads
+``model.pretrained_path`` as a Hugging Face folder, so the checkpoint is exported once as one —
+what ``export_checkpoint`` writes (the run's recipe in the sandbox, LoRA merged; a script run's
+Hugging Face folder or peft adapter loaded as ``sample`` loads it) — into
+``.trainwright/start-models/<run>-step-<N>/``, which no run can write, and later launches from the
+same checkpoint reuse it. The launch gets that folder as its ``model.pretrained_path``; its
+launch check and its sandbox show it read-only (the run's ``started_from``, bound as a script's
+``run:`` checkpoint is: :meth:`runner.supervise.Supervisor.bound_checkpoint`). The run trains from
+step 1 with a new optimizer: its steps are its own, not a continuation of the earlier run's
+(``resume_checkpoint`` continues a run).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+import shutil
+import stat
+from pathlib import Path
+from typing import Any
+
+from engine import run_dir as rd
+from engine.errors import BadInput
+from mcp_server.operations.model_tools import EXPORT_TIMEOUT_S, check_written, checkpoint_of
+from runner import hub, scripts
+from runner.model_process import run_model_io
+from workspace.workspace import STATE_DIRNAME, Workspace, open_real_dir
+
+START_MODELS_DIRNAME = "start-models"
+_STAGING_PREFIX = ".partial-"
+
+
+def start_models_dir(workspace: Path | str) -> Path:
+    """``<workspace>/.trainwright/start-models``: the checkpoints launches start from, exported."""
+    return Path(workspace) / STATE_DIRNAME / START_MODELS_DIRNAME
+
+
+def starting_model(ws: Workspace, code_dir: Path, overrides: dict[str, Any], progress: hub.Progress | None = None,
+                   local: bool = True) -> tuple[dict[str, Any], rd.ResumedFrom | None]:
+    """The launch's ``overrides`` with the earlier run's checkpoint that ``model.pretrained_path``
+    names (in them, or in ``code_dir``'s ``config.yaml``) replaced by its exported folder, and that
+    checkpoint as the run's ``started_from``; ``overrides`` as given and None when it names none.
+    ``local=False`` (a SLURM job, whose nodes' sandboxes are not this machine's): refused."""
+    value = hub.recipe_config(code_dir, overrides)
+    reference = scripts.checkpoint_reference([value]) if isinstance(value, str) else None
+    if reference is None:
+        return overrides, None
+    if reference.option:
+        raise BadInput(f"{hub.MODEL_KEY} {value[:120]!r}: name an earlier run's checkpoint as run:RUN_ID or "
+                       "run:RUN_ID@STEP, alone")
+    if not local:
+        raise BadInput(f"{hub.MODEL_KEY} {value[:120]!r}: a SLURM job's nodes are not shown an earlier run's "
+                       "checkpoint; export_checkpoint it to a workspace folder and name that folder")
+    run_dir, step = checkpoint_of(ws, reference.run_id, reference.step)
+    folder = exported_checkpoint(ws, run_dir, step, progress)
+    started = rd.ResumedFrom(run_id=run_dir.name, step=step, path=str(folder))
+    return {**overrides, hub.MODEL_KEY: str(folder)}, started
+
+
+def exported_checkpoint(ws: Workspace, run_dir: Path, step: int, progress: hub.Progress | None = None) -> Path:
+    """The folder of run ``run_dir``'s checkpoint ``step`` exported as a Hugging Face model (LoRA
+    merged), made now unless an earlier launch made it: staged beside it, renamed into place
+    when complete, so a folder under its final name is whole."""
+    root = start_models_dir(ws.root)
+    name = f"{run_dir.name}-step-{step}"
+    os.close(open_real_dir(root.parent, create=True))
+    root_fd = open_real_dir(root, create=True)
+    try:
+        if _is_folder(root_fd, name):
+            return root / name
+        staging = f"{_STAGING_PREFIX}{name}-{secrets.token_hex(4)}"
+        os.mkdir(staging, dir_fd=root_fd)
+        try:
+            if progress is not None:
+                progress(0, 1, f"exporting run {run_dir.name}'s checkpoint at step {step} to start from")
+            run_model_io(ws.root, run_dir, "export", step,
+                         ["--to", str(root / staging), "--lora", "merged", "--final-dir", str(root / name)],
+                         ws.run_limits(), EXPORT_TIMEOUT_S, writable=[root / staging])
+            check_written(root_fd, staging, ws.run_limits().max_export_bytes)
+            with contextlib.suppress(OSError):  # another launch exported it meanwhile: theirs is kept
+                os.rename(staging, name, src_dir_fd=root_fd, dst_dir_fd=root_fd)
+            if not _is_folder(root_fd, name):
+                raise BadInput(f"the export of run {run_dir.name}'s checkpoint at step {step} could not be kept in "
+                               f"{STATE_DIRNAME}/{START_MODELS_DIRNAME}/; nothing was started")
+            if progress is not None:
+                progress(1, 1, f"exported run {run_dir.name}'s checkpoint at step {step}")
+        finally:
+            shutil.rmtree(staging, dir_fd=root_fd, ignore_errors=True)
+        return root / name
+    finally:
+        os.close(root_fd)
+
+
+def _is_folder(dir_fd: int, name: str) -> bool:
+    """Whether ``name`` in the folder ``dir_fd`` is a folder (not a link to one)."""
+    try:
+        return stat.S_ISDIR(os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode)
+    except FileNotFoundError:
+        return False

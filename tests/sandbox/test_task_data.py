@@ -1,0 +1,52 @@
+"""The Hub data sets an lm-eval task of the workspace names, found in the server's Hugging Face
+cache (``runner.task_data``): the model process of ``evaluate(tasks=[...])`` is shown the repo
+folder of each data set the tasks asked for name, and nothing else of the cache."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from engine.benchmarks import TASKS_DIRNAME
+from runner.hub import ModelBinding
+from runner.task_data import task_datasets
+from tests.lm_eval_tasks import HUB_COMMIT, HUB_DATASET, write_hub_task
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    cache = tmp_path / "hub"
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)  # looked up offline whatever the server's setting
+    return cache
+
+
+def test_only_the_data_set_a_task_asked_for_names_is_bound_read_only(tmp_path, cache):
+    workspace = tmp_path / "ws"
+    snapshot = write_hub_task(workspace, cache)
+    other = cache / "datasets--org--other" / "snapshots" / HUB_COMMIT
+    other.mkdir(parents=True)
+    (cache / "datasets--org--other" / "refs").mkdir()
+    (cache / "datasets--org--other" / "refs" / "main").write_text(HUB_COMMIT)
+    tasks = workspace / TASKS_DIRNAME
+    (tasks / "other.yaml").write_text("task: other_task\ndataset_path: org/other\n")
+    (found,) = task_datasets(workspace, ["code_hub", "code_mc"])
+    assert (found.repo_id, found.repo_type, found.commit, found.path) == (HUB_DATASET, "dataset", HUB_COMMIT,
+                                                                          str(snapshot))
+    binding = ModelBinding((found,))
+    assert binding.read_only() == [cache / "datasets--org--code-questions"]  # the repo's folder, not the cache
+    assert "TRAINWRIGHT_HUB_DATASETS" in binding.env() and binding.env()["HF_HUB_OFFLINE"] == "1"
+    assert task_datasets(workspace, ["code_mc"]) == []  # its data is a workspace file
+
+
+def test_an_included_yaml_names_the_data_set_and_one_the_cache_lacks_is_left_out(tmp_path, cache):
+    workspace = tmp_path / "ws"
+    write_hub_task(workspace, cache)
+    tasks = workspace / TASKS_DIRNAME
+    (tasks / "_base.yaml").write_text(f"dataset_path: {HUB_DATASET}\noutput_type: multiple_choice\n")
+    (tasks / "derived.yaml").write_text("include: _base.yaml\ntask: derived\nprocess_docs: !function utils.docs\n")
+    (tasks / "absent.yaml").write_text("task: absent\ndataset_path: org/not-cached\n")
+    assert [m.repo_id for m in task_datasets(workspace, ["derived"])] == [HUB_DATASET]
+    assert task_datasets(workspace, ["absent"]) == []
+    assert task_datasets(Path(tmp_path / "nowhere"), ["derived"]) == []
