@@ -20,6 +20,7 @@ from engine.seams import LaunchVerdict
 from engine.data_files import DataListing
 from recipes_template.causal_lm import recipe as causal_lm
 from recipes_template.causal_lm.recipe import CausalLM
+from tests.engine.test_data_listing import HashedBytes
 from tests.support import TEMPLATE, engine_command, engine_env
 
 
@@ -240,3 +241,52 @@ def test_data_that_leaves_nothing_to_train_fails_the_run_as_the_launch_check_ref
     refused = check(TEMPLATE, f"data.paths=[{data}]", "data.eval_fraction=1", "data.tokenize_in_check_mb=0", capsys=capsys)
     assert refused["ok"] is False and str(failed.value) == refused["error"]
     assert "holds out all of them" in refused["error"]
+
+
+def test_a_rank_that_waits_for_the_store_reads_the_corpus_once(tmp_path, cache, monkeypatch):
+    data = write_corpus(tmp_path / "data")
+    config = config_of(f"data.paths=[{data}]")
+    CausalLM.summarize_data(config)  # rank 0 built the store
+    corpus = sum(path.stat().st_size for path in data.iterdir())
+    hashed = HashedBytes(monkeypatch)  # rank 1, a process of its own: nothing hashed yet
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    CausalLM.summarize_data(config)  # what engine.launch.train has it do to wait for the store
+    causal_lm.token_store(config.data, causal_lm.data_tokenizer(config), DataListing())  # the engine's store
+    assert corpus <= hashed.count < corpus + 5_000  # the files once, and the fingerprints' lines
+
+
+def test_one_large_jsonl_file_is_read_apart_at_line_starts_into_the_store_one_process_builds(tmp_path, monkeypatch):
+    from engine.data_files import jsonl_records, line_ranges
+
+    data = tmp_path / "data" / "one.jsonl"
+    data.parent.mkdir()
+    with open(data, "w") as f:
+        for i in range(300):  # blank lines among the records, the last without its newline
+            f.write("\n" if i % 37 == 5 else json.dumps({"text": f"def f{i}(x):\n    return x * {i}\n" * (1 + i % 5)})
+                    + ("\n" if i < 299 else ""))
+    whole = list(jsonl_records(data, "one.jsonl"))
+    for count in (2, 3, 7):
+        ranges = line_ranges(data, count)
+        assert len(ranges) == count and ranges[0].start == 0 and ranges[-1].end is None
+        assert [r.end for r in ranges[:-1]] == [r.start for r in ranges[1:]]
+        assert [record for lines in ranges for record in jsonl_records(data, "one.jsonl", lines)] == whole
+    assert len(token_store.file_parts([(data, "one.jsonl")], workers=3)) == 3
+
+    built = {}
+    for workers in (1, 3):
+        monkeypatch.setenv(token_store.CACHE_VARIABLE, str(tmp_path / f"cache-{workers}"))
+        monkeypatch.setattr(os, "sched_getaffinity", lambda pid, n=workers: set(range(n)))
+        store = causal_lm.token_store(causal_lm.CausalLMDataConfig(paths=[str(data.parent)], seq_len=16,
+                                                                   eval_fraction=0.2),
+                                      causal_lm.ByteTokenizer(), DataListing())
+        built[workers] = (store.meta, {p.name: p.read_bytes() for p in sorted(store.folder.iterdir())})
+    assert built[1] == built[3] and built[1][0]["counts"]["files"] == 1
+
+    with open(data, "a") as f:
+        f.write('\n{"body": "no text"}\n')
+    for workers in (1, 3):  # a bad record in the last part is named by its line, as one reader names it
+        monkeypatch.setenv(token_store.CACHE_VARIABLE, str(tmp_path / f"bad-{workers}"))
+        monkeypatch.setattr(os, "sched_getaffinity", lambda pid, n=workers: set(range(n)))
+        with pytest.raises(ConfigError, match=r"one\.jsonl:301: no text under 'text'"):
+            causal_lm.token_store(causal_lm.CausalLMDataConfig(paths=[str(data.parent)], seq_len=16),
+                                  causal_lm.ByteTokenizer(), DataListing())
