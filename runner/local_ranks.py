@@ -91,9 +91,9 @@ class Ranks:
         failed: int | None = None
         while True:
             codes = [process.poll() for process in self.processes]
-            first = next((rank for rank, code in enumerate(codes) if code not in (None, 0)), None)
+            first = next((rank for rank, code in enumerate(codes) if code is not None and code != 0), None)
             if failed is None and first is not None:
-                failed = exit_status(codes[first])
+                failed = exit_status(codes[first] or 0)
                 if self.ending_since is None:  # not the end a signal asked for: say which rank ended the run
                     left = codes.count(None)
                     print(f"[trainwright] rank {first} (pid {self.processes[first].pid}) exited with status {failed}"

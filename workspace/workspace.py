@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import functools
 import os
 import stat
 from dataclasses import dataclass
@@ -321,7 +322,7 @@ def remove_cached_data(workspace: Path | str, names: list[str]) -> list[tuple[st
     try:
         with contextlib.ExitStack() as held:
             for key in dict.fromkeys(store_key_of(name) for name in chosen):  # the locks engine.token_store builds under
-                held.enter_context(holding_store_lock(fd, key, lambda lock, key=key: _take_now(lock, key)))
+                held.enter_context(holding_store_lock(fd, key, functools.partial(_take_now, key=key)))
             for name in chosen:
                 shutil.rmtree(folder / name)
     finally:
