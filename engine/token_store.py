@@ -46,7 +46,7 @@ from engine.config import ConfigError
 from engine.data_files import DATA_CACHE_VARIABLE as CACHE_VARIABLE
 from engine.data_files import STORE_META_JSON as META_JSON
 from engine.data_files import (
-    HUB_DATASETS_VARIABLE, DataListing, LineRange, bound_hub_path, data_files, holding_store_lock, line_ranges,
+    HUB_DATASETS_VARIABLE, DataListing, bound_hub_path, data_files, holding_store_lock, line_ranges,
 )
 from engine.run_dir import RUN_ID_VARIABLE
 
@@ -200,18 +200,26 @@ def build_workers() -> int:
     return len(os.sched_getaffinity(0))
 
 
-def file_parts(files: list[tuple[Path, str]], workers: int | None = None) -> list[tuple[Path, str, LineRange]]:
-    """The parts a build reads apart, in order (``(file, name, lines)``): each file whole, and a
-    JSONL file larger than a worker's share of all the bytes cut at line starts into parts of
-    about that share (:func:`engine.data_files.line_ranges`), so that one large file keeps every
-    core busy; read in this order, the parts are the files' records in theirs."""
+def file_parts(files: list[tuple[Path, str]], workers: int | None = None) -> list[tuple[Path, str, Any]]:
+    """The parts a build reads apart, in order (``(file, name, part)``): each file whole (``part``
+    None), and a JSONL or parquet file larger than a worker's share of all the bytes cut into parts
+    of about that share — at line starts (a :class:`~engine.data_files.LineRange`) or by row groups
+    (a :class:`~engine.data_formats.RowGroups`) —, so that one large file keeps every core busy;
+    read in this order, the parts are the files' records in theirs."""
+    from engine.data_formats import row_group_ranges
+
     workers = workers or build_workers()
     sizes = [path.stat().st_size for path, _ in files]
     share = max(1, sum(sizes) // workers)
-    parts = []
+    parts: list[tuple[Path, str, Any]] = []
     for (path, name), size in zip(files, sizes):
-        count = min(workers, -(-size // share)) if path.suffix == ".jsonl" else 1
-        parts += [(path, name, lines) for lines in (line_ranges(path, count) if count > 1 else [LineRange()])]
+        count = min(workers, -(-size // share))
+        if count > 1 and path.suffix == ".jsonl":
+            parts += [(path, name, lines) for lines in line_ranges(path, count)]
+        elif count > 1 and path.suffix == ".parquet":
+            parts += [(path, name, groups) for groups in row_group_ranges(path, name, count)]
+        else:
+            parts.append((path, name, None))
     return parts
 
 

@@ -38,7 +38,7 @@ from transformers.convert_slow_tokenizer import bytes_to_unicode
 from engine.config import ConfigError, DataConfig, EngineConfig, Section
 from engine.data_files import DataListing, LineRange, confined_path, data_files, jsonl_records
 from engine.data_formats import READERS as RECORD_READERS
-from engine.data_formats import is_saved_dataset, record_rows
+from engine.data_formats import RowGroups, is_saved_dataset, parquet_rows, record_rows
 from engine.data_stream import PieceStream, Shard, StreamBatches, first_records, hub_shards, list_shards, shard_bytes
 from engine.engine import IGNORE_INDEX, Engine
 from engine.run_dir import DataPreparation, DataSummary
@@ -282,12 +282,17 @@ def read_documents(cfg: CausalLMDataConfig, listing: DataListing | None = None,
 NO_DOCUMENTS = "no documents in data.paths={paths} (.txt, .md, .py files, .jsonl lines)"
 
 
-def file_documents(cfg: CausalLMDataConfig, path: Path, name: str, lines: LineRange = LineRange(),
+def file_documents(cfg: CausalLMDataConfig, path: Path, name: str, part: LineRange | RowGroups | None = None,
                    head: int | None = None) -> Iterator[tuple[str, str]]:
     """The ``(name, text)`` pairs of one data file (``name``: as :func:`_expand_paths` names it;
-    ``lines``: of a JSONL file, those only)."""
+    ``part``: of a JSONL or parquet file, those lines or row groups only)."""
     if path.suffix in RECORD_READERS:  # a text column of each record
-        rows = jsonl_records(path, name, lines) if path.suffix == ".jsonl" else RECORD_READERS[path.suffix](path, name)
+        if isinstance(part, LineRange):
+            rows = jsonl_records(path, name, part)
+        elif isinstance(part, RowGroups):
+            rows = parquet_rows(path, name, part)
+        else:
+            rows = RECORD_READERS[path.suffix](path, name)
         for where, record in islice(rows, head):
             yield where, _text(record, cfg.text_field, where)
     else:
@@ -393,7 +398,7 @@ def token_store(cfg: CausalLMDataConfig, tokenizer, listing: DataListing) -> Tok
     def build(store) -> dict[str, Any]:
         read = DataListing()
         if cfg.source == "files" and not any(is_saved_dataset(Path(p)) for p in cfg.paths):
-            files = file_parts(_expand_paths(cfg.paths, read))  # a part per file (a large JSONL: several), over the cores
+            files = file_parts(_expand_paths(cfg.paths, read))  # a part per file (a large one: several), over the cores
             parts = build_in_parts(store, len(files), lambda part, i: add_documents(part, file_documents(cfg, *files[i])))
         else:
             parts = [add_documents(store, read_documents(cfg, read))]

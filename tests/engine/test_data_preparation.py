@@ -290,3 +290,37 @@ def test_one_large_jsonl_file_is_read_apart_at_line_starts_into_the_store_one_pr
         with pytest.raises(ConfigError, match=r"one\.jsonl:301: no text under 'text'"):
             causal_lm.token_store(causal_lm.CausalLMDataConfig(paths=[str(data.parent)], seq_len=16),
                                   causal_lm.ByteTokenizer(), DataListing())
+
+
+def test_one_large_parquet_file_is_read_apart_by_row_groups_into_the_store_one_process_builds(tmp_path, monkeypatch):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from engine.data_formats import parquet_rows, row_group_ranges
+
+    data = tmp_path / "data" / "one.parquet"
+    data.parent.mkdir()
+    texts = [f"def f{i}(x):\n    return x * {i}\n" * (1 + i % 5) for i in range(60)]
+    pq.write_table(pa.table({"text": texts}), data, row_group_size=7)  # 9 row groups
+    whole = list(parquet_rows(data, "one.parquet"))
+    ranges = row_group_ranges(data, "one.parquet", 3)
+    assert len(ranges) == 3 and (ranges[0].start, ranges[-1].end) == (0, 9)
+    assert [r.end for r in ranges[:-1]] == [r.start for r in ranges[1:]]
+    assert [row for groups in ranges for row in parquet_rows(data, "one.parquet", groups)] == whole
+
+    def build(workers: int, cache: str):
+        monkeypatch.setenv(token_store.CACHE_VARIABLE, str(tmp_path / cache))
+        monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(workers)))
+        return causal_lm.token_store(causal_lm.CausalLMDataConfig(paths=[str(data.parent)], seq_len=16,
+                                                                   eval_fraction=0.2),
+                                     causal_lm.ByteTokenizer(), DataListing())
+
+    built = {workers: build(workers, f"cache-{workers}") for workers in (1, 3)}
+    assert built[1].meta == built[3].meta
+    assert {p.name: p.read_bytes() for p in built[1].folder.iterdir()} == \
+        {p.name: p.read_bytes() for p in built[3].folder.iterdir()}
+
+    pq.write_table(pa.table({"text": texts[:50] + [None] + texts[51:]}), data, row_group_size=7)
+    for workers in (1, 3):  # a bad row in the last part is named by its row, as one reader names it
+        with pytest.raises(ConfigError, match=r"one\.parquet:51: no text under 'text'"):
+            build(workers, f"bad-{workers}")
