@@ -3,9 +3,9 @@ and the token store's tokenization throughput against ``datasets.map``.
 
 For each corpus size (MB of JSONL records of Python sources, ``text`` column) this writes the
 corpus, then launches the ``causal_lm`` template (a tiny model, 3 steps) directly with
-``python -m engine.launch`` (``torchrun`` for two ranks) twice over an empty data cache: the
-first launch tokenizes into the store, the second maps it. Measured from outside the run's
-processes: the peak of the summed resident memory of every process of the run (sampled every
+``python -m engine.launch`` (two ranks under ``runner.local_ranks``, as a run starts them)
+twice over an empty data cache: the first launch tokenizes into the store, the second maps it.
+Measured from outside the run's processes: the peak of the summed resident memory of every process of the run (sampled every
 20 ms through /proc; RSS, and PSS, which counts a page shared by several processes once in
 all), and the seconds from the start to the first metrics record. Then the store
 is built once more in this process (a fresh cache) and timed against
@@ -82,11 +82,16 @@ def write_corpus(folder: Path, megabytes: float) -> None:
                 copy += 1
 
 
+def launcher(command: bytes) -> bool:
+    """Whether a process's command line is a launcher of ranks (torchrun's, or runner.local_ranks)."""
+    return b"torch.distributed.run" in command or b"runner.local_ranks" in command
+
+
 def tree_memory(root_pid: int, by_role: dict[str, int] | None = None) -> tuple[int, int]:
     """The summed resident bytes of ``root_pid`` and every process under it, and their summed
     proportional set size (what the machine holds: a page shared by n processes counts 1/n in
     each, such as torch's libraries mapped by every rank and the launcher). ``by_role`` keeps
-    each role's largest PSS so far: torchrun's launcher, a rank, a tokenizer worker (a rank's fork)."""
+    each role's largest PSS so far: the ranks' launcher, a rank, a tokenizer worker (a rank's fork)."""
     children: dict[int, list[int]] = {}
     for entry in os.listdir("/proc"):
         if entry.isdigit():
@@ -110,9 +115,8 @@ def tree_memory(root_pid: int, by_role: dict[str, int] | None = None) -> tuple[i
         stack += [(child, command) for child in children.get(pid, [])]
         rss, pss = rss + sizes.get("Rss", 0), pss + sizes.get("Pss", 0)
         if by_role is not None:
-            role = ("launcher" if b"torch.distributed.run" in command
-                    else "tokenizer worker" if b"engine.launch" in parent_command
-                    and b"torch.distributed.run" not in parent_command
+            role = ("launcher" if launcher(command)
+                    else "tokenizer worker" if b"engine.launch" in parent_command and not launcher(parent_command)
                     else "rank" if b"engine.launch" in command else "other")
             by_role[role] = max(by_role.get(role, 0), sizes.get("Pss", 0))
     return rss, pss

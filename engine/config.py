@@ -37,11 +37,11 @@ class Section(BaseModel):
 
 class TrainConfig(Section):
     max_steps: int = Field(200, ge=1, description="Optimizer steps to train for.")
-    seed: int = Field(0, ge=0, description="Seed for weights, data order and every RNG.")
-    log_every: int = Field(10, ge=1, description="Log a metrics record every N steps.")
+    seed: int = Field(0, ge=0, description="Seeds weights, data order and every RNG.")
+    log_every: int = Field(10, ge=1, description="Log metrics every N steps.")
     grad_accum: int = Field(1, ge=1, description="Micro-batches per optimizer step.")
     max_grad_norm: float | None = Field(
-        1.0, gt=0, description="Clip the global gradient norm; null: no clipping."
+        1.0, gt=0, description="Clip the global gradient norm (null: off)."
     )
     eval_every: int = Field(0, ge=0, description="Evaluate every N steps; 0 never.")
     eval_batches: int = Field(4, ge=1, description="Batches per evaluation.")
@@ -50,7 +50,7 @@ class TrainConfig(Section):
 class OptimConfig(Section):
     name: Literal["adamw", "adamw_8bit"] = Field(
         "adamw",
-        description="adamw: fused AdamW; adamw_8bit: bitsandbytes' 8-bit states.",
+        description="adamw (fused) or adamw_8bit (bitsandbytes' 8-bit states).",
     )
     lr: float = Field(1e-3, gt=0, description="Peak learning rate.")
     weight_decay: float = Field(0.1, ge=0, description="Decoupled weight decay (AdamW).")
@@ -59,7 +59,7 @@ class OptimConfig(Section):
     eps: float = Field(1e-8, gt=0, description="AdamW epsilon.")
     warmup_steps: int = Field(20, ge=0, description="Linear warm-up steps.")
     min_lr_ratio: float = Field(
-        0.1, ge=0, le=1, description="Cosine decay floor as a fraction of the peak lr."
+        0.1, ge=0, le=1, description="Cosine decay floor, a fraction of peak lr."
     )
 
 
@@ -71,21 +71,21 @@ class DataConfig(Section):
 
 
 class CheckpointConfig(Section):
-    every: int = Field(100, ge=0, description="Save every N steps; 0: only at the end.")
+    every: int = Field(100, ge=0, description="Save every N steps (0: at the end).")
     keep_last: int = Field(2, ge=1, description="Complete checkpoints to keep.")
-    at_end: bool = Field(True, description="Save a checkpoint when training finishes.")
+    at_end: bool = Field(True, description="Save a checkpoint at the end.")
 
 
 DType = Literal["float32", "bfloat16", "float16"]
 
 
 class ParallelConfig(Section):
-    tp: int = Field(1, ge=1, description="Tensor-parallel degree; data parallel gets the rest.")
+    tp: int = Field(1, ge=1, description="Tensor-parallel degree (the rest: data parallel).")
     sp: int = Field(
-        1, ge=1, description="Sequence-parallel degree (sequence-parallel skill)."
+        1, ge=1, description="Sequence-parallel degree (see its skill)."
     )
     param_dtype: DType = Field(
-        "float32", description="Dtype FSDP2 computes in (param_dtype)."
+        "float32", description="Dtype FSDP2 computes in."
     )
     reduce_dtype: DType = Field(
         "float32", description="Dtype of gradient reduce-scatter."
@@ -138,12 +138,12 @@ MetricsBackendName = Literal["wandb", "mlflow", "trackio"]
 
 
 class MetricsConfig(Section):
-    tensorboard: bool = Field(True, description="Also write TensorBoard events (if installed).")
+    tensorboard: bool = Field(True, description="TensorBoard events too (if installed).")
     peak_tflops: float | None = Field(
-        None, gt=0, description="Peak TFLOP/s of one device for MFU; known GPUs are looked up."
+        None, gt=0, description="A device's peak TFLOP/s, for MFU (known GPUs: looked up)."
     )
     backends: list[MetricsBackendName] = Field(
-        [], description="Also log to these (their keys: metrics.<name>.*)."
+        [], description="Also log to these (keys: metrics.<name>.*)."
     )
     wandb: WandbConfig = WandbConfig()
     mlflow: MlflowConfig = MlflowConfig()

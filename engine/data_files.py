@@ -16,6 +16,8 @@ store can be keyed by it (:mod:`engine.token_store`). Torch-free.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import glob
 import hashlib
 import os
@@ -23,7 +25,7 @@ import stat
 from pathlib import Path
 import json
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 from engine.config import ConfigError
 
@@ -32,6 +34,9 @@ WORKSPACE_VARIABLE = "TRAINWRIGHT_WORKSPACE"
 # (engine/token_store.py), the workspace's .trainwright/data-cache, bound writable.
 DATA_CACHE_VARIABLE = "TRAINWRIGHT_DATA_CACHE"
 STORE_META_JSON = "meta.json"  # a store's folder holds it once it is complete, written last
+# Beside each store of the cache, its lock: ``<key>.lock``, held by whoever looks it up or builds
+# it (engine/token_store.py) and by a removal (workspace.remove_cached_data), naming its holder.
+STORE_LOCK_SUFFIX = ".lock"
 
 # Set by the server for a run, a launch check or a model process that loads a model by Hub id
 # (runner/hub.py): JSON {name as given: snapshot folder}, the folders bound read-only.
@@ -57,8 +62,9 @@ class DataListing:
     hashing: bool = True  # False: the files listed, not read (a reader that only looks at their head)
 
     def add(self, path: Path) -> None:
-        """Fingerprint ``path`` (resolved, a regular file) as part of the data."""
-        self.files[path] = _file_sha256(path) if self.hashing else ""
+        """Fingerprint ``path`` (resolved, a regular file) as part of the data: read once per
+        process while its stat stays the same (:func:`_file_sha256`)."""
+        self.files[path] = _file_sha256(path, reuse=True) if self.hashing else ""
 
     def fingerprint(self) -> str | None:
         """One SHA-256 over the paths and contents of every file listed (as they were when
@@ -93,6 +99,57 @@ class DataListing:
     def summary_fields(self) -> dict[str, Any]:
         """The data summary's fields this listing fills (``fingerprint``, ``skipped``)."""
         return {"fingerprint": self.fingerprint(), "skipped": self.skipped_report()}
+
+
+def store_key_of(name: str) -> str:
+    """The key of a folder of the data cache: a store's (``<key>``) or a build's (``<key>.building-…``)."""
+    return name.split(".", 1)[0]
+
+
+@contextlib.contextmanager
+def holding_store_lock(cache_fd: int, key: str, acquire: Callable[[int], None]) -> Iterator[int]:
+    """Hold the lock of the store ``key`` in the cache folder ``cache_fd``: a flock on the file
+    ``<key>.lock`` (created 0600, following no link, without blocking on a FIFO; a name that is not
+    a regular file is refused with :class:`ConfigError`), which ``acquire(fd)`` takes (waiting,
+    bounded or not, or raising). The file is there only while the lock is held: its holder removes
+    it before releasing, so no lock file is left behind, and checks once it holds the lock that its
+    file is still the one of that name (else it was released and removed meanwhile: it tries again)."""
+    name = f"{key}{STORE_LOCK_SUFFIX}"
+    while True:
+        fd = _open_lock_file(cache_fd, name)
+        try:
+            acquire(fd)
+            held = os.fstat(fd)
+            try:
+                current = os.stat(name, dir_fd=cache_fd, follow_symlinks=False)
+            except FileNotFoundError:
+                current = None
+        except BaseException:
+            os.close(fd)
+            raise
+        if current is not None and (current.st_dev, current.st_ino) == (held.st_dev, held.st_ino):
+            break
+        os.close(fd)
+    try:
+        yield fd
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(name, dir_fd=cache_fd)
+        os.close(fd)  # closing releases the lock
+
+
+def _open_lock_file(cache_fd: int, name: str) -> int:
+    try:
+        fd = os.open(name, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, 0o600, dir_fd=cache_fd)
+    except OSError as e:
+        if e.errno not in (errno.ELOOP, errno.ENXIO, errno.EISDIR):
+            raise
+        fd = -1
+    if fd < 0 or not stat.S_ISREG(os.fstat(fd).st_mode):
+        if fd >= 0:
+            os.close(fd)
+        raise ConfigError(f"the data cache's {name} is not a regular file; remove it")
+    return fd
 
 
 def allowed_root() -> Path | None:
@@ -188,14 +245,35 @@ def _listable(path: Path, real: Path, shown: str, suffixes: set[str] | None, ski
     return True
 
 
-def _file_sha256(path: Path) -> str:
-    """Of a regular file: a FIFO swapped in after the listing would make the read wait for ever."""
+# What this process hashed: a file's path -> (its stat then, its SHA-256). A listing of a file
+# whose stat is unchanged reuses the digest: the ranks that wait for a store, then open it in
+# the engine, and rank 0 counting the data, then loading it, each read the corpus once.
+_hashed: dict[Path, tuple[tuple[int, ...], str]] = {}
+
+
+def _stat_identity(status: os.stat_result) -> tuple[int, ...]:
+    """What changes when a file's bytes do: its device, inode, size, modification and change times
+    (the change time cannot be set back by hand)."""
+    return (status.st_dev, status.st_ino, status.st_size, status.st_mtime_ns, status.st_ctime_ns)
+
+
+def _file_sha256(path: Path, reuse: bool = False) -> str:
+    """Of a regular file: a FIFO swapped in after the listing would make the read wait for ever.
+    ``reuse``: the digest this process already took of the file while its stat is the same (a
+    file written while it was hashed is not kept); :meth:`DataListing.changed` always reads."""
     digest = hashlib.sha256()
     with os.fdopen(os.open(path, os.O_RDONLY | os.O_NONBLOCK), "rb") as f:
-        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+        before = os.fstat(f.fileno())
+        if not stat.S_ISREG(before.st_mode):
             raise OSError(f"{path} is not a regular file")
+        identity = _stat_identity(before)
+        known = _hashed.get(path)
+        if reuse and known is not None and known[0] == identity:
+            return known[1]
         while chunk := f.read(1 << 20):
             digest.update(chunk)
+        if _stat_identity(os.fstat(f.fileno())) == identity:
+            _hashed[path] = (identity, digest.hexdigest())
     return digest.hexdigest()
 
 
@@ -328,13 +406,57 @@ def json_value(data: bytes, where: str, what: str, line_numbers: bool = False) -
     return value
 
 
-def jsonl_records(path: Path, name: str) -> Iterator[tuple[str, dict[str, Any]]]:
-    """``(where, record)`` for each non-blank line of a ``.jsonl`` data file, ``where`` being
-    ``name:line``. A line that is not a JSON object in UTF-8 — or nests too deep to parse, or
-    holds a lone surrogate no tokenizer takes — is a :class:`ConfigError` that names it. The one
-    reader of JSONL data for every template."""
+@dataclass(frozen=True)
+class LineRange:
+    """Lines of a file: from byte ``start`` (the start of line ``first_line``) up to byte ``end``
+    (the start of a later line; None: the file's end)."""
+
+    start: int = 0
+    end: int | None = None
+    first_line: int = 1
+
+
+def line_ranges(path: Path, count: int) -> list[LineRange]:
+    """``path`` cut at line starts into at most ``count`` ranges of about equal bytes, in order:
+    what workers read apart, as one reader reads the whole file (the same lines, the same line
+    numbers). The newlines before each cut are counted once, here."""
+    size = path.stat().st_size
+    ranges, start, line = [], 0, 1
     with open(path, "rb") as f:
-        for line_number, line in enumerate(f, 1):
+        for k in range(1, max(1, count)):
+            share_end = size * k // count
+            if share_end < 1:
+                continue
+            f.seek(share_end - 1)
+            cut = share_end - 1 + len(f.readline())  # the first line start at or after the k-th share's end
+            if cut <= start or cut >= size:
+                continue
+            ranges.append(LineRange(start, cut, line))
+            line += _newlines(f, start, cut)
+            start = cut
+    return [*ranges, LineRange(start, None, line)]
+
+
+def _newlines(f, start: int, end: int) -> int:
+    f.seek(start)
+    count, left = 0, end - start
+    while left > 0 and (chunk := f.read(min(left, 1 << 24))):
+        count, left = count + chunk.count(b"\n"), left - len(chunk)
+    return count
+
+
+def jsonl_records(path: Path, name: str, lines: LineRange = LineRange()) -> Iterator[tuple[str, dict[str, Any]]]:
+    """``(where, record)`` for each non-blank line of a ``.jsonl`` data file (of its ``lines``),
+    ``where`` being ``name:line``. A line that is not a JSON object in UTF-8 — or nests too deep to
+    parse, or holds a lone surrogate no tokenizer takes — is a :class:`ConfigError` that names it.
+    The one reader of JSONL data for every template."""
+    with open(path, "rb") as f:
+        f.seek(lines.start)
+        at = lines.start
+        for line_number, line in enumerate(f, lines.first_line):
+            if lines.end is not None and at >= lines.end:
+                break
+            at += len(line)
             if not line.strip():
                 continue
             where = f"{name}:{line_number}"

@@ -90,15 +90,48 @@ def _json_rows(path: Path, name: str) -> Iterator[tuple[str, dict[str, Any]]]:
         yield f"{name}:{index}", record
 
 
-def _parquet_rows(path: Path, name: str) -> Iterator[tuple[str, dict[str, Any]]]:
+@dataclass(frozen=True)
+class RowGroups:
+    """Row groups ``start`` up to ``end`` (exclusive) of a parquet file, whose first row is row
+    ``first_row`` of the file."""
+
+    start: int
+    end: int
+    first_row: int = 1
+
+
+def _parquet_file(path: Path, name: str):
     import pyarrow.parquet as pq
 
     try:
-        parquet = pq.ParquetFile(path)
+        return pq.ParquetFile(path)
     except Exception as e:  # pyarrow's errors for a file that is not parquet
         raise ConfigError(f"{name}: not a parquet file ({e})") from None
-    row = 0
-    for batch in parquet.iter_batches(batch_size=512):
+
+
+def row_group_ranges(path: Path, name: str, count: int) -> list[RowGroups]:
+    """A parquet file's row groups cut into at most ``count`` runs of about equal bytes, in
+    order: what workers read apart, as one reader reads the whole file (the same rows, numbered
+    the same)."""
+    metadata = _parquet_file(path, name).metadata
+    groups = [metadata.row_group(i) for i in range(metadata.num_row_groups)]
+    total = sum(group.total_byte_size for group in groups) or 1
+    ranges, start, first_row, done = [], 0, 1, 0
+    for index, group in enumerate(groups):
+        done += group.total_byte_size
+        if index + 1 < len(groups) and done * count >= total * (len(ranges) + 1):
+            ranges.append(RowGroups(start, index + 1, first_row))
+            first_row += sum(groups[i].num_rows for i in range(start, index + 1))
+            start = index + 1
+    return [*ranges, RowGroups(start, len(groups), first_row)]
+
+
+def parquet_rows(path: Path, name: str, groups: RowGroups | None = None) -> Iterator[tuple[str, dict[str, Any]]]:
+    """``(name:row, record)`` for each row of a parquet file (of its row ``groups``: those only)."""
+    parquet = _parquet_file(path, name)
+    row = 0 if groups is None else groups.first_row - 1
+    selected = None if groups is None else list(range(groups.start, groups.end))
+    for batch in parquet.iter_batches(batch_size=512, row_groups=selected):
         for record in batch.to_pylist():
             row += 1
             yield f"{name}:{row}", record
@@ -143,7 +176,7 @@ def _load_saved(raw: str, split: str | None, listing: DataListing | None = None)
 
 
 READERS: dict[str, Callable[[Path, str], Iterator[tuple[str, dict[str, Any]]]]] = {
-    ".jsonl": jsonl_records, ".json": _json_rows, ".parquet": _parquet_rows, ".csv": _csv_rows, ".tsv": _csv_rows,
+    ".jsonl": jsonl_records, ".json": _json_rows, ".parquet": parquet_rows, ".csv": _csv_rows, ".tsv": _csv_rows,
 }
 
 

@@ -17,7 +17,10 @@ epoch, shard, the record's byte offset in a JSONL shard or its index in another,
 that record's pieces are taken — the only carry-over, since pieces never cross records). It is
 in the checkpoint, every rank's, so a resume on the same number of data-parallel ranks re-reads
 that record and continues with the very next piece: bit for bit what an uninterrupted run reads.
-Nothing is shuffled: records come in shard order.
+Records come in shard order; with a shuffle buffer (``data.shuffle_buffer`` = n) a rank's pieces
+are read n at a time and each such block is handed out in an order drawn from the seed and the
+block's start (:func:`shuffle_blocks`), so the position is the block's start and how many of it
+were taken: a resume reads the block again and draws the same order.
 
 Pieces are whatever a template's ``pieces_of`` returns; :class:`PieceStream` hands them out and
 :class:`StreamBatches` collates them into a rank's micro-batches and checkpoints the position.
@@ -28,8 +31,9 @@ from __future__ import annotations
 import itertools
 import json
 import queue
+import random
 import threading
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, astuple, dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -63,6 +67,7 @@ class StreamPosition:
     offset: int = 0
     record: int = 0
     piece: int = 0
+    taken: int = 0  # with a shuffle buffer: pieces of the block that starts here already handed out
 
 
 def list_shards(paths: list[str], listing: DataListing | None = None) -> list[Shard]:
@@ -182,14 +187,35 @@ def read_pieces(shards: list[Shard], pieces_of: PiecesOf, start: StreamPosition,
         position = StreamPosition(position.epoch + 1)
 
 
+def shuffle_blocks(read: Callable[[StreamPosition], Iterator[tuple[Any, StreamPosition]]], start: StreamPosition,
+                   size: int, seed: int) -> Iterator[tuple[Any, StreamPosition]]:
+    """The pieces ``read(position)`` gives, ``size`` at a time, each block handed out in the order
+    a generator seeded with ``seed`` and the block's start draws; the position after a piece is
+    the block's start with ``taken`` = the pieces of it handed out. From a position with ``taken``
+    = k the block is read again and its first k pieces skipped: what an uninterrupted stream
+    hands out next."""
+    block_start, skip = replace(start, taken=0), start.taken
+    pieces = read(block_start)
+    while True:
+        block = list(itertools.islice(pieces, size))
+        order = list(range(len(block)))
+        random.Random(f"{seed}:{astuple(block_start)}").shuffle(order)
+        for k in range(skip, len(block)):
+            yield block[order[k]][0], replace(block_start, taken=k + 1)
+        if len(block) < size:
+            return
+        block_start, skip = block[-1][1], 0
+
+
 class PieceStream:
     """This rank's pieces, read and turned into pieces by a background thread into a bounded
     queue; :attr:`position` is where the consumer is (what a checkpoint keeps). Started at the
     first :meth:`take`, so a checkpoint's position can be loaded first."""
 
     def __init__(self, shards: list[Shard], pieces_of: PiecesOf, rank: int, world: int,
-                 read_ahead: int = QUEUE_PIECES):
+                 read_ahead: int = QUEUE_PIECES, shuffle_buffer: int = 0, seed: int = 0):
         self.shards, self.pieces_of, self.rank, self.world = shards, pieces_of, rank, world
+        self.shuffle_buffer, self.seed = shuffle_buffer, seed  # 0 or 1: in order
         self.position = StreamPosition()
         self._queue: queue.Queue = queue.Queue(maxsize=read_ahead)
         self._stop = threading.Event()
@@ -210,9 +236,18 @@ class PieceStream:
             taken.append(piece)
         return taken
 
+    def pieces(self, start: StreamPosition) -> Iterator[tuple[Any, StreamPosition]]:
+        """This rank's pieces from ``start`` on, each with the position after it, shuffled or not."""
+        def read(position: StreamPosition) -> Iterator[tuple[Any, StreamPosition]]:
+            return read_pieces(self.shards, self.pieces_of, position, self.rank, self.world)
+
+        if self.shuffle_buffer > 1:
+            return shuffle_blocks(read, start, self.shuffle_buffer, self.seed)
+        return read(start)
+
     def _produce(self, start: StreamPosition) -> None:
         try:
-            for item in read_pieces(self.shards, self.pieces_of, start, self.rank, self.world):
+            for item in self.pieces(start):
                 if not self._put(item):
                     return
         except BaseException as error:  # handed to the trainer, which raises it
@@ -268,7 +303,8 @@ class StreamBatches(Stateful):
         else:
             gathered = [local]
         # One string (a single DCP value whatever the number of ranks).
-        return {"streaming": json.dumps({"world": len(gathered), "per_rank": gathered})}
+        return {"streaming": json.dumps({"world": len(gathered), "per_rank": gathered,
+                                         "shuffle_buffer": self.stream.shuffle_buffer})}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         import torch.distributed as dist
@@ -281,6 +317,10 @@ class StreamBatches(Stateful):
         if int(saved["world"]) != world:
             raise ConfigError(f"a streamed run resumes on the number of processes it was saved on ({saved['world']}, "
                               f"not {world}): each process's share of the records is its own")
+        buffer = int(saved.get("shuffle_buffer", 0))
+        if buffer != self.stream.shuffle_buffer:
+            raise ConfigError(f"a streamed run resumes with the data.shuffle_buffer it was saved with ({buffer}, not "
+                              f"{self.stream.shuffle_buffer}): another buffer hands out the pieces in another order")
         self.stream.load_state(saved["per_rank"][dist.get_rank() if dist.is_initialized() else 0])
 
 

@@ -234,7 +234,9 @@ def train(recipe_class, config, args: argparse.Namespace, data=None) -> int:
             shown = ", ".join(f"{k}={json.dumps(v)}" for k, v in list(record.config_changes.items())[:30])
             print(f"config (differs from the recipe's defaults): {shown}", flush=True)
     elif (pending := rd.read_run(run_dir).data) is not None and pending.preparing is not None:
-        recipe_class.summarize_data(config)  # wait for the store here, not in a collective with its time limit
+        # Wait for the store here, not in a collective with its time limit. The engine then opens
+        # the store again; the files' digests taken now are reused (engine.data_files).
+        recipe_class.summarize_data(config)
     engine = recipe_class(config, dist_info, run_dir=run_dir, resume_from=args.resume_from)
     finished = False
     try:

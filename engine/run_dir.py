@@ -62,6 +62,9 @@ SNAPSHOT_DIRNAME = "recipe"
 UNCOMMITTED_PATCH = "uncommitted.patch"
 
 RUN_ID_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
+# Every process of a run (and of a launch check) carries its id in its environment
+# (runner.processes finds them by it; a store's lock names its holder by it).
+RUN_ID_VARIABLE = "TRAINWRIGHT_RUN_ID"
 MAX_RECORD_BYTES = 16 * 2**20  # a run's record file, read at most: run.json, and the server's record of it
 MAX_WARNINGS, MAX_WARNING_CHARS = 100, 2000
 

@@ -6,7 +6,8 @@ as ``seq_len``). Every split in it (``train``, ``eval``) is a flat token file (`
 the pieces back to back, uint16 when every value fits, else int32) and its index
 (``<split>.idx.npy``: where each piece starts, and the end); ``meta.json`` holds what the
 builder counted and is written last, so a folder without it is no store. The first process to
-need a store builds it under a lock, into a temporary folder published by a rename; every other
+need a store builds it under the store's own lock (:func:`locked_store`: runs of other data do
+not wait), into a temporary folder published by a rename; every other
 rank and every later run with the same key maps the same files, so a run's memory does not grow
 with the corpus (what it touches of the mapping is page cache, shared and reclaimable).
 
@@ -30,6 +31,7 @@ import fcntl
 import hashlib
 import json
 import os
+import re
 import shutil
 import tempfile
 import time
@@ -44,7 +46,10 @@ from pydantic import Field
 from engine.config import ConfigError, DataConfig
 from engine.data_files import DATA_CACHE_VARIABLE as CACHE_VARIABLE
 from engine.data_files import STORE_META_JSON as META_JSON
-from engine.data_files import HUB_DATASETS_VARIABLE, DataListing, bound_hub_path, data_files
+from engine.data_files import (
+    HUB_DATASETS_VARIABLE, DataListing, bound_hub_path, data_files, holding_store_lock, line_ranges,
+)
+from engine.run_dir import RUN_ID_VARIABLE
 
 STORE_FORMAT = 1  # part of every key: a store of another layout is never read as this one
 SPLITS = ("train", "eval")
@@ -60,6 +65,11 @@ HEAD_RECORDS = 100  # records of each file the launch check reads of data it lea
 PROGRESS_EVERY_S = 1.0  # how often a build reports its progress
 
 WAIT_POLL_S = 0.5  # how often a rank that does not build looks for the store
+# A store's lock held this long while its build writes nothing: whoever waits for it gives up,
+# naming the holder (a run that took the lock and builds nothing must not stop other runs for ever).
+LOCK_STALL_S = 120.0
+MAX_HOLDER_CHARS = 120
+_PRINTABLE = re.compile(r"[^ -~]")  # the holder's name, as its holder wrote it: printable ASCII only
 
 _in_launch_check = False
 _report: Callable[[dict[str, Any]], None] | None = None
@@ -104,7 +114,7 @@ class StoredDataConfig(DataConfig):
 
     tokenize_in_check_mb: float = Field(
         TOKENIZE_IN_CHECK_MB, ge=0,
-        description="MB; larger data is tokenized by the run.",
+        description="MB; larger data: tokenized by the run.",
     )
 
 
@@ -222,6 +232,34 @@ class TokenStore:
 _part_builder: Callable[["StoreWriter", int], dict[str, Any]] | None = None  # what a forked worker builds
 
 
+def build_workers() -> int:
+    """The processes a build runs on: one per core this process may use."""
+    return len(os.sched_getaffinity(0))
+
+
+def file_parts(files: list[tuple[Path, str]], workers: int | None = None) -> list[tuple[Path, str, Any]]:
+    """The parts a build reads apart, in order (``(file, name, part)``): each file whole (``part``
+    None), and a JSONL or parquet file larger than a worker's share of all the bytes cut into parts
+    of about that share — at line starts (a :class:`~engine.data_files.LineRange`) or by row groups
+    (a :class:`~engine.data_formats.RowGroups`) —, so that one large file keeps every core busy;
+    read in this order, the parts are the files' records in theirs."""
+    from engine.data_formats import row_group_ranges
+
+    workers = workers or build_workers()
+    sizes = [path.stat().st_size for path, _ in files]
+    share = max(1, sum(sizes) // workers)
+    parts: list[tuple[Path, str, Any]] = []
+    for (path, name), size in zip(files, sizes):
+        count = min(workers, -(-size // share))
+        if count > 1 and path.suffix == ".jsonl":
+            parts += [(path, name, lines) for lines in line_ranges(path, count)]
+        elif count > 1 and path.suffix == ".parquet":
+            parts += [(path, name, groups) for groups in row_group_ranges(path, name, count)]
+        else:
+            parts.append((path, name, None))
+    return parts
+
+
 def build_in_parts(writer: "StoreWriter", count: int, build_part: Callable[["StoreWriter", int], dict[str, Any]],
                    workers: int | None = None) -> list[dict[str, Any]]:
     """Build ``count`` parts of a store (``build_part(part_writer, i)`` adds part i's pieces and
@@ -229,7 +267,7 @@ def build_in_parts(writer: "StoreWriter", count: int, build_part: Callable[["Sto
     folder of its own, appended to ``writer`` in order as it comes: the same store as building
     them one after another. An error of a part is raised here (its message names its record)."""
     global _part_builder
-    workers = min(count, workers or len(os.sched_getaffinity(0)))
+    workers = min(count, workers or build_workers())
     if workers <= 1:
         return [build_part(writer, index) for index in range(count)]
     import multiprocessing
@@ -350,18 +388,19 @@ def value_dtype(max_value: int, signed: bool = False) -> str:
 def open_or_build(key: str, rows: int, dtype: str, build: Callable[[StoreWriter], dict[str, Any]],
                   input_bytes: int = 0, root: Path | None = None) -> TokenStore:
     """The store of ``key``: mapped when it is built, else built now by ``build`` (which adds the
-    pieces and returns the counts kept in ``meta.json``), under a lock so that the ranks of a run,
-    and runs at once, build it once: the node's first process (:func:`builds_here`) builds it, the
-    others wait until it is there. ``input_bytes`` (the size of the data read) decides the disk
-    space checked first. An error of ``build`` leaves nothing behind."""
+    pieces and returns the counts kept in ``meta.json``), under the store's lock
+    (:func:`locked_store`) so that the ranks of a run, and runs at once, build it once: the node's
+    first process (:func:`builds_here`) builds it, the others wait until it is there. ``input_bytes``
+    (the size of the data read) decides the disk space checked first. An error of ``build`` leaves
+    nothing behind."""
     root = cache_root() if root is None else root
     folder = root / key
     while not builds_here():  # another process of this node builds it: wait for it, without building
-        with locked_cache(root):
+        with locked_store(root, key):
             if (folder / META_JSON).is_file():
                 return TokenStore(folder, json.loads((folder / META_JSON).read_text()))
         time.sleep(WAIT_POLL_S)
-    with locked_cache(root):
+    with locked_store(root, key):
         if (folder / META_JSON).is_file():
             return TokenStore(folder, json.loads((folder / META_JSON).read_text()))
         for stale in root.glob(f"{key}.building-*"):  # left by a builder killed meanwhile (it held the lock)
@@ -395,19 +434,61 @@ def check_disk_space(input_bytes: int, root: Path | None = None) -> None:
 
 
 @contextlib.contextmanager
-def locked_cache(root: Path, wait: bool = True):
-    """The cache folder's own lock (a lock on the folder, so no lock file is left behind): held
-    while a store is looked up and built; ``wait=False`` raises ``BlockingIOError`` when held. A
-    link in the folder's place is refused (the lock would be another folder's)."""
+def locked_store(root: Path, key: str, wait: bool = True):
+    """The lock of the store ``key`` (``<key>.lock`` in the cache folder: a build of other data
+    never waits for it), held while the store is looked up and built, with its holder's name (its
+    run) written in it. A waiter gives up with :class:`ConfigError` naming the holder when the
+    holder's build of the store writes nothing for :data:`LOCK_STALL_S` (a run that holds the lock
+    and builds nothing); ``wait=False`` raises ``BlockingIOError`` at once when it is held. A link
+    in the cache folder's place is refused (the lock would be another folder's)."""
     try:
-        fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+        cache_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
     except OSError as e:
         if e.errno not in (errno.ELOOP, errno.ENOTDIR):
             raise
         raise ConfigError(f"the data cache {root} is a symbolic link or not a folder; remove it, or set "
                           f"{CACHE_VARIABLE} to a folder") from None
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX if wait else fcntl.LOCK_EX | fcntl.LOCK_NB)
-        yield
+        with holding_store_lock(cache_fd, key, lambda fd: _acquire(fd, root, key, wait)) as fd:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, lock_holder().encode(), 0)
+            yield
     finally:
-        os.close(fd)
+        os.close(cache_fd)
+
+
+def lock_holder() -> str:
+    """How a store's lock names this process: its run, else its pid."""
+    run = os.environ.get(RUN_ID_VARIABLE)
+    return f"run {run}" if run else f"process {os.getpid()} (not a run)"
+
+
+def _acquire(fd: int, root: Path, key: str, wait: bool) -> None:
+    written, since = -1, time.monotonic()
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            if not wait:
+                raise
+        now, building = time.monotonic(), building_bytes(root, key)
+        if building != written:
+            written, since = building, now
+        elif now - since > LOCK_STALL_S:
+            holder = _PRINTABLE.sub("?", os.pread(fd, MAX_HOLDER_CHARS, 0).decode(errors="replace")) or "another process"
+            raise ConfigError(f"the data cache's store {key} is locked by {holder}, which has written nothing of it for "
+                              f"{LOCK_STALL_S:.0f} s; stop that run, or launch again once it has ended")
+        time.sleep(WAIT_POLL_S)
+
+
+def building_bytes(root: Path, key: str) -> int:
+    """The bytes written so far into the builds of ``key`` (``<key>.building-*``, parts included):
+    what a waiter watches grow."""
+    total = 0
+    for building in root.glob(f"{key}.building-*"):
+        for folder, _, files in os.walk(building):
+            for name in files:
+                with contextlib.suppress(OSError):
+                    total += os.lstat(os.path.join(folder, name)).st_size
+    return total

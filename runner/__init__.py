@@ -11,6 +11,7 @@
 - ``scripts``      runs of the user's own training script: command, arguments, metrics lines
 - ``tensorboard_events`` a script's TensorBoard scalars, read as its metrics
 - ``nodes``        runs over several nodes: c10d rendezvous settings
+- ``local_ranks``  the ranks of a one-node run, started without torch (``python -m runner.local_ranks``)
 - ``slurm``        runs as SLURM jobs: the job script, sbatch, squeue/sacct, scancel
 - ``model_process`` the sandboxed process that exports, samples or evaluates a checkpoint
 - ``task_data``    the Hub data sets lm-eval task YAMLs name, found in the server's cache for ``evaluate``

@@ -9,7 +9,8 @@ A run is started in three moves, so that a bad request leaves nothing behind:
 2. ``start_run`` creates the server's record of the run (``.trainwright/runs/<id>/``, see
    :mod:`runner.server_record`) and ``runs/<id>/run.json`` (the run's copy, which it may
    rewrite), and spawns ``python -m runner.supervise`` in its own session, which starts the
-   engine (``torchrun`` when ``nproc > 1``) in a process group of its own, with the limits of :class:`~workspace.settings.RunLimits`, writes its output
+   engine (its ranks under :mod:`runner.local_ranks` when ``nproc > 1``, torchrun over several
+   nodes) in a process group of its own, with the limits of :class:`~workspace.settings.RunLimits`, writes its output
    to ``console.log`` and records the outcome;
 3. the caller gets the run id at once: nothing waits for the run.
 
@@ -45,6 +46,7 @@ from workspace.settings import RunLimits
 from sandbox.environment import THREADS_VARIABLE, run_environment, threads_per_process
 from runner.hub import ModelBinding
 from sandbox.network import LOOPBACK_ENV
+from runner.local_ranks import launcher_command
 from runner.nodes import Nodes, torchrun_args
 from runner.capacity import capacity_lock, check_capacity
 from runner.processes import RUN_ID_VARIABLE, end_processes, hidden_state, run_contained, run_processes
@@ -66,9 +68,13 @@ def engine_command(
     nodes: Nodes = Nodes(),
     rdzv_id: str = "",
 ) -> list[str]:
-    if nproc > 1 or nodes.multi:
+    """The engine's command: one process, the ranks of one node under :mod:`runner.local_ranks`
+    (torch-free), or this machine's node of a run over several under torchrun."""
+    if nodes.multi:
         command = [sys.executable, "-m", "torch.distributed.run", *torchrun_args(nodes, nproc, rdzv_id),
                    "-m", "engine.launch"]
+    elif nproc > 1:
+        command = [*launcher_command(nproc), "-m", "engine.launch"]
     else:
         command = [sys.executable, "-m", "engine.launch"]
     return command + engine_args(recipe_dir, run_dir, overrides, resume_from, config_json)

@@ -33,7 +33,7 @@ from workspace.settings import RunLimits
 if TYPE_CHECKING:
     from runner.server_record import ServerRecord
 
-RUN_ID_VARIABLE = "TRAINWRIGHT_RUN_ID"
+RUN_ID_VARIABLE = rd.RUN_ID_VARIABLE
 PR_SET_CHILD_SUBREAPER = 36
 _PROC = Path("/proc")
 

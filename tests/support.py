@@ -12,6 +12,7 @@ from pathlib import Path
 
 from engine import run_dir as rd
 from engine import run_metrics
+from runner.local_ranks import launcher_command
 
 REPO = Path(__file__).resolve().parent.parent
 TEMPLATE = REPO / "recipes_template" / "causal_lm"
@@ -39,9 +40,8 @@ def copy_template(dest: Path, name: str = "lm") -> Path:
 
 def engine_command(recipe: Path, *overrides: str, nproc: int = 1, resume_from: Path | None = None,
                    run_dir: Path | None = None) -> list[str]:
-    if nproc > 1:
-        command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                   "--nproc-per-node", str(nproc), "-m", "engine.launch", str(recipe)]
+    if nproc > 1:  # the ranks of one node, as a run starts them (runner.local_ranks: no torchrun)
+        command = [*launcher_command(nproc), "-m", "engine.launch", str(recipe)]
     else:
         command = [sys.executable, "-m", "engine.launch", str(recipe)]
     for item in overrides:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import functools
 import os
 import stat
 from dataclasses import dataclass
@@ -29,6 +30,7 @@ from pathlib import Path
 from typing import Iterator
 
 from engine import run_dir as rd
+from engine.data_files import holding_store_lock, store_key_of
 from engine.errors import MAX_QUOTED_CHARS, BadInput, NotFound
 from workspace.settings import RunLimits, effective_limits
 from workspace.paths import PathRefused, check_name, confine, refuse_reserved
@@ -302,8 +304,8 @@ def cached_data(workspace: Path | str) -> list[tuple[str, int]]:
 
 def remove_cached_data(workspace: Path | str, names: list[str]) -> list[tuple[str, int]]:
     """Remove the named stores (``all``: every one) from the data cache; returns what was removed.
-    A name that is not there is refused before anything is removed; while a store is being built
-    (the cache folder's lock held) nothing is removed. A run that maps a removed store keeps
+    A name that is not there is refused before anything is removed; while one of them is being
+    built (its lock, ``<key>.lock``, held) nothing is removed. A run that maps a removed store keeps
     reading it."""
     import shutil
 
@@ -316,17 +318,24 @@ def remove_cached_data(workspace: Path | str, names: list[str]) -> list[tuple[st
         raise NotFound(f"no cached data {missing[0][:MAX_QUOTED_CHARS]!r}; cached: {listed[:MAX_QUOTED_CHARS]}{cut}"
                        + (f" ({len(there)} stores; `trainwright data-cache` lists them)" if cut else ""))
     folder = data_cache_dir(workspace)
-    fd = open_real_dir(folder)  # the lock engine.token_store builds under (a link refused)
+    fd = open_real_dir(folder)  # a link refused
     try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise BadInput("a run is tokenizing its data into the cache; remove once it has started training") from None
-        for name in chosen:
-            shutil.rmtree(folder / name)
+        with contextlib.ExitStack() as held:
+            for key in dict.fromkeys(store_key_of(name) for name in chosen):  # the locks engine.token_store builds under
+                held.enter_context(holding_store_lock(fd, key, functools.partial(_take_now, key=key)))
+            for name in chosen:
+                shutil.rmtree(folder / name)
     finally:
         os.close(fd)
     return [(name, there[name]) for name in chosen]
+
+
+def _take_now(lock: int, key: str) -> None:
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        raise BadInput(f"a run is tokenizing its data into the cache (store {key}); remove once it has started "
+                       "training") from None
 
 
 def record_dir(workspace: Path | str, run_id: str) -> Path:

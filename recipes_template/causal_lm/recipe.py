@@ -36,9 +36,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, Llama
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 from engine.config import ConfigError, EngineConfig, Section
-from engine.data_files import DataListing, confined_path, data_files
+from engine.data_files import DataListing, LineRange, confined_path, data_files, jsonl_records
 from engine.data_formats import READERS as RECORD_READERS
-from engine.data_formats import is_saved_dataset, record_rows
+from engine.data_formats import RowGroups, is_saved_dataset, parquet_rows, record_rows
 from engine.data_stream import (
     PieceStream,
     Shard,
@@ -59,6 +59,7 @@ from engine.token_store import (
     TokenStore,
     build_in_parts,
     data_identity,
+    file_parts,
     leave_to_run,
     open_or_build,
     store_key,
@@ -79,10 +80,10 @@ class ModelConfig(Section):
     num_heads: int = Field(4, ge=1, description="Attention heads.")
     num_kv_heads: int = Field(2, ge=1, description="Key/value heads (GQA).")
     rope_theta: float = Field(10000.0, gt=0, description="RoPE base frequency.")
-    vocab_size: int | None = Field(None, ge=3, description="Embedding rows (default: the tokenizer's).")
-    tie_word_embeddings: bool = Field(False, description="The output layer is the embedding matrix.")
+    vocab_size: int | None = Field(None, ge=3, description="Embedding rows (default: tokenizer's).")
+    tie_word_embeddings: bool = Field(False, description="Output layer = embedding matrix.")
     attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = Field(
-        "sdpa", description="Attention kernel (flash_attention_2: CUDA only)."
+        "sdpa", description="Attention kernel (flash_attention_2: CUDA)."
     )
     pretrained_path: str | None = Field(
         None, description="A model folder, Hub id or run:RUN_ID@STEP."
@@ -100,20 +101,20 @@ class ModelConfig(Section):
 class CausalLMDataConfig(StoredDataConfig):
     source: Literal["stdlib", "files", "random"] | None = Field(
         None,
-        description="files: data.paths (default when set); stdlib: CPython's library; "
-        "random: ids, for benchmarks.",
+        description="files: data.paths (default when set); stdlib: CPython's library; random: ids.",
     )
     paths: list[str] = Field(
         default_factory=list,
-        description=".txt/.md/.py (a document each), .jsonl/.json/.parquet/.csv/.tsv, or folders.",
+        description=".txt/.md/.py (a document each), .jsonl/.json/.parquet/.csv/.tsv, folders.",
     )
     text_field: str = Field("text", description="The records' text column.")
     eval_fraction: float = Field(
-        0.05, ge=0, le=1, description="Held out for evaluation (1: all, for `evaluate`)."
+        0.05, ge=0, le=1, description="Fraction held out (1: all, for `evaluate`)."
     )
-    vocab_size: int = Field(32000, ge=3, description="data.source=random: ids below this.")
-    random_documents: int = Field(10000, ge=1, description="data.source=random: documents.")
-    streaming: bool = Field(False, description="Stream the data as it trains (README).")
+    vocab_size: int = Field(32000, ge=3, description="source=random: ids below this.")
+    random_documents: int = Field(10000, ge=1, description="source=random: documents.")
+    streaming: bool = Field(False, description="Read the data as it trains (README).")
+    shuffle_buffer: int = Field(0, ge=0, description="Streamed: shuffle N pieces at once.")
     dataset: str | None = Field(None, description="Streamed: a Hub data set's train split.")
 
     @model_validator(mode="after")
@@ -130,6 +131,9 @@ class CausalLMDataConfig(StoredDataConfig):
             )
         elif self.source == "files" and not self.paths and not self.dataset:
             raise ValueError("data.source=files needs data.paths (files or folders, relative to the workspace)")
+        if self.shuffle_buffer and not self.streaming:
+            raise ValueError("data.shuffle_buffer shuffles a stream (data.streaming=true); without it every "
+                             "epoch is shuffled whole already: leave it out")
         if self.streaming and self.source != "files":
             raise ValueError(f"data.streaming reads data.paths; data.source={self.source} has none to stream")
         if self.streaming:
@@ -268,7 +272,7 @@ def read_documents(cfg: CausalLMDataConfig, listing: DataListing | None = None,
         found = True
         yield where, _text(record, cfg.text_field, where)
     for path, name in _expand_paths([p for p in cfg.paths if not is_saved_dataset(Path(p))], listing):
-        for document in file_documents(cfg, path, name, head):
+        for document in file_documents(cfg, path, name, head=head):
             found = True
             yield document
     if not found:
@@ -278,10 +282,18 @@ def read_documents(cfg: CausalLMDataConfig, listing: DataListing | None = None,
 NO_DOCUMENTS = "no documents in data.paths={paths} (.txt, .md, .py files, .jsonl lines)"
 
 
-def file_documents(cfg: CausalLMDataConfig, path: Path, name: str, head: int | None = None) -> Iterator[tuple[str, str]]:
-    """The ``(name, text)`` pairs of one data file (``name``: as :func:`_expand_paths` names it)."""
+def file_documents(cfg: CausalLMDataConfig, path: Path, name: str, part: LineRange | RowGroups | None = None,
+                   head: int | None = None) -> Iterator[tuple[str, str]]:
+    """The ``(name, text)`` pairs of one data file (``name``: as :func:`_expand_paths` names it;
+    ``part``: of a JSONL or parquet file, those lines or row groups only)."""
     if path.suffix in RECORD_READERS:  # a text column of each record
-        for where, record in islice(RECORD_READERS[path.suffix](path, name), head):
+        if isinstance(part, LineRange):
+            rows = jsonl_records(path, name, part)
+        elif isinstance(part, RowGroups):
+            rows = parquet_rows(path, name, part)
+        else:
+            rows = RECORD_READERS[path.suffix](path, name)
+        for where, record in islice(rows, head):
             yield where, _text(record, cfg.text_field, where)
     else:
         yield name, path.read_text(errors="replace")
@@ -388,7 +400,7 @@ def token_store(cfg: CausalLMDataConfig, tokenizer, listing: DataListing) -> Tok
     def build(store) -> dict[str, Any]:
         read = DataListing()
         if cfg.source == "files" and not any(is_saved_dataset(Path(p)) for p in cfg.paths):
-            files = _expand_paths(cfg.paths, read)  # a part per file, over the cores
+            files = file_parts(_expand_paths(cfg.paths, read))  # a part per file (a large one: several), over the cores
             parts = build_in_parts(store, len(files), lambda part, i: add_documents(part, file_documents(cfg, *files[i])))
         else:
             parts = [add_documents(store, read_documents(cfg, read))]
@@ -586,7 +598,7 @@ class CausalLM(Engine):
         """data.streaming: this rank's batches from its share of data.paths, read as they go."""
         cfg = self.config.data
         stream = PieceStream(stream_shards(cfg), stream_pieces(cfg, self.tokenizer), self.dist.dp_rank,
-                             self.dist.dp_size)
+                             self.dist.dp_size, shuffle_buffer=cfg.shuffle_buffer, seed=self.config.train.seed)
         return StreamBatches(stream, self.micro_batch_size,
                              lambda pieces: collate(pieces, cfg.seq_len, self.tokenizer.pad_token_id))
 

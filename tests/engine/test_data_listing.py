@@ -68,3 +68,51 @@ def test_the_data_summary_names_what_was_skipped():
     assert summary.describe().startswith(
         "data: files from notes: 3 files, 2 skipped (notes/guide.rst: extension .rst is not one this recipe "
         "reads (.md, .txt); …), 3 documents")
+
+
+class HashedBytes:
+    """Counts the bytes SHA-256 reads in ``engine.data_files`` (its ``hashlib.sha256`` wrapped)."""
+
+    def __init__(self, monkeypatch):
+        import hashlib
+
+        self.count, real = 0, hashlib.sha256
+        counter = self
+
+        class Counting:
+            def __init__(self, data: bytes = b""):
+                self.digest_of = real(data)
+                counter.count += len(data)
+
+            def update(self, data: bytes) -> None:
+                counter.count += len(data)
+                self.digest_of.update(data)
+
+            def hexdigest(self) -> str:
+                return self.digest_of.hexdigest()
+
+        monkeypatch.setattr(df, "hashlib", type("hashlib", (), {"sha256": Counting}))
+        monkeypatch.setattr(df, "_hashed", {})
+
+
+def test_a_file_is_hashed_once_per_process_while_its_stat_is_unchanged_and_again_once_rewritten(tmp_path, monkeypatch):
+    import hashlib
+
+    data = tmp_path / "corpus.txt"
+    data.write_bytes(b"a" * 100_000)
+    hashed = HashedBytes(monkeypatch)
+    first = df.DataListing()
+    df.data_files([str(data)], SUFFIXES, root=tmp_path, listing=first)
+    assert hashed.count == 100_000
+    second = df.DataListing()
+    df.data_files([str(data)], SUFFIXES, root=tmp_path, listing=second)
+    assert hashed.count == 100_000 and second.files == first.files
+    assert first.changed() == [] and hashed.count == 200_000  # whether it changed is always read
+
+    # The same size and modification time, other bytes: the change time tells.
+    before = data.stat()
+    data.write_bytes(b"b" * 100_000)
+    os.utime(data, ns=(before.st_atime_ns, before.st_mtime_ns))
+    third = df.DataListing()
+    df.data_files([str(data)], SUFFIXES, root=tmp_path, listing=third)
+    assert third.files[data.resolve()] == hashlib.sha256(b"b" * 100_000).hexdigest() != first.files[data.resolve()]

@@ -22,6 +22,7 @@ from engine.data_files import DataListing
 from recipes_template.causal_lm import recipe as causal_lm
 from recipes_template.causal_lm.recipe import CausalLM
 from recipes_template.sft.recipe import SFT
+from tests.engine.test_data_listing import HashedBytes
 from tests.support import REPO, TEMPLATE, engine_command, engine_env
 
 SFT_TEMPLATE = REPO / "recipes_template" / "sft"
@@ -349,3 +350,86 @@ def test_dpo_pairs_left_to_the_run_are_tokenized_there_with_the_exact_summary(tm
     exact = check(dpo_template, f"data.paths=[{data}]", capsys=capsys)
     assert summary.preparing is None and summary.model_dump(mode="json") == exact["data"]
     assert summary.documents == 40 and summary.loss_tokens > 0 and summary.format == "prompt_chosen_rejected"
+
+
+def test_a_rank_that_waits_for_the_store_reads_the_corpus_once(tmp_path, cache, monkeypatch):
+    data = write_corpus(tmp_path / "data")
+    config = config_of(f"data.paths=[{data}]")
+    CausalLM.summarize_data(config)  # rank 0 built the store
+    corpus = sum(path.stat().st_size for path in data.iterdir())
+    hashed = HashedBytes(monkeypatch)  # rank 1, a process of its own: nothing hashed yet
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    CausalLM.summarize_data(config)  # what engine.launch.train has it do to wait for the store
+    causal_lm.token_store(config.data, causal_lm.data_tokenizer(config), DataListing())  # the engine's store
+    assert corpus <= hashed.count < corpus + 5_000  # the files once, and the fingerprints' lines
+
+
+def test_one_large_jsonl_file_is_read_apart_at_line_starts_into_the_store_one_process_builds(tmp_path, monkeypatch):
+    from engine.data_files import jsonl_records, line_ranges
+
+    data = tmp_path / "data" / "one.jsonl"
+    data.parent.mkdir()
+    with open(data, "w") as f:
+        for i in range(300):  # blank lines among the records, the last without its newline
+            f.write("\n" if i % 37 == 5 else json.dumps({"text": f"def f{i}(x):\n    return x * {i}\n" * (1 + i % 5)})
+                    + ("\n" if i < 299 else ""))
+    whole = list(jsonl_records(data, "one.jsonl"))
+    for count in (2, 3, 7):
+        ranges = line_ranges(data, count)
+        assert len(ranges) == count and ranges[0].start == 0 and ranges[-1].end is None
+        assert [r.end for r in ranges[:-1]] == [r.start for r in ranges[1:]]
+        assert [record for lines in ranges for record in jsonl_records(data, "one.jsonl", lines)] == whole
+    assert len(token_store.file_parts([(data, "one.jsonl")], workers=3)) == 3
+
+    built = {}
+    for workers in (1, 3):
+        monkeypatch.setenv(token_store.CACHE_VARIABLE, str(tmp_path / f"cache-{workers}"))
+        monkeypatch.setattr(os, "sched_getaffinity", lambda pid, n=workers: set(range(n)))
+        store = causal_lm.token_store(causal_lm.CausalLMDataConfig(paths=[str(data.parent)], seq_len=16,
+                                                                   eval_fraction=0.2),
+                                      causal_lm.ByteTokenizer(), DataListing())
+        built[workers] = (store.meta, {p.name: p.read_bytes() for p in sorted(store.folder.iterdir())})
+    assert built[1] == built[3] and built[1][0]["counts"]["files"] == 1
+
+    with open(data, "a") as f:
+        f.write('\n{"body": "no text"}\n')
+    for workers in (1, 3):  # a bad record in the last part is named by its line, as one reader names it
+        monkeypatch.setenv(token_store.CACHE_VARIABLE, str(tmp_path / f"bad-{workers}"))
+        monkeypatch.setattr(os, "sched_getaffinity", lambda pid, n=workers: set(range(n)))
+        with pytest.raises(ConfigError, match=r"one\.jsonl:301: no text under 'text'"):
+            causal_lm.token_store(causal_lm.CausalLMDataConfig(paths=[str(data.parent)], seq_len=16),
+                                  causal_lm.ByteTokenizer(), DataListing())
+
+
+def test_one_large_parquet_file_is_read_apart_by_row_groups_into_the_store_one_process_builds(tmp_path, monkeypatch):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from engine.data_formats import parquet_rows, row_group_ranges
+
+    data = tmp_path / "data" / "one.parquet"
+    data.parent.mkdir()
+    texts = [f"def f{i}(x):\n    return x * {i}\n" * (1 + i % 5) for i in range(60)]
+    pq.write_table(pa.table({"text": texts}), data, row_group_size=7)  # 9 row groups
+    whole = list(parquet_rows(data, "one.parquet"))
+    ranges = row_group_ranges(data, "one.parquet", 3)
+    assert len(ranges) == 3 and (ranges[0].start, ranges[-1].end) == (0, 9)
+    assert [r.end for r in ranges[:-1]] == [r.start for r in ranges[1:]]
+    assert [row for groups in ranges for row in parquet_rows(data, "one.parquet", groups)] == whole
+
+    def build(workers: int, cache: str):
+        monkeypatch.setenv(token_store.CACHE_VARIABLE, str(tmp_path / cache))
+        monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(workers)))
+        return causal_lm.token_store(causal_lm.CausalLMDataConfig(paths=[str(data.parent)], seq_len=16,
+                                                                   eval_fraction=0.2),
+                                     causal_lm.ByteTokenizer(), DataListing())
+
+    built = {workers: build(workers, f"cache-{workers}") for workers in (1, 3)}
+    assert built[1].meta == built[3].meta
+    assert {p.name: p.read_bytes() for p in built[1].folder.iterdir()} == \
+        {p.name: p.read_bytes() for p in built[3].folder.iterdir()}
+
+    pq.write_table(pa.table({"text": texts[:50] + [None] + texts[51:]}), data, row_group_size=7)
+    for workers in (1, 3):  # a bad row in the last part is named by its row, as one reader names it
+        with pytest.raises(ConfigError, match=r"one\.parquet:51: no text under 'text'"):
+            build(workers, f"bad-{workers}")

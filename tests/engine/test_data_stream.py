@@ -104,6 +104,39 @@ def test_a_piece_stream_checkpoints_where_the_trainer_is_not_where_the_reader_is
         StreamBatches(PieceStream(corpus, chunks, 0, 1), 3, list).load_state_dict({"position": 12})
 
 
+@pytest.mark.parametrize("rank,world", [(0, 1), (1, 2)])
+def test_a_shuffle_buffer_reorders_each_block_by_the_seed_and_resumes_anywhere_as_the_uninterrupted_one(
+        corpus, rank, world):
+    in_order = [piece for piece, _ in itertools.islice(read_pieces(corpus, chunks, StreamPosition(), rank, world), 300)]
+    shuffled = list(itertools.islice(PieceStream(corpus, chunks, rank, world, shuffle_buffer=7, seed=3)
+                                     .pieces(StreamPosition()), 300))
+    pieces = [piece for piece, _ in shuffled]
+    for block in range(0, 294, 7):  # each block of 7 is the stream's next 7 pieces, in another order
+        assert sorted(pieces[block:block + 7]) == sorted(in_order[block:block + 7])
+    assert pieces[:294] != in_order[:294]
+    assert pieces == [p for p, _ in itertools.islice(
+        PieceStream(corpus, chunks, rank, world, shuffle_buffer=7, seed=3).pieces(StreamPosition()), 300)]
+    assert pieces != [p for p, _ in itertools.islice(
+        PieceStream(corpus, chunks, rank, world, shuffle_buffer=7, seed=4).pieces(StreamPosition()), 300)]
+    stream = PieceStream(corpus, chunks, rank, world, shuffle_buffer=7, seed=3)
+    for k in range(0, len(shuffled) - 20, 5):
+        assert list(itertools.islice(stream.pieces(shuffled[k][1]), 20)) == shuffled[k + 1:k + 21], k
+
+
+def test_a_shuffled_stream_resumes_only_with_its_buffer(corpus):
+    batches = StreamBatches(PieceStream(corpus, chunks, 0, 1, shuffle_buffer=5, seed=1), 3, list)
+    [next(batches) for _ in range(4)]
+    state = batches.state_dict()
+    after = [next(batches) for _ in range(3)]
+    again = StreamBatches(PieceStream(corpus, chunks, 0, 1, shuffle_buffer=5, seed=1), 3, list)
+    again.load_state_dict(state)
+    assert [next(again) for _ in range(3)] == after
+    batches.stream.close()
+    again.stream.close()
+    with pytest.raises(ConfigError, match=r"resumes with the data.shuffle_buffer it was saved with \(5, not 0\)"):
+        StreamBatches(PieceStream(corpus, chunks, 0, 1), 3, list).load_state_dict(state)
+
+
 def test_a_bad_record_in_a_later_shard_fails_the_stream_naming_shard_and_record(corpus, tmp_path):
     with open(tmp_path / "data" / "more" / "d.jsonl", "a") as f:
         f.write('{"text": "fine"}\n{"text": broken\n')

@@ -12,7 +12,7 @@ import torch
 
 from engine import token_store
 from engine.config import ConfigError
-from engine.errors import NotFound
+from engine.errors import BadInput, NotFound
 from engine.data_files import DataListing
 from recipes_template.causal_lm import recipe as causal_lm
 from recipes_template.sft import recipe as sft
@@ -161,7 +161,7 @@ def test_the_cache_lock_refuses_a_link_in_the_folders_place(tmp_path, monkeypatc
     elsewhere.mkdir()
     (tmp_path / "cache").symlink_to(elsewhere)
     with pytest.raises(ConfigError, match="the data cache .*cache is a symbolic link or not a folder"):
-        with token_store.locked_cache(tmp_path / "cache"):
+        with token_store.locked_store(tmp_path / "cache", "k" * 32):
             pass
     ws = tmp_path / "ws"
     (ws / ".trainwright").mkdir(parents=True)
@@ -173,3 +173,67 @@ def test_the_cache_lock_refuses_a_link_in_the_folders_place(tmp_path, monkeypatc
     with pytest.raises(BadInput, match="symbolic link"):  # and the lock a removal takes refuses it
         remove_cached_data(ws, [])
     assert (elsewhere / "kept").is_dir()
+
+
+def test_a_store_being_built_holds_up_only_the_builds_and_removals_of_that_store(tmp_path, cache, monkeypatch):
+    building, other = "a" * 32, "b" * 32
+    (cache / building).mkdir(parents=True)
+    (cache / other).mkdir()
+    with token_store.locked_store(cache, building):
+        with token_store.locked_store(cache, other, wait=False):  # other data builds meanwhile
+            pass
+        with pytest.raises(BlockingIOError):
+            with token_store.locked_store(cache, building, wait=False):
+                pass
+        with pytest.raises(BadInput, match=f"a run is tokenizing its data into the cache \\(store {building}\\)"):
+            remove_cached_data(tmp_path / "ws", ["all"])
+        assert (cache / other).is_dir()  # refused: nothing removed
+        assert remove_cached_data(tmp_path / "ws", [other]) == [(other, 0)]
+    assert remove_cached_data(tmp_path / "ws", [building]) == [(building, 0)]
+    assert sorted(cache.iterdir()) == []  # a lock's file is there only while it is held
+
+
+def test_a_waiter_waits_while_the_holder_builds_and_gives_up_naming_a_holder_that_builds_nothing(cache, monkeypatch):
+    import threading
+    import time
+
+    monkeypatch.setattr(token_store, "LOCK_STALL_S", 0.6)
+    monkeypatch.setattr(token_store, "WAIT_POLL_S", 0.05)
+    monkeypatch.setenv(token_store.RUN_ID_VARIABLE, "lm-20261204-holder")
+    key = "c" * 32
+    cache.mkdir(parents=True, exist_ok=True)
+    held, release = threading.Event(), threading.Event()
+
+    def holder(writes: int) -> None:
+        with token_store.locked_store(cache, key):
+            held.set()
+            part = cache / f"{key}.building-x" / "train.bin"
+            part.parent.mkdir(exist_ok=True)
+            for _ in range(writes):  # a build that goes on: 1.2 s in all, twice the stall
+                with open(part, "ab") as f:
+                    f.write(b"x" * 100)
+                time.sleep(0.2)
+            release.wait(10)
+
+    thread = threading.Thread(target=holder, args=(6,))
+    thread.start()
+    held.wait(10)
+    release.set()
+    start = time.monotonic()
+    with token_store.locked_store(cache, key):  # waited for the whole build, then got it
+        assert time.monotonic() - start >= 1.0
+    thread.join()
+
+    release.clear()
+    held.clear()
+    thread = threading.Thread(target=holder, args=(0,))
+    thread.start()
+    held.wait(10)
+    try:
+        with pytest.raises(ConfigError, match=f"the data cache's store {key} is locked by run lm-20261204-holder, "
+                                              "which has written nothing of it for 1 s"):
+            with token_store.locked_store(cache, key):
+                pass
+    finally:
+        release.set()
+        thread.join()

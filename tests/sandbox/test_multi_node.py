@@ -1,8 +1,8 @@
 """Two "nodes" on one machine: two torchrun agents of one process each, meeting at a c10d
 rendezvous on 127.0.0.1, each started by a launch of its own, as on two machines.
 
-One pair of runs: a 2-process run on one node (the reference: the engine under torchrun
---standalone) and the 2-node run. The 2-node
+One pair of runs: a 2-process run on one node (the reference: the engine's two ranks as a
+one-node run starts them, under ``runner.local_ranks``) and the 2-node run. The 2-node
 run's losses match the reference's; then one node is killed as a machine dies (its supervisor,
 its sandbox and everything in them at once), the other node's run fails with a status that
 says why, and no process of either node is left.
@@ -58,7 +58,7 @@ def ended(run_dir: Path) -> bool:
 def test_two_nodes_match_one_node_and_a_dead_node_fails_the_run_leaving_no_process(tmp_path):
     ws = Workspace.open(make_workspace(tmp_path / "ws"))
 
-    # The reference, the engine under torchrun --standalone, runs meanwhile: start-ups overlap.
+    # The reference, two ranks of one node (runner.local_ranks), runs meanwhile: start-ups overlap.
     t0 = time.monotonic()
     (tmp_path / "ref").mkdir()
     reference = subprocess.Popen(

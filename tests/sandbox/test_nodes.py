@@ -11,17 +11,22 @@ import pytest
 
 from engine.errors import BadInput
 from workspace.settings import RunLimits, tighten
-from runner.nodes import check_allowed, check_endpoint, check_nodes, route_source
+from runner.nodes import Nodes, check_allowed, check_endpoint, check_nodes, route_source, torchrun_args
 from runner.lifecycle import engine_command
 
 RECIPE, RUN = Path("/ws/runs/r0/recipe"), Path("/ws/runs/r0")
 
 
-def test_one_node_is_torchrun_standalone_on_loopback():
+def test_the_ranks_of_one_node_start_under_the_torch_free_launcher():
     assert engine_command(RECIPE, RUN, 2, ["train.max_steps=5"]) == [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--local-addr", "127.0.0.1",
-        "--nproc-per-node", "2", "-m", "engine.launch", str(RECIPE), "--run-dir", str(RUN), "--set=train.max_steps=5",
+        sys.executable, "-m", "runner.local_ranks", "--nproc-per-node", "2", "-m", "engine.launch", str(RECIPE),
+        "--run-dir", str(RUN), "--set=train.max_steps=5",
     ]
+    assert engine_command(RECIPE, RUN, 1, []) == [sys.executable, "-m", "engine.launch", str(RECIPE), "--run-dir", str(RUN)]
+
+
+def test_a_script_on_one_node_is_torchrun_standalone_on_loopback():
+    assert torchrun_args(Nodes(), 2, "r0") == ["--standalone", "--local-addr", "127.0.0.1", "--nproc-per-node", "2"]
 
 
 def test_nodes_meet_at_a_c10d_rendezvous_and_nodes_of_one_machine_get_their_own_loopback_address():

@@ -1,6 +1,6 @@
 """Real training runs through the MCP tools: the server's secrets never reach them, their limits
-and network are what the configuration says, stop_run leaves no process behind (torchrun and its
-workers included), and runs launched at once do not cross."""
+and network are what the configuration says, stop_run leaves no process behind (the ranks' launcher
+and its ranks included), and runs launched at once do not cross."""
 
 from __future__ import annotations
 
@@ -92,7 +92,7 @@ def test_a_secret_never_reaches_a_run_its_logs_or_the_audit(workspace, monkeypat
 
 
 @pytest.mark.multiprocess
-def test_stop_run_ends_torchrun_its_workers_and_what_they_detached(workspace):
+def test_stop_run_ends_the_launcher_its_ranks_and_what_they_detached(workspace):
     derived_recipe(workspace, "detaching", (
         "import subprocess\n\n\n"
         "class Detaching(CausalLM):\n"
@@ -106,7 +106,7 @@ def test_stop_run_ends_torchrun_its_workers_and_what_they_detached(workspace):
         run_dir = workspace / "runs" / run_id
         wait_step(run_dir, 2)
         pids = run_pids(run_dir)
-        # The supervisor, torchrun, two workers (each in its own session) and two sleeps at least.
+        # The supervisor, the ranks' launcher, two ranks and two sleeps (each in a session of its own) at least.
         assert len(pids) >= 6, pids
         sessions = {os.getsid(p) for p in pids}
         assert len(sessions) >= 4, "the run's processes span several sessions"

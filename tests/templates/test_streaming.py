@@ -1,5 +1,5 @@
 """causal_lm with data.streaming: a folder of shards trains without the data cache, resumes
-mid-stream bit for bit (on one process and on two), and a bad record in a later shard fails the
+mid-stream bit for bit with a shuffle buffer (on one process and on two), and a bad record in a later shard fails the
 run naming the shard and the record; the launch check reads only the first shard's first records."""
 
 from __future__ import annotations
@@ -15,13 +15,14 @@ import pytest
 from engine import run_checkpoints
 from engine import run_dir as rd
 from engine.config import ConfigError
-from engine.data_stream import StreamPosition, list_shards, read_pieces
+from engine.data_stream import PieceStream, StreamPosition, list_shards
 from recipes_template.causal_lm import recipe as causal_lm
 from tests.support import TINY, copy_template, engine_command, engine_env, existing_runs, losses, new_run_dirs, run_engine
 
 STEPS = 8
 SCHEDULE = (*TINY, "data.paths=[shards]", "data.streaming=true", f"train.max_steps={STEPS}", "checkpoint.every=4",
             "checkpoint.keep_last=5")
+SHUFFLED = (*SCHEDULE, "data.shuffle_buffer=6")
 WORDS = "def class return import self for in if else while yield lambda print range with as".split()
 
 
@@ -47,16 +48,17 @@ def workspace(tmp_path_factory):
 @pytest.fixture(scope="module")
 def reference(workspace):
     root, recipe = workspace
-    return run_engine(root, recipe, *SCHEDULE)
+    return run_engine(root, recipe, *SHUFFLED)
 
 
-def position_after(root: Path, pieces: int, rank: int = 0, world: int = 1) -> StreamPosition:
+def position_after(root: Path, pieces: int, rank: int = 0, world: int = 1, shuffle_buffer: int = 0) -> StreamPosition:
     """Where a rank's stream of the workspace's shards stands after ``pieces`` pieces."""
-    cfg = causal_lm.CausalLMConfig.model_validate({"data": {"paths": [str(root / "shards")], "streaming": True,
-                                                             "seq_len": 64}}).data
-    stream = read_pieces(list_shards(cfg.paths), causal_lm.stream_pieces(cfg, causal_lm.ByteTokenizer()),
-                         StreamPosition(), rank, world)
-    return next(itertools.islice(stream, pieces - 1, None))[1]
+    config = causal_lm.CausalLMConfig.model_validate({"data": {"paths": [str(root / "shards")], "streaming": True,
+                                                               "seq_len": 64}})
+    cfg = config.data
+    stream = PieceStream(list_shards(cfg.paths), causal_lm.stream_pieces(cfg, causal_lm.ByteTokenizer()), rank, world,
+                         shuffle_buffer=shuffle_buffer, seed=config.train.seed)
+    return next(itertools.islice(stream.pieces(StreamPosition()), pieces - 1, None))[1]
 
 
 def test_a_folder_of_shards_trains_and_leaves_the_data_cache_untouched(workspace, reference):
@@ -72,26 +74,28 @@ def test_a_folder_of_shards_trains_and_leaves_the_data_cache_untouched(workspace
     assert not (root / "data-cache").exists() or not any((root / "data-cache").iterdir())
 
 
-def test_resume_mid_stream_is_bit_identical(workspace, reference):
+def test_resume_mid_stream_with_a_shuffle_buffer_is_bit_identical(workspace, reference):
     root, recipe = workspace
-    # The checkpoint at step 4 (16 sequences) stands inside a record of the second shard.
-    at = position_after(root, 16)
-    assert at.shard == 1 and at.piece >= 1 and at.offset > 0, at
+    # The checkpoint at step 4 (16 sequences) stands inside the third block of 6, which starts
+    # inside a record of the second shard.
+    at = position_after(root, 16, shuffle_buffer=6)
+    assert at.taken == 4 and at.shard == 1 and at.piece >= 1, at
     checkpoint = dict(run_checkpoints.list_checkpoints(reference))[4]
-    resumed = run_engine(root, recipe, *SCHEDULE, resume_from=checkpoint)
+    resumed = run_engine(root, recipe, *SHUFFLED, resume_from=checkpoint)
     assert losses(resumed) == {s: v for s, v in losses(reference).items() if s > 4}
 
 
 @pytest.mark.multiprocess
 def test_two_processes_resume_mid_stream_bit_identical(workspace):
     root, recipe = workspace
-    two = run_engine(root, recipe, *SCHEDULE, nproc=2)
-    for rank in (0, 1):  # step 4: each rank inside a record of its own share of the second shard
-        at = position_after(root, 8, rank, 2)
-        assert at.shard == 1 and at.record % 2 == rank and at.piece >= 1 and at.offset > 0, (rank, at)
-    resumed = run_engine(root, recipe, *SCHEDULE, nproc=2, resume_from=dict(run_checkpoints.list_checkpoints(two))[4])
+    shuffled = (*SCHEDULE, "data.shuffle_buffer=5")
+    two = run_engine(root, recipe, *shuffled, nproc=2)
+    for rank in (0, 1):  # step 4: each rank 3 pieces into its second block, which starts in a record of its share
+        at = position_after(root, 8, rank, 2, shuffle_buffer=5)
+        assert at.taken == 3 and at.record % 2 == rank, (rank, at)
+    resumed = run_engine(root, recipe, *shuffled, nproc=2, resume_from=dict(run_checkpoints.list_checkpoints(two))[4])
     assert losses(resumed) == {s: v for s, v in losses(two).items() if s > 4}
-    refused = subprocess.run(engine_command(recipe, *SCHEDULE, resume_from=dict(run_checkpoints.list_checkpoints(two))[4]),
+    refused = subprocess.run(engine_command(recipe, *shuffled, resume_from=dict(run_checkpoints.list_checkpoints(two))[4]),
                              cwd=root, env=engine_env(), capture_output=True, text=True, timeout=300)
     assert refused.returncode != 0
     assert "resumes on the number of processes it was saved on (2, not 1)" in refused.stdout + refused.stderr
@@ -138,6 +142,8 @@ def test_streaming_settings_that_would_not_act_are_refused():
     with pytest.raises(ValueError, match="holds out no fraction of a stream"):
         causal_lm.CausalLMConfig.model_validate({"data": {"paths": ["x"], "streaming": True, "eval_fraction": 0.1}})
     causal_lm.CausalLMConfig.model_validate({"data": {"paths": ["x"], "streaming": True, "eval_fraction": 1}})
+    with pytest.raises(ValueError, match="data.shuffle_buffer shuffles a stream"):
+        causal_lm.CausalLMConfig.model_validate({"data": {"paths": ["x"], "shuffle_buffer": 8}})
     with pytest.raises(ValueError, match="data.dataset is read as a stream: set data.streaming=true"):
         causal_lm.CausalLMConfig.model_validate({"data": {"dataset": "org/corpus"}})
     hub = causal_lm.CausalLMConfig.model_validate({"data": {"dataset": "org/corpus", "streaming": True}}).data
