@@ -183,6 +183,41 @@ def checked(config, data=None) -> LaunchVerdict:
     )
 
 
+def _record_start(run_dir: Path, recipe_class, config, data, world_size: int, device: str, supervised: bool) -> int | None:
+    """The main process's start: the run's record, its data prepared (if left to it) and described.
+    An exit code when the data is refused, else None."""
+    from engine import run_dir as rd
+    from engine.config import config_changes
+
+    record = rd.update_run(
+        run_dir,
+        config=config.model_dump(mode="json"),
+        config_changes=config_changes(config),
+        world_size=world_size,
+        status=rd.RUNNING,
+        started_at=rd.utc_now(),
+        engine_pid=os.getpid(),
+    )
+    if record.data is None or record.data.preparing is not None:  # not counted, or left to the run
+        try:
+            summary = data if data is not None else prepare_data(run_dir, recipe_class, config, record.data)
+        except (BadInput, OSError) as e:
+            message = str(e) if isinstance(e, BadInput) else f"cannot read the data: {e}"
+            print(f"error: {message}", file=sys.stderr, flush=True)
+            outcome = {} if supervised else {"status": rd.FAILED, "ended_at": rd.utc_now()}
+            rd.update_run(run_dir, error=message[:MAX_ERROR_CHARS], **outcome)
+            return EXIT_BAD_INPUT
+        if summary is not None:
+            record = rd.update_run(run_dir, data=summary)
+    print(f"run {run_dir.name}: {world_size} process(es) on {device}", flush=True)
+    if record.data is not None:
+        print(record.data.describe(), flush=True)
+    if record.config_changes:
+        shown = ", ".join(f"{k}={json.dumps(v)}" for k, v in list(record.config_changes.items())[:30])
+        print(f"config (differs from the recipe's defaults): {shown}", flush=True)
+    return None
+
+
 def train(recipe_class, config, args: argparse.Namespace, data=None) -> int:
     """Train; ``data``: the data summary already counted, if it was."""
     import torch.distributed as dist
@@ -205,34 +240,9 @@ def train(recipe_class, config, args: argparse.Namespace, data=None) -> int:
     supervised = args.run_dir is not None
     heartbeat = start_heartbeat(dist_info.is_main, functools.partial(end_silent_run, run_dir, supervised, dist_info.is_main))
     if dist_info.is_main:
-        from engine.config import config_changes
-
-        record = rd.update_run(
-            run_dir,
-            config=config.model_dump(mode="json"),
-            config_changes=config_changes(config),
-            world_size=dist_info.world_size,
-            status=rd.RUNNING,
-            started_at=rd.utc_now(),
-            engine_pid=os.getpid(),
-        )
-        if record.data is None or record.data.preparing is not None:  # not counted, or left to the run
-            try:
-                summary = data if data is not None else prepare_data(run_dir, recipe_class, config, record.data)
-            except (BadInput, OSError) as e:
-                message = str(e) if isinstance(e, BadInput) else f"cannot read the data: {e}"
-                print(f"error: {message}", file=sys.stderr, flush=True)
-                outcome = {} if supervised else {"status": rd.FAILED, "ended_at": rd.utc_now()}
-                rd.update_run(run_dir, error=message[:MAX_ERROR_CHARS], **outcome)
-                return EXIT_BAD_INPUT
-            if summary is not None:
-                record = rd.update_run(run_dir, data=summary)
-        print(f"run {run_dir.name}: {dist_info.world_size} process(es) on {dist_info.device.type}", flush=True)
-        if record.data is not None:
-            print(record.data.describe(), flush=True)
-        if record.config_changes:
-            shown = ", ".join(f"{k}={json.dumps(v)}" for k, v in list(record.config_changes.items())[:30])
-            print(f"config (differs from the recipe's defaults): {shown}", flush=True)
+        refused = _record_start(run_dir, recipe_class, config, data, dist_info.world_size, dist_info.device.type, supervised)
+        if refused is not None:
+            return refused
     elif (pending := rd.read_run(run_dir).data) is not None and pending.preparing is not None:
         # Wait for the store here, not in a collective with its time limit. The engine then opens
         # the store again; the files' digests taken now are reused (engine.data_files).
