@@ -87,6 +87,8 @@ def test_a_run_learns_the_suffix_and_its_export_answers_as_sample_does(paligemma
     assert losses[-1] < losses[0] - 2, losses  # from about ln(vocabulary): the suffix is being learnt
 
     held_out = [(w, a) for w, a in answers if vlm.is_eval_document(w, 0.2)]
+    evaluated = model_io.evaluate(run, STEPS)  # task_metrics() asks each held-out prefix
+    assert evaluated.loss_tokens == summary.eval_loss_tokens and evaluated.metrics["answered"] == len(held_out)
     sampled = model_io.sample(run, STEPS, [vlm.QUESTION, vlm.QUESTION], max_new_tokens=4)
     assert not sampled.chat and [s.expected for s in sampled.samples] == [a for _, a in held_out[:2]]
     images = [root / "data" / "images" / f"{int(w.rsplit(':', 1)[1]) - 1}.png" for w, _ in held_out[:2]]
@@ -103,3 +105,22 @@ def test_a_run_learns_the_suffix_and_its_export_answers_as_sample_does(paligemma
             inputs = loaded(text=[f"<image>{vlm.QUESTION}"], images=[[image.convert("RGB")]], return_tensors="pt")
         output = exported.generate(**inputs, max_new_tokens=4, do_sample=False)
         assert loaded.decode(output[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True) == sample.completion
+
+
+def test_a_transformers_without_the_family_processor_is_refused_naming_family_class_and_what(paligemma, monkeypatch):
+    import transformers
+
+    # An older transformers: its lazy module has no such name to load.
+    lazy = type(transformers).__getattr__
+
+    def without(module, name):
+        if name == "PaliGemmaProcessor":
+            raise AttributeError(name)
+        return lazy(module, name)
+
+    monkeypatch.delattr(transformers, "PaliGemmaProcessor", raising=False)
+    monkeypatch.setattr(type(transformers), "__getattr__", without)
+    with pytest.raises(ConfigError, match=rf"^model.pretrained_path={paligemma} \(paligemma\) needs the processor "
+                                          rf"PaliGemmaProcessor, which transformers {transformers.__version__} does "
+                                          "not have; upgrade transformers$"):
+        vlm.load_processor(str(paligemma))
