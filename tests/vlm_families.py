@@ -72,6 +72,8 @@ ONEVISION_TEMPLATE = (
 )
 
 FAMILIES = ("llava", "qwen2_vl", "qwen2_5_vl", "idefics3", "gemma3", "llava_onevision")
+# Families with no chat by design: the user's text is a prefix, the answer a suffix.
+PREFIX_SUFFIX_FAMILIES = ("paligemma",)
 
 TEXT = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
             max_position_embeddings=1024)
@@ -194,9 +196,28 @@ def _llava_onevision(tokenizer, sizes):
     return LlavaOnevisionForConditionalGeneration(config), processor
 
 
+def _paligemma(tokenizer, sizes):
+    from transformers import (GemmaConfig, PaliGemmaConfig, PaliGemmaForConditionalGeneration, PaliGemmaProcessor,
+                              SiglipImageProcessorPil, SiglipVisionConfig)
+
+    # A SigLIP tower on 28-pixel images in 7-pixel patches: 16 image tokens, each its own patch.
+    # The processor adds PaliGemma's <loc>/<seg> tokens to the tokenizer: the vocabulary is its length after.
+    image_processor = SiglipImageProcessorPil(size={"height": 28, "width": 28})
+    image_processor.image_seq_length = 16
+    processor = PaliGemmaProcessor(image_processor=image_processor, tokenizer=tokenizer)
+    vision = SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                                image_size=28, patch_size=7, projection_dim=sizes["hidden_size"])
+    text = GemmaConfig(vocab_size=len(tokenizer), head_dim=8, pad_token_id=tokenizer.pad_token_id,
+                       eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id, **sizes)
+    config = PaliGemmaConfig(vision_config=vision, text_config=text, image_token_id=processor.image_token_id,
+                             projection_dim=sizes["hidden_size"])
+    return PaliGemmaForConditionalGeneration(config), processor
+
+
 def tiny_vlm_folder(folder: Path, family: str = "qwen2_vl", seed: int = 0, text: dict | None = None) -> Path:
-    """A random-weight ``family`` model (one of :data:`FAMILIES`) with its processor and chat
-    template, saved to ``folder``; ``text`` overrides the language model's sizes (:data:`TEXT`)."""
+    """A random-weight ``family`` model (one of :data:`FAMILIES`, with its processor and chat
+    template, or of :data:`PREFIX_SUFFIX_FAMILIES`, with none), saved to ``folder``; ``text``
+    overrides the language model's sizes (:data:`TEXT`)."""
     sizes = {**TEXT, **(text or {})}
     if family == "llava":
         tokenizer = bpe_tokenizer(["<unk>", "<s>", "</s>", "<image>"], "</s>", LLAVA_TEMPLATE)
@@ -217,6 +238,9 @@ def tiny_vlm_folder(folder: Path, family: str = "qwen2_vl", seed: int = 0, text:
             chat_template=GEMMA3_TEMPLATE, extra_special_tokens={
                 "boi_token": "<start_of_image>", "eoi_token": "<end_of_image>", "image_token": "<image_soft_token>"})
         build = _gemma3
+    elif family == "paligemma":
+        tokenizer = bpe_tokenizer(["<pad>", "<bos>", "<eos>", "<image>"], "<eos>", None)
+        build = _paligemma
     elif family == "llava_onevision":
         tokenizer = bpe_tokenizer(QWEN_SPECIAL + ["<image>", "<video>"], "<|im_end|>", ONEVISION_TEMPLATE)
         build = _llava_onevision

@@ -206,12 +206,22 @@ def load_processor(raw: str):
     except (ValueError, OSError, TypeError, AttributeError, KeyError) as e:
         raise ConfigError(f"model.pretrained_path={raw} ({family}): its processor {name} cannot be loaded from "
                           f"{folder}: {type(e).__name__}: {first_sentence(e)}") from None
-    if not isinstance(getattr(processor, "chat_template", None), str):
-        raise ConfigError(f"model.pretrained_path={raw} ({family}): its processor {name} has no chat template; "
-                          "save the model's chat_template.jinja beside it")
+    if not isinstance(getattr(processor, "chat_template", None), str) and not prefix_suffix(processor):
+        raise ConfigError(f"model.pretrained_path={raw} ({family}): its processor {name} has no chat template "
+                          "and takes no suffix (PaliGemma's prefix/suffix form); save the model's chat_template.jinja "
+                          "beside it")
     if getattr(processor.tokenizer, "pad_token_id", None) is None:
         processor.tokenizer.pad_token = processor.tokenizer.eos_token
     return processor
+
+
+def prefix_suffix(processor) -> bool:
+    """A family with no chat by design (PaliGemma): the user's text is the processor's prefix and
+    the answer its ``suffix``, whose tokens alone carry the loss (the processor's ``labels``)."""
+    import inspect
+
+    return (not isinstance(getattr(processor, "chat_template", None), str)
+            and "suffix" in inspect.signature(type(processor).__call__).parameters)
 
 
 def load_model(cfg: ModelConfig) -> torch.nn.Module:
@@ -540,6 +550,8 @@ def encode(processor, messages: list, images: list, seq_len: int, where: str) ->
     elsewhere) of the conversation as its chat template renders it, with the images' tokens
     expanded as the processor expands them, and the processor's image inputs. Cut to
     ``seq_len + 1`` tokens; the images' tokens are never cut."""
+    if prefix_suffix(processor):
+        return encode_prefix_suffix(processor, messages, images, seq_len, where)
     text, spans = assistant_spans(processor, messages, where)
     out = processor_inputs(processor, text, images, return_offsets_mapping=True, return_text_replacement_offsets=True)
     ids = out.pop("input_ids")[0]
@@ -574,6 +586,43 @@ def encode(processor, messages: list, images: list, seq_len: int, where: str) ->
             "truncated": len(ids) > seq_len + 1}
 
 
+def prefix_and_suffix(messages: list, where: str) -> tuple[str, str]:
+    """The user's text (the prefix) and the assistant's answer (the suffix) of a conversation of
+    one user turn and one assistant turn: a prefix/suffix family has no turns beyond those."""
+    roles = [m["role"] for m in messages]
+    if roles not in (["user", "assistant"], ["user"]):
+        raise ConfigError(f"{where}: turns {', '.join(roles)}; this model (prefix/suffix, no chat template, as "
+                          "PaliGemma) takes one user turn (the prefix) and one assistant turn (the suffix)")
+    texts = ["".join(p["text"] for p in m["content"] if p["type"] == "text") for m in messages]
+    return texts[0], texts[1] if len(texts) > 1 else ""
+
+
+def prefix_text(processor, messages: list, images: list) -> str:
+    """The prefix as the processor expects it: an image token for each image, then the text."""
+    return processor.image_token * len(images) + prefix_and_suffix(messages[:1], "the prompt")[0]
+
+
+def encode_prefix_suffix(processor, messages: list, images: list, seq_len: int, where: str) -> dict[str, Any]:
+    """A piece of a prefix/suffix family: the processor's own ``labels`` (the suffix's tokens and
+    its end) are the targets; ``token_type_ids`` (prefix 0, suffix 1) go beside the ids."""
+    if messages[-1]["role"] != "assistant":
+        raise ConfigError(f"{where}: the conversation ends with no assistant turn: no suffix to learn")
+    if not images:
+        raise ConfigError(f"{where}: no image; this model (prefix/suffix, as PaliGemma) answers about an image")
+    suffix = prefix_and_suffix(messages, where)[1]
+    out = dict(processor_inputs(processor, prefix_text(processor, messages, images), images, suffix=[suffix]))
+    ids, targets = out.pop("input_ids")[0], torch.as_tensor(out.pop("labels")[0])
+    out.pop("attention_mask", None)
+    per_token = {key: out.pop(key)[0] for key in list(out) if key in PER_TOKEN}
+    images_end = int((ids == processor.image_token_id).nonzero().max()) + 1
+    if images_end > seq_len:
+        raise ConfigError(f"{where}: the images' tokens end at token {images_end}, beyond data.seq_len={seq_len}; "
+                          f"raise data.seq_len above {images_end} or give smaller images")
+    return {"ids": ids[: seq_len + 1], "targets": targets[: seq_len + 1], "images": out,
+            "per_token": {key: value[: seq_len + 1] for key, value in per_token.items()},
+            "truncated": len(ids) > seq_len + 1}
+
+
 def loss_tokens(piece: dict[str, Any]) -> int:
     """The tokens the loss covers: targets after the first (the first token predicts nothing)."""
     return int((piece["targets"][1:] != IGNORE_INDEX).sum())
@@ -588,6 +637,9 @@ def prompt_of(messages: list) -> tuple[list, str]:
 
 def generation_inputs(processor, messages: list, images: list) -> dict[str, Any]:
     images_shown = sum(p["type"] == "image" for m in messages for p in m["content"])
+    if prefix_suffix(processor):
+        return dict(processor_inputs(processor, prefix_text(processor, messages, images[:images_shown]),
+                                     images[:images_shown]))
     text = render(processor, messages, generation_prompt=True)
     return dict(processor_inputs(processor, text, images[:images_shown]))
 
@@ -819,7 +871,8 @@ class VLMChat(Engine):
             tokenizer=f"{type(processor).__name__} of {config.model.pretrained_path}",
             format=f"{', '.join(formats)} ({images} images)"
                    + (f"; packed: {len(pack(inputs[False], cfg.seq_len))} rows of {cfg.seq_len}" if cfg.packing else ""),
-            mask="turn_render",  # engine.chat.assistant_spans; image tokens never
+            # engine.chat.assistant_spans (image tokens never); a prefix/suffix family's suffix: the completion
+            mask="completion" if prefix_suffix(processor) else "turn_render",
             loss_tokens=counts[False][2] + counts[True][2], train_loss_tokens=counts[False][2],
             eval_loss_tokens=counts[True][2], truncated=truncated,
         )

@@ -297,23 +297,14 @@ def test_image_tokens_beyond_the_sequence_length_are_refused(folders):
     assert piece["truncated"] and len(piece["ids"]) == cut + 1
 
 
-def test_a_family_whose_processor_has_no_chat_template_is_refused_naming_it(tmp_path):
-    """PaliGemma ships no chat template (its prompts are prefix + suffix): refused, not guessed."""
-    from transformers import PaliGemmaProcessor, SiglipImageProcessorPil
-
-    from tests.model_families import bpe_tokenizer
-
-    folder = tmp_path / "paligemma"
-    tokenizer = bpe_tokenizer(["<pad>", "<bos>", "<eos>", "<image>"], "<eos>", "")
-    tokenizer.chat_template = None
-    processor = PaliGemmaProcessor(image_processor=SiglipImageProcessorPil(size={"height": 28, "width": 28}),
-                                   tokenizer=tokenizer)
-    processor.image_seq_length = 16
-    processor.save_pretrained(folder)
-    (folder / "config.json").write_text(json.dumps({"model_type": "paligemma"}))
-    with pytest.raises(ConfigError, match=r"^model.pretrained_path=.*paligemma \(paligemma\): its processor "
-                                          r"PaliGemmaProcessor has no chat template; save the model's "
-                                          r"chat_template.jinja beside it$"):
+def test_a_family_whose_processor_has_no_chat_template_is_refused_naming_it(folders, tmp_path):
+    """A chat family whose chat template is not beside it: refused, not guessed (PaliGemma, which
+    has none by design, takes its prefix/suffix form: test_vlm_chat_paligemma.py)."""
+    folder = shutil.copytree(folders["llava"], tmp_path / "llava")
+    (folder / "chat_template.jinja").unlink()
+    with pytest.raises(ConfigError, match=r"^model.pretrained_path=.*llava \(llava\): its processor LlavaProcessor has "
+                                          r"no chat template and takes no suffix \(PaliGemma's prefix/suffix form\); "
+                                          r"save the model's chat_template.jinja beside it$"):
         vlm.load_processor(str(folder))
 
 

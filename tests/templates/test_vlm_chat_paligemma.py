@@ -1,0 +1,126 @@
+"""PaliGemma through the vlm_chat template: no chat by design, the user's text is the processor's
+prefix and the answer its ``suffix``. A tiny random PaliGemma (SigLIP tower + Gemma, built
+offline) trains on LLaVA conversations with the loss on the suffix's tokens only, ``sample``
+answers from the prefix, and its export loads with ``AutoModelForImageTextToText`` and
+``AutoProcessor`` and answers the same; conversations of more turns are refused naming why."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+
+from engine.config import ConfigError
+from engine.engine import IGNORE_INDEX
+from tests.templates.test_vlm_chat import TEMPLATE, vlm
+from tests.templates.test_vlm_chat_runs import colour_data
+from tests.vlm_families import tiny_vlm_folder
+
+STEPS = 120
+
+
+@pytest.fixture(scope="module")
+def paligemma(tmp_path_factory):
+    return tiny_vlm_folder(tmp_path_factory.mktemp("paligemma") / "model", "paligemma")
+
+
+@pytest.fixture(scope="module")
+def trained(paligemma, tmp_path_factory):
+    from engine import run_dir as rd
+    from tests.support import run_engine
+
+    root = tmp_path_factory.mktemp("paligemma_run")
+    recipe = root / "vlm_chat"
+    shutil.copytree(TEMPLATE, recipe, ignore=shutil.ignore_patterns("__pycache__"))
+    answers = colour_data(root / "data", "llava.json", count=40)
+    run = run_engine(root, recipe, f"model.pretrained_path={paligemma}", f"data.paths=[{root}/data/llava.json]",
+                     f"train.max_steps={STEPS}", "train.log_every=5", "train.eval_every=0", "checkpoint.every=0",
+                     "data.eval_fraction=0.2", "data.batch_size=8", "metrics.tensorboard=false")
+    shutil.copytree(recipe, run / rd.SNAPSHOT_DIRNAME)
+    return root, run, answers
+
+
+def picture(colour=(200, 30, 30)):
+    from PIL import Image
+
+    return Image.new("RGB", (40, 40), colour)
+
+
+def test_the_suffix_alone_is_learnt_and_more_turns_are_refused(paligemma):
+    processor = vlm.load_processor(str(paligemma))
+    assert vlm.prefix_suffix(processor)
+    messages = [vlm.user_turn([vlm.QUESTION], 1), vlm.assistant_turn("dark red")]
+    piece = vlm.encode(processor, messages, [picture()], 512, "a record")
+    tokenizer = processor.tokenizer
+    learnt = piece["targets"][piece["targets"] != IGNORE_INDEX].tolist()
+    assert learnt == tokenizer("dark red", add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    assert vlm.loss_tokens(piece) == len(learnt)
+    image_id = processor.image_token_id
+    assert (piece["ids"] == image_id).sum() == 16 and (piece["ids"][:16] == image_id).all()
+    assert piece["per_token"]["token_type_ids"].tolist() == (piece["targets"] != IGNORE_INDEX).long().tolist()
+    longer = messages + [vlm.user_turn(["And now?"]), vlm.assistant_turn("blue")]
+    with pytest.raises(ConfigError, match=r"^a record: turns user, assistant, user, assistant; this model "
+                                          r"\(prefix/suffix, no chat template, as PaliGemma\) takes one user turn"):
+        vlm.encode(processor, longer, [picture()], 512, "a record")
+    with pytest.raises(ConfigError, match=r"^a record: no image; this model \(prefix/suffix, as PaliGemma\)"):
+        vlm.encode(processor, [vlm.user_turn([vlm.QUESTION]), vlm.assistant_turn("red")], [], 512, "a record")
+    with pytest.raises(ConfigError, match=r"^a record: the images' tokens end at token 16, beyond data.seq_len=8"):
+        vlm.encode(processor, messages, [picture()], 8, "a record")
+
+
+def test_a_run_learns_the_suffix_and_its_export_answers_as_sample_does(paligemma, trained, tmp_path):
+    from PIL import Image
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    from engine import model_io
+    from engine import run_dir as rd
+    from engine import run_metrics
+
+    root, run, answers = trained
+    summary = rd.read_run(run).data
+    tokenizer = vlm.load_processor(str(paligemma)).tokenizer
+    # The suffix's tokens and its end, counted by the tokenizer alone.
+    independent = sum(len(tokenizer(a, add_special_tokens=False)["input_ids"]) + 1 for _, a in answers)
+    assert summary.loss_tokens == independent and summary.format == "llava (40 images)"
+    assert summary.mask == "completion"
+    losses = [r["loss"] for r in run_metrics.read_all_metrics(run / rd.METRICS_JSONL) if "loss" in r]
+    assert losses[-1] < losses[0] - 2, losses  # from about ln(vocabulary): the suffix is being learnt
+
+    held_out = [(w, a) for w, a in answers if vlm.is_eval_document(w, 0.2)]
+    evaluated = model_io.evaluate(run, STEPS)  # task_metrics() asks each held-out prefix
+    assert evaluated.loss_tokens == summary.eval_loss_tokens and evaluated.metrics["answered"] == len(held_out)
+    sampled = model_io.sample(run, STEPS, [vlm.QUESTION, vlm.QUESTION], max_new_tokens=4)
+    assert not sampled.chat and [s.expected for s in sampled.samples] == [a for _, a in held_out[:2]]
+    images = [root / "data" / "images" / f"{int(w.rsplit(':', 1)[1]) - 1}.png" for w, _ in held_out[:2]]
+    mine = model_io.sample(run, STEPS, [vlm.QUESTION] * 2, max_new_tokens=4, images=[str(i) for i in images]).samples
+
+    model_io.export(run, STEPS, tmp_path / "exported")
+    exported = AutoModelForImageTextToText.from_pretrained(tmp_path / "exported")
+    loaded = AutoProcessor.from_pretrained(tmp_path / "exported")
+    assert type(exported).__name__ == "PaliGemmaForConditionalGeneration" and loaded.chat_template is None
+    # Answered from the prefix in the suffix's form: a colour's name (which one is beyond these few steps).
+    assert all(s.completion in vlm.COLOURS for s in sampled.samples + mine), sampled.samples + mine
+    for path, sample in zip(images, mine):
+        with Image.open(path) as image:
+            inputs = loaded(text=[f"<image>{vlm.QUESTION}"], images=[[image.convert("RGB")]], return_tensors="pt")
+        output = exported.generate(**inputs, max_new_tokens=4, do_sample=False)
+        assert loaded.decode(output[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True) == sample.completion
+
+
+def test_a_transformers_without_the_family_processor_is_refused_naming_family_class_and_what(paligemma, monkeypatch):
+    import transformers
+
+    # An older transformers: its lazy module has no such name to load.
+    lazy = type(transformers).__getattr__
+
+    def without(module, name):
+        if name == "PaliGemmaProcessor":
+            raise AttributeError(name)
+        return lazy(module, name)
+
+    monkeypatch.delattr(transformers, "PaliGemmaProcessor", raising=False)
+    monkeypatch.setattr(type(transformers), "__getattr__", without)
+    with pytest.raises(ConfigError, match=rf"^model.pretrained_path={paligemma} \(paligemma\) needs the processor "
+                                          rf"PaliGemmaProcessor, which transformers {transformers.__version__} does "
+                                          "not have; upgrade transformers$"):
+        vlm.load_processor(str(paligemma))
