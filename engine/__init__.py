@@ -8,6 +8,7 @@ Small and explicit, one concept per file:
 - ``heartbeat``       a run over several nodes ends soon after a node stops answering (a cut network)
 - ``blocks``          a model's repeated blocks: the one definition FSDP2 and the skills use
 - ``fsdp``            FSDP2 ``fully_shard`` per block and on the root
+- ``fsdp_quantized``  bitsandbytes' 4-bit layers under FSDP2: packed weights sharded, ``quant_state`` on the layer
 - ``sequence_parallel`` Ulysses all-to-all attention
 - ``grad_clip``       gradient clipping that works across DTensor meshes
 - ``checkpoint``      DCP checkpoints that are published atomically

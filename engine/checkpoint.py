@@ -38,10 +38,30 @@ from engine import run_checkpoints
 from engine.errors import MAX_QUOTED_CHARS, BadInput
 
 
+# Wrappers' names that the state dict's keys leave out (activation checkpointing, torch.compile).
+WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.")
+
+
+def quantized_weight_names(model: torch.nn.Module) -> set[str]:
+    """The names of the model's quantised weights, without wrappers' prefixes: bitsandbytes'
+    4-bit parameters, which carry their ``quant_state`` as the ``qlora`` skill writes them, and
+    the packed weight of a 4-bit layer prepared for FSDP2, whose layer holds the state
+    (``engine.fsdp_quantized``)."""
+    names = set()
+    for module_name, module in model.named_modules():
+        for name, parameter in module.named_parameters(recurse=False):
+            prepared = name == "weight" and getattr(module, "quant_state", None) is not None
+            if prepared or getattr(parameter, "quant_state", None) is not None:
+                full = f"{module_name}.{name}" if module_name else name
+                for prefix in WRAPPER_PREFIXES:
+                    full = full.replace(prefix, "")
+                names.add(full)
+    return names
+
+
 def holds_quantized_weights(model: torch.nn.Module) -> bool:
-    """Whether some of the model's parameters are quantised (bitsandbytes' 4-bit parameters,
-    which carry their ``quant_state``, as the ``qlora`` skill writes them)."""
-    return any(getattr(p, "quant_state", None) is not None for p in model.parameters())
+    """Whether some of the model's parameters are quantised (:func:`quantized_weight_names`)."""
+    return bool(quantized_weight_names(model))
 
 
 def model_state_options(model: torch.nn.Module) -> StateDictOptions:
@@ -54,19 +74,10 @@ def model_state_options(model: torch.nn.Module) -> StateDictOptions:
     return StateDictOptions()
 
 
-# Wrappers' names that the state dict's keys leave out (activation checkpointing, torch.compile).
-WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.")
-
-
 def without_quantization_state(model: torch.nn.Module, state: dict[str, Any]) -> dict[str, Any]:
     """``state`` less what bitsandbytes adds under each quantised weight's name
     (``<weight>.absmax``, ``<weight>.quant_map``, ``<weight>.quant_state.*``)."""
-    quantized = set()
-    for name, parameter in model.named_parameters():
-        if getattr(parameter, "quant_state", None) is not None:
-            for prefix in WRAPPER_PREFIXES:
-                name = name.replace(prefix, "")
-            quantized.add(name)
+    quantized = quantized_weight_names(model)
     return {
         key: value for key, value in state.items()
         if not any(".".join(key.split(".")[:i]) in quantized for i in range(1, key.count(".") + 1))

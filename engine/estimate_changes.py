@@ -39,8 +39,6 @@ def changes_that_fit(shape: Shape, config, nproc: int, device: str, limit_gib: f
     ):
         if micro % (split * more):
             continue
-        if (adapters == "qlora" or shape.quantized) and (more > 1 or nproc > 1 or bf16 or offload):
-            continue  # FSDP2 does not shard 4-bit weights (engine/fsdp.py refuses them)
         names = (["apply_skill gradient-checkpointing"] * checkpointing
                  + [f"apply_skill {adapters}"] * bool(adapters)
                  + ["parallel.param_dtype=bfloat16"] * bf16

@@ -15,9 +15,9 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, Offlo
 from torch.distributed.tensor import DTensor
 
 from engine.blocks import find_blocks
-from engine.checkpoint import holds_quantized_weights
 from engine.config import ConfigError, ParallelConfig
 from engine.distributed import DistInfo
+from engine.fsdp_quantized import prepare_4bit_layers
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -75,13 +75,8 @@ def apply_fsdp(model: nn.Module, dist_info: DistInfo, parallel: ParallelConfig) 
         and not has_tensor_parallel_params(model)
     ):
         return model
-    if holds_quantized_weights(model):
-        raise ConfigError(
-            "the model holds bitsandbytes 4-bit weights (the qlora skill), which FSDP2 cannot shard yet (a "
-            "sharded parameter loses its quantisation state); train it on one process without "
-            "parallel.param_dtype, parallel.fsdp_on_one_process or parallel.cpu_offload (the qlora skill's "
-            "compute_dtype or the mixed-precision skill computes in bfloat16), or use the lora skill"
-        )
+    # bitsandbytes' 4-bit layers (the qlora skill's): their packed bytes shard, their state stays on the layer.
+    prepare_4bit_layers(model, DTYPES[parallel.param_dtype])
     mp_policy = MixedPrecisionPolicy(
         param_dtype=DTYPES[parallel.param_dtype], reduce_dtype=DTYPES[parallel.reduce_dtype]
     )

@@ -17,7 +17,10 @@ threshold at start (:func:`follow_live_memory`): a tensor of at least that size 
 own and given back when freed, and the peak resident set follows the live bytes (as
 ``max_memory_allocated`` does on a GPU). Not the default: every such tensor is then mapped and
 faulted in afresh, and on the causal_lm template's model a step took 1.2–1.5× the CPU time at
-256 KiB (bench/malloc_threshold.py).
+256 KiB (bench/malloc_threshold.py). ``malloc_trim(0)`` does not take its place: called after each
+forward it gave back 80 of the 338 MB kept (llama + lora at 1,024 tokens), at each step's start and
+after backward 40, since the peak is reached inside a step. So by default a CPU estimate counts what
+the heap keeps (:func:`heap_keeps_freed_memory`, ``engine.estimate.HEAP_KEPT``).
 """
 
 from __future__ import annotations
@@ -62,6 +65,16 @@ def follow_live_memory(environ: dict[str, str] | None = None) -> int | None:
     except (OSError, AttributeError):  # not glibc (musl, macOS): its allocator as it is
         return None
     return threshold if mallopt(M_MMAP_THRESHOLD, threshold) == 1 else None
+
+
+def heap_keeps_freed_memory(environ: dict[str, str] | None = None) -> bool:
+    """Whether a CPU process started with ``environ`` keeps glibc's dynamic mmap threshold (no
+    ``TRAINWRIGHT_MMAP_THRESHOLD``, no ``MALLOC_MMAP_THRESHOLD_``): then the resident set keeps
+    freed activations (the module docstring), and a CPU estimate counts them
+    (``engine.estimate.estimate_memory``)."""
+    environ = os.environ if environ is None else environ
+    fixed = environ.get(MMAP_THRESHOLD_VARIABLE, "0").strip() not in ("", "0")
+    return not fixed and "MALLOC_MMAP_THRESHOLD_" not in environ
 
 
 def rss_high_water_mb(status_path: str = "/proc/self/status") -> float:

@@ -26,7 +26,7 @@ def quantize_4bit(
     (``nf4``: NormalFloat, or ``fp4``), quantised where the weight is (CPU or GPU). With
     ``double_quant`` the per-block scales are quantised too (about 0.4 bits per weight less).
     The layers compute in ``compute_dtype`` (default: the weight's own dtype). ``quant_storage``
-    is the dtype the packed bytes are stored as (FSDP2 does not shard them: the engine refuses).
+    is the dtype the packed bytes are stored as (under FSDP2: uint8, or the run's param_dtype).
     Embeddings, norms and the output head stay as they
     are. Returns the number of layers quantised. (Written by the qlora skill.)
     """

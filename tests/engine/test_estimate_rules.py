@@ -81,3 +81,28 @@ def test_checkpointing_counts_one_blocks_recomputation_once():
     assert plain == pytest.approx(outside + 750 + 50, abs=0.1)
     # the blocks' inputs, the largest block recomputed in backward (once), the largest gradient
     assert checkpointed == pytest.approx(outside + 30 + 300 + 50, abs=0.1)
+
+
+def test_a_cpu_run_of_adapters_or_checkpointed_blocks_under_glibcs_dynamic_threshold_counts_freed_activations_again():
+    from engine.memory import heap_keeps_freed_memory
+
+    mib = 2**20
+    adapters = dict(params=1000, trainable=10, saved_bytes=300 * mib, largest_saved=0, block_saved=[100 * mib] * 3,
+                    block_inputs=[mib] * 3, checkpointed_blocks=0, blocks=3, flops_per_token=None,
+                    positions_per_step=0, floor_bytes=0, lora_values=10)
+    parallel = SimpleNamespace(tp=1, sp=1, param_dtype="float32", reduce_dtype="float32", cpu_offload=False,
+                               fsdp_on_one_process=False)
+
+    def activations_mib(device="cpu", **shape):
+        return estimate_memory(Shape(**{**adapters, **shape}), 1, parallel, device)["activations"] * 1024
+
+    assert activations_mib(heap_keeps_freed=True) == pytest.approx(600, abs=0.1)
+    assert activations_mib(heap_keeps_freed=False) == pytest.approx(300, abs=0.1)  # the threshold fixed
+    assert activations_mib("cuda", heap_keeps_freed=True) == pytest.approx(300, abs=0.1)
+    assert activations_mib(heap_keeps_freed=True, trainable=1000) == pytest.approx(300, abs=0.1)  # full fine-tuning
+    # Checkpointed (the forward saved the blocks' inputs only): inputs and one block's again, twice.
+    checkpointed = dict(heap_keeps_freed=True, trainable=1000, checkpointed_blocks=3, saved_bytes=3 * mib)
+    assert activations_mib(**checkpointed) == pytest.approx(2 * (3 + 3 + 100), abs=0.1)
+    assert heap_keeps_freed_memory({}) is True
+    assert heap_keeps_freed_memory({"TRAINWRIGHT_MMAP_THRESHOLD": "262144"}) is False
+    assert heap_keeps_freed_memory({"MALLOC_MMAP_THRESHOLD_": "65536"}) is False

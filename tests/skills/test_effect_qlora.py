@@ -1,6 +1,7 @@
 """qlora, proven by runs of the template's tiny model on CPU: the blocks' linear layers are
 4-bit, only the adapters train and are checkpointed, a resume is bit-exact, and the export loads
-and generates (merged in the base dtype, and as an adapter)."""
+and generates (merged in the base dtype, and as an adapter); on two processes under FSDP2 (gloo)
+the same run gives the same losses, resumes bit-exact and exports."""
 
 from __future__ import annotations
 
@@ -114,22 +115,67 @@ def test_qlora_export_loads_and_generates(qlora_run, tmp_path: Path, lora: str):
     assert generated.shape[1] > ids.shape[1]  # it generated (it may stop at the end-of-document token)
 
 
-def test_fsdp2_refuses_4bit_weights_it_cannot_shard_and_leaves_the_model_as_it_was():
-    from transformers import LlamaConfig, LlamaForCausalLM
+@pytest.fixture(scope="module")
+def qlora_two_processes(qlora_run) -> Path:
+    """qlora_run's run on two processes: FSDP2 shards the packed 4-bit weights and the adapters
+    (engine/fsdp_quantized.py)."""
+    recipe, root, _ = qlora_run
+    (root / "two").mkdir()
+    run = launch(recipe, root / "two", *SMALL_RUN, *SETTINGS, *on_documents(root / "docs.jsonl"), nproc=2)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return root / "two"
 
-    from engine.config import ConfigError, ParallelConfig
-    from engine.distributed import DistInfo
-    from engine.fsdp import apply_fsdp
-    from skills.qlora.helpers import quantize_4bit
 
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
-                                         num_attention_heads=4, num_key_value_heads=2))
-    quantize_4bit(model)
-    one_process = DistInfo(0, 1, 0, torch.device("cpu"), None)
-    assert apply_fsdp(model, one_process, ParallelConfig()) is model  # one process in fp32: nothing to shard
-    with pytest.raises(ConfigError, match="the model holds bitsandbytes 4-bit weights \\(the qlora skill\\), which FSDP2"):
-        apply_fsdp(model, one_process, ParallelConfig(param_dtype="bfloat16"))
-    assert type(model.model.layers[0].self_attn.q_proj.weight).__name__ == "Params4bit"
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_qlora_under_fsdp2_on_two_processes_trains_as_one_process_does(qlora_run, qlora_two_processes, tmp_path,
+                                                                        capsys):
+    one, two = losses(qlora_run[1] / "run"), losses(qlora_two_processes)
+    differences = [abs(one[step] - two[step]) for step in one]
+    with capsys.disabled():
+        print(f"\n[qlora] FSDP2 2 processes vs 1, {len(one)} steps: max |loss diff| {max(differences):.2e}")
+    assert sorted(two) == [1, 2, 3, 4, 5, 6] and two[6] < two[1]
+    assert max(differences) < 1e-4
+    # The checkpoint of the sharded run holds the same adapters, and nothing of the 4-bit base.
+    (tmp_path / "two").mkdir(), (tmp_path / "one").mkdir()
+    sharded = final_checkpoint(qlora_two_processes, tmp_path / "two")["model_optim"]["model"]
+    assert sorted(sharded) == sorted(final_checkpoint(qlora_run[1] / "run", tmp_path / "one")["model_optim"]["model"])
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_qlora_under_fsdp2_resumes_bit_exact_on_two_processes(qlora_run, qlora_two_processes, tmp_path: Path):
+    recipe, root, _ = qlora_run
+    from engine import run_checkpoints
+
+    step_3 = dict(run_checkpoints.list_checkpoints(run_dir(qlora_two_processes)))[3]
+    sets = [a for s in (*SMALL_RUN, *SETTINGS, *on_documents(root / "docs.jsonl")) for a in ("--set", s)]
+    resumed = subprocess.run(
+        [PYTHON, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "engine.launch",
+         str(recipe), "--resume-from", str(step_3), *sets],
+        cwd=tmp_path, env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"}, capture_output=True, text=True,
+        timeout=600,
+    )
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    went_on = losses(qlora_two_processes)
+    assert losses(tmp_path) == {step: went_on[step] for step in (4, 5, 6)}
+
+
+def test_the_adapters_trained_under_fsdp2_export_merged_and_load(qlora_run, qlora_two_processes, tmp_path: Path):
+    from transformers import AutoModelForCausalLM
+
+    from engine import hf_export, model_io
+
+    recipe, _, _ = qlora_run
+    engine = model_io.load_engine(run_dir(qlora_two_processes), 6, recipe=recipe)  # one process, 4-bit again
+    probe = torch.arange(40).reshape(2, 20) * 3
+    with torch.no_grad():
+        trained = engine.model(input_ids=probe).logits
+    written = hf_export.export(engine.hf_model(), engine.hf_processing(), tmp_path / "export", lora="merged")
+    assert written["lora_layers"] == 14
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "export")
+    with torch.no_grad():
+        torch.testing.assert_close(model(input_ids=probe).logits, trained, rtol=0, atol=1e-4)
 
 
 def mapped_file_kib(name: str = ".safetensors") -> int:
