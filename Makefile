@@ -7,7 +7,8 @@ TORCH ?= torch==2.13.0
 PYTEST_ARGS ?=
 # Test processes (pytest-xdist; 0: one process). Files are the unit of distribution, so a
 # module's shared run is trained once; half the suite waits on subprocesses, so two workers
-# help even on two cores.
+# help even on two cores. The longest files start first (tests/scheduling.py: the seconds each took in
+# tests/file_durations.json), and every log ends with the 30 slowest tests.
 PYTEST_WORKERS ?= 2
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
@@ -80,7 +81,7 @@ demo: $(STAMP) sandbox
 	$(BIN)/python examples/demo.py
 
 test: $(STAMP) sandbox browser slurm mcp-tools lint
-	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) --dist loadfile --durations=30 $(PYTEST_ARGS)
 
 # ruff (pyflakes, pycodestyle) over the tree; mypy over the contracts between the layers.
 lint: $(STAMP)

@@ -1,8 +1,12 @@
 """`trainwright run / resume / status / wait / tail / plot / recipes / describe / checkpoints /
-stop` through the real CLI."""
+stop` through the real CLI: ``cli.main`` in this process for the JSON answers and exit codes (a
+fresh interpreter is ~10 s on 2 cores; test_exit_codes does the same), a process of its own for
+the text that ``tail`` and ``describe`` print."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import subprocess
 import sys
@@ -10,17 +14,18 @@ import sys
 import pytest
 
 from engine import run_dir as rd
+from mcp_server import cli
 from tests.support import TINY, copy_template
 
 
 def trainwright(workspace, *args, check=True):
-    result = subprocess.run(
-        [sys.executable, "-m", "mcp_server.cli", *args, "--workspace", str(workspace), "--json"],
-        capture_output=True, text=True, timeout=600,
-    )
-    if check and result.returncode != 0:
-        raise AssertionError(f"exit {result.returncode}: {result.stdout}{result.stderr}")
-    return result.returncode, json.loads(result.stdout)
+    """``trainwright ARGS --workspace W --json`` in this process: exit code and JSON answer."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = cli.main([*args, "--workspace", str(workspace), "--json"])
+    if check and code != 0:
+        raise AssertionError(f"exit {code}: {out.getvalue()}{err.getvalue()}")
+    return code, json.loads(out.getvalue())
 
 
 def sets(*items):

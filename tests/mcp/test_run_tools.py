@@ -48,6 +48,15 @@ def finished(client, launched) -> dict:
 
 
 @pytest.fixture(scope="module")
+def endless(client, recipe):
+    """The launch_run result of a run that goes on until it is stopped: wait_run watches it, then
+    stop_run ends it (one run for both: a launch is most of each test's time)."""
+    run = client.ok("launch_run", recipe=recipe, overrides=ENDLESS_RUN)
+    yield run
+    client.ok("stop_run", run_id=run["run_id"])  # already stopped when both tests ran
+
+
+@pytest.fixture(scope="module")
 def resumed(client, finished) -> dict:
     """resume_checkpoint from step 3 of the finished run, and get_run once it has ended."""
     launch = client.ok("resume_checkpoint", run_id=finished["run_id"], step=3)
@@ -159,8 +168,8 @@ def test_tail_metrics_can_follow_the_resume_chain(client, finished, resumed):
     assert picture.startswith(b"\x89PNG\r\n\x1a\n")
 
 
-def test_wait_run_returns_at_the_asked_step_with_progress_while_the_server_answers(client, recipe):
-    run = client.ok("launch_run", recipe=recipe, overrides=ENDLESS_RUN)
+def test_wait_run_returns_at_the_asked_step_with_progress_while_the_server_answers(client, endless):
+    run = endless
     progress = []
 
     async def on_progress(value, total, message):
@@ -192,10 +201,6 @@ def test_wait_run_returns_at_the_asked_step_with_progress_while_the_server_answe
     timed_out = client.ok("wait_run", run_id=run["run_id"], until_step=10**9, timeout_s=1)
     assert timed_out["reason"] == "timeout" and timed_out["status"] == "running"
     assert 1 <= timed_out["waited_s"] < 10 and timed_out["step"] > waited["step"]
-
-    client.ok("stop_run", run_id=run["run_id"])
-    ended = client.ok("wait_run", run_id=run["run_id"], until_step=10**9)
-    assert ended["reason"] == "ended" and ended["status"] == "stopped" and ended["error"] == "stopped by request"
 
 
 def test_wait_run_on_a_finished_run_returns_at_once(client, finished):
@@ -236,8 +241,8 @@ def test_the_run_resources_give_metrics_log_and_a_loss_curve(client, finished):
     assert client.read_error(f"run://{NO_RUN}/log") == f"not_found: no run '{NO_RUN}' in this workspace; list_runs shows the runs"
 
 
-def test_stop_run_ends_a_running_run_and_all_its_processes(client, workspace, recipe):
-    run = client.ok("launch_run", recipe=recipe, overrides=ENDLESS_RUN)
+def test_stop_run_ends_a_running_run_and_all_its_processes(client, workspace, endless):
+    run = endless
     client.wait_for_step(run["run_id"], 1)
     record = rd.read_run(workspace / run["run_dir"])
     running = client.ok("get_run", run_id=run["run_id"])
@@ -251,6 +256,8 @@ def test_stop_run_ends_a_running_run_and_all_its_processes(client, workspace, re
     assert not rd.pid_alive(record.pid) and not process_group_alive(record.child_pgid)
     assert client.ok("stop_run", run_id=run["run_id"])["status"] == "stopped"  # idempotent
     assert client.ok("tail_metrics", run_id=run["run_id"])["status"] == "stopped"
+    ended = client.ok("wait_run", run_id=run["run_id"], until_step=10**9)
+    assert ended["reason"] == "ended" and ended["status"] == "stopped" and ended["error"] == "stopped by request"
 
 
 def test_a_run_whose_engine_is_killed_is_failed_with_the_console_tail(client, workspace, recipe):
