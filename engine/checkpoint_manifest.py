@@ -159,11 +159,14 @@ def copy_verified(folder: Path, dest: Path) -> str | None:
     than the server checks its checkpoint). None when the copy verifies; else what is wrong, and
     ``dest`` is removed. Each file is read beneath the run directory, following no link, and at
     most one byte past its saved size; the copy is in-kernel (``copy_file_range``, a clone where
-    the filesystem makes one)."""
+    the filesystem makes one); a copy that would not fit on ``dest``'s disk is refused first."""
     manifest = read_manifest(folder)
     if isinstance(manifest, str):
         return manifest
     dest = Path(dest)
+    why = _room_for(manifest, dest)
+    if why is not None:
+        return why
     dest.mkdir(parents=True)
     try:
         why = next((w for w in (_copy_file(folder, entry, dest) for entry in manifest.files) if w is not None), None)
@@ -175,6 +178,18 @@ def copy_verified(folder: Path, dest: Path) -> str | None:
     if why is not None:
         shutil.rmtree(dest, ignore_errors=True)
     return why
+
+
+def _room_for(manifest: Manifest, dest: Path) -> str | None:
+    """Why the copy would not fit on ``dest``'s disk, or None. A file with a hole costs the run
+    nothing on its disk, and its copy is written out in full: the sizes the manifest gives (which
+    the copy checks) are what the copy costs."""
+    total = sum(entry.bytes for entry in manifest.files)
+    existing = next(p for p in (dest, *dest.parents) if p.exists())
+    free = shutil.disk_usage(existing).free
+    if total > free:
+        return f"the checkpoint's {total:,} bytes do not fit on the disk of {existing} ({free:,} bytes free)"
+    return None
 
 
 def _copy_file(folder: Path, entry: ManifestFile, dest: Path) -> str | None:

@@ -20,7 +20,7 @@ from mcp_server.limits import MAX_MESSAGE_CHARS, OVERLONG_MESSAGE, OVERLONG_NUMB
 
 EDGE_CHARS = 4_096  # of a line too long to read: its first and last characters, where the id and method are
 CHUNK_CHARS = 1 << 16  # the rest of such a line is read and dropped in pieces of this size
-_ID = r'"id"\s*:\s*(-?\d{1,19}|"(?:[^"\\]|\\.){0,200}")'
+_ID = r'"id"\s*:\s*(-?(?:0|[1-9]\d{0,18})|"(?:[^"\\\x00-\x1f]|\\["\\/bfnrt]|\\u[0-9a-fA-F]{4}){0,200}")'  # JSON's escapes alone: json.loads reads it
 _METHOD = r'"method"\s*:\s*"([A-Za-z/_]{1,64})"'
 
 

@@ -103,3 +103,23 @@ def test_a_checkpoint_whose_copy_does_not_verify_is_refused_and_nothing_is_left(
     with pytest.raises(BadInput, match=f"checkpoint {checkpoint.name} of run {SOURCE} is corrupt: {SHARD} does not"):
         stage_checkpoint(rd.ResumedFrom(run_id=SOURCE, step=4, path=str(checkpoint)), tmp_path / "record2")
     assert not (tmp_path / "record2" / "resume-from" / checkpoint.name).exists()
+
+
+def test_a_sparse_file_larger_than_the_free_disk_is_refused_before_anything_is_copied(tmp_path, monkeypatch):
+    # A file with a hole costs the run nothing on disk; its copy is written out in full (ext4's
+    # copy_file_range keeps no hole): staging it would fill the server's disk.
+    workspace = make_workspace(tmp_path / "ws")
+    run_dir = fake_run(workspace, SOURCE, steps=4, checkpoints=(4,))
+    checkpoint = run_dir / rd.CHECKPOINTS_DIRNAME / run_checkpoints.checkpoint_dir_name(4)
+    (checkpoint / SHARD).write_bytes(WEIGHTS)
+    checkpoint_manifest.write_manifest(checkpoint)
+    size = shutil.disk_usage(tmp_path).free + (1 << 30)
+    os.truncate(checkpoint / SHARD, size)
+    manifest = (checkpoint / checkpoint_manifest.MANIFEST).read_text()
+    (checkpoint / checkpoint_manifest.MANIFEST).write_text(manifest.replace(f'"bytes": {len(WEIGHTS)}', f'"bytes": {size}'))
+    copied = []
+    monkeypatch.setattr(checkpoint_manifest, "_copy_bytes", lambda source, out, count: copied.append(count))
+    staged = tmp_path / "record" / "resume-from" / checkpoint.name
+    why = checkpoint_manifest.copy_verified(checkpoint, staged)
+    assert copied == [] and not staged.exists()
+    assert why is not None and why.startswith(f"the checkpoint's {size:,} bytes do not fit"), why

@@ -131,3 +131,22 @@ def test_the_reader_never_asks_for_more_than_a_message():
     assert json.loads(first)["id"] == 7 and OVERLONG_MESSAGE in first
     assert json.loads(second)["id"] == 8
     assert max(stdin.asked) == MAX_MESSAGE_CHARS + 1
+
+
+def test_an_overlong_line_whose_id_holds_an_escape_json_has_not_leaves_the_reader_going():
+    # The id's regex took any backslash pair and raw control characters; json.loads of "\q" or
+    # of a raw tab or of 01 raised and ended the transport.
+    pad = "y" * MAX_MESSAGE_CHARS
+    bad = '{"jsonrpc": "2.0", "id": "a\\q", "method": "tools/call", "params": {"pad": "%s"}}' % pad
+    good = '{"jsonrpc": "2.0", "id": "b\\u00e9\\n", "method": "tools/call", "params": {"pad": "%s"}}' % pad
+    raw_tab = bad.replace("a\\q", "a\tb")  # a control character JSON wants escaped
+    leading_zero = bad.replace('"a\\q"', "01")  # json.loads("01") is extra data
+    stdin = _Stdin(bad + "\n" + raw_tab + "\n" + leading_zero + "\n" + good + "\n" + _call_line(9, "{}") + "\n")
+
+    async def lines() -> list[str]:
+        return [line async for line in BoundedLines(stdin)]
+
+    *zero, escaped, after = anyio.run(lines)
+    assert [json.loads(line)["id"] for line in zero] in ([], [0])  # not JSON: dropped, or answered
+    assert json.loads(escaped)["id"] == "b\u00e9\n" and OVERLONG_MESSAGE in escaped
+    assert json.loads(after)["id"] == 9
