@@ -60,14 +60,15 @@ LORA_RANK = 8  # the lora skill's default rank, for the LoRA and QLoRA changes
 NF4_PACKED = 0.5
 NF4_BYTES = {True: NF4_PACKED + 1 / 64 + 4 / (64 * 256), False: NF4_PACKED + 4 / 64}
 ASSUMED_MFU = 0.4
-# A CPU run of adapters on a frozen base, or with checkpointed blocks, under glibc's dynamic mmap
+# A CPU run of adapters on a frozen base under glibc's dynamic mmap
 # threshold: the resident set keeps about the activations' bytes again, freed but held in the heap
 # (bench/estimate_memory.py --models, llama + lora at 1,024 tokens: 1,171 MB measured, 833 with the
 # threshold fixed, 301 MB of activations estimated; malloc_trim(0) after each forward gave back 80 MB,
 # at each step's start and after backward 40). Counted, lora and qlora measured 0.91-1.03 of the
-# estimate (0.70-0.76 before); checkpointed runs kept 65-193 MB beside 26-126 MB of activations.
-# Full fine-tuning without checkpointing keeps less than its activations (its weight gradients
-# reuse the freed blocks, 0.83-0.97 without the term), so it is not counted there.
+# estimate (0.70-0.76 before). Full fine-tuning keeps less than its activations (its weight
+# gradients reuse the freed blocks: 0.83-0.97 without the term), so it is not counted there; nor
+# for checkpointed blocks, where doubling their small activations hid most of what checkpointing
+# saves (tests/mcp/test_estimate_run.py: -41 MB estimated against -100 MB measured).
 HEAP_KEPT = 1.0
 GIB = 2**30
 
@@ -242,7 +243,7 @@ def estimate_memory(shape: Shape, nproc: int, parallel: Any, device: str, checkp
     activations += largest
     activations *= micro_batch_scale * (DTYPES[dtype].itemsize / FP32) / sp
     frozen_base = adapters is not None or not shape.trainable > 2 * shape.lora_values
-    if device == "cpu" and shape.heap_keeps_freed and (frozen_base or checkpointing):
+    if device == "cpu" and shape.heap_keeps_freed and frozen_base:
         activations *= 1 + HEAP_KEPT
     gathered = 0.0
     if (shards > 1 or on_device == 0) and shape.blocks:  # FSDP2 gathers (or copies in) a block and prefetches the next, in the compute dtype
