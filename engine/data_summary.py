@@ -157,6 +157,17 @@ class DataSummary(BaseModel):
 _COUNTS = ("documents", "tokens", "train_documents", "eval_documents", "train_tokens", "eval_tokens")
 
 
+def split_counts(counts: dict[bool, list[int]]) -> dict[str, int]:
+    """A summary's counts from ``counts[held_out] = [documents, tokens(, loss_tokens)]`` (the training
+    side under False, the held-out side under True): the totals and each side's."""
+    train, held = counts[False], counts[True]
+    fields = dict(documents=train[0] + held[0], tokens=train[1] + held[1], train_documents=train[0],
+                  train_tokens=train[1], eval_documents=held[0], eval_tokens=held[1])
+    if len(train) > 2:
+        fields.update(loss_tokens=train[2] + held[2], train_loss_tokens=train[2], eval_loss_tokens=held[2])
+    return fields
+
+
 def _bounded(count: int) -> int:
     return min(max(count, 0), MAX_DATA_COUNT)
 

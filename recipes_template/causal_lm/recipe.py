@@ -50,6 +50,7 @@ from engine.data_stream import (
     shard_bytes,
 )
 from engine.engine import IGNORE_INDEX, Engine
+from engine.data_summary import split_counts
 from engine.run_dir import DataSummary
 from engine.flops import non_embedding_params, transformer_flops_per_token
 from engine.fsdp import apply_fsdp
@@ -579,12 +580,7 @@ class CausalLM(Engine):
             paths=cfg.paths[:20],
             files=store.counts["files"] if cfg.source != "random" else None,
             bytes=sum(path.stat().st_size for path in listing.files) if listing.files else None,
-            documents=counts[False][0] + counts[True][0],
-            tokens=counts[False][1] + counts[True][1],
-            train_documents=counts[False][0],
-            train_tokens=counts[False][1],
-            eval_documents=counts[True][0],
-            eval_tokens=counts[True][1],
+            **split_counts(counts),
             tokenizer="random ids" if cfg.source == "random" else (f"from {path}" if path else "bytes"),
             **listing.summary_fields(),
         )

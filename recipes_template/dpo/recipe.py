@@ -52,6 +52,7 @@ from engine.engine import IGNORE_INDEX, Engine, StepContext, Window
 from engine.flops import non_embedding_params, transformer_flops_per_token
 from engine.fsdp import apply_fsdp
 from engine.optimizers import adamw_8bit
+from engine.data_summary import split_counts
 from engine.run_dir import DataSummary
 from engine.token_store import (
     StoredDataConfig,
@@ -349,15 +350,7 @@ def token_store(cfg: DPODataConfig, tokenizer, listing: DataListing) -> TokenSto
             raise ConfigError("the data changed while it was tokenized; launch again once it is written")
         return dict(
             files=len(names) if cfg.source == "files" else None,
-            documents=counts[False][0] + counts[True][0],
-            tokens=counts[False][1] + counts[True][1],
-            train_documents=counts[False][0],
-            train_tokens=counts[False][1],
-            eval_documents=counts[True][0],
-            eval_tokens=counts[True][1],
-            loss_tokens=counts[False][2] + counts[True][2],
-            train_loss_tokens=counts[False][2],
-            eval_loss_tokens=counts[True][2],
+            **split_counts(counts),
             format=", ".join(sorted(set(formats))),
             mask="completion",
             truncated=truncated,

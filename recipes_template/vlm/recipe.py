@@ -53,6 +53,7 @@ from engine.engine import IGNORE_INDEX, Engine
 from engine.flops import non_embedding_params, transformer_flops_per_token
 from engine.fsdp import apply_fsdp
 from engine.optimizers import adamw_8bit
+from engine.data_summary import split_counts
 from engine.run_dir import DataSummary
 
 # =============================================================================================
@@ -521,12 +522,7 @@ class VLM(Engine):
             source=cfg.source,
             paths=cfg.paths[:20],
             files=len(names) if cfg.source == "files" else None,
-            documents=counts[False][0] + counts[True][0],
-            tokens=counts[False][1] + counts[True][1],
-            train_documents=counts[False][0],
-            train_tokens=counts[False][1],
-            eval_documents=counts[True][0],
-            eval_tokens=counts[True][1],
+            **split_counts(counts),
             tokenizer=f"from {config.model.pretrained_path}" if config.model.pretrained_path else "bytes + <image>",
             **listing.summary_fields(),
         )
