@@ -333,3 +333,14 @@ def hold_out_of_stream(data: Any) -> None:
     if data.eval_fraction not in (0, 1):
         raise ValueError("data.streaming holds out no fraction of a stream: data.eval_fraction is 0 (train on "
                          "all) or 1 (all held out: evaluate on files given); leave it out")
+
+
+def streamed_eval_batches(config, stream_batches: Callable[[], Any]) -> list | None:
+    """A streamed run's evaluation batches: none, or (``data.eval_fraction=1``) the stream's first
+    ``train.eval_batches``, drawn from a stream of their own (``stream_batches()``) then closed."""
+    if not config.train.eval_every or config.data.eval_fraction < 1:
+        return None
+    batches = stream_batches()
+    taken = [next(batches) for _ in range(config.train.eval_batches)]
+    batches.stream.close()
+    return taken

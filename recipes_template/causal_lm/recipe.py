@@ -45,6 +45,7 @@ from engine.data_stream import (
     StreamBatches,
     first_records,
     hold_out_of_stream,
+    streamed_eval_batches,
     hub_shards,
     list_shards,
     shard_bytes,
@@ -618,13 +619,8 @@ class CausalLM(Engine):
         )
 
     def prepare_eval_data(self) -> list[dict[str, torch.Tensor]] | None:
-        if self.config.data.streaming:  # held out: nothing, or (eval_fraction=1) the stream's first batches
-            if not self.config.train.eval_every or self.config.data.eval_fraction < 1:
-                return None
-            batches = self.stream_batches()
-            taken = [next(batches) for _ in range(self.config.train.eval_batches)]
-            batches.stream.close()
-            return taken
+        if self.config.data.streaming:
+            return streamed_eval_batches(self.config, self.stream_batches)
         if not self.config.train.eval_every or not self.store.counts["eval"][0]:
             return None
         cfg = self.config.data

@@ -50,7 +50,7 @@ from engine.chat import encode_conversation as encode_chat
 from engine.config import ConfigError, EngineConfig, Section
 from engine.data_files import DataListing, confined_path
 from engine.data_formats import read_examples, record_example
-from engine.data_stream import PieceStream, Shard, StreamBatches, first_records, hold_out_of_stream, list_shards, shard_bytes
+from engine.data_stream import PieceStream, Shard, StreamBatches, first_records, hold_out_of_stream, list_shards, shard_bytes, streamed_eval_batches
 from engine.engine import IGNORE_INDEX, Engine
 from engine.flops import non_embedding_params, transformer_flops_per_token
 from engine.fsdp import apply_fsdp
@@ -626,13 +626,8 @@ class SFT(Engine):
         )
 
     def prepare_eval_data(self) -> list[dict[str, torch.Tensor]] | None:
-        if self.config.data.streaming:  # held out: nothing, or (eval_fraction=1) the stream's first batches
-            if not self.config.train.eval_every or self.config.data.eval_fraction < 1:
-                return None
-            batches = self.stream_batches()
-            taken = [next(batches) for _ in range(self.config.train.eval_batches)]
-            batches.stream.close()
-            return taken
+        if self.config.data.streaming:
+            return streamed_eval_batches(self.config, self.stream_batches)
         if not self.config.train.eval_every or not self.store.counts["eval_documents"]:
             return None
         cfg = self.config.data
