@@ -34,7 +34,9 @@ from typing import Any, Callable, Iterable, Iterator
 from engine.chat_messages import conversation, sharegpt_conversation, tool_schemas
 from engine.config import ConfigError
 from engine.errors import MAX_QUOTED_CHARS
-from engine.data_files import HUB_DATASETS_VARIABLE, DataListing, bound_hub_path, data_files, json_value, jsonl_records
+from engine.data_files import (
+    HUB_DATASETS_VARIABLE, DataListing, LineRange, bound_hub_path, data_files, json_value, jsonl_records,
+)
 
 FILE_SUFFIXES = {".jsonl", ".json", ".parquet", ".csv", ".tsv"}
 
@@ -190,12 +192,22 @@ def sources(paths: list[str], dataset: str | None = None, subset: str | None = N
             yield Path(raw).name, _dataset_rows(_load_saved(raw, split, listing), Path(raw).name)
             continue
         for path, name in data_files([raw], suffixes=FILE_SUFFIXES, listing=listing):
-            reader = READERS.get(path.suffix)
-            if reader is None:
-                raise ConfigError(f"{name}: not a data file trainwright reads (give one of {sorted(FILE_SUFFIXES)})")
-            yield name, reader(path, name)
+            yield name, file_rows(path, name)
     if dataset:
         yield dataset, _dataset_rows(_load_dataset(dataset, subset, split, listing), dataset)
+
+
+def file_rows(path: Path, name: str, part: LineRange | RowGroups | None = None) -> Iterator[tuple[str, dict[str, Any]]]:
+    """``(where, record)`` for each record of one data file, or of one ``part`` of it (lines of a
+    JSONL file, row groups of a parquet file: what :func:`engine.token_store.file_parts` cuts)."""
+    if isinstance(part, LineRange):
+        return jsonl_records(path, name, part)
+    if isinstance(part, RowGroups):
+        return parquet_rows(path, name, part)
+    reader = READERS.get(path.suffix)
+    if reader is None:
+        raise ConfigError(f"{name}: not a data file trainwright reads (give one of {sorted(FILE_SUFFIXES)})")
+    return reader(path, name)
 
 
 def record_rows(paths: list[str], **where) -> Iterator[tuple[str, dict[str, Any]]]:
@@ -384,15 +396,25 @@ def read_examples(
 ) -> Iterator[Examples]:
     """Each source's examples, its format told from its first record's columns (or forced); the
     files read are fingerprinted into ``listing``."""
-    columns = columns or {}
     for name, rows in sources(paths, dataset, subset, split, listing):
         first = next(rows, None)
-        if first is None:
-            continue
-        fmt = detect_format(template, _renamed(first[1], columns), name, format)
+        if first is not None:
+            yield _examples(template, name, first, itertools.chain([first], rows), format, columns or {})
 
-        def examples(first=first, rows=rows, fmt=fmt):
-            for where, record in itertools.chain([first], rows):
-                yield where, normalise(fmt, _renamed(record, columns), where)
 
-        yield Examples(name, fmt, examples())
+def part_examples(template: str, path: Path, name: str, part: LineRange | RowGroups | None = None, *,
+                  format: str | None = None, columns: dict[str, str] | None = None) -> Examples | None:
+    """The examples of one data file, or of one ``part`` of it (:func:`file_rows`), its format told
+    from the file's first record: the parts of a file, read apart, are the examples
+    :func:`read_examples` reads of the whole file. None for a file without records."""
+    rows = file_rows(path, name, part)
+    first = next(rows if part is None else file_rows(path, name), None)
+    if first is None:
+        return None
+    return _examples(template, name, first, itertools.chain([first], rows) if part is None else rows, format, columns or {})
+
+
+def _examples(template: str, name: str, first: tuple[str, dict[str, Any]], rows: Iterator[tuple[str, dict[str, Any]]],
+              format: str | None, columns: dict[str, str]) -> Examples:
+    fmt = detect_format(template, _renamed(first[1], columns), name, format)
+    return Examples(name, fmt, ((where, normalise(fmt, _renamed(record, columns), where)) for where, record in rows))

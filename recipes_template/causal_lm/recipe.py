@@ -36,9 +36,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, Llama
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 from engine.config import ConfigError, EngineConfig, Section
-from engine.data_files import DataListing, LineRange, confined_path, data_files, jsonl_records
+from engine.data_files import DataListing, LineRange, confined_path, data_files
 from engine.data_formats import READERS as RECORD_READERS
-from engine.data_formats import RowGroups, is_saved_dataset, parquet_rows, record_rows
+from engine.data_formats import RowGroups, file_rows, is_saved_dataset, record_rows
 from engine.data_stream import (
     PieceStream,
     Shard,
@@ -289,13 +289,7 @@ def file_documents(cfg: CausalLMDataConfig, path: Path, name: str, part: LineRan
     """The ``(name, text)`` pairs of one data file (``name``: as :func:`_expand_paths` names it;
     ``part``: of a JSONL or parquet file, those lines or row groups only)."""
     if path.suffix in RECORD_READERS:  # a text column of each record
-        if isinstance(part, LineRange):
-            rows = jsonl_records(path, name, part)
-        elif isinstance(part, RowGroups):
-            rows = parquet_rows(path, name, part)
-        else:
-            rows = RECORD_READERS[path.suffix](path, name)
-        for where, record in islice(rows, head):
+        for where, record in islice(file_rows(path, name, part), head):
             yield where, _text(record, cfg.text_field, where)
     else:
         yield name, path.read_text(errors="replace")
