@@ -11,6 +11,7 @@ server shows stays sane whatever a run wrote.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -166,6 +167,24 @@ def split_counts(counts: dict[bool, list[int]]) -> dict[str, int]:
     if len(train) > 2:
         fields.update(loss_tokens=train[2] + held[2], train_loss_tokens=train[2], eval_loss_tokens=held[2])
     return fields
+
+
+def added_up(parts: list[dict[Any, Any]]) -> dict[Any, Any]:
+    """The counts of a store's parts built apart (:func:`engine.token_store.build_in_parts`) as one
+    build of them all counts: numbers add, lists of numbers add element by element, sets unite,
+    dicts add key by key."""
+    total: dict[Any, Any] = {}
+    for part in parts:
+        for key, value in part.items():
+            if key not in total:
+                total[key] = value
+            elif isinstance(value, dict):
+                total[key] = added_up([total[key], value])
+            elif isinstance(value, list):
+                total[key] = [a + b for a, b in zip(total[key], value, strict=True)]
+            else:
+                total[key] = total[key] | value if isinstance(value, set) else total[key] + value
+    return total
 
 
 def _bounded(count: int) -> int:

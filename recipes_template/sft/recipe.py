@@ -36,6 +36,7 @@ import hashlib
 import random
 from functools import cached_property
 from itertools import islice
+from pathlib import Path
 from typing import Any, Iterator, Literal
 
 import torch
@@ -48,20 +49,22 @@ from engine.chat import CHAT_TEMPLATE, byte_chat_tokenizer  # noqa: F401 (the te
 from engine.chat import conversation_mask_method, encode_completion, load_chat_tokenizer
 from engine.chat import encode_conversation as encode_chat
 from engine.config import ConfigError, EngineConfig, Section
-from engine.data_files import DataListing, confined_path
-from engine.data_formats import read_examples, record_example
+from engine.data_files import DataListing, confined_path, data_files
+from engine.data_formats import is_saved_dataset, part_examples, read_examples, record_example
 from engine.data_stream import PieceStream, Shard, StreamBatches, first_records, hold_out_of_stream, list_shards, shard_bytes, streamed_eval_batches
 from engine.engine import IGNORE_INDEX, Engine
 from engine.flops import non_embedding_params, transformer_flops_per_token
 from engine.fsdp import apply_fsdp
 from engine.optimizers import adamw_8bit
-from engine.data_summary import split_counts
+from engine.data_summary import added_up, split_counts
 from engine.run_dir import DataSummary
 from engine.data_formats import FILE_SUFFIXES
 from engine.token_store import (
     StoredDataConfig,
     TokenStore,
+    build_in_parts,
     data_identity,
+    file_parts,
     leave_to_run,
     open_or_build,
     store_key,
@@ -308,7 +311,10 @@ def read_conversations(cfg: SFTDataConfig, listing: DataListing | None = None, f
             found = True
             yield example
     if not found:
-        raise ConfigError(f"no examples in data.paths={cfg.paths} data.dataset={cfg.dataset}")
+        raise ConfigError(NO_EXAMPLES.format(paths=cfg.paths, dataset=cfg.dataset))
+
+
+NO_EXAMPLES = "no examples in data.paths={paths} data.dataset={dataset}"
 
 
 def record_columns(cfg: SFTDataConfig) -> dict[str, str]:
@@ -343,19 +349,18 @@ def token_store(cfg: SFTDataConfig, tokenizer, listing: DataListing) -> TokenSto
     if leave_to_run(key, size, cfg.tokenize_in_check_mb, read_head):
         return None
 
-    def build(store) -> dict[str, Any]:
+    def add_examples(store, examples, formats: set[str]) -> dict[str, Any]:
         counts = {True: [0, 0, 0], False: [0, 0, 0]}  # held out? -> [conversations, tokens, loss tokens]
-        names, masks, dropped, formats = set(), set(), {}, []
-        truncated = keep = 0
-        read = DataListing()
-        for name, example in read_conversations(cfg, read, formats):
+        names, masks, dropped = set(), set(), {}
+        truncated, keep = 0, {0}
+        for name, example in examples:
             piece, why, cut = encode_example(tokenizer, example, cfg.seq_len, name, cfg.reasoning_loss)
             store.progress.advance(documents=1, bytes_read=text_size(example))
             truncated += cut
             names.add(name.split(":", 1)[0])
             if piece is None:
                 dropped[why] = dropped.get(why, 0) + 1
-                keep = max(keep, seq_len_to_learn(tokenizer, example, name, cfg.reasoning_loss) if cut else 0)
+                keep.add(seq_len_to_learn(tokenizer, example, name, cfg.reasoning_loss) if cut else 0)
                 continue
             masks.add(mask_method(tokenizer, example))
             held_out = is_eval_document(name, cfg.eval_fraction)
@@ -364,17 +369,37 @@ def token_store(cfg: SFTDataConfig, tokenizer, listing: DataListing) -> TokenSto
             counted[0] += 1
             counted[1] += int(piece.shape[1])  # every token of the example, as cut to data.seq_len
             counted[2] += int((piece[1, 1:] != IGNORE_INDEX).sum())  # the labels: what the loss is over
+        return dict(counts=counts, names=names, masks=masks, dropped=dropped, formats=formats, truncated=truncated,
+                    keep=keep)
+
+    def add_part(store, files, index: int) -> dict[str, Any]:
+        source = part_examples("sft", *files[index], format=cfg.format, columns=record_columns(cfg))
+        return add_examples(store, source.records if source else [], {source.format} if source else set())
+
+    def build(store) -> dict[str, Any]:
+        read = DataListing()
+        if cfg.source == "files" and not cfg.dataset and not any(is_saved_dataset(Path(p)) for p in cfg.paths):
+            files = file_parts(data_files(cfg.paths, FILE_SUFFIXES, listing=read))  # a large file: several parts
+            parts = build_in_parts(store, len(files), lambda part, i: add_part(part, files, i))
+            total = added_up([add_examples(store, [], set()), *parts])  # nothing's counts, then each part's
+            if not sum(counted[0] for counted in total["counts"].values()) + sum(total["dropped"].values()):
+                raise ConfigError(NO_EXAMPLES.format(paths=cfg.paths, dataset=cfg.dataset))
+        else:
+            formats: list[str] = []  # each source's, told as read_conversations reads it
+            total = add_examples(store, read_conversations(cfg, read, formats), set())
+            total["formats"].update(formats)
         if read.fingerprint() != listing.fingerprint() or read.changed():
             raise ConfigError("the data changed while it was tokenized; launch again once it is written")
+        dropped = total["dropped"]
         return dict(
-            files=len(names) if cfg.source == "files" else None,
-            **split_counts(counts),
-            format=", ".join(sorted(set(formats))),
-            mask=", ".join(sorted(masks)) or None,
-            truncated=truncated,
+            files=len(total["names"]) if cfg.source == "files" else None,
+            **split_counts(total["counts"]),
+            format=", ".join(sorted(total["formats"])),
+            mask=", ".join(sorted(total["masks"])) or None,
+            truncated=total["truncated"],
             dropped=sum(dropped.values()),
             dropped_why="; ".join(f"{n}: {why}" for why, n in sorted(dropped.items())) or None,
-            seq_len_to_keep=keep or None,
+            seq_len_to_keep=max(total["keep"]) or None,
         )
 
     return open_or_build(key, rows=2, dtype="int32", build=build, input_bytes=size)

@@ -18,7 +18,8 @@ from engine import run_dir as rd
 from engine import token_store
 from engine.config import ConfigError
 from engine.seams import LaunchVerdict
-from engine.data_files import DataListing
+from engine.data_files import DataListing, data_files
+from engine.data_formats import FILE_SUFFIXES
 from recipes_template.causal_lm import recipe as causal_lm
 from recipes_template.causal_lm.recipe import CausalLM
 from recipes_template.sft.recipe import SFT
@@ -283,8 +284,9 @@ def test_sft_data_left_to_the_run_is_encoded_there_with_progress_and_the_exact_s
     monkeypatch.setattr(token_store, "PROGRESS_EVERY_S", 0.0)
     config = config_of(f"data.paths=[{data}]", "data.tokenize_in_check_mb=0", recipe_class=SFT)
     summary = launch.prepare_data(run_dir, SFT, config, pending)
-    documents = [p.documents for p in seen]
-    assert documents == list(range(1, 241)) and 0 < seen[0].bytes_done < seen[-1].bytes_done <= size
+    documents = [p.documents for p in seen]  # a report per example (one process), or per part (several)
+    assert len(seen) >= 2 and documents == sorted(set(documents)) and documents[-1] == 240
+    assert 0 < seen[0].bytes_done < seen[-1].bytes_done <= size
     # Exact: what the launch check counts of the same data when it encodes it all (into a cache
     # of its own here), loss tokens and the examples left out included.
     monkeypatch.setenv(token_store.CACHE_VARIABLE, str(tmp_path / "other-cache"))
@@ -330,6 +332,57 @@ def test_sft_data_that_leaves_nothing_to_train_fails_the_run_as_the_launch_check
                     capsys=capsys)
     assert refused["ok"] is False and str(failed.value) == refused["error"]
     assert refused["error"].startswith("nothing to train on: all 18 usable examples of the data fall in the held-out")
+
+
+def built_store(tmp_path, monkeypatch, workers: int, cache: str, build):
+    """The meta and the files of the store ``build()`` makes on ``workers`` cores, in a cache of its own."""
+    monkeypatch.setenv(token_store.CACHE_VARIABLE, str(tmp_path / cache))
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(workers)))
+    store = build()
+    return store.meta, {p.name: p.read_bytes() for p in sorted(store.folder.iterdir())}
+
+
+def test_sft_over_the_cores_builds_the_very_store_one_process_builds_and_names_a_bad_record(tmp_path, monkeypatch):
+    from recipes_template.sft import recipe as sft
+
+    data = tmp_path / "data"
+    data.mkdir()
+    with open(data / "chats.jsonl", "w") as f:  # one large file (read apart at line starts), blank lines among it
+        for i in range(300):
+            answer = "" if i % 10 == 0 else f"{i} is {'even' if i % 2 == 0 else 'odd'}." * (1 + i % 7)
+            question = "Why? " * 40 if i % 50 == 3 else f"Is {i} even or odd?" * (1 + i % 3)  # too long: dropped
+            record = {"messages": [{"role": "user", "content": question},
+                                   {"role": "assistant", "content": answer}]}
+            f.write("\n" if i % 41 == 7 else json.dumps(record) + "\n")
+    with open(data / "tasks.jsonl", "w") as f:  # another format in a file of its own
+        for i in range(30):
+            f.write(json.dumps({"instruction": f"Say {i}.", "output": str(i)}) + "\n")
+    config = sft.SFTDataConfig(paths=[str(data)], seq_len=96, eval_fraction=0.2)
+    tokenizer = sft.load_tokenizer(None, None)
+    assert len(token_store.file_parts(data_files([str(data)], FILE_SUFFIXES), workers=3)) == 4
+
+    parts_built, build_in_parts = [], sft.build_in_parts
+    monkeypatch.setattr(sft, "build_in_parts", lambda writer, count, build_part:
+                        parts_built.append(count) or build_in_parts(writer, count, build_part))
+
+    def build():
+        return sft.token_store(config, tokenizer, DataListing())
+
+    built = {workers: built_store(tmp_path, monkeypatch, workers, f"cache-{workers}", build) for workers in (1, 3)}
+    assert built[1] == built[3] and parts_built == [2, 4]  # a part per file; on 3 cores the large one in 3
+    counts = built[1][0]["counts"]
+    assert {key: counts[key] for key in ("files", "documents", "format", "mask", "dropped", "dropped_why")} == {
+        "files": 2, "documents": 288, "format": "alpaca, messages", "mask": "generation_markers", "dropped": 34,
+        "dropped_why": "5: every assistant token lies past data.seq_len=96; 29: no assistant answer (empty or missing)"}
+    assert counts["seq_len_to_keep"] > 96 and counts["truncated"] > 0
+    assert counts["loss_tokens"] == counts["train_loss_tokens"] + counts["eval_loss_tokens"] > 0
+
+    with open(data / "chats.jsonl", "a") as f:
+        f.write(json.dumps({"messages": "no list"}) + "\n")
+    for workers in (1, 3):  # a bad record in the last part is named by its line, as one reader names it
+        with pytest.raises(ConfigError, match=r"^chats\.jsonl:301: "):
+            built_store(tmp_path, monkeypatch, workers, f"bad-{workers}", build)
+        assert [p.name for p in (tmp_path / f"bad-{workers}").iterdir() if p.suffix != ".lock"] == []  # nothing built
 
 
 def test_dpo_pairs_left_to_the_run_are_tokenized_there_with_the_exact_summary(tmp_path, cache, capsys, monkeypatch):
