@@ -33,6 +33,7 @@ import hashlib
 import random
 from functools import cached_property
 from itertools import islice
+from pathlib import Path
 from typing import Any, Iterator, Literal, NamedTuple
 
 import numpy as np
@@ -45,19 +46,21 @@ from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 from engine.chat import CHAT_TEMPLATE, byte_chat_tokenizer, load_chat_tokenizer  # noqa: F401 (the chat format)
 from engine.chat import encode_completion
 from engine.config import ConfigError, EngineConfig, Section
-from engine.data_files import DataListing, confined_path
-from engine.data_formats import FILE_SUFFIXES, read_examples
+from engine.data_files import DataListing, confined_path, data_files
+from engine.data_formats import FILE_SUFFIXES, is_saved_dataset, part_examples, read_examples
 from engine.distributed import dp_all_reduce_sum
 from engine.engine import IGNORE_INDEX, Engine, StepContext, Window
 from engine.flops import non_embedding_params, transformer_flops_per_token
 from engine.fsdp import apply_fsdp
 from engine.optimizers import adamw_8bit
-from engine.data_summary import split_counts
+from engine.data_summary import added_up, split_counts
 from engine.run_dir import DataSummary
 from engine.token_store import (
     StoredDataConfig,
     TokenStore,
+    build_in_parts,
     data_identity,
+    file_parts,
     leave_to_run,
     open_or_build,
     store_key,
@@ -236,7 +239,10 @@ def read_pairs(cfg: DPODataConfig, listing: DataListing | None = None, formats: 
             found = True
             yield pair
     if not found:
-        raise ConfigError(f"no preference pairs in data.paths={cfg.paths} data.dataset={cfg.dataset}")
+        raise ConfigError(NO_PAIRS.format(paths=cfg.paths, dataset=cfg.dataset))
+
+
+NO_PAIRS = "no preference pairs in data.paths={paths} data.dataset={dataset}"
 
 
 def is_eval_document(name: str, eval_fraction: float) -> bool:
@@ -327,11 +333,10 @@ def token_store(cfg: DPODataConfig, tokenizer, listing: DataListing) -> TokenSto
     if leave_to_run(key, size, cfg.tokenize_in_check_mb, read_head):
         return None
 
-    def build(store) -> dict[str, Any]:
+    def add_pairs(store, pairs, formats: set[str]) -> dict[str, Any]:
         counts = {True: [0, 0, 0], False: [0, 0, 0]}  # held out? -> [pairs, tokens, answer tokens]
-        names, formats, read = set(), [], DataListing()
-        truncated = dropped = 0
-        for name, record in read_pairs(cfg, read, formats):
+        names, truncated, dropped = set(), 0, 0
+        for name, record in pairs:
             whole = tokenize_pair(tokenizer, record, cfg.seq_len + 1)
             truncated += len(whole.prompt) + max(len(whole.chosen), len(whole.rejected)) > cfg.seq_len + 1
             pair = tokenize_pair(tokenizer, record, cfg.seq_len, cfg.reasoning_loss)
@@ -346,14 +351,33 @@ def token_store(cfg: DPODataConfig, tokenizer, listing: DataListing) -> TokenSto
             counted[0] += 1
             counted[1] += 2 * len(pair.prompt) + len(pair.chosen) + len(pair.rejected)  # both rows
             counted[2] += pair.learnt_tokens()  # the loss's, and what loss_tokens_seen counts in training
+        return dict(counts=counts, names=names, formats=formats, truncated=truncated, dropped=dropped)
+
+    def add_part(store, files, index: int) -> dict[str, Any]:
+        source = part_examples("dpo", *files[index], format=cfg.format, columns=cfg.columns)
+        return add_pairs(store, source.records if source else [], {source.format} if source else set())
+
+    def build(store) -> dict[str, Any]:
+        read = DataListing()
+        if cfg.source == "files" and not cfg.dataset and not any(is_saved_dataset(Path(p)) for p in cfg.paths):
+            files = file_parts(data_files(cfg.paths, FILE_SUFFIXES, listing=read))  # a large file: several parts
+            parts = build_in_parts(store, len(files), lambda part, i: add_part(part, files, i))
+            total = added_up([add_pairs(store, [], set()), *parts])  # nothing's counts, then each part's
+            if not sum(counted[0] for counted in total["counts"].values()) + total["dropped"]:
+                raise ConfigError(NO_PAIRS.format(paths=cfg.paths, dataset=cfg.dataset))
+        else:
+            formats: list[str] = []  # each source's, told as read_pairs reads it
+            total = add_pairs(store, read_pairs(cfg, read, formats), set())
+            total["formats"].update(formats)
         if read.fingerprint() != listing.fingerprint() or read.changed():
             raise ConfigError("the data changed while it was tokenized; launch again once it is written")
+        dropped = total["dropped"]
         return dict(
-            files=len(names) if cfg.source == "files" else None,
-            **split_counts(counts),
-            format=", ".join(sorted(set(formats))),
+            files=len(total["names"]) if cfg.source == "files" else None,
+            **split_counts(total["counts"]),
+            format=", ".join(sorted(total["formats"])),
             mask="completion",
-            truncated=truncated,
+            truncated=total["truncated"],
             dropped=dropped,
             dropped_why=f"{dropped}: an answer lies wholly past data.seq_len={cfg.seq_len}" if dropped else None,
         )

@@ -405,6 +405,38 @@ def test_dpo_pairs_left_to_the_run_are_tokenized_there_with_the_exact_summary(tm
     assert summary.documents == 40 and summary.loss_tokens > 0 and summary.format == "prompt_chosen_rejected"
 
 
+def test_dpo_over_the_cores_builds_the_very_store_one_process_builds_and_names_a_bad_record(tmp_path, monkeypatch):
+    from recipes_template.dpo import recipe as dpo
+
+    data = tmp_path / "pairs"
+    data.mkdir()
+    with open(data / "pairs.jsonl", "w") as f:  # one large file, read apart at line starts
+        for i, (_, record) in enumerate(dpo.builtin_pairs(300)):
+            if i % 40 == 9:  # a prompt that leaves no room for an answer: dropped
+                record = {**record, "prompt": "Why? " * 30}
+            f.write(json.dumps(record) + "\n")
+    config = dpo.DPODataConfig(paths=[str(data)], seq_len=96, eval_fraction=0.2)
+    tokenizer = dpo.load_tokenizer(None, None)
+
+    def build():
+        return dpo.token_store(config, tokenizer, DataListing())
+
+    built = {workers: built_store(tmp_path, monkeypatch, workers, f"cache-{workers}", build) for workers in (1, 3)}
+    assert built[1] == built[3]
+    counts = built[1][0]["counts"]
+    assert {key: counts[key] for key in ("files", "documents", "format", "dropped", "dropped_why")} == {
+        "files": 1, "documents": 292, "format": "prompt_chosen_rejected", "dropped": 8,
+        "dropped_why": "8: an answer lies wholly past data.seq_len=96"}
+    assert counts["loss_tokens"] == counts["train_loss_tokens"] + counts["eval_loss_tokens"] > 0
+
+    with open(data / "pairs.jsonl", "a") as f:
+        f.write(json.dumps({"prompt": "Hi", "chosen": 7, "rejected": "no"}) + "\n")
+    for workers in (1, 3):  # a bad record in the last part is named by its line, as one reader names it
+        with pytest.raises(ConfigError, match=r"^pairs\.jsonl:301: "):
+            built_store(tmp_path, monkeypatch, workers, f"bad-{workers}", build)
+        assert [p.name for p in (tmp_path / f"bad-{workers}").iterdir() if p.suffix != ".lock"] == []  # nothing built
+
+
 def test_a_rank_that_waits_for_the_store_reads_the_corpus_once(tmp_path, cache, monkeypatch):
     data = write_corpus(tmp_path / "data")
     config = config_of(f"data.paths=[{data}]")
