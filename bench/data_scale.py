@@ -23,6 +23,15 @@ Every run is printed, then the goals' ratios:
 - second launch's time to step 1 / the first's (goal <= 0.5);
 - store tokenization bytes/s / ``datasets.map``'s (goal >= 0.9).
 
+With ``--sft`` the ``sft`` template's preparation alone is timed, in ``--rounds`` interleaved
+rounds, each round printed: a corpus of chat records (``messages``: a question and an answer cut
+from the standard library's sources, ``--sizes`` MB in :data:`SHARDS` JSONL files) is encoded into
+a fresh store with 1 and with 2 workers (``engine.token_store.build_workers``), and by
+``datasets.load_dataset("json") + Dataset.map(batched=True, num_proc=2)`` doing the same chat
+template rendering and tokenization (``apply_chat_template`` with the assistant mask, the same
+fast byte tokenizer) into a fresh Arrow cache; then the medians' bytes/s and ratios (goal:
+2 workers / datasets.map >= 0.9).
+
 With ``--streaming`` each size and rank count is launched once with ``data.streaming=true``
 (``--steps`` steps: the stream reads ``steps × batch_size`` pieces, tokenized by a background
 thread) and the rows say its peak, its time to step 1 and that the data cache stayed empty; then
@@ -30,6 +39,7 @@ the peak at each size / the peak at the smallest, which does not grow with the c
 
     python bench/data_scale.py [--sizes 25 100 400] [--ranks 1 2] [--map]
     python bench/data_scale.py --streaming [--sizes 25 400] [--ranks 1 2] [--steps 50]
+    python bench/data_scale.py --sft [--sizes 8] [--rounds 3]
 """
 
 from __future__ import annotations
@@ -59,6 +69,7 @@ TINY = ("model.hidden_size=64", "model.intermediate_size=128", "model.num_layers
         "train.eval_every=0", "checkpoint.every=0", "metrics.tensorboard=false")
 
 
+SFT_SEQ_LEN = 4096  # --sft: every chat record fits whole (none is cut or left out)
 SHARDS = 4  # the corpus is this many JSONL files, as corpora come (the store tokenizes a file per core)
 
 
@@ -211,6 +222,95 @@ def datasets_map_throughput(corpus: Path, cache: Path) -> float:
     return corpus_bytes(corpus) / (time.perf_counter() - start)
 
 
+def write_chats(folder: Path, megabytes: float) -> None:
+    """JSONL chat records (``messages``: a user's question and the assistant's answer, each a
+    piece of a standard library source), ``megabytes`` × 10^6 bytes in :data:`SHARDS` files."""
+    sources = sorted(Path(sysconfig.get_paths()["stdlib"]).rglob("*.py"))
+    shutil.rmtree(folder, ignore_errors=True)
+    folder.mkdir()
+    target, copy = int(megabytes * 1e6 / SHARDS), 0
+    for shard in range(SHARDS):
+        written = 0
+        with open(folder / f"shard-{shard}.jsonl", "w") as f:
+            while written < target:
+                text = sources[copy % len(sources)].read_text(errors="replace")[:3000]
+                cut = len(text) // 3
+                line = json.dumps({"messages": [
+                    {"role": "user", "content": f"What does this code do? ({copy})\n{text[:cut]}"},
+                    {"role": "assistant", "content": text[cut:]}]}) + "\n"
+                f.write(line)
+                written, copy = written + len(line.encode()), copy + 1
+
+
+def sft_store_seconds(corpus: Path, cache: Path, workers: int) -> float:
+    """Seconds of building the sft store of ``corpus`` on ``workers`` workers (fresh cache)."""
+    from engine import token_store
+    from recipes_template.sft import recipe
+
+    shutil.rmtree(cache, ignore_errors=True)
+    cache.mkdir()
+    os.environ[DATA_CACHE_VARIABLE] = str(cache)
+    cores, token_store.build_workers = token_store.build_workers, lambda: workers
+    try:
+        tokenizer = recipe.load_tokenizer(None, None)
+        start = time.perf_counter()
+        recipe.token_store(recipe.SFTDataConfig(paths=[str(corpus)], seq_len=SFT_SEQ_LEN), tokenizer, DataListing())
+        return time.perf_counter() - start
+    finally:
+        token_store.build_workers = cores
+        shutil.rmtree(cache, ignore_errors=True)
+
+
+def sft_map_seconds(corpus: Path, cache: Path, workers: int) -> float:
+    """Seconds of ``datasets`` reading the chat JSONL and rendering and tokenizing it with
+    ``map(batched=True, num_proc=workers)`` as sft encodes it (the chat template, the assistant mask)."""
+    import datasets
+
+    from recipes_template.sft import recipe
+
+    tokenizer = recipe.load_tokenizer(None, None)
+    shutil.rmtree(cache, ignore_errors=True)
+    try:
+        start = time.perf_counter()
+        dataset = datasets.load_dataset("json", data_files=sorted(map(str, corpus.iterdir())), split="train",
+                                        cache_dir=str(cache))
+        dataset.map(lambda batch: tokenizer.apply_chat_template(batch["messages"], tokenize=True, return_dict=True,
+                                                                return_assistant_tokens_mask=True),
+                    batched=True, num_proc=workers, remove_columns=["messages"])
+        return time.perf_counter() - start
+    finally:
+        shutil.rmtree(cache, ignore_errors=True)
+
+
+def sft_preparation(sizes: list[float], rounds: int) -> None:
+    """sft's store on 1 and 2 workers against datasets.map(num_proc=2), interleaved rounds."""
+    import statistics
+
+    import datasets
+
+    datasets.disable_progress_bars()
+    with tempfile.TemporaryDirectory(prefix="data-scale-") as tmp:
+        root = Path(tmp)
+        for size in sizes:
+            write_chats(root / "chats", size)
+            size_bytes = corpus_bytes(root / "chats")
+            peers = {"sft store, 1 worker": lambda: sft_store_seconds(root / "chats", root / "cache", 1),
+                     "sft store, 2 workers": lambda: sft_store_seconds(root / "chats", root / "cache", 2),
+                     "datasets.map(num_proc=2)": lambda: sft_map_seconds(root / "chats", root / "hf-cache", 2)}
+            rates: dict[str, list[float]] = {name: [] for name in peers}
+            for round_ in range(rounds):
+                names = list(peers)[round_ % len(peers):] + list(peers)[:round_ % len(peers)]  # each goes first in turn
+                for name in names:
+                    rates[name].append(size_bytes / peers[name]())
+                print(f"{size:g} MB, round {round_ + 1}: " + ", ".join(f"{name} {rates[name][-1] / 1e6:.2f} MB/s"
+                                                                      for name in peers)
+                      + f" (load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores)", flush=True)
+            median = {name: statistics.median(values) for name, values in rates.items()}
+            one, two, theirs = median.values()
+            print(f"{size:g} MB, medians of {rounds}: 2 workers / datasets.map {two / theirs:.2f} (goal >= 0.9), "
+                  f"1 worker / datasets.map {one / theirs:.2f}, 2 workers / 1 worker {two / one:.2f}", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes", type=float, nargs="+", default=[25, 100, 400], help="corpus sizes in MB")
@@ -218,7 +318,12 @@ def main() -> None:
     parser.add_argument("--map", action="store_true", help="also time datasets.map (slow at large sizes)")
     parser.add_argument("--streaming", action="store_true", help="launch once per size with data.streaming=true")
     parser.add_argument("--steps", type=int, default=50, help="--streaming: steps of each run")
+    parser.add_argument("--sft", action="store_true", help="time sft's store on 1 and 2 workers against datasets.map")
+    parser.add_argument("--rounds", type=int, default=3, help="--sft: interleaved rounds")
     args = parser.parse_args()
+    if args.sft:
+        sft_preparation(args.sizes, args.rounds)
+        return
     if args.streaming:
         streaming(args.sizes, args.ranks, args.steps)
         return
