@@ -63,6 +63,9 @@ DISK_BYTES_PER_INPUT_BYTE = 8
 TOKENIZE_IN_CHECK_MB = 64.0
 HEAD_RECORDS = 100  # records of each file the launch check reads of data it leaves to the run
 PROGRESS_EVERY_S = 1.0  # how often a build reports its progress
+# Parts per worker of a build over the cores: reported as each is appended, in order, so more parts
+# than workers show progress before the end (and share the work more evenly).
+PARTS_PER_WORKER = 4
 
 WAIT_POLL_S = 0.5  # how often a rank that does not build looks for the store
 # A store's lock held this long while its build writes nothing: whoever waits for it gives up,
@@ -239,18 +242,19 @@ def build_workers() -> int:
 
 def file_parts(files: list[tuple[Path, str]], workers: int | None = None) -> list[tuple[Path, str, Any]]:
     """The parts a build reads apart, in order (``(file, name, part)``): each file whole (``part``
-    None), and a JSONL or parquet file larger than a worker's share of all the bytes cut into parts
-    of about that share — at line starts (a :class:`~engine.data_files.LineRange`) or by row groups
-    (a :class:`~engine.data_formats.RowGroups`) —, so that one large file keeps every core busy;
-    read in this order, the parts are the files' records in theirs."""
+    None), and a JSONL or parquet file larger than a part's share of all the bytes
+    (:data:`PARTS_PER_WORKER` parts a worker) cut into parts of about that share — at line starts
+    (a :class:`~engine.data_files.LineRange`) or by row groups (a
+    :class:`~engine.data_formats.RowGroups`) —, so that one large file keeps every core busy; read
+    in this order, the parts are the files' records in theirs."""
     from engine.data_formats import row_group_ranges
 
-    workers = workers or build_workers()
+    wanted = (workers or build_workers()) * PARTS_PER_WORKER
     sizes = [path.stat().st_size for path, _ in files]
-    share = max(1, sum(sizes) // workers)
+    share = max(1, sum(sizes) // wanted)
     parts: list[tuple[Path, str, Any]] = []
     for (path, name), size in zip(files, sizes):
-        count = min(workers, -(-size // share))
+        count = min(wanted, -(-size // share))
         if count > 1 and path.suffix == ".jsonl":
             parts += [(path, name, lines) for lines in line_ranges(path, count)]
         elif count > 1 and path.suffix == ".parquet":
@@ -284,6 +288,7 @@ def build_in_parts(writer: "StoreWriter", count: int, build_part: Callable[["Sto
             jobs = [(writer.folder, index, writer.rows, writer.dtype) for index in range(count)]
             for index, (part_counts, documents, bytes_read) in enumerate(pool.imap(_build_part, jobs)):
                 writer.append_part(writer.folder / f"part-{index}")
+                shutil.rmtree(writer.folder / f"part-{index}")  # the disk holds the store, not it twice
                 writer.progress.advance(documents, bytes_read)
                 counts.append(part_counts)
     finally:

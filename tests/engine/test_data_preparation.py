@@ -282,10 +282,13 @@ def test_sft_data_left_to_the_run_is_encoded_there_with_progress_and_the_exact_s
 
     monkeypatch.setattr(rd, "update_run", recording)
     monkeypatch.setattr(token_store, "PROGRESS_EVERY_S", 0.0)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
     config = config_of(f"data.paths=[{data}]", "data.tokenize_in_check_mb=0", recipe_class=SFT)
     summary = launch.prepare_data(run_dir, SFT, config, pending)
-    documents = [p.documents for p in seen]  # a report per example (one process), or per part (several)
-    assert len(seen) >= 2 and documents == sorted(set(documents)) and documents[-1] == 240
+    documents = [p.documents for p in seen]  # two workers: a report per part as it is appended, in order
+    parts = token_store.file_parts(data_files([str(data)], FILE_SUFFIXES))
+    assert len(seen) == len(parts) >= 2 * token_store.PARTS_PER_WORKER and documents == sorted(set(documents))
+    assert documents[0] <= 240 // token_store.PARTS_PER_WORKER and documents[-1] == 240
     assert 0 < seen[0].bytes_done < seen[-1].bytes_done <= size
     # Exact: what the launch check counts of the same data when it encodes it all (into a cache
     # of its own here), loss tokens and the examples left out included.
@@ -359,7 +362,8 @@ def test_sft_over_the_cores_builds_the_very_store_one_process_builds_and_names_a
             f.write(json.dumps({"instruction": f"Say {i}.", "output": str(i)}) + "\n")
     config = sft.SFTDataConfig(paths=[str(data)], seq_len=96, eval_fraction=0.2)
     tokenizer = sft.load_tokenizer(None, None)
-    assert len(token_store.file_parts(data_files([str(data)], FILE_SUFFIXES), workers=3)) == 4
+    per_worker = token_store.PARTS_PER_WORKER  # the large file in that many parts a worker, the small one whole
+    assert len(token_store.file_parts(data_files([str(data)], FILE_SUFFIXES), workers=3)) == 3 * per_worker + 1
 
     parts_built, build_in_parts = [], sft.build_in_parts
     monkeypatch.setattr(sft, "build_in_parts", lambda writer, count, build_part:
@@ -369,7 +373,7 @@ def test_sft_over_the_cores_builds_the_very_store_one_process_builds_and_names_a
         return sft.token_store(config, tokenizer, DataListing())
 
     built = {workers: built_store(tmp_path, monkeypatch, workers, f"cache-{workers}", build) for workers in (1, 3)}
-    assert built[1] == built[3] and parts_built == [2, 4]  # a part per file; on 3 cores the large one in 3
+    assert built[1] == built[3] and parts_built == [per_worker + 1, 3 * per_worker + 1]
     counts = built[1][0]["counts"]
     assert {key: counts[key] for key in ("files", "documents", "format", "mask", "dropped", "dropped_why")} == {
         "files": 2, "documents": 288, "format": "alpaca, messages", "mask": "generation_markers", "dropped": 34,
@@ -464,7 +468,7 @@ def test_one_large_jsonl_file_is_read_apart_at_line_starts_into_the_store_one_pr
         assert len(ranges) == count and ranges[0].start == 0 and ranges[-1].end is None
         assert [r.end for r in ranges[:-1]] == [r.start for r in ranges[1:]]
         assert [record for lines in ranges for record in jsonl_records(data, "one.jsonl", lines)] == whole
-    assert len(token_store.file_parts([(data, "one.jsonl")], workers=3)) == 3
+    assert len(token_store.file_parts([(data, "one.jsonl")], workers=3)) == 3 * token_store.PARTS_PER_WORKER
 
     built = {}
     for workers in (1, 3):
