@@ -29,7 +29,9 @@ from the standard library's sources, ``--sizes`` MB in :data:`SHARDS` JSONL file
 a fresh store with 1 and with 2 workers (``engine.token_store.build_workers``), and by
 ``datasets.load_dataset("json") + Dataset.map(batched=True, num_proc=2)`` doing the same chat
 template rendering and tokenization (``apply_chat_template`` with the assistant mask, the same
-fast byte tokenizer) into a fresh Arrow cache; then the medians' bytes/s and ratios (goal:
+fast byte tokenizer) into a fresh Arrow cache. Each round also prints the load average and what
+it leaves of the cores (a plain Python loop's throughput in 2 processes against 1: near 2 on an
+idle machine, near 1 on a saturated one). Then the medians' bytes/s and ratios (goal:
 2 workers / datasets.map >= 0.9).
 
 With ``--streaming`` each size and rank count is launched once with ``data.streaming=true``
@@ -282,6 +284,27 @@ def sft_map_seconds(corpus: Path, cache: Path, workers: int) -> float:
         shutil.rmtree(cache, ignore_errors=True)
 
 
+def count_up(n: int) -> int:
+    total = 0
+    for i in range(n):
+        total += i
+    return total
+
+
+def cores_at_hand(processes: int = 2, n: int = 5_000_000) -> float:
+    """How much faster ``processes`` forked processes run a plain Python loop than one: what the
+    machine's load leaves of its cores now (``processes`` on an idle machine, 1 on a saturated one)."""
+    import multiprocessing
+
+    seconds = []
+    for count in (1, processes):
+        start = time.perf_counter()
+        with multiprocessing.get_context("fork").Pool(count) as pool:
+            pool.map(count_up, [n] * count)
+        seconds.append(time.perf_counter() - start)
+    return processes * seconds[0] / seconds[1]
+
+
 def sft_preparation(sizes: list[float], rounds: int) -> None:
     """sft's store on 1 and 2 workers against datasets.map(num_proc=2), interleaved rounds."""
     import statistics
@@ -304,7 +327,8 @@ def sft_preparation(sizes: list[float], rounds: int) -> None:
                     rates[name].append(size_bytes / peers[name]())
                 print(f"{size:g} MB, round {round_ + 1}: " + ", ".join(f"{name} {rates[name][-1] / 1e6:.2f} MB/s"
                                                                       for name in peers)
-                      + f" (load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores)", flush=True)
+                      + f" (load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores; a plain loop's "
+                        f"throughput, 2 processes / 1: {cores_at_hand():.2f})", flush=True)
             median = {name: statistics.median(values) for name, values in rates.items()}
             one, two, theirs = median.values()
             print(f"{size:g} MB, medians of {rounds}: 2 workers / datasets.map {two / theirs:.2f} (goal >= 0.9), "

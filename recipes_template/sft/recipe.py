@@ -39,6 +39,7 @@ from itertools import islice
 from pathlib import Path
 from typing import Any, Iterator, Literal
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from pydantic import Field, model_validator
@@ -203,7 +204,8 @@ def encode_conversation(
     else:
         tokens = tokenizer(example["text"], add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
         mask = [True] * len(tokens)
-    return torch.tensor(tokens, dtype=torch.int64), torch.tensor(mask, dtype=torch.bool)
+    # Through numpy: torch.tensor of a list of thousands of ids costs 3-4 times as much (7% of preparing the data).
+    return torch.from_numpy(np.array(tokens, dtype=np.int64)), torch.from_numpy(np.array(mask, dtype=np.bool_))
 
 
 def encode_example(tokenizer, conversation, seq_len: int, where: str = "a conversation", reasoning: bool = True):
