@@ -412,13 +412,15 @@ def test_dpo_pairs_left_to_the_run_are_tokenized_there_with_the_exact_summary(tm
 def test_dpo_over_the_cores_builds_the_very_store_one_process_builds_and_names_a_bad_record(tmp_path, monkeypatch):
     from recipes_template.dpo import recipe as dpo
 
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
     data = tmp_path / "pairs"
     data.mkdir()
-    with open(data / "pairs.jsonl", "w") as f:  # one large file, read apart at line starts
-        for i, (_, record) in enumerate(dpo.builtin_pairs(300)):
-            if i % 40 == 9:  # a prompt that leaves no room for an answer: dropped
-                record = {**record, "prompt": "Why? " * 30}
-            f.write(json.dumps(record) + "\n")
+    records = [{**record, "prompt": "Why? " * 30} if i % 40 == 9 else record  # no room for an answer: dropped
+               for i, (_, record) in enumerate(dpo.builtin_pairs(300))]
+    pq.write_table(pa.Table.from_pylist(records), data / "pairs.parquet", row_group_size=10)  # read apart by row groups
+    assert len(token_store.file_parts([(data / "pairs.parquet", "pairs.parquet")], workers=3)) > 3
     config = dpo.DPODataConfig(paths=[str(data)], seq_len=96, eval_fraction=0.2)
     tokenizer = dpo.load_tokenizer(None, None)
 
@@ -433,10 +435,10 @@ def test_dpo_over_the_cores_builds_the_very_store_one_process_builds_and_names_a
         "dropped_why": "8: an answer lies wholly past data.seq_len=96"}
     assert counts["loss_tokens"] == counts["train_loss_tokens"] + counts["eval_loss_tokens"] > 0
 
-    with open(data / "pairs.jsonl", "a") as f:
-        f.write(json.dumps({"prompt": "Hi", "chosen": 7, "rejected": "no"}) + "\n")
-    for workers in (1, 3):  # a bad record in the last part is named by its line, as one reader names it
-        with pytest.raises(ConfigError, match=r"^pairs\.jsonl:301: "):
+    records.append({"prompt": "Hi", "chosen": None, "rejected": "no"})
+    pq.write_table(pa.Table.from_pylist(records), data / "pairs.parquet", row_group_size=10)
+    for workers in (1, 3):  # a bad row in the last part is named by its row, as one reader names it
+        with pytest.raises(ConfigError, match=r"^pairs\.parquet:301: "):
             built_store(tmp_path, monkeypatch, workers, f"bad-{workers}", build)
         assert [p.name for p in (tmp_path / f"bad-{workers}").iterdir() if p.suffix != ".lock"] == []  # nothing built
 
