@@ -26,7 +26,7 @@ Every run is printed, then the goals' ratios:
 With ``--sft`` the ``sft`` template's preparation alone is timed, in ``--rounds`` interleaved
 rounds, each round printed: a corpus of chat records (``messages``: a question and an answer cut
 from the standard library's sources, ``--sizes`` MB in :data:`SHARDS` JSONL files) is encoded into
-a fresh store with 1 and with 2 workers (``engine.token_store.build_workers``), and by
+a fresh store with 1 and with 2 workers (``engine.store_parts.build_workers``), and by
 ``datasets.load_dataset("json") + Dataset.map(batched=True, num_proc=2)`` doing the same chat
 template rendering and tokenization (``apply_chat_template`` with the assistant mask, the same
 fast byte tokenizer) into a fresh Arrow cache. Each round also prints the load average and what
@@ -246,20 +246,20 @@ def write_chats(folder: Path, megabytes: float) -> None:
 
 def sft_store_seconds(corpus: Path, cache: Path, workers: int) -> float:
     """Seconds of building the sft store of ``corpus`` on ``workers`` workers (fresh cache)."""
-    from engine import token_store
+    from engine import store_parts
     from recipes_template.sft import recipe
 
     shutil.rmtree(cache, ignore_errors=True)
     cache.mkdir()
     os.environ[DATA_CACHE_VARIABLE] = str(cache)
-    cores, token_store.build_workers = token_store.build_workers, lambda: workers
+    cores, store_parts.build_workers = store_parts.build_workers, lambda: workers
     try:
         tokenizer = recipe.load_tokenizer(None, None)
         start = time.perf_counter()
         recipe.token_store(recipe.SFTDataConfig(paths=[str(corpus)], seq_len=SFT_SEQ_LEN), tokenizer, DataListing())
         return time.perf_counter() - start
     finally:
-        token_store.build_workers = cores
+        store_parts.build_workers = cores
         shutil.rmtree(cache, ignore_errors=True)
 
 

@@ -199,7 +199,7 @@ def sources(paths: list[str], dataset: str | None = None, subset: str | None = N
 
 def file_rows(path: Path, name: str, part: LineRange | RowGroups | None = None) -> Iterator[tuple[str, dict[str, Any]]]:
     """``(where, record)`` for each record of one data file, or of one ``part`` of it (lines of a
-    JSONL file, row groups of a parquet file: what :func:`engine.token_store.file_parts` cuts)."""
+    JSONL file, row groups of a parquet file: what :func:`engine.store_parts.file_parts` cuts)."""
     if isinstance(part, LineRange):
         return jsonl_records(path, name, part)
     if isinstance(part, RowGroups):

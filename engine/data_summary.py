@@ -170,7 +170,7 @@ def split_counts(counts: dict[bool, list[int]]) -> dict[str, int]:
 
 
 def added_up(parts: list[dict[Any, Any]]) -> dict[Any, Any]:
-    """The counts of a store's parts built apart (:func:`engine.token_store.build_in_parts`) as one
+    """The counts of a store's parts built apart (:func:`engine.store_parts.build_in_parts`) as one
     build of them all counts: numbers add, lists of numbers add element by element, sets unite,
     dicts add key by key."""
     total: dict[Any, Any] = {}

@@ -56,12 +56,11 @@ from engine.run_dir import DataSummary
 from engine.flops import non_embedding_params, transformer_flops_per_token
 from engine.fsdp import apply_fsdp
 from engine.optimizers import adamw_8bit
+from engine.store_parts import build_in_parts, file_parts
 from engine.token_store import (
     StoredDataConfig,
     TokenStore,
-    build_in_parts,
     data_identity,
-    file_parts,
     leave_to_run,
     open_or_build,
     store_key,

@@ -60,12 +60,11 @@ from engine.optimizers import adamw_8bit
 from engine.data_summary import added_up, split_counts
 from engine.run_dir import DataSummary
 from engine.data_formats import FILE_SUFFIXES
+from engine.store_parts import build_in_parts, file_parts
 from engine.token_store import (
     StoredDataConfig,
     TokenStore,
-    build_in_parts,
     data_identity,
-    file_parts,
     leave_to_run,
     open_or_build,
     store_key,

@@ -15,7 +15,7 @@ import pytest
 
 from engine import launch
 from engine import run_dir as rd
-from engine import token_store
+from engine import store_parts, token_store
 from engine.config import ConfigError
 from engine.seams import LaunchVerdict
 from engine.data_files import DataListing, data_files
@@ -286,9 +286,9 @@ def test_sft_data_left_to_the_run_is_encoded_there_with_progress_and_the_exact_s
     config = config_of(f"data.paths=[{data}]", "data.tokenize_in_check_mb=0", recipe_class=SFT)
     summary = launch.prepare_data(run_dir, SFT, config, pending)
     documents = [p.documents for p in seen]  # two workers: a report per part as it is appended, in order
-    parts = token_store.file_parts(data_files([str(data)], FILE_SUFFIXES))
-    assert len(seen) == len(parts) >= 2 * token_store.PARTS_PER_WORKER and documents == sorted(set(documents))
-    assert documents[0] <= 240 // token_store.PARTS_PER_WORKER and documents[-1] == 240
+    parts = store_parts.file_parts(data_files([str(data)], FILE_SUFFIXES))
+    assert len(seen) == len(parts) >= 2 * store_parts.PARTS_PER_WORKER and documents == sorted(set(documents))
+    assert documents[0] <= 240 // store_parts.PARTS_PER_WORKER and documents[-1] == 240
     assert 0 < seen[0].bytes_done < seen[-1].bytes_done <= size
     # Exact: what the launch check counts of the same data when it encodes it all (into a cache
     # of its own here), loss tokens and the examples left out included.
@@ -362,8 +362,8 @@ def test_sft_over_the_cores_builds_the_very_store_one_process_builds_and_names_a
             f.write(json.dumps({"instruction": f"Say {i}.", "output": str(i)}) + "\n")
     config = sft.SFTDataConfig(paths=[str(data)], seq_len=96, eval_fraction=0.2)
     tokenizer = sft.load_tokenizer(None, None)
-    per_worker = token_store.PARTS_PER_WORKER  # the large file in that many parts a worker, the small one whole
-    assert len(token_store.file_parts(data_files([str(data)], FILE_SUFFIXES), workers=3)) == 3 * per_worker + 1
+    per_worker = store_parts.PARTS_PER_WORKER  # the large file in that many parts a worker, the small one whole
+    assert len(store_parts.file_parts(data_files([str(data)], FILE_SUFFIXES), workers=3)) == 3 * per_worker + 1
 
     parts_built, build_in_parts = [], sft.build_in_parts
     monkeypatch.setattr(sft, "build_in_parts", lambda writer, count, build_part:
@@ -420,7 +420,7 @@ def test_dpo_over_the_cores_builds_the_very_store_one_process_builds_and_names_a
     records = [{**record, "prompt": "Why? " * 30} if i % 40 == 9 else record  # no room for an answer: dropped
                for i, (_, record) in enumerate(dpo.builtin_pairs(300))]
     pq.write_table(pa.Table.from_pylist(records), data / "pairs.parquet", row_group_size=10)  # read apart by row groups
-    assert len(token_store.file_parts([(data / "pairs.parquet", "pairs.parquet")], workers=3)) > 3
+    assert len(store_parts.file_parts([(data / "pairs.parquet", "pairs.parquet")], workers=3)) > 3
     config = dpo.DPODataConfig(paths=[str(data)], seq_len=96, eval_fraction=0.2)
     tokenizer = dpo.load_tokenizer(None, None)
 
@@ -470,7 +470,7 @@ def test_one_large_jsonl_file_is_read_apart_at_line_starts_into_the_store_one_pr
         assert len(ranges) == count and ranges[0].start == 0 and ranges[-1].end is None
         assert [r.end for r in ranges[:-1]] == [r.start for r in ranges[1:]]
         assert [record for lines in ranges for record in jsonl_records(data, "one.jsonl", lines)] == whole
-    assert len(token_store.file_parts([(data, "one.jsonl")], workers=3)) == 3 * token_store.PARTS_PER_WORKER
+    assert len(store_parts.file_parts([(data, "one.jsonl")], workers=3)) == 3 * store_parts.PARTS_PER_WORKER
 
     built = {}
     for workers in (1, 3):
