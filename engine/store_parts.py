@@ -3,24 +3,31 @@
 groups), a forked worker per core building each part into a folder of its own, the parts appended
 in order (:func:`build_in_parts`): the very store one process builds, byte for byte. The
 ``causal_lm``, ``sft`` and ``dpo`` templates build theirs so; what a part counts, they add up
-(:func:`engine.data_summary.added_up`).
+(:func:`engine.data_summary.added_up`). Each worker writes the documents and bytes it has read
+into an array shared with the parent, which reports their sum as the build's progress meanwhile.
 """
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import shutil
 from pathlib import Path
+from multiprocessing.pool import IMapIterator
 from typing import Any, Callable
 
+from engine import token_store
 from engine.data_files import line_ranges
 from engine.token_store import StoreWriter, reporting
 
-# Parts per worker of a build over the cores: reported as each is appended, in order, so more parts
-# than workers show progress before the end (and share the work more evenly).
+# Parts per worker of a build over the cores: more parts than workers share the work evenly (a part
+# that reads slowly holds up one worker a while, not the whole build at its end).
 PARTS_PER_WORKER = 4
 
+POLL_MIN_S = 0.05  # the parent looks at its workers' progress at most this often
+
 _part_builder: Callable[[StoreWriter, int], dict[str, Any]] | None = None  # what a forked worker builds
+_part_progress: Any = None  # a shared array: per part, the documents and bytes its worker has read so far
 
 
 def build_workers() -> int:
@@ -57,44 +64,63 @@ def build_in_parts(writer: StoreWriter, count: int, build_part: Callable[[StoreW
     """Build ``count`` parts of a store (``build_part(part_writer, i)`` adds part i's pieces and
     returns its counts) over the machine's cores, a forked worker per core, each part into a
     folder of its own, appended to ``writer`` in order as it comes: the same store as building
-    them one after another. An error of a part is raised here (its message names its record)."""
-    global _part_builder
+    them one after another. An error of a part is raised here (its message names its record).
+    Meanwhile ``writer.progress`` counts the documents and bytes the workers have read so far,
+    whichever part they are in (each writes its own into an array the parent reads)."""
+    global _part_builder, _part_progress
     workers = min(count, workers or build_workers())
     if workers <= 1:
         return [build_part(writer, index) for index in range(count)]
-    import multiprocessing
-
-    _part_builder = build_part  # before the fork: the workers find it there
+    context = multiprocessing.get_context("fork")
+    _part_builder, _part_progress = build_part, context.RawArray("q", 2 * count)  # before the fork: the workers find them
     try:
-        pool = multiprocessing.get_context("fork").Pool(workers)
+        pool = context.Pool(workers)
     except OSError:  # no process to spare (the run's runs.max_processes): one after another here
-        _part_builder = None
+        _part_builder = _part_progress = None
         return [build_part(writer, index) for index in range(count)]
-    counts = []
+    counts, shown = [], [0, 0]  # the documents and bytes of the workers' that writer.progress has
     try:
         with pool:
-            jobs = [(writer.folder, index, writer.rows, writer.dtype) for index in range(count)]
-            for index, (part_counts, documents, bytes_read) in enumerate(pool.imap(_build_part, jobs)):
+            results = pool.imap(_build_part, [(writer.folder, index, writer.rows, writer.dtype) for index in range(count)])
+            for index in range(count):
+                counts.append(_next_part(results, writer, shown))
                 writer.append_part(writer.folder / f"part-{index}")
                 shutil.rmtree(writer.folder / f"part-{index}")  # the disk holds the store, not it twice
-                writer.progress.advance(documents, bytes_read)
-                counts.append(part_counts)
     finally:
-        _part_builder = None
+        _part_builder = _part_progress = None
         for part in writer.folder.glob("part-*"):
             shutil.rmtree(part, ignore_errors=True)
     return counts
 
 
-def _build_part(job: tuple[Path, int, int, str]) -> tuple[dict[str, Any], int, int]:
+def _next_part(results: IMapIterator, writer: StoreWriter, shown: list[int]) -> dict[str, Any]:
+    """The next part's counts, once its worker is done; meanwhile, what the workers have read, into
+    ``writer.progress`` (which reports it)."""
+    while True:
+        try:
+            return results.next(timeout=max(token_store.PROGRESS_EVERY_S, POLL_MIN_S))
+        except multiprocessing.TimeoutError:
+            continue
+        finally:  # the part just done included: its worker wrote its last figures before returning
+            done = [sum(_part_progress[0::2]), sum(_part_progress[1::2])]
+            writer.progress.advance(done[0] - shown[0], done[1] - shown[1])
+            shown[:] = done
+
+
+def _build_part(job: tuple[Path, int, int, str]) -> dict[str, Any]:
     folder, index, rows, dtype = job
     part = folder / f"part-{index}"
     part.mkdir()
     writer = StoreWriter(part, rows, dtype)
+
+    def show(fields: dict[str, Any]) -> None:  # this part's progress, where the parent reads it
+        _part_progress[2 * index], _part_progress[2 * index + 1] = fields["documents"], fields["bytes_done"]
+
     try:
         assert _part_builder is not None
-        with reporting(lambda fields: None):  # the parent reports the parts as they come
+        with reporting(show):
             counts = _part_builder(writer, index)
     finally:
         writer.close()
-    return counts, writer.progress.documents, writer.progress.bytes_done
+    show(writer.progress.fields())
+    return counts
