@@ -51,7 +51,7 @@ from engine.data_stream import (
     shard_bytes,
 )
 from engine.engine import IGNORE_INDEX, Engine
-from engine.data_summary import split_counts
+from engine.data_summary import added_up, split_counts
 from engine.run_dir import DataSummary
 from engine.flops import non_embedding_params, transformer_flops_per_token
 from engine.fsdp import apply_fsdp
@@ -402,10 +402,10 @@ def token_store(cfg: CausalLMDataConfig, tokenizer, listing: DataListing) -> Tok
         if read.fingerprint() != listing.fingerprint() or read.changed():
             raise ConfigError(f"data.paths changed while it was tokenized ({', '.join(p.name for p in read.changed()[:3])}"
                               "); launch again once it is written")
-        counts = {split: [sum(part[split][i] for part in parts) for i in (0, 1)] for split in ("train", "eval")}
-        if not counts["train"][0] + counts["eval"][0]:
+        total = added_up([add_documents(store, []), *parts])  # nothing's counts, then each part's
+        if not total["train"][0] + total["eval"][0]:
             raise ConfigError(NO_DOCUMENTS.format(paths=cfg.paths))
-        return {"files": len(set().union(*(part["names"] for part in parts))), **counts}
+        return {"files": len(total["names"]), "train": total["train"], "eval": total["eval"]}
 
     return open_or_build(key, rows=1, dtype=value_dtype(tokenizer.vocab_size - 1), build=build, input_bytes=size)
 
