@@ -90,3 +90,21 @@ def test_a_planted_build_link_is_no_progress_of_a_build_and_the_next_build_remov
     assert store.meta["counts"] == {"documents": 1}
     assert not os.path.lexists(cache / f"{key}.building-planted")
     assert (outside / "grows.bin").read_bytes() == b"x" * 1000  # the link removed, not what it leads to
+
+
+def test_a_store_planted_as_a_link_to_a_folder_without_meta_is_built_in_its_place(tmp_path: Path) -> None:
+    """``<key>`` planted as a link to a folder with no ``meta.json`` (or to nothing): the builder's
+    ``rmtree`` left the link and its ``os.replace`` of the built folder onto it failed, so every
+    later run of that data failed after tokenizing it all."""
+    from engine import token_store
+
+    cache, outside, key = tmp_path / "cache", tmp_path / "outside", "e" * 32
+    cache.mkdir()
+    (outside / "empty").mkdir(parents=True)
+    for target in (outside / "empty", outside / "nothing"):
+        os.symlink(target, cache / key)
+        store = token_store.open_or_build(key, 1, "uint16", lambda writer: {"documents": 0}, root=cache)
+        assert store.counts == {"documents": 0}
+        assert (cache / key).is_dir() and not (cache / key).is_symlink()
+        assert list((outside / "empty").iterdir()) == []
+        token_store.shutil.rmtree(cache / key)
