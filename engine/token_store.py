@@ -325,7 +325,10 @@ def open_or_build(key: str, rows: int, dtype: str, build: Callable[[StoreWriter]
     with locked_store(root, key):
         if (folder / META_JSON).is_file():
             return TokenStore(folder, json.loads((folder / META_JSON).read_text()))
-        for stale in root.glob(f"{key}.building-*"):  # left by a builder killed meanwhile (it held the lock)
+        # Builds left by a builder killed meanwhile (it held the lock), and a store without meta.json.
+        for stale in [*root.glob(f"{key}.building-*"), folder]:
+            if stale.is_symlink():  # planted by a run: the link goes, never what it leads to
+                stale.unlink(missing_ok=True)
             shutil.rmtree(stale, ignore_errors=True)
         check_disk_space(input_bytes, root)
         building = Path(tempfile.mkdtemp(prefix=f"{key}.building-", dir=root))
@@ -337,7 +340,7 @@ def open_or_build(key: str, rows: int, dtype: str, build: Callable[[StoreWriter]
                 writer.close()
             meta = {"key": key, "rows": rows, "dtype": dtype, "counts": counts}
             (building / META_JSON).write_text(json.dumps(meta))
-            shutil.rmtree(folder, ignore_errors=True)  # a folder left without meta.json
+            shutil.rmtree(folder, ignore_errors=True)  # a folder a run made meanwhile (it ignored the lock)
             os.replace(building, folder)
         except BaseException:
             shutil.rmtree(building, ignore_errors=True)
@@ -406,9 +409,11 @@ def _acquire(fd: int, root: Path, key: str, wait: bool) -> None:
 
 def building_bytes(root: Path, key: str) -> int:
     """The bytes written so far into the builds of ``key`` (``<key>.building-*``, parts included):
-    what a waiter watches grow."""
+    what a waiter watches grow. A link in a build's place is none (a run planted it)."""
     total = 0
     for building in root.glob(f"{key}.building-*"):
+        if building.is_symlink():
+            continue
         for folder, _, files in os.walk(building):
             for name in files:
                 with contextlib.suppress(OSError):

@@ -2,7 +2,7 @@
 cache, for ``evaluate(tasks=[...])``.
 
 A task YAML of the workspace's ``eval_tasks/`` folder may name its data by Hub id
-(``dataset_path: org/name``, in the YAML or in the one it ``include``\\ s). The model process is
+(``dataset_path: org/name``, in the YAML or in the one of ``eval_tasks/`` it ``include``\\ s). The model process is
 offline, so the server looks the data set up in its own cache (never on the network) and shows
 the model process that data set's repo folder read-only — that one, never the whole cache, and
 no token; :func:`engine.benchmarks.hub_datasets_from_snapshots` reads its snapshot for the id. A
@@ -40,13 +40,16 @@ def task_datasets(workspace: Path, tasks: list[str]) -> list[rd.HubModel]:
     ``tasks`` name (at most :data:`MAX_DATASETS`)."""
     wanted = set(tasks)
     named: set[str] = set()
-    for config, path in _task_configs(Path(workspace) / TASKS_DIRNAME):
+    folder = Path(workspace) / TASKS_DIRNAME
+    for config, path in _task_configs(folder):
         names = config.get("task")
         if not wanted & {n for n in (names if isinstance(names, list) else [names]) if isinstance(n, str)}:
             continue
         dataset = config.get("dataset_path")
         if dataset is None and isinstance(config.get("include"), str):
-            included = _read(path.parent / config["include"])
+            # Read only inside the tasks folder: ``..``, an absolute path or a link leads out of it.
+            include = (path.parent / config["include"]).resolve()
+            included = _read(include) if include.is_relative_to(folder.resolve()) else None
             dataset = included.get("dataset_path") if included is not None else None
         if isinstance(dataset, str):
             named.add(dataset)

@@ -541,6 +541,20 @@ def is_eval_document(name: str, eval_fraction: float) -> bool:
 PER_TOKEN = ("mm_token_type_ids", "token_type_ids")
 
 
+def check_no_image_tokens(processor, messages: list, where: str) -> None:
+    """Refuse a record whose text spells one of the image tokens (PaliGemma's ``<image>``): the
+    processor would count it as an image and fail with no record named, or misplace the images."""
+    spelled = [token for token in processor.tokenizer.convert_ids_to_tokens(sorted(image_token_ids(processor)))
+               if isinstance(token, str) and token]
+    for message in messages:
+        for part in message["content"]:
+            found = next((token for token in spelled if part["type"] == "text" and token in part["text"]), None)
+            if found is not None:
+                raise ConfigError(f"{where}: a text holds {found!r}, which this model's processor reads as an image "
+                                  "token; remove it from the text (an image goes in an image part or LLaVA's "
+                                  f"{PLACEHOLDER})")
+
+
 def processor_inputs(processor, text: str, images: list, **kwargs) -> dict[str, Any]:
     return processor(text=[text], images=[images] if images else None, return_tensors="pt", **kwargs)
 
@@ -550,6 +564,7 @@ def encode(processor, messages: list, images: list, seq_len: int, where: str) ->
     elsewhere) of the conversation as its chat template renders it, with the images' tokens
     expanded as the processor expands them, and the processor's image inputs. Cut to
     ``seq_len + 1`` tokens; the images' tokens are never cut."""
+    check_no_image_tokens(processor, messages, where)
     if prefix_suffix(processor):
         return encode_prefix_suffix(processor, messages, images, seq_len, where)
     text, spans = assistant_spans(processor, messages, where)

@@ -67,3 +67,44 @@ def test_removing_an_unknown_store_among_thousands_a_run_made_says_so_in_a_bound
     assert len(message) < 3 * MAX_QUOTED_CHARS and message.startswith("no cached data 'nopenope")
     assert message.endswith("… (3000 stores; `trainwright data-cache` lists them)"), message[-200:]
     assert tree_hash(root) == before
+
+
+def test_a_planted_build_link_is_no_progress_of_a_build_and_the_next_build_removes_it(tmp_path: Path) -> None:
+    """A run plants ``<key>.building-x`` as a link to a folder that grows (or to ``/``): a waiter
+    walked it at every poll, counted its growth as the holder's build (a stalled holder never
+    timed out), and the builder's ``rmtree`` of stale builds left a link in place for ever."""
+    from engine import token_store
+
+    cache, outside, key = tmp_path / "cache", tmp_path / "outside", "d" * 32
+    cache.mkdir()
+    outside.mkdir()
+    (outside / "grows.bin").write_bytes(b"x" * 1000)
+    os.symlink(outside, cache / f"{key}.building-planted")
+    assert token_store.building_bytes(cache, key) == 0
+
+    def build(writer):
+        writer.add("train", [1, 2, 3])
+        return {"documents": 1}
+
+    store = token_store.open_or_build(key, 1, "uint16", build, root=cache)
+    assert store.meta["counts"] == {"documents": 1}
+    assert not os.path.lexists(cache / f"{key}.building-planted")
+    assert (outside / "grows.bin").read_bytes() == b"x" * 1000  # the link removed, not what it leads to
+
+
+def test_a_store_planted_as_a_link_to_a_folder_without_meta_is_built_in_its_place(tmp_path: Path) -> None:
+    """``<key>`` planted as a link to a folder with no ``meta.json`` (or to nothing): the builder's
+    ``rmtree`` left the link and its ``os.replace`` of the built folder onto it failed, so every
+    later run of that data failed after tokenizing it all."""
+    from engine import token_store
+
+    cache, outside, key = tmp_path / "cache", tmp_path / "outside", "e" * 32
+    cache.mkdir()
+    (outside / "empty").mkdir(parents=True)
+    for target in (outside / "empty", outside / "nothing"):
+        os.symlink(target, cache / key)
+        store = token_store.open_or_build(key, 1, "uint16", lambda writer: {"documents": 0}, root=cache)
+        assert store.counts == {"documents": 0}
+        assert (cache / key).is_dir() and not (cache / key).is_symlink()
+        assert list((outside / "empty").iterdir()) == []
+        token_store.shutil.rmtree(cache / key)

@@ -50,3 +50,24 @@ def test_an_included_yaml_names_the_data_set_and_one_the_cache_lacks_is_left_out
     assert [m.repo_id for m in task_datasets(workspace, ["derived"])] == [HUB_DATASET]
     assert task_datasets(workspace, ["absent"]) == []
     assert task_datasets(Path(tmp_path / "nowhere"), ["derived"]) == []
+
+
+def test_an_include_that_leads_out_of_the_tasks_folder_is_not_read(tmp_path, cache):
+    """``include`` is lm-eval's, relative to the YAML: ``../..`` or a folder link led the server to
+    read (and act on) a YAML outside the workspace's eval_tasks/, as a FIFO's or a secret's path."""
+    workspace = tmp_path / "ws"
+    write_hub_task(workspace, cache)
+    tasks = workspace / TASKS_DIRNAME
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "_base.yaml").write_text(f"dataset_path: {HUB_DATASET}\n")
+    (tasks / "linked").symlink_to(outside)
+    (tasks / "up.yaml").write_text("include: ../../outside/_base.yaml\ntask: up\n")
+    (tasks / "absolute.yaml").write_text(f"include: {outside / '_base.yaml'}\ntask: absolute\n")
+    (tasks / "via_link.yaml").write_text("include: linked/_base.yaml\ntask: via_link\n")
+    for task in ("up", "absolute", "via_link"):
+        assert task_datasets(workspace, [task]) == [], task
+    (tasks / "sub").mkdir()
+    (tasks / "_inside.yaml").write_text(f"dataset_path: {HUB_DATASET}\n")
+    (tasks / "sub" / "near.yaml").write_text("include: ../_inside.yaml\ntask: near\n")
+    assert [m.repo_id for m in task_datasets(workspace, ["near"])] == [HUB_DATASET]  # inside the folder: read

@@ -124,3 +124,14 @@ def test_a_transformers_without_the_family_processor_is_refused_naming_family_cl
                                           rf"PaliGemmaProcessor, which transformers {transformers.__version__} does "
                                           "not have; upgrade transformers$"):
         vlm.load_processor(str(paligemma))
+
+
+def test_text_that_spells_the_image_token_is_refused_naming_the_record(paligemma):
+    # "<image>" in a PaliGemma record's text is its image token: the processor counted it as an
+    # image and failed with its own ValueError, naming no record (the launch check's traceback).
+    processor = vlm.load_processor(str(paligemma))
+    for messages in ([vlm.user_turn([vlm.QUESTION], 1), vlm.assistant_turn("red <image> red")],
+                     [vlm.user_turn(["look <image> here"], 1), vlm.assistant_turn("red")]):
+        with pytest.raises(ConfigError, match=r"^data.jsonl:7: a text holds '<image>', which this model's processor "
+                                              r"reads as an image token"):
+            vlm.encode(processor, messages, [picture()], 512, "data.jsonl:7")
