@@ -15,6 +15,14 @@ launch check and its sandbox show it read-only (the run's ``started_from``, boun
 step 1 with a new optimizer: its steps are its own, not a continuation of the earlier run's
 (``resume_checkpoint`` continues a run).
 
+An export is kept while a run still in ``runs/`` started from it (that run's own checkpoints are
+rebuilt from it by ``sample``, ``evaluate``, ``export_checkpoint`` and ``resume_checkpoint``). One
+that no run names — its launch was refused after the export, or its runs were deleted — is
+removed by the next launch that exports one and by ``trainwright data-cache``, once it is older
+than :data:`START_MODEL_GRACE_S` (until then a launch may be about to name it, or reuse it);
+``trainwright data-cache`` lists them all with their sizes and the runs that use them
+(:func:`start_models`), and removes one by name when no run uses it (:func:`remove_start_models`).
+
 A checkpoint of another kind of model than the recipe loads is refused before anything is
 exported (:func:`check_family`): a template's family is its engine class in ``recipe.py``
 (:data:`FAMILIES`), a script checkpoint's the architecture its ``config.json`` names.
@@ -29,14 +37,16 @@ import os
 import secrets
 import shutil
 import stat
+import time
 from pathlib import Path
 from typing import Any
 
 from engine import run_checkpoints
 from engine import run_dir as rd
-from engine.errors import BadInput
+from engine.errors import BadInput, NotFound
 from mcp_server.operations.model_tools import EXPORT_TIMEOUT_S, check_written, checkpoint_of
 from runner import hub, scripts
+from runner import server_record as sr
 from runner.model_process import run_model_io
 from workspace.workspace import STATE_DIRNAME, Workspace, open_real_dir
 
@@ -49,6 +59,7 @@ FAMILIES = {  # a template's engine class -> (the template, the model it loads a
     "VLMChat": ("vlm_chat", _VISION),
 }
 _STAGING_PREFIX = ".partial-"
+START_MODEL_GRACE_S = 3600  # an export no run names yet is kept this long: a launch may be about to name it
 
 
 def start_models_dir(workspace: Path | str) -> Path:
@@ -144,6 +155,7 @@ def exported_checkpoint(ws: Workspace, run_dir: Path, step: int, progress: hub.P
     os.close(open_real_dir(root.parent, create=True))
     root_fd = open_real_dir(root, create=True)
     try:
+        prune_start_models(ws, keep=name)
         if _is_folder(root_fd, name):
             return root / name
         staging = f"{_STAGING_PREFIX}{name}-{secrets.token_hex(4)}"
@@ -167,6 +179,64 @@ def exported_checkpoint(ws: Workspace, run_dir: Path, step: int, progress: hub.P
         return root / name
     finally:
         os.close(root_fd)
+
+
+def start_models(ws: Workspace) -> list[tuple[str, int, list[str]]]:
+    """``(name, bytes, runs started from it)`` of every export in :func:`start_models_dir` (a
+    staging folder a crashed export left included, no run using it)."""
+    root = start_models_dir(ws.root)
+    if not root.is_dir() or root.is_symlink():
+        return []
+    real = root.resolve()
+    users: dict[str, list[str]] = {}
+    for run_id in ws.run_ids():
+        try:
+            started = sr.read_record(ws.record_dir(run_id)).started_from
+        except (OSError, ValueError):
+            continue
+        if started is not None and Path(started.path).resolve().parent == real:
+            users.setdefault(Path(started.path).name, []).append(run_id)
+    return [(folder.name, _folder_bytes(folder), users.get(folder.name, []))
+            for folder in sorted(root.iterdir()) if folder.is_dir() and not folder.is_symlink()]
+
+
+def prune_start_models(ws: Workspace, keep: str | None = None) -> list[tuple[str, int]]:
+    """Remove the exports no run uses that are older than :data:`START_MODEL_GRACE_S` (all but
+    ``keep``); returns what was removed."""
+    root = start_models_dir(ws.root)
+    stale = [(name, size) for name, size, users in start_models(ws)
+             if not users and name != keep and time.time() - (root / name).stat().st_mtime > START_MODEL_GRACE_S]
+    for name, _ in stale:
+        shutil.rmtree(root / name, ignore_errors=True)
+    return stale
+
+
+def chosen_start_models(ws: Workspace, names: list[str]) -> list[tuple[str, int]]:
+    """``(name, bytes)`` of the exports ``names`` (``all``: every one no run uses), checked: one
+    that is not there, or that a run still in the workspace started from, is refused."""
+    there = {name: (size, users) for name, size, users in start_models(ws)}
+    chosen = [name for name, (_, users) in there.items() if not users] if names == ["all"] else names
+    for name in chosen:
+        if name not in there:
+            raise NotFound(f"no export {name[:120]!r} in {STATE_DIRNAME}/{START_MODELS_DIRNAME}/; there: "
+                           f"{', '.join(there)[:300] or 'none'}")
+        if there[name][1]:
+            raise BadInput(f"{STATE_DIRNAME}/{START_MODELS_DIRNAME}/{name} is what run(s) "
+                           f"{', '.join(there[name][1][:5])} started from (their checkpoints are rebuilt from it): "
+                           "it is kept while they are in runs/; nothing was removed")
+    return [(name, there[name][0]) for name in chosen]
+
+
+def remove_start_models(ws: Workspace, names: list[str]) -> list[tuple[str, int]]:
+    """Remove the exports ``names`` (as :func:`chosen_start_models` checks them: all or none)."""
+    chosen = chosen_start_models(ws, names)
+    for name, _ in chosen:
+        shutil.rmtree(start_models_dir(ws.root) / name)
+    return chosen
+
+
+def _folder_bytes(folder: Path) -> int:
+    return sum(f.stat().st_size for f in folder.rglob("*") if f.is_file() and not f.is_symlink())
 
 
 def _is_folder(dir_fd: int, name: str) -> bool:
