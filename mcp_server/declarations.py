@@ -340,7 +340,8 @@ TOOLS: tuple[ToolSpec, ...] = (
              ("checkpoints",), "complete checkpoints of a run", RunArgs, CheckpointList, READ_ONLY,
              _list_checkpoints),
     ToolSpec("data_cache", "Tokenized data runs share: size per store; remove frees it.",
-             ("data-cache",), "list the tokenized data runs share, with sizes; --remove NAME|all frees it",
+             ("data-cache",), "list the tokenized data runs share and the start-models/ exports launches start from, "
+             "with sizes; --remove NAME|start-models/NAME|all frees it",
              DataCacheArgs, DataCacheResult, DESTRUCTIVE, _data_cache, mcp=False),
     ToolSpec("resume_checkpoint", "A new run from a run's checkpoint (its config + overrides).",
              ("resume",), "continue a run from its checkpoint as a new run", ResumeArgs, LaunchRunResult,

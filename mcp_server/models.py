@@ -115,6 +115,7 @@ class DataCacheResult(Result):
     not_listed: int = 0  # stores beyond those
     total_bytes: int = 0  # of every store
     removed: dict[str, int] = {}
+    start_models: dict[str, int] = {}  # start-models/NAME -> bytes: the checkpoints launches start from, exported
 
 
 class StopRunResult(Result):

@@ -211,7 +211,9 @@ def data_cache_text(r) -> str:
     lines += [f"{size / 1e6:>10.1f} MB  {name}" for name, size in r.stores.items()] or [f"no tokenized data in {r.folder}"]
     if r.not_listed:
         lines.append(f"… {r.not_listed} smaller store(s) not listed")
-    return "\n".join([*lines, f"{r.total_bytes / 1e6:.1f} MB in {r.folder}"])
+    lines.append(f"{r.total_bytes / 1e6:.1f} MB in {r.folder}")
+    lines += [f"{size / 1e6:>10.1f} MB  {name}" for name, size in r.start_models.items()]
+    return "\n".join(lines)
 
 
 def checkpoints_text(r) -> str:

@@ -1,17 +1,20 @@
-"""The Hub data sets that the workspace's lm-eval tasks name, found in the server's Hugging Face
-cache, for ``evaluate(tasks=[...])``.
+"""The Hub data sets that the lm-eval tasks of ``evaluate(tasks=[...])`` name, found in the
+server's Hugging Face cache.
 
-A task YAML of the workspace's ``eval_tasks/`` folder may name its data by Hub id
-(``dataset_path: org/name``, in the YAML or in the one of ``eval_tasks/`` it ``include``\\ s). The model process is
-offline, so the server looks the data set up in its own cache (never on the network) and shows
-the model process that data set's repo folder read-only — that one, never the whole cache, and
-no token; :func:`engine.benchmarks.hub_datasets_from_snapshots` reads its snapshot for the id. A
-data set the cache does not hold is left out, and the model process says the task's data is not
-available offline.
+A task is one of the workspace's ``eval_tasks/`` folder, else one lm-eval ships (its YAMLs in the
+installed ``lm_eval`` package, read here as text: the server does not import lm_eval); a group's
+tasks and a tag's count as named. A YAML names its data by Hub id (``dataset_path: org/name``, in
+the YAML or in the one it ``include``\\ s). The model process is offline, so the server looks the
+data set up in its own cache (never on the network) and shows the model process that data set's
+repo folder read-only — that one, never the whole cache, and no token;
+:func:`engine.benchmarks.hub_datasets_from_snapshots` reads its snapshot for the id. A data set
+the cache does not hold is refused before anything starts, naming the task, the data set and how
+to download it on the server.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from pathlib import Path
 from typing import Any
@@ -36,15 +39,66 @@ _TaskLoader.add_multi_constructor("!", lambda loader, suffix, node: None)
 
 
 def task_datasets(workspace: Path, tasks: list[str]) -> list[rd.HubModel]:
-    """The snapshots in the server's cache of the Hub data sets that the workspace's YAMLs of
-    ``tasks`` name (at most :data:`MAX_DATASETS`)."""
+    """The snapshots in the server's cache of the Hub data sets that ``tasks`` name (at most
+    :data:`MAX_DATASETS`): the workspace's YAMLs for the tasks they define, lm-eval's own for the
+    rest. A data set the cache lacks is refused (:class:`~engine.errors.BadInput`)."""
+    named: dict[str, str] = {}  # data set -> the task that names it
     wanted = set(tasks)
-    named: set[str] = set()
-    folder = Path(workspace) / TASKS_DIRNAME
-    for config, path in _task_configs(folder):
-        names = config.get("task")
-        if not wanted & {n for n in (names if isinstance(names, list) else [names]) if isinstance(n, str)}:
+    # The workspace's YAMLs are capped (anyone's files); lm-eval's are the installed package's.
+    for folder, most in ((Path(workspace) / TASKS_DIRNAME, MAX_TASK_FILES), (lm_eval_tasks_dir(), None)):
+        for _ in range(2):  # the tasks asked for, then a group's tasks
+            if not wanted or folder is None:
+                break
+            defined, members = _scan(folder, _task_files(folder, most), wanted, named)
+            wanted = (wanted | members) - defined
+            if not members:
+                break
+    found = []
+    offline = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    for dataset, task in sorted(named.items())[:MAX_DATASETS]:
+        ref = hub.hub_ref(dataset, workspace, "dataset")
+        if ref is None:  # a builder (json, parquet) or a workspace folder
             continue
+        try:
+            found.append(hub.resolve(ref, environ=offline))
+        except (NotFound, BadInput):
+            raise BadInput(f"lm-eval task {task!r} reads the Hub data set {dataset!r}, which is not in the server's "
+                           "Hugging Face cache (the model process is offline); download it on the server: "
+                           f"huggingface-cli download --repo-type dataset {dataset}") from None
+    return found
+
+
+def lm_eval_tasks_dir() -> Path | None:
+    """The task folder of the installed ``lm_eval`` package, found without importing it; None
+    when it is not installed."""
+    spec = importlib.util.find_spec("lm_eval")
+    locations = list(spec.submodule_search_locations or []) if spec is not None else []
+    folder = Path(locations[0]) / "tasks" if locations else None
+    return folder if folder is not None and folder.is_dir() else None
+
+
+def _scan(folder: Path, files: list[Path], wanted: set[str], named: dict[str, str]) -> tuple[set[str], set[str]]:
+    """The names of ``wanted`` that the YAML ``files`` of ``folder`` define (a task, a tag or a group) and the
+    tasks of the groups among them; each data set they name goes into ``named``. A file is
+    parsed only when its text holds a wanted name (lm-eval ships ~14,000 YAMLs)."""
+    defined: set[str] = set()
+    members: set[str] = set()
+    for path in files:
+        text = _text(path)
+        if text is None or not any(name in text for name in wanted):
+            continue
+        config = _parse(text)
+        if config is None:
+            continue
+        group = config.get("group")
+        if isinstance(group, str) and group in wanted:
+            defined.add(group)
+            members |= _names(config.get("task"))
+            continue
+        hit = wanted & (_names(config.get("task")) | _names(config.get("tag")))
+        if not hit:
+            continue
+        defined |= hit
         dataset = config.get("dataset_path")
         if dataset is None and isinstance(config.get("include"), str):
             # Read only inside the tasks folder: ``..``, an absolute path or a link leads out of it.
@@ -52,33 +106,40 @@ def task_datasets(workspace: Path, tasks: list[str]) -> list[rd.HubModel]:
             included = _read(include) if include.is_relative_to(folder.resolve()) else None
             dataset = included.get("dataset_path") if included is not None else None
         if isinstance(dataset, str):
-            named.add(dataset)
-    found = []
-    offline = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    for value in sorted(named)[:MAX_DATASETS]:
-        ref = hub.hub_ref(value, workspace, "dataset")
-        if ref is None:  # a builder (json, parquet) or a workspace folder
-            continue
-        try:
-            found.append(hub.resolve(ref, environ=offline))
-        except (NotFound, BadInput):
-            continue
-    return found
+            named.setdefault(dataset, min(hit))
+    return defined, members
 
 
-def _task_configs(folder: Path) -> list[tuple[dict[str, Any], Path]]:
+def _names(value: Any) -> set[str]:
+    """A YAML's ``task``/``tag`` value as names (a group's list may hold inline task mappings)."""
+    return {n for n in (value if isinstance(value, list) else [value]) if isinstance(n, str)}
+
+
+def _task_files(folder: Path, most: int | None) -> list[Path]:
     if not folder.is_dir() or folder.is_symlink():
         return []
-    paths = sorted(p for p in folder.rglob("*.yaml") if not p.is_symlink())[:MAX_TASK_FILES]
-    return [(config, path) for path in paths if (config := _read(path)) is not None]
+    return sorted(p for p in folder.rglob("*.yaml") if not p.is_symlink())[:most]
+
+
+def _text(path: Path) -> str | None:
+    """A small regular file's text; None for anything else."""
+    try:
+        if path.is_symlink() or not path.is_file() or path.stat().st_size > MAX_TASK_FILE_BYTES:
+            return None
+        return path.read_text()
+    except (OSError, ValueError):
+        return None
+
+
+def _parse(text: str) -> dict[str, Any] | None:
+    try:
+        config = yaml.load(text, Loader=_TaskLoader)  # noqa: S506 — a SafeLoader
+    except (ValueError, yaml.YAMLError):
+        return None
+    return config if isinstance(config, dict) else None
 
 
 def _read(path: Path) -> dict[str, Any] | None:
     """A task YAML as a mapping; None for one that is not a small regular file of YAML."""
-    try:
-        if path.is_symlink() or not path.is_file() or path.stat().st_size > MAX_TASK_FILE_BYTES:
-            return None
-        config = yaml.load(path.read_text(), Loader=_TaskLoader)  # noqa: S506 — a SafeLoader
-    except (OSError, ValueError, yaml.YAMLError):
-        return None
-    return config if isinstance(config, dict) else None
+    text = _text(path)
+    return _parse(text) if text is not None else None

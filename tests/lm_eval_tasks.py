@@ -110,3 +110,27 @@ def write_hub_task(workspace: Path, cache: Path, task: str = "code_hub") -> Path
     assert HUB_DATASET in yaml
     (workspace / benchmarks.TASKS_DIRNAME / f"{task}.yaml").write_text(yaml)
     return snapshot
+
+
+BUILTIN_TASK = "piqa"  # lm-eval's own: two-choice, over the Hub data set BUILTIN_DATASET
+BUILTIN_DATASET = "baber/piqa"
+PIQA_ROWS = [
+    {"goal": "To open a jar,", "sol1": "twist the lid.", "sol2": "paint the lid.", "label": 0},
+    {"goal": "To dry wet hands,", "sol1": "wave a spoon.", "sol2": "use a towel.", "label": 1},
+    {"goal": "To boil water,", "sol1": "heat it on a stove.", "sol2": "put it in a drawer.", "label": 0},
+    {"goal": "To read at night,", "sol1": "close the book.", "sol2": "turn on a lamp.", "label": 1},
+    {"goal": "To cut paper,", "sol1": "use scissors.", "sol2": "use a sock.", "label": 0},
+]
+
+
+def write_builtin_data(cache: Path) -> Path:
+    """lm-eval's :data:`BUILTIN_TASK` data set, a few rows of its schema, in ``cache`` as
+    huggingface_hub lays a data set out; returns the snapshot folder."""
+    repo = cache / f"datasets--{BUILTIN_DATASET.replace('/', '--')}"
+    snapshot = repo / "snapshots" / HUB_COMMIT
+    snapshot.mkdir(parents=True, exist_ok=True)
+    (repo / "refs").mkdir(exist_ok=True)
+    (repo / "refs" / "main").write_text(HUB_COMMIT)
+    for split, rows in (("train", PIQA_ROWS[:2]), ("validation", PIQA_ROWS)):
+        (snapshot / f"{split}.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return snapshot

@@ -109,14 +109,15 @@ def compare_groups(ws: Workspace, runs_a: list[str], runs_b: list[str]) -> Compa
     def windows(own: list[list[dict[str, Any]]], key: str) -> list[float]:
         return [value for records in own for value in _windows(records, key)]
 
+    kind = rd.SCRIPT if rd.SCRIPT in (record_a.kind, record_b.kind) else rd.RECIPE
     metrics.append(compare_windows("tokens_per_s", windows(own_a, "tokens_per_s"),
-                                   windows(own_b, "tokens_per_s"), higher_is_better=True))
+                                   windows(own_b, "tokens_per_s"), higher_is_better=True, kind=kind))
     differing_work = [key for key in STEP_WORK_KEYS if config_a.get(key) != config_b.get(key)]
     if differing_work:
         left_out.append(f"step_time_s: the steps hold different work ({', '.join(differing_work)} differ)")
     else:
         metrics.append(compare_windows("step_time_s", windows(own_a, "step_time_s"),
-                                       windows(own_b, "step_time_s"), higher_is_better=False))
+                                       windows(own_b, "step_time_s"), higher_is_better=False, kind=kind))
     metrics.append(compare_peaks(_peaks([r for records in own_a for r in records]),
                                  _peaks([r for records in own_b for r in records])))
     if differing_work:
@@ -167,13 +168,18 @@ def compare_curves(metric: str, curve_a: list[tuple[float, float]], curve_b: lis
     )
 
 
-def compare_windows(metric: str, windows_a: list[float], windows_b: list[float], higher_is_better: bool
-                    ) -> MetricVerdict:
-    """Medians of the logging windows after the warm-up, against the IQR noise bound."""
+LOG_MORE = {rd.RECIPE: "log more often: train.log_every",
+            rd.SCRIPT: "the script's metric lines are its windows: print one more often"}
+
+
+def compare_windows(metric: str, windows_a: list[float], windows_b: list[float], higher_is_better: bool,
+                    kind: rd.RunKind = rd.RECIPE) -> MetricVerdict:
+    """Medians of the logging windows after the warm-up, against the IQR noise bound; too few
+    windows are said how to get more for a run of ``kind``."""
     if len(windows_a) < MIN_WINDOWS or len(windows_b) < MIN_WINDOWS:
         return MetricVerdict(metric=metric, verdict="not compared", evidence=(
             f"{len(windows_a)} and {len(windows_b)} window(s) after the warm-up; at least {MIN_WINDOWS} each needed "
-            "(log more often: train.log_every)"))
+            f"({LOG_MORE[kind]})"))
     median_a, spread_a = _median_and_spread(windows_a)
     median_b, spread_b = _median_and_spread(windows_b)
     if median_a <= 0 or median_b <= 0:

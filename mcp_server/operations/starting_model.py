@@ -14,27 +14,52 @@ launch check and its sandbox show it read-only (the run's ``started_from``, boun
 ``run:`` checkpoint is: :meth:`runner.supervise.Supervisor.bound_checkpoint`). The run trains from
 step 1 with a new optimizer: its steps are its own, not a continuation of the earlier run's
 (``resume_checkpoint`` continues a run).
+
+An export is kept while a run still in ``runs/`` started from it (that run's own checkpoints are
+rebuilt from it by ``sample``, ``evaluate``, ``export_checkpoint`` and ``resume_checkpoint``). One
+that no run names — its launch was refused after the export, or its runs were deleted — is
+removed by the next launch that exports one and by ``trainwright data-cache``, once it is older
+than :data:`START_MODEL_GRACE_S` (until then a launch may be about to name it, or reuse it);
+``trainwright data-cache`` lists them all with their sizes and the runs that use them
+(:func:`start_models`), and removes one by name when no run uses it (:func:`remove_start_models`).
+
+A checkpoint of another kind of model than the recipe loads is refused before anything is
+exported (:func:`check_family`): a template's family is its engine class in ``recipe.py``
+(:data:`FAMILIES`), a script checkpoint's the architecture its ``config.json`` names.
 """
 
 from __future__ import annotations
 
+import ast
 import contextlib
+import json
 import os
 import secrets
 import shutil
 import stat
+import time
 from pathlib import Path
 from typing import Any
 
+from engine import run_checkpoints
 from engine import run_dir as rd
-from engine.errors import BadInput
+from engine.errors import BadInput, NotFound
 from mcp_server.operations.model_tools import EXPORT_TIMEOUT_S, check_written, checkpoint_of
 from runner import hub, scripts
+from runner import server_record as sr
 from runner.model_process import run_model_io
 from workspace.workspace import STATE_DIRNAME, Workspace, open_real_dir
 
 START_MODELS_DIRNAME = "start-models"
+_TEXT = "a causal language model (AutoModelForCausalLM)"
+_VISION = "a vision-language model (AutoModelForImageTextToText)"
+FAMILIES = {  # a template's engine class -> (the template, the model it loads as model.pretrained_path)
+    "CausalLM": ("causal_lm", _TEXT), "SFT": ("sft", _TEXT), "DPO": ("dpo", _TEXT), "GRPO": ("grpo", _TEXT),
+    "VLM": ("vlm", "the vlm template's own vision-language model (an exported vlm run)"),
+    "VLMChat": ("vlm_chat", _VISION),
+}
 _STAGING_PREFIX = ".partial-"
+START_MODEL_GRACE_S = 3600  # an export no run names yet is kept this long: a launch may be about to name it
 
 
 def start_models_dir(workspace: Path | str) -> Path:
@@ -59,9 +84,66 @@ def starting_model(ws: Workspace, code_dir: Path, overrides: dict[str, Any], pro
         raise BadInput(f"{hub.MODEL_KEY} {value[:120]!r}: a SLURM job's nodes are not shown an earlier run's "
                        "checkpoint; export_checkpoint it to a workspace folder and name that folder")
     run_dir, step = checkpoint_of(ws, reference.run_id, reference.step)
+    check_family(ws, code_dir, run_dir, step)
     folder = exported_checkpoint(ws, run_dir, step, progress)
     started = rd.ResumedFrom(run_id=run_dir.name, step=step, path=str(folder))
     return {**overrides, hub.MODEL_KEY: str(folder)}, started
+
+
+def check_family(ws: Workspace, code_dir: Path, run_dir: Path, step: int) -> None:
+    """Refuse a checkpoint whose model is not the kind the recipe in ``code_dir`` loads, naming
+    the run, its template (or a script's architecture) and what the recipe expects. Either side
+    unknown (a renamed engine class, a peft adapter): left to the launch check."""
+    expected = FAMILIES.get(_engine_class(code_dir / "recipe.py") or "")
+    if expected is None:
+        return
+    record = rd.read_run(run_dir)
+    if record.kind == rd.SCRIPT:
+        _, path = run_checkpoints.choose_checkpoint(run_dir, rd.SCRIPT, step)
+        architecture, family = _script_family(path)
+        source = f"a script run whose checkpoint {path.name[:100]} is a {architecture}"
+    else:
+        template, family = FAMILIES.get(_engine_class(run_dir / rd.SNAPSHOT_DIRNAME / "recipe.py") or "", (None, None))
+        source = f"a run of the {template} template"
+    if family is None or family == expected[1]:
+        return
+    try:
+        recipe = ws.label(code_dir)
+    except ValueError:  # the code of a commit, checked out outside the workspace
+        recipe = code_dir.name
+    raise BadInput(f"{hub.MODEL_KEY} run:{run_dir.name}: run {run_dir.name} is {source} ({family}); the recipe "
+                   f"{recipe} ({expected[0]} template) loads {expected[1]}: start from a run of that kind; "
+                   "nothing was started")
+
+
+def _engine_class(recipe: Path) -> str | None:
+    """The name of ``recipe``'s class that derives from ``Engine`` (or from a template's engine)."""
+    try:
+        tree = ast.parse(recipe.read_bytes()) if recipe.is_file() and not recipe.is_symlink() else None
+    except (OSError, SyntaxError, ValueError):
+        return None
+    for node in tree.body if tree is not None else ():
+        bases = {base.id for base in getattr(node, "bases", ()) if isinstance(base, ast.Name)}
+        if isinstance(node, ast.ClassDef) and bases & ({"Engine"} | set(FAMILIES)):
+            return node.name if node.name in FAMILIES else next(iter(bases & set(FAMILIES)), None)
+    return None
+
+
+def _script_family(folder: Path) -> tuple[str | None, str | None]:
+    """The architecture a script checkpoint's ``config.json`` names and its family (None: a peft
+    adapter, or an architecture neither family holds)."""
+    from transformers.models.auto.modeling_auto import (MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+                                                        MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES)
+    try:
+        config = json.loads((folder / run_checkpoints.HF_MODEL_CONFIG).read_text())
+        architecture = config["architectures"][0]
+    except (OSError, ValueError, KeyError, IndexError, TypeError):
+        return None, None
+    if not isinstance(architecture, str):
+        return None, None
+    if architecture in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES.values():
+        return architecture, _VISION
+    return architecture, _TEXT if architecture in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values() else None
 
 
 def exported_checkpoint(ws: Workspace, run_dir: Path, step: int, progress: hub.Progress | None = None) -> Path:
@@ -73,6 +155,7 @@ def exported_checkpoint(ws: Workspace, run_dir: Path, step: int, progress: hub.P
     os.close(open_real_dir(root.parent, create=True))
     root_fd = open_real_dir(root, create=True)
     try:
+        prune_start_models(ws, keep=name)
         if _is_folder(root_fd, name):
             return root / name
         staging = f"{_STAGING_PREFIX}{name}-{secrets.token_hex(4)}"
@@ -96,6 +179,64 @@ def exported_checkpoint(ws: Workspace, run_dir: Path, step: int, progress: hub.P
         return root / name
     finally:
         os.close(root_fd)
+
+
+def start_models(ws: Workspace) -> list[tuple[str, int, list[str]]]:
+    """``(name, bytes, runs started from it)`` of every export in :func:`start_models_dir` (a
+    staging folder a crashed export left included, no run using it)."""
+    root = start_models_dir(ws.root)
+    if not root.is_dir() or root.is_symlink():
+        return []
+    real = root.resolve()
+    users: dict[str, list[str]] = {}
+    for run_id in ws.run_ids():
+        try:
+            started = sr.read_record(ws.record_dir(run_id)).started_from
+        except (OSError, ValueError):
+            continue
+        if started is not None and Path(started.path).resolve().parent == real:
+            users.setdefault(Path(started.path).name, []).append(run_id)
+    return [(folder.name, _folder_bytes(folder), users.get(folder.name, []))
+            for folder in sorted(root.iterdir()) if folder.is_dir() and not folder.is_symlink()]
+
+
+def prune_start_models(ws: Workspace, keep: str | None = None) -> list[tuple[str, int]]:
+    """Remove the exports no run uses that are older than :data:`START_MODEL_GRACE_S` (all but
+    ``keep``); returns what was removed."""
+    root = start_models_dir(ws.root)
+    stale = [(name, size) for name, size, users in start_models(ws)
+             if not users and name != keep and time.time() - (root / name).stat().st_mtime > START_MODEL_GRACE_S]
+    for name, _ in stale:
+        shutil.rmtree(root / name, ignore_errors=True)
+    return stale
+
+
+def chosen_start_models(ws: Workspace, names: list[str]) -> list[tuple[str, int]]:
+    """``(name, bytes)`` of the exports ``names`` (``all``: every one no run uses), checked: one
+    that is not there, or that a run still in the workspace started from, is refused."""
+    there = {name: (size, users) for name, size, users in start_models(ws)}
+    chosen = [name for name, (_, users) in there.items() if not users] if names == ["all"] else names
+    for name in chosen:
+        if name not in there:
+            raise NotFound(f"no export {name[:120]!r} in {STATE_DIRNAME}/{START_MODELS_DIRNAME}/; there: "
+                           f"{', '.join(there)[:300] or 'none'}")
+        if there[name][1]:
+            raise BadInput(f"{STATE_DIRNAME}/{START_MODELS_DIRNAME}/{name} is what run(s) "
+                           f"{', '.join(there[name][1][:5])} started from (their checkpoints are rebuilt from it): "
+                           "it is kept while they are in runs/; nothing was removed")
+    return [(name, there[name][0]) for name in chosen]
+
+
+def remove_start_models(ws: Workspace, names: list[str]) -> list[tuple[str, int]]:
+    """Remove the exports ``names`` (as :func:`chosen_start_models` checks them: all or none)."""
+    chosen = chosen_start_models(ws, names)
+    for name, _ in chosen:
+        shutil.rmtree(start_models_dir(ws.root) / name)
+    return chosen
+
+
+def _folder_bytes(folder: Path) -> int:
+    return sum(f.stat().st_size for f in folder.rglob("*") if f.is_file() and not f.is_symlink())
 
 
 def _is_folder(dir_fd: int, name: str) -> bool:

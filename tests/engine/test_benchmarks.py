@@ -109,6 +109,38 @@ def test_a_task_naming_a_hub_data_set_reads_the_snapshot_bound_for_it(in_workspa
         benchmarks.score(lambda: model, ["code_hub"], in_workspace)
 
 
+def test_a_builtin_task_reads_its_hub_data_set_bound_from_the_cache_as_lm_eval_scores_it(in_workspace, tmp_path,
+                                                                                        monkeypatch):
+    """lm-eval's own piqa (its YAML in the lm_eval package names baber/piqa), over a few rows of
+    that data set's schema in a cache snapshot, with a small limit: the numbers of lm-eval's
+    simple_evaluate with HFLM loading the same model folder and its piqa YAML."""
+    import json
+
+    import datasets
+    from lm_eval import simple_evaluate
+    from lm_eval.models.huggingface import HFLM
+    from lm_eval.tasks import TaskManager
+
+    from engine.data_files import HUB_DATASETS_VARIABLE
+    from runner.task_data import lm_eval_tasks_dir
+    from tests.lm_eval_tasks import BUILTIN_DATASET, BUILTIN_TASK, write_builtin_data
+
+    snapshot = write_builtin_data(tmp_path / "hub")
+    monkeypatch.setenv(HUB_DATASETS_VARIABLE, json.dumps({BUILTIN_DATASET: str(snapshot)}))
+    (scored,) = benchmarks.score(lambda: load_checkpoint_model(in_workspace / "model", "run-1"), [BUILTIN_TASK],
+                                 in_workspace, limit=4)
+    original = datasets.load_dataset
+    monkeypatch.setattr(datasets, "load_dataset", lambda path, *a, **k: original(
+        str(snapshot) if path == BUILTIN_DATASET else path, *a, **k))
+    manager = TaskManager(include_path=str(lm_eval_tasks_dir() / BUILTIN_TASK), include_defaults=False)
+    lm = HFLM(pretrained=str(in_workspace / "model"), device="cpu", dtype="float32", batch_size=benchmarks.BATCH_SIZE)
+    expected = simple_evaluate(model=lm, tasks=[BUILTIN_TASK], task_manager=manager, log_samples=False,
+                               limit=4)["results"][BUILTIN_TASK]
+    assert (scored.task, scored.examples) == (BUILTIN_TASK, 4)  # the limit, of the 5 rows
+    assert scored.metrics == {"acc": expected["acc,none"], "acc_norm": expected["acc_norm,none"]}
+    assert scored.stderr == {"acc": expected["acc_stderr,none"], "acc_norm": expected["acc_norm_stderr,none"]}
+
+
 @dataclass
 class Loaded:
     model: Any

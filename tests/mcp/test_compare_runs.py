@@ -50,6 +50,9 @@ def test_one_window_after_the_warm_up_is_not_enough_for_a_verdict():
     verdict = compare.compare_windows("tokens_per_s", [1000], [2000, 2100], True)
     assert verdict.verdict == "not compared"
     assert verdict.evidence.startswith("1 and 2 window(s) after the warm-up")
+    assert verdict.evidence.endswith("(log more often: train.log_every)")
+    script = compare.compare_windows("tokens_per_s", [1000], [2000, 2100], True, kind="script")
+    assert script.evidence.endswith("(the script's metric lines are its windows: print one more often)")
 
 
 def test_bit_equal_loss_curves_say_so():

@@ -188,8 +188,8 @@ def test_lm_eval_tasks_score_the_recipes_checkpoint_as_lm_eval_itself_scores_its
     assert text_size(evaluated) < 1000
 
 
-def test_bad_lm_eval_requests_are_refused_and_change_nothing(session):
-    from tests.lm_eval_tasks import write_tasks
+def test_bad_lm_eval_requests_are_refused_and_change_nothing(session, tmp_path, monkeypatch):
+    from tests.lm_eval_tasks import BUILTIN_DATASET, BUILTIN_TASK, write_tasks
 
     client, workspace, run_id = session
     write_tasks(workspace)
@@ -200,6 +200,9 @@ def test_bad_lm_eval_requests_are_refused_and_change_nothing(session):
         "evaluate", run_id=run_id, tasks=["code_mc"], data=["eval_tasks"])
     assert "bad_input: task '../x' is not an lm-eval task name" in client.error(
         "evaluate", run_id=run_id, tasks=["../x"])
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "empty-hub"))  # the server's cache holds no data set
+    assert (f"bad_input: lm-eval task '{BUILTIN_TASK}' reads the Hub data set '{BUILTIN_DATASET}', which is not in "
+            "the server's Hugging Face cache") in client.error("evaluate", run_id=run_id, tasks=[BUILTIN_TASK])
     assert tree_hash(workspace) == before
     (workspace / "eval_tasks" / "code_missing.yaml").write_text(
         (workspace / "eval_tasks" / "code_mc.yaml").read_text().replace("code_mc", "code_missing")

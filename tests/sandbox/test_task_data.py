@@ -11,7 +11,9 @@ import pytest
 from engine.benchmarks import TASKS_DIRNAME
 from runner.hub import ModelBinding
 from runner.task_data import task_datasets
-from tests.lm_eval_tasks import HUB_COMMIT, HUB_DATASET, write_hub_task
+from engine.errors import BadInput
+from tests.lm_eval_tasks import (BUILTIN_DATASET, BUILTIN_TASK, HUB_COMMIT, HUB_DATASET, write_builtin_data,
+                                   write_hub_task, write_tasks)
 
 
 @pytest.fixture
@@ -40,7 +42,7 @@ def test_only_the_data_set_a_task_asked_for_names_is_bound_read_only(tmp_path, c
     assert task_datasets(workspace, ["code_mc"]) == []  # its data is a workspace file
 
 
-def test_an_included_yaml_names_the_data_set_and_one_the_cache_lacks_is_left_out(tmp_path, cache):
+def test_an_included_yaml_names_the_data_set_and_one_the_cache_lacks_is_refused(tmp_path, cache):
     workspace = tmp_path / "ws"
     write_hub_task(workspace, cache)
     tasks = workspace / TASKS_DIRNAME
@@ -48,8 +50,26 @@ def test_an_included_yaml_names_the_data_set_and_one_the_cache_lacks_is_left_out
     (tasks / "derived.yaml").write_text("include: _base.yaml\ntask: derived\nprocess_docs: !function utils.docs\n")
     (tasks / "absent.yaml").write_text("task: absent\ndataset_path: org/not-cached\n")
     assert [m.repo_id for m in task_datasets(workspace, ["derived"])] == [HUB_DATASET]
-    assert task_datasets(workspace, ["absent"]) == []
     assert task_datasets(Path(tmp_path / "nowhere"), ["derived"]) == []
+    with pytest.raises(BadInput, match="lm-eval task 'absent' reads the Hub data set 'org/not-cached', which is "
+                                       "not in the server's Hugging Face cache"):
+        task_datasets(workspace, ["absent"])
+
+
+def test_lm_evals_own_task_finds_its_data_set_in_the_cache_or_is_refused_naming_how_to_get_it(tmp_path, cache):
+    workspace = tmp_path / "ws"
+    write_tasks(workspace)  # the workspace defines other tasks: piqa is lm-eval's own
+    with pytest.raises(BadInput) as refused:
+        task_datasets(workspace, ["code_mc", BUILTIN_TASK])
+    assert str(refused.value) == (
+        f"lm-eval task '{BUILTIN_TASK}' reads the Hub data set '{BUILTIN_DATASET}', which is not in the server's "
+        "Hugging Face cache (the model process is offline); download it on the server: "
+        f"huggingface-cli download --repo-type dataset {BUILTIN_DATASET}")
+    snapshot = write_builtin_data(cache)
+    (found,) = task_datasets(workspace, ["code_mc", BUILTIN_TASK])
+    assert (found.repo_id, found.path) == (BUILTIN_DATASET, str(snapshot))
+    assert ModelBinding((found,)).read_only() == [cache / "datasets--baber--piqa"]
+    assert task_datasets(workspace, ["no_such_task_anywhere"]) == []  # the model process names it unknown
 
 
 def test_an_include_that_leads_out_of_the_tasks_folder_is_not_read(tmp_path, cache):
