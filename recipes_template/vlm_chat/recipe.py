@@ -27,6 +27,7 @@ import json
 import re
 import warnings
 from contextlib import contextmanager
+from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
 from typing import Any, Iterator
@@ -461,32 +462,61 @@ def caption_messages(record: dict[str, Any], where: str, prompt: str) -> tuple[l
     return [user_turn([prompt], 1), assistant_turn(caption)], [record["image"]]
 
 
-def read_image(value: Any, base: Path | None, where: str):
+def read_image(value: Any, base: Path | None, where: str, header_only: bool = False):
     """An image of a record: a path (relative to the data file, confined to the workspace), the
-    bytes of an image file, a ``{"bytes", "path"}`` of a data set's image column, or an image."""
+    bytes of an image file, a ``{"bytes", "path"}`` of a data set's image column, or an image.
+    ``header_only``: its header checked (its size against PIL's bomb limit), nothing decoded (None)."""
     from PIL import Image
 
     if isinstance(value, dict):
         value = value.get("bytes") or value.get("path")
     try:
         if isinstance(value, Image.Image):
-            return value.convert("RGB")
+            return None if header_only else value.convert("RGB")
         # PIL refuses an image over twice MAX_IMAGE_PIXELS and only warns over it: a PNG of a few
         # KB in that band decodes to hundreds of MB. Refused unread, as over twice it is.
         with warnings.catch_warnings():
             warnings.simplefilter("error", Image.DecompressionBombWarning)
             if isinstance(value, (bytes, bytearray)):
                 with Image.open(io.BytesIO(value)) as image:
-                    return image.convert("RGB")
+                    return None if header_only else image.convert("RGB")
             if not isinstance(value, str) or not value:
                 raise ConfigError(f"{where}: an image is a path, bytes or an image, got {type(value).__name__}")
             with Image.open(data_file(str(base / value) if base is not None else value)) as image:
-                return image.convert("RGB")
+                return None if header_only else image.convert("RGB")
     except (DataPathRefused, ConfigError):
         raise
     except (OSError, ValueError, Image.DecompressionBombError, Image.DecompressionBombWarning) as e:
         shown = value if isinstance(value, str) else f"{len(value)} bytes"
         raise ConfigError(f"{where}: image {shown!r} cannot be read ({e})") from None
+
+
+@dataclass(frozen=True)
+class ImageRef:
+    """An image as a record holds it (a path, the bytes of a file, a data set's image), read when
+    a batch needs it: a run keeps references, never decoded pictures or their pixels."""
+
+    value: Any
+    base: Path | None
+    where: str
+
+    def open(self):
+        return read_image(self.value, self.base, self.where)
+
+    @classmethod
+    def checked(cls, value: Any, base: Path | None, where: str) -> "ImageRef":
+        """The reference, once its image is found, confined and its header read (a missing, unreadable
+        or bomb image is refused here, before anything trains); a data set's ``{"bytes", "path"}``
+        keeps its bytes or path alone."""
+        if isinstance(value, dict):
+            value = value.get("bytes") or value.get("path")
+        read_image(value, base, where, header_only=True)
+        return cls(value, base, where)
+
+
+def image_of(image):
+    """The picture of an ``ImageRef``, or of a picture given as it is (the built-in ones, ``sample``'s)."""
+    return image.open() if isinstance(image, ImageRef) else image
 
 
 def record_sources(cfg: VLMChatDataConfig) -> Iterator[tuple[Path | None, Iterator[tuple[str, dict[str, Any]]]]]:
@@ -505,7 +535,7 @@ def record_sources(cfg: VLMChatDataConfig) -> Iterator[tuple[Path | None, Iterat
 
 
 def load_examples(cfg: VLMChatDataConfig) -> tuple[list[tuple[str, list, list]], list[str]]:
-    """``(where, messages, images)`` of every record, and the formats read."""
+    """``(where, messages, images)`` of every record (its images as ``ImageRef``), and the formats read."""
     if not cfg.paths and not cfg.dataset:
         return builtin_examples(cfg.builtin_images, cfg.builtin_image_size), ["builtin"]
     examples, formats = [], []
@@ -522,7 +552,7 @@ def load_examples(cfg: VLMChatDataConfig) -> tuple[list[tuple[str, list, list]],
                 messages, images = caption_messages(record, where, cfg.caption_prompt)
             if not any(m["role"] == "assistant" for m in messages):
                 raise ConfigError(f"{where}: the conversation has no assistant turn: nothing to learn")
-            examples.append((where, messages, [read_image(image, base, where) for image in images]))
+            examples.append((where, messages, [ImageRef.checked(image, base, where) for image in images]))
     if not examples:
         raise ConfigError(f"no records in data.paths={cfg.paths}" + (f" or data.dataset={cfg.dataset}" if cfg.dataset else ""))
     return examples, formats
@@ -539,17 +569,41 @@ def is_eval_document(name: str, eval_fraction: float) -> bool:
 
 
 PER_TOKEN = ("mm_token_type_ids", "token_type_ids")
+# The processor's outputs of the text; the rest are its image inputs (pixels, grids, sizes).
+TEXT_OUTPUTS = ("input_ids", "attention_mask", "labels", "offset_mapping", "text_replacement_offsets", *PER_TOKEN)
+# The image inputs a piece keeps (Qwen's grids, for its 3-D positions): a few numbers an image.
+GRIDS = ("image_grid_thw", "video_grid_thw", "second_per_grid_ts")
 
 
 def processor_inputs(processor, text: str, images: list, **kwargs) -> dict[str, Any]:
-    return processor(text=[text], images=[images] if images else None, return_tensors="pt", **kwargs)
+    return processor(text=[text], images=[[image_of(i) for i in images]] if images else None, return_tensors="pt",
+                     **kwargs)
+
+
+def image_inputs(processor, piece: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """A piece's image inputs (pixel values, ...), processed now from its image references by the
+    call that encoded it: the same tensors ``encode`` saw, which the piece does not keep."""
+    if not piece["images"]:
+        return {}
+    out = processor_inputs(processor, piece["text"], piece["images"], **piece["call"])
+    return {key: value for key, value in out.items() if key not in TEXT_OUTPUTS}
+
+
+def piece_of(ids, targets, per_token, out, images: list, text: str, seq_len: int, **call) -> dict[str, Any]:
+    """What a run keeps of an example: its tokens cut to ``seq_len + 1``, its image references
+    and how the processor was asked (``text``, ``call``), its grids; never its pixels."""
+    return {"ids": ids[: seq_len + 1], "targets": targets[: seq_len + 1],
+            "per_token": {key: value[: seq_len + 1] for key, value in per_token.items()},
+            "grids": {key: value for key, value in out.items() if key in GRIDS},
+            "images": list(images), "text": text, "call": call, "truncated": len(ids) > seq_len + 1}
 
 
 def encode(processor, messages: list, images: list, seq_len: int, where: str) -> dict[str, Any]:
     """A piece: ``ids`` and ``targets`` (the token where the loss is over, ``IGNORE_INDEX``
     elsewhere) of the conversation as its chat template renders it, with the images' tokens
-    expanded as the processor expands them, and the processor's image inputs. Cut to
-    ``seq_len + 1`` tokens; the images' tokens are never cut."""
+    expanded as the processor expands them; the images (``ImageRef`` or pictures) are processed
+    here for their tokens, and again for each batch (``image_inputs``). Cut to ``seq_len + 1``
+    tokens; the images' tokens are never cut."""
     if prefix_suffix(processor):
         return encode_prefix_suffix(processor, messages, images, seq_len, where)
     text, spans = assistant_spans(processor, messages, where)
@@ -557,9 +611,8 @@ def encode(processor, messages: list, images: list, seq_len: int, where: str) ->
     ids = out.pop("input_ids")[0]
     offsets = out.pop("offset_mapping")[0].tolist()
     replaced = (out.pop("text_replacement_offsets", None) or [[]])[0]
-    out.pop("attention_mask", None)
     # Per-token inputs beside the ids (Qwen's mm_token_type_ids for its 3-D positions): cut and padded as they are.
-    per_token = {key: out.pop(key)[0] for key in list(out) if key in PER_TOKEN}
+    per_token = {key: out[key][0] for key in PER_TOKEN if key in out}
     # A span's characters move right by what each expansion before it added (``new_span`` is
     # where an expansion lies in the expanded text).
     ends = [r["span"][1] for r in replaced]
@@ -581,9 +634,7 @@ def encode(processor, messages: list, images: list, seq_len: int, where: str) ->
         raise ConfigError(f"{where}: the images' tokens end at token {image_positions[-1] + 1}, beyond data.seq_len={seq_len}; "
                           f"raise data.seq_len above {image_positions[-1] + 1} or shorten the text before the images")
     targets = torch.where(torch.tensor(learnt), ids, torch.full_like(ids, IGNORE_INDEX))
-    return {"ids": ids[: seq_len + 1], "targets": targets[: seq_len + 1], "images": dict(out),
-            "per_token": {key: value[: seq_len + 1] for key, value in per_token.items()},
-            "truncated": len(ids) > seq_len + 1}
+    return piece_of(ids, targets, per_token, out, images, text, seq_len)
 
 
 def prefix_and_suffix(messages: list, where: str) -> tuple[str, str]:
@@ -609,18 +660,15 @@ def encode_prefix_suffix(processor, messages: list, images: list, seq_len: int, 
         raise ConfigError(f"{where}: the conversation ends with no assistant turn: no suffix to learn")
     if not images:
         raise ConfigError(f"{where}: no image; this model (prefix/suffix, as PaliGemma) answers about an image")
-    suffix = prefix_and_suffix(messages, where)[1]
-    out = dict(processor_inputs(processor, prefix_text(processor, messages, images), images, suffix=[suffix]))
-    ids, targets = out.pop("input_ids")[0], torch.as_tensor(out.pop("labels")[0])
-    out.pop("attention_mask", None)
-    per_token = {key: out.pop(key)[0] for key in list(out) if key in PER_TOKEN}
+    suffix, prefix = prefix_and_suffix(messages, where)[1], prefix_text(processor, messages, images)
+    out = processor_inputs(processor, prefix, images, suffix=[suffix])
+    ids, targets = out["input_ids"][0], torch.as_tensor(out["labels"][0])
+    per_token = {key: out[key][0] for key in PER_TOKEN if key in out}
     images_end = int((ids == processor.image_token_id).nonzero().max()) + 1
     if images_end > seq_len:
         raise ConfigError(f"{where}: the images' tokens end at token {images_end}, beyond data.seq_len={seq_len}; "
                           f"raise data.seq_len above {images_end} or give smaller images")
-    return {"ids": ids[: seq_len + 1], "targets": targets[: seq_len + 1], "images": out,
-            "per_token": {key: value[: seq_len + 1] for key, value in per_token.items()},
-            "truncated": len(ids) > seq_len + 1}
+    return piece_of(ids, targets, per_token, out, images, prefix, seq_len, suffix=[suffix])
 
 
 def loss_tokens(piece: dict[str, Any]) -> int:
@@ -670,9 +718,8 @@ def with_positions(piece: dict[str, Any], rope_index) -> dict[str, Any]:
     token_types = piece["per_token"].get("mm_token_type_ids")
     if rope_index is None or token_types is None:
         return piece
-    grids = {key: value for key, value in piece["images"].items()
-             if key in ("image_grid_thw", "video_grid_thw", "second_per_grid_ts")}
-    positions, _ = rope_index(input_ids=piece["ids"][None, :-1], mm_token_type_ids=token_types[None, :-1], **grids)
+    positions, _ = rope_index(input_ids=piece["ids"][None, :-1], mm_token_type_ids=token_types[None, :-1],
+                              **piece["grids"])
     return {**piece, "positions": positions[:, 0]}
 
 
@@ -686,7 +733,15 @@ def stack_images(values: list[torch.Tensor]) -> torch.Tensor:
     return torch.cat(values)
 
 
-def collate(pieces: list[dict[str, Any]], pad_id: int) -> dict[str, torch.Tensor]:
+def batch_images(processor, pieces: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+    """The batch's image inputs: each piece's images processed now (``image_inputs``), in the
+    pieces' order, stacked (``stack_images``)."""
+    inputs = [image_inputs(processor, piece) for piece in pieces]
+    return {key: stack_images([i[key] for i in inputs if key in i]) for key in {k for i in inputs for k in i}}
+
+
+def collate(pieces: list[dict[str, Any]], processor) -> dict[str, torch.Tensor]:
+    pad_id = processor.tokenizer.pad_token_id
     length = max(len(p["ids"]) for p in pieces) - 1
     input_ids = torch.full((len(pieces), length), pad_id, dtype=torch.int64)
     labels = torch.full((len(pieces), length), IGNORE_INDEX, dtype=torch.int64)
@@ -705,9 +760,7 @@ def collate(pieces: list[dict[str, Any]], pad_id: int) -> dict[str, torch.Tensor
         batch["position_ids"] = torch.zeros((len(pieces[0]["positions"]), len(pieces), length), dtype=torch.int64)
         for row, piece in enumerate(pieces):
             batch["position_ids"][:, row, : len(piece["ids"]) - 1] = piece["positions"]
-    for key in {k for p in pieces for k in p["images"]}:
-        batch[key] = stack_images([p["images"][key] for p in pieces if key in p["images"]])
-    return batch
+    return {**batch, **batch_images(processor, pieces)}
 
 
 def pack(lengths: list[int], capacity: int) -> list[list[int]]:
@@ -728,13 +781,13 @@ def pack(lengths: list[int], capacity: int) -> list[list[int]]:
     return [sorted(row) for row in rows]
 
 
-def collate_packed(rows: list[list[dict[str, Any]]], pad_id: int) -> dict[str, torch.Tensor]:
+def collate_packed(rows: list[list[dict[str, Any]]], processor) -> dict[str, torch.Tensor]:
     """Packed rows: each row's pieces one after the other, then padding. Position ids restart
     at 0 with each piece (Qwen's: a row of these before its 3-D ones) and the padding is a
     sequence of its own; with no attention_mask, transformers keeps each piece's attention to
     its own tokens, so a piece's loss is the one it has alone. ``padding`` (no model input)
     marks the padding; the images go in the order of their tokens."""
-    pieces = [piece for row in rows for piece in row]
+    pieces, pad_id = [piece for row in rows for piece in row], processor.tokenizer.pad_token_id
     length = max(sum(len(p["ids"]) - 1 for p in row) for row in rows)
     input_ids = torch.full((len(rows), length), pad_id, dtype=torch.int64)
     labels = torch.full((len(rows), length), IGNORE_INDEX, dtype=torch.int64)
@@ -758,18 +811,17 @@ def collate_packed(rows: list[list[dict[str, Any]]], pad_id: int) -> dict[str, t
         padding[r, :start] = False
     batch = {"input_ids": input_ids, "labels": labels, "padding": padding, **per_token,
              "position_ids": positions if rope is None else torch.cat([positions[None], rope])}
-    for key in {k for p in pieces for k in p["images"]}:
-        batch[key] = stack_images([p["images"][key] for p in pieces if key in p["images"]])
-    return batch
+    return {**batch, **batch_images(processor, pieces)}
 
 
 class BatchStream(Stateful):
     """This rank's micro-batches, forever: each epoch visits the pieces (or, ``packed``, the rows
     of pieces) in a new seeded order. The position counts the global stream's sequences, so a
-    checkpoint resumes on any number of processes with the very next batch."""
+    checkpoint resumes on any number of processes with the very next batch. A batch's images are
+    processed as it is drawn (``collate``), so the stream holds no pixels."""
 
-    def __init__(self, pieces, pad_id, seed, micro_batch, dp_rank, dp_size, packed=False):
-        self.pieces, self.pad_id, self.seed, self.packed = pieces, pad_id, seed, packed
+    def __init__(self, pieces, processor, seed, micro_batch, dp_rank, dp_size, packed=False):
+        self.pieces, self.processor, self.seed, self.packed = pieces, processor, seed, packed
         self.micro_batch, self.dp_rank, self.dp_size = micro_batch, dp_rank, dp_size
         self.position = 0
         self._order: tuple[int, torch.Tensor] | None = None
@@ -788,7 +840,7 @@ class BatchStream(Stateful):
         start = self.position + self.dp_rank * self.micro_batch
         batch = [self._piece_at(i) for i in range(start, start + self.micro_batch)]
         self.position += self.micro_batch * self.dp_size
-        return collate_packed(batch, self.pad_id) if self.packed else collate(batch, self.pad_id)
+        return collate_packed(batch, self.processor) if self.packed else collate(batch, self.processor)
 
     def state_dict(self) -> dict[str, Any]:
         return {"position": self.position}
@@ -881,7 +933,7 @@ class VLMChat(Engine):
         pieces, cfg = self.pieces(examples), self.config.data
         if cfg.packing:
             pieces = [[pieces[i] for i in row] for row in pack([len(p["ids"]) - 1 for p in pieces], cfg.seq_len)]
-        return BatchStream(pieces, self.processor.tokenizer.pad_token_id, seed=seed, micro_batch=self.micro_batch_size,
+        return BatchStream(pieces, self.processor, seed=seed, micro_batch=self.micro_batch_size,
                            dp_rank=self.dist.dp_rank, dp_size=self.dist.dp_size, packed=cfg.packing)
 
     def prepare_data(self) -> BatchStream:
