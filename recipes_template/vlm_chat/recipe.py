@@ -14,6 +14,8 @@ Supports:
   caption records; JSON, JSONL, parquet, ``datasets`` folders; several images a conversation
 - stages by module names (``model.train_vision_tower``, ``model.train_projector``,
   ``model.train_language_model``), FSDP2 on the family's ``_no_split_modules``
+- images kept as references (``ImageRef``) and processed per batch as it is drawn: a run's
+  memory does not grow with its images
 - ``data.packing``: whole examples share rows, each attending to itself alone (the families of ``PACKS``)
 - ``task_metrics()``: greedy answers to held-out questions through the chat template
 """
@@ -881,7 +883,7 @@ class VLMChat(Engine):
 
     @cached_property
     def examples(self) -> tuple[list, list]:
-        """(train, held out): ``(where, messages, images)``."""
+        """(train, held out): ``(where, messages, images)``, the images as ``ImageRef``."""
         train, held_out = [], []
         for example in load_examples(self.config.data)[0]:
             (held_out if is_eval_document(example[0], self.config.data.eval_fraction) else train).append(example)
