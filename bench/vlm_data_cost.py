@@ -22,7 +22,7 @@ of 200 and 2,000 JPEG images of ``--width`` × ``--height`` (``--images``), unde
 image processing (a tiny random LLaVA whose CLIP tower takes 336 px in patches of 14, built
 offline), by the template as it is ("after") and by its ``recipe.py`` at ``--before REV`` (the
 code that kept every example's image tensors), interleaved in each round, every run printed:
-the peak of the run's processes' summed RSS and PSS (sampled from /proc every 20 ms, as
+the peak of the run's processes' summed RSS and PSS (sampled from /proc every 100 ms, as
 ``bench/data_scale.py``), seconds to the first step, and steady steps/s (the median of the
 logging windows' ``step_time_s`` after the first). Then, per round, the peak at the largest size
 over the smallest for each side and after/before at each size, and steps/s after/before.
@@ -165,8 +165,9 @@ def measured_run(workspace: Path, recipe: Path, *overrides: str) -> tuple[float,
 
     before = existing_runs(workspace)
     start = time.monotonic()
+    log = open(workspace / "run.log", "w+b")  # a file: a run's stderr could fill a pipe before it ends
     process = subprocess.Popen(engine_command(recipe, *overrides), cwd=workspace, env=engine_env(),
-                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+                               stdout=subprocess.DEVNULL, stderr=log)
     peak = peak_pss = 0
     first_step = None
     while process.poll() is None:
@@ -176,9 +177,10 @@ def measured_run(workspace: Path, recipe: Path, *overrides: str) -> tuple[float,
             runs = new_run_dirs(workspace, before)
             if runs and (runs[0] / METRICS_JSONL).is_file() and run_metrics.latest_metrics(runs[0] / METRICS_JSONL):
                 first_step = time.monotonic() - start
-        time.sleep(0.02)
+        time.sleep(0.1)  # the peak is a plateau (the data held); sampling /proc costs the run CPU
     if process.returncode != 0:
-        raise SystemExit(f"the run failed ({process.returncode}): {process.stderr.read()[-3000:].decode()}")
+        raise SystemExit(f"the run failed ({process.returncode}): {(workspace / 'run.log').read_text()[-3000:]}")
+    log.close()
     records = [json.loads(line) for line in (new_run_dirs(workspace, before)[0] / METRICS_JSONL).read_text().splitlines()]
     windows = sorted(r["step_time_s"] for r in records[1:] if r.get("step_time_s"))
     return peak / 1e9, peak_pss / 1e9, first_step or time.monotonic() - start, 1 / windows[len(windows) // 2]

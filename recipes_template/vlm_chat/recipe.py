@@ -28,6 +28,7 @@ import io
 import json
 import re
 import warnings
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import cached_property
@@ -820,29 +821,41 @@ class BatchStream(Stateful):
     """This rank's micro-batches, forever: each epoch visits the pieces (or, ``packed``, the rows
     of pieces) in a new seeded order. The position counts the global stream's sequences, so a
     checkpoint resumes on any number of processes with the very next batch. A batch's images are
-    processed as it is drawn (``collate``), so the stream holds no pixels."""
+    processed as it is drawn (``collate``), so the stream holds no pixels; with ``prefetch``, the
+    next batch is made by a background thread while the model trains on this one (a batch
+    depends on its position alone: the same batches either way)."""
 
-    def __init__(self, pieces, processor, seed, micro_batch, dp_rank, dp_size, packed=False):
+    def __init__(self, pieces, processor, seed, micro_batch, dp_rank, dp_size, packed=False, prefetch=False):
         self.pieces, self.processor, self.seed, self.packed = pieces, processor, seed, packed
         self.micro_batch, self.dp_rank, self.dp_size = micro_batch, dp_rank, dp_size
         self.position = 0
         self._order: tuple[int, torch.Tensor] | None = None
+        self._workers = ThreadPoolExecutor(1, thread_name_prefix="vlm-batches") if prefetch else None
+        self._ahead: tuple[int, Future] | None = None  # (position, the batch there)
 
     def _piece_at(self, index: int):
         epoch, offset = divmod(index, len(self.pieces))
-        if self._order is None or self._order[0] != epoch:
+        order = self._order  # read once: the prefetching thread may replace it
+        if order is None or order[0] != epoch:
             generator = torch.Generator().manual_seed(self.seed * 100_003 + epoch)
-            self._order = (epoch, torch.randperm(len(self.pieces), generator=generator))
-        return self.pieces[int(self._order[1][offset])]
+            order = self._order = (epoch, torch.randperm(len(self.pieces), generator=generator))
+        return self.pieces[int(order[1][offset])]
+
+    def batch_at(self, position: int) -> dict[str, torch.Tensor]:
+        start = position + self.dp_rank * self.micro_batch
+        batch = [self._piece_at(i) for i in range(start, start + self.micro_batch)]
+        return collate_packed(batch, self.processor) if self.packed else collate(batch, self.processor)
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
         return self
 
     def __next__(self) -> dict[str, torch.Tensor]:
-        start = self.position + self.dp_rank * self.micro_batch
-        batch = [self._piece_at(i) for i in range(start, start + self.micro_batch)]
+        ahead, self._ahead = self._ahead, None
+        batch = ahead[1].result() if ahead is not None and ahead[0] == self.position else self.batch_at(self.position)
         self.position += self.micro_batch * self.dp_size
-        return collate_packed(batch, self.processor) if self.packed else collate(batch, self.processor)
+        if self._workers is not None:
+            self._ahead = (self.position, self._workers.submit(self.batch_at, self.position))
+        return batch
 
     def state_dict(self) -> dict[str, Any]:
         return {"position": self.position}
@@ -931,19 +944,19 @@ class VLMChat(Engine):
             eval_loss_tokens=counts[True][2], truncated=truncated,
         )
 
-    def stream(self, examples, seed: int) -> BatchStream:
+    def stream(self, examples, seed: int, prefetch: bool = False) -> BatchStream:
         pieces, cfg = self.pieces(examples), self.config.data
         if cfg.packing:
             pieces = [[pieces[i] for i in row] for row in pack([len(p["ids"]) - 1 for p in pieces], cfg.seq_len)]
         return BatchStream(pieces, self.processor, seed=seed, micro_batch=self.micro_batch_size,
-                           dp_rank=self.dist.dp_rank, dp_size=self.dist.dp_size, packed=cfg.packing)
+                           dp_rank=self.dist.dp_rank, dp_size=self.dist.dp_size, packed=cfg.packing, prefetch=prefetch)
 
     def prepare_data(self) -> BatchStream:
         check_packing(self.config)
         if not self.examples[0]:
             raise ConfigError(f"no training examples: data.eval_fraction={self.config.data.eval_fraction} "
                               "holds out all of them")
-        return self.stream(self.examples[0], self.config.train.seed)
+        return self.stream(self.examples[0], self.config.train.seed, prefetch=True)
 
     def prepare_eval_data(self) -> list[dict[str, torch.Tensor]] | None:
         if not self.config.train.eval_every or not self.examples[1]:

@@ -460,3 +460,22 @@ def test_batches_processed_as_drawn_train_as_images_processed_up_front_did(famil
     assert kept == ({"image_grid_thw"} if family == "qwen2_vl" else set())
     losses = [float(engine.train_step().loss) for _ in range(3)]
     assert losses == pytest.approx(UP_FRONT_LOSSES[family, packing], rel=1e-6, abs=0)
+
+
+def test_a_prefetching_stream_gives_the_batches_of_one_that_does_not_and_resumes_at_its_position(folders):
+    processor = vlm.load_processor(str(folders["idefics3"]))
+    examples = [(f"{i}", m, [picture(size=size)]) for i, ((_, m, _), size)
+                in enumerate(zip(vlm.builtin_examples(5, 56), [(56, 56), (30, 90), (90, 30), (64, 48), (40, 40)]))]
+    pieces = [vlm.encode(processor, m, i, 512, w) for w, m, i in examples]
+
+    def stream(prefetch):
+        return vlm.BatchStream(pieces, processor, seed=3, micro_batch=2, dp_rank=0, dp_size=1, prefetch=prefetch)
+
+    plain, ahead = stream(False), stream(True)
+    batches = [(next(plain), next(ahead)) for _ in range(4)]  # two epochs and a half: tiles padded differently
+    resumed = stream(True)
+    resumed.load_state_dict(ahead.state_dict())
+    assert ahead.state_dict() == {"position": 8}
+    batches += [(next(plain), next(resumed)) for _ in range(2)]
+    for expected, got in batches:
+        assert expected.keys() == got.keys() and all(torch.equal(expected[k], got[k]) for k in expected)
