@@ -212,7 +212,7 @@ def memory(args) -> None:
                 print(f"round {round_}, {count} images, {side}: peak RSS {rss:.2f} GB, PSS {pss:.2f} GB, "
                       f"first step at {first:.1f} s, {speed:.2f} steps/s", flush=True)
         small, large = min(args.images), max(args.images)
-        for side in ("before", "after"):
+        for side in ("before", "after") if large > small else ():
             print(f"round {round_}, {side}: peak PSS at {large} / at {small} images "
                   f"{results[side, large][1] / results[side, small][1]:.2f}", flush=True)
         for count in args.images:
