@@ -3,7 +3,8 @@ and what a piece holds in memory.
 
 ``vlm_chat`` encodes every example before its first step (``encode``: the chat template rendered
 turn by turn to find the assistant's spans, then the processor, which tokenizes the text and
-decodes, resizes and normalises the images) and keeps each piece's image tensors in memory. A
+decodes, resizes and normalises the images); a piece keeps its tokens and image references, and
+each batch processes its images again (``image_inputs``), the tensors pieces once kept. A
 token store (``engine/token_store.py``) keeps token rows and loss masks: on a second launch it
 saves the rendering and the tokenizing, not the images' processing, which is needed for every
 batch either way. This prints, per example of the template's built-in questions with images of
@@ -12,7 +13,8 @@ crop 336, 14-pixel patches: 576 image tokens; a tiny random LLaVA otherwise, bui
 
 - the time of ``encode`` per example, of its template rendering, of tokenizing the rendered text,
   and the rest (the images' processing, offsets and masks), each round printed;
-- the bytes of image tensors a piece holds, against its token row and targets as int32.
+- the bytes of image tensors a batch makes per piece (what a piece kept before it kept
+  references) and the time to make them, against its token row and targets as int32.
 
     python bench/vlm_data_cost.py [--examples 40] [--rounds 3]
 
@@ -80,7 +82,7 @@ def main() -> None:
                 for where, messages, images in vlm.builtin_examples(args.examples, 56)]
     shares = []
     for round_ in range(1, args.rounds + 1):
-        rendering = tokenizing = encoding = 0.0
+        rendering = tokenizing = encoding = batching = 0.0
         held = tokens = 0
         for where, messages, images in examples:
             start = time.perf_counter()
@@ -92,14 +94,17 @@ def main() -> None:
             encoding += time.perf_counter() - tokenized
             rendering += rendered - start
             tokenizing += tokenized - rendered
-            held += sum(v.numel() * v.element_size() for v in piece["images"].values() if hasattr(v, "numel"))
+            drawn = time.perf_counter()
+            held += sum(v.numel() * v.element_size() for v in vlm.image_inputs(processor, piece).values())
+            batching += time.perf_counter() - drawn
             tokens += len(piece["ids"])
         n = len(examples)
         shares.append((rendering + tokenizing) / encoding)
         print(f"round {round_}: encode {1000 * encoding / n:.1f} ms/example: template rendering "
               f"{1000 * rendering / n:.1f} ms, tokenizing {1000 * tokenizing / n:.2f} ms, the rest (images, offsets, "
-              f"masks) {1000 * (encoding - rendering - tokenizing) / n:.1f} ms; per piece {held / n / 1e6:.2f} MB of "
-              f"image tensors, {8 * tokens / n / 1e3:.1f} KB of token row and targets (int32)", flush=True)
+              f"masks) {1000 * (encoding - rendering - tokenizing) / n:.1f} ms; per piece {held / n / 1e6:.2f} MB of batch "
+              f"image tensors ({1000 * batching / n:.1f} ms to make), {8 * tokens / n / 1e3:.1f} KB of token row and targets "
+              "(int32)", flush=True)
     print(f"what a store saves of encoding (rendering + tokenizing / encode), median of {len(shares)} rounds: "
           f"{sorted(shares)[len(shares) // 2]:.1%}")
 
