@@ -4,7 +4,8 @@ and what a piece holds in memory.
 ``vlm_chat`` encodes every example before its first step (``encode``: the chat template rendered
 turn by turn to find the assistant's spans, then the processor, which tokenizes the text and
 decodes, resizes and normalises the images); a piece keeps its tokens and image references, and
-each batch processes its images again (``image_inputs``), the tensors pieces once kept. A
+keeps its image tensors while they fit in ``KEPT_IMAGE_BYTES``, beyond which each batch processes
+its images again (``image_inputs``). A
 token store (``engine/token_store.py``) keeps token rows and loss masks: on a second launch it
 saves the rendering and the tokenizing, not the images' processing, which is needed for every
 batch either way. This prints, per example of the template's built-in questions with images of
@@ -95,7 +96,8 @@ def main() -> None:
             rendering += rendered - start
             tokenizing += tokenized - rendered
             drawn = time.perf_counter()
-            held += sum(v.numel() * v.element_size() for v in vlm.image_inputs(processor, piece).values())
+            beyond = vlm.keep_image_inputs([piece], 0)[0]  # a piece beyond the kept bytes: processed per batch
+            held += sum(v.numel() * v.element_size() for v in vlm.image_inputs(processor, beyond).values())
             batching += time.perf_counter() - drawn
             tokens += len(piece["ids"])
         n = len(examples)

@@ -583,22 +583,47 @@ def processor_inputs(processor, text: str, images: list, **kwargs) -> dict[str, 
                      **kwargs)
 
 
+# The bytes of image inputs a run keeps from encoding, over its pieces (each rank its own): a
+# run's images that fit are processed once; the pieces beyond are processed per batch.
+KEPT_IMAGE_BYTES = 512 * 2**20
+
+
 def image_inputs(processor, piece: dict[str, Any]) -> dict[str, torch.Tensor]:
-    """A piece's image inputs (pixel values, ...), processed now from its image references by the
-    call that encoded it: the same tensors ``encode`` saw, which the piece does not keep."""
+    """A piece's image inputs (pixel values, ...): those ``encode`` made, where the piece keeps
+    them (``keep_image_inputs``), else processed now from its image references by the call that
+    encoded it: the same tensors either way."""
     if not piece["images"]:
         return {}
+    if piece["inputs"] is not None:
+        return piece["inputs"]
     out = processor_inputs(processor, piece["text"], piece["images"], **piece["call"])
     return {key: value for key, value in out.items() if key not in TEXT_OUTPUTS}
 
 
 def piece_of(ids, targets, per_token, out, images: list, text: str, seq_len: int, **call) -> dict[str, Any]:
     """What a run keeps of an example: its tokens cut to ``seq_len + 1``, its image references
-    and how the processor was asked (``text``, ``call``), its grids; never its pixels."""
+    and how the processor was asked (``text``, ``call``), its grids, and its image ``inputs`` as
+    the processor made them (until ``keep_image_inputs`` drops them beyond its budget)."""
     return {"ids": ids[: seq_len + 1], "targets": targets[: seq_len + 1],
             "per_token": {key: value[: seq_len + 1] for key, value in per_token.items()},
             "grids": {key: value for key, value in out.items() if key in GRIDS},
+            "inputs": {key: value for key, value in out.items() if key not in TEXT_OUTPUTS},
             "images": list(images), "text": text, "call": call, "truncated": len(ids) > seq_len + 1}
+
+
+def keep_image_inputs(pieces: Iterator[dict[str, Any]], budget: int) -> list[dict[str, Any]]:
+    """The pieces, each keeping its image inputs while they fit in ``budget`` bytes with those
+    kept before it; the others drop theirs (``image_inputs`` makes them again per batch). Taken
+    one piece at a time, so no more than the budget and one piece's are ever held."""
+    kept, pieces_kept = 0, []
+    for piece in pieces:
+        size = sum(value.nbytes for value in piece["inputs"].values())
+        if kept + size <= budget:
+            kept += size
+        else:
+            piece = {**piece, "inputs": None}
+        pieces_kept.append(piece)
+    return pieces_kept
 
 
 def encode(processor, messages: list, images: list, seq_len: int, where: str) -> dict[str, Any]:
@@ -902,10 +927,11 @@ class VLMChat(Engine):
             (held_out if is_eval_document(example[0], self.config.data.eval_fraction) else train).append(example)
         return train, held_out
 
-    def pieces(self, examples) -> list[dict[str, Any]]:
+    def pieces(self, examples, kept_bytes: int = 0) -> list[dict[str, Any]]:
+        """The examples encoded, keeping up to ``kept_bytes`` of their image inputs."""
         rope_index = rope_index_of(self.model)
-        return [with_positions(encode(self.processor, messages, images, self.config.data.seq_len, where), rope_index)
-                for where, messages, images in examples]
+        return keep_image_inputs((with_positions(encode(self.processor, messages, images, self.config.data.seq_len, where),
+                                                 rope_index) for where, messages, images in examples), kept_bytes)
 
     @classmethod
     def summarize_data(cls, config: VLMChatConfig) -> DataSummary:
@@ -944,8 +970,8 @@ class VLMChat(Engine):
             eval_loss_tokens=counts[True][2], truncated=truncated,
         )
 
-    def stream(self, examples, seed: int, prefetch: bool = False) -> BatchStream:
-        pieces, cfg = self.pieces(examples), self.config.data
+    def stream(self, examples, seed: int, prefetch: bool = False, kept_bytes: int = 0) -> BatchStream:
+        pieces, cfg = self.pieces(examples, kept_bytes), self.config.data
         if cfg.packing:
             pieces = [[pieces[i] for i in row] for row in pack([len(p["ids"]) - 1 for p in pieces], cfg.seq_len)]
         return BatchStream(pieces, self.processor, seed=seed, micro_batch=self.micro_batch_size,
@@ -956,7 +982,7 @@ class VLMChat(Engine):
         if not self.examples[0]:
             raise ConfigError(f"no training examples: data.eval_fraction={self.config.data.eval_fraction} "
                               "holds out all of them")
-        return self.stream(self.examples[0], self.config.train.seed, prefetch=True)
+        return self.stream(self.examples[0], self.config.train.seed, prefetch=True, kept_bytes=KEPT_IMAGE_BYTES)
 
     def prepare_eval_data(self) -> list[dict[str, torch.Tensor]] | None:
         if not self.config.train.eval_every or not self.examples[1]:

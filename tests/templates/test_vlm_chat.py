@@ -407,7 +407,8 @@ def test_a_packed_run_steps_through_rows_of_whole_examples(folders):
 
 # The first three steps' losses of a run on `sized_images` (lr 3e-3, 3 a batch, seq_len 256), measured
 # with the code that encoded every example's images up front and kept their tensors (commit 4ce60db):
-# processing each batch's images as it is drawn gives the same batches, so the same losses.
+# keeping some pieces' image tensors and processing the others' as each batch is drawn gives the same
+# batches, so the same losses.
 UP_FRONT_LOSSES = {
     ("qwen2_vl", False): [6.00368595123291, 5.995721340179443, 5.942543029785156],
     ("qwen2_vl", True): [5.999200344085693, 5.9831414222717285, 5.95120096206665],
@@ -416,6 +417,11 @@ UP_FRONT_LOSSES = {
     ("idefics3", False): [6.031375408172607, 6.013327121734619, 5.960326671600342],
     ("idefics3", True): [6.011439800262451, 5.997658729553223, 5.970189571380615],
 }
+# The bytes of image tensors each case's run keeps (None: the template's KEPT_IMAGE_BYTES, where all 12
+# fit), and how many of the 12 pieces keep theirs: under 400,000 bytes, 6 of Qwen2-VL's (56,472 or 75,288
+# bytes a piece) and 5 of Idefics3's (61,440 or 102,400: the 5th too big, the 6th fits); 5 of LLaVA's 9,408 in 50,000.
+KEPT = {("qwen2_vl", False): (400_000, 6), ("qwen2_vl", True): (None, 12), ("llava", False): (0, 0),
+        ("llava", True): (50_000, 5), ("idefics3", False): (None, 12), ("idefics3", True): (400_000, 5)}
 
 
 @pytest.fixture(scope="module")
@@ -438,13 +444,17 @@ def sized_images(tmp_path_factory):
 
 
 @pytest.mark.parametrize("family, packing", list(UP_FRONT_LOSSES))
-def test_batches_processed_as_drawn_train_as_images_processed_up_front_did(family, packing, folders, sized_images,
+def test_batches_of_kept_and_drawn_image_tensors_train_as_images_processed_up_front_did(family, packing, folders, sized_images,
                                                                             monkeypatch, tmp_path_factory):
     from engine.config import build_config
     from engine.distributed import DistInfo
 
     monkeypatch.setenv(WORKSPACE_VARIABLE, str(tmp_path_factory.getbasetemp()))  # the models' and the data's
     recipe = load_recipe_class(TEMPLATE)
+    template = sys.modules[recipe.__module__]  # load_recipe_class loads the module anew
+    budget, kept = KEPT[family, packing]
+    if budget is not None:
+        monkeypatch.setattr(template, "KEPT_IMAGE_BYTES", budget)
     overrides = [f"model.pretrained_path={folders[family]}", f"data.packing={str(packing).lower()}", "data.seq_len=256",
                  "data.batch_size=3", f"data.paths=[{sized_images / 'data.jsonl'}]", "data.eval_fraction=0",
                  "train.max_steps=3", "train.eval_every=0", "optim.lr=0.003", "checkpoint.every=0",
@@ -453,27 +463,30 @@ def test_batches_processed_as_drawn_train_as_images_processed_up_front_did(famil
     engine = recipe(build_config(recipe.config_class, None, overrides), DistInfo(0, 1, 0, torch.device("cpu"), None))
     engine.before_train()
     pieces = [p for row in engine.train_batches.pieces for p in (row if packing else [row])]
-    # What a run keeps of an example: its image references, tokens and grids; no pixels.
-    image_ref = sys.modules[recipe.__module__].ImageRef  # load_recipe_class loads the module anew
-    assert len(pieces) == 12 and all(isinstance(i, image_ref) for p in pieces for i in p["images"])
-    kept = {key for p in pieces for key in p["grids"]}
-    assert kept == ({"image_grid_thw"} if family == "qwen2_vl" else set())
+    # What a run keeps of an example: its image references, tokens and grids, and its image tensors while they fit.
+    assert len(pieces) == 12 and all(isinstance(i, template.ImageRef) for p in pieces for i in p["images"])
+    assert {key for p in pieces for key in p["grids"]} == ({"image_grid_thw"} if family == "qwen2_vl" else set())
+    assert sum(p["inputs"] is not None for p in pieces) == kept
     losses = [float(engine.train_step().loss) for _ in range(3)]
     assert losses == pytest.approx(UP_FRONT_LOSSES[family, packing], rel=1e-6, abs=0)
 
 
-def test_a_prefetching_stream_gives_the_batches_of_one_that_does_not_and_resumes_at_its_position(folders):
+def test_a_prefetching_stream_keeping_some_image_tensors_gives_the_batches_of_one_that_keeps_none_and_resumes(folders):
     processor = vlm.load_processor(str(folders["idefics3"]))
     examples = [(f"{i}", m, [picture(size=size)]) for i, ((_, m, _), size)
                 in enumerate(zip(vlm.builtin_examples(5, 56), [(56, 56), (30, 90), (90, 30), (64, 48), (40, 40)]))]
-    pieces = [vlm.encode(processor, m, i, 512, w) for w, m, i in examples]
+    encoded = [vlm.encode(processor, m, i, 512, w) for w, m, i in examples]
+    two = sum(v.nbytes for p in encoded[:2] for v in p["inputs"].values())
+    some, none = vlm.keep_image_inputs(encoded, two), vlm.keep_image_inputs(encoded, 0)
+    assert [p["inputs"] is not None for p in some] == [True, True, False, False, False]
+    assert all(p["inputs"] is None for p in none)
 
-    def stream(prefetch):
+    def stream(pieces, prefetch):
         return vlm.BatchStream(pieces, processor, seed=3, micro_batch=2, dp_rank=0, dp_size=1, prefetch=prefetch)
 
-    plain, ahead = stream(False), stream(True)
+    plain, ahead = stream(none, False), stream(some, True)
     batches = [(next(plain), next(ahead)) for _ in range(4)]  # two epochs and a half: tiles padded differently
-    resumed = stream(True)
+    resumed = stream(some, True)
     resumed.load_state_dict(ahead.state_dict())
     assert ahead.state_dict() == {"position": 8}
     batches += [(next(plain), next(resumed)) for _ in range(2)]
