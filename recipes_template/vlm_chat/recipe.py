@@ -14,8 +14,8 @@ Supports:
   caption records; JSON, JSONL, parquet, ``datasets`` folders; several images a conversation
 - stages by module names (``model.train_vision_tower``, ``model.train_projector``,
   ``model.train_language_model``), FSDP2 on the family's ``_no_split_modules``
-- images kept as references (``ImageRef``) and processed per batch as it is drawn: a run's
-  memory does not grow with its images
+- images kept as references (``ImageRef``), their tensors as encoding made them up to
+  ``KEPT_IMAGE_BYTES``, beyond it processed per batch as it is drawn: a run's memory is bounded
 - ``data.packing``: whole examples share rows, each attending to itself alone (the families of ``PACKS``)
 - ``task_metrics()``: greedy answers to held-out questions through the chat template
 """
@@ -629,8 +629,8 @@ def keep_image_inputs(pieces: Iterator[dict[str, Any]], budget: int) -> list[dic
 def encode(processor, messages: list, images: list, seq_len: int, where: str) -> dict[str, Any]:
     """A piece: ``ids`` and ``targets`` (the token where the loss is over, ``IGNORE_INDEX``
     elsewhere) of the conversation as its chat template renders it, with the images' tokens
-    expanded as the processor expands them; the images (``ImageRef`` or pictures) are processed
-    here for their tokens, and again for each batch (``image_inputs``). Cut to ``seq_len + 1``
+    expanded as the processor expands them, and the processor's image inputs (``keep_image_inputs``
+    keeps them or not; else ``image_inputs`` makes them per batch). Cut to ``seq_len + 1``
     tokens; the images' tokens are never cut."""
     if prefix_suffix(processor):
         return encode_prefix_suffix(processor, messages, images, seq_len, where)
@@ -762,7 +762,7 @@ def stack_images(values: list[torch.Tensor]) -> torch.Tensor:
 
 
 def batch_images(processor, pieces: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
-    """The batch's image inputs: each piece's images processed now (``image_inputs``), in the
+    """The batch's image inputs: each piece's, kept or processed now (``image_inputs``), in the
     pieces' order, stacked (``stack_images``)."""
     inputs = [image_inputs(processor, piece) for piece in pieces]
     return {key: stack_images([i[key] for i in inputs if key in i]) for key in {k for i in inputs for k in i}}
@@ -845,8 +845,8 @@ def collate_packed(rows: list[list[dict[str, Any]]], processor) -> dict[str, tor
 class BatchStream(Stateful):
     """This rank's micro-batches, forever: each epoch visits the pieces (or, ``packed``, the rows
     of pieces) in a new seeded order. The position counts the global stream's sequences, so a
-    checkpoint resumes on any number of processes with the very next batch. A batch's images are
-    processed as it is drawn (``collate``), so the stream holds no pixels; with ``prefetch``, the
+    checkpoint resumes on any number of processes with the very next batch. A batch's images that
+    its pieces do not keep are processed as it is drawn (``collate``); with ``prefetch``, the
     next batch is made by a background thread while the model trains on this one (a batch
     depends on its position alone: the same batches either way)."""
 
