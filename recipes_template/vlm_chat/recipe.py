@@ -14,6 +14,8 @@ Supports:
   caption records; JSON, JSONL, parquet, ``datasets`` folders; several images a conversation
 - stages by module names (``model.train_vision_tower``, ``model.train_projector``,
   ``model.train_language_model``), FSDP2 on the family's ``_no_split_modules``
+- images kept as references (``ImageRef``), their tensors as encoding made them up to
+  ``KEPT_IMAGE_BYTES``, beyond it processed per batch as it is drawn: a run's memory is bounded
 - ``data.packing``: whole examples share rows, each attending to itself alone (the families of ``PACKS``)
 - ``task_metrics()``: greedy answers to held-out questions through the chat template
 """
@@ -26,7 +28,9 @@ import io
 import json
 import re
 import warnings
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
+from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
 from typing import Any, Iterator
@@ -461,32 +465,61 @@ def caption_messages(record: dict[str, Any], where: str, prompt: str) -> tuple[l
     return [user_turn([prompt], 1), assistant_turn(caption)], [record["image"]]
 
 
-def read_image(value: Any, base: Path | None, where: str):
+def read_image(value: Any, base: Path | None, where: str, header_only: bool = False):
     """An image of a record: a path (relative to the data file, confined to the workspace), the
-    bytes of an image file, a ``{"bytes", "path"}`` of a data set's image column, or an image."""
+    bytes of an image file, a ``{"bytes", "path"}`` of a data set's image column, or an image.
+    ``header_only``: its header checked (its size against PIL's bomb limit), nothing decoded (None)."""
     from PIL import Image
 
     if isinstance(value, dict):
         value = value.get("bytes") or value.get("path")
     try:
         if isinstance(value, Image.Image):
-            return value.convert("RGB")
+            return None if header_only else value.convert("RGB")
         # PIL refuses an image over twice MAX_IMAGE_PIXELS and only warns over it: a PNG of a few
         # KB in that band decodes to hundreds of MB. Refused unread, as over twice it is.
         with warnings.catch_warnings():
             warnings.simplefilter("error", Image.DecompressionBombWarning)
             if isinstance(value, (bytes, bytearray)):
                 with Image.open(io.BytesIO(value)) as image:
-                    return image.convert("RGB")
+                    return None if header_only else image.convert("RGB")
             if not isinstance(value, str) or not value:
                 raise ConfigError(f"{where}: an image is a path, bytes or an image, got {type(value).__name__}")
             with Image.open(data_file(str(base / value) if base is not None else value)) as image:
-                return image.convert("RGB")
+                return None if header_only else image.convert("RGB")
     except (DataPathRefused, ConfigError):
         raise
     except (OSError, ValueError, Image.DecompressionBombError, Image.DecompressionBombWarning) as e:
         shown = value if isinstance(value, str) else f"{len(value)} bytes"
         raise ConfigError(f"{where}: image {shown!r} cannot be read ({e})") from None
+
+
+@dataclass(frozen=True)
+class ImageRef:
+    """An image as a record holds it (a path, the bytes of a file, a data set's image), read when
+    a batch needs it: a run keeps references, never decoded pictures or their pixels."""
+
+    value: Any
+    base: Path | None
+    where: str
+
+    def open(self):
+        return read_image(self.value, self.base, self.where)
+
+    @classmethod
+    def checked(cls, value: Any, base: Path | None, where: str) -> "ImageRef":
+        """The reference, once its image is found, confined and its header read (a missing, unreadable
+        or bomb image is refused here, before anything trains); a data set's ``{"bytes", "path"}``
+        keeps its bytes or path alone."""
+        if isinstance(value, dict):
+            value = value.get("bytes") or value.get("path")
+        read_image(value, base, where, header_only=True)
+        return cls(value, base, where)
+
+
+def image_of(image):
+    """The picture of an ``ImageRef``, or of a picture given as it is (the built-in ones, ``sample``'s)."""
+    return image.open() if isinstance(image, ImageRef) else image
 
 
 def record_sources(cfg: VLMChatDataConfig) -> Iterator[tuple[Path | None, Iterator[tuple[str, dict[str, Any]]]]]:
@@ -505,7 +538,7 @@ def record_sources(cfg: VLMChatDataConfig) -> Iterator[tuple[Path | None, Iterat
 
 
 def load_examples(cfg: VLMChatDataConfig) -> tuple[list[tuple[str, list, list]], list[str]]:
-    """``(where, messages, images)`` of every record, and the formats read."""
+    """``(where, messages, images)`` of every record (its images as ``ImageRef``), and the formats read."""
     if not cfg.paths and not cfg.dataset:
         return builtin_examples(cfg.builtin_images, cfg.builtin_image_size), ["builtin"]
     examples, formats = [], []
@@ -522,7 +555,7 @@ def load_examples(cfg: VLMChatDataConfig) -> tuple[list[tuple[str, list, list]],
                 messages, images = caption_messages(record, where, cfg.caption_prompt)
             if not any(m["role"] == "assistant" for m in messages):
                 raise ConfigError(f"{where}: the conversation has no assistant turn: nothing to learn")
-            examples.append((where, messages, [read_image(image, base, where) for image in images]))
+            examples.append((where, messages, [ImageRef.checked(image, base, where) for image in images]))
     if not examples:
         raise ConfigError(f"no records in data.paths={cfg.paths}" + (f" or data.dataset={cfg.dataset}" if cfg.dataset else ""))
     return examples, formats
@@ -539,6 +572,10 @@ def is_eval_document(name: str, eval_fraction: float) -> bool:
 
 
 PER_TOKEN = ("mm_token_type_ids", "token_type_ids")
+# The processor's outputs of the text; the rest are its image inputs (pixels, grids, sizes).
+TEXT_OUTPUTS = ("input_ids", "attention_mask", "labels", "offset_mapping", "text_replacement_offsets", *PER_TOKEN)
+# The image inputs a piece keeps (Qwen's grids, for its 3-D positions): a few numbers an image.
+GRIDS = ("image_grid_thw", "video_grid_thw", "second_per_grid_ts")
 
 
 def check_no_image_tokens(processor, messages: list, where: str) -> None:
@@ -556,14 +593,59 @@ def check_no_image_tokens(processor, messages: list, where: str) -> None:
 
 
 def processor_inputs(processor, text: str, images: list, **kwargs) -> dict[str, Any]:
-    return processor(text=[text], images=[images] if images else None, return_tensors="pt", **kwargs)
+    return processor(text=[text], images=[[image_of(i) for i in images]] if images else None, return_tensors="pt",
+                     **kwargs)
+
+
+# The bytes of image inputs a run keeps from encoding, over its pieces (each rank its own): a
+# run's images that fit are processed once; the pieces beyond are processed per batch.
+KEPT_IMAGE_BYTES = 512 * 2**20
+
+
+def image_inputs(processor, piece: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """A piece's image inputs (pixel values, ...): those ``encode`` made, where the piece keeps
+    them (``keep_image_inputs``), else processed now from its image references by the call that
+    encoded it: the same tensors either way."""
+    if not piece["images"]:
+        return {}
+    if piece["inputs"] is not None:
+        return piece["inputs"]
+    out = processor_inputs(processor, piece["text"], piece["images"], **piece["call"])
+    return {key: value for key, value in out.items() if key not in TEXT_OUTPUTS}
+
+
+def piece_of(ids, targets, per_token, out, images: list, text: str, seq_len: int, **call) -> dict[str, Any]:
+    """What a run keeps of an example: its tokens cut to ``seq_len + 1``, its image references
+    and how the processor was asked (``text``, ``call``), its grids, and its image ``inputs`` as
+    the processor made them (until ``keep_image_inputs`` drops them beyond its budget)."""
+    return {"ids": ids[: seq_len + 1], "targets": targets[: seq_len + 1],
+            "per_token": {key: value[: seq_len + 1] for key, value in per_token.items()},
+            "grids": {key: value for key, value in out.items() if key in GRIDS},
+            "inputs": {key: value for key, value in out.items() if key not in TEXT_OUTPUTS},
+            "images": list(images), "text": text, "call": call, "truncated": len(ids) > seq_len + 1}
+
+
+def keep_image_inputs(pieces: Iterator[dict[str, Any]], budget: int) -> list[dict[str, Any]]:
+    """The pieces, each keeping its image inputs while they fit in ``budget`` bytes with those
+    kept before it; the others drop theirs (``image_inputs`` makes them again per batch). Taken
+    one piece at a time, so no more than the budget and one piece's are ever held."""
+    kept, pieces_kept = 0, []
+    for piece in pieces:
+        size = sum(value.nbytes for value in piece["inputs"].values())
+        if kept + size <= budget:
+            kept += size
+        else:
+            piece = {**piece, "inputs": None}
+        pieces_kept.append(piece)
+    return pieces_kept
 
 
 def encode(processor, messages: list, images: list, seq_len: int, where: str) -> dict[str, Any]:
     """A piece: ``ids`` and ``targets`` (the token where the loss is over, ``IGNORE_INDEX``
     elsewhere) of the conversation as its chat template renders it, with the images' tokens
-    expanded as the processor expands them, and the processor's image inputs. Cut to
-    ``seq_len + 1`` tokens; the images' tokens are never cut."""
+    expanded as the processor expands them, and the processor's image inputs (``keep_image_inputs``
+    keeps them or not; else ``image_inputs`` makes them per batch). Cut to ``seq_len + 1``
+    tokens; the images' tokens are never cut."""
     check_no_image_tokens(processor, messages, where)
     if prefix_suffix(processor):
         return encode_prefix_suffix(processor, messages, images, seq_len, where)
@@ -572,9 +654,8 @@ def encode(processor, messages: list, images: list, seq_len: int, where: str) ->
     ids = out.pop("input_ids")[0]
     offsets = out.pop("offset_mapping")[0].tolist()
     replaced = (out.pop("text_replacement_offsets", None) or [[]])[0]
-    out.pop("attention_mask", None)
     # Per-token inputs beside the ids (Qwen's mm_token_type_ids for its 3-D positions): cut and padded as they are.
-    per_token = {key: out.pop(key)[0] for key in list(out) if key in PER_TOKEN}
+    per_token = {key: out[key][0] for key in PER_TOKEN if key in out}
     # A span's characters move right by what each expansion before it added (``new_span`` is
     # where an expansion lies in the expanded text).
     ends = [r["span"][1] for r in replaced]
@@ -596,9 +677,7 @@ def encode(processor, messages: list, images: list, seq_len: int, where: str) ->
         raise ConfigError(f"{where}: the images' tokens end at token {image_positions[-1] + 1}, beyond data.seq_len={seq_len}; "
                           f"raise data.seq_len above {image_positions[-1] + 1} or shorten the text before the images")
     targets = torch.where(torch.tensor(learnt), ids, torch.full_like(ids, IGNORE_INDEX))
-    return {"ids": ids[: seq_len + 1], "targets": targets[: seq_len + 1], "images": dict(out),
-            "per_token": {key: value[: seq_len + 1] for key, value in per_token.items()},
-            "truncated": len(ids) > seq_len + 1}
+    return piece_of(ids, targets, per_token, out, images, text, seq_len)
 
 
 def prefix_and_suffix(messages: list, where: str) -> tuple[str, str]:
@@ -624,18 +703,15 @@ def encode_prefix_suffix(processor, messages: list, images: list, seq_len: int, 
         raise ConfigError(f"{where}: the conversation ends with no assistant turn: no suffix to learn")
     if not images:
         raise ConfigError(f"{where}: no image; this model (prefix/suffix, as PaliGemma) answers about an image")
-    suffix = prefix_and_suffix(messages, where)[1]
-    out = dict(processor_inputs(processor, prefix_text(processor, messages, images), images, suffix=[suffix]))
-    ids, targets = out.pop("input_ids")[0], torch.as_tensor(out.pop("labels")[0])
-    out.pop("attention_mask", None)
-    per_token = {key: out.pop(key)[0] for key in list(out) if key in PER_TOKEN}
+    suffix, prefix = prefix_and_suffix(messages, where)[1], prefix_text(processor, messages, images)
+    out = processor_inputs(processor, prefix, images, suffix=[suffix])
+    ids, targets = out["input_ids"][0], torch.as_tensor(out["labels"][0])
+    per_token = {key: out[key][0] for key in PER_TOKEN if key in out}
     images_end = int((ids == processor.image_token_id).nonzero().max()) + 1
     if images_end > seq_len:
         raise ConfigError(f"{where}: the images' tokens end at token {images_end}, beyond data.seq_len={seq_len}; "
                           f"raise data.seq_len above {images_end} or give smaller images")
-    return {"ids": ids[: seq_len + 1], "targets": targets[: seq_len + 1], "images": out,
-            "per_token": {key: value[: seq_len + 1] for key, value in per_token.items()},
-            "truncated": len(ids) > seq_len + 1}
+    return piece_of(ids, targets, per_token, out, images, prefix, seq_len, suffix=[suffix])
 
 
 def loss_tokens(piece: dict[str, Any]) -> int:
@@ -685,9 +761,8 @@ def with_positions(piece: dict[str, Any], rope_index) -> dict[str, Any]:
     token_types = piece["per_token"].get("mm_token_type_ids")
     if rope_index is None or token_types is None:
         return piece
-    grids = {key: value for key, value in piece["images"].items()
-             if key in ("image_grid_thw", "video_grid_thw", "second_per_grid_ts")}
-    positions, _ = rope_index(input_ids=piece["ids"][None, :-1], mm_token_type_ids=token_types[None, :-1], **grids)
+    positions, _ = rope_index(input_ids=piece["ids"][None, :-1], mm_token_type_ids=token_types[None, :-1],
+                              **piece["grids"])
     return {**piece, "positions": positions[:, 0]}
 
 
@@ -701,7 +776,15 @@ def stack_images(values: list[torch.Tensor]) -> torch.Tensor:
     return torch.cat(values)
 
 
-def collate(pieces: list[dict[str, Any]], pad_id: int) -> dict[str, torch.Tensor]:
+def batch_images(processor, pieces: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+    """The batch's image inputs: each piece's, kept or processed now (``image_inputs``), in the
+    pieces' order, stacked (``stack_images``)."""
+    inputs = [image_inputs(processor, piece) for piece in pieces]
+    return {key: stack_images([i[key] for i in inputs if key in i]) for key in {k for i in inputs for k in i}}
+
+
+def collate(pieces: list[dict[str, Any]], processor) -> dict[str, torch.Tensor]:
+    pad_id = processor.tokenizer.pad_token_id
     length = max(len(p["ids"]) for p in pieces) - 1
     input_ids = torch.full((len(pieces), length), pad_id, dtype=torch.int64)
     labels = torch.full((len(pieces), length), IGNORE_INDEX, dtype=torch.int64)
@@ -720,9 +803,7 @@ def collate(pieces: list[dict[str, Any]], pad_id: int) -> dict[str, torch.Tensor
         batch["position_ids"] = torch.zeros((len(pieces[0]["positions"]), len(pieces), length), dtype=torch.int64)
         for row, piece in enumerate(pieces):
             batch["position_ids"][:, row, : len(piece["ids"]) - 1] = piece["positions"]
-    for key in {k for p in pieces for k in p["images"]}:
-        batch[key] = stack_images([p["images"][key] for p in pieces if key in p["images"]])
-    return batch
+    return {**batch, **batch_images(processor, pieces)}
 
 
 def pack(lengths: list[int], capacity: int) -> list[list[int]]:
@@ -743,13 +824,13 @@ def pack(lengths: list[int], capacity: int) -> list[list[int]]:
     return [sorted(row) for row in rows]
 
 
-def collate_packed(rows: list[list[dict[str, Any]]], pad_id: int) -> dict[str, torch.Tensor]:
+def collate_packed(rows: list[list[dict[str, Any]]], processor) -> dict[str, torch.Tensor]:
     """Packed rows: each row's pieces one after the other, then padding. Position ids restart
     at 0 with each piece (Qwen's: a row of these before its 3-D ones) and the padding is a
     sequence of its own; with no attention_mask, transformers keeps each piece's attention to
     its own tokens, so a piece's loss is the one it has alone. ``padding`` (no model input)
     marks the padding; the images go in the order of their tokens."""
-    pieces = [piece for row in rows for piece in row]
+    pieces, pad_id = [piece for row in rows for piece in row], processor.tokenizer.pad_token_id
     length = max(sum(len(p["ids"]) - 1 for p in row) for row in rows)
     input_ids = torch.full((len(rows), length), pad_id, dtype=torch.int64)
     labels = torch.full((len(rows), length), IGNORE_INDEX, dtype=torch.int64)
@@ -773,37 +854,48 @@ def collate_packed(rows: list[list[dict[str, Any]]], pad_id: int) -> dict[str, t
         padding[r, :start] = False
     batch = {"input_ids": input_ids, "labels": labels, "padding": padding, **per_token,
              "position_ids": positions if rope is None else torch.cat([positions[None], rope])}
-    for key in {k for p in pieces for k in p["images"]}:
-        batch[key] = stack_images([p["images"][key] for p in pieces if key in p["images"]])
-    return batch
+    return {**batch, **batch_images(processor, pieces)}
 
 
 class BatchStream(Stateful):
     """This rank's micro-batches, forever: each epoch visits the pieces (or, ``packed``, the rows
     of pieces) in a new seeded order. The position counts the global stream's sequences, so a
-    checkpoint resumes on any number of processes with the very next batch."""
+    checkpoint resumes on any number of processes with the very next batch. A batch's images that
+    its pieces do not keep are processed as it is drawn (``collate``); with ``prefetch``, the
+    next batch is made by a background thread while the model trains on this one (a batch
+    depends on its position alone: the same batches either way)."""
 
-    def __init__(self, pieces, pad_id, seed, micro_batch, dp_rank, dp_size, packed=False):
-        self.pieces, self.pad_id, self.seed, self.packed = pieces, pad_id, seed, packed
+    def __init__(self, pieces, processor, seed, micro_batch, dp_rank, dp_size, packed=False, prefetch=False):
+        self.pieces, self.processor, self.seed, self.packed = pieces, processor, seed, packed
         self.micro_batch, self.dp_rank, self.dp_size = micro_batch, dp_rank, dp_size
         self.position = 0
         self._order: tuple[int, torch.Tensor] | None = None
+        self._workers = ThreadPoolExecutor(1, thread_name_prefix="vlm-batches") if prefetch else None
+        self._ahead: tuple[int, Future] | None = None  # (position, the batch there)
 
     def _piece_at(self, index: int):
         epoch, offset = divmod(index, len(self.pieces))
-        if self._order is None or self._order[0] != epoch:
+        order = self._order  # read once: the prefetching thread may replace it
+        if order is None or order[0] != epoch:
             generator = torch.Generator().manual_seed(self.seed * 100_003 + epoch)
-            self._order = (epoch, torch.randperm(len(self.pieces), generator=generator))
-        return self.pieces[int(self._order[1][offset])]
+            order = self._order = (epoch, torch.randperm(len(self.pieces), generator=generator))
+        return self.pieces[int(order[1][offset])]
+
+    def batch_at(self, position: int) -> dict[str, torch.Tensor]:
+        start = position + self.dp_rank * self.micro_batch
+        batch = [self._piece_at(i) for i in range(start, start + self.micro_batch)]
+        return collate_packed(batch, self.processor) if self.packed else collate(batch, self.processor)
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
         return self
 
     def __next__(self) -> dict[str, torch.Tensor]:
-        start = self.position + self.dp_rank * self.micro_batch
-        batch = [self._piece_at(i) for i in range(start, start + self.micro_batch)]
+        ahead, self._ahead = self._ahead, None
+        batch = ahead[1].result() if ahead is not None and ahead[0] == self.position else self.batch_at(self.position)
         self.position += self.micro_batch * self.dp_size
-        return collate_packed(batch, self.pad_id) if self.packed else collate(batch, self.pad_id)
+        if self._workers is not None:
+            self._ahead = (self.position, self._workers.submit(self.batch_at, self.position))
+        return batch
 
     def state_dict(self) -> dict[str, Any]:
         return {"position": self.position}
@@ -844,16 +936,17 @@ class VLMChat(Engine):
 
     @cached_property
     def examples(self) -> tuple[list, list]:
-        """(train, held out): ``(where, messages, images)``."""
+        """(train, held out): ``(where, messages, images)``, the images as ``ImageRef``."""
         train, held_out = [], []
         for example in load_examples(self.config.data)[0]:
             (held_out if is_eval_document(example[0], self.config.data.eval_fraction) else train).append(example)
         return train, held_out
 
-    def pieces(self, examples) -> list[dict[str, Any]]:
+    def pieces(self, examples, kept_bytes: int = 0) -> list[dict[str, Any]]:
+        """The examples encoded, keeping up to ``kept_bytes`` of their image inputs."""
         rope_index = rope_index_of(self.model)
-        return [with_positions(encode(self.processor, messages, images, self.config.data.seq_len, where), rope_index)
-                for where, messages, images in examples]
+        return keep_image_inputs((with_positions(encode(self.processor, messages, images, self.config.data.seq_len, where),
+                                                 rope_index) for where, messages, images in examples), kept_bytes)
 
     @classmethod
     def summarize_data(cls, config: VLMChatConfig) -> DataSummary:
@@ -892,19 +985,19 @@ class VLMChat(Engine):
             eval_loss_tokens=counts[True][2], truncated=truncated,
         )
 
-    def stream(self, examples, seed: int) -> BatchStream:
-        pieces, cfg = self.pieces(examples), self.config.data
+    def stream(self, examples, seed: int, prefetch: bool = False, kept_bytes: int = 0) -> BatchStream:
+        pieces, cfg = self.pieces(examples, kept_bytes), self.config.data
         if cfg.packing:
             pieces = [[pieces[i] for i in row] for row in pack([len(p["ids"]) - 1 for p in pieces], cfg.seq_len)]
-        return BatchStream(pieces, self.processor.tokenizer.pad_token_id, seed=seed, micro_batch=self.micro_batch_size,
-                           dp_rank=self.dist.dp_rank, dp_size=self.dist.dp_size, packed=cfg.packing)
+        return BatchStream(pieces, self.processor, seed=seed, micro_batch=self.micro_batch_size,
+                           dp_rank=self.dist.dp_rank, dp_size=self.dist.dp_size, packed=cfg.packing, prefetch=prefetch)
 
     def prepare_data(self) -> BatchStream:
         check_packing(self.config)
         if not self.examples[0]:
             raise ConfigError(f"no training examples: data.eval_fraction={self.config.data.eval_fraction} "
                               "holds out all of them")
-        return self.stream(self.examples[0], self.config.train.seed)
+        return self.stream(self.examples[0], self.config.train.seed, prefetch=True, kept_bytes=KEPT_IMAGE_BYTES)
 
     def prepare_eval_data(self) -> list[dict[str, torch.Tensor]] | None:
         if not self.config.train.eval_every or not self.examples[1]:

@@ -97,7 +97,7 @@ def test_a_batch_holds_images_of_several_sizes_as_each_family_takes_them(family,
     model = vlm.load_model(vlm.ModelConfig(pretrained_path=str(folders[family])))
     messages = [vlm.user_turn(["What colour?"], 1), vlm.assistant_turn("red")]
     pieces = [vlm.encode(processor, messages, [picture(size=size)], 512, "x") for size in ((56, 56), (30, 90), (90, 30))]
-    batch = vlm.collate(pieces, processor.tokenizer.pad_token_id)
+    batch = vlm.collate(pieces, processor)
     logits = model(**{k: v for k, v in batch.items() if k != "labels"}).logits
     assert logits.shape[:2] == batch["input_ids"].shape and torch.isfinite(logits).all()
     assert int((batch["labels"] != IGNORE_INDEX).sum()) == sum(vlm.loss_tokens(p) for p in pieces)
@@ -109,12 +109,11 @@ def test_the_loss_maps_only_the_learnt_tokens_to_logits_and_qwens_positions_are_
     for the padded batch."""
     processor = vlm.load_processor(str(folders[family]))
     model = vlm.load_model(vlm.ModelConfig(pretrained_path=str(folders[family])))
-    pad = processor.tokenizer.pad_token_id
     pieces = [vlm.encode(processor, m, i, 512, w) for w, m, i in vlm.builtin_examples(3, 56)]
     pieces.append(vlm.encode(processor, conversation(), [picture(), picture(size=(30, 90))], 512, "two images"))
     rope_index = vlm.rope_index_of(model)
     assert (rope_index is not None) == family.startswith("qwen")
-    plain, batch = vlm.collate(pieces, pad), vlm.collate([vlm.with_positions(p, rope_index) for p in pieces], pad)
+    plain, batch = vlm.collate(pieces, processor), vlm.collate([vlm.with_positions(p, rope_index) for p in pieces], processor)
     if rope_index is not None:
         grids = {k: plain[k] for k in ("image_grid_thw",)}
         expected, _ = rope_index(plain["input_ids"], plain["mm_token_type_ids"], attention_mask=plain["attention_mask"], **grids)
@@ -218,7 +217,7 @@ def test_each_form_becomes_the_same_messages_with_their_images(data, name, fmt):
     assert formats == [fmt]
     assert [where for where, _, _ in examples] == [f"{name}:1", f"{name}:2"]
     assert [messages for _, messages, _ in examples] == EXPECTED
-    assert [np.asarray(images[0])[0, 0].tolist() for _, _, images in examples] == [[200, 30, 30], [30, 30, 200]]
+    assert [np.asarray(images[0].open())[0, 0].tolist() for _, _, images in examples] == [[200, 30, 30], [30, 30, 200]]
 
 
 def test_captions_are_asked_the_caption_prompt(data):
@@ -334,7 +333,7 @@ def test_a_saved_data_set_with_an_image_column_is_read(data):
     cfg = vlm.VLMChatDataConfig(paths=[str(saved)], caption_prompt="What colour is it?")
     examples, formats = vlm.load_examples(cfg)
     assert formats == ["caption"] and [m for _, m, _ in examples] == EXPECTED
-    assert [np.asarray(images[0])[0, 0].tolist() for _, _, images in examples] == [[200, 30, 30], [30, 30, 200]]
+    assert [np.asarray(images[0].open())[0, 0].tolist() for _, _, images in examples] == [[200, 30, 30], [30, 30, 200]]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -349,21 +348,21 @@ def test_packed_rows_give_each_family_the_loss_its_examples_have_padded(family, 
     whole row) changes it: the test sees it."""
     processor = vlm.load_processor(str(folders[family]))
     model = vlm.load_model(vlm.ModelConfig(pretrained_path=str(folders[family])))
-    pad, rope_index = processor.tokenizer.pad_token_id, vlm.rope_index_of(model)
+    rope_index = vlm.rope_index_of(model)
     examples = vlm.builtin_examples(5, 56) + [("two", conversation(), [picture(), picture(size=(30, 90))])]
     pieces = [vlm.with_positions(vlm.encode(processor, m, i, 512, w), rope_index) for w, m, i in examples]
     inputs = [len(p["ids"]) - 1 for p in pieces]
     rows = vlm.pack(inputs, 2 * max(inputs))
     assert sorted(i for row in rows for i in row) == list(range(6)) and len(rows) < 6
     assert all(sum(inputs[i] for i in row) <= 2 * max(inputs) for row in rows)
-    packed = vlm.collate_packed([[pieces[i] for i in row] for row in rows], pad)
+    packed = vlm.collate_packed([[pieces[i] for i in row] for row in rows], processor)
     first = rows[0]  # its pieces' positions restart, then the padding's
     text_positions = packed["position_ids"][0, 0] if rope_index is not None else packed["position_ids"][0]
     starts = [sum(inputs[i] for i in first[:k]) for k in range(len(first) + 1)]
     assert [int(text_positions[s]) for s in starts[:-1]] == [0] * len(first)
     assert int(packed["padding"][0].sum()) == packed["input_ids"].shape[1] - starts[-1]
     me = SimpleNamespace(model=model)
-    padded = vlm.VLMChat.compute_loss(me, vlm.collate(pieces, pad))
+    padded = vlm.VLMChat.compute_loss(me, vlm.collate(pieces, processor))
     assert abs(vlm.VLMChat.compute_loss(me, packed) - padded) <= 1e-6 * abs(padded)
     across = vlm.VLMChat.compute_loss(me, {**packed, "attention_mask": (~packed["padding"]).long()})
     assert abs(across - padded) > 5e-6 * abs(padded)
@@ -400,3 +399,96 @@ def test_a_packed_run_steps_through_rows_of_whole_examples(folders):
         ctx = engine.train_step()
         assert 8 * 54 <= ctx.num_tokens <= 8 * 56 and ctx.num_padding == ctx.num_positions - ctx.num_tokens
         assert ctx.num_padding < 4 * 20 and torch.isfinite(ctx.loss)
+
+
+# ---------------------------------------------------------------------------------------------
+# Images processed per batch: a run keeps references and tokens, never pixels
+# ---------------------------------------------------------------------------------------------
+
+# The first three steps' losses of a run on `sized_images` (lr 3e-3, 3 a batch, seq_len 256), measured
+# with the code that encoded every example's images up front and kept their tensors (commit 4ce60db):
+# keeping some pieces' image tensors and processing the others' as each batch is drawn gives the same
+# batches, so the same losses.
+UP_FRONT_LOSSES = {
+    ("qwen2_vl", False): [6.00368595123291, 5.995721340179443, 5.942543029785156],
+    ("qwen2_vl", True): [5.999200344085693, 5.9831414222717285, 5.95120096206665],
+    ("llava", False): [5.998981475830078, 5.956502914428711, 5.931366443634033],
+    ("llava", True): [5.987095832824707, 5.968288421630859, 5.930255889892578],
+    ("idefics3", False): [6.031375408172607, 6.013327121734619, 5.960326671600342],
+    ("idefics3", True): [6.011439800262451, 5.997658729553223, 5.970189571380615],
+}
+# The bytes of image tensors each case's run keeps (None: the template's KEPT_IMAGE_BYTES, where all 12
+# fit), and how many of the 12 pieces keep theirs: under 400,000 bytes, 6 of Qwen2-VL's (56,472 or 75,288
+# bytes a piece) and 5 of Idefics3's (61,440 or 102,400: the 5th too big, the 6th fits); 5 of LLaVA's 9,408 in 50,000.
+KEPT = {("qwen2_vl", False): (400_000, 6), ("qwen2_vl", True): (None, 12), ("llava", False): (0, 0),
+        ("llava", True): (50_000, 5), ("idefics3", False): (None, 12), ("idefics3", True): (400_000, 5)}
+
+
+@pytest.fixture(scope="module")
+def sized_images(tmp_path_factory):
+    """A workspace with 12 LLaVA records of noise images in four sizes (Idefics3's tiles and
+    Qwen's grids differ between them)."""
+    from PIL import Image
+
+    root = tmp_path_factory.mktemp("sized")
+    (root / "images").mkdir()
+    rng = np.random.default_rng(0)
+    records = []
+    for i in range(12):
+        width, height = [(56, 56), (30, 90), (90, 30), (64, 48)][i % 4]
+        Image.fromarray(rng.integers(0, 255, (height, width, 3), dtype=np.uint8)).save(root / "images" / f"{i}.png")
+        records.append({"image": f"images/{i}.png", "conversations": [
+            {"from": "human", "value": "<image>\nWhat is it?"}, {"from": "gpt", "value": f"thing {i}"}]})
+    (root / "data.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    return root
+
+
+@pytest.mark.parametrize("family, packing", list(UP_FRONT_LOSSES))
+def test_batches_of_kept_and_drawn_image_tensors_train_as_images_processed_up_front_did(family, packing, folders, sized_images,
+                                                                            monkeypatch, tmp_path_factory):
+    from engine.config import build_config
+    from engine.distributed import DistInfo
+
+    monkeypatch.setenv(WORKSPACE_VARIABLE, str(tmp_path_factory.getbasetemp()))  # the models' and the data's
+    recipe = load_recipe_class(TEMPLATE)
+    template = sys.modules[recipe.__module__]  # load_recipe_class loads the module anew
+    budget, kept = KEPT[family, packing]
+    if budget is not None:
+        monkeypatch.setattr(template, "KEPT_IMAGE_BYTES", budget)
+    overrides = [f"model.pretrained_path={folders[family]}", f"data.packing={str(packing).lower()}", "data.seq_len=256",
+                 "data.batch_size=3", f"data.paths=[{sized_images / 'data.jsonl'}]", "data.eval_fraction=0",
+                 "train.max_steps=3", "train.eval_every=0", "optim.lr=0.003", "checkpoint.every=0",
+                 "metrics.tensorboard=false"]
+    torch.manual_seed(0)
+    engine = recipe(build_config(recipe.config_class, None, overrides), DistInfo(0, 1, 0, torch.device("cpu"), None))
+    engine.before_train()
+    pieces = [p for row in engine.train_batches.pieces for p in (row if packing else [row])]
+    # What a run keeps of an example: its image references, tokens and grids, and its image tensors while they fit.
+    assert len(pieces) == 12 and all(isinstance(i, template.ImageRef) for p in pieces for i in p["images"])
+    assert {key for p in pieces for key in p["grids"]} == ({"image_grid_thw"} if family == "qwen2_vl" else set())
+    assert sum(p["inputs"] is not None for p in pieces) == kept
+    losses = [float(engine.train_step().loss) for _ in range(3)]
+    assert losses == pytest.approx(UP_FRONT_LOSSES[family, packing], rel=1e-6, abs=0)
+
+
+def test_a_prefetching_stream_keeping_some_image_tensors_gives_the_batches_of_one_that_keeps_none_and_resumes(folders):
+    processor = vlm.load_processor(str(folders["idefics3"]))
+    examples = [(f"{i}", m, [picture(size=size)]) for i, ((_, m, _), size)
+                in enumerate(zip(vlm.builtin_examples(5, 56), [(56, 56), (30, 90), (90, 30), (64, 48), (40, 40)]))]
+    encoded = [vlm.encode(processor, m, i, 512, w) for w, m, i in examples]
+    two = sum(v.nbytes for p in encoded[:2] for v in p["inputs"].values())
+    some, none = vlm.keep_image_inputs(encoded, two), vlm.keep_image_inputs(encoded, 0)
+    assert [p["inputs"] is not None for p in some] == [True, True, False, False, False]
+    assert all(p["inputs"] is None for p in none)
+
+    def stream(pieces, prefetch):
+        return vlm.BatchStream(pieces, processor, seed=3, micro_batch=2, dp_rank=0, dp_size=1, prefetch=prefetch)
+
+    plain, ahead = stream(none, False), stream(some, True)
+    batches = [(next(plain), next(ahead)) for _ in range(4)]  # two epochs and a half: tiles padded differently
+    resumed = stream(some, True)
+    resumed.load_state_dict(ahead.state_dict())
+    assert ahead.state_dict() == {"position": 8}
+    batches += [(next(plain), next(resumed)) for _ in range(2)]
+    for expected, got in batches:
+        assert expected.keys() == got.keys() and all(torch.equal(expected[k], got[k]) for k in expected)

@@ -26,7 +26,7 @@ def batch_of(folder, side: int) -> dict[str, torch.Tensor]:
     processor = vlm.load_processor(str(folder))
     messages = [vlm.user_turn(["What colour is the shape?"], 1), vlm.assistant_turn("red")]
     pieces = [vlm.encode(processor, messages, [picture(size=(side, side))], 128, f"row {i}") for i in range(ROWS)]
-    return vlm.collate(pieces, processor.tokenizer.pad_token_id)
+    return vlm.collate(pieces, processor)
 
 
 def saved(folder, batch, meta: bool) -> int:
