@@ -52,7 +52,7 @@ from engine.chat import encode_conversation as encode_chat
 from engine.config import ConfigError, EngineConfig, Section
 from engine.data_files import DataListing, confined_path, data_files
 from engine.data_formats import is_saved_dataset, part_examples, read_examples, record_example
-from engine.data_stream import PieceStream, Shard, StreamBatches, first_records, hold_out_of_stream, list_shards, shard_bytes, streamed_eval_batches
+from engine.data_stream import PieceStream, Shard, StreamBatches, first_records, hold_out_of_stream, hub_shards, list_shards, shard_bytes, streamed_eval_batches
 from engine.engine import IGNORE_INDEX, Engine
 from engine.flops import non_embedding_params, transformer_flops_per_token
 from engine.fsdp import apply_fsdp
@@ -138,7 +138,9 @@ class SFTDataConfig(StoredDataConfig):
     max_turns: int = Field(3, ge=1, description="data.source=builtin: at most this many user turns each.")
     eval_prompts: int = Field(100, ge=1, description="Held-out prompts task_metrics() answers.")
     max_new_tokens: int = Field(16, ge=1, description="task_metrics(): tokens generated per answer at most.")
-    streaming: bool = Field(False, description="Read data.paths as a stream while training, nothing cached (README).")
+    streaming: bool = Field(
+        False, description="Read data.paths, then a Hub data.dataset's split, as a stream while training, nothing cached (README)."
+    )
 
     @model_validator(mode="after")
     def _source_matches_paths(self) -> "SFTDataConfig":
@@ -149,9 +151,9 @@ class SFTDataConfig(StoredDataConfig):
             raise ValueError(f"data.paths is set but data.source={self.source} would ignore it; drop data.source")
         elif self.source == "files" and not given:
             raise ValueError("data.source=files needs data.paths (data files, relative to the workspace) or data.dataset")
-        if self.streaming and (not self.paths or self.dataset):
-            raise ValueError("data.streaming reads the files of data.paths; data.dataset and the built-in set are read "
-                             "whole: leave data.streaming out, or give data.paths alone")
+        if self.streaming and (not given or self.subset):
+            raise ValueError("data.streaming reads the files of data.paths and of a Hub data.dataset's split; the "
+                             "built-in set and a data.subset are read whole: leave data.streaming out, or data.subset")
         if self.streaming:
             hold_out_of_stream(self)
         return self
@@ -407,12 +409,13 @@ def token_store(cfg: SFTDataConfig, tokenizer, listing: DataListing) -> TokenSto
 
 
 def stream_shards(cfg: SFTDataConfig, listing: DataListing | None = None) -> list[Shard]:
-    """data.streaming: the record files of data.paths (.jsonl, .json, .parquet, .csv, .tsv), in
-    the order they are read."""
-    shards = [shard for shard in list_shards(cfg.paths, listing) if shard.path.suffix in FILE_SUFFIXES]
-    if not shards:
+    """data.streaming: the record files of data.paths (.jsonl, .json, .parquet, .csv, .tsv), then
+    those of data.dataset's split (default train) in the Hub snapshot the server bound, in the
+    order they are read."""
+    shards = [shard for shard in list_shards(cfg.paths, listing) if shard.path.suffix in FILE_SUFFIXES] if cfg.paths else []
+    if cfg.paths and not shards:
         raise ConfigError(f"no data files in data.paths={cfg.paths} ({', '.join(sorted(FILE_SUFFIXES))})")
-    return shards
+    return shards + (hub_shards(cfg.dataset, cfg.split or "train") if cfg.dataset else [])
 
 
 def stream_pieces(cfg: SFTDataConfig, tokenizer):
@@ -436,8 +439,8 @@ def stream_summary(cfg: SFTDataConfig, tokenizer, described: str) -> DataSummary
     pieces_of = stream_pieces(cfg, tokenizer)
     for where, record in first_records(shards):
         pieces_of(where, record)
-    return DataSummary.streamed("files", cfg.paths, len(shards), shard_bytes(shards), tokenizer=described,
-                                **listing.summary_fields())
+    return DataSummary.streamed("files", [*cfg.paths, *([cfg.dataset] if cfg.dataset else [])], len(shards),
+                                shard_bytes(shards), tokenizer=described, **listing.summary_fields())
 
 
 def is_eval_document(name: str, eval_fraction: float) -> bool:
@@ -627,7 +630,7 @@ class SFT(Engine):
         return examples
 
     def stream_batches(self) -> StreamBatches:
-        """data.streaming: this rank's batches from its share of data.paths, read as they go."""
+        """data.streaming: this rank's batches from its share of the stream's shards, read as they go."""
         cfg = self.config.data
         stream = PieceStream(stream_shards(cfg), stream_pieces(cfg, self.tokenizer), self.dist.dp_rank,
                              self.dist.dp_size)
