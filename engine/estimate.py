@@ -24,7 +24,9 @@ Per process (:func:`estimate_memory`):
   by 1/sp with sequence parallelism) plus the largest saved tensor again (its gradient, in
   backward); a checkpointed block keeps only its input, and in backward one block's activations
   come back, once (the largest block's; measured: counting its gradients too overestimated +ckpt
-  at 1,024 tokens by 1.18×);
+  at 1,024 tokens by 1.18×); on a CPU under glibc's dynamic mmap threshold, adapters' activations
+  twice and a checkpointed block's share kept in the heap (:data:`HEAP_KEPT`,
+  :data:`HEAP_KEPT_CHECKPOINTED`);
 - on a CPU, the process floor: the resident memory of this process after it imported torch and
   the recipe and built the recipe's data pipeline (what a run holds before its model exists);
   on a GPU the floor is 0 (``max_memory_allocated`` does not count the CUDA context).
@@ -66,10 +68,16 @@ ASSUMED_MFU = 0.4
 # threshold fixed, 301 MB of activations estimated; malloc_trim(0) after each forward gave back 80 MB,
 # at each step's start and after backward 40). Counted, lora and qlora measured 0.91-1.03 of the
 # estimate (0.70-0.76 before). Full fine-tuning keeps less than its activations (its weight
-# gradients reuse the freed blocks: 0.83-0.97 without the term), so it is not counted there; nor
-# for checkpointed blocks, where doubling their small activations hid most of what checkpointing
-# saves (tests/mcp/test_estimate_run.py: -41 MB estimated against -100 MB measured).
+# gradients reuse the freed blocks: 0.83-0.97 without the term), so it is not counted there.
 HEAP_KEPT = 1.0
+# A checkpointed block, full fine-tuning, on such a CPU: its forward without grad frees its
+# temporaries under the input it keeps for the next block, and the heap does not reuse them, so
+# each block holds a share of its activations besides its input (per-block RSS of a checkpointed
+# step, forward and backward, llama and qwen2 folders at 256 and 1,024 tokens: 0.39-0.46 of a
+# block's activations; +ckpt at 1,024 measured 0.72-0.84 of the estimate without it). Counting
+# the whole of each block (as adapters are) hid most of what checkpointing saves
+# (tests/mcp/test_estimate_run.py: -41 MB estimated against -100 MB measured).
+HEAP_KEPT_CHECKPOINTED = 0.35
 GIB = 2**30
 
 
@@ -241,10 +249,13 @@ def estimate_memory(shape: Shape, nproc: int, parallel: Any, device: str, checkp
     else:
         activations = outside + sum(block_saved)
     activations += largest
-    activations *= micro_batch_scale * (DTYPES[dtype].itemsize / FP32) / sp
+    scale = micro_batch_scale * (DTYPES[dtype].itemsize / FP32) / sp
+    activations *= scale
     frozen_base = adapters is not None or not shape.trainable > 2 * shape.lora_values
     if device == "cpu" and shape.heap_keeps_freed and frozen_base:
         activations *= 1 + HEAP_KEPT
+    elif device == "cpu" and shape.heap_keeps_freed and checkpointing:
+        activations += HEAP_KEPT_CHECKPOINTED * sum(block_saved) * scale
     gathered = 0.0
     if (shards > 1 or on_device == 0) and shape.blocks:  # FSDP2 gathers (or copies in) a block and prefetches the next, in the compute dtype
         gathered = 2 * ((shape.params - quantized) * DTYPES[dtype].itemsize + quantized * NF4_PACKED) / shape.blocks / tp

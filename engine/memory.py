@@ -20,7 +20,8 @@ faulted in afresh, and on the causal_lm template's model a step took 1.2–1.5×
 256 KiB (bench/malloc_threshold.py). ``malloc_trim(0)`` does not take its place: called after each
 forward it gave back 80 of the 338 MB kept (llama + lora at 1,024 tokens), at each step's start and
 after backward 40, since the peak is reached inside a step. So by default a CPU estimate counts what
-the heap keeps (:func:`heap_keeps_freed_memory`, ``engine.estimate.HEAP_KEPT``).
+the heap keeps (:func:`heap_keeps_freed_memory`, ``engine.estimate.HEAP_KEPT``,
+``HEAP_KEPT_CHECKPOINTED``).
 """
 
 from __future__ import annotations

@@ -11,7 +11,8 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from engine.estimate import Shape, causal_without_mask, estimate_memory, measure_saved_bytes, on_fake_tensors
+from engine.estimate import (HEAP_KEPT_CHECKPOINTED, Shape, causal_without_mask, estimate_memory, measure_saved_bytes,
+                             on_fake_tensors)
 
 ROWS, LENGTH = 2, 128
 CONFIG = dict(vocab_size=64, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
@@ -101,9 +102,11 @@ def test_a_cpu_run_of_adapters_or_checkpointed_blocks_under_glibcs_dynamic_thres
     assert activations_mib("cuda", heap_keeps_freed=True) == pytest.approx(300, abs=0.1)
     assert activations_mib(heap_keeps_freed=True, trainable=1000) == pytest.approx(300, abs=0.1)  # full fine-tuning
     # Checkpointed full fine-tuning (the forward saved the blocks' inputs only): inputs and one
-    # block's again, not doubled.
+    # block's again, not doubled, and each block's share of its activations that the heap keeps.
     checkpointed = dict(heap_keeps_freed=True, trainable=1000, checkpointed_blocks=3, saved_bytes=3 * mib)
-    assert activations_mib(**checkpointed) == pytest.approx(3 + 3 + 100, abs=0.1)
+    assert activations_mib(**checkpointed) == pytest.approx(3 + 3 + 100 + HEAP_KEPT_CHECKPOINTED * 300, abs=0.1)
+    assert activations_mib(**{**checkpointed, "heap_keeps_freed": False}) == pytest.approx(3 + 3 + 100, abs=0.1)
+    assert activations_mib("cuda", **checkpointed) == pytest.approx(3 + 3 + 100, abs=0.1)
     assert heap_keeps_freed_memory({}) is True
     assert heap_keeps_freed_memory({"TRAINWRIGHT_MMAP_THRESHOLD": "262144"}) is False
     assert heap_keeps_freed_memory({"MALLOC_MMAP_THRESHOLD_": "65536"}) is False
