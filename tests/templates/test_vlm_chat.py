@@ -400,3 +400,36 @@ def test_a_packed_run_steps_through_rows_of_whole_examples(folders):
         ctx = engine.train_step()
         assert 8 * 54 <= ctx.num_tokens <= 8 * 56 and ctx.num_padding == ctx.num_positions - ctx.num_tokens
         assert ctx.num_padding < 4 * 20 and torch.isfinite(ctx.loss)
+
+
+def test_much_padding_points_at_data_packing_and_the_packing_skill_is_refused_for_it(folders, tmp_path):
+    from engine.config import build_config
+    from engine.distributed import DistInfo
+    from engine.run_metrics import MetricRecord
+    from skills import SkillRefused, apply_skill
+
+    recipe = load_recipe_class(TEMPLATE)
+
+    def warned(family_folder, *overrides: str) -> list[str]:
+        config = build_config(recipe.config_class, None, [f"model.pretrained_path={family_folder}", *overrides])
+        engine = recipe(config, DistInfo(0, 1, 0, torch.device("cpu"), None))
+        messages = []
+        engine.warn = messages.append
+        engine.suggest_skills(MetricRecord(step=3, loss=1.0, padding_frac=0.6))
+        return messages
+
+    assert warned(folders["qwen2_vl"]) == ["60% of the positions of step 3 were padding: data.packing=true fills each "
+                                           "row with whole examples, each attending to itself (this template's key)"]
+    assert warned(folders["qwen2_vl"], "data.packing=true") == []  # packed already
+    other = tmp_path / "paligemma"
+    other.mkdir()
+    (other / "config.json").write_text(json.dumps({"model_type": "paligemma"}))
+    assert warned(other) == []  # a family packing is not checked for: nothing to suggest
+
+    copied = shutil.copytree(TEMPLATE, tmp_path / "vlm_chat", ignore=shutil.ignore_patterns("__pycache__"))
+    before = (copied / "recipe.py").read_text()
+    with pytest.raises(SkillRefused, match=r"^sequence-packing: recipe.py packs by its own config key data.packing "
+                                           r"\(recipe.py:\d+\), which knows the model's family and its images; set "
+                                           r"data.packing=true \(launch_run overrides or config.yaml\) instead$"):
+        apply_skill("sequence-packing", copied)
+    assert (copied / "recipe.py").read_text() == before
