@@ -433,3 +433,22 @@ def test_much_padding_points_at_data_packing_and_the_packing_skill_is_refused_fo
                                            r"data.packing=true \(launch_run overrides or config.yaml\) instead$"):
         apply_skill("sequence-packing", copied)
     assert (copied / "recipe.py").read_text() == before
+
+
+def test_qwen3_vl_trains_in_its_chat_format_on_its_own_image_tokens(tmp_path):
+    """Qwen3-VL (transformers 5 has it): its processor's 32-pixel units, interleaved 3-D positions
+    and deep-stacked vision features through the template; two steps in this process."""
+    from tests.templates.test_vlm_chat_lora import train_here
+
+    model = tiny_vlm_folder(tmp_path / "model", "qwen3_vl")
+    processor = vlm.load_processor(str(model))
+    piece = vlm.encode(processor, [vlm.user_turn(["What colour?"], 1), vlm.assistant_turn("red")], [picture()], 256, "r")
+    assert int((piece["ids"] == processor.tokenizer.convert_tokens_to_ids("<|image_pad|>")).sum()) == 4
+    learnt = piece["targets"][piece["targets"] != IGNORE_INDEX].tolist()
+    assert learnt == processor.tokenizer("red<|im_end|>\n", add_special_tokens=False)["input_ids"]
+    recipe = shutil.copytree(TEMPLATE, tmp_path / "vlm_chat", ignore=shutil.ignore_patterns("__pycache__"))
+    run, printed = train_here(tmp_path, recipe, f"model.pretrained_path={model}", "train.max_steps=2", "train.log_every=1",
+                              "train.eval_every=0", "checkpoint.every=0", "checkpoint.at_end=false",
+                              "data.builtin_images=16", "data.eval_fraction=0", "data.batch_size=4",
+                              "metrics.tensorboard=false")
+    assert "step 2/2 | loss" in printed, printed[-2000:]
