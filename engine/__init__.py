@@ -7,6 +7,7 @@ Small and explicit, one concept per file:
 - ``distributed``     process group, device and the (dp, sp, tp) device mesh
 - ``heartbeat``       a run over several nodes ends soon after a node stops answering (a cut network)
 - ``blocks``          a model's repeated blocks: the one definition FSDP2 and the skills use
+- ``vision_language`` a vision-language model's parts by module name: the skills' and the estimate's
 - ``fsdp``            FSDP2 ``fully_shard`` per block and on the root
 - ``fsdp_quantized``  bitsandbytes' 4-bit layers under FSDP2: packed weights sharded, ``quant_state`` on the layer
 - ``sequence_parallel`` Ulysses all-to-all attention

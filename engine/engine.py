@@ -551,8 +551,8 @@ class Engine:
         hinted = self.__dict__.setdefault("_hinted", set())  # each hint once, whatever its numbers
         if (record.padding_frac or 0) > PACKING_HINT_PADDING and "packing" not in hinted:
             hinted.add("packing")
-            self.warn(f"{record.padding_frac:.0%} of the positions of step {record.step} were padding: the "
-                      "sequence-packing skill fills each row with whole examples (apply_skill sequence-packing)")
+            if hint := self.packing_hint():
+                self.warn(f"{record.padding_frac:.0%} of the positions of step {record.step} were padding: {hint}")
         limit = _memory_limit_mb(self.device)
         if limit and record.peak_mem_mb and record.peak_mem_mb > CHECKPOINTING_HINT_MEMORY * limit \
                 and "checkpointing" not in hinted:
@@ -560,6 +560,11 @@ class Engine:
             self.warn(f"peak memory {record.peak_mem_mb:,.0f} MB is {record.peak_mem_mb / limit:.0%} of the "
                       f"{limit:,.0f} MB this process may use: the gradient-checkpointing skill trades compute "
                       "for activation memory (apply_skill gradient-checkpointing)")
+
+    def packing_hint(self) -> str | None:
+        """What a run with much padding is told to do (None: nothing); a template that packs by a
+        config key of its own names that key instead of the skill."""
+        return "the sequence-packing skill fills each row with whole examples (apply_skill sequence-packing)"
 
     def _synchronize(self) -> None:
         if self.device.type == "cuda":

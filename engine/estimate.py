@@ -51,10 +51,12 @@ import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException, FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from engine.blocks import find_blocks
 from engine.distributed import DistInfo
 from engine.fsdp import DTYPES, transformer_blocks
 from engine.memory import heap_keeps_freed_memory, rss_high_water_mb
 from engine.optimizers import FP32, is_8bit, optimizer_state_bytes
+from engine.vision_language import vision_language_parts
 
 LORA_RANK = 8  # the lora skill's default rank, for the LoRA and QLoRA changes
 # bitsandbytes' 4-bit weights: half a byte a value, a float32 scale per block of 64 values, or with
@@ -198,8 +200,9 @@ class Shape:
     quantized_bytes: float = 0.0  # their bytes, scales included
     optimizer: str = "AdamW"  # the recipe's optimizer, as its prepare_optimizer builds it
     optimizer_bytes: float = optimizer_state_bytes(False)  # its state bytes per trainable value
-    block_linear: int = 0  # values of the plain nn.Linear weights inside the blocks (what LoRA adapts)
-    lora_values: int = 0  # adapter values LoRA at the skill's default rank would add to them
+    block_linear: int = 0  # values of the plain nn.Linear weights inside the blocks (what QLoRA holds in 4 bits)
+    lora_values: int = 0  # adapter values the lora skill at its default rank adds (lora_blocks' linears)
+    qlora_values: int | None = None  # those the qlora skill adds (every block's linears); None: lora_values
     # (saved bytes, largest, per block) with only the blocks' linear weights trainable, as LoRA
     # trains beside them: tensors kept only for a frozen parameter's gradient are not saved.
     adapter_saved: tuple[int, int, list[int]] | None = None
@@ -226,9 +229,9 @@ def estimate_memory(shape: Shape, nproc: int, parallel: Any, device: str, checkp
     if adapters == "lora":
         weights, trainable = weights + shape.lora_values * FP32, shape.lora_values
     elif adapters == "qlora":
-        weights += shape.lora_values * FP32 - shape.block_linear * (FP32 - NF4_PACKED)
+        trainable = shape.lora_values if shape.qlora_values is None else shape.qlora_values
+        weights += trainable * FP32 - shape.block_linear * (FP32 - NF4_PACKED)
         quantized, scales = quantized + shape.block_linear, scales + shape.block_linear * (NF4_BYTES[True] - NF4_PACKED)
-        trainable = shape.lora_values
     state_bytes = optimizer_state_bytes(True) if eight_bit else shape.optimizer_bytes
     # With offload, each rank's shards of these live in host memory, not on the device.
     on_device = 0 if offload and device == "cuda" else 1
@@ -336,7 +339,7 @@ def measure_shape(recipe_class, config, nproc: int) -> Shape:
     engine.model.train()
     optimizer, optimizer_bytes = _optimizer_of(engine)
     quantized, quantized_bytes = quantized_weights(engine.model)
-    block_linear, lora_values = adaptable_linears(engine.model)
+    block_linear, lora_values, qlora_values = adaptable_linears(engine.model)
     try:
         with on_fake_tensors(engine.model, batch, unmasked=causal_without_mask(data_batch)) as fake_batch:
             counter, checkpointed, blocks, adapter_saved = _forward_saved(engine, fake_batch, block_linear, lora_values)
@@ -359,7 +362,7 @@ def measure_shape(recipe_class, config, nproc: int) -> Shape:
         heap_keeps_freed=heap_keeps_freed_memory(),
         positions_per_step=positions, floor_bytes=floor, measured_length=_row_length(batch), data_length=data_length,
         quantized=quantized, quantized_bytes=quantized_bytes, optimizer=optimizer, optimizer_bytes=optimizer_bytes,
-        block_linear=block_linear, lora_values=lora_values, adapter_saved=adapter_saved,
+        block_linear=block_linear, lora_values=lora_values, qlora_values=qlora_values, adapter_saved=adapter_saved,
     )
 
 
@@ -491,17 +494,26 @@ def quantized_weights(model: nn.Module) -> tuple[int, float]:
     return values, held
 
 
-def adaptable_linears(model: nn.Module) -> tuple[int, int]:
-    """The values of the plain ``nn.Linear`` weights inside the model's blocks (what the lora and
-    qlora skills adapt, and qlora holds in 4 bits), and the adapter values LoRA at rank
-    :data:`LORA_RANK` would add beside them."""
-    weights = adapters = 0
-    for block in transformer_blocks(model):
-        for module in block.modules():
-            if type(module) is nn.Linear:
-                weights += module.weight.numel()
-                adapters += LORA_RANK * (module.in_features + module.out_features)
-    return weights, adapters
+def adaptable_linears(model: nn.Module) -> tuple[int, int, int]:
+    """The values of the plain ``nn.Linear`` weights inside the model's blocks (what the qlora
+    skill adapts and holds in 4 bits), the adapter values the lora skill at rank
+    :data:`LORA_RANK` adds by default (those of :func:`lora_blocks`), and those qlora adds."""
+    def adapters(blocks: list[nn.Module]) -> int:
+        linears = {id(m): m for block in blocks for m in block.modules() if type(m) is nn.Linear}.values()
+        return sum(LORA_RANK * (m.in_features + m.out_features) for m in linears)
+
+    blocks = transformer_blocks(model)
+    weights = sum(m.weight.numel() for block in blocks for m in block.modules() if type(m) is nn.Linear)
+    return weights, adapters(lora_blocks(model)), adapters(blocks)
+
+
+def lora_blocks(model: nn.Module) -> list[nn.Module]:
+    """The blocks whose linear layers the lora skill adapts without ``target_modules``: a
+    vision-language model's language model's (the part its written ``vision_language_parts``
+    finds, ``within=`` of ``apply_lora``), else the model's own."""
+    parts = vision_language_parts(model, "lora", [], every=True)
+    within = parts.get("language_model") if "vision_tower" in parts else None
+    return transformer_blocks(model) if within is None else find_blocks(within, "lora", warn=lambda message: None)[1]
 
 
 @contextlib.contextmanager

@@ -72,6 +72,8 @@ ONEVISION_TEMPLATE = (
 )
 
 FAMILIES = ("llava", "qwen2_vl", "qwen2_5_vl", "idefics3", "gemma3", "llava_onevision")
+# Built too, tested apart (test_vlm_chat.py: a run of two steps), not by every parametrized test.
+LATER_FAMILIES = ("qwen3_vl",)
 # Families with no chat by design: the user's text is a prefix, the answer a suffix.
 PREFIX_SUFFIX_FAMILIES = ("paligemma",)
 
@@ -214,6 +216,34 @@ def _paligemma(tokenizer, sizes):
     return PaliGemmaForConditionalGeneration(config), processor
 
 
+def _qwen3_vl(tokenizer, sizes: dict):
+    """Qwen3-VL: Qwen2-VL's processing with 16-pixel patches (32-pixel units: a 56 × 56 image gives
+    4 tokens), interleaved 3-D rotary sections, deep-stacked vision features."""
+    import transformers
+    from transformers import Qwen2VLImageProcessorPil
+
+    from recipes_template.vlm_chat.recipe import torchvision_available, without_video
+
+    processor_class = transformers.Qwen3VLProcessor
+    if not torchvision_available():  # its video processor needs torchvision; images do not
+        processor_class = without_video(processor_class)
+    image_processor = Qwen2VLImageProcessorPil(min_pixels=32 * 32, max_pixels=64 * 64, patch_size=16, merge_size=2,
+                                               temporal_patch_size=2)
+    processor = processor_class(image_processor=image_processor, tokenizer=tokenizer, chat_template=QWEN2_VL_TEMPLATE)
+    ids = {name: tokenizer.convert_tokens_to_ids(token) for name, token in (
+        ("image_token_id", "<|image_pad|>"), ("video_token_id", "<|video_pad|>"),
+        ("vision_start_token_id", "<|vision_start|>"), ("vision_end_token_id", "<|vision_end|>"))}
+    text = dict(vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+                bos_token_id=None, head_dim=sizes["hidden_size"] // sizes["num_attention_heads"],
+                rope_scaling={"rope_type": "default", "mrope_section": mrope_sections(sizes), "mrope_interleaved": True},
+                **sizes)
+    vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=sizes["hidden_size"],
+                  patch_size=16, spatial_merge_size=2, temporal_patch_size=2, deepstack_visual_indexes=[1],
+                  num_position_embeddings=16)
+    config = transformers.Qwen3VLConfig(text_config=text, vision_config=vision, **ids)
+    return transformers.Qwen3VLForConditionalGeneration(config), processor
+
+
 def tiny_vlm_folder(folder: Path, family: str = "qwen2_vl", seed: int = 0, text: dict | None = None) -> Path:
     """A random-weight ``family`` model (one of :data:`FAMILIES`, with its processor and chat
     template, or of :data:`PREFIX_SUFFIX_FAMILIES`, with none), saved to ``folder``; ``text``
@@ -226,6 +256,9 @@ def tiny_vlm_folder(folder: Path, family: str = "qwen2_vl", seed: int = 0, text:
     elif family in ("qwen2_vl", "qwen2_5_vl"):
         tokenizer = bpe_tokenizer(QWEN_SPECIAL, "<|im_end|>", QWEN2_VL_TEMPLATE)
         build = lambda t, sizes: _qwen2_vl(t, family, sizes)  # noqa: E731
+    elif family == "qwen3_vl":
+        tokenizer = bpe_tokenizer(QWEN_SPECIAL, "<|im_end|>", QWEN2_VL_TEMPLATE)
+        build = _qwen3_vl
     elif family == "idefics3":
         tokenizer = bpe_tokenizer(IDEFICS3_SPECIAL, "<end_of_utterance>", IDEFICS3_TEMPLATE)
         build = _idefics3

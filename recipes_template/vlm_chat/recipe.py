@@ -934,6 +934,12 @@ class VLMChat(Engine):
         return torch.optim.AdamW(trainable, lr=optim.lr, betas=(optim.beta1, optim.beta2), eps=optim.eps,
                                  weight_decay=optim.weight_decay, fused=True)
 
+    def packing_hint(self) -> str | None:
+        """This template packs by data.packing (the sequence-packing skill refuses it), for the families of PACKS."""
+        if self.config.data.packing or family_of(model_folder(self.config.model.pretrained_path)) not in PACKS:
+            return None
+        return "data.packing=true fills each row with whole examples, each attending to itself (this template's key)"
+
     @cached_property
     def examples(self) -> tuple[list, list]:
         """(train, held out): ``(where, messages, images)``, the images as ``ImageRef``."""

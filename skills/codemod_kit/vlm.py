@@ -33,8 +33,9 @@ NAMES = {
 # ``AutoModelForImageTextToText``, ``AutoModelForVision2Seq``).
 _VISION_LANGUAGE_CLASS = re.compile(r"Llava|VL|Vision|ImageTextToText|ConditionalGeneration|Idefics|Pali|Blip")
 
-# The helpers are a real module (emitted/vision_language.py), copied into the recipe once per file.
-HELPERS_MODULE = Path(__file__).parent / "emitted" / "vision_language.py"
+# The helpers are a real module of the engine (engine/vision_language.py: the estimate finds the
+# parts with them too), read as text and copied into the recipe once per file.
+HELPERS_MODULE = Path(__file__).parents[2] / "engine" / "vision_language.py"
 
 
 def ensure_helper(recipe: Recipe, edits: Edits, near: cst.CSTNode) -> None:

@@ -61,6 +61,7 @@ class DataPath:
 
 
 def apply(recipe: Recipe, params: Params) -> Edits | AlreadyApplied:
+    refuse_a_recipe_that_packs_by_its_config(recipe)
     helpers = recipe.calls_to(*HELPER_NAMES)
     if helpers:
         return AlreadyApplied(f"packing at {recipe.where(helpers[0])}")
@@ -180,6 +181,37 @@ def _is_key_lookup(expression: cst.BaseExpression) -> bool:
         and isinstance(expression.slice[0].slice, cst.Index)
         and isinstance(expression.slice[0].slice.value, cst.SimpleString)
     )
+
+
+def refuse_a_recipe_that_packs_by_its_config(recipe: Recipe) -> None:
+    """The vlm_chat template packs by its ``data.packing`` (its families, their images): the skill
+    points there rather than pack a second time."""
+    own_key = packing_config_key(recipe)
+    if own_key is not None:
+        key, field = own_key
+        raise SkillRefused(
+            f"{SKILL}: {recipe.name} packs by its own config key {key} ({recipe.where(field)}), which knows "
+            f"the model's family and its images; set {key}=true (launch_run overrides or config.yaml) instead"
+        )
+
+
+def packing_config_key(recipe: Recipe) -> tuple[str, cst.AnnAssign] | None:
+    """A recipe that packs at its own config's word (the vlm_chat template's ``data.packing``):
+    the key, dotted from the config class that holds the section, and the field."""
+    fields = {
+        name: statement
+        for cls in recipe.top_level_classes().values()
+        for line in cls.body.body if isinstance(line, cst.SimpleStatementLine)
+        for statement in line.body if isinstance(statement, cst.AnnAssign) and isinstance(statement.target, cst.Name)
+        for name in [(cls.name.value, statement.target.value)]
+    }
+    for (section_class, name), field in fields.items():
+        if name != "packing":
+            continue
+        holders = [key for (_, key), held in fields.items()
+                   if isinstance(held.annotation.annotation, cst.Name) and held.annotation.annotation.value == section_class]
+        return (f"{holders[0]}.packing" if holders else "packing"), field
+    return None
 
 
 def _engine_data_path(recipe: Recipe) -> DataPath | None:

@@ -42,6 +42,7 @@ def test_masked_prompt_tokens_are_not_padding():
 def test_a_run_suggests_packing_above_30_percent_padding_and_checkpointing_near_its_memory_limit_once():
     said: list[str] = []
     fake = SimpleNamespace(device=torch.device("cpu"), warn=said.append)
+    fake.packing_hint = lambda: Engine.packing_hint(fake)
     record = run_metrics.MetricRecord(step=5, loss=1.0, padding_frac=0.45, peak_mem_mb=10.0)
     Engine.suggest_skills(fake, record)
     assert said == ["45% of the positions of step 5 were padding: the sequence-packing skill fills each row with "

@@ -492,3 +492,55 @@ def test_a_prefetching_stream_keeping_some_image_tensors_gives_the_batches_of_on
     batches += [(next(plain), next(resumed)) for _ in range(2)]
     for expected, got in batches:
         assert expected.keys() == got.keys() and all(torch.equal(expected[k], got[k]) for k in expected)
+
+
+def test_much_padding_points_at_data_packing_and_the_packing_skill_is_refused_for_it(folders, tmp_path):
+    from engine.config import build_config
+    from engine.distributed import DistInfo
+    from engine.run_metrics import MetricRecord
+    from skills import SkillRefused, apply_skill
+
+    recipe = load_recipe_class(TEMPLATE)
+
+    def warned(family_folder, *overrides: str) -> list[str]:
+        config = build_config(recipe.config_class, None, [f"model.pretrained_path={family_folder}", *overrides])
+        engine = recipe(config, DistInfo(0, 1, 0, torch.device("cpu"), None))
+        messages = []
+        engine.warn = messages.append
+        engine.suggest_skills(MetricRecord(step=3, loss=1.0, padding_frac=0.6))
+        return messages
+
+    assert warned(folders["qwen2_vl"]) == ["60% of the positions of step 3 were padding: data.packing=true fills each "
+                                           "row with whole examples, each attending to itself (this template's key)"]
+    assert warned(folders["qwen2_vl"], "data.packing=true") == []  # packed already
+    other = tmp_path / "paligemma"
+    other.mkdir()
+    (other / "config.json").write_text(json.dumps({"model_type": "paligemma"}))
+    assert warned(other) == []  # a family packing is not checked for: nothing to suggest
+
+    copied = shutil.copytree(TEMPLATE, tmp_path / "vlm_chat", ignore=shutil.ignore_patterns("__pycache__"))
+    before = (copied / "recipe.py").read_text()
+    with pytest.raises(SkillRefused, match=r"^sequence-packing: recipe.py packs by its own config key data.packing "
+                                           r"\(recipe.py:\d+\), which knows the model's family and its images; set "
+                                           r"data.packing=true \(launch_run overrides or config.yaml\) instead$"):
+        apply_skill("sequence-packing", copied)
+    assert (copied / "recipe.py").read_text() == before
+
+
+def test_qwen3_vl_trains_in_its_chat_format_on_its_own_image_tokens(tmp_path):
+    """Qwen3-VL (transformers 5 has it): its processor's 32-pixel units, interleaved 3-D positions
+    and deep-stacked vision features through the template; two steps in this process."""
+    from tests.templates.test_vlm_chat_lora import train_here
+
+    model = tiny_vlm_folder(tmp_path / "model", "qwen3_vl")
+    processor = vlm.load_processor(str(model))
+    piece = vlm.encode(processor, [vlm.user_turn(["What colour?"], 1), vlm.assistant_turn("red")], [picture()], 256, "r")
+    assert int((piece["ids"] == processor.tokenizer.convert_tokens_to_ids("<|image_pad|>")).sum()) == 4
+    learnt = piece["targets"][piece["targets"] != IGNORE_INDEX].tolist()
+    assert learnt == processor.tokenizer("red<|im_end|>\n", add_special_tokens=False)["input_ids"]
+    recipe = shutil.copytree(TEMPLATE, tmp_path / "vlm_chat", ignore=shutil.ignore_patterns("__pycache__"))
+    run, printed = train_here(tmp_path, recipe, f"model.pretrained_path={model}", "train.max_steps=2", "train.log_every=1",
+                              "train.eval_every=0", "checkpoint.every=0", "checkpoint.at_end=false",
+                              "data.builtin_images=16", "data.eval_fraction=0", "data.batch_size=4",
+                              "metrics.tensorboard=false")
+    assert "step 2/2 | loss" in printed, printed[-2000:]

@@ -94,3 +94,20 @@ def test_lora_adapts_the_language_model_alone_and_its_export_changes_nothing_els
     assert changed and all(k.startswith(where + ".layers.") and k.endswith("_proj.weight") for k in changed), changed
     processor = vlm.load_processor(str(tmp_path / "exported"))
     assert type(processor).__name__ == type(vlm.load_processor(str(done["model"]))).__name__
+
+
+@pytest.mark.parametrize("family", sorted(LANGUAGE_MODEL))
+def test_estimate_runs_lora_change_counts_the_adapters_the_applied_skill_trains(family, runs):
+    """estimate_run's ``apply_skill lora`` row is estimated with the trainable values the skill
+    gives this model (the language model's layers), not those of both towers' blocks (qlora's)."""
+    import re
+
+    from engine.estimate import adaptable_linears
+
+    model = vlm.load_model(vlm.ModelConfig(pretrained_path=str(runs[family]["model"])))
+    _, lora_values, qlora_values = adaptable_linears(model)
+    (trained,) = re.findall(r"; ([\d,]+) trainable values", runs[family]["printed"])
+    assert lora_values == int(trained.replace(",", ""))
+    # LLaVA's blocks (its _no_split_modules) are CLIP's encoder layers too, whose linear layers
+    # qlora adapts; Idefics3 names no vision layer there, so its blocks are the language model's.
+    assert qlora_values > lora_values if family == "llava" else qlora_values == lora_values

@@ -135,3 +135,85 @@ def test_text_that_spells_the_image_token_is_refused_naming_the_record(paligemma
         with pytest.raises(ConfigError, match=r"^data.jsonl:7: a text holds '<image>', which this model's processor "
                                               r"reads as an image token"):
             vlm.encode(processor, messages, [picture()], 512, "data.jsonl:7")
+
+
+# Skills on PaliGemma (SigLIP's model.vision_tower, model.multi_modal_projector, Gemma's
+# model.language_model with lm_head): each applied to the template, two steps trained in this process.
+SKILLED = {"freeze+checkpointing": [("freeze", {"parts": ["vision_tower", "projector"]}), ("gradient-checkpointing", {})],
+           "lora": [("lora", {})]}
+
+
+@pytest.fixture(scope="module")
+def skilled(paligemma, tmp_path_factory) -> dict:
+    from engine import model_io
+    from skills import apply_skill
+    from tests.templates.test_vlm_chat_lora import train_here
+
+    out = {}
+    for name, skills in SKILLED.items():
+        root = tmp_path_factory.mktemp(name.replace("+", "_"))
+        recipe = shutil.copytree(TEMPLATE, root / "vlm_chat", ignore=shutil.ignore_patterns("__pycache__"))
+        applied = [apply_skill(skill, recipe, params) for skill, params in skills]
+        colour_data(root / "data", "llava.json", count=8)
+        run, printed = train_here(root, recipe, f"model.pretrained_path={paligemma}", f"data.paths=[{root}/data/llava.json]",
+                                  "train.max_steps=2", "train.log_every=1", "train.eval_every=0", "checkpoint.every=0",
+                                  "checkpoint.at_end=true", "data.eval_fraction=0", "data.batch_size=4",
+                                  "metrics.tensorboard=false")
+        from engine import run_dir as rd
+
+        shutil.copytree(recipe, run / rd.SNAPSHOT_DIRNAME)
+        out[name] = {"applied": applied, "printed": printed, "model": model_io.load_engine(run, 2).model}
+    return out
+
+
+def trainable_parts(model) -> set[str]:
+    """Which of model.vision_tower, model.multi_modal_projector, model.language_model, lm_head have a trainable parameter."""
+    return {n.split(".")[0] if n.startswith("lm_head") else ".".join(n.split(".")[:2])
+            for n, p in model.named_parameters() if p.requires_grad}
+
+
+def test_freeze_and_checkpointing_act_on_paligemmas_parts_and_a_step_runs(skilled):
+    done = skilled["freeze+checkpointing"]
+    assert [a.changed for a in done["applied"]] == [True, True]
+    # Gemma ties lm_head to the embeddings: the language model alone trains.
+    assert trainable_parts(done["model"]) == {"model.language_model"}
+    assert "freeze: froze 1,056 of 100,224 parameter values" in done["printed"]  # the projector (the tower was frozen)
+    assert "step 2/2 | loss" in done["printed"]
+    # The model's own switch, on in both towers and their layers.
+    switched = sorted(n for n, m in done["model"].named_modules() if getattr(m, "gradient_checkpointing", False) is True)
+    assert switched == ["model.language_model", "model.language_model.layers.0", "model.language_model.layers.1",
+                        "model.vision_tower.encoder", "model.vision_tower.encoder.layers.0",
+                        "model.vision_tower.encoder.layers.1"]
+
+
+def test_lora_adapts_paligemmas_language_model_alone(skilled):
+    done = skilled["lora"]
+    assert "within=language_model" in done["applied"][0].diff
+    adapted = [n for n, m in done["model"].named_modules() if hasattr(m, "lora_A")]
+    # Gemma's 7 linear layers in each of its 2 decoder layers; none of SigLIP's.
+    assert len(adapted) == 14 and all(n.startswith("model.language_model.layers.") for n in adapted), adapted
+    assert all(".lora_" in n for n, p in done["model"].named_parameters() if p.requires_grad)
+
+
+@pytest.mark.parametrize("stage, parts", [("align", {"model.multi_modal_projector"}),
+                                          ("finetune", {"model.multi_modal_projector", "model.language_model"})])
+def test_the_vlm_freeze_policy_stages_train_paligemmas_parts_and_a_step_runs(paligemma, stage, parts):
+    """vlm_chat has its own stage policy (model.train_*), so the skill's helper is run here on the
+    model as the skill writes it into a recipe that has none."""
+    import torch
+
+    from engine import vision_language
+    from skills.registry import skill
+
+    helper = {"torch": torch, **vars(vision_language)}
+    exec(skill("vlm-freeze-policy").codemod.HELPER, helper)
+    model = vlm.load_model(vlm.ModelConfig(pretrained_path=str(paligemma)))
+    helper["apply_vlm_stage"](model, stage)
+    assert trainable_parts(model) == parts
+    processor = vlm.load_processor(str(paligemma))
+    piece = vlm.encode(processor, [vlm.user_turn([vlm.QUESTION], 1), vlm.assistant_turn("red")], [picture()], 512, "row")
+    batch = vlm.collate([piece], processor.tokenizer.pad_token_id)
+    loss = model(**{k: v for k, v in batch.items() if k != "labels"}).logits.float().square().mean()
+    loss.backward()
+    assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
+    assert all(p.grad is None for p in model.parameters() if not p.requires_grad)

@@ -1,6 +1,7 @@
 """``vision_language_parts`` and ``vision_language_parameters``: the parts of a vision-language
 model, as the skills that act on them find them. Copied into a recipe by
-skills/codemod_kit/vlm.py (ensure_helper), once per file.
+skills/codemod_kit/vlm.py (ensure_helper), once per file; ``engine.estimate`` finds the language
+model the lora skill adapts with the same function.
 """
 
 import torch
