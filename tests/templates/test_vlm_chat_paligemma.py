@@ -212,7 +212,7 @@ def test_the_vlm_freeze_policy_stages_train_paligemmas_parts_and_a_step_runs(pal
     assert trainable_parts(model) == parts
     processor = vlm.load_processor(str(paligemma))
     piece = vlm.encode(processor, [vlm.user_turn([vlm.QUESTION], 1), vlm.assistant_turn("red")], [picture()], 512, "row")
-    batch = vlm.collate([piece], processor.tokenizer.pad_token_id)
+    batch = vlm.collate([piece], processor)
     loss = model(**{k: v for k, v in batch.items() if k != "labels"}).logits.float().square().mean()
     loss.backward()
     assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
