@@ -317,9 +317,9 @@ def remove_cached_data(workspace: Path | str, names: list[str]) -> list[tuple[st
         cut = "…" if len(listed) > MAX_QUOTED_CHARS else ""
         raise NotFound(f"no cached data {missing[0][:MAX_QUOTED_CHARS]!r}; cached: {listed[:MAX_QUOTED_CHARS]}{cut}"
                        + (f" ({len(there)} stores; `trainwright data-cache` lists them)" if cut else ""))
-    if not chosen:  # ``all`` of an empty cache (or of none yet)
-        return []
     folder = data_cache_dir(workspace)
+    if not chosen and not folder.is_symlink():  # ``all`` of an empty cache (or of none yet); a link is refused below
+        return []
     fd = open_real_dir(folder)  # a link refused
     try:
         with contextlib.ExitStack() as held:

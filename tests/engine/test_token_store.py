@@ -133,7 +133,7 @@ def test_the_data_cache_command_lists_and_removes_what_runs_tokenized(tmp_path, 
     assert cli.main(["data-cache", "--workspace", str(tmp_path / "ws"), "--json"]) == 0
     listed = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert listed == {"folder": ".trainwright/data-cache", "stores": {store.folder.name: size}, "not_listed": 0,
-                      "total_bytes": size, "removed": {}}
+                      "total_bytes": size, "removed": {}, "start_models": {}}
     assert cli.main(["data-cache", "--remove", "elsewhere", "--workspace", str(tmp_path / "ws"), "--json"]) == 3
     assert store.folder.is_dir()
     assert cli.main(["data-cache", "--remove", "all", "--workspace", str(tmp_path / "ws"), "--json"]) == 0
