@@ -105,23 +105,33 @@ def mrope_sections(sizes: dict) -> list[int]:
     return [half // 4, (half - half // 4) // 2, half - half // 4 - (half - half // 4) // 2]
 
 
-def _qwen2_vl(tokenizer, version: str, sizes: dict):
-    import transformers
-    from transformers import Qwen2VLImageProcessorPil, Qwen2VLProcessor
+def _qwen_processor(processor_class, tokenizer, patch_size: int):
+    """A Qwen-VL processor (its video processor left out where torchvision is missing: images do
+    not need it) whose images are 2 × 2 merged patches of ``patch_size``, from 1 to 4 merged
+    units; and the config's ids of its image, video and vision-span tokens."""
+    from transformers import Qwen2VLImageProcessorPil
 
     from recipes_template.vlm_chat.recipe import torchvision_available, without_video
 
-    if not torchvision_available():  # its video processor needs torchvision; images do not
-        Qwen2VLProcessor = without_video(Qwen2VLProcessor)
-
-    # Dynamic resolution: 28-pixel units (14-pixel patches merged 2 × 2); 56 × 56 images give 4 tokens.
-    # (The vision config's hidden_size is what its merger gives the language model.)
-    image_processor = Qwen2VLImageProcessorPil(min_pixels=28 * 28, max_pixels=56 * 56, patch_size=14, merge_size=2,
-                                               temporal_patch_size=2)
-    processor = Qwen2VLProcessor(image_processor=image_processor, tokenizer=tokenizer, chat_template=QWEN2_VL_TEMPLATE)
+    if not torchvision_available():
+        processor_class = without_video(processor_class)
+    unit = 2 * patch_size
+    image_processor = Qwen2VLImageProcessorPil(min_pixels=unit * unit, max_pixels=4 * unit * unit,
+                                               patch_size=patch_size, merge_size=2, temporal_patch_size=2)
+    processor = processor_class(image_processor=image_processor, tokenizer=tokenizer, chat_template=QWEN2_VL_TEMPLATE)
     ids = {name: tokenizer.convert_tokens_to_ids(token) for name, token in (
         ("image_token_id", "<|image_pad|>"), ("video_token_id", "<|video_pad|>"),
         ("vision_start_token_id", "<|vision_start|>"), ("vision_end_token_id", "<|vision_end|>"))}
+    return processor, ids
+
+
+def _qwen2_vl(tokenizer, version: str, sizes: dict):
+    import transformers
+    from transformers import Qwen2VLProcessor
+
+    # Dynamic resolution: 28-pixel units (14-pixel patches merged 2 × 2); 56 × 56 images give 4 tokens.
+    # (The vision config's hidden_size is what its merger gives the language model.)
+    processor, ids = _qwen_processor(Qwen2VLProcessor, tokenizer, patch_size=14)
     text = dict(vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
                 bos_token_id=None, rope_scaling={"type": "mrope", "mrope_section": mrope_sections(sizes)}, **sizes)
     if version == "qwen2_5_vl":
@@ -220,19 +230,8 @@ def _qwen3_vl(tokenizer, sizes: dict):
     """Qwen3-VL: Qwen2-VL's processing with 16-pixel patches (32-pixel units: a 56 × 56 image gives
     4 tokens), interleaved 3-D rotary sections, deep-stacked vision features."""
     import transformers
-    from transformers import Qwen2VLImageProcessorPil
 
-    from recipes_template.vlm_chat.recipe import torchvision_available, without_video
-
-    processor_class = transformers.Qwen3VLProcessor
-    if not torchvision_available():  # its video processor needs torchvision; images do not
-        processor_class = without_video(processor_class)
-    image_processor = Qwen2VLImageProcessorPil(min_pixels=32 * 32, max_pixels=64 * 64, patch_size=16, merge_size=2,
-                                               temporal_patch_size=2)
-    processor = processor_class(image_processor=image_processor, tokenizer=tokenizer, chat_template=QWEN2_VL_TEMPLATE)
-    ids = {name: tokenizer.convert_tokens_to_ids(token) for name, token in (
-        ("image_token_id", "<|image_pad|>"), ("video_token_id", "<|video_pad|>"),
-        ("vision_start_token_id", "<|vision_start|>"), ("vision_end_token_id", "<|vision_end|>"))}
+    processor, ids = _qwen_processor(transformers.Qwen3VLProcessor, tokenizer, patch_size=16)
     text = dict(vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
                 bos_token_id=None, head_dim=sizes["hidden_size"] // sizes["num_attention_heads"],
                 rope_scaling={"rope_type": "default", "mrope_section": mrope_sections(sizes), "mrope_interleaved": True},
