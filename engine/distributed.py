@@ -23,6 +23,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from engine.errors import BadInput
+from engine.rank_store import STORE_FD_VARIABLE
 
 
 @dataclass(frozen=True)
@@ -140,9 +141,6 @@ def init_distributed(tp: int, sp: int = 1) -> DistInfo:
         raise ValueError(f"parallel.tp × parallel.sp = {tp} × {sp} does not divide the world size {world_size}")
 
     if not dist.is_initialized():
-        if "MASTER_ADDR" not in os.environ:  # a world of one started without torchrun
-            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-            os.environ.setdefault("MASTER_PORT", str(_free_port()))
         backend = "nccl" if device.type == "cuda" else "gloo"
         problem = gloo_interface_problem(os.environ) if backend == "gloo" else None
         if problem:
@@ -153,6 +151,7 @@ def init_distributed(tp: int, sp: int = 1) -> DistInfo:
             world_size=world_size,
             timeout=datetime.timedelta(minutes=10),
             device_id=device if device.type == "cuda" else None,
+            store=own_store(rank, world_size),
         )
     mesh = init_device_mesh(
         device.type, (world_size // (tp * sp), sp, tp), mesh_dim_names=("dp", "sp", "tp")
@@ -174,12 +173,23 @@ def shutdown_distributed(synchronize: bool = True) -> None:
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    import socket
+def own_store(rank: int, world_size: int) -> dist.Store | None:
+    """The store of a run this process can serve without a port chosen in advance, else None
+    (``env://``: torchrun's, at ``MASTER_ADDR:MASTER_PORT``).
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    A world of one started without torchrun needs no peer to find it: an in-process store. Rank
+    0 of ranks started by :mod:`runner.local_ranks` serves the store on the listening socket the
+    launcher bound and handed down (``TRAINWRIGHT_STORE_FD``); the others join it by the
+    environment's address (:mod:`engine.rank_store`). (Picking a free port and binding it later lost the port, now and then,
+    to another run or connection started in between: EADDRINUSE.)"""
+    fd = os.environ.pop(STORE_FD_VARIABLE, None)
+    if world_size == 1 and "MASTER_ADDR" not in os.environ:
+        return dist.HashStore()
+    if fd is None:
+        return None
+    return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
+                         is_master=rank == 0, timeout=datetime.timedelta(minutes=10),
+                         master_listen_fd=int(fd) if rank == 0 else None)
 
 
 def dp_all_reduce_sum(value: torch.Tensor, info: DistInfo) -> torch.Tensor:

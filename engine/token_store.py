@@ -31,6 +31,7 @@ import errno
 import fcntl
 import hashlib
 import json
+import math
 import os
 import re
 import shutil
@@ -158,7 +159,7 @@ class BuildProgress:
         elapsed = (time.monotonic() if now is None else now) - self.started
         eta = elapsed * (self.bytes_total - self.bytes_done) / self.bytes_done if self.bytes_done else None
         return {"documents": self.documents, "bytes_done": self.bytes_done, "bytes_total": self.bytes_total,
-                "eta_s": round(eta, 1) if eta is not None else None}
+                "eta_s": math.ceil(eta * 10) / 10 if eta is not None else None}  # up: never "0 s" with work left
 
 
 def text_size(record: Any) -> int:

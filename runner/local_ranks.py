@@ -7,8 +7,11 @@ run on one machine does not use: restarts, elastic membership, a rendezvous of a
 engine relies on is kept here:
 
 - each rank's environment: ``RANK`` = ``LOCAL_RANK``, ``WORLD_SIZE`` = ``LOCAL_WORLD_SIZE`` = N,
-  ``MASTER_ADDR`` = 127.0.0.1 and ``MASTER_PORT`` a free port of loopback, where rank 0's
-  ``init_process_group`` serves the store the others join (torch's ``env://`` rendezvous);
+  ``MASTER_ADDR`` = 127.0.0.1 and ``MASTER_PORT`` the port of a loopback socket this launcher
+  binds and listens on, handed to rank 0 as descriptor :data:`STORE_FD_VARIABLE`: rank 0 serves
+  the store the others join on it (``engine.distributed``), so no other process can take the
+  port between its choice and its use (a port probed free and released can be, by a run or a
+  connection started meanwhile);
 - a rank that fails ends the run: the others get SIGTERM, then SIGKILL after
   :data:`ENDING_GRACE_S`, and the launcher exits with the failed rank's status (128 + the
   signal for a rank killed by one), after a line on stderr that names the rank;
@@ -16,7 +19,8 @@ engine relies on is kept here:
   process group, so a signal to the group reaches them directly), and it exits when they have.
 
 Runs over several nodes, SLURM jobs and users' own scripts keep torchrun (:mod:`runner.nodes`).
-Standard library only: importing torch here would cost what this module saves.
+Standard library only (and :mod:`engine.rank_store`): importing torch here would cost what this
+module saves.
 """
 
 from __future__ import annotations
@@ -27,6 +31,8 @@ import socket
 import subprocess
 import sys
 import time
+
+from engine.rank_store import STORE_FD_VARIABLE
 
 ENDING_GRACE_S = 30.0  # torchrun's too: from SIGTERM to SIGKILL of the ranks left when the run ends
 POLL_S = 0.1  # torchrun's default monitor interval
@@ -39,19 +45,27 @@ def launcher_command(nproc: int) -> list[str]:
     return [sys.executable, "-m", "runner.local_ranks", "--nproc-per-node", str(nproc)]
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    """A port of ``host`` that nothing listens on now (rank 0 binds it moments later)."""
-    with socket.socket() as probe:
-        probe.bind((host, 0))
-        return probe.getsockname()[1]
+def store_socket(host: str = "127.0.0.1") -> socket.socket:
+    """A socket listening on a port of ``host`` the kernel chose, kept open until rank 0 has it."""
+    listening = socket.socket()
+    listening.bind((host, 0))
+    listening.listen(128)
+    return listening
 
 
-def rank_environments(nproc: int, port: int, base: dict[str, str] | None = None) -> list[dict[str, str]]:
-    """Each rank's environment: ``base`` (default this process's) with torchrun's variables."""
-    base = dict(os.environ if base is None else base)
+def rank_environments(nproc: int, port: int, base: dict[str, str] | None = None,
+                      store_fd: int | None = None) -> list[dict[str, str]]:
+    """Each rank's environment: ``base`` (default this process's) with torchrun's variables, and
+    where the store's listening socket is handed down its descriptor for rank 0 (empty for the
+    others: they join the store by its address)."""
+    base = {k: v for k, v in (os.environ if base is None else base).items() if k != STORE_FD_VARIABLE}
     shared = {"WORLD_SIZE": str(nproc), "LOCAL_WORLD_SIZE": str(nproc), "GROUP_RANK": "0",
               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
-    return [{**base, **shared, "RANK": str(rank), "LOCAL_RANK": str(rank)} for rank in range(nproc)]
+    environments = [{**base, **shared, "RANK": str(rank), "LOCAL_RANK": str(rank)} for rank in range(nproc)]
+    if store_fd is not None:
+        for env in environments:
+            env[STORE_FD_VARIABLE] = str(store_fd) if env["RANK"] == "0" else ""
+    return environments
 
 
 def exit_status(returncode: int) -> int:
@@ -68,10 +82,13 @@ class Ranks:
 
     def start(self, python_args: list[str], nproc: int) -> None:
         """``python PYTHON_ARGS`` once per rank (none once the run is ending: a signal came first)."""
-        for env in rank_environments(nproc, free_port()):
-            if self.ending_since is None:
-                self.processes.append(subprocess.Popen([sys.executable, *python_args], env=env,
-                                                       stdin=subprocess.DEVNULL))
+        with store_socket() as listening:  # rank 0 inherits it; this copy closes once the ranks started
+            fd = listening.fileno()
+            for rank, env in enumerate(rank_environments(nproc, listening.getsockname()[1], store_fd=fd)):
+                if self.ending_since is None:
+                    self.processes.append(subprocess.Popen([sys.executable, *python_args], env=env,
+                                                           stdin=subprocess.DEVNULL,
+                                                           pass_fds=(fd,) if rank == 0 else ()))
 
     def signal_live(self, sig: int) -> None:
         for process in self.processes:

@@ -63,6 +63,49 @@ def test_each_rank_gets_torchruns_variables_and_one_free_port_from_a_launcher_wi
     ]
 
 
+# Each rank: whether it holds the store's socket, listening on MASTER_PORT, under the variable.
+STORE_REPORT = (
+    "import json, os, socket\n"
+    "fd = os.environ.get('TRAINWRIGHT_STORE_FD')\n"
+    "port = None\n"
+    "if fd:\n"
+    "    s = socket.socket(fileno=int(fd))\n"
+    "    port = s.getsockname()[1] if s.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN) else None\n"
+    "    s.detach()\n"
+    "report = {'RANK': os.environ['RANK'], 'MASTER_PORT': os.environ['MASTER_PORT'], 'listening_on': port,\n"
+    "          'fd': fd}\n"
+    "os.write(1, (json.dumps(report) + '\\n').encode())\n"
+)
+
+# A gloo world formed as the engine forms it (rank 0 serves the store on the handed socket).
+WORLD = (
+    "import os, torch, torch.distributed as dist\n"
+    "from engine.distributed import own_store\n"
+    "rank, world = int(os.environ['RANK']), int(os.environ['WORLD_SIZE'])\n"
+    "dist.init_process_group('gloo', rank=rank, world_size=world, store=own_store(rank, world))\n"
+    "t = torch.tensor([rank + 1.0]); dist.all_reduce(t)\n"
+    "os.write(1, f\"{int(t.item())} {'TRAINWRIGHT_STORE_FD' in os.environ}\\n\".encode())  # one write a rank\n"
+    "dist.destroy_process_group()\n"
+)
+
+
+def test_rank_0_alone_inherits_the_store_socket_already_listening_on_master_port():
+    result = subprocess.run([*launcher_command(3), "-c", STORE_REPORT], cwd=REPO, capture_output=True, text=True,
+                            timeout=60)
+    assert result.returncode == 0, result.stderr
+    reports = sorted((json.loads(line) for line in result.stdout.splitlines()), key=lambda r: r["RANK"])
+    assert reports[0]["listening_on"] == int(reports[0]["MASTER_PORT"])
+    assert [(r["listening_on"], r["fd"]) for r in reports[1:]] == [(None, ""), (None, "")]  # they join by address
+
+
+def test_the_ranks_form_their_world_on_the_handed_socket():
+    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT")}
+    result = subprocess.run([*launcher_command(3), "-c", WORLD], cwd=REPO, capture_output=True, text=True,
+                            timeout=120, env={**env, "PYTHONPATH": str(REPO)})
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["6", "False"] * 3  # 1 + 2 + 3 on every rank; the variable consumed
+
+
 def test_a_failing_rank_ends_the_others_and_the_launcher_exits_with_its_status(tmp_path):
     process = launch(3, "-c", SLEEP_OR_FAIL, str(tmp_path), env={**os.environ, "FAILING": "1"},
                      stderr=subprocess.PIPE, text=True)
