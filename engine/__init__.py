@@ -5,6 +5,7 @@ Small and explicit, one concept per file:
 - ``launch``          the entry point: ``python -m engine.launch RECIPE_DIR [--set key=value ...]``
 - ``config``          the base configuration models and the ``--set`` / YAML layering
 - ``distributed``     process group, device and the (dp, sp, tp) device mesh
+- ``rank_store``      how a one-node launcher hands rank 0 the store's listening socket (stdlib)
 - ``heartbeat``       a run over several nodes ends soon after a node stops answering (a cut network)
 - ``blocks``          a model's repeated blocks: the one definition FSDP2 and the skills use
 - ``vision_language`` a vision-language model's parts by module name: the skills' and the estimate's
