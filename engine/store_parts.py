@@ -81,7 +81,8 @@ def build_in_parts(writer: StoreWriter, count: int, build_part: Callable[[StoreW
     counts, shown = [], [0, 0]  # the documents and bytes of the workers' that writer.progress has
     try:
         with pool:
-            results = pool.imap(_build_part, [(writer.folder, index, writer.rows, writer.dtype) for index in range(count)])
+            jobs = [(writer.folder, index, writer.rows, writer.dtype, writer.records) for index in range(count)]
+            results = pool.imap(_build_part, jobs)
             for index in range(count):
                 counts.append(_next_part(results, writer, shown))
                 writer.append_part(writer.folder / f"part-{index}")
@@ -107,11 +108,11 @@ def _next_part(results: IMapIterator, writer: StoreWriter, shown: list[int]) -> 
             shown[:] = done
 
 
-def _build_part(job: tuple[Path, int, int, str]) -> dict[str, Any]:
-    folder, index, rows, dtype = job
+def _build_part(job: tuple[Path, int, int, str, bool]) -> dict[str, Any]:
+    folder, index, rows, dtype, records = job
     part = folder / f"part-{index}"
     part.mkdir()
-    writer = StoreWriter(part, rows, dtype)
+    writer = StoreWriter(part, rows, dtype, records=records)
 
     def show(fields: dict[str, Any]) -> None:  # this part's progress, where the parent reads it
         _part_progress[2 * index], _part_progress[2 * index + 1] = fields["documents"], fields["bytes_done"]
