@@ -2,7 +2,7 @@
 (:func:`file_parts`: a file each, a large JSONL or parquet file cut at line starts or by row
 groups), a forked worker per core building each part into a folder of its own, the parts appended
 in order (:func:`build_in_parts`): the very store one process builds, byte for byte. The
-``causal_lm``, ``sft`` and ``dpo`` templates build theirs so; what a part counts, they add up
+``causal_lm``, ``sft``, ``dpo`` and ``grpo`` templates build theirs so; what a part counts, they add up
 (:func:`engine.data_summary.added_up`). Each worker writes the documents and bytes it has read
 into an array shared with the parent, which reports their sum as the build's progress meanwhile.
 """

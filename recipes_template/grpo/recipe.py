@@ -10,7 +10,9 @@ Supports:
 - prompts in JSONL, JSON, parquet, CSV/TSV files, ``save_to_disk`` folders (``data.paths``) or a
   data set ``datasets`` loads (``data.dataset``): a ``prompt`` column (``data.prompt_column``) as
   text or as chat messages without the final assistant turn; every other column (``answer``, ...)
-  is handed to the reward functions by name, as TRL's ``GRPOTrainer`` does. Prompts are rendered
+  is handed to the reward functions by name, as TRL's ``GRPOTrainer`` does. Prompts are tokenized
+  once into a store every rank and later run maps (``engine/token_store.py``; large data as the
+  run's first phase), each record kept beside its tokens and read per batch. Prompts are rendered
   by the tokenizer's own chat template, messages as the sft template reads them (tool calls, tool
   results, reasoning) and a ``tools`` column's function schemas with them
 - rewards as code: ``grpo.reward_functions`` names functions of this module
@@ -78,6 +80,7 @@ from engine.token_store import (
     store_key,
     text_size,
     tokenizer_identity,
+    value_dtype,
 )
 
 # =============================================================================================
@@ -395,7 +398,7 @@ def prompt_store(config: GRPOConfig, tokenizer, listing: DataListing) -> TokenSt
             raise ConfigError("the data changed while it was tokenized; launch again once it is written")
         return prompt_counts(config, total)
 
-    return open_or_build(key, rows=1, dtype="int32", build=build, input_bytes=size, records=True)
+    return open_or_build(key, rows=1, dtype=value_dtype(len(tokenizer) - 1), build=build, input_bytes=size, records=True)
 
 
 def prompt_counts(config: GRPOConfig, total: dict[str, Any]) -> dict[str, Any]:
