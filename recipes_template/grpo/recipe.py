@@ -322,7 +322,7 @@ def stored_columns(record: dict[str, Any], where: str) -> bytes:
         raise ConfigError(f"{where}: {column} holds a {type(value).__name__}, which the prompt store cannot keep for "
                           "the reward functions; give it as text, a number, a list or a mapping")
 
-    return json.dumps(record, ensure_ascii=False, default=refuse).encode()
+    return json.dumps(record, ensure_ascii=False, default=refuse).encode("utf-8", "surrogatepass")  # text as read
 
 
 class StoredPrompts:
@@ -336,7 +336,7 @@ class StoredPrompts:
         return len(self.tokens)
 
     def __getitem__(self, index: int) -> tuple[dict[str, Any], list[int]]:
-        return json.loads(self.records[index]), self.tokens[index].tolist()
+        return json.loads(self.records[index].decode("utf-8", "surrogatepass")), self.tokens[index].tolist()
 
     def head(self, count: int) -> list[tuple[dict[str, Any], list[int]]]:
         return [self[i] for i in range(min(count, len(self)))]

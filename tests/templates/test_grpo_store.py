@@ -86,6 +86,18 @@ def test_the_reward_functions_see_each_record_as_the_data_holds_it(tmp_path, cac
     assert type(seen[0][1]) is int and type(seen[0][3]["weight"]) is float and seen[0][3]["note"] is None
 
 
+def test_a_column_the_store_cannot_keep_is_refused_naming_the_record_and_the_column():
+    import datetime
+
+    record = {"prompt": "When?", "answer": 1, "when": datetime.date(2024, 1, 2), "text": "caf\u00e9 \ud800"}
+    with pytest.raises(ConfigError, match=r"^dates.parquet:3: column 'when' holds a date, which the prompt store cannot "
+                                          r"keep for the reward functions; give it as text, a number, a list or a mapping$"):
+        grpo.stored_columns(record, "dates.parquet:3")
+    del record["when"]
+    stored = grpo.stored_columns(record, "dates.parquet:3")
+    assert json.loads(stored.decode("utf-8", "surrogatepass")) == record  # any text, as read
+
+
 def test_a_second_launch_maps_the_store_and_a_changed_file_is_tokenized_again(tmp_path, cache, capsys, monkeypatch):
     data = write_jsonl(tmp_path / "data" / "prompts.jsonl", records(40))
     first = check(TEMPLATE, f"data.paths=[{data}]", capsys=capsys)
