@@ -322,7 +322,10 @@ def stored_columns(record: dict[str, Any], where: str) -> bytes:
         raise ConfigError(f"{where}: {column} holds a {type(value).__name__}, which the prompt store cannot keep for "
                           "the reward functions; give it as text, a number, a list or a mapping")
 
-    return json.dumps(record, ensure_ascii=False, default=refuse).encode("utf-8", "surrogatepass")  # text as read
+    try:
+        return json.dumps(record, ensure_ascii=False, default=refuse).encode("utf-8", "surrogatepass")  # text as read
+    except RecursionError:
+        raise ConfigError(f"{where}: a column is nested too deeply to keep for the reward functions; flatten it") from None
 
 
 class StoredPrompts:

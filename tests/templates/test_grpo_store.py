@@ -93,6 +93,11 @@ def test_a_column_the_store_cannot_keep_is_refused_naming_the_record_and_the_col
     with pytest.raises(ConfigError, match=r"^dates.parquet:3: column 'when' holds a date, which the prompt store cannot "
                                           r"keep for the reward functions; give it as text, a number, a list or a mapping$"):
         grpo.stored_columns(record, "dates.parquet:3")
+    deep: list = []
+    for _ in range(3000):  # deeper than json writes
+        deep = [deep]
+    with pytest.raises(ConfigError, match=r"^dates.parquet:3: a column is nested too deeply to keep for the reward "):
+        grpo.stored_columns({"prompt": "When?", "deep": deep}, "dates.parquet:3")
     del record["when"]
     stored = grpo.stored_columns(record, "dates.parquet:3")
     assert json.loads(stored.decode("utf-8", "surrogatepass")) == record  # any text, as read
