@@ -42,6 +42,17 @@ the peak at each size / the peak at the smallest, which does not grow with the c
     python bench/data_scale.py [--sizes 25 100 400] [--ranks 1 2] [--map]
     python bench/data_scale.py --streaming [--sizes 25 400] [--ranks 1 2] [--steps 50]
     python bench/data_scale.py --sft [--sizes 8] [--rounds 3]
+    python bench/data_scale.py --grpo [--sizes 4 16]
+
+With ``--grpo`` the ``grpo`` template's prompts are measured in this process, per size (MB of
+JSONL prompt records in :data:`SHARDS` files, each with an ``answer`` and a ``context`` column
+of a few KB of standard library source that the reward functions would read): the store's build
+(1 and 2 workers, fresh caches; wall seconds and CPU seconds of this process and its workers),
+then the Python memory a rank holds for its prompts (tracemalloc: the allocations left once
+they are ready, and their peak) — the store's ``GRPO.prompts`` with one rollout's prompts read
+from it, against its peer, the list of every ``(record, prompt tokens)`` the template held
+before its store — and the ratio, which grows with the corpus. tracemalloc's bytes do not
+depend on the machine's load; the seconds do (printed with the load average).
 """
 
 from __future__ import annotations
@@ -56,6 +67,7 @@ import sysconfig
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
@@ -335,6 +347,107 @@ def sft_preparation(sizes: list[float], rounds: int) -> None:
                   f"1 worker / datasets.map {one / theirs:.2f}, 2 workers / 1 worker {two / one:.2f}", flush=True)
 
 
+def write_prompts(folder: Path, megabytes: float) -> int:
+    """JSONL prompt records (``prompt``, ``answer``, ``context``: a piece of a standard library
+    source), ``megabytes`` × 10^6 bytes in :data:`SHARDS` files; the number of records."""
+    sources = sorted(Path(sysconfig.get_paths()["stdlib"]).rglob("*.py"))
+    shutil.rmtree(folder, ignore_errors=True)
+    folder.mkdir()
+    target, count = int(megabytes * 1e6 / SHARDS), 0
+    for shard in range(SHARDS):
+        written = 0
+        with open(folder / f"shard-{shard}.jsonl", "w") as f:
+            while written < target:
+                a, b = count % 97, count % 89
+                context = sources[count % len(sources)].read_text(errors="replace")[:4000]
+                line = json.dumps({"prompt": f"What is {a} + {b}?", "answer": a + b, "context": context}) + "\n"
+                f.write(line)
+                written, count = written + len(line.encode()), count + 1
+    return count
+
+
+def grpo_store_seconds(corpus: Path, cache: Path, workers: int) -> tuple[float, float]:
+    """``(wall, CPU)`` seconds of building the grpo prompt store of ``corpus`` on ``workers``
+    workers (fresh cache); CPU counts this process's and its workers'."""
+    import resource
+
+    from engine import store_parts
+    from engine.config import build_config
+    from recipes_template.grpo import recipe
+
+    shutil.rmtree(cache, ignore_errors=True)
+    cache.mkdir()
+    os.environ[DATA_CACHE_VARIABLE] = str(cache)
+    cores, store_parts.build_workers = store_parts.build_workers, lambda: workers
+    try:
+        config = build_config(recipe.GRPOConfig, None, [f"data.paths=[{corpus}]"])
+        tokenizer = recipe.load_chat_tokenizer(None, None)
+
+        def cpu() -> float:
+            own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+            return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+        start, start_cpu = time.perf_counter(), cpu()
+        recipe.prompt_store(config, tokenizer, DataListing())
+        return time.perf_counter() - start, cpu() - start_cpu
+    finally:
+        store_parts.build_workers = cores
+
+
+def held_bytes(make) -> tuple[int, int, Any]:
+    """``(bytes held, peak bytes, what make() returned)`` of Python allocations (tracemalloc)."""
+    import gc
+    import tracemalloc
+
+    gc.collect()
+    tracemalloc.start()
+    try:
+        made = make()
+        gc.collect()
+        held, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    return held, peak, made
+
+
+def grpo_memory(sizes: list[float]) -> None:
+    """grpo's store: its build on 1 and 2 workers, and a rank's memory for its prompts against
+    the list of every record the template held before."""
+    import torch
+
+    from engine.config import build_config
+    from engine.distributed import DistInfo
+    from recipes_template.grpo import recipe
+
+    with tempfile.TemporaryDirectory(prefix="data-scale-") as tmp:
+        root = Path(tmp)
+        for size in sizes:
+            records = write_prompts(root / "prompts", size)
+            times = {workers: grpo_store_seconds(root / "prompts", root / "cache", workers) for workers in (1, 2)}
+            print(f"{size:g} MB ({records:,} prompts): store built in " + ", ".join(
+                f"{wall:.1f} s wall / {cpu:.1f} s CPU on {workers} worker(s)" for workers, (wall, cpu) in times.items())
+                + f" (load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores)", flush=True)
+            config = build_config(recipe.GRPOConfig, None, [f"data.paths=[{root / 'prompts'}]"])
+            engine = recipe.GRPO(config, DistInfo(0, 1, 0, torch.device("cpu"), None))
+
+            def from_store():
+                train, held_out = engine.prompts
+                return train, [train[i] for i in range(0, len(train), max(1, len(train) // 8))][:8]
+
+            def every_record():
+                tokenizer = engine.tokenizer
+                return [(record, recipe.prompt_tokens(tokenizer, record, where))
+                        for where, record in recipe.read_prompts(config.data)]
+
+            store_held, store_peak, _ = held_bytes(from_store)
+            list_held, list_peak, _ = held_bytes(every_record)
+            print(f"{size:g} MB: a rank's prompts hold {store_held / 1e6:.2f} MB (peak {store_peak / 1e6:.2f}) from the "
+                  f"store, {list_held / 1e6:.2f} MB (peak {list_peak / 1e6:.2f}) as a list of every record: "
+                  f"list / store {list_held / max(1, store_held):.0f}x held, {list_peak / max(1, store_peak):.0f}x peak",
+                  flush=True)
+            shutil.rmtree(root / "cache", ignore_errors=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes", type=float, nargs="+", default=[25, 100, 400], help="corpus sizes in MB")
@@ -344,7 +457,11 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=50, help="--streaming: steps of each run")
     parser.add_argument("--sft", action="store_true", help="time sft's store on 1 and 2 workers against datasets.map")
     parser.add_argument("--rounds", type=int, default=3, help="--sft: interleaved rounds")
+    parser.add_argument("--grpo", action="store_true", help="grpo's prompt store: its build, and a rank's memory against a list")
     args = parser.parse_args()
+    if args.grpo:
+        grpo_memory(args.sizes)
+        return
     if args.sft:
         sft_preparation(args.sizes, args.rounds)
         return

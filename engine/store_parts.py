@@ -2,7 +2,7 @@
 (:func:`file_parts`: a file each, a large JSONL or parquet file cut at line starts or by row
 groups), a forked worker per core building each part into a folder of its own, the parts appended
 in order (:func:`build_in_parts`): the very store one process builds, byte for byte. The
-``causal_lm``, ``sft`` and ``dpo`` templates build theirs so; what a part counts, they add up
+``causal_lm``, ``sft``, ``dpo`` and ``grpo`` templates build theirs so; what a part counts, they add up
 (:func:`engine.data_summary.added_up`). Each worker writes the documents and bytes it has read
 into an array shared with the parent, which reports their sum as the build's progress meanwhile.
 """
@@ -81,7 +81,8 @@ def build_in_parts(writer: StoreWriter, count: int, build_part: Callable[[StoreW
     counts, shown = [], [0, 0]  # the documents and bytes of the workers' that writer.progress has
     try:
         with pool:
-            results = pool.imap(_build_part, [(writer.folder, index, writer.rows, writer.dtype) for index in range(count)])
+            jobs = [(writer.folder, index, writer.rows, writer.dtype, writer.records) for index in range(count)]
+            results = pool.imap(_build_part, jobs)
             for index in range(count):
                 counts.append(_next_part(results, writer, shown))
                 writer.append_part(writer.folder / f"part-{index}")
@@ -107,11 +108,11 @@ def _next_part(results: IMapIterator, writer: StoreWriter, shown: list[int]) -> 
             shown[:] = done
 
 
-def _build_part(job: tuple[Path, int, int, str]) -> dict[str, Any]:
-    folder, index, rows, dtype = job
+def _build_part(job: tuple[Path, int, int, str, bool]) -> dict[str, Any]:
+    folder, index, rows, dtype, records = job
     part = folder / f"part-{index}"
     part.mkdir()
-    writer = StoreWriter(part, rows, dtype)
+    writer = StoreWriter(part, rows, dtype, records=records)
 
     def show(fields: dict[str, Any]) -> None:  # this part's progress, where the parent reads it
         _part_progress[2 * index], _part_progress[2 * index + 1] = fields["documents"], fields["bytes_done"]

@@ -4,8 +4,10 @@ A store is a folder of the data cache named by a key: a SHA-256 over what decide
 (the data's fingerprint, the tokenizer, the template and the settings that change tokens, such
 as ``seq_len``). Every split in it (``train``, ``eval``) is a flat token file (``<split>.bin``:
 the pieces back to back, uint16 when every value fits, else int32) and its index
-(``<split>.idx.npy``: where each piece starts, and the end); ``meta.json`` holds what the
-builder counted and is written last, so a folder without it is no store. The first process to
+(``<split>.idx.npy``: where each piece starts, and the end); a store built with ``records``
+keeps one byte string per piece beside them (``<split>.records.bin`` and
+``<split>.records.idx.npy``: a record's other columns, read by index from the mapping,
+:class:`Records`); ``meta.json`` holds what the builder counted and is written last, so a folder without it is no store. The first process to
 need a store builds it under the store's own lock (:func:`locked_store`: runs of other data do
 not wait), into a temporary folder published by a rename; every other
 rank and every later run with the same key maps the same files, so a run's memory does not grow
@@ -216,6 +218,25 @@ class Pieces:
         return (self[i] for i in range(len(self)))
 
 
+class Records:
+    """One split's byte strings of a store built with ``records`` (one per piece, the piece's
+    index): ``records[i]`` is copied from the mapping, never the whole file read."""
+
+    def __init__(self, folder: Path, split: str):
+        self.starts = np.load(folder / f"{split}.records.idx.npy", mmap_mode="r")
+        size = int(self.starts[-1])
+        self.values = np.memmap(folder / f"{split}.records.bin", dtype=np.uint8, mode="r", shape=(size,)) if size \
+            else np.zeros(0, dtype=np.uint8)
+
+    def __len__(self) -> int:
+        return len(self.starts) - 1
+
+    def __getitem__(self, index: int) -> bytes:
+        if not 0 <= index < len(self):
+            raise IndexError(index)
+        return self.values[int(self.starts[index]):int(self.starts[index + 1])].tobytes()
+
+
 @dataclass
 class TokenStore:
     """A built store: its folder, what its builder counted (``meta``), its splits."""
@@ -226,53 +247,68 @@ class TokenStore:
     def pieces(self, split: str, convert: Callable[[np.ndarray], Any] | None = None) -> Pieces:
         return Pieces(self.folder, split, self.meta["rows"], self.meta["dtype"], convert)
 
+    def records(self, split: str) -> Records:
+        """The byte string kept beside each piece of ``split`` (a store built with ``records``)."""
+        if not self.meta.get("records"):
+            raise ValueError(f"the store {self.folder.name} keeps no records beside its pieces")
+        return Records(self.folder, split)
+
     @property
     def counts(self) -> dict[str, Any]:
         return self.meta["counts"]
 
 
 class StoreWriter:
-    """What a builder writes pieces into: ``add(split, piece)`` appends one piece (an integer
-    array of ``rows`` rows, or one row); ``progress.advance(documents, bytes_read)`` tells how far
+    """What a builder writes pieces into: ``add(split, piece, record)`` appends one piece (an
+    integer array of ``rows`` rows, or one row) and, in a writer with ``records``, the byte string
+    kept beside it (:class:`Records`); ``progress.advance(documents, bytes_read)`` tells how far
     the builder has read."""
 
-    def __init__(self, folder: Path, rows: int, dtype: str, input_bytes: int = 0):
-        self.folder, self.rows, self.dtype = folder, rows, dtype
+    def __init__(self, folder: Path, rows: int, dtype: str, input_bytes: int = 0, records: bool = False):
+        self.folder, self.rows, self.dtype, self.records = folder, rows, dtype, records
         self.progress = BuildProgress(input_bytes)
-        self.files = {split: open(folder / f"{split}.bin", "wb") for split in SPLITS}
-        self.starts = {split: array("q", [0]) for split in SPLITS}
-        self.buffers: dict[str, list[np.ndarray]] = {split: [] for split in SPLITS}
-        self.buffered = dict.fromkeys(SPLITS, 0)
+        streams = ("", ".records") if records else ("",)
+        self.files = {split + kind: open(folder / f"{split}{kind}.bin", "wb") for split in SPLITS for kind in streams}
+        self.starts = {name: array("q", [0]) for name in self.files}
+        self.buffers: dict[str, list[np.ndarray]] = {name: [] for name in self.files}
+        self.buffered = dict.fromkeys(self.files, 0)
 
-    def add(self, split: str, piece: Any) -> None:
+    def add(self, split: str, piece: Any, record: bytes | None = None) -> None:
         values = np.asarray(piece).reshape(-1)
         if values.size % self.rows:
             raise ValueError(f"a piece of {values.size} values does not have {self.rows} rows")
-        self.starts[split].append(self.starts[split][-1] + values.size)
-        self.buffers[split].append(values.astype(self.dtype, copy=False))
-        self.buffered[split] += values.size
-        if self.buffered[split] >= WRITE_BUFFER_VALUES:
-            self._flush(split)
+        if (record is None) == self.records:
+            raise ValueError("a writer with records takes one with each piece, and a writer without takes none")
+        self._append(split, values.astype(self.dtype, copy=False))
+        if record is not None:
+            self._append(split + ".records", np.frombuffer(record, dtype=np.uint8))
 
-    def _flush(self, split: str) -> None:
-        if self.buffers[split]:
-            np.concatenate(self.buffers[split]).tofile(self.files[split])
-        self.buffers[split], self.buffered[split] = [], 0
+    def _append(self, name: str, values: np.ndarray) -> None:
+        self.starts[name].append(self.starts[name][-1] + values.size)
+        self.buffers[name].append(values)
+        self.buffered[name] += values.size
+        if self.buffered[name] >= WRITE_BUFFER_VALUES:
+            self._flush(name)
+
+    def _flush(self, name: str) -> None:
+        if self.buffers[name]:
+            np.concatenate(self.buffers[name]).tofile(self.files[name])
+        self.buffers[name], self.buffered[name] = [], 0
 
     def append_part(self, part: Path) -> None:
-        """Append the pieces of a part that another writer built into ``part`` (closed)."""
-        for split in SPLITS:
-            self._flush(split)
-            starts = np.load(part / f"{split}.idx.npy")
-            self.starts[split].frombytes((starts[1:] + self.starts[split][-1]).astype(np.int64).tobytes())
-            with open(part / f"{split}.bin", "rb") as values:
-                shutil.copyfileobj(values, self.files[split], 1 << 24)
+        """Append the pieces (and records) of a part that another writer built into ``part`` (closed)."""
+        for name in self.files:
+            self._flush(name)
+            starts = np.load(part / f"{name}.idx.npy")
+            self.starts[name].frombytes((starts[1:] + self.starts[name][-1]).astype(np.int64).tobytes())
+            with open(part / f"{name}.bin", "rb") as values:
+                shutil.copyfileobj(values, self.files[name], 1 << 24)
 
     def close(self) -> None:
-        for split in SPLITS:
-            self._flush(split)
-            self.files[split].close()
-            np.save(self.folder / f"{split}.idx.npy", np.frombuffer(self.starts[split], dtype=np.int64))
+        for name in self.files:
+            self._flush(name)
+            self.files[name].close()
+            np.save(self.folder / f"{name}.idx.npy", np.frombuffer(self.starts[name], dtype=np.int64))
 
 
 def tokenizer_identity(tokenizer: Any) -> str:
@@ -309,11 +345,12 @@ def value_dtype(max_value: int, signed: bool = False) -> str:
 
 
 def open_or_build(key: str, rows: int, dtype: str, build: Callable[[StoreWriter], dict[str, Any]],
-                  input_bytes: int = 0, root: Path | None = None) -> TokenStore:
+                  input_bytes: int = 0, root: Path | None = None, records: bool = False) -> TokenStore:
     """The store of ``key``: mapped when it is built, else built now by ``build`` (which adds the
     pieces and returns the counts kept in ``meta.json``), under the store's lock
     (:func:`locked_store`) so that the ranks of a run, and runs at once, build it once: the node's
-    first process (:func:`builds_here`) builds it, the others wait until it is there. ``input_bytes``
+    first process (:func:`builds_here`) builds it, the others wait until it is there; ``records``:
+    a byte string is kept beside each piece (:class:`StoreWriter`). ``input_bytes``
     (the size of the data read) decides the disk space checked first. An error of ``build`` leaves
     nothing behind."""
     root = cache_root() if root is None else root
@@ -334,12 +371,12 @@ def open_or_build(key: str, rows: int, dtype: str, build: Callable[[StoreWriter]
         check_disk_space(input_bytes, root)
         building = Path(tempfile.mkdtemp(prefix=f"{key}.building-", dir=root))
         try:
-            writer = StoreWriter(building, rows, dtype, input_bytes)
+            writer = StoreWriter(building, rows, dtype, input_bytes, records)
             try:
                 counts = build(writer)
             finally:
                 writer.close()
-            meta = {"key": key, "rows": rows, "dtype": dtype, "counts": counts}
+            meta = {"key": key, "rows": rows, "dtype": dtype, "counts": counts, **({"records": True} if records else {})}
             (building / META_JSON).write_text(json.dumps(meta))
             shutil.rmtree(folder, ignore_errors=True)  # a folder a run made meanwhile (it ignored the lock)
             os.replace(building, folder)

@@ -10,7 +10,9 @@ Supports:
 - prompts in JSONL, JSON, parquet, CSV/TSV files, ``save_to_disk`` folders (``data.paths``) or a
   data set ``datasets`` loads (``data.dataset``): a ``prompt`` column (``data.prompt_column``) as
   text or as chat messages without the final assistant turn; every other column (``answer``, ...)
-  is handed to the reward functions by name, as TRL's ``GRPOTrainer`` does. Prompts are rendered
+  is handed to the reward functions by name, as TRL's ``GRPOTrainer`` does. Prompts are tokenized
+  once into a store every rank and later run maps (``engine/token_store.py``; large data as the
+  run's first phase), each record kept beside its tokens and read per batch. Prompts are rendered
   by the tokenizer's own chat template, messages as the sft template reads them (tool calls, tool
   results, reasoning) and a ``tools`` column's function schemas with them
 - rewards as code: ``grpo.reward_functions`` names functions of this module
@@ -39,14 +41,18 @@ from __future__ import annotations
 import hashlib
 import inspect
 import io
+import json
 import math
 import random
 import re
 import time
 from contextlib import contextmanager
 from functools import cached_property
-from typing import Any, Callable, Iterator, Literal
+from itertools import islice
+from pathlib import Path
+from typing import Any, Callable, Iterable, Iterator, Literal
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from pydantic import Field, model_validator
@@ -55,14 +61,27 @@ from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from engine.chat import CHAT_TEMPLATE, byte_chat_tokenizer, load_chat_tokenizer, template_messages  # noqa: F401 (the chat format)
 from engine.chat_messages import conversation, tool_schemas
-from engine.config import ConfigError, DataConfig, EngineConfig, Section
-from engine.data_files import confined_path
-from engine.data_formats import record_rows
+from engine.config import ConfigError, EngineConfig, Section
+from engine.data_files import DataListing, confined_path, data_files
+from engine.data_formats import FILE_SUFFIXES, file_rows, is_saved_dataset, sources
+from engine.data_summary import added_up, split_counts
 from engine.distributed import dp_all_reduce_sum
 from engine.engine import Engine, StepContext, Window
 from engine.flops import non_embedding_params, transformer_flops_per_token
 from engine.fsdp import apply_fsdp
 from engine.run_dir import DataSummary
+from engine.store_parts import build_in_parts, file_parts
+from engine.token_store import (
+    StoredDataConfig,
+    TokenStore,
+    data_identity,
+    leave_to_run,
+    open_or_build,
+    store_key,
+    text_size,
+    tokenizer_identity,
+    value_dtype,
+)
 
 # =============================================================================================
 # Configuration
@@ -98,7 +117,7 @@ class ModelConfig(Section):
         return self
 
 
-class GRPODataConfig(DataConfig):
+class GRPODataConfig(StoredDataConfig):
     batch_size: int = Field(
         16, ge=1, description="Completions per optimizer step (prompts × grpo.num_generations), over all processes."
     )
@@ -273,20 +292,136 @@ def builtin_prompts(count: int, seed: int = 0) -> list[tuple[str, dict[str, Any]
 # =============================================================================================
 
 
-def load_prompts(cfg: GRPODataConfig) -> list[tuple[str, dict[str, Any]]]:
-    """``(where, record)`` with the prompt under ``prompt``; the name decides the split."""
+def prompt_record(prompt_column: str, where: str, record: dict[str, Any]) -> dict[str, Any]:
+    """A record with its prompt under ``prompt`` (its other columns as they are)."""
+    if prompt_column not in record:
+        raise ConfigError(f"{where}: no prompt column {prompt_column!r} (columns: {sorted(record)[:20]}); "
+                          "name the prompt's column with data.prompt_column")
+    return {k: v for k, v in record.items() if k != prompt_column} | {"prompt": record[prompt_column]}
+
+
+def read_prompts(cfg: GRPODataConfig, listing: DataListing | None = None,
+                 head: int | None = None) -> Iterator[tuple[str, dict[str, Any]]]:
+    """``(where, record)`` of every prompt, read one at a time (``head``: the first of each
+    source); the name decides the split. The files read are fingerprinted into ``listing``."""
     if cfg.source == "builtin":
-        return builtin_prompts(cfg.builtin_prompts)
-    records = []
-    for where, record in record_rows(cfg.paths, dataset=cfg.dataset, subset=cfg.subset, split=cfg.split):
-        if cfg.prompt_column not in record:
-            raise ConfigError(f"{where}: no prompt column {cfg.prompt_column!r} (columns: {sorted(record)[:20]}); "
-                              "name the prompt's column with data.prompt_column")
-        record = {k: v for k, v in record.items() if k != cfg.prompt_column} | {"prompt": record[cfg.prompt_column]}
-        records.append((where, record))
-    if not records:
-        raise ConfigError(f"no prompts in data.paths={cfg.paths} data.dataset={cfg.dataset}")
-    return records
+        yield from builtin_prompts(cfg.builtin_prompts)
+        return
+    for _, rows in sources(cfg.paths, cfg.dataset, cfg.subset, cfg.split, listing):
+        for where, record in islice(rows, head):
+            yield where, prompt_record(cfg.prompt_column, where, record)
+
+
+def stored_columns(record: dict[str, Any], where: str) -> bytes:
+    """A record as the store keeps it beside its prompt's tokens: one JSON object (ints stay
+    ints, lists lists), read back per batch for the reward functions. A value JSON cannot hold
+    is refused, naming the record and the column."""
+
+    def refuse(value: Any) -> Any:
+        column = next((f"column {k!r}" for k, v in record.items() if v is value), "a column")
+        raise ConfigError(f"{where}: {column} holds a {type(value).__name__}, which the prompt store cannot keep for "
+                          "the reward functions; give it as text, a number, a list or a mapping")
+
+    try:
+        return json.dumps(record, ensure_ascii=False, default=refuse).encode("utf-8", "surrogatepass")  # text as read
+    except RecursionError:
+        raise ConfigError(f"{where}: a column is nested too deeply to keep for the reward functions; flatten it") from None
+
+
+class StoredPrompts:
+    """A split's prompts in the store, read by index from the mapping (the corpus is never held
+    in memory): ``prompts[i]`` is ``(record, prompt tokens)``, the record as the data holds it."""
+
+    def __init__(self, store: TokenStore, split: str):
+        self.tokens, self.records = store.pieces(split), store.records(split)
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def __getitem__(self, index: int) -> tuple[dict[str, Any], list[int]]:
+        return json.loads(self.records[index].decode("utf-8", "surrogatepass")), self.tokens[index].tolist()
+
+    def head(self, count: int) -> list[tuple[dict[str, Any], list[int]]]:
+        return [self[i] for i in range(min(count, len(self)))]
+
+
+NO_PROMPTS = "no prompts in data.paths={paths} data.dataset={dataset}"
+
+
+def prompt_store(config: GRPOConfig, tokenizer, listing: DataListing) -> TokenStore | None:
+    """Every prompt rendered and tokenized once (:func:`prompt_tokens`), train and held-out apart,
+    each with its record beside it (:func:`stored_columns`), in the store of the data's
+    fingerprint, the tokenizer (chat template included) and the settings that change what is
+    kept; mapped by every rank and later run. Prompts that leave no room for a completion are
+    left out and counted; data with no prompt left is refused and no store kept. None in the
+    launch check for data left to the run (:func:`engine.token_store.leave_to_run`)."""
+    cfg, room = config.data, config.data.seq_len - config.grpo.max_completion_length
+    if cfg.source == "builtin":
+        identity, size = ["builtin", cfg.builtin_prompts], 0
+    else:
+        identity, size = data_identity(cfg.paths, FILE_SUFFIXES, listing, cfg.dataset)
+    key = store_key(template="grpo", data=identity, tokenizer=tokenizer_identity(tokenizer), room=room,
+                    eval_fraction=cfg.eval_fraction, prompt_column=cfg.prompt_column, subset=cfg.subset, split=cfg.split)
+
+    def read_head(records: int) -> None:
+        for where, record in read_prompts(cfg, DataListing(hashing=False), head=records):  # hashed just now
+            prompt_tokens(tokenizer, record, where)
+            stored_columns(record, where)
+
+    if leave_to_run(key, size, cfg.tokenize_in_check_mb, read_head):
+        return None
+
+    def add_prompts(store, rows: Iterable[tuple[str, dict[str, Any]]], raw: bool) -> dict[str, Any]:
+        counts = {True: [0, 0], False: [0, 0]}  # held out? -> [prompts, prompt tokens]
+        names, dropped, longest = set(), 0, 0
+        for where, record in rows:
+            record = prompt_record(cfg.prompt_column, where, record) if raw else record
+            ids = prompt_tokens(tokenizer, record, where)
+            store.progress.advance(documents=1, bytes_read=text_size(record))
+            names.add(where.split(":", 1)[0])
+            longest = max(longest, len(ids))
+            if len(ids) > room:
+                dropped += 1
+                continue
+            held_out = is_eval_document(where, cfg.eval_fraction)
+            store.add("eval" if held_out else "train", np.array(ids, dtype=np.int64), stored_columns(record, where))
+            counts[held_out][0] += 1
+            counts[held_out][1] += len(ids)
+        return dict(counts=counts, names=names, dropped=dropped, longest={longest})
+
+    def build(store) -> dict[str, Any]:
+        read = DataListing()
+        if cfg.source == "files" and not cfg.dataset and not any(is_saved_dataset(Path(p)) for p in cfg.paths):
+            files = file_parts(data_files(cfg.paths, FILE_SUFFIXES, listing=read))  # a large file: several parts
+            parts = build_in_parts(store, len(files), lambda part, i: add_prompts(part, file_rows(*files[i]), raw=True))
+            total = added_up([add_prompts(store, [], raw=True), *parts])  # nothing's counts, then each part's
+        else:
+            total = add_prompts(store, read_prompts(cfg, read), raw=False)
+        if read.fingerprint() != listing.fingerprint() or read.changed():
+            raise ConfigError("the data changed while it was tokenized; launch again once it is written")
+        return prompt_counts(config, total)
+
+    return open_or_build(key, rows=1, dtype=value_dtype(len(tokenizer) - 1), build=build, input_bytes=size, records=True)
+
+
+def prompt_counts(config: GRPOConfig, total: dict[str, Any]) -> dict[str, Any]:
+    """The data summary's counts of a store's build; data with no prompt that fits is refused."""
+    cfg, g = config.data, config.grpo
+    kept, dropped, longest = sum(n for n, _ in total["counts"].values()), total["dropped"], max(total["longest"])
+    if not kept and not dropped:
+        raise ConfigError(NO_PROMPTS.format(paths=cfg.paths, dataset=cfg.dataset))
+    if not kept:
+        raise ConfigError(f"no prompt to train on: all {dropped:,} prompts read are longer than the "
+                          f"{cfg.seq_len - g.max_completion_length} tokens data.seq_len={cfg.seq_len} leaves beside "
+                          f"grpo.max_completion_length={g.max_completion_length} (the longest: {longest:,} tokens); set "
+                          f"data.seq_len={longest + g.max_completion_length} or lower grpo.max_completion_length")
+    return dict(
+        files=len(total["names"]) if cfg.source == "files" else None, **split_counts(total["counts"]),
+        format="prompt", mask="completion", loss_tokens=0, train_loss_tokens=0, eval_loss_tokens=0, dropped=dropped,
+        dropped_why=(f"{dropped}: the prompt leaves no room for grpo.max_completion_length={g.max_completion_length} "
+                     f"in data.seq_len={cfg.seq_len}" if dropped else None),
+        seq_len_to_keep=longest + g.max_completion_length if dropped else None,
+    )
 
 
 def as_messages(prompt: Any, where: str) -> list[dict[str, Any]]:
@@ -347,25 +482,29 @@ def group_advantages(rewards: torch.Tensor, group: int, scale: bool) -> tuple[to
 
 class RolloutStream(Stateful):
     """This rank's micro-batches, forever. Every ``num_iterations`` optimizer steps it takes the
-    next prompts of the global stream (in a seeded order per epoch), has the recipe generate and
+    next prompts of the global stream (indices into the prompt store, in a seeded order per
+    epoch), has the recipe generate and
     score a rollout (``make_rollout``) with this rank's own sampling RNG (seeded by the seed and
     the rank: ranks sample apart), and hands out its micro-batches ``num_iterations`` times. The
     state is the prompts consumed, the sampling RNG and the micro-batches not yet used, each
     rank's, so a checkpoint resumes with the very next batch."""
 
-    def __init__(self, records, seed, prompts_per_rank, micro_batches, num_iterations, dp_rank, dp_size, make_rollout,
+    def __init__(self, prompts, seed, prompts_per_rank, micro_batches, num_iterations, dp_rank, dp_size, make_rollout,
                  device: torch.device):
-        self.records, self.seed = records, seed
+        self.prompts, self.seed = prompts, seed  # (record, prompt tokens) by index: the store's StoredPrompts
         self.prompts_per_rank, self.micro_batches, self.num_iterations = prompts_per_rank, micro_batches, num_iterations
         self.dp_rank, self.dp_size, self.make_rollout = dp_rank, dp_size, make_rollout
         self.position = 0
         self.pending: list[dict[str, torch.Tensor]] = []
         self.sampling_rng = torch.Generator(device=device).manual_seed(seed * 1_000_003 + 7919 * (dp_rank + 1))
+        self._order: tuple[int, torch.Tensor] | None = None  # (epoch, its order of indices into the store)
 
-    def _record_at(self, index: int) -> dict[str, Any]:
-        epoch, offset = divmod(index, len(self.records))
-        order = torch.randperm(len(self.records), generator=torch.Generator().manual_seed(self.seed * 100_003 + epoch))
-        return self.records[int(order[offset])]
+    def _prompt_at(self, index: int) -> tuple[dict[str, Any], list[int]]:
+        epoch, offset = divmod(index, len(self.prompts))
+        if self._order is None or self._order[0] != epoch:
+            generator = torch.Generator().manual_seed(self.seed * 100_003 + epoch)
+            self._order = (epoch, torch.randperm(len(self.prompts), generator=generator))
+        return self.prompts[int(self._order[1][offset])]
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
         return self
@@ -373,9 +512,9 @@ class RolloutStream(Stateful):
     def __next__(self) -> dict[str, torch.Tensor]:
         if not self.pending:
             start = self.position + self.dp_rank * self.prompts_per_rank
-            records = [self._record_at(i) for i in range(start, start + self.prompts_per_rank)]
+            prompts = [self._prompt_at(i) for i in range(start, start + self.prompts_per_rank)]
             self.position += self.prompts_per_rank * self.dp_size
-            rollout = self.make_rollout(records, self.sampling_rng)
+            rollout = self.make_rollout(prompts, self.sampling_rng)
             rows = rollout["input_ids"].shape[0] // self.micro_batches
             split = [{k: v[i * rows:(i + 1) * rows] for k, v in rollout.items()} for i in range(self.micro_batches)]
             self.pending = split * self.num_iterations
@@ -653,19 +792,15 @@ class GRPO(Engine):
         return torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=optim.lr,
                                  betas=(optim.beta1, optim.beta2), eps=optim.eps, weight_decay=optim.weight_decay, fused=True)
 
-    def usable(self, records):
-        """``(record, prompt tokens)`` of the records whose prompt leaves room for a completion."""
-        room = self.config.data.seq_len - self.config.grpo.max_completion_length
-        tokenized = [(r, prompt_tokens(self.tokenizer, r)) for r in records]
-        return [(r, ids) for r, ids in tokenized if len(ids) <= room]
+    @cached_property
+    def store(self) -> TokenStore:
+        """The prompts' tokens and records, mapped (built by the launch check, or now when it was not)."""
+        return prompt_store(self.config, self.tokenizer, self.data_listing)
 
     @cached_property
-    def prompts(self) -> tuple[list, list]:
-        """(train, held-out) ``(record, prompt tokens)``."""
-        train, held_out = [], []
-        for name, record in load_prompts(self.config.data):
-            (held_out if is_eval_document(name, self.config.data.eval_fraction) else train).append(record)
-        return self.usable(train), self.usable(held_out)
+    def prompts(self) -> tuple[StoredPrompts, StoredPrompts]:
+        """(train, held-out) prompts, ``(record, prompt tokens)`` each, read from the store by index."""
+        return StoredPrompts(self.store, "train"), StoredPrompts(self.store, "eval")
 
     def prepare_data(self) -> RolloutStream:
         g = self.config.grpo
@@ -769,7 +904,7 @@ class GRPO(Engine):
         return self.rewards(records, completion_ids, mask)
 
     def held_out_batches(self) -> list[dict[str, torch.Tensor]]:
-        held_out = self.prompts[1][: self.config.data.eval_prompts]
+        held_out = self.prompts[1].head(self.config.data.eval_prompts)
         size = max(1, self.config.data.batch_size // self.config.grpo.num_generations)
         batches = []
         for start in range(self.dist.dp_rank * size, len(held_out), size * self.dist.dp_size):
@@ -852,31 +987,13 @@ class GRPO(Engine):
 
     @classmethod
     def summarize_data(cls, config: GRPOConfig) -> DataSummary:
-        cfg, g = config.data, config.grpo
-        tokenizer = load_chat_tokenizer(config.model.pretrained_path, cfg.chat_template)
-        room = cfg.seq_len - g.max_completion_length
-        counts = {True: [0, 0], False: [0, 0]}  # held out? -> [prompts, prompt tokens]
-        dropped, longest, names = 0, 0, set()
-        for name, record in load_prompts(cfg):
-            ids = prompt_tokens(tokenizer, record, name)
-            names.add(name.split(":", 1)[0])
-            longest = max(longest, len(ids))
-            if len(ids) > room:
-                dropped += 1
-                continue
-            counted = counts[is_eval_document(name, cfg.eval_fraction)]
-            counted[0] += 1
-            counted[1] += len(ids)
-        return DataSummary(
-            source=cfg.source, paths=cfg.paths[:20], files=len(names) if cfg.source == "files" else None,
-            documents=counts[False][0] + counts[True][0], tokens=counts[False][1] + counts[True][1],
-            train_documents=counts[False][0], train_tokens=counts[False][1],
-            eval_documents=counts[True][0], eval_tokens=counts[True][1],
-            tokenizer=f"from {config.model.pretrained_path}" if config.model.pretrained_path else "bytes (chat)",
-            format="prompt", mask="completion", loss_tokens=0, train_loss_tokens=0, eval_loss_tokens=0,
-            dropped=dropped,
-            dropped_why=(f"{dropped}: the prompt leaves no room for grpo.max_completion_length={g.max_completion_length} "
-                         f"in data.seq_len={cfg.seq_len}" if dropped else None),
-            seq_len_to_keep=longest + g.max_completion_length if dropped else None,
-        )
-
+        cfg = config.data
+        tokenizer = f"from {config.model.pretrained_path}" if config.model.pretrained_path else "bytes (chat)"
+        listing = DataListing()
+        store = prompt_store(config, load_chat_tokenizer(config.model.pretrained_path, cfg.chat_template), listing)
+        if store is None:  # the run tokenizes it as its first phase
+            return DataSummary.left_to_run(cfg.source, cfg.paths, len(listing.files),
+                                           sum(path.stat().st_size for path in listing.files), tokenizer=tokenizer,
+                                           **listing.summary_fields())
+        return DataSummary(source=cfg.source, paths=cfg.paths[:20], tokenizer=tokenizer, **store.counts,
+                           **listing.summary_fields())
