@@ -159,8 +159,8 @@ def _csv_rows(path: Path, name: str) -> Iterator[tuple[str, dict[str, Any]]]:
                 yield f"{name}:{row}", record
 
 
-def _dataset_rows(dataset: Iterable[dict[str, Any]], name: str) -> Iterator[tuple[str, dict[str, Any]]]:
-    for row, record in enumerate(dataset, 1):
+def _dataset_rows(dataset: Iterable[dict[str, Any]], name: str, first_row: int = 1) -> Iterator[tuple[str, dict[str, Any]]]:
+    for row, record in enumerate(dataset, first_row):
         yield f"{name}:{row}", dict(record)
 
 
@@ -182,24 +182,81 @@ READERS: dict[str, Callable[[Path, str], Iterator[tuple[str, dict[str, Any]]]]] 
 }
 
 
-def sources(paths: list[str], dataset: str | None = None, subset: str | None = None, split: str | None = None,
-            listing: DataListing | None = None):
-    """``(name, rows)`` for each data source: each file of ``paths`` (a saved folder as one),
-    then ``dataset``. Rows are ``(where, record)``, read lazily; the files are fingerprinted
-    into ``listing``."""
+def data_sources(paths: list[str], suffixes: Iterable[str] = FILE_SUFFIXES, dataset: str | None = None,
+                 subset: str | None = None, split: str | None = None,
+                 listing: DataListing | None = None) -> Iterator[tuple[Path, str, Any]]:
+    """``(path, name, data set)`` for each data source, in the order they are read: each file of
+    ``paths`` with one of ``suffixes`` (data set None), a saved folder as one (loaded by
+    ``datasets``), then ``dataset`` (its loaded data set; ``path`` is ``Path(dataset)``). Loaded
+    lazily; the files are fingerprinted into ``listing``."""
     for raw in paths:
         if is_saved_dataset(Path(raw)):
-            yield Path(raw).name, _dataset_rows(_load_saved(raw, split, listing), Path(raw).name)
+            yield Path(raw), Path(raw).name, _load_saved(raw, split, listing)
             continue
-        for path, name in data_files([raw], suffixes=FILE_SUFFIXES, listing=listing):
-            yield name, file_rows(path, name)
+        for path, name in data_files([raw], suffixes=suffixes, listing=listing):
+            yield path, name, None
     if dataset:
-        yield dataset, _dataset_rows(_load_dataset(dataset, subset, split, listing), dataset)
+        yield Path(dataset), dataset, _load_dataset(dataset, subset, split, listing)
 
 
-def file_rows(path: Path, name: str, part: LineRange | RowGroups | None = None) -> Iterator[tuple[str, dict[str, Any]]]:
+def sources(paths: list[str], dataset: str | None = None, subset: str | None = None, split: str | None = None,
+            listing: DataListing | None = None):
+    """``(name, rows)`` for each data source of :func:`data_sources`. Rows are ``(where,
+    record)``, read lazily."""
+    for path, name, loaded in data_sources(paths, FILE_SUFFIXES, dataset, subset, split, listing):
+        yield name, file_rows(path, name) if loaded is None else _dataset_rows(loaded, name)
+
+
+@dataclass(frozen=True)
+class DatasetRows:
+    """Some rows of a data set ``datasets`` loaded (``whole``: a saved folder's, data.dataset's):
+    ``rows``, a contiguous range of a map-style data set or contiguous shards of a streamed one,
+    numbered from ``first_row`` as one reader of ``whole`` numbers them."""
+
+    whole: Any
+    rows: Any
+    first_row: int = 1
+
+
+def dataset_parts(loaded: Any, count: int) -> list[DatasetRows]:
+    """A loaded data set cut into at most ``count`` parts, in order: what workers read apart, as
+    one reader reads the whole (the same records, numbered the same). A map-style data set (a
+    saved folder) by rows; a streamed one (a Hub data set's files) by its shards, a parquet file's
+    row groups each (``reshard``), whose rows are counted first (as Arrow tables, not records)
+    to number each part's."""
+    import datasets
+
+    if isinstance(loaded, datasets.Dataset):
+        count = max(1, min(count, len(loaded)))
+        bounds = [len(loaded) * i // count for i in range(count + 1)]
+        return [DatasetRows(loaded, loaded.select(range(a, b)), a + 1) for a, b in zip(bounds, bounds[1:])]
+    shards = loaded.reshard() if loaded.num_shards < count else loaded
+    count = min(count, shards.num_shards)
+    parts, first_row = [], 1
+    for index in range(count):
+        part = shards.shard(count, index, contiguous=True)
+        parts.append(DatasetRows(loaded, part, first_row))
+        first_row += sum(table.num_rows for table in part.with_format("arrow").iter(batch_size=COUNT_BATCH_ROWS))
+    return parts
+
+
+COUNT_BATCH_ROWS = 8192  # rows of a streamed data set's part counted at a time
+
+
+def dataset_bytes(loaded: Any) -> int | None:
+    """The bytes of a loaded data set's files: a map-style one's Arrow files; None for a streamed
+    one (its size unknown until read)."""
+    files = getattr(loaded, "cache_files", None)  # a map-style data set's (a streamed one has none)
+    return None if files is None else sum(Path(file["filename"]).stat().st_size for file in files)
+
+
+def file_rows(path: Path, name: str, part: LineRange | RowGroups | DatasetRows | None = None
+              ) -> Iterator[tuple[str, dict[str, Any]]]:
     """``(where, record)`` for each record of one data file, or of one ``part`` of it (lines of a
-    JSONL file, row groups of a parquet file: what :func:`engine.store_parts.file_parts` cuts)."""
+    JSONL file, row groups of a parquet file: what :func:`engine.store_parts.file_parts` cuts; rows
+    of a data set: :func:`dataset_parts`)."""
+    if isinstance(part, DatasetRows):
+        return _dataset_rows(part.rows, name, part.first_row)
     if isinstance(part, LineRange):
         return jsonl_records(path, name, part)
     if isinstance(part, RowGroups):
@@ -402,13 +459,16 @@ def read_examples(
             yield _examples(template, name, first, itertools.chain([first], rows), format, columns or {})
 
 
-def part_examples(template: str, path: Path, name: str, part: LineRange | RowGroups | None = None, *,
+def part_examples(template: str, path: Path, name: str, part: LineRange | RowGroups | DatasetRows | None = None, *,
                   format: str | None = None, columns: dict[str, str] | None = None) -> Examples | None:
-    """The examples of one data file, or of one ``part`` of it (:func:`file_rows`), its format told
-    from the file's first record: the parts of a file, read apart, are the examples
-    :func:`read_examples` reads of the whole file. None for a file without records."""
+    """The examples of one data file, or of one ``part`` of it or of a data set (:func:`file_rows`),
+    its format told from the source's first record: the parts of a source, read apart, are the
+    examples :func:`read_examples` reads of the whole. None for a source without records."""
     rows = file_rows(path, name, part)
-    first = next(rows if part is None else file_rows(path, name), None)
+    if part is None:
+        first = next(rows, None)
+    else:  # the first record of the whole source
+        first = next(_dataset_rows(part.whole, name) if isinstance(part, DatasetRows) else file_rows(path, name), None)
     if first is None:
         return None
     return _examples(template, name, first, itertools.chain([first], rows) if part is None else rows, format, columns or {})

@@ -1,8 +1,9 @@
-"""A token store built over the machine's cores: the data's files cut into parts
-(:func:`file_parts`: a file each, a large JSONL or parquet file cut at line starts or by row
-groups), a forked worker per core building each part into a folder of its own, the parts appended
-in order (:func:`build_in_parts`): the very store one process builds, byte for byte. The
-``causal_lm``, ``sft``, ``dpo`` and ``grpo`` templates build theirs so; what a part counts, they add up
+"""A token store built over the machine's cores: the data cut into parts (:func:`file_parts`: a
+file each, a large JSONL or parquet file cut at line starts or by row groups;
+:func:`source_parts`: so are a ``save_to_disk`` folder and a Hub data set, by rows or shards), a
+forked worker per core building each part into a folder of its own, the parts appended in order
+(:func:`build_in_parts`): the very store one process builds, byte for byte. The ``causal_lm``,
+``sft``, ``dpo`` and ``grpo`` templates build theirs so; what a part counts, they add up
 (:func:`engine.data_summary.added_up`). Each worker writes the documents and bytes it has read
 into an array shared with the parent, which reports their sum as the build's progress meanwhile.
 """
@@ -14,10 +15,10 @@ import os
 import shutil
 from pathlib import Path
 from multiprocessing.pool import IMapIterator
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 from engine import token_store
-from engine.data_files import line_ranges
+from engine.data_files import DataListing, line_ranges
 from engine.token_store import StoreWriter, reporting
 
 # Parts per worker of a build over the cores: more parts than workers share the work evenly (a part
@@ -42,15 +43,35 @@ def file_parts(files: list[tuple[Path, str]], workers: int | None = None) -> lis
     (a :class:`~engine.data_files.LineRange`) or by row groups (a
     :class:`~engine.data_formats.RowGroups`) —, so that one large file keeps every core busy; read
     in this order, the parts are the files' records in theirs."""
-    from engine.data_formats import row_group_ranges
+    return _cut([(path, name, None) for path, name in files], workers)
+
+
+def source_parts(paths: list[str], suffixes: Iterable[str], listing: DataListing, dataset: str | None = None,
+                 subset: str | None = None, split: str | None = None,
+                 workers: int | None = None) -> list[tuple[Path, str, Any]]:
+    """The parts of every data source (:func:`engine.data_formats.data_sources`: the files of
+    ``paths``, a ``save_to_disk`` folder, then ``dataset``), in the order one reader reads them:
+    files as :func:`file_parts` cuts them, a data set by its bytes' share alike (a streamed one,
+    of unknown size: :data:`PARTS_PER_WORKER` parts a worker) into rows or shards (a
+    :class:`~engine.data_formats.DatasetRows`, :func:`~engine.data_formats.dataset_parts`). The
+    files read are fingerprinted into ``listing``."""
+    from engine.data_formats import data_sources
+
+    return _cut(list(data_sources(paths, suffixes, dataset, subset, split, listing)), workers)
+
+
+def _cut(sources: list[tuple[Path, str, Any]], workers: int | None) -> list[tuple[Path, str, Any]]:
+    from engine.data_formats import dataset_bytes, dataset_parts, row_group_ranges
 
     wanted = (workers or build_workers()) * PARTS_PER_WORKER
-    sizes = [path.stat().st_size for path, _ in files]
-    share = max(1, sum(sizes) // wanted)
+    sizes = [path.stat().st_size if loaded is None else dataset_bytes(loaded) for path, _, loaded in sources]
+    share = max(1, sum(size or 0 for size in sizes) // wanted)
     parts: list[tuple[Path, str, Any]] = []
-    for (path, name), size in zip(files, sizes):
-        count = min(wanted, -(-size // share))
-        if count > 1 and path.suffix == ".jsonl":
+    for (path, name, loaded), size in zip(sources, sizes):
+        count = wanted if size is None else min(wanted, -(-size // share))
+        if loaded is not None:
+            parts += [(path, name, rows) for rows in dataset_parts(loaded, count)]
+        elif count > 1 and path.suffix == ".jsonl":
             parts += [(path, name, lines) for lines in line_ranges(path, count)]
         elif count > 1 and path.suffix == ".parquet":
             parts += [(path, name, groups) for groups in row_group_ranges(path, name, count)]

@@ -38,7 +38,7 @@ from transformers.convert_slow_tokenizer import bytes_to_unicode
 from engine.config import ConfigError, EngineConfig, Section
 from engine.data_files import DataListing, LineRange, confined_path, data_files
 from engine.data_formats import READERS as RECORD_READERS
-from engine.data_formats import RowGroups, file_rows, is_saved_dataset, record_rows
+from engine.data_formats import DatasetRows, RowGroups, file_rows, is_saved_dataset, record_rows
 from engine.data_stream import (
     PieceStream,
     Shard,
@@ -56,7 +56,7 @@ from engine.run_dir import DataSummary
 from engine.flops import non_embedding_params, transformer_flops_per_token
 from engine.fsdp import apply_fsdp
 from engine.optimizers import adamw_8bit
-from engine.store_parts import build_in_parts, file_parts
+from engine.store_parts import build_in_parts, source_parts
 from engine.token_store import (
     StoredDataConfig,
     TokenStore,
@@ -280,14 +280,15 @@ def read_documents(cfg: CausalLMDataConfig, listing: DataListing | None = None,
         raise ConfigError(NO_DOCUMENTS.format(paths=cfg.paths))
 
 
+DOCUMENT_SUFFIXES = {".txt", ".md", ".py", *RECORD_READERS}  # a document each, or a record each
 NO_DOCUMENTS = "no documents in data.paths={paths} (.txt, .md, .py files, .jsonl lines)"
 
 
-def file_documents(cfg: CausalLMDataConfig, path: Path, name: str, part: LineRange | RowGroups | None = None,
+def file_documents(cfg: CausalLMDataConfig, path: Path, name: str, part: LineRange | RowGroups | DatasetRows | None = None,
                    head: int | None = None) -> Iterator[tuple[str, str]]:
     """The ``(name, text)`` pairs of one data file (``name``: as :func:`_expand_paths` names it;
-    ``part``: of a JSONL or parquet file, those lines or row groups only)."""
-    if path.suffix in RECORD_READERS:  # a text column of each record
+    ``part``: of a JSONL or parquet file, those lines or row groups only; of a saved folder, those rows)."""
+    if part is not None or path.suffix in RECORD_READERS:  # a text column of each record
         for where, record in islice(file_rows(path, name, part), head):
             yield where, _text(record, cfg.text_field, where)
     else:
@@ -315,7 +316,7 @@ def _expand_paths(paths: list[str], listing: DataListing | None = None) -> list[
     """``(file, name)`` for each file; the name (relative to the folder given, or the file's own
     name) keeps the train/eval split the same wherever the data is stored. Files outside the
     workspace (also through a link) are refused."""
-    return data_files(paths, suffixes={".txt", ".md", ".py", *RECORD_READERS}, listing=listing)
+    return data_files(paths, suffixes=DOCUMENT_SUFFIXES, listing=listing)
 
 
 def document_identity(cfg: CausalLMDataConfig, listing: DataListing) -> tuple[Any, int]:
@@ -327,7 +328,7 @@ def document_identity(cfg: CausalLMDataConfig, listing: DataListing) -> tuple[An
     if cfg.source == "stdlib":
         files = [(str(p), p.stat().st_size, p.stat().st_mtime_ns) for p in stdlib_files()]
         return ["stdlib", hashlib.sha256(repr(files).encode()).hexdigest()], sum(f[1] for f in files)
-    identity, size = data_identity(cfg.paths, {".txt", ".md", ".py", *RECORD_READERS}, listing)
+    identity, size = data_identity(cfg.paths, DOCUMENT_SUFFIXES, listing)
     return ["files", identity, cfg.text_field], size
 
 
@@ -394,8 +395,10 @@ def token_store(cfg: CausalLMDataConfig, tokenizer, listing: DataListing) -> Tok
 
     def build(store) -> dict[str, Any]:
         read = DataListing()
-        if cfg.source == "files" and not any(is_saved_dataset(Path(p)) for p in cfg.paths):
-            files = file_parts(_expand_paths(cfg.paths, read))  # a part per file (a large one: several), over the cores
+        if cfg.source == "files":  # a part per file and saved folder (a large one: several), over the cores
+            saved = [p for p in cfg.paths if is_saved_dataset(Path(p))]  # read first, as read_documents reads them
+            paths = saved + [p for p in cfg.paths if not is_saved_dataset(Path(p))]
+            files = source_parts(paths, DOCUMENT_SUFFIXES, read)
             parts = build_in_parts(store, len(files), lambda part, i: add_documents(part, file_documents(cfg, *files[i])))
         else:
             parts = [add_documents(store, read_documents(cfg, read))]

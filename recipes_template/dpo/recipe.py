@@ -33,7 +33,6 @@ import hashlib
 import random
 from functools import cached_property
 from itertools import islice
-from pathlib import Path
 from typing import Any, Iterator, Literal, NamedTuple
 
 import numpy as np
@@ -46,8 +45,8 @@ from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 from engine.chat import CHAT_TEMPLATE, byte_chat_tokenizer, load_chat_tokenizer  # noqa: F401 (the chat format)
 from engine.chat import encode_completion
 from engine.config import ConfigError, EngineConfig, Section
-from engine.data_files import DataListing, confined_path, data_files
-from engine.data_formats import FILE_SUFFIXES, is_saved_dataset, part_examples, read_examples
+from engine.data_files import DataListing, confined_path
+from engine.data_formats import FILE_SUFFIXES, part_examples, read_examples
 from engine.distributed import dp_all_reduce_sum
 from engine.engine import IGNORE_INDEX, Engine, StepContext, Window
 from engine.flops import non_embedding_params, transformer_flops_per_token
@@ -55,7 +54,7 @@ from engine.fsdp import apply_fsdp
 from engine.optimizers import adamw_8bit
 from engine.data_summary import added_up, split_counts
 from engine.run_dir import DataSummary
-from engine.store_parts import build_in_parts, file_parts
+from engine.store_parts import build_in_parts, source_parts
 from engine.token_store import (
     StoredDataConfig,
     TokenStore,
@@ -358,8 +357,8 @@ def token_store(cfg: DPODataConfig, tokenizer, listing: DataListing) -> TokenSto
 
     def build(store) -> dict[str, Any]:
         read = DataListing()
-        if cfg.source == "files" and not cfg.dataset and not any(is_saved_dataset(Path(p)) for p in cfg.paths):
-            files = file_parts(data_files(cfg.paths, FILE_SUFFIXES, listing=read))  # a large file: several parts
+        if cfg.source == "files":  # files, saved folders and data.dataset in parts (a large one: several)
+            files = source_parts(cfg.paths, FILE_SUFFIXES, read, cfg.dataset, cfg.subset, cfg.split)
             parts = build_in_parts(store, len(files), lambda part, i: add_part(part, files, i))
             total = added_up([add_pairs(store, [], set()), *parts])  # nothing's counts, then each part's
             if not sum(counted[0] for counted in total["counts"].values()) + total["dropped"]:

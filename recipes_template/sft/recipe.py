@@ -36,7 +36,6 @@ import hashlib
 import random
 from functools import cached_property
 from itertools import islice
-from pathlib import Path
 from typing import Any, Iterator, Literal
 
 import numpy as np
@@ -50,8 +49,8 @@ from engine.chat import CHAT_TEMPLATE, byte_chat_tokenizer  # noqa: F401 (the te
 from engine.chat import conversation_mask_method, encode_completion, load_chat_tokenizer
 from engine.chat import encode_conversation as encode_chat
 from engine.config import ConfigError, EngineConfig, Section
-from engine.data_files import DataListing, confined_path, data_files
-from engine.data_formats import is_saved_dataset, part_examples, read_examples, record_example
+from engine.data_files import DataListing, confined_path
+from engine.data_formats import part_examples, read_examples, record_example
 from engine.data_stream import PieceStream, Shard, StreamBatches, first_records, hold_out_of_stream, hub_shards, list_shards, shard_bytes, streamed_eval_batches
 from engine.engine import IGNORE_INDEX, Engine
 from engine.flops import non_embedding_params, transformer_flops_per_token
@@ -60,7 +59,7 @@ from engine.optimizers import adamw_8bit
 from engine.data_summary import added_up, split_counts
 from engine.run_dir import DataSummary
 from engine.data_formats import FILE_SUFFIXES
-from engine.store_parts import build_in_parts, file_parts
+from engine.store_parts import build_in_parts, source_parts
 from engine.token_store import (
     StoredDataConfig,
     TokenStore,
@@ -381,8 +380,8 @@ def token_store(cfg: SFTDataConfig, tokenizer, listing: DataListing) -> TokenSto
 
     def build(store) -> dict[str, Any]:
         read = DataListing()
-        if cfg.source == "files" and not cfg.dataset and not any(is_saved_dataset(Path(p)) for p in cfg.paths):
-            files = file_parts(data_files(cfg.paths, FILE_SUFFIXES, listing=read))  # a large file: several parts
+        if cfg.source == "files":  # files, saved folders and data.dataset in parts (a large one: several)
+            files = source_parts(cfg.paths, FILE_SUFFIXES, read, cfg.dataset, cfg.subset, cfg.split)
             parts = build_in_parts(store, len(files), lambda part, i: add_part(part, files, i))
             total = added_up([add_examples(store, [], set()), *parts])  # nothing's counts, then each part's
             if not sum(counted[0] for counted in total["counts"].values()) + sum(total["dropped"].values()):

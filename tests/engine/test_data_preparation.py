@@ -555,3 +555,92 @@ def test_one_large_parquet_file_is_read_apart_by_row_groups_into_the_store_one_p
     for workers in (1, 3):  # a bad row in the last part is named by its row, as one reader names it
         with pytest.raises(ConfigError, match=r"one\.parquet:51: no text under 'text'"):
             build(workers, f"bad-{workers}")
+
+
+def chat(i: int) -> dict:
+    """A question and its answer (none at every tenth: nothing to learn, dropped)."""
+    answer = "" if i % 10 == 0 else f"{i} is {'even' if i % 2 == 0 else 'odd'}." * (1 + i % 7)
+    return {"messages": [{"role": "user", "content": f"Is {i} even or odd?" * (1 + i % 3)},
+                         {"role": "assistant", "content": answer}]}
+
+
+def hub_snapshot(tmp_path: Path, monkeypatch, files: list[list[dict]]) -> Path:
+    """The data set org/chats as the server binds it: a snapshot of parquet files of 16-row groups."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from engine.data_files import HUB_DATASETS_VARIABLE
+
+    snapshot = tmp_path / "hub" / "datasets--org--chats" / "snapshots" / ("c" * 40)
+    (snapshot / "data").mkdir(parents=True, exist_ok=True)
+    for index, rows in enumerate(files):
+        pq.write_table(pa.Table.from_pylist(rows), snapshot / "data" / f"train-0000{index}-of-0000{len(files)}.parquet",
+                       row_group_size=16)
+    monkeypatch.setenv(HUB_DATASETS_VARIABLE, json.dumps({"org/chats": str(snapshot)}))
+    return snapshot
+
+
+def test_sft_saved_folders_and_a_hub_data_set_are_read_apart_into_the_store_one_process_builds(tmp_path, monkeypatch):
+    import datasets
+
+    from engine.data_formats import part_examples, read_examples
+    from recipes_template.sft import recipe as sft
+
+    saved = tmp_path / "data" / "saved"
+    datasets.Dataset.from_list([chat(i) for i in range(120)]).save_to_disk(str(saved), num_shards=2)
+    hub_snapshot(tmp_path, monkeypatch, [[chat(1000 + 100 * f + i) for i in range(100)] for f in range(2)])
+    config = sft.SFTDataConfig(paths=[str(saved)], dataset="org/chats", seq_len=96, eval_fraction=0.2)
+
+    parts = store_parts.source_parts(config.paths, FILE_SUFFIXES, DataListing(), config.dataset, workers=3)
+    assert [name for _, name, _ in parts] == ["saved"] * 12 + ["org/chats"] * 12  # rows of each, row groups of the Hub's
+    one_reader = [pair for source in read_examples("sft", config.paths, dataset=config.dataset) for pair in source.records]
+    apart = [pair for part in parts for pair in part_examples("sft", *part).records]
+    assert apart == one_reader and apart[120][0] == "org/chats:1" and apart[-1][0] == "org/chats:200"
+
+    parts_built, build_in_parts = [], sft.build_in_parts
+    monkeypatch.setattr(sft, "build_in_parts", lambda writer, count, build_part:
+                        parts_built.append(count) or build_in_parts(writer, count, build_part))
+    tokenizer = sft.load_tokenizer(None, None)
+
+    def build():
+        return sft.token_store(config, tokenizer, DataListing())
+
+    built = {workers: built_store(tmp_path, monkeypatch, workers, f"cache-{workers}", build) for workers in (1, 3)}
+    assert built[1] == built[3] and parts_built == [2 * store_parts.PARTS_PER_WORKER, 6 * store_parts.PARTS_PER_WORKER]
+    counts = built[1][0]["counts"]
+    assert {key: counts[key] for key in ("files", "documents", "format", "dropped")} == {
+        "files": 2, "documents": 288, "format": "messages", "dropped": 32}
+
+    hub_snapshot(tmp_path, monkeypatch, [[chat(1000 + i) for i in range(100)], [chat(1100 + i) for i in range(99)]
+                                         + [{"messages": [{"role": "user", "content": "Hi"}, {"role": None, "content": "no"}]}]])
+    for workers in (1, 3):  # a bad record in the last part is named by its row, as one reader names it
+        with pytest.raises(ConfigError, match=r"^org/chats:200"):
+            built_store(tmp_path, monkeypatch, workers, f"bad-{workers}", build)
+        assert [p.name for p in (tmp_path / f"bad-{workers}").iterdir() if p.suffix != ".lock"] == []  # nothing built
+
+
+def test_dpo_and_causal_lm_saved_folders_are_read_apart_into_the_store_one_process_builds(tmp_path, monkeypatch):
+    import datasets
+
+    from recipes_template.dpo import recipe as dpo
+
+    pairs = datasets.Dataset.from_list([record for _, record in dpo.builtin_pairs(90)])
+    datasets.DatasetDict({"train": pairs, "test": pairs.select(range(5))}).save_to_disk(str(tmp_path / "pairs"))
+    config = dpo.DPODataConfig(paths=[str(tmp_path / "pairs")], seq_len=96, eval_fraction=0.2)
+    tokenizer = dpo.load_tokenizer(None, None)
+    assert len(store_parts.source_parts(config.paths, FILE_SUFFIXES, DataListing(), workers=3)) == 12
+    built = {workers: built_store(tmp_path, monkeypatch, workers, f"dpo-{workers}",
+                                  lambda: dpo.token_store(config, tokenizer, DataListing())) for workers in (1, 3)}
+    assert built[1] == built[3] and built[1][0]["counts"]["documents"] == 90
+
+    texts = [f"def f{i}(x):\n    return x * {i}\n" * (1 + i % 5) for i in range(200)]
+    datasets.Dataset.from_list([{"text": text} for text in texts]).save_to_disk(str(tmp_path / "texts"), num_shards=2)
+    (tmp_path / "notes.md").write_text("# notes\n" * 50)
+    documents = causal_lm.CausalLMDataConfig(paths=[str(tmp_path / "notes.md"), str(tmp_path / "texts")], seq_len=16,
+                                             eval_fraction=0.2)
+    assert [name for name, _ in causal_lm.read_documents(documents)][:2] == ["texts:1", "texts:2"]  # saved folders first
+    built = {workers: built_store(tmp_path, monkeypatch, workers, f"causal-{workers}",
+                                  lambda: causal_lm.token_store(documents, causal_lm.ByteTokenizer(), DataListing()))
+             for workers in (1, 3)}
+    assert built[1] == built[3] and built[1][0]["counts"]["files"] == 2
+    assert sum(built[1][0]["counts"][split][0] for split in ("train", "eval")) == 201
