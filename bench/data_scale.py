@@ -31,8 +31,11 @@ a fresh store with 1 and with 2 workers (``engine.store_parts.build_workers``), 
 template rendering and tokenization (``apply_chat_template`` with the assistant mask, the same
 fast byte tokenizer) into a fresh Arrow cache. Each round also prints the load average and what
 it leaves of the cores (a plain Python loop's throughput in 2 processes against 1: near 2 on an
-idle machine, near 1 on a saturated one). Then the medians' bytes/s and ratios (goal:
-2 workers / datasets.map >= 0.9).
+idle machine, near 1 on a saturated one), and each peer's CPU seconds (its own and its
+processes', which the load does not inflate much). Then the medians' bytes/s and ratios (goal:
+2 workers / datasets.map >= 0.9). With ``--saved`` the same records are a ``save_to_disk`` folder
+(:data:`SHARDS` Arrow files) instead: the store reads its rows apart, the peer maps
+``datasets.load_from_disk``'s data set; bytes/s are of the JSONL records, for both.
 
 With ``--streaming`` each size and rank count is launched once with ``data.streaming=true``
 (``--steps`` steps: the stream reads ``steps × batch_size`` pieces, tokenized by a background
@@ -41,7 +44,7 @@ the peak at each size / the peak at the smallest, which does not grow with the c
 
     python bench/data_scale.py [--sizes 25 100 400] [--ranks 1 2] [--map]
     python bench/data_scale.py --streaming [--sizes 25 400] [--ranks 1 2] [--steps 50]
-    python bench/data_scale.py --sft [--sizes 8] [--rounds 3]
+    python bench/data_scale.py --sft [--sizes 8] [--rounds 3] [--saved]
     python bench/data_scale.py --grpo [--sizes 4 16]
 
 With ``--grpo`` the ``grpo`` template's prompts are measured in this process, per size (MB of
@@ -275,9 +278,22 @@ def sft_store_seconds(corpus: Path, cache: Path, workers: int) -> float:
         shutil.rmtree(cache, ignore_errors=True)
 
 
+def save_chats(corpus: Path, saved: Path, cache: Path) -> None:
+    """The chat JSONL of ``corpus`` as a ``save_to_disk`` folder of :data:`SHARDS` Arrow files."""
+    import datasets
+
+    shutil.rmtree(saved, ignore_errors=True)
+    try:
+        datasets.load_dataset("json", data_files=sorted(map(str, corpus.iterdir())), split="train",
+                              cache_dir=str(cache)).save_to_disk(str(saved), num_shards=SHARDS)
+    finally:
+        shutil.rmtree(cache, ignore_errors=True)
+
+
 def sft_map_seconds(corpus: Path, cache: Path, workers: int) -> float:
-    """Seconds of ``datasets`` reading the chat JSONL and rendering and tokenizing it with
-    ``map(batched=True, num_proc=workers)`` as sft encodes it (the chat template, the assistant mask)."""
+    """Seconds of ``datasets`` reading the chat JSONL (or ``save_to_disk`` folder) and rendering and
+    tokenizing it with ``map(batched=True, num_proc=workers)`` as sft encodes it (the chat template,
+    the assistant mask)."""
     import datasets
 
     from recipes_template.sft import recipe
@@ -286,11 +302,15 @@ def sft_map_seconds(corpus: Path, cache: Path, workers: int) -> float:
     shutil.rmtree(cache, ignore_errors=True)
     try:
         start = time.perf_counter()
-        dataset = datasets.load_dataset("json", data_files=sorted(map(str, corpus.iterdir())), split="train",
-                                        cache_dir=str(cache))
+        if (corpus / "state.json").is_file():  # a save_to_disk folder: its map's Arrow cache goes to ``cache``
+            dataset, written = datasets.load_from_disk(str(corpus)), {"cache_file_name": str(cache / "map.arrow")}
+            cache.mkdir()
+        else:
+            dataset, written = datasets.load_dataset("json", data_files=sorted(map(str, corpus.iterdir())),
+                                                     split="train", cache_dir=str(cache)), {}
         dataset.map(lambda batch: tokenizer.apply_chat_template(batch["messages"], tokenize=True, return_dict=True,
                                                                 return_assistant_tokens_mask=True),
-                    batched=True, num_proc=workers, remove_columns=["messages"])
+                    batched=True, num_proc=workers, remove_columns=["messages"], **written)
         return time.perf_counter() - start
     finally:
         shutil.rmtree(cache, ignore_errors=True)
@@ -317,8 +337,15 @@ def cores_at_hand(processes: int = 2, n: int = 5_000_000) -> float:
     return processes * seconds[0] / seconds[1]
 
 
-def sft_preparation(sizes: list[float], rounds: int) -> None:
-    """sft's store on 1 and 2 workers against datasets.map(num_proc=2), interleaved rounds."""
+def cpu_seconds() -> float:
+    """CPU seconds of this process and of its children waited for (a build's workers, map's)."""
+    times = os.times()
+    return times.user + times.system + times.children_user + times.children_system
+
+
+def sft_preparation(sizes: list[float], rounds: int, saved: bool = False) -> None:
+    """sft's store on 1 and 2 workers against datasets.map(num_proc=2), interleaved rounds (of a
+    ``save_to_disk`` folder of the records: ``saved``)."""
     import statistics
 
     import datasets
@@ -328,23 +355,30 @@ def sft_preparation(sizes: list[float], rounds: int) -> None:
         root = Path(tmp)
         for size in sizes:
             write_chats(root / "chats", size)
-            size_bytes = corpus_bytes(root / "chats")
-            peers = {"sft store, 1 worker": lambda: sft_store_seconds(root / "chats", root / "cache", 1),
-                     "sft store, 2 workers": lambda: sft_store_seconds(root / "chats", root / "cache", 2),
-                     "datasets.map(num_proc=2)": lambda: sft_map_seconds(root / "chats", root / "hf-cache", 2)}
+            size_bytes, data = corpus_bytes(root / "chats"), root / "chats"
+            if saved:
+                save_chats(root / "chats", root / "saved", root / "hf-cache")
+                data = root / "saved"
+            peers = {"sft store, 1 worker": lambda: sft_store_seconds(data, root / "cache", 1),
+                     "sft store, 2 workers": lambda: sft_store_seconds(data, root / "cache", 2),
+                     "datasets.map(num_proc=2)": lambda: sft_map_seconds(data, root / "hf-cache", 2)}
             rates: dict[str, list[float]] = {name: [] for name in peers}
+            cpu: dict[str, list[float]] = {name: [] for name in peers}  # CPU seconds, this process's and its children's
             for round_ in range(rounds):
                 names = list(peers)[round_ % len(peers):] + list(peers)[:round_ % len(peers)]  # each goes first in turn
                 for name in names:
+                    before = cpu_seconds()
                     rates[name].append(size_bytes / peers[name]())
-                print(f"{size:g} MB, round {round_ + 1}: " + ", ".join(f"{name} {rates[name][-1] / 1e6:.2f} MB/s"
-                                                                      for name in peers)
+                    cpu[name].append(cpu_seconds() - before)
+                print(f"{size:g} MB, round {round_ + 1}: " + ", ".join(f"{name} {rates[name][-1] / 1e6:.2f} MB/s "
+                                                                      f"({cpu[name][-1]:.1f} CPU s)" for name in peers)
                       + f" (load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores; a plain loop's "
                         f"throughput, 2 processes / 1: {cores_at_hand():.2f})", flush=True)
             median = {name: statistics.median(values) for name, values in rates.items()}
             one, two, theirs = median.values()
-            print(f"{size:g} MB, medians of {rounds}: 2 workers / datasets.map {two / theirs:.2f} (goal >= 0.9), "
-                  f"1 worker / datasets.map {one / theirs:.2f}, 2 workers / 1 worker {two / one:.2f}", flush=True)
+            print(f"{size:g} MB{' saved' if saved else ''}, medians of {rounds}: 2 workers / datasets.map {two / theirs:.2f} (goal >= 0.9), "
+                  f"1 worker / datasets.map {one / theirs:.2f}, 2 workers / 1 worker {two / one:.2f}; CPU seconds, "
+                  + ", ".join(f"{name} {statistics.median(cpu[name]):.1f}" for name in peers), flush=True)
 
 
 def write_prompts(folder: Path, megabytes: float) -> int:
@@ -458,12 +492,13 @@ def main() -> None:
     parser.add_argument("--sft", action="store_true", help="time sft's store on 1 and 2 workers against datasets.map")
     parser.add_argument("--rounds", type=int, default=3, help="--sft: interleaved rounds")
     parser.add_argument("--grpo", action="store_true", help="grpo's prompt store: its build, and a rank's memory against a list")
+    parser.add_argument("--saved", action="store_true", help="--sft: the records as a save_to_disk folder")
     args = parser.parse_args()
     if args.grpo:
         grpo_memory(args.sizes)
         return
     if args.sft:
-        sft_preparation(args.sizes, args.rounds)
+        sft_preparation(args.sizes, args.rounds, args.saved)
         return
     if args.streaming:
         streaming(args.sizes, args.ranks, args.steps)
