@@ -49,7 +49,6 @@ import time
 from contextlib import contextmanager
 from functools import cached_property
 from itertools import islice
-from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Literal
 
 import numpy as np
@@ -62,15 +61,15 @@ from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 from engine.chat import CHAT_TEMPLATE, byte_chat_tokenizer, load_chat_tokenizer, template_messages  # noqa: F401 (the chat format)
 from engine.chat_messages import conversation, tool_schemas
 from engine.config import ConfigError, EngineConfig, Section
-from engine.data_files import DataListing, confined_path, data_files
-from engine.data_formats import FILE_SUFFIXES, file_rows, is_saved_dataset, sources
+from engine.data_files import DataListing, confined_path
+from engine.data_formats import FILE_SUFFIXES, file_rows, sources
 from engine.data_summary import added_up, split_counts
 from engine.distributed import dp_all_reduce_sum
 from engine.engine import Engine, StepContext, Window
 from engine.flops import non_embedding_params, transformer_flops_per_token
 from engine.fsdp import apply_fsdp
 from engine.run_dir import DataSummary
-from engine.store_parts import build_in_parts, file_parts
+from engine.store_parts import build_in_parts, source_parts
 from engine.token_store import (
     StoredDataConfig,
     TokenStore,
@@ -391,8 +390,8 @@ def prompt_store(config: GRPOConfig, tokenizer, listing: DataListing) -> TokenSt
 
     def build(store) -> dict[str, Any]:
         read = DataListing()
-        if cfg.source == "files" and not cfg.dataset and not any(is_saved_dataset(Path(p)) for p in cfg.paths):
-            files = file_parts(data_files(cfg.paths, FILE_SUFFIXES, listing=read))  # a large file: several parts
+        if cfg.source == "files":  # files, saved folders and data.dataset in parts (a large one: several)
+            files = source_parts(cfg.paths, FILE_SUFFIXES, read, cfg.dataset, cfg.subset, cfg.split)
             parts = build_in_parts(store, len(files), lambda part, i: add_prompts(part, file_rows(*files[i]), raw=True))
             total = added_up([add_prompts(store, [], raw=True), *parts])  # nothing's counts, then each part's
         else:

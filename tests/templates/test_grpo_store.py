@@ -215,3 +215,25 @@ def test_a_run_on_prompt_files_resumes_bit_for_bit_from_the_store(tmp_path, cach
     (_, checkpoint), *_ = run_checkpoints.list_checkpoints(reference)  # step 2
     resumed = run_engine(tmp_path, recipe, *schedule, resume_from=checkpoint)
     assert losses(resumed) == {s: v for s, v in losses(reference).items() if s > 2} and len(stores(cache)) == 1
+
+
+def test_a_saved_folder_and_a_hub_data_set_are_built_over_the_cores_into_the_store_one_process_builds(tmp_path,
+                                                                                                      monkeypatch):
+    import datasets
+
+    from engine import store_parts
+    from engine.data_formats import FILE_SUFFIXES
+    from tests.engine.test_data_preparation import hub_snapshot
+
+    datasets.Dataset.from_list(records(90)).save_to_disk(str(tmp_path / "saved"), num_shards=2)
+    hub_snapshot(tmp_path, monkeypatch, [records(40, start=100), records(40, start=140)])
+    config = config_of(f"data.paths=[{tmp_path / 'saved'}]", "data.dataset=org/chats", recipe_class=grpo.GRPO)
+    parts = store_parts.source_parts(config.data.paths, FILE_SUFFIXES, DataListing(), "org/chats", workers=3)
+    assert [name for _, name, _ in parts] == ["saved"] * 12 + ["org/chats"] * 6  # the Hub's by its 6 row groups
+
+    def build():
+        return grpo.prompt_store(config, grpo.load_chat_tokenizer(None, None), DataListing())
+
+    built = {workers: built_store(tmp_path, monkeypatch, workers, f"cache-{workers}", build) for workers in (1, 3)}
+    assert built[1] == built[3] and built[1][0]["counts"]["documents"] == 170  # records and all
+    assert {"train.records.bin", "train.records.idx.npy"} <= set(built[1][1])
