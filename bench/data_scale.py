@@ -402,9 +402,7 @@ def write_prompts(folder: Path, megabytes: float) -> int:
 
 def grpo_store_seconds(corpus: Path, cache: Path, workers: int) -> tuple[float, float]:
     """``(wall, CPU)`` seconds of building the grpo prompt store of ``corpus`` on ``workers``
-    workers (fresh cache); CPU counts this process's and its workers'."""
-    import resource
-
+    workers (fresh cache); CPU counts this process's and its workers' (:func:`cpu_seconds`)."""
     from engine import store_parts
     from engine.config import build_config
     from recipes_template.grpo import recipe
@@ -417,13 +415,9 @@ def grpo_store_seconds(corpus: Path, cache: Path, workers: int) -> tuple[float, 
         config = build_config(recipe.GRPOConfig, None, [f"data.paths=[{corpus}]"])
         tokenizer = recipe.load_chat_tokenizer(None, None)
 
-        def cpu() -> float:
-            own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
-            return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
-
-        start, start_cpu = time.perf_counter(), cpu()
+        start, start_cpu = time.perf_counter(), cpu_seconds()
         recipe.prompt_store(config, tokenizer, DataListing())
-        return time.perf_counter() - start, cpu() - start_cpu
+        return time.perf_counter() - start, cpu_seconds() - start_cpu
     finally:
         store_parts.build_workers = cores
 
