@@ -12,7 +12,7 @@ Supports:
 - data (``data.paths``, ``data.dataset``): LLaVA conversations (``image``/``images`` +
   ``conversations`` with ``<image>`` placeholders), messages with image content parts, image +
   caption records; JSON, JSONL, parquet, ``datasets`` folders; several images a conversation
-- video (Qwen2-VL, Qwen2.5-VL): ``{"type": "video", "video": path}`` parts or LLaVA's ``video`` with
+- video (Qwen2-VL, Qwen2.5-VL, Qwen3-VL): ``{"type": "video", "video": path}`` parts or LLaVA's ``video`` with
   ``<video>``; a folder of frames (name order) or a video file (PyAV), sampled by ``data.video_fps``
   and ``data.video_max_frames``, made as the family's video processor makes them (``FramesVideoProcessor``
   where transformers' own cannot load without torchvision)
@@ -223,6 +223,9 @@ def load_processor(raw: str):
                           "beside it")
     if getattr(processor.tokenizer, "pad_token_id", None) is None:
         processor.tokenizer.pad_token = processor.tokenizer.eos_token
+    if getattr(processor, "video_processor", None) is None and name in FRAMES_VIDEO:
+        # Not an attribute transformers saves: the export is the family's own processor.
+        processor.frames_video = FramesVideoProcessor(processor.image_processor, saved_video_settings(folder, name))
     return processor
 
 
@@ -566,7 +569,30 @@ def image_of(image):
 FRAME_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp")
 # The processors whose video this template makes from the frames itself where transformers' video
 # processors cannot load (they need torchvision): Qwen2-VL's and Qwen2.5-VL's temporal patches.
-FRAMES_VIDEO = ("Qwen2VLProcessor", "Qwen2_5_VLProcessor")
+FRAMES_VIDEO = ("Qwen2VLProcessor", "Qwen2_5_VLProcessor", "Qwen3VLProcessor")
+# The settings of a video processor the frames are made by, as a model folder saves them.
+VIDEO_SETTINGS = ("size", "min_pixels", "max_pixels", "image_mean", "image_std", "patch_size", "temporal_patch_size",
+                  "merge_size")
+# transformers' own video processors' pixel bounds (Qwen2VLVideoProcessor.size, Qwen3VLVideoProcessor.size),
+# for a model folder that saves no video processor settings: a frame's pixels, not an image's.
+VIDEO_SIZES = {"Qwen2VLProcessor": {"shortest_edge": 128 * 28 * 28, "longest_edge": 28 * 28 * 768},
+               "Qwen2_5_VLProcessor": {"shortest_edge": 128 * 28 * 28, "longest_edge": 28 * 28 * 768},
+               "Qwen3VLProcessor": {"shortest_edge": 128 * 32 * 32, "longest_edge": 32 * 32 * 768}}
+
+
+def saved_video_settings(folder: Path, processor_class: str) -> dict[str, Any]:
+    """The video processor's settings a model folder saves (``processor_config.json``'s
+    ``video_processor``, or ``video_preprocessor_config.json``), else transformers' default pixel bounds."""
+    saved: dict[str, Any] = {}
+    config = folder / "processor_config.json"
+    if config.is_file():
+        saved = json.loads(config.read_text()).get("video_processor") or {}
+    if not saved and (folder / "video_preprocessor_config.json").is_file():
+        saved = json.loads((folder / "video_preprocessor_config.json").read_text())
+    settings = {key: saved[key] for key in VIDEO_SETTINGS if saved.get(key) is not None}
+    if not any(key in settings for key in ("size", "min_pixels", "max_pixels")) and processor_class in VIDEO_SIZES:
+        settings["size"] = VIDEO_SIZES[processor_class]
+    return settings
 
 
 def frame_order(name: str) -> list:
@@ -686,17 +712,22 @@ class FramesVideoProcessor:
     ``video_grid_thw`` is (patches in time, height, width). For the families of ``FRAMES_VIDEO`` where
     torchvision, which transformers' video processors need, cannot be imported."""
 
-    def __init__(self, image_processor):
-        self.image_processor = image_processor
-        self.merge_size = image_processor.merge_size
-        self.temporal_patch_size = image_processor.temporal_patch_size
-        self.patch_size = image_processor.patch_size
+    def __init__(self, image_processor, settings: dict[str, Any] | None = None):
+        self.image_processor, self.settings = image_processor, dict(settings or {})
+        if "min_pixels" in self.settings or "max_pixels" in self.settings:
+            size = dict(self.settings.get("size") or {})
+            size["shortest_edge"] = self.settings.pop("min_pixels", size.get("shortest_edge"))
+            size["longest_edge"] = self.settings.pop("max_pixels", size.get("longest_edge"))
+            self.settings["size"] = size
+        self.merge_size = self.settings.get("merge_size", image_processor.merge_size)
+        self.temporal_patch_size = self.settings.get("temporal_patch_size", image_processor.temporal_patch_size)
+        self.patch_size = self.settings.get("patch_size", image_processor.patch_size)
 
     def patches(self, frames: list) -> tuple[np.ndarray, list[int]]:
         temporal, patch = self.temporal_patch_size, self.patch_size
         frames = frames + frames[-1:] * (-len(frames) % temporal)
         # Each frame as the image processor makes an image: (patches, channel, temporal copies, patch, patch).
-        singles = [self.image_processor(images=[frame], return_tensors="np") for frame in frames]
+        singles = [self.image_processor(images=[frame], return_tensors="np", **self.settings) for frame in frames]
         grid = singles[0]["image_grid_thw"][0].tolist()
         one = [s["pixel_values"].reshape(len(s["pixel_values"]), -1, temporal, patch, patch)[:, :, 0] for s in singles]
         groups = [np.stack(one[t:t + temporal], axis=2) for t in range(0, len(one), temporal)]
@@ -721,14 +752,16 @@ def video_processor_of(processor, where: str):
         return processor
     if name in FRAMES_VIDEO:
         with_frames = copy.copy(processor)
-        with_frames.video_processor = FramesVideoProcessor(processor.image_processor)
+        # load_processor's, with the model folder's video settings; else the image processor's own
+        with_frames.video_processor = getattr(processor, "frames_video", None) or FramesVideoProcessor(
+            processor.image_processor)
         return with_frames
     family = name.removesuffix("Processor")
-    if takes_video(type(processor)):
+    if takes_video(type(processor)) or takes_video(type(processor).__base__):  # without_video's base
         raise ConfigError(f"{where}: a video, and the family {family} takes video only through its own video processor, "
                           "which needs torchvision (not importable here); give its frames as images")
     raise ConfigError(f"{where}: a video, and the family {family} takes images only; give the video's frames as images "
-                      "or a family that takes video (Qwen2-VL, Qwen2.5-VL)")
+                      "or a family that takes video (Qwen2-VL, Qwen2.5-VL, Qwen3-VL)")
 
 
 def record_sources(cfg: VLMChatDataConfig) -> Iterator[tuple[Path | None, Iterator[tuple[str, dict[str, Any]]]]]:

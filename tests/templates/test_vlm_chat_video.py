@@ -1,4 +1,4 @@
-"""Video in the vlm_chat template (Qwen2-VL, Qwen2.5-VL): a folder of frames or a video file,
+"""Video in the vlm_chat template (Qwen2-VL, Qwen2.5-VL, Qwen3-VL): a folder of frames or a video file,
 sampled as the family's video processor samples, made into ``pixel_values_videos`` and
 ``video_grid_thw`` on the family's image processing where transformers' video processors cannot
 load (no torchvision here); the data forms, the refusals naming the record, the data summary, and a
@@ -26,7 +26,7 @@ QUESTION = "Which way does the square move?"
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
     root = tmp_path_factory.mktemp("vlm_video_families")
-    return {family: tiny_vlm_folder(root / family, family) for family in (*VIDEO_FAMILIES, "llava")}
+    return {family: tiny_vlm_folder(root / family, family) for family in (*VIDEO_FAMILIES, "qwen3_vl", "llava")}
 
 
 def noise(seed: int, size=(70, 90)) -> np.ndarray:
@@ -58,7 +58,7 @@ def image_patches(processor, frame: np.ndarray) -> dict:
     return processor.image_processor(images=[Image.fromarray(frame)], return_tensors="pt")
 
 
-@pytest.mark.parametrize("family", VIDEO_FAMILIES)
+@pytest.mark.parametrize("family", [*VIDEO_FAMILIES, "qwen3_vl"])
 def test_a_video_of_identical_frames_is_the_image_processors_patches_of_that_frame(family, folders, tmp_path):
     """Qwen's image processing repeats an image's frame to fill a temporal patch: a video of
     temporal_patch_size copies of that frame has the very same patch values, grid and tokens."""
@@ -68,10 +68,28 @@ def test_a_video_of_identical_frames_is_the_image_processors_patches_of_that_fra
     out = video_inputs(processor, video)
     image = image_patches(processor, frame)
     assert torch.equal(out["pixel_values_videos"], image["pixel_values"])
-    # 70 × 90 pixels within 4 merged units of 28: 28 × 56, patches of 14 in a 2 × 4 grid, 2 tokens.
+    # 70 × 90 pixels within 4 merged units (of 28 pixels, Qwen3-VL's of 32): 1 × 2 units, 2 tokens.
     assert out["video_grid_thw"].tolist() == image["image_grid_thw"].tolist() == [[1, 2, 4]]
     video_pad = processor.tokenizer.convert_tokens_to_ids("<|video_pad|>")
     assert int((out["input_ids"] == video_pad).sum()) == 2
+
+
+def test_frames_take_the_model_folders_video_settings_else_transformers_defaults(folders, tmp_path):
+    """A model folder's saved video processor settings bound a frame's pixels (here 28 × 28 at
+    most: 1 merged unit, where the image processor allows 4); a folder that saves none gets
+    Qwen2VLVideoProcessor's bounds (at least 128 units: a 56 × 56 frame grows to 336 × 336)."""
+    video = vlm.VideoRef.checked("clip", save_frames(tmp_path / "clip", [noise(0, (56, 56))] * 2).parent,
+                                 "a record", 2.0, 16)
+    for saved, grid in (({"size": {"shortest_edge": 28 * 28, "longest_edge": 28 * 28}}, [1, 2, 2]), (None, [1, 24, 24])):
+        model = shutil.copytree(folders["qwen2_vl"], tmp_path / f"model-{grid[1]}")
+        config = json.loads((model / "processor_config.json").read_text())
+        config.pop("video_processor") if saved is None else config["video_processor"].update(saved)
+        (model / "processor_config.json").write_text(json.dumps(config))
+        processor = vlm.load_processor(str(model))
+        assert video_inputs(processor, video)["video_grid_thw"].tolist() == [grid]
+        assert vlm.processor_inputs(processor, "<|vision_start|><|image_pad|><|vision_end|>",
+                                    [vlm.image_of(vlm.read_image(str(tmp_path / "clip" / "frame_0.png"), None, "x"))]
+                                    )["image_grid_thw"].tolist() == [[1, 4, 4]]
 
 
 def test_frames_in_name_order_sampled_evenly_each_fill_their_own_temporal_slot(folders, tmp_path):
@@ -175,7 +193,7 @@ def test_a_family_that_takes_images_only_is_refused_naming_the_record(folders, t
     video = vlm.VideoRef.checked("clip", save_frames(tmp_path / "clip", [noise(0)] * 2).parent, "a record", 2.0, 16)
     processor = vlm.load_processor(str(folders["llava"]))
     with pytest.raises(ConfigError, match=r"^bad.jsonl:3: a video, and the family Llava takes images only; give the "
-                                          r"video's frames as images or a family that takes video \(Qwen2-VL, Qwen2.5-VL\)"):
+                                          r"video's frames as images or a family that takes video \(Qwen2-VL, Qwen2.5-VL, Qwen3-VL\)"):
         vlm.encode(processor, video_turns(), [video], 512, "bad.jsonl:3")
 
 
@@ -256,3 +274,50 @@ def test_a_run_learns_which_way_a_square_moves_in_held_out_videos(family, folder
     assert [s.expected for s in sampled] == [a for _, a in held_out[:2]]
     assert [s.input for s in sampled] == [f"held-out video(s) of {w}" for w, _ in held_out[:2]]
     assert all(vlm.same_answer(s.completion, s.expected) for s in sampled), sampled
+
+
+@pytest.mark.parametrize("family", VIDEO_FAMILIES)
+def test_packed_rows_of_videos_and_images_give_the_loss_they_have_padded(family, folders, tmp_path):
+    """Videos of 2 and 4 frames beside images, one per padded row or packed (Qwen's 3-D positions per
+    example, a video's in time too): the same loss."""
+    from types import SimpleNamespace
+
+    processor = vlm.load_processor(str(folders[family]))
+    model = vlm.load_model(vlm.ModelConfig(pretrained_path=str(folders[family])))
+    rope_index = vlm.rope_index_of(model)
+    videos = [vlm.VideoRef.checked(str(n), save_frames(tmp_path / str(n), [noise(i, (56, 56)) for i in range(n)]).parent,
+                                   f"video {n}", 2.0, 16) for n in (2, 4, 4)]
+    examples = [(f"video {i}", video_turns(answer=a), [v]) for i, (v, a) in enumerate(zip(videos, ["left", "right", "up"]))]
+    examples += vlm.builtin_examples(3, 56)
+    pieces = [vlm.with_positions(vlm.encode(processor, m, i, 512, w), rope_index) for w, m, i in examples]
+    inputs = [len(p["ids"]) - 1 for p in pieces]
+    rows = vlm.pack(inputs, 2 * max(inputs))
+    assert len(rows) < len(pieces)
+    packed = vlm.collate_packed([[pieces[i] for i in row] for row in rows], processor)
+    me = SimpleNamespace(model=model)
+    padded = vlm.VLMChat.compute_loss(me, vlm.collate(pieces, processor))
+    assert abs(vlm.VLMChat.compute_loss(me, packed) - padded) <= 1e-6 * abs(padded)
+
+
+def test_where_torchvision_loads_the_familys_own_video_processor_makes_these_patches(folders, tmp_path):
+    """Ground truth where transformers' Qwen2VLVideoProcessor loads: on 56 × 56 frames (no resizing,
+    so no resampling to differ) its patches and grid are FramesVideoProcessor's, and the recipe hands
+    a record's video to the family's own video processor when the processor has one."""
+    pytest.importorskip("torchvision", reason="transformers' video processors need torchvision (PyPI's is a CUDA "
+                                              "build that does not import beside the CPU torch here)")
+    import transformers
+
+    processor = vlm.load_processor(str(folders["qwen2_vl"]))
+    image = processor.image_processor
+    own = transformers.Qwen2VLVideoProcessor(min_pixels=image.size.shortest_edge, max_pixels=image.size.longest_edge,
+                                             patch_size=14, temporal_patch_size=2, merge_size=2)
+    frames = np.stack([noise(i, (56, 56)) for i in range(4)])
+    mine = vlm.FramesVideoProcessor(image)([frames])
+    theirs = own(videos=[frames], do_sample_frames=False, return_tensors="pt")
+    assert mine["video_grid_thw"].tolist() == theirs["video_grid_thw"].tolist() == [[2, 4, 4]]
+    assert torch.allclose(mine["pixel_values_videos"], theirs["pixel_values_videos"], atol=1e-5)
+    whole = transformers.Qwen2VLProcessor(image_processor=image, tokenizer=processor.tokenizer, video_processor=own,
+                                          chat_template=processor.chat_template)
+    video = vlm.VideoRef.checked("clip", save_frames(tmp_path / "clip", list(frames)).parent, "a record", 2.0, 16)
+    out = video_inputs(whole, video)
+    assert torch.allclose(out["pixel_values_videos"], mine["pixel_values_videos"], atol=1e-5)
