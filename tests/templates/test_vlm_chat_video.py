@@ -321,3 +321,36 @@ def test_where_torchvision_loads_the_familys_own_video_processor_makes_these_pat
     video = vlm.VideoRef.checked("clip", save_frames(tmp_path / "clip", list(frames)).parent, "a record", 2.0, 16)
     out = video_inputs(whole, video)
     assert torch.allclose(out["pixel_values_videos"], mine["pixel_values_videos"], atol=1e-5)
+
+
+def test_frames_of_different_sizes_are_refused_naming_the_record_and_the_video(folders, tmp_path):
+    save_frames(tmp_path / "clip", [noise(0, (56, 56)), noise(1, (56, 84))])
+    video = vlm.VideoRef.checked("clip", tmp_path, "bad.jsonl:4", 2.0, 16)
+    with pytest.raises(ConfigError, match=r"^bad.jsonl:4: the frames of video 'clip' differ in size \(\[\(56, 56\), "
+                                          r"\(84, 56\)\]\); give frames of one size"):
+        vlm.encode(vlm.load_processor(str(folders["qwen2_vl"])), video_turns(), [video], 512, "bad.jsonl:4")
+
+
+def test_a_video_file_without_pyav_is_refused_naming_the_package(tmp_path, monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "av", None)  # as where PyAV is not installed
+    (tmp_path / "clip.mp4").write_bytes(b"\x00" * 64)
+    with pytest.raises(ConfigError, match=r"^bad.jsonl:5: video 'clip.mp4' is a file, which needs PyAV \(pip install "
+                                          r"av\); or give the video as a folder of its frames"):
+        vlm.VideoRef.checked("clip.mp4", tmp_path, "bad.jsonl:5", 2.0, 16)
+
+
+def test_the_estimate_counts_a_videos_tokens_as_a_real_forward_saves_them(folders, tmp_path):
+    """estimate_run's forward on the meta model beside the real inputs (the video grid, the 3-D
+    positions): the bytes saved for backward are a real forward's, and grow with the frames."""
+    from tests.templates.test_vlm_chat_estimate import saved
+
+    processor = vlm.load_processor(str(folders["qwen2_vl"]))
+    estimated, real = {}, {}
+    for count in (2, 8):
+        save_frames(tmp_path / str(count), [noise(i, (56, 56)) for i in range(count)])
+        video = vlm.VideoRef.checked(str(count), tmp_path, "a record", 2.0, 16)
+        batch = vlm.collate([vlm.encode(processor, video_turns(), [video], 128, f"row {i}") for i in range(4)], processor)
+        estimated[count], real[count] = (saved(folders["qwen2_vl"], batch, meta) for meta in (True, False))
+    assert estimated == real and estimated[8] > estimated[2]
