@@ -568,7 +568,7 @@ def image_of(image):
 
 FRAME_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp")
 # The processors whose video this template makes from the frames itself where transformers' video
-# processors cannot load (they need torchvision): Qwen2-VL's and Qwen2.5-VL's temporal patches.
+# processors cannot load (they need torchvision): Qwen2-VL's, Qwen2.5-VL's and Qwen3-VL's temporal patches.
 FRAMES_VIDEO = ("Qwen2VLProcessor", "Qwen2_5_VLProcessor", "Qwen3VLProcessor")
 # The settings of a video processor the frames are made by, as a model folder saves them.
 VIDEO_SETTINGS = ("size", "min_pixels", "max_pixels", "image_mean", "image_std", "patch_size", "temporal_patch_size",
@@ -653,8 +653,8 @@ class VideoRef:
 
     @classmethod
     def checked(cls, value: Any, base: Path | None, where: str, fps: float, max_frames: int) -> "VideoRef":
-        """The reference, once its folder (a frame's header read) or its file (decoded) is found, confined
-        and readable: a missing, empty or unreadable video is refused here, before anything trains."""
+        """The reference, once its folder (a frame's header read) or its file (its first frame decoded) is
+        found, confined and readable: a missing, empty or unreadable video is refused here, before anything trains."""
         if not isinstance(value, str) or not value:
             raise ConfigError(f"{where}: a video is the path of a folder of frames or of a video file, got {value!r}")
         video = cls(value, base, where, fps, max_frames)
@@ -669,8 +669,9 @@ class VideoRef:
 
 
 def decode_video(video: VideoRef, temporal: int, count_only: bool = False):
-    """A video file's sampled frames through PyAV (FFmpeg): ``(frames, VideoMetadata)``; ``count_only``:
-    the file opened and its frames counted, none kept."""
+    """A video file's sampled frames through PyAV (FFmpeg): ``(frames, VideoMetadata)``, its frames
+    counted as its stream says (as transformers' PyAV loader counts them) or, where it says none or
+    a wrong count, by decoding them; ``count_only``: the file opened and its first frame decoded."""
     from transformers.video_utils import VideoMetadata
 
     try:
@@ -688,13 +689,16 @@ def decode_video(video: VideoRef, temporal: int, count_only: bool = False):
         with av.open(str(path)) as container:
             stream = container.streams.video[0]
             rate = float(stream.average_rate or stream.guessed_rate or 0) or None
-            total = sum(1 for _ in container.decode(video=0))
-            if total and not count_only:
-                container.seek(0)
-                picked = sampled_frames(total, temporal, video.max_frames, video.fps, rate)
-                wanted = set(picked)
-                frames = [frame.to_image().convert("RGB") for i, frame in enumerate(container.decode(video=0))
-                          if i in wanted]
+            if count_only:
+                total = 1 if next(container.decode(video=0), None) is not None else 0
+            else:
+                total = stream.frames or decoded_frames(container, [])[0]
+                picked = sampled_frames(total, temporal, video.max_frames, video.fps, rate) if total else []
+                count, frames = decoded_frames(container, picked)
+                if count != total:  # the stream's count was not its frames'
+                    total = count
+                    picked = sampled_frames(total, temporal, video.max_frames, video.fps, rate) if total else []
+                    frames = decoded_frames(container, picked)[1]
     except (av.error.FFmpegError, IndexError, OSError, ValueError) as e:
         raise ConfigError(f"{video.where}: video {video.value!r} cannot be read as a video ({first_sentence(e)})") from None
     if not total:
@@ -704,10 +708,20 @@ def decode_video(video: VideoRef, temporal: int, count_only: bool = False):
     return frames, VideoMetadata(total_num_frames=total, fps=rate, frames_indices=picked)
 
 
+def decoded_frames(container, picked: list[int]) -> tuple[int, list]:
+    """A video's frames from its start: how many there are, and the pictures of those ``picked``."""
+    container.seek(0)
+    wanted, kept, count = set(picked), [], 0
+    for count, frame in enumerate(container.decode(video=0), 1):
+        if count - 1 in wanted:
+            kept.append(frame.to_image().convert("RGB"))
+    return count, kept
+
+
 class FramesVideoProcessor:
     """Qwen2-VL's video processing (transformers' ``Qwen2VLVideoProcessor``) on its image
-    processor's PIL path: each frame resized (``smart_resize`` of the first frame's size), rescaled
-    and normalized as an image is, then ``temporal_patch_size`` consecutive frames make a temporal
+    processor's PIL path: each frame (all of one size) resized by ``smart_resize`` within the video
+    settings' pixel bounds, rescaled and normalized as an image is, then ``temporal_patch_size`` consecutive frames make a temporal
     patch where an image repeats its one frame (a short video's last frame repeated to fill one);
     ``video_grid_thw`` is (patches in time, height, width). For the families of ``FRAMES_VIDEO`` where
     torchvision, which transformers' video processors need, cannot be imported."""

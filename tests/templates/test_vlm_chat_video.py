@@ -120,12 +120,14 @@ def test_a_short_video_repeats_its_last_frame_to_fill_a_temporal_patch(folders, 
                        image_patches(processor, frames[0])["pixel_values"])
 
 
-def write_video(path: Path, frames: list[np.ndarray], rate: int) -> Path:
-    """A lossless FFV1 video in Matroska: the frames decode back bit for bit."""
+def write_video(path: Path, frames: list[np.ndarray], rate: int, codec: str = "ffv1") -> Path:
+    """A lossless FFV1 video in Matroska (its stream counts no frames: they are counted by decoding):
+    the frames decode back bit for bit; or MPEG-4 in MP4, whose stream counts them."""
     av = pytest.importorskip("av", reason="PyAV (pip install av) decodes video files")
     with av.open(str(path), "w") as container:
-        stream = container.add_stream("ffv1", rate=rate)
-        stream.width, stream.height, stream.pix_fmt = frames[0].shape[1], frames[0].shape[0], "bgr0"
+        stream = container.add_stream(codec, rate=rate)
+        pixels = "bgr0" if codec == "ffv1" else "yuv420p"
+        stream.width, stream.height, stream.pix_fmt = frames[0].shape[1], frames[0].shape[0], pixels
         for frame in frames:
             container.mux(stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")))
         container.mux(stream.encode())
@@ -144,6 +146,13 @@ def test_a_video_file_is_decoded_and_sampled_at_data_video_fps(folders, tmp_path
     assert fewer.frames_indices == [0, 10]
     processor = vlm.load_processor(str(folders["qwen2_vl"]))
     assert video_inputs(processor, video)["video_grid_thw"].tolist() == [[2, 4, 4]]  # 42 × 56 resized to 56 × 56
+    # MPEG-4 is lossy: each decoded frame is nearest its own of the 20 (flat colours, one a frame).
+    flat = [np.full((48, 64, 3), (12 * i, 255 - 12 * i, (90 * i) % 256), dtype=np.uint8) for i in range(20)]
+    write_video(tmp_path / "clip.mp4", flat, rate=10, codec="mpeg4")
+    decoded, metadata = vlm.VideoRef.checked("clip.mp4", tmp_path, "a record", 2.0, 16).open(2)
+    assert metadata.total_num_frames == 20 and metadata.frames_indices == [0, 5, 10, 15]
+    nearest = [int(np.argmin([np.abs(np.asarray(f, float) - g).mean() for g in flat])) for f in decoded]
+    assert nearest == [0, 5, 10, 15]
 
 
 @pytest.fixture
