@@ -283,4 +283,25 @@ def tiny_vlm_folder(folder: Path, family: str = "qwen2_vl", seed: int = 0, text:
     folder.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(folder)
     processor.save_pretrained(folder)
+    if family in ("qwen2_vl", "qwen2_5_vl", "qwen3_vl"):
+        save_video_settings(folder, processor.image_processor, family)
     return folder
+
+
+def save_video_settings(folder: Path, image_processor, family: str) -> None:
+    """The Qwen families' video processor settings in ``processor_config.json``, as a model folder
+    saved where torchvision is holds them (without it transformers cannot build one to save): a
+    frame's pixel bounds, patches and normalization are the image processor's, so a 56 × 56 frame
+    makes 4 tokens a temporal patch as a 56 × 56 image does."""
+    import json
+
+    path = folder / "processor_config.json"
+    config = json.loads(path.read_text())
+    size = image_processor.size
+    config.setdefault("video_processor", {
+        "video_processor_type": "Qwen3VLVideoProcessor" if family == "qwen3_vl" else "Qwen2VLVideoProcessor",
+        "size": {"shortest_edge": size.shortest_edge, "longest_edge": size.longest_edge},
+        "patch_size": image_processor.patch_size, "temporal_patch_size": image_processor.temporal_patch_size,
+        "merge_size": image_processor.merge_size, "image_mean": list(image_processor.image_mean),
+        "image_std": list(image_processor.image_std), "do_sample_frames": False})
+    path.write_text(json.dumps(config, indent=2) + "\n")

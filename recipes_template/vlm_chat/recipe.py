@@ -12,6 +12,10 @@ Supports:
 - data (``data.paths``, ``data.dataset``): LLaVA conversations (``image``/``images`` +
   ``conversations`` with ``<image>`` placeholders), messages with image content parts, image +
   caption records; JSON, JSONL, parquet, ``datasets`` folders; several images a conversation
+- video (Qwen2-VL, Qwen2.5-VL, Qwen3-VL): ``{"type": "video", "video": path}`` parts or LLaVA's ``video`` with
+  ``<video>``; a folder of frames (name order) or a video file (PyAV), sampled by ``data.video_fps``
+  and ``data.video_max_frames``, made as the family's video processor makes them (``FramesVideoProcessor``
+  where transformers' own cannot load without torchvision)
 - stages by module names (``model.train_vision_tower``, ``model.train_projector``,
   ``model.train_language_model``), FSDP2 on the family's ``_no_split_modules``
 - images kept as references (``ImageRef``), their tensors as encoding made them up to
@@ -78,6 +82,9 @@ class VLMChatDataConfig(DataConfig):
     eval_prompts: int = Field(32, ge=1, description="Held-out questions task_metrics() answers.")
     builtin_images: int = Field(2000, ge=10, description="No data given: how many colour questions.")
     builtin_image_size: int = Field(56, ge=8, description="Side of the built-in images.")
+    video_fps: float = Field(2.0, gt=0, description="Frames a second a video file is sampled at; a folder's frames are "
+                             "taken as this rate.")
+    video_max_frames: int = Field(16, ge=1, description="At most this many frames a video (sampled evenly).")
     packing: bool = Field(False, description="Whole examples share rows of seq_len (batch_size counts rows), each "
                           "attending to itself alone; the families of PACKS.")
 
@@ -216,6 +223,9 @@ def load_processor(raw: str):
                           "beside it")
     if getattr(processor.tokenizer, "pad_token_id", None) is None:
         processor.tokenizer.pad_token = processor.tokenizer.eos_token
+    if getattr(processor, "video_processor", None) is None and name in FRAMES_VIDEO:
+        # Not an attribute transformers saves: the export is the family's own processor.
+        processor.frames_video = FramesVideoProcessor(processor.image_processor, saved_video_settings(folder, name))
     return processor
 
 
@@ -360,6 +370,14 @@ FORMATS = {"llava": ("conversations",), "messages": ("messages",), "caption": ("
 ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "model": "assistant",
          "system": "system"}
 PLACEHOLDER = "<image>"
+VIDEO_PLACEHOLDER = "<video>"
+
+
+@dataclass(frozen=True)
+class VideoPart:
+    """A record's video (a path) among its images, in the order of its parts."""
+
+    value: Any
 
 
 def user_turn(texts: list[str], images_before: int = 0, role: str = "user") -> dict[str, Any]:
@@ -388,9 +406,13 @@ def _text(value: Any, where: str, what: str) -> str:
 
 
 def llava_messages(record: dict[str, Any], where: str) -> tuple[list, list]:
-    """LLaVA's ``conversations``: ``<image>`` in a turn's value is where an image goes."""
+    """LLaVA's ``conversations``: ``<image>`` in a turn's value is where an image goes, ``<video>``
+    where the record's ``video`` (or the next of its ``videos``) goes."""
     images = record.get("images", record.get("image"))
     images = [] if images is None else images if isinstance(images, list) else [images]
+    videos = record.get("videos", record.get("video"))
+    videos = [] if videos is None else videos if isinstance(videos, list) else [videos]
+    media, placed_videos = [], 0
     turns = record["conversations"]
     if not isinstance(turns, list) or not all(isinstance(t, dict) for t in turns):
         raise ConfigError(f'{where}: "conversations" must be a list of {{"from", "value"}} objects')
@@ -400,21 +422,30 @@ def llava_messages(record: dict[str, Any], where: str) -> tuple[list, list]:
         if role is None:
             raise ConfigError(f"{where}: turn {index} is from {turn.get('from')!r}; give one of {', '.join(ROLES)}")
         value = _text(turn.get("value", turn.get("content")), where, f"turn {index}'s value")
-        pieces = value.split(PLACEHOLDER)
+        pieces = re.split(f"({re.escape(PLACEHOLDER)}|{re.escape(VIDEO_PLACEHOLDER)})", value)
         content: list[dict[str, Any]] = []
-        for n, piece in enumerate(pieces):
-            if n:
-                content.append({"type": "image"})
-            if piece.strip():
+        for piece in pieces:
+            if piece in (PLACEHOLDER, VIDEO_PLACEHOLDER):
+                if role == "assistant":
+                    raise ConfigError(f"{where}: turn {index} (the assistant's) holds {piece}; images and videos go "
+                                      "in user turns")
+                video = piece == VIDEO_PLACEHOLDER
+                content.append({"type": "video" if video else "image"})
+                at = placed_videos if video else placed
+                given = videos if video else images
+                if at < len(given):
+                    media.append(VideoPart(given[at]) if video else given[at])
+                placed_videos, placed = placed_videos + video, placed + (not video)
+            elif piece.strip():
                 content.append({"type": "text", "text": piece.strip()})
-        placed += len(pieces) - 1
-        if role == "assistant" and len(pieces) > 1:
-            raise ConfigError(f"{where}: turn {index} (the assistant's) holds {PLACEHOLDER}; images go in user turns")
         messages.append({"role": role, "content": content})
     if placed != len(images):
         raise ConfigError(f"{where}: {placed} {PLACEHOLDER} placeholder(s) for {len(images)} image(s); "
                           f"put one {PLACEHOLDER} in the conversation for each image")
-    return messages, images
+    if placed_videos != len(videos):
+        raise ConfigError(f"{where}: {placed_videos} {VIDEO_PLACEHOLDER} placeholder(s) for {len(videos)} video(s); "
+                          f"put one {VIDEO_PLACEHOLDER} in the conversation for each video")
+    return messages, media
 
 
 def content_messages(record: dict[str, Any], where: str) -> tuple[list, list]:
@@ -447,10 +478,19 @@ def content_messages(record: dict[str, Any], where: str) -> tuple[list, list]:
                     raise ConfigError(f"{where}: message {index} (the assistant's) holds an image; images go in user turns")
                 images.append(image)
                 kept.append({"type": "image"})
+            elif kind == "video":
+                video = part.get("video", part.get("path"))
+                if role == "assistant":
+                    raise ConfigError(f"{where}: message {index} (the assistant's) holds a video; videos go in user turns")
+                if not isinstance(video, str) or not video:
+                    raise ConfigError(f'{where}: message {index} has a video part with no "video" path (a folder of '
+                                      "frames or a video file)")
+                images.append(VideoPart(video))
+                kept.append({"type": "video"})
             elif kind == "text":
                 kept.append({"type": "text", "text": _text(part.get("text"), where, f"message {index}'s text")})
             else:
-                raise ConfigError(f"{where}: message {index} has a part of type {kind!r}; give image or text parts")
+                raise ConfigError(f"{where}: message {index} has a part of type {kind!r}; give image, video or text parts")
         messages.append({"role": role, "content": kept})
     if spare:
         raise ConfigError(f'{where}: {len(spare)} of the record\'s "images" have no image part; add a '
@@ -522,6 +562,222 @@ def image_of(image):
     return image.open() if isinstance(image, ImageRef) else image
 
 
+# =============================================================================================
+# Video: a folder of frames or a video file, sampled and processed as the family's video processor does
+# =============================================================================================
+
+FRAME_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp")
+# The processors whose video this template makes from the frames itself where transformers' video
+# processors cannot load (they need torchvision): Qwen2-VL's, Qwen2.5-VL's and Qwen3-VL's temporal patches.
+FRAMES_VIDEO = ("Qwen2VLProcessor", "Qwen2_5_VLProcessor", "Qwen3VLProcessor")
+# The settings of a video processor the frames are made by, as a model folder saves them.
+VIDEO_SETTINGS = ("size", "min_pixels", "max_pixels", "image_mean", "image_std", "patch_size", "temporal_patch_size",
+                  "merge_size")
+# transformers' own video processors' pixel bounds (Qwen2VLVideoProcessor.size, Qwen3VLVideoProcessor.size),
+# for a model folder that saves no video processor settings: a frame's pixels, not an image's.
+VIDEO_SIZES = {"Qwen2VLProcessor": {"shortest_edge": 128 * 28 * 28, "longest_edge": 28 * 28 * 768},
+               "Qwen2_5_VLProcessor": {"shortest_edge": 128 * 28 * 28, "longest_edge": 28 * 28 * 768},
+               "Qwen3VLProcessor": {"shortest_edge": 128 * 32 * 32, "longest_edge": 32 * 32 * 768}}
+
+
+def saved_video_settings(folder: Path, processor_class: str) -> dict[str, Any]:
+    """The video processor's settings a model folder saves (``processor_config.json``'s
+    ``video_processor``, or ``video_preprocessor_config.json``), else transformers' default pixel bounds."""
+    saved: dict[str, Any] = {}
+    config = folder / "processor_config.json"
+    if config.is_file():
+        saved = json.loads(config.read_text()).get("video_processor") or {}
+    if not saved and (folder / "video_preprocessor_config.json").is_file():
+        saved = json.loads((folder / "video_preprocessor_config.json").read_text())
+    settings = {key: saved[key] for key in VIDEO_SETTINGS if saved.get(key) is not None}
+    if not any(key in settings for key in ("size", "min_pixels", "max_pixels")) and processor_class in VIDEO_SIZES:
+        settings["size"] = VIDEO_SIZES[processor_class]
+    return settings
+
+
+def frame_order(name: str) -> list:
+    """Frames in name order, numbers by value (``frame_9`` before ``frame_10``)."""
+    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name)]
+
+
+def sampled_frames(total: int, temporal: int, max_frames: int, fps: float | None = None,
+                   video_fps: float | None = None) -> list[int]:
+    """The indices of the frames transformers' ``sample_frames`` of Qwen2-VL takes: ``fps`` a second
+    of a video at ``video_fps`` (a folder of frames: every frame), at most ``max_frames``, a multiple
+    of ``temporal`` spread evenly; fewer frames than a temporal patch: all (patching repeats the last)."""
+    count = total if fps is None or not video_fps else total / video_fps * fps
+    count = int(min(count, max_frames, total) // temporal * temporal)
+    if count < temporal:
+        return list(range(total))
+    return torch.arange(0, total, total / count).int().tolist()
+
+
+@dataclass(frozen=True)
+class VideoRef:
+    """A video as a record names it (a folder of frames or a video file, relative to the data file
+    and confined to the workspace), its frames read and sampled when a batch needs them."""
+
+    value: str
+    base: Path | None
+    where: str
+    fps: float
+    max_frames: int
+
+    def path(self) -> str:
+        return str(self.base / self.value) if self.base is not None else self.value
+
+    def frame_files(self) -> list[Path]:
+        """A folder's frames in name order (confined as data files are), or [] for a file."""
+        if not Path(self.path()).is_dir():
+            return []
+        found = [path for path, _ in data_files([self.path()], suffixes=FRAME_SUFFIXES, fingerprint=False)]
+        if not found:
+            raise ConfigError(f"{self.where}: video {self.value!r} is a folder with no frames "
+                              f"({', '.join(FRAME_SUFFIXES)}); put the video's frames in it or name a video file")
+        return sorted(found, key=lambda path: frame_order(path.name))
+
+    def open(self, temporal: int):
+        """``(frames, metadata)``: the sampled frames as RGB pictures, and transformers' ``VideoMetadata``."""
+        from transformers.video_utils import VideoMetadata
+
+        files = self.frame_files()
+        if files:
+            picked = sampled_frames(len(files), temporal, self.max_frames)
+            frames = [read_image(str(files[i]), None, self.where) for i in picked]
+            sizes = {frame.size for frame in frames}
+            if len(sizes) > 1:
+                raise ConfigError(f"{self.where}: the frames of video {self.value!r} differ in size ({sorted(sizes)}); "
+                                  "give frames of one size")
+            return frames, VideoMetadata(total_num_frames=len(files), fps=self.fps, frames_indices=picked)
+        return decode_video(self, temporal)
+
+    @classmethod
+    def checked(cls, value: Any, base: Path | None, where: str, fps: float, max_frames: int) -> "VideoRef":
+        """The reference, once its folder (a frame's header read) or its file (its first frame decoded) is
+        found, confined and readable: a missing, empty or unreadable video is refused here, before anything trains."""
+        if not isinstance(value, str) or not value:
+            raise ConfigError(f"{where}: a video is the path of a folder of frames or of a video file, got {value!r}")
+        video = cls(value, base, where, fps, max_frames)
+        if not Path(video.path()).exists():
+            raise ConfigError(f"{where}: video {value!r} does not exist (a path relative to the data file)")
+        files = video.frame_files()
+        if files:
+            read_image(str(files[0]), None, where, header_only=True)
+        else:
+            decode_video(video, 1, count_only=True)
+        return video
+
+
+def decode_video(video: VideoRef, temporal: int, count_only: bool = False):
+    """A video file's sampled frames through PyAV (FFmpeg): ``(frames, VideoMetadata)``, its frames
+    counted as its stream says (as transformers' PyAV loader counts them) or, where it says none or
+    a wrong count, by decoding them; ``count_only``: the file opened and its first frame decoded."""
+    from transformers.video_utils import VideoMetadata
+
+    try:
+        path = data_file(video.path())
+    except DataPathRefused:
+        raise
+    except OSError as e:
+        raise ConfigError(f"{video.where}: video {video.value!r} cannot be read ({e})") from None
+    try:
+        import av
+    except ImportError:
+        raise ConfigError(f"{video.where}: video {video.value!r} is a file, which needs PyAV (pip install av); "
+                          "or give the video as a folder of its frames") from None
+    try:
+        with av.open(str(path)) as container:
+            stream = container.streams.video[0]
+            rate = float(stream.average_rate or stream.guessed_rate or 0) or None
+            if count_only:
+                total = 1 if next(container.decode(video=0), None) is not None else 0
+            else:
+                total = stream.frames or decoded_frames(container, [])[0]
+                picked = sampled_frames(total, temporal, video.max_frames, video.fps, rate) if total else []
+                count, frames = decoded_frames(container, picked)
+                if count != total:  # the stream's count was not its frames'
+                    total = count
+                    picked = sampled_frames(total, temporal, video.max_frames, video.fps, rate) if total else []
+                    frames = decoded_frames(container, picked)[1]
+    except (av.error.FFmpegError, IndexError, OSError, ValueError) as e:
+        raise ConfigError(f"{video.where}: video {video.value!r} cannot be read as a video ({first_sentence(e)})") from None
+    if not total:
+        raise ConfigError(f"{video.where}: video {video.value!r} has no frames")
+    if count_only:
+        return [], None
+    return frames, VideoMetadata(total_num_frames=total, fps=rate, frames_indices=picked)
+
+
+def decoded_frames(container, picked: list[int]) -> tuple[int, list]:
+    """A video's frames from its start: how many there are, and the pictures of those ``picked``."""
+    container.seek(0)
+    wanted, kept, count = set(picked), [], 0
+    for count, frame in enumerate(container.decode(video=0), 1):
+        if count - 1 in wanted:
+            kept.append(frame.to_image().convert("RGB"))
+    return count, kept
+
+
+class FramesVideoProcessor:
+    """Qwen2-VL's video processing (transformers' ``Qwen2VLVideoProcessor``) on its image
+    processor's PIL path: each frame (all of one size) resized by ``smart_resize`` within the video
+    settings' pixel bounds, rescaled and normalized as an image is, then ``temporal_patch_size`` consecutive frames make a temporal
+    patch where an image repeats its one frame (a short video's last frame repeated to fill one);
+    ``video_grid_thw`` is (patches in time, height, width). For the families of ``FRAMES_VIDEO`` where
+    torchvision, which transformers' video processors need, cannot be imported."""
+
+    def __init__(self, image_processor, settings: dict[str, Any] | None = None):
+        self.image_processor, self.settings = image_processor, dict(settings or {})
+        if "min_pixels" in self.settings or "max_pixels" in self.settings:
+            size = dict(self.settings.get("size") or {})
+            size["shortest_edge"] = self.settings.pop("min_pixels", size.get("shortest_edge"))
+            size["longest_edge"] = self.settings.pop("max_pixels", size.get("longest_edge"))
+            self.settings["size"] = size
+        self.merge_size = self.settings.get("merge_size", image_processor.merge_size)
+        self.temporal_patch_size = self.settings.get("temporal_patch_size", image_processor.temporal_patch_size)
+        self.patch_size = self.settings.get("patch_size", image_processor.patch_size)
+
+    def patches(self, frames: list) -> tuple[np.ndarray, list[int]]:
+        temporal, patch = self.temporal_patch_size, self.patch_size
+        frames = frames + frames[-1:] * (-len(frames) % temporal)
+        # Each frame as the image processor makes an image: (patches, channel, temporal copies, patch, patch).
+        singles = [self.image_processor(images=[frame], return_tensors="np", **self.settings) for frame in frames]
+        grid = singles[0]["image_grid_thw"][0].tolist()
+        one = [s["pixel_values"].reshape(len(s["pixel_values"]), -1, temporal, patch, patch)[:, :, 0] for s in singles]
+        groups = [np.stack(one[t:t + temporal], axis=2) for t in range(0, len(one), temporal)]
+        return np.concatenate([g.reshape(len(g), -1) for g in groups]), [len(groups), grid[1], grid[2]]
+
+    def __call__(self, videos, **kwargs):
+        from transformers import BatchFeature
+
+        made = [self.patches(list(frames)) for frames in videos]
+        return BatchFeature({"pixel_values_videos": torch.from_numpy(np.concatenate([m[0] for m in made])),
+                             "video_grid_thw": torch.tensor([m[1] for m in made]),
+                             "video_metadata": kwargs.get("video_metadata")})
+
+
+def video_processor_of(processor, where: str):
+    """The processor that makes a record's video inputs: the family's own where its video processor
+    loaded, a copy with ``FramesVideoProcessor`` for the families of ``FRAMES_VIDEO``; else refused."""
+    import copy
+
+    name = type(processor).__name__
+    if getattr(processor, "video_processor", None) is not None:
+        return processor
+    if name in FRAMES_VIDEO:
+        with_frames = copy.copy(processor)
+        # load_processor's, with the model folder's video settings; else the image processor's own
+        with_frames.video_processor = getattr(processor, "frames_video", None) or FramesVideoProcessor(
+            processor.image_processor)
+        return with_frames
+    family = name.removesuffix("Processor")
+    if takes_video(type(processor)) or takes_video(type(processor).__base__):  # without_video's base
+        raise ConfigError(f"{where}: a video, and the family {family} takes video only through its own video processor, "
+                          "which needs torchvision (not importable here); give its frames as images")
+    raise ConfigError(f"{where}: a video, and the family {family} takes images only; give the video's frames as images "
+                      "or a family that takes video (Qwen2-VL, Qwen2.5-VL, Qwen3-VL)")
+
+
 def record_sources(cfg: VLMChatDataConfig) -> Iterator[tuple[Path | None, Iterator[tuple[str, dict[str, Any]]]]]:
     """``(folder image paths are relative to, rows)`` of each file, saved folder and data set."""
     for raw in cfg.paths:
@@ -555,7 +811,9 @@ def load_examples(cfg: VLMChatDataConfig) -> tuple[list[tuple[str, list, list]],
                 messages, images = caption_messages(record, where, cfg.caption_prompt)
             if not any(m["role"] == "assistant" for m in messages):
                 raise ConfigError(f"{where}: the conversation has no assistant turn: nothing to learn")
-            examples.append((where, messages, [ImageRef.checked(image, base, where) for image in images]))
+            examples.append((where, messages, [
+                VideoRef.checked(item.value, base, where, cfg.video_fps, cfg.video_max_frames)
+                if isinstance(item, VideoPart) else ImageRef.checked(item, base, where) for item in images]))
     if not examples:
         raise ConfigError(f"no records in data.paths={cfg.paths}" + (f" or data.dataset={cfg.dataset}" if cfg.dataset else ""))
     return examples, formats
@@ -592,9 +850,20 @@ def check_no_image_tokens(processor, messages: list, where: str) -> None:
                                   f"{PLACEHOLDER})")
 
 
-def processor_inputs(processor, text: str, images: list, **kwargs) -> dict[str, Any]:
-    return processor(text=[text], images=[[image_of(i) for i in images]] if images else None, return_tensors="pt",
-                     **kwargs)
+def processor_inputs(processor, text: str, media: list, where: str = "a record", **kwargs) -> dict[str, Any]:
+    """The processor's inputs of ``text`` and its ``media`` (pictures, ``ImageRef`` and ``VideoRef``,
+    each kind in the order of its tokens); a video's frames as ``video_processor_of`` makes them."""
+    images = [image_of(m) for m in media if not isinstance(m, VideoRef)]
+    videos = [m for m in media if isinstance(m, VideoRef)]
+    if videos:
+        processor = video_processor_of(processor, where)
+        temporal = getattr(processor.video_processor, "temporal_patch_size", 1) or 1
+        opened = [video.open(temporal) for video in videos]
+        kwargs = {**kwargs, "videos": [np.stack([np.asarray(f) for f in frames]) for frames, _ in opened],
+                  "video_metadata": [metadata for _, metadata in opened], "do_sample_frames": False}
+    out = processor(text=[text], images=[images] if images else None, return_tensors="pt", **kwargs)
+    out.pop("video_metadata", None)
+    return out
 
 
 # The bytes of image inputs a run keeps from encoding, over its pieces (each rank its own): a
@@ -650,7 +919,7 @@ def encode(processor, messages: list, images: list, seq_len: int, where: str) ->
     if prefix_suffix(processor):
         return encode_prefix_suffix(processor, messages, images, seq_len, where)
     text, spans = assistant_spans(processor, messages, where)
-    out = processor_inputs(processor, text, images, return_offsets_mapping=True, return_text_replacement_offsets=True)
+    out = processor_inputs(processor, text, images, where, return_offsets_mapping=True, return_text_replacement_offsets=True)
     ids = out.pop("input_ids")[0]
     offsets = out.pop("offset_mapping")[0].tolist()
     replaced = (out.pop("text_replacement_offsets", None) or [[]])[0]
@@ -671,13 +940,26 @@ def encode(processor, messages: list, images: list, seq_len: int, where: str) ->
     image_positions = [i for i, ((start, end), token) in enumerate(zip(offsets, ids.tolist()))
                        if token in never or any(a <= start and end <= b and end > start for a, b in expansions)]
     if image_positions and len(image_positions) > seq_len:
+        videos = sum(isinstance(m, VideoRef) for m in images)
         raise ConfigError(f"{where}: the images alone take {len(image_positions)} tokens, more than data.seq_len={seq_len}; "
-                          "raise data.seq_len or give smaller images")
+                          "raise data.seq_len or give smaller images" if not videos else
+                          f"{where}: the images and videos take {len(image_positions)} tokens (the videos "
+                          f"{frames_of(out, processor)} frames), more than data.seq_len={seq_len}; raise data.seq_len, "
+                          "lower data.video_max_frames or give smaller frames")
     if image_positions and image_positions[-1] > seq_len:
         raise ConfigError(f"{where}: the images' tokens end at token {image_positions[-1] + 1}, beyond data.seq_len={seq_len}; "
                           f"raise data.seq_len above {image_positions[-1] + 1} or shorten the text before the images")
     targets = torch.where(torch.tensor(learnt), ids, torch.full_like(ids, IGNORE_INDEX))
     return piece_of(ids, targets, per_token, out, images, text, seq_len)
+
+
+def frames_of(out: dict[str, Any], processor) -> int:
+    """The frames the videos of a processor's output hold: temporal patches times their frames."""
+    grids = out.get("video_grid_thw")
+    if grids is None or not len(grids):
+        return 0
+    temporal = getattr(getattr(processor, "image_processor", None), "temporal_patch_size", 1) or 1
+    return int(torch.as_tensor(grids)[:, 0].sum()) * temporal
 
 
 def prefix_and_suffix(messages: list, where: str) -> tuple[str, str]:
@@ -703,6 +985,8 @@ def encode_prefix_suffix(processor, messages: list, images: list, seq_len: int, 
         raise ConfigError(f"{where}: the conversation ends with no assistant turn: no suffix to learn")
     if not images:
         raise ConfigError(f"{where}: no image; this model (prefix/suffix, as PaliGemma) answers about an image")
+    if any(isinstance(m, VideoRef) for m in images):
+        video_processor_of(processor, where)  # refused: a prefix/suffix family takes images only
     suffix, prefix = prefix_and_suffix(messages, where)[1], prefix_text(processor, messages, images)
     out = processor_inputs(processor, prefix, images, suffix=[suffix])
     ids, targets = out["input_ids"][0], torch.as_tensor(out["labels"][0])
@@ -727,7 +1011,7 @@ def prompt_of(messages: list) -> tuple[list, str]:
 
 
 def generation_inputs(processor, messages: list, images: list) -> dict[str, Any]:
-    images_shown = sum(p["type"] == "image" for m in messages for p in m["content"])
+    images_shown = sum(p["type"] in ("image", "video") for m in messages for p in m["content"])
     if prefix_suffix(processor):
         return dict(processor_inputs(processor, prefix_text(processor, messages, images[:images_shown]),
                                      images[:images_shown]))
@@ -961,7 +1245,7 @@ class VLMChat(Engine):
         processor = load_processor(config.model.pretrained_path)
         examples, formats = load_examples(cfg)
         counts = {True: [0, 0, 0], False: [0, 0, 0]}  # held out? -> [examples, tokens, loss tokens]
-        images = truncated = 0
+        images = truncated = counted_videos = frames = 0
         inputs: dict[bool, list[int]] = {True: [], False: []}  # held out? -> each piece's inputs (what packing fits)
         for where, messages, pictures in examples:
             piece = encode(processor, messages, pictures, cfg.seq_len, where)
@@ -971,7 +1255,9 @@ class VLMChat(Engine):
             counted[0] += 1
             counted[1] += len(piece["ids"])
             counted[2] += loss_tokens(piece)
-            images += len(pictures)
+            videos = sum(isinstance(m, VideoRef) for m in pictures)
+            images, counted_videos = images + len(pictures) - videos, counted_videos + videos
+            frames += frames_of(piece["grids"], processor)
             truncated += piece["truncated"]
         if not counts[False][0]:
             raise ConfigError(f"no training examples: data.eval_fraction={cfg.eval_fraction} holds out all of them")
@@ -983,7 +1269,8 @@ class VLMChat(Engine):
             train_documents=counts[False][0], train_tokens=counts[False][1],
             eval_documents=counts[True][0], eval_tokens=counts[True][1],
             tokenizer=f"{type(processor).__name__} of {config.model.pretrained_path}",
-            format=f"{', '.join(formats)} ({images} images)"
+            format=f"{', '.join(formats)} ({images} images"
+                   + (f", {counted_videos} videos of {frames} frames)" if counted_videos else ")")
                    + (f"; packed: {len(pack(inputs[False], cfg.seq_len))} rows of {cfg.seq_len}" if cfg.packing else ""),
             # engine.chat.assistant_spans (image tokens never); a prefix/suffix family's suffix: the completion
             mask="completion" if prefix_suffix(processor) else "turn_render",
@@ -1055,9 +1342,11 @@ class VLMChat(Engine):
             raise ConfigError("no examples are held out (data.eval_fraction=0): give sample an image per prompt")
         where, messages, images = held_out[index % len(held_out)]
         answer = prompt_of(messages)[1]
+        kind = "video" if images and isinstance(images[0], VideoRef) else "image"  # asked of its first
+        question = [{"role": "user", "content": [{"type": kind}, {"type": "text", "text": prompt}]}]
         inputs = generation_inputs(self.processor, question, images[:1])
         inputs.pop("attention_mask", None)  # sample gives its own
-        return inputs, {"input": f"held-out image(s) of {where}", "expected": answer[:1000]}
+        return inputs, {"input": f"held-out {kind}(s) of {where}", "expected": answer[:1000]}
 
     @torch.no_grad()
     def answers(self, examples, max_new_tokens: int = 16) -> list[str]:

@@ -251,7 +251,9 @@ BAD = [
     ({"image": "images/bomb.png", "caption": "x"}, ConfigError,
      r"bad.jsonl:1: image 'images/bomb.png' cannot be read \(Image size .* exceeds limit"),
     ({"messages": [{"role": "user", "content": [{"type": "video"}]}]}, ConfigError,
-     "bad.jsonl:1: message 1 has a part of type 'video'; give image or text parts"),
+     'bad.jsonl:1: message 1 has a video part with no "video" path'),
+    ({"messages": [{"role": "user", "content": [{"type": "audio"}]}]}, ConfigError,
+     "bad.jsonl:1: message 1 has a part of type 'audio'; give image, video or text parts"),
 ]
 
 
