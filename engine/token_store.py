@@ -70,6 +70,11 @@ WAIT_POLL_S = 0.5  # how often a rank that does not build looks for the store
 # A store's lock held this long while its build writes nothing: whoever waits for it gives up,
 # naming the holder (a run that took the lock and builds nothing must not stop other runs for ever).
 LOCK_STALL_S = 120.0
+# The slowest pace of an honest build, in bytes of input a second (50 times below the 1-10 MB/s
+# builds run at; README's slowest measured, sft's chat template, 3.0 MB/s): a waiter that knows the size of
+# the data gives up, naming the holder, once it has waited LOCK_STALL_S plus that data's bytes at
+# this pace, however the holder's build folder changes (a run that writes for ever builds nothing).
+MIN_BUILD_BYTES_PER_S = 20_000
 MAX_HOLDER_CHARS = 120
 _PRINTABLE = re.compile(r"[^ -~]")  # the holder's name, as its holder wrote it: printable ASCII only
 
@@ -319,11 +324,11 @@ def open_or_build(key: str, rows: int, dtype: str, build: Callable[[StoreWriter]
     root = cache_root() if root is None else root
     folder = root / key
     while not builds_here():  # another process of this node builds it: wait for it, without building
-        with locked_store(root, key):
+        with locked_store(root, key, input_bytes=input_bytes):
             if (folder / META_JSON).is_file():
                 return TokenStore(folder, json.loads((folder / META_JSON).read_text()))
         time.sleep(WAIT_POLL_S)
-    with locked_store(root, key):
+    with locked_store(root, key, input_bytes=input_bytes):
         if (folder / META_JSON).is_file():
             return TokenStore(folder, json.loads((folder / META_JSON).read_text()))
         # Builds left by a builder killed meanwhile (it held the lock), and a store without meta.json.
@@ -360,13 +365,16 @@ def check_disk_space(input_bytes: int, root: Path | None = None) -> None:
 
 
 @contextlib.contextmanager
-def locked_store(root: Path, key: str, wait: bool = True):
+def locked_store(root: Path, key: str, wait: bool = True, input_bytes: int = 0):
     """The lock of the store ``key`` (``<key>.lock`` in the cache folder: a build of other data
     never waits for it), held while the store is looked up and built, with its holder's name (its
     run) written in it. A waiter gives up with :class:`ConfigError` naming the holder when the
     holder's build of the store writes nothing for :data:`LOCK_STALL_S` (a run that holds the lock
-    and builds nothing); ``wait=False`` raises ``BlockingIOError`` at once when it is held. A link
-    in the cache folder's place is refused (the lock would be another folder's)."""
+    and builds nothing), or, given the size of the data (``input_bytes``, the same for every
+    holder of the key), once it has waited longer than a build of it takes at
+    :data:`MIN_BUILD_BYTES_PER_S` (a run that holds the lock and writes for ever); a holder that
+    swaps the lock's file resets neither. ``wait=False`` raises ``BlockingIOError`` at once when
+    it is held. A link in the cache folder's place is refused (the lock would be another folder's)."""
     try:
         cache_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
     except OSError as e:
@@ -375,7 +383,8 @@ def locked_store(root: Path, key: str, wait: bool = True):
         raise ConfigError(f"the data cache {root} is a symbolic link or not a folder; remove it, or set "
                           f"{CACHE_VARIABLE} to a folder") from None
     try:
-        with holding_store_lock(cache_fd, key, lambda fd: _acquire(fd, root, key, wait)) as fd:
+        waiting = LockWait(root, key, wait, input_bytes)
+        with holding_store_lock(cache_fd, key, waiting.acquire) as fd:
             os.ftruncate(fd, 0)
             os.pwrite(fd, lock_holder().encode(), 0)
             yield
@@ -389,23 +398,42 @@ def lock_holder() -> str:
     return f"run {run}" if run else f"process {os.getpid()} (not a run)"
 
 
-def _acquire(fd: int, root: Path, key: str, wait: bool) -> None:
-    written, since = -1, time.monotonic()
-    while True:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            return
-        except BlockingIOError:
-            if not wait:
-                raise
-        now, building = time.monotonic(), building_bytes(root, key)
-        if building != written:
-            written, since = building, now
-        elif now - since > LOCK_STALL_S:
-            holder = _PRINTABLE.sub("?", os.pread(fd, MAX_HOLDER_CHARS, 0).decode(errors="replace")) or "another process"
-            raise ConfigError(f"the data cache's store {key} is locked by {holder}, which has written nothing of it for "
-                              f"{LOCK_STALL_S:.0f} s; stop that run, or launch again once it has ended")
-        time.sleep(WAIT_POLL_S)
+class LockWait:
+    """One waiter's wait for a store's lock, over every lock file it tries: when it started, and
+    when the holder's build last wrote (a holder that swaps the lock's file resets neither)."""
+
+    def __init__(self, root: Path, key: str, wait: bool, input_bytes: int):
+        self.root, self.key, self.wait = root, key, wait
+        self.longest = LOCK_STALL_S + input_bytes / MIN_BUILD_BYTES_PER_S if input_bytes > 0 else math.inf
+        self.input_bytes, self.written = input_bytes, -1
+        self.started = self.since = time.monotonic()
+
+    def acquire(self, fd: int) -> None:
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return
+            except BlockingIOError:
+                if not self.wait:
+                    raise
+            now, building = time.monotonic(), building_bytes(self.root, self.key)
+            if building != self.written:
+                self.written, self.since = building, now
+            elif now - self.since > LOCK_STALL_S:
+                raise ConfigError(f"the data cache's store {self.key} is locked by {self.holder(fd)}, which has written "
+                                  f"nothing of it for {LOCK_STALL_S:.0f} s; stop that run, or launch again once it "
+                                  "has ended")
+            if now - self.started > self.longest:
+                raise ConfigError(f"the data cache's store {self.key} is locked by {self.holder(fd)}, which has held it "
+                                  f"for over {self.longest:.0f} s, longer than building {self.input_bytes / 1e6:.1f} MB "
+                                  f"of data takes at {MIN_BUILD_BYTES_PER_S / 1e3:.0f} KB/s; stop that run, or launch "
+                                  "again once it has ended")
+            time.sleep(WAIT_POLL_S)
+
+    @staticmethod
+    def holder(fd: int) -> str:
+        """The holder's name as it wrote it into the lock's file: printable ASCII, bounded."""
+        return _PRINTABLE.sub("?", os.pread(fd, MAX_HOLDER_CHARS, 0).decode(errors="replace")) or "another process"
 
 
 def building_bytes(root: Path, key: str) -> int:
