@@ -81,15 +81,16 @@ def build_in_parts(writer: StoreWriter, count: int, build_part: Callable[[StoreW
     counts, shown = [], [0, 0]  # the documents and bytes of the workers' that writer.progress has
     try:
         with pool:
-            results = pool.imap(_build_part, [(writer.folder, index, writer.rows, writer.dtype) for index in range(count)])
+            jobs = [(writer.folder, writer.fd, writer.key, index, writer.rows, writer.dtype) for index in range(count)]
+            results = pool.imap(_build_part, jobs)
             for index in range(count):
                 counts.append(_next_part(results, writer, shown))
-                writer.append_part(writer.folder / f"part-{index}")
-                shutil.rmtree(writer.folder / f"part-{index}")  # the disk holds the store, not it twice
+                writer.append_part(f"part-{index}")
+                shutil.rmtree(f"part-{index}", dir_fd=writer.fd)  # the disk holds the store, not it twice
     finally:
         _part_builder = _part_progress = None
-        for part in writer.folder.glob("part-*"):
-            shutil.rmtree(part, ignore_errors=True)
+        for index in range(count):
+            shutil.rmtree(f"part-{index}", ignore_errors=True, dir_fd=writer.fd)
     return counts
 
 
@@ -107,11 +108,10 @@ def _next_part(results: IMapIterator, writer: StoreWriter, shown: list[int]) -> 
             shown[:] = done
 
 
-def _build_part(job: tuple[Path, int, int, str]) -> dict[str, Any]:
-    folder, index, rows, dtype = job
-    part = folder / f"part-{index}"
-    part.mkdir()
-    writer = StoreWriter(part, rows, dtype)
+def _build_part(job: tuple[Path, int, str, int, int, str]) -> dict[str, Any]:
+    folder, folder_fd, key, index, rows, dtype = job  # the build's folder, and its fd opened before the fork
+    os.mkdir(f"part-{index}", dir_fd=folder_fd)
+    writer = StoreWriter(folder / f"part-{index}", rows, dtype, key=key, parent_fd=folder_fd)
 
     def show(fields: dict[str, Any]) -> None:  # this part's progress, where the parent reads it
         _part_progress[2 * index], _part_progress[2 * index + 1] = fields["documents"], fields["bytes_done"]

@@ -35,6 +35,7 @@ import math
 import os
 import re
 import shutil
+import stat
 import tempfile
 import time
 from array import array
@@ -239,15 +240,23 @@ class TokenStore:
 class StoreWriter:
     """What a builder writes pieces into: ``add(split, piece)`` appends one piece (an integer
     array of ``rows`` rows, or one row); ``progress.advance(documents, bytes_read)`` tells how far
-    the builder has read."""
+    the builder has read. Its folder (``parent_fd``'s entry of that name, when given) is opened
+    once, following no link, and each file is created anew in it (:func:`new_file`): what a run
+    plants in a build meanwhile is refused, never written through."""
 
-    def __init__(self, folder: Path, rows: int, dtype: str, input_bytes: int = 0):
-        self.folder, self.rows, self.dtype = folder, rows, dtype
+    def __init__(self, folder: Path, rows: int, dtype: str, input_bytes: int = 0, *, key: str = "",
+                 parent_fd: int | None = None):
+        self.folder, self.rows, self.dtype, self.key = folder, rows, dtype, key
         self.progress = BuildProgress(input_bytes)
-        self.files = {split: open(folder / f"{split}.bin", "wb") for split in SPLITS}
+        self.fd = os.open(folder.name if parent_fd is not None else folder, DIRECTORY_NO_FOLLOW, dir_fd=parent_fd)
+        self.files = {split: self.new_file(f"{split}.bin") for split in SPLITS}
         self.starts = {split: array("q", [0]) for split in SPLITS}
         self.buffers: dict[str, list[np.ndarray]] = {split: [] for split in SPLITS}
         self.buffered = dict.fromkeys(SPLITS, 0)
+
+    def new_file(self, name: str) -> Any:
+        """``name`` created in the build's folder, for writing: refused when it is there already."""
+        return new_file(self.fd, name, f"the data cache's build of store {self.key}")
 
     def add(self, split: str, piece: Any) -> None:
         values = np.asarray(piece).reshape(-1)
@@ -264,20 +273,62 @@ class StoreWriter:
             np.concatenate(self.buffers[split]).tofile(self.files[split])
         self.buffers[split], self.buffered[split] = [], 0
 
-    def append_part(self, part: Path) -> None:
-        """Append the pieces of a part that another writer built into ``part`` (closed)."""
-        for split in SPLITS:
-            self._flush(split)
-            starts = np.load(part / f"{split}.idx.npy")
-            self.starts[split].frombytes((starts[1:] + self.starts[split][-1]).astype(np.int64).tobytes())
-            with open(part / f"{split}.bin", "rb") as values:
-                shutil.copyfileobj(values, self.files[split], 1 << 24)
+    def append_part(self, name: str) -> None:
+        """Append the pieces of a part that another writer built into the folder ``name`` of this
+        one (closed), read following no link."""
+        part = os.open(name, DIRECTORY_NO_FOLLOW, dir_fd=self.fd)
+        try:
+            for split in SPLITS:
+                self._flush(split)
+                with built_file(part, f"{split}.idx.npy") as index:
+                    starts = np.load(index, allow_pickle=False)
+                self.starts[split].frombytes((starts[1:] + self.starts[split][-1]).astype(np.int64).tobytes())
+                with built_file(part, f"{split}.bin") as values:
+                    shutil.copyfileobj(values, self.files[split], 1 << 24)
+        finally:
+            os.close(part)
 
-    def close(self) -> None:
-        for split in SPLITS:
-            self._flush(split)
-            self.files[split].close()
-            np.save(self.folder / f"{split}.idx.npy", np.frombuffer(self.starts[split], dtype=np.int64))
+    def close(self, meta: dict[str, Any] | None = None) -> None:
+        """The splits' indexes written, then ``meta`` as meta.json when given (last: a folder
+        without it is no store)."""
+        try:
+            for split in SPLITS:
+                self._flush(split)
+                self.files[split].close()
+                with self.new_file(f"{split}.idx.npy") as index:
+                    np.save(index, np.frombuffer(self.starts[split], dtype=np.int64))
+            if meta is not None:
+                with self.new_file(META_JSON) as meta_file:
+                    meta_file.write(json.dumps(meta).encode())
+        finally:
+            for file in self.files.values():
+                file.close()
+            os.close(self.fd)
+
+
+DIRECTORY_NO_FOLLOW = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+def new_file(folder_fd: int, name: str, build: str) -> Any:
+    """The file ``name`` created in the folder ``folder_fd`` for writing, following no link; a
+    name there already (a link or a file another process planted in ``build``) is refused with
+    :class:`ConfigError`, written through never."""
+    try:
+        fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644, dir_fd=folder_fd)
+    except FileExistsError:
+        raise ConfigError(f"{build} holds {name}, which it did not write: a run writes into the data cache; stop it "
+                          "and launch again") from None
+    return open(fd, "wb")
+
+
+def built_file(folder_fd: int, name: str) -> Any:
+    """The file ``name`` of the folder ``folder_fd``, for reading: a regular file, opened following no link."""
+    fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=folder_fd)
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise ConfigError(f"the data cache's build holds {name}, which is not a regular file: a run writes into the "
+                          "data cache; stop it and launch again")
+    return open(fd, "rb")
 
 
 def tokenizer_identity(tokenizer: Any) -> str:
@@ -339,13 +390,12 @@ def open_or_build(key: str, rows: int, dtype: str, build: Callable[[StoreWriter]
         check_disk_space(input_bytes, root)
         building = Path(tempfile.mkdtemp(prefix=f"{key}.building-", dir=root))
         try:
-            writer = StoreWriter(building, rows, dtype, input_bytes)
+            writer, meta = StoreWriter(building, rows, dtype, input_bytes, key=key), None
             try:
                 counts = build(writer)
+                meta = {"key": key, "rows": rows, "dtype": dtype, "counts": counts}
             finally:
-                writer.close()
-            meta = {"key": key, "rows": rows, "dtype": dtype, "counts": counts}
-            (building / META_JSON).write_text(json.dumps(meta))
+                writer.close(meta)
             shutil.rmtree(folder, ignore_errors=True)  # a folder a run made meanwhile (it ignored the lock)
             os.replace(building, folder)
         except BaseException:
