@@ -254,8 +254,7 @@ class StoreWriter:
         self.buffers: dict[str, list[np.ndarray]] = {split: [] for split in SPLITS}
         self.buffered = dict.fromkeys(SPLITS, 0)
 
-    def new_file(self, name: str) -> Any:
-        """``name`` created in the build's folder, for writing: refused when it is there already."""
+    def new_file(self, name: str) -> Any:  # created in the build's folder: refused when it is there already
         return new_file(self.fd, name, f"the data cache's build of store {self.key}")
 
     def add(self, split: str, piece: Any) -> None:
@@ -365,21 +364,23 @@ def value_dtype(max_value: int, signed: bool = False) -> str:
 
 
 def open_or_build(key: str, rows: int, dtype: str, build: Callable[[StoreWriter], dict[str, Any]],
-                  input_bytes: int = 0, root: Path | None = None) -> TokenStore:
+                  input_bytes: int = 0, root: Path | None = None, whole_size: bool = True) -> TokenStore:
     """The store of ``key``: mapped when it is built, else built now by ``build`` (which adds the
     pieces and returns the counts kept in ``meta.json``), under the store's lock
     (:func:`locked_store`) so that the ranks of a run, and runs at once, build it once: the node's
     first process (:func:`builds_here`) builds it, the others wait until it is there. ``input_bytes``
-    (the size of the data read) decides the disk space checked first. An error of ``build`` leaves
-    nothing behind."""
+    (the size of the data read) decides the disk space checked first and, when it is the data's
+    ``whole_size`` (no Hub data set uncounted), how long another run's build is waited for
+    (:func:`locked_store`; this run's own ranks wait for theirs as long as it writes). An error of
+    ``build`` leaves nothing behind."""
     root = cache_root() if root is None else root
     folder = root / key
     while not builds_here():  # another process of this node builds it: wait for it, without building
-        with locked_store(root, key, input_bytes=input_bytes):
+        with locked_store(root, key):
             if (folder / META_JSON).is_file():
                 return TokenStore(folder, json.loads((folder / META_JSON).read_text()))
         time.sleep(WAIT_POLL_S)
-    with locked_store(root, key, input_bytes=input_bytes):
+    with locked_store(root, key, input_bytes=input_bytes if whole_size else 0):
         if (folder / META_JSON).is_file():
             return TokenStore(folder, json.loads((folder / META_JSON).read_text()))
         # Builds left by a builder killed meanwhile (it held the lock), and a store without meta.json.
@@ -455,8 +456,8 @@ class LockWait:
     def __init__(self, root: Path, key: str, wait: bool, input_bytes: int):
         self.root, self.key, self.wait = root, key, wait
         self.longest = LOCK_STALL_S + input_bytes / MIN_BUILD_BYTES_PER_S if input_bytes > 0 else math.inf
-        self.input_bytes, self.written = input_bytes, -1
-        self.started = self.since = time.monotonic()
+        self.input_bytes, self.written, self.started = input_bytes, -1, time.monotonic()
+        self.since = self.started
 
     def acquire(self, fd: int) -> None:
         while True:
@@ -481,8 +482,7 @@ class LockWait:
             time.sleep(WAIT_POLL_S)
 
     @staticmethod
-    def holder(fd: int) -> str:
-        """The holder's name as it wrote it into the lock's file: printable ASCII, bounded."""
+    def holder(fd: int) -> str:  # as the holder wrote it into the lock's file: printable ASCII, bounded
         return _PRINTABLE.sub("?", os.pread(fd, MAX_HOLDER_CHARS, 0).decode(errors="replace")) or "another process"
 
 

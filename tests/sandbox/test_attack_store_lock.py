@@ -106,3 +106,31 @@ def test_an_honest_build_within_the_datas_longest_build_is_waited_for(tmp_path, 
     with token_store.locked_store(tmp_path, KEY, input_bytes=3000):
         assert time.monotonic() - start >= 1.0
     holder.join()
+
+
+@pytest.mark.parametrize("waiter", ["this run's other rank", "a run of data with a Hub data set"])
+def test_a_build_past_the_bound_is_waited_for_by_its_own_ranks_and_for_data_of_unknown_size(tmp_path, quick, waiter,
+                                                                                             monkeypatch):
+    # 600 bytes of data: 1.2 s at most by the bound; the build writes for 2 s, then publishes.
+    held = threading.Event()
+
+    def slow_build(writer: token_store.StoreWriter) -> dict:
+        held.set()
+        with writer.new_file("progress") as progress:
+            for _ in range(20):
+                progress.write(b"x")
+                progress.flush()
+                time.sleep(0.1)
+        writer.add("train", [1, 2])
+        return {"documents": 1}
+
+    builder = threading.Thread(target=token_store.open_or_build, args=(KEY, 1, "uint16", slow_build, 600, tmp_path))
+    builder.start()
+    held.wait(10)
+    if waiter == "this run's other rank":
+        monkeypatch.setenv("LOCAL_RANK", "1")
+    start = time.monotonic()
+    store = token_store.open_or_build(KEY, 1, "uint16", lambda writer: {}, 600, tmp_path,
+                                      whole_size=waiter == "this run's other rank")
+    builder.join()
+    assert time.monotonic() - start >= 1.5 and store.counts == {"documents": 1}
