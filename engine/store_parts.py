@@ -18,7 +18,7 @@ from typing import Any, Callable
 
 from engine import token_store
 from engine.data_files import line_ranges
-from engine.token_store import StoreWriter, reporting
+from engine.token_store import StoreWriter, planted, reporting
 
 # Parts per worker of a build over the cores: more parts than workers share the work evenly (a part
 # that reads slowly holds up one worker a while, not the whole build at its end).
@@ -110,7 +110,10 @@ def _next_part(results: IMapIterator, writer: StoreWriter, shown: list[int]) -> 
 
 def _build_part(job: tuple[Path, int, str, int, int, str]) -> dict[str, Any]:
     folder, folder_fd, key, index, rows, dtype = job  # the build's folder, and its fd opened before the fork
-    os.mkdir(f"part-{index}", dir_fd=folder_fd)
+    try:
+        os.mkdir(f"part-{index}", dir_fd=folder_fd)
+    except FileExistsError:
+        raise planted(key, f"part-{index}") from None
     writer = StoreWriter(folder / f"part-{index}", rows, dtype, key=key, parent_fd=folder_fd)
 
     def show(fields: dict[str, Any]) -> None:  # this part's progress, where the parent reads it

@@ -71,10 +71,8 @@ WAIT_POLL_S = 0.5  # how often a rank that does not build looks for the store
 # A store's lock held this long while its build writes nothing: whoever waits for it gives up,
 # naming the holder (a run that took the lock and builds nothing must not stop other runs for ever).
 LOCK_STALL_S = 120.0
-# The slowest pace of an honest build, in bytes of input a second (50 times below the 1-10 MB/s
-# builds run at; README's slowest measured, sft's chat template, 3.0 MB/s): a waiter that knows the size of
-# the data gives up, naming the holder, once it has waited LOCK_STALL_S plus that data's bytes at
-# this pace, however the holder's build folder changes (a run that writes for ever builds nothing).
+# A waiter that knows the data's size gives up once it has waited LOCK_STALL_S plus those bytes at this
+# pace (bytes a second, 50 times below the 1-10 MB/s builds run at), however the holder's build writes.
 MIN_BUILD_BYTES_PER_S = 20_000
 MAX_HOLDER_CHARS = 120
 _PRINTABLE = re.compile(r"[^ -~]")  # the holder's name, as its holder wrote it: printable ASCII only
@@ -238,11 +236,9 @@ class TokenStore:
 
 
 class StoreWriter:
-    """What a builder writes pieces into: ``add(split, piece)`` appends one piece (an integer
-    array of ``rows`` rows, or one row); ``progress.advance(documents, bytes_read)`` tells how far
-    the builder has read. Its folder (``parent_fd``'s entry of that name, when given) is opened
-    once, following no link, and each file is created anew in it (:func:`new_file`): what a run
-    plants in a build meanwhile is refused, never written through."""
+    """What a builder writes pieces into: ``add(split, piece)`` appends one piece (an integer array of ``rows``
+    rows, or one row); ``progress.advance(documents, bytes_read)`` tells how far the builder has read. Its folder
+    (``parent_fd``'s entry, when given) is opened once following no link, each file created anew (:func:`new_file`)."""
 
     def __init__(self, folder: Path, rows: int, dtype: str, input_bytes: int = 0, *, key: str = "",
                  parent_fd: int | None = None):
@@ -255,7 +251,7 @@ class StoreWriter:
         self.buffered = dict.fromkeys(SPLITS, 0)
 
     def new_file(self, name: str) -> Any:  # created in the build's folder: refused when it is there already
-        return new_file(self.fd, name, f"the data cache's build of store {self.key}")
+        return new_file(self.fd, name, self.key)
 
     def add(self, split: str, piece: Any) -> None:
         values = np.asarray(piece).reshape(-1)
@@ -279,10 +275,10 @@ class StoreWriter:
         try:
             for split in SPLITS:
                 self._flush(split)
-                with built_file(part, f"{split}.idx.npy") as index:
+                with built_file(part, f"{split}.idx.npy", self.key) as index:
                     starts = np.load(index, allow_pickle=False)
                 self.starts[split].frombytes((starts[1:] + self.starts[split][-1]).astype(np.int64).tobytes())
-                with built_file(part, f"{split}.bin") as values:
+                with built_file(part, f"{split}.bin", self.key) as values:
                     shutil.copyfileobj(values, self.files[split], 1 << 24)
         finally:
             os.close(part)
@@ -308,25 +304,29 @@ class StoreWriter:
 DIRECTORY_NO_FOLLOW = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
-def new_file(folder_fd: int, name: str, build: str) -> Any:
-    """The file ``name`` created in the folder ``folder_fd`` for writing, following no link; a
-    name there already (a link or a file another process planted in ``build``) is refused with
-    :class:`ConfigError`, written through never."""
+def new_file(folder_fd: int, name: str, key: str) -> Any:
+    """The file ``name`` created in the folder ``folder_fd`` of a build of store ``key``, for writing, following
+    no link; a name there already (planted by another process) is refused (:func:`planted`), written through never."""
     try:
         fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644, dir_fd=folder_fd)
     except FileExistsError:
-        raise ConfigError(f"{build} holds {name}, which it did not write: a run writes into the data cache; stop it "
-                          "and launch again") from None
+        raise planted(key, name) from None
     return open(fd, "wb")
 
 
-def built_file(folder_fd: int, name: str) -> Any:
-    """The file ``name`` of the folder ``folder_fd``, for reading: a regular file, opened following no link."""
+def planted(key: str, name: str) -> ConfigError:
+    """The refusal of a build of store ``key`` that finds ``name`` in its folder, which it did not write."""
+    return ConfigError(f"the data cache's build of store {key} holds {name}, which it did not write: a run writes "
+                       "into the data cache; stop it and launch again")
+
+
+def built_file(folder_fd: int, name: str, key: str) -> Any:
+    """The file ``name`` of the folder ``folder_fd`` (a build of store ``key``), for reading: a regular file,
+    opened following no link (anything else: :func:`planted`)."""
     fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=folder_fd)
     if not stat.S_ISREG(os.fstat(fd).st_mode):
         os.close(fd)
-        raise ConfigError(f"the data cache's build holds {name}, which is not a regular file: a run writes into the "
-                          "data cache; stop it and launch again")
+        raise planted(key, name)
     return open(fd, "rb")
 
 

@@ -60,3 +60,18 @@ def test_a_link_planted_in_a_part_of_a_build_over_the_cores_is_not_written_throu
         token_store.open_or_build(key, 1, "uint16", build, root=cache)
     assert victim.read_text() == '{"status": "running"}'
     assert list(cache.iterdir()) == []
+
+
+def test_a_part_folder_planted_before_its_worker_makes_it_is_refused_naming_it(tmp_path, victim):
+    """The worker's mkdir of a part another run made first failed with a bare FileExistsError."""
+    cache, key = tmp_path / "cache", "c" * 32
+    cache.mkdir()
+
+    def build(writer: token_store.StoreWriter) -> dict:
+        os.symlink(victim.parent, writer.folder / "part-1")
+        store_parts.build_in_parts(writer, 2, lambda part, index: {"documents": 1}, workers=2)
+        return {"documents": 2}
+
+    with pytest.raises(ConfigError, match=f"the data cache's build of store {key} holds part-1, which it did not write"):
+        token_store.open_or_build(key, 1, "uint16", build, root=cache)
+    assert sorted(p.name for p in victim.parent.iterdir()) == ["run.json"] and list(cache.iterdir()) == []
