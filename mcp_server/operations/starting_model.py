@@ -45,7 +45,9 @@ from typing import Any
 
 from engine import run_checkpoints
 from engine import run_dir as rd
+from engine.config import MAX_PRETRAINED_CONFIG_BYTES
 from engine.errors import BadInput, NotFound
+from engine.run_files import open_beneath
 from mcp_server.operations.model_tools import EXPORT_TIMEOUT_S, check_written, checkpoint_of
 from runner import hub, scripts
 from runner import server_record as sr
@@ -102,7 +104,7 @@ def check_family(ws: Workspace, code_dir: Path, run_dir: Path, step: int) -> Non
     record = rd.read_run(run_dir)
     if record.kind == rd.SCRIPT:
         _, path = run_checkpoints.choose_checkpoint(run_dir, rd.SCRIPT, step)
-        architecture, family = _script_family(path)
+        architecture, family = _script_family(run_dir, path)
         source = f"a script run whose checkpoint {path.name[:100]} is a {architecture}"
     else:
         template, family = FAMILIES.get(_engine_class(run_dir / rd.SNAPSHOT_DIRNAME / "recipe.py") or "", (None, None))
@@ -131,13 +133,20 @@ def _engine_class(recipe: Path) -> str | None:
     return None
 
 
-def _script_family(folder: Path) -> tuple[str | None, str | None]:
+def _script_family(run_dir: Path, folder: Path) -> tuple[str | None, str | None]:
     """The architecture a script checkpoint's ``config.json`` names and its family (None: a peft
     adapter, or an architecture neither family holds)."""
     from transformers.models.auto.modeling_auto import (MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
                                                         MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES)
+    # The run wrote it: opened a name at a time from the run's folder following no link, without
+    # waiting on a FIFO, and read bounded.
     try:
-        config = json.loads((folder / run_checkpoints.HF_MODEL_CONFIG).read_text())
+        fd = open_beneath(run_dir, (folder / run_checkpoints.HF_MODEL_CONFIG).relative_to(run_dir))
+        if fd is None:
+            return None, None
+        with os.fdopen(fd, "rb") as file:
+            data = file.read(MAX_PRETRAINED_CONFIG_BYTES + 1) if stat.S_ISREG(os.fstat(fd).st_mode) else b""
+        config = json.loads(data) if len(data) <= MAX_PRETRAINED_CONFIG_BYTES else {}
         architecture = config["architectures"][0]
     except (OSError, ValueError, KeyError, IndexError, TypeError):
         return None, None
