@@ -333,6 +333,25 @@ def data_file(raw: str, root: Path | None = None, listing: DataListing | None = 
     return real
 
 
+def open_data_file(raw: str, root: Path | None = None, listing: DataListing | None = None) -> Any:
+    """:func:`data_file`, opened for reading: the file read is the one confined, whatever is done
+    to its path meanwhile. It is opened by its resolved path following no link and without waiting
+    on a FIFO, then what the descriptor holds is checked: a regular file, at a path inside the
+    workspace (a name swapped for a link, a FIFO or a folder's link between check and open is
+    refused as :func:`data_file` refuses it, never read)."""
+    real = data_file(raw, root, listing)
+    fd = os.open(real, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(f"not a regular file: {raw}")
+        _confined(Path(os.readlink(f"/proc/self/fd/{fd}")), raw, allowed_root() if root is None else Path(root).resolve())
+        os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return open(fd, "rb")
+
+
 def confined_path(raw: str, root: Path | None = None) -> str:
     """A local file or folder (model weights, a tokenizer) as a resolved path, after checking it
     and, for a folder, every file in it, as :func:`data_files` does. A value that names nothing

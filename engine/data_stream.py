@@ -46,6 +46,11 @@ from engine.data_formats import READERS as RECORD_READERS
 TEXT_SUFFIXES = {".txt", ".md", ".py"}  # one record each: the whole file
 SHARD_SUFFIXES = TEXT_SUFFIXES | set(RECORD_READERS)
 QUEUE_PIECES = 256  # pieces read ahead of the trainer (the memory a stream holds besides one record)
+# The most memory a rank's shuffle buffer may hold: the bound of data.shuffle_buffer. A piece
+# holds seq_len + 1 int64 tokens and about PIECE_OVERHEAD_BYTES besides (a torch tensor of 3
+# tokens in a list took 546 bytes of RSS on CPython 3 with torch 2.13, 200,000 of them measured).
+MAX_SHUFFLE_BUFFER_BYTES = 1 << 30
+PIECE_OVERHEAD_BYTES = 512
 SPLIT_NAMES = ("train", "validation", "test", "dev")  # the split names hub_shards looks for in paths
 CHECK_RECORDS = 8  # records of the first shard the launch check reads
 
@@ -333,6 +338,18 @@ def hold_out_of_stream(data: Any) -> None:
     if data.eval_fraction not in (0, 1):
         raise ValueError("data.streaming holds out no fraction of a stream: data.eval_fraction is 0 (train on "
                          "all) or 1 (all held out: evaluate on files given); leave it out")
+
+
+def check_shuffle_buffer(data: Any) -> None:
+    """Refuse a ``data.shuffle_buffer`` whose pieces (``seq_len + 1`` int64 tokens each) would
+    hold more than :data:`MAX_SHUFFLE_BUFFER_BYTES` of a rank's memory, naming the largest that fits."""
+    piece = 8 * (data.seq_len + 1) + PIECE_OVERHEAD_BYTES
+    most = MAX_SHUFFLE_BUFFER_BYTES // piece
+    if data.shuffle_buffer > most:
+        raise ValueError(f"data.shuffle_buffer={data.shuffle_buffer} would hold about "
+                         f"{data.shuffle_buffer * piece / 2**30:.1f} GiB of pieces of data.seq_len={data.seq_len} "
+                         f"in each rank's memory; at most {MAX_SHUFFLE_BUFFER_BYTES / 2**30:.0f} GiB: set it to "
+                         f"{most} or less")
 
 
 def streamed_eval_batches(config, stream_batches: Callable[[], Any]) -> list | None:

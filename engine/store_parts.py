@@ -19,7 +19,7 @@ from typing import Any, Callable, Iterable
 
 from engine import token_store
 from engine.data_files import DataListing, line_ranges
-from engine.token_store import StoreWriter, reporting
+from engine.token_store import StoreWriter, planted, reporting
 
 # Parts per worker of a build over the cores: more parts than workers share the work evenly (a part
 # that reads slowly holds up one worker a while, not the whole build at its end).
@@ -102,16 +102,17 @@ def build_in_parts(writer: StoreWriter, count: int, build_part: Callable[[StoreW
     counts, shown = [], [0, 0]  # the documents and bytes of the workers' that writer.progress has
     try:
         with pool:
-            jobs = [(writer.folder, index, writer.rows, writer.dtype, writer.records) for index in range(count)]
+            jobs = [(writer.folder, writer.fd, writer.key, index, writer.rows, writer.dtype, writer.records)
+                    for index in range(count)]
             results = pool.imap(_build_part, jobs)
             for index in range(count):
                 counts.append(_next_part(results, writer, shown))
-                writer.append_part(writer.folder / f"part-{index}")
-                shutil.rmtree(writer.folder / f"part-{index}")  # the disk holds the store, not it twice
+                writer.append_part(f"part-{index}")
+                shutil.rmtree(f"part-{index}", dir_fd=writer.fd)  # the disk holds the store, not it twice
     finally:
         _part_builder = _part_progress = None
-        for part in writer.folder.glob("part-*"):
-            shutil.rmtree(part, ignore_errors=True)
+        for index in range(count):
+            shutil.rmtree(f"part-{index}", ignore_errors=True, dir_fd=writer.fd)
     return counts
 
 
@@ -129,11 +130,13 @@ def _next_part(results: IMapIterator, writer: StoreWriter, shown: list[int]) -> 
             shown[:] = done
 
 
-def _build_part(job: tuple[Path, int, int, str, bool]) -> dict[str, Any]:
-    folder, index, rows, dtype, records = job
-    part = folder / f"part-{index}"
-    part.mkdir()
-    writer = StoreWriter(part, rows, dtype, records=records)
+def _build_part(job: tuple[Path, int, str, int, int, str, bool]) -> dict[str, Any]:
+    folder, folder_fd, key, index, rows, dtype, records = job  # the build's folder, and its fd opened before the fork
+    try:
+        os.mkdir(f"part-{index}", dir_fd=folder_fd)
+    except FileExistsError:
+        raise planted(key, f"part-{index}") from None
+    writer = StoreWriter(folder / f"part-{index}", rows, dtype, records=records, key=key, parent_fd=folder_fd)
 
     def show(fields: dict[str, Any]) -> None:  # this part's progress, where the parent reads it
         _part_progress[2 * index], _part_progress[2 * index + 1] = fields["documents"], fields["bytes_done"]

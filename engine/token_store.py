@@ -37,6 +37,7 @@ import math
 import os
 import re
 import shutil
+import stat
 import tempfile
 import time
 from array import array
@@ -72,6 +73,9 @@ WAIT_POLL_S = 0.5  # how often a rank that does not build looks for the store
 # A store's lock held this long while its build writes nothing: whoever waits for it gives up,
 # naming the holder (a run that took the lock and builds nothing must not stop other runs for ever).
 LOCK_STALL_S = 120.0
+# A waiter that knows the data's size gives up once it has waited LOCK_STALL_S plus those bytes at this
+# pace (bytes a second, 50 times below the 1-10 MB/s builds run at), however the holder's build writes.
+MIN_BUILD_BYTES_PER_S = 20_000
 MAX_HOLDER_CHARS = 120
 _PRINTABLE = re.compile(r"[^ -~]")  # the holder's name, as its holder wrote it: printable ASCII only
 
@@ -262,16 +266,22 @@ class StoreWriter:
     """What a builder writes pieces into: ``add(split, piece, record)`` appends one piece (an
     integer array of ``rows`` rows, or one row) and, in a writer with ``records``, the byte string
     kept beside it (:class:`Records`); ``progress.advance(documents, bytes_read)`` tells how far
-    the builder has read."""
+    the builder has read. Its folder (``parent_fd``'s entry, when given) is opened once following
+    no link, each file created anew (:func:`new_file`)."""
 
-    def __init__(self, folder: Path, rows: int, dtype: str, input_bytes: int = 0, records: bool = False):
-        self.folder, self.rows, self.dtype, self.records = folder, rows, dtype, records
+    def __init__(self, folder: Path, rows: int, dtype: str, input_bytes: int = 0, records: bool = False, *,
+                 key: str = "", parent_fd: int | None = None):
+        self.folder, self.rows, self.dtype, self.records, self.key = folder, rows, dtype, records, key
         self.progress = BuildProgress(input_bytes)
+        self.fd = os.open(folder.name if parent_fd is not None else folder, DIRECTORY_NO_FOLLOW, dir_fd=parent_fd)
         streams = ("", ".records") if records else ("",)
-        self.files = {split + kind: open(folder / f"{split}{kind}.bin", "wb") for split in SPLITS for kind in streams}
+        self.files = {split + kind: self.new_file(f"{split}{kind}.bin") for split in SPLITS for kind in streams}
         self.starts = {name: array("q", [0]) for name in self.files}
         self.buffers: dict[str, list[np.ndarray]] = {name: [] for name in self.files}
         self.buffered = dict.fromkeys(self.files, 0)
+
+    def new_file(self, name: str) -> Any:  # created in the build's folder: refused when it is there already
+        return new_file(self.fd, name, self.key)
 
     def add(self, split: str, piece: Any, record: bytes | None = None) -> None:
         values = np.asarray(piece).reshape(-1)
@@ -295,20 +305,66 @@ class StoreWriter:
             np.concatenate(self.buffers[name]).tofile(self.files[name])
         self.buffers[name], self.buffered[name] = [], 0
 
-    def append_part(self, part: Path) -> None:
-        """Append the pieces (and records) of a part that another writer built into ``part`` (closed)."""
-        for name in self.files:
-            self._flush(name)
-            starts = np.load(part / f"{name}.idx.npy")
-            self.starts[name].frombytes((starts[1:] + self.starts[name][-1]).astype(np.int64).tobytes())
-            with open(part / f"{name}.bin", "rb") as values:
-                shutil.copyfileobj(values, self.files[name], 1 << 24)
+    def append_part(self, name: str) -> None:
+        """Append the pieces (and records) of a part that another writer built into the folder
+        ``name`` of this one (closed), read following no link."""
+        part = os.open(name, DIRECTORY_NO_FOLLOW, dir_fd=self.fd)
+        try:
+            for name in self.files:
+                self._flush(name)
+                with built_file(part, f"{name}.idx.npy", self.key) as index:
+                    starts = np.load(index, allow_pickle=False)
+                self.starts[name].frombytes((starts[1:] + self.starts[name][-1]).astype(np.int64).tobytes())
+                with built_file(part, f"{name}.bin", self.key) as values:
+                    shutil.copyfileobj(values, self.files[name], 1 << 24)
+        finally:
+            os.close(part)
 
-    def close(self) -> None:
-        for name in self.files:
-            self._flush(name)
-            self.files[name].close()
-            np.save(self.folder / f"{name}.idx.npy", np.frombuffer(self.starts[name], dtype=np.int64))
+    def close(self, meta: dict[str, Any] | None = None) -> None:
+        """The splits' indexes written, then ``meta`` as meta.json when given (last: a folder
+        without it is no store)."""
+        try:
+            for name in self.files:
+                self._flush(name)
+                self.files[name].close()
+                with self.new_file(f"{name}.idx.npy") as index:
+                    np.save(index, np.frombuffer(self.starts[name], dtype=np.int64))
+            if meta is not None:
+                with self.new_file(META_JSON) as meta_file:
+                    meta_file.write(json.dumps(meta).encode())
+        finally:
+            for file in self.files.values():
+                file.close()
+            os.close(self.fd)
+
+
+DIRECTORY_NO_FOLLOW = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+def new_file(folder_fd: int, name: str, key: str) -> Any:
+    """The file ``name`` created in the folder ``folder_fd`` of a build of store ``key``, for writing, following
+    no link; a name there already (planted by another process) is refused (:func:`planted`), written through never."""
+    try:
+        fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644, dir_fd=folder_fd)
+    except FileExistsError:
+        raise planted(key, name) from None
+    return open(fd, "wb")
+
+
+def planted(key: str, name: str) -> ConfigError:
+    """The refusal of a build of store ``key`` that finds ``name`` in its folder, which it did not write."""
+    return ConfigError(f"the data cache's build of store {key} holds {name}, which it did not write: a run writes "
+                       "into the data cache; stop it and launch again")
+
+
+def built_file(folder_fd: int, name: str, key: str) -> Any:
+    """The file ``name`` of the folder ``folder_fd`` (a build of store ``key``), for reading: a regular file,
+    opened following no link (anything else: :func:`planted`)."""
+    fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=folder_fd)
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise planted(key, name)
+    return open(fd, "rb")
 
 
 def tokenizer_identity(tokenizer: Any) -> str:
@@ -345,14 +401,17 @@ def value_dtype(max_value: int, signed: bool = False) -> str:
 
 
 def open_or_build(key: str, rows: int, dtype: str, build: Callable[[StoreWriter], dict[str, Any]],
-                  input_bytes: int = 0, root: Path | None = None, records: bool = False) -> TokenStore:
+                  input_bytes: int = 0, root: Path | None = None, records: bool = False,
+                  whole_size: bool = True) -> TokenStore:
     """The store of ``key``: mapped when it is built, else built now by ``build`` (which adds the
     pieces and returns the counts kept in ``meta.json``), under the store's lock
     (:func:`locked_store`) so that the ranks of a run, and runs at once, build it once: the node's
     first process (:func:`builds_here`) builds it, the others wait until it is there; ``records``:
     a byte string is kept beside each piece (:class:`StoreWriter`). ``input_bytes``
-    (the size of the data read) decides the disk space checked first. An error of ``build`` leaves
-    nothing behind."""
+    (the size of the data read) decides the disk space checked first and, when it is the data's
+    ``whole_size`` (no Hub data set uncounted), how long another run's build is waited for
+    (:func:`locked_store`; this run's own ranks wait for theirs as long as it writes). An error of
+    ``build`` leaves nothing behind."""
     root = cache_root() if root is None else root
     folder = root / key
     while not builds_here():  # another process of this node builds it: wait for it, without building
@@ -360,7 +419,7 @@ def open_or_build(key: str, rows: int, dtype: str, build: Callable[[StoreWriter]
             if (folder / META_JSON).is_file():
                 return TokenStore(folder, json.loads((folder / META_JSON).read_text()))
         time.sleep(WAIT_POLL_S)
-    with locked_store(root, key):
+    with locked_store(root, key, input_bytes=input_bytes if whole_size else 0):
         if (folder / META_JSON).is_file():
             return TokenStore(folder, json.loads((folder / META_JSON).read_text()))
         # Builds left by a builder killed meanwhile (it held the lock), and a store without meta.json.
@@ -371,13 +430,12 @@ def open_or_build(key: str, rows: int, dtype: str, build: Callable[[StoreWriter]
         check_disk_space(input_bytes, root)
         building = Path(tempfile.mkdtemp(prefix=f"{key}.building-", dir=root))
         try:
-            writer = StoreWriter(building, rows, dtype, input_bytes, records)
+            writer, meta = StoreWriter(building, rows, dtype, input_bytes, records, key=key), None
             try:
                 counts = build(writer)
+                meta = {"key": key, "rows": rows, "dtype": dtype, "counts": counts, **({"records": True} if records else {})}
             finally:
-                writer.close()
-            meta = {"key": key, "rows": rows, "dtype": dtype, "counts": counts, **({"records": True} if records else {})}
-            (building / META_JSON).write_text(json.dumps(meta))
+                writer.close(meta)
             shutil.rmtree(folder, ignore_errors=True)  # a folder a run made meanwhile (it ignored the lock)
             os.replace(building, folder)
         except BaseException:
@@ -397,13 +455,16 @@ def check_disk_space(input_bytes: int, root: Path | None = None) -> None:
 
 
 @contextlib.contextmanager
-def locked_store(root: Path, key: str, wait: bool = True):
+def locked_store(root: Path, key: str, wait: bool = True, input_bytes: int = 0):
     """The lock of the store ``key`` (``<key>.lock`` in the cache folder: a build of other data
     never waits for it), held while the store is looked up and built, with its holder's name (its
     run) written in it. A waiter gives up with :class:`ConfigError` naming the holder when the
     holder's build of the store writes nothing for :data:`LOCK_STALL_S` (a run that holds the lock
-    and builds nothing); ``wait=False`` raises ``BlockingIOError`` at once when it is held. A link
-    in the cache folder's place is refused (the lock would be another folder's)."""
+    and builds nothing), or, given the size of the data (``input_bytes``, the same for every
+    holder of the key), once it has waited longer than a build of it takes at
+    :data:`MIN_BUILD_BYTES_PER_S` (a run that holds the lock and writes for ever); a holder that
+    swaps the lock's file resets neither. ``wait=False`` raises ``BlockingIOError`` at once when
+    it is held. A link in the cache folder's place is refused (the lock would be another folder's)."""
     try:
         cache_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
     except OSError as e:
@@ -412,7 +473,8 @@ def locked_store(root: Path, key: str, wait: bool = True):
         raise ConfigError(f"the data cache {root} is a symbolic link or not a folder; remove it, or set "
                           f"{CACHE_VARIABLE} to a folder") from None
     try:
-        with holding_store_lock(cache_fd, key, lambda fd: _acquire(fd, root, key, wait)) as fd:
+        waiting = LockWait(root, key, wait, input_bytes)
+        with holding_store_lock(cache_fd, key, waiting.acquire) as fd:
             os.ftruncate(fd, 0)
             os.pwrite(fd, lock_holder().encode(), 0)
             yield
@@ -426,23 +488,41 @@ def lock_holder() -> str:
     return f"run {run}" if run else f"process {os.getpid()} (not a run)"
 
 
-def _acquire(fd: int, root: Path, key: str, wait: bool) -> None:
-    written, since = -1, time.monotonic()
-    while True:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            return
-        except BlockingIOError:
-            if not wait:
-                raise
-        now, building = time.monotonic(), building_bytes(root, key)
-        if building != written:
-            written, since = building, now
-        elif now - since > LOCK_STALL_S:
-            holder = _PRINTABLE.sub("?", os.pread(fd, MAX_HOLDER_CHARS, 0).decode(errors="replace")) or "another process"
-            raise ConfigError(f"the data cache's store {key} is locked by {holder}, which has written nothing of it for "
-                              f"{LOCK_STALL_S:.0f} s; stop that run, or launch again once it has ended")
-        time.sleep(WAIT_POLL_S)
+class LockWait:
+    """One waiter's wait for a store's lock, over every lock file it tries: when it started, and
+    when the holder's build last wrote (a holder that swaps the lock's file resets neither)."""
+
+    def __init__(self, root: Path, key: str, wait: bool, input_bytes: int):
+        self.root, self.key, self.wait = root, key, wait
+        self.longest = LOCK_STALL_S + input_bytes / MIN_BUILD_BYTES_PER_S if input_bytes > 0 else math.inf
+        self.input_bytes, self.written, self.started = input_bytes, -1, time.monotonic()
+        self.since = self.started
+
+    def acquire(self, fd: int) -> None:
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return
+            except BlockingIOError:
+                if not self.wait:
+                    raise
+            now, building = time.monotonic(), building_bytes(self.root, self.key)
+            if building != self.written:
+                self.written, self.since = building, now
+            elif now - self.since > LOCK_STALL_S:
+                raise ConfigError(f"the data cache's store {self.key} is locked by {self.holder(fd)}, which has written "
+                                  f"nothing of it for {LOCK_STALL_S:.0f} s; stop that run, or launch again once it "
+                                  "has ended")
+            if now - self.started > self.longest:
+                raise ConfigError(f"the data cache's store {self.key} is locked by {self.holder(fd)}, which has held it "
+                                  f"for over {self.longest:.0f} s, longer than building {self.input_bytes / 1e6:.1f} MB "
+                                  f"of data takes at {MIN_BUILD_BYTES_PER_S / 1e3:.0f} KB/s; stop that run, or launch "
+                                  "again once it has ended")
+            time.sleep(WAIT_POLL_S)
+
+    @staticmethod
+    def holder(fd: int) -> str:  # as the holder wrote it into the lock's file: printable ASCII, bounded
+        return _PRINTABLE.sub("?", os.pread(fd, MAX_HOLDER_CHARS, 0).decode(errors="replace")) or "another process"
 
 
 def building_bytes(root: Path, key: str) -> int:

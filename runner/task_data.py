@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import stat
 from pathlib import Path
 from typing import Any
 
@@ -53,12 +54,16 @@ def task_datasets(workspace: Path, tasks: list[str]) -> list[rd.HubModel]:
             wanted = (wanted | members) - defined
             if not members:
                 break
+    refs = [(dataset, task, ref) for dataset, task in sorted(named.items())
+            if (ref := hub.hub_ref(dataset, workspace, "dataset")) is not None]  # not a builder or a workspace folder
+    if len(refs) > MAX_DATASETS:
+        shown = ", ".join(dataset[:100] for dataset, _, _ in refs[:2 * MAX_DATASETS])
+        raise BadInput(f"the lm-eval tasks asked for read {len(refs)} Hub data sets ({shown}"
+                       f"{', …' if len(refs) > 2 * MAX_DATASETS else ''}); an evaluation is shown at most "
+                       f"{MAX_DATASETS}: evaluate fewer tasks at once")
     found = []
     offline = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    for dataset, task in sorted(named.items())[:MAX_DATASETS]:
-        ref = hub.hub_ref(dataset, workspace, "dataset")
-        if ref is None:  # a builder (json, parquet) or a workspace folder
-            continue
+    for dataset, task, ref in refs:
         try:
             found.append(hub.resolve(ref, environ=offline))
         except (NotFound, BadInput):
@@ -122,13 +127,22 @@ def _task_files(folder: Path, most: int | None) -> list[Path]:
 
 
 def _text(path: Path) -> str | None:
-    """A small regular file's text; None for anything else."""
+    """A small regular file's text; None for anything else. What is read is what was checked:
+    opened following no link and without waiting on a FIFO, then checked by its descriptor."""
     try:
-        if path.is_symlink() or not path.is_file() or path.stat().st_size > MAX_TASK_FILE_BYTES:
-            return None
-        return path.read_text()
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except (OSError, ValueError):
         return None
+    try:
+        status = os.fstat(fd)
+        if not stat.S_ISREG(status.st_mode) or status.st_size > MAX_TASK_FILE_BYTES:
+            return None
+        with open(fd, "rb", closefd=False) as file:  # read until the end, at most the bound
+            return file.read(MAX_TASK_FILE_BYTES + 1)[:MAX_TASK_FILE_BYTES].decode()
+    except (OSError, ValueError):
+        return None
+    finally:
+        os.close(fd)
 
 
 def _parse(text: str) -> dict[str, Any] | None:

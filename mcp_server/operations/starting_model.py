@@ -19,7 +19,8 @@ An export is kept while a run still in ``runs/`` started from it (that run's own
 rebuilt from it by ``sample``, ``evaluate``, ``export_checkpoint`` and ``resume_checkpoint``). One
 that no run names — its launch was refused after the export, or its runs were deleted — is
 removed by the next launch that exports one and by ``trainwright data-cache``, once it is older
-than :data:`START_MODEL_GRACE_S` (until then a launch may be about to name it, or reuse it);
+than :data:`START_MODEL_GRACE_S` (until then a launch may be about to name it; a launch that
+reuses one makes it new again, under the folder's lock that pruning and removal take);
 ``trainwright data-cache`` lists them all with their sizes and the runs that use them
 (:func:`start_models`), and removes one by name when no run uses it (:func:`remove_start_models`).
 
@@ -32,6 +33,7 @@ from __future__ import annotations
 
 import ast
 import contextlib
+import fcntl
 import json
 import os
 import secrets
@@ -43,7 +45,9 @@ from typing import Any
 
 from engine import run_checkpoints
 from engine import run_dir as rd
+from engine.config import MAX_PRETRAINED_CONFIG_BYTES
 from engine.errors import BadInput, NotFound
+from engine.run_files import open_beneath
 from mcp_server.operations.model_tools import EXPORT_TIMEOUT_S, check_written, checkpoint_of
 from runner import hub, scripts
 from runner import server_record as sr
@@ -100,7 +104,7 @@ def check_family(ws: Workspace, code_dir: Path, run_dir: Path, step: int) -> Non
     record = rd.read_run(run_dir)
     if record.kind == rd.SCRIPT:
         _, path = run_checkpoints.choose_checkpoint(run_dir, rd.SCRIPT, step)
-        architecture, family = _script_family(path)
+        architecture, family = _script_family(run_dir, path)
         source = f"a script run whose checkpoint {path.name[:100]} is a {architecture}"
     else:
         template, family = FAMILIES.get(_engine_class(run_dir / rd.SNAPSHOT_DIRNAME / "recipe.py") or "", (None, None))
@@ -129,13 +133,20 @@ def _engine_class(recipe: Path) -> str | None:
     return None
 
 
-def _script_family(folder: Path) -> tuple[str | None, str | None]:
+def _script_family(run_dir: Path, folder: Path) -> tuple[str | None, str | None]:
     """The architecture a script checkpoint's ``config.json`` names and its family (None: a peft
     adapter, or an architecture neither family holds)."""
     from transformers.models.auto.modeling_auto import (MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
                                                         MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES)
+    # The run wrote it: opened a name at a time from the run's folder following no link, without
+    # waiting on a FIFO, and read bounded.
     try:
-        config = json.loads((folder / run_checkpoints.HF_MODEL_CONFIG).read_text())
+        fd = open_beneath(run_dir, (folder / run_checkpoints.HF_MODEL_CONFIG).relative_to(run_dir))
+        if fd is None:
+            return None, None
+        with os.fdopen(fd, "rb") as file:
+            data = file.read(MAX_PRETRAINED_CONFIG_BYTES + 1) if stat.S_ISREG(os.fstat(fd).st_mode) else b""
+        config = json.loads(data) if len(data) <= MAX_PRETRAINED_CONFIG_BYTES else {}
         architecture = config["architectures"][0]
     except (OSError, ValueError, KeyError, IndexError, TypeError):
         return None, None
@@ -153,11 +164,13 @@ def exported_checkpoint(ws: Workspace, run_dir: Path, step: int, progress: hub.P
     root = start_models_dir(ws.root)
     name = f"{run_dir.name}-step-{step}"
     os.close(open_real_dir(root.parent, create=True))
+    prune_start_models(ws, keep=name)
     root_fd = open_real_dir(root, create=True)
     try:
-        prune_start_models(ws, keep=name)
-        if _is_folder(root_fd, name):
-            return root / name
+        with _holding(root_fd):  # found and made new at once: a prune meanwhile sees it used now
+            if _is_folder(root_fd, name):
+                os.utime(name, dir_fd=root_fd, follow_symlinks=False)
+                return root / name
         staging = f"{_STAGING_PREFIX}{name}-{secrets.token_hex(4)}"
         os.mkdir(staging, dir_fd=root_fd)
         try:
@@ -204,10 +217,11 @@ def prune_start_models(ws: Workspace, keep: str | None = None) -> list[tuple[str
     """Remove the exports no run uses that are older than :data:`START_MODEL_GRACE_S` (all but
     ``keep``); returns what was removed."""
     root = start_models_dir(ws.root)
-    stale = [(name, size) for name, size, users in start_models(ws)
-             if not users and name != keep and time.time() - (root / name).stat().st_mtime > START_MODEL_GRACE_S]
-    for name, _ in stale:
-        shutil.rmtree(root / name, ignore_errors=True)
+    with _locked(root) as root_fd:
+        stale = [(name, size) for name, size, users in start_models(ws) if not users and name != keep
+                 and time.time() - os.stat(name, dir_fd=root_fd, follow_symlinks=False).st_mtime > START_MODEL_GRACE_S]
+        for name, _ in stale:
+            shutil.rmtree(name, dir_fd=root_fd, ignore_errors=True)
     return stale
 
 
@@ -229,10 +243,37 @@ def chosen_start_models(ws: Workspace, names: list[str]) -> list[tuple[str, int]
 
 def remove_start_models(ws: Workspace, names: list[str]) -> list[tuple[str, int]]:
     """Remove the exports ``names`` (as :func:`chosen_start_models` checks them: all or none)."""
-    chosen = chosen_start_models(ws, names)
-    for name, _ in chosen:
-        shutil.rmtree(start_models_dir(ws.root) / name)
+    with _locked(start_models_dir(ws.root)) as root_fd:
+        chosen = chosen_start_models(ws, names)
+        for name, _ in chosen:
+            shutil.rmtree(name, dir_fd=root_fd)
     return chosen
+
+
+@contextlib.contextmanager
+def _holding(root_fd: int):
+    """The exports' folder locked (a flock on it): a launch's reuse of an export, a prune and a
+    removal are one at a time, so none removes an export another launch has just chosen."""
+    fcntl.flock(root_fd, fcntl.LOCK_EX)
+    try:
+        yield
+    finally:
+        fcntl.flock(root_fd, fcntl.LOCK_UN)
+
+
+@contextlib.contextmanager
+def _locked(root: Path):
+    """:func:`_holding` the folder ``root`` (a descriptor of it, or -1 when there is none: nothing to remove)."""
+    try:
+        root_fd = open_real_dir(root)
+    except (OSError, BadInput):
+        yield -1
+        return
+    try:
+        with _holding(root_fd):
+            yield root_fd
+    finally:
+        os.close(root_fd)
 
 
 def _folder_bytes(folder: Path) -> int:

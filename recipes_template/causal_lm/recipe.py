@@ -43,6 +43,7 @@ from engine.data_stream import (
     PieceStream,
     Shard,
     StreamBatches,
+    check_shuffle_buffer,
     first_records,
     hold_out_of_stream,
     streamed_eval_batches,
@@ -139,6 +140,7 @@ class CausalLMDataConfig(StoredDataConfig):
             raise ValueError(f"data.streaming reads data.paths; data.source={self.source} has none to stream")
         if self.streaming:
             hold_out_of_stream(self)
+            check_shuffle_buffer(self)
         return self
 
 

@@ -382,7 +382,7 @@ def token_store(cfg: DPODataConfig, tokenizer, listing: DataListing) -> TokenSto
 
     # Token ids and the parts' codes in one array: uint16 when the vocabulary fits.
     return open_or_build(key, rows=2, dtype=value_dtype(max(len(tokenizer), REJECTED + NOT_LEARNT + 1) - 1),
-                         build=build, input_bytes=size)
+                         build=build, input_bytes=size, whole_size=not cfg.dataset)
 
 
 def collate(pairs: list[Pair], seq_len: int, pad_id: int) -> dict[str, torch.Tensor]:

@@ -404,7 +404,7 @@ def token_store(cfg: SFTDataConfig, tokenizer, listing: DataListing) -> TokenSto
             seq_len_to_keep=max(total["keep"]) or None,
         )
 
-    return open_or_build(key, rows=2, dtype="int32", build=build, input_bytes=size)
+    return open_or_build(key, rows=2, dtype="int32", build=build, input_bytes=size, whole_size=not cfg.dataset)
 
 
 def stream_shards(cfg: SFTDataConfig, listing: DataListing | None = None) -> list[Shard]:

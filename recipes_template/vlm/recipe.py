@@ -48,7 +48,7 @@ from transformers.convert_slow_tokenizer import bytes_to_unicode
 from transformers.models.siglip.image_processing_pil_siglip import SiglipImageProcessorPil
 
 from engine.config import ConfigError, DataConfig, EngineConfig, Section
-from engine.data_files import DataListing, DataPathRefused, confined_path, data_file, data_files, jsonl_records
+from engine.data_files import DataListing, DataPathRefused, confined_path, data_files, jsonl_records, open_data_file
 from engine.engine import IGNORE_INDEX, Engine
 from engine.flops import non_embedding_params, transformer_flops_per_token
 from engine.fsdp import apply_fsdp
@@ -255,7 +255,7 @@ def load_examples(cfg: VLMDataConfig, listing: DataListing | None = None) -> lis
                 # of a few KB there decodes to hundreds of MB. Refused unread, as over twice it.
                 with warnings.catch_warnings():
                     warnings.simplefilter("error", Image.DecompressionBombWarning)
-                    with Image.open(data_file(str(path.parent / record["image"]), listing=listing)) as image:
+                    with open_data_file(str(path.parent / record["image"]), listing=listing) as file, Image.open(file) as image:
                         # Kept at the size the model sees (the processor's resize is then a no-op):
                         # 100k photos of 512 × 512 would otherwise hold ~100 GB in memory.
                         image = image.convert("RGB").resize((cfg.image_size, cfg.image_size), RESAMPLE)

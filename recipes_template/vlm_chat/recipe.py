@@ -47,7 +47,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 
 from engine.chat import assistant_spans, render
 from engine.config import ConfigError, DataConfig, EngineConfig, Section
-from engine.data_files import DataPathRefused, confined_path, data_file, data_files
+from engine.data_files import DataPathRefused, confined_path, data_files, open_data_file
 from engine.data_formats import FILE_SUFFIXES, is_saved_dataset, sources
 from engine.engine import IGNORE_INDEX, Engine
 from engine.flops import non_embedding_params, transformer_flops_per_token
@@ -525,7 +525,7 @@ def read_image(value: Any, base: Path | None, where: str, header_only: bool = Fa
                     return None if header_only else image.convert("RGB")
             if not isinstance(value, str) or not value:
                 raise ConfigError(f"{where}: an image is a path, bytes or an image, got {type(value).__name__}")
-            with Image.open(data_file(str(base / value) if base is not None else value)) as image:
+            with open_data_file(str(base / value) if base is not None else value) as file, Image.open(file) as image:
                 return None if header_only else image.convert("RGB")
     except (DataPathRefused, ConfigError):
         raise

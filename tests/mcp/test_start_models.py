@@ -121,3 +121,19 @@ def test_exports_are_listed_kept_while_a_run_uses_them_pruned_and_removed_when_n
     assert prune_start_models(ws, keep="20260101-000000-lm-0001-step-2") == []  # the one a launch is exporting
     assert data_cache(ws, ["all"]).removed == {"start-models/20260101-000000-lm-0001-step-2": 1002}
     assert data_cache(ws, []).start_models == {}
+
+
+def test_an_old_export_a_launch_reuses_is_not_pruned_by_another_launch_before_its_run_names_it(tmp_path):
+    """A launch reusing an export older than the grace found it, then another launch's prune (or
+    ``data-cache``) removed it before the first launch's run record named it: that run started
+    from a folder that was gone."""
+    from mcp_server.operations.starting_model import exported_checkpoint
+
+    workspace = make_workspace(tmp_path / "ws")
+    ws = Workspace(workspace)
+    run_dir = fake_run(workspace, "20260101-000000-lm-0001")
+    old = export(workspace, "20260101-000000-lm-0001-step-2", 100, age_s=2 * START_MODEL_GRACE_S)
+    assert exported_checkpoint(ws, run_dir, 2) == old  # reused as it is: nothing exported
+    assert prune_start_models(ws, keep="20260101-000000-lm-0009-step-1") == []  # another launch's prune
+    assert data_cache(ws, []).start_models == {"start-models/20260101-000000-lm-0001-step-2": 102}
+    assert old.is_dir()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -148,6 +149,20 @@ def test_streaming_settings_that_would_not_act_are_refused():
         causal_lm.CausalLMConfig.model_validate({"data": {"dataset": "org/corpus"}})
     hub = causal_lm.CausalLMConfig.model_validate({"data": {"dataset": "org/corpus", "streaming": True}}).data
     assert hub.source == "files" and hub.eval_fraction == 0
+
+
+def test_a_shuffle_buffer_past_a_gib_of_a_ranks_memory_is_refused_naming_the_largest_that_fits():
+    # seq_len 256: a piece is 257 int64 tokens and 512 bytes besides, 2,568 bytes; 1 GiB holds 418,123.
+    stream = {"paths": ["x"], "streaming": True}
+    with pytest.raises(ValueError, match=re.escape(
+            "data.shuffle_buffer=1000000000 would hold about 2391.6 GiB of pieces of data.seq_len=256 in each "
+            "rank's memory; at most 1 GiB: set it to 418123 or less")):
+        causal_lm.CausalLMConfig.model_validate({"data": {**stream, "shuffle_buffer": 10**9}})
+    with pytest.raises(ValueError, match="set it to 418123 or less"):
+        causal_lm.CausalLMConfig.model_validate({"data": {**stream, "shuffle_buffer": 418_124}})
+    assert causal_lm.CausalLMConfig.model_validate({"data": {**stream, "shuffle_buffer": 418_123}}).data.shuffle_buffer == 418_123
+    with pytest.raises(ValueError, match=r"data.seq_len=4096 .* set it to 32256 or less"):  # longer pieces: fewer
+        causal_lm.CausalLMConfig.model_validate({"data": {**stream, "seq_len": 4096, "shuffle_buffer": 40_000}})
 
 
 def test_evaluate_scores_the_files_given_and_holds_nothing_out_of_the_stream(workspace, reference, monkeypatch):
