@@ -27,6 +27,7 @@ Small and explicit, one concept per file:
 - ``data_files``      the data files a run may read, confined and listed
 - ``data_formats``    file kinds and record formats (Alpaca, ShareGPT, parquet, CSV, ...)
 - ``token_store``     a run's data tokenized once, on disk, mapped by every rank and later run
+- ``store_lock``      a store's lock: its holder named, a waiter that gives up on a stalled or endless build
 - ``store_parts``     a token store built over the cores, a part of the data per worker: the store one process builds
 - ``data_stream``     data.streaming: shards read while training, a background tokenizer, the position in the checkpoint
 - ``model_io``        export, sample, evaluate: ``python -m engine.model_io``

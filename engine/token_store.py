@@ -8,7 +8,7 @@ the pieces back to back, uint16 when every value fits, else int32) and its index
 keeps one byte string per piece beside them (``<split>.records.bin`` and
 ``<split>.records.idx.npy``: a record's other columns, read by index from the mapping,
 :class:`Records`); ``meta.json`` holds what the builder counted and is written last, so a folder without it is no store. The first process to
-need a store builds it under the store's own lock (:func:`locked_store`: runs of other data do
+need a store builds it under the store's own lock (:func:`engine.store_lock.locked_store`: runs of other data do
 not wait), into a temporary folder published by a rename; every other
 rank and every later run with the same key maps the same files, so a run's memory does not grow
 with the corpus (what it touches of the mapping is page cache, shared and reclaimable).
@@ -29,13 +29,10 @@ A build over the machine's cores, a part of the data each: :mod:`engine.store_pa
 from __future__ import annotations
 
 import contextlib
-import errno
-import fcntl
 import hashlib
 import json
 import math
 import os
-import re
 import shutil
 import stat
 import tempfile
@@ -48,13 +45,13 @@ from typing import Any, Callable, Iterable, Iterator
 import numpy as np
 from pydantic import Field
 
+from engine import store_lock
 from engine.config import ConfigError, DataConfig
 from engine.data_files import DATA_CACHE_VARIABLE as CACHE_VARIABLE
 from engine.data_files import STORE_META_JSON as META_JSON
 from engine.data_files import (
-    HUB_DATASETS_VARIABLE, DataListing, bound_hub_path, data_files, holding_store_lock,
+    HUB_DATASETS_VARIABLE, DataListing, bound_hub_path, data_files,
 )
-from engine.run_dir import RUN_ID_VARIABLE
 
 STORE_FORMAT = 1  # part of every key: a store of another layout is never read as this one
 SPLITS = ("train", "eval")
@@ -69,15 +66,6 @@ TOKENIZE_IN_CHECK_MB = 64.0
 HEAD_RECORDS = 100  # records of each file the launch check reads of data it leaves to the run
 PROGRESS_EVERY_S = 1.0  # how often a build reports its progress
 
-WAIT_POLL_S = 0.5  # how often a rank that does not build looks for the store
-# A store's lock held this long while its build writes nothing: whoever waits for it gives up,
-# naming the holder (a run that took the lock and builds nothing must not stop other runs for ever).
-LOCK_STALL_S = 120.0
-# A waiter that knows the data's size gives up once it has waited LOCK_STALL_S plus those bytes at this
-# pace (bytes a second, 50 times below the 1-10 MB/s builds run at), however the holder's build writes.
-MIN_BUILD_BYTES_PER_S = 20_000
-MAX_HOLDER_CHARS = 120
-_PRINTABLE = re.compile(r"[^ -~]")  # the holder's name, as its holder wrote it: printable ASCII only
 
 _in_launch_check = False
 _report: Callable[[dict[str, Any]], None] | None = None
@@ -405,21 +393,21 @@ def open_or_build(key: str, rows: int, dtype: str, build: Callable[[StoreWriter]
                   whole_size: bool = True) -> TokenStore:
     """The store of ``key``: mapped when it is built, else built now by ``build`` (which adds the
     pieces and returns the counts kept in ``meta.json``), under the store's lock
-    (:func:`locked_store`) so that the ranks of a run, and runs at once, build it once: the node's
+    (:func:`engine.store_lock.locked_store`) so that the ranks of a run, and runs at once, build it once: the node's
     first process (:func:`builds_here`) builds it, the others wait until it is there; ``records``:
     a byte string is kept beside each piece (:class:`StoreWriter`). ``input_bytes``
     (the size of the data read) decides the disk space checked first and, when it is the data's
     ``whole_size`` (no Hub data set uncounted), how long another run's build is waited for
-    (:func:`locked_store`; this run's own ranks wait for theirs as long as it writes). An error of
+    (:func:`engine.store_lock.locked_store`; this run's own ranks wait for theirs as long as it writes). An error of
     ``build`` leaves nothing behind."""
     root = cache_root() if root is None else root
     folder = root / key
     while not builds_here():  # another process of this node builds it: wait for it, without building
-        with locked_store(root, key):
+        with store_lock.locked_store(root, key):
             if (folder / META_JSON).is_file():
                 return TokenStore(folder, json.loads((folder / META_JSON).read_text()))
-        time.sleep(WAIT_POLL_S)
-    with locked_store(root, key, input_bytes=input_bytes if whole_size else 0):
+        time.sleep(store_lock.WAIT_POLL_S)
+    with store_lock.locked_store(root, key, input_bytes=input_bytes if whole_size else 0):
         if (folder / META_JSON).is_file():
             return TokenStore(folder, json.loads((folder / META_JSON).read_text()))
         # Builds left by a builder killed meanwhile (it held the lock), and a store without meta.json.
@@ -452,88 +440,3 @@ def check_disk_space(input_bytes: int, root: Path | None = None) -> None:
     if needed > free:
         raise ConfigError(f"the tokenized data needs up to {needed / 1e9:.2f} GB in {root}, which has "
                           f"{free / 1e9:.2f} GB free; free space there, or set {CACHE_VARIABLE} to a larger disk")
-
-
-@contextlib.contextmanager
-def locked_store(root: Path, key: str, wait: bool = True, input_bytes: int = 0):
-    """The lock of the store ``key`` (``<key>.lock`` in the cache folder: a build of other data
-    never waits for it), held while the store is looked up and built, with its holder's name (its
-    run) written in it. A waiter gives up with :class:`ConfigError` naming the holder when the
-    holder's build of the store writes nothing for :data:`LOCK_STALL_S` (a run that holds the lock
-    and builds nothing), or, given the size of the data (``input_bytes``, the same for every
-    holder of the key), once it has waited longer than a build of it takes at
-    :data:`MIN_BUILD_BYTES_PER_S` (a run that holds the lock and writes for ever); a holder that
-    swaps the lock's file resets neither. ``wait=False`` raises ``BlockingIOError`` at once when
-    it is held. A link in the cache folder's place is refused (the lock would be another folder's)."""
-    try:
-        cache_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
-    except OSError as e:
-        if e.errno not in (errno.ELOOP, errno.ENOTDIR):
-            raise
-        raise ConfigError(f"the data cache {root} is a symbolic link or not a folder; remove it, or set "
-                          f"{CACHE_VARIABLE} to a folder") from None
-    try:
-        waiting = LockWait(root, key, wait, input_bytes)
-        with holding_store_lock(cache_fd, key, waiting.acquire) as fd:
-            os.ftruncate(fd, 0)
-            os.pwrite(fd, lock_holder().encode(), 0)
-            yield
-    finally:
-        os.close(cache_fd)
-
-
-def lock_holder() -> str:
-    """How a store's lock names this process: its run, else its pid."""
-    run = os.environ.get(RUN_ID_VARIABLE)
-    return f"run {run}" if run else f"process {os.getpid()} (not a run)"
-
-
-class LockWait:
-    """One waiter's wait for a store's lock, over every lock file it tries: when it started, and
-    when the holder's build last wrote (a holder that swaps the lock's file resets neither)."""
-
-    def __init__(self, root: Path, key: str, wait: bool, input_bytes: int):
-        self.root, self.key, self.wait = root, key, wait
-        self.longest = LOCK_STALL_S + input_bytes / MIN_BUILD_BYTES_PER_S if input_bytes > 0 else math.inf
-        self.input_bytes, self.written, self.started = input_bytes, -1, time.monotonic()
-        self.since = self.started
-
-    def acquire(self, fd: int) -> None:
-        while True:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                return
-            except BlockingIOError:
-                if not self.wait:
-                    raise
-            now, building = time.monotonic(), building_bytes(self.root, self.key)
-            if building != self.written:
-                self.written, self.since = building, now
-            elif now - self.since > LOCK_STALL_S:
-                raise ConfigError(f"the data cache's store {self.key} is locked by {self.holder(fd)}, which has written "
-                                  f"nothing of it for {LOCK_STALL_S:.0f} s; stop that run, or launch again once it "
-                                  "has ended")
-            if now - self.started > self.longest:
-                raise ConfigError(f"the data cache's store {self.key} is locked by {self.holder(fd)}, which has held it "
-                                  f"for over {self.longest:.0f} s, longer than building {self.input_bytes / 1e6:.1f} MB "
-                                  f"of data takes at {MIN_BUILD_BYTES_PER_S / 1e3:.0f} KB/s; stop that run, or launch "
-                                  "again once it has ended")
-            time.sleep(WAIT_POLL_S)
-
-    @staticmethod
-    def holder(fd: int) -> str:  # as the holder wrote it into the lock's file: printable ASCII, bounded
-        return _PRINTABLE.sub("?", os.pread(fd, MAX_HOLDER_CHARS, 0).decode(errors="replace")) or "another process"
-
-
-def building_bytes(root: Path, key: str) -> int:
-    """The bytes written so far into the builds of ``key`` (``<key>.building-*``, parts included):
-    what a waiter watches grow. A link in a build's place is none (a run planted it)."""
-    total = 0
-    for building in root.glob(f"{key}.building-*"):
-        if building.is_symlink():
-            continue
-        for folder, _, files in os.walk(building):
-            for name in files:
-                with contextlib.suppress(OSError):
-                    total += os.lstat(os.path.join(folder, name)).st_size
-    return total

@@ -675,18 +675,18 @@ def decode_video(video: VideoRef, temporal: int, count_only: bool = False):
     from transformers.video_utils import VideoMetadata
 
     try:
-        path = data_file(video.path())
-    except DataPathRefused:
-        raise
-    except OSError as e:
-        raise ConfigError(f"{video.where}: video {video.value!r} cannot be read ({e})") from None
-    try:
         import av
     except ImportError:
         raise ConfigError(f"{video.where}: video {video.value!r} is a file, which needs PyAV (pip install av); "
                           "or give the video as a folder of its frames") from None
     try:
-        with av.open(str(path)) as container:
+        file = open_data_file(video.path())  # the file confined is the one decoded, whatever its path becomes
+    except DataPathRefused:
+        raise
+    except OSError as e:
+        raise ConfigError(f"{video.where}: video {video.value!r} cannot be read ({e})") from None
+    try:
+        with file, av.open(file) as container:
             stream = container.streams.video[0]
             rate = float(stream.average_rate or stream.guessed_rate or 0) or None
             if count_only:

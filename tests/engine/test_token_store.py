@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine import token_store
+from engine import store_lock, token_store
 from engine.config import ConfigError
 from engine.errors import BadInput, NotFound
 from engine.data_files import DataListing
@@ -161,7 +161,7 @@ def test_the_cache_lock_refuses_a_link_in_the_folders_place(tmp_path, monkeypatc
     elsewhere.mkdir()
     (tmp_path / "cache").symlink_to(elsewhere)
     with pytest.raises(ConfigError, match="the data cache .*cache is a symbolic link or not a folder"):
-        with token_store.locked_store(tmp_path / "cache", "k" * 32):
+        with store_lock.locked_store(tmp_path / "cache", "k" * 32):
             pass
     ws = tmp_path / "ws"
     (ws / ".trainwright").mkdir(parents=True)
@@ -179,11 +179,11 @@ def test_a_store_being_built_holds_up_only_the_builds_and_removals_of_that_store
     building, other = "a" * 32, "b" * 32
     (cache / building).mkdir(parents=True)
     (cache / other).mkdir()
-    with token_store.locked_store(cache, building):
-        with token_store.locked_store(cache, other, wait=False):  # other data builds meanwhile
+    with store_lock.locked_store(cache, building):
+        with store_lock.locked_store(cache, other, wait=False):  # other data builds meanwhile
             pass
         with pytest.raises(BlockingIOError):
-            with token_store.locked_store(cache, building, wait=False):
+            with store_lock.locked_store(cache, building, wait=False):
                 pass
         with pytest.raises(BadInput, match=f"a run is tokenizing its data into the cache \\(store {building}\\)"):
             remove_cached_data(tmp_path / "ws", ["all"])
@@ -197,15 +197,15 @@ def test_a_waiter_waits_while_the_holder_builds_and_gives_up_naming_a_holder_tha
     import threading
     import time
 
-    monkeypatch.setattr(token_store, "LOCK_STALL_S", 0.6)
-    monkeypatch.setattr(token_store, "WAIT_POLL_S", 0.05)
-    monkeypatch.setenv(token_store.RUN_ID_VARIABLE, "lm-20261204-holder")
+    monkeypatch.setattr(store_lock, "LOCK_STALL_S", 0.6)
+    monkeypatch.setattr(store_lock, "WAIT_POLL_S", 0.05)
+    monkeypatch.setenv(store_lock.RUN_ID_VARIABLE, "lm-20261204-holder")
     key = "c" * 32
     cache.mkdir(parents=True, exist_ok=True)
     held, release = threading.Event(), threading.Event()
 
     def holder(writes: int) -> None:
-        with token_store.locked_store(cache, key):
+        with store_lock.locked_store(cache, key):
             held.set()
             part = cache / f"{key}.building-x" / "train.bin"
             part.parent.mkdir(exist_ok=True)
@@ -220,7 +220,7 @@ def test_a_waiter_waits_while_the_holder_builds_and_gives_up_naming_a_holder_tha
     held.wait(10)
     release.set()
     start = time.monotonic()
-    with token_store.locked_store(cache, key):  # waited for the whole build, then got it
+    with store_lock.locked_store(cache, key):  # waited for the whole build, then got it
         assert time.monotonic() - start >= 1.0
     thread.join()
 
@@ -232,7 +232,7 @@ def test_a_waiter_waits_while_the_holder_builds_and_gives_up_naming_a_holder_tha
     try:
         with pytest.raises(ConfigError, match=f"the data cache's store {key} is locked by run lm-20261204-holder, "
                                               "which has written nothing of it for 1 s"):
-            with token_store.locked_store(cache, key):
+            with store_lock.locked_store(cache, key):
                 pass
     finally:
         release.set()

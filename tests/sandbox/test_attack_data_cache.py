@@ -73,14 +73,14 @@ def test_a_planted_build_link_is_no_progress_of_a_build_and_the_next_build_remov
     """A run plants ``<key>.building-x`` as a link to a folder that grows (or to ``/``): a waiter
     walked it at every poll, counted its growth as the holder's build (a stalled holder never
     timed out), and the builder's ``rmtree`` of stale builds left a link in place for ever."""
-    from engine import token_store
+    from engine import store_lock, token_store
 
     cache, outside, key = tmp_path / "cache", tmp_path / "outside", "d" * 32
     cache.mkdir()
     outside.mkdir()
     (outside / "grows.bin").write_bytes(b"x" * 1000)
     os.symlink(outside, cache / f"{key}.building-planted")
-    assert token_store.building_bytes(cache, key) == 0
+    assert store_lock.building_bytes(cache, key) == 0
 
     def build(writer):
         writer.add("train", [1, 2, 3])

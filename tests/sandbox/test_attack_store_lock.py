@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from engine import token_store
+from engine import store_lock, token_store
 from engine.config import ConfigError
 from engine.data_files import STORE_LOCK_SUFFIX
 
@@ -20,10 +20,10 @@ KEY = "f" * 32
 
 @pytest.fixture
 def quick(monkeypatch):
-    monkeypatch.setattr(token_store, "LOCK_STALL_S", 0.6)
-    monkeypatch.setattr(token_store, "WAIT_POLL_S", 0.05)
-    monkeypatch.setattr(token_store, "MIN_BUILD_BYTES_PER_S", 1000)  # 600 bytes of data: 0.6 s more
-    monkeypatch.setenv(token_store.RUN_ID_VARIABLE, "lm-20261205-hostile")
+    monkeypatch.setattr(store_lock, "LOCK_STALL_S", 0.6)
+    monkeypatch.setattr(store_lock, "WAIT_POLL_S", 0.05)
+    monkeypatch.setattr(store_lock, "MIN_BUILD_BYTES_PER_S", 1000)  # 600 bytes of data: 0.6 s more
+    monkeypatch.setenv(store_lock.RUN_ID_VARIABLE, "lm-20261205-hostile")
 
 
 def hold(cache: Path, stop: threading.Event, held: threading.Event, writes: bool, swaps: bool) -> None:
@@ -91,7 +91,7 @@ def test_an_honest_build_within_the_datas_longest_build_is_waited_for(tmp_path, 
     held = threading.Event()
 
     def build() -> None:
-        with token_store.locked_store(tmp_path, KEY, input_bytes=3000):
+        with store_lock.locked_store(tmp_path, KEY, input_bytes=3000):
             held.set()
             (tmp_path / f"{KEY}.building-x").mkdir()
             for _ in range(12):
@@ -103,7 +103,7 @@ def test_an_honest_build_within_the_datas_longest_build_is_waited_for(tmp_path, 
     holder.start()
     held.wait(10)
     start = time.monotonic()
-    with token_store.locked_store(tmp_path, KEY, input_bytes=3000):
+    with store_lock.locked_store(tmp_path, KEY, input_bytes=3000):
         assert time.monotonic() - start >= 1.0
     holder.join()
 
