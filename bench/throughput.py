@@ -238,6 +238,7 @@ def main() -> None:
     if args.steps % args.warmup:
         parser.error("--steps must be a multiple of --warmup (the engine logs every --warmup steps)")
     if args.worker:
+        sys.path.insert(0, str(REPO))
         name = args.worker.removesuffix(CKPT)
         runner = {"engine": run_engine, "hand": run_hand, "trainer": run_trainer}[name]
         print(json.dumps(runner(args.steps, args.warmup, args.worker.endswith(CKPT))))
