@@ -9,6 +9,8 @@ pieces, in the template's order) with the same model (the template's default, bu
 seed) and the same next-token loss:
 
 - ``template``: the template as it is, each document right-padded to 256 positions;
+- ``template+longest``: the template with ``data.pad_to_longest=true``: each batch ends at its
+  last label (its longest document), as the Trainer's default collator pads;
 - ``template+packing``, ``template+compile``, ``template+packing+compile``: the template with
   the sequence-packing and torch-compile skills applied (compiled blocks);
 - ``trainer``: ``Trainer`` with each batch padded to its longest document (the usual collator);
@@ -26,9 +28,17 @@ included), the positions computed per timed step (padding included: a peer that 
 computes fewer), and the ratio against the Trainer's best peer of the same round.
 
     python bench/packing_throughput.py [--steps 40] [--warmup 10] [--rounds 3] [--threads 2]
+    python bench/packing_throughput.py --cpu-time --peers template template+longest trainer
+
+``--cpu-time`` (one thread unless ``--threads``) adds, per round and peer, the useful tokens per
+CPU second of the peer's process over its timed steps (``time.process_time`` as each step ends:
+the template's ``Engine.train_step``, the Trainer's ``on_step_end``) and the ratio to the
+Trainer's default collator (``trainer``) of the same round: wall-clock ratios on a machine other
+processes load measure the load, the CPU a step costs does not move with it.
 
 Goals: template+packing+compile faster than template+packing and template+compile, and at
-≥ 1.25× the Trainer's best useful tokens/s, with its slowest timed step ≤ 2× its median step.
+≥ 1.25× the Trainer's best useful tokens/s, with its slowest timed step ≤ 2× its median step;
+the template padded as the Trainer's default collator pads (template+longest) ≥ 1.0× it.
 """
 
 from __future__ import annotations
@@ -49,10 +59,12 @@ REPO = Path(__file__).resolve().parent.parent
 TEMPLATE = REPO / "recipes_template" / "causal_lm"
 SKILLS = {
     "template": [],
+    "template+longest": [],
     "template+packing": ["sequence-packing"],
     "template+compile": ["torch-compile"],
     "template+packing+compile": ["sequence-packing", "torch-compile"],
 }
+SETTINGS = {"template+longest": ["data.pad_to_longest=true"]}  # beside data_settings()
 TRAINERS = ("trainer", "trainer+compile", "trainer+packing")
 PEERS = (*SKILLS, *TRAINERS)
 SEQ_LEN, BATCH = 256, 8
@@ -125,26 +137,28 @@ def data_settings() -> list[str]:
 
 
 def run_template(workspace: Path, peer: str, steps: int, warmup: int) -> dict:
+    """The template through ``engine.launch`` in this process (the worker is a fresh one, its
+    OpenMP policy a run's), the process's CPU seconds noted as each step ends."""
+    from bench.cpu_time import engine_step_ends, run_engine_here, timed_cpu_seconds
     from engine import run_dir as rd
     from engine import run_metrics
 
-    sets = [*data_settings(), f"train.max_steps={steps}", "train.log_every=1", "checkpoint.every=0",
-            "checkpoint.at_end=false", "metrics.tensorboard=false", "train.eval_every=0"]
+    sets = [*data_settings(), *SETTINGS.get(peer, []), f"train.max_steps={steps}", "train.log_every=1",
+            "checkpoint.every=0", "checkpoint.at_end=false", "metrics.tensorboard=false", "train.eval_every=0"]
     runs = workspace / rd.RUNS_DIRNAME
     before = set(runs.glob("*"))
-    command = [sys.executable, "-m", "engine.launch", str(workspace / peer)]
-    for item in sets:
-        command += ["--set", item]
-    out = subprocess.run(command, cwd=workspace, capture_output=True, text=True)
-    if out.returncode != 0:
-        raise SystemExit(f"{peer} failed:\n{out.stdout[-2000:]}\n{out.stderr[-3000:]}")
-    sys.stderr.write(out.stderr)  # dynamo's recompilation lines, counted by measure()
+    os.chdir(workspace)  # data.paths are relative to the workspace
+    with engine_step_ends() as step_ends:
+        code = run_engine_here(workspace / peer, sets)
+    if code != 0:
+        raise SystemExit(f"{peer} failed with exit code {code}")
     (run,) = set(runs.glob("*")) - before
     records = run_metrics.read_all_metrics(run / rd.METRICS_JSONL)
     shutil.rmtree(run)
     timed = [r for r in records if r["step"] > warmup]
     return {"tokens": [r["loss_tokens_per_s"] * r["step_time_s"] for r in timed],
             "seconds": [r["step_time_s"] for r in timed],
+            "cpu_seconds": timed_cpu_seconds(step_ends, warmup),
             "positions": [r["tokens_per_s"] * r["step_time_s"] / (1 - (r.get("padding_frac") or 0)) for r in timed]}
 
 
@@ -178,11 +192,14 @@ def run_trainer(workspace: Path, peer: str, steps: int, warmup: int) -> dict:
     import torch.nn.functional as F
     from transformers import DataCollatorWithFlattening, Trainer, TrainerCallback, TrainingArguments
 
+    from bench.cpu_time import timed_cpu_seconds
+
     config, tokenizer, model, pieces = template_pieces(workspace, steps)
     rows = [{"input_ids": piece[:-1].tolist(), "labels": piece[1:].tolist()} for piece in pieces]
     useful: list[int] = []
     positions: list[int] = []
     step_ends: list[float] = []
+    cpu_ends: list[float] = []
 
     def pad_to_longest(items):
         longest = max(len(item["input_ids"]) for item in items)
@@ -206,6 +223,7 @@ def run_trainer(workspace: Path, peer: str, steps: int, warmup: int) -> dict:
     class Timer(TrainerCallback):
         def on_step_end(self, args, state, control, **kwargs):
             step_ends.append(time.perf_counter())
+            cpu_ends.append(time.process_time())
 
     class SameLossTrainer(Trainer):
         def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
@@ -231,7 +249,8 @@ def run_trainer(workspace: Path, peer: str, steps: int, warmup: int) -> dict:
         trainer.train()
     # Step k's batch is collated before step k runs; the seconds of step k end at step_ends[k].
     seconds = [b - a for a, b in zip(step_ends[warmup - 1 : -1], step_ends[warmup:])]
-    return {"tokens": useful[warmup:steps], "seconds": seconds, "positions": positions[warmup:steps]}
+    return {"tokens": useful[warmup:steps], "seconds": seconds, "cpu_seconds": timed_cpu_seconds(cpu_ends, warmup),
+            "positions": positions[warmup:steps]}
 
 
 def measure(workspace: Path, peer: str, steps: int, warmup: int, threads: int) -> dict:
@@ -250,6 +269,8 @@ def measure(workspace: Path, peer: str, steps: int, warmup: int, threads: int) -
     result = json.loads(out.stdout.strip().splitlines()[-1])
     median_step = statistics.median(result["seconds"])
     return {"tokens_per_s": sum(result["tokens"]) / sum(result["seconds"]), "median_step_s": median_step,
+            "tokens_per_cpu_s": sum(result["tokens"]) / sum(result["cpu_seconds"]),
+            "median_step_cpu_s": statistics.median(result["cpu_seconds"]),
             "slowest_over_median": max(result["seconds"]) / median_step,
             "positions_per_step": statistics.mean(result["positions"]),
             "recompilations": out.stderr.count("Recompiling function")}
@@ -260,7 +281,10 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--threads", type=int, help="OpenMP threads of each peer (default 2; 1 with --cpu-time)")
+    parser.add_argument("--cpu-time", action="store_true",
+                        help="also each peer's useful tokens per CPU second of its process (timed steps) and its "
+                             "ratio to the Trainer's default collator: a comparison that holds on a loaded machine")
     parser.add_argument("--documents", type=int, default=4000)
     parser.add_argument("--source", choices=("words", "stdlib"), default="words",
                         help="words: 4-45 words of a fixed list; stdlib: the standard library's "
@@ -269,6 +293,7 @@ def main() -> None:
     parser.add_argument("--worker", choices=PEERS, help=argparse.SUPPRESS)
     parser.add_argument("--workspace", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    args.threads = args.threads or (1 if args.cpu_time else 2)
     if args.worker:
         sys.path.insert(0, str(REPO))
         runner = run_template if args.worker in SKILLS else run_trainer
@@ -295,6 +320,8 @@ def main() -> None:
                       f"{result['slowest_over_median']:.2f}  positions/step {result['positions_per_step']:,.0f}  "
                       f"recompilations {result['recompilations']}  "
                       f"(load {load:.1f})", flush=True)
+            if args.cpu_time:
+                print_cpu_round(round_index, this_round)
             trainers = [p for p in peers if p in TRAINERS]
             if trainers:
                 best = max(trainers, key=lambda p: this_round[p]["tokens_per_s"])
@@ -316,7 +343,32 @@ def main() -> None:
             if peer in SKILLS:
                 goal = "  (goal ≥ 1.25)" if peer == "template+packing+compile" else ""
                 print(f"{peer} / {best}: {median[peer] / median[best]:.2f}{goal}")
+    if args.cpu_time:
+        print_cpu_summary(results)
     print(f"load average at end: {os.getloadavg()[0]:.2f}")
+
+
+def print_cpu_round(round_index: int, this_round: dict[str, dict]) -> None:
+    """A round's CPU figures: useful tokens per CPU second of each peer's process, its median
+    step's CPU milliseconds, and the ratio to the Trainer's default collator (``trainer``)."""
+    reference = this_round.get("trainer")
+    for peer, result in this_round.items():
+        ratio = f"  {result['tokens_per_cpu_s'] / reference['tokens_per_cpu_s']:.3f}x trainer" if reference else ""
+        print(f"round {round_index + 1} CPU: {peer:<26} {result['tokens_per_cpu_s']:>8,.0f} useful tokens/CPU s  "
+              f"median step {1000 * result['median_step_cpu_s']:.1f} CPU ms{ratio}", flush=True)
+
+
+def print_cpu_summary(results: dict[str, list[dict]]) -> None:
+    """Each peer's useful tokens per CPU second over the rounds and, against the Trainer's default
+    collator, the ratio of each round (the rounds pair the peers run beside each other)."""
+    print(f"\n{'peer':<28}{'useful tokens/CPU s (median)':>30}   ratio to trainer, each round")
+    for peer, rounds in results.items():
+        median = statistics.median(r["tokens_per_cpu_s"] for r in rounds)
+        ratios = ""
+        if "trainer" in results:
+            ratios = ", ".join(f"{r['tokens_per_cpu_s'] / t['tokens_per_cpu_s']:.3f}x"
+                               for r, t in zip(rounds, results["trainer"]))
+        print(f"{peer:<28}{median:>30,.0f}   {ratios}")
 
 
 if __name__ == "__main__":

@@ -14,10 +14,13 @@ optimizer and scheduler; the engine's DCP checkpoint, ``torch.save`` in the hand
 left out, so a peer must be as fast with checkpoints as without (a run used to train at a
 fifth of its speed until its first save).
 
-    python bench/throughput.py [--steps 60] [--warmup 10] [--rounds 2] [--checkpoints both|off|on]
+    python bench/throughput.py [--steps 60] [--warmup 10] [--rounds 2] [--checkpoints both|off|on] [--cpu-time]
 
 Prints supervised tokens/s of each peer in every round with the load average, the median over
-rounds and the ratios. Goal: the engine at ≥ 0.97× the hand-written loop and faster than
+rounds and the ratios. ``--cpu-time`` runs each peer at one thread and adds its supervised tokens
+per CPU second of its process over the timed steps (``time.process_time`` as each step ends,
+``bench/cpu_time.py``) and the engine's ratios to the others, each round's too: on a machine other
+processes load, wall-clock ratios measure the load. Goal: the engine at ≥ 0.97× the hand-written loop and faster than
 ``Trainer``; each peer with checkpoints within 10% of itself without.
 """
 
@@ -76,6 +79,9 @@ def tokens(batch) -> int:
 
 
 def run_engine(steps: int, warmup: int, checkpoints: bool) -> dict:
+    """The template through ``engine.launch`` in this process (a fresh worker with a run's OpenMP
+    policy), the process's CPU seconds noted as each step ends."""
+    from bench.cpu_time import engine_step_ends, run_engine_here, timed_cpu_seconds
     from engine import run_dir as rd
     from engine import run_metrics
 
@@ -83,17 +89,20 @@ def run_engine(steps: int, warmup: int, checkpoints: bool) -> dict:
         sets = [f"train.max_steps={steps}", f"train.log_every={warmup}",
                 f"checkpoint.every={warmup if checkpoints else 0}",
                 "checkpoint.at_end=false", "metrics.tensorboard=false", "train.eval_every=0"]
-        command = [sys.executable, "-m", "engine.launch", str(TEMPLATE)]
-        for item in sets:
-            command += ["--set", item]
-        subprocess.run(command, cwd=tmp, check=True, capture_output=True)
+        os.chdir(tmp)
+        with engine_step_ends() as step_ends:
+            code = run_engine_here(TEMPLATE, sets)
+        os.chdir(REPO)
+        if code != 0:
+            raise SystemExit(f"engine failed with exit code {code}")
         (run,) = (Path(tmp) / rd.RUNS_DIRNAME).iterdir()
         records = run_metrics.read_all_metrics(run / rd.METRICS_JSONL)
     timed = [r for r in records if r["step"] > warmup]
     seconds = sum(r["step_time_s"] * warmup for r in timed)
     # The tokens the loss is over, as the other peers count them (labels != -100).
     total_tokens = sum(r["loss_tokens_per_s"] * r["step_time_s"] * warmup for r in timed)
-    return {"tokens_per_s": total_tokens / seconds, "final_loss": records[-1]["loss"]}
+    return {"tokens_per_s": total_tokens / seconds, "final_loss": records[-1]["loss"],
+            "tokens_per_cpu_s": total_tokens / sum(timed_cpu_seconds(step_ends, warmup))}
 
 
 def run_hand(steps: int, warmup: int, checkpoints: bool) -> dict:
@@ -101,6 +110,8 @@ def run_hand(steps: int, warmup: int, checkpoints: bool) -> dict:
 
     import torch
     import torch.nn.functional as F
+
+    from bench.cpu_time import timed_cpu_seconds
 
     config, model, batches = batches_and_model(steps)
     optim = config.optim
@@ -116,6 +127,7 @@ def run_hand(steps: int, warmup: int, checkpoints: bool) -> dict:
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)
     model.train()
     timed_tokens, start, saving_s = 0, None, 0.0
+    step_ends: list[float] = []  # CPU seconds of the process as each step ends
     checkpoint_dir = tempfile.TemporaryDirectory()
     for step, batch in enumerate(batches, 1):
         if step == warmup + 1:
@@ -131,6 +143,7 @@ def run_hand(steps: int, warmup: int, checkpoints: bool) -> dict:
         scheduler.step()
         if step > warmup:
             timed_tokens += n
+        step_ends.append(time.process_time())
         if checkpoints and step % warmup == 0:
             float(loss)  # the step is done before the save's time is taken
             saving = time.perf_counter()
@@ -142,7 +155,8 @@ def run_hand(steps: int, warmup: int, checkpoints: bool) -> dict:
     final_loss = float(loss)
     elapsed = time.perf_counter() - start - saving_s
     checkpoint_dir.cleanup()
-    return {"tokens_per_s": timed_tokens / elapsed, "final_loss": final_loss}
+    return {"tokens_per_s": timed_tokens / elapsed, "final_loss": final_loss,
+            "tokens_per_cpu_s": timed_tokens / sum(timed_cpu_seconds(step_ends, warmup))}
 
 
 def run_trainer(steps: int, warmup: int, checkpoints: bool) -> dict:
@@ -150,14 +164,18 @@ def run_trainer(steps: int, warmup: int, checkpoints: bool) -> dict:
     import torch.nn.functional as F
     from transformers import Trainer, TrainerCallback, TrainingArguments
 
+    from bench.cpu_time import timed_cpu_seconds
+
     config, model, batches = batches_and_model(steps)
     rows = [{k: v[i] for k, v in batch.items()} for batch in batches for i in range(len(batch["input_ids"]))]
     step_times: list[float] = []
+    step_ends: list[float] = []  # CPU seconds of the process as each step ends
     saving_s: list[float] = []
 
     class Timer(TrainerCallback):
         def on_step_end(self, args, state, control, **kwargs):
             step_times.append(time.perf_counter())
+            step_ends.append(time.process_time())
 
         def on_save(self, args, state, control, **kwargs):  # called when the save is done
             if len(step_times) > warmup:
@@ -186,14 +204,15 @@ def run_trainer(steps: int, warmup: int, checkpoints: bool) -> dict:
         trainer.train()
     timed = sum(tokens(b) for b in batches[warmup:])
     return {"tokens_per_s": timed / (step_times[-1] - step_times[warmup - 1] - sum(saving_s)),
-            "final_loss": trainer.state.log_history[-2].get("loss") if len(trainer.state.log_history) > 1 else None}
+            "final_loss": trainer.state.log_history[-2].get("loss") if len(trainer.state.log_history) > 1 else None,
+            "tokens_per_cpu_s": timed / sum(timed_cpu_seconds(step_ends, warmup))}
 
 
-def measure(peer: str, steps: int, warmup: int) -> dict:
+def measure(peer: str, steps: int, warmup: int, cpu_time: bool = False) -> dict:
     sys.path.insert(0, str(REPO))
     from engine.openmp import prepare_wait_policy
 
-    env = dict(os.environ)
+    env = dict(os.environ, OMP_NUM_THREADS="1") if cpu_time else dict(os.environ)
     prepare_wait_policy(env)  # every peer starts with a run's OpenMP wait policy (the engine sets its own)
     out = subprocess.run(
         [sys.executable, __file__, "--worker", peer, "--steps", str(steps), "--warmup", str(warmup)],
@@ -211,11 +230,15 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--checkpoints", choices=("both", "off", "on"), default="both",
                         help="run each peer without checkpoints, with them, or both (default)")
+    parser.add_argument("--cpu-time", action="store_true",
+                        help="each peer at one thread, and also its tokens per CPU second of its process over the "
+                             "timed steps (saves included) and the ratios of those: they hold on a loaded machine")
     parser.add_argument("--worker", choices=[p + c for p in PEERS for c in ("", CKPT)], help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.steps % args.warmup:
         parser.error("--steps must be a multiple of --warmup (the engine logs every --warmup steps)")
     if args.worker:
+        sys.path.insert(0, str(REPO))
         name = args.worker.removesuffix(CKPT)
         runner = {"engine": run_engine, "hand": run_hand, "trainer": run_trainer}[name]
         print(json.dumps(runner(args.steps, args.warmup, args.worker.endswith(CKPT))))
@@ -224,13 +247,16 @@ def main() -> None:
     suffixes = {"both": ("", CKPT), "off": ("",), "on": (CKPT,)}[args.checkpoints]
     peers = [peer + suffix for peer in PEERS for suffix in suffixes]
     results: dict[str, list[float]] = {peer: [] for peer in peers}
+    per_cpu: dict[str, list[float]] = {peer: [] for peer in peers}
     print(f"load average at start: {os.getloadavg()[0]:.2f}")
     for round_index in range(args.rounds):
         for peer in (peers if round_index % 2 == 0 else peers[::-1]):
             load = os.getloadavg()[0]
-            result = measure(peer, args.steps, args.warmup)
+            result = measure(peer, args.steps, args.warmup, args.cpu_time)
             results[peer].append(result["tokens_per_s"])
-            print(f"round {round_index + 1}: {peer:<13} {result['tokens_per_s']:>9,.0f} tokens/s "
+            per_cpu[peer].append(result["tokens_per_cpu_s"])
+            cpu = f"{result['tokens_per_cpu_s']:>7,.0f} tokens/CPU s " if args.cpu_time else ""
+            print(f"round {round_index + 1}: {peer:<13} {result['tokens_per_s']:>9,.0f} tokens/s {cpu}"
                   f"(final loss {result['final_loss']}; load {load:.1f})", flush=True)
     median = {peer: statistics.median(values) for peer, values in results.items()}
     print(f"\n{'peer':<15}{'tokens/s (median)':>20}")
@@ -245,6 +271,14 @@ def main() -> None:
         print()
         for peer in PEERS:
             print(f"{peer}: with / without checkpoints: {median[peer + CKPT] / median[peer]:.3f}  (goal ≥ 0.90)")
+    if args.cpu_time:
+        print()
+        for suffix in suffixes:
+            engine, hand, trainer = (per_cpu[p + suffix] for p in PEERS)
+            for name, peer in (("hand-written loop", hand), ("HF Trainer", trainer)):
+                rounds = ", ".join(f"{e / o:.3f}" for e, o in zip(engine, peer))
+                print(f"tokens per CPU second{suffix}: engine / {name}: {statistics.median(engine) / statistics.median(peer):.3f} "
+                      f"(medians; rounds {rounds})")
     print(f"load average at end: {os.getloadavg()[0]:.2f}")
 
 

@@ -37,11 +37,11 @@ class Section(BaseModel):
 
 class TrainConfig(Section):
     max_steps: int = Field(200, ge=1, description="Optimizer steps to train for.")
-    seed: int = Field(0, ge=0, description="Seeds weights, data order and every RNG.")
-    log_every: int = Field(10, ge=1, description="Log metrics every N steps.")
+    seed: int = Field(0, ge=0, description="Seeds weights, data order, every RNG.")
+    log_every: int = Field(10, ge=1, description="Log every N steps.")
     grad_accum: int = Field(1, ge=1, description="Micro-batches per optimizer step.")
     max_grad_norm: float | None = Field(
-        1.0, gt=0, description="Clip the global gradient norm (null: off)."
+        1.0, gt=0, description="Gradient norm clip (null: off)."
     )
     eval_every: int = Field(0, ge=0, description="Evaluate every N steps; 0 never.")
     eval_batches: int = Field(4, ge=1, description="Batches per evaluation.")
@@ -50,16 +50,16 @@ class TrainConfig(Section):
 class OptimConfig(Section):
     name: Literal["adamw", "adamw_8bit"] = Field(
         "adamw",
-        description="adamw (fused) or adamw_8bit (bitsandbytes' 8-bit states).",
+        description="adamw (fused) or adamw_8bit (bitsandbytes).",
     )
     lr: float = Field(1e-3, gt=0, description="Peak learning rate.")
-    weight_decay: float = Field(0.1, ge=0, description="Decoupled weight decay (AdamW).")
+    weight_decay: float = Field(0.1, ge=0, description="AdamW's weight decay.")
     beta1: float = Field(0.9, ge=0, lt=1, description="AdamW beta1.")
     beta2: float = Field(0.95, ge=0, lt=1, description="AdamW beta2.")
     eps: float = Field(1e-8, gt=0, description="AdamW epsilon.")
     warmup_steps: int = Field(20, ge=0, description="Linear warm-up steps.")
     min_lr_ratio: float = Field(
-        0.1, ge=0, le=1, description="Cosine decay floor, a fraction of peak lr."
+        0.1, ge=0, le=1, description="Cosine floor, a fraction of peak lr."
     )
 
 
@@ -72,15 +72,15 @@ class DataConfig(Section):
 
 class CheckpointConfig(Section):
     every: int = Field(100, ge=0, description="Save every N steps (0: at the end).")
-    keep_last: int = Field(2, ge=1, description="Complete checkpoints to keep.")
-    at_end: bool = Field(True, description="Save a checkpoint at the end.")
+    keep_last: int = Field(2, ge=1, description="Checkpoints to keep.")
+    at_end: bool = Field(True, description="Checkpoint at the end.")
 
 
 DType = Literal["float32", "bfloat16", "float16"]
 
 
 class ParallelConfig(Section):
-    tp: int = Field(1, ge=1, description="Tensor-parallel degree (the rest: data parallel).")
+    tp: int = Field(1, ge=1, description="Tensor-parallel degree (rest: data parallel).")
     sp: int = Field(
         1, ge=1, description="Sequence-parallel degree (see its skill)."
     )
@@ -88,15 +88,15 @@ class ParallelConfig(Section):
         "float32", description="Dtype FSDP2 computes in."
     )
     reduce_dtype: DType = Field(
-        "float32", description="Dtype of gradient reduce-scatter."
+        "float32", description="Gradient reduce-scatter dtype."
     )
     fsdp_on_one_process: bool = Field(
         False,
-        description="fully_shard on one data-parallel rank too (adds copies).",
+        description="fully_shard on one dp rank too (adds copies).",
     )
     cpu_offload: bool = Field(
         False,
-        description="Params, grads, optimizer state on the host (CUDA).",
+        description="Params, grads, optimizer state in RAM (CUDA).",
     )
 
 
@@ -138,12 +138,12 @@ MetricsBackendName = Literal["wandb", "mlflow", "trackio"]
 
 
 class MetricsConfig(Section):
-    tensorboard: bool = Field(True, description="TensorBoard events too (if installed).")
+    tensorboard: bool = Field(True, description="TensorBoard events (if installed).")
     peak_tflops: float | None = Field(
-        None, gt=0, description="A device's peak TFLOP/s, for MFU (known GPUs: looked up)."
+        None, gt=0, description="Peak TFLOP/s, for MFU (GPUs: looked up)."
     )
     backends: list[MetricsBackendName] = Field(
-        [], description="Also log to these (keys: metrics.<name>.*)."
+        [], description="Also log here (keys: metrics.<name>.*)."
     )
     wandb: WandbConfig = WandbConfig()
     mlflow: MlflowConfig = MlflowConfig()

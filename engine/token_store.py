@@ -110,7 +110,7 @@ class StoredDataConfig(DataConfig):
 
     tokenize_in_check_mb: float = Field(
         TOKENIZE_IN_CHECK_MB, ge=0,
-        description="MB; larger data: tokenized by the run.",
+        description="MB; more: tokenized by the run.",
     )
 
 

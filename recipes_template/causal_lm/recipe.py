@@ -83,9 +83,9 @@ class ModelConfig(Section):
     num_kv_heads: int = Field(2, ge=1, description="Key/value heads (GQA).")
     rope_theta: float = Field(10000.0, gt=0, description="RoPE base frequency.")
     vocab_size: int | None = Field(None, ge=3, description="Embedding rows (default: tokenizer's).")
-    tie_word_embeddings: bool = Field(False, description="Output layer = embedding matrix.")
+    tie_word_embeddings: bool = Field(False, description="Output layer = embeddings.")
     attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = Field(
-        "sdpa", description="Attention kernel (flash_attention_2: CUDA)."
+        "sdpa", description="Kernel (flash_attention_2: CUDA)."
     )
     pretrained_path: str | None = Field(
         None, description="A model folder, Hub id or run:RUN_ID@STEP."
@@ -103,21 +103,22 @@ class ModelConfig(Section):
 class CausalLMDataConfig(StoredDataConfig):
     source: Literal["stdlib", "files", "random"] | None = Field(
         None,
-        description="files: data.paths (default when set); stdlib: CPython's library; random: ids.",
+        description="files: data.paths (default if set); stdlib: CPython's; random: ids.",
     )
     paths: list[str] = Field(
         default_factory=list,
-        description=".txt/.md/.py (a document each), .jsonl/.json/.parquet/.csv/.tsv, folders.",
+        description=".txt/.md/.py (a document each), .jsonl/.json/.parquet/.csv/.tsv, dirs.",
     )
-    text_field: str = Field("text", description="The records' text column.")
+    text_field: str = Field("text", description="Records' text column.")
     eval_fraction: float = Field(
-        0.05, ge=0, le=1, description="Fraction held out (1: all, for `evaluate`)."
+        0.05, ge=0, le=1, description="Held out (1: all, for evaluate)."
     )
-    vocab_size: int = Field(32000, ge=3, description="source=random: ids below this.")
+    vocab_size: int = Field(32000, ge=3, description="source=random: ids < this.")
     random_documents: int = Field(10000, ge=1, description="source=random: documents.")
-    streaming: bool = Field(False, description="Read the data as it trains (README).")
+    streaming: bool = Field(False, description="Read data as it trains (README).")
+    pad_to_longest: bool = Field(False, description="Pad to the longest (README).")
     shuffle_buffer: int = Field(0, ge=0, description="Streamed: shuffle N pieces at once.")
-    dataset: str | None = Field(None, description="Streamed: a Hub data set's train split.")
+    dataset: str | None = Field(None, description="Streamed: a Hub dataset's train split.")
 
     @model_validator(mode="after")
     def _source_matches_paths(self) -> "CausalLMDataConfig":
@@ -458,6 +459,18 @@ def collate(pieces: list[torch.Tensor], seq_len: int, pad_id: int) -> dict[str, 
     return {"input_ids": input_ids, "labels": labels, "position_ids": position_ids}
 
 
+def cut_after_last_label(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``data.pad_to_longest``: the batch without its columns after the last position any row
+    learns from (padding, as the Trainer's default collator pads to the longest row). Under
+    causal attention no learnt position sees them, so the loss and gradients are the same sums
+    over fewer positions: the same math, rounded in other places (the last bits differ)."""
+    learnt = (batch["labels"] != IGNORE_INDEX).any(0).nonzero()
+    width = int(learnt[-1]) + 1 if len(learnt) else 1
+    for key, value in batch.items():
+        batch[key] = value[:, :width].contiguous()
+    return batch
+
+
 class BatchStream(Stateful):
     """This rank's micro-batches, forever: each epoch visits the pieces in a new seeded order.
 
@@ -465,8 +478,9 @@ class BatchStream(Stateful):
     so a checkpoint resumes with the very next batch on any number of processes.
     """
 
-    def __init__(self, pieces, seq_len, pad_id, seed, micro_batch, dp_rank, dp_size):
+    def __init__(self, pieces, seq_len, pad_id, seed, micro_batch, dp_rank, dp_size, pad_to_longest=False):
         self.pieces, self.seq_len, self.pad_id, self.seed = pieces, seq_len, pad_id, seed
+        self.pad_to_longest = pad_to_longest
         self.micro_batch = micro_batch
         self.dp_rank, self.dp_size = dp_rank, dp_size
         self.position = 0  # global sequences consumed
@@ -488,7 +502,10 @@ class BatchStream(Stateful):
         start = self.position + self.dp_rank * self.micro_batch
         batch = [self._piece_at(i) for i in range(start, start + self.micro_batch)]
         self.position += self.micro_batch * self.dp_size
-        return collate(batch, self.seq_len, self.pad_id)
+        rows = collate(batch, self.seq_len, self.pad_id)
+        if self.pad_to_longest:
+            cut_after_last_label(rows)
+        return rows
 
     def state_dict(self) -> dict[str, Any]:
         return {"position": self.position}
@@ -594,8 +611,9 @@ class CausalLM(Engine):
         cfg = self.config.data
         stream = PieceStream(stream_shards(cfg), stream_pieces(cfg, self.tokenizer), self.dist.dp_rank,
                              self.dist.dp_size, shuffle_buffer=cfg.shuffle_buffer, seed=self.config.train.seed)
-        return StreamBatches(stream, self.micro_batch_size,
-                             lambda pieces: collate(pieces, cfg.seq_len, self.tokenizer.pad_token_id))
+        pad_id = self.tokenizer.pad_token_id
+        cut = cut_after_last_label if cfg.pad_to_longest else (lambda rows: rows)
+        return StreamBatches(stream, self.micro_batch_size, lambda pieces: cut(collate(pieces, cfg.seq_len, pad_id)))
 
     def prepare_data(self) -> BatchStream | StreamBatches:
         cfg = self.config.data
@@ -614,6 +632,7 @@ class CausalLM(Engine):
             micro_batch=self.micro_batch_size,
             dp_rank=self.dist.dp_rank,
             dp_size=self.dist.dp_size,
+            pad_to_longest=cfg.pad_to_longest,
         )
 
     def prepare_eval_data(self) -> list[dict[str, torch.Tensor]] | None:
@@ -626,7 +645,7 @@ class CausalLM(Engine):
         stream = BatchStream(
             pieces, cfg.seq_len, self.tokenizer.pad_token_id, seed=0,
             micro_batch=self.micro_batch_size,
-            dp_rank=self.dist.dp_rank, dp_size=self.dist.dp_size,
+            dp_rank=self.dist.dp_rank, dp_size=self.dist.dp_size, pad_to_longest=cfg.pad_to_longest,
         )
         return [next(stream) for _ in range(self.config.train.eval_batches)]
 

@@ -100,3 +100,38 @@ def test_the_data_summary_counts_what_the_run_will_read(tmp_path: Path, monkeypa
     assert (summary.source, summary.paths, summary.files, summary.documents) == ("files", ["corpus"], 3, 5)
     assert summary.tokens == sum(len(text) + 1 for text in texts)  # bytes + end of document
     assert (summary.train_documents, summary.eval_documents, summary.eval_tokens) == (5, 0, 0)
+
+
+def test_pad_to_longest_ends_a_batch_at_its_last_label_with_the_same_loss_and_gradients():
+    import torch
+    import torch.nn.functional as F
+
+    assert data_config().pad_to_longest is False  # the default keeps rows of data.seq_len
+    cfg = data_config("data.pad_to_longest=true", "data.seq_len=64")
+    generator = torch.Generator().manual_seed(0)
+    pieces = [torch.randint(0, 256, (n,), generator=generator) for n in (10, 30, 21)]
+
+    def first_batch(pad_to_longest: bool) -> dict[str, torch.Tensor]:
+        stream = recipe.BatchStream(pieces, cfg.seq_len, 257, seed=0, micro_batch=3, dp_rank=0, dp_size=1,
+                                    pad_to_longest=pad_to_longest)
+        return next(stream)
+
+    padded, longest = first_batch(False), first_batch(cfg.pad_to_longest)
+    assert padded["input_ids"].shape == (3, 64)
+    assert {key: value.shape for key, value in longest.items()} == {key: (3, 29) for key in padded}  # 30 tokens: 29 pairs
+    assert all(torch.equal(longest[key], padded[key][:, :29]) for key in padded)
+    assert (padded["labels"][:, 29:] == recipe.IGNORE_INDEX).all()
+
+    def loss_and_gradients(batch):
+        torch.manual_seed(0)
+        model = recipe.build_model(recipe.ModelConfig(hidden_size=32, intermediate_size=64, num_layers=2), 258, 64)
+        logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False).logits
+        loss = F.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten(), ignore_index=recipe.IGNORE_INDEX,
+                               reduction="sum")
+        loss.backward()
+        return loss.detach(), [p.grad for p in model.parameters()]
+
+    (loss, gradients), (cut_loss, cut_gradients) = loss_and_gradients(padded), loss_and_gradients(longest)
+    torch.testing.assert_close(cut_loss, loss, rtol=1e-6, atol=0)
+    for cut, whole in zip(cut_gradients, gradients):
+        torch.testing.assert_close(cut, whole, rtol=1e-5, atol=1e-6)  # rounded in other places

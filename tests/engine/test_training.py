@@ -137,3 +137,23 @@ def test_two_processes_match_one_and_their_checkpoint_resumes_on_one(workspace, 
     assert sorted(resumed_curve) == list(range(9, STEPS + 1))
     for step, value in resumed_curve.items():
         assert abs(value - one_curve[step]) <= 1e-4 * abs(one_curve[step]), step
+
+
+def test_pad_to_longest_trains_the_same_curve_on_fewer_positions_and_resumes_bit_for_bit(workspace):
+    root, recipe = workspace
+    words = "the quick brown fox jumps over a lazy dog".split()
+    rng = random.Random(0)
+    (root / "short.jsonl").write_text("".join(
+        '{"text": "%s"}\n' % " ".join(rng.choice(words) for _ in range(rng.randint(2, 12))) for _ in range(200)))
+    short = (*TINY, "data.paths=[short.jsonl]", "train.max_steps=8", "checkpoint.every=4", "train.log_every=1")
+    padded = run_engine(root, recipe, *short)
+    longest = run_engine(root, recipe, *short, "data.pad_to_longest=true")
+    resumed = run_engine(root, recipe, *short, "data.pad_to_longest=true",
+                         resume_from=dict(run_checkpoints.list_checkpoints(longest))[4])
+
+    assert losses(resumed) == {s: v for s, v in losses(longest).items() if s > 4}
+    assert losses(longest) == pytest.approx(losses(padded), rel=1e-4)  # the same math, rounded elsewhere
+    padding = {run: [r["padding_frac"] for r in run_metrics.read_all_metrics(run / rd.METRICS_JSONL) if "loss" in r]
+               for run in (padded, longest)}
+    pairs = list(zip(padding[longest], padding[padded]))  # step by step: the same batches
+    assert all(cut <= whole for cut, whole in pairs) and sum(cut for cut, _ in pairs) < 0.8 * sum(w for _, w in pairs)
