@@ -31,12 +31,22 @@ logging windows' ``step_time_s`` after the first). Then, per round, the peak at 
 over the smallest for each side and after/before at each size, and steps/s after/before.
 
     python bench/vlm_data_cost.py --memory [--images 200 2000] [--rounds 2] [--steps 30] [--before 4ce60db]
+
+With ``--check``, the launch check's data summary (``summarize_data``) of LLaVA conversations of
+``--images`` JPEGs (the first number given) under that LLaVA-1.5 processing: its image tokens
+counted from each image's size as the file's header gives it, no picture decoded ("after"), and
+through the processor on the decoded pictures ("before", the count from sizes turned off in the
+same process), interleaved in each round: the CPU seconds of this process each takes (the machine
+may be shared), the two summaries checked equal, and before/after.
+
+    python bench/vlm_data_cost.py --check --images 300 [--rounds 3]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -61,9 +71,14 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--before", default="4ce60db", help="the revision whose recipe.py is the 'before' side")
+    parser.add_argument("--check", action="store_true", help="the launch check's data summary: counted from image sizes "
+                                                              "against through the processor")
     args = parser.parse_args()
     if args.memory:
         memory(args)
+        return
+    if args.check:
+        check(args)
         return
 
     from PIL import Image
@@ -226,6 +241,33 @@ def memory(args) -> None:
             print(f"round {round_}, {count} images, after / before: peak PSS "
                   f"{results['after', count][1] / results['before', count][1]:.2f}, steps/s "
                   f"{results['after', count][2] / results['before', count][2]:.2f}", flush=True)
+    shutil.rmtree(scratch, ignore_errors=True)
+
+
+def check(args) -> None:
+    from engine.data_files import WORKSPACE_VARIABLE
+    from recipes_template.vlm_chat import recipe as vlm
+
+    scratch = Path(tempfile.mkdtemp(prefix="vlm-data-check-"))
+    count = args.images[0]
+    data = write_images(scratch, count, args.width, args.height)
+    config = vlm.VLMChatConfig(model=vlm.ModelConfig(pretrained_path=str(llava_336(scratch / "llava-336"))),
+                               data=vlm.VLMChatDataConfig(paths=[str(data)], seq_len=640))
+    sized = vlm.expansion_of
+    os.environ[WORKSPACE_VARIABLE] = str(scratch)
+    print(f"the data summary of {count} JPEG images of {args.width} x {args.height}, LLaVA-1.5's processing", flush=True)
+    for round_ in range(1, args.rounds + 1):
+        seconds, summaries = {}, {}
+        for side in ("before", "after") if round_ % 2 else ("after", "before"):
+            vlm.expansion_of = sized if side == "after" else lambda processor, images: None
+            start = time.process_time()
+            summaries[side] = vlm.VLMChat.summarize_data(config)
+            seconds[side] = time.process_time() - start
+            print(f"round {round_}, {side}: {seconds[side]:.2f} CPU s, {summaries[side].tokens} tokens", flush=True)
+        if summaries["after"] != summaries["before"]:
+            raise SystemExit(f"the summaries differ: {summaries['after']} against {summaries['before']}")
+        print(f"round {round_}: before / after CPU seconds {seconds['before'] / seconds['after']:.1f}", flush=True)
+    vlm.expansion_of = sized
     shutil.rmtree(scratch, ignore_errors=True)
 
 

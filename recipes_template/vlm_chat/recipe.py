@@ -508,25 +508,26 @@ def caption_messages(record: dict[str, Any], where: str, prompt: str) -> tuple[l
 def read_image(value: Any, base: Path | None, where: str, header_only: bool = False):
     """An image of a record: a path (relative to the data file, confined to the workspace), the
     bytes of an image file, a ``{"bytes", "path"}`` of a data set's image column, or an image.
-    ``header_only``: its header checked (its size against PIL's bomb limit), nothing decoded (None)."""
+    ``header_only``: its header checked (its size against PIL's bomb limit), nothing decoded: its
+    ``(height, width)`` as the header gives it (the picture is used as stored, no EXIF turn)."""
     from PIL import Image
 
     if isinstance(value, dict):
         value = value.get("bytes") or value.get("path")
     try:
         if isinstance(value, Image.Image):
-            return None if header_only else value.convert("RGB")
+            return value.size[::-1] if header_only else value.convert("RGB")
         # PIL refuses an image over twice MAX_IMAGE_PIXELS and only warns over it: a PNG of a few
         # KB in that band decodes to hundreds of MB. Refused unread, as over twice it is.
         with warnings.catch_warnings():
             warnings.simplefilter("error", Image.DecompressionBombWarning)
             if isinstance(value, (bytes, bytearray)):
                 with Image.open(io.BytesIO(value)) as image:
-                    return None if header_only else image.convert("RGB")
+                    return image.size[::-1] if header_only else image.convert("RGB")
             if not isinstance(value, str) or not value:
                 raise ConfigError(f"{where}: an image is a path, bytes or an image, got {type(value).__name__}")
             with open_data_file(str(base / value) if base is not None else value) as file, Image.open(file) as image:
-                return None if header_only else image.convert("RGB")
+                return image.size[::-1] if header_only else image.convert("RGB")
     except (DataPathRefused, ConfigError):
         raise
     except (OSError, ValueError, Image.DecompressionBombError, Image.DecompressionBombWarning) as e:
@@ -542,6 +543,7 @@ class ImageRef:
     value: Any
     base: Path | None
     where: str
+    size: tuple[int, int] | None = None  # (height, width) as its header gives it
 
     def open(self):
         return read_image(self.value, self.base, self.where)
@@ -553,8 +555,7 @@ class ImageRef:
         keeps its bytes or path alone."""
         if isinstance(value, dict):
             value = value.get("bytes") or value.get("path")
-        read_image(value, base, where, header_only=True)
-        return cls(value, base, where)
+        return cls(value, base, where, read_image(value, base, where, header_only=True))
 
 
 def image_of(image):
@@ -778,6 +779,13 @@ def video_processor_of(processor, where: str):
                       "or a family that takes video (Qwen2-VL, Qwen2.5-VL, Qwen3-VL)")
 
 
+def size_of(image) -> tuple[int, int]:
+    """``(height, width)`` of an ``ImageRef`` (as its header gives it) or of a picture, nothing decoded."""
+    if isinstance(image, ImageRef):
+        return image.size or read_image(image.value, image.base, image.where, header_only=True)
+    return image.size[::-1]
+
+
 def record_sources(cfg: VLMChatDataConfig) -> Iterator[tuple[Path | None, Iterator[tuple[str, dict[str, Any]]]]]:
     """``(folder image paths are relative to, rows)`` of each file, saved folder and data set."""
     for raw in cfg.paths:
@@ -866,6 +874,82 @@ def processor_inputs(processor, text: str, media: list, where: str = "a record",
     return out
 
 
+# Counting an example's tokens from its images' sizes, as their headers give them: no picture
+# decoded, resized or normalised. transformers' processors know how many tokens an image of a
+# size takes (``_get_num_multimodal_tokens``, the rule their own expansion follows); where the
+# processor's expansion of an image is a run of that many image tokens between text that does
+# not change, the ids are the processor's, made from the sizes alone. Checked against the
+# processor itself on pictures of two sizes; a family whose expansion is otherwise (Idefics3's
+# tiles, a processor without the rule) counts through the processor.
+PROBE_SIZES = ((37, 53), (61, 23))  # (height, width)
+
+
+def tokens_by_size(processor, sizes: list[tuple[int, int]]) -> list[int] | None:
+    """The image tokens of each image of ``sizes`` by the processor's own rule, or None."""
+    rule = getattr(processor, "_get_num_multimodal_tokens", None)
+    try:
+        counts = [int(n) for n in rule(image_sizes=[list(size) for size in sizes]).num_image_tokens] if rule else None
+    except (AttributeError, KeyError, NotImplementedError, TypeError, ValueError):  # a rule this processor's settings do not carry
+        return None
+    return counts if counts is not None and len(counts) == len(sizes) else None
+
+
+@dataclass(frozen=True)
+class Expansion:
+    """An image's placeholder as the processor expands it: ``before``, ``unit`` once per image
+    token, ``after``."""
+
+    before: str
+    unit: str
+    after: str
+
+    def inputs(self, processor, text: str, sizes: list[tuple[int, int]]) -> dict[str, Any] | None:
+        """The processor's text outputs (ids, offsets, its replacements) of ``text`` with images of
+        ``sizes``, made from the sizes; None where the processor's rule gives no count."""
+        counts = tokens_by_size(processor, sizes)
+        if counts is None:
+            return None
+        replacements = [self.before + self.unit * n + self.after for n in counts]
+        texts, replaced = processor.get_text_with_replacements([text], replacements)
+        out = dict(processor.tokenizer(texts, return_offsets_mapping=True, return_tensors="pt"))
+        return {**out, "text_replacement_offsets": replaced}
+
+
+def expansion_form(processor, replacement: str, count: int) -> Expansion | None:
+    """``replacement`` as ``before + unit * count + after``, ``unit`` a token the tokenizer adds."""
+    for unit in sorted(token for token in processor.tokenizer.get_added_vocab() if token and token in replacement):
+        found = re.fullmatch(f"(.*?)(?:{re.escape(unit)}){{{count}}}(.*)", replacement, re.S)
+        if found and unit not in found.group(1) + found.group(2):
+            return Expansion(found.group(1), unit, found.group(2))
+    return None
+
+
+def expansion_of(processor, images: int) -> Expansion | None:
+    """The ``Expansion`` of this processor in texts of ``images`` images, where the ids it makes
+    from sizes are those the processor makes of pictures of two sizes; else None."""
+    from PIL import Image
+
+    if prefix_suffix(processor) or not callable(getattr(processor, "get_text_with_replacements", None)):
+        return None
+    pictures = [Image.new("RGB", (width, height)) for height, width in PROBE_SIZES]
+    text = render(processor, [user_turn(["a"], images), assistant_turn("b")])
+    expansions = set()
+    for shown in ([pictures[:1], pictures[1:]] if images == 1 else [pictures * (images // 2) + pictures[:images % 2]]):
+        sizes = [p.size[::-1] for p in shown]
+        counts = tokens_by_size(processor, sizes) or [-1] * len(sizes)
+        made = processor_inputs(processor, text, shown, return_offsets_mapping=True, return_text_replacement_offsets=True)
+        expansions |= {expansion_form(processor, r["replacement"], n) if n >= 0 else None
+                       for r, n in zip(made["text_replacement_offsets"][0], counts)}
+        expansion = next(iter(expansions))
+        if len(expansions) != 1 or expansion is None:
+            return None
+        sized = expansion.inputs(processor, text, sizes)
+        if sized is None or not all(torch.equal(torch.as_tensor(sized[key]), torch.as_tensor(made[key]))
+                                    for key in ("input_ids", "offset_mapping")):
+            return None
+    return expansion
+
+
 # The bytes of image inputs a run keeps from encoding, over its pieces (each rank its own): a
 # run's images that fit are processed once; the pieces beyond are processed per batch.
 KEPT_IMAGE_BYTES = 512 * 2**20
@@ -909,17 +993,23 @@ def keep_image_inputs(pieces: Iterator[dict[str, Any]], budget: int) -> list[dic
     return pieces_kept
 
 
-def encode(processor, messages: list, images: list, seq_len: int, where: str) -> dict[str, Any]:
+def encode(processor, messages: list, images: list, seq_len: int, where: str,
+           expansion: Expansion | None = None) -> dict[str, Any]:
     """A piece: ``ids`` and ``targets`` (the token where the loss is over, ``IGNORE_INDEX``
     elsewhere) of the conversation as its chat template renders it, with the images' tokens
     expanded as the processor expands them, and the processor's image inputs (``keep_image_inputs``
     keeps them or not; else ``image_inputs`` makes them per batch). Cut to ``seq_len + 1``
-    tokens; the images' tokens are never cut."""
+    tokens; the images' tokens are never cut. With ``expansion``, the ids and targets alone,
+    from the images' sizes (a piece to count, no image inputs)."""
     check_no_image_tokens(processor, messages, where)
     if prefix_suffix(processor):
         return encode_prefix_suffix(processor, messages, images, seq_len, where)
     text, spans = assistant_spans(processor, messages, where)
-    out = processor_inputs(processor, text, images, where, return_offsets_mapping=True, return_text_replacement_offsets=True)
+    sized = expansion is not None and bool(images) and not any(isinstance(i, VideoRef) for i in images)
+    out = expansion.inputs(processor, text, [size_of(i) for i in images]) if sized else None
+    if out is None:
+        out = processor_inputs(processor, text, images, where, return_offsets_mapping=True,
+                               return_text_replacement_offsets=True)
     ids = out.pop("input_ids")[0]
     offsets = out.pop("offset_mapping")[0].tolist()
     replaced = (out.pop("text_replacement_offsets", None) or [[]])[0]
@@ -1247,8 +1337,11 @@ class VLMChat(Engine):
         counts = {True: [0, 0, 0], False: [0, 0, 0]}  # held out? -> [examples, tokens, loss tokens]
         images = truncated = counted_videos = frames = 0
         inputs: dict[bool, list[int]] = {True: [], False: []}  # held out? -> each piece's inputs (what packing fits)
+        expansions: dict[int, Expansion | None] = {}  # images of an example -> counted from their sizes, or not
         for where, messages, pictures in examples:
-            piece = encode(processor, messages, pictures, cfg.seq_len, where)
+            if len(pictures) not in expansions:
+                expansions[len(pictures)] = expansion_of(processor, len(pictures)) if pictures else None
+            piece = encode(processor, messages, pictures, cfg.seq_len, where, expansions[len(pictures)])
             held_out = is_eval_document(where, cfg.eval_fraction)
             inputs[held_out].append(len(piece["ids"]) - 1)
             counted = counts[held_out]
