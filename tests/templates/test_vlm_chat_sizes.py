@@ -90,12 +90,12 @@ def model_in(workspace, folder):
     return str(shutil.copytree(folder, workspace / "models" / folder.name))
 
 
-def decodes(monkeypatch) -> list[str]:
-    """The image files PIL decodes from now on."""
+def decodes(monkeypatch) -> list:
+    """The images PIL decodes from now on (each kept, so that each has its own id)."""
     from PIL import ImageFile
 
     loaded, load = [], ImageFile.ImageFile.load
-    monkeypatch.setattr(ImageFile.ImageFile, "load", lambda self: loaded.append(self.filename or "bytes") or load(self))
+    monkeypatch.setattr(ImageFile.ImageFile, "load", lambda self: loaded.append(self) or load(self))
     return loaded
 
 
@@ -108,7 +108,7 @@ def test_the_data_summary_decodes_no_image_and_counts_what_the_processor_does(fa
     assert loaded == [] and summary.documents == 21 and summary.format == "llava (21 images)"
     monkeypatch.setattr(vlm, "expansion_of", lambda processor, images: None)
     assert vlm.VLMChat.summarize_data(config) == summary
-    assert len(set(loaded)) == 21  # the processor decodes every picture
+    assert len({id(image) for image in loaded}) == 21  # the processor decodes every picture
 
 
 def test_a_truncated_image_whose_header_reads_is_refused_naming_its_record_when_decoded(folders, workspace):
