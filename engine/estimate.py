@@ -380,10 +380,15 @@ class _MetaBesideReal(TorchDispatchMode):
     """An op on the inputs alone runs for real, so that a model may read their values (an image
     grid, where the image tokens are); an op that meets a meta tensor (a weight, or what was
     computed from one) runs on the meta device. An input moved to the model's (meta) device
-    stays real: its values are still read (an attention mask)."""
+    stays real: its values are still read (an attention mask); a meta tensor indexed by a real
+    boolean mask (the hidden states of the tokens a loss covers) takes the mask's positions."""
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func is torch.ops.aten.index.Tensor and args[0].device.type == "meta":
+            args = (args[0], [i.nonzero(as_tuple=True) if isinstance(i, torch.Tensor) and i.dtype == torch.bool
+                              and i.device.type != "meta" else (i,) for i in args[1]])
+            args = (args[0], [i for group in args[1] for i in group])
         if func is torch.ops.aten._to_copy.default and kwargs.get("device") == torch.device("meta") \
                 and args[0].device.type != "meta":
             kwargs = {key: value for key, value in kwargs.items() if key != "device"}
@@ -545,17 +550,20 @@ def at_full_length(batch: dict[str, Any], seq_len: int) -> dict[str, Any]:
     """``batch`` with every row ``seq_len`` tokens long, as the longest batch the run can see: a
     collator that pads to the batch's longest example makes short batches of short data, and an
     estimate "at data.seq_len" must not measure those. Each dimension of a per-row tensor that
-    is the rows' length becomes ``seq_len`` (masks of L × L included), its values kept in front
-    (a forward that reads them finds the image tokens where they were), the rest zeros, and an
-    ``attention_mask``'s ones (the rows are full); other tensors (images) stay as they are."""
+    is the rows' length becomes ``seq_len`` (masks of L × L included, and Qwen's 3-D positions,
+    (3, rows, L)), its values kept in front (a forward that reads them finds the image tokens
+    where they were), the rest zeros, and an ``attention_mask``'s ones (the rows are full); other
+    tensors (images) stay as they are."""
     length = _row_length(batch)
     if not length or length >= seq_len:
         return batch
     rows = batch["input_ids"].shape[0]
     grown: dict[str, Any] = {}
     for key, value in batch.items():
-        if isinstance(value, torch.Tensor) and value.dim() >= 2 and value.shape[0] == rows and length in value.shape[1:]:
-            shape = [value.shape[0], *(seq_len if n == length else n for n in value.shape[1:])]
+        per_row = isinstance(value, torch.Tensor) and value.dim() >= 2 and rows in value.shape[:2]
+        after = value.shape.index(rows) + 1 if per_row else 0
+        if per_row and length in value.shape[after:]:
+            shape = [*value.shape[:after], *(seq_len if n == length else n for n in value.shape[after:])]
             full = torch.full(shape, int(key == "attention_mask"), dtype=value.dtype, device=value.device)
             full[tuple(slice(0, n) for n in value.shape)] = value
             value = full
