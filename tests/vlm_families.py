@@ -71,14 +71,37 @@ ONEVISION_TEMPLATE = (
     "{{ '<|im_end|>\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
 
-FAMILIES = ("llava", "qwen2_vl", "qwen2_5_vl", "idefics3", "gemma3", "llava_onevision")
-# Built too, tested apart (test_vlm_chat.py: a run of two steps), not by every parametrized test.
-LATER_FAMILIES = ("qwen3_vl",)
+FAMILIES = ("llava", "qwen2_vl", "qwen2_5_vl", "idefics3", "gemma3", "llava_onevision", "qwen3_vl")
+# Families the installed transformers may lack: the class each needs and the release that added it.
+NEEDS = {"qwen3_vl": ("Qwen3VLForConditionalGeneration", "4.57")}
 # Families with no chat by design: the user's text is a prefix, the answer a suffix.
 PREFIX_SUFFIX_FAMILIES = ("paligemma",)
 
 TEXT = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
             max_position_embeddings=1024)
+
+
+def missing(family: str) -> str | None:
+    """Why the installed transformers cannot build ``family``, or None."""
+    import transformers
+
+    if family in NEEDS and not hasattr(transformers, NEEDS[family][0]):
+        name, release = NEEDS[family]
+        return f"transformers {transformers.__version__} has no {name} (added in {release})"
+    return None
+
+
+def available(families=FAMILIES) -> tuple[str, ...]:
+    """The ``families`` the installed transformers builds."""
+    return tuple(family for family in families if missing(family) is None)
+
+
+def each(families=FAMILIES) -> list:
+    """``families`` as pytest parameters, one the installed transformers lacks skipped with the reason."""
+    import pytest
+
+    return [pytest.param(family, marks=pytest.mark.skipif(missing(family) is not None, reason=missing(family) or ""))
+            for family in families]
 
 
 def _llava(tokenizer, sizes):

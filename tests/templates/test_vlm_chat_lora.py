@@ -1,6 +1,7 @@
 """The lora skill on the vlm_chat template: the adapters sit in the language model's layers alone
-(LLaVA's ``model.language_model``, Idefics3's ``model.text_model``), never in the vision tower or
-the projector, whose layers have the same names (``q_proj``, ``fc1`` of CLIP and SigLIP); a run
+(LLaVA's and Qwen3-VL's ``model.language_model``, Idefics3's ``model.text_model``), never in the
+vision tower or the projector, whose layers have the same names (``q_proj``, ``fc1`` of CLIP and
+SigLIP, ``linear_fc1`` of Qwen3-VL's tower and its mergers); a run
 trains them and its merged export changes the language model's weights and nothing else."""
 
 from __future__ import annotations
@@ -15,11 +16,12 @@ import pytest
 import torch
 
 from tests.templates.test_vlm_chat import TEMPLATE, vlm
-from tests.vlm_families import tiny_vlm_folder
+from tests.vlm_families import available, each, tiny_vlm_folder
 
 # family → where its language model is, and its class.
 LANGUAGE_MODEL = {"llava": ("model.language_model", "LlavaForConditionalGeneration"),
-                  "idefics3": ("model.text_model", "Idefics3ForConditionalGeneration")}
+                  "idefics3": ("model.text_model", "Idefics3ForConditionalGeneration"),
+                  "qwen3_vl": ("model.language_model", "Qwen3VLForConditionalGeneration")}
 SETTINGS = ("train.max_steps=3", "train.log_every=1", "train.eval_every=0", "checkpoint.every=0",
             "checkpoint.at_end=true", "data.builtin_images=24", "data.eval_fraction=0.2", "data.batch_size=4",
             "optim.lr=1e-2", "optim.warmup_steps=0", "metrics.tensorboard=false")
@@ -52,7 +54,7 @@ def runs(tmp_path_factory) -> dict:
     from skills import apply_skill
 
     out = {}
-    for family in LANGUAGE_MODEL:
+    for family in available(tuple(LANGUAGE_MODEL)):
         folder = tmp_path_factory.mktemp(family)
         model = tiny_vlm_folder(folder / "model", family)
         recipe = shutil.copytree(TEMPLATE, folder / "vlm_chat", ignore=shutil.ignore_patterns("__pycache__"))
@@ -63,7 +65,7 @@ def runs(tmp_path_factory) -> dict:
     return out
 
 
-@pytest.mark.parametrize("family", sorted(LANGUAGE_MODEL))
+@pytest.mark.parametrize("family", each(sorted(LANGUAGE_MODEL)))
 def test_lora_adapts_the_language_model_alone_and_its_export_changes_nothing_else(family, runs, tmp_path):
     from transformers import AutoModelForImageTextToText
 
@@ -96,7 +98,7 @@ def test_lora_adapts_the_language_model_alone_and_its_export_changes_nothing_els
     assert type(processor).__name__ == type(vlm.load_processor(str(done["model"]))).__name__
 
 
-@pytest.mark.parametrize("family", sorted(LANGUAGE_MODEL))
+@pytest.mark.parametrize("family", each(sorted(LANGUAGE_MODEL)))
 def test_estimate_runs_lora_change_counts_the_adapters_the_applied_skill_trains(family, runs):
     """estimate_run's ``apply_skill lora`` row is estimated with the trainable values the skill
     gives this model (the language model's layers), not those of both towers' blocks (qlora's)."""
@@ -108,6 +110,8 @@ def test_estimate_runs_lora_change_counts_the_adapters_the_applied_skill_trains(
     _, lora_values, qlora_values = adaptable_linears(model)
     (trained,) = re.findall(r"; ([\d,]+) trainable values", runs[family]["printed"])
     assert lora_values == int(trained.replace(",", ""))
-    # LLaVA's blocks (its _no_split_modules) are CLIP's encoder layers too, whose linear layers
-    # qlora adapts; Idefics3 names no vision layer there, so its blocks are the language model's.
-    assert qlora_values > lora_values if family == "llava" else qlora_values == lora_values
+    # LLaVA's and Qwen3-VL's blocks (their _no_split_modules) are their vision towers' layers too,
+    # whose linear layers qlora adapts; Idefics3 names no vision layer there, so its blocks are the
+    # language model's.
+    assert qlora_values > lora_values if family != "idefics3" else qlora_values == lora_values
+
