@@ -43,7 +43,7 @@ import math
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any, Iterable, Iterator
 
 import torch
 from torch import nn
@@ -203,9 +203,12 @@ class Shape:
     block_linear: int = 0  # values of the plain nn.Linear weights inside the blocks (what QLoRA holds in 4 bits)
     lora_values: int = 0  # adapter values the lora skill at its default rank adds (lora_blocks' linears)
     qlora_values: int | None = None  # those the qlora skill adds (every block's linears); None: lora_values
-    # (saved bytes, largest, per block) with only the blocks' linear weights trainable, as LoRA
-    # trains beside them: tensors kept only for a frozen parameter's gradient are not saved.
+    # (saved bytes, largest, per block) with only the weights of the layers LoRA adapts trainable
+    # (lora_linears), as LoRA trains beside them: tensors kept only for a frozen parameter's
+    # gradient are not saved, so a frozen vision tower saves nothing.
     adapter_saved: tuple[int, int, list[int]] | None = None
+    # The same with QLoRA's layers trainable (every block's), where they are not LoRA's; None: adapter_saved.
+    qlora_saved: tuple[int, int, list[int]] | None = None
     heap_keeps_freed: bool = False  # a CPU run under glibc's dynamic mmap threshold (engine/memory.py)
 
 
@@ -242,8 +245,9 @@ def estimate_memory(shape: Shape, nproc: int, parallel: Any, device: str, checkp
     # checkpointing its input (kept for the recomputation) and, in backward, one block's again.
     measured_checkpointed = shape.checkpointed_blocks > 0
     saved, largest, block_saved = shape.saved_bytes, shape.largest_saved, shape.block_saved
-    if adapters and shape.adapter_saved is not None:
-        saved, largest, block_saved = shape.adapter_saved
+    adapter_saved = shape.qlora_saved if adapters == "qlora" and shape.qlora_saved is not None else shape.adapter_saved
+    if adapters and adapter_saved is not None:
+        saved, largest, block_saved = adapter_saved
     outside = saved - (0 if measured_checkpointed else sum(block_saved))
     if checkpointing is None:
         checkpointing = measured_checkpointed
@@ -342,7 +346,8 @@ def measure_shape(recipe_class, config, nproc: int) -> Shape:
     block_linear, lora_values, qlora_values = adaptable_linears(engine.model)
     try:
         with on_fake_tensors(engine.model, batch, unmasked=causal_without_mask(data_batch)) as fake_batch:
-            counter, checkpointed, blocks, adapter_saved = _forward_saved(engine, fake_batch, block_linear, lora_values)
+            counter, checkpointed, blocks, (adapter_saved, qlora_saved) = _forward_saved(
+                engine, fake_batch, block_linear, lora_values)
     except (DataDependentOutputException, DynamicOutputShapeException):
         # A forward that reads its inputs' values (Qwen2-VL's image grid and 3-D positions,
         # Idefics3's empty tiles): the model built again on the meta device, the inputs real.
@@ -350,7 +355,8 @@ def measure_shape(recipe_class, config, nproc: int) -> Shape:
             engine.model = engine.prepare_model()
         engine.model.train()
         with on_meta_beside_real_inputs(batch) as real_batch:
-            counter, checkpointed, blocks, adapter_saved = _forward_saved(engine, real_batch, block_linear, lora_values)
+            counter, checkpointed, blocks, (adapter_saved, qlora_saved) = _forward_saved(
+                engine, real_batch, block_linear, lora_values)
     unique = {id(p): p for p in engine.model.parameters()}.values()
     positions = sum(v.numel() for k, v in batch.items() if k == "input_ids") * config.train.grad_accum
     per_block = [counter.per_block[i] for i in range(blocks)]
@@ -363,17 +369,23 @@ def measure_shape(recipe_class, config, nproc: int) -> Shape:
         positions_per_step=positions, floor_bytes=floor, measured_length=_row_length(batch), data_length=data_length,
         quantized=quantized, quantized_bytes=quantized_bytes, optimizer=optimizer, optimizer_bytes=optimizer_bytes,
         block_linear=block_linear, lora_values=lora_values, qlora_values=qlora_values, adapter_saved=adapter_saved,
+        qlora_saved=qlora_saved,
     )
 
 
 def _forward_saved(engine, batch, block_linear: int, lora_values: int):
-    """The forward's saved bytes (:func:`measure_saved_bytes`), and those with only the blocks'
-    linear weights trainable (as LoRA trains) where that is a change worth measuring."""
+    """The forward's saved bytes (:func:`measure_saved_bytes`), and those with only the linear
+    layers LoRA adapts trainable, then QLoRA's where they differ (a vision-language model's
+    vision tower), where that is a change worth measuring."""
     counter, checkpointed, blocks = measure_saved_bytes(engine, batch)
-    adapter_saved = None
+    adapter_saved = qlora_saved = None
     if block_linear and sum(p.numel() for p in engine.model.parameters() if p.requires_grad) > 2 * lora_values:
-        adapter_saved = saved_with_only_block_linears_trainable(engine, batch)
-    return counter, checkpointed, blocks, adapter_saved
+        lora: set[nn.Module] = set(lora_linears(engine.model).values())
+        every: set[nn.Module] = set(block_linears(engine.model))
+        adapter_saved = saved_with_only_linears_trainable(engine, batch, lora)
+        if every != lora:
+            qlora_saved = saved_with_only_linears_trainable(engine, batch, every)
+    return counter, checkpointed, blocks, (adapter_saved, qlora_saved)
 
 
 class _MetaBesideReal(TorchDispatchMode):
@@ -462,10 +474,11 @@ def no_mask_built() -> Iterator[None]:
         masking_utils.find_packed_sequence_indices, masking_utils._ignore_causal_mask_sdpa = packed, ignore
 
 
-def saved_with_only_block_linears_trainable(engine, batch) -> tuple[int, int, list[int]]:
-    """The saved bytes of the forward again with every parameter frozen but the blocks' plain
-    linear weights: what a LoRA (or QLoRA) run saves, its adapters taking those layers' inputs."""
-    adapted = {id(m.weight) for b in transformer_blocks(engine.model) for m in b.modules() if type(m) is nn.Linear}
+def saved_with_only_linears_trainable(engine, batch, linears: set[nn.Module]) -> tuple[int, int, list[int]]:
+    """The saved bytes of the forward again with every parameter frozen but the weights of
+    ``linears``: what a LoRA (or QLoRA) run saves, its adapters taking those layers' inputs (a
+    frozen vision tower's layers save nothing)."""
+    adapted = {id(m.weight) for m in linears}
     was = {id(p): p.requires_grad for p in engine.model.parameters()}
     for parameter in engine.model.parameters():
         parameter.requires_grad_(id(parameter) in adapted)
@@ -503,13 +516,26 @@ def adaptable_linears(model: nn.Module) -> tuple[int, int, int]:
     """The values of the plain ``nn.Linear`` weights inside the model's blocks (what the qlora
     skill adapts and holds in 4 bits), the adapter values the lora skill at rank
     :data:`LORA_RANK` adds by default (those of :func:`lora_blocks`), and those qlora adds."""
-    def adapters(blocks: list[nn.Module]) -> int:
-        linears = {id(m): m for block in blocks for m in block.modules() if type(m) is nn.Linear}.values()
-        return sum(LORA_RANK * (m.in_features + m.out_features) for m in linears)
+    def adapters(linears: Iterable[nn.Linear]) -> int:
+        return sum(LORA_RANK * (m.in_features + m.out_features) for m in {id(m): m for m in linears}.values())
 
-    blocks = transformer_blocks(model)
-    weights = sum(m.weight.numel() for block in blocks for m in block.modules() if type(m) is nn.Linear)
-    return weights, adapters(lora_blocks(model)), adapters(blocks)
+    every = block_linears(model)
+    return sum(m.weight.numel() for m in every), adapters(lora_linears(model).values()), adapters(every)
+
+
+def block_linears(model: nn.Module) -> list[nn.Linear]:
+    """The plain ``nn.Linear`` layers inside the model's blocks, each once: what the qlora skill
+    holds in 4 bits and adapts."""
+    found = {id(m): m for block in transformer_blocks(model) for m in block.modules() if type(m) is nn.Linear}
+    return list(found.values())  # type: ignore[arg-type]
+
+
+def lora_linears(model: nn.Module) -> dict[str, nn.Linear]:
+    """The linear layers the lora skill adapts without ``target_modules``, by name: the plain
+    ``nn.Linear`` layers of :func:`lora_blocks` (of a vision-language model, its language model's
+    alone). The one set the LoRA change's trainable values and saved activations count."""
+    inside = {id(m) for block in lora_blocks(model) for m in block.modules() if type(m) is nn.Linear}
+    return {name: m for name, m in model.named_modules() if id(m) in inside}  # type: ignore[misc]
 
 
 def lora_blocks(model: nn.Module) -> list[nn.Module]:

@@ -115,3 +115,40 @@ def test_estimate_runs_lora_change_counts_the_adapters_the_applied_skill_trains(
     # language model's.
     assert qlora_values > lora_values if family != "idefics3" else qlora_values == lora_values
 
+
+@pytest.mark.parametrize("family", ["llava", "qwen2_vl"])
+def test_the_lora_changes_estimate_makes_trainable_exactly_the_layers_peft_wraps_in_the_recipe(family, tmp_path, monkeypatch):
+    """estimate_run measures the LoRA change's saved activations with the layers the lora skill
+    adapts trainable: the language model's, not the vision tower's (CLIP's q/k/v/out_proj and
+    fc1/fc2, Qwen2-VL's qkv/proj/fc1/fc2), which a frozen tower never saves inputs for."""
+    from engine import estimate
+    from engine.config import build_config
+    from engine.distributed import DistInfo
+    from engine.launch import load_recipe_class
+    from skills import apply_skill
+
+    model = tiny_vlm_folder(tmp_path / "model", family)
+    overrides = [f"model.pretrained_path={model}", "data.builtin_images=10", "data.batch_size=2", "data.seq_len=128",
+                 "data.eval_fraction=0"]
+    trainable_in_each_forward = []
+    measure = estimate.measure_saved_bytes
+
+    def recording(engine, batch):
+        counted = measure(engine, batch)
+        trainable_in_each_forward.append({n.removesuffix(".weight") for n, p in engine.model.named_parameters()
+                                          if p.requires_grad})
+        return counted
+
+    monkeypatch.setattr(estimate, "measure_saved_bytes", recording)
+    plain = load_recipe_class(TEMPLATE)
+    shape = estimate.measure_shape(plain, build_config(plain.config_class, None, overrides), 1)
+    assert shape.adapter_saved is not None and len(trainable_in_each_forward) >= 2
+    estimated = trainable_in_each_forward[1]  # the forward after the run's own: the LoRA change's
+
+    recipe = shutil.copytree(TEMPLATE, tmp_path / "vlm_chat", ignore=shutil.ignore_patterns("__pycache__"))
+    apply_skill("lora", recipe)
+    skilled = load_recipe_class(recipe)
+    engine = skilled(build_config(skilled.config_class, None, overrides), DistInfo(0, 1, 0, torch.device("cpu"), None))
+    wrapped = {n for n, m in engine.prepare_model().named_modules() if hasattr(m, "lora_A")}
+    assert len(wrapped) == 14 and all(".language_model.layers." in n for n in wrapped), wrapped
+    assert estimated == wrapped
