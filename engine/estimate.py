@@ -398,15 +398,21 @@ class _MetaBesideReal(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is torch.ops.aten.index.Tensor and args[0].device.type == "meta":
-            args = (args[0], [i.nonzero(as_tuple=True) if isinstance(i, torch.Tensor) and i.dtype == torch.bool
-                              and i.device.type != "meta" else (i,) for i in args[1]])
-            args = (args[0], [i for group in args[1] for i in group])
+            args = (args[0], [i for index in args[1] for i in _positions_of_real_mask(index)])
         if func is torch.ops.aten._to_copy.default and kwargs.get("device") == torch.device("meta") \
                 and args[0].device.type != "meta":
             kwargs = {key: value for key, value in kwargs.items() if key != "device"}
         if any(isinstance(t, torch.Tensor) and t.device.type == "meta" for t in pytree.tree_leaves((args, kwargs))):
             args, kwargs = pytree.tree_map_only(torch.Tensor, lambda t: t.to("meta"), (args, kwargs))
         return func(*args, **kwargs)
+
+
+def _positions_of_real_mask(index: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+    """An index of ``aten.index``: a real boolean mask as the positions it selects (one tensor a
+    dimension), which index a meta tensor to the mask's count; any other index as it is."""
+    if isinstance(index, torch.Tensor) and index.dtype == torch.bool and index.device.type != "meta":
+        return index.nonzero(as_tuple=True)
+    return (index,)
 
 
 @contextlib.contextmanager
