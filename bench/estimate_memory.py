@@ -30,14 +30,15 @@ token for 28 pixels, 4 for 56; LLaVA's CLIP always 16) and answers longer than `
 ``--vlm-variants lora``: the lora skill applied (adapters in the language model alone), measured
 against two estimates: the check's of the recipe with the skill applied, and the LoRA change
 estimate_run offers for the recipe as it is (``estimate_memory(..., adapters="lora")`` on its
-measured shape, in a process of its own as the check is).
+measured shape, in a process of its own as the check is). ``--vision-sized``: vision towers as
+wide and deep as the language model (:data:`VLM_VISION`), so that the tower's share shows.
 
     python bench/estimate_memory.py [--steps 3] [--templates causal_lm sft vlm] [--sizes small medium large]
     python bench/estimate_memory.py --models [--steps 2] [--families llama qwen2] [--seq-lens 256 1024]
         [--variants plain ckpt lora qlora] [--sources folder hub] [--hub-variants plain]
         [--malloc-mmap-threshold 65536]
     python bench/estimate_memory.py --vlm [--steps 2] [--vlm-families qwen2_vl llava] [--image-sizes 28 56]
-        [--seq-lens 256 1024] [--vlm-variants plain lora]
+        [--seq-lens 256 1024] [--vlm-variants plain lora] [--vision-sized]
 """
 
 from __future__ import annotations
@@ -246,6 +247,10 @@ def models_main(args: argparse.Namespace) -> None:
 VLM_FAMILIES = ("qwen2_vl", "llava")
 VLM_TEXT = {"hidden_size": 512, "intermediate_size": 1376, "num_hidden_layers": 4, "num_attention_heads": 8,
             "num_key_value_heads": 4}
+# --vision-sized: each family's vision tower as wide and deep as that language model, so that
+# what it saves (or, frozen, does not) shows beside the language model's activations.
+VLM_VISION = {"llava": {"hidden_size": 512, "intermediate_size": 2048, "num_hidden_layers": 4, "num_attention_heads": 8},
+              "qwen2_vl": {"embed_dim": 512, "mlp_ratio": 4, "depth": 4, "num_heads": 8}}
 VLM_RUN = ("data.paths=[\"data/vlm.json\"]", "data.batch_size=4", "data.eval_fraction=0", "optim.warmup_steps=0",
            "model.train_vision_tower=true", "train.eval_every=0")
 
@@ -268,14 +273,15 @@ def vlm_data(path: Path, side: int, count: int = 16) -> Path:
     return path
 
 
-def lora_change(folder: Path, settings: list[str], cwd: Path) -> float:
-    """The peak MB of estimate_run's ``apply_skill lora`` change for the recipe at ``folder`` as it
-    is, estimated alone (the check lists it only beside other changes), in a process of its own."""
+def lora_change(folder: Path, settings: list[str], cwd: Path) -> dict:
+    """estimate_run's ``apply_skill lora`` change for the recipe at ``folder`` as it is, its
+    ``memory_gib`` estimated alone (the check lists it only beside other changes), in a process of
+    its own."""
     command = [sys.executable, str(Path(__file__).resolve()), "--lora-change-of", str(folder), *settings]
     done = subprocess.run(command, cwd=cwd, env=environment(), capture_output=True, text=True, timeout=600)
     if done.returncode:
         raise SystemExit(f"the LoRA change's estimate failed:\n{done.stderr[-2000:]}")
-    return float(done.stdout.splitlines()[-1]) * 1024
+    return json.loads(done.stdout.splitlines()[-1])
 
 
 def print_lora_change(folder: str, settings: list[str]) -> None:
@@ -287,7 +293,7 @@ def print_lora_change(folder: str, settings: list[str]) -> None:
     recipe_class = load_recipe_class(Path(folder))
     config = resolve_config(recipe_class, Path(folder), settings, None)
     shape = measure_shape(recipe_class, config, 1)
-    print(estimate_memory(shape, 1, config.parallel, "cpu", adapters="lora")["peak_gib"])
+    print(json.dumps(estimate_memory(shape, 1, config.parallel, "cpu", adapters="lora")))
 
 
 def vlm_recipe(variant: str, root: Path) -> Path:
@@ -315,7 +321,8 @@ def vlm_main(args: argparse.Namespace) -> None:
         os.environ[WORKSPACE_VARIABLE] = str(root)
         try:
             for family in args.vlm_families:
-                model = tiny_vlm_folder(root / "models" / family, family, text=VLM_TEXT)
+                model = tiny_vlm_folder(root / "models" / family, family, text=VLM_TEXT,
+                                        vision=VLM_VISION[family] if args.vision_sized else None)
                 for side in args.image_sizes:
                     for seq, variant in ((seq, variant) for seq in args.seq_lens for variant in args.vlm_variants):
                         vlm_data(root / "data" / "vlm.json", side)
@@ -332,12 +339,15 @@ def vlm_main(args: argparse.Namespace) -> None:
                               f"{estimate / measured:>7.2f}   {memory['floor'] * 1024:,.0f} / {state:,.0f} / "
                               f"{memory['activations'] * 1024:,.0f}{flag}", flush=True)
                         if variant == "lora":
-                            change = lora_change(vlm_recipe("plain", root), settings, root)
+                            memory = lora_change(vlm_recipe("plain", root), settings, root)
+                            change = memory["peak_gib"] * 1024
                             rows[family, side, seq, "lora change"] = (change, measured)
+                            state = sum(memory[k] for k in ("params", "grads", "optimizer", "gathered")) * 1024
                             flag = "" if GOAL[0] <= change / measured <= GOAL[1] else "  MISS"
                             print(f"{f'{family} {side}px {seq} lora change':<30}{change:>12,.0f}{measured:>12,.0f}"
-                                  f"{change / measured:>7.2f}   (estimate_run's apply_skill lora row for the plain "
-                                  f"recipe){flag}", flush=True)
+                                  f"{change / measured:>7.2f}   {memory['floor'] * 1024:,.0f} / {state:,.0f} / "
+                                  f"{memory['activations'] * 1024:,.1f} (estimate_run's apply_skill lora row for the "
+                                  f"plain recipe){flag}", flush=True)
         finally:
             os.environ.pop(WORKSPACE_VARIABLE, None)
     ratios = [e / m for e, m in rows.values()]
@@ -388,6 +398,8 @@ def main() -> None:
     parser.add_argument("--image-sizes", nargs="+", type=int, default=[28, 56], help="--vlm: the images' side")
     parser.add_argument("--vlm-variants", nargs="+", default=["plain"], choices=["plain", "lora"],
                         help="--vlm: the recipe as it is, or with the lora skill (and estimate_run's LoRA change)")
+    parser.add_argument("--vision-sized", action="store_true",
+                        help="--vlm: vision towers as wide and deep as the language model (VLM_VISION), not tiny")
     parser.add_argument("--lora-change-of", metavar="RECIPE", help=argparse.SUPPRESS)  # lora_change's own process
     args, settings = parser.parse_known_args()
     if args.lora_change_of:
