@@ -12,7 +12,7 @@ import torch
 
 from engine.estimate import measure_saved_bytes, on_meta_beside_real_inputs, weights_not_loaded
 from tests.templates.test_vlm_chat import picture, vlm
-from tests.vlm_families import tiny_vlm_folder
+from tests.vlm_families import each, tiny_vlm_folder
 
 ROWS = 2
 
@@ -61,7 +61,7 @@ def test_qwen2_vl_is_estimated_with_the_image_tokens_its_grid_gives_as_a_real_fo
     assert estimated[56] - estimated[28] == pytest.approx(real[56] - real[28], rel=0.1)
 
 
-@pytest.mark.parametrize("family", ["llava", "qwen2_vl", "qwen3_vl"])
+@pytest.mark.parametrize("family", each(("llava", "qwen2_vl", "qwen3_vl")))
 def test_estimate_run_measures_each_familys_forward_on_the_templates_own_batches(family, tmp_path, monkeypatch):
     """The launch check's estimate of the template as it is: its examples' 3-D positions computed
     before the model exists (the estimate builds the data first), the positions grown to
