@@ -28,7 +28,8 @@ Per process (:func:`estimate_memory`):
   twice and a checkpointed block's share kept in the heap (:data:`HEAP_KEPT`,
   :data:`HEAP_KEPT_CHECKPOINTED`);
 - on a CPU, the process floor: the resident memory of this process after it imported torch and
-  the recipe and built the recipe's data pipeline (what a run holds before its model exists);
+  the recipe and built the recipe's data pipeline (what a run holds before its model exists), and
+  for the LoRA and QLoRA changes what importing peft adds to it (the skills' recipes import it);
   on a GPU the floor is 0 (``max_memory_allocated`` does not count the CUDA context).
 
 Time per step: FLOPs per token (``Engine.flops_per_token`` of the meta model; a checkpointed
@@ -41,6 +42,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Iterator
@@ -210,6 +212,7 @@ class Shape:
     # The same with QLoRA's layers trainable (every block's), where they are not LoRA's; None: adapter_saved.
     qlora_saved: tuple[int, int, list[int]] | None = None
     heap_keeps_freed: bool = False  # a CPU run under glibc's dynamic mmap threshold (engine/memory.py)
+    peft_import_bytes: int = 0  # what importing peft added to the floor (0: the recipe imports it already)
 
 
 def estimate_memory(shape: Shape, nproc: int, parallel: Any, device: str, checkpointing: bool | None = None,
@@ -266,7 +269,7 @@ def estimate_memory(shape: Shape, nproc: int, parallel: Any, device: str, checkp
     gathered = 0.0
     if (shards > 1 or on_device == 0) and shape.blocks:  # FSDP2 gathers (or copies in) a block and prefetches the next, in the compute dtype
         gathered = 2 * ((shape.params - quantized) * DTYPES[dtype].itemsize + quantized * NF4_PACKED) / shape.blocks / tp
-    floor = shape.floor_bytes if device == "cpu" else 0
+    floor = shape.floor_bytes + (shape.peft_import_bytes if adapters else 0) if device == "cpu" else 0
     parts = {"floor": floor, "params": params, "grads": grads, "optimizer": optimizer,
              "activations": activations, "gathered": gathered}
     return {key: round(value / GIB, 4) for key, value in parts.items()} | {
@@ -317,6 +320,19 @@ def rss_now_bytes() -> int:
     return int(rss_high_water_mb() * 2**20)
 
 
+def peft_import_bytes() -> int:
+    """The resident bytes importing peft adds to this process: what a recipe with the lora or
+    qlora skill holds beside this one's floor; 0 where peft is imported already or missing."""
+    if "peft" in sys.modules:
+        return 0
+    before = rss_now_bytes()
+    try:
+        import peft  # noqa: F401
+    except ImportError:
+        return 0
+    return max(0, rss_now_bytes() - before)
+
+
 def measure_shape(recipe_class, config, nproc: int) -> Shape:
     """Build the recipe's engine as one process of an ``nproc`` run would see it, its data
     pipeline for one micro-batch's shapes, and its model on the meta device."""
@@ -337,6 +353,7 @@ def measure_shape(recipe_class, config, nproc: int) -> Shape:
     data_length = _row_length(data_batch)
     batch = at_full_length(data_batch, config.data.seq_len)
     floor = rss_now_bytes()
+    peft_import = peft_import_bytes()
     engine.device = torch.device("meta")
     with torch.device("meta"), weights_not_loaded():
         engine.model = engine.prepare_model()
@@ -369,7 +386,7 @@ def measure_shape(recipe_class, config, nproc: int) -> Shape:
         positions_per_step=positions, floor_bytes=floor, measured_length=_row_length(batch), data_length=data_length,
         quantized=quantized, quantized_bytes=quantized_bytes, optimizer=optimizer, optimizer_bytes=optimizer_bytes,
         block_linear=block_linear, lora_values=lora_values, qlora_values=qlora_values, adapter_saved=adapter_saved,
-        qlora_saved=qlora_saved,
+        qlora_saved=qlora_saved, peft_import_bytes=peft_import,
     )
 
 
