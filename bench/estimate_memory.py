@@ -27,13 +27,18 @@ bytes the estimate counts (as ``max_memory_allocated`` does on a GPU).
 (``tests/vlm_families.py``, the language model at hidden 512, 4 layers; the vision towers tiny),
 every part training, over LLaVA records of one image each (``--image-sizes``: Qwen's grid gives 1
 token for 28 pixels, 4 for 56; LLaVA's CLIP always 16) and answers longer than ``data.seq_len``.
+``--vlm-variants lora``: the lora skill applied (adapters in the language model alone), measured
+against two estimates: the check's of the recipe with the skill applied, and the LoRA change
+estimate_run offers for the recipe as it is (``estimate_memory(..., adapters="lora")`` on its
+measured shape, in a process of its own as the check is). ``--vision-sized``: vision towers as
+wide and deep as the language model (:data:`VLM_VISION`), so that the tower's share shows.
 
     python bench/estimate_memory.py [--steps 3] [--templates causal_lm sft vlm] [--sizes small medium large]
     python bench/estimate_memory.py --models [--steps 2] [--families llama qwen2] [--seq-lens 256 1024]
         [--variants plain ckpt lora qlora] [--sources folder hub] [--hub-variants plain]
         [--malloc-mmap-threshold 65536]
     python bench/estimate_memory.py --vlm [--steps 2] [--vlm-families qwen2_vl llava] [--image-sizes 28 56]
-        [--seq-lens 256 1024]
+        [--seq-lens 256 1024] [--vlm-variants plain lora] [--vision-sized]
 """
 
 from __future__ import annotations
@@ -242,6 +247,10 @@ def models_main(args: argparse.Namespace) -> None:
 VLM_FAMILIES = ("qwen2_vl", "llava")
 VLM_TEXT = {"hidden_size": 512, "intermediate_size": 1376, "num_hidden_layers": 4, "num_attention_heads": 8,
             "num_key_value_heads": 4}
+# --vision-sized: each family's vision tower as wide and deep as that language model, so that
+# what it saves (or, frozen, does not) shows beside the language model's activations.
+VLM_VISION = {"llava": {"hidden_size": 512, "intermediate_size": 2048, "num_hidden_layers": 4, "num_attention_heads": 8},
+              "qwen2_vl": {"embed_dim": 512, "mlp_ratio": 4, "depth": 4, "num_heads": 8}}
 VLM_RUN = ("data.paths=[\"data/vlm.json\"]", "data.batch_size=4", "data.eval_fraction=0", "optim.warmup_steps=0",
            "model.train_vision_tower=true", "train.eval_every=0")
 
@@ -264,6 +273,40 @@ def vlm_data(path: Path, side: int, count: int = 16) -> Path:
     return path
 
 
+def lora_change(folder: Path, settings: list[str], cwd: Path) -> dict:
+    """estimate_run's ``apply_skill lora`` change for the recipe at ``folder`` as it is, its
+    ``memory_gib`` estimated alone (the check lists it only beside other changes), in a process of
+    its own."""
+    command = [sys.executable, str(Path(__file__).resolve()), "--lora-change-of", str(folder), *settings]
+    done = subprocess.run(command, cwd=cwd, env=environment(), capture_output=True, text=True, timeout=600)
+    if done.returncode:
+        raise SystemExit(f"the LoRA change's estimate failed:\n{done.stderr[-2000:]}")
+    return json.loads(done.stdout.splitlines()[-1])
+
+
+def print_lora_change(folder: str, settings: list[str]) -> None:
+    from engine.estimate import estimate_memory, measure_shape
+    from engine.launch import load_recipe_class, resolve_config
+    from engine.memory import follow_live_memory
+
+    follow_live_memory()  # as the check does before its estimate
+    recipe_class = load_recipe_class(Path(folder))
+    config = resolve_config(recipe_class, Path(folder), settings, None)
+    shape = measure_shape(recipe_class, config, 1)
+    print(json.dumps(estimate_memory(shape, 1, config.parallel, "cpu", adapters="lora")))
+
+
+def vlm_recipe(variant: str, root: Path) -> Path:
+    folder = root / "recipes" / f"vlm_chat-{variant}"
+    if not folder.exists():
+        shutil.copytree(REPO / "recipes_template" / "vlm_chat", folder, ignore=shutil.ignore_patterns("__pycache__"))
+        if variant == "lora":
+            from skills import apply_skill
+
+            apply_skill("lora", folder)
+    return folder
+
+
 def vlm_main(args: argparse.Namespace) -> None:
     from engine.data_files import WORKSPACE_VARIABLE
     from tests.vlm_families import tiny_vlm_folder
@@ -275,26 +318,36 @@ def vlm_main(args: argparse.Namespace) -> None:
     rows = {}
     with tempfile.TemporaryDirectory(prefix="trainwright-estimate-vlm-") as scratch:
         root = Path(scratch)
-        folder = root / "recipes" / "vlm_chat"
-        shutil.copytree(REPO / "recipes_template" / "vlm_chat", folder, ignore=shutil.ignore_patterns("__pycache__"))
         os.environ[WORKSPACE_VARIABLE] = str(root)
         try:
             for family in args.vlm_families:
-                model = tiny_vlm_folder(root / "models" / family, family, text=VLM_TEXT)
+                model = tiny_vlm_folder(root / "models" / family, family, text=VLM_TEXT,
+                                        vision=VLM_VISION[family] if args.vision_sized else None)
                 for side in args.image_sizes:
-                    for seq in args.seq_lens:
+                    for seq, variant in ((seq, variant) for seq in args.seq_lens for variant in args.vlm_variants):
                         vlm_data(root / "data" / "vlm.json", side)
                         settings = [*QUIET, *VLM_RUN, f"model.pretrained_path={model}", f"data.seq_len={seq}",
                                     f"train.max_steps={args.steps}"]
+                        folder = vlm_recipe(variant, root)
                         memory = estimated(folder, settings, root)["memory_gib"]
                         measured, _ = measured_run(folder, settings, root)
                         estimate = memory["peak_gib"] * 1024
-                        rows[family, side, seq] = (estimate, measured)
+                        rows[family, side, seq, variant] = (estimate, measured)
                         state = sum(memory[k] for k in ("params", "grads", "optimizer", "gathered")) * 1024
                         flag = "" if GOAL[0] <= estimate / measured <= GOAL[1] else "  MISS"
-                        print(f"{f'{family} {side}px {seq}':<30}{estimate:>12,.0f}{measured:>12,.0f}"
+                        print(f"{f'{family} {side}px {seq} {variant}':<30}{estimate:>12,.0f}{measured:>12,.0f}"
                               f"{estimate / measured:>7.2f}   {memory['floor'] * 1024:,.0f} / {state:,.0f} / "
                               f"{memory['activations'] * 1024:,.0f}{flag}", flush=True)
+                        if variant == "lora":
+                            memory = lora_change(vlm_recipe("plain", root), settings, root)
+                            change = memory["peak_gib"] * 1024
+                            rows[family, side, seq, "lora change"] = (change, measured)
+                            state = sum(memory[k] for k in ("params", "grads", "optimizer", "gathered")) * 1024
+                            flag = "" if GOAL[0] <= change / measured <= GOAL[1] else "  MISS"
+                            print(f"{f'{family} {side}px {seq} lora change':<30}{change:>12,.0f}{measured:>12,.0f}"
+                                  f"{change / measured:>7.2f}   {memory['floor'] * 1024:,.0f} / {state:,.0f} / "
+                                  f"{memory['activations'] * 1024:,.1f} (estimate_run's apply_skill lora row for the "
+                                  f"plain recipe){flag}", flush=True)
         finally:
             os.environ.pop(WORKSPACE_VARIABLE, None)
     ratios = [e / m for e, m in rows.values()]
@@ -343,7 +396,16 @@ def main() -> None:
     parser.add_argument("--vlm", action="store_true", help="the vlm_chat template with model folders of two families")
     parser.add_argument("--vlm-families", nargs="+", default=list(VLM_FAMILIES), choices=list(VLM_FAMILIES))
     parser.add_argument("--image-sizes", nargs="+", type=int, default=[28, 56], help="--vlm: the images' side")
-    args = parser.parse_args()
+    parser.add_argument("--vlm-variants", nargs="+", default=["plain"], choices=["plain", "lora"],
+                        help="--vlm: the recipe as it is, or with the lora skill (and estimate_run's LoRA change)")
+    parser.add_argument("--vision-sized", action="store_true",
+                        help="--vlm: vision towers as wide and deep as the language model (VLM_VISION), not tiny")
+    parser.add_argument("--lora-change-of", metavar="RECIPE", help=argparse.SUPPRESS)  # lora_change's own process
+    args, settings = parser.parse_known_args()
+    if args.lora_change_of:
+        return print_lora_change(args.lora_change_of, settings)
+    if settings:
+        parser.error(f"unrecognized arguments: {' '.join(settings)}")
     global MALLOC_THRESHOLD
     MALLOC_THRESHOLD = args.malloc_mmap_threshold
     if args.models:

@@ -28,7 +28,8 @@ Per process (:func:`estimate_memory`):
   twice and a checkpointed block's share kept in the heap (:data:`HEAP_KEPT`,
   :data:`HEAP_KEPT_CHECKPOINTED`);
 - on a CPU, the process floor: the resident memory of this process after it imported torch and
-  the recipe and built the recipe's data pipeline (what a run holds before its model exists);
+  the recipe and built the recipe's data pipeline (what a run holds before its model exists), and
+  for the LoRA and QLoRA changes what importing peft adds to it (the skills' recipes import it);
   on a GPU the floor is 0 (``max_memory_allocated`` does not count the CUDA context).
 
 Time per step: FLOPs per token (``Engine.flops_per_token`` of the meta model; a checkpointed
@@ -41,9 +42,10 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import sys
 import time
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any, Iterable, Iterator
 
 import torch
 from torch import nn
@@ -203,10 +205,14 @@ class Shape:
     block_linear: int = 0  # values of the plain nn.Linear weights inside the blocks (what QLoRA holds in 4 bits)
     lora_values: int = 0  # adapter values the lora skill at its default rank adds (lora_blocks' linears)
     qlora_values: int | None = None  # those the qlora skill adds (every block's linears); None: lora_values
-    # (saved bytes, largest, per block) with only the blocks' linear weights trainable, as LoRA
-    # trains beside them: tensors kept only for a frozen parameter's gradient are not saved.
+    # (saved bytes, largest, per block) with only the weights of the layers LoRA adapts trainable
+    # (lora_linears), as LoRA trains beside them: tensors kept only for a frozen parameter's
+    # gradient are not saved, so a frozen vision tower saves nothing.
     adapter_saved: tuple[int, int, list[int]] | None = None
+    # The same with QLoRA's layers trainable (every block's), where they are not LoRA's; None: adapter_saved.
+    qlora_saved: tuple[int, int, list[int]] | None = None
     heap_keeps_freed: bool = False  # a CPU run under glibc's dynamic mmap threshold (engine/memory.py)
+    peft_import_bytes: int = 0  # what importing peft added to the floor (0: the recipe imports it already)
 
 
 def estimate_memory(shape: Shape, nproc: int, parallel: Any, device: str, checkpointing: bool | None = None,
@@ -242,8 +248,9 @@ def estimate_memory(shape: Shape, nproc: int, parallel: Any, device: str, checkp
     # checkpointing its input (kept for the recomputation) and, in backward, one block's again.
     measured_checkpointed = shape.checkpointed_blocks > 0
     saved, largest, block_saved = shape.saved_bytes, shape.largest_saved, shape.block_saved
-    if adapters and shape.adapter_saved is not None:
-        saved, largest, block_saved = shape.adapter_saved
+    adapter_saved = shape.qlora_saved if adapters == "qlora" and shape.qlora_saved is not None else shape.adapter_saved
+    if adapters and adapter_saved is not None:
+        saved, largest, block_saved = adapter_saved
     outside = saved - (0 if measured_checkpointed else sum(block_saved))
     if checkpointing is None:
         checkpointing = measured_checkpointed
@@ -262,7 +269,7 @@ def estimate_memory(shape: Shape, nproc: int, parallel: Any, device: str, checkp
     gathered = 0.0
     if (shards > 1 or on_device == 0) and shape.blocks:  # FSDP2 gathers (or copies in) a block and prefetches the next, in the compute dtype
         gathered = 2 * ((shape.params - quantized) * DTYPES[dtype].itemsize + quantized * NF4_PACKED) / shape.blocks / tp
-    floor = shape.floor_bytes if device == "cpu" else 0
+    floor = shape.floor_bytes + (shape.peft_import_bytes if adapters else 0) if device == "cpu" else 0
     parts = {"floor": floor, "params": params, "grads": grads, "optimizer": optimizer,
              "activations": activations, "gathered": gathered}
     return {key: round(value / GIB, 4) for key, value in parts.items()} | {
@@ -313,6 +320,19 @@ def rss_now_bytes() -> int:
     return int(rss_high_water_mb() * 2**20)
 
 
+def peft_import_bytes() -> int:
+    """The resident bytes importing peft adds to this process: what a recipe with the lora or
+    qlora skill holds beside this one's floor; 0 where peft is imported already or missing."""
+    if "peft" in sys.modules:
+        return 0
+    before = rss_now_bytes()
+    try:
+        import peft  # noqa: F401
+    except ImportError:
+        return 0
+    return max(0, rss_now_bytes() - before)
+
+
 def measure_shape(recipe_class, config, nproc: int) -> Shape:
     """Build the recipe's engine as one process of an ``nproc`` run would see it, its data
     pipeline for one micro-batch's shapes, and its model on the meta device."""
@@ -333,6 +353,7 @@ def measure_shape(recipe_class, config, nproc: int) -> Shape:
     data_length = _row_length(data_batch)
     batch = at_full_length(data_batch, config.data.seq_len)
     floor = rss_now_bytes()
+    peft_import = peft_import_bytes()
     engine.device = torch.device("meta")
     with torch.device("meta"), weights_not_loaded():
         engine.model = engine.prepare_model()
@@ -342,7 +363,8 @@ def measure_shape(recipe_class, config, nproc: int) -> Shape:
     block_linear, lora_values, qlora_values = adaptable_linears(engine.model)
     try:
         with on_fake_tensors(engine.model, batch, unmasked=causal_without_mask(data_batch)) as fake_batch:
-            counter, checkpointed, blocks, adapter_saved = _forward_saved(engine, fake_batch, block_linear, lora_values)
+            counter, checkpointed, blocks, (adapter_saved, qlora_saved) = _forward_saved(
+                engine, fake_batch, block_linear, lora_values)
     except (DataDependentOutputException, DynamicOutputShapeException):
         # A forward that reads its inputs' values (Qwen2-VL's image grid and 3-D positions,
         # Idefics3's empty tiles): the model built again on the meta device, the inputs real.
@@ -350,7 +372,8 @@ def measure_shape(recipe_class, config, nproc: int) -> Shape:
             engine.model = engine.prepare_model()
         engine.model.train()
         with on_meta_beside_real_inputs(batch) as real_batch:
-            counter, checkpointed, blocks, adapter_saved = _forward_saved(engine, real_batch, block_linear, lora_values)
+            counter, checkpointed, blocks, (adapter_saved, qlora_saved) = _forward_saved(
+                engine, real_batch, block_linear, lora_values)
     unique = {id(p): p for p in engine.model.parameters()}.values()
     positions = sum(v.numel() for k, v in batch.items() if k == "input_ids") * config.train.grad_accum
     per_block = [counter.per_block[i] for i in range(blocks)]
@@ -363,33 +386,50 @@ def measure_shape(recipe_class, config, nproc: int) -> Shape:
         positions_per_step=positions, floor_bytes=floor, measured_length=_row_length(batch), data_length=data_length,
         quantized=quantized, quantized_bytes=quantized_bytes, optimizer=optimizer, optimizer_bytes=optimizer_bytes,
         block_linear=block_linear, lora_values=lora_values, qlora_values=qlora_values, adapter_saved=adapter_saved,
+        qlora_saved=qlora_saved, peft_import_bytes=peft_import,
     )
 
 
 def _forward_saved(engine, batch, block_linear: int, lora_values: int):
-    """The forward's saved bytes (:func:`measure_saved_bytes`), and those with only the blocks'
-    linear weights trainable (as LoRA trains) where that is a change worth measuring."""
+    """The forward's saved bytes (:func:`measure_saved_bytes`), and those with only the linear
+    layers LoRA adapts trainable, then QLoRA's where they differ (a vision-language model's
+    vision tower), where that is a change worth measuring."""
     counter, checkpointed, blocks = measure_saved_bytes(engine, batch)
-    adapter_saved = None
+    adapter_saved = qlora_saved = None
     if block_linear and sum(p.numel() for p in engine.model.parameters() if p.requires_grad) > 2 * lora_values:
-        adapter_saved = saved_with_only_block_linears_trainable(engine, batch)
-    return counter, checkpointed, blocks, adapter_saved
+        lora: set[nn.Module] = set(lora_linears(engine.model).values())
+        every: set[nn.Module] = set(block_linears(engine.model))
+        adapter_saved = saved_with_only_linears_trainable(engine, batch, lora)
+        if every != lora:
+            qlora_saved = saved_with_only_linears_trainable(engine, batch, every)
+    return counter, checkpointed, blocks, (adapter_saved, qlora_saved)
 
 
 class _MetaBesideReal(TorchDispatchMode):
     """An op on the inputs alone runs for real, so that a model may read their values (an image
     grid, where the image tokens are); an op that meets a meta tensor (a weight, or what was
     computed from one) runs on the meta device. An input moved to the model's (meta) device
-    stays real: its values are still read (an attention mask)."""
+    stays real: its values are still read (an attention mask); a meta tensor indexed by a real
+    boolean mask (the hidden states of the tokens a loss covers) takes the mask's positions."""
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func is torch.ops.aten.index.Tensor and args[0].device.type == "meta":
+            args = (args[0], [i for index in args[1] for i in _positions_of_real_mask(index)])
         if func is torch.ops.aten._to_copy.default and kwargs.get("device") == torch.device("meta") \
                 and args[0].device.type != "meta":
             kwargs = {key: value for key, value in kwargs.items() if key != "device"}
         if any(isinstance(t, torch.Tensor) and t.device.type == "meta" for t in pytree.tree_leaves((args, kwargs))):
             args, kwargs = pytree.tree_map_only(torch.Tensor, lambda t: t.to("meta"), (args, kwargs))
         return func(*args, **kwargs)
+
+
+def _positions_of_real_mask(index: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+    """An index of ``aten.index``: a real boolean mask as the positions it selects (one tensor a
+    dimension), which index a meta tensor to the mask's count; any other index as it is."""
+    if isinstance(index, torch.Tensor) and index.dtype == torch.bool and index.device.type != "meta":
+        return index.nonzero(as_tuple=True)
+    return (index,)
 
 
 @contextlib.contextmanager
@@ -457,19 +497,36 @@ def no_mask_built() -> Iterator[None]:
         masking_utils.find_packed_sequence_indices, masking_utils._ignore_causal_mask_sdpa = packed, ignore
 
 
-def saved_with_only_block_linears_trainable(engine, batch) -> tuple[int, int, list[int]]:
-    """The saved bytes of the forward again with every parameter frozen but the blocks' plain
-    linear weights: what a LoRA (or QLoRA) run saves, its adapters taking those layers' inputs."""
-    adapted = {id(m.weight) for b in transformer_blocks(engine.model) for m in b.modules() if type(m) is nn.Linear}
+def saved_with_only_linears_trainable(engine, batch, linears: set[nn.Module]) -> tuple[int, int, list[int]]:
+    """The saved bytes of the forward again with every parameter frozen but the weights of
+    ``linears``: what a LoRA (or QLoRA) run saves, its adapters taking those layers' inputs (a
+    frozen vision tower's layers save nothing), and each adapter's rank-:data:`LORA_RANK` product
+    ``A x``, which its ``B`` keeps (a quarter of a layer's input at hidden 32, 0.2% at 4,096):
+    in its block's activations, and in the forward's unless the block is checkpointed."""
+    adapted = {id(m.weight) for m in linears}
     was = {id(p): p.requires_grad for p in engine.model.parameters()}
+    blocks = transformer_blocks(engine.model)
+    block_of = {id(m): index for index, block in enumerate(blocks) for m in block.modules()}
+    products: dict[int, tuple[int | None, int]] = {}  # layer -> (its block, its product's bytes), once
+
+    def product(module, args, output):
+        rows = args[0].numel() // module.in_features
+        products[id(module)] = (block_of.get(id(module)), rows * LORA_RANK * args[0].element_size())
+
+    handles = [m.register_forward_hook(product) for m in linears]
     for parameter in engine.model.parameters():
         parameter.requires_grad_(id(parameter) in adapted)
     try:
-        counter, _, blocks = measure_saved_bytes(engine, batch)
+        counter, _, _ = measure_saved_bytes(engine, batch)
     finally:
+        for handle in handles:
+            handle.remove()
         for parameter in engine.model.parameters():
             parameter.requires_grad_(was[id(parameter)])
-    return counter.total, counter.largest, [counter.per_block[i][0] for i in range(blocks)]
+    in_forward = sum(size for index, size in products.values() if index is None or not is_checkpointed(blocks[index]))
+    per_block = [counter.per_block[i][0] + sum(size for index, size in products.values() if index == i)
+                 for i in range(len(blocks))]
+    return counter.total + in_forward, counter.largest, per_block
 
 
 def _optimizer_of(engine) -> tuple[str, float]:
@@ -498,13 +555,26 @@ def adaptable_linears(model: nn.Module) -> tuple[int, int, int]:
     """The values of the plain ``nn.Linear`` weights inside the model's blocks (what the qlora
     skill adapts and holds in 4 bits), the adapter values the lora skill at rank
     :data:`LORA_RANK` adds by default (those of :func:`lora_blocks`), and those qlora adds."""
-    def adapters(blocks: list[nn.Module]) -> int:
-        linears = {id(m): m for block in blocks for m in block.modules() if type(m) is nn.Linear}.values()
-        return sum(LORA_RANK * (m.in_features + m.out_features) for m in linears)
+    def adapters(linears: Iterable[nn.Linear]) -> int:
+        return sum(LORA_RANK * (m.in_features + m.out_features) for m in {id(m): m for m in linears}.values())
 
-    blocks = transformer_blocks(model)
-    weights = sum(m.weight.numel() for block in blocks for m in block.modules() if type(m) is nn.Linear)
-    return weights, adapters(lora_blocks(model)), adapters(blocks)
+    every = block_linears(model)
+    return sum(m.weight.numel() for m in every), adapters(lora_linears(model).values()), adapters(every)
+
+
+def block_linears(model: nn.Module) -> list[nn.Linear]:
+    """The plain ``nn.Linear`` layers inside the model's blocks, each once: what the qlora skill
+    holds in 4 bits and adapts."""
+    found = {id(m): m for block in transformer_blocks(model) for m in block.modules() if type(m) is nn.Linear}
+    return list(found.values())  # type: ignore[arg-type]
+
+
+def lora_linears(model: nn.Module) -> dict[str, nn.Linear]:
+    """The linear layers the lora skill adapts without ``target_modules``, by name: the plain
+    ``nn.Linear`` layers of :func:`lora_blocks` (of a vision-language model, its language model's
+    alone). The one set the LoRA change's trainable values and saved activations count."""
+    inside = {id(m) for block in lora_blocks(model) for m in block.modules() if type(m) is nn.Linear}
+    return {name: m for name, m in model.named_modules() if id(m) in inside}  # type: ignore[misc]
 
 
 def lora_blocks(model: nn.Module) -> list[nn.Module]:
@@ -545,17 +615,20 @@ def at_full_length(batch: dict[str, Any], seq_len: int) -> dict[str, Any]:
     """``batch`` with every row ``seq_len`` tokens long, as the longest batch the run can see: a
     collator that pads to the batch's longest example makes short batches of short data, and an
     estimate "at data.seq_len" must not measure those. Each dimension of a per-row tensor that
-    is the rows' length becomes ``seq_len`` (masks of L × L included), its values kept in front
-    (a forward that reads them finds the image tokens where they were), the rest zeros, and an
-    ``attention_mask``'s ones (the rows are full); other tensors (images) stay as they are."""
+    is the rows' length becomes ``seq_len`` (masks of L × L included, and Qwen's 3-D positions,
+    (3, rows, L)), its values kept in front (a forward that reads them finds the image tokens
+    where they were), the rest zeros, and an ``attention_mask``'s ones (the rows are full); other
+    tensors (images) stay as they are."""
     length = _row_length(batch)
     if not length or length >= seq_len:
         return batch
     rows = batch["input_ids"].shape[0]
     grown: dict[str, Any] = {}
     for key, value in batch.items():
-        if isinstance(value, torch.Tensor) and value.dim() >= 2 and value.shape[0] == rows and length in value.shape[1:]:
-            shape = [value.shape[0], *(seq_len if n == length else n for n in value.shape[1:])]
+        per_row = isinstance(value, torch.Tensor) and value.dim() >= 2 and rows in value.shape[:2]
+        after = value.shape.index(rows) + 1 if per_row else 0
+        if per_row and length in value.shape[after:]:
+            shape = [*value.shape[:after], *(seq_len if n == length else n for n in value.shape[after:])]
             full = torch.full(shape, int(key == "attention_mask"), dtype=value.dtype, device=value.device)
             full[tuple(slice(0, n) for n in value.shape)] = value
             value = full

@@ -71,9 +71,9 @@ ONEVISION_TEMPLATE = (
     "{{ '<|im_end|>\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
 
-FAMILIES = ("llava", "qwen2_vl", "qwen2_5_vl", "idefics3", "gemma3", "llava_onevision")
-# Built too, tested apart (test_vlm_chat.py: a run of two steps), not by every parametrized test.
-LATER_FAMILIES = ("qwen3_vl",)
+FAMILIES = ("llava", "qwen2_vl", "qwen2_5_vl", "idefics3", "gemma3", "llava_onevision", "qwen3_vl")
+# Families the installed transformers may lack: the class each needs and the release that added it.
+NEEDS = {"qwen3_vl": ("Qwen3VLForConditionalGeneration", "4.57")}
 # Families with no chat by design: the user's text is a prefix, the answer a suffix.
 PREFIX_SUFFIX_FAMILIES = ("paligemma",)
 
@@ -81,7 +81,30 @@ TEXT = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_atten
             max_position_embeddings=1024)
 
 
-def _llava(tokenizer, sizes):
+def missing(family: str) -> str | None:
+    """Why the installed transformers cannot build ``family``, or None."""
+    import transformers
+
+    if family in NEEDS and not hasattr(transformers, NEEDS[family][0]):
+        name, release = NEEDS[family]
+        return f"transformers {transformers.__version__} has no {name} (added in {release})"
+    return None
+
+
+def available(families=FAMILIES) -> tuple[str, ...]:
+    """The ``families`` the installed transformers builds."""
+    return tuple(family for family in families if missing(family) is None)
+
+
+def each(families=FAMILIES) -> list:
+    """``families`` as pytest parameters, one the installed transformers lacks skipped with the reason."""
+    import pytest
+
+    return [pytest.param(family, marks=pytest.mark.skipif(missing(family) is not None, reason=missing(family) or ""))
+            for family in families]
+
+
+def _llava(tokenizer, sizes, vision: dict | None = None):
     from transformers import (CLIPImageProcessorPil, CLIPVisionConfig, LlamaConfig, LlavaConfig,
                               LlavaForConditionalGeneration, LlavaProcessor)
 
@@ -90,8 +113,8 @@ def _llava(tokenizer, sizes):
     processor = LlavaProcessor(image_processor=image_processor, tokenizer=tokenizer, patch_size=7,
                                vision_feature_select_strategy="default", num_additional_image_tokens=1,
                                chat_template=LLAVA_TEMPLATE)
-    vision = CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-                              image_size=28, patch_size=7, projection_dim=32)
+    vision = CLIPVisionConfig(**{**dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                                        image_size=28, patch_size=7, projection_dim=32), **(vision or {})})
     text = LlamaConfig(vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id,
                        eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id, **sizes)
     config = LlavaConfig(vision_config=vision, text_config=text, image_token_id=tokenizer.convert_tokens_to_ids("<image>"),
@@ -125,7 +148,7 @@ def _qwen_processor(processor_class, tokenizer, patch_size: int):
     return processor, ids
 
 
-def _qwen2_vl(tokenizer, version: str, sizes: dict):
+def _qwen2_vl(tokenizer, version: str, sizes: dict, vision: dict | None = None):
     import transformers
     from transformers import Qwen2VLProcessor
 
@@ -141,7 +164,7 @@ def _qwen2_vl(tokenizer, version: str, sizes: dict):
         config = transformers.Qwen2_5_VLConfig(text_config=text, vision_config=vision, **ids)
         return transformers.Qwen2_5_VLForConditionalGeneration(config), processor
     vision = dict(depth=2, embed_dim=32, hidden_size=sizes["hidden_size"], mlp_ratio=2, num_heads=2, patch_size=14, spatial_merge_size=2,
-                  temporal_patch_size=2)
+                  temporal_patch_size=2) | (vision or {})
     config = transformers.Qwen2VLConfig(text_config=text, vision_config=vision, **ids)
     return transformers.Qwen2VLForConditionalGeneration(config), processor
 
@@ -243,18 +266,22 @@ def _qwen3_vl(tokenizer, sizes: dict):
     return transformers.Qwen3VLForConditionalGeneration(config), processor
 
 
-def tiny_vlm_folder(folder: Path, family: str = "qwen2_vl", seed: int = 0, text: dict | None = None) -> Path:
+def tiny_vlm_folder(folder: Path, family: str = "qwen2_vl", seed: int = 0, text: dict | None = None,
+                    vision: dict | None = None) -> Path:
     """A random-weight ``family`` model (one of :data:`FAMILIES`, with its processor and chat
     template, or of :data:`PREFIX_SUFFIX_FAMILIES`, with none), saved to ``folder``; ``text``
-    overrides the language model's sizes (:data:`TEXT`)."""
+    overrides the language model's sizes (:data:`TEXT`), ``vision`` LLaVA's or Qwen2-VL's vision
+    config (its own keys)."""
     sizes = {**TEXT, **(text or {})}
+    if vision and family not in ("llava", "qwen2_vl"):
+        raise KeyError(f"vision sizes are taken for llava and qwen2_vl, not {family}")
     if family == "llava":
         tokenizer = bpe_tokenizer(["<unk>", "<s>", "</s>", "<image>"], "</s>", LLAVA_TEMPLATE)
         tokenizer.pad_token = "<unk>"
-        build = _llava
+        build = lambda t, sizes: _llava(t, sizes, vision)  # noqa: E731
     elif family in ("qwen2_vl", "qwen2_5_vl"):
         tokenizer = bpe_tokenizer(QWEN_SPECIAL, "<|im_end|>", QWEN2_VL_TEMPLATE)
-        build = lambda t, sizes: _qwen2_vl(t, family, sizes)  # noqa: E731
+        build = lambda t, sizes: _qwen2_vl(t, family, sizes, vision)  # noqa: E731
     elif family == "qwen3_vl":
         tokenizer = bpe_tokenizer(QWEN_SPECIAL, "<|im_end|>", QWEN2_VL_TEMPLATE)
         build = _qwen3_vl

@@ -252,6 +252,15 @@ def load_model(cfg: ModelConfig) -> torch.nn.Module:
                                                        attn_implementation=cfg.attn_implementation)
 
 
+def model_on_meta(cfg: ModelConfig) -> torch.nn.Module:
+    """The model's modules on the meta device, no weights read: where the examples' 3-D positions
+    come from before the run's model is built (estimate_run builds the data first)."""
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    with torch.device("meta"):
+        return AutoModelForImageTextToText.from_config(AutoConfig.from_pretrained(model_folder(cfg.pretrained_path)))
+
+
 def model_parts(model: torch.nn.Module) -> dict[str, list[str]]:
     """Each part's modules by name (``model.vision_tower``, ``model.visual.merger``, ...)."""
     found: dict[str, list[str]] = {part: [] for part in PARTS}
@@ -1324,7 +1333,7 @@ class VLMChat(Engine):
 
     def pieces(self, examples, kept_bytes: int = 0) -> list[dict[str, Any]]:
         """The examples encoded, keeping up to ``kept_bytes`` of their image inputs."""
-        rope_index = rope_index_of(self.model)
+        rope_index = rope_index_of(self.model if hasattr(self, "model") else model_on_meta(self.config.model))
         return keep_image_inputs((with_positions(encode(self.processor, messages, images, self.config.data.seq_len, where),
                                                  rope_index) for where, messages, images in examples), kept_bytes)
 

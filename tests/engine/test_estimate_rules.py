@@ -110,3 +110,30 @@ def test_a_cpu_run_of_adapters_or_checkpointed_blocks_under_glibcs_dynamic_thres
     assert heap_keeps_freed_memory({}) is True
     assert heap_keeps_freed_memory({"TRAINWRIGHT_MMAP_THRESHOLD": "262144"}) is False
     assert heap_keeps_freed_memory({"MALLOC_MMAP_THRESHOLD_": "65536"}) is False
+
+
+def test_the_lora_and_qlora_changes_on_a_cpu_hold_what_importing_peft_adds_beside_the_floor():
+    """The skills' recipes import peft, the recipe as it is may not: a CPU run with the skill holds
+    what that import added (54 MB measured beside vlm_chat's floor: bench/estimate_memory.py --vlm)."""
+    import subprocess
+    import sys
+
+    from tests.support import REPO
+
+    mib = 2**20
+    shape = Shape(params=1000, trainable=1000, saved_bytes=0, largest_saved=0, block_saved=[0], block_inputs=[0],
+                  checkpointed_blocks=0, blocks=1, flops_per_token=None, positions_per_step=0, floor_bytes=400 * mib,
+                  lora_values=10, block_linear=500, peft_import_bytes=50 * mib)
+    parallel = SimpleNamespace(tp=1, sp=1, param_dtype="float32", reduce_dtype="float32", cpu_offload=False,
+                               fsdp_on_one_process=False)
+    floors = {(device, adapters): round(estimate_memory(shape, 1, parallel, device, adapters=adapters)["floor"] * 1024)
+              for device in ("cpu", "cuda") for adapters in (None, "lora", "qlora")}  # GiB to 4 places: MB to ±0.1
+    assert floors == {("cpu", None): 400, ("cpu", "lora"): 450, ("cpu", "qlora"): 450,
+                      ("cuda", None): 0, ("cuda", "lora"): 0, ("cuda", "qlora"): 0}
+    # Measured in a process that has not imported peft; nothing where it is imported already.
+    probe = ("from engine.estimate import peft_import_bytes; import sys; assert 'peft' not in sys.modules; "
+             "print(peft_import_bytes(), peft_import_bytes())")
+    done = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, timeout=120,
+                          env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"})
+    first, again = map(int, done.stdout.split())
+    assert first > 5 * mib and again == 0, (first, again)

@@ -12,7 +12,7 @@ import torch
 
 from engine.estimate import measure_saved_bytes, on_meta_beside_real_inputs, weights_not_loaded
 from tests.templates.test_vlm_chat import picture, vlm
-from tests.vlm_families import tiny_vlm_folder
+from tests.vlm_families import each, tiny_vlm_folder
 
 ROWS = 2
 
@@ -59,3 +59,35 @@ def test_qwen2_vl_is_estimated_with_the_image_tokens_its_grid_gives_as_a_real_fo
     for side in (28, 56):
         assert estimated[side] == pytest.approx(real[side], rel=0.05), side
     assert estimated[56] - estimated[28] == pytest.approx(real[56] - real[28], rel=0.1)
+
+
+@pytest.mark.parametrize("family", each(("llava", "qwen2_vl", "qwen3_vl")))
+def test_estimate_run_measures_each_familys_forward_on_the_templates_own_batches(family, tmp_path, monkeypatch):
+    """The launch check's estimate of the template as it is: its examples' 3-D positions computed
+    before the model exists (the estimate builds the data first), the positions grown to
+    data.seq_len with the rows, the head mapping only the learnt tokens; bigger images give Qwen
+    more image tokens, so more activations, and the LoRA change is offered with its estimate."""
+    from engine.config import build_config
+    from engine.data_files import WORKSPACE_VARIABLE
+    from engine.estimate import estimate, measure_shape
+    from engine.launch import load_recipe_class
+    from tests.templates.test_vlm_chat import TEMPLATE
+
+    monkeypatch.setenv(WORKSPACE_VARIABLE, str(tmp_path))
+    model = tiny_vlm_folder(tmp_path / "model", family)
+    recipe = load_recipe_class(TEMPLATE)
+
+    def config(side: int):
+        return build_config(recipe.config_class, None, [
+            f"model.pretrained_path={model}", "data.builtin_images=10", f"data.builtin_image_size={side}",
+            "data.batch_size=2", "data.seq_len=128", "data.eval_fraction=0"])
+
+    saved = {side: measure_shape(recipe, config(side), 1).saved_bytes for side in (28, 56)}
+    print(f"\n{family} saved bytes by image side: {saved}")
+    if family == "llava":  # CLIP's crop: 16 image tokens whatever the size
+        assert saved[56] == saved[28]
+    else:
+        assert saved[56] > saved[28]
+    result = estimate(recipe, config(56), 1, "cpu", 1e-6)
+    assert result["fits"] is False and result["memory_gib"]["activations"] > 0
+    assert any("apply_skill lora" in row["change"].split(" + ") for row in result["changes"]), result["changes"]

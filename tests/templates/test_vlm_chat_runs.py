@@ -12,13 +12,13 @@ from pathlib import Path
 import pytest
 
 from tests.templates.test_vlm_chat import LEARNT, TEMPLATE, vlm
-from tests.vlm_families import tiny_vlm_folder
+from tests.vlm_families import available, each, tiny_vlm_folder
 
 
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
     root = tmp_path_factory.mktemp("vlm_families")
-    return {family: tiny_vlm_folder(root / family, family) for family in ("llava", "qwen2_vl", "idefics3")}
+    return {family: tiny_vlm_folder(root / family, family) for family in available(tuple(FORMS))}
 
 # ---------------------------------------------------------------------------------------------
 # launch → train → evaluate → sample → export → load with transformers, per family
@@ -27,7 +27,7 @@ def folders(tmp_path_factory):
 RUN = ("train.max_steps=150", "train.log_every=10", "train.eval_every=150", "checkpoint.every=0",
        "data.eval_fraction=0.15", "data.eval_prompts=40", "metrics.tensorboard=false")
 # Each family learns from another form of the same colour questions (images as files or bytes).
-FORMS = {"llava": "llava.json", "qwen2_vl": "messages.jsonl", "idefics3": "messages.parquet"}
+FORMS = {"llava": "llava.json", "qwen2_vl": "messages.jsonl", "idefics3": "messages.parquet", "qwen3_vl": "llava.json"}
 
 
 def colour_data(folder: Path, form: str, count: int = 300) -> list[tuple[str, str]]:
@@ -64,7 +64,7 @@ def colour_data(folder: Path, form: str, count: int = 300) -> list[tuple[str, st
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", ["llava", "qwen2_vl", "idefics3"])
+@pytest.mark.parametrize("family", each(tuple(FORMS)))
 def test_a_run_learns_held_out_colour_questions_that_its_export_answers_in_its_chat_format(family, folders, tmp_path):
     from engine import model_io
     from engine import run_dir as rd
@@ -107,7 +107,7 @@ def test_a_run_learns_held_out_colour_questions_that_its_export_answers_in_its_c
 
     model_io.export(run, 150, tmp_path / "exported")
     exported = AutoModelForImageTextToText.from_pretrained(tmp_path / "exported")
-    if family == "qwen2_vl" and not vlm.torchvision_available():
+    if family in ("qwen2_vl", "qwen3_vl") and not vlm.torchvision_available():
         loaded = vlm.load_processor(str(tmp_path / "exported"))  # AutoProcessor builds a video processor
     else:
         loaded = AutoProcessor.from_pretrained(tmp_path / "exported")
