@@ -108,7 +108,13 @@ def test_the_estimated_peak_is_near_the_measured_peak_rss(ws, recipe, shape):
 
 
 @pytest.mark.slow
-def test_gradient_checkpointing_moves_the_estimate_as_it_moves_the_measurement(ws):
+def test_gradient_checkpointing_moves_the_estimate_as_it_moves_the_measurement(ws, monkeypatch):
+    # The resident set follows the live bytes (engine/memory.py), in the estimate and in both runs:
+    # what glibc's dynamic threshold keeps of freed activations varies run to run (the same two runs
+    # measured -79 to -105 MB apart, against -51 MB estimated with HEAP_KEPT_CHECKPOINTED's average
+    # share), and bench/estimate_memory.py measures that share; here the checkpointing rule alone.
+    monkeypatch.setenv("TRAINWRIGHT_MMAP_THRESHOLD", "262144")
+    monkeypatch.setenv("TRAINWRIGHT_PASS_ENV", "TRAINWRIGHT_MMAP_THRESHOLD")
     plain, ckpt = (estimate.estimate_run(ws, r, MEDIUM) for r in ("recipes/plain", "recipes/ckpt"))
     assert ckpt.estimate["checkpointed_blocks"] == "4 of 4"
     assert ckpt.estimate["memory_gib"]["activations"] < plain.estimate["memory_gib"]["activations"]
@@ -117,7 +123,7 @@ def test_gradient_checkpointing_moves_the_estimate_as_it_moves_the_measurement(w
     measured = measured_peak_mb(ws, "recipes/ckpt", MEDIUM) - measured_peak_mb(ws, "recipes/plain", MEDIUM)
     print(f"\ncheckpointing: estimated {estimated:+,.0f} MB, measured {measured:+,.0f} MB")
     assert estimated < 0 and measured < 0
-    assert 0.5 < estimated / measured < 2
+    assert 0.8 < estimated / measured < 1.25  # -106 against -106 and -107 MB
 
 
 def test_a_model_too_large_for_8_gib_does_not_fit_and_gets_changes_that_do(ws):
