@@ -43,7 +43,7 @@ def peers(spin_counts: list[int]) -> dict[str, tuple[str, dict[str, str]]]:
 
 
 def worker(kind: str, steps: int, warmup: int) -> dict:
-    sys.path.insert(0, str(REPO / "bench"))
+    sys.path[:0] = [str(REPO), str(REPO / "bench")]  # throughput's peers import bench.cpu_time
     from throughput import run_engine, run_hand
 
     return (run_engine if kind == "engine" else run_hand)(steps, warmup, False)
