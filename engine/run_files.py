@@ -97,7 +97,12 @@ def write_json_atomic(path: Path, data: Any) -> None:
 def read_bounded(path: Path, limit: int, what: str) -> bytes:
     """The bytes of a record file, opened without following a link or waiting on a FIFO:
     OSError when it is not a regular file, ValueError when it is larger than ``limit``."""
-    fd = os.open(path, os.O_RDONLY | NO_FOLLOW)
+    return read_open_bounded(os.open(path, os.O_RDONLY | NO_FOLLOW), limit, what)
+
+
+def read_open_bounded(fd: int, limit: int, what: str) -> bytes:
+    """The bytes of the file open at ``fd`` (closed after), as :func:`read_bounded` reads them
+    (a descriptor from :func:`open_beneath`, say)."""
     with os.fdopen(fd, "rb") as f:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             raise OSError(f"{what} is not a regular file")

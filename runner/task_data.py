@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import stat
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +24,7 @@ import yaml
 from engine import run_dir as rd
 from engine.benchmarks import TASKS_DIRNAME
 from engine.errors import BadInput, NotFound
+from engine.run_files import read_bounded
 from runner import hub
 
 MAX_TASK_FILES = 500
@@ -130,19 +130,9 @@ def _text(path: Path) -> str | None:
     """A small regular file's text; None for anything else. What is read is what was checked:
     opened following no link and without waiting on a FIFO, then checked by its descriptor."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        return read_bounded(path, MAX_TASK_FILE_BYTES, path.name).decode()
     except (OSError, ValueError):
         return None
-    try:
-        status = os.fstat(fd)
-        if not stat.S_ISREG(status.st_mode) or status.st_size > MAX_TASK_FILE_BYTES:
-            return None
-        with open(fd, "rb", closefd=False) as file:  # read until the end, at most the bound
-            return file.read(MAX_TASK_FILE_BYTES + 1)[:MAX_TASK_FILE_BYTES].decode()
-    except (OSError, ValueError):
-        return None
-    finally:
-        os.close(fd)
 
 
 def _parse(text: str) -> dict[str, Any] | None:

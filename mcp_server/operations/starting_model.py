@@ -47,7 +47,7 @@ from engine import run_checkpoints
 from engine import run_dir as rd
 from engine.config import MAX_PRETRAINED_CONFIG_BYTES
 from engine.errors import BadInput, NotFound
-from engine.run_files import open_beneath
+from engine.run_files import open_beneath, read_open_bounded
 from mcp_server.operations.model_tools import EXPORT_TIMEOUT_S, check_written, checkpoint_of
 from runner import hub, scripts
 from runner import server_record as sr
@@ -144,9 +144,7 @@ def _script_family(run_dir: Path, folder: Path) -> tuple[str | None, str | None]
         fd = open_beneath(run_dir, (folder / run_checkpoints.HF_MODEL_CONFIG).relative_to(run_dir))
         if fd is None:
             return None, None
-        with os.fdopen(fd, "rb") as file:
-            data = file.read(MAX_PRETRAINED_CONFIG_BYTES + 1) if stat.S_ISREG(os.fstat(fd).st_mode) else b""
-        config = json.loads(data) if len(data) <= MAX_PRETRAINED_CONFIG_BYTES else {}
+        config = json.loads(read_open_bounded(fd, MAX_PRETRAINED_CONFIG_BYTES, run_checkpoints.HF_MODEL_CONFIG))
         architecture = config["architectures"][0]
     except (OSError, ValueError, KeyError, IndexError, TypeError):
         return None, None
