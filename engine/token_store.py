@@ -184,6 +184,15 @@ def store_key(**parts: Any) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:32]
 
 
+def mapped(folder: Path, name: str, dtype: str) -> tuple[np.ndarray, np.ndarray]:
+    """A stream of a store, mapped: ``<name>.idx.npy`` (where each piece starts, and the end) and
+    ``<name>.bin`` (the pieces' values back to back)."""
+    starts = np.load(folder / f"{name}.idx.npy", mmap_mode="r")
+    size = int(starts[-1])
+    values = np.memmap(folder / f"{name}.bin", dtype=dtype, mode="r", shape=(size,)) if size else np.zeros(0, dtype=dtype)
+    return starts, values
+
+
 class Pieces:
     """One split of a store: ``len(pieces)`` pieces, ``pieces[i]`` an int64 numpy array (``rows``
     × n when a piece has several rows, such as tokens and targets) copied from the mapping, or
@@ -191,10 +200,7 @@ class Pieces:
 
     def __init__(self, folder: Path, split: str, rows: int, dtype: str, convert: Callable[[np.ndarray], Any] | None = None):
         self.rows, self.convert = rows, convert
-        self.starts = np.load(folder / f"{split}.idx.npy", mmap_mode="r")
-        size = int(self.starts[-1])
-        self.values = np.memmap(folder / f"{split}.bin", dtype=dtype, mode="r", shape=(size,)) if size else \
-            np.zeros(0, dtype=dtype)
+        self.starts, self.values = mapped(folder, split, dtype)
 
     def __len__(self) -> int:
         return len(self.starts) - 1
@@ -215,10 +221,7 @@ class Records:
     index): ``records[i]`` is copied from the mapping, never the whole file read."""
 
     def __init__(self, folder: Path, split: str):
-        self.starts = np.load(folder / f"{split}.records.idx.npy", mmap_mode="r")
-        size = int(self.starts[-1])
-        self.values = np.memmap(folder / f"{split}.records.bin", dtype=np.uint8, mode="r", shape=(size,)) if size \
-            else np.zeros(0, dtype=np.uint8)
+        self.starts, self.values = mapped(folder, f"{split}.records", "uint8")
 
     def __len__(self) -> int:
         return len(self.starts) - 1
@@ -298,13 +301,13 @@ class StoreWriter:
         ``name`` of this one (closed), read following no link."""
         part = os.open(name, DIRECTORY_NO_FOLLOW, dir_fd=self.fd)
         try:
-            for name in self.files:
-                self._flush(name)
-                with built_file(part, f"{name}.idx.npy", self.key) as index:
+            for stream in self.files:
+                self._flush(stream)
+                with built_file(part, f"{stream}.idx.npy", self.key) as index:
                     starts = np.load(index, allow_pickle=False)
-                self.starts[name].frombytes((starts[1:] + self.starts[name][-1]).astype(np.int64).tobytes())
-                with built_file(part, f"{name}.bin", self.key) as values:
-                    shutil.copyfileobj(values, self.files[name], 1 << 24)
+                self.starts[stream].frombytes((starts[1:] + self.starts[stream][-1]).astype(np.int64).tobytes())
+                with built_file(part, f"{stream}.bin", self.key) as values:
+                    shutil.copyfileobj(values, self.files[stream], 1 << 24)
         finally:
             os.close(part)
 
