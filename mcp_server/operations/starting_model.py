@@ -148,7 +148,7 @@ def _script_family(run_dir: Path, folder: Path) -> tuple[str | None, str | None]
             data = file.read(MAX_PRETRAINED_CONFIG_BYTES + 1) if stat.S_ISREG(os.fstat(fd).st_mode) else b""
         config = json.loads(data) if len(data) <= MAX_PRETRAINED_CONFIG_BYTES else {}
         architecture = config["architectures"][0]
-    except (OSError, ValueError, KeyError, IndexError, TypeError):
+    except (OSError, ValueError, KeyError, IndexError, TypeError, RecursionError):  # "[" * 100_000: RecursionError
         return None, None
     if not isinstance(architecture, str):
         return None, None

@@ -49,3 +49,11 @@ def test_a_checkpoints_config_over_the_bound_is_not_read_whole_by_the_server(tmp
     with pytest.raises(BadInput, match="checkpoint-2 is a LlavaForConditionalGeneration"):
         check_family(Workspace(workspace), workspace / "recipes" / "lm", run_dir, 2)
 
+
+
+def test_a_checkpoints_config_nested_past_what_json_decodes_is_left_to_the_launch_check(tmp_path):
+    """json.loads raised RecursionError on a config.json the run nested 100,000 deep (under the
+    4 MiB bound): the launch failed as a trainwright bug instead of leaving it to the launch check."""
+    workspace, run_dir, folder = script_checkpoint(tmp_path)
+    (folder / "config.json").write_text("[" * 100_000)
+    check_family(Workspace(workspace), workspace / "recipes" / "lm", run_dir, 2)  # not JSON it can read: left
