@@ -107,8 +107,11 @@ def _scan(folder: Path, files: list[Path], wanted: set[str], named: dict[str, st
         dataset = config.get("dataset_path")
         if dataset is None and isinstance(config.get("include"), str):
             # Read only inside the tasks folder: ``..``, an absolute path or a link leads out of it.
-            include = (path.parent / config["include"]).resolve()
-            included = _read(include) if include.is_relative_to(folder.resolve()) else None
+            try:
+                include = (path.parent / config["include"]).resolve()
+            except (OSError, RuntimeError, ValueError):  # RuntimeError: a link loop; ValueError: a NUL
+                include = None
+            included = _read(include) if include is not None and include.is_relative_to(folder.resolve()) else None
             dataset = included.get("dataset_path") if included is not None else None
         if isinstance(dataset, str):
             named.setdefault(dataset, min(hit))
@@ -138,7 +141,7 @@ def _text(path: Path) -> str | None:
 def _parse(text: str) -> dict[str, Any] | None:
     try:
         config = yaml.load(text, Loader=_TaskLoader)  # noqa: S506 — a SafeLoader
-    except (ValueError, yaml.YAMLError):
+    except (ValueError, RecursionError, yaml.YAMLError):  # RecursionError: nested past what the parser takes
         return None
     return config if isinstance(config, dict) else None
 

@@ -140,7 +140,8 @@ def _export_to_folder(ws: Workspace, run_id: str, to: str, step: int | None, lor
         files = listed_files(parent_fd, name)
     except BaseException:
         if parent_fd is not None:
-            shutil.rmtree(staging_name, dir_fd=parent_fd, ignore_errors=True)
+            with contextlib.suppress(OSError):
+                remove_tree(parent_fd, staging_name)
         for folder in missing:  # parents this export created, innermost first
             try:
                 folder.rmdir()
@@ -199,7 +200,7 @@ def _remove_abandoned_staging(parent_fd: int) -> None:
         if match and int(match.group(1)) < oldest_alive:
             with contextlib.suppress(OSError):
                 if stat.S_ISDIR(os.stat(entry, dir_fd=parent_fd, follow_symlinks=False).st_mode):
-                    shutil.rmtree(entry, dir_fd=parent_fd, ignore_errors=True)
+                    remove_tree(parent_fd, entry)
 
 
 def _open_checked_dir(folder: Path, label: str) -> int:
@@ -225,6 +226,14 @@ def check_written(parent_fd: int, name: str, max_bytes: int | None = None) -> No
     a link would lead out of the workspace), or more than ``max_bytes`` in all (the trusted
     settings' ``runs.max_export_bytes``); set every file's mode to 0644 and every folder's to
     0755, whatever the recipe's code set (``save_pretrained`` writes 0600 under some umasks)."""
+    try:
+        _check_written(parent_fd, name, max_bytes)
+    except RecursionError:  # fwalk recurses a level a folder: nested past what Python walks
+        raise ModelProcessFailed("the export nests folders too deep (the recipe's code wrote it); nothing was "
+                                 "exported") from None
+
+
+def _check_written(parent_fd: int, name: str, max_bytes: int | None) -> None:
     total = 0
     os.chmod(name, EXPORT_DIR_MODE, dir_fd=parent_fd)  # the staging folder this export made
     for _, folders, names, dir_fd in os.fwalk(name, dir_fd=parent_fd):
@@ -240,6 +249,37 @@ def check_written(parent_fd: int, name: str, max_bytes: int | None = None) -> No
                 raise BadInput(f"the export is larger than runs.max_export_bytes ({max_bytes:,} bytes) of the "
                                "server's settings; nothing was exported (export lora='adapter', or ask the "
                                "person who runs the server to raise the cap)")
+
+
+def remove_tree(dir_fd: int, name: str) -> None:
+    """Remove the folder ``name`` of ``dir_fd`` and all it holds, following no link, however deep
+    its folders nest (recipe code wrote it; shutil.rmtree recurses a level a folder and raises
+    RecursionError past Python's limit): what rmtree leaves is flattened into the folder itself,
+    a level at a time, and removed."""
+    try:
+        shutil.rmtree(name, dir_fd=dir_fd)
+        return
+    except RecursionError:
+        pass
+    flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+    top, tag, moved = os.open(name, flags, dir_fd=dir_fd), secrets.token_hex(8), 0
+    try:
+        while entries := os.listdir(top):
+            for entry in entries:
+                if not stat.S_ISDIR(os.stat(entry, dir_fd=top, follow_symlinks=False).st_mode):
+                    os.unlink(entry, dir_fd=top)
+                    continue
+                inner = os.open(entry, flags, dir_fd=top)
+                try:
+                    for child in os.listdir(inner):
+                        moved += 1
+                        os.rename(child, f".removing-{tag}-{moved}", src_dir_fd=inner, dst_dir_fd=top)
+                finally:
+                    os.close(inner)
+                os.rmdir(entry, dir_fd=top)
+    finally:
+        os.close(top)
+    os.rmdir(name, dir_fd=dir_fd)
 
 
 def listed_files(parent_fd: int, name: str) -> list[tuple[str, int]]:

@@ -37,7 +37,6 @@ import fcntl
 import json
 import os
 import secrets
-import shutil
 import stat
 import time
 from pathlib import Path
@@ -48,7 +47,7 @@ from engine import run_dir as rd
 from engine.config import MAX_PRETRAINED_CONFIG_BYTES
 from engine.errors import BadInput, NotFound
 from engine.run_files import open_beneath, read_open_bounded
-from mcp_server.operations.model_tools import EXPORT_TIMEOUT_S, check_written, checkpoint_of
+from mcp_server.operations.model_tools import EXPORT_TIMEOUT_S, check_written, checkpoint_of, remove_tree
 from runner import hub, scripts
 from runner import server_record as sr
 from runner.model_process import run_model_io
@@ -146,7 +145,7 @@ def _script_family(run_dir: Path, folder: Path) -> tuple[str | None, str | None]
             return None, None
         config = json.loads(read_open_bounded(fd, MAX_PRETRAINED_CONFIG_BYTES, run_checkpoints.HF_MODEL_CONFIG))
         architecture = config["architectures"][0]
-    except (OSError, ValueError, KeyError, IndexError, TypeError):
+    except (OSError, ValueError, KeyError, IndexError, TypeError, RecursionError):  # "[" * 100_000: RecursionError
         return None, None
     if not isinstance(architecture, str):
         return None, None
@@ -186,7 +185,8 @@ def exported_checkpoint(ws: Workspace, run_dir: Path, step: int, progress: hub.P
             if progress is not None:
                 progress(1, 1, f"exported run {run_dir.name}'s checkpoint at step {step}")
         finally:
-            shutil.rmtree(staging, dir_fd=root_fd, ignore_errors=True)
+            with contextlib.suppress(OSError):
+                remove_tree(root_fd, staging)
         return root / name
     finally:
         os.close(root_fd)
@@ -219,7 +219,8 @@ def prune_start_models(ws: Workspace, keep: str | None = None) -> list[tuple[str
         stale = [(name, size) for name, size, users in start_models(ws) if not users and name != keep
                  and time.time() - os.stat(name, dir_fd=root_fd, follow_symlinks=False).st_mtime > START_MODEL_GRACE_S]
         for name, _ in stale:
-            shutil.rmtree(name, dir_fd=root_fd, ignore_errors=True)
+            with contextlib.suppress(OSError):
+                remove_tree(root_fd, name)
     return stale
 
 
@@ -244,7 +245,7 @@ def remove_start_models(ws: Workspace, names: list[str]) -> list[tuple[str, int]
     with _locked(start_models_dir(ws.root)) as root_fd:
         chosen = chosen_start_models(ws, names)
         for name, _ in chosen:
-            shutil.rmtree(name, dir_fd=root_fd)
+            remove_tree(root_fd, name)
     return chosen
 
 
@@ -275,7 +276,18 @@ def _locked(root: Path):
 
 
 def _folder_bytes(folder: Path) -> int:
-    return sum(f.stat().st_size for f in folder.rglob("*") if f.is_file() and not f.is_symlink())
+    """The bytes of the regular files under ``folder`` (links not followed), walked without
+    recursion: recipe code wrote an export, nested as deep as it liked."""
+    total, folders = 0, [str(folder)]
+    while folders:
+        with contextlib.suppress(OSError), os.scandir(folders.pop()) as entries:  # OSError: a path past PATH_MAX
+            for entry in entries:
+                with contextlib.suppress(OSError):
+                    if entry.is_dir(follow_symlinks=False):
+                        folders.append(entry.path)
+                    elif entry.is_file(follow_symlinks=False):
+                        total += entry.stat(follow_symlinks=False).st_size
+    return total
 
 
 def _is_folder(dir_fd: int, name: str) -> bool:

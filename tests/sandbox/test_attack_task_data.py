@@ -86,3 +86,22 @@ def test_tasks_that_name_more_data_sets_than_are_shown_are_refused_naming_them(t
                                   "org/set3, org/set4, org/set5, org/set6, org/set7, org/set8); an evaluation is shown "
                                   "at most 8: evaluate fewer tasks at once")
     assert len(task_data.task_datasets(workspace, [f"task_{name}" for name in names[:8]])) == 8
+
+
+def test_a_task_yaml_nested_past_what_yaml_parses_is_no_task(tmp_path, cache):
+    """yaml.load raised RecursionError on a workspace YAML nested 100,000 deep (under the 1 MiB
+    bound) that holds the task's name: evaluate failed as a trainwright bug."""
+    workspace = tmp_path / "ws"
+    (workspace / TASKS_DIRNAME).mkdir(parents=True)
+    (workspace / TASKS_DIRNAME / "deep.yaml").write_text("# task: deep\n" + "[" * 100_000)
+    assert task_data.task_datasets(workspace, ["deep"]) == []
+
+
+def test_a_task_yaml_that_includes_a_link_loop_is_read_without_its_include(tmp_path, cache):
+    """Path.resolve raised RuntimeError ("Symlink loop") on an include the workspace linked to
+    itself: evaluate failed as a trainwright bug."""
+    workspace = tmp_path / "ws"
+    (workspace / TASKS_DIRNAME).mkdir(parents=True)
+    (workspace / TASKS_DIRNAME / "loop").symlink_to("loop")
+    (workspace / TASKS_DIRNAME / "looped.yaml").write_text("task: looped\ninclude: loop\n")
+    assert task_data.task_datasets(workspace, ["looped"]) == []
