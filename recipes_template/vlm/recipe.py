@@ -9,7 +9,9 @@ its greedy captions of held-out images.
 
 Supports:
 - ``.jsonl`` files of ``{"image": "relative/path.png", "caption": "..."}`` (paths relative to the
-  ``.jsonl`` file, read with PIL, confined to the workspace) or the generated set
+  ``.jsonl`` file, read with PIL, confined to the workspace) or the generated set, read once into
+  a store every rank and later run maps (``engine/token_store.py``: the captions' tokens, each
+  image beside them as resized uint8; large data as the run's first phase)
 - training stages: ``model.stage=align`` (only the projector trains) and ``model.stage=finetune``
   (projector and language model); the vision tower trains only with ``model.train_vision_tower``
 - starting from an exported run of this template (``model.pretrained_path``): a finetune stage
@@ -22,6 +24,7 @@ Supports:
 from __future__ import annotations
 
 import hashlib
+import json
 import warnings
 from functools import cached_property
 from pathlib import Path
@@ -47,14 +50,26 @@ from transformers import (
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 from transformers.models.siglip.image_processing_pil_siglip import SiglipImageProcessorPil
 
-from engine.config import ConfigError, DataConfig, EngineConfig, Section
-from engine.data_files import DataListing, DataPathRefused, confined_path, data_files, jsonl_records, open_data_file
+from engine.config import ConfigError, EngineConfig, Section
+from engine.data_files import (
+    DataListing, DataPathRefused, confined_path, data_file, data_files, jsonl_records, open_data_file,
+)
 from engine.engine import IGNORE_INDEX, Engine
 from engine.flops import non_embedding_params, transformer_flops_per_token
 from engine.fsdp import apply_fsdp
 from engine.optimizers import adamw_8bit
 from engine.data_summary import split_counts
 from engine.run_dir import DataSummary
+from engine.token_store import (
+    DISK_BYTES_PER_INPUT_BYTE,
+    StoredDataConfig,
+    TokenStore,
+    check_disk_space,
+    leave_to_run,
+    open_or_build,
+    store_key,
+    tokenizer_identity,
+)
 
 # =============================================================================================
 # Configuration
@@ -81,7 +96,7 @@ class ModelConfig(Section):
     language_model_path: str | None = Field(None, description="A causal_lm or sft export as the language model.")
 
 
-class VLMDataConfig(DataConfig):
+class VLMDataConfig(StoredDataConfig):
     seq_len: int = Field(64, ge=2, description="Tokens per sequence (image tokens included).")
     source: Literal["builtin", "files"] | None = Field(
         None, description="builtin: generated shapes; files: data.paths (default when set)."
@@ -236,37 +251,70 @@ def attributes(text: str) -> dict[str, set[str]]:
 # =============================================================================================
 
 
-def load_examples(cfg: VLMDataConfig, listing: DataListing | None = None) -> list[tuple[str, Any, str]]:
-    """``(name, image, caption)``; the name decides the train/eval split, so it must be stable.
-    The records' files and their images are fingerprinted into ``listing``."""
-    if cfg.source == "builtin":
-        return builtin_examples(cfg.builtin_images, cfg.image_size)
-    from PIL import Image
-
-    examples = []
+def image_records(cfg: VLMDataConfig, listing: DataListing | None = None,
+                  head: int | None = None) -> Iterator[tuple[str, str, Path, str]]:
+    """``(where, image as the record names it, the .jsonl's folder, caption)`` of each record of
+    data.paths (the first ``head`` of each file); the files are listed into ``listing``, their
+    images not. A record without an image path or a caption is refused, naming its line."""
     for path, name in data_files(cfg.paths, suffixes={".jsonl"}, listing=listing):
-        for where, record in jsonl_records(path, name):  # bad JSON, UTF-8 or surrogates: refused there
+        for number, (where, record) in enumerate(jsonl_records(path, name)):  # bad JSON, UTF-8 or surrogates: refused there
+            if head is not None and number >= head:
+                break
             if not isinstance(record.get("image"), str) or not isinstance(record.get("caption"), str):
                 raise ConfigError(f'{where}: a record is {{"image": "relative/path.png", "caption": "..."}}')
             if not record["caption"].strip():
                 raise ConfigError(f"{where}: the caption is empty")
-            try:  # a data file: confined, a regular file, and part of the data fingerprint
-                # PIL only warns between MAX_IMAGE_PIXELS and twice it (where it refuses): a PNG
-                # of a few KB there decodes to hundreds of MB. Refused unread, as over twice it.
-                with warnings.catch_warnings():
-                    warnings.simplefilter("error", Image.DecompressionBombWarning)
-                    with open_data_file(str(path.parent / record["image"]), listing=listing) as file, Image.open(file) as image:
-                        # Kept at the size the model sees (the processor's resize is then a no-op):
-                        # 100k photos of 512 × 512 would otherwise hold ~100 GB in memory.
-                        image = image.convert("RGB").resize((cfg.image_size, cfg.image_size), RESAMPLE)
-            except DataPathRefused:
-                raise
-            except (OSError, ValueError, Image.DecompressionBombError, Image.DecompressionBombWarning) as e:
-                raise ConfigError(f"{where}: image {record['image']!r} cannot be read ({e})") from None
-            examples.append((where, image, record["caption"]))
-    if not examples:
-        raise ConfigError(f"no image-caption records in data.paths={cfg.paths} (.jsonl files, one per line)")
-    return examples
+            yield where, record["image"], path.parent, record["caption"]
+
+
+def image_file(where: str, image: str, folder: Path, listing: DataListing | None) -> Path:
+    """A record's image file: confined, a regular file, fingerprinted into ``listing``."""
+    try:
+        return data_file(str(folder / image), listing=listing)
+    except DataPathRefused:
+        raise
+    except OSError as e:
+        raise ConfigError(f"{where}: image {image!r} cannot be read ({e})") from None
+
+
+def read_image(where: str, image: str, folder: Path, size: int, listing: DataListing | None = None):
+    """A record's image, RGB, resized once to ``size`` (the processor's resize is then a no-op:
+    100k photos of 512 × 512 would otherwise be decoded at full size per batch)."""
+    from PIL import Image
+
+    try:  # a data file: confined, a regular file, and part of the data fingerprint
+        # PIL only warns between MAX_IMAGE_PIXELS and twice it (where it refuses): a PNG
+        # of a few KB there decodes to hundreds of MB. Refused unread, as over twice it.
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            with open_data_file(str(folder / image), listing=listing) as file, Image.open(file) as opened:
+                return opened.convert("RGB").resize((size, size), RESAMPLE)
+    except DataPathRefused:
+        raise
+    except (OSError, ValueError, Image.DecompressionBombError, Image.DecompressionBombWarning) as e:
+        raise ConfigError(f"{where}: image {image!r} cannot be read ({e})") from None
+
+
+def iter_examples(cfg: VLMDataConfig, listing: DataListing | None = None) -> Iterator[tuple[str, Any, str]]:
+    """``(name, image, caption)``, one image decoded at a time; the name decides the train/eval
+    split, so it must be stable. The records' files and their images are fingerprinted into ``listing``."""
+    if cfg.source == "builtin":
+        yield from builtin_examples(cfg.builtin_images, cfg.image_size)
+        return
+    found = False
+    for where, image, folder, text in image_records(cfg, listing):
+        found = True
+        yield where, read_image(where, image, folder, cfg.image_size, listing), text
+    if not found:
+        raise ConfigError(NO_RECORDS.format(paths=cfg.paths))
+
+
+def load_examples(cfg: VLMDataConfig, listing: DataListing | None = None) -> list[tuple[str, Any, str]]:
+    """Every example of :func:`iter_examples` in memory (the run reads them from its store instead)."""
+    return list(iter_examples(cfg, listing))
+
+
+NO_RECORDS = "no image-caption records in data.paths={paths} (.jsonl files, one per line)"
 
 
 def is_eval_document(name: str, eval_fraction: float) -> bool:
@@ -284,20 +332,106 @@ def text_tokens(tokenizer, text: str) -> list[int]:
     return tokenizer.encode(text, add_special_tokens=False, split_special_tokens=True)
 
 
-def make_pieces(examples, processor: LlavaProcessor, seq_len: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Each example as ``(2 × n tokens and targets, 3 × H × W pixel values)``: the ``<image>``
-    placeholder expanded to the model's image-token count, then the caption; targets are the
-    caption's tokens, ``IGNORE_INDEX`` elsewhere. Cut to ``seq_len + 1`` tokens."""
-    tokenizer = processor.tokenizer
+def caption_piece(processor: LlavaProcessor, text: str, seq_len: int) -> torch.Tensor:
+    """An example's ``2 × n`` tokens and targets: the ``<image>`` placeholder expanded to the
+    model's image-token count, then the caption; targets are the caption's tokens,
+    ``IGNORE_INDEX`` elsewhere. Cut to ``seq_len + 1`` tokens."""
     prompt = [processor.image_token_id] * image_tokens(processor)
+    answer = caption_tokens(processor.tokenizer, text)
+    tokens = torch.tensor(prompt + answer, dtype=torch.int64)
+    targets = torch.tensor([IGNORE_INDEX] * len(prompt) + answer, dtype=torch.int64)
+    return torch.stack([tokens, targets])[:, : seq_len + 1]
+
+
+def make_pieces(examples, processor: LlavaProcessor, seq_len: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Each example as ``(2 × n tokens and targets, 3 × H × W pixel values)`` (:func:`caption_piece`),
+    all in memory; a run reads them from its store (:class:`StoredExamples`)."""
     pixels = pixel_values(processor, [image for _, image, _ in examples])
-    pieces = []
-    for (_, _, text), values in zip(examples, pixels):
-        answer = caption_tokens(tokenizer, text)
-        tokens = torch.tensor(prompt + answer, dtype=torch.int64)
-        targets = torch.tensor([IGNORE_INDEX] * len(prompt) + answer, dtype=torch.int64)
-        pieces.append((torch.stack([tokens, targets])[:, : seq_len + 1], values))
-    return pieces
+    return [(caption_piece(processor, text, seq_len), values) for (_, _, text), values in zip(examples, pixels)]
+
+
+# The store of a run's examples (engine/token_store.py): each piece's tokens and targets, and beside
+# it its record: the image as resized (image_size² × 3 uint8 bytes), then {"name", "caption"} as JSON.
+
+
+class StoredExamples:
+    """A split of the store, read by index from the mapping (the corpus is never held in memory):
+    ``examples[i]`` is the piece :func:`make_pieces` makes, ``(tokens and targets, pixel values)``,
+    its pixel values made by the processor from the stored image; ``image(i)`` and ``about(i)``
+    (name, caption) for captions and samples."""
+
+    def __init__(self, store: TokenStore, split: str, processor: LlavaProcessor):
+        self.pieces, self.records, self.processor = store.pieces(split, torch.from_numpy), store.records(split), processor
+        self.side = processor.image_processor.size["height"]
+
+    def __len__(self) -> int:
+        return len(self.pieces)
+
+    def image(self, index: int) -> np.ndarray:
+        return np.frombuffer(self.records[index][: 3 * self.side**2], dtype=np.uint8).reshape(self.side, self.side, 3)
+
+    def about(self, index: int) -> tuple[str, str]:
+        about = json.loads(self.records[index][3 * self.side**2 :].decode("utf-8", "surrogatepass"))
+        return about["name"], about["caption"]
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.pieces[index], pixel_values(self.processor, [self.image(index)])[0]
+
+
+def example_store(cfg: VLMDataConfig, processor: LlavaProcessor, listing: DataListing) -> TokenStore | None:
+    """Every example encoded once (:func:`caption_piece`, its resized image beside it), train and
+    held-out apart, with the data summary's counts, in the store of the data's fingerprint (the
+    records' files and their images), the tokenizer, the image size and token count and the
+    settings that change pieces; built on first use (one image in memory at a time), mapped by
+    every rank and later run. A file that changes while it is read fails the build, which keeps
+    nothing. None in the launch check for data left to the run (:func:`engine.token_store.leave_to_run`),
+    once the first records of each file are read and the disk has room for the store."""
+    records = cfg.builtin_images
+    if cfg.source == "builtin":
+        identity, size = ["builtin", cfg.builtin_images], 0
+    else:
+        records = 0
+        for where, image, folder, _ in image_records(cfg, listing):
+            image_file(where, image, folder, listing)
+            records += 1
+        if not records:
+            raise ConfigError(NO_RECORDS.format(paths=cfg.paths))
+        identity, size = [listing.fingerprint()], sum(path.stat().st_size for path in listing.files)
+    key = store_key(template="vlm", layout="image bytes + name and caption", data=identity,
+                    tokenizer=tokenizer_identity(processor.tokenizer), image_token=processor.image_token_id,
+                    image_tokens=image_tokens(processor), image_size=cfg.image_size, resample=RESAMPLE,
+                    seq_len=cfg.seq_len, eval_fraction=cfg.eval_fraction)
+    stored_bytes = records * (3 * cfg.image_size**2 + 8 * (cfg.seq_len + 1) + 256)  # + the caption's JSON, about
+
+    def read_head(head: int) -> None:
+        for where, image, folder, text in image_records(cfg, DataListing(hashing=False), head=head):  # hashed just now
+            read_image(where, image, folder, cfg.image_size)
+            caption_piece(processor, text, cfg.seq_len)
+        check_disk_space(stored_bytes // DISK_BYTES_PER_INPUT_BYTE)
+
+    if leave_to_run(key, size, cfg.tokenize_in_check_mb, read_head):
+        return None
+
+    def build(store) -> dict[str, Any]:
+        check_disk_space(stored_bytes // DISK_BYTES_PER_INPUT_BYTE)  # images take more than their files
+        counts = {True: [0, 0, 0], False: [0, 0, 0]}  # held out? -> [images, tokens, loss tokens]
+        read, names = DataListing(), set()
+        for name, image, text in iter_examples(cfg, read):
+            piece = caption_piece(processor, text, cfg.seq_len)
+            held_out = is_eval_document(name, cfg.eval_fraction)
+            about = json.dumps({"name": name, "caption": text}).encode("utf-8", "surrogatepass")
+            store.add("eval" if held_out else "train", piece.numpy(), np.asarray(image, dtype=np.uint8).tobytes() + about)
+            store.progress.advance(documents=1, bytes_read=3 * cfg.image_size**2 + len(about))
+            counted = counts[held_out]
+            counted[0] += 1
+            counted[1] += len(caption_tokens(processor.tokenizer, text))  # the caption's (image tokens are not text)
+            counted[2] += int((piece[1, 1:] != IGNORE_INDEX).sum())  # what the loss is over: those cut to data.seq_len
+            names.add(name.split(":", 1)[0])
+        if read.fingerprint() != listing.fingerprint() or read.changed():
+            raise ConfigError("the data changed while it was read; launch again once it is written")
+        return dict(files=len(names) if cfg.source == "files" else None, **split_counts(counts))
+
+    return open_or_build(key, rows=2, dtype="int32", build=build, input_bytes=size, records=True)
 
 
 def collate(pieces, seq_len: int, pad_id: int) -> dict[str, torch.Tensor]:
@@ -506,39 +640,31 @@ class VLM(Engine):
 
     @classmethod
     def summarize_data(cls, config: VLMConfig) -> DataSummary:
-        cfg = config.data
-        tokenizer = load_processor(config).tokenizer
-        counts = {True: [0, 0], False: [0, 0]}  # held out? -> [images, caption tokens]
-        names = set()
-        listing = DataListing()
-        for name, _, text in load_examples(cfg, listing):
-            counted = counts[is_eval_document(name, cfg.eval_fraction)]
-            counted[0] += 1
-            counted[1] += len(caption_tokens(tokenizer, text))
-            names.add(name.split(":", 1)[0])
-        if not counts[False][0]:
+        cfg, listing = config.data, DataListing()
+        store = example_store(cfg, load_processor(config), listing)
+        tokenizer = f"from {config.model.pretrained_path}" if config.model.pretrained_path else "bytes + <image>"
+        if store is None:  # the run reads and stores the images as its first phase
+            files = sum(path.suffix == ".jsonl" for path in listing.files)
+            return DataSummary.left_to_run(cfg.source, cfg.paths, files, sum(path.stat().st_size for path in listing.files),
+                                           tokenizer=tokenizer, **listing.summary_fields())
+        if not store.counts["train_documents"]:
             raise ConfigError(f"no training images: data.eval_fraction={cfg.eval_fraction} holds out all of them")
-        return DataSummary(
-            source=cfg.source,
-            paths=cfg.paths[:20],
-            files=len(names) if cfg.source == "files" else None,
-            **split_counts(counts),
-            tokenizer=f"from {config.model.pretrained_path}" if config.model.pretrained_path else "bytes + <image>",
-            **listing.summary_fields(),
-        )
+        return DataSummary(source=cfg.source, paths=cfg.paths[:20], tokenizer=tokenizer, **store.counts,
+                           **listing.summary_fields())
 
     @cached_property
-    def examples(self) -> tuple[list, list]:
-        """(train examples, held-out examples): ``(name, image, caption)``."""
-        train, held_out = [], []
-        for example in load_examples(self.config.data, self.data_listing):
-            (held_out if is_eval_document(example[0], self.config.data.eval_fraction) else train).append(example)
-        return train, held_out
+    def store(self) -> TokenStore:
+        """The examples, mapped (built by the launch check, or now when it was not)."""
+        return example_store(self.config.data, self.processor, self.data_listing)
 
-    def stream(self, examples, seed: int) -> BatchStream:
+    @cached_property
+    def held_out(self) -> StoredExamples:
+        return StoredExamples(self.store, "eval", self.processor)
+
+    def stream(self, split: str, seed: int) -> BatchStream:
         cfg = self.config.data
         return BatchStream(
-            make_pieces(examples, self.processor, cfg.seq_len),
+            StoredExamples(self.store, split, self.processor),
             cfg.seq_len,
             self.processor.tokenizer.pad_token_id,
             seed=seed,
@@ -548,15 +674,15 @@ class VLM(Engine):
         )
 
     def prepare_data(self) -> BatchStream:
-        if not self.examples[0]:
+        if not self.store.counts["train_documents"]:
             raise ConfigError(f"no training images: data.eval_fraction={self.config.data.eval_fraction} "
                               "holds out all of them")
-        return self.stream(self.examples[0], self.config.train.seed)
+        return self.stream("train", self.config.train.seed)
 
     def prepare_eval_data(self) -> list[dict[str, torch.Tensor]] | None:
-        if not self.config.train.eval_every or not self.examples[1]:
+        if not self.config.train.eval_every or not self.store.counts["eval_documents"]:
             return None
-        stream = self.stream(self.examples[1], seed=0)
+        stream = self.stream("eval", seed=0)
         return [next(stream) for _ in range(self.config.train.eval_batches)]
 
     def compute_loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -600,12 +726,13 @@ class VLM(Engine):
 
     def sample_inputs(self, index: int, prompt: str) -> tuple[dict[str, Any], dict[str, Any]]:
         """``sample``: prompt ``i`` is the beginning of a caption (``"a"``) of held-out image ``i``."""
-        held_out = self.examples[1]
-        if not held_out:
+        held_out = self.held_out
+        if not len(held_out):
             raise ConfigError("no images are held out (data.eval_fraction=0): sample has no image to caption")
-        name, image, text = held_out[index % len(held_out)]
+        name, text = held_out.about(index % len(held_out))
         tokens = [self.processor.image_token_id] * image_tokens(self.processor)
         tokens += text_tokens(self.processor.tokenizer, prompt)
+        image = held_out.image(index % len(held_out))
         inputs = {"input_ids": torch.tensor([tokens]), "pixel_values": pixel_values(self.processor, [image])}
         shown = text if len(text) <= 1000 else text[:1000] + "…"  # 8 of them stay far below the result's 1 MB
         return inputs, {"input": f"held-out image {name}", "expected": shown}
@@ -613,16 +740,16 @@ class VLM(Engine):
     def task_metrics(self) -> dict[str, float]:
         """``caption_accuracy`` (and per attribute) of greedy captions of held-out images; on
         files, ``caption_accuracy`` is the share of captions exactly right."""
-        held_out = self.examples[1][: self.config.data.eval_prompts]
-        if not held_out:
+        shown = range(min(len(self.held_out), self.config.data.eval_prompts))
+        if not shown:
             return {}
         was_training = self.model.training
         self.model.eval()
-        pixels = pixel_values(self.processor, [image for _, image, _ in held_out])
+        pixels = pixel_values(self.processor, [self.held_out.image(i) for i in shown])
         room = self.config.data.seq_len - image_tokens(self.processor)  # as long as a trained caption
         said = greedy_captions(self.model, self.processor, pixels, room)
         self.model.train(was_training)
-        expected = [text for _, _, text in held_out]
+        expected = [self.held_out.about(i)[1] for i in shown]
         if self.config.data.source == "builtin":
             return caption_scores(said, expected)
         return {"caption_accuracy": sum(s == e.strip() for s, e in zip(said, expected)) / len(expected)}

@@ -330,9 +330,11 @@ def test_sample_shows_held_out_images_and_refuses_without_them():
         return vlm.VLM(config, DistInfo(0, 1, 0, torch.device("cpu"), None))
 
     shown = engine(0.25)
-    held_out = shown.examples[1]
+    held_out = shown.held_out
     inputs, about = shown.sample_inputs(len(held_out) + 1, "a red")  # prompts beyond the images wrap around
-    name, image, text = held_out[1]
+    (name, text), image = held_out.about(1), held_out.image(1)
+    assert (name, image.shape) == ([n for n, _, _ in vlm.builtin_examples(40, 32) if vlm.is_eval_document(n, 0.25)][1],
+                                   (32, 32, 3))
     assert about == {"input": f"held-out image {name}", "expected": text}
     assert inputs["input_ids"].tolist() == [[shown.processor.image_token_id] * 16 + list(b"a red")]
     torch.testing.assert_close(inputs["pixel_values"], vlm.pixel_values(shown.processor, [image]))
