@@ -46,6 +46,7 @@ the peak at each size / the peak at the smallest, which does not grow with the c
     python bench/data_scale.py --streaming [--sizes 25 400] [--ranks 1 2] [--steps 50]
     python bench/data_scale.py --sft [--sizes 8] [--rounds 3] [--saved]
     python bench/data_scale.py --grpo [--sizes 4 16]
+    python bench/data_scale.py --vlm [--sizes 2 8]
 
 With ``--grpo`` the ``grpo`` template's prompts are measured in this process, per size (MB of
 JSONL prompt records in :data:`SHARDS` files, each with an ``answer`` and a ``context`` column
@@ -56,6 +57,13 @@ they are ready, and their peak) — the store's ``GRPO.prompts`` with one rollou
 from it, against its peer, the list of every ``(record, prompt tokens)`` the template held
 before its store — and the ratio, which grows with the corpus. tracemalloc's bytes do not
 depend on the machine's load; the seconds do (printed with the load average).
+
+With ``--vlm`` the ``vlm`` template's examples are measured in this process, per size
+(``--sizes``: thousands of 64 × 64 noise PNGs and their captions): the store's build, then a
+second launch's summary, which maps it (wall and CPU seconds; in this process, which keeps each
+file's digest while its stat is unchanged: a new launch hashes every file again), then the resident memory a rank adds for its examples (RSS, since torch's tensors
+are not Python allocations): the store's stream with one batch read, against its peer, the
+template's earlier list of every resized image and ``(tokens, pixel values)`` piece.
 """
 
 from __future__ import annotations
@@ -476,6 +484,82 @@ def grpo_memory(sizes: list[float]) -> None:
             shutil.rmtree(root / "cache", ignore_errors=True)
 
 
+def write_images(folder: Path, count: int, side: int = 64) -> None:
+    """``count`` PNGs of noise, ``side`` pixels square (the template resizes them), and a
+    captions .jsonl naming them."""
+    import numpy as np
+    from PIL import Image
+
+    (folder / "images").mkdir(parents=True, exist_ok=True)
+    with open(folder / "data.jsonl", "w") as f:
+        for i in range(count):
+            pixels = np.random.default_rng(i).integers(0, 255, (side, side, 3), dtype=np.uint8)
+            Image.fromarray(pixels).save(folder / "images" / f"{i}.png", compress_level=1)
+            f.write(json.dumps({"image": f"images/{i}.png", "caption": f"noise number {i}"}) + "\n")
+
+
+def resident_bytes() -> int:
+    """This process's resident memory (/proc/self/statm)."""
+    return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def held_resident(make) -> tuple[int, Any]:
+    """``(resident bytes added, what make() returned)``: torch's tensors are not Python
+    allocations, so tracemalloc does not see them; the resident memory does."""
+    import gc
+
+    gc.collect()
+    before = resident_bytes()
+    made = make()
+    gc.collect()
+    return resident_bytes() - before, made
+
+
+def vlm_memory(sizes: list[float]) -> None:
+    """vlm's store: its build (CPU seconds), a second launch's summary that maps it, and a rank's
+    memory for its examples (one batch read from the store) against the list of every
+    ``(tokens, pixel values)`` and resized image the template held before its store."""
+    import torch
+
+    from engine.config import build_config
+    from engine.distributed import DistInfo
+    from recipes_template.vlm import recipe
+
+    with tempfile.TemporaryDirectory(prefix="data-scale-") as tmp:
+        root = Path(tmp)
+        for size in sizes:
+            count = int(size * 1000)
+            write_images(root / "images", count)
+            os.environ[DATA_CACHE_VARIABLE] = str(root / "cache")
+            config = build_config(recipe.VLMConfig, None, [f"data.paths=[{root / 'images' / 'data.jsonl'}]"])
+            timed = []
+            for _ in range(2):  # the first launch builds the store, the second maps it
+                start, start_cpu = time.perf_counter(), cpu_seconds()
+                recipe.VLM.summarize_data(config)
+                timed.append((time.perf_counter() - start, cpu_seconds() - start_cpu))
+            print(f"{count:,} images: store built in {timed[0][0]:.1f} s wall / {timed[0][1]:.1f} s CPU, a second "
+                  f"launch's summary {timed[1][0]:.2f} s wall / {timed[1][1]:.2f} s CPU (second / first CPU "
+                  f"{timed[1][1] / timed[0][1]:.2f}; load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores)",
+                  flush=True)
+            engine = recipe.VLM(config, DistInfo(0, 1, 0, torch.device("cpu"), None))
+
+            def from_store():
+                stream = engine.prepare_data()
+                return stream, next(stream)
+
+            def every_example():
+                train = [e for e in recipe.load_examples(config.data) if not recipe.is_eval_document(e[0], 0.05)]
+                return train, recipe.make_pieces(train, engine.processor, config.data.seq_len)
+
+            store_held, _ = held_resident(from_store)
+            list_held, _ = held_resident(every_example)
+            print(f"{count:,} images: a rank's examples hold {store_held / 1e6:.1f} MB resident from the store, "
+                  f"{list_held / 1e6:.1f} MB as a list of every piece (list / store "
+                  f"{list_held / max(1, store_held):.0f}x)", flush=True)
+            shutil.rmtree(root / "cache", ignore_errors=True)
+            shutil.rmtree(root / "images", ignore_errors=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes", type=float, nargs="+", default=[25, 100, 400], help="corpus sizes in MB")
@@ -487,7 +571,11 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3, help="--sft: interleaved rounds")
     parser.add_argument("--grpo", action="store_true", help="grpo's prompt store: its build, and a rank's memory against a list")
     parser.add_argument("--saved", action="store_true", help="--sft: the records as a save_to_disk folder")
+    parser.add_argument("--vlm", action="store_true", help="vlm's store (--sizes: thousands of images): build, reuse, memory")
     args = parser.parse_args()
+    if args.vlm:
+        vlm_memory(args.sizes)
+        return
     if args.grpo:
         grpo_memory(args.sizes)
         return
