@@ -63,7 +63,8 @@ With ``--vlm`` the ``vlm`` template's examples are measured in this process, per
 second launch's summary, which maps it (wall and CPU seconds; in this process, which keeps each
 file's digest while its stat is unchanged: a new launch hashes every file again), then the resident memory a rank adds for its examples (RSS, since torch's tensors
 are not Python allocations): the store's stream with one batch read, against its peer, the
-template's earlier list of every resized image and ``(tokens, pixel values)`` piece.
+template's earlier list of every resized image and ``(tokens, pixel values)`` piece; then the
+CPU time a batch takes from each (the store's pixel values are made as the batch is).
 """
 
 from __future__ import annotations
@@ -551,11 +552,22 @@ def vlm_memory(sizes: list[float]) -> None:
                 train = [e for e in recipe.load_examples(config.data) if not recipe.is_eval_document(e[0], 0.05)]
                 return train, recipe.make_pieces(train, engine.processor, config.data.seq_len)
 
-            store_held, _ = held_resident(from_store)
-            list_held, _ = held_resident(every_example)
+            store_held, (stream, _) = held_resident(from_store)
+            list_held, (_, pieces) = held_resident(every_example)
             print(f"{count:,} images: a rank's examples hold {store_held / 1e6:.1f} MB resident from the store, "
                   f"{list_held / 1e6:.1f} MB as a list of every piece (list / store "
                   f"{list_held / max(1, store_held):.0f}x)", flush=True)
+            listed = recipe.BatchStream(pieces, config.data.seq_len, engine.processor.tokenizer.pad_token_id,
+                                        config.train.seed, stream.micro_batch, 0, 1)
+            seconds = {}
+            for name, batches in (("store", stream), ("list", listed), ("store", stream), ("list", listed)):
+                start_cpu = time.process_time()
+                for _ in range(50):
+                    next(batches)
+                seconds[name] = min(seconds.get(name, float("inf")), (time.process_time() - start_cpu) / 50)
+            print(f"{count:,} images: a batch of {stream.micro_batch} made in {seconds['store'] * 1e3:.1f} ms CPU from "
+                  f"the store (pixel values made from its bytes), {seconds['list'] * 1e3:.1f} ms from the list "
+                  f"(store / list {seconds['store'] / seconds['list']:.1f}x)", flush=True)
             shutil.rmtree(root / "cache", ignore_errors=True)
             shutil.rmtree(root / "images", ignore_errors=True)
 
