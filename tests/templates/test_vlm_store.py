@@ -160,3 +160,23 @@ def test_a_bad_record_is_refused_naming_it_and_nothing_is_kept(tmp_path, cache, 
     with pytest.raises(ConfigError, match=expected.replace("(", r"\(").replace("{", r"\{").replace(".", r"\.")):
         engine_of(f"data.paths=[{data}]").store
     assert stores(cache) == []
+
+
+@pytest.mark.slow  # two runs
+def test_a_run_on_image_files_resumes_mid_epoch_bit_for_bit_from_the_store(tmp_path, cache):
+    import shutil
+
+    from engine import run_checkpoints
+    from tests.support import losses, run_engine
+
+    data = write_set(tmp_path / "set", 30)
+    recipe = tmp_path / "vlm"
+    shutil.copytree(TEMPLATE, recipe, ignore=shutil.ignore_patterns("__pycache__"))
+    schedule = (*SMALL, f"data.paths=[{data}]", "model.stage=align", "train.max_steps=6", "train.log_every=1",
+                "train.eval_every=0", "checkpoint.every=3", "checkpoint.keep_last=5", "metrics.tensorboard=false")
+    reference = run_engine(tmp_path, recipe, *schedule)  # 28 or so training images, 4 a step: step 3 is mid-epoch
+    assert rd.read_run(reference).data.documents == 30 and len(stores(cache)) == 1
+    (_, checkpoint), *_ = run_checkpoints.list_checkpoints(reference)  # step 3
+    resumed = run_engine(tmp_path, recipe, *schedule, resume_from=checkpoint)
+    assert sorted(losses(resumed)) == [4, 5, 6] and len(stores(cache)) == 1
+    assert losses(resumed) == {s: v for s, v in losses(reference).items() if s > 3}
