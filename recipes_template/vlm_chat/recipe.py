@@ -18,8 +18,10 @@ Supports:
   where transformers' own cannot load without torchvision)
 - stages by module names (``model.train_vision_tower``, ``model.train_projector``,
   ``model.train_language_model``), FSDP2 on the family's ``_no_split_modules``
-- images kept as references (``ImageRef``), their tensors as encoding made them up to
-  ``KEPT_IMAGE_BYTES``, beyond it processed per batch as it is drawn: a run's memory is bounded
+- the examples of data files encoded once into the token store (``engine/token_store.py``; large
+  data as the run's first phase), mapped by every rank and later run (``StoredPieces``); images kept
+  as references (``ImageRef``), their tensors made per batch, kept up to ``KEPT_IMAGE_BYTES``: a
+  run's memory is bounded. The built-in examples stay in memory
 - ``data.packing``: whole examples share rows, each attending to itself alone (the families of ``PACKS``)
 - ``task_metrics()``: greedy answers to held-out questions through the chat template
 """
