@@ -1625,6 +1625,8 @@ class VLMChat(Engine):
         and the first ``data.eval_prompts`` held-out ones, read until found."""
         cfg, train, held_out = self.config.data, [], []
         if not self.builtin:
+            if not cfg.eval_fraction:  # none held out: the records are not read through for one
+                return [], []
             held = (e for e in read_examples(cfg) if is_eval_document(e[0], cfg.eval_fraction))
             return [], list(islice(held, cfg.eval_prompts))
         for example in load_examples(cfg)[0]:
