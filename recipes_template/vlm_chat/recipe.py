@@ -37,7 +37,7 @@ import re
 import threading
 import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from functools import cached_property
 from itertools import islice
@@ -59,10 +59,13 @@ from engine.flops import non_embedding_params, transformer_flops_per_token
 from engine.fsdp import apply_fsdp
 from engine.run_dir import DataSummary
 from engine.token_store import (
+    HEAD_RECORDS,
     StoredDataConfig,
     TokenStore,
+    check_disk_space,
     data_identity,
     leave_to_run,
+    left_to_run,
     open_or_build,
     store_key,
     text_size,
@@ -834,6 +837,39 @@ def load_examples(cfg: VLMChatDataConfig) -> tuple[list[tuple[str, list, list]],
     return list(read_examples(cfg, formats)), formats
 
 
+def record_messages(cfg: VLMChatDataConfig, record: dict[str, Any], where: str) -> tuple[str, list, list]:
+    """``(format, messages, media)`` of a record, its media as the record names them (nothing read)."""
+    fmt = detect_format(record, where, cfg.format)
+    if fmt == "llava":
+        messages, media = llava_messages(record, where)
+    elif fmt == "messages":
+        messages, media = content_messages(record, where)
+    else:
+        messages, media = caption_messages(record, where, cfg.caption_prompt)
+    if not any(m["role"] == "assistant" for m in messages):
+        raise ConfigError(f"{where}: the conversation has no assistant turn: nothing to learn")
+    return fmt, messages, media
+
+
+def named_media_bytes(cfg: VLMChatDataConfig, limit: float) -> int:
+    """The bytes of the image and video files the records name by path (a data set's image bytes
+    are in its files already), the records read until they pass ``limit``: what decides whether
+    the launch check encodes the data (its images are most of the work) or leaves it to the run."""
+    total = 0
+    for base, rows in record_sources(cfg):
+        for where, record in rows:
+            for item in record_messages(cfg, record, where)[2]:
+                value = item.value if isinstance(item, VideoPart) else item
+                if isinstance(value, dict):
+                    value = value.get("path") if not value.get("bytes") else None
+                if isinstance(value, str) and value:
+                    with suppress(OSError):  # a missing file is refused when the head is encoded
+                        total += os.stat(base / value if base is not None else value).st_size
+            if total > limit:
+                return total
+    return total
+
+
 def read_examples(cfg: VLMChatDataConfig, formats: list[str] | None = None, head: int | None = None,
                   listing: DataListing | None = None) -> Iterator[tuple[str, list, list]]:
     """The ``(where, messages, images)`` of :func:`load_examples`' records, read one at a time (each
@@ -842,17 +878,9 @@ def read_examples(cfg: VLMChatDataConfig, formats: list[str] | None = None, head
     found = False
     for base, rows in record_sources(cfg, listing):
         for where, record in islice(rows, head):
-            fmt = detect_format(record, where, cfg.format)
+            fmt, messages, images = record_messages(cfg, record, where)
             if formats is not None and fmt not in formats:
                 formats.append(fmt)
-            if fmt == "llava":
-                messages, images = llava_messages(record, where)
-            elif fmt == "messages":
-                messages, images = content_messages(record, where)
-            else:
-                messages, images = caption_messages(record, where, cfg.caption_prompt)
-            if not any(m["role"] == "assistant" for m in messages):
-                raise ConfigError(f"{where}: the conversation has no assistant turn: nothing to learn")
             found = True
             yield where, messages, [
                 VideoRef.checked(item.value, base, where, cfg.video_fps, cfg.video_max_frames)
@@ -1346,13 +1374,17 @@ def store_examples(writer, cfg: VLMChatDataConfig, processor, rope_index, listin
     return {**counts, "files": len(files), "formats": ", ".join(formats), "media": media_stats(media)}
 
 
+UNBUILT = 1 << 62  # bytes over any limit: left_to_run then says whether the store is unbuilt, in the launch check
+
+
 def example_store(config: VLMChatConfig, processor, listing: DataListing) -> TokenStore | None:
     """The examples of data files encoded once (:func:`store_examples`), in the store of the data's
     fingerprint, the model's processing and the settings that change a piece; built on first use,
     mapped by every rank and later run. A store whose images or videos changed since it was built
     is built anew under a key of their new stats (every rank finds the same). None in the launch
     check for data left to the run (:func:`engine.token_store.leave_to_run`), once the first
-    records of each file encode and the disk has room for the store."""
+    records of each file encode and the disk has room for the store; data files whose size is
+    under ``data.tokenize_in_check_mb`` but whose named images and videos are over it are left too."""
     cfg = config.data
     identity, size = data_identity(cfg.paths, FILE_SUFFIXES, listing, cfg.dataset)
     parts = dict(template="vlm_chat", data=identity, processing=processing_identity(config.model), seq_len=cfg.seq_len,
@@ -1369,6 +1401,11 @@ def example_store(config: VLMChatConfig, processor, listing: DataListing) -> Tok
     key = store_key(**parts)
     for _ in range(3):
         if leave_to_run(key, size, cfg.tokenize_in_check_mb, read_head):
+            return None
+        limit = cfg.tokenize_in_check_mb * 1e6
+        if left_to_run(key, UNBUILT, cfg.tokenize_in_check_mb) and size + named_media_bytes(cfg, limit - size) > limit:
+            read_head(HEAD_RECORDS)  # the data files are small, the images they name are not: as leave_to_run
+            check_disk_space(size)
             return None
         store = open_or_build(key, rows=2, dtype="int32", build=build, input_bytes=size, records=True,
                               whole_size=not cfg.dataset)

@@ -150,6 +150,14 @@ def test_large_data_is_left_to_the_run_with_progress_and_a_bad_record_is_refused
     assert summary.documents == 20 and len(stores(workspace)) == 1
     assert reported and reported[-1]["documents"] == 20
 
+    # Data files of a few KB that name images of more: the images decide (10 PNGs of 5-15 KB over 10 KB).
+    small = config.model_copy(update={"data": config.data.model_copy(update={"paths": [str(workspace / "data.jsonl")]})})
+    for limit, left in ((0.01, True), (1.0, False)):
+        small.data.tokenize_in_check_mb = limit
+        with token_store.launch_check():
+            assert (vlm.VLMChat.summarize_data(small).preparing is not None) == left
+    assert (workspace / "data.jsonl").stat().st_size < 10_000 and len(stores(workspace)) == 2
+
     bad = workspace / "bad.jsonl"
     bad.write_text(json.dumps({"image": "images/missing.png", "conversations": [
         {"from": "human", "value": "<image>\nWhat?"}, {"from": "gpt", "value": "x"}]}) + "\n")
@@ -159,5 +167,5 @@ def test_large_data_is_left_to_the_run_with_progress_and_a_bad_record_is_refused
         with pytest.raises(ConfigError, match=r"^bad.jsonl:1: image 'images/missing.png' cannot be read"):
             with token_store.launch_check():
                 vlm.VLMChat.summarize_data(config)
-        assert len(stores(workspace)) == 1
+        assert len(stores(workspace)) == 2
         assert not [p for p in (workspace / "cache").iterdir() if ".building-" in p.name]
