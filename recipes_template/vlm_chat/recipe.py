@@ -812,20 +812,18 @@ def size_of(image) -> tuple[int, int]:
     return image.size[::-1]
 
 
-def record_sources(cfg: VLMChatDataConfig, listing: DataListing | None = None
-                   ) -> Iterator[tuple[Path | None, Iterator[tuple[str, dict[str, Any]]]]]:
-    """``(folder image paths are relative to, rows)`` of each file, saved folder and data set
-    (the files read fingerprinted into ``listing``)."""
+def record_sources(cfg: VLMChatDataConfig) -> Iterator[tuple[Path | None, Iterator[tuple[str, dict[str, Any]]]]]:
+    """``(folder image paths are relative to, rows)`` of each file, saved folder and data set."""
     for raw in cfg.paths:
         if is_saved_dataset(Path(raw)):
-            for _, rows in sources([raw], split=cfg.split, listing=listing):
+            for _, rows in sources([raw], split=cfg.split):
                 yield Path(confined_path(raw)), rows
             continue
-        for path, name in data_files([raw], suffixes=FILE_SUFFIXES, listing=listing):
+        for path, name in data_files([raw], suffixes=FILE_SUFFIXES):
             for _, rows in sources([str(path)]):
                 yield path.parent, ((f"{name}:{w.rsplit(':', 1)[1]}", r) for w, r in rows)
     if cfg.dataset:
-        for _, rows in sources([], cfg.dataset, cfg.subset, cfg.split, listing=listing):
+        for _, rows in sources([], cfg.dataset, cfg.subset, cfg.split):
             yield None, rows
 
 
@@ -870,13 +868,12 @@ def named_media_bytes(cfg: VLMChatDataConfig, limit: float) -> int:
     return total
 
 
-def read_examples(cfg: VLMChatDataConfig, formats: list[str] | None = None, head: int | None = None,
-                  listing: DataListing | None = None) -> Iterator[tuple[str, list, list]]:
+def read_examples(cfg: VLMChatDataConfig, formats: list[str] | None = None,
+                  head: int | None = None) -> Iterator[tuple[str, list, list]]:
     """The ``(where, messages, images)`` of :func:`load_examples`' records, read one at a time (each
-    format read appended to ``formats``); ``head``: the first records of each source alone. The data
-    files read are fingerprinted into ``listing``."""
+    format read appended to ``formats``); ``head``: the first records of each source alone."""
     found = False
-    for base, rows in record_sources(cfg, listing):
+    for base, rows in record_sources(cfg):
         for where, record in islice(rows, head):
             fmt, messages, images = record_messages(cfg, record, where)
             if formats is not None and fmt not in formats:
