@@ -33,13 +33,14 @@ over the smallest for each side and after/before at each size, and steps/s after
     python bench/vlm_data_cost.py --memory [--images 200 2000] [--rounds 2] [--steps 30] [--before 4ce60db]
 
 With ``--check``, the launch check's data summary (``summarize_data``) of LLaVA conversations of
-``--images`` JPEGs (the first number given) under that LLaVA-1.5 processing: its image tokens
-counted from each image's size as the file's header gives it, no picture decoded ("after"), and
-through the processor on the decoded pictures ("before", the count from sizes turned off in the
-same process), interleaved in each round: the CPU seconds of this process each takes (the machine
-may be shared), the two summaries checked equal, and before/after.
+``--images`` JPEGs (the first number given) under that LLaVA-1.5 processing: by ``recipe.py`` at
+``--before REV`` ("before": the count from the images' sizes, nothing kept), by the template as it
+is at a first launch ("first": every example encoded into the token store, each picture decoded)
+and at a second ("second": the store reused), in a fresh data cache each round, interleaved: the
+CPU seconds of this process each takes (the machine may be shared), the token counts checked
+equal, and first/before and second/before.
 
-    python bench/vlm_data_cost.py --check --images 300 [--rounds 3]
+    python bench/vlm_data_cost.py --check --images 300 [--rounds 3] [--before REV]
 """
 
 from __future__ import annotations
@@ -71,8 +72,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--before", default="4ce60db", help="the revision whose recipe.py is the 'before' side")
-    parser.add_argument("--check", action="store_true", help="the launch check's data summary: counted from image sizes "
-                                                              "against through the processor")
+    parser.add_argument("--check", action="store_true", help="the launch check's data summary: before, at a first "
+                                                              "launch (the store built) and a second (reused)")
     args = parser.parse_args()
     if args.memory:
         memory(args)
@@ -245,29 +246,42 @@ def memory(args) -> None:
 
 
 def check(args) -> None:
+    import importlib.util
+
     from engine.data_files import WORKSPACE_VARIABLE
+    from engine.token_store import CACHE_VARIABLE
     from recipes_template.vlm_chat import recipe as vlm
 
     scratch = Path(tempfile.mkdtemp(prefix="vlm-data-check-"))
     count = args.images[0]
     data = write_images(scratch, count, args.width, args.height)
-    config = vlm.VLMChatConfig(model=vlm.ModelConfig(pretrained_path=str(llava_336(scratch / "llava-336"))),
-                               data=vlm.VLMChatDataConfig(paths=[str(data)], seq_len=640))
-    sized = vlm.expansion_of
+    old_source = subprocess.run(["git", "-C", str(REPO), "show", f"{args.before}:recipes_template/vlm_chat/recipe.py"],
+                                check=True, capture_output=True, text=True).stdout
+    (scratch / "before_recipe.py").write_text(old_source)
+    spec = importlib.util.spec_from_file_location("before_recipe", scratch / "before_recipe.py")
+    before = importlib.util.module_from_spec(spec)
+    sys.modules["before_recipe"] = before
+    spec.loader.exec_module(before)
+    model = str(llava_336(scratch / "llava-336"))
+    configs = {side: module.VLMChatConfig(model=module.ModelConfig(pretrained_path=model),
+                                          data=module.VLMChatDataConfig(paths=[str(data)], seq_len=640))
+               for side, module in (("before", before), ("first", vlm), ("second", vlm))}
     os.environ[WORKSPACE_VARIABLE] = str(scratch)
-    print(f"the data summary of {count} JPEG images of {args.width} x {args.height}, LLaVA-1.5's processing", flush=True)
+    print(f"the data summary of {count} JPEG images of {args.width} x {args.height}, LLaVA-1.5's processing; "
+          f"before: recipe.py at {args.before}", flush=True)
     for round_ in range(1, args.rounds + 1):
+        os.environ[CACHE_VARIABLE] = str(scratch / f"cache-{round_}")  # each round's first launch builds its store
         seconds, summaries = {}, {}
-        for side in ("before", "after") if round_ % 2 else ("after", "before"):
-            vlm.expansion_of = sized if side == "after" else lambda processor, images: None
+        for side in ("before", "first", "second") if round_ % 2 else ("first", "second", "before"):
+            module = before if side == "before" else vlm
             start = time.process_time()
-            summaries[side] = vlm.VLMChat.summarize_data(config)
+            summaries[side] = module.VLMChat.summarize_data(configs[side])
             seconds[side] = time.process_time() - start
             print(f"round {round_}, {side}: {seconds[side]:.2f} CPU s, {summaries[side].tokens} tokens", flush=True)
-        if summaries["after"] != summaries["before"]:
-            raise SystemExit(f"the summaries differ: {summaries['after']} against {summaries['before']}")
-        print(f"round {round_}: before / after CPU seconds {seconds['before'] / seconds['after']:.1f}", flush=True)
-    vlm.expansion_of = sized
+        if not summaries["first"].tokens == summaries["second"].tokens == summaries["before"].tokens:
+            raise SystemExit(f"the summaries differ: {summaries}")
+        print(f"round {round_}: first launch / before {seconds['first'] / seconds['before']:.2f}, "
+              f"second launch / before {seconds['second'] / seconds['before']:.2f}", flush=True)
     shutil.rmtree(scratch, ignore_errors=True)
 
 

@@ -18,8 +18,10 @@ Supports:
   where transformers' own cannot load without torchvision)
 - stages by module names (``model.train_vision_tower``, ``model.train_projector``,
   ``model.train_language_model``), FSDP2 on the family's ``_no_split_modules``
-- images kept as references (``ImageRef``), their tensors as encoding made them up to
-  ``KEPT_IMAGE_BYTES``, beyond it processed per batch as it is drawn: a run's memory is bounded
+- the examples of data files encoded once into the token store (``engine/token_store.py``; large
+  data as the run's first phase), mapped by every rank and later run (``StoredPieces``); images kept
+  as references (``ImageRef``), their tensors made per batch, kept up to ``KEPT_IMAGE_BYTES``: a
+  run's memory is bounded. The built-in examples stay in memory
 - ``data.packing``: whole examples share rows, each attending to itself alone (the families of ``PACKS``)
 - ``task_metrics()``: greedy answers to held-out questions through the chat template
 """
@@ -30,12 +32,15 @@ import bisect
 import hashlib
 import io
 import json
+import os
 import re
+import threading
 import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from functools import cached_property
+from itertools import islice
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -46,13 +51,25 @@ from pydantic import Field, model_validator
 from torch.distributed.checkpoint.stateful import Stateful
 
 from engine.chat import assistant_spans, render
-from engine.config import ConfigError, DataConfig, EngineConfig, Section
-from engine.data_files import DataPathRefused, confined_path, data_files, open_data_file
+from engine.config import ConfigError, EngineConfig, Section
+from engine.data_files import DataListing, DataPathRefused, confined_path, data_files, open_data_file
 from engine.data_formats import FILE_SUFFIXES, is_saved_dataset, sources
 from engine.engine import IGNORE_INDEX, Engine
 from engine.flops import non_embedding_params, transformer_flops_per_token
 from engine.fsdp import apply_fsdp
 from engine.run_dir import DataSummary
+from engine.token_store import (
+    HEAD_RECORDS,
+    StoredDataConfig,
+    TokenStore,
+    check_disk_space,
+    data_identity,
+    leave_to_run,
+    left_to_run,
+    open_or_build,
+    store_key,
+    text_size,
+)
 
 # =============================================================================================
 # Configuration
@@ -70,7 +87,7 @@ class ModelConfig(Section):
     attn_implementation: str = Field("sdpa", description="Attention kernel: sdpa, eager, flash_attention_2.")
 
 
-class VLMChatDataConfig(DataConfig):
+class VLMChatDataConfig(StoredDataConfig):
     seq_len: int = Field(512, ge=8, description="Tokens per sequence, image tokens included.")
     paths: list[str] = Field(default_factory=list, description="Data files or folders (.jsonl, .json, .parquet, saved data sets).")
     dataset: str | None = Field(None, description="A data set for datasets.load_dataset: a workspace folder or a Hub id.")
@@ -814,26 +831,59 @@ def load_examples(cfg: VLMChatDataConfig) -> tuple[list[tuple[str, list, list]],
     """``(where, messages, images)`` of every record (its images as ``ImageRef``), and the formats read."""
     if not cfg.paths and not cfg.dataset:
         return builtin_examples(cfg.builtin_images, cfg.builtin_image_size), ["builtin"]
-    examples, formats = [], []
+    formats: list[str] = []
+    return list(read_examples(cfg, formats)), formats
+
+
+def record_messages(cfg: VLMChatDataConfig, record: dict[str, Any], where: str) -> tuple[str, list, list]:
+    """``(format, messages, media)`` of a record, its media as the record names them (nothing read)."""
+    fmt = detect_format(record, where, cfg.format)
+    if fmt == "llava":
+        messages, media = llava_messages(record, where)
+    elif fmt == "messages":
+        messages, media = content_messages(record, where)
+    else:
+        messages, media = caption_messages(record, where, cfg.caption_prompt)
+    if not any(m["role"] == "assistant" for m in messages):
+        raise ConfigError(f"{where}: the conversation has no assistant turn: nothing to learn")
+    return fmt, messages, media
+
+
+def named_media_bytes(cfg: VLMChatDataConfig, limit: float) -> int:
+    """The bytes of the image and video files the records name by path (a data set's image bytes
+    are in its files already), the records read until they pass ``limit``: what decides whether
+    the launch check encodes the data (its images are most of the work) or leaves it to the run."""
+    total = 0
     for base, rows in record_sources(cfg):
         for where, record in rows:
-            fmt = detect_format(record, where, cfg.format)
-            if fmt not in formats:
+            for item in record_messages(cfg, record, where)[2]:
+                value = item.value if isinstance(item, VideoPart) else item
+                if isinstance(value, dict):
+                    value = value.get("path") if not value.get("bytes") else None
+                if isinstance(value, str) and value:
+                    with suppress(OSError):  # a missing file is refused when the head is encoded
+                        total += os.stat(base / value if base is not None else value).st_size
+            if total > limit:
+                return total
+    return total
+
+
+def read_examples(cfg: VLMChatDataConfig, formats: list[str] | None = None,
+                  head: int | None = None) -> Iterator[tuple[str, list, list]]:
+    """The ``(where, messages, images)`` of :func:`load_examples`' records, read one at a time (each
+    format read appended to ``formats``); ``head``: the first records of each source alone."""
+    found = False
+    for base, rows in record_sources(cfg):
+        for where, record in islice(rows, head):
+            fmt, messages, images = record_messages(cfg, record, where)
+            if formats is not None and fmt not in formats:
                 formats.append(fmt)
-            if fmt == "llava":
-                messages, images = llava_messages(record, where)
-            elif fmt == "messages":
-                messages, images = content_messages(record, where)
-            else:
-                messages, images = caption_messages(record, where, cfg.caption_prompt)
-            if not any(m["role"] == "assistant" for m in messages):
-                raise ConfigError(f"{where}: the conversation has no assistant turn: nothing to learn")
-            examples.append((where, messages, [
+            found = True
+            yield where, messages, [
                 VideoRef.checked(item.value, base, where, cfg.video_fps, cfg.video_max_frames)
-                if isinstance(item, VideoPart) else ImageRef.checked(item, base, where) for item in images]))
-    if not examples:
+                if isinstance(item, VideoPart) else ImageRef.checked(item, base, where) for item in images]
+    if not found:
         raise ConfigError(f"no records in data.paths={cfg.paths}" + (f" or data.dataset={cfg.dataset}" if cfg.dataset else ""))
-    return examples, formats
 
 
 def is_eval_document(name: str, eval_fraction: float) -> bool:
@@ -1126,6 +1176,280 @@ def same_answer(said: str, expected: str) -> bool:
 
 
 # =============================================================================================
+# The examples in the store: encoded once, mapped by every rank and later run
+# =============================================================================================
+
+# The examples of data files go in the token store (engine/token_store.py): a piece's ids and
+# targets as its tokens; beside them (its record) what else a batch needs of it — per-token inputs,
+# Qwen's grids and 3-D positions, the processor's text and call, its media references and a data
+# set's image bytes — as one uncompressed .npz, read per piece by index. The built-in examples
+# (generated) stay in memory. A store is keyed by the data files, the model folder's processing
+# files and the settings that change a piece; the images and videos a store read are checked by
+# their size and time at each opening, and a store whose media changed is built anew beside it.
+MODEL_FOLDER_FILES = (".json", ".jinja", ".model", ".txt")  # the processor's, tokenizer's and model's settings
+
+
+def processing_identity(model: ModelConfig) -> str:
+    """What a store is keyed by for the model: its folder's settings files (processor, tokenizer,
+    chat template, the config the 3-D positions follow) and transformers' version; not its weights."""
+    import transformers
+
+    folder = model_folder(model.pretrained_path)
+    digest = hashlib.sha256(transformers.__version__.encode())
+    for path in sorted(folder.iterdir()):
+        if path.suffix in MODEL_FOLDER_FILES and path.is_file():
+            digest.update(f"\0{path.name}\0".encode() + path.read_bytes())
+    return digest.hexdigest()
+
+
+def media_files(media: list) -> list[str]:
+    """The files a piece's media are read from: an image's path, a video's file or frames."""
+    files = []
+    for item in media:
+        if isinstance(item, VideoRef):
+            files += [str(path) for path in item.frame_files()] or [item.path()]
+        elif isinstance(item, ImageRef) and isinstance(item.value, str):
+            files.append(str(item.base / item.value) if item.base is not None else item.value)
+    return files
+
+
+def media_stats(files: Iterator[str] | list[str]) -> list[list[Any]]:
+    """``[path, size, modified ns]`` of each file (-1, -1 where it is gone), in path order."""
+    stats = []
+    for path in sorted(set(files)):
+        try:
+            status = os.stat(path)
+            stats.append([path, status.st_size, status.st_mtime_ns])
+        except OSError:
+            stats.append([path, -1, -1])
+    return stats
+
+
+def reference_fields(item) -> dict[str, Any]:
+    """A medium's reference as JSON (an image given as bytes: its bytes go beside, :func:`piece_record`)."""
+    base = str(item.base) if item.base is not None else None
+    if isinstance(item, VideoRef):
+        return {"video": item.value, "base": base, "where": item.where, "fps": item.fps, "max_frames": item.max_frames}
+    return {"image": item.value if isinstance(item.value, str) else None, "base": base, "where": item.where,
+            "size": list(item.size) if item.size is not None else None}
+
+
+def image_bytes(value: Any) -> bytes:
+    """An image a data set holds, as the bytes of a file: as given, or a picture saved as PNG (lossless)."""
+    if isinstance(value, (bytes, bytearray)):
+        return bytes(value)
+    buffer = io.BytesIO()
+    value.save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def piece_record(piece: dict[str, Any]) -> bytes:
+    """What the store keeps beside a piece's tokens: its arrays and, as JSON, its text, call and media."""
+    arrays = {f"per_token.{key}": np.asarray(value) for key, value in piece["per_token"].items()}
+    arrays.update({f"grids.{key}": np.asarray(value) for key, value in piece["grids"].items()})
+    if "positions" in piece:
+        arrays["positions"] = piece["positions"].numpy()
+    media = []
+    for index, item in enumerate(piece["images"]):
+        media.append(reference_fields(item))
+        if isinstance(item, ImageRef) and not isinstance(item.value, str):
+            arrays[f"image.{index}"] = np.frombuffer(image_bytes(item.value), dtype=np.uint8)
+    header = {"text": piece["text"], "call": piece["call"], "truncated": piece["truncated"], "media": media}
+    arrays["header"] = np.frombuffer(json.dumps(header).encode(), dtype=np.uint8)
+    buffer = io.BytesIO()
+    np.savez(buffer, **arrays)
+    return buffer.getvalue()
+
+
+def stored_piece(tokens: np.ndarray, record: bytes) -> dict[str, Any]:
+    """A piece as :func:`encode` made it (with its positions, without image inputs), from its
+    tokens (ids, targets) and its record in the store."""
+    with np.load(io.BytesIO(record), allow_pickle=False) as arrays:
+        header = json.loads(arrays["header"].tobytes())
+        named = {name: torch.from_numpy(arrays[name]) for name in arrays.files if name != "header"}
+    media: list[Any] = []
+    for index, fields in enumerate(header["media"]):
+        base = Path(fields["base"]) if fields["base"] is not None else None
+        if "video" in fields:
+            media.append(VideoRef(fields["video"], base, fields["where"], fields["fps"], fields["max_frames"]))
+        else:
+            value = fields["image"] if fields["image"] is not None else named[f"image.{index}"].numpy().tobytes()
+            media.append(ImageRef(value, base, fields["where"], tuple(fields["size"]) if fields["size"] else None))
+    piece = {"ids": torch.from_numpy(tokens[0]), "targets": torch.from_numpy(tokens[1]),
+             "per_token": {name.split(".", 1)[1]: v for name, v in named.items() if name.startswith("per_token.")},
+             "grids": {name.split(".", 1)[1]: v for name, v in named.items() if name.startswith("grids.")},
+             "inputs": None, "images": media, "text": header["text"], "call": header["call"],
+             "truncated": header["truncated"]}
+    return {**piece, "positions": named["positions"]} if "positions" in named else piece
+
+
+class StoredPieces:
+    """A split's pieces in the store, read by index from the mapping (the examples are never all
+    in memory): ``pieces[i]`` is :func:`stored_piece`'s. With a processor and ``kept_bytes``, the
+    image inputs of the pieces drawn are kept while they fit in that budget (each rank its own), so
+    a run whose images fit processes each once; the others are made per batch (``image_inputs``)."""
+
+    def __init__(self, store: TokenStore, split: str, processor=None, kept_bytes: int = 0):
+        self.tokens, self.records = store.pieces(split), store.records(split)
+        self.processor, self.budget = processor, kept_bytes
+        self.kept: dict[int, dict[str, torch.Tensor]] = {}
+        self.lock = threading.Lock()  # the prefetching thread draws pieces too
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def lengths(self) -> list[int]:
+        """Each piece's inputs (its tokens less one), from the store's index alone: what packing fits."""
+        return (np.diff(np.asarray(self.tokens.starts)) // 2 - 1).tolist()
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        piece = stored_piece(self.tokens[index], self.records[index])
+        inputs = self.kept.get(index)
+        if inputs is None and self.processor is not None and self.budget > 0 and piece["images"]:
+            inputs = image_inputs(self.processor, piece)
+            size = sum(value.nbytes for value in inputs.values())
+            with self.lock:
+                if size <= self.budget and index not in self.kept:
+                    self.budget -= size
+                    self.kept[index] = inputs
+        return {**piece, "inputs": inputs}
+
+
+def input_lengths(pieces) -> list[int]:
+    """Each piece's inputs (its tokens less one): a store's from its index, else the pieces'."""
+    return pieces.lengths() if isinstance(pieces, StoredPieces) else [len(p["ids"]) - 1 for p in pieces]
+
+
+class PackedRows:
+    """Rows of whole pieces (:func:`pack` of their inputs into ``capacity``): ``rows[i]`` is the
+    pieces of row i, drawn from ``pieces`` as the row is."""
+
+    def __init__(self, pieces, capacity: int):
+        self.pieces, self.rows = pieces, pack(input_lengths(pieces), capacity)
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, index: int) -> list[dict[str, Any]]:
+        return [self.pieces[i] for i in self.rows[index]]
+
+
+def new_counts(source: str) -> dict[str, Any]:
+    """What a data summary counts: per split ``[examples, tokens, loss tokens]``, and the media."""
+    return {"source": source, "train": [0, 0, 0], "eval": [0, 0, 0], "images": 0, "videos": 0, "frames": 0,
+            "truncated": 0, "files": None, "formats": ""}
+
+
+def count_piece(counts: dict[str, Any], piece: dict[str, Any], held_out: bool, processor) -> None:
+    counted = counts["eval" if held_out else "train"]
+    counted[0] += 1
+    counted[1] += len(piece["ids"])
+    counted[2] += loss_tokens(piece)
+    videos = sum(isinstance(m, VideoRef) for m in piece["images"])
+    counts["images"] += len(piece["images"]) - videos
+    counts["videos"] += videos
+    counts["frames"] += frames_of(piece["grids"], processor)
+    counts["truncated"] += int(piece["truncated"])
+
+
+def store_examples(writer, cfg: VLMChatDataConfig, processor, rope_index, listing: DataListing) -> dict[str, Any]:
+    """Encode every record into the store's ``writer`` (one example in memory at a time), train and
+    held-out apart; the counts, and the stats of the media read (:func:`media_stats`)."""
+    counts, formats, files, media = new_counts("files"), [], set(), []
+    for where, messages, images in read_examples(cfg, formats):
+        piece = with_positions(encode(processor, messages, images, cfg.seq_len, where), rope_index)
+        held_out = is_eval_document(where, cfg.eval_fraction)
+        tokens = torch.stack([piece["ids"], piece["targets"]]).numpy()
+        writer.add("eval" if held_out else "train", tokens, piece_record(piece))
+        count_piece(counts, piece, held_out, processor)
+        files.add(where.rsplit(":", 1)[0])
+        media += media_files(images)
+        given = sum(len(i.value) for i in images if isinstance(i, ImageRef) and isinstance(i.value, bytes))
+        writer.progress.advance(documents=1, bytes_read=text_size(messages) + given)
+    if listing.changed():
+        raise ConfigError("the data changed while it was encoded; launch again once it is written")
+    return {**counts, "files": len(files), "formats": ", ".join(formats), "media": media_stats(media)}
+
+
+UNBUILT = 1 << 62  # bytes over any limit: left_to_run then says whether the store is unbuilt, in the launch check
+
+
+def example_store(config: VLMChatConfig, processor, listing: DataListing) -> TokenStore | None:
+    """The examples of data files encoded once (:func:`store_examples`), in the store of the data's
+    fingerprint, the model's processing and the settings that change a piece; built on first use,
+    mapped by every rank and later run. A store whose images or videos changed since it was built
+    is built anew under a key of their new stats (every rank finds the same). None in the launch
+    check for data left to the run (:func:`engine.token_store.leave_to_run`), once the first
+    records of each file encode and the disk has room for the store; data files whose size is
+    under ``data.tokenize_in_check_mb`` but whose named images and videos are over it are left too."""
+    cfg = config.data
+    identity, size = data_identity(cfg.paths, FILE_SUFFIXES, listing, cfg.dataset)
+    parts = dict(template="vlm_chat", data=identity, processing=processing_identity(config.model), seq_len=cfg.seq_len,
+                 eval_fraction=cfg.eval_fraction, format=cfg.format, caption_prompt=cfg.caption_prompt,
+                 subset=cfg.subset, split=cfg.split, video_fps=cfg.video_fps, video_max_frames=cfg.video_max_frames)
+
+    def read_head(records: int) -> None:
+        for where, messages, images in read_examples(cfg, head=records):
+            encode(processor, messages, images, cfg.seq_len, where)
+
+    def build(writer) -> dict[str, Any]:
+        return store_examples(writer, cfg, processor, rope_index_of(model_on_meta(config.model)), listing)
+
+    key = store_key(**parts)
+    for _ in range(3):
+        if leave_to_run(key, size, cfg.tokenize_in_check_mb, read_head):
+            return None
+        limit = cfg.tokenize_in_check_mb * 1e6
+        if left_to_run(key, UNBUILT, cfg.tokenize_in_check_mb) and size + named_media_bytes(cfg, limit - size) > limit:
+            read_head(HEAD_RECORDS)  # the data files are small, the images they name are not: as leave_to_run
+            check_disk_space(size)
+            return None
+        store = open_or_build(key, rows=2, dtype="int32", build=build, input_bytes=size, records=True,
+                              whole_size=not cfg.dataset)
+        now = media_stats(path for path, _, _ in store.counts["media"])
+        if now == store.counts["media"]:
+            return store
+        key = store_key(**parts, media=now)
+    raise ConfigError("the data's images or videos changed while they were encoded; launch again once they are written")
+
+
+def builtin_counts(cfg: VLMChatDataConfig, processor) -> tuple[dict[str, Any], list[int]]:
+    """The built-in examples' counts and their training pieces' inputs, their tokens counted from
+    the images' sizes where the family allows (``expansion_of``)."""
+    counts, lengths = {**new_counts("builtin"), "formats": "builtin"}, []
+    expansion = expansion_of(processor, 1)
+    for where, messages, pictures in builtin_examples(cfg.builtin_images, cfg.builtin_image_size):
+        piece = encode(processor, messages, pictures, cfg.seq_len, where, expansion)
+        held_out = is_eval_document(where, cfg.eval_fraction)
+        if not held_out:
+            lengths.append(len(piece["ids"]) - 1)
+        count_piece(counts, piece, held_out, processor)
+    return counts, lengths
+
+
+def data_summary(config: VLMChatConfig, processor, counts: dict[str, Any], train_lengths: list[int],
+                 **fields) -> DataSummary:
+    """The data summary of the counts (:func:`new_counts`): exact, from the store or the built-in examples."""
+    cfg, train, held_out = config.data, counts["train"], counts["eval"]
+    if not train[0]:
+        raise ConfigError(f"no training examples: data.eval_fraction={cfg.eval_fraction} holds out all of them")
+    videos = counts["videos"]
+    return DataSummary(
+        source=counts["source"], paths=[*cfg.paths, *([cfg.dataset] if cfg.dataset else [])][:20],
+        files=counts["files"], documents=train[0] + held_out[0], tokens=train[1] + held_out[1],
+        train_documents=train[0], train_tokens=train[1], eval_documents=held_out[0], eval_tokens=held_out[1],
+        tokenizer=f"{type(processor).__name__} of {config.model.pretrained_path}",
+        format=f"{counts['formats']} ({counts['images']} images"
+               + (f", {videos} videos of {counts['frames']} frames)" if videos else ")")
+               + (f"; packed: {len(pack(train_lengths, cfg.seq_len))} rows of {cfg.seq_len}" if cfg.packing else ""),
+        # engine.chat.assistant_spans (image tokens never); a prefix/suffix family's suffix: the completion
+        mask="completion" if prefix_suffix(processor) else "turn_render",
+        loss_tokens=train[2] + held_out[2], train_loss_tokens=train[2], eval_loss_tokens=held_out[2],
+        truncated=counts["truncated"], **fields,
+    )
+
+
+# =============================================================================================
 # Batches
 # =============================================================================================
 
@@ -1324,12 +1648,31 @@ class VLMChat(Engine):
         return "data.packing=true fills each row with whole examples, each attending to itself (this template's key)"
 
     @cached_property
+    def builtin(self) -> bool:
+        """No data given: the generated examples, kept in memory."""
+        return not self.config.data.paths and not self.config.data.dataset
+
+    @cached_property
     def examples(self) -> tuple[list, list]:
-        """(train, held out): ``(where, messages, images)``, the images as ``ImageRef``."""
-        train, held_out = [], []
-        for example in load_examples(self.config.data)[0]:
-            (held_out if is_eval_document(example[0], self.config.data.eval_fraction) else train).append(example)
+        """(train, held out): ``(where, messages, images)``, the images as ``ImageRef``. The
+        built-in examples all; of data files (in the store, ``self.store``) no training example
+        and the first ``data.eval_prompts`` held-out ones, read until found."""
+        cfg, train, held_out = self.config.data, [], []
+        if not self.builtin:
+            if not cfg.eval_fraction:  # none held out: the records are not read through for one
+                return [], []
+            held = (e for e in read_examples(cfg) if is_eval_document(e[0], cfg.eval_fraction))
+            return [], list(islice(held, cfg.eval_prompts))
+        for example in load_examples(cfg)[0]:
+            (held_out if is_eval_document(example[0], cfg.eval_fraction) else train).append(example)
         return train, held_out
+
+    @cached_property
+    def store(self) -> TokenStore:
+        """The examples of data files, encoded and mapped (built by the launch check, or now when it was not)."""
+        store = example_store(self.config, self.processor, self.data_listing)
+        assert store is not None  # outside the launch check a store is always built
+        return store
 
     def pieces(self, examples, kept_bytes: int = 0) -> list[dict[str, Any]]:
         """The examples encoded, keeping up to ``kept_bytes`` of their image inputs."""
@@ -1337,67 +1680,47 @@ class VLMChat(Engine):
         return keep_image_inputs((with_positions(encode(self.processor, messages, images, self.config.data.seq_len, where),
                                                  rope_index) for where, messages, images in examples), kept_bytes)
 
+    def split_pieces(self, split: str, kept_bytes: int = 0):
+        """A split's pieces: the built-in examples encoded now, or the store's (``StoredPieces``)."""
+        if self.builtin:
+            return self.pieces(self.examples[split == "eval"], kept_bytes)
+        return StoredPieces(self.store, split, self.processor, kept_bytes)
+
     @classmethod
     def summarize_data(cls, config: VLMChatConfig) -> DataSummary:
         cfg = config.data
         check_packing(config)
         processor = load_processor(config.model.pretrained_path)
-        examples, formats = load_examples(cfg)
-        counts = {True: [0, 0, 0], False: [0, 0, 0]}  # held out? -> [examples, tokens, loss tokens]
-        images = truncated = counted_videos = frames = 0
-        inputs: dict[bool, list[int]] = {True: [], False: []}  # held out? -> each piece's inputs (what packing fits)
-        expansions: dict[int, Expansion | None] = {}  # images of an example -> counted from their sizes, or not
-        for where, messages, pictures in examples:
-            if len(pictures) not in expansions:
-                expansions[len(pictures)] = expansion_of(processor, len(pictures)) if pictures else None
-            piece = encode(processor, messages, pictures, cfg.seq_len, where, expansions[len(pictures)])
-            held_out = is_eval_document(where, cfg.eval_fraction)
-            inputs[held_out].append(len(piece["ids"]) - 1)
-            counted = counts[held_out]
-            counted[0] += 1
-            counted[1] += len(piece["ids"])
-            counted[2] += loss_tokens(piece)
-            videos = sum(isinstance(m, VideoRef) for m in pictures)
-            images, counted_videos = images + len(pictures) - videos, counted_videos + videos
-            frames += frames_of(piece["grids"], processor)
-            truncated += piece["truncated"]
-        if not counts[False][0]:
-            raise ConfigError(f"no training examples: data.eval_fraction={cfg.eval_fraction} holds out all of them")
-        files = {where.rsplit(":", 1)[0] for where, _, _ in examples}
-        return DataSummary(
-            source="builtin" if formats == ["builtin"] else "files",
-            paths=cfg.paths[:20], files=None if formats == ["builtin"] else len(files),
-            documents=len(examples), tokens=counts[False][1] + counts[True][1],
-            train_documents=counts[False][0], train_tokens=counts[False][1],
-            eval_documents=counts[True][0], eval_tokens=counts[True][1],
-            tokenizer=f"{type(processor).__name__} of {config.model.pretrained_path}",
-            format=f"{', '.join(formats)} ({images} images"
-                   + (f", {counted_videos} videos of {frames} frames)" if counted_videos else ")")
-                   + (f"; packed: {len(pack(inputs[False], cfg.seq_len))} rows of {cfg.seq_len}" if cfg.packing else ""),
-            # engine.chat.assistant_spans (image tokens never); a prefix/suffix family's suffix: the completion
-            mask="completion" if prefix_suffix(processor) else "turn_render",
-            loss_tokens=counts[False][2] + counts[True][2], train_loss_tokens=counts[False][2],
-            eval_loss_tokens=counts[True][2], truncated=truncated,
-        )
+        if not cfg.paths and not cfg.dataset:
+            return data_summary(config, processor, *builtin_counts(cfg, processor))
+        listing = DataListing()
+        store = example_store(config, processor, listing)
+        if store is None:  # the run encodes it as its first phase
+            return DataSummary.left_to_run("files", [*cfg.paths, *([cfg.dataset] if cfg.dataset else [])],
+                                           len(listing.files), sum(path.stat().st_size for path in listing.files),
+                                           tokenizer=f"{type(processor).__name__} of {config.model.pretrained_path}",
+                                           **listing.summary_fields())
+        return data_summary(config, processor, store.counts, StoredPieces(store, "train").lengths(),
+                            **listing.summary_fields())
 
-    def stream(self, examples, seed: int, prefetch: bool = False, kept_bytes: int = 0) -> BatchStream:
-        pieces, cfg = self.pieces(examples, kept_bytes), self.config.data
+    def stream(self, split: str, seed: int, prefetch: bool = False, kept_bytes: int = 0) -> BatchStream:
+        pieces, cfg = self.split_pieces(split, kept_bytes), self.config.data
         if cfg.packing:
-            pieces = [[pieces[i] for i in row] for row in pack([len(p["ids"]) - 1 for p in pieces], cfg.seq_len)]
+            pieces = PackedRows(pieces, cfg.seq_len)
         return BatchStream(pieces, self.processor, seed=seed, micro_batch=self.micro_batch_size,
                            dp_rank=self.dist.dp_rank, dp_size=self.dist.dp_size, packed=cfg.packing, prefetch=prefetch)
 
     def prepare_data(self) -> BatchStream:
         check_packing(self.config)
-        if not self.examples[0]:
+        if not (self.examples[0] if self.builtin else self.store.counts["train"][0]):
             raise ConfigError(f"no training examples: data.eval_fraction={self.config.data.eval_fraction} "
                               "holds out all of them")
-        return self.stream(self.examples[0], self.config.train.seed, prefetch=True, kept_bytes=KEPT_IMAGE_BYTES)
+        return self.stream("train", self.config.train.seed, prefetch=True, kept_bytes=KEPT_IMAGE_BYTES)
 
     def prepare_eval_data(self) -> list[dict[str, torch.Tensor]] | None:
-        if not self.config.train.eval_every or not self.examples[1]:
+        if not self.config.train.eval_every or not (self.examples[1] if self.builtin else self.store.counts["eval"][0]):
             return None
-        stream = self.stream(self.examples[1], seed=0)
+        stream = self.stream("eval", seed=0)
         return [next(stream) for _ in range(self.config.train.eval_batches)]
 
     def compute_loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:

@@ -487,11 +487,13 @@ def test_batches_of_kept_and_drawn_image_tensors_train_as_images_processed_up_fr
     torch.manual_seed(0)
     engine = recipe(build_config(recipe.config_class, None, overrides), DistInfo(0, 1, 0, torch.device("cpu"), None))
     engine.before_train()
-    pieces = [p for row in engine.train_batches.pieces for p in (row if packing else [row])]
-    # What a run keeps of an example: its image references, tokens and grids, and its image tensors while they fit.
+    # What a run keeps of an example, in the store: its image references, tokens and grids; and, drawn
+    # (here in order), its image tensors while they fit (each rank its own).
+    stored = engine.train_batches.pieces.pieces if packing else engine.train_batches.pieces
+    pieces = [stored[i] for i in range(len(stored))]
     assert len(pieces) == 12 and all(isinstance(i, template.ImageRef) for p in pieces for i in p["images"])
     assert {key for p in pieces for key in p["grids"]} == ({"image_grid_thw"} if family == "qwen2_vl" else set())
-    assert sum(p["inputs"] is not None for p in pieces) == kept
+    assert isinstance(stored, template.StoredPieces) and len(stored.kept) == kept
     losses = [float(engine.train_step().loss) for _ in range(3)]
     assert losses == pytest.approx(UP_FRONT_LOSSES[family, packing], rel=1e-6, abs=0)
 

@@ -1,6 +1,7 @@
 """vlm_chat counts an example's image tokens from its images' sizes, as their files' headers give
 them, where the family's processor expands an image by a rule of its size alone: the same ids as
-the processor makes of the decoded pictures, no picture decoded by the launch check's count."""
+the processor makes of the decoded pictures (the built-in examples' count); data files are encoded
+once into the store, each picture decoded there, and never again while they do not change."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import pytest
 
 from engine.config import ConfigError
 from engine.data_files import WORKSPACE_VARIABLE
+from engine.token_store import CACHE_VARIABLE
 from engine.launch import load_recipe_class
 from tests.support import REPO
 from tests.vlm_families import FAMILIES, PREFIX_SUFFIX_FAMILIES, available, each, tiny_vlm_folder
@@ -100,32 +102,34 @@ def decodes(monkeypatch) -> list:
 
 
 @pytest.mark.parametrize("family", ["qwen2_vl", "gemma3"])
-def test_the_data_summary_decodes_no_image_and_counts_what_the_processor_does(family, folders, workspace, monkeypatch):
+def test_the_data_summary_decodes_each_image_once_into_the_store_and_a_second_decodes_none(family, folders, workspace,
+                                                                                           monkeypatch, tmp_path):
+    monkeypatch.setenv(CACHE_VARIABLE, str(tmp_path / "cache"))
     config = vlm.VLMChatConfig(model=vlm.ModelConfig(pretrained_path=model_in(workspace, folders[family])),
                                data=vlm.VLMChatDataConfig(paths=[str(workspace / "data.jsonl")], seq_len=4096))
     loaded = decodes(monkeypatch)
     summary = vlm.VLMChat.summarize_data(config)
-    assert loaded == [] and summary.documents == 21 and summary.format == "llava (21 images)"
-    monkeypatch.setattr(vlm, "expansion_of", lambda processor, images: None)
-    assert vlm.VLMChat.summarize_data(config) == summary
-    assert len({id(image) for image in loaded}) == 21  # the processor decodes every picture
+    assert summary.documents == 21 and summary.format == "llava (21 images)"
+    assert len({id(image) for image in loaded}) == 21  # the store's build: the processor decodes every picture
+    decoded = len(loaded)
+    assert vlm.VLMChat.summarize_data(config) == summary and len(loaded) == decoded  # the store again: nothing decoded
 
 
-def test_a_truncated_image_whose_header_reads_is_refused_naming_its_record_when_decoded(folders, workspace):
+def test_a_truncated_image_whose_header_reads_is_refused_naming_its_record_when_decoded(folders, workspace, monkeypatch,
+                                                                                       tmp_path):
+    monkeypatch.setenv(CACHE_VARIABLE, str(tmp_path / "cache"))
     config = vlm.VLMChatConfig(model=vlm.ModelConfig(pretrained_path=model_in(workspace, folders["qwen2_vl"])),
                                data=vlm.VLMChatDataConfig(paths=[str(workspace / "cut.jsonl")], seq_len=4096))
-    assert vlm.VLMChat.summarize_data(config).documents == 1  # the count reads the header alone
-    (where, messages, images), = vlm.load_examples(config.data)[0]
-    processor = vlm.load_processor(config.model.pretrained_path)
     message = r"^cut.jsonl:1: image 'images/cut.png' cannot be read \(.*truncated"
-    with pytest.raises(ConfigError, match=message):  # the run's first phase encodes every example
+    with pytest.raises(ConfigError, match=message):  # the launch check (or the run's first phase) encodes every example
+        vlm.VLMChat.summarize_data(config)
+    assert [p.name for p in (tmp_path / "cache").iterdir() if not p.name.endswith(".lock")] == []  # nothing kept
+    (where, messages, images), = vlm.load_examples(config.data)[0]  # the reading checks the header alone
+    processor = vlm.load_processor(config.model.pretrained_path)
+    with pytest.raises(ConfigError, match=message):
         vlm.encode(processor, messages, images, 4096, where)
     with pytest.raises(ConfigError, match=message):  # a batch that makes its images again
         vlm.image_inputs(processor, {"images": images, "inputs": None, "text": "<|image_pad|>", "call": {}})
-    # a family counted through its processor refuses it in the launch check
-    config = config.model_copy(update={"model": vlm.ModelConfig(pretrained_path=model_in(workspace, folders["idefics3"]))})
-    with pytest.raises(ConfigError, match=message):
-        vlm.VLMChat.summarize_data(config)
 
 
 def test_a_bomb_is_refused_from_its_header_and_a_picture_keeps_its_size(workspace):
