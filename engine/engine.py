@@ -620,3 +620,14 @@ def _memory_limit_mb(device: torch.device) -> float | None:
         pass
     return min(limits) if limits else None
 
+
+
+def is_compiled(model: nn.Module | None) -> bool:
+    """Whether torch.compile compiles any of ``model``: a whole-model wrapper
+    (``torch.compile(model)``) or a module compiled in place (``Module.compile``: the
+    torch-compile skill's blocks, or its ``scope: model``). Such a model compiles a graph per
+    input shape it meets (None: no model built yet, nothing compiled)."""
+    if model is None:
+        return False
+    return hasattr(model, "_orig_mod") or any(
+        getattr(module, "_compiled_call_impl", None) is not None for module in model.modules())

@@ -51,7 +51,7 @@ from engine.data_stream import (
     list_shards,
     shard_bytes,
 )
-from engine.engine import IGNORE_INDEX, Engine
+from engine.engine import IGNORE_INDEX, Engine, is_compiled
 from engine.data_summary import added_up, split_counts
 from engine.run_dir import DataSummary
 from engine.flops import non_embedding_params, transformer_flops_per_token
@@ -116,7 +116,7 @@ class CausalLMDataConfig(StoredDataConfig):
     vocab_size: int = Field(32000, ge=3, description="source=random: ids < this.")
     random_documents: int = Field(10000, ge=1, description="source=random: documents.")
     streaming: bool = Field(False, description="Read data as it trains (README).")
-    pad_to_longest: bool = Field(False, description="Pad to the longest (README).")
+    pad_to_longest: bool | None = Field(None, description="Pad to longest (README).")
     shuffle_buffer: int = Field(0, ge=0, description="Streamed: shuffle N pieces at once.")
     dataset: str | None = Field(None, description="Streamed: a Hub dataset's train split.")
 
@@ -459,13 +459,15 @@ def collate(pieces: list[torch.Tensor], seq_len: int, pad_id: int) -> dict[str, 
     return {"input_ids": input_ids, "labels": labels, "position_ids": position_ids}
 
 
-def cut_after_last_label(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def cut_after_last_label(batch: dict[str, torch.Tensor], multiple: int = 1) -> dict[str, torch.Tensor]:
     """``data.pad_to_longest``: the batch without its columns after the last position any row
-    learns from (padding, as the Trainer's default collator pads to the longest row). Under
-    causal attention no learnt position sees them, so the loss and gradients are the same sums
-    over fewer positions: the same math, rounded in other places (the last bits differ)."""
+    learns from (padding, as the Trainer's default collator pads to the longest row), its width
+    rounded up to a ``multiple`` (parallel.sp: sequence parallelism splits each row in as many
+    parts). Under causal attention no learnt position sees them, so the loss and gradients are
+    the same sums over fewer positions: the same math, rounded in other places (the last bits differ)."""
     learnt = (batch["labels"] != IGNORE_INDEX).any(0).nonzero()
     width = int(learnt[-1]) + 1 if len(learnt) else 1
+    width = min(-(-width // multiple) * multiple, batch["labels"].shape[1])
     for key, value in batch.items():
         batch[key] = value[:, :width].contiguous()
     return batch
@@ -478,9 +480,10 @@ class BatchStream(Stateful):
     so a checkpoint resumes with the very next batch on any number of processes.
     """
 
-    def __init__(self, pieces, seq_len, pad_id, seed, micro_batch, dp_rank, dp_size, pad_to_longest=False):
+    def __init__(self, pieces, seq_len, pad_id, seed, micro_batch, dp_rank, dp_size, pad_to_longest=False,
+                 width_multiple=1):
         self.pieces, self.seq_len, self.pad_id, self.seed = pieces, seq_len, pad_id, seed
-        self.pad_to_longest = pad_to_longest
+        self.pad_to_longest, self.width_multiple = pad_to_longest, width_multiple
         self.micro_batch = micro_batch
         self.dp_rank, self.dp_size = dp_rank, dp_size
         self.position = 0  # global sequences consumed
@@ -504,7 +507,7 @@ class BatchStream(Stateful):
         self.position += self.micro_batch * self.dp_size
         rows = collate(batch, self.seq_len, self.pad_id)
         if self.pad_to_longest:
-            cut_after_last_label(rows)
+            cut_after_last_label(rows, self.width_multiple)
         return rows
 
     def state_dict(self) -> dict[str, Any]:
@@ -606,13 +609,22 @@ class CausalLM(Engine):
         """The tokenized data, mapped (built by the launch check, or now when it was not)."""
         return token_store(self.config.data, self.tokenizer, self.data_listing)
 
+    @property
+    def pads_to_longest(self) -> bool:
+        """Whether a batch ends at its last labelled position (``data.pad_to_longest``; unset: yes,
+        unless some of the model is compiled, whose graphs want one width: rows of data.seq_len)."""
+        if self.config.data.pad_to_longest is not None:
+            return self.config.data.pad_to_longest
+        return not is_compiled(self.__dict__.get("model"))
+
     def stream_batches(self) -> StreamBatches:
         """data.streaming: this rank's batches from its share of data.paths, read as they go."""
         cfg = self.config.data
         stream = PieceStream(stream_shards(cfg), stream_pieces(cfg, self.tokenizer), self.dist.dp_rank,
                              self.dist.dp_size, shuffle_buffer=cfg.shuffle_buffer, seed=self.config.train.seed)
         pad_id = self.tokenizer.pad_token_id
-        cut = cut_after_last_label if cfg.pad_to_longest else (lambda rows: rows)
+        sp = self.config.parallel.sp
+        cut = (lambda rows: cut_after_last_label(rows, sp)) if self.pads_to_longest else (lambda rows: rows)
         return StreamBatches(stream, self.micro_batch_size, lambda pieces: cut(collate(pieces, cfg.seq_len, pad_id)))
 
     def prepare_data(self) -> BatchStream | StreamBatches:
@@ -632,7 +644,8 @@ class CausalLM(Engine):
             micro_batch=self.micro_batch_size,
             dp_rank=self.dist.dp_rank,
             dp_size=self.dist.dp_size,
-            pad_to_longest=cfg.pad_to_longest,
+            pad_to_longest=self.pads_to_longest,
+            width_multiple=self.config.parallel.sp,
         )
 
     def prepare_eval_data(self) -> list[dict[str, torch.Tensor]] | None:
@@ -645,7 +658,8 @@ class CausalLM(Engine):
         stream = BatchStream(
             pieces, cfg.seq_len, self.tokenizer.pad_token_id, seed=0,
             micro_batch=self.micro_batch_size,
-            dp_rank=self.dist.dp_rank, dp_size=self.dist.dp_size, pad_to_longest=cfg.pad_to_longest,
+            dp_rank=self.dist.dp_rank, dp_size=self.dist.dp_size, pad_to_longest=self.pads_to_longest,
+            width_multiple=self.config.parallel.sp,
         )
         return [next(stream) for _ in range(self.config.train.eval_batches)]
 

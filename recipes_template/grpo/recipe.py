@@ -65,7 +65,7 @@ from engine.data_files import DataListing, confined_path
 from engine.data_formats import FILE_SUFFIXES, file_rows, sources
 from engine.data_summary import added_up, split_counts
 from engine.distributed import dp_all_reduce_sum
-from engine.engine import Engine, StepContext, Window
+from engine.engine import Engine, StepContext, Window, is_compiled
 from engine.flops import non_embedding_params, transformer_flops_per_token
 from engine.fsdp import apply_fsdp
 from engine.run_dir import DataSummary
@@ -641,8 +641,8 @@ def reads_rows_whole(model: torch.nn.Module) -> bool:
     passes with a cache are two more graphs per block, past torch's recompilation limit)."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import ActivationWrapper
 
-    return bool(getattr(model, "is_activation_checkpointing", False)) or any(
-        isinstance(m, ActivationWrapper) or getattr(m, "_compiled_call_impl", None) is not None for m in model.modules())
+    return bool(getattr(model, "is_activation_checkpointing", False)) or is_compiled(model) or any(
+        isinstance(m, ActivationWrapper) for m in model.modules())
 
 
 def grpo_loss(logps, old_logps, ref_logps, advantages, mask, cfg: GRPOSection):

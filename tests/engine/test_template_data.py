@@ -106,7 +106,6 @@ def test_pad_to_longest_ends_a_batch_at_its_last_label_with_the_same_loss_and_gr
     import torch
     import torch.nn.functional as F
 
-    assert data_config().pad_to_longest is False  # the default keeps rows of data.seq_len
     cfg = data_config("data.pad_to_longest=true", "data.seq_len=64")
     generator = torch.Generator().manual_seed(0)
     pieces = [torch.randint(0, 256, (n,), generator=generator) for n in (10, 30, 21)]
@@ -135,3 +134,34 @@ def test_pad_to_longest_ends_a_batch_at_its_last_label_with_the_same_loss_and_gr
     torch.testing.assert_close(cut_loss, loss, rtol=1e-6, atol=0)
     for cut, whole in zip(cut_gradients, gradients):
         torch.testing.assert_close(cut, whole, rtol=1e-5, atol=1e-6)  # rounded in other places
+
+
+@pytest.mark.parametrize("setting, compiled, width", [
+    ([], False, 29),  # unset, eager: a batch ends at its last label, as the Trainer's default collator pads
+    ([], True, 64),  # unset, compiled blocks: rows of data.seq_len (one width, one graph)
+    (["data.pad_to_longest=false"], False, 64),
+    (["data.pad_to_longest=true"], True, 29),
+    (["parallel.sp=4"], False, 32),  # sequence parallelism splits each row in 4 parts
+])
+def test_by_default_a_batch_ends_at_its_last_label_unless_some_of_the_model_is_compiled(
+        tmp_path: Path, monkeypatch, setting, compiled, width):
+    import torch
+
+    from engine.distributed import DistInfo
+
+    with open(tmp_path / "docs.jsonl", "w") as f:
+        for n in (10, 29, 21):  # pieces of n + 1 tokens (the end of the document): at most 29 pairs
+            f.write(json.dumps({"text": "x" * n}) + "\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("TRAINWRIGHT_DATA_CACHE", str(tmp_path / "cache"))
+    config = build_config(recipe.CausalLMConfig, None, [
+        "data.paths=[docs.jsonl]", "data.eval_fraction=0", "data.seq_len=64", "data.batch_size=3",
+        "model.hidden_size=32", "model.intermediate_size=64", "model.num_layers=2", *setting])
+    engine = recipe.CausalLM(config, DistInfo(0, 1, 0, torch.device("cpu"), None))
+    model = recipe.build_model(config.model, 258, 64)
+    if compiled:
+        model.model.layers[0].compile()  # as the torch-compile skill does; nothing compiles before a call
+    engine.model = model
+    batch = next(engine.prepare_data())
+    assert {key: value.shape for key, value in batch.items()} == {
+        key: (3, width) for key in ("input_ids", "labels", "position_ids")}

@@ -139,17 +139,16 @@ def test_two_processes_match_one_and_their_checkpoint_resumes_on_one(workspace, 
         assert abs(value - one_curve[step]) <= 1e-4 * abs(one_curve[step]), step
 
 
-def test_pad_to_longest_trains_the_same_curve_on_fewer_positions_and_resumes_bit_for_bit(workspace):
+def test_by_default_batches_end_at_their_last_label_with_the_same_curve_and_resume_bit_for_bit(workspace):
     root, recipe = workspace
     words = "the quick brown fox jumps over a lazy dog".split()
     rng = random.Random(0)
     (root / "short.jsonl").write_text("".join(
         '{"text": "%s"}\n' % " ".join(rng.choice(words) for _ in range(rng.randint(2, 12))) for _ in range(200)))
     short = (*TINY, "data.paths=[short.jsonl]", "train.max_steps=8", "checkpoint.every=4", "train.log_every=1")
-    padded = run_engine(root, recipe, *short)
-    longest = run_engine(root, recipe, *short, "data.pad_to_longest=true")
-    resumed = run_engine(root, recipe, *short, "data.pad_to_longest=true",
-                         resume_from=dict(run_checkpoints.list_checkpoints(longest))[4])
+    padded = run_engine(root, recipe, *short, "data.pad_to_longest=false")  # rows of data.seq_len
+    longest = run_engine(root, recipe, *short)  # unset, eager: each batch ends at its last label
+    resumed = run_engine(root, recipe, *short, resume_from=dict(run_checkpoints.list_checkpoints(longest))[4])
 
     assert losses(resumed) == {s: v for s, v in losses(longest).items() if s > 4}
     assert losses(longest) == pytest.approx(losses(padded), rel=1e-4)  # the same math, rounded elsewhere
