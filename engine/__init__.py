@@ -28,6 +28,8 @@ Small and explicit, one concept per file:
 - ``data_formats``    file kinds and record formats (Alpaca, ShareGPT, parquet, CSV, ...)
 - ``token_store``     a run's data tokenized once, on disk, mapped by every rank and later run
 - ``store_lock``      a store's lock: its holder named, a waiter that gives up on a stalled or endless build
+- ``store_check``     what a data-cache folder must be to be read as a store (its meta.json and index agree)
+- ``written_trees``   removing a folder a run or recipe wrote, following no link, however deep it nests
 - ``store_parts``     a token store built over the cores, a part of the data per worker: the store one process builds
 - ``data_stream``     data.streaming: shards read while training, a background tokenizer, the position in the checkpoint
 - ``model_io``        export, sample, evaluate: ``python -m engine.model_io``

@@ -10,9 +10,9 @@ into an array shared with the parent, which reports their sum as the build's pro
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import os
-import shutil
 from pathlib import Path
 from multiprocessing.pool import IMapIterator
 from typing import Any, Callable, Iterable
@@ -20,6 +20,7 @@ from typing import Any, Callable, Iterable
 from engine import token_store
 from engine.data_files import DataListing, line_ranges
 from engine.token_store import StoreWriter, planted, reporting
+from engine.written_trees import remove_tree
 
 # Parts per worker of a build over the cores: more parts than workers share the work evenly (a part
 # that reads slowly holds up one worker a while, not the whole build at its end).
@@ -108,11 +109,12 @@ def build_in_parts(writer: StoreWriter, count: int, build_part: Callable[[StoreW
             for index in range(count):
                 counts.append(_next_part(results, writer, shown))
                 writer.append_part(f"part-{index}")
-                shutil.rmtree(f"part-{index}", dir_fd=writer.fd)  # the disk holds the store, not it twice
+                remove_tree(writer.fd, f"part-{index}")  # the disk holds the store, not it twice
     finally:
         _part_builder = _part_progress = None
         for index in range(count):
-            shutil.rmtree(f"part-{index}", ignore_errors=True, dir_fd=writer.fd)
+            with contextlib.suppress(OSError):
+                remove_tree(writer.fd, f"part-{index}")
     return counts
 
 

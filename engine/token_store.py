@@ -52,6 +52,8 @@ from engine.data_files import STORE_META_JSON as META_JSON
 from engine.data_files import (
     HUB_DATASETS_VARIABLE, DataListing, bound_hub_path, data_files,
 )
+from engine.store_check import stored_meta, stream_agrees
+from engine.written_trees import remove_path
 
 STORE_FORMAT = 1  # part of every key: a store of another layout is never read as this one
 SPLITS = ("train", "eval")
@@ -88,7 +90,7 @@ def left_to_run(key: str, input_bytes: int, limit_mb: float, root: Path | None =
     checks the disk space, :func:`check_disk_space`)."""
     if not _in_launch_check or input_bytes <= limit_mb * 1e6:
         return False
-    return not ((cache_root() if root is None else root) / key / META_JSON).is_file()
+    return stored_meta((cache_root() if root is None else root) / key, key) is None
 
 
 def leave_to_run(key: str, input_bytes: int, limit_mb: float, read_head: Callable[[int], Any],
@@ -407,17 +409,15 @@ def open_or_build(key: str, rows: int, dtype: str, build: Callable[[StoreWriter]
     folder = root / key
     while not builds_here():  # another process of this node builds it: wait for it, without building
         with store_lock.locked_store(root, key):
-            if (folder / META_JSON).is_file():
-                return TokenStore(folder, json.loads((folder / META_JSON).read_text()))
+            if (store := built_store(folder, key, rows, dtype, records)) is not None:
+                return store
         time.sleep(store_lock.WAIT_POLL_S)
     with store_lock.locked_store(root, key, input_bytes=input_bytes if whole_size else 0):
-        if (folder / META_JSON).is_file():
-            return TokenStore(folder, json.loads((folder / META_JSON).read_text()))
-        # Builds left by a builder killed meanwhile (it held the lock), and a store without meta.json.
+        if (store := built_store(folder, key, rows, dtype, records)) is not None:
+            return store
+        # Builds left by a builder killed meanwhile (it held the lock), and a folder that is no store.
         for stale in [*root.glob(f"{key}.building-*"), folder]:
-            if stale.is_symlink():  # planted by a run: the link goes, never what it leads to
-                stale.unlink(missing_ok=True)
-            shutil.rmtree(stale, ignore_errors=True)
+            remove_path(stale, ignore_errors=True)  # a link planted by a run goes, never what it leads to
         check_disk_space(input_bytes, root)
         building = Path(tempfile.mkdtemp(prefix=f"{key}.building-", dir=root))
         try:
@@ -427,12 +427,23 @@ def open_or_build(key: str, rows: int, dtype: str, build: Callable[[StoreWriter]
                 meta = {"key": key, "rows": rows, "dtype": dtype, "counts": counts, **({"records": True} if records else {})}
             finally:
                 writer.close(meta)
-            shutil.rmtree(folder, ignore_errors=True)  # a folder a run made meanwhile (it ignored the lock)
+            remove_path(folder, ignore_errors=True)  # a folder a run made meanwhile (it ignored the lock)
             os.replace(building, folder)
         except BaseException:
-            shutil.rmtree(building, ignore_errors=True)
+            remove_path(building, ignore_errors=True)
             raise
     return TokenStore(folder, meta)
+
+
+def built_store(folder: Path, key: str, rows: int, dtype: str, records: bool) -> TokenStore | None:
+    """The store of ``key`` in ``folder`` when it is the one this build would write
+    (:func:`stored_meta`, with these ``rows``, ``dtype`` and ``records``) and each of its streams'
+    index agrees with its values' file (:func:`stream_agrees`); None otherwise."""
+    meta = stored_meta(folder, key)
+    if meta is None or (meta["rows"], meta["dtype"], meta.get("records", False)) != (rows, dtype, records):
+        return None
+    streams = [(split, dtype) for split in SPLITS] + [(f"{split}.records", "uint8") for split in SPLITS if records]
+    return TokenStore(folder, meta) if all(stream_agrees(folder, *stream) for stream in streams) else None
 
 
 def check_disk_space(input_bytes: int, root: Path | None = None) -> None:

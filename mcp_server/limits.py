@@ -45,6 +45,11 @@ DEFAULT_WAIT_S = 45
 POLL_S = 0.5
 MAX_WAIT_S = 600
 MAX_LIST_RUNS = 100  # list_runs' limit
+# An export the recipe's code wrote (export_checkpoint, push, start-models): its files and folders,
+# and how deep its folders nest. A Hugging Face folder holds tens of files two levels deep; more is
+# refused before the server walks, copies or lists it all.
+MAX_EXPORT_ENTRIES = 10_000
+MAX_EXPORT_DEPTH = 32
 MAX_LIST_STORES = 100  # `trainwright data-cache`: the largest stores listed (a run can write many)
 MAX_NPROC = max(8, os.cpu_count() or 1)  # a run's processes per node
 MAX_DEVICE_MEMORY_GIB = 1 << 20  # estimate_run's device_memory_gib

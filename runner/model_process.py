@@ -16,7 +16,6 @@ import contextlib
 import dataclasses
 import os
 import secrets
-import shutil
 import stat
 import subprocess
 import sys
@@ -30,6 +29,7 @@ from engine import run_checkpoints
 from runner import server_record as sr
 from engine.data_files import WORKSPACE_VARIABLE
 from engine.errors import MAX_ERROR_CHARS, BadInput, NotFound
+from engine.written_trees import remove_path
 from engine.seams import (
     EvaluateOutcome,
     ExportOutcome,
@@ -155,7 +155,7 @@ def _run_model_io(workspace: Path, run_dir: Path, action: str, step: int, argume
                 os.close(fd)
         written = _read_result(result_file)
     finally:
-        shutil.rmtree(out_dir, ignore_errors=True)
+        remove_path(out_dir, ignore_errors=True)  # the recipe's code could write into it
     if written is None:
         result = None
     elif len(written) > MAX_RESULT_BYTES:

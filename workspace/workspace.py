@@ -32,6 +32,7 @@ from typing import Iterator
 from engine import run_dir as rd
 from engine.data_files import holding_store_lock, store_key_of
 from engine.errors import MAX_QUOTED_CHARS, BadInput, NotFound
+from engine.written_trees import remove_tree
 from workspace.settings import RunLimits, effective_limits
 from workspace.paths import PathRefused, check_name, confine, refuse_reserved
 from runner.provenance import MAX_SNAPSHOT_FILE_BYTES
@@ -307,8 +308,6 @@ def remove_cached_data(workspace: Path | str, names: list[str]) -> list[tuple[st
     A name that is not there is refused before anything is removed; while one of them is being
     built (its lock, ``<key>.lock``, held) nothing is removed. A run that maps a removed store keeps
     reading it."""
-    import shutil
-
     there = dict(cached_data(workspace))
     chosen = list(there) if names == ["all"] else names
     missing = [name for name in chosen if name not in there]
@@ -326,7 +325,7 @@ def remove_cached_data(workspace: Path | str, names: list[str]) -> list[tuple[st
             for key in dict.fromkeys(store_key_of(name) for name in chosen):  # the locks engine.token_store builds under
                 held.enter_context(holding_store_lock(fd, key, functools.partial(_take_now, key=key)))
             for name in chosen:
-                shutil.rmtree(folder / name)
+                remove_tree(fd, name)  # a run wrote it, nested as it liked
     finally:
         os.close(fd)
     return [(name, there[name]) for name in chosen]

@@ -13,16 +13,18 @@ import json
 import os
 import re
 import secrets
-import shutil
 import stat
 import time
 from pathlib import Path
+from typing import Iterator
 
 from engine import run_dir as rd
 from engine import run_checkpoints
 from runner import server_record as sr
 from engine.errors import BadInput
 from engine.seams import GeneratedSample, TaskScore
+from engine.written_trees import remove_tree
+from mcp_server import limits
 from mcp_server.limits import AGENT_BUDGET_CHARS, json_chars
 from mcp_server.models import EvaluateResult, ExportResult, Sample, SampleResult
 from runner import hub_push
@@ -223,73 +225,71 @@ EXPORT_FILE_MODE, EXPORT_DIR_MODE = 0o644, 0o755
 
 def check_written(parent_fd: int, name: str, max_bytes: int | None = None) -> None:
     """Refuse an export that holds anything but regular files and folders (recipe code wrote it:
-    a link would lead out of the workspace), or more than ``max_bytes`` in all (the trusted
-    settings' ``runs.max_export_bytes``); set every file's mode to 0644 and every folder's to
-    0755, whatever the recipe's code set (``save_pretrained`` writes 0600 under some umasks)."""
-    try:
-        _check_written(parent_fd, name, max_bytes)
-    except RecursionError:  # fwalk recurses a level a folder: nested past what Python walks
-        raise ModelProcessFailed("the export nests folders too deep (the recipe's code wrote it); nothing was "
-                                 "exported") from None
-
-
-def _check_written(parent_fd: int, name: str, max_bytes: int | None) -> None:
+    a link would lead out of the workspace), more than ``max_bytes`` in all (the trusted
+    settings' ``runs.max_export_bytes``), more than :data:`~mcp_server.limits.MAX_EXPORT_ENTRIES`
+    files and folders or folders nested deeper than :data:`~mcp_server.limits.MAX_EXPORT_DEPTH`;
+    set every file's mode to 0644 and every folder's to 0755, whatever the recipe's code set
+    (``save_pretrained`` writes 0600 under some umasks)."""
     total = 0
     os.chmod(name, EXPORT_DIR_MODE, dir_fd=parent_fd)  # the staging folder this export made
-    for _, folders, names, dir_fd in os.fwalk(name, dir_fd=parent_fd):
-        for entry in folders + names:
-            info = os.stat(entry, dir_fd=dir_fd, follow_symlinks=False)
-            if not (stat.S_ISREG(info.st_mode) or stat.S_ISDIR(info.st_mode)):
-                raise ModelProcessFailed(f"the export holds {entry[:100]!r}, which is not a regular file or folder "
-                                         "(the recipe's code wrote it); nothing was exported")
-            regular = stat.S_ISREG(info.st_mode)
-            os.chmod(entry, EXPORT_FILE_MODE if regular else EXPORT_DIR_MODE, dir_fd=dir_fd)
-            total += info.st_size if regular else 0
-            if max_bytes is not None and total > max_bytes:
-                raise BadInput(f"the export is larger than runs.max_export_bytes ({max_bytes:,} bytes) of the "
-                               "server's settings; nothing was exported (export lora='adapter', or ask the "
-                               "person who runs the server to raise the cap)")
+    for path, dir_fd, info in written_entries(parent_fd, name):
+        entry = os.path.basename(path)
+        if not (stat.S_ISREG(info.st_mode) or stat.S_ISDIR(info.st_mode)):
+            raise ModelProcessFailed(f"the export holds {entry[:100]!r}, which is not a regular file or folder "
+                                     "(the recipe's code wrote it); nothing was exported")
+        regular = stat.S_ISREG(info.st_mode)
+        os.chmod(entry, EXPORT_FILE_MODE if regular else EXPORT_DIR_MODE, dir_fd=dir_fd)
+        total += info.st_size if regular else 0
+        if max_bytes is not None and total > max_bytes:
+            raise BadInput(f"the export is larger than runs.max_export_bytes ({max_bytes:,} bytes) of the "
+                           "server's settings; nothing was exported (export lora='adapter', or ask the "
+                           "person who runs the server to raise the cap)")
 
 
-def remove_tree(dir_fd: int, name: str) -> None:
-    """Remove the folder ``name`` of ``dir_fd`` and all it holds, following no link, however deep
-    its folders nest (recipe code wrote it; shutil.rmtree recurses a level a folder and raises
-    RecursionError past Python's limit): what rmtree leaves is flattened into the folder itself,
-    a level at a time, and removed."""
+_DIRECTORY_NO_FOLLOW = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+def written_entries(parent_fd: int, name: str) -> Iterator[tuple[str, int, os.stat_result]]:
+    """``(path under name, descriptor of its folder, stat)`` of everything under the folder ``name``
+    of ``parent_fd``, links not followed, walked a folder at a time without recursion and without
+    listing a whole folder first: an export the recipe's code wrote with more than
+    :data:`~mcp_server.limits.MAX_EXPORT_ENTRIES` entries, or nested deeper than
+    :data:`~mcp_server.limits.MAX_EXPORT_DEPTH`, is refused as soon as the walk gets there."""
+    most, deepest, count = limits.MAX_EXPORT_ENTRIES, limits.MAX_EXPORT_DEPTH, 0
+    top = os.open(name, _DIRECTORY_NO_FOLLOW, dir_fd=parent_fd)
+    stack = [(top, "", os.scandir(top))]
     try:
-        shutil.rmtree(name, dir_fd=dir_fd)
-        return
-    except RecursionError:
-        pass
-    flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
-    top, tag, moved = os.open(name, flags, dir_fd=dir_fd), secrets.token_hex(8), 0
-    try:
-        while entries := os.listdir(top):
-            for entry in entries:
-                if not stat.S_ISDIR(os.stat(entry, dir_fd=top, follow_symlinks=False).st_mode):
-                    os.unlink(entry, dir_fd=top)
-                    continue
-                inner = os.open(entry, flags, dir_fd=top)
-                try:
-                    for child in os.listdir(inner):
-                        moved += 1
-                        os.rename(child, f".removing-{tag}-{moved}", src_dir_fd=inner, dst_dir_fd=top)
-                finally:
-                    os.close(inner)
-                os.rmdir(entry, dir_fd=top)
+        while stack:
+            folder_fd, prefix, listing = stack[-1]
+            entry = next(listing, None)
+            if entry is None:
+                stack.pop()
+                listing.close()
+                os.close(folder_fd)
+                continue
+            count += 1
+            if count > most:
+                raise ModelProcessFailed(f"the export holds more than {most:,} files and folders (the recipe's "
+                                         f"code wrote them; an export holds at most {most:,}); nothing was exported")
+            info = entry.stat(follow_symlinks=False)
+            yield prefix + entry.name, folder_fd, info
+            if stat.S_ISDIR(info.st_mode):
+                if len(stack) >= deepest:
+                    raise ModelProcessFailed(f"the export nests folders too deep (more than {deepest} levels; the "
+                                             "recipe's code wrote it); nothing was exported")
+                inner = os.open(entry.name, _DIRECTORY_NO_FOLLOW, dir_fd=folder_fd)
+                stack.append((inner, f"{prefix}{entry.name}/", os.scandir(inner)))
     finally:
-        os.close(top)
-    os.rmdir(name, dir_fd=dir_fd)
+        for folder_fd, _, listing in stack:
+            listing.close()
+            os.close(folder_fd)
 
 
 def listed_files(parent_fd: int, name: str) -> list[tuple[str, int]]:
-    """The files under the folder ``name`` of ``parent_fd`` (links not followed), with their sizes."""
-    found = []
-    for dirpath, _, names, dir_fd in os.fwalk(name, dir_fd=parent_fd):
-        for entry in names:
-            info = os.stat(entry, dir_fd=dir_fd, follow_symlinks=False)
-            found.append((Path(os.path.relpath(os.path.join(dirpath, entry), name)).as_posix(), info.st_size))
-    return sorted(found)
+    """The files under the folder ``name`` of ``parent_fd`` (links not followed), with their sizes
+    (an export :func:`check_written` checked)."""
+    return sorted((path, info.st_size) for path, _, info in written_entries(parent_fd, name)
+                  if not stat.S_ISDIR(info.st_mode))
 
 
 def sample(

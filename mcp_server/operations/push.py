@@ -12,11 +12,11 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import shutil
 import tempfile
 from pathlib import Path
 
 from engine.errors import BadInput
+from engine.written_trees import remove_path
 from mcp_server.models import ExportResult
 from mcp_server.operations.compare import skills_of_run
 from mcp_server.operations.model_card import model_card
@@ -90,7 +90,7 @@ def push_checkpoint(ws: Workspace, run_id: str, target: hub_push.PushTarget, ste
         commit = hub_push.upload(folder, target, token, private, message)
         _report(progress, PUSH_STAGES, f"uploaded to {target.shown}: commit {commit[:12]}")
     finally:
-        shutil.rmtree(staging, ignore_errors=True)
+        remove_path(staging, ignore_errors=True)  # the recipe's code wrote it: nested as it liked
     return ExportResult(
         run_id=run_id, step=step, path=f"{hub_push.HUB_PREFIX}{target.repo_id}@{commit}", lora=result.lora,
         tokenizer=result.tokenizer, parameters=result.parameters,

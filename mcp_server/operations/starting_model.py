@@ -47,7 +47,9 @@ from engine import run_dir as rd
 from engine.config import MAX_PRETRAINED_CONFIG_BYTES
 from engine.errors import BadInput, NotFound
 from engine.run_files import open_beneath, read_open_bounded
-from mcp_server.operations.model_tools import EXPORT_TIMEOUT_S, check_written, checkpoint_of, remove_tree
+from engine.written_trees import remove_tree
+from mcp_server import limits
+from mcp_server.operations.model_tools import EXPORT_TIMEOUT_S, check_written, checkpoint_of
 from runner import hub, scripts
 from runner import server_record as sr
 from runner.model_process import run_model_io
@@ -277,11 +279,16 @@ def _locked(root: Path):
 
 def _folder_bytes(folder: Path) -> int:
     """The bytes of the regular files under ``folder`` (links not followed), walked without
-    recursion: recipe code wrote an export, nested as deep as it liked."""
-    total, folders = 0, [str(folder)]
-    while folders:
+    recursion: recipe code wrote an export, nested as deep as it liked. A folder an export left
+    half-written (a server killed midway) may hold any number of files: the first
+    :data:`~mcp_server.limits.MAX_EXPORT_ENTRIES` are counted, no more."""
+    total, folders, left = 0, [str(folder)], limits.MAX_EXPORT_ENTRIES
+    while folders and left > 0:
         with contextlib.suppress(OSError), os.scandir(folders.pop()) as entries:  # OSError: a path past PATH_MAX
             for entry in entries:
+                left -= 1
+                if left < 0:
+                    break
                 with contextlib.suppress(OSError):
                     if entry.is_dir(follow_symlinks=False):
                         folders.append(entry.path)
