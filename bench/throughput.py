@@ -61,8 +61,10 @@ def batches_and_model(steps: int):
     documents = recipe.load_documents(config.data)
     train = [text for name, text in documents if not recipe.is_eval_document(name, config.data.eval_fraction)]
     pieces = recipe.tokenize_documents(train, tokenizer, config.data.seq_len)
+    # The batches an eager run of the template makes: data.pad_to_longest unset ends each at its last label.
     stream = recipe.BatchStream(pieces, config.data.seq_len, tokenizer.pad_token_id, seed=config.train.seed,
-                                micro_batch=config.data.batch_size, dp_rank=0, dp_size=1)
+                                micro_batch=config.data.batch_size, dp_rank=0, dp_size=1,
+                                pad_to_longest=config.data.pad_to_longest is not False)
     batches = [next(stream) for _ in range(steps)]
     torch.manual_seed(config.train.seed)
     model = recipe.build_model(config.model, tokenizer.vocab_size, config.data.seq_len)
