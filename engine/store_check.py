@@ -32,9 +32,10 @@ def stored_meta(folder: Path, key: str) -> dict[str, Any] | None:
             return None
         fd = os.open(folder / META_JSON, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
         with open(fd, "rb") as file:
-            if not stat.S_ISREG(os.fstat(fd).st_mode):
+            info = os.fstat(fd)
+            if not stat.S_ISREG(info.st_mode) or info.st_size > MAX_META_BYTES:
                 return None
-            text = file.read(MAX_META_BYTES + 1)
+            text = file.read(info.st_size + 1)  # not a buffer of the cap: a few counts are read
         meta = json.loads(text) if len(text) <= MAX_META_BYTES else None
     except (OSError, ValueError, RecursionError):  # not there, a link, not JSON, nested past the parser's depth
         return None

@@ -75,7 +75,8 @@ def test_a_start_up_sleep_in_b_is_an_end_to_end_slowdown_with_steps_no_slower(me
     verdict = {m["metric"]: m for m in result["verdict"]}
     assert verdict["first_step_s"]["verdict"] == "worse", verdict["first_step_s"]
     assert verdict["wall_s"]["verdict"] == "worse", verdict["wall_s"]
-    assert verdict["wall_s"]["b"] - verdict["wall_s"]["a"] >= START_UP_SLEEP_S - 2
+    # Most of the sleep, not all: with one round, a (run first) can pay seconds of cold start-up b does not.
+    assert verdict["wall_s"]["b"] - verdict["wall_s"]["a"] >= START_UP_SLEEP_S / 2
     assert verdict["step_time_s"]["verdict"] != "worse", verdict["step_time_s"]
     assert result["differences"][1] == "code: 1 file(s) of the snapshots differ (train.py)"
 
