@@ -36,6 +36,7 @@ import os
 import re
 import threading
 import warnings
+import zipfile
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
@@ -1290,7 +1291,7 @@ class StoredPieces:
     a run whose images fit processes each once; the others are made per batch (``image_inputs``)."""
 
     def __init__(self, store: TokenStore, split: str, processor=None, kept_bytes: int = 0):
-        self.tokens, self.records = store.pieces(split), store.records(split)
+        self.tokens, self.records, self.name = store.pieces(split), store.records(split), store.folder.name
         self.processor, self.budget = processor, kept_bytes
         self.kept: dict[int, dict[str, torch.Tensor]] = {}
         self.lock = threading.Lock()  # the prefetching thread draws pieces too
@@ -1303,7 +1304,14 @@ class StoredPieces:
         return (np.diff(np.asarray(self.tokens.starts)) // 2 - 1).tolist()
 
     def __getitem__(self, index: int) -> dict[str, Any]:
-        piece = stored_piece(self.tokens[index], self.records[index])
+        try:
+            piece = stored_piece(self.tokens[index], self.records[index])
+        except (ValueError, KeyError, TypeError, IndexError, MemoryError, OSError, zipfile.BadZipFile) as e:
+            # A run writes into the data cache: a record planted there (not an .npz, arrays that
+            # claim more than it holds, a header of other fields) is refused naming the store.
+            raise ConfigError(f"the data cache's store {self.name}: piece {index}'s record is not one this template "
+                              f"writes ({type(e).__name__}); remove the store (trainwright data-cache --remove "
+                              f"{self.name}) and launch again") from None
         inputs = self.kept.get(index)
         if inputs is None and self.processor is not None and self.budget > 0 and piece["images"]:
             inputs = image_inputs(self.processor, piece)
