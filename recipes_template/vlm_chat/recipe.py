@@ -43,7 +43,7 @@ from dataclasses import dataclass
 from functools import cached_property
 from itertools import islice
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterable, Iterator
 
 import numpy as np
 import torch
@@ -1214,16 +1214,30 @@ def media_files(media: list) -> list[str]:
     return files
 
 
-def media_stats(files: Iterator[str] | list[str]) -> list[list[Any]]:
-    """``[path, size, modified ns]`` of each file (-1, -1 where it is gone), in path order."""
-    stats = []
-    for path in sorted(set(files)):
+MEDIA_LIST = "media.jsonl"  # in a store: the media files its pieces read, one JSON string a line, in path order
+
+
+def media_digest(files: Iterable[str]) -> str:
+    """A digest of each file's path, size and modified time (-1 where it is gone), in the order
+    given: what a store's media were when it was built, compared at each opening."""
+    digest = hashlib.sha256()
+    for path in files:
         try:
             status = os.stat(path)
-            stats.append([path, status.st_size, status.st_mtime_ns])
+            stats = [path, status.st_size, status.st_mtime_ns]
         except OSError:
-            stats.append([path, -1, -1])
-    return stats
+            stats = [path, -1, -1]
+        digest.update(json.dumps(stats).encode() + b"\n")
+    return digest.hexdigest()
+
+
+def stored_media(store: TokenStore) -> Iterator[str]:
+    """The media files a store's pieces read, as its build listed them (:data:`MEDIA_LIST`), one
+    at a time: a store of a million images holds their list on disk, not in its meta.json."""
+    fd = os.open(store.folder / MEDIA_LIST, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    with open(fd, encoding="utf-8") as listed:
+        for line in listed:
+            yield json.loads(line)
 
 
 def reference_fields(item) -> dict[str, Any]:
@@ -1362,8 +1376,9 @@ def count_piece(counts: dict[str, Any], piece: dict[str, Any], held_out: bool, p
 
 def store_examples(writer, cfg: VLMChatDataConfig, processor, rope_index, listing: DataListing) -> dict[str, Any]:
     """Encode every record into the store's ``writer`` (one example in memory at a time), train and
-    held-out apart; the counts, and the stats of the media read (:func:`media_stats`)."""
-    counts, formats, files, media = new_counts("files"), [], set(), []
+    held-out apart; the counts, and the digest of the media read (:func:`media_digest`), which are
+    listed beside the pieces (:data:`MEDIA_LIST`)."""
+    counts, formats, files, media = new_counts("files"), [], set(), set()
     for where, messages, images in read_examples(cfg, formats):
         piece = with_positions(encode(processor, messages, images, cfg.seq_len, where), rope_index)
         held_out = is_eval_document(where, cfg.eval_fraction)
@@ -1371,12 +1386,15 @@ def store_examples(writer, cfg: VLMChatDataConfig, processor, rope_index, listin
         writer.add("eval" if held_out else "train", tokens, piece_record(piece))
         count_piece(counts, piece, held_out, processor)
         files.add(where.rsplit(":", 1)[0])
-        media += media_files(images)
+        media.update(media_files(images))
         given = sum(len(i.value) for i in images if isinstance(i, ImageRef) and isinstance(i.value, bytes))
         writer.progress.advance(documents=1, bytes_read=text_size(messages) + given)
     if listing.changed():
         raise ConfigError("the data changed while it was encoded; launch again once it is written")
-    return {**counts, "files": len(files), "formats": ", ".join(formats), "media": media_stats(media)}
+    listed = sorted(media)
+    with writer.new_file(MEDIA_LIST) as file:
+        file.writelines(json.dumps(path).encode() + b"\n" for path in listed)
+    return {**counts, "files": len(files), "formats": ", ".join(formats), "media": media_digest(listed)}
 
 
 UNBUILT = 1 << 62  # bytes over any limit: left_to_run then says whether the store is unbuilt, in the launch check
@@ -1414,7 +1432,10 @@ def example_store(config: VLMChatConfig, processor, listing: DataListing) -> Tok
             return None
         store = open_or_build(key, rows=2, dtype="int32", build=build, input_bytes=size, records=True,
                               whole_size=not cfg.dataset)
-        now = media_stats(path for path, _, _ in store.counts["media"])
+        try:
+            now: str | None = media_digest(stored_media(store))
+        except (OSError, ValueError):  # its list gone, a link or not the builder's: as media that changed
+            now = None
         if now == store.counts["media"]:
             return store
         key = store_key(**parts, media=now)

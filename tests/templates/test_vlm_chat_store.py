@@ -189,3 +189,19 @@ def test_a_record_planted_in_the_store_is_refused_naming_the_store(folders, work
                                           f"data-cache --remove {name}"):
         planted[0]
     assert planted[1]["ids"].numel()  # the others read as before
+
+
+def test_a_store_of_many_images_is_reused_its_meta_within_the_stores_check(folders, workspace, monkeypatch):
+    """The media a store read are listed beside it, not in its meta.json: a store of 100k images
+    names 100k files, and a meta.json past engine.store_check's bound is no store's (every launch
+    built it again, and a rank waiting for another's build waited for ever). Here the bound is
+    lowered below what the stats of 10 images by path took in meta.json (1,350 bytes)."""
+    from engine import store_check
+
+    monkeypatch.setattr(store_check, "MAX_META_BYTES", 800)
+    config = engine_of(folders["qwen2_vl"], workspace).config
+    summary = vlm.VLMChat.summarize_data(config)
+    (name,) = stores(workspace)
+    assert (workspace / "cache" / name / "meta.json").stat().st_size <= 800
+    monkeypatch.setattr(vlm, "encode", lambda *args, **kwargs: pytest.fail("encoded again"))
+    assert vlm.VLMChat.summarize_data(config) == summary and stores(workspace) == [name]
