@@ -53,7 +53,7 @@ from engine.data_files import (
     HUB_DATASETS_VARIABLE, DataListing, bound_hub_path, data_files,
 )
 from engine.store_check import stored_meta, stream_agrees
-from engine.written_trees import remove_path
+from engine.written_trees import DIRECTORY_NO_FOLLOW, remove_path
 
 STORE_FORMAT = 1  # part of every key: a store of another layout is never read as this one
 SPLITS = ("train", "eval")
@@ -330,8 +330,6 @@ class StoreWriter:
                 file.close()
             os.close(self.fd)
 
-
-DIRECTORY_NO_FOLLOW = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
 def new_file(folder_fd: int, name: str, key: str) -> Any:

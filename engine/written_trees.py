@@ -15,7 +15,7 @@ import shutil
 import stat
 from pathlib import Path
 
-_DIRECTORY_NO_FOLLOW = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+DIRECTORY_NO_FOLLOW = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC  # a folder opened, never through a link
 
 
 def remove_tree(dir_fd: int, name: str) -> None:
@@ -27,14 +27,14 @@ def remove_tree(dir_fd: int, name: str) -> None:
         return
     except RecursionError:
         pass
-    top, tag, moved = os.open(name, _DIRECTORY_NO_FOLLOW, dir_fd=dir_fd), secrets.token_hex(8), 0
+    top, tag, moved = os.open(name, DIRECTORY_NO_FOLLOW, dir_fd=dir_fd), secrets.token_hex(8), 0
     try:
         while entries := os.listdir(top):
             for entry in entries:
                 if not stat.S_ISDIR(os.stat(entry, dir_fd=top, follow_symlinks=False).st_mode):
                     os.unlink(entry, dir_fd=top)
                     continue
-                inner = os.open(entry, _DIRECTORY_NO_FOLLOW, dir_fd=top)
+                inner = os.open(entry, DIRECTORY_NO_FOLLOW, dir_fd=top)
                 try:
                     for child in os.listdir(inner):
                         moved += 1

@@ -23,7 +23,7 @@ from engine import run_checkpoints
 from runner import server_record as sr
 from engine.errors import BadInput
 from engine.seams import GeneratedSample, TaskScore
-from engine.written_trees import remove_tree
+from engine.written_trees import DIRECTORY_NO_FOLLOW, remove_tree
 from mcp_server import limits
 from mcp_server.limits import AGENT_BUDGET_CHARS, json_chars
 from mcp_server.models import EvaluateResult, ExportResult, Sample, SampleResult
@@ -246,8 +246,6 @@ def check_written(parent_fd: int, name: str, max_bytes: int | None = None) -> No
                            "person who runs the server to raise the cap)")
 
 
-_DIRECTORY_NO_FOLLOW = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
-
 
 def written_entries(parent_fd: int, name: str) -> Iterator[tuple[str, int, os.stat_result]]:
     """``(path under name, descriptor of its folder, stat)`` of everything under the folder ``name``
@@ -256,7 +254,7 @@ def written_entries(parent_fd: int, name: str) -> Iterator[tuple[str, int, os.st
     :data:`~mcp_server.limits.MAX_EXPORT_ENTRIES` entries, or nested deeper than
     :data:`~mcp_server.limits.MAX_EXPORT_DEPTH`, is refused as soon as the walk gets there."""
     most, deepest, count = limits.MAX_EXPORT_ENTRIES, limits.MAX_EXPORT_DEPTH, 0
-    top = os.open(name, _DIRECTORY_NO_FOLLOW, dir_fd=parent_fd)
+    top = os.open(name, DIRECTORY_NO_FOLLOW, dir_fd=parent_fd)
     stack = [(top, "", os.scandir(top))]
     try:
         while stack:
@@ -277,7 +275,7 @@ def written_entries(parent_fd: int, name: str) -> Iterator[tuple[str, int, os.st
                 if len(stack) >= deepest:
                     raise ModelProcessFailed(f"the export nests folders too deep (more than {deepest} levels; the "
                                              "recipe's code wrote it); nothing was exported")
-                inner = os.open(entry.name, _DIRECTORY_NO_FOLLOW, dir_fd=folder_fd)
+                inner = os.open(entry.name, DIRECTORY_NO_FOLLOW, dir_fd=folder_fd)
                 stack.append((inner, f"{prefix}{entry.name}/", os.scandir(inner)))
     finally:
         for folder_fd, _, listing in stack:
