@@ -621,7 +621,6 @@ def _memory_limit_mb(device: torch.device) -> float | None:
     return min(limits) if limits else None
 
 
-
 def is_compiled(model: nn.Module | None) -> bool:
     """Whether torch.compile compiles any of ``model``: a whole-model wrapper
     (``torch.compile(model)``) or a module compiled in place (``Module.compile``: the
