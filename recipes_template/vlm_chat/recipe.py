@@ -1215,6 +1215,7 @@ def media_files(media: list) -> list[str]:
 
 
 MEDIA_LIST = "media.jsonl"  # in a store: the media files its pieces read, one JSON string a line, in path order
+MAX_MEDIA_LINE = 1 << 16  # a path (at most PATH_MAX, 4,096 bytes) as JSON escapes it, with room
 
 
 def media_digest(files: Iterable[str]) -> str:
@@ -1236,7 +1237,9 @@ def stored_media(store: TokenStore) -> Iterator[str]:
     at a time: a store of a million images holds their list on disk, not in its meta.json."""
     fd = os.open(store.folder / MEDIA_LIST, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
     with open(fd, encoding="utf-8") as listed:
-        for line in listed:
+        while line := listed.readline(MAX_MEDIA_LINE + 1):  # a run writes into the data cache: lines bounded
+            if len(line) > MAX_MEDIA_LINE:
+                raise ValueError(f"a line of {MEDIA_LIST} is longer than any path")
             yield json.loads(line)
 
 

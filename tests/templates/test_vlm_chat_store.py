@@ -171,26 +171,6 @@ def test_large_data_is_left_to_the_run_with_progress_and_a_bad_record_is_refused
         assert not [p for p in (workspace / "cache").iterdir() if ".building-" in p.name]
 
 
-def test_a_record_planted_in_the_store_is_refused_naming_the_store(folders, workspace):
-    """A run writes into the data cache: a piece's record overwritten (its index, and so the
-    store's check, still agreeing) is refused naming the store and how to remove it, not an
-    internal error in the middle of a run."""
-    engine = engine_of(folders["qwen2_vl"], workspace)
-    assert len(engine.split_pieces("train")) == 15
-    (name,) = stores(workspace)
-    folder = workspace / "cache" / name
-    starts = np.load(folder / "train.records.idx.npy")
-    with open(folder / "train.records.bin", "r+b") as file:
-        file.seek(int(starts[0]))
-        file.write(b"\xff" * int(starts[1] - starts[0]))
-    planted = engine_of(folders["qwen2_vl"], workspace).split_pieces("train")
-    assert type(planted).__name__ == "StoredPieces"  # the store is still mapped: its index agrees
-    with pytest.raises(ConfigError, match=f"store {name}: piece 0's record is not one this template writes.*"
-                                          f"data-cache --remove {name}"):
-        planted[0]
-    assert planted[1]["ids"].numel()  # the others read as before
-
-
 def test_a_store_of_many_images_is_reused_its_meta_within_the_stores_check(folders, workspace, monkeypatch):
     """The media a store read are listed beside it, not in its meta.json: a store of 100k images
     names 100k files, and a meta.json past engine.store_check's bound is no store's (every launch
